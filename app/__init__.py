@@ -1,0 +1,1 @@
+"""manyeyes' web service: a FastAPI app serving attention from the model core."""

@@ -1,0 +1,17 @@
+"""The two failures callers must tell apart: a model that cannot load, and input that cannot run."""
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded. The message names the file and, where relevant, the key."""
+
+
+class TooLongError(ValueError):
+    """The input has more tokens than the model has positions, and truncation was not asked for."""
+
+    def __init__(self, n_tokens: int, max_tokens: int):
+        self.n_tokens = n_tokens
+        self.max_tokens = max_tokens
+        super().__init__(
+            f"input is {n_tokens} tokens long but the model takes at most {max_tokens}; "
+            "shorten it or ask for truncation"
+        )

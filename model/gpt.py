@@ -1,0 +1,108 @@
+"""The book's GPTModel, with its names and layout, built on our MultiHeadAttention."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+
+from model.attention import Capture, MultiHeadAttention
+from model.layers import FeedForward, LayerNorm, Trace
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The book's config keys, so its JSON dicts round-trip unchanged."""
+
+    vocab_size: int = 50257  # size of the BPE vocabulary
+    context_length: int = 1024  # maximum number of positions
+    emb_dim: int = 768  # width of the residual stream
+    n_heads: int = 12  # attention heads per block
+    n_layers: int = 12  # transformer blocks
+    drop_rate: float = 0.1  # dropout everywhere (inactive at inference)
+    qkv_bias: bool = False  # bias on the query/key/value projections (True for GPT-2 weights)
+    ln_eps: float = 1e-5  # LayerNorm epsilon, fixed in the book
+    gelu: str = "tanh"  # "tanh" (book, GPT-2) or "erf"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+        missing = sorted(k for k in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers") if k not in d)
+        if missing:
+            raise ValueError(f"missing config keys: {', '.join(missing)}")
+        cfg = cls(**d)
+        if cfg.emb_dim % cfg.n_heads != 0:
+            raise ValueError(f"emb_dim ({cfg.emb_dim}) is not divisible by n_heads ({cfg.n_heads})")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    "gpt2-small": GPTConfig(emb_dim=768, n_layers=12, n_heads=12, qkv_bias=True),
+    "gpt2-medium": GPTConfig(emb_dim=1024, n_layers=24, n_heads=16, qkv_bias=True),
+    "gpt2-large": GPTConfig(emb_dim=1280, n_layers=36, n_heads=20, qkv_bias=True),
+    "gpt2-xl": GPTConfig(emb_dim=1600, n_layers=48, n_heads=25, qkv_bias=True),
+}
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: x + att(norm1(x)), then x + ff(norm2(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.att = MultiHeadAttention(
+            d_in=cfg.emb_dim,
+            d_out=cfg.emb_dim,
+            context_length=cfg.context_length,
+            dropout=cfg.drop_rate,
+            num_heads=cfg.n_heads,
+            qkv_bias=cfg.qkv_bias,
+        )
+        self.ff = FeedForward(cfg.emb_dim, 4 * cfg.emb_dim, cfg.gelu)
+        self.norm1 = LayerNorm(cfg.emb_dim, cfg.ln_eps)
+        self.norm2 = LayerNorm(cfg.emb_dim, cfg.ln_eps)
+        self.drop_shortcut = nn.Dropout(cfg.drop_rate)
+
+    def forward(self, x, key_padding_mask=None, capture: Capture = Capture(weights=False)):
+        att = self.att.attend(self.norm1(x), key_padding_mask, capture)
+        x = x + self.drop_shortcut(att.context)
+        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        return x, att
+
+
+class GPTModel(nn.Module):
+    causal = True
+
+    def __init__(self, cfg: GPTConfig | dict):
+        super().__init__()
+        cfg = cfg if isinstance(cfg, GPTConfig) else GPTConfig.from_dict(cfg)
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim)
+        self.drop_emb = nn.Dropout(cfg.drop_rate)
+        # A ModuleList keeps the book's `trf_blocks.N.` keys and lets us thread masks through.
+        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = LayerNorm(cfg.emb_dim, cfg.ln_eps)
+        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+
+    def forward(self, in_idx):
+        """The book's call: logits, (b, num_tokens, vocab_size)."""
+        return self.inspect(in_idx, capture=Capture(weights=False)).logits
+
+    def inspect(self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None) -> Trace:
+        # token_type_ids is accepted and ignored so that GPT and BERT share one calling convention.
+        _, num_tokens = in_idx.shape
+        positions = torch.arange(num_tokens, device=in_idx.device)
+        x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))  # (b, num_tokens, emb_dim)
+        layers = []
+        for block in self.trf_blocks:
+            x, att = block(x, key_padding_mask, capture)
+            layers.append(att)
+        hidden = self.final_norm(x)
+        return Trace(hidden=hidden, logits=self.out_head(hidden), layers=layers)

@@ -1,0 +1,61 @@
+"""Building blocks shared by the GPT and BERT stacks, named as in "LLMs from scratch"."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import AttentionOutput
+
+
+class LayerNorm(nn.Module):
+    """The book's LayerNorm: parameters are called ``scale`` and ``shift``."""
+
+    def __init__(self, emb_dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+        self.shift = nn.Parameter(torch.zeros(emb_dim))
+
+    def forward(self, x):
+        # F.layer_norm is the book's biased-variance formula, fused, and matches HF to 1e-6.
+        return F.layer_norm(x, (x.shape[-1],), self.scale, self.shift, self.eps)
+
+
+class GELU(nn.Module):
+    """GELU with a choice of form: GPT-2 uses the tanh approximation, BERT the exact erf."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x):
+        if self.approximate == "tanh":
+            # The book's formula, written out so that its checkpoints behave identically.
+            return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+        return F.gelu(x)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, emb_dim, hidden_dim, approximate: str = "tanh"):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(emb_dim, hidden_dim),
+            GELU(approximate),
+            nn.Linear(hidden_dim, emb_dim),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Trace(NamedTuple):
+    """Everything one inspecting forward pass yields."""
+
+    hidden: torch.Tensor  # (b, num_tokens, emb_dim), the last hidden state
+    logits: torch.Tensor | None  # (b, num_tokens, vocab_size) for language models, else None
+    layers: list[AttentionOutput]  # one per transformer block, in order

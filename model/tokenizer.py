@@ -1,0 +1,121 @@
+"""Tokenization with offsets into the caller's original text, never padded, never silently cut."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from model.errors import ModelLoadError, TooLongError
+
+
+@dataclass(frozen=True)
+class Token:
+    text: str  # the original characters this token covers (its vocabulary piece for specials)
+    id: int
+    start: int  # character offsets into the text of its own segment, end exclusive
+    end: int
+    special: bool
+    segment: int  # 0 for the first text, 1 for text_pair
+    piece: str  # the vocabulary string, e.g. "##ing" or "Ġthe"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    tokens: list[Token]
+    type_ids: list[int]
+    truncated: bool
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class TextTokenizer:
+    """Wraps a `tokenizers.Tokenizer`; holds two immutable copies so calls never mutate shared state."""
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._full = Tokenizer.from_str(tokenizer.to_str())
+        self._full.no_padding()
+        self._full.no_truncation()
+        self._cut = Tokenizer.from_str(self._full.to_str())
+        self._cut.enable_truncation(max_length=max_tokens)
+
+    @classmethod
+    def from_file(cls, path: Path, max_tokens: int) -> "TextTokenizer":
+        try:
+            return cls(Tokenizer.from_file(str(path)), max_tokens)
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelLoadError(f"cannot read tokenizer {path}: {exc}") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return self._full.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
+        enc = self._full.encode(text, text_pair) if text_pair is not None else self._full.encode(text)
+        truncated = False
+        if len(enc.ids) > self.max_tokens:
+            if not truncate:
+                raise TooLongError(len(enc.ids), self.max_tokens)
+            enc = self._cut.encode(text, text_pair) if text_pair is not None else self._cut.encode(text)
+            truncated = True
+        sources = (text, text_pair or "")
+        tokens = []
+        for tid, piece, (start, end), special, type_id, seq in zip(
+            enc.ids, enc.tokens, enc.offsets, enc.special_tokens_mask, enc.type_ids, enc.sequence_ids
+        ):
+            segment = seq if seq is not None else type_id
+            span = sources[segment][start:end] if not special else ""
+            tokens.append(Token(span or piece, tid, start, end, bool(special), segment, piece))
+        return Encoded(tokens, list(enc.type_ids), truncated)
+
+
+GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
+
+
+def tiktoken_gpt2_cached() -> bool:
+    """True when tiktoken's gpt2 files are already on disk; we never let it download."""
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "data-gym-cache"
+    )
+    return Path(cache, hashlib.sha1(GPT2_BPE_URL.encode()).hexdigest()).exists()
+
+
+class TiktokenTokenizer:
+    """tiktoken's gpt2 encoding behind the same `encode` as TextTokenizer (no special tokens)."""
+
+    def __init__(self, max_tokens: int):
+        import tiktoken
+
+        self.max_tokens = max_tokens
+        self._enc = tiktoken.get_encoding("gpt2")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
+        tokens: list[Token] = []
+        for segment, part in enumerate((text, text_pair)):
+            if part is None:
+                continue
+            ids = self._enc.encode_ordinary(part)
+            _, starts = self._enc.decode_with_offsets(ids)
+            ends = starts[1:] + [len(part)]
+            for tid, start, end in zip(ids, starts, ends):
+                piece = self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
+                tokens.append(Token(part[start:end] or piece, tid, start, end, False, segment, piece))
+        truncated = len(tokens) > self.max_tokens
+        if truncated and not truncate:
+            raise TooLongError(len(tokens), self.max_tokens)
+        tokens = tokens[: self.max_tokens]
+        return Encoded(tokens, [t.segment for t in tokens], truncated)
