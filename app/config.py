@@ -1,0 +1,79 @@
+"""Service settings, read from the environment with the MANYEYES_ prefix (e.g. MANYEYES_DEVICE=cuda)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def builtin_models() -> dict[str, str]:
+    """minilm always; tiny-gpt once its checkpoint has been trained into model/data/tiny-gpt/."""
+    from model.loading import builtin_path
+
+    models = {"minilm": "minilm"}
+    if (builtin_path("tiny-gpt") / "model.pth").exists():
+        models["tiny-gpt"] = "tiny-gpt"
+    return models
+
+
+def parse_model_specs(specs: list[str] | str) -> dict[str, str]:
+    """"ID=SPEC" pairs (a bare SPEC is its own ID), from CLI flags or a comma-separated variable."""
+    if isinstance(specs, str):
+        specs = [s for s in specs.split(",")]
+    models = {}
+    for raw in specs:
+        item = raw.strip()
+        if not item:
+            continue
+        model_id, sep, spec = item.partition("=")
+        if sep and (not model_id.strip() or not spec.strip()):
+            raise ValueError(f"model {raw!r} must look like ID=PATH_OR_SPEC")
+        models[model_id.strip()] = spec.strip() if sep else model_id.strip()
+    return models
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MANYEYES_", extra="ignore")
+
+    # Models: id -> load() spec. MANYEYES_MODELS (a JSON object) replaces the built-ins;
+    # MANYEYES_EXTRA_MODELS="mine=/path/to/folder,other=x.pth" adds to them, as `--model` does.
+    models: dict[str, str] = Field(default_factory=builtin_models)
+    extra_models: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    default_model: str | None = None  # None: the first configured model
+    device: str | None = None  # None: CUDA, then MPS, then CPU
+    half: bool = False  # float16 autocast on CUDA
+
+    # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
+    max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included
+    max_batch_items: int = Field(64, ge=1)
+    max_wait_ms: float = Field(5.0, ge=0)
+    # Capacity = what one forward holds + max_queue waiting; beyond that, 429.
+    max_queue: int = Field(256, ge=1)
+    request_timeout_s: float = Field(30.0, gt=0)  # per-request budget: queue + forward, else 504
+
+    # Limits on what one request may ask for.
+    max_body_bytes: int = Field(1_000_000, ge=1)  # 413 before any JSON is parsed
+    max_json_cells: int = Field(2_000_000, ge=1)  # format=json only: ~30 MB of text; u8 has no such cost
+    max_batch_texts: int = Field(32, ge=1)
+
+    cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs' full float32 attention
+    gzip_level: int = Field(5, ge=1, le=6)
+    gzip_min_bytes: int = Field(1024, ge=0)
+    warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
+
+    # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
+    debug_forward_delay_s: float = Field(0.0, ge=0)
+    debug_load_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("extra_models", mode="before")
+    @classmethod
+    def _split_extra(cls, value):
+        return parse_model_specs(value) if isinstance(value, (str, list)) else value
+
+    def all_models(self) -> dict[str, str]:
+        return {**self.models, **self.extra_models}
+
+    def default_model_id(self) -> str:
+        return self.default_model or next(iter(self.all_models()))

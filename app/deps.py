@@ -1,0 +1,28 @@
+"""Dependencies the routes inject: the services the lifespan built."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.services.attention import AttentionService
+from app.services.metrics import Metrics
+from app.services.registry import Registry
+
+
+def get_service(request: Request) -> AttentionService:
+    return request.app.state.service
+
+
+def get_registry(request: Request) -> Registry:
+    return request.app.state.registry
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+ServiceDep = Annotated[AttentionService, Depends(get_service)]
+RegistryDep = Annotated[Registry, Depends(get_registry)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]

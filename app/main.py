@@ -1,0 +1,111 @@
+"""The FastAPI app: `create_app(settings)` wires settings, services, routers and middleware."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
+
+from app.config import Settings
+from app.middleware import AccessLog, BodyLimit
+from app.routes import attention, models, ops, page, runs
+from app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
+from app.services.cache import RunCache
+from app.services.errors import ApiError, error_body
+from app.services.metrics import Metrics
+from app.services.registry import Registry
+
+STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+log = logging.getLogger("manyeyes")
+
+HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(error_body(code, message)), status_code=status, media_type="application/json", headers=headers)
+
+
+def describe_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(422, "invalid_request", describe_validation(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = f"{message}: {request.method} {request.url.path}"
+        return error_response(exc.status_code, code, message, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal", "internal server error; the server log has the details")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        registry = Registry(settings, metrics)
+        cache = RunCache(settings.cache_bytes, on_size=metrics.cache_bytes.set)
+        app.state.registry = registry
+        app.state.service = AttentionService(settings, registry, cache, metrics)
+        # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
+        loader = threading.Thread(target=registry.load_all, name="manyeyes-load", daemon=True)
+        loader.start()
+        try:
+            yield
+        finally:
+            loader.join(timeout=30)
+            registry.close()
+
+    app = FastAPI(
+        title="manyeyes",
+        version="1",
+        summary="Attention weights of every layer and head, fast: compact payloads, slices of cached runs, micro-batching.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    add_error_handlers(app)
+    for module in (models, attention, runs, ops, page):
+        app.include_router(module.router)
+    if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    # Added innermost first: AccessLog sees everything, BodyLimit refuses before parsing.
+    app.add_middleware(
+        GZipMiddleware,
+        minimum_size=settings.gzip_min_bytes,
+        compresslevel=settings.gzip_level,
+        exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE),
+    )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessLog, metrics=metrics)
+    return app

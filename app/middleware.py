@@ -1,0 +1,117 @@
+"""Pure ASGI middleware: the request body limit, and one log line plus metrics per request."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+
+from app.services.errors import error_body
+from app.services.metrics import Metrics
+
+access_log = logging.getLogger("manyeyes.access")
+
+
+async def send_error(send, status: int, code: str, message: str, headers: list | None = None) -> None:
+    body = orjson.dumps(error_body(code, message))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            + (headers or []),
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """Refuses bodies over `max_bytes` with 413 before any of it is parsed: by Content-Length when
+    given, else while reading. The body is buffered (the routes need it whole anyway) and replayed."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        message = f"the request body is larger than this server's limit of {self.max_bytes:,} bytes"
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    too_large = int(value) > self.max_bytes
+                except ValueError:
+                    too_large = False
+                if too_large:
+                    await send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                    return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class AccessLog:
+    """Counts and times every request by route template (not raw path, which clients control)
+    and writes one JSON log line with whatever the route put in scope["state"]["log"]."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+        sent = 0
+
+        async def watch(message):
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            elapsed = time.perf_counter() - started
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope["method"]
+            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.latency.labels(route, method, str(status)).observe(elapsed)
+            line = {
+                "method": method,
+                "path": scope["path"],
+                "route": route,
+                "status": status,
+                "ms": round(elapsed * 1000, 2),
+                "bytes": sent,
+                **scope.get("state", {}).get("log", {}),
+            }
+            access_log.info(orjson.dumps(line).decode())

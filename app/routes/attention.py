@@ -1,0 +1,37 @@
+"""POST /api/v1/attention and /api/v1/attention/batch: run texts, return their attention."""
+
+import time
+
+from fastapi import APIRouter, Request, Response
+
+from app.deps import ServiceDep
+from app.routes.responses import errors
+from app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
+from app.services.errors import InvalidInput
+
+router = APIRouter(prefix="/api/v1", tags=["attention"])
+ERRORS = errors(404, 413, 422, 429, 503, 504)
+
+
+@router.post("/attention", response_model=AttentionResponse, responses=ERRORS)
+async def attention(body: AttentionRequest, service: ServiceDep, request: Request) -> Response:
+    """Attention weights of every (or the chosen) layer and head for one text.
+
+    Repeating a request is served from the run cache. Large inputs: use `format=u8`."""
+    started = time.monotonic()
+    reply = await service.attend([(body.text, body.text_pair)], body, batch=False, started=started)
+    request.state.log = reply.log
+    # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
+    return Response(reply.body, media_type=reply.media_type)
+
+
+@router.post("/attention/batch", response_model=BatchResponse, responses=ERRORS)
+async def attention_batch(body: BatchRequest, service: ServiceDep, request: Request) -> Response:
+    """Several texts with the same options; they share forward passes."""
+    started = time.monotonic()
+    limit = service.settings.max_batch_texts
+    if len(body.texts) > limit:
+        raise InvalidInput(f"a batch holds at most {limit} texts, got {len(body.texts)}")
+    reply = await service.attend([(t, None) for t in body.texts], body, batch=True, started=started)
+    request.state.log = reply.log
+    return Response(reply.body, media_type=reply.media_type)

@@ -1,0 +1,31 @@
+"""GET /api/v1/models: what this server can run."""
+
+from fastapi import APIRouter
+
+from app.deps import RegistryDep
+from app.routes.responses import errors
+from app.schemas import ModelOut, ModelsResponse
+
+router = APIRouter(prefix="/api/v1", tags=["models"])
+
+
+@router.get("/models", response_model=ModelsResponse, responses=errors(503))
+async def list_models(registry: RegistryDep) -> ModelsResponse:
+    registry.get(None)  # 503 while loading rather than an empty list
+    return ModelsResponse(
+        models=[
+            ModelOut(
+                id=s.id,
+                family=s.model.info.family,
+                causal=s.model.info.causal,
+                n_layers=s.model.info.n_layers,
+                n_heads=s.model.info.n_heads,
+                d_model=s.model.info.d_model,
+                head_dim=s.model.info.head_dim,
+                max_tokens=s.model.info.max_tokens,
+                device=s.model.info.device,
+                default=s.default,
+            )
+            for s in registry.served()
+        ]
+    )

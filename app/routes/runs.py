@@ -1,0 +1,27 @@
+"""GET /api/v1/runs/{run_id}/attention: another slice of a recent run, with no forward pass."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+
+from app.deps import ServiceDep
+from app.routes.responses import errors
+from app.schemas import AttentionResponse, Format
+from app.services.attention import parse_index_list
+
+router = APIRouter(prefix="/api/v1", tags=["runs"])
+
+
+@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses=errors(404, 413, 422, 503))
+async def run_slice(
+    run_id: str,
+    service: ServiceDep,
+    request: Request,
+    layers: Annotated[list[str] | None, Query(description="Comma-separated layer indices, e.g. 0,2; default all")] = None,
+    heads: Annotated[list[str] | None, Query(description="Comma-separated head indices; default all")] = None,
+    format: Annotated[Format, Query()] = "json",
+) -> Response:
+    """A 404 means the run was evicted (or never existed): POST the text again."""
+    reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format)
+    request.state.log = reply.log
+    return Response(reply.body, media_type=reply.media_type)

@@ -1,0 +1,178 @@
+"""The v1 contract: every request and response body, with the examples /docs shows."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Format = Literal["json", "f16", "u8"]
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("text must contain something other than whitespace")
+    return value
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="A model id from GET /api/v1/models; default: the server's default")
+    layers: list[int] | None = Field(None, min_length=1, description="Layer indices to return; default: all")
+    heads: list[int] | None = Field(None, min_length=1, description="Head indices to return; default: all")
+    format: Format = Field(
+        "json",
+        description="json: nested float32 lists. f16: base64 little-endian float16. "
+        "u8: base64 bytes, weight ≈ byte × scale (1/255). Compact formats are ~10× smaller and faster.",
+    )
+    truncate: bool = Field(False, description="Cut input longer than the model's positions instead of refusing it")
+
+
+class AttentionRequest(Options):
+    text: str = Field(..., min_length=1)
+    text_pair: str | None = Field(None, min_length=1, description="Second segment, for sentence-pair models")
+
+    _text = field_validator("text")(_not_blank)
+
+    @field_validator("text_pair")
+    @classmethod
+    def _pair(cls, value: str | None) -> str | None:
+        return None if value is None else _not_blank(value)
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"text": "The bank of the river.", "format": "u8"},
+                {"text": "The bank of the river.", "layers": [2], "heads": [3], "format": "json"},
+                {"text": "Where is it?", "text_pair": "On the bank.", "model": "minilm", "format": "f16"},
+            ]
+        },
+    )
+
+
+class BatchRequest(Options):
+    texts: list[str] = Field(..., min_length=1, description="Texts to run; at most the server's max_batch_texts")
+
+    @field_validator("texts")
+    @classmethod
+    def _texts(cls, values: list[str]) -> list[str]:
+        for i, value in enumerate(values):
+            if not value.strip():
+                raise ValueError(f"texts[{i}] must contain something other than whitespace")
+        return values
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"texts": ["The bank of the river.", "I paid at the bank."], "format": "u8"}]},
+    )
+
+
+class TokenOut(BaseModel):
+    text: str = Field(description="The characters this token covers; the vocabulary piece for special tokens")
+    id: int
+    start: int = Field(description="Character offset into its own segment's text")
+    end: int = Field(description="Exclusive end offset")
+    special: bool
+    segment: int = Field(description="0: text, 1: text_pair")
+
+
+class AttentionData(BaseModel):
+    format: Format
+    dtype: Literal["float32", "float16", "uint8"]
+    shape: list[int] = Field(description="[layers, heads, T, T]: rows are queries, columns keys")
+    data: list | str = Field(description="Nested lists (json) or base64 (f16, u8), row-major")
+    scale: float | None = Field(None, description="u8 only: weight ≈ byte × scale")
+
+
+class Timing(BaseModel):
+    tokenize: float
+    queue: float
+    forward: float
+    encode: float
+
+
+class AttentionResponse(BaseModel):
+    run_id: str = Field(description="Fetch other slices of this run from GET /api/v1/runs/{run_id}/attention")
+    model: str
+    causal: bool
+    n_layers: int
+    n_heads: int
+    tokens: list[TokenOut]
+    truncated: bool
+    layers: list[int]
+    heads: list[int]
+    attention: AttentionData
+    device: str
+    timing_ms: Timing
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f",
+                    "model": "minilm",
+                    "causal": False,
+                    "n_layers": 6,
+                    "n_heads": 12,
+                    "tokens": [
+                        {"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0},
+                        {"text": "Hi", "id": 7632, "start": 0, "end": 2, "special": False, "segment": 0},
+                        {"text": "[SEP]", "id": 102, "start": 0, "end": 0, "special": True, "segment": 0},
+                    ],
+                    "truncated": False,
+                    "layers": [0],
+                    "heads": [0],
+                    "attention": {
+                        "format": "u8",
+                        "dtype": "uint8",
+                        "shape": [1, 1, 3, 3],
+                        "data": "Ynl/MjNvSz0/",
+                        "scale": 1 / 255,
+                    },
+                    "device": "cpu",
+                    "timing_ms": {"tokenize": 0.1, "queue": 0.2, "forward": 8.1, "encode": 0.1},
+                }
+            ]
+        }
+    )
+
+
+class BatchResponse(BaseModel):
+    results: list[AttentionResponse]
+
+
+class ModelOut(BaseModel):
+    id: str
+    family: str
+    causal: bool
+    n_layers: int
+    n_heads: int
+    d_model: int
+    head_dim: int
+    max_tokens: int
+    device: str
+    default: bool
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelOut]
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(examples=["too_long"])
+    message: str = Field(examples=["input is 700 tokens long but the model takes at most 512; shorten it or ask for truncation"])
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: str = Field(examples=["ok"])
+
+
+class Ready(BaseModel):
+    status: str = Field(examples=["ready"])
+    models: list[str]

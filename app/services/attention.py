@@ -1,0 +1,186 @@
+"""Attention runs: cache lookup, tokenization, a place in a micro-batch, and response bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from starlette.concurrency import run_in_threadpool
+
+from app.config import Settings
+from app.services.batcher import Done
+from app.services.cache import Run, RunCache, run_id_for
+from app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
+from app.services.metrics import Metrics
+from app.services.payload import View, encode_attention, result_dict, select
+from app.services.registry import Registry, Served
+from model.errors import TooLongError
+from model.tokenizer import Encoded
+
+# Compact formats are already ~10x smaller than JSON text; gzip would cost more than the forward.
+COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
+
+
+@dataclass
+class Item:
+    text: str
+    text_pair: str | None
+    label: str  # how errors name this input: "" for a single text, "texts[3]: " in a batch
+    run_id: str = ""
+    run: Run | None = None
+    encoded: Encoded | None = None
+    timing: dict = field(default_factory=lambda: {"tokenize": 0.0, "queue": 0.0, "forward": 0.0})
+
+
+@dataclass
+class Reply:
+    body: bytes
+    media_type: str
+    log: dict  # run ids and timings for the request's log line
+
+
+def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
+    if asked is None:
+        return list(range(count))
+    bad = [i for i in asked if not 0 <= i < count]
+    if bad:
+        raise InvalidInput(f"{what} {bad[0]} does not exist: model {model_id} has {what}s 0..{count - 1}")
+    return list(asked)
+
+
+def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
+    """Query lists as `layers=0,2` or `layers=0&layers=2`."""
+    if not values:
+        return None
+    out = []
+    for part in ",".join(values).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise InvalidInput(f"{what}s must be integers, got {part!r}") from None
+    return out or None
+
+
+class AttentionService:
+    def __init__(self, settings: Settings, registry: Registry, cache: RunCache, metrics: Metrics) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.cache = cache
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ public
+    async def attend(self, texts: list[tuple[str, str | None]], options, batch: bool, started: float) -> Reply:
+        served = self.registry.get(options.model)
+        view = self._view(served, options.layers, options.heads, options.format)
+        deadline = started + self.settings.request_timeout_s
+        items = [
+            Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
+            for i, (text, pair) in enumerate(texts)
+        ]
+        await self._compute(served, items, view, options.truncate, deadline)
+        body = await run_in_threadpool(self._render, served, items, view, batch)
+        return Reply(body, self._media_type(view), self._log(items))
+
+    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str) -> Reply:
+        run = self.cache.get(run_id)
+        self.metrics.cache.labels("hit" if run else "miss").inc()
+        if run is None:
+            raise UnknownRun(
+                f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
+            )
+        served = self.registry.get(run.model)
+        view = self._view(served, layers, heads, fmt)
+        self._check_cells([run.attention.shape[-1]], view)
+        item = Item("", None, "", run_id, run)
+        body = await run_in_threadpool(self._render, served, [item], view, False)
+        return Reply(body, self._media_type(view), self._log([item]))
+
+    # ------------------------------------------------------------------ steps
+    def _view(self, served: Served, layers, heads, fmt: str) -> View:
+        info = served.model.info
+        return View(
+            resolve_indices(layers, info.n_layers, "layer", info.id),
+            resolve_indices(heads, info.n_heads, "head", info.id),
+            fmt,
+        )
+
+    def _check_cells(self, lengths: list[int], view: View) -> None:
+        if view.format != "json":
+            return
+        cells = sum(view.cells(n) for n in lengths)
+        if cells > self.settings.max_json_cells:
+            raise TooManyCells(
+                f"format=json would return {cells:,} attention weights, over this server's limit of "
+                f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads "
+                "(GET /api/v1/runs/{run_id}/attention serves slices of a run)"
+            )
+
+    async def _compute(self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float) -> None:
+        """Fill each item's run: from the cache, else through one place each in the batcher."""
+        missing = []
+        for item in items:
+            item.run = self.cache.get(item.run_id)
+            self.metrics.cache.labels("hit" if item.run else "miss").inc()
+            if item.run is None:
+                missing.append(item)
+        if not missing:
+            self._check_cells([item.run.attention.shape[-1] for item in items], view)
+            return
+        batcher = served.batcher
+        batcher.admit(len(missing))
+        submitted = 0
+        try:
+            await run_in_threadpool(self._tokenize, served, missing, truncate)
+            self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
+            futures = []
+            for item in missing:
+                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline)))
+                submitted += 1
+        finally:
+            batcher.release(len(missing) - submitted)
+        try:
+            done: list[Done] = await asyncio.wait_for(asyncio.gather(*futures), deadline - time.monotonic())
+        except TimeoutError:
+            raise OverBudget(
+                f"the request did not finish within its {self.settings.request_timeout_s:g} s budget; "
+                "the server is busy or the input is long"
+            ) from None
+        for item, result in zip(missing, done):
+            item.run = Run(item.run_id, served.id, result.result.tokens, result.result.truncated, result.result.attention)
+            item.timing.update(queue=result.queue_s, forward=result.forward_s)
+            self.cache.put(item.run)
+
+    def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
+        for item in items:
+            started = time.perf_counter()
+            try:
+                item.encoded = served.model.encode(item.text, item.text_pair, truncate)
+            except TooLongError as exc:
+                raise TooLong(item.label + str(exc)) from None
+            item.timing["tokenize"] = time.perf_counter() - started
+
+    def _render(self, served: Served, items: list[Item], view: View, batch: bool) -> bytes:
+        info = served.model.info
+        results = []
+        for item in items:
+            started = time.perf_counter()
+            attention = encode_attention(select(item.run.attention, view.layers, view.heads), view.format)
+            timing = {**item.timing, "encode": time.perf_counter() - started}
+            results.append(result_dict(item.run, info.causal, info.device, view, attention, timing))
+        return orjson.dumps({"results": results} if batch else results[0])
+
+    @staticmethod
+    def _media_type(view: View) -> str:
+        return "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
+
+    @staticmethod
+    def _log(items: list[Item]) -> dict:
+        return {
+            "run_id": [i.run_id for i in items] if len(items) > 1 else items[0].run_id,
+            "timing_ms": [{k: round(v * 1000, 2) for k, v in i.timing.items()} for i in items],
+        }

@@ -1,0 +1,65 @@
+"""Errors the service raises on purpose; each maps to one HTTP status and a stable code."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class InvalidInput(ApiError):
+    status = 422
+    code = "invalid_request"
+
+
+class TooLong(ApiError):
+    status = 422
+    code = "too_long"
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    code = "body_too_large"
+
+
+class TooManyCells(ApiError):
+    status = 413
+    code = "too_many_cells"
+
+
+class UnknownModel(ApiError):
+    status = 404
+    code = "unknown_model"
+
+
+class UnknownRun(ApiError):
+    status = 404
+    code = "unknown_run"
+
+
+class QueueFull(ApiError):
+    status = 429
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class OverBudget(ApiError):
+    status = 504
+    code = "timeout"
+
+
+class NotReady(ApiError):
+    status = 503
+    code = "not_ready"
+
+
+def error_body(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}

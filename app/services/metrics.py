@@ -1,0 +1,31 @@
+"""Prometheus metrics, one registry per app so several apps (tests) never share counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "manyeyes_requests", "HTTP requests by route template, method and status", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "manyeyes_request_seconds", "HTTP request latency", ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge("manyeyes_queue_depth", "Requests waiting for a forward pass", registry=r)
+        self.batch_size = Histogram("manyeyes_batch_size", "Inputs per forward pass", ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "manyeyes_batch_tokens", "Padded tokens per forward pass", ["model"], buckets=(16, 64, 256, 1024, 4096, 16384), registry=r
+        )
+        self.forward = Histogram("manyeyes_forward_seconds", "Forward pass time", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.dropped = Counter(
+            "manyeyes_dropped", "Work refused or abandoned: queue_full, expired, cancelled, shutdown", ["reason"], registry=r
+        )
+        self.cache = Counter("manyeyes_cache_lookups", "Run cache lookups", ["result"], registry=r)
+        self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run cache", registry=r)

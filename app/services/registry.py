@@ -1,0 +1,98 @@
+"""Loads the configured models once, warms each up, and gives each device one Batcher."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from app.config import Settings
+from app.services.batcher import Batcher
+from app.services.errors import NotReady, UnknownModel
+from app.services.metrics import Metrics
+from model import ModelLoadError, load
+from model.runtime import AttentionModel
+
+log = logging.getLogger("manyeyes.registry")
+
+
+@dataclass
+class Served:
+    id: str
+    model: AttentionModel
+    batcher: Batcher
+    default: bool
+
+
+def warm_up(model: AttentionModel) -> None:
+    """One forward at the model's longest input: pays one-time costs now and proves the shapes."""
+    info = model.info
+    encoded = model.encode("hello " * (info.max_tokens + 8), truncate=True)
+    n = len(encoded)
+    result = model.run([encoded])[0]
+    expected = (info.n_layers, info.n_heads, n, n)
+    if tuple(result.attention.shape) != expected:
+        raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
+
+
+class Registry:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.default_id = settings.default_model_id()
+        self._served: dict[str, Served] = {}
+        self._batchers: dict[str, Batcher] = {}
+        self.ready = threading.Event()
+        self.failure: str | None = None
+
+    def load_all(self) -> None:
+        """Blocking; the app runs it in a thread so /healthz answers while models load."""
+        s = self.settings
+        try:
+            time.sleep(s.debug_load_delay_s)
+            specs = s.all_models()
+            if self.default_id not in specs:
+                raise ModelLoadError(f"default model {self.default_id!r} is not among the configured models {sorted(specs)}")
+            for model_id, spec in specs.items():
+                started = time.monotonic()
+                model = load(spec, device=s.device, half=s.half, name=model_id)
+                if s.warmup:
+                    warm_up(model)
+                device = model.info.device
+                if device not in self._batchers:
+                    self._batchers[device] = Batcher(
+                        device,
+                        self.metrics,
+                        max_batch_tokens=s.max_batch_tokens,
+                        max_batch_items=s.max_batch_items,
+                        max_wait_s=s.max_wait_ms / 1000,
+                        max_queue=s.max_queue,
+                        forward_delay_s=s.debug_forward_delay_s,
+                    )
+                self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
+                log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
+            self.ready.set()
+        except Exception as exc:  # reported by /readyz; the process stays up for diagnosis
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.error("model loading failed: %s", self.failure)
+
+    def get(self, model_id: str | None) -> Served:
+        if not self.ready.is_set():
+            raise NotReady(self.not_ready_reason())
+        served = self._served.get(model_id or self.default_id)
+        if served is None:
+            raise UnknownModel(f"unknown model {model_id!r}; this server has {', '.join(self._served)}")
+        return served
+
+    def not_ready_reason(self) -> str:
+        if self.failure:
+            return f"model loading failed: {self.failure}"
+        return "models are still loading"
+
+    def served(self) -> list[Served]:
+        return list(self._served.values()) if self.ready.is_set() else []
+
+    def close(self) -> None:
+        for batcher in self._batchers.values():
+            batcher.close()
