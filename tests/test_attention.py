@@ -1,0 +1,113 @@
+"""The MultiHeadAttention module itself: classic interface kept, extensions correct."""
+
+import threading
+
+import pytest
+import torch
+
+from model.attention import Capture, MultiHeadAttention
+
+
+def make(num_heads=3, d=12, context=16, causal=True):
+    torch.manual_seed(0)
+    return MultiHeadAttention(d, d, context, 0.0, num_heads, qkv_bias=True, causal=causal).eval()
+
+
+def test_classic_constructor_names_and_buffer():
+    mha = MultiHeadAttention(8, 8, 10, 0.1, 2)
+    assert set(dict(mha.named_children())) == {"W_query", "W_key", "W_value", "out_proj", "dropout"}
+    assert mha.W_query.bias is None  # qkv_bias=False by default, as in the book
+    assert "mask" in mha.state_dict()
+    assert torch.equal(mha.mask, torch.triu(torch.ones(10, 10), diagonal=1))
+    assert mha.causal is True
+    with pytest.raises(ValueError, match="divisible"):
+        MultiHeadAttention(10, 10, 4, 0.0, 3)
+
+
+def seed_forward(mha, x):
+    """The chapter's forward, step by step, to check that ours computes the same thing."""
+    b, t, _ = x.shape
+    h, hd = mha.num_heads, mha.head_dim
+    k = mha.W_key(x).view(b, t, h, hd).transpose(1, 2)
+    q = mha.W_query(x).view(b, t, h, hd).transpose(1, 2)
+    v = mha.W_value(x).view(b, t, h, hd).transpose(1, 2)
+    scores = q @ k.transpose(2, 3)
+    scores.masked_fill_(mha.mask.bool()[:t, :t], -torch.inf)
+    w = torch.softmax(scores / hd**0.5, dim=-1)
+    ctx = (w @ v).transpose(1, 2).contiguous().view(b, t, mha.d_out)
+    return mha.out_proj(ctx), w
+
+
+def test_default_is_the_chapters_causal_attention():
+    mha = make()
+    x = torch.randn(2, 7, 12)
+    ref_ctx, ref_w = seed_forward(mha, x)
+    out = mha.attend(x)
+    assert torch.allclose(mha(x), ref_ctx, atol=1e-6)
+    assert torch.allclose(out.weights, ref_w, atol=1e-6)
+    assert out.weights.shape == (2, 3, 7, 7)
+
+
+def test_causal_upper_triangle_is_exactly_zero_and_rows_sum_to_one():
+    w = make().attend(torch.randn(3, 9, 12)).weights
+    upper = torch.triu(torch.ones(9, 9, dtype=torch.bool), diagonal=1)
+    assert torch.count_nonzero(w[..., upper]) == 0
+    assert (w.sum(-1) - 1).abs().max() <= 1e-6
+
+
+def test_bidirectional_attends_everywhere():
+    w = make(causal=False).attend(torch.randn(1, 6, 12)).weights
+    assert torch.all(w > 0)
+    assert (w.sum(-1) - 1).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_padding_gives_each_row_its_unpadded_weights(causal):
+    mha = make(causal=causal)
+    a, b = torch.randn(1, 4, 12), torch.randn(1, 7, 12)
+    batch = torch.cat([torch.cat([a, torch.randn(1, 3, 12)], 1), b])  # row 0 padded with noise
+    real = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1] * 7], dtype=torch.bool)
+    out = mha.attend(batch, real)
+    solo_a, solo_b = mha.attend(a), mha.attend(b)
+    assert (out.weights[0, :, :4, :4] - solo_a.weights[0]).abs().max() <= 1e-6
+    assert torch.count_nonzero(out.weights[0, :, :, 4:]) == 0
+    assert (out.weights[1] - solo_b.weights[0]).abs().max() <= 1e-6
+    assert (out.context[0, :4] - solo_a.context[0]).abs().max() <= 1e-5
+
+
+def test_qkv_only_on_request_and_consistent():
+    mha = make()
+    x = torch.randn(1, 5, 12)
+    plain = mha.attend(x)
+    assert plain.queries is None and plain.keys is None and plain.values is None
+    full = mha.attend(x, capture=Capture(qkv=True))
+    assert full.queries.shape == full.keys.shape == full.values.shape == (1, 3, 5, 4)
+    # The weights must be reproducible from the returned q and k.
+    scores = full.queries @ full.keys.transpose(2, 3) / 2.0
+    scores = scores.masked_fill(mha.mask.bool()[:5, :5], -torch.inf)
+    assert torch.allclose(torch.softmax(scores, -1), full.weights, atol=1e-6)
+    # And the context from the weights and values.
+    ctx = (full.weights @ full.values).transpose(1, 2).reshape(1, 5, 12)
+    assert torch.allclose(mha.out_proj(ctx), full.context, atol=1e-6)
+    assert mha.attend(x, capture=Capture(weights=False)).weights is None
+
+
+def test_no_state_kept_between_calls_under_threads():
+    mha = make(causal=False)
+    before = set(vars(mha))
+    inputs = [torch.randn(1, n, 12) for n in range(2, 10)]
+    expected = [mha.attend(x).weights for x in inputs]
+    got = [None] * len(inputs)
+
+    def work(i):
+        for _ in range(20):
+            got[i] = mha.attend(inputs[i]).weights
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(vars(mha)) == before
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)

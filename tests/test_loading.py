@@ -1,0 +1,199 @@
+"""Book checkpoints load strictly; every way a checkpoint can be wrong gives one clear error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from model import ModelLoadError, load
+from model.gpt import GPTConfig, GPTModel
+from tests.book_reference import GPTModel as BookGPTModel
+
+BOOK_CFG = {"vocab_size": 0, "context_length": 32, "emb_dim": 30, "n_heads": 5, "n_layers": 2,
+            "drop_rate": 0.1, "qkv_bias": False}
+
+
+@pytest.fixture()
+def book_folder(tmp_path, bytelevel_tokenizer):
+    """A checkpoint saved from the book's own GPTModel class, with its config and a tokenizer."""
+    tok_path, vocab = bytelevel_tokenizer
+    cfg = dict(BOOK_CFG, vocab_size=vocab)
+    torch.manual_seed(7)
+    book = BookGPTModel(cfg).eval()
+    torch.save(book.state_dict(), tmp_path / "model.pth")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(tok_path, tmp_path / "tokenizer.json")
+    return tmp_path, book, cfg
+
+
+def test_book_state_dict_loads_strictly_into_our_gptmodel(book_folder):
+    folder, book, cfg = book_folder
+    ours = GPTModel(GPTConfig.from_dict(cfg))
+    ours.load_state_dict(torch.load(folder / "model.pth", weights_only=True), strict=True)
+    ours.eval()
+    ids = torch.randint(0, cfg["vocab_size"], (2, 11))
+    with torch.no_grad():
+        assert (ours(ids) - book(ids)).abs().max() <= 1e-5
+
+
+def test_load_book_folder_and_file_forms(book_folder, tmp_path_factory):
+    folder, book, cfg = book_folder
+    m = load(folder, device="cpu")
+    assert m.info.family == "gpt" and m.info.causal and m.info.n_heads == 5 and m.info.max_tokens == 32
+    r = m.attend("The quick brown fox.")
+    ids = torch.tensor([[t.id for t in r.tokens]])
+    with torch.no_grad():
+        assert (book(ids)[0] - r.logits).abs().max() <= 1e-5
+
+    # A dict holding model_state_dict (the book's training checkpoints), config by argument.
+    other = tmp_path_factory.mktemp("ckpt")
+    torch.save({"model_state_dict": book.state_dict(), "optimizer_state_dict": {}}, other / "ckpt.pth")
+    (other / "my.json").write_text(json.dumps(cfg))
+    m2 = load(f"{other / 'ckpt.pth'}?config={other / 'my.json'}&tokenizer={folder / 'tokenizer.json'}")
+    assert torch.equal(m2.attend("The quick brown fox.").attention, r.attention)
+
+
+def test_presets_are_known_and_checked(tmp_path, bytelevel_tokenizer):
+    tok_path, vocab = bytelevel_tokenizer
+    book = BookGPTModel(dict(BOOK_CFG, vocab_size=vocab))
+    torch.save(book.state_dict(), tmp_path / "small.pth")
+    # A real preset whose shapes do not match names the first mismatching key.
+    with pytest.raises(ModelLoadError, match=r"shape mismatch for 'tok_emb.weight'.*small.pth|small.pth.*tok_emb"):
+        load(tmp_path / "small.pth", config="gpt2-small", tokenizer=tok_path)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (None, "needs its config"),
+        ("gpt2-tiny", "gpt2-tiny"),
+        ({"vocab_size": 10}, "missing config keys: context_length, emb_dim, n_heads, n_layers"),
+        ({**BOOK_CFG, "n_heads": 7}, "not divisible by n_heads"),
+        ({**BOOK_CFG, "heads": 5}, "unknown config keys: heads"),
+    ],
+)
+def test_book_config_errors(tmp_path, config, message):
+    torch.save({"tok_emb.weight": torch.zeros(2, 2)}, tmp_path / "x.pth")
+    with pytest.raises(ModelLoadError, match=message):
+        load(tmp_path / "x.pth", config=config)
+
+
+def test_book_key_errors(book_folder):
+    folder, book, cfg = book_folder
+    state = book.state_dict()
+    del state["trf_blocks.1.ff.layers.2.bias"]
+    torch.save(state, folder / "model.pth")
+    with pytest.raises(ModelLoadError, match=r"model.pth: missing key 'trf_blocks.1.ff.layers.2.bias'"):
+        load(folder)
+    state = book.state_dict()
+    state["trf_blocks.0.att.extra"] = torch.zeros(1)
+    torch.save(state, folder / "model.pth")
+    with pytest.raises(ModelLoadError, match="unexpected key 'trf_blocks.0.att.extra'"):
+        load(folder)
+    torch.save([1, 2, 3], folder / "model.pth")
+    with pytest.raises(ModelLoadError, match="expected a state_dict"):
+        load(folder)
+
+
+def test_missing_tokenizer_for_book_checkpoint(book_folder, monkeypatch, tmp_path):
+    folder, _, _ = book_folder
+    (folder / "tokenizer.json").unlink()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    with pytest.raises(ModelLoadError, match="no tokenizer"):
+        load(folder)
+    with pytest.raises(ModelLoadError, match="missing file: .*nope.json"):
+        load(folder, tokenizer=tmp_path / "nope.json")
+
+
+@pytest.fixture()
+def hf_copy(tmp_path, minilm_dir):
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        shutil.copy(minilm_dir / name, tmp_path / name)
+    return tmp_path
+
+
+def test_hf_missing_files(hf_copy):
+    (hf_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no weights in .*expected model.safetensors or pytorch_model.bin"):
+        load(hf_copy)
+    (hf_copy / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"missing file: .*config.json"):
+        load(hf_copy)
+    with pytest.raises(ModelLoadError, match="no such model file or folder"):
+        load(hf_copy / "absent")
+
+
+def test_hf_missing_tokenizer(hf_copy):
+    (hf_copy / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"missing file: .*tokenizer.json"):
+        load(hf_copy)
+
+
+def test_hf_unknown_model_type_and_bad_json(hf_copy):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    (hf_copy / "config.json").write_text(json.dumps(cfg | {"model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'llama'"):
+        load(hf_copy)
+    (hf_copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read JSON .*config.json"):
+        load(hf_copy)
+    (hf_copy / "config.json").write_text(json.dumps(cfg | {"hidden_act": "swish"}))
+    with pytest.raises(ModelLoadError, match="unsupported activation hidden_act='swish'"):
+        load(hf_copy)
+
+
+def test_hf_corrupt_weights(hf_copy):
+    data = (hf_copy / "model.safetensors").read_bytes()
+    (hf_copy / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(ModelLoadError, match=r"corrupt weights file .*model.safetensors"):
+        load(hf_copy)
+    (hf_copy / "model.safetensors").unlink()
+    (hf_copy / "pytorch_model.bin").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(ModelLoadError, match=r"corrupt or unreadable checkpoint .*pytorch_model.bin"):
+        load(hf_copy)
+
+
+def test_hf_missing_key_and_shape_mismatch(hf_copy):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(hf_copy / "model.safetensors"))
+    broken = dict(state)
+    del broken["encoder.layer.3.attention.self.key.bias"]
+    save_file(broken, str(hf_copy / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing key 'encoder.layer.3.attention.self.key.bias'"):
+        load(hf_copy)
+    broken = dict(state)
+    broken["encoder.layer.2.output.dense.weight"] = torch.zeros(384, 100)
+    save_file(broken, str(hf_copy / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"shape mismatch for 'trf_blocks.2.ff.layers.2.weight'"):
+        load(hf_copy)
+    broken = dict(state)
+    broken["encoder.layer.0.attention.self.rotary"] = torch.zeros(1)
+    save_file(broken, str(hf_copy / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="unexpected key 'encoder.layer.0.attention.self.rotary'"):
+        load(hf_copy)
+
+
+def test_tokenizer_larger_than_model_vocab(hf_copy):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(hf_copy / "model.safetensors"))
+    state["embeddings.word_embeddings.weight"] = state["embeddings.word_embeddings.weight"][:1000]
+    save_file(state, str(hf_copy / "model.safetensors"))
+    (hf_copy / "config.json").write_text(json.dumps(cfg | {"vocab_size": 1000}))
+    with pytest.raises(ModelLoadError, match="tokenizer has 30522 ids but the model embeds only 1000"):
+        load(hf_copy)
+
+
+def test_half_precision_needs_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the refusal applies only without it")
+    with pytest.raises(ModelLoadError, match="half precision needs a CUDA device"):
+        load("minilm", device="cpu", half=True)
+
+
+def test_unknown_spec_option():
+    with pytest.raises(ModelLoadError, match="unknown option"):
+        load("minilm?colour=blue")

@@ -1,0 +1,70 @@
+"""Tokens carry offsets into the original, un-normalised text; no padding, no silent truncation."""
+
+import pytest
+
+from model import TooLongError
+from model.tokenizer import TextTokenizer
+
+
+def test_uncased_offsets_point_at_original_characters(minilm):
+    text = "Ünïcödé EMBEDDINGS unbelievably Straße"
+    enc = minilm.encode(text)
+    pieces = [t.piece for t in enc.tokens]
+    assert any(p.startswith("##") for p in pieces), "the sentence must exercise ## pieces"
+    for tok in enc.tokens:
+        if tok.special:
+            continue
+        assert text[tok.start : tok.end] == tok.text
+    # The uncased vocabulary lowercases, but what we show is the user's own spelling.
+    assert "EMBEDDINGS".startswith(enc.tokens[2].text) or enc.tokens[2].text.isupper()
+    joined = "".join(t.text for t in enc.tokens if not t.special and t.start >= text.index("unbelievably"))
+    assert joined.startswith("unbelievably")
+
+
+def test_specials_flagged_and_no_padding(minilm):
+    enc = minilm.encode("Hi.")
+    assert [t.text for t in enc.tokens] == ["[CLS]", "Hi", ".", "[SEP]"]
+    assert [t.special for t in enc.tokens] == [True, False, False, True]
+    assert "[PAD]" not in [t.piece for t in enc.tokens]
+    assert len(enc) == 4  # the shipped tokenizer.json pads to 128; ours must not
+
+
+def test_pairs_have_segments_and_offsets_into_each_text(minilm):
+    a, b = "Where is the bank?", "By the river."
+    enc = minilm.encode(a, b)
+    segs = [t.segment for t in enc.tokens]
+    assert segs == [0] * segs.index(1) + [1] * (len(segs) - segs.index(1))
+    assert enc.type_ids == segs
+    for tok in enc.tokens:
+        if not tok.special:
+            assert (a, b)[tok.segment][tok.start : tok.end] == tok.text
+
+
+def test_too_long_raises_unless_truncating(minilm):
+    text = "word " * 600
+    with pytest.raises(TooLongError) as err:
+        minilm.encode(text)
+    assert err.value.n_tokens == 602 and err.value.max_tokens == 512
+    assert "602" in str(err.value) and "512" in str(err.value)
+    enc = minilm.encode(text, truncate=True)
+    assert len(enc) == 512 and enc.truncated
+    assert enc.tokens[-1].text == "[SEP]"  # truncation keeps the template intact
+    assert not minilm.encode("short").truncated
+
+
+def test_bytelevel_offsets(bytelevel_tokenizer):
+    path, _ = bytelevel_tokenizer
+    tok = TextTokenizer.from_file(path, max_tokens=64)
+    text = "The café 東京 🙂 fox."
+    enc = tok.encode(text)
+    assert not any(t.special for t in enc.tokens)
+    # Byte tokens that split a multi-byte character overlap on it, so check coverage by index.
+    covered = {i for t in enc.tokens for i in range(t.start, t.end)}
+    assert covered == {i for i, ch in enumerate(text) if ch != " "}
+    starts = [t.start for t in enc.tokens]
+    assert starts == sorted(starts)
+    for t in enc.tokens:
+        assert 0 <= t.start <= t.end <= len(text)
+        assert t.text  # a bare-space token still shows something readable
+        if t.end > t.start:
+            assert t.text == text[t.start : t.end]
