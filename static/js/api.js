@@ -1,0 +1,79 @@
+// The v1 attention API (issue 3): every failure becomes an ApiError that reads well to a person.
+
+export class ApiError extends Error {
+  constructor(status, code, message, retryAfter = null) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.retryAfter = retryAfter;
+  }
+}
+
+async function request(url, options = {}) {
+  let response;
+  try {
+    response = await fetch(url, options);
+  } catch (err) {
+    if (err.name === "AbortError") throw err;
+    throw new ApiError(0, "network", "The server could not be reached. Is `manyeyes serve` still running?");
+  }
+  if (response.ok) return response.json();
+  let code = "http_" + response.status;
+  let message = response.statusText || "request failed";
+  try {
+    const body = await response.json();
+    if (body && body.error) ({ code, message } = body.error);
+  } catch {
+    // A non-JSON error (a proxy, a crash page): the status line is all we have.
+  }
+  throw new ApiError(response.status, code, message, response.headers.get("Retry-After"));
+}
+
+export function listModels() {
+  return request("/api/v1/models").then((body) => body.models);
+}
+
+export function postAttention(body, signal) {
+  return request("/api/v1/attention", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body),
+    signal,
+  });
+}
+
+export function fetchSlice(runId, layers, heads, format, signal) {
+  const query = new URLSearchParams({ format });
+  if (layers) query.set("layers", layers.join(","));
+  if (heads) query.set("heads", heads.join(","));
+  return request(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, { signal });
+}
+
+export function isTooLong(err) {
+  return err.status === 422 && /long|length|max_tokens|positions/i.test(`${err.code} ${err.message}`);
+}
+
+export function describeError(err) {
+  if (!(err instanceof ApiError)) return `Something went wrong in the page: ${err.message}`;
+  const detail = err.message.replace(/\.?$/, ".");
+  switch (err.status) {
+    case 0:
+      return err.message;
+    case 404:
+      return `Not found: ${detail}`;
+    case 413:
+      return `Too large: ${detail} Try a shorter text.`;
+    case 422:
+      return isTooLong(err)
+        ? `Text too long: ${detail} Shorten it, or tick “Cut to fit” to keep the start.`
+        : `Cannot run this input: ${detail}`;
+    case 429: {
+      const wait = err.retryAfter ? ` Try again in ${err.retryAfter} s.` : " Try again in a moment.";
+      return `The server is busy.${wait}`;
+    }
+    case 504:
+      return `The server took too long to answer: ${detail} Try a shorter text.`;
+    default:
+      return `The server failed (${err.status}): ${detail}`;
+  }
+}

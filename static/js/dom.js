@@ -1,0 +1,32 @@
+// DOM helpers that only ever put text in as text: user tokens never reach innerHTML.
+
+export function $(id) {
+  return document.getElementById(id);
+}
+
+export function el(tag, { text, className, attrs } = {}, children = []) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, String(value));
+  for (const child of children) node.append(child);
+  return node;
+}
+
+export function fillSelect(select, options, selected) {
+  select.replaceChildren(...options.map(({ value, label }) => {
+    const option = el("option", { text: label });
+    option.value = String(value);
+    return option;
+  }));
+  if (selected !== undefined) select.value = String(selected);
+}
+
+// Plotly reads a small HTML subset in labels ("<b>", "<br>"); entities keep tokens literal.
+export function plotlyText(s) {
+  return s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+}
+
+export function nextFrame() {
+  return new Promise((resolve) => requestAnimationFrame(() => resolve()));
+}

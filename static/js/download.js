@@ -1,0 +1,47 @@
+// "Download data": the focused matrix as CSV or JSON, with the tokens that label it.
+
+function saveFile(name, type, content) {
+  const url = URL.createObjectURL(new Blob([content], { type }));
+  const link = document.createElement("a");
+  link.href = url;
+  link.download = name;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+// Quoted always; a leading "=" or "@" (or a sign before more text) would run as a spreadsheet formula.
+function csvCell(value) {
+  let s = String(value);
+  if (/^[=@]/.test(s) || /^[+-]./.test(s)) s = "'" + s;
+  return `"${s.replace(/"/g, '""')}"`;
+}
+
+function rowsOf(view) {
+  const nCols = view.cols.length;
+  return view.rows.map((_, r) => view.cols.map((_k, c) => (view.masked(r, c) ? null : view.values[r * nCols + c])));
+}
+
+export function downloadCsv(name, data) {
+  const { view, tokens } = data;
+  const header = ["query_index", "query_token", ...view.cols.map((k) => `${k}:${tokens[k].text}`)];
+  const lines = [header.map(csvCell).join(",")];
+  rowsOf(view).forEach((row, r) => {
+    const q = view.rows[r];
+    lines.push([csvCell(q), csvCell(tokens[q].text), ...row.map((v) => (v === null ? "" : v.toPrecision(7)))].join(","));
+  });
+  saveFile(`${name}.csv`, "text/csv", lines.join("\r\n") + "\r\n");
+}
+
+export function downloadJson(name, data, meta) {
+  const { view, tokens } = data;
+  const describe = (i) => ({ index: i, text: tokens[i].text, special: tokens[i].special, segment: tokens[i].segment });
+  const body = {
+    ...meta,
+    queries: view.rows.map(describe),
+    keys: view.cols.map(describe),
+    attention: rowsOf(view),
+  };
+  saveFile(`${name}.json`, "application/json", JSON.stringify(body, null, 1));
+}

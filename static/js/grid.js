@@ -1,0 +1,140 @@
+// The model view: every layer × head as a small canvas, drawn straight from the u8 payload.
+// Rows that scroll into view ask for their layers, so long inputs only fetch what is seen.
+
+import { el } from "./dom.js";
+import { colorTable } from "./theme.js";
+import { isIdentity, viewOf } from "./transform.js";
+
+const MAX_THUMB_PIXELS = 128;
+
+// Max-pools a rows × cols matrix into at most MAX_THUMB_PIXELS per side (peaks stay visible).
+function drawThumb(canvas, values, nRows, nCols, maskedBlock) {
+  const k = Math.ceil(Math.max(nRows, nCols) / MAX_THUMB_PIXELS);
+  const width = Math.ceil(nCols / k);
+  const height = Math.ceil(nRows / k);
+  const pooled = new Float32Array(width * height);
+  for (let r = 0; r < nRows; r++) {
+    const out = Math.floor(r / k) * width;
+    const base = r * nCols;
+    for (let c = 0; c < nCols; c++) {
+      const v = values[base + c];
+      const slot = out + Math.floor(c / k);
+      if (v > pooled[slot]) pooled[slot] = v;
+    }
+  }
+  let peak = 0;
+  for (let i = 0; i < pooled.length; i++) if (pooled[i] > peak) peak = pooled[i];
+  const table = colorTable();
+  const pixels = new Uint32Array(width * height);
+  const toIndex = peak > 0 ? 255 / peak : 0;
+  for (let br = 0; br < height; br++) {
+    for (let bc = 0; bc < width; bc++) {
+      const i = br * width + bc;
+      pixels[i] = maskedBlock(br, bc, k) ? table[256] : table[Math.round(pooled[i] * toIndex)];
+    }
+  }
+  canvas.width = width;
+  canvas.height = height;
+  canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer), width, height), 0, 0);
+}
+
+export class GridView {
+  constructor(container, { onSelect, onNeedLayers }) {
+    this.container = container;
+    this.onSelect = onSelect;
+    this.onNeedLayers = onNeedLayers;
+    this.observer = null;
+    this.cells = [];
+    this.painted = new Set();
+  }
+
+  build(run) {
+    this.run = run;
+    this.painted = new Set();
+    this.observer?.disconnect();
+    const { nLayers, nHeads } = run;
+    this.container.style.setProperty("--heads", nHeads);
+    const header = [el("span", { className: "corner", text: "" })];
+    for (let h = 0; h < nHeads; h++) header.push(el("span", { className: "col-label", text: `H${h}`, attrs: { "aria-hidden": "true" } }));
+    const rows = [el("div", { className: "grid-row grid-header" }, header)];
+    this.cells = [];
+    for (let l = 0; l < nLayers; l++) {
+      const row = el("div", { className: "grid-row", attrs: { "data-layer": l } }, [
+        el("span", { className: "row-label", text: `L${l}`, attrs: { "aria-hidden": "true" } }),
+      ]);
+      const cellsOfLayer = [];
+      for (let h = 0; h < nHeads; h++) {
+        const canvas = el("canvas", { attrs: { width: 1, height: 1 } });
+        const button = el("button", {
+          className: "thumb loading",
+          attrs: { type: "button", "aria-label": `Layer ${l}, head ${h}`, "data-layer": l, "data-head": h },
+        }, [canvas]);
+        button.addEventListener("click", () => this.onSelect(l, h));
+        cellsOfLayer.push(button);
+        row.append(button);
+      }
+      this.cells.push(cellsOfLayer);
+      rows.push(row);
+    }
+    this.container.replaceChildren(...rows);
+    this.observeRows(rows.slice(1));
+  }
+
+  observeRows(rows) {
+    const wanted = new Set();
+    let scheduled = false;
+    this.observer = new IntersectionObserver((entries) => {
+      for (const entry of entries) {
+        const layer = Number(entry.target.dataset.layer);
+        if (entry.isIntersecting && !this.run.hasLayer(layer)) wanted.add(layer);
+      }
+      // One request for every row that came into view in this frame.
+      if (wanted.size && !scheduled) {
+        scheduled = true;
+        queueMicrotask(() => {
+          scheduled = false;
+          const layers = [...wanted].sort((a, b) => a - b);
+          wanted.clear();
+          this.onNeedLayers(layers);
+        });
+      }
+    }, { rootMargin: "300px 0px" });
+    rows.forEach((row) => this.observer.observe(row));
+  }
+
+  paintLayer(layer, options) {
+    const run = this.run;
+    if (!run.hasLayer(layer)) return;
+    const fast = isIdentity(options, run.hasPair);
+    const T = run.T;
+    for (let h = 0; h < run.nHeads; h++) {
+      const canvas = this.cells[layer][h].firstChild;
+      if (fast) {
+        const masked = run.causal ? (br, bc, k) => bc * k > Math.min((br + 1) * k - 1, T - 1) : () => false;
+        drawThumb(canvas, run.headBytes(layer, h), T, T, masked);
+      } else {
+        const view = viewOf(run.head(layer, h), run.tokens, { ...options, causal: run.causal });
+        const nR = view.rows.length;
+        const masked = run.causal
+          ? (br, bc, k) => view.cols[bc * k] > view.rows[Math.min((br + 1) * k - 1, nR - 1)]
+          : () => false;
+        drawThumb(canvas, view.values, nR, view.cols.length, masked);
+      }
+      this.cells[layer][h].classList.remove("loading");
+    }
+    this.painted.add(layer);
+  }
+
+  paintAll(options) {
+    for (let l = 0; l < this.run.nLayers; l++) this.paintLayer(l, options);
+  }
+
+  get complete() {
+    return this.run && this.painted.size === this.run.nLayers;
+  }
+
+  select(layer, head) {
+    for (const row of this.cells) for (const cell of row) cell.setAttribute("aria-pressed", "false");
+    this.cells[layer]?.[head]?.setAttribute("aria-pressed", "true");
+  }
+}

@@ -1,0 +1,82 @@
+// The head view, in the spirit of BertViz: each query token (left) joined to the keys it attends to
+// (right), one colour per head, line weight and opacity by attention.
+
+import { el } from "./dom.js";
+import { palette } from "./theme.js";
+
+const ROW = 20;
+const BUCKETS = 10;
+const MIN_DRAWN = 0.02; // fainter lines only add noise
+
+export class HeadView {
+  constructor(container) {
+    this.container = container;
+    this.layers = null; // [{ head, view, color }]
+  }
+
+  render(tokens, layers) {
+    this.tokens = tokens;
+    this.layers = layers;
+    const { rows, cols } = layers[0].view;
+    const tokenList = (indices, side) => el("ol", { className: `hv-tokens hv-${side}`, attrs: { "aria-label": side === "left" ? "Query tokens" : "Key tokens" } },
+      indices.map((t, i) => {
+        const item = el("li", { text: tokens[t].text, attrs: { "data-index": i } });
+        if (tokens[t].special) item.classList.add("special");
+        return item;
+      }));
+    this.left = tokenList(rows, "left");
+    this.right = tokenList(cols, "right");
+    this.canvas = el("canvas", { className: "hv-canvas", attrs: { "aria-hidden": "true" } });
+    const body = el("div", { className: "hv-body" }, [this.left, this.canvas, this.right]);
+    this.container.replaceChildren(body);
+    this.height = Math.max(rows.length, cols.length) * ROW;
+    this.hook(this.left, "row");
+    this.hook(this.right, "col");
+    this.draw(null);
+  }
+
+  hook(list, axis) {
+    list.addEventListener("mouseover", (event) => {
+      const item = event.target.closest("li");
+      if (item) this.draw({ axis, index: Number(item.dataset.index) });
+    });
+    list.addEventListener("mouseleave", () => this.draw(null));
+  }
+
+  draw(focus) {
+    const pal = palette();
+    const width = this.canvas.clientWidth || 240;
+    const ratio = window.devicePixelRatio || 1;
+    this.canvas.width = width * ratio;
+    this.canvas.height = this.height * ratio;
+    this.canvas.style.height = `${this.height}px`;
+    const ctx = this.canvas.getContext("2d");
+    ctx.scale(ratio, ratio);
+    ctx.lineCap = "round";
+    for (const item of this.left.children) item.classList.toggle("active", focus?.axis === "row" && Number(item.dataset.index) === focus.index);
+    for (const item of this.right.children) item.classList.toggle("active", focus?.axis === "col" && Number(item.dataset.index) === focus.index);
+    for (const { view, color } of this.layers) {
+      const nCols = view.cols.length;
+      // Bucketed by weight: ten paths per head instead of one stroke per line.
+      const paths = Array.from({ length: BUCKETS }, () => new Path2D());
+      for (let r = 0; r < view.rows.length; r++) {
+        if (focus?.axis === "row" && focus.index !== r) continue;
+        for (let c = 0; c < nCols; c++) {
+          if (focus?.axis === "col" && focus.index !== c) continue;
+          const w = view.values[r * nCols + c];
+          if (w < MIN_DRAWN || view.masked(r, c)) continue;
+          const path = paths[Math.min(BUCKETS - 1, Math.floor(w * BUCKETS))];
+          path.moveTo(0, r * ROW + ROW / 2);
+          path.lineTo(width, c * ROW + ROW / 2);
+        }
+      }
+      ctx.strokeStyle = color || pal.heads[0];
+      paths.forEach((path, b) => {
+        const w = (b + 0.5) / BUCKETS;
+        ctx.globalAlpha = Math.min(1, 0.15 + w);
+        ctx.lineWidth = 0.5 + 3.5 * w;
+        ctx.stroke(path);
+      });
+    }
+  }
+}

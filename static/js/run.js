@@ -1,0 +1,87 @@
+// One analysed text: its tokens and whichever layers have arrived so far.
+// Layers arrive as u8 (fast, for the grid); single heads can be refined to float16 for exact reading.
+
+import { decodeAttention } from "./payload.js";
+
+export class AttentionRun {
+  constructor(response) {
+    this.runId = response.run_id;
+    this.model = response.model;
+    this.causal = response.causal;
+    this.nLayers = response.n_layers;
+    this.nHeads = response.n_heads;
+    this.tokens = response.tokens;
+    this.truncated = response.truncated;
+    this.T = response.tokens.length;
+    this.layerBytes = new Array(this.nLayers).fill(null); // each Uint8Array [head][query][key]
+    this.scale = 1 / 255;
+    this.precise = new Map(); // "layer:head" -> Float32Array [query][key]
+    this.hasPair = response.tokens.some((t) => t.segment === 1);
+    this.ingest(response);
+  }
+
+  // Accepts a POST response or a slice response; only whole layers (all heads) feed the grid.
+  ingest({ layers, heads, attention }) {
+    const decoded = decodeAttention(attention);
+    const [nL, nH, T] = decoded.shape;
+    const cells = T * T;
+    const headList = heads || [...Array(nH).keys()];
+    const layerList = layers || [...Array(nL).keys()];
+    const wholeLayers = nH === this.nHeads;
+    layerList.forEach((layer, li) => {
+      if (decoded.bytes) {
+        this.scale = decoded.scale;
+        if (wholeLayers) this.layerBytes[layer] = decoded.bytes.subarray(li * nH * cells, (li + 1) * nH * cells);
+        return;
+      }
+      headList.forEach((head, hi) => {
+        const start = (li * nH + hi) * cells;
+        this.precise.set(`${layer}:${head}`, decoded.values.subarray(start, start + cells));
+      });
+    });
+  }
+
+  hasLayer(layer) {
+    return this.layerBytes[layer] !== null;
+  }
+
+  missingLayers() {
+    return [...Array(this.nLayers).keys()].filter((l) => !this.hasLayer(l));
+  }
+
+  isPrecise(layer, head) {
+    return this.precise.has(`${layer}:${head}`);
+  }
+
+  headBytes(layer, head) {
+    const cells = this.T * this.T;
+    return this.layerBytes[layer].subarray(head * cells, (head + 1) * cells);
+  }
+
+  // Float weights of one head; null while its layer has not arrived.
+  head(layer, head) {
+    const exact = this.precise.get(`${layer}:${head}`);
+    if (exact) return exact;
+    if (!this.hasLayer(layer)) return null;
+    const bytes = this.headBytes(layer, head);
+    const values = new Float32Array(bytes.length);
+    for (let i = 0; i < bytes.length; i++) values[i] = bytes[i] * this.scale;
+    return values;
+  }
+
+  // Mean over the heads of one layer, or over every layer and head; null until the data is here.
+  mean(layers) {
+    if (!layers.every((l) => this.hasLayer(l))) return null;
+    const cells = this.T * this.T;
+    const sum = new Float32Array(cells);
+    for (const layer of layers) {
+      const bytes = this.layerBytes[layer];
+      for (let offset = 0; offset < bytes.length; offset += cells) {
+        for (let i = 0; i < cells; i++) sum[i] += bytes[offset + i];
+      }
+    }
+    const factor = this.scale / (layers.length * this.nHeads);
+    for (let i = 0; i < cells; i++) sum[i] *= factor;
+    return sum;
+  }
+}
