@@ -30,6 +30,8 @@ def cmd_attend(args) -> int:
     if not 0 <= args.layer < info.n_layers or not 0 <= args.head < info.n_heads:
         print(f"error: layer must be in 0..{info.n_layers - 1} and head in 0..{info.n_heads - 1}", file=sys.stderr)
         return 2
+    if args.json:
+        return _print_json(model, args)
     result = model.attend(args.text, args.pair, truncate=args.truncate)
     texts = [t.text for t in result.tokens]
     print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
@@ -39,6 +41,73 @@ def cmd_attend(args) -> int:
     print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
     print(_format_head(texts, result.attention[args.layer, args.head]))
     return 0
+
+
+def _print_json(model, args) -> int:
+    """The exact body POST /api/v1/attention returns for the same text and options."""
+    import time
+
+    import orjson
+
+    from app.services.attention import parse_index_list, resolve_indices
+    from app.services.cache import Run, run_id_for
+    from app.services.errors import ApiError
+    from app.services.payload import View, render_result
+
+    info = model.info
+    try:
+        view = View(
+            resolve_indices(parse_index_list([args.layers] if args.layers else None, "layer"), info.n_layers, "layer", info.id),
+            resolve_indices(parse_index_list([args.heads] if args.heads else None, "head"), info.n_heads, "head", info.id),
+            args.format,
+        )
+    except ApiError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    encoded = model.encode(args.text, args.pair, truncate=args.truncate)
+    tokenized = time.perf_counter()
+    result = model.run([encoded])[0]
+    timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized}
+    run_id = run_id_for(info.id, args.text, args.pair, args.truncate)
+    run = Run(run_id, info.id, result.tokens, result.truncated, result.attention)
+    sys.stdout.buffer.write(orjson.dumps(render_result(run, info, view, timing)) + b"\n")
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from app.config import Settings
+    from app.main import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = Settings()
+    updates = {"extra_models": {**settings.extra_models, **_merge(args.model)}}
+    if args.device:
+        updates["device"] = args.device
+    settings = settings.model_copy(update=updates)
+    print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
+          "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
+    # Our own middleware writes one structured line per request, so uvicorn's access log is off.
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, access_log=False, log_level=args.log_level)
+    return 0
+
+
+def _model_flag(value: str) -> dict[str, str]:
+    from app.config import parse_model_specs
+
+    try:
+        return parse_model_specs([value])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _merge(items: list[dict[str, str]]) -> dict[str, str]:
+    return {k: v for item in items for k, v in item.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     attend.add_argument("--head", type=int, default=0)
     attend.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
     attend.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    attend.add_argument("--json", action="store_true", help="print the API's JSON response instead of a table")
+    attend.add_argument("--format", choices=("json", "f16", "u8"), default="json", help="attention encoding for --json")
+    attend.add_argument("--layers", default=None, help="comma-separated layers for --json (default: all)")
+    attend.add_argument("--heads", default=None, help="comma-separated heads for --json (default: all)")
     attend.set_defaults(func=cmd_attend)
+
+    serve = sub.add_parser("serve", help="run the attention API and the browser visualizer")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--model", action="append", type=_model_flag, default=[], metavar="ID=PATH_OR_SPEC",
+        help="serve another model (repeatable); the built-in minilm stays the default",
+    )
+    serve.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

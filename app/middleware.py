@@ -101,7 +101,7 @@ class AccessLog:
             await self.app(scope, receive, watch)
         finally:
             elapsed = time.perf_counter() - started
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = getattr(scope.get("route"), "path", None) or "other"  # docs, static files, 404s: not worth a label each
             method = scope["method"]
             self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.latency.labels(route, method, str(status)).observe(elapsed)

@@ -14,7 +14,7 @@ from app.services.batcher import Done
 from app.services.cache import Run, RunCache, run_id_for
 from app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
 from app.services.metrics import Metrics
-from app.services.payload import View, encode_attention, result_dict, select
+from app.services.payload import View, render_result
 from app.services.registry import Registry, Served
 from model.errors import TooLongError
 from model.tokenizer import Encoded
@@ -165,13 +165,7 @@ class AttentionService:
             item.timing["tokenize"] = time.perf_counter() - started
 
     def _render(self, served: Served, items: list[Item], view: View, batch: bool) -> bytes:
-        info = served.model.info
-        results = []
-        for item in items:
-            started = time.perf_counter()
-            attention = encode_attention(select(item.run.attention, view.layers, view.heads), view.format)
-            timing = {**item.timing, "encode": time.perf_counter() - started}
-            results.append(result_dict(item.run, info.causal, info.device, view, attention, timing))
+        results = [render_result(item.run, served.model.info, view, item.timing) for item in items]
         return orjson.dumps({"results": results} if batch else results[0])
 
     @staticmethod

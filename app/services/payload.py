@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import sys
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -76,18 +77,22 @@ def token_dicts(run: Run) -> list[dict]:
     ]
 
 
-def result_dict(run: Run, causal: bool, device: str, view: View, attention_json: bytes, timing_ms: dict) -> dict:
+def render_result(run: Run, info, view: View, timing_s: dict) -> dict:
+    """One v1 result; `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
+    started = time.perf_counter()
+    attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
+    timing_s = {**timing_s, "encode": time.perf_counter() - started}
     return {
         "run_id": run.run_id,
         "model": run.model,
-        "causal": causal,
+        "causal": info.causal,
         "n_layers": run.attention.shape[0],
         "n_heads": run.attention.shape[1],
         "tokens": token_dicts(run),
         "truncated": run.truncated,
         "layers": view.layers,
         "heads": view.heads,
-        "attention": orjson.Fragment(attention_json),
-        "device": device,
-        "timing_ms": {k: round(v * 1000, 3) for k, v in timing_ms.items()},
+        "attention": orjson.Fragment(attention),
+        "device": info.device,
+        "timing_ms": {k: round(v * 1000, 3) for k, v in timing_s.items()},
     }

@@ -1,0 +1,151 @@
+"""Contract v1, endpoint by endpoint, against the running app and the model run directly."""
+
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import orjson
+import pytest
+
+from tests.api.conftest import decode, metric
+
+TEXT = "The bank of the river."
+TOKEN_KEYS = {"text", "id", "start", "end", "special", "segment"}
+
+
+def test_models_lists_the_default_minilm(api):
+    body = api.get("/api/v1/models").json()
+    assert body == {
+        "models": [
+            {
+                "id": "minilm", "family": "bert", "causal": False, "n_layers": 6, "n_heads": 12, "d_model": 384,
+                "head_dim": 32, "max_tokens": 512, "device": "cpu", "default": True,
+            }
+        ]
+    }
+
+
+def test_attention_json_matches_the_model(api, minilm):
+    r = api.post("/api/v1/attention", json={"text": TEXT})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == {
+        "run_id", "model", "causal", "n_layers", "n_heads", "tokens", "truncated", "layers", "heads",
+        "attention", "device", "timing_ms",
+    }
+    expected = minilm.attend(TEXT)
+    assert body["model"] == "minilm" and body["causal"] is False and body["truncated"] is False
+    assert (body["n_layers"], body["n_heads"], body["device"]) == (6, 12, "cpu")
+    assert body["layers"] == list(range(6)) and body["heads"] == list(range(12))
+    assert all(set(t) == TOKEN_KEYS for t in body["tokens"])
+    assert [(t["text"], t["id"], t["start"], t["end"], t["special"], t["segment"]) for t in body["tokens"]] == [
+        (t.text, t.id, t.start, t.end, t.special, t.segment) for t in expected.tokens
+    ]
+    att = body["attention"]
+    assert (att["format"], att["dtype"], att["shape"]) == ("json", "float32", [6, 12, 8, 8])
+    assert "scale" not in att
+    np.testing.assert_allclose(decode(att), expected.attention.numpy(), atol=1e-5, rtol=0)
+    assert set(body["timing_ms"]) == {"tokenize", "queue", "forward", "encode"}
+    assert all(v >= 0 for v in body["timing_ms"].values())
+
+
+def test_layers_and_heads_select_in_the_order_asked(api, minilm):
+    body = api.post("/api/v1/attention", json={"text": TEXT, "layers": [4, 1], "heads": [11, 0, 3]}).json()
+    assert body["layers"] == [4, 1] and body["heads"] == [11, 0, 3]
+    assert body["attention"]["shape"] == [2, 3, 8, 8]
+    full = minilm.attend(TEXT).attention.numpy()
+    np.testing.assert_allclose(decode(body["attention"]), full[[4, 1]][:, [11, 0, 3]], atol=1e-5, rtol=0)
+
+
+def test_text_pair_and_truncate(api, minilm):
+    body = api.post("/api/v1/attention", json={"text": "Where is it?", "text_pair": "On the bank."}).json()
+    assert {t["segment"] for t in body["tokens"]} == {0, 1}
+    bank = next(t for t in body["tokens"] if t["text"] == "bank")
+    assert (bank["segment"], bank["start"], bank["end"]) == (1, 7, 11)
+    long = api.post("/api/v1/attention", json={"text": "word " * 600, "truncate": True, "format": "u8"}).json()
+    assert long["truncated"] is True and long["attention"]["shape"] == [6, 12, 512, 512]
+
+
+def test_run_id_is_stable_and_depends_on_what_changes_the_forward(api):
+    post = lambda **kw: api.post("/api/v1/attention", json={"text": TEXT, "layers": [0], "heads": [0], **kw}).json()  # noqa: E731
+    first = post()["run_id"]
+    assert post(format="u8", layers=[3])["run_id"] == first  # a different view of the same run
+    assert post(text_pair="Yes.")["run_id"] != first
+    assert post(truncate=True)["run_id"] != first
+    assert api.post("/api/v1/attention", json={"text": TEXT + " "}).json()["run_id"] != first
+
+
+def test_runs_serves_any_slice_of_a_recent_run(api, minilm):
+    run_id = api.post("/api/v1/attention", json={"text": TEXT, "format": "u8", "layers": [0], "heads": [0]}).json()["run_id"]
+    full = minilm.attend(TEXT).attention.numpy()
+    r = api.get(f"/api/v1/runs/{run_id}/attention", params={"layers": "5,2", "heads": "7", "format": "json"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["run_id"] == run_id and body["layers"] == [5, 2] and body["heads"] == [7]
+    np.testing.assert_allclose(decode(body["attention"]), full[[5, 2]][:, [7]], atol=1e-5, rtol=0)
+    assert body["timing_ms"]["forward"] == 0
+    # Repeated parameters work too, and the default is everything.
+    r = api.get(f"/api/v1/runs/{run_id}/attention?layers=1&layers=3&format=f16")
+    assert r.json()["attention"]["shape"] == [2, 12, 8, 8]
+
+
+def test_batch_returns_one_result_per_text(api, minilm):
+    texts = ["Short.", "A somewhat longer sentence about a river bank.", TEXT]
+    r = api.post("/api/v1/attention/batch", json={"texts": texts, "format": "u8", "heads": [2]})
+    assert r.status_code == 200
+    results = r.json()["results"]
+    assert len(results) == 3
+    for text, result in zip(texts, results):
+        expected = minilm.attend(text).attention.numpy()[:, [2]]
+        assert result["attention"]["shape"] == list(expected.shape)
+        assert np.abs(decode(result["attention"]) - expected).max() <= 0.5 / 255 + 1e-6
+
+
+def test_health_ready_and_metrics(api):
+    assert api.get("/healthz").json() == {"status": "ok"}
+    assert api.get("/readyz").json() == {"status": "ready", "models": ["minilm"]}
+    api.post("/api/v1/attention", json={"text": TEXT})
+    r = api.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in ("manyeyes_requests_total", "manyeyes_request_seconds_bucket", "manyeyes_queue_depth",
+                 "manyeyes_batch_size_bucket", "manyeyes_forward_seconds_bucket", "manyeyes_cache_lookups_total"):
+        assert name in r.text
+    assert metric(api, "manyeyes_requests_total", route="/api/v1/attention", method="POST", status="200") >= 1
+
+
+def test_large_json_is_gzipped_at_level_6_or_less_but_compact_formats_are_not(api):
+    from starlette.middleware.gzip import GZipMiddleware
+
+    headers = {"Accept-Encoding": "gzip"}
+    request = {"text": "word " * 100}
+    with api.stream("POST", "/api/v1/attention", json=request, headers=headers) as r:
+        assert r.headers["content-encoding"] == "gzip"
+        raw = b"".join(r.iter_raw())
+    # A gzip stream's XFL byte is 2 only for level 9; the configured level is what bounds it.
+    assert raw[:2] == b"\x1f\x8b" and raw[8] != 2
+    assert np.asarray(orjson.loads(gzip.decompress(raw))["attention"]["data"]).shape == (6, 12, 102, 102)
+    levels = [m.kwargs["compresslevel"] for m in api.app.user_middleware if m.cls is GZipMiddleware]
+    assert levels and all(1 <= level <= 6 for level in levels)
+    r = api.post("/api/v1/attention", json={**request, "format": "u8"}, headers=headers)
+    assert "content-encoding" not in r.headers
+    assert r.headers["content-type"] == "application/vnd.manyeyes+json"
+
+
+def test_openapi_documents_the_contract_with_examples(api):
+    spec = api.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path in ("/api/v1/models", "/api/v1/attention", "/api/v1/attention/batch", "/api/v1/runs/{run_id}/attention",
+                 "/healthz", "/readyz"):
+        assert path in paths
+    schemas = spec["components"]["schemas"]
+    assert schemas["AttentionRequest"]["examples"] and schemas["AttentionResponse"]["examples"]
+    assert set(paths["/api/v1/attention"]["post"]["responses"]) >= {"200", "404", "413", "422", "429", "504"}
+    assert api.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("fmt", ["json", "u8", "f16"])
+def test_every_format_round_trips_the_same_run(api, fmt, minilm):
+    body = api.post("/api/v1/attention", json={"text": "Rivers have banks.", "format": fmt, "layers": [1]}).json()
+    assert body["attention"]["format"] == fmt
+    assert decode(body["attention"]).shape == (1, 12, 6, 6)
