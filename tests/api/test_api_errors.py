@@ -1,0 +1,172 @@
+"""Every error is JSON {"error": {"code", "message"}} with the right status, never a 500."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+
+from app.config import Settings
+from tests.api.conftest import metric, serve
+
+
+def error_of(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_body_over_the_limit_is_413_before_parsing(api):
+    limit = api.app.state.settings.max_body_bytes
+    # Not even valid JSON: a parse would give 422, so 413 proves it was never parsed.
+    err = error_of(api.post("/api/v1/attention", content=b"{" * (limit + 1), headers={"content-type": "application/json"}), 413)
+    assert err["code"] == "body_too_large" and f"{limit:,}" in err["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(limit // 65536 + 2):
+            yield b" " * 65536
+
+    err = error_of(api.post("/api/v1/attention", content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert err["code"] == "body_too_large"
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"text": ""}, "text"),
+        ({"text": "   \n\t"}, "whitespace"),
+        ({"text": "hi", "text_pair": "  "}, "whitespace"),
+        ({"texts": ["ok", " "]}, "texts[1]"),
+        ({"text": "hi", "layers": [6]}, "layer 6 does not exist: model minilm has layers 0..5"),
+        ({"text": "hi", "layers": [-1]}, "layer -1"),
+        ({"text": "hi", "heads": [12]}, "head 12 does not exist: model minilm has heads 0..11"),
+        ({"text": "hi", "heads": []}, "heads"),
+        ({"text": "hi", "format": "png"}, "format"),
+        ({"text": "hi", "colour": "red"}, "colour"),
+        ({"text": 5}, "text"),
+        ({}, "text"),
+    ],
+)
+def test_invalid_input_is_422(api, body, needle):
+    path = "/api/v1/attention/batch" if "texts" in body else "/api/v1/attention"
+    err = error_of(api.post(path, json=body), 422)
+    assert err["code"] == "invalid_request" and needle in err["message"]
+
+
+def test_malformed_json_is_422(api):
+    err = error_of(api.post("/api/v1/attention", content=b'{"text": ', headers={"content-type": "application/json"}), 422)
+    assert err["code"] == "invalid_request"
+
+
+def test_too_long_without_truncate_names_both_lengths(api):
+    err = error_of(api.post("/api/v1/attention", json={"text": "word " * 600}), 422)
+    assert err["code"] == "too_long" and "602" in err["message"] and "512" in err["message"]
+    err = error_of(api.post("/api/v1/attention/batch", json={"texts": ["fine", "word " * 600]}), 422)
+    assert err["message"].startswith("texts[1]: ") and "602" in err["message"]
+
+
+def test_json_over_the_cell_budget_is_413_with_a_hint(api, monkeypatch):
+    settings = api.app.state.settings
+    monkeypatch.setattr(settings, "max_json_cells", 1000)  # 6*12*8*8 = 4608 cells
+    forwards_before = metric(api, "manyeyes_forward_seconds_count")
+    err = error_of(api.post("/api/v1/attention", json={"text": "A brand new sentence here."}), 413)
+    assert err["code"] == "too_many_cells" and "u8" in err["message"] and "1,000" in err["message"]
+    assert metric(api, "manyeyes_forward_seconds_count") == forwards_before  # refused before the forward
+    small = api.post("/api/v1/attention", json={"text": "A brand new sentence here.", "layers": [0], "heads": [0]})
+    assert small.status_code == 200
+    assert api.post("/api/v1/attention", json={"text": "A brand new sentence here.", "format": "u8"}).status_code == 200
+    run_id = small.json()["run_id"]
+    err = error_of(api.get(f"/api/v1/runs/{run_id}/attention"), 413)
+    assert err["code"] == "too_many_cells"
+
+
+def test_unknown_model_run_and_route_are_404(api):
+    err = error_of(api.post("/api/v1/attention", json={"text": "hi", "model": "gpt-9"}), 404)
+    assert err["code"] == "unknown_model" and "gpt-9" in err["message"] and "minilm" in err["message"]
+    err = error_of(api.get("/api/v1/runs/0123abcd/attention"), 404)
+    assert err["code"] == "unknown_run" and "POST /api/v1/attention" in err["message"]
+    err = error_of(api.get("/api/v1/nothing"), 404)
+    assert err["code"] == "not_found"
+    err = error_of(api.delete("/api/v1/attention"), 405)
+    assert err["code"] == "method_not_allowed"
+
+
+def test_bad_slice_parameters_are_422(api):
+    run_id = api.post("/api/v1/attention", json={"text": "Slices.", "format": "u8"}).json()["run_id"]
+    for query, needle in (("layers=a", "integers"), ("heads=99", "head 99"), ("format=bmp", "format")):
+        err = error_of(api.get(f"/api/v1/runs/{run_id}/attention?{query}"), 422)
+        assert needle in err["message"]
+
+
+def test_batch_item_count_is_bounded(api):
+    limit = api.app.state.settings.max_batch_texts
+    err = error_of(api.post("/api/v1/attention/batch", json={"texts": ["x"] * (limit + 1)}), 422)
+    assert f"at most {limit}" in err["message"]
+    err = error_of(api.post("/api/v1/attention/batch", json={"texts": []}), 422)
+    assert err["code"] == "invalid_request"
+
+
+def test_evicted_run_is_404_and_cache_stays_within_its_bytes(api, monkeypatch):
+    cache = api.app.state.service.cache
+    monkeypatch.setattr(cache, "max_bytes", 6 * 12 * 40 * 40 * 4 * 2)  # room for about two 40-token runs
+    ids = [api.post("/api/v1/attention", json={"text": f"word {i} " * 19, "format": "u8", "layers": [0]}).json()["run_id"]
+           for i in range(4)]
+    assert cache.nbytes <= cache.max_bytes
+    err = error_of(api.get(f"/api/v1/runs/{ids[0]}/attention"), 404)
+    assert "evicted" in err["message"]
+    assert api.get(f"/api/v1/runs/{ids[-1]}/attention?format=u8").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """Slow forwards (0.5 s), a 0.3 s budget, room for two waiting requests, and a slow start."""
+    settings = Settings(
+        models={"minilm": "minilm"}, device="cpu", warmup=False, max_queue=2, request_timeout_s=0.3,
+        debug_forward_delay_s=0.5, debug_load_delay_s=0.5,
+    )
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    client = TestClient(create_app(settings))
+    client.__enter__()
+    yield client
+    client.__exit__(None, None, None)
+
+
+def test_readyz_is_503_until_models_load_while_healthz_answers(slow):
+    err = error_of(slow.get("/readyz"), 503)
+    assert err["code"] == "not_ready" and "loading" in err["message"]
+    assert slow.get("/healthz").status_code == 200
+    assert error_of(slow.post("/api/v1/attention", json={"text": "early"}), 503)["code"] == "not_ready"
+    deadline = time.monotonic() + 30
+    while slow.get("/readyz").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_full_queue_is_429_with_retry_after_and_slow_work_is_504(slow):
+    while slow.get("/readyz").status_code != 200:
+        time.sleep(0.05)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda i: slow.post("/api/v1/attention", json={"text": f"busy {i}"}), range(8)))
+    statuses = sorted(r.status_code for r in replies)
+    assert set(statuses) <= {429, 504} and 429 in statuses and 504 in statuses, statuses
+    for r in replies:
+        err = error_of(r, r.status_code)
+        if r.status_code == 429:
+            assert err["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+        else:
+            assert err["code"] == "timeout" and "0.3 s" in err["message"]
+    assert metric(slow, "manyeyes_dropped_total", reason="queue_full") == statuses.count(429)
+    # The server recovers: once the backlog drains, requests succeed again.
+    slow.app.state.settings.request_timeout_s = 30
+    deadline = time.monotonic() + 30
+    while (r := slow.post("/api/v1/attention", json={"text": "after"})).status_code == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert r.status_code == 200
