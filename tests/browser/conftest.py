@@ -1,0 +1,164 @@
+"""Browser fixtures: the real server on a loopback port (MiniLM plus a tiny causal GPT) and Debian's chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
+
+SERVER_SCRIPT = """
+import json, sys, uvicorn
+from app.config import Settings
+from app.main import create_app
+uvicorn.run(create_app(Settings(models=json.loads(sys.argv[2]))), host="127.0.0.1", port=int(sys.argv[1]),
+            log_level="warning")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def causal_model_spec(tmp_path_factory) -> str:
+    """A small random book GPTModel checkpoint (causal) that reuses MiniLM's tokenizer.json: no download."""
+    import torch
+
+    from model.gpt import GPTModel
+    from model.loading import builtin_path
+
+    folder = tmp_path_factory.mktemp("tiny-causal")
+    cfg = {"vocab_size": 30522, "context_length": 64, "emb_dim": 32, "n_heads": 4, "n_layers": 2, "qkv_bias": True}
+    torch.manual_seed(0)
+    torch.save(GPTModel(cfg).state_dict(), folder / "model.pth")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return f"{folder / 'model.pth'}?tokenizer={builtin_path('minilm') / 'tokenizer.json'}"
+
+
+@pytest.fixture(scope="session")
+def server(causal_model_spec):
+    """`create_app` under uvicorn in a subprocess, as `manyeyes serve` runs it; yields its base URL."""
+    port = free_port()
+    models = {"minilm": "minilm", "tiny-causal": causal_model_spec}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with status {proc.returncode} before it was ready")
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server was not ready within 120 s")
+            time.sleep(0.25)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def api(server):
+    with httpx.Client(base_url=server, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not CHROMIUM.exists():
+        message = f"{CHROMIUM} is missing: apt-get install -y chromium"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Watched:
+    """Everything a page did that a test may want to hold it to."""
+
+    def __init__(self):
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+
+    def off_loopback(self) -> list[str]:
+        return [u for u in self.requests if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).hostname not in LOOPBACK]
+
+
+@pytest.fixture
+def watched():
+    return Watched()
+
+
+@pytest.fixture
+def make_page(browser, watched):
+    """New pages (own context each) with every request, script error and dialog recorded."""
+    contexts = []
+
+    def make(viewport=(1440, 900), color_scheme="light"):
+        context = browser.new_context(
+            viewport={"width": viewport[0], "height": viewport[1]}, color_scheme=color_scheme, accept_downloads=True
+        )
+        contexts.append(context)
+        context.on("request", lambda request: watched.requests.append(request.url))
+        page = context.new_page()
+        page.on("pageerror", lambda exc: watched.errors.append(str(exc)))
+        # Chromium logs every 4xx as "Failed to load resource"; tests check statuses themselves.
+        page.on("console", lambda msg: msg.type == "error" and not msg.text.startswith("Failed to load resource")
+                and watched.errors.append(msg.text))
+
+        def on_dialog(dialog):
+            watched.dialogs.append(dialog.message)
+            dialog.dismiss()
+
+        page.on("dialog", on_dialog)
+        return page
+
+    yield make
+    for context in contexts:
+        context.close()
+    # Every browser test also holds the page to the offline promise and to a clean console.
+    assert watched.off_loopback() == []
+    assert watched.errors == []
+
+
+@pytest.fixture
+def page(make_page):
+    return make_page()
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS

@@ -1,0 +1,311 @@
+"""The visualizer in a real chromium against the real server and MiniLM (issue 4)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.browser
+
+SENTENCE = "The bank of the river was muddy after the rain."
+PAIR = "It flowed slowly to the sea."
+XSS = "<img src=x onerror=alert(1)>"
+
+
+def open_page(page, server, query=""):
+    page.goto(f"{server}/{query}")
+    page.wait_for_selector("body[data-ready=true]")
+
+
+def run(page, text, pair=None, model=None):
+    page.fill("#text", text)
+    if pair is not None:
+        page.fill("#pair", pair)
+    if model is not None:
+        page.select_option("#model", model)
+    page.press("#text", "Enter")
+    wait_focus(page)
+
+
+def wait_focus(page, **state):
+    """Waits for the focused heatmap with exact (f16) values, at the given layer/head if named."""
+    selector = "#focus-plot[data-precision=f16]" + "".join(f"[data-{k}='{v}']" for k, v in state.items())
+    page.wait_for_selector(selector, timeout=30_000)
+
+
+def wait_grid(page):
+    page.wait_for_function("document.querySelectorAll('.thumb').length > 0 && !document.querySelector('.thumb.loading')",
+                           timeout=30_000)
+
+
+def focus_title(page) -> str:
+    return page.locator("#focus-plot .gtitle").text_content()
+
+
+def plotted(page):
+    """The heatmap's z as Plotly holds it (null = masked)."""
+    return page.evaluate("document.getElementById('focus-plot').data[0].z")
+
+
+def hover_cell(page, row, col) -> str:
+    point = page.evaluate(
+        """([row, col]) => {
+            const gd = document.getElementById('focus-plot');
+            const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+            const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+            return [box.left + xa.l2p(col), box.top + ya.l2p(row)];
+        }""",
+        [row, col],
+    )
+    page.mouse.move(point[0] - 30, point[1] - 30)
+    page.mouse.move(*point, steps=3)
+    # Plotly throttles hover events: wait for the reading of this very cell (token indices, no filters).
+    tooltip = page.locator(f"#tooltip[data-query='{row}'][data-key='{col}']")
+    tooltip.wait_for(state="visible")
+    return tooltip.text_content()
+
+
+def api_attention(api, text, pair=None, model="minilm", layers=None, heads=None):
+    body = {"text": text, "model": model, "format": "json"}
+    if pair is not None:
+        body["text_pair"] = pair
+    if layers is not None:
+        body["layers"], body["heads"] = layers, heads
+    reply = api.post("/api/v1/attention", json=body)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    return data["tokens"], np.asarray(data["attention"]["data"], dtype=np.float64)
+
+
+def test_sentence_renders_every_head_and_a_titled_focus(server, api, page, artifacts):
+    info = api.get("/api/v1/models").json()["models"][0]
+    open_page(page, server)
+    run(page, SENTENCE, PAIR)
+    wait_grid(page)
+    assert page.locator(".thumb").count() == info["n_layers"] * info["n_heads"]
+    assert page.locator(".grid .row-label").all_text_contents() == [f"L{i}" for i in range(info["n_layers"])]
+    assert page.locator(".grid .col-label").all_text_contents() == [f"H{i}" for i in range(info["n_heads"])]
+    assert focus_title(page) == "Layer 0, head 0"
+    # Every thumbnail has real pixels drawn from the payload, not a blank canvas.
+    blank = page.evaluate("""[...document.querySelectorAll('.thumb canvas')].filter(c => {
+        const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        return new Set(Array.from({length: px.length / 4}, (_, i) => px[4 * i] * 65536 + px[4 * i + 1] * 256 + px[4 * i + 2])).size < 3;
+    }).length""")
+    assert blank == 0
+    tokens, _ = api_attention(api, SENTENCE, PAIR, layers=[0], heads=[0])
+    assert len(plotted(page)) == len(tokens)
+    assert page.locator("#busy").is_hidden()
+    assert page.locator(".hv-left li").all_text_contents() == [t["text"] for t in tokens]
+    page.screenshot(path=str(artifacts / "main-view.png"), full_page=True)
+
+
+def test_hover_reads_the_api_value(server, api, page):
+    open_page(page, server, "?text=" + SENTENCE.replace(" ", "+") + "&model=minilm&layer=2&head=3")
+    wait_focus(page, layer=2, head=3)
+    tokens, weights = api_attention(api, SENTENCE, layers=[2], heads=[3])
+    head = weights[0, 0]
+    inner = head[1:-1, 1:-1]  # the strongest cell between words, away from [CLS]/[SEP]
+    peak = [int(i) + 1 for i in np.unravel_index(np.argmax(inner), inner.shape)]
+    for row, col in [(2, 5), (5, 2), peak]:
+        text = hover_cell(page, row, col)
+        match = re.fullmatch(r"(.+) → (.+): (\d\.\d{3})", text)
+        assert match, text
+        assert match.group(1) == tokens[row]["text"] and match.group(2) == tokens[col]["text"]
+        # Three decimals of a float16 reading: within rounding (5e-4) plus float16 error.
+        assert abs(float(match.group(3)) - head[row, col]) <= 1.1e-3, (text, head[row, col])
+
+
+def test_clicking_a_thumbnail_and_arrow_keys_move_the_focus(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.click(".thumb[data-layer='4'][data-head='7']")
+    wait_focus(page, layer=4, head=7)
+    assert focus_title(page) == "Layer 4, head 7"
+    assert page.locator(".thumb[aria-pressed=true]").get_attribute("aria-label") == "Layer 4, head 7"
+    assert page.locator("#layer").input_value() == "4" and page.locator("#head").input_value() == "7"
+    page.focus("#focus-plot")
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=4, head=8)
+    page.keyboard.press("ArrowDown")
+    wait_focus(page, layer=5, head=8)
+    page.keyboard.press("ArrowLeft")
+    wait_focus(page, layer=5, head=7)
+    assert focus_title(page) == "Layer 5, head 7"
+    page.select_option("#layer", "1")
+    wait_focus(page, layer=1, head=7)
+
+
+def test_permalink_round_trips(server, make_page):
+    first = make_page()
+    open_page(first, server)
+    run(first, SENTENCE, PAIR)
+    first.click(".thumb[data-layer='3'][data-head='9']")
+    wait_focus(first, layer=3, head=9)
+    query = parse_qs(urlsplit(first.url).query)
+    assert query == {"text": [SENTENCE], "pair": [PAIR], "model": ["minilm"], "layer": ["3"], "head": ["9"]}
+
+    second = make_page()
+    second.goto(first.url)
+    wait_focus(second, layer=3, head=9)
+    assert focus_title(second) == "Layer 3, head 9"
+    assert second.locator("#text").input_value() == SENTENCE
+    assert second.locator("#pair").input_value() == PAIR
+    assert second.locator("#model").input_value() == "minilm"
+    assert plotted(second) == plotted(first)
+
+
+def test_xss_input_is_inert_and_literal(server, page, watched):
+    open_page(page, server)
+    run(page, XSS, XSS)
+    wait_grid(page)
+    page.wait_for_timeout(300)  # time for any injected handler to have fired
+    assert watched.dialogs == []
+    assert page.locator("img").count() == 0
+    assert page.evaluate("document.querySelectorAll('[onerror]').length") == 0
+    assert page.locator("#text").input_value() == XSS
+    left = "".join(page.locator(".hv-left li").all_text_contents())
+    assert "<img" in left and "onerror=alert(1)>" in left
+    ticks = page.locator("#focus-plot .ytick text").all_text_contents()
+    assert "<" in ticks and ">" in ticks
+    text = hover_cell(page, 1, 1)
+    assert text.startswith("< → <: ")
+
+
+def test_over_long_input_shows_the_error_in_words(server, page):
+    open_page(page, server)
+    page.fill("#text", "word " * 700)
+    page.press("#text", "Enter")
+    error = page.locator("#error")
+    error.wait_for(state="visible")
+    message = error.text_content()
+    assert "Text too long" in message and "512" in message and "Cut to fit" in message
+    assert page.locator("#busy").is_hidden()
+    assert not page.locator("#run").is_disabled()
+    page.check("#truncate")
+    page.press("#text", "Enter")
+    wait_focus(page)
+    assert error.is_hidden()
+    assert "(cut to fit)" in page.locator("#focus-caption").text_content()
+
+
+def test_permalink_with_unknown_model_and_indices_falls_back(server, page):
+    open_page(page, server, "?text=Hello+there.&model=nope&layer=99&head=99")
+    wait_focus(page)
+    assert page.locator("#model").input_value() == "minilm"
+    # Out-of-range indices are clamped to the model's last layer and head.
+    assert focus_title(page) == "Layer 5, head 11"
+
+
+def test_long_input_fetches_further_layers_lazily(server, page, watched):
+    text = " ".join(f"Sentence number {i} talks about rivers and banks." for i in range(40))
+    open_page(page, server)
+    run(page, text)
+    wait_grid(page)
+    posts = [u for u in watched.requests if u.endswith("/api/v1/attention")]
+    slices = [u for u in watched.requests if "/attention?" in u and "format=u8" in u]
+    assert len(posts) == 1
+    assert slices, "the other layers should come from the runs slice endpoint"
+    fetched = sorted(int(x) for u in slices for x in parse_qs(urlsplit(u).query)["layers"][0].split(","))
+    assert fetched == [1, 2, 3, 4, 5]
+    assert page.locator(".thumb").count() == 72
+
+
+def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
+    open_page(page, server, f"?text={SENTENCE}&pair={PAIR}&model=minilm&layer=1&head=4")
+    wait_focus(page, layer=1, head=4)
+    tokens, weights = api_attention(api, SENTENCE, PAIR, layers=[1], heads=list(range(12)))
+    special = np.array([t["special"] for t in tokens])
+    seg = np.array([t["segment"] for t in tokens])
+
+    page.select_option("#aggregate", "layer")
+    page.wait_for_selector("#focus-plot[data-aggregate=layer]")
+    assert focus_title(page) == "Layer 1, mean of its 12 heads"
+    assert np.allclose(np.array(plotted(page)), weights[0].mean(axis=0), atol=1 / 255)
+
+    page.select_option("#aggregate", "all")
+    page.wait_for_selector("#focus-plot[data-aggregate=all]")
+    _, everything = api_attention(api, SENTENCE, PAIR)
+    assert np.allclose(np.array(plotted(page)), everything.mean(axis=(0, 1)), atol=1 / 255)
+
+    page.select_option("#aggregate", "head")
+    wait_focus(page, layer=1, head=4)
+    page.check("#hide-special")
+    page.wait_for_function("document.getElementById('focus-plot').data[0].z.length === %d" % (~special).sum())
+    z = np.array(plotted(page))
+    kept = weights[0, 4][~special][:, ~special]
+    assert np.allclose(z.sum(axis=1), 1, atol=5e-3)
+    assert np.allclose(z, kept / kept.sum(axis=1, keepdims=True), atol=2e-3)
+    assert page.locator(".hv-left li.special").count() == 0
+
+    page.select_option("#segments", "AB")
+    page.wait_for_function("document.getElementById('focus-plot').data[0].z[0].length === %d" % ((seg == 1) & ~special).sum())
+    z = np.array(plotted(page))
+    assert z.shape == (((seg == 0) & ~special).sum(), ((seg == 1) & ~special).sum())
+
+    page.uncheck("#hide-special")
+    page.select_option("#segments", "all")
+    page.locator("#threshold").fill("0.2")
+    page.wait_for_function("document.getElementById('threshold-value').textContent === '0.20'")
+    z = np.array(plotted(page))
+    head = weights[0, 4]
+    assert np.all((z == 0) | (z >= 0.2))
+    assert np.allclose(z[head >= 0.201], head[head >= 0.201], atol=1e-3)
+
+
+def test_causal_model_shows_the_upper_triangle_as_masked(server, api, page):
+    open_page(page, server)
+    run(page, "The bank of the river.", model="tiny-causal")
+    z = plotted(page)
+    n = len(z)
+    assert all(z[r][c] is None for r in range(n) for c in range(r + 1, n))
+    assert all(z[r][c] is not None for r in range(n) for c in range(r + 1))
+    assert "masked" in page.locator("#focus-caption").text_content()
+    assert hover_cell(page, 0, n - 1).endswith(": masked")
+    assert page.locator(".thumb").count() == 2 * 4
+
+
+def test_download_csv_and_json_hold_the_exact_head(server, api, page):
+    open_page(page, server, f"?text={SENTENCE}&model=minilm&layer=2&head=5")
+    wait_focus(page, layer=2, head=5)
+    tokens, weights = api_attention(api, SENTENCE, layers=[2], heads=[5])
+    with page.expect_download() as download:
+        page.click("#download-csv")
+    assert download.value.suggested_filename == "manyeyes-minilm-L2-H5.csv"
+    rows = list(csv.reader(io.StringIO(open(download.value.path(), encoding="utf-8").read())))
+    assert rows[0][:2] == ["query_index", "query_token"] and len(rows) == len(tokens) + 1
+    assert [r[1] for r in rows[1:]] == [t["text"] for t in tokens]
+    assert np.allclose(np.array([[float(v) for v in r[2:]] for r in rows[1:]]), weights[0, 0], atol=1e-6)
+
+    with page.expect_download() as download:
+        page.click("#download-json")
+    body = json.loads(open(download.value.path(), encoding="utf-8").read())
+    assert (body["layer"], body["head"], body["precision"]) == (2, 5, "float32")
+    assert [q["text"] for q in body["queries"]] == [t["text"] for t in tokens]
+    assert np.allclose(np.array(body["attention"]), weights[0, 0], atol=1e-6)
+
+
+def test_head_view_hover_isolates_a_token(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.wait_for_selector(".hv-left li")
+    page.hover(".hv-left li[data-index='3']")
+    assert page.locator(".hv-left li.active").get_attribute("data-index") == "3"
+    page.check("#hv-head-5")
+    assert page.locator(".head-chips input:checked").count() == 2
+
+
+def test_phone_width_and_dark_mode_lay_out_cleanly(server, make_page, artifacts):
+    page = make_page(viewport=(390, 844), color_scheme="dark")
+    open_page(page, server, f"?text={SENTENCE}&model=minilm&layer=0&head=1")
+    wait_focus(page, layer=0, head=1)
+    wait_grid(page)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert background == "rgb(13, 17, 23)"
+    page.screenshot(path=str(artifacts / "phone-dark.png"), full_page=True)
