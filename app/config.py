@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included
     max_batch_items: int = Field(64, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
-    # Capacity = what one forward holds + max_queue waiting; beyond that, 429.
+    # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)
     request_timeout_s: float = Field(30.0, gt=0)  # per-request budget: queue + forward, else 504
 
@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_000_000, ge=1)  # 413 before any JSON is parsed
     max_json_cells: int = Field(2_000_000, ge=1)  # format=json only: ~30 MB of text; u8 has no such cost
     max_batch_texts: int = Field(32, ge=1)
+    # Checked before tokenizing: a 512-token model needs ~3,000 characters, so this leaves room for
+    # truncate=true on long pastes while keeping the tokenizer's work per request small.
+    max_text_chars: int = Field(100_000, ge=1)
+
+    # Exposure (see SECURITY.md). CORS is off unless origins are listed, e.g.
+    # MANYEYES_CORS_ORIGINS='["https://viz.example.org"]'.
+    cors_origins: list[str] = Field(default_factory=list)
+    # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
+    shutdown_grace_s: float = Field(30.0, ge=0)
 
     cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs' full float32 attention
     gzip_level: int = Field(5, ge=1, le=6)

@@ -13,10 +13,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
 
 from app.config import Settings
-from app.middleware import AccessLog, BodyLimit
+from app.middleware import AccessLog, BodyLimit, SecurityHeaders
 from app.routes import attention, models, ops, page, runs
 from app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from app.services.cache import RunCache
@@ -107,5 +108,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE),
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:  # off by default: only the page this server serves may call the API
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+            allow_headers=["Content-Type"], expose_headers=["Retry-After"], max_age=600,
+        )
     app.add_middleware(AccessLog, metrics=metrics)
+    # Outermost, so every answer carries the headers, the 413s BodyLimit writes included.
+    app.add_middleware(SecurityHeaders, docs_paths=(app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url))
     return app

@@ -16,7 +16,9 @@ def _not_blank(value: str) -> str:
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion of client input, so `"truncate": 0` or `"layers": ["1"]` is a 422, as
+    # the schema says, rather than a guess (subclasses inherit it).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="A model id from GET /api/v1/models; default: the server's default")
     layers: list[int] | None = Field(None, min_length=1, description="Layer indices to return; default: all")

@@ -5,6 +5,7 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from app.deps import ServiceDep
+from app.disconnect import unless_disconnected
 from app.routes.responses import errors
 from app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from app.services.errors import InvalidInput
@@ -19,7 +20,7 @@ async def attention(body: AttentionRequest, service: ServiceDep, request: Reques
 
     Repeating a request is served from the run cache. Large inputs: use `format=u8`."""
     started = time.monotonic()
-    reply = await service.attend([(body.text, body.text_pair)], body, batch=False, started=started)
+    reply = await unless_disconnected(request, service.attend([(body.text, body.text_pair)], body, batch=False, started=started))
     request.state.log = reply.log
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
     return Response(reply.body, media_type=reply.media_type)
@@ -32,6 +33,6 @@ async def attention_batch(body: BatchRequest, service: ServiceDep, request: Requ
     limit = service.settings.max_batch_texts
     if len(body.texts) > limit:
         raise InvalidInput(f"a batch holds at most {limit} texts, got {len(body.texts)}")
-    reply = await service.attend([(t, None) for t in body.texts], body, batch=True, started=started)
+    reply = await unless_disconnected(request, service.attend([(t, None) for t in body.texts], body, batch=True, started=started))
     request.state.log = reply.log
     return Response(reply.body, media_type=reply.media_type)

@@ -46,7 +46,11 @@ def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: st
         return list(range(count))
     bad = [i for i in asked if not 0 <= i < count]
     if bad:
-        raise InvalidInput(f"{what} {bad[0]} does not exist: model {model_id} has {what}s 0..{count - 1}")
+        shown = str(bad[0]) if len(str(bad[0])) <= 24 else f"{str(bad[0])[:20]}..."  # never echo 4,000 digits
+        raise InvalidInput(f"{what} {shown} does not exist: model {model_id} has {what}s 0..{count - 1}")
+    # Repeats would let a small request ask for an unbounded response (layers=[0]*100000 in u8).
+    if len(set(asked)) != len(asked):
+        raise InvalidInput(f"each {what} may be asked for once; {what}s {asked[:16]}{'...' if len(asked) > 16 else ''} repeat some")
     return list(asked)
 
 
@@ -77,6 +81,7 @@ class AttentionService:
     async def attend(self, texts: list[tuple[str, str | None]], options, batch: bool, started: float) -> Reply:
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
+        self._check_chars(texts, batch)
         deadline = started + self.settings.request_timeout_s
         items = [
             Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
@@ -108,6 +113,15 @@ class AttentionService:
             resolve_indices(heads, info.n_heads, "head", info.id),
             fmt,
         )
+
+    def _check_chars(self, texts: list[tuple[str, str | None]], batch: bool) -> None:
+        """Refuses long pastes before the tokenizer sees them (truncate=true tokenizes all of it)."""
+        limit = self.settings.max_text_chars
+        for i, (text, pair) in enumerate(texts):
+            size = len(text) + len(pair or "")
+            if size > limit:
+                label = f"texts[{i}]: " if batch else ""
+                raise TooLong(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")
 
     def _check_cells(self, lengths: list[int], view: View) -> None:
         if view.format != "json":

@@ -35,7 +35,9 @@ class Job:
 
 class Batcher:
     """Owns one device. Admission is counted from the moment a request is accepted (before it is
-    tokenized), so a queue can never grow past `max_queue` and the worker knows more is coming."""
+    tokenized) until its forward pass ends, so at most `max_queue` inputs are ever in the system
+    (tokenizing, waiting or running) and the N+1st of N simultaneous arrivals gets 429, however
+    the worker's timing falls. The worker also knows more is coming."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class Batcher:
         self.forward_delay_s = forward_delay_s
         self._pending: deque[Job] = deque()
         self._admitted = 0  # accepted, not yet submitted (being tokenized)
+        self._running = 0  # taken by the worker, forward pass not finished
         self._cond = threading.Condition()
         self._closed = False
         self._forward_ewma_s = 0.05
@@ -68,7 +71,7 @@ class Batcher:
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
-            waiting = self._admitted + len(self._pending)
+            waiting = self._admitted + len(self._pending) + self._running
             if waiting + n > self.max_queue:
                 self.metrics.dropped.labels("queue_full").inc(n)
                 raise QueueFull(
@@ -93,7 +96,19 @@ class Batcher:
             self._pending.append(job)
             self.metrics.queue_depth.inc()
             self._cond.notify_all()
+        # A client that goes away cancels its future: free its place in the queue at once.
+        job.future.add_done_callback(lambda future: self._forget_cancelled(job))
         return job.future
+
+    def _forget_cancelled(self, job: Job) -> None:
+        if not job.future.cancelled():
+            return
+        with self._cond:
+            if job in self._pending:  # else the worker already took it and counts it in _run
+                self._pending.remove(job)
+                self.metrics.queue_depth.dec()
+                self.metrics.dropped.labels("cancelled").inc()
+                self._cond.notify_all()
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:
@@ -141,6 +156,7 @@ class Batcher:
             for job in batch:
                 self._pending.remove(job)
             self.metrics.queue_depth.dec(len(batch))
+            self._running += len(batch)
             return batch
 
     def _loop(self) -> None:
@@ -157,15 +173,27 @@ class Batcher:
                 self.metrics.dropped.labels("shutdown").inc()
                 job.future.set_exception(NotReady("the server is shutting down"))
 
+    def _settle(self, job: Job, result: Done | None = None, error: BaseException | None = None) -> None:
+        """Free the job's place before its request can see the answer, so a client that sends its
+        next request at once is never refused for room its last one still held."""
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+        if error is not None:
+            job.future.set_exception(error)
+        elif result is not None:
+            job.future.set_result(result)
+
     def _run(self, batch: list[Job]) -> None:
         now = time.monotonic()
         live: list[Job] = []
         for job in batch:
             if not job.future.set_running_or_notify_cancel():
                 self.metrics.dropped.labels("cancelled").inc()
+                self._settle(job)
             elif job.deadline <= now:
                 self.metrics.dropped.labels("expired").inc()
-                job.future.set_exception(OverBudget("the request spent its time budget waiting in the queue"))
+                self._settle(job, error=OverBudget("the request spent its time budget waiting in the queue"))
             else:
                 live.append(job)
         if not live:
@@ -178,7 +206,7 @@ class Batcher:
             results = model.run([job.encoded for job in live])
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
-                job.future.set_exception(exc)
+                self._settle(job, error=exc)
             return
         forward_s = time.monotonic() - started
         self._forward_ewma_s = 0.8 * self._forward_ewma_s + 0.2 * forward_s
@@ -187,4 +215,4 @@ class Batcher:
         self.metrics.batch_size.labels(name).observe(len(live))
         self.metrics.batch_tokens.labels(name).observe(len(live) * max(len(j.encoded) for j in live))
         for job, result in zip(live, results):
-            job.future.set_result(Done(result, started - job.enqueued, forward_s, len(live)))
+            self._settle(job, Done(result, started - job.enqueued, forward_s, len(live)))

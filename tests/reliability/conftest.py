@@ -1,0 +1,97 @@
+"""A real uvicorn server on a free loopback port, in a thread of the test process, so tests
+can speak raw HTTP to it (streamed bodies, dropped connections) and still reach its internals."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from app.config import Settings
+from app.main import create_app
+from tests.api.conftest import decode  # noqa: F401  (one decoder for every suite)
+
+HOST = "127.0.0.1"  # the only address these tests ever send traffic to
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def wait_ready(url: str, timeout_s: float = 120) -> None:
+    def ready():
+        try:
+            return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, timeout_s, f"{url}/readyz to say 200", interval_s=0.1)
+
+
+class LiveServer:
+    def __init__(self, app, server: uvicorn.Server, port: int) -> None:
+        self.app = app
+        self.server = server
+        self.port = port
+        self.url = f"http://{HOST}:{port}"
+
+    @property
+    def batcher(self):
+        return self.app.state.registry.get(None).batcher
+
+    @property
+    def model(self):
+        return self.app.state.registry.get(None).model
+
+    def metric(self, name: str, **labels) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+
+@contextmanager
+def live_server(**overrides):
+    """Serves only the built-in minilm on the CPU, skipping the warm-up forward (the lifecycle
+    tests run the real `manyeyes serve` with it)."""
+    settings = Settings(**{"models": {"minilm": "minilm"}, "device": "cpu", "warmup": False, **overrides})
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="live-server", daemon=True)
+    thread.start()
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        yield LiveServer(app, server, port)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def assert_json_error(response: httpx.Response, status: int) -> dict:
+    """A 4xx of ours: the stated status and a JSON body {"error": {"code", "message"}}."""
+    assert response.status_code == status, (response.status_code, response.text[:300])
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    err = response.json()["error"]
+    assert set(err) == {"code", "message"} and err["code"] and err["message"], err
+    return err
