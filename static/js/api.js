@@ -9,7 +9,8 @@ export class ApiError extends Error {
   }
 }
 
-async function request(url, options = {}) {
+// Shared with fetch-worker.js, which runs the same request off the main thread.
+export async function request(url, options = {}) {
   let response;
   try {
     response = await fetch(url, options);
@@ -33,20 +34,45 @@ export function listModels() {
   return request("/api/v1/models").then((body) => body.models);
 }
 
-export function postAttention(body, signal) {
-  return request("/api/v1/attention", {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify(body),
-    signal,
+// Attention payloads are fetched, parsed and decoded in a worker: tens of MB of base64 at T=512
+// would otherwise stall the main thread while it draws. Replies carry `attention.decoded`.
+let worker = null;
+let nextId = 0;
+const waiting = new Map();
+
+function viaWorker(url, init, signal) {
+  if (!worker) {
+    worker = new Worker(new URL("./fetch-worker.js", import.meta.url), { type: "module" });
+    worker.onmessage = ({ data }) => {
+      const { resolve, reject } = waiting.get(data.id);
+      waiting.delete(data.id);
+      if (data.error) {
+        const { status, code, message, retryAfter } = data.error;
+        reject(new ApiError(status, code, message, retryAfter));
+      } else {
+        resolve(data.body);
+      }
+    };
+  }
+  const id = nextId++;
+  return new Promise((resolve, reject) => {
+    waiting.set(id, { resolve, reject });
+    worker.postMessage({ id, url: new URL(url, window.location.href).href, init });
+    // The worker still finishes an aborted request; its reply is simply not awaited any more.
+    signal?.addEventListener("abort", () => reject(new DOMException("aborted", "AbortError")), { once: true });
   });
+}
+
+export function postAttention(body, signal) {
+  const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+  return viaWorker("/api/v1/attention", init, signal);
 }
 
 export function fetchSlice(runId, layers, heads, format, signal) {
   const query = new URLSearchParams({ format });
   if (layers) query.set("layers", layers.join(","));
   if (heads) query.set("heads", heads.join(","));
-  return request(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, { signal });
+  return viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, {}, signal);
 }
 
 export function isTooLong(err) {

@@ -28,6 +28,32 @@ export class FocusView {
     this.tooltip = tooltip;
     this.current = null;
     this.listening = false;
+    this.filename = "manyeyes";
+    // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
+    const download = (format) => (gd) => window.Plotly.downloadImage(gd, { format, filename: this.filename, scale: format === "png" ? 2 : 1 });
+    this.config = {
+      responsive: true,
+      displaylogo: false,
+      modeBarButtonsToRemove: ["toImage", "select2d", "lasso2d", "autoScale2d"],
+      modeBarButtonsToAdd: [
+        { name: "downloadPng", title: "Download plot as PNG", icon: window.Plotly.Icons.camera, click: download("png") },
+        { name: "downloadSvg", title: "Download plot as SVG", icon: window.Plotly.Icons.disk, click: download("svg") },
+      ],
+    };
+  }
+
+  // Drawn at page load: the plot exists before the first run, so that run only updates it.
+  renderEmpty(message) {
+    const pal = palette();
+    const hidden = { visible: false };
+    return window.Plotly.newPlot(this.plot, [{ type: "heatmap", z: [[]], hoverinfo: "none", showscale: false }], {
+      paper_bgcolor: pal.paper,
+      plot_bgcolor: pal.paper,
+      xaxis: hidden,
+      yaxis: hidden,
+      margin: { t: 10, r: 10, b: 10, l: 10 },
+      annotations: [{ text: message, showarrow: false, font: { size: 14, color: pal.muted }, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }],
+    }, this.config);
   }
 
   async render({ view, tokens, title, filename }) {
@@ -47,15 +73,25 @@ export class FocusView {
       z[r] = row;
     }
     this.current = { view, tokens };
-    const axisFont = { size: nRows > 64 ? 9 : 11, color: pal.text };
+    this.filename = filename;
+    const fontSize = Math.max(nRows, nCols) > 64 ? 9 : 11;
+    const axisFont = { size: fontSize, color: pal.text };
+    const xTicks = ticks(view.cols, tokens);
+    const yTicks = ticks(view.rows, tokens);
+    // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
+    const labelPx = (t) => 8 + fontSize * 0.62 * Math.max(1, ...t.ticktext.map((s) => s.length));
     // On a phone the colorbar goes under the plot, leaving the width to the matrix.
     const narrow = this.plot.clientWidth < 520;
+    const keysSpace = labelPx(xTicks) * 0.87 + (narrow ? 8 : 34);
     const trace = {
       type: "heatmap",
       z,
       colorscale: pal.stops,
       zmin: 0,
       zmax: peak > 0 ? peak : 1,
+      // Long inputs: one pixel per cell, scaled by the browser (crisp via CSS), far cheaper than
+      // painting hundreds of thousands of bricks; shorter ones keep bricks, which export crisply too.
+      zsmooth: Math.max(nRows, nCols) > 200 ? "fast" : false,
       hoverinfo: "none",
       colorbar: narrow
         ? { orientation: "h", y: -0.03, yanchor: "top", thickness: 10, len: 0.9, outlinewidth: 0, title: { text: "weight", side: "top" } }
@@ -66,31 +102,24 @@ export class FocusView {
       paper_bgcolor: pal.paper,
       plot_bgcolor: pal.masked,
       font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
-      margin: { t: narrow ? 30 : 48, r: 10, b: narrow ? 50 : 10, l: 10 },
+      margin: {
+        t: narrow ? 30 + keysSpace : 40,
+        r: 10,
+        b: narrow ? 50 : keysSpace,
+        l: labelPx(yTicks) + (narrow ? 4 : 30),
+      },
       xaxis: {
-        ...ticks(view.cols, tokens), tickangle: -60, tickfont: axisFont, side: narrow ? "top" : "bottom", automargin: true,
-        title: { text: narrow ? "" : "key (attended to)", font: { color: pal.muted, size: 12 } }, showgrid: false, zeroline: false,
-        constrain: "domain",
+        ...xTicks, tickangle: -60, tickfont: axisFont, side: narrow ? "top" : "bottom",
+        title: { text: narrow ? "" : "key (attended to)", font: { color: pal.muted, size: 12 }, standoff: 6 },
+        showgrid: false, zeroline: false, constrain: "domain",
       },
       yaxis: {
-        ...ticks(view.rows, tokens), tickfont: axisFont, autorange: "reversed", automargin: true,
-        title: { text: narrow ? "" : "query (attending)", font: { color: pal.muted, size: 12 } }, showgrid: false, zeroline: false,
-        scaleanchor: nRows === nCols ? "x" : undefined, constrain: "domain",
+        ...yTicks, tickfont: axisFont, autorange: "reversed",
+        title: { text: narrow ? "" : "query (attending)", font: { color: pal.muted, size: 12 }, standoff: 6 },
+        showgrid: false, zeroline: false, scaleanchor: nRows === nCols ? "x" : undefined, constrain: "domain",
       },
     };
-    const config = {
-      responsive: true,
-      displaylogo: false,
-      modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d"],
-      toImageButtonOptions: { format: "png", filename, scale: 2 },
-      modeBarButtonsToAdd: [{
-        name: "downloadSvg",
-        title: "Download plot as SVG",
-        icon: window.Plotly.Icons.camera,
-        click: (gd) => window.Plotly.downloadImage(gd, { format: "svg", filename }),
-      }],
-    };
-    await window.Plotly.react(this.plot, [trace], layout, config);
+    await window.Plotly.react(this.plot, [trace], layout, this.config);
     if (!this.listening) this.listen();
   }
 

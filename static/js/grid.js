@@ -78,6 +78,14 @@ export class GridView {
     }
     this.container.replaceChildren(...rows);
     this.observeRows(rows.slice(1));
+    // Rows already on screen are asked for now, not a frame later, so their fetches overlap the
+    // first heatmap's drawing; the observer takes care of rows scrolled to later.
+    const onScreen = rows.slice(1).filter((row) => row.getBoundingClientRect().top < window.innerHeight + 300);
+    onScreen.forEach((row) => this.requested(Number(row.dataset.layer)));
+  }
+
+  requested(layer) {
+    if (!this.run.hasLayer(layer)) this.onNeedLayers([layer]);
   }
 
   observeRows(rows) {
@@ -88,14 +96,14 @@ export class GridView {
         const layer = Number(entry.target.dataset.layer);
         if (entry.isIntersecting && !this.run.hasLayer(layer)) wanted.add(layer);
       }
-      // One request for every row that came into view in this frame.
       if (wanted.size && !scheduled) {
         scheduled = true;
         queueMicrotask(() => {
           scheduled = false;
           const layers = [...wanted].sort((a, b) => a - b);
           wanted.clear();
-          this.onNeedLayers(layers);
+          // One request per layer: each is painted while the next is still on the wire.
+          layers.forEach((layer) => this.requested(layer));
         });
       }
     }, { rootMargin: "300px 0px" });

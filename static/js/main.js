@@ -12,8 +12,10 @@ import { AttentionRun } from "./run.js";
 import { onThemeChange, palette } from "./theme.js";
 import { viewOf } from "./transform.js";
 
-// Above this many characters the first request asks only for the focused layer; the rest follow lazily.
-const LAZY_CHARS = 400;
+// Above this many bytes of u8 attention, the first request asks only for the focused layer and the
+// grid fetches the others as they come into view. Token counts are guessed at ~4 characters each.
+const EAGER_BYTES = 4e6;
+const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
 
 const state = {
   models: [],
@@ -97,14 +99,29 @@ async function loadLayers(layers, heads = null, format = "u8") {
     if (format === "u8") wanted.forEach((l) => state.pending.delete(l));
   }
   if (format === "u8") afterLayersArrived(wanted);
-  else if (state.aggregate === "head" && wanted.includes(state.layer) && heads?.includes(state.head)) renderViews();
+  else if (state.aggregate === "head" && wanted.includes(state.layer) && heads?.includes(state.head)) {
+    renderViews({ headView: false });
+  }
+}
+
+// Exact (float16) values for the focused head, once the grid is complete: until then the u8
+// heatmap is as good to look at, and the grid's layers matter more.
+function refineFocus() {
+  const run = state.run;
+  if (!run || state.aggregate !== "head" || run.isPrecise(state.layer, state.head) || !grid.complete) return;
+  loadLayers([state.layer], [state.head], "f16");
 }
 
 function afterLayersArrived(layers) {
   const options = viewOptions();
   layers.forEach((l) => grid.paintLayer(l, options));
-  if (grid.complete) nextFrame().then(() => mark("grid-painted"));
+  if (grid.complete) gridPainted();
   if (state.aggregate === "all" || layers.includes(state.layer)) renderViews();
+}
+
+function gridPainted() {
+  nextFrame().then(() => mark("grid-painted"));
+  refineFocus();
 }
 
 // ---- rendering --------------------------------------------------------------------------------
@@ -128,7 +145,7 @@ function fileStem() {
   return `manyeyes-${state.run.model}-${what}`;
 }
 
-async function renderViews() {
+async function renderViews({ headView = true } = {}) {
   const run = state.run;
   const token = ++state.renderToken;
   const plot = $("focus-plot");
@@ -152,8 +169,8 @@ async function renderViews() {
   await nextFrame();
   mark("first-heatmap");
   // The head view is secondary: draw it after the heatmap has reached the screen.
-  setTimeout(() => token === state.renderToken && renderHeadView(), 0);
-  if (state.aggregate === "head" && !precise) loadLayers([state.layer], [state.head], "f16");
+  if (headView) setTimeout(() => token === state.renderToken && renderHeadView(), 0);
+  if (!precise) refineFocus();
 }
 
 function caption(run) {
@@ -254,7 +271,7 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
   layer = clamp(layer, info.n_layers);
   const request = { text, model: info.id, format: "u8", truncate: $("truncate").checked };
   if (pair.trim()) request.text_pair = pair;
-  const lazy = text.length + pair.length > LAZY_CHARS && info.n_layers > 1;
+  const lazy = info.n_layers > 1 && info.n_layers * info.n_heads * guessTokens(text.length + pair.length) ** 2 > EAGER_BYTES;
   let response;
   try {
     response = await postAttention(lazy ? { ...request, layers: [layer] } : request, state.controller.signal);
@@ -265,6 +282,7 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
     }
     return;
   }
+  mark("response");
   const run = new AttentionRun(response);
   state.run = run;
   state.request = request;
@@ -274,7 +292,6 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
   state.headSet = new Set([state.head]);
   setupControls(run);
   $("controls").hidden = false;
-  $("views").hidden = false;
   updatePermalink(push);
   grid.build(run);
   grid.select(state.layer, state.head);
@@ -282,7 +299,7 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
   setBusy(false);
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
-  if (grid.complete) nextFrame().then(() => mark("grid-painted"));
+  if (grid.complete) gridPainted();
 }
 
 function setupControls(run) {
@@ -330,7 +347,7 @@ async function download(kind) {
     // A single head is worth its exact float32 values: the cached run serves them without a new forward.
     try {
       const slice = await fetchSlice(run.runId, [state.layer], [state.head], "json", state.controller.signal);
-      matrix = Float32Array.from(slice.attention.data.flat(3));
+      matrix = slice.attention.decoded.values;
       precision = "float32";
     } catch {
       // Evicted or offline: the values on screen are still worth saving.
@@ -370,6 +387,7 @@ async function restoreFromUrl(push) {
 }
 
 async function init() {
+  focus.renderEmpty("Type a sentence above and press Enter.");
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();
     submit();

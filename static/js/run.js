@@ -1,8 +1,6 @@
 // One analysed text: its tokens and whichever layers have arrived so far.
 // Layers arrive as u8 (fast, for the grid); single heads can be refined to float16 for exact reading.
 
-import { decodeAttention } from "./payload.js";
-
 export class AttentionRun {
   constructor(response) {
     this.runId = response.run_id;
@@ -20,9 +18,9 @@ export class AttentionRun {
     this.ingest(response);
   }
 
-  // Accepts a POST response or a slice response; only whole layers (all heads) feed the grid.
+  // Accepts a POST or slice response, decoded by the API worker; only whole layers feed the grid.
   ingest({ layers, heads, attention }) {
-    const decoded = decodeAttention(attention);
+    const { decoded } = attention;
     const [nL, nH, T] = decoded.shape;
     const cells = T * T;
     const headList = heads || [...Array(nH).keys()];

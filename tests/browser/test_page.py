@@ -40,7 +40,8 @@ def wait_focus(page, **state):
 
 
 def wait_grid(page):
-    page.wait_for_function("document.querySelectorAll('.thumb').length > 0 && !document.querySelector('.thumb.loading')",
+    # Arrow functions, not expression strings: the page's CSP forbids the eval those would need.
+    page.wait_for_function("() => document.querySelectorAll('.thumb').length > 0 && !document.querySelector('.thumb.loading')",
                            timeout=30_000)
 
 
@@ -50,7 +51,7 @@ def focus_title(page) -> str:
 
 def plotted(page):
     """The heatmap's z as Plotly holds it (null = masked)."""
-    return page.evaluate("document.getElementById('focus-plot').data[0].z")
+    return page.evaluate("() => document.getElementById('focus-plot').data[0].z")
 
 
 def hover_cell(page, row, col) -> str:
@@ -93,7 +94,7 @@ def test_sentence_renders_every_head_and_a_titled_focus(server, api, page, artif
     assert page.locator(".grid .col-label").all_text_contents() == [f"H{i}" for i in range(info["n_heads"])]
     assert focus_title(page) == "Layer 0, head 0"
     # Every thumbnail has real pixels drawn from the payload, not a blank canvas.
-    blank = page.evaluate("""[...document.querySelectorAll('.thumb canvas')].filter(c => {
+    blank = page.evaluate("""() => [...document.querySelectorAll('.thumb canvas')].filter(c => {
         const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         return new Set(Array.from({length: px.length / 4}, (_, i) => px[4 * i] * 65536 + px[4 * i + 1] * 256 + px[4 * i + 2])).size < 3;
     }).length""")
@@ -167,7 +168,7 @@ def test_xss_input_is_inert_and_literal(server, page, watched):
     page.wait_for_timeout(300)  # time for any injected handler to have fired
     assert watched.dialogs == []
     assert page.locator("img").count() == 0
-    assert page.evaluate("document.querySelectorAll('[onerror]').length") == 0
+    assert page.evaluate("() => document.querySelectorAll('[onerror]').length") == 0
     assert page.locator("#text").input_value() == XSS
     left = "".join(page.locator(".hv-left li").all_text_contents())
     assert "<img" in left and "onerror=alert(1)>" in left
@@ -236,7 +237,7 @@ def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
     page.select_option("#aggregate", "head")
     wait_focus(page, layer=1, head=4)
     page.check("#hide-special")
-    page.wait_for_function("document.getElementById('focus-plot').data[0].z.length === %d" % (~special).sum())
+    page.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z.length === n", arg=int((~special).sum()))
     z = np.array(plotted(page))
     kept = weights[0, 4][~special][:, ~special]
     assert np.allclose(z.sum(axis=1), 1, atol=5e-3)
@@ -244,14 +245,14 @@ def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
     assert page.locator(".hv-left li.special").count() == 0
 
     page.select_option("#segments", "AB")
-    page.wait_for_function("document.getElementById('focus-plot').data[0].z[0].length === %d" % ((seg == 1) & ~special).sum())
+    page.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z[0].length === n", arg=int(((seg == 1) & ~special).sum()))
     z = np.array(plotted(page))
     assert z.shape == (((seg == 0) & ~special).sum(), ((seg == 1) & ~special).sum())
 
     page.uncheck("#hide-special")
     page.select_option("#segments", "all")
     page.locator("#threshold").fill("0.2")
-    page.wait_for_function("document.getElementById('threshold-value').textContent === '0.20'")
+    page.wait_for_function("() => document.getElementById('threshold-value').textContent === '0.20'")
     z = np.array(plotted(page))
     head = weights[0, 4]
     assert np.all((z == 0) | (z >= 0.2))
@@ -305,7 +306,7 @@ def test_phone_width_and_dark_mode_lay_out_cleanly(server, make_page, artifacts)
     open_page(page, server, f"?text={SENTENCE}&model=minilm&layer=0&head=1")
     wait_focus(page, layer=0, head=1)
     wait_grid(page)
-    assert page.evaluate("document.documentElement.scrollWidth") <= 390
-    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    background = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(13, 17, 23)"
     page.screenshot(path=str(artifacts / "phone-dark.png"), full_page=True)
