@@ -93,11 +93,12 @@ def cmd_serve(args) -> int:
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     # Our own middleware writes one structured line per request, so uvicorn's access log is off.
-    # On SIGTERM uvicorn stops accepting at once, lets in-flight requests finish for at most the
-    # grace period, then cancels what is left and runs the lifespan's shutdown.
+    # On SIGTERM uvicorn stops accepting at once and lets in-flight requests finish, then cancels
+    # what is left and runs the lifespan's shutdown. The grace period bounds the whole exit, so
+    # the drain gets all of it but a second kept for that shutdown and the interpreter's exit.
     uvicorn.run(
         create_app(settings), host=args.host, port=args.port, access_log=False, log_level=args.log_level,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        timeout_graceful_shutdown=max(settings.shutdown_grace_s - 1.0, 0.0),
     )
     return 0
 

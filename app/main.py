@@ -83,8 +83,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            loader.join(timeout=30)
-            registry.close()
+            # uvicorn has already let requests finish for up to shutdown_grace_s; whatever still
+            # runs (a load, an abandoned forward) is on daemon threads: waiting would only
+            # stretch the exit past the grace period.
+            loader.join(timeout=0.25)
+            registry.close(timeout_s=0.25)
 
     app = FastAPI(
         title="manyeyes",

@@ -93,6 +93,6 @@ class Registry:
     def served(self) -> list[Served]:
         return list(self._served.values()) if self.ready.is_set() else []
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
         for batcher in self._batchers.values():
-            batcher.close()
+            batcher.close(timeout_s)

@@ -71,9 +71,9 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(**overrides):
+def live_server(wait: bool = True, **overrides):
     """Serves only the built-in minilm on the CPU, skipping the warm-up forward (the lifecycle
-    tests run the real `manyeyes serve` with it)."""
+    tests run the real `manyeyes serve` with it). wait=False: return once it listens, ready or not."""
     settings = Settings(**{"models": {"minilm": "minilm"}, "device": "cpu", "warmup": False, **overrides})
     app = create_app(settings)
     port = free_port()
@@ -81,7 +81,10 @@ def live_server(**overrides):
     thread = threading.Thread(target=server.run, name="live-server", daemon=True)
     thread.start()
     try:
-        wait_ready(f"http://{HOST}:{port}")
+        if wait:
+            wait_ready(f"http://{HOST}:{port}")
+        else:
+            wait_until(lambda: server.started, 60, "the server to listen")
         yield LiveServer(app, server, port)
     finally:
         server.should_exit = True

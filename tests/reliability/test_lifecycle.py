@@ -1,0 +1,138 @@
+"""Lifecycle: the real `manyeyes serve` drains on SIGTERM; a broken model file never serves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability.conftest import HOST, assert_json_error, free_port, live_server, wait_ready, wait_until
+from tests.reliability.test_overload import SENTENCES, check_against_single_run
+
+
+def serve_command(port: int) -> list[str]:
+    script = Path(sys.executable).with_name("manyeyes")  # the console script pip installed
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    return [*base, "serve", "--host", HOST, "--port", str(port), "--device", "cpu", "--log-level", "warning"]
+
+
+def start_server(port: int, **env) -> subprocess.Popen:
+    environment = {**os.environ, "MANYEYES_MODELS": '{"minilm": "minilm"}', **{f"MANYEYES_{k.upper()}": str(v) for k, v in env.items()}}
+    return subprocess.Popen(serve_command(port), env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection((HOST, port), timeout=1).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_within_grace(minilm):
+    grace, delay = 15.0, 3.0
+    port = free_port()
+    proc = start_server(port, debug_forward_delay_s=delay, shutdown_grace_s=grace, max_wait_ms=200)
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        replies: dict[int, httpx.Response] = {}
+
+        def post(i):
+            replies[i] = httpx.post(f"http://{HOST}:{port}/api/v1/attention", json={"text": SENTENCES[i]}, timeout=60)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+
+        def admitted():
+            text = httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
+            return 'manyeyes_cache_lookups_total{result="miss"} 4.0' in text
+
+        wait_until(admitted, 30, "all four requests to reach the server")
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_until(lambda: refuses_connections(port), 5, "the listening socket to close")
+        assert not replies, "the in-flight requests should still be running when new connections are refused"
+        for t in threads:
+            t.join(grace + 30)
+        for i in range(4):
+            assert replies[i].status_code == 200, replies[i].text
+            check_against_single_run(minilm, SENTENCES[i], replies[i].json())
+        proc.wait(grace + 30)
+        assert time.monotonic() - signalled < grace
+        assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it():
+    grace, delay = 2.0, 20.0
+    port = free_port()
+    proc = start_server(port, debug_forward_delay_s=delay, shutdown_grace_s=grace, warmup="false")
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        thread = threading.Thread(
+            target=lambda: httpx.post(f"http://{HOST}:{port}/api/v1/attention", json={"text": "slow"}, timeout=60),
+            daemon=True,
+        )
+        thread.start()
+        wait_until(
+            lambda: "manyeyes_queue_depth 0.0" in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
+            and 'result="miss"} 1.0' in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text,
+            30,
+            "the slow request to start",
+        )
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        proc.wait(grace + 30)
+        assert time.monotonic() - signalled < grace, f"exit took {time.monotonic() - signalled:.1f} s"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def not_ready_for_good(server, needle: str) -> None:
+    """/readyz reports the failure naming the file, and nothing is ever served."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        err = wait_until(
+            lambda: (r := client.get("/readyz")).status_code == 503 and "failed" in r.json()["error"]["message"] and r.json()["error"],
+            60,
+            "the load failure to be reported",
+        )
+        assert needle in err["message"], err
+        for _ in range(3):
+            assert_json_error(client.get("/readyz"), 503)
+            assert_json_error(client.post("/api/v1/attention", json={"text": "The bank."}), 503)
+            assert_json_error(client.post("/api/v1/attention", json={"text": "The bank.", "model": "broken"}), 503)
+            assert_json_error(client.get("/api/v1/models"), 503)
+            assert client.get("/healthz").status_code == 200
+            time.sleep(0.2)
+
+
+def test_missing_model_file_keeps_readyz_503_naming_the_file(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with live_server(models={"minilm": "minilm", "broken": str(missing)}, wait=False) as server:
+        not_ready_for_good(server, str(missing))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_weights_keep_readyz_503_naming_the_file(tmp_path, minilm_dir, damage):
+    folder = tmp_path / "minilm-copy"
+    shutil.copytree(minilm_dir, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(os.urandom(4096) if damage == "garbage" else data[: len(data) // 2])
+    with live_server(models={"minilm": "minilm", "broken": str(folder)}, wait=False) as server:
+        not_ready_for_good(server, "model.safetensors")

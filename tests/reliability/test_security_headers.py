@@ -1,0 +1,74 @@
+"""Security headers on the page, the API, errors and static files; CORS off unless configured."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.reliability.conftest import live_server
+
+PATHS = [
+    ("GET", "/"),
+    ("GET", "/vendor/plotly.min.js"),
+    ("GET", "/static/js/main.js"),
+    ("GET", "/api/v1/models"),
+    ("GET", "/healthz"),
+    ("GET", "/no/such/page"),
+    ("POST", "/api/v1/attention"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server() as s:
+        yield s
+
+
+def directives(csp: str) -> dict[str, list[str]]:
+    return {name: values for name, *values in (part.split() for part in csp.split(";") if part.strip())}
+
+
+@pytest.mark.parametrize("method,path", PATHS)
+def test_every_response_carries_the_security_headers(server, method, path):
+    r = httpx.request(method, server.url + path, json={"text": "Hi."} if method == "POST" else None, timeout=60)
+    assert r.status_code < 500
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert r.headers["referrer-policy"] == "no-referrer"
+    csp = directives(r.headers["content-security-policy"])
+    # Only this server: no CDN, no other host, no inline or eval'd script.
+    for name in ("default-src", "script-src", "connect-src", "img-src", "style-src", "font-src"):
+        assert csp[name][0] == "'self'", (name, csp[name])
+        assert not any("http" in v or v == "*" for v in csp[name]), (name, csp[name])
+    assert csp["script-src"] == ["'self'"]
+    assert csp["object-src"] == ["'none'"] and csp["frame-ancestors"] == ["'none'"]
+
+
+def test_body_limit_refusals_carry_them_too(server):
+    r = httpx.post(f"{server.url}/api/v1/attention", content=b"x" * 1_100_000, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    assert "content-security-policy" in r.headers and r.headers["x-content-type-options"] == "nosniff"
+
+
+def test_cors_is_off_by_default(server):
+    origin = {"Origin": "https://evil.example"}
+    r = httpx.post(f"{server.url}/api/v1/attention", json={"text": "Hi."}, headers=origin, timeout=60)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    preflight = httpx.options(
+        f"{server.url}/api/v1/attention",
+        headers={**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"},
+        timeout=60,
+    )
+    assert "access-control-allow-origin" not in preflight.headers
+    assert preflight.status_code >= 400
+
+
+def test_cors_allows_exactly_the_configured_origins():
+    allowed = "https://viz.example.org"
+    with live_server(cors_origins=[allowed]) as server:
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+        ok = httpx.options(f"{server.url}/api/v1/attention", headers={"Origin": allowed, **ask}, timeout=60)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == allowed
+        r = httpx.post(f"{server.url}/api/v1/attention", json={"text": "Hi."}, headers={"Origin": allowed}, timeout=60)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == allowed
+        other = httpx.options(f"{server.url}/api/v1/attention", headers={"Origin": "https://evil.example", **ask}, timeout=60)
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
