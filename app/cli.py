@@ -84,7 +84,7 @@ def cmd_serve(args) -> int:
     from app.config import Settings
     from app.main import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = Settings()
     updates = {"extra_models": {**settings.extra_models, **_merge(args.model)}}
     if args.device:

@@ -62,6 +62,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self._forward_ewma_s = 0.05
+        self._last_batch = 0
         self._thread = threading.Thread(target=self._loop, name=f"manyeyes-forward-{device}", daemon=True)
         self._thread.start()
 
@@ -144,15 +145,18 @@ class Batcher:
                     return None
                 self._cond.wait()
             model = self._pending[0].model
-            until = self._pending[0].enqueued + self.max_wait_s
+            # Under load (the last forward was shared) the next requests are on their way, so
+            # wait up to max_wait from now for them; a lone client never waits, and requests
+            # already admitted (still tokenizing) are always worth waiting for.
+            loaded = self._last_batch > 1
+            until = max(self._pending[0].enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
             while True:
                 batch, full = self._select(model)
                 remaining = until - time.monotonic()
-                # Wait only for requests already admitted (still tokenizing): a lone request
-                # never pays the wait, a burst fills one batch.
-                if full or self._closed or self._admitted <= 0 or remaining <= 0:
+                if full or self._closed or remaining <= 0 or (self._admitted <= 0 and not loaded):
                     break
                 self._cond.wait(remaining)
+            self._last_batch = len(batch)
             for job in batch:
                 self._pending.remove(job)
             self.metrics.queue_depth.dec(len(batch))
