@@ -42,20 +42,6 @@ export class FocusView {
     };
   }
 
-  // Drawn at page load: the plot exists before the first run, so that run only updates it.
-  renderEmpty(message) {
-    const pal = palette();
-    const hidden = { visible: false };
-    return window.Plotly.newPlot(this.plot, [{ type: "heatmap", z: [[]], hoverinfo: "none", showscale: false }], {
-      paper_bgcolor: pal.paper,
-      plot_bgcolor: pal.paper,
-      xaxis: hidden,
-      yaxis: hidden,
-      margin: { t: 10, r: 10, b: 10, l: 10 },
-      annotations: [{ text: message, showarrow: false, font: { size: 14, color: pal.muted }, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }],
-    }, this.config);
-  }
-
   async render({ view, tokens, title, filename }) {
     const pal = palette();
     const nRows = view.rows.length;

@@ -104,24 +104,20 @@ async function loadLayers(layers, heads = null, format = "u8") {
   }
 }
 
-// Exact (float16) values for the focused head, once the grid is complete: until then the u8
+// Exact (float16) values for the focused head, once no layer is on its way: until then the u8
 // heatmap is as good to look at, and the grid's layers matter more.
 function refineFocus() {
   const run = state.run;
-  if (!run || state.aggregate !== "head" || run.isPrecise(state.layer, state.head) || !grid.complete) return;
+  if (!run || state.aggregate !== "head" || run.isPrecise(state.layer, state.head) || state.pending.size) return;
   loadLayers([state.layer], [state.head], "f16");
 }
 
 function afterLayersArrived(layers) {
   const options = viewOptions();
   layers.forEach((l) => grid.paintLayer(l, options));
-  if (grid.complete) gridPainted();
+  if (grid.complete) nextFrame().then(() => mark("grid-painted"));
   if (state.aggregate === "all" || layers.includes(state.layer)) renderViews();
-}
-
-function gridPainted() {
-  nextFrame().then(() => mark("grid-painted"));
-  refineFocus();
+  else refineFocus();
 }
 
 // ---- rendering --------------------------------------------------------------------------------
@@ -218,6 +214,7 @@ function renderHeadChips() {
     chips.push(el("label", { className: "chip", attrs: { for: `hv-head-${h}` } }, [box, swatch, el("span", { text: `H${h}` })]));
   }
   fieldset.replaceChildren(...chips);
+  fieldset.hidden = false;
 }
 
 function setFocus(layer, head, { push = false } = {}) {
@@ -299,7 +296,7 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
   setBusy(false);
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
-  if (grid.complete) gridPainted();
+  if (grid.complete) nextFrame().then(() => mark("grid-painted"));
 }
 
 function setupControls(run) {
@@ -312,14 +309,20 @@ function setupControls(run) {
   $("aggregate").value = state.aggregate;
 }
 
+let optionsFrame = 0;
+
 function optionsChanged() {
   state.hideSpecial = $("hide-special").checked;
   state.threshold = Number($("threshold").value);
   state.segments = $("segments").value;
   $("threshold-value").textContent = state.threshold.toFixed(2);
-  if (!state.run) return;
-  grid.paintAll(viewOptions());
-  renderViews();
+  if (!state.run || optionsFrame) return;
+  // A dragged slider fires many events; repainting 72 thumbnails once per frame is plenty.
+  optionsFrame = requestAnimationFrame(() => {
+    optionsFrame = 0;
+    grid.paintAll(viewOptions());
+    renderViews();
+  });
 }
 
 // ---- wiring -----------------------------------------------------------------------------------
@@ -386,8 +389,19 @@ async function restoreFromUrl(push) {
   await submit({ layer: link.layer ?? 0, head: link.head ?? 0, push });
 }
 
+// Until the first run the focus view shows a made-up example: the plot then exists and Plotly's
+// heatmap code is warm, so the first real heatmap is only an update.
+function renderExample() {
+  const words = "manyeyes shows what every attention head does .".split(" ");
+  const tokens = words.map((text) => ({ text, special: false, segment: 0 }));
+  const n = words.length;
+  const matrix = new Float32Array(n * n).map((_, i) => 1 / (1 + Math.abs(Math.floor(i / n) - (i % n)) * 3));
+  const view = viewOf(matrix, tokens, { hideSpecial: false, threshold: 0, segments: "all", causal: false });
+  return focus.render({ view, tokens, title: "Example: type a sentence above and press Enter", filename: "manyeyes-example" });
+}
+
 async function init() {
-  focus.renderEmpty("Type a sentence above and press Enter.");
+  renderExample();
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();
     submit();

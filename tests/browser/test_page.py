@@ -310,3 +310,20 @@ def test_phone_width_and_dark_mode_lay_out_cleanly(server, make_page, artifacts)
     background = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(13, 17, 23)"
     page.screenshot(path=str(artifacts / "phone-dark.png"), full_page=True)
+
+
+def test_no_request_leaves_loopback_and_modebar_exports_png_and_svg(server, page, watched):
+    open_page(page, server)
+    run(page, SENTENCE, PAIR)
+    wait_grid(page)
+    for kind in ("PNG", "SVG"):
+        page.hover("#focus-plot")
+        with page.expect_download() as download:
+            page.click(f".modebar-btn[data-title='Download plot as {kind}']")
+        assert download.value.suggested_filename == f"manyeyes-minilm-L0-H0.{kind.lower()}"
+        head = open(download.value.path(), "rb").read(512)
+        assert head.startswith(b"\x89PNG") if kind == "PNG" else b"<svg" in head
+    hosts = {urlsplit(u).hostname for u in watched.requests if urlsplit(u).scheme.startswith("http")}
+    assert hosts == {"127.0.0.1"}
+    assert any("/vendor/plotly.min.js" in u for u in watched.requests)  # plotly.js itself came from us
+    assert watched.off_loopback() == []
