@@ -47,8 +47,6 @@ def _print_json(model, args) -> int:
     """The exact body POST /api/v1/attention returns for the same text and options."""
     import time
 
-    import orjson
-
     from app.services.attention import parse_index_list, resolve_indices
     from app.services.cache import Run, run_id_for
     from app.services.errors import ApiError
@@ -71,7 +69,7 @@ def _print_json(model, args) -> int:
     timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized}
     run_id = run_id_for(info.id, args.text, args.pair, args.truncate)
     run = Run(run_id, info.id, result.tokens, result.truncated, result.attention)
-    sys.stdout.buffer.write(orjson.dumps(render_result(run, info, view, timing)) + b"\n")
+    sys.stdout.buffer.write(b"".join(render_result(run, info, view, timing)) + b"\n")
     sys.stdout.flush()
     return 0
 
@@ -116,6 +114,48 @@ def _merge(items: list[dict[str, str]]) -> dict[str, str]:
     return {k: v for item in items for k, v in item.items()}
 
 
+TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or the checkpoint's on --resume"
+    "layers": (int, "transformer blocks (default 4)"),
+    "heads": (int, "attention heads per block (default 4)"),
+    "emb_dim": (int, "width of the residual stream (default 128)"),
+    "context": (int, "positions, the longest input (default 128)"),
+    "vocab_size": (int, "BPE vocabulary size, at least 257 (default 2048)"),
+    "steps": (int, "optimizer steps in total (default 2000)"),
+    "batch_size": (int, "windows per step (default 16)"),
+    "lr": (float, "peak learning rate (default 1e-3)"),
+    "seed": (int, "seed for init and batches; same seed, same model on the CPU (default 1337)"),
+    "device": (str, "cpu, cuda, mps or auto (default auto)"),
+    "warmup": (int, "linear warmup steps (default a tenth of --steps, at most 200)"),
+    "eval_every": (int, "steps between validation and checkpoint (default a tenth of --steps)"),
+    "save_dtype": (str, "model.pth storage: float32 or float16 (default float32)"),
+    "corpus_name": (str, "how card.json names the corpus (default the file names)"),
+    "licence": (str, "the corpus licence, for card.json"),
+}
+
+
+def cmd_train(args) -> int:
+    import shlex
+
+    from model.train import TrainError, make_config, train
+
+    options = {name: getattr(args, name) for name in TRAIN_OPTIONS}
+    # The card records the command in canonical form: every option given, nothing else.
+    words = ["manyeyes", "train", "--text", *args.text, "--out", args.out]
+    for name, value in options.items():
+        if value is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    words += ["--resume"] if args.resume else []
+    try:
+        cfg = make_config({"text": args.text, "out": args.out, **options}, resume=args.resume)
+        train(cfg, resume=args.resume, command=shlex.join(words))
+    except TrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="manyeyes", description="See what every attention head does.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     attend.add_argument("--layers", default=None, help="comma-separated layers for --json (default: all)")
     attend.add_argument("--heads", default=None, help="comma-separated heads for --json (default: all)")
     attend.set_defaults(func=cmd_attend)
+
+    trainer = sub.add_parser("train", help="train the book's GPTModel on text files into a folder load() reads")
+    trainer.add_argument("--text", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
+    trainer.add_argument("--out", required=True, metavar="DIR", help="folder for model.pth, config.json, ...")
+    for name, (kind, text) in TRAIN_OPTIONS.items():
+        trainer.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+    trainer.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt up to --steps")
+    trainer.set_defaults(func=cmd_train)
 
     serve = sub.add_parser("serve", help="run the attention API and the browser visualizer")
     serve.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,512 @@
+"""Train the book's GPTModel on plain text files, nanoGPT style, into a folder `load(DIR)` reads.
+
+The recipe: a byte-level BPE tokenizer trained on the text, the last tenth of the tokens held
+out for validation, random windows as batches, AdamW with linear warmup and cosine decay,
+gradient clipping. Everything random draws from generators seeded by `seed`, so a run on the
+CPU repeats exactly, and a resumed run continues exactly where the interrupted one stopped.
+
+The output folder holds:
+    model.pth       the model's state_dict in the book's names (nothing else, so it loads anywhere)
+    config.json     the book's GPTConfig keys
+    tokenizer.json  the trained tokenizer
+    card.json       corpus, licence, steps, tokens seen, losses, perplexity, seconds, command line
+    checkpoint.pt   model + optimizer + step + random state, for --resume
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from model.gpt import GPTConfig, GPTModel
+from model.runtime import pick_device
+
+END_OF_TEXT = "<|endoftext|>"  # separates files, so no window pretends one file continues another
+CHECKPOINT = "checkpoint.pt"
+MIN_VOCAB = 257  # the 256 byte symbols plus END_OF_TEXT
+VAL_FRACTION = 0.1
+MIN_LR_RATIO = 0.1  # cosine decay ends at a tenth of the peak learning rate
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+BETAS = (0.9, 0.95)
+EVAL_BATCHES = 20
+EVAL_SEED = 1234  # eval windows are fixed, so losses at different steps compare like with like
+
+# What a resumed run may change; anything else would make it a different run.
+RESUMABLE_OVERRIDES = ("steps", "device")
+
+
+class TrainError(ValueError):
+    """Bad arguments or unusable text; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    text: tuple[Path, ...]
+    out: Path
+    layers: int = 4
+    heads: int = 4
+    emb_dim: int = 128
+    context: int = 128
+    vocab_size: int = 2048
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 1337
+    device: str = "auto"  # best available (CUDA, MPS, CPU); runs repeat exactly on the CPU
+    warmup: int | None = None  # default: a tenth of the steps, at most 200
+    eval_every: int | None = None  # default: ten evaluations per run
+    save_dtype: str = "float32"  # storage of model.pth; "float16" halves it for shipping
+    corpus_name: str | None = None  # what the card calls the corpus; default: the file names
+    licence: str = "unknown (pass --licence)"
+
+    def __post_init__(self):
+        positive = ("layers", "heads", "emb_dim", "steps", "batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise TrainError(f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
+        if self.context < 2:
+            raise TrainError(f"--context must be at least 2, not {self.context}")
+        if self.emb_dim % self.heads:
+            raise TrainError(f"--emb-dim ({self.emb_dim}) must be divisible by --heads ({self.heads})")
+        if self.vocab_size < MIN_VOCAB:
+            raise TrainError(f"--vocab-size must be at least {MIN_VOCAB} (256 bytes + {END_OF_TEXT}), not {self.vocab_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise TrainError(f"--lr must be a positive number, not {self.lr}")
+        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
+            raise TrainError(f"--warmup must be in 0..{self.steps}, not {self.warmup}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise TrainError(f"--eval-every must be at least 1, not {self.eval_every}")
+        if self.save_dtype not in ("float32", "float16"):
+            raise TrainError(f"--save-dtype must be float32 or float16, not {self.save_dtype}")
+        if not self.text:
+            raise TrainError("--text needs at least one file")
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else min(200, self.steps // 10)
+
+    @property
+    def eval_interval(self) -> int:
+        return self.eval_every or max(1, self.steps // 10)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "text": [str(p) for p in self.text], "out": str(self.out)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainConfig":
+        return cls(**{**d, "text": tuple(Path(p) for p in d["text"]), "out": Path(d["out"])})
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def make_config(options: dict, resume: bool = False) -> TrainConfig:
+    """A TrainConfig from command-line options (None means "not given").
+
+    A resumed run takes its settings from DIR/checkpoint.pt; only RESUMABLE_OVERRIDES may differ.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    given["text"] = tuple(Path(p) for p in given.get("text", ()))
+    given["out"] = Path(given["out"])
+    unknown = sorted(set(given) - {f.name for f in fields(TrainConfig)})
+    if unknown:
+        raise TrainError(f"unknown training option(s): {', '.join(unknown)}")
+    if not resume:
+        return TrainConfig(**given)
+    saved = TrainConfig.from_json(_read_checkpoint(given["out"])["train_config"])
+    for name, value in given.items():
+        if name in ("text", "out") or name in RESUMABLE_OVERRIDES:
+            continue
+        if value != getattr(saved, name):
+            raise TrainError(
+                f"--{_flag(name)} {value} differs from the checkpoint's {getattr(saved, name)}; "
+                f"a resumed run may change only {', '.join('--' + n for n in RESUMABLE_OVERRIDES)}"
+            )
+    overrides = {k: given[k] for k in ("text", "out", *RESUMABLE_OVERRIDES) if k in given}
+    return replace(saved, **overrides)
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class Corpus:
+    texts: list[str]
+    files: list[dict]  # name, bytes, sha256 of each file, for the card and for resume checks
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256("".join(f["sha256"] for f in self.files).encode()).hexdigest()
+
+
+def read_corpus(paths: tuple[Path, ...]) -> Corpus:
+    texts, files = [], []
+    for path in paths:
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise TrainError(f"cannot read text file {path}: {exc.strerror or exc}") from exc
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TrainError(f"text file {path} is not UTF-8 (byte {exc.start}): {exc.reason}") from exc
+        if not text.strip():
+            raise TrainError(f"text file {path} is empty")
+        texts.append(text)
+        files.append({"name": Path(path).name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()})
+    return Corpus(texts, files)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """GPT-2's recipe: bytes mapped to printable symbols, split GPT-2's way, merged by BPE.
+
+    trim_offsets=False makes every token's offsets cover exactly the characters it encodes,
+    leading space included, so tokens tile the caller's text with no gaps.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_chunks(texts), trainer)
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def _chunks(texts: list[str], lines_per_chunk: int = 1000):
+    # Whole lines, so no word is cut in two; ByteLevel splits words the same way either side.
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        for i in range(0, len(lines), lines_per_chunk):
+            yield "".join(lines[i : i + lines_per_chunk])
+
+
+def encode_corpus(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
+    end = tokenizer.token_to_id(END_OF_TEXT)
+    ids: list[int] = []
+    for i, text in enumerate(texts):
+        if i:
+            ids.append(end)
+        ids.extend(tokenizer.encode(text).ids)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def split_ids(ids: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last tenth is held out; each side needs at least one full window plus its target."""
+    need = context + 1
+    n_val = max(need, int(len(ids) * VAL_FRACTION))
+    if len(ids) - n_val < need:
+        raise TrainError(
+            f"the text is too short: {len(ids)} tokens, but --context {context} needs at least "
+            f"{2 * need} (a window for training and one for validation); give more text or a smaller --context"
+        )
+    return ids[:-n_val], ids[-n_val:]
+
+
+def get_batch(data: torch.Tensor, batch_size: int, context: int, gen: torch.Generator):
+    """Random windows: inputs (batch_size, context) and the same shifted by one as targets."""
+    starts = torch.randint(len(data) - context, (batch_size,), generator=gen)
+    x = torch.stack([data[s : s + context] for s in starts.tolist()])
+    y = torch.stack([data[s + 1 : s + 1 + context] for s in starts.tolist()])
+    return x, y
+
+
+# ---------------------------------------------------------------------------- model and optimizer
+def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel:
+    gpt = GPTConfig(
+        vocab_size=vocab_size,
+        context_length=cfg.context,
+        emb_dim=cfg.emb_dim,
+        n_heads=cfg.heads,
+        n_layers=cfg.layers,
+        drop_rate=0.0,  # short runs over a whole corpus underfit rather than overfit
+        qkv_bias=False,
+    )
+    model = GPTModel(gpt)
+    init_weights(model)
+    return model
+
+
+def init_weights(model: GPTModel) -> None:
+    """GPT-2's init: PyTorch's default N(0, 1) embeddings train far slower at this scale.
+
+    Projections that write into the residual stream are scaled down by sqrt(2 * n_layers), so
+    the stream's variance does not grow with depth.
+    """
+    residual_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = residual_std if name.endswith(("att.out_proj", "ff.layers.2")) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
+    # Decay matrices and embeddings only; decaying LayerNorm scales and biases only hurts.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to MIN_LR_RATIO * cfg.lr at the last step."""
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    min_lr = MIN_LR_RATIO * cfg.lr
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - min_lr)
+
+
+def lm_loss(model: GPTModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)  # (b, context, vocab_size)
+    # (b, context, vocab_size) -> (b * context, vocab_size) against (b * context,)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def estimate_loss(model: GPTModel, data: torch.Tensor, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean loss over EVAL_BATCHES fixed windows; the same windows at every evaluation."""
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    model.eval()
+    losses = []
+    for _ in range(EVAL_BATCHES):
+        x, y = get_batch(data, cfg.batch_size, cfg.context, gen)
+        losses.append(lm_loss(model, x.to(device), y.to(device)).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+# ---------------------------------------------------------------------------- files
+def _atomic_save(write, path: Path) -> None:
+    """Write to a temporary name, then rename: an interrupted save never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    _atomic_save(lambda p: p.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"), path)
+
+
+def _read_checkpoint(out: Path) -> dict:
+    path = Path(out) / CHECKPOINT
+    if not path.exists():
+        raise TrainError(f"cannot resume: {path} does not exist (train without --resume first)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle, zip and unpickler errors all mean the same to a user
+        raise TrainError(f"cannot resume: {path} is unreadable: {exc}") from exc
+
+
+def save_model(model: GPTModel, out: Path, save_dtype: str) -> None:
+    dtype = torch.float16 if save_dtype == "float16" else torch.float32
+    state = {k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.cpu() for k, v in model.state_dict().items()}
+    _atomic_save(lambda p: torch.save(state, p), out / "model.pth")
+    _write_json(out / "config.json", model.cfg.to_dict())
+
+
+# ---------------------------------------------------------------------------- the loop
+class Progress:
+    """A plain-text progress bar on stderr: redrawn in place on a terminal, a line now and then otherwise."""
+
+    def __init__(self, total: int, stream: TextIO, lines: int = 20):
+        self.total = total
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every = max(1, total // lines)
+        self.last_draw = 0.0
+
+    def update(self, step: int, loss: float, tokens_per_s: float, eta_s: float) -> None:
+        done = step == self.total
+        now = time.monotonic()
+        if self.tty:
+            if not done and now - self.last_draw < 0.2:
+                return
+        elif not done and step % self.every:
+            return
+        self.last_draw = now
+        filled = int(30 * step / self.total)
+        line = (
+            f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * filled}{'.' * (30 - filled)}] "
+            f"loss {loss:.3f} | {tokens_per_s / 1000:.1f}k tok/s | ETA {_duration(eta_s)}"
+        )
+        self.stream.write(("\r" + line + ("\n" if done else "")) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def note(self, message: str) -> None:
+        self.stream.write(("\r\033[K" if self.tty else "") + message + "\n")
+        self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: TextIO = sys.stderr) -> dict:
+    """Train (or resume) into cfg.out; returns the card it wrote."""
+    device = _device(cfg.device)
+    corpus = read_corpus(cfg.text)
+    out = cfg.out
+    if resume:
+        ckpt = _read_checkpoint(out)
+        if ckpt["corpus_sha256"] != corpus.sha256:
+            raise TrainError(f"cannot resume: the --text files differ from the ones {out / CHECKPOINT} was trained on")
+        if ckpt["step"] >= cfg.steps:
+            raise TrainError(f"nothing to do: {out} is already trained for {ckpt['step']} steps; pass a larger --steps")
+        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    else:
+        if (out / "model.pth").exists() or (out / CHECKPOINT).exists():
+            raise TrainError(f"{out} already holds a model; pass --resume to continue it, or choose another --out")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
+        ckpt = None
+        tokenizer = train_tokenizer(corpus.texts, cfg.vocab_size)
+        _atomic_save(lambda p: tokenizer.save(str(p)), out / "tokenizer.json")
+
+    train_ids, val_ids = split_ids(encode_corpus(tokenizer, corpus.texts), cfg.context)
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, tokenizer.get_vocab_size()).to(device)
+    optimizer = make_optimizer(model, cfg.lr)
+    batch_gen = torch.Generator().manual_seed(cfg.seed)
+    step, tokens_seen, seconds_before = 0, 0, 0.0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        batch_gen.set_state(ckpt["batch_rng"])
+        step, tokens_seen, seconds_before = ckpt["step"], ckpt["tokens_seen"], ckpt["seconds"]
+
+    def checkpoint(seconds: float) -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "batch_rng": batch_gen.get_state(),
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "seconds": seconds,
+            "corpus_sha256": corpus.sha256,
+            "train_config": cfg.to_json(),
+        }
+        _atomic_save(lambda p: torch.save(state, p), out / CHECKPOINT)
+        save_model(model, out, cfg.save_dtype)
+
+    progress = Progress(cfg.steps, stream)
+    progress.note(
+        f"training {cfg.layers} layers x {cfg.heads} heads, emb {cfg.emb_dim}, context {cfg.context}, "
+        f"vocab {tokenizer.get_vocab_size()} on {len(train_ids):,} tokens ({len(val_ids):,} held out), "
+        f"{device}" + (f"; resuming at step {step}" if step else "")
+    )
+    model.train()
+    started = time.monotonic()
+    start_step = step
+    mid_step = False  # an interrupt inside a step leaves model, optimizer and step out of step
+    try:
+        while step < cfg.steps:
+            mid_step = True
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            x, y = get_batch(train_ids, cfg.batch_size, cfg.context, batch_gen)
+            loss = lm_loss(model, x.to(device), y.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            step += 1
+            tokens_seen += x.numel()
+            mid_step = False
+
+            elapsed = time.monotonic() - started
+            rate = (step - start_step) * x.numel() / max(elapsed, 1e-9)
+            progress.update(step, loss.item(), rate, (cfg.steps - step) * x.numel() / max(rate, 1e-9))
+            if step % cfg.eval_interval == 0 and step < cfg.steps:
+                val = estimate_loss(model, val_ids, cfg, device)
+                progress.note(f"step {step}: val loss {val:.3f}")
+                checkpoint(seconds_before + time.monotonic() - started)
+    except KeyboardInterrupt:
+        if not mid_step:
+            checkpoint(seconds_before + time.monotonic() - started)
+        saved_step = _read_checkpoint(out)["step"] if (out / CHECKPOINT).exists() else 0
+        progress.note(f"interrupted; {out / CHECKPOINT} holds step {saved_step}; continue with --resume")
+        raise
+
+    seconds = seconds_before + time.monotonic() - started
+    train_loss = estimate_loss(model, train_ids, cfg, device)
+    val_loss = estimate_loss(model, val_ids, cfg, device)
+    checkpoint(seconds)
+    card = {
+        "model": "GPTModel (LLMs from scratch), causal",
+        "corpus": cfg.corpus_name or ", ".join(f["name"] for f in corpus.files),
+        "corpus_files": corpus.files,
+        "licence": cfg.licence,
+        "tokens": {"train": len(train_ids), "validation": len(val_ids)},
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "train_loss": round(train_loss, 4),
+        "val_loss": round(val_loss, 4),
+        "val_perplexity": round(math.exp(val_loss), 2),
+        "seconds": round(seconds, 1),
+        "command": command,
+        "device": str(device),
+        "torch": torch.__version__,
+        "config": model.cfg.to_dict(),
+        "training": {
+            "batch_size": cfg.batch_size,
+            "lr": cfg.lr,
+            "warmup_steps": cfg.warmup_steps,
+            "min_lr": MIN_LR_RATIO * cfg.lr,
+            "weight_decay": WEIGHT_DECAY,
+            "betas": list(BETAS),
+            "grad_clip": GRAD_CLIP,
+            "seed": cfg.seed,
+            "validation": f"the last {VAL_FRACTION:.0%} of the tokens, never trained on",
+            "weights_dtype": cfg.save_dtype,
+        },
+    }
+    _write_json(out / "card.json", card)
+    progress.note(
+        f"done: {step} steps, {tokens_seen:,} tokens in {_duration(seconds)}; train loss {train_loss:.3f}, "
+        f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}); wrote {out}"
+    )
+    return card
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return pick_device(None)
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise TrainError(f"--device {name!r} is not a device torch knows: {exc}") from exc
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available(),
+        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+    }
+    if not available.get(device.type, False):
+        raise TrainError(f"--device {name} is not available on this machine")
+    return device
