@@ -259,9 +259,10 @@ def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
     assert np.allclose(z[head >= 0.201], head[head >= 0.201], atol=1e-3)
 
 
-def test_causal_model_shows_the_upper_triangle_as_masked(server, api, page):
+def test_causal_model_shows_the_upper_triangle_as_masked(server, api, page, artifacts):
     open_page(page, server)
     run(page, "The bank of the river.", model="tiny-causal")
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "causal-focus.png"))
     z = plotted(page)
     n = len(z)
     assert all(z[r][c] is None for r in range(n) for c in range(r + 1, n))
