@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from app.deps import ServiceDep
 from app.disconnect import unless_disconnected
-from app.routes.responses import errors
+from app.routes.responses import PiecesResponse, errors
 from app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from app.services.errors import InvalidInput
 
@@ -23,7 +23,7 @@ async def attention(body: AttentionRequest, service: ServiceDep, request: Reques
     reply = await unless_disconnected(request, service.attend([(body.text, body.text_pair)], body, batch=False, started=started))
     request.state.log = reply.log
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
-    return Response(reply.body, media_type=reply.media_type)
+    return PiecesResponse(reply.body, reply.media_type)
 
 
 @router.post("/attention/batch", response_model=BatchResponse, responses=ERRORS)
@@ -35,4 +35,4 @@ async def attention_batch(body: BatchRequest, service: ServiceDep, request: Requ
         raise InvalidInput(f"a batch holds at most {limit} texts, got {len(body.texts)}")
     reply = await unless_disconnected(request, service.attend([(t, None) for t in body.texts], body, batch=True, started=started))
     request.state.log = reply.log
-    return Response(reply.body, media_type=reply.media_type)
+    return PiecesResponse(reply.body, reply.media_type)

@@ -5,7 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.deps import ServiceDep
-from app.routes.responses import errors
+from app.routes.responses import PiecesResponse, errors
 from app.schemas import AttentionResponse, Format
 from app.services.attention import parse_index_list
 
@@ -24,4 +24,4 @@ async def run_slice(
     """A 404 means the run was evicted (or never existed): POST the text again."""
     reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format)
     request.state.log = reply.log
-    return Response(reply.body, media_type=reply.media_type)
+    return PiecesResponse(reply.body, reply.media_type)

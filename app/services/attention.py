@@ -6,7 +6,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import orjson
 from starlette.concurrency import run_in_threadpool
 
 from app.config import Settings
@@ -14,7 +13,7 @@ from app.services.batcher import Done
 from app.services.cache import Run, RunCache, run_id_for
 from app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
 from app.services.metrics import Metrics
-from app.services.payload import View, render_result
+from app.services.payload import View, join_results, render_result
 from app.services.registry import Registry, Served
 from model.errors import TooLongError
 from model.tokenizer import Encoded
@@ -34,9 +33,19 @@ class Item:
     timing: dict = field(default_factory=lambda: {"tokenize": 0.0, "queue": 0.0, "forward": 0.0})
 
 
+# Work this small costs less than a hop to the thread pool and back (tens of microseconds),
+# so it runs on the event loop; anything bigger goes to a worker thread.
+INLINE_CHARS = 2_000
+INLINE_CELLS = 100_000
+
+
+async def off_loop_unless_small(small: bool, fn, *args):
+    return fn(*args) if small else await run_in_threadpool(fn, *args)
+
+
 @dataclass
 class Reply:
-    body: bytes
+    body: list[bytes]  # pieces of one JSON document, sent without joining
     media_type: str
     log: dict  # run ids and timings for the request's log line
 
@@ -88,7 +97,7 @@ class AttentionService:
             for i, (text, pair) in enumerate(texts)
         ]
         await self._compute(served, items, view, options.truncate, deadline)
-        body = await run_in_threadpool(self._render, served, items, view, batch)
+        body = await self._render_off_loop(served, items, view, batch)
         return Reply(body, self._media_type(view), self._log(items))
 
     async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str) -> Reply:
@@ -102,7 +111,7 @@ class AttentionService:
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
         item = Item("", None, "", run_id, run)
-        body = await run_in_threadpool(self._render, served, [item], view, False)
+        body = await self._render_off_loop(served, [item], view, False)
         return Reply(body, self._media_type(view), self._log([item]))
 
     # ------------------------------------------------------------------ steps
@@ -149,7 +158,8 @@ class AttentionService:
         batcher.admit(len(missing))
         submitted = 0
         try:
-            await run_in_threadpool(self._tokenize, served, missing, truncate)
+            chars = sum(len(i.text) + len(i.text_pair or "") for i in missing)
+            await off_loop_unless_small(chars <= INLINE_CHARS, self._tokenize, served, missing, truncate)
             self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
             futures = []
             for item in missing:
@@ -178,9 +188,12 @@ class AttentionService:
                 raise TooLong(item.label + str(exc)) from None
             item.timing["tokenize"] = time.perf_counter() - started
 
-    def _render(self, served: Served, items: list[Item], view: View, batch: bool) -> bytes:
-        results = [render_result(item.run, served.model.info, view, item.timing) for item in items]
-        return orjson.dumps({"results": results} if batch else results[0])
+    async def _render_off_loop(self, served: Served, items: list[Item], view: View, batch: bool) -> list[bytes]:
+        cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
+        return await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch)
+
+    def _render(self, served: Served, items: list[Item], view: View, batch: bool) -> list[bytes]:
+        return join_results([render_result(item.run, served.model.info, view, item.timing) for item in items], batch)
 
     @staticmethod
     def _media_type(view: View) -> str:

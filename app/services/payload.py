@@ -58,16 +58,15 @@ def to_f16(attention: torch.Tensor) -> bytes:
     return halves.tobytes()
 
 
-def encode_attention(attention: torch.Tensor, fmt: str) -> bytes:
-    """The `attention` object of a response, already serialised."""
-    head = {"format": fmt, "dtype": DTYPES[fmt], "shape": list(attention.shape)}
+def encode_attention(attention: torch.Tensor, fmt: str) -> list[bytes]:
+    """The `attention` object of a response as serialised pieces: the data stays its own piece
+    (up to 25 MB at T=512), never copied again into a bigger string."""
+    head = orjson.dumps({"format": fmt, "dtype": DTYPES[fmt], "shape": list(attention.shape)})[:-1]
     if fmt == "json":
-        return orjson.dumps({**head, "data": attention.numpy()}, option=NUMPY)
+        return [head + b',"data":', orjson.dumps(attention.numpy(), option=NUMPY), b"}"]
     raw = to_u8(attention) if fmt == "u8" else to_f16(attention)
-    data = base64.b64encode(raw).decode("ascii")
-    if fmt == "u8":
-        return orjson.dumps({**head, "data": data, "scale": U8_SCALE})
-    return orjson.dumps({**head, "data": data})
+    tail = b'","scale":' + orjson.dumps(U8_SCALE) + b"}" if fmt == "u8" else b'"}'
+    return [head + b',"data":"', base64.b64encode(raw), tail]
 
 
 def token_dicts(run: Run) -> list[dict]:
@@ -77,12 +76,13 @@ def token_dicts(run: Run) -> list[dict]:
     ]
 
 
-def render_result(run: Run, info, view: View, timing_s: dict) -> dict:
-    """One v1 result; `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
+def render_result(run: Run, info, view: View, timing_s: dict) -> list[bytes]:
+    """One v1 result as pieces of one JSON object, in the contract's field order;
+    `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
     started = time.perf_counter()
     attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
     timing_s = {**timing_s, "encode": time.perf_counter() - started}
-    return {
+    before = {
         "run_id": run.run_id,
         "model": run.model,
         "causal": info.causal,
@@ -92,7 +92,18 @@ def render_result(run: Run, info, view: View, timing_s: dict) -> dict:
         "truncated": run.truncated,
         "layers": view.layers,
         "heads": view.heads,
-        "attention": orjson.Fragment(attention),
-        "device": info.device,
-        "timing_ms": {k: round(v * 1000, 3) for k, v in timing_s.items()},
     }
+    after = {"device": info.device, "timing_ms": {k: round(v * 1000, 3) for k, v in timing_s.items()}}
+    first = orjson.dumps(before)[:-1] + b',"attention":' + attention[0]
+    return [first, *attention[1:-1], attention[-1] + b"," + orjson.dumps(after)[1:]]
+
+
+def join_results(results: list[list[bytes]], batch: bool) -> list[bytes]:
+    """`{"results": [...]}` for a batch, the lone object otherwise; still in pieces."""
+    if not batch:
+        return results[0]
+    pieces = [b'{"results":[']
+    for i, result in enumerate(results):
+        pieces.extend(result if i == 0 else [b"," + result[0], *result[1:]])
+    pieces.append(b"]}")
+    return pieces
