@@ -89,23 +89,9 @@ export class GridView {
   }
 
   observeRows(rows) {
-    const wanted = new Set();
-    let scheduled = false;
+    // One request per layer: each is painted while the next is still on the wire.
     this.observer = new IntersectionObserver((entries) => {
-      for (const entry of entries) {
-        const layer = Number(entry.target.dataset.layer);
-        if (entry.isIntersecting && !this.run.hasLayer(layer)) wanted.add(layer);
-      }
-      if (wanted.size && !scheduled) {
-        scheduled = true;
-        queueMicrotask(() => {
-          scheduled = false;
-          const layers = [...wanted].sort((a, b) => a - b);
-          wanted.clear();
-          // One request per layer: each is painted while the next is still on the wire.
-          layers.forEach((layer) => this.requested(layer));
-        });
-      }
+      for (const entry of entries) if (entry.isIntersecting) this.requested(Number(entry.target.dataset.layer));
     }, { rootMargin: "300px 0px" });
     rows.forEach((row) => this.observer.observe(row));
   }

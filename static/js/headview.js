@@ -11,13 +11,12 @@ const MIN_DRAWN = 0.02; // fainter lines only add noise
 export class HeadView {
   constructor(container) {
     this.container = container;
-    this.layers = null; // [{ head, view, color }]
+    this.drawings = null; // [{ view, color }], one per head drawn
   }
 
-  render(tokens, layers) {
-    this.tokens = tokens;
-    this.layers = layers;
-    const { rows, cols } = layers[0].view;
+  render(tokens, drawings) {
+    this.drawings = drawings;
+    const { rows, cols } = drawings[0].view;
     const tokenList = (indices, side) => el("ol", { className: `hv-tokens hv-${side}`, attrs: { "aria-label": side === "left" ? "Query tokens" : "Key tokens" } },
       indices.map((t, i) => {
         const item = el("li", { text: tokens[t].text, attrs: { "data-index": i } });
@@ -55,7 +54,7 @@ export class HeadView {
     ctx.lineCap = "round";
     for (const item of this.left.children) item.classList.toggle("active", focus?.axis === "row" && Number(item.dataset.index) === focus.index);
     for (const item of this.right.children) item.classList.toggle("active", focus?.axis === "col" && Number(item.dataset.index) === focus.index);
-    for (const { view, color } of this.layers) {
+    for (const { view, color } of this.drawings) {
       const nCols = view.cols.length;
       // Bucketed by weight: ten paths per head instead of one stroke per line.
       const paths = Array.from({ length: BUCKETS }, () => new Path2D());

@@ -1,5 +1,5 @@
 // Wires the page: input → API → run data → focus heatmap, model grid and head view, plus the permalink.
-// Performance marks (manyeyes:submit, manyeyes:first-heatmap, manyeyes:grid-painted) feed bench/ui_bench.py.
+// Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) feed bench/ui_bench.py.
 
 import { describeError, fetchSlice, listModels, postAttention } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
@@ -29,7 +29,7 @@ const state = {
   hideSpecial: false,
   threshold: 0,
   segments: "all",
-  pending: new Set(), // layers being fetched
+  pending: new Set(), // u8 layers and "f16:layer:head" slices being fetched
   marks: new Set(),
   renderToken: 0,
 };
@@ -78,9 +78,11 @@ function clamp(n, max) {
 
 async function loadLayers(layers, heads = null, format = "u8") {
   const run = state.run;
-  const wanted = format === "u8" ? layers.filter((l) => !run.hasLayer(l) && !state.pending.has(l)) : layers;
-  if (!wanted.length) return;
-  if (format === "u8") wanted.forEach((l) => state.pending.add(l));
+  const pending = state.pending; // this run's own: a newer run gets a fresh set
+  const keys = format === "u8" ? layers : layers.flatMap((l) => heads.map((h) => `${format}:${l}:${h}`));
+  const wanted = format === "u8" ? layers.filter((l) => !run.hasLayer(l) && !pending.has(l)) : layers;
+  if (!wanted.length || keys.some((k) => format !== "u8" && pending.has(k))) return;
+  keys.forEach((k) => pending.add(k));
   try {
     let slice;
     try {
@@ -89,6 +91,7 @@ async function loadLayers(layers, heads = null, format = "u8") {
       if (err.status !== 404) throw err;
       // The server's cache dropped this run: the same request recomputes it.
       slice = await postAttention({ ...state.request, layers: wanted, heads: heads ?? undefined, format }, state.controller.signal);
+      run.runId = slice.run_id;
     }
     if (state.run !== run) return;
     run.ingest(slice);
@@ -96,11 +99,13 @@ async function loadLayers(layers, heads = null, format = "u8") {
     if (err.name !== "AbortError" && state.run === run) showError(describeError(err));
     return;
   } finally {
-    if (format === "u8") wanted.forEach((l) => state.pending.delete(l));
+    keys.forEach((k) => pending.delete(k));
   }
   if (format === "u8") afterLayersArrived(wanted);
-  else if (state.aggregate === "head" && wanted.includes(state.layer) && heads?.includes(state.head)) {
+  else if (state.aggregate === "head" && wanted.includes(state.layer) && heads.includes(state.head)) {
     renderViews({ headView: false });
+  } else {
+    refineFocus(); // the focus moved on while these values were on their way
   }
 }
 
@@ -181,16 +186,12 @@ function renderHeadView() {
   const run = state.run;
   const options = viewOptions();
   const pal = palette();
-  let layers;
-  if (state.aggregate === "head") {
-    layers = [...state.headSet].sort((a, b) => a - b)
-      .map((h) => ({ head: h, matrix: run.head(state.layer, h), color: pal.heads[h % pal.heads.length] }))
-      .filter((entry) => entry.matrix);
-  } else {
-    layers = [{ head: null, matrix: focusMatrix(), color: pal.heads[0] }];
-  }
-  if (!layers.length || !layers[0].matrix) return;
-  headView.render(run.tokens, layers.map((entry) => ({ ...entry, view: viewOf(entry.matrix, run.tokens, options) })));
+  const matrices = state.aggregate === "head"
+    ? [...state.headSet].sort((a, b) => a - b).map((h) => ({ matrix: run.head(state.layer, h), color: pal.heads[h % pal.heads.length] }))
+    : [{ matrix: focusMatrix(), color: pal.heads[0] }];
+  const drawings = matrices.filter((m) => m.matrix).map(({ matrix, color }) => ({ view: viewOf(matrix, run.tokens, options), color }));
+  if (!drawings.length) return;
+  headView.render(run.tokens, drawings);
   renderHeadChips();
 }
 
@@ -217,7 +218,7 @@ function renderHeadChips() {
   fieldset.hidden = false;
 }
 
-function setFocus(layer, head, { push = false } = {}) {
+function setFocus(layer, head) {
   const run = state.run;
   if (!run) return;
   layer = clamp(layer, run.nLayers);
@@ -231,7 +232,7 @@ function setFocus(layer, head, { push = false } = {}) {
   $("head").value = String(head);
   $("aggregate").value = state.aggregate;
   grid.select(layer, head);
-  updatePermalink(push);
+  updatePermalink();
   renderViews();
 }
 
