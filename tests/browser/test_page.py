@@ -328,3 +328,27 @@ def test_no_request_leaves_loopback_and_modebar_exports_png_and_svg(server, page
     assert hosts == {"127.0.0.1"}
     assert any("/vendor/plotly.min.js" in u for u in watched.requests)  # plotly.js itself came from us
     assert watched.off_loopback() == []
+
+
+def test_an_evicted_run_is_posted_again(server, page, watched):
+    """The server answers 404 for a run its cache dropped; the page re-posts and carries on."""
+    evicted = []
+
+    def evict_once(route):
+        if evicted:
+            route.continue_()
+            return
+        evicted.append(route.request.url)
+        # The server's own reply for a run its cache does not hold.
+        reply = route.fetch(url=route.request.url.replace("/runs/", "/runs/evicted"))
+        assert reply.status == 404
+        route.fulfill(response=reply)
+
+    page.route(re.compile(r".*/api/v1/runs/.*format=u8.*"), evict_once)
+    text = " ".join(f"Sentence number {i} talks about rivers and banks." for i in range(40))
+    open_page(page, server)
+    run(page, text)
+    wait_grid(page)
+    posts = [u for u in watched.requests if u.endswith("/api/v1/attention")]
+    assert len(evicted) == 1 and len(posts) == 2
+    assert page.locator("#error").is_hidden()
