@@ -10,7 +10,6 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 ROOT = Path(__file__).resolve().parents[2]
-STATIC_DIR = ROOT / "static"
 TEMPLATES_DIR = ROOT / "templates"
 # The plotly Python package ships the full plotly.js bundle; serving it avoids any CDN.
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"

@@ -1,0 +1,48 @@
+"""The page and its assets are served by the app itself, with nothing fetched from elsewhere."""
+
+import re
+from pathlib import Path
+
+import plotly
+import pytest
+from fastapi.testclient import TestClient
+
+from app.config import Settings
+from app.main import create_app
+
+STATIC = Path(__file__).resolve().parents[1] / "static"
+
+
+@pytest.fixture(scope="module")
+def client():
+    # No lifespan: the page needs no model, so none is loaded.
+    return TestClient(create_app(Settings(models={"minilm": "minilm"})))
+
+
+def test_index_renders_the_template_with_local_assets_only(client):
+    reply = client.get("/")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/html")
+    html = reply.text
+    assert '<script type="module" src="/static/js/main.js">' in html
+    assert f'src="/vendor/plotly.min.js?v={plotly.__version__}"' in html
+    assert re.findall(r'(?:src|href)="(https?:)?//', html) == []
+
+
+def test_plotly_comes_from_the_installed_package(client):
+    reply = client.get(f"/vendor/plotly.min.js?v={plotly.__version__}")
+    assert reply.status_code == 200 and "javascript" in reply.headers["content-type"]
+    bundled = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    assert reply.content == bundled.read_bytes()
+
+
+def test_every_module_is_served_and_imports_only_local_files(client):
+    modules = sorted(STATIC.glob("js/*.js"))
+    assert modules
+    for path in modules:
+        assert client.get(f"/static/js/{path.name}").status_code == 200
+        source = path.read_text()
+        for target in re.findall(r'from\s+"([^"]+)"', source):
+            assert target.startswith("./") and (path.parent / target).exists(), (path.name, target)
+        # User text reaches the DOM as text only (textContent); see the XSS browser test.
+        assert not re.search(r"\.(inner|outer)HTML\b|insertAdjacentHTML|document\.write", source), path.name
+    assert client.get("/static/css/app.css").status_code == 200
