@@ -70,10 +70,12 @@ export class HeadView {
         }
       }
       ctx.strokeStyle = color || pal.heads[0];
+      // A hovered token's few lines are drawn stronger, so that even small weights can be read.
+      const floor = focus ? 0.45 : 0.15;
       paths.forEach((path, b) => {
         const w = (b + 0.5) / BUCKETS;
-        ctx.globalAlpha = Math.min(1, 0.15 + w);
-        ctx.lineWidth = 0.5 + 3.5 * w;
+        ctx.globalAlpha = Math.min(1, floor + w);
+        ctx.lineWidth = (focus ? 1 : 0.5) + 3.5 * w;
         ctx.stroke(path);
       });
     }
