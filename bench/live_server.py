@@ -1,0 +1,107 @@
+"""What bench/load.py and bench/soak.py share: a real `manyeyes serve` on a free loopback port,
+its resident memory, and the check of a response against a single unbatched run."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"  # loopback only: these scripts never send traffic anywhere else
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(**settings):
+    """`manyeyes serve` with MANYEYES_* settings; yields (base URL, pid) once /readyz says 200."""
+    port = free_port()
+    script = Path(sys.executable).with_name("manyeyes")
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    argv += ["serve", "--host", HOST, "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "MANYEYES_MODELS": json.dumps({"minilm": "minilm"}), "MANYEYES_DEVICE": "cpu"}
+    env.update({f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()})
+    url = f"http://{HOST}:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise SystemExit(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("the server was not ready within 300 s")
+                time.sleep(0.2)
+            yield url, proc.pid
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        total += sum(s.value for s in family.samples if s.name == name)
+    return total
+
+
+def decode(attention: dict) -> np.ndarray:
+    shape = attention["shape"]
+    if attention["format"] == "json":
+        return np.asarray(attention["data"], dtype=np.float32).reshape(shape)
+    raw = base64.b64decode(attention["data"])
+    if attention["format"] == "f16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float32).reshape(shape)
+    return np.frombuffer(raw, dtype=np.uint8).astype(np.float32).reshape(shape) * attention["scale"]
+
+
+TOLERANCE = {"json": 1e-5, "f16": 1e-3, "u8": 0.5 / 255 + 1e-6}
+
+
+def matches(body: dict, reference) -> bool:
+    """Same tokens, and the returned slice equals the single run's weights within the format's precision."""
+    if [(t["id"], t["start"], t["end"]) for t in body["tokens"]] != [(t.id, t.start, t.end) for t in reference.tokens]:
+        return False
+    expected = reference.attention.numpy()[body["layers"]][:, body["heads"]]
+    got = decode(body["attention"])
+    return got.shape == expected.shape and float(np.abs(got - expected).max()) <= TOLERANCE[body["attention"]["format"]]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
