@@ -97,15 +97,19 @@ class Batcher:
             self._pending.append(job)
             self.metrics.queue_depth.inc()
             self._cond.notify_all()
-        # A client that goes away cancels its future: free its place in the queue at once.
-        job.future.add_done_callback(lambda future: self._forget_cancelled(job))
+        # A client that goes away cancels its future: free its place in the queue at once. The
+        # callback takes the future, not the job: job -> future -> callback -> job would be a
+        # cycle that keeps every finished result's attention alive until a full gc.
+        job.future.add_done_callback(self._forget_cancelled)
         return job.future
 
-    def _forget_cancelled(self, job: Job) -> None:
-        if not job.future.cancelled():
+    def _forget_cancelled(self, future: Future) -> None:
+        if not future.cancelled():
             return
         with self._cond:
-            if job in self._pending:  # else the worker already took it and counts it in _run
+            # Not found: the worker already took it, and _run counts it.
+            job = next((j for j in self._pending if j.future is future), None)
+            if job is not None:
                 self._pending.remove(job)
                 self.metrics.queue_depth.dec()
                 self.metrics.dropped.labels("cancelled").inc()
