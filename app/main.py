@@ -18,7 +18,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddle
 
 from app.config import Settings
 from app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from app.routes import attention, models, ops, page, runs
+from app.routes import attention, docs, models, ops, page, runs
 from app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from app.services.cache import RunCache
 from app.services.errors import ApiError, error_body
@@ -94,11 +94,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="1",
         summary="Attention weights of every layer and head, fast: compact payloads, slices of cached runs, micro-batching.",
         lifespan=lifespan,
+        # /docs is served by app.routes.docs from local assets; ReDoc would need a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, runs, ops, page):
+    for module in (models, attention, runs, ops, page, docs):
         app.include_router(module.router)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -118,5 +121,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     app.add_middleware(AccessLog, metrics=metrics)
     # Outermost, so every answer carries the headers, the 413s BodyLimit writes included.
-    app.add_middleware(SecurityHeaders, docs_paths=(app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url))
+    app.add_middleware(SecurityHeaders)
     return app

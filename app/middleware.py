@@ -126,32 +126,19 @@ CSP_SELF = (
     "font-src 'self'; connect-src 'self'; worker-src 'self' blob:; object-src 'none'; base-uri 'none'; "
     "form-action 'self'; frame-ancestors 'none'"
 )
-# FastAPI's /docs and /redoc pages load Swagger UI / ReDoc from a CDN with an inline bootstrap
-# script; they are the only pages that may, so the API reference keeps working where the browser
-# is online. Nothing of the visualizer or the API depends on them.
-CSP_DOCS = (
-    "default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; "
-    "style-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net https://fonts.googleapis.com; "
-    "font-src 'self' https://fonts.gstatic.com; img-src 'self' data: https://fastapi.tiangolo.com https://cdn.redoc.ly; "
-    "worker-src 'self' blob:; connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
-)
-
-
 class SecurityHeaders:
     """Adds the security headers to every response, the API's errors and the static files included."""
 
-    def __init__(self, app, docs_paths: tuple[str, ...] = ()) -> None:
+    def __init__(self, app) -> None:
         self.app = app
-        self.docs_paths = {p for p in docs_paths if p}
         common = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY")]
         self.headers = [(b"content-security-policy", CSP_SELF.encode()), *common]
-        self.docs_headers = [(b"content-security-policy", CSP_DOCS.encode()), *common]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        extra = self.docs_headers if scope["path"] in self.docs_paths else self.headers
+        extra = self.headers
 
         async def with_headers(message):
             if message["type"] == "http.response.start":

@@ -352,3 +352,13 @@ def test_an_evicted_run_is_posted_again(server, page, watched):
     posts = [u for u in watched.requests if u.endswith("/api/v1/attention")]
     assert len(evicted) == 1 and len(posts) == 2
     assert page.locator("#error").is_hidden()
+
+
+def test_api_docs_render_offline_under_the_csp(server, page, artifacts):
+    """/docs is Swagger UI from local files: it must draw every operation with no CDN and no CSP error."""
+    page.goto(f"{server}/docs")
+    page.wait_for_selector(".opblock-summary-path", timeout=30_000)
+    paths = page.locator(".opblock-summary-path").all_inner_texts()
+    for path in ("/api/v1/models", "/api/v1/attention", "/api/v1/attention/batch", "/api/v1/runs/{run_id}/attention"):
+        assert any(p.replace("\u200b", "") == path for p in paths), (path, paths)
+    page.screenshot(path=str(artifacts / "api-docs.png"))

@@ -72,3 +72,17 @@ def test_cors_allows_exactly_the_configured_origins():
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == allowed
         other = httpx.options(f"{server.url}/api/v1/attention", headers={"Origin": "https://evil.example", **ask}, timeout=60)
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_docs_are_local_and_under_the_same_policy(server):
+    get = lambda path: httpx.get(server.url + path, timeout=60)  # noqa: E731
+    page = get("/docs")
+    assert page.status_code == 200
+    assert page.headers["content-security-policy"] == get("/").headers["content-security-policy"]
+    assert "http" not in page.text  # every asset is a path on this server
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+        r = get(f"/vendor/swagger-ui/{asset}")
+        assert r.status_code == 200 and len(r.content) > 100_000
+    assert get("/vendor/swagger-ui/..%2Fswagger-initializer.js").status_code == 404
+    assert get("/vendor/swagger-ui/index.html").status_code == 404
+    assert get("/redoc").status_code == 404
