@@ -365,8 +365,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: TextIO = sys.stderr) -> dict:
-    """Train (or resume) into cfg.out; returns the card it wrote."""
+def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: TextIO | None = None) -> dict:
+    """Train (or resume) into cfg.out; returns the card it wrote. Progress goes to stream (stderr)."""
     device = _device(cfg.device)
     corpus = read_corpus(cfg.text)
     out = cfg.out
@@ -394,12 +394,13 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     model = build_model(cfg, tokenizer.get_vocab_size()).to(device)
     optimizer = make_optimizer(model, cfg.lr)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
-    step, tokens_seen, seconds_before = 0, 0, 0.0
+    step, tokens_seen, seconds_before, commands = 0, 0, 0.0, [command]
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         batch_gen.set_state(ckpt["batch_rng"])
         step, tokens_seen, seconds_before = ckpt["step"], ckpt["tokens_seen"], ckpt["seconds"]
+        commands = ckpt["commands"] + [command]
 
     def checkpoint(seconds: float) -> None:
         state = {
@@ -410,12 +411,13 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             "tokens_seen": tokens_seen,
             "seconds": seconds,
             "corpus_sha256": corpus.sha256,
+            "commands": commands,
             "train_config": cfg.to_json(),
         }
         _atomic_save(lambda p: torch.save(state, p), out / CHECKPOINT)
         save_model(model, out, cfg.save_dtype)
 
-    progress = Progress(cfg.steps, stream)
+    progress = Progress(cfg.steps, stream or sys.stderr)
     progress.note(
         f"training {cfg.layers} layers x {cfg.heads} heads, emb {cfg.emb_dim}, context {cfg.context}, "
         f"vocab {tokenizer.get_vocab_size()} on {len(train_ids):,} tokens ({len(val_ids):,} held out), "
@@ -470,7 +472,8 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         "val_loss": round(val_loss, 4),
         "val_perplexity": round(math.exp(val_loss), 2),
         "seconds": round(seconds, 1),
-        "command": command,
+        "command": commands[0],
+        "resumed_with": commands[1:],  # each --resume, in order; resuming re-stretches the cosine to --steps
         "device": str(device),
         "torch": torch.__version__,
         "config": model.cfg.to_dict(),

@@ -120,7 +120,9 @@ def test_resume_continues_from_the_same_step(corpus, tmp_path):
     assert torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)["step"] == 12
 
     log = io.StringIO()
-    resumed = train(make_config({"text": [corpus], "out": tmp_path / "split"}, resume=True), resume=True, stream=log)
+    cfg = make_config({"text": [corpus], "out": tmp_path / "split"}, resume=True)
+    resumed = train(cfg, resume=True, command="manyeyes train --resume", stream=log)
+    assert resumed["command"] == "test" and resumed["resumed_with"] == ["manyeyes train --resume"]
     assert "resuming at step 12" in log.getvalue()
     assert "step 13/20" in log.getvalue() and "step  1/20" not in log.getvalue()
     # Step for step the same run: same batches, same learning rates, same optimizer moments.
