@@ -128,6 +128,7 @@ TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or
     "warmup": (int, "linear warmup steps (default a tenth of --steps, at most 200)"),
     "eval_every": (int, "steps between validation and checkpoint (default a tenth of --steps)"),
     "save_dtype": (str, "model.pth storage: float32 or float16 (default float32)"),
+    "pos_init": (str, "position embeddings start as random (default) or sinusoidal; trained either way"),
     "corpus_name": (str, "how card.json names the corpus (default the file names)"),
     "licence": (str, "the corpus licence, for card.json"),
 }

@@ -69,6 +69,7 @@ class TrainConfig:
     warmup: int | None = None  # default: a tenth of the steps, at most 200
     eval_every: int | None = None  # default: ten evaluations per run
     save_dtype: str = "float32"  # storage of model.pth; "float16" halves it for shipping
+    pos_init: str = "random"  # "random" (GPT-2's N(0, 0.02)) or "sinusoidal" (still trained)
     corpus_name: str | None = None  # what the card calls the corpus; default: the file names
     licence: str = "unknown (pass --licence)"
 
@@ -91,6 +92,8 @@ class TrainConfig:
             raise TrainError(f"--eval-every must be at least 1, not {self.eval_every}")
         if self.save_dtype not in ("float32", "float16"):
             raise TrainError(f"--save-dtype must be float32 or float16, not {self.save_dtype}")
+        if self.pos_init not in ("random", "sinusoidal"):
+            raise TrainError(f"--pos-init must be random or sinusoidal, not {self.pos_init}")
         if not self.text:
             raise TrainError("--text needs at least one file")
 
@@ -242,7 +245,25 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel:
     )
     model = GPTModel(gpt)
     init_weights(model)
+    if cfg.pos_init == "sinusoidal":
+        with torch.no_grad():
+            model.pos_emb.weight.copy_(sinusoidal_positions(cfg.context, cfg.emb_dim))
     return model
+
+
+def sinusoidal_positions(context: int, emb_dim: int) -> torch.Tensor:
+    """The original Transformer's position table, as a starting point the model keeps training.
+
+    Learned positions start as noise, and a head that attends "one token back" must first learn
+    a position code in which that offset is a fixed linear map; sinusoids have that property from
+    step 0. Scaled so their RMS equals the 0.02 of the token embeddings they are added to.
+    """
+    pos = torch.arange(context, dtype=torch.float32).unsqueeze(1)  # (context, 1)
+    freq = torch.exp(torch.arange(0, emb_dim, 2, dtype=torch.float32) * (-math.log(10000.0) / emb_dim))
+    table = torch.zeros(context, emb_dim)
+    table[:, 0::2] = torch.sin(pos * freq)  # (context, emb_dim / 2)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : emb_dim // 2]
+    return table * (0.02 * math.sqrt(2.0))
 
 
 def init_weights(model: GPTModel) -> None:

@@ -180,6 +180,7 @@ def test_resume_refuses_other_settings_and_finished_runs(corpus, tmp_path, capsy
         (["--context", "100000"], "the text is too short"),
         (["--device", "tpu9"], "--device"),
         (["--save-dtype", "int8"], "--save-dtype must be float32 or float16"),
+        (["--pos-init", "rope"], "--pos-init must be random or sinusoidal"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(corpus, tmp_path, capsys, extra, message):
@@ -222,3 +223,17 @@ def test_argparse_rejects_non_numbers(capsys):
         main(["train", "--text", "a.txt", "--out", "m", "--layers", "two"])
     assert exc.value.code == 2
     assert "--layers" in capsys.readouterr().err
+
+
+def test_sinusoidal_positions_start_as_the_transformer_table(corpus):
+    cfg = make_config({"text": [corpus], "out": Path("unused"), **TINY, "pos_init": "sinusoidal"})
+    table = build_model(cfg, vocab_size=320).pos_emb.weight.detach()  # (context, emb_dim)
+    assert table.shape == (32, 32)
+    assert torch.allclose(table.pow(2).mean().sqrt(), torch.tensor(0.02), rtol=1e-3)  # RMS of token embeddings
+    scale = 0.02 * math.sqrt(2.0)
+    assert torch.allclose(table[0, 0::2], torch.zeros(16))  # sin(0)
+    assert torch.allclose(table[0, 1::2], torch.full((16,), scale))  # cos(0)
+    assert torch.isclose(table[5, 2], scale * torch.sin(torch.tensor(5 * 10000 ** (-2 / 32))))
+    # The offset "one back" is one fixed rotation per frequency, the property a previous-token head uses.
+    random = build_model(make_config({"text": [corpus], "out": Path("unused"), **TINY}), vocab_size=320)
+    assert not torch.allclose(random.pos_emb.weight, table)
