@@ -89,7 +89,9 @@ def api(server):
         yield client
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: sync Playwright keeps an asyncio loop running on this thread while
+# it is open, and later suites that call asyncio.run() (tests/reliability) must not inherit it.
+@pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
         message = f"{CHROMIUM} is missing: apt-get install -y chromium"
