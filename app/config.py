@@ -9,13 +9,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def builtin_models() -> dict[str, str]:
-    """minilm always; tiny-gpt once its checkpoint has been trained into model/data/tiny-gpt/."""
-    from model.loading import builtin_path
-
-    models = {"minilm": "minilm"}
-    if (builtin_path("tiny-gpt") / "model.pth").exists():
-        models["tiny-gpt"] = "tiny-gpt"
-    return models
+    """Both models that ship with manyeyes: the MiniLM encoder and the causal tiny-gpt."""
+    return {"minilm": "minilm", "tiny-gpt": "tiny-gpt"}
 
 
 def parse_model_specs(specs: list[str] | str) -> dict[str, str]:
