@@ -22,6 +22,9 @@ class Capture:
 
     weights: bool = True  # post-softmax attention, (b, num_heads, T, T)
     qkv: bool = False  # per-head queries, keys and values, each (b, num_heads, T, head_dim)
+    # A float32 (b, num_heads, T, T) buffer the softmax writes into, so a caller that gathers
+    # every layer into one tensor pays no extra copy (75 MB for MiniLM at T=512).
+    weights_out: torch.Tensor | None = None
 
 
 class AttentionOutput(NamedTuple):
@@ -82,7 +85,11 @@ class MultiHeadAttention(nn.Module):
             attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
 
         # Softmax in float32 even under half-precision autocast: the weights are the product.
-        attn_weights = torch.softmax(attn_scores.float(), dim=-1).to(values.dtype)
+        if capture.weights_out is not None:
+            attn_weights = torch.softmax(attn_scores.float(), dim=-1, out=capture.weights_out)
+        else:
+            attn_weights = torch.softmax(attn_scores.float(), dim=-1)
+        attn_weights = attn_weights.to(values.dtype)
         dropped = self.dropout(attn_weights)
 
         # (b, num_heads, num_tokens, num_tokens) @ (b, num_heads, num_tokens, head_dim)

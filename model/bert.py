@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -62,7 +62,10 @@ class BertEncoder(nn.Module):
         self.emb_norm = LayerNorm(cfg.emb_dim, cfg.ln_eps)
         self.trf_blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
 
-    def inspect(self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None) -> Trace:
+    def inspect(
+        self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None, weights_out=None
+    ) -> Trace:
+        """weights_out: optional (n_layers, b, n_heads, T, T) float32 buffer that receives every layer's weights."""
         _, num_tokens = in_idx.shape
         positions = torch.arange(num_tokens, device=in_idx.device)
         if token_type_ids is None:
@@ -70,8 +73,9 @@ class BertEncoder(nn.Module):
         # (b, num_tokens, emb_dim)
         x = self.emb_norm(self.tok_emb(in_idx) + self.pos_emb(positions) + self.type_emb(token_type_ids))
         layers = []
-        for block in self.trf_blocks:
-            x, att = block(x, key_padding_mask, capture)
+        for i, block in enumerate(self.trf_blocks):
+            layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
+            x, att = block(x, key_padding_mask, layer_capture)
             layers.append(att)
         return Trace(hidden=x, logits=None, layers=layers)
 

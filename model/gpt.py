@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -95,14 +95,18 @@ class GPTModel(nn.Module):
         """The book's call: logits, (b, num_tokens, vocab_size)."""
         return self.inspect(in_idx, capture=Capture(weights=False)).logits
 
-    def inspect(self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None) -> Trace:
+    def inspect(
+        self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None, weights_out=None
+    ) -> Trace:
+        """weights_out: optional (n_layers, b, n_heads, T, T) float32 buffer that receives every layer's weights."""
         # token_type_ids is accepted and ignored so that GPT and BERT share one calling convention.
         _, num_tokens = in_idx.shape
         positions = torch.arange(num_tokens, device=in_idx.device)
         x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))  # (b, num_tokens, emb_dim)
         layers = []
-        for block in self.trf_blocks:
-            x, att = block(x, key_padding_mask, capture)
+        for i, block in enumerate(self.trf_blocks):
+            layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
+            x, att = block(x, key_padding_mask, layer_capture)
             layers.append(att)
         hidden = self.final_norm(x)
         return Trace(hidden=hidden, logits=self.out_head(hidden), layers=layers)

@@ -88,15 +88,20 @@ class AttentionModel:
             real[row, : len(enc)] = True
         padded = min(lengths) != width
         capture = Capture(weights=True, qkv=capture.qkv)
+        cfg = self.net.cfg
+        # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
+        # (n_layers, b, n_heads, width, width)
+        weights = torch.empty(cfg.n_layers, len(batch), cfg.n_heads, width, width, device=self.device)
         with torch.inference_mode(), self._autocast():
             trace = self.net.inspect(
                 ids.to(self.device),
                 real.to(self.device) if padded else None,
                 capture,
                 token_type_ids=types.to(self.device),
+                weights_out=weights,
             )
-            # (b, n_layers, n_heads, width, width)
-            attention = torch.stack([layer.weights for layer in trace.layers], dim=1).float().cpu()
+            # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
+            attention = weights.cpu().transpose(0, 1)
             hidden = trace.hidden.float().cpu()
             logits = trace.logits.float().cpu() if trace.logits is not None else None
 
@@ -105,7 +110,7 @@ class AttentionModel:
             result = AttentionResult(
                 tokens=enc.tokens,
                 truncated=enc.truncated,
-                attention=attention[row, :, :, :n, :n].contiguous() if padded else attention[row],
+                attention=attention[row, :, :, :n, :n].contiguous(),  # a view when b == 1 and unpadded
                 hidden=hidden[row, :n],
                 logits=logits[row, :n] if logits is not None else None,
             )

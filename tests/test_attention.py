@@ -111,3 +111,12 @@ def test_no_state_kept_between_calls_under_threads():
     assert set(vars(mha)) == before
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
+
+
+def test_weights_out_receives_the_weights_in_place():
+    mha = make()
+    x = torch.randn(2, 6, 12)
+    buffer = torch.full((2, 3, 6, 6), float("nan"))
+    out = mha.attend(x, capture=Capture(weights_out=buffer))
+    assert out.weights.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer, mha.attend(x).weights)
