@@ -253,6 +253,12 @@ def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
     page.select_option("#segments", "all")
     page.locator("#threshold").fill("0.2")
     page.wait_for_function("() => document.getElementById('threshold-value').textContent === '0.20'")
+    # Three option changes in a row each redraw; wait for the last one to reach the plot, not just the label.
+    page.wait_for_function(
+        "(n) => { const z = document.getElementById('focus-plot').data[0].z;"
+        " return z.length === n && z.every((row) => row.every((v) => v === 0 || v >= 0.2)); }",
+        arg=len(tokens),
+    )
     z = np.array(plotted(page))
     head = weights[0, 4]
     assert np.all((z == 0) | (z >= 0.2))
