@@ -110,7 +110,9 @@ class AttentionModel:
             result = AttentionResult(
                 tokens=enc.tokens,
                 truncated=enc.truncated,
-                attention=attention[row, :, :, :n, :n].contiguous(),  # a view when b == 1 and unpadded
+                # Each item owns exactly its own storage (a copy unless b == 1), so whoever keeps
+                # a result (the service's run cache) never keeps the rest of the batch alive.
+                attention=attention[row, :, :, :n, :n].contiguous(),
                 hidden=hidden[row, :n],
                 logits=logits[row, :n] if logits is not None else None,
             )

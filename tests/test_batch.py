@@ -20,6 +20,8 @@ def test_minilm_batch_equals_single_runs(minilm):
         assert item.attention.shape == single.attention.shape
         assert (item.attention - single.attention).abs().max() <= 1e-5
         assert (item.hidden - single.hidden).abs().max() <= 1e-4
+        # An item's weights hold no more memory than themselves, never the whole batch's tensor.
+        assert item.attention.untyped_storage().nbytes() == item.attention.nbytes
 
 
 def test_gpt2_batch_equals_single_runs(tmp_path, bytelevel_tokenizer):

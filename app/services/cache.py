@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -54,10 +54,6 @@ class RunCache:
         size = run.nbytes
         if size > self.max_bytes:
             return False
-        if run.attention.untyped_storage().nbytes() > run.attention.nbytes:
-            # A view into a whole batch's tensor would keep every row alive while counting one:
-            # keep a copy of just this run, so the byte bound is the memory actually held.
-            run = replace(run, attention=run.attention.clone())
         with self._lock:
             old = self._runs.pop(run.run_id, None)
             if old is not None:
