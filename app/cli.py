@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.errors import ModelLoadError, TooLongError
+from manyeyes.model.errors import ModelLoadError, TooLongError
 
 SHADES = " .:-=+*#%@"  # ten steps, light to dark
 
@@ -23,7 +23,7 @@ def _format_head(tokens: list[str], weights, width: int = 12) -> str:
 
 
 def cmd_attend(args) -> int:
-    from model import load
+    from manyeyes.model import load
 
     model = load(args.model, device=args.device)
     info = model.info
@@ -47,10 +47,10 @@ def _print_json(model, args) -> int:
     """The exact body POST /api/v1/attention returns for the same text and options."""
     import time
 
-    from app.services.attention import parse_index_list, resolve_indices
-    from app.services.cache import Run, run_id_for
-    from app.services.errors import ApiError
-    from app.services.payload import View, render_result
+    from manyeyes.app.services.attention import parse_index_list, resolve_indices
+    from manyeyes.app.services.cache import Run, run_id_for
+    from manyeyes.app.services.errors import ApiError
+    from manyeyes.app.services.payload import View, render_result
 
     info = model.info
     try:
@@ -79,8 +79,8 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    from app.config import Settings
-    from app.main import create_app
+    from manyeyes.app.config import Settings
+    from manyeyes.app.main import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = Settings()
@@ -102,7 +102,7 @@ def cmd_serve(args) -> int:
 
 
 def _model_flag(value: str) -> dict[str, str]:
-    from app.config import parse_model_specs
+    from manyeyes.app.config import parse_model_specs
 
     try:
         return parse_model_specs([value])
@@ -137,7 +137,7 @@ TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or
 def cmd_train(args) -> int:
     import shlex
 
-    from model.train import TrainError, make_config, train
+    from manyeyes.model.train import TrainError, make_config, train
 
     options = {name: getattr(args, name) for name in TRAIN_OPTIONS}
     # The card records the command in canonical form: every option given, nothing else.

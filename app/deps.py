@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.services.attention import AttentionService
-from app.services.metrics import Metrics
-from app.services.registry import Registry
+from manyeyes.app.services.attention import AttentionService
+from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.registry import Registry
 
 
 def get_service(request: Request) -> AttentionService:

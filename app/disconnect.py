@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from app.services.errors import ApiError
+from manyeyes.app.services.errors import ApiError
 
 T = TypeVar("T")
 

@@ -16,14 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
 
-from app.config import Settings
-from app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from app.routes import attention, docs, models, ops, page, runs
-from app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
-from app.services.cache import RunCache
-from app.services.errors import ApiError, error_body
-from app.services.metrics import Metrics
-from app.services.registry import Registry
+from manyeyes.app.config import Settings
+from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
+from manyeyes.app.routes import attention, docs, models, ops, page, runs
+from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
+from manyeyes.app.services.cache import RunCache
+from manyeyes.app.services.errors import ApiError, error_body
+from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.registry import Registry
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 log = logging.getLogger("manyeyes")

@@ -7,8 +7,8 @@ import time
 
 import orjson
 
-from app.services.errors import error_body
-from app.services.metrics import Metrics
+from manyeyes.app.services.errors import error_body
+from manyeyes.app.services.metrics import Metrics
 
 access_log = logging.getLogger("manyeyes.access")
 

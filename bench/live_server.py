@@ -33,7 +33,7 @@ def serve(**settings):
     """`manyeyes serve` with MANYEYES_* settings; yields (base URL, pid) once /readyz says 200."""
     port = free_port()
     script = Path(sys.executable).with_name("manyeyes")
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "manyeyes.app.cli"]
     argv += ["serve", "--host", HOST, "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "MANYEYES_MODELS": json.dumps({"minilm": "minilm"}), "MANYEYES_DEVICE": "cpu"}
     env.update({f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()})

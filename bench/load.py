@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--cache", action="store_true", help="keep the run cache on (default off: every request runs a forward)")
     args = parser.parse_args()
 
-    from model import load
+    from manyeyes.model import load
 
     texts = sentences(args.texts)
     model = load("minilm", device="cpu")

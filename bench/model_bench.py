@@ -34,8 +34,8 @@ def main() -> None:
 
     from transformers import BertModel
 
-    from model import load
-    from model.loading import builtin_path
+    from manyeyes.model import load
+    from manyeyes.model.loading import builtin_path
 
     ours = load("minilm", device="cpu")
     theirs = BertModel.from_pretrained(str(builtin_path("minilm")), attn_implementation="eager").eval()

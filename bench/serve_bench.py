@@ -41,7 +41,7 @@ import json, sys, torch, uvicorn
 from fastapi import FastAPI, Response
 from pydantic import BaseModel
 from transformers import AutoTokenizer, BertModel
-from model.loading import builtin_path
+from manyeyes.model.loading import builtin_path
 
 path = str(builtin_path("minilm"))
 tokenizer = AutoTokenizer.from_pretrained(path)
@@ -187,14 +187,14 @@ def main() -> None:
     rounds = {n: max(2, r // 2) for n, r in ROUNDS.items()} if args.quick else ROUNDS
     seconds = min(args.seconds, 5.0) if args.quick else args.seconds
 
-    from model import load
+    from manyeyes.model import load
 
     encode = load("minilm", device="cpu").encode
     ours_port, ref_port = free_port(), free_port()
     env = {"MANYEYES_MODELS": '{"minilm": "minilm"}', "MANYEYES_DEVICE": "cpu", "MANYEYES_CACHE_BYTES": str(256 * 2**20)}
     logs = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     servers = [
-        start([sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(ours_port)],
+        start([sys.executable, "-c", "from manyeyes.app.cli import main; main()", "serve", "--port", str(ours_port)],
               env, logs / "ours.log"),
         start([sys.executable, "-c", REFERENCE_SERVER, str(ref_port)], {}, logs / "reference.log"),
     ]

@@ -46,7 +46,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "manyeyes.app.cli", "serve", "--port", str(port), "--log-level", "warning"],
         cwd=Path(__file__).resolve().parents[1],
     )
     base = f"http://127.0.0.1:{port}"
@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
 
-    from model import load
+    from manyeyes.model import load
 
     tokenizer = load("minilm", device="cpu").tokenizer
     proc, base = start_server()

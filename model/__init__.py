@@ -1,9 +1,9 @@
 """manyeyes' model core: our own multi-head attention, GPT and BERT stacks, loaders and tokenizer."""
 
-from model.attention import AttentionOutput, Capture, MultiHeadAttention
-from model.errors import ModelLoadError, TooLongError
-from model.loading import load
-from model.runtime import AttentionModel, AttentionResult, ModelInfo, pick_device
+from manyeyes.model.attention import AttentionOutput, Capture, MultiHeadAttention
+from manyeyes.model.errors import ModelLoadError, TooLongError
+from manyeyes.model.loading import load
+from manyeyes.model.runtime import AttentionModel, AttentionResult, ModelInfo, pick_device
 
 __all__ = [
     "AttentionModel",

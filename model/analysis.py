@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model.runtime import AttentionModel, AttentionResult
+from manyeyes.model.runtime import AttentionModel, AttentionResult
 
 
 def value_weighted_norms(model: AttentionModel, result: AttentionResult) -> torch.Tensor:

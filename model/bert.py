@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from model.attention import Capture, MultiHeadAttention
-from model.layers import FeedForward, LayerNorm, Trace
+from manyeyes.model.attention import Capture, MultiHeadAttention
+from manyeyes.model.layers import FeedForward, LayerNorm, Trace
 
 
 @dataclass(frozen=True)

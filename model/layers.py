@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import AttentionOutput
+from manyeyes.model.attention import AttentionOutput
 
 
 class LayerNorm(nn.Module):

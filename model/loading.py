@@ -14,11 +14,11 @@ from urllib.parse import parse_qsl
 
 import torch
 
-from model.bert import BertConfig, BertEncoder
-from model.errors import ModelLoadError
-from model.gpt import PRESETS, GPTConfig, GPTModel
-from model.runtime import AttentionModel, ModelInfo, pick_device
-from model.tokenizer import TextTokenizer, TiktokenTokenizer, tiktoken_gpt2_cached
+from manyeyes.model.bert import BertConfig, BertEncoder
+from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.gpt import PRESETS, GPTConfig, GPTModel
+from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
+from manyeyes.model.tokenizer import TextTokenizer, TiktokenTokenizer, tiktoken_gpt2_cached
 
 BUILTINS = ("minilm", "tiny-gpt")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import Capture
-from model.tokenizer import Encoded, Token
+from manyeyes.model.attention import Capture
+from manyeyes.model.tokenizer import Encoded, Token
 
 
 @dataclass(frozen=True)

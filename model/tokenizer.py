@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from model.errors import ModelLoadError, TooLongError
+from manyeyes.model.errors import ModelLoadError, TooLongError
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from model.gpt import GPTConfig, GPTModel
-from model.runtime import pick_device
+from manyeyes.model.gpt import GPTConfig, GPTModel
+from manyeyes.model.runtime import pick_device
 
 END_OF_TEXT = "<|endoftext|>"  # separates files, so no window pretends one file continues another
 CHECKPOINT = "checkpoint.pt"

@@ -8,7 +8,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def minilm():
-    from model import load
+    from manyeyes.model import load
 
     return load("minilm", device="cpu")
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from model import Capture
-from model.analysis import value_weighted_norms
+from manyeyes.model import Capture
+from manyeyes.model.analysis import value_weighted_norms
 
 
 def test_value_weighted_norms_match_brute_force(minilm):

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from model.attention import Capture, MultiHeadAttention
+from manyeyes.model.attention import Capture, MultiHeadAttention
 
 
 def make(num_heads=3, d=12, context=16, causal=True):

@@ -2,7 +2,7 @@
 
 import torch
 
-from model import load
+from manyeyes.model import load
 
 TEXTS = [
     "Short.",

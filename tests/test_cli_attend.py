@@ -2,7 +2,7 @@
 
 import re
 
-from app.cli import main
+from manyeyes.app.cli import main
 
 
 def test_attend_prints_tokens_and_the_chosen_head(capsys, minilm):

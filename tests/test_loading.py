@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from model import ModelLoadError, load
-from model.gpt import GPTConfig, GPTModel
+from manyeyes.model import ModelLoadError, load
+from manyeyes.model.gpt import GPTConfig, GPTModel
 from tests.book_reference import GPTModel as BookGPTModel
 
 BOOK_CFG = {"vocab_size": 0, "context_length": 32, "emb_dim": 30, "n_heads": 5, "n_layers": 2,

@@ -7,8 +7,8 @@ import plotly
 import pytest
 from fastapi.testclient import TestClient
 
-from app.config import Settings
-from app.main import create_app
+from manyeyes.app.config import Settings
+from manyeyes.app.main import create_app
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
 

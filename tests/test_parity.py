@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from model import load
+from manyeyes.model import load
 
 SENTENCES = [
     "The bank of the river.",

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.cli import main
-from model import Capture, load
-from model.loading import builtin_path
+from manyeyes.app.cli import main
+from manyeyes.model import Capture, load
+from manyeyes.model.loading import builtin_path
 
 # Not in the training corpus (the King James Bible): Lincoln's Gettysburg Address, public domain.
 HELD_OUT = (

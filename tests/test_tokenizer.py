@@ -2,8 +2,8 @@
 
 import pytest
 
-from model import TooLongError
-from model.tokenizer import TextTokenizer
+from manyeyes.model import TooLongError
+from manyeyes.model.tokenizer import TextTokenizer
 
 
 def test_uncased_offsets_point_at_original_characters(minilm):

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.cli import main
-from model import load
-from model.gpt import GPTModel
-from model.train import TrainConfig, build_model, encode_corpus, estimate_loss, make_config, split_ids, train
+from manyeyes.app.cli import main
+from manyeyes.model import load
+from manyeyes.model.gpt import GPTModel
+from manyeyes.model.train import TrainConfig, build_model, encode_corpus, estimate_loss, make_config, split_ids, train
 from tokenizers import Tokenizer
 
 TINY = dict(layers=2, heads=2, emb_dim=32, context=32, vocab_size=320, batch_size=8, lr=3e-3, device="cpu")

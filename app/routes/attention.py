@@ -4,11 +4,11 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from app.deps import ServiceDep
-from app.disconnect import unless_disconnected
-from app.routes.responses import PiecesResponse, errors
-from app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
-from app.services.errors import InvalidInput
+from manyeyes.app.deps import ServiceDep
+from manyeyes.app.disconnect import unless_disconnected
+from manyeyes.app.routes.responses import PiecesResponse, errors
+from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
+from manyeyes.app.services.errors import InvalidInput
 
 router = APIRouter(prefix="/api/v1", tags=["attention"])
 ERRORS = errors(404, 413, 422, 429, 503, 504)

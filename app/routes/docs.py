@@ -13,7 +13,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from swagger_ui_bundle import swagger_ui_path
 
-from app.routes.page import templates
+from manyeyes.app.routes.page import templates
 
 SWAGGER_DIR = Path(swagger_ui_path)
 # Only these files are served: the route never maps a client path onto the filesystem.

@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter
 
-from app.deps import RegistryDep
-from app.routes.responses import errors
-from app.schemas import ModelOut, ModelsResponse
+from manyeyes.app.deps import RegistryDep
+from manyeyes.app.routes.responses import errors
+from manyeyes.app.schemas import ModelOut, ModelsResponse
 
 router = APIRouter(prefix="/api/v1", tags=["models"])
 

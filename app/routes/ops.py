@@ -3,10 +3,10 @@
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import MetricsDep, RegistryDep
-from app.routes.responses import errors
-from app.schemas import Health, Ready
-from app.services.errors import NotReady
+from manyeyes.app.deps import MetricsDep, RegistryDep
+from manyeyes.app.routes.responses import errors
+from manyeyes.app.schemas import Health, Ready
+from manyeyes.app.services.errors import NotReady
 
 router = APIRouter(tags=["operations"])
 

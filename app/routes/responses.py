@@ -2,7 +2,7 @@
 
 from fastapi import Response
 
-from app.schemas import ErrorResponse
+from manyeyes.app.schemas import ErrorResponse
 
 
 def errors(*statuses: int) -> dict:

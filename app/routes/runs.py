@@ -4,10 +4,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from app.deps import ServiceDep
-from app.routes.responses import PiecesResponse, errors
-from app.schemas import AttentionResponse, Format
-from app.services.attention import parse_index_list
+from manyeyes.app.deps import ServiceDep
+from manyeyes.app.routes.responses import PiecesResponse, errors
+from manyeyes.app.schemas import AttentionResponse, Format
+from manyeyes.app.services.attention import parse_index_list
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 

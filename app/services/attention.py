@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from app.config import Settings
-from app.services.batcher import Done
-from app.services.cache import Run, RunCache, run_id_for
-from app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
-from app.services.metrics import Metrics
-from app.services.payload import View, join_results, render_result
-from app.services.registry import Registry, Served
-from model.errors import TooLongError
-from model.tokenizer import Encoded
+from manyeyes.app.config import Settings
+from manyeyes.app.services.batcher import Done
+from manyeyes.app.services.cache import Run, RunCache, run_id_for
+from manyeyes.app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
+from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.payload import View, join_results, render_result
+from manyeyes.app.services.registry import Registry, Served
+from manyeyes.model.errors import TooLongError
+from manyeyes.model.tokenizer import Encoded
 
 # Compact formats are already ~10x smaller than JSON text; gzip would cost more than the forward.
 COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"

@@ -10,10 +10,10 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from app.services.errors import NotReady, OverBudget, QueueFull
-from app.services.metrics import Metrics
-from model.runtime import AttentionModel, AttentionResult
-from model.tokenizer import Encoded
+from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
+from manyeyes.app.services.metrics import Metrics
+from manyeyes.model.runtime import AttentionModel, AttentionResult
+from manyeyes.model.tokenizer import Encoded
 
 
 @dataclass

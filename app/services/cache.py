@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.tokenizer import Token
+from manyeyes.model.tokenizer import Token
 
 TOKEN_BYTES = 160  # rough per-token overhead of the Token objects, so token lists count too
 

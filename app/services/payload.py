@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import orjson
 import torch
 
-from app.services.cache import Run
+from manyeyes.app.services.cache import Run
 
 U8_SCALE = 1 / 255
 DTYPES = {"json": "float32", "f16": "float16", "u8": "uint8"}

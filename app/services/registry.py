@@ -7,12 +7,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from app.config import Settings
-from app.services.batcher import Batcher
-from app.services.errors import NotReady, UnknownModel
-from app.services.metrics import Metrics
-from model import ModelLoadError, load
-from model.runtime import AttentionModel
+from manyeyes.app.config import Settings
+from manyeyes.app.services.batcher import Batcher
+from manyeyes.app.services.errors import NotReady, UnknownModel
+from manyeyes.app.services.metrics import Metrics
+from manyeyes.model import ModelLoadError, load
+from manyeyes.model.runtime import AttentionModel
 
 log = logging.getLogger("manyeyes.registry")
 

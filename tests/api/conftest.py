@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from app.config import Settings
-from app.main import create_app
+from manyeyes.app.config import Settings
+from manyeyes.app.main import create_app
 
 
 def wait_ready(client: TestClient, timeout_s: float = 60) -> None:

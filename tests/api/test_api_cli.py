@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from app.cli import main
+from manyeyes.app.cli import main
 
 TEXT = "The bank of the river."
 
@@ -59,7 +59,7 @@ def test_manyeyes_serve_answers_the_contract():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MANYEYES_MODELS": '{"minilm": "minilm"}', "MANYEYES_DEVICE": "cpu"}
-    cmd = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-c", "from manyeyes.app.cli import main; main()", "serve", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app.config import Settings
+from manyeyes.app.config import Settings
 from tests.api.conftest import metric, serve
 
 
@@ -130,7 +130,7 @@ def slow():
     )
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
+    from manyeyes.app.main import create_app
 
     client = TestClient(create_app(settings))
     client.__enter__()

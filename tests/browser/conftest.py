@@ -24,8 +24,8 @@ LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 SERVER_SCRIPT = """
 import json, sys, uvicorn
-from app.config import Settings
-from app.main import create_app
+from manyeyes.app.config import Settings
+from manyeyes.app.main import create_app
 uvicorn.run(create_app(Settings(models=json.loads(sys.argv[2]))), host="127.0.0.1", port=int(sys.argv[1]),
             log_level="warning")
 """
@@ -42,8 +42,8 @@ def causal_model_spec(tmp_path_factory) -> str:
     """A small random book GPTModel checkpoint (causal) that reuses MiniLM's tokenizer.json: no download."""
     import torch
 
-    from model.gpt import GPTModel
-    from model.loading import builtin_path
+    from manyeyes.model.gpt import GPTModel
+    from manyeyes.model.loading import builtin_path
 
     folder = tmp_path_factory.mktemp("tiny-causal")
     cfg = {"vocab_size": 30522, "context_length": 64, "emb_dim": 32, "n_heads": 4, "n_layers": 2, "qkv_bias": True}

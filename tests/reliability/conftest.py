@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from app.config import Settings
-from app.main import create_app
+from manyeyes.app.config import Settings
+from manyeyes.app.main import create_app
 from tests.api.conftest import decode  # noqa: F401  (one decoder for every suite)
 
 HOST = "127.0.0.1"  # the only address these tests ever send traffic to

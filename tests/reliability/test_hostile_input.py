@@ -235,7 +235,7 @@ def test_path_tricks_in_run_ids_find_nothing(server, run_id):
 def test_model_ids_never_load_anything(server, client, monkeypatch, minilm_dir):
     """Models come only from server settings: even a path to a real, loadable model folder, a
     spec the loader understands, or a built-in not configured here is just an unknown id."""
-    import app.services.registry as registry_module
+    import manyeyes.app.services.registry as registry_module
 
     loads = []
     monkeypatch.setattr(registry_module, "load", lambda *a, **k: loads.append(a) or pytest.fail("load() called"))

@@ -21,7 +21,7 @@ from tests.reliability.test_overload import SENTENCES, check_against_single_run
 
 def serve_command(port: int) -> list[str]:
     script = Path(sys.executable).with_name("manyeyes")  # the console script pip installed
-    base = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "manyeyes.app.cli"]
     return [*base, "serve", "--host", HOST, "--port", str(port), "--device", "cpu", "--log-level", "warning"]
 
 

@@ -1,0 +1,3 @@
+from manyeyes.app.cli import main
+
+main()
