@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
-from manyeyes.model.layers import FeedForward, LayerNorm, Trace
+from manyeyes.model.layers import FeedForward, LayerNorm, ShapeInfo, Trace
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class EncoderBlock(nn.Module):
         return x, att
 
 
-class BertEncoder(nn.Module):
+class BertEncoder(ShapeInfo, nn.Module):
     causal = False
 
     def __init__(self, cfg: BertConfig):

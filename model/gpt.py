@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
-from manyeyes.model.layers import FeedForward, LayerNorm, Trace
+from manyeyes.model.layers import FeedForward, LayerNorm, ShapeInfo, Trace
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,13 @@ class TransformerBlock(nn.Module):
         return x, att
 
 
-class GPTModel(nn.Module):
+class GPTModel(ShapeInfo, nn.Module):
     causal = True
+    has_lm_head = True
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.context_length
 
     def __init__(self, cfg: GPTConfig | dict):
         super().__init__()

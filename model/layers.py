@@ -59,3 +59,40 @@ class Trace(NamedTuple):
     hidden: torch.Tensor  # (b, num_tokens, emb_dim), the last hidden state
     logits: torch.Tensor | None  # (b, num_tokens, vocab_size) for language models, else None
     layers: list[AttentionOutput]  # one per transformer block, in order
+
+
+class ShapeInfo:
+    """The read-only shape every network exposes, so loaders and the runtime never read family configs.
+
+    A family whose config names things differently overrides the properties it must.
+    """
+
+    cfg: object
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.cfg.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads  # no grouped-query attention unless a family says so
+
+    @property
+    def d_model(self) -> int:
+        return self.cfg.emb_dim
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_positions
+
+    @property
+    def has_lm_head(self) -> bool:
+        return False

@@ -1,0 +1,79 @@
+"""BERT (and MiniLM, which is BERT-shaped): post-LN encoder, learned absolute positions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from manyeyes.model.bert import BertConfig, BertEncoder
+from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.keymap import gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
+
+MODEL_TYPES = ("bert",)
+
+TOP = [
+    ("embeddings.word_embeddings.weight", "tok_emb.weight", None),
+    ("embeddings.position_embeddings.weight", "pos_emb.weight", None),
+    ("embeddings.token_type_embeddings.weight", "type_emb.weight", None),
+    ("embeddings.LayerNorm.weight", "emb_norm.scale", None),
+    ("embeddings.LayerNorm.bias", "emb_norm.shift", None),
+]
+LAYER = [
+    ("encoder.layer.{i}.attention.self.query.weight", "trf_blocks.{i}.att.W_query.weight", None),
+    ("encoder.layer.{i}.attention.self.query.bias", "trf_blocks.{i}.att.W_query.bias", None),
+    ("encoder.layer.{i}.attention.self.key.weight", "trf_blocks.{i}.att.W_key.weight", None),
+    ("encoder.layer.{i}.attention.self.key.bias", "trf_blocks.{i}.att.W_key.bias", None),
+    ("encoder.layer.{i}.attention.self.value.weight", "trf_blocks.{i}.att.W_value.weight", None),
+    ("encoder.layer.{i}.attention.self.value.bias", "trf_blocks.{i}.att.W_value.bias", None),
+    ("encoder.layer.{i}.attention.output.dense.weight", "trf_blocks.{i}.att.out_proj.weight", None),
+    ("encoder.layer.{i}.attention.output.dense.bias", "trf_blocks.{i}.att.out_proj.bias", None),
+    ("encoder.layer.{i}.attention.output.LayerNorm.weight", "trf_blocks.{i}.norm1.scale", None),
+    ("encoder.layer.{i}.attention.output.LayerNorm.bias", "trf_blocks.{i}.norm1.shift", None),
+    ("encoder.layer.{i}.intermediate.dense.weight", "trf_blocks.{i}.ff.layers.0.weight", None),
+    ("encoder.layer.{i}.intermediate.dense.bias", "trf_blocks.{i}.ff.layers.0.bias", None),
+    ("encoder.layer.{i}.output.dense.weight", "trf_blocks.{i}.ff.layers.2.weight", None),
+    ("encoder.layer.{i}.output.dense.bias", "trf_blocks.{i}.ff.layers.2.bias", None),
+    ("encoder.layer.{i}.output.LayerNorm.weight", "trf_blocks.{i}.norm2.scale", None),
+    ("encoder.layer.{i}.output.LayerNorm.bias", "trf_blocks.{i}.norm2.shift", None),
+]
+# Task heads and derived buffers that carry nothing attention needs.
+IGNORED_PREFIXES = ("pooler.", "cls.", "classifier.", "qa_outputs.")
+IGNORED = ("embeddings.position_ids",)
+
+
+def build(config: dict, path: Path) -> BertEncoder:
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError(f"{path}: only absolute position embeddings are supported")
+    hidden, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
+    if hidden % heads:
+        raise ModelLoadError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    return BertEncoder(
+        BertConfig(
+            vocab_size=need(config, "vocab_size", path),
+            max_positions=need(config, "max_position_embeddings", path),
+            type_vocab_size=config.get("type_vocab_size", 2),
+            emb_dim=hidden,
+            n_heads=heads,
+            n_layers=need(config, "num_hidden_layers", path),
+            ff_dim=need(config, "intermediate_size", path),
+            ln_eps=config.get("layer_norm_eps", 1e-12),
+            gelu=gelu_form(config, "hidden_act", path),
+            pad_token_id=config.get("pad_token_id", 0) or 0,
+        )
+    )
+
+
+def _renamed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip the task model's prefix and rename TF-era LayerNorm.gamma/beta."""
+    return {
+        k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+        for k, v in strip_prefix(weights, "bert.").items()
+    }
+
+
+def convert(weights: dict[str, torch.Tensor], net: BertEncoder, path: Path) -> dict[str, torch.Tensor]:
+    state = _renamed(weights)
+    mapped = map_state(state, rows_for(TOP, LAYER, net.cfg.n_layers), path)
+    refuse_leftovers(state, lambda k: k in IGNORED or k.startswith(IGNORED_PREFIXES), "bert", path)
+    return mapped
