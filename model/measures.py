@@ -1,0 +1,333 @@
+"""Measures beyond raw weights, each computed from one captured run with no second forward pass.
+
+Raw weights mislead on their own: a head can put 0.9 on [SEP] and move almost nothing. These are
+the field's corrections, side by side:
+
+- `rollout`: attention rollout (Abnar & Zuidema, 2020);
+- `head_writes` / `contributions`: what each head writes into the residual stream, its norm and
+  its share of the attention block's output (after Kobayashi et al., 2020; Ferrando & Voita, 2024);
+- `head_stats` / `tag_heads`: per-head statistics and automatic tags (after TransformerLens'
+  head detector), with an induction score from a built-in repeated-random-tokens probe;
+- `merge_words`: subword pieces merged into words, for any tokenizer with offsets;
+- `neuron_view`: the query, keys, q ⊙ k, scores, softmax and values behind one row of one head.
+
+Value-weighted norms stay in `manyeyes.model.analysis`.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from dataclasses import dataclass
+
+import torch
+
+from manyeyes.model.runtime import AttentionModel, AttentionResult
+from manyeyes.model.tokenizer import Encoded, Token
+
+
+# ---------------------------------------------------------------------------- rollout
+def rollout(attention: torch.Tensor) -> torch.Tensor:
+    """R = Ã_L ⋯ Ã_1 with Ã_l = ½·mean_h A_l + ½·I, rows renormalised; (T, T).
+
+    attention: (n_layers, n_heads, T, T). A causal model's weights are lower-triangular, and so
+    is every Ã_l and their product: the causal form needs no special case, only no leakage, which
+    the identity term cannot add.
+    """
+    n_tokens = attention.shape[-1]
+    eye = torch.eye(n_tokens, dtype=torch.float64)
+    result = eye.clone()
+    for layer in attention.double():
+        mixed = 0.5 * layer.mean(0) + 0.5 * eye  # (T, T)
+        mixed = mixed / mixed.sum(-1, keepdim=True)
+        result = mixed @ result  # later layers on the left: token i at layer l reads rows of l-1
+    return result.float()
+
+
+# ---------------------------------------------------------------------------- what heads write
+def _per_query_head(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(n_kv_heads, T, head_dim) -> (n_heads, T, head_dim): query head h reads kv head h // group."""
+    group = n_heads // tensor.shape[0]
+    return tensor.repeat_interleave(group, dim=0) if group > 1 else tensor
+
+
+def head_writes(model: AttentionModel, result: AttentionResult) -> torch.Tensor:
+    """Each head's write into the residual stream, (n_layers, n_heads, T, d_model).
+
+    For head h at query i: Σ_j α_ij · v_j W_O,h, its slice of out_proj without the bias (the
+    bias belongs to no head). Needs Capture(qkv=True).
+    """
+    if result.values is None:
+        raise ValueError("head contributions need the values: run with Capture(qkv=True)")
+    info = model.info
+    writes = []
+    for block, values, weights in zip(model.net.trf_blocks, result.values, result.attention):
+        values = _per_query_head(values, info.n_heads)  # (n_heads, T, head_dim)
+        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
+        # (d_model, n_heads * head_dim) -> (d_model, n_heads, head_dim) -> (n_heads, head_dim, d_model)
+        w_o = w_o.view(w_o.shape[0], info.n_heads, info.head_dim).permute(1, 2, 0)
+        # (n_heads, T, T) @ (n_heads, T, head_dim) -> (n_heads, T, head_dim)
+        mixed = weights @ values
+        # (n_heads, T, head_dim) @ (n_heads, head_dim, d_model) -> (n_heads, T, d_model)
+        writes.append(mixed @ w_o)
+    return torch.stack(writes)
+
+
+@dataclass(frozen=True)
+class Contributions:
+    norms: torch.Tensor  # (n_layers, n_heads, T): ‖what head h writes at query i‖
+    # (n_layers, n_heads, T): the head's write projected on the block's output y (heads + bias),
+    # c·y / ‖y‖². Over the heads and the bias it sums to exactly 1; a head that cancels others
+    # gets a negative share.
+    shares: torch.Tensor
+    bias_shares: torch.Tensor  # (n_layers, T): out_proj's bias, the remainder of the sum
+
+
+def contributions(model: AttentionModel, result: AttentionResult) -> Contributions:
+    writes = head_writes(model, result)  # (n_layers, n_heads, T, d_model)
+    biases = torch.stack(
+        [
+            block.att.out_proj.bias.detach().float().cpu()
+            if block.att.out_proj.bias is not None
+            else torch.zeros(writes.shape[-1])
+            for block in model.net.trf_blocks
+        ]
+    )  # (n_layers, d_model)
+    output = writes.sum(1) + biases[:, None, :]  # (n_layers, T, d_model): the block's output
+    denom = (output * output).sum(-1).clamp_min(1e-30)  # (n_layers, T)
+    shares = (writes * output[:, None]).sum(-1) / denom[:, None]  # (n_layers, n_heads, T)
+    bias_shares = (biases[:, None, :] * output).sum(-1) / denom
+    return Contributions(norms=writes.norm(dim=-1), shares=shares, bias_shares=bias_shares)
+
+
+# ---------------------------------------------------------------------------- head statistics and tags
+STAT_NAMES = ("entropy", "distance", "self", "previous", "first", "delimiter", "duplicate")
+
+
+def _is_delimiter(token: Token) -> bool:
+    text = token.text.strip()
+    return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def head_stats(attention: torch.Tensor, tokens: list[Token]) -> dict[str, torch.Tensor]:
+    """Each statistic as (n_layers, n_heads), averaged over the query rows where it is defined.
+
+    - entropy: a row's entropy over log(number of keys it may see), 0 sharp ... 1 uniform;
+    - distance: Σ_j α_ij |i - j|, in tokens;
+    - self: α_ii; previous: α_i,i-1; first: α_i,0, the sink share;
+    - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
+    - duplicate: mass on earlier copies of the query's own token.
+    Rows that see a single key (a causal model's first row) carry no choice and are left out.
+    """
+    attention = attention.double()
+    n_tokens = attention.shape[-1]
+    causal = bool(torch.equal(attention.triu(1), torch.zeros_like(attention)))
+    visible = torch.arange(1, n_tokens + 1, dtype=torch.float64) if causal else torch.full((n_tokens,), float(n_tokens))
+    choosing = visible > 1  # (T,)
+    if not choosing.any():
+        zeros = torch.zeros(attention.shape[:2])
+        return {name: zeros.clone() for name in STAT_NAMES}
+
+    def row_mean(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # per_row: (n_layers, n_heads, T); rows: (T,) bool
+        return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2], dtype=per_row.dtype)
+
+    plogp = torch.where(attention > 0, attention * attention.clamp_min(1e-300).log(), torch.zeros_like(attention))
+    entropy = -plogp.sum(-1) / visible.clamp_min(2).log()  # (n_layers, n_heads, T)
+    positions = torch.arange(n_tokens, dtype=torch.float64)
+    distance = (attention * (positions[:, None] - positions[None, :]).abs()).sum(-1)
+    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
+    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
+    first = attention[..., :, 0]
+    delimiters = torch.tensor([(t.special and k > 0) or _is_delimiter(t) for k, t in enumerate(tokens)])
+    delimiter = (attention * delimiters.double()).sum(-1)
+    ids = torch.tensor([t.id for t in tokens])
+    earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
+    duplicate = (attention * earlier_copy.double()).sum(-1)
+    has_copy = earlier_copy.any(-1)
+    stats = {
+        "entropy": row_mean(entropy, choosing),
+        "distance": row_mean(distance, choosing),
+        "self": row_mean(diagonal, choosing),
+        "previous": row_mean(previous, positions >= 1),
+        "first": row_mean(first, choosing & (positions >= 1)),
+        "delimiter": row_mean(delimiter, choosing),
+        "duplicate": row_mean(duplicate, has_copy),
+    }
+    return {name: value.float() for name, value in stats.items()}
+
+
+# Thresholds for the tags, each on a statistic above (or the induction probe). A head may carry
+# several tags or none. They are deliberately strict: a tag should name what a head mostly does.
+TAG_THRESHOLDS = {
+    "previous-token": ("previous", 0.5),  # half its mass on the token just before
+    "self": ("self", 0.5),
+    "sink": ("first", 0.5),  # half its mass parked on the first token ([CLS], <s> or BOS)
+    "broad": ("entropy", 0.8),  # close to uniform over what it may see
+    "induction": ("induction", 0.3),  # on the probe: mass on the token after the earlier copy
+}
+POSITIONAL_SHARE = 0.6  # "positional": the same fixed offset (not 0 or 1) is the argmax of ≥ 60% of rows
+
+
+def fixed_offset_share(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the most common i - argmax_j α_ij and the share of rows that have it; (n_layers, n_heads) each."""
+    n_tokens = attention.shape[-1]
+    offsets = torch.arange(n_tokens)[:, None] - attention.argmax(-1).unsqueeze(-1)  # (L, H, T, 1)
+    offsets = offsets.squeeze(-1)
+    mode = offsets.mode(dim=-1).values  # (L, H)
+    share = (offsets == mode[..., None]).float().mean(-1)
+    return mode, share
+
+
+def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor) -> list[list[list[str]]]:
+    """tags[layer][head]: names from TAG_THRESHOLDS (plus "positional"); "induction" needs stats["induction"]."""
+    n_layers, n_heads = attention.shape[:2]
+    offset, share = fixed_offset_share(attention)
+    tags: list[list[list[str]]] = [[[] for _ in range(n_heads)] for _ in range(n_layers)]
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            for tag, (stat, threshold) in TAG_THRESHOLDS.items():
+                if stat in stats and float(stats[stat][layer, head]) >= threshold:
+                    tags[layer][head].append(tag)
+            if int(offset[layer, head]) not in (0, 1) and float(share[layer, head]) >= POSITIONAL_SHARE:
+                tags[layer][head].append("positional")
+    return tags
+
+
+# Text whose token ids seed the induction probe: random draws over a model's whole vocabulary
+# land on ids that training never updated (185 of tiny-gpt's 257 bytes never occur in its
+# corpus), and an untrained embedding tells nothing about a head. Public domain (Lincoln).
+PROBE_SOURCE = (
+    "It is for us the living, rather, to be dedicated here to the unfinished work which they who "
+    "fought here have thus far so nobly advanced. It is rather for us to be here dedicated to the "
+    "great task remaining before us"
+)
+PROBE_LENGTH = 40  # random tokens per copy; the probe is [first special?] + R + R
+PROBE_SEED = 0
+
+
+def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: int = PROBE_SEED) -> torch.Tensor:
+    """(n_layers, n_heads): on random tokens repeated twice, the mean weight from each token of the
+    second copy to the token that followed its earlier occurrence (Olsson et al., 2022).
+
+    Computed once per model and kept on it: every run's tags reuse it.
+    """
+    cached = getattr(model, "_induction_scores", None)
+    if cached is not None and cached[0] == (length, seed):
+        return cached[1]
+    source = model.encode(PROBE_SOURCE)
+    lead = [t for t in source.tokens[:1] if t.special]  # keep a BERT's [CLS]: its heads expect it
+    pool = sorted({t.id for t in source.tokens if not t.special})
+    generator = torch.Generator().manual_seed(seed)
+    draws = [pool[int(k)] for k in torch.randint(len(pool), (length,), generator=generator)]
+    body = [Token(str(i), i, 0, 0, False, 0, str(i)) for i in draws + draws]
+    probe = Encoded(lead + body, [0] * (len(lead) + len(body)), False)
+    attention = model.run([probe])[0].attention  # (n_layers, n_heads, T, T)
+    start = len(lead)
+    queries = torch.arange(start + length + 1, start + 2 * length)  # second copy, from its 2nd token
+    targets = queries - length + 1  # the token after the earlier occurrence
+    scores = attention[:, :, queries, targets].mean(-1)
+    model._induction_scores = ((length, seed), scores)
+    return scores
+
+
+def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str, torch.Tensor], list[list[list[str]]]]:
+    """Stats for every head of a run, the model's induction scores beside them, and the tags."""
+    stats = head_stats(result.attention, result.tokens)
+    stats["induction"] = induction_scores(model)
+    return stats, tag_heads(stats, result.attention)
+
+
+# ---------------------------------------------------------------------------- word view
+@dataclass(frozen=True)
+class Word:
+    text: str
+    start: int
+    end: int
+    segment: int
+    special: bool
+    pieces: tuple[int, ...]  # token indices
+
+
+def _word_groups(tokens: list[Token]) -> list[list[int]]:
+    """Consecutive pieces form a word when their spans touch or overlap in the same segment.
+
+    Offsets, not vocabulary markers ("##", "Ġ", "▁"), decide, so WordPiece, byte-level BPE and
+    SentencePiece behave alike. A piece that begins with a space begins a word (" bank", or a
+    lone " " then "bank"). Specials and punctuation stand alone: "river." is two words.
+    """
+    groups: list[list[int]] = []
+    for k, token in enumerate(tokens):
+        prev = tokens[k - 1] if k else None
+        joins = (
+            prev is not None
+            and not (token.special or prev.special)
+            and token.segment == prev.segment
+            and (
+                token.start < prev.end  # the bytes of one character share its span
+                or (
+                    token.start == prev.end
+                    and not token.text[:1].isspace()  # byte-level BPE: a leading space starts a word
+                    and not (_is_delimiter(token) or _is_delimiter(prev))
+                )
+            )
+        )
+        if joins:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return groups
+
+
+def merge_words(tokens: list[Token], attention: torch.Tensor, source: tuple[str, str] | None = None):
+    """Words and their attention, (..., W, W): keys summed over a word's pieces, queries averaged.
+
+    Rows still sum to one. source: (text, text_pair), to name each word by its own characters.
+    """
+    groups = _word_groups(tokens)
+    membership = torch.zeros(len(groups), len(tokens), dtype=attention.dtype)  # (W, T)
+    for w, group in enumerate(groups):
+        membership[w, group] = 1.0
+    query_mean = membership / membership.sum(-1, keepdim=True)
+    # (W, T) @ (..., T, T) @ (T, W) -> (..., W, W)
+    merged = query_mean @ attention @ membership.T
+    words = []
+    for group in groups:
+        first, last = tokens[group[0]], tokens[group[-1]]
+        if source is not None and not first.special:
+            text = source[first.segment][first.start : last.end].strip() or first.text
+        else:
+            text = "".join(tokens[k].text for k in group) if len(group) > 1 else first.text
+        words.append(Word(text, first.start, last.end, first.segment, first.special, tuple(group)))
+    return words, merged
+
+
+# ---------------------------------------------------------------------------- neuron view
+@dataclass(frozen=True)
+class NeuronView:
+    layer: int
+    head: int
+    kv_head: int  # the key/value head this query head reads (grouped-query attention shares them)
+    query_index: int
+    query: torch.Tensor  # (head_dim,), as the softmax saw it (after rotary, where the model has it)
+    keys: torch.Tensor  # (T, head_dim)
+    products: torch.Tensor  # (T, head_dim): query ⊙ key, whose sum is the raw score
+    scores: torch.Tensor  # (T,): Σ(q ⊙ k) / √head_dim, -inf where masked
+    weights: torch.Tensor  # (T,): the softmax of the scores, the row of the run's attention
+    values: torch.Tensor  # (T, head_dim): what the weights mix
+
+
+def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head: int, query_index: int) -> NeuronView:
+    if result.queries is None or result.keys is None or result.values is None:
+        raise ValueError("the neuron view needs queries, keys and values: run with Capture(qkv=True)")
+    info = model.info
+    n_kv = result.keys[layer].shape[0]
+    kv_head = head // (info.n_heads // n_kv)
+    query = result.queries[layer][head, query_index]  # (head_dim,)
+    keys = result.keys[layer][kv_head]  # (T, head_dim)
+    products = query[None, :] * keys  # (T, head_dim)
+    scores = products.sum(-1) / math.sqrt(query.shape[-1])
+    weights = result.attention[layer, head, query_index]
+    if info.causal:
+        scores[query_index + 1 :] = -math.inf  # later keys are masked, whatever their score
+    return NeuronView(layer, head, kv_head, query_index, query, keys, products, scores, weights, result.values[layer][kv_head])
