@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
 
@@ -331,3 +332,177 @@ def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head
     if info.causal:
         scores[query_index + 1 :] = -math.inf  # later keys are masked, whatever their score
     return NeuronView(layer, head, kv_head, query_index, query, keys, products, scores, weights, result.values[layer][kv_head])
+
+
+# ---------------------------------------------------------------------------- direct logit attribution
+@dataclass(frozen=True)
+class LogitAttribution:
+    position: int  # the query position whose logits are read
+    target: int  # the token id whose logit is decomposed
+    logit: float  # the model's own logit for it
+    heads: torch.Tensor  # (n_layers, n_heads): each head's direct contribution
+    attention_bias: torch.Tensor  # (n_layers,): each out_proj's bias
+    mlps: torch.Tensor  # (n_layers,): each feed-forward block's output
+    embeddings: float  # token (and position) embeddings, the stream's start
+    rest: float  # the final norm's shift and the unembedding's bias: fixed for this target
+
+    @property
+    def total(self) -> float:
+        return float(self.heads.sum() + self.attention_bias.sum() + self.mlps.sum()) + self.embeddings + self.rest
+
+    def ranked_heads(self) -> list[tuple[int, int, float]]:
+        """(layer, head, contribution), largest first."""
+        n_heads = self.heads.shape[1]
+        order = self.heads.flatten().argsort(descending=True)
+        return [(int(k) // n_heads, int(k) % n_heads, float(self.heads.flatten()[k])) for k in order]
+
+
+class _StreamTap:
+    """Forward pre-hooks that keep the residual stream entering each block (and the final norm)."""
+
+    def __init__(self, net):
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.final: torch.Tensor | None = None
+        self._hooks = [
+            block.register_forward_pre_hook(lambda m, args, i=i: self.inputs.__setitem__(i, args[0][0].detach().float().cpu()))
+            for i, block in enumerate(net.trf_blocks)
+        ]
+        if hasattr(net, "final_norm"):
+            self._hooks.append(
+                net.final_norm.register_forward_pre_hook(lambda m, args: setattr(self, "final", args[0][0].detach().float().cpu()))
+            )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+
+
+def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
+    """One forward that also keeps the residual stream entering each block: (result, [(T, d_model)] * n_layers, final).
+
+    final is the stream entering the final norm, or None for a model without one.
+    """
+    with _StreamTap(model.net) as tap:
+        result = model.run([model.encode(text, text_pair)], Capture(qkv=True))[0]
+    return result, [tap.inputs[i] for i in range(len(tap.inputs))], tap.final
+
+
+def _frozen_norm(norm: torch.nn.Module, stream: torch.Tensor):
+    """The final norm as a linear map at this run's scale: (apply to a component, the constant part)."""
+    scale = norm.scale.detach().float().cpu()
+    if hasattr(norm, "shift"):  # LayerNorm: centre, then divide by this position's σ
+        sigma = torch.sqrt(stream.var(-1, unbiased=False) + norm.eps)
+        return (lambda c: scale * (c - c.mean(-1, keepdim=True)) / sigma), norm.shift.detach().float().cpu()
+    rms = torch.sqrt(stream.pow(2).mean(-1) + norm.eps)  # RMSNorm: divide by this position's rms
+    return (lambda c: scale * c / rms), torch.zeros_like(scale)
+
+
+def logit_attribution(model: AttentionModel, text: str, position: int, target: int | None = None) -> LogitAttribution:
+    """Each component's direct contribution to one logit, through the final norm frozen at this run's scale.
+
+    For pre-norm language models (every causal family here): the stream entering the final norm
+    is the embeddings plus, per layer, each head's write, the out_proj bias and the feed-forward
+    output, so the parts add up to the logit exactly (TransformerLens' direct logit attribution).
+    target None: the model's own top prediction at that position.
+    """
+    net = model.net
+    if not model.info.causal or not hasattr(net, "final_norm") or not hasattr(net, "out_head"):
+        raise ValueError("logit attribution needs a pre-norm language model with a final norm and an output head")
+    result, inputs, final = run_with_stream(model, text)
+    n_tokens = len(result.tokens)
+    if not 0 <= position < n_tokens:
+        raise ValueError(f"position must be in 0..{n_tokens - 1}")
+    logits = result.logits[position]
+    target = int(logits.argmax()) if target is None else int(target)
+    if not 0 <= target < logits.shape[-1]:
+        raise ValueError(f"target must be a token id in 0..{logits.shape[-1] - 1}")
+
+    stream = final[position]  # (d_model,)
+    normed, shift = _frozen_norm(net.final_norm, stream)
+    unembed = net.out_head.weight.detach().float().cpu()[target]  # (d_model,)
+    out_bias = float(net.out_head.bias[target]) if getattr(net.out_head, "bias", None) is not None else 0.0
+
+    def direct(component: torch.Tensor) -> torch.Tensor:
+        return normed(component) @ unembed
+
+    writes = head_writes(model, result)[:, :, position]  # (n_layers, n_heads, d_model)
+    n_layers = writes.shape[0]
+    attention_bias, mlps = torch.zeros(n_layers), torch.zeros(n_layers)
+    for layer, block in enumerate(net.trf_blocks):
+        bias = block.att.out_proj.bias
+        bias = bias.detach().float().cpu() if bias is not None else torch.zeros_like(stream)
+        after = inputs[layer + 1][position] if layer + 1 < n_layers else stream
+        attention_bias[layer] = direct(bias)
+        mlps[layer] = direct(after - inputs[layer][position] - writes[layer].sum(0) - bias)
+    return LogitAttribution(
+        position=position,
+        target=target,
+        logit=float(logits[target]),
+        heads=direct(writes),
+        attention_bias=attention_bias,
+        mlps=mlps,
+        embeddings=float(direct(inputs[0][position])),
+        rest=float(shift @ unembed) + out_bias,
+    )
+
+
+# ---------------------------------------------------------------------------- information-flow routes
+@dataclass(frozen=True)
+class FlowEdge:
+    layer: int  # the edge runs from token `source` below layer `layer` to token `target` above it
+    source: int
+    target: int
+    weight: float  # the source's share of what the target's stream becomes, in [0, 1]
+    head: int | None  # the head that carries most of it; None for the residual (source == target)
+
+
+def _proximity(parts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Ferrando & Voita's importance: max(0, ‖y‖₁ - ‖y - z‖₁), normalised over the parts.
+
+    parts: (..., K, d) summing (with whatever else) to total: (..., d). Returns (..., K).
+    """
+    raw = (total.abs().sum(-1, keepdim=True) - (total.unsqueeze(-2) - parts).abs().sum(-1)).clamp_min(0)
+    return raw / raw.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, text_pair: str | None = None):
+    """Token-to-token routes through the layers (Ferrando & Voita, 2024), edges below `threshold` pruned.
+
+    At each layer, token i's stream after attention is y_i = x_i + Σ_j z_ij + b, where z_ij is
+    what every head moves from token j (Σ_h α_h,ij · v_h,j W_O,h) and x_i the residual. Each
+    edge j → i weighs z_ij (the residual: x_i) by its proximity to y_i, so the edges into one
+    token at one layer share 1. Returns (tokens, edges).
+    """
+    result, inputs, _ = run_with_stream(model, text, text_pair)
+    info = model.info
+    edges: list[FlowEdge] = []
+    for layer, block in enumerate(model.net.trf_blocks):
+        values = _per_query_head(result.values[layer], info.n_heads)  # (n_heads, T, head_dim)
+        w_o = block.att.out_proj.weight.detach().float().cpu()
+        # (d_model, n_heads * head_dim) -> (n_heads, head_dim, d_model)
+        w_o = w_o.view(w_o.shape[0], info.n_heads, info.head_dim).permute(1, 2, 0)
+        moved = values @ w_o  # (n_heads, T_source, d_model): what each head would move from each token
+        # (n_heads, T, T, 1) * (n_heads, 1, T_source, d_model) -> per head and edge: (n_heads, T, T_source, d_model)
+        per_head = result.attention[layer].unsqueeze(-1) * moved.unsqueeze(1)
+        through = per_head.sum(0)  # (T, T_source, d_model)
+        residual = inputs[layer]  # (T, d_model)
+        bias = block.att.out_proj.bias
+        bias = bias.detach().float().cpu() if bias is not None else torch.zeros(residual.shape[-1])
+        total = residual + through.sum(1) + bias  # (T, d_model)
+        # parts per target: every source token, then the residual: (T, T_source + 1, d_model)
+        parts = torch.cat([through, residual.unsqueeze(1)], dim=1)
+        weights = _proximity(parts, total)  # (T, T_source + 1)
+        carrier = per_head.norm(dim=-1).argmax(0)  # (T, T_source): the head moving most of each edge
+        n_tokens = residual.shape[0]
+        for target in range(n_tokens):
+            for source in range(n_tokens):
+                weight = float(weights[target, source])
+                if weight > 0 and weight >= threshold:
+                    edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
+            weight = float(weights[target, n_tokens])
+            if weight > 0 and weight >= threshold:
+                edges.append(FlowEdge(layer, target, target, weight, None))
+    return result.tokens, edges
