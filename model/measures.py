@@ -468,6 +468,9 @@ def _proximity(parts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return raw / raw.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
+FLOW_CHUNK = 32  # targets at a time: bounds the (chunk, T, d_model) edge tensor (25 MB at T=512)
+
+
 def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, text_pair: str | None = None):
     """Token-to-token routes through the layers (Ferrando & Voita, 2024), edges below `threshold` pruned.
 
@@ -485,24 +488,27 @@ def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, 
         # (d_model, n_heads * head_dim) -> (n_heads, head_dim, d_model)
         w_o = w_o.view(w_o.shape[0], info.n_heads, info.head_dim).permute(1, 2, 0)
         moved = values @ w_o  # (n_heads, T_source, d_model): what each head would move from each token
-        # (n_heads, T, T, 1) * (n_heads, 1, T_source, d_model) -> per head and edge: (n_heads, T, T_source, d_model)
-        per_head = result.attention[layer].unsqueeze(-1) * moved.unsqueeze(1)
-        through = per_head.sum(0)  # (T, T_source, d_model)
+        weights_l = result.attention[layer]  # (n_heads, T, T_source)
         residual = inputs[layer]  # (T, d_model)
         bias = block.att.out_proj.bias
         bias = bias.detach().float().cpu() if bias is not None else torch.zeros(residual.shape[-1])
-        total = residual + through.sum(1) + bias  # (T, d_model)
-        # parts per target: every source token, then the residual: (T, T_source + 1, d_model)
-        parts = torch.cat([through, residual.unsqueeze(1)], dim=1)
-        weights = _proximity(parts, total)  # (T, T_source + 1)
-        carrier = per_head.norm(dim=-1).argmax(0)  # (T, T_source): the head moving most of each edge
+        # α ≥ 0, so ‖α_h,ij · m_h,j‖ = α_h,ij ‖m_h,j‖: the carrier needs no (T, T, d_model) tensor.
+        carrier = (weights_l * moved.norm(dim=-1).unsqueeze(1)).argmax(0)  # (T, T_source)
+        weights = torch.empty(residual.shape[0], residual.shape[0] + 1)
+        for start in range(0, residual.shape[0], FLOW_CHUNK):
+            stop = min(start + FLOW_CHUNK, residual.shape[0])
+            # (n_heads, chunk, T_source) x (n_heads, T_source, d_model) -> (chunk, T_source, d_model)
+            through = torch.einsum("hij,hjd->ijd", weights_l[:, start:stop], moved)
+            total = residual[start:stop] + through.sum(1) + bias  # (chunk, d_model)
+            # parts per target: every source token, then the residual: (chunk, T_source + 1, d_model)
+            parts = torch.cat([through, residual[start:stop].unsqueeze(1)], dim=1)
+            weights[start:stop] = _proximity(parts, total)
+        kept = (weights > 0) & (weights >= threshold)  # (T, T_source + 1); the last column is the residual
         n_tokens = residual.shape[0]
-        for target in range(n_tokens):
-            for source in range(n_tokens):
-                weight = float(weights[target, source])
-                if weight > 0 and weight >= threshold:
-                    edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
-            weight = float(weights[target, n_tokens])
-            if weight > 0 and weight >= threshold:
+        for target, source in kept.nonzero().tolist():
+            weight = float(weights[target, source])
+            if source == n_tokens:
                 edges.append(FlowEdge(layer, target, target, weight, None))
+            else:
+                edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
     return result.tokens, edges
