@@ -110,7 +110,7 @@ def _is_delimiter(token: Token) -> bool:
     return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
 
 
-def head_stats(attention: torch.Tensor, tokens: list[Token]) -> dict[str, torch.Tensor]:
+def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> dict[str, torch.Tensor]:
     """Each statistic as (n_layers, n_heads), averaged over the query rows where it is defined.
 
     - entropy: a row's entropy over log(number of keys it may see), 0 sharp ... 1 uniform;
@@ -119,34 +119,41 @@ def head_stats(attention: torch.Tensor, tokens: list[Token]) -> dict[str, torch.
     - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
     - duplicate: mass on earlier copies of the query's own token.
     Rows that see a single key (a causal model's first row) carry no choice and are left out.
+    Reductions over keys are matmuls or views where they can be, so stats and tags stay a small
+    fraction of the forward pass at T=512.
     """
-    attention = attention.double()
+    attention = attention.float()
     n_tokens = attention.shape[-1]
-    causal = bool(torch.equal(attention.triu(1), torch.zeros_like(attention)))
-    visible = torch.arange(1, n_tokens + 1, dtype=torch.float64) if causal else torch.full((n_tokens,), float(n_tokens))
+    positions = torch.arange(n_tokens)
+    visible = (positions + 1).float() if causal else torch.full((n_tokens,), float(n_tokens))
     choosing = visible > 1  # (T,)
-    if not choosing.any():
-        zeros = torch.zeros(attention.shape[:2])
-        return {name: zeros.clone() for name in STAT_NAMES}
 
     def row_mean(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # per_row: (n_layers, n_heads, T); rows: (T,) bool
-        return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2], dtype=per_row.dtype)
+        return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2])
 
-    plogp = torch.where(attention > 0, attention * attention.clamp_min(1e-300).log(), torch.zeros_like(attention))
-    entropy = -plogp.sum(-1) / visible.clamp_min(2).log()  # (n_layers, n_heads, T)
-    positions = torch.arange(n_tokens, dtype=torch.float64)
-    distance = (attention * (positions[:, None] - positions[None, :]).abs()).sum(-1)
+    entropy = -torch.special.xlogy(attention, attention).sum(-1) / visible.clamp_min(2).log()  # (L, H, T)
+    index = positions.float()
+    if causal:  # j ≤ i, so Σ_j α_ij (i - j) = i - Σ_j j·α_ij: a matmul, no (T, T) temporary
+        distance = index - attention @ index
+    else:
+        distance = (attention * (index[:, None] - index[None, :]).abs()).sum(-1)
     diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
     previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
     first = attention[..., :, 0]
-    delimiters = torch.tensor([(t.special and k > 0) or _is_delimiter(t) for k, t in enumerate(tokens)])
-    delimiter = (attention * delimiters.double()).sum(-1)
+    delimiters = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)])
+    delimiter = attention @ delimiters  # (L, H, T)
     ids = torch.tensor([t.id for t in tokens])
     earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
-    duplicate = (attention * earlier_copy.double()).sum(-1)
     has_copy = earlier_copy.any(-1)
-    stats = {
+    if has_copy.any():
+        rows = has_copy.nonzero().squeeze(-1)
+        # only rows with an earlier copy: (L, H, R, T) * (R, T) -> (L, H, R)
+        duplicate = torch.zeros(attention.shape[:-1])
+        duplicate[..., rows] = (attention[..., rows, :] * earlier_copy[rows].float()).sum(-1)
+    else:
+        duplicate = torch.zeros(attention.shape[:-1])
+    return {
         "entropy": row_mean(entropy, choosing),
         "distance": row_mean(distance, choosing),
         "self": row_mean(diagonal, choosing),
@@ -155,7 +162,6 @@ def head_stats(attention: torch.Tensor, tokens: list[Token]) -> dict[str, torch.
         "delimiter": row_mean(delimiter, choosing),
         "duplicate": row_mean(duplicate, has_copy),
     }
-    return {name: value.float() for name, value in stats.items()}
 
 
 # Thresholds for the tags, each on a statistic above (or the induction probe). A head may carry
@@ -234,7 +240,7 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
 
 def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str, torch.Tensor], list[list[list[str]]]]:
     """Stats for every head of a run, the model's induction scores beside them, and the tags."""
-    stats = head_stats(result.attention, result.tokens)
+    stats = head_stats(result.attention, result.tokens, model.info.causal)
     stats["induction"] = induction_scores(model)
     return stats, tag_heads(stats, result.attention)
 

@@ -156,7 +156,7 @@ def test_stats_from_hand_built_heads():
         prev[i, i - 1] = 1
     uniform = torch.full((n, n), 1 / n)
     att = torch.stack([prev, uniform])[None]  # (1 layer, 2 heads, T, T), bidirectional
-    stats = head_stats(att, tokens)
+    stats = head_stats(att, tokens, causal=False)
     assert stats["previous"][0, 0] == pytest.approx(1.0)
     assert stats["entropy"][0, 0] == pytest.approx(0.0, abs=1e-6)
     assert stats["entropy"][0, 1] == pytest.approx(1.0, abs=1e-6)
@@ -164,6 +164,12 @@ def test_stats_from_hand_built_heads():
     # uniform: 1/6 on each of "," and [SEP]
     assert stats["delimiter"][0, 1] == pytest.approx(2 / 6)
     assert stats["duplicate"][0, 1] == pytest.approx(1 / 6)  # row 4 looks at 1 with 1/6
+    causal_uniform = torch.tril(torch.ones(n, n))
+    causal_uniform = (causal_uniform / causal_uniform.sum(-1, keepdim=True))[None, None]
+    causal_stats = head_stats(causal_uniform, tokens, causal=True)
+    # row i spreads evenly over 0..i: mean distance i/2 and entropy 1, over the rows 1..n-1
+    assert causal_stats["distance"][0, 0] == pytest.approx(sum(i / 2 for i in range(1, n)) / (n - 1))
+    assert causal_stats["entropy"][0, 0] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_word_view_merges_wordpiece_and_keeps_rows_stochastic(minilm):
