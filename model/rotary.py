@@ -197,6 +197,8 @@ def rope_parameters(config: dict, theta_key: str = "rope_theta") -> dict:
     """
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     params.setdefault("rope_theta", config.get(theta_key, 10000.0))
+    if "partial_rotary_factor" in config:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
     params.setdefault("rope_type", params.pop("type", "default"))
     params.pop("type", None)
     # Phi-3 style configs keep the pre-extension length at the top level, and transformers prefers it there.
