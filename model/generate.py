@@ -81,30 +81,34 @@ def generate(
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     decode = model.tokenizer.decode_id
     ids = list(encoded.ids)
-    capture = Capture(weights=True)
     device = model.device
 
-    with torch.inference_mode(), model._autocast():
-        trace = model.net.inspect(torch.tensor([ids], device=device), capture=capture)
+    def forward(new_ids: list[int], past):
+        # Entered per forward, never held across a yield: inference mode is per thread, and a
+        # server may run each step on a different worker thread.
+        with torch.inference_mode(), model._autocast():
+            return model.net.inspect(torch.tensor([new_ids], device=device), capture=Capture(weights=True), past=past)
+
+    trace = forward(ids, None)
+    logits = trace.logits[0, -1].float().cpu()
+    past = [layer.present for layer in trace.layers]
+    for index in range(max_new_tokens):
+        probs = torch.softmax(logits.double(), -1)
+        chosen = _choose(logits, sampling, generator)
+        top = probs.topk(min(alternatives, probs.shape[-1]))
+        ids.append(chosen)
+        if use_cache:
+            trace = forward([chosen], past)
+            past = [layer.present for layer in trace.layers]
+        else:
+            trace = forward(ids, None)
+        # each layer's weights: (1, n_heads, new queries, T) -> the last query's row, (n_heads, T)
+        row = torch.stack([layer.weights[0, :, -1] for layer in trace.layers]).float().cpu()
+        yield Step(
+            index=index,
+            position=len(ids) - 1,
+            token=Choice(chosen, decode(chosen), float(probs[chosen])),
+            alternatives=[Choice(int(i), decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
+            attention=row,
+        )
         logits = trace.logits[0, -1].float().cpu()
-        past = [layer.present for layer in trace.layers]
-        for index in range(max_new_tokens):
-            probs = torch.softmax(logits.double(), -1)
-            chosen = _choose(logits, sampling, generator)
-            top = probs.topk(min(alternatives, probs.shape[-1]))
-            ids.append(chosen)
-            if use_cache:
-                trace = model.net.inspect(torch.tensor([[chosen]], device=device), capture=capture, past=past)
-                past = [layer.present for layer in trace.layers]
-            else:
-                trace = model.net.inspect(torch.tensor([ids], device=device), capture=capture)
-            # each layer's weights: (1, n_heads, new queries, T) -> the last query's row, (n_heads, T)
-            row = torch.stack([layer.weights[0, :, -1] for layer in trace.layers]).float().cpu()
-            yield Step(
-                index=index,
-                position=len(ids) - 1,
-                token=Choice(chosen, decode(chosen), float(probs[chosen])),
-                alternatives=[Choice(int(i), decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
-                attention=row,
-            )
-            logits = trace.logits[0, -1].float().cpu()
