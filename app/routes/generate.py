@@ -13,6 +13,24 @@ router = APIRouter(prefix="/api/v1", tags=["generation"])
 NDJSON = "application/x-ndjson"
 
 
+def inline_schema(model) -> dict:
+    """A model's JSON schema with its $defs substituted in place: a response's own schema has no
+    document-level $defs for a $ref to point at."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
 @router.post(
     "/generate",
     responses={
@@ -21,7 +39,7 @@ NDJSON = "application/x-ndjson"
             "then an `end`. Hang up to stop: the server stops within one step.",
             "content": {
                 NDJSON: {
-                    "schema": {"oneOf": [GenerateStart.model_json_schema(), GenerateStep.model_json_schema(), GenerateEnd.model_json_schema()]},
+                    "schema": {"oneOf": [inline_schema(m) for m in (GenerateStart, GenerateStep, GenerateEnd)]},
                     "example": '{"type":"start","model":"tiny-gpt","n_layers":2,"n_heads":8,"prompt":[...]}\n'
                     '{"type":"step","index":0,"position":16,"token":{"id":32,"text":" ","prob":0.91},"alternatives":[...],"attention":[[[...]]]}\n'
                     '{"type":"end","reason":"length","tokens":20}\n',
