@@ -71,11 +71,13 @@ def blocked_positions(
     """
     if not causal and sliding_window is None:
         return None
-    q = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]  # (num_queries, 1)
-    k = torch.arange(num_keys, device=device)[None, :]  # (1, num_keys)
-    blocked = k > q if causal else torch.zeros(num_queries, num_keys, dtype=torch.bool, device=device)
+    offset = num_keys - num_queries  # query i sits at position offset + i
+    ones = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    # k > offset + i  <=>  k - i > offset: the band above diagonal offset
+    blocked = ones.triu(offset + 1) if causal else torch.zeros_like(ones)
     if sliding_window is not None:
-        blocked = blocked | (k <= q - sliding_window)
+        # k <= offset + i - W  <=>  k - i <= offset - W: the band on and below diagonal offset - W
+        blocked |= ones.tril(offset - sliding_window)
     return blocked
 
 
@@ -207,7 +209,10 @@ class MultiHeadAttention(nn.Module):
                 padded = padded & ~torch.eye(num_tokens, dtype=torch.bool, device=x.device)
             blocked = padded if blocked is None else (blocked | padded)
         if blocked is not None:
-            attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
+            # Adding a 0/-inf mask in place is the same result, bit for bit, as masked_fill and several
+            # times cheaper on CPU than a masked_fill that broadcasts a bool mask over every head.
+            additive = torch.zeros(blocked.shape, dtype=attn_scores.dtype, device=attn_scores.device)
+            attn_scores += additive.masked_fill_(blocked, -torch.inf)  # (num_tokens, num_tokens) or (b, 1, T, T)
 
         # Softmax in float32 even under half-precision autocast: the weights are the product.
         if capture.weights_out is not None:

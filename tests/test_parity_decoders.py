@@ -284,3 +284,21 @@ def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
 def test_unknown_model_type_lists_the_families():
     with pytest.raises(ModelLoadError, match="supported: bert, gpt2, gpt_neox, llama, mistral, qwen2"):
         family_for("t5", "config.json")
+
+
+@pytest.mark.parametrize("num_queries,num_keys,window", [(6, 6, None), (9, 9, 1), (9, 9, 4), (3, 9, 4)])
+def test_mask_matches_transformers_mask_functions(num_queries, num_keys, window):
+    """Our blocked positions against transformers' own mask predicates, including a cache-style offset."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from manyeyes.model.attention import blocked_positions
+
+    allowed_fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    offset = num_keys - num_queries
+    allowed = torch.tensor([
+        [bool(allowed_fn(torch.tensor(0), torch.tensor(0), torch.tensor(offset + i), torch.tensor(k)))
+         for k in range(num_keys)]
+        for i in range(num_queries)
+    ])
+    ours = blocked_positions(num_queries, num_keys, causal=True, sliding_window=window, device="cpu")
+    assert torch.equal(ours, ~allowed)
