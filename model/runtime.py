@@ -14,15 +14,17 @@ from manyeyes.model.tokenizer import Encoded, Token
 @dataclass(frozen=True)
 class ModelInfo:
     id: str
-    family: str  # "bert", "gpt2" (Hugging Face GPT-2) or "gpt" (a book GPTModel checkpoint)
+    family: str  # a Hugging Face model_type ("bert", "gpt2", "llama", ...) or "gpt" (a book checkpoint)
     causal: bool
     n_layers: int
-    n_heads: int
+    n_heads: int  # query heads; attention is returned per query head
     d_model: int
     head_dim: int
     max_tokens: int  # positions the model has; longer input needs truncation
     device: str
-    dtype: str  # compute dtype: "float32", or "float16" under GPU autocast
+    dtype: str  # weights' dtype ("float32", "bfloat16", "float16"), or "float16" under GPU autocast
+    n_kv_heads: int | None = None  # key/value heads (fewer than n_heads under grouped-query attention)
+    predictions: bool = False  # has a language-model head: next-token (causal) or masked-token top-k
 
 
 @dataclass
