@@ -27,6 +27,16 @@ class ModelInfo:
     predictions: bool = False  # has a language-model head: next-token (causal) or masked-token top-k
 
 
+MAX_TOP_K = 20  # predictions kept per position; a request asks for at most this many
+
+
+@dataclass(frozen=True)
+class Prediction:
+    token: str  # how the id reads on its own, e.g. " the"
+    id: int
+    prob: float  # softmax over the whole vocabulary, float32
+
+
 @dataclass
 class AttentionResult:
     tokens: list[Token]
@@ -34,6 +44,9 @@ class AttentionResult:
     attention: torch.Tensor  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax
     hidden: torch.Tensor  # (T, d_model) float32, the last hidden state
     logits: torch.Tensor | None  # (T, vocab_size) for language models
+    # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
+    top_ids: torch.Tensor | None = None  # (T, MAX_TOP_K) int64
+    top_probs: torch.Tensor | None = None  # (T, MAX_TOP_K) float32
     # Per layer, each (n_heads, T, head_dim): present only when asked for with Capture(qkv=True).
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
@@ -68,6 +81,25 @@ class AttentionModel:
 
     def attend_batch(self, texts: list[str], truncate: bool = False, capture: Capture = Capture()):
         return self.run([self.encode(t, None, truncate) for t in texts], capture)
+
+    def predict(self, text: str, top_k: int = 5, text_pair: str | None = None, truncate: bool = False):
+        """{position: [Prediction, ...]} best first: the next token after every position for a
+        causal LM, the masked token at each [MASK] / <mask> for a masked LM."""
+        return self.predictions(self.attend(text, text_pair, truncate), top_k)
+
+    def predictions(self, result: AttentionResult, top_k: int = 5) -> dict[int, list[Prediction]]:
+        if not self.info.predictions or result.top_ids is None:
+            raise ValueError(f"model {self.info.id} has no language-model head, so it makes no predictions")
+        if not 1 <= top_k <= result.top_ids.shape[1]:
+            raise ValueError(f"top_k must be in 1..{result.top_ids.shape[1]}, got {top_k}")
+        ids, probs = result.top_ids[:, :top_k].tolist(), result.top_probs[:, :top_k].tolist()
+        if self.info.causal:
+            positions = range(len(result.tokens))
+        else:
+            mask_id = self.tokenizer.mask_id
+            positions = [i for i, t in enumerate(result.tokens) if mask_id is not None and t.id == mask_id]
+        text = self.tokenizer.token_text
+        return {i: [Prediction(text(t), t, p) for t, p in zip(ids[i], probs[i])] for i in positions}
 
     def _autocast(self):
         if self.half:
@@ -105,7 +137,13 @@ class AttentionModel:
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
             attention = weights.cpu().transpose(0, 1)
             hidden = trace.hidden.float().cpu()
-            logits = trace.logits.float().cpu() if trace.logits is not None else None
+            logits = top_ids = top_probs = None
+            if trace.logits is not None:
+                logits = trace.logits.float()
+                # Top-k on the device: only (b, T, k) crosses to the CPU for predictions.
+                top = torch.softmax(logits, dim=-1).topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+                top_ids, top_probs = top.indices.cpu(), top.values.cpu()
+                logits = logits.cpu()
 
         results = []
         for row, (enc, n) in enumerate(zip(batch, lengths)):
@@ -117,6 +155,8 @@ class AttentionModel:
                 attention=attention[row, :, :, :n, :n].contiguous(),
                 hidden=hidden[row, :n],
                 logits=logits[row, :n] if logits is not None else None,
+                top_ids=top_ids[row, :n].clone() if top_ids is not None else None,
+                top_probs=top_probs[row, :n].clone() if top_probs is not None else None,
             )
             if capture.qkv:
                 # each layer: (b, n_heads, width, head_dim) -> (n_heads, n, head_dim)

@@ -38,6 +38,9 @@ class Encoded:
         return len(self.tokens)
 
 
+MASK_PIECES = ("[MASK]", "<mask>")
+
+
 class TextTokenizer:
     """Wraps a `tokenizers.Tokenizer`; holds two immutable copies so calls never mutate shared state."""
 
@@ -59,6 +62,19 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._full.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id masked-LM predictions are made at: BERT's [MASK] or RoBERTa's <mask>."""
+        for piece in MASK_PIECES:
+            tid = self._full.token_to_id(piece)
+            if tid is not None:
+                return tid
+        return None
+
+    def token_text(self, tid: int) -> str:
+        """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece)."""
+        return self._full.decode([tid], skip_special_tokens=False) or (self._full.id_to_token(tid) or "")
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         enc = self._full.encode(text, text_pair) if text_pair is not None else self._full.encode(text)
@@ -104,6 +120,11 @@ class TiktokenTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._enc.n_vocab
+
+    mask_id = None  # GPT-2's encoding has no mask token
+
+    def token_text(self, tid: int) -> str:
+        return self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         tokens: list[Token] = []
