@@ -208,7 +208,11 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
             f"Check the network, or fetch it with `hf download {hub_id.repo}` and set HF_HUB_OFFLINE=1."
         ) from exc
     except Exception as exc:  # httpx connection errors and the like: still one clear line
-        raise ModelLoadError(f"model {hub_id}: could not reach the Hugging Face Hub ({type(exc).__name__}: {exc})") from exc
+        raise ModelLoadError(
+            f"model {hub_id} is not in the Hugging Face cache at {cache} and the Hub could not be reached "
+            f"({type(exc).__name__}: {exc}). Fetch it on a connected machine with `hf download {hub_id.repo}`, "
+            "or set HF_HUB_OFFLINE=1 to use only the cache."
+        ) from exc
     lacking = missing_files(folder)
     if lacking:
         raise ModelLoadError(f"model {hub_id}: downloaded to {folder} but it lacks {', '.join(lacking)}")

@@ -88,18 +88,23 @@ class AttentionModel:
         return self.predictions(self.attend(text, text_pair, truncate), top_k)
 
     def predictions(self, result: AttentionResult, top_k: int = 5) -> dict[int, list[Prediction]]:
-        if not self.info.predictions or result.top_ids is None:
+        return self.predictions_from(result.tokens, result.top_ids, result.top_probs, top_k)
+
+    def predictions_from(self, tokens: list[Token], top_ids, top_probs, top_k: int) -> dict[int, list[Prediction]]:
+        """The same from a run's kept top-k tensors (the service caches those, not the logits)."""
+        if not self.info.predictions or top_ids is None:
             raise ValueError(f"model {self.info.id} has no language-model head, so it makes no predictions")
-        if not 1 <= top_k <= result.top_ids.shape[1]:
-            raise ValueError(f"top_k must be in 1..{result.top_ids.shape[1]}, got {top_k}")
-        ids, probs = result.top_ids[:, :top_k].tolist(), result.top_probs[:, :top_k].tolist()
+        if not 1 <= top_k <= top_ids.shape[1]:
+            raise ValueError(f"top_k must be in 1..{top_ids.shape[1]}, got {top_k}")
         if self.info.causal:
-            positions = range(len(result.tokens))
+            positions = list(range(len(tokens)))
         else:
             mask_id = self.tokenizer.mask_id
-            positions = [i for i, t in enumerate(result.tokens) if mask_id is not None and t.id == mask_id]
+            positions = [i for i, t in enumerate(tokens) if mask_id is not None and t.id == mask_id]
+        ids, probs = top_ids[positions, :top_k].tolist(), top_probs[positions, :top_k].tolist()
         text = self.tokenizer.token_text
-        return {i: [Prediction(text(t), t, p) for t, p in zip(ids[i], probs[i])] for i in positions}
+        return {i: [Prediction(text(t), t, p) for t, p in zip(row_ids, row_probs)]
+                for i, row_ids, row_probs in zip(positions, ids, probs)}
 
     def _autocast(self):
         if self.half:
