@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -220,3 +221,16 @@ def test_cli_reads_the_cache_the_environment_names(tmp_path, gpt2_folders):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: model org/absent is not in")
     assert str(cache) in missing.stderr
+
+
+def test_cli_dtype_and_top_k_on_a_cached_id(tmp_path, gpt2_folders):
+    cache = tmp_path / "cache"
+    add_to_cache(cache, "org/tiny", gpt2_folders[0])
+    done = _cli(["attend", TEXT, "--model", "org/tiny", "--dtype", "bfloat16", "--top-k", "2"], cache)
+    assert done.returncode == 0, done.stderr
+    assert "predictions (next token after each position, top 2):" in done.stdout
+    n_tokens = int(re.search(r"^(\d+) tokens", done.stdout, re.M)[1])
+    assert len([line for line in done.stdout.splitlines() if " -> " in line]) == n_tokens  # one per position
+    refused = _cli(["attend", TEXT, "--model", "minilm", "--top-k", "2"], cache)
+    assert refused.returncode == 2 and refused.stderr == (
+        "error: model minilm has no language-model head, so --top-k has nothing to show\n")
