@@ -30,6 +30,9 @@ class BertConfig:
     # pad_token_id + 1 rows of the position table are never used by real tokens.
     positions_from_ids: bool = False
     head_gelu: str = "erf"  # the masked-LM head's activation (BERT: hidden_act; RoBERTa: always erf)
+    # DistilBERT's sinusoidal_pos_embds: the position table is fixed sinusoids, so a checkpoint
+    # that leaves it out can still load (the loader derives it).
+    sinusoidal_positions: bool = False
 
 
 class MaskedLMHead(nn.Module):

@@ -71,10 +71,11 @@ def load(
         net, tok, family, stored = _load_book(path, config, tokenizer)
 
     weight_dtype = torch.float32 if half else compute_dtype(dtype, dev, stored)
-    net.eval().requires_grad_(False).to(dev)
-    # Parameters only: buffers (the causal mask, rotary tables) stay float32.
+    # Narrowed before the move, so a bfloat16 model never sits on the GPU in float32. Parameters
+    # only: buffers (the causal mask, rotary tables) stay float32.
     for param in net.parameters():
         param.data = param.data.to(weight_dtype)
+    net.eval().requires_grad_(False).to(dev)
     info = ModelInfo(
         id=model_id,
         family=family,

@@ -145,9 +145,11 @@ class AttentionModel:
             logits = top_ids = top_probs = None
             if trace.logits is not None:
                 logits = trace.logits.float()
-                # Top-k on the device: only (b, T, k) crosses to the CPU for predictions.
-                top = torch.softmax(logits, dim=-1).topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
-                top_ids, top_probs = top.indices.cpu(), top.values.cpu()
+                # Top-k on the device, and only (b, T, k) crosses to the CPU. p = exp(logit - logsumexp)
+                # for the k kept ids: two reads of the logits, no softmaxed (b, T, vocab) copy.
+                top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+                top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
+                top_ids = top.indices.cpu()
                 logits = logits.cpu()
 
         results = []

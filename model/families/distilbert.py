@@ -57,7 +57,7 @@ def build(config: dict, path: Path) -> BertEncoder:
     if dim % heads:
         raise ModelLoadError(f"{path}: dim {dim} is not divisible by n_heads {heads}")
     gelu = gelu_form(config, "activation", path)
-    net = BertEncoder(
+    return BertEncoder(
         BertConfig(
             vocab_size=need(config, "vocab_size", path),
             max_positions=need(config, "max_position_embeddings", path),
@@ -70,10 +70,9 @@ def build(config: dict, path: Path) -> BertEncoder:
             gelu=gelu,
             pad_token_id=config.get("pad_token_id", 0) or 0,
             head_gelu=gelu,
+            sinusoidal_positions=bool(config.get("sinusoidal_pos_embds", False)),
         )
     )
-    net.sinusoidal = bool(config.get("sinusoidal_pos_embds", False))
-    return net
 
 
 def sinusoids(n_pos: int, dim: int) -> torch.Tensor:
@@ -89,7 +88,7 @@ def sinusoids(n_pos: int, dim: int) -> torch.Tensor:
 def convert(weights: dict[str, torch.Tensor], net: BertEncoder, path: Path) -> dict[str, torch.Tensor]:
     state = strip_prefix(weights, "distilbert.")
     rows = list(TOP)
-    if POSITIONS[0] in state or not getattr(net, "sinusoidal", False):
+    if POSITIONS[0] in state or not net.cfg.sinusoidal_positions:
         rows.append(POSITIONS)
     mapped = map_state(state, rows_for(rows, LAYER, net.cfg.n_layers), path)
     if "pos_emb.weight" not in mapped:
