@@ -203,9 +203,11 @@ def test_online_download_fetches_only_needed_files_and_reports_bytes(fake_hub, m
     assert fetched == []
 
 
-def _cli(args, cache: Path, offline: str = "1"):
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": offline, "PYTHONPATH": os.getcwd()}
-    env.pop("HF_HOME", None)
+def _cli(args, cache: Path | None = None, home: Path | None = None):
+    """The CLI in a fresh process, offline, with the cache named by HF_HUB_CACHE or by HF_HOME."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_HUB_CACHE")}
+    env |= {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}
+    env |= {"HF_HUB_CACHE": str(cache)} if cache else {"HF_HOME": str(home)}
     return subprocess.run([sys.executable, "-m", "manyeyes.app.cli", *args], capture_output=True, text=True,
                           env=env, timeout=120)
 
@@ -217,10 +219,11 @@ def test_cli_reads_the_cache_the_environment_names(tmp_path, gpt2_folders):
     done = _cli(["attend", TEXT, "--model", "org/tiny", "--layer", "1", "--head", "2"], cache)
     assert done.returncode == 0, done.stderr
     assert "model org/tiny (gpt2, causal, 2 layers x 3 heads)" in done.stdout
-    missing = _cli(["attend", TEXT, "--model", "org/absent"], cache)
+    # HF_HOME alone puts the cache in HF_HOME/hub, as for every Hugging Face tool.
+    missing = _cli(["attend", TEXT, "--model", "org/absent"], home=tmp_path / "home")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: model org/absent is not in")
-    assert str(cache) in missing.stderr
+    assert f"{tmp_path / 'home' / 'hub'}/models--org--absent" in missing.stderr
 
 
 def test_cli_dtype_and_top_k_on_a_cached_id(tmp_path, gpt2_folders):
