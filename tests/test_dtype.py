@@ -62,6 +62,6 @@ def test_bfloat16_runs_on_cpu_and_returns_float32_weights(spec, request):
         assert narrow.predict(TEXT, top_k=1)[0][0].id == wide.predict(TEXT, top_k=1)[0][0].id
 
 
-def test_book_checkpoint_in_float16(tmp_path):
+def test_book_checkpoint_in_float16():
     m = load("tiny-gpt", device="cpu", dtype="float16")
     assert m.info.dtype == "float16" and m.attend(TEXT).attention.dtype == torch.float32

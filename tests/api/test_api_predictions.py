@@ -6,7 +6,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from manyeyes.app.config import Settings
 from manyeyes.app.main import create_app
