@@ -127,10 +127,10 @@ class AttentionModel:
             real[row, : len(enc)] = True
         padded = min(lengths) != width
         capture = Capture(weights=True, qkv=capture.qkv)
-        cfg = self.net.cfg
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
         # (n_layers, b, n_heads, width, width)
-        weights = torch.empty(cfg.n_layers, len(batch), cfg.n_heads, width, width, device=self.device)
+        # Read through the network's ShapeInfo: families name their config fields differently.
+        weights = torch.empty(self.net.n_layers, len(batch), self.net.n_heads, width, width, device=self.device)
         with torch.inference_mode(), self._autocast():
             trace = self.net.inspect(
                 ids.to(self.device),
