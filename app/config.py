@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     default_model: str | None = None  # None: the first configured model
     device: str | None = None  # None: CUDA, then MPS, then CPU
     half: bool = False  # float16 autocast on CUDA
+    # Weights' dtype; None/auto: as stored on CUDA (bf16/fp16 checkpoints stay so), float32 elsewhere.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
 
     # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included

@@ -15,6 +15,12 @@ def _not_blank(value: str) -> str:
     return value
 
 
+class PredictionsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    top_k: int = Field(5, ge=1, le=20, description="Predictions per position, best first")
+
+
 class Options(BaseModel):
     # strict: no coercion of client input, so `"truncate": 0` or `"layers": ["1"]` is a 422, as
     # the schema says, rather than a guess (subclasses inherit it).
@@ -29,6 +35,9 @@ class Options(BaseModel):
         "u8: base64 bytes, weight ≈ byte × scale (1/255). Compact formats are ~10× smaller and faster.",
     )
     truncate: bool = Field(False, description="Cut input longer than the model's positions instead of refusing it")
+    predictions: PredictionsRequest | None = Field(
+        None, description="Also return the model's own top-k predictions (422 for a model without an LM head)"
+    )
 
 
 class AttentionRequest(Options):
@@ -88,6 +97,12 @@ class AttentionData(BaseModel):
     scale: float | None = Field(None, description="u8 only: weight ≈ byte × scale")
 
 
+class PredictionOut(BaseModel):
+    token: str = Field(description="How the predicted id reads on its own, e.g. ' the'")
+    id: int
+    prob: float = Field(description="Softmax probability over the whole vocabulary")
+
+
 class Timing(BaseModel):
     tokenize: float
     queue: float
@@ -106,6 +121,11 @@ class AttentionResponse(BaseModel):
     layers: list[int]
     heads: list[int]
     attention: AttentionData
+    predictions: dict[str, list[PredictionOut]] | None = Field(
+        None,
+        description="Only when asked for: token position -> top-k. Causal LMs: the next token after every "
+        "position. Masked LMs: the masked token at each [MASK] / <mask> position.",
+    )
     device: str
     timing_ms: Timing
 
@@ -147,14 +167,17 @@ class BatchResponse(BaseModel):
 
 class ModelOut(BaseModel):
     id: str
-    family: str
+    family: str = Field(description="Hugging Face model_type (bert, roberta, gpt2, llama, ...) or gpt (a book checkpoint)")
     causal: bool
     n_layers: int
-    n_heads: int
+    n_heads: int = Field(description="Query heads; attention is returned per query head")
+    n_kv_heads: int = Field(description="Key/value heads: fewer than n_heads under grouped-query attention")
     d_model: int
     head_dim: int
     max_tokens: int
     device: str
+    dtype: str = Field(description="Weights' dtype; softmax and returned weights are float32 regardless")
+    predictions: bool = Field(description="Whether `predictions` may be asked for (the model has an LM head)")
     default: bool
 
 
@@ -178,6 +201,19 @@ class Health(BaseModel):
 class Ready(BaseModel):
     status: str = Field(examples=["ready"])
     models: list[str]
+
+
+class ModelProgress(BaseModel):
+    state: Literal["queued", "loading", "downloading", "warming", "ready", "failed"]
+    bytes_done: int | None = Field(None, description="While a Hugging Face id downloads")
+    bytes_total: int | None = None
+
+
+class Loading(ErrorResponse):
+    """/readyz's 503: the error plus where each model stands."""
+
+    status: Literal["loading", "failed"]
+    models: dict[str, ModelProgress]
 
 
 # ---------------------------------------------------------------------------- generation

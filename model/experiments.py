@@ -63,7 +63,7 @@ def top_k(model: AttentionModel, logits: torch.Tensor, k: int) -> list[list[Gues
     """Per position, the k most likely tokens; (T, vocab) logits."""
     probs = torch.softmax(logits.double(), -1)
     values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    decode = model.tokenizer.decode_id if hasattr(model.tokenizer, "decode_id") else str
+    decode = model.tokenizer.token_text
     return [[Guess(int(i), decode(int(i)), float(v)) for v, i in zip(vs, row)] for vs, row in zip(values, ids)]
 
 

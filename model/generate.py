@@ -79,7 +79,7 @@ def generate(
     encoded = model.encode(text)
     check_generation(model, len(encoded), max_new_tokens)
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    decode = model.tokenizer.decode_id
+    decode = model.tokenizer.token_text
     ids = list(encoded.ids)
     device = model.device
 

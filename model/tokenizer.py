@@ -38,7 +38,8 @@ class Encoded:
         return len(self.tokens)
 
 
-SPECIAL_SPELLINGS = {"mask": ("[MASK]", "<mask>"), "unk": ("[UNK]", "<unk>")}
+MASK_PIECES = ("[MASK]", "<mask>")
+UNK_PIECES = ("[UNK]", "<unk>")
 
 
 class TextTokenizer:
@@ -63,19 +64,26 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._full.get_vocab_size(with_added_tokens=True)
 
-    def decode_id(self, token_id: int) -> str:
-        """One id as readable text (a byte-level piece decoded, specials kept)."""
-        return self._full.decode([token_id], skip_special_tokens=False) or (self._full.id_to_token(token_id) or "")
+    @property
+    def mask_id(self) -> int | None:
+        """The id masked-LM predictions are made at: BERT's [MASK] or RoBERTa's <mask>."""
+        for piece in MASK_PIECES:
+            tid = self._full.token_to_id(piece)
+            if tid is not None:
+                return tid
+        return None
+
+    def token_text(self, tid: int) -> str:
+        """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece)."""
+        return self._full.decode([tid], skip_special_tokens=False) or (self._full.id_to_token(tid) or "")
 
     def special_token(self, kind: str) -> tuple[str, int] | None:
-        """(piece, id) of the mask or unknown token, under the spellings BERT and RoBERTa families use."""
-        names = SPECIAL_SPELLINGS[kind]
-        if kind == "unk":
-            names = (getattr(self._full.model, "unk_token", None), *names)
-        for name in names:
-            token_id = self._full.token_to_id(name) if name else None
-            if token_id is not None:
-                return name, token_id
+        """(piece, id) of the "mask" or "unk" token, under the spellings BERT and RoBERTa families use."""
+        pieces = MASK_PIECES if kind == "mask" else (getattr(self._full.model, "unk_token", None), *UNK_PIECES)
+        for piece in pieces:
+            tid = self._full.token_to_id(piece) if piece else None
+            if tid is not None:
+                return piece, tid
         return None
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
@@ -123,8 +131,10 @@ class TiktokenTokenizer:
     def vocab_size(self) -> int:
         return self._enc.n_vocab
 
-    def decode_id(self, token_id: int) -> str:
-        return self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+    mask_id = None  # GPT-2's encoding has no mask token
+
+    def token_text(self, tid: int) -> str:
+        return self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
 
     def special_token(self, kind: str) -> tuple[str, int] | None:
         return None  # GPT-2's encoding has neither a mask nor an unknown token

@@ -19,8 +19,9 @@ def test_models_lists_the_default_minilm(api):
     assert body == {
         "models": [
             {
-                "id": "minilm", "family": "bert", "causal": False, "n_layers": 6, "n_heads": 12, "d_model": 384,
-                "head_dim": 32, "max_tokens": 512, "device": "cpu", "default": True,
+                "id": "minilm", "family": "bert", "causal": False, "n_layers": 6, "n_heads": 12, "n_kv_heads": 12,
+                "d_model": 384, "head_dim": 32, "max_tokens": 512, "device": "cpu", "dtype": "float32",
+                "predictions": False, "default": True,
             }
         ]
     }

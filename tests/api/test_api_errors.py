@@ -139,8 +139,11 @@ def slow():
 
 
 def test_readyz_is_503_until_models_load_while_healthz_answers(slow):
-    err = error_of(slow.get("/readyz"), 503)
-    assert err["code"] == "not_ready" and "loading" in err["message"]
+    r = slow.get("/readyz")
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    body = r.json()  # the error, plus where each model stands
+    assert body["error"]["code"] == "not_ready" and "loading" in body["error"]["message"]
+    assert body["status"] == "loading" and set(body["models"]) == set(slow.app.state.settings.all_models())
     assert slow.get("/healthz").status_code == 200
     assert error_of(slow.post("/api/v1/attention", json={"text": "early"}), 503)["code"] == "not_ready"
     deadline = time.monotonic() + 30
