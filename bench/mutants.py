@@ -242,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         for future in futures:
             o = future.result()
             print(f"{o.mutant.name:45} {o.verdict:7} {o.seconds:6.1f} s  {o.mutant.file}", flush=True)
-            if o.verdict != "caught":
+            if o.verdict == "caught" and o.detail:
+                print(f"    by {o.detail}", flush=True)
+            elif o.verdict != "caught":
                 status = 1
                 print("    " + o.detail.replace("\n", "\n    "), flush=True)
     outcomes = [f.result() for f in futures]
     caught = sum(o.verdict == "caught" for o in outcomes)
-    print(f"caught {caught} of {len(outcomes)} in {time.monotonic() - started:.0f} s wall")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"caught {caught} of {len(outcomes)} in {time.monotonic() - started:.0f} s wall "
+          f"({os.cpu_count()} CPUs, load average {load:.1f} at the end)")
     return status
 
 
