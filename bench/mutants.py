@@ -49,10 +49,10 @@ MUTANTS = [
     Mutant("bert-positions-clamped-at-40", "model/bert.py",
            "positions = torch.arange(num_tokens, device=in_idx.device)",
            "positions = torch.arange(num_tokens, device=in_idx.device).clamp(max=40)",
-           (PARITY, "-k", "minilm or bert")),
+           (PARITY, "-k", "512_positions or pair or random_bert")),
     Mutant("gelu-new-read-as-exact-gelu", "model/keymap.py",
            '"gelu_new": "tanh"', '"gelu_new": "erf"',
-           (PARITY, "-k", "gpt2")),
+           (PARITY, "-k", "sharpened")),
     Mutant("grid-thumbnails-all-layer0-head0", "static/js/grid.js",
            "run.headBytes(layer, h)", "run.headBytes(0, 0)",
            (TRUTH, "-k", "thumbnail")),
@@ -115,6 +115,17 @@ MUTANTS = [
            'if (focus?.axis === "row" && focus.index !== r) continue;', "",
            (TRUTH, "-k", "head_view")),
 ]
+
+
+def misplaced(root: Path, mutants: list[Mutant]) -> list[str]:
+    """Mutants whose old text is not in their file exactly once: the code moved, refresh them."""
+    problems = []
+    for m in mutants:
+        path = root / m.file
+        count = path.read_text(encoding="utf-8").count(m.old) if path.is_file() else -1
+        if count != 1:
+            problems.append(f"{m.name}: {m.file}: old text found {count if count >= 0 else 'no file, so 0'} times: {m.old!r}")
+    return problems
 
 
 def repository_files(root: Path) -> list[str]:
@@ -228,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no mutant matches {args.k}", file=sys.stderr)
         return 2
     started = time.monotonic()
+    problems = misplaced(ROOT, mutants)
+    if problems:  # loudly, before spending minutes on the others
+        print("mutants that no longer apply (refresh their old text):\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
     files = repository_files(ROOT)
     status = 0
     if not args.no_baseline:
