@@ -38,6 +38,9 @@ class Encoded:
         return len(self.tokens)
 
 
+SPECIAL_SPELLINGS = {"mask": ("[MASK]", "<mask>"), "unk": ("[UNK]", "<unk>")}
+
+
 class TextTokenizer:
     """Wraps a `tokenizers.Tokenizer`; holds two immutable copies so calls never mutate shared state."""
 
@@ -59,6 +62,21 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._full.get_vocab_size(with_added_tokens=True)
+
+    def decode_id(self, token_id: int) -> str:
+        """One id as readable text (a byte-level piece decoded, specials kept)."""
+        return self._full.decode([token_id], skip_special_tokens=False) or (self._full.id_to_token(token_id) or "")
+
+    def special_token(self, kind: str) -> tuple[str, int] | None:
+        """(piece, id) of the mask or unknown token, under the spellings BERT and RoBERTa families use."""
+        names = SPECIAL_SPELLINGS[kind]
+        if kind == "unk":
+            names = (getattr(self._full.model, "unk_token", None), *names)
+        for name in names:
+            token_id = self._full.token_to_id(name) if name else None
+            if token_id is not None:
+                return name, token_id
+        return None
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         enc = self._full.encode(text, text_pair) if text_pair is not None else self._full.encode(text)
@@ -104,6 +122,12 @@ class TiktokenTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._enc.n_vocab
+
+    def decode_id(self, token_id: int) -> str:
+        return self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def special_token(self, kind: str) -> tuple[str, int] | None:
+        return None  # GPT-2's encoding has neither a mask nor an unknown token
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         tokens: list[Token] = []
