@@ -74,8 +74,8 @@ export class FocusView {
     const top = this.plot.getBoundingClientRect().top + window.scrollY;
     const narrow = window.innerWidth < 700;
     const room = narrow ? window.innerWidth * 1.05 : window.innerHeight - top - 24;
-    const height = Math.round(Math.max(340, Math.min(720, room)));
-    if (this.plot.style.height !== `${height}px`) this.plot.style.height = `${height}px`;
+    this.height = Math.round(Math.max(340, Math.min(720, room)));
+    if (this.plot.style.height !== `${this.height}px`) this.plot.style.height = `${this.height}px`;
   }
 
   async render({ view, labels, title, filename, exportCaption, scale = "head", revision }) {
@@ -145,7 +145,7 @@ export class FocusView {
     const narrow = this.plot.clientWidth < 520;
     const xTicks = ticks(view.cols, labels, this.ranges.x);
     const yTicks = ticks(view.rows, labels, this.ranges.y);
-    const side = Math.min(this.plot.clientWidth, this.plot.clientHeight) * 0.75;
+    const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
     const xFont = fontFor(side, xTicks.shown);
     const yFont = fontFor(side, yTicks.shown);
     // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
@@ -154,6 +154,8 @@ export class FocusView {
     // On a phone the modebar takes the top line: the title goes on the next one.
     const titleTop = narrow ? 34 : 0;
     return {
+      // Given, not measured: Plotly.react keeps its old size when only the container changed.
+      height: this.height,
       title: {
         text: plotlyText(title), font: { size: 15, color: pal.text }, x: 0.02, xanchor: "left",
         yref: "container", y: 1, yanchor: "top", pad: { t: 6 + titleTop },

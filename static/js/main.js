@@ -349,24 +349,26 @@ function viewState() {
 }
 
 let saveTimer = 0;
-let saving = Promise.resolve();
 
 // Saved a moment after the last change (an arrow key held down saves once); `push` makes a new
 // history entry, for a new text.
 function updatePermalink(push = false) {
   if (!state.request || !state.run) return;
   clearTimeout(saveTimer);
+  document.body.dataset.viewPending = "true"; // tests wait for the address bar to catch up
   const save = () => {
-    const snapshot = viewState();
-    saving = saveView(snapshot).then((id) => {
+    saveView(viewState()).then((id) => {
       writePermalink(id, push);
       document.body.dataset.view = id;
     }).catch(() => {
       // The link is a convenience: the view itself goes on working.
+    }).finally(() => {
+      if (saveTimer === timer) delete document.body.dataset.viewPending;
     });
   };
+  let timer = 0;
+  timer = saveTimer = push ? 0 : setTimeout(save, 250);
   if (push) save();
-  else saveTimer = setTimeout(save, 250);
 }
 
 function applyViewState(v) {

@@ -45,6 +45,12 @@ def wait_grid(page):
                            timeout=30_000)
 
 
+def wait_saved(page):
+    """Waits until the address bar holds the saved id of the view on screen."""
+    page.wait_for_function("() => !document.body.dataset.viewPending && document.body.dataset.view"
+                           " && new URLSearchParams(location.search).get('view') === document.body.dataset.view")
+
+
 def focus_title(page) -> str:
     return page.locator("#focus-plot .gtitle").text_content()
 
@@ -149,8 +155,7 @@ def test_permalink_round_trips(server, make_page):
     run(first, SENTENCE, PAIR)
     first.click(".thumb[data-layer='3'][data-head='9']")
     wait_focus(first, layer=3, head=9)
-    first.wait_for_function("() => new URLSearchParams(location.search).get('view') === document.body.dataset.view"
-                            " && document.body.dataset.view !== undefined")
+    wait_saved(first)
     query = parse_qs(urlsplit(first.url).query)
     assert list(query) == ["view"] and re.fullmatch(r"[0-9a-f]{18}", query["view"][0])
 
