@@ -132,7 +132,7 @@ async function fromRun(run, key, fetcher) {
 
 async function loadU8(layers) {
   const run = state.run;
-  const wanted = layers.filter((l) => !run.hasLayer(l) && !state.pending.has(l));
+  const wanted = layers.filter((l) => !run.hasLayer(l) && !state.pending.has(String(l)));
   if (!wanted.length) return;
   const slice = await fromRun(run, wanted.join(","), (id) => fetchSlice(id, wanted, null, "u8", state.controller.signal));
   if (!slice || state.run !== run) return;
@@ -141,6 +141,11 @@ async function loadU8(layers) {
   wanted.forEach((l) => grid.paintLayer(l, options));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
   if (state.aggregate === "head" && wanted.includes(state.layer)) renderViews();
+  else if (state.aggregate === "head" && !u8Pending() && !run.isPrecise(state.layer, state.head)) loadExact(state.layer);
+}
+
+function u8Pending() {
+  return [...state.pending].some((key) => !String(key).includes(":"));
 }
 
 // Exact (float16) values for every head of a layer: arrow steps within it then need no request,
@@ -180,7 +185,8 @@ function focusMatrix() {
     return null;
   }
   const precise = run.isPrecise(state.layer, state.head);
-  if (!precise) loadExact(state.layer);
+  // The grid's layers go first; the exact layer follows once none is on its way (see loadU8).
+  if (!precise && !u8Pending()) loadExact(state.layer);
   if (precise) return { matrix: run.head(state.layer, state.head), precise: true };
   // Until the exact values arrive the 8-bit ones are as good to look at, but renormalised rows or
   // a threshold would carry their rounding: those wait.
