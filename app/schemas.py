@@ -87,6 +87,7 @@ class TokenOut(BaseModel):
     end: int = Field(description="Exclusive end offset")
     special: bool
     segment: int = Field(description="0: text, 1: text_pair")
+    piece: str = Field(description="The model's own vocabulary piece: '##ing' (WordPiece), 'Ġthe' (byte-level BPE), '[UNK]'")
 
 
 class AttentionData(BaseModel):
@@ -139,9 +140,9 @@ class AttentionResponse(BaseModel):
                     "n_layers": 6,
                     "n_heads": 12,
                     "tokens": [
-                        {"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0},
-                        {"text": "Hi", "id": 7632, "start": 0, "end": 2, "special": False, "segment": 0},
-                        {"text": "[SEP]", "id": 102, "start": 0, "end": 0, "special": True, "segment": 0},
+                        {"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[CLS]"},
+                        {"text": "Hi", "id": 7632, "start": 0, "end": 2, "special": False, "segment": 0, "piece": "hi"},
+                        {"text": "[SEP]", "id": 102, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[SEP]"},
                     ],
                     "truncated": False,
                     "layers": [0],
@@ -267,3 +268,35 @@ class GenerateEnd(BaseModel):
     type: Literal["end"] = "end"
     reason: Literal["length"] = "length"
     tokens: int
+
+
+# ---- page: saved views (issue 13) -----------------------------------------------------------
+
+
+class ViewState(BaseModel):
+    """Everything the page needs to draw one view again; stored under its content id."""
+
+    text: str = Field(..., min_length=1, max_length=200_000)
+    text_pair: str | None = Field(None, max_length=200_000)
+    model: str = Field(..., min_length=1, max_length=200)
+    truncate: bool = False
+    layer: int = Field(0, ge=0, le=4096)
+    head: int = Field(0, ge=0, le=4096)
+    aggregate: Literal["head", "layer", "all"] = "head"
+    heads: list[int] = Field(default_factory=list, max_length=256, description="Heads the head view draws")
+    hide_special: bool = False
+    hide_first: bool = False
+    threshold: float = Field(0.0, ge=0.0, le=1.0)
+    segments: Literal["all", "AA", "AB", "BA", "BB"] = "all"
+    scale: Literal["head", "fixed", "log"] = "head"
+    labels: Literal["pieces", "text"] = "pieces"
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"text": "The bank of the river.", "model": "minilm", "layer": 2, "head": 3}]},
+    )
+
+
+class ViewSaved(BaseModel):
+    id: str = Field(description="Content id: the same view always gets the same id; open /?view=<id>")

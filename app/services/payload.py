@@ -71,7 +71,8 @@ def encode_attention(attention: torch.Tensor, fmt: str) -> list[bytes]:
 
 def token_dicts(run: Run) -> list[dict]:
     return [
-        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment}
+        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment,
+         "piece": t.piece}
         for t in run.tokens
     ]
 
