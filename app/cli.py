@@ -88,6 +88,10 @@ def cmd_serve(args) -> int:
     if args.device:
         updates["device"] = args.device
     settings = settings.model_copy(update=updates)
+    if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
+        from manyeyes.scale import serve_replicas
+
+        return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     # Our own middleware writes one structured line per request, so uvicorn's access log is off.
@@ -226,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
+    serve.add_argument("--threads", type=int, default=1, help="CPU threads per Ray Serve replica (default 1)")
     serve.set_defaults(func=cmd_serve)
     add_export_command(sub)
     return parser
