@@ -13,12 +13,15 @@ import pytest
 from tests.eco.conftest import free_port, wait_ready
 
 pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray") if not os.environ.get("CI") else __import__("ray")
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    import ray  # CI installs the scale extra: a missing Ray fails there, never skips
+else:
+    ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a local test cluster: no token to generate and store
     from ray import serve
 
     from manyeyes.app.config import Settings
