@@ -105,6 +105,10 @@ def cmd_serve(args) -> int:
     if args.dtype:
         updates["dtype"] = args.dtype
     settings = settings.model_copy(update=updates)
+    if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
+        from manyeyes.scale import serve_replicas
+
+        return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     # Our own middleware writes one structured line per request, so uvicorn's access log is off.
@@ -178,6 +182,40 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = "weights' dtype (default auto: as stored on CUDA, float32 elsewhere); attention stays float32"
 
 
+# ---- export (issue 15): one self-contained HTML file of one run --------------------------------
+
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from manyeyes.export import export_html
+    from manyeyes.model import load
+
+    model = load(args.model, device=args.device)
+    html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate, format=args.format)
+    Path(args.output).write_text(html, encoding="utf-8")
+    print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2**20:.1f} MiB): opens from disk, no server needed", file=sys.stderr)
+    return 0
+
+
+def add_export_command(sub) -> None:
+    export = sub.add_parser("export", help="write one self-contained HTML file with the viewer and one run")
+    export.add_argument("text")
+    export.add_argument("--pair", default=None, help="optional second sentence (pair models)")
+    export.add_argument("--model", default="minilm", help="built-in name, HF folder or book .pth (default: minilm)")
+    export.add_argument("-o", "--output", default="manyeyes-view.html", help="file to write (default: manyeyes-view.html)")
+    export.add_argument("--layer", type=int, default=0, help="layer focused when the file opens")
+    export.add_argument("--head", type=int, default=0, help="head focused when the file opens")
+    export.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
+    export.add_argument("--format", choices=("f16", "u8"), default=None,
+                        help="stored precision (default: f16 up to 16 MiB of weights, else u8)")
+    export.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    export.set_defaults(func=cmd_export)
+
+
+# ---- end export --------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="manyeyes", description="See what every attention head does.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,7 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
+    serve.add_argument("--threads", type=int, default=1, help="CPU threads per Ray Serve replica (default 1)")
     serve.set_defaults(func=cmd_serve)
+    add_export_command(sub)
     return parser
 
 

@@ -610,6 +610,8 @@ async function init() {
   $("download-csv").addEventListener("click", () => download("csv"));
   $("download-json").addEventListener("click", () => download("json"));
   $("copy-link").addEventListener("click", copyLink);
+  // The address bar is the permalink; /export turns the same view into one downloadable file.
+  $("export-page").addEventListener("click", () => window.location.assign("/export" + window.location.search));
   document.addEventListener("keydown", onKey);
   window.addEventListener("popstate", () => restoreFromUrl(false));
   onThemeChange(() => {
