@@ -32,7 +32,8 @@ class AttentionResult:
     attention: torch.Tensor  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax
     hidden: torch.Tensor  # (T, d_model) float32, the last hidden state
     logits: torch.Tensor | None  # (T, vocab_size) for language models
-    # Per layer, each (n_heads, T, head_dim): present only when asked for with Capture(qkv=True).
+    # Per layer, present only when asked for with Capture(qkv=True): queries (n_heads, T, head_dim),
+    # keys and values (n_kv_heads, T, head_dim), one per key/value head under grouped-query attention.
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
@@ -117,7 +118,7 @@ class AttentionModel:
                 logits=logits[row, :n] if logits is not None else None,
             )
             if capture.qkv:
-                # each layer: (b, n_heads, width, head_dim) -> (n_heads, n, head_dim)
+                # each layer: (b, heads, width, head_dim) -> (heads, n, head_dim); kv heads for keys/values
                 result.queries = [layer.queries[row, :, :n].float().cpu() for layer in trace.layers]
                 result.keys = [layer.keys[row, :, :n].float().cpu() for layer in trace.layers]
                 result.values = [layer.values[row, :, :n].float().cpu() for layer in trace.layers]
