@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     default_model: str | None = None  # None: the first configured model
     device: str | None = None  # None: CUDA, then MPS, then CPU
     half: bool = False  # float16 autocast on CUDA
+    # Weights' dtype; None/auto: as stored on CUDA (bf16/fp16 checkpoints stay so), float32 elsewhere.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
 
     # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included
@@ -66,6 +68,10 @@ class Settings(BaseSettings):
     gzip_level: int = Field(5, ge=1, le=6)
     gzip_min_bytes: int = Field(1024, ge=0)
     warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
+
+    # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.
+    max_new_tokens: int = Field(256, ge=1)
+    max_generations: int = Field(4, ge=1)
 
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
     debug_forward_delay_s: float = Field(0.0, ge=0)

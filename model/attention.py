@@ -45,6 +45,18 @@ class AttentionOutput(NamedTuple):
     # Per key/value head, not repeated: query head h used key head h // (num_heads // num_kv_heads).
     keys: torch.Tensor | None  # (b, num_kv_heads, num_tokens, head_dim)
     values: torch.Tensor | None  # (b, num_kv_heads, num_tokens, head_dim)
+    # Every key and value so far, the past's included, ready to be the next call's `past`.
+    present: "KVCache | None" = None
+
+
+class KVCache(NamedTuple):
+    """One layer's keys (already rotated) and values, for generation: each (b, num_kv_heads, T_past, head_dim)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
 
 
 def blocked_positions(
@@ -132,10 +144,11 @@ class MultiHeadAttention(nn.Module):
         """The classic call: context vectors only, shape (b, num_tokens, d_out)."""
         return self.attend(x, key_padding_mask, Capture(weights=False)).context
 
-    def _blocked(self, num_tokens: int, device) -> torch.Tensor | None:
+    def _blocked(self, num_queries: int, num_keys: int, device) -> torch.Tensor | None:
+        """(num_queries, num_keys): the queries are the last num_queries positions."""
         if self.mask is not None and self.sliding_window is None:
-            return self.mask.bool()[:num_tokens, :num_tokens] if self.causal else None
-        return blocked_positions(num_tokens, num_tokens, causal=self.causal, sliding_window=self.sliding_window, device=device)
+            return self.mask.bool()[num_keys - num_queries : num_keys, :num_keys] if self.causal else None
+        return blocked_positions(num_queries, num_keys, causal=self.causal, sliding_window=self.sliding_window, device=device)
 
     def attend(
         self,
@@ -143,6 +156,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask=None,
         capture: Capture = Capture(),
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past: KVCache | None = None,
     ) -> AttentionOutput:
         """Attention with its internals.
 
@@ -151,9 +165,10 @@ class MultiHeadAttention(nn.Module):
         rope: (cos, sin), each (num_tokens, rotary_dim), from `RotaryEmbedding`; required when
         the module was built with rotary_dim > 0. The caller computes them once for all layers.
 
-        Generation (issue 12) would add a `past` argument: keys and values, each
-        (b, num_kv_heads, T_past, head_dim), already rotated, concatenated before the scores; the
-        new queries are then the last positions, which `blocked_positions` already accounts for.
+        past: the earlier positions' keys and values (a `KVCache`, the previous call's
+        `present`), for generation. x then holds only the new positions, rope covers only them,
+        key_padding_mask (if any) covers past and new keys, and the weights are
+        (b, num_heads, num_new, T_past + num_new): each new query's whole row.
         """
         b, num_tokens, _ = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -169,21 +184,26 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("this attention rotates queries and keys: pass rope=(cos, sin)")
             cos, sin = rope
             queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
+        if past is not None:
+            # (b, kv_heads, T_past, head_dim) + (b, kv_heads, num_tokens, head_dim) along the tokens
+            keys = torch.cat((past.keys.to(keys.dtype), keys), dim=2)
+            values = torch.cat((past.values.to(values.dtype), values), dim=2)
+        num_keys = keys.shape[2]
 
         # Scaling the queries (T x head_dim) instead of the scores (T x T) is the same maths, cheaper.
         # Each key head serves `group` consecutive query heads; stacking those heads' queries along
         # the token axis gives one matmul per key head with no repeated copy of the keys:
         # (b, heads, T, head_dim) -> (b, kv_heads, group * T, head_dim)
         scaled = (queries * head_dim**-0.5).reshape(b, kv_heads, group * num_tokens, head_dim)
-        # (b, kv_heads, group * T, head_dim) @ (b, kv_heads, head_dim, T) -> (b, kv_heads, group * T, T)
-        #   -> (b, heads, T, T), a free view since query head h = kv head * group + r
-        attn_scores = (scaled @ keys.transpose(2, 3)).view(b, heads, num_tokens, num_tokens)
+        # (b, kv_heads, group * T, head_dim) @ (b, kv_heads, head_dim, T_keys) -> (b, kv_heads, group * T, T_keys)
+        #   -> (b, heads, T, T_keys), a free view since query head h = kv head * group + r
+        attn_scores = (scaled @ keys.transpose(2, 3)).view(b, heads, num_tokens, num_keys)
 
-        blocked = self._blocked(num_tokens, x.device)  # (num_tokens, num_tokens) or None
+        blocked = self._blocked(num_tokens, num_keys, x.device)  # (num_tokens, num_keys) or None
         if key_padding_mask is not None:
-            # (b, num_tokens) -> (b, 1, 1, num_tokens), broadcast over heads and queries
-            padded = ~key_padding_mask.bool().view(b, 1, 1, num_tokens)
-            if self.sliding_window is not None:
+            # (b, num_keys) -> (b, 1, 1, num_keys), broadcast over heads and queries
+            padded = ~key_padding_mask.bool().view(b, 1, 1, num_keys)
+            if self.sliding_window is not None and past is None:
                 # A padded query's whole window can be padding; letting it see itself keeps its row
                 # finite (no NaN to leak through 0 * NaN into real rows). Real rows never see padding.
                 padded = padded & ~torch.eye(num_tokens, dtype=torch.bool, device=x.device)
@@ -202,9 +222,9 @@ class MultiHeadAttention(nn.Module):
         attn_weights = attn_weights.to(values.dtype)
         dropped = self.dropout(attn_weights)
 
-        # (b, heads, T, T) -> (b, kv_heads, group * T, T) @ (b, kv_heads, T, head_dim)
+        # (b, heads, T, T_keys) -> (b, kv_heads, group * T, T_keys) @ (b, kv_heads, T_keys, head_dim)
         #   -> (b, kv_heads, group * T, head_dim) -> (b, heads, T, head_dim) -> (b, T, heads, head_dim)
-        context = (dropped.reshape(b, kv_heads, group * num_tokens, num_tokens) @ values)
+        context = (dropped.reshape(b, kv_heads, group * num_tokens, num_keys) @ values)
         context = context.view(b, heads, num_tokens, head_dim).transpose(1, 2)
         # (b, num_tokens, heads, head_dim) -> (b, num_tokens, heads * head_dim) -> (b, num_tokens, d_out)
         context = self.out_proj(context.reshape(b, num_tokens, heads * head_dim))
@@ -216,4 +236,5 @@ class MultiHeadAttention(nn.Module):
             queries=queries if want_qkv else None,
             keys=keys if want_qkv else None,
             values=values if want_qkv else None,
+            present=KVCache(keys, values),
         )

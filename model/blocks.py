@@ -72,8 +72,8 @@ class DecoderBlock(nn.Module):
         else:
             self.ff = FeedForward(cfg.emb_dim, cfg.ff_dim, cfg.ff)
 
-    def forward(self, x, rope, key_padding_mask=None, capture: Capture = Capture(weights=False)):
-        att = self.att.attend(self.norm1(x), key_padding_mask, capture, rope=rope)
+    def forward(self, x, rope, key_padding_mask=None, capture: Capture = Capture(weights=False), past=None):
+        att = self.att.attend(self.norm1(x), key_padding_mask, capture, rope=rope, past=past)
         if self.parallel_residual:
             return x + att.context + self.ff(self.norm2(x)), att
         x = x + att.context
@@ -108,18 +108,22 @@ class RotaryDecoder(ShapeInfo, nn.Module):
         return self.inspect(in_idx, capture=Capture(weights=False)).logits
 
     def inspect(
-        self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None, weights_out=None
+        self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None, weights_out=None, past=None
     ) -> Trace:
-        """weights_out: optional (n_layers, b, n_heads, T, T) float32 buffer that receives every layer's weights."""
+        """weights_out: optional (n_layers, b, n_heads, T, T) float32 buffer that receives every layer's weights.
+
+        past: per layer, the `KVCache` of earlier positions; in_idx then holds only the new tokens.
+        """
         # token_type_ids is accepted and ignored so that every network shares one calling convention.
         _, num_tokens = in_idx.shape
-        positions = torch.arange(num_tokens, device=in_idx.device)
+        offset = len(past[0]) if past else 0
+        positions = torch.arange(offset, offset + num_tokens, device=in_idx.device)
         rope = self.rotary(positions)  # cos, sin: (num_tokens, rotary_dim), shared by every layer
         x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
         layers = []
         for i, block in enumerate(self.trf_blocks):
             layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
-            x, att = block(x, rope, key_padding_mask, layer_capture)
+            x, att = block(x, rope, key_padding_mask, layer_capture, past=past[i] if past else None)
             layers.append(att)
         hidden = self.final_norm(x)
         return Trace(hidden=hidden, logits=self.out_head(hidden), layers=layers)

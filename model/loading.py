@@ -1,8 +1,9 @@
-"""`load(spec)`: built-in names, local Hugging Face folders and book checkpoints, all from disk.
+"""`load(spec)`: built-in names, local folders, book checkpoints and Hugging Face ids.
 
-Every checkpoint key is mapped through an explicit table. Tensors that need a transpose are
-named in the table. Anything missing, misshapen or unreadable raises `ModelLoadError` with
-the file and the key; nothing is ever downloaded.
+Precedence: a built-in name, then an existing path, then a Hub id resolved through the local
+Hugging Face cache (downloading only when allowed; see hub.py). Every checkpoint key is mapped
+through an explicit table. Tensors that need a transpose are named in the table. Anything
+missing, misshapen or unreadable raises `ModelLoadError` with the file and the key.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import torch
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.families import family_for
 from manyeyes.model.gpt import PRESETS, GPTConfig, GPTModel
+from manyeyes.model.hub import Progress, parse_hub_id, resolve, shard_names, weight_files
 from manyeyes.model.keymap import load_strict, read_json
 from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
 from manyeyes.model.tokenizer import TextTokenizer, TiktokenTokenizer, tiktoken_gpt2_cached
 
 BUILTINS = ("minilm", "tiny-gpt")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ---------------------------------------------------------------------------- entry point
 def load(
@@ -29,13 +32,21 @@ def load(
     tokenizer: str | Path | None = None,
     device: str | None = None,
     half: bool = False,
+    dtype: str | torch.dtype | None = None,
     name: str | None = None,
+    progress: Progress | None = None,
+    show_progress: bool = False,
 ) -> AttentionModel:
     """Load a model ready for inference: eval mode, no grad, on its device.
 
-    spec: "minilm", "tiny-gpt", a Hugging Face folder (bert/gpt2), a folder written by
-    `manyeyes train`, or a book `.pth`. A string spec may carry options after "?", for
-    example "weights.pth?config=gpt2-small&tokenizer=/data/tokenizer.json".
+    spec: "minilm", "tiny-gpt", a Hugging Face folder, a folder written by `manyeyes train`, a
+    book `.pth`, or a Hub id ("gpt2", "org/name", "org/name@revision"). A string spec may carry
+    options after "?", for example "weights.pth?config=gpt2-small&tokenizer=/data/tokenizer.json".
+
+    dtype: "auto" (default: the stored dtype on CUDA, float32 elsewhere), "float32", "bfloat16"
+    or "float16". The softmax and the returned weights are float32 whatever it is.
+    progress: called with (bytes_done, bytes_total) while a Hub id downloads; show_progress draws
+    huggingface_hub's progress bars on stderr.
     """
     spec = str(spec)
     if "?" in spec:
@@ -51,16 +62,19 @@ def load(
     if half and dev.type != "cuda":
         raise ModelLoadError(f"half precision needs a CUDA device, not {dev.type}")
 
-    path = builtin_path(spec) if spec in BUILTINS else Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"no such model file or folder: {path}")
+    path = _local_path(spec, progress, show_progress)
     if path.is_dir() and (path / "model.pth").exists():
-        net, tok, family = _load_book(path / "model.pth", config, tokenizer)
+        net, tok, family, stored = _load_book(path / "model.pth", config, tokenizer)
     elif path.is_dir():
-        net, tok, family = _load_hf(path)
+        net, tok, family, stored = _load_hf(path)
     else:
-        net, tok, family = _load_book(path, config, tokenizer)
+        net, tok, family, stored = _load_book(path, config, tokenizer)
 
+    weight_dtype = torch.float32 if half else compute_dtype(dtype, dev, stored)
+    # Narrowed before the move, so a bfloat16 model never sits on the GPU in float32. Parameters
+    # only: buffers (the causal mask, rotary tables) stay float32.
+    for param in net.parameters():
+        param.data = param.data.to(weight_dtype)
     net.eval().requires_grad_(False).to(dev)
     info = ModelInfo(
         id=model_id,
@@ -68,13 +82,49 @@ def load(
         causal=net.causal,
         n_layers=net.n_layers,
         n_heads=net.n_heads,
+        n_kv_heads=net.n_kv_heads,
         d_model=net.d_model,
         head_dim=net.head_dim,
         max_tokens=tok.max_tokens,
         device=str(dev),
-        dtype="float16" if half else "float32",
+        dtype="float16" if half else str(weight_dtype).removeprefix("torch."),
+        predictions=net.has_lm_head,
     )
     return AttentionModel(net, tok, info, half=half)
+
+
+def compute_dtype(asked: str | torch.dtype | None, device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """Explicit wins; "auto" keeps a half-precision checkpoint's dtype on CUDA and widens elsewhere
+    (CPU half-precision matmuls are slow and lossy for no memory gain that matters here)."""
+    if isinstance(asked, torch.dtype):
+        asked = str(asked).removeprefix("torch.")
+    if asked in (None, "auto"):
+        return stored if device.type == "cuda" and stored in DTYPES.values() else torch.float32
+    if asked not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {asked!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[asked]
+
+
+def stored_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype most of a checkpoint's numbers are stored in."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in weights.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> Path:
+    """Built-in name, then an existing path, then a Hub id; anything else is a missing path."""
+    if spec in BUILTINS:
+        return builtin_path(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    hub_id = parse_hub_id(spec)
+    if hub_id is None:
+        raise ModelLoadError(f"no such model file or folder: {path}")
+    return resolve(hub_id, progress, show_progress)
 
 
 def builtin_path(name: str) -> Path:
@@ -89,17 +139,28 @@ def builtin_path(name: str) -> Path:
 
 # ---------------------------------------------------------------------------- Hugging Face folders
 def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    safe, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
-    if safe.exists():
-        from safetensors.torch import load_file
+    """Every tensor of the folder's weights, one file or all shards of an index, as stored."""
+    found = weight_files(folder)
+    if found is None:
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if (folder / index).exists():
+                absent = [s for s in shard_names(folder / index) if not (folder / s).exists()]
+                raise ModelLoadError(f"{folder / index} names shards that are missing: {', '.join(absent)}")
+        raise ModelLoadError(f"no weights in {folder}: expected model.safetensors or pytorch_model.bin")
+    files, named = found
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        weights.update(_read_safetensors(path) if path.suffix == ".safetensors" else _torch_load(path))
+    return weights, named
 
-        try:
-            return load_file(str(safe)), safe
-        except Exception as exc:  # safetensors raises its own error types on a bad header
-            raise ModelLoadError(f"corrupt weights file {safe}: {exc}") from exc
-    if pt.exists():
-        return _torch_load(pt), pt
-    raise ModelLoadError(f"no weights in {folder}: expected model.safetensors or pytorch_model.bin")
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types on a bad header
+        raise ModelLoadError(f"corrupt weights file {path}: {exc}") from exc
 
 
 def _torch_load(path: Path):
@@ -116,10 +177,11 @@ def _load_hf(folder: Path):
     family = family_for(model_type, config_path)
     net = family.build(config, config_path)
     weights, weights_path = _read_weights(folder)
+    stored = stored_dtype(weights)
     load_strict(net, family.convert(weights, net, weights_path), weights_path)
     tok = TextTokenizer.from_file(_need(folder / "tokenizer.json"), max_tokens=net.max_positions)
     _check_vocab(tok, net, folder / "tokenizer.json")
-    return net, tok, model_type
+    return net, tok, model_type, stored
 
 
 def _need(path: Path) -> Path:
@@ -174,10 +236,12 @@ def _load_book(pth: Path, config, tokenizer):
         raw = raw["model_state_dict"]
     if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
         raise ModelLoadError(f"{pth}: expected a state_dict or a dict holding 'model_state_dict'")
-    # torch.compile'd models save keys under `_orig_mod.`; float16 storage is widened for inference.
+    stored = stored_dtype(raw)
+    # torch.compile'd models save keys under `_orig_mod.`; float16 storage is widened to load, and
+    # narrowed again by `load` only where the dtype asks for it.
     state = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v for k, v in raw.items()}
     net = GPTModel(cfg)
     load_strict(net, state, pth, derived=())
     tok, tok_path = _book_tokenizer(tokenizer, pth, cfg)
     _check_vocab(tok, net, tok_path)
-    return net, tok, "gpt"
+    return net, tok, "gpt", stored

@@ -90,6 +90,7 @@ class AttentionService:
     async def attend(self, texts: list[tuple[str, str | None]], options, batch: bool, started: float) -> Reply:
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
+        top_k = self._top_k(served, options.predictions)
         self._check_chars(texts, batch)
         deadline = started + self.settings.request_timeout_s
         items = [
@@ -97,7 +98,7 @@ class AttentionService:
             for i, (text, pair) in enumerate(texts)
         ]
         await self._compute(served, items, view, options.truncate, deadline)
-        body = await self._render_off_loop(served, items, view, batch)
+        body = await self._render_off_loop(served, items, view, batch, top_k)
         return Reply(body, self._media_type(view), self._log(items))
 
     async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str) -> Reply:
@@ -122,6 +123,17 @@ class AttentionService:
             resolve_indices(heads, info.n_heads, "head", info.id),
             fmt,
         )
+
+    @staticmethod
+    def _top_k(served: Served, asked) -> int | None:
+        if asked is None:
+            return None
+        if not served.model.info.predictions:
+            raise InvalidInput(
+                f"model {served.id} has no language-model head, so it makes no predictions; "
+                "GET /api/v1/models says which models do"
+            )
+        return asked.top_k
 
     def _check_chars(self, texts: list[tuple[str, str | None]], batch: bool) -> None:
         """Refuses long pastes before the tokenizer sees them (truncate=true tokenizes all of it)."""
@@ -175,7 +187,9 @@ class AttentionService:
                 "the server is busy or the input is long"
             ) from None
         for item, result in zip(missing, done):
-            item.run = Run(item.run_id, served.id, result.result.tokens, result.result.truncated, result.result.attention)
+            done_result = result.result
+            item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
+                           done_result.top_ids, done_result.top_probs)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
             self.cache.put(item.run)
 
@@ -188,12 +202,24 @@ class AttentionService:
                 raise TooLong(item.label + str(exc)) from None
             item.timing["tokenize"] = time.perf_counter() - started
 
-    async def _render_off_loop(self, served: Served, items: list[Item], view: View, batch: bool) -> list[bytes]:
+    async def _render_off_loop(self, served: Served, items: list[Item], view: View, batch: bool,
+                               top_k: int | None = None) -> list[bytes]:
         cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
-        return await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch)
+        return await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch, top_k)
 
-    def _render(self, served: Served, items: list[Item], view: View, batch: bool) -> list[bytes]:
-        return join_results([render_result(item.run, served.model.info, view, item.timing) for item in items], batch)
+    def _render(self, served: Served, items: list[Item], view: View, batch: bool, top_k: int | None = None) -> list[bytes]:
+        return join_results(
+            [render_result(item.run, served.model.info, view, item.timing, self._predictions(served, item.run, top_k))
+             for item in items],
+            batch,
+        )
+
+    @staticmethod
+    def _predictions(served: Served, run: Run, top_k: int | None) -> dict | None:
+        if top_k is None:
+            return None
+        found = served.model.predictions_from(run.tokens, run.top_ids, run.top_probs, top_k)
+        return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob} for p in preds] for pos, preds in found.items()}
 
     @staticmethod
     def _media_type(view: View) -> str:

@@ -71,14 +71,16 @@ def encode_attention(attention: torch.Tensor, fmt: str) -> list[bytes]:
 
 def token_dicts(run: Run) -> list[dict]:
     return [
-        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment}
+        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment,
+         "piece": t.piece}
         for t in run.tokens
     ]
 
 
-def render_result(run: Run, info, view: View, timing_s: dict) -> list[bytes]:
+def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None) -> list[bytes]:
     """One v1 result as pieces of one JSON object, in the contract's field order;
-    `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
+    `timing_s` holds tokenize/queue/forward seconds, encode is measured here;
+    `predictions` (position -> top-k dicts) appears only when it was asked for."""
     started = time.perf_counter()
     attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
     timing_s = {**timing_s, "encode": time.perf_counter() - started}
@@ -94,6 +96,8 @@ def render_result(run: Run, info, view: View, timing_s: dict) -> list[bytes]:
         "heads": view.heads,
     }
     after = {"device": info.device, "timing_ms": {k: round(v * 1000, 3) for k, v in timing_s.items()}}
+    if predictions is not None:
+        after = {"predictions": predictions, **after}
     first = orjson.dumps(before)[:-1] + b',"attention":' + attention[0]
     return [first, *attention[1:-1], attention[-1] + b"," + orjson.dumps(after)[1:]]
 

@@ -8,7 +8,7 @@ import torch
 
 from manyeyes.model.bert import BertConfig, BertEncoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import Row, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
 
 MODEL_TYPES = ("bert",)
 
@@ -37,31 +37,47 @@ LAYER = [
     ("encoder.layer.{i}.output.LayerNorm.weight", "trf_blocks.{i}.norm2.scale", None),
     ("encoder.layer.{i}.output.LayerNorm.bias", "trf_blocks.{i}.norm2.shift", None),
 ]
-# Task heads and derived buffers that carry nothing attention needs.
+# The masked-LM head (BertForMaskedLM, BertForPreTraining). Its decoder weight is tied to the
+# word embeddings and usually not saved; its decoder bias is tied to `cls.predictions.bias`.
+MLM_HEAD = [
+    ("cls.predictions.transform.dense.weight", "mlm_head.dense.weight", None),
+    ("cls.predictions.transform.dense.bias", "mlm_head.dense.bias", None),
+    ("cls.predictions.transform.LayerNorm.weight", "mlm_head.norm.scale", None),
+    ("cls.predictions.transform.LayerNorm.bias", "mlm_head.norm.shift", None),
+    ("cls.predictions.bias", "mlm_head.out_head.bias", None),
+]
+MLM_DECODER = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+# Task heads and derived buffers that carry nothing attention needs. A masked-LM head is mapped
+# above when its first key is there; what is left under `cls.` (next-sentence head) is ignored.
 IGNORED_PREFIXES = ("pooler.", "cls.", "classifier.", "qa_outputs.")
-IGNORED = ("embeddings.position_ids",)
+IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
-def build(config: dict, path: Path) -> BertEncoder:
+def encoder_config(config: dict, path: Path, **family) -> BertConfig:
+    """The BERT-layout config keys (BERT, RoBERTa); `family` overrides what a family fixes."""
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ModelLoadError(f"{path}: only absolute position embeddings are supported")
     hidden, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
     if hidden % heads:
         raise ModelLoadError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-    return BertEncoder(
-        BertConfig(
-            vocab_size=need(config, "vocab_size", path),
-            max_positions=need(config, "max_position_embeddings", path),
-            type_vocab_size=config.get("type_vocab_size", 2),
-            emb_dim=hidden,
-            n_heads=heads,
-            n_layers=need(config, "num_hidden_layers", path),
-            ff_dim=need(config, "intermediate_size", path),
-            ln_eps=config.get("layer_norm_eps", 1e-12),
-            gelu=gelu_form(config, "hidden_act", path),
-            pad_token_id=config.get("pad_token_id", 0) or 0,
-        )
+    fields = dict(
+        vocab_size=need(config, "vocab_size", path),
+        max_positions=need(config, "max_position_embeddings", path),
+        type_vocab_size=config.get("type_vocab_size", 2),
+        emb_dim=hidden,
+        n_heads=heads,
+        n_layers=need(config, "num_hidden_layers", path),
+        ff_dim=need(config, "intermediate_size", path),
+        ln_eps=config.get("layer_norm_eps", 1e-12),
+        gelu=gelu_form(config, "hidden_act", path),
+        pad_token_id=config.get("pad_token_id", 0) or 0,
     )
+    fields["head_gelu"] = fields["gelu"]
+    return BertConfig(**{**fields, **family})
+
+
+def build(config: dict, path: Path) -> BertEncoder:
+    return BertEncoder(encoder_config(config, path))
 
 
 def _renamed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,8 +88,23 @@ def _renamed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor], net: BertEncoder,
+                 rows: list[Row], decoder: tuple[str, str | None], path: Path) -> None:
+    """When the checkpoint carries a masked-LM head, give `net` one and map it. The decoder weight
+    is the word embeddings unless saved untied; a saved decoder bias duplicates the head's bias."""
+    if rows[0][0] not in state:
+        return
+    net.attach_mlm_head()
+    mapped.update(map_state(state, rows, path))
+    weight = state.pop(decoder[0], None)
+    mapped["mlm_head.out_head.weight"] = weight.float() if weight is not None else mapped["tok_emb.weight"]
+    if decoder[1] is not None:
+        state.pop(decoder[1], None)
+
+
 def convert(weights: dict[str, torch.Tensor], net: BertEncoder, path: Path) -> dict[str, torch.Tensor]:
     state = _renamed(weights)
     mapped = map_state(state, rows_for(TOP, LAYER, net.cfg.n_layers), path)
+    map_mlm_head(state, mapped, net, MLM_HEAD, MLM_DECODER, path)
     refuse_leftovers(state, lambda k: k in IGNORED or k.startswith(IGNORED_PREFIXES), "bert", path)
     return mapped
