@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     gzip_min_bytes: int = Field(1024, ge=0)
     warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
 
+    # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.
+    max_new_tokens: int = Field(256, ge=1)
+    max_generations: int = Field(4, ge=1)
+
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
     debug_forward_delay_s: float = Field(0.0, ge=0)
     debug_load_delay_s: float = Field(0.0, ge=0)

@@ -18,10 +18,11 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddle
 
 from manyeyes.app.config import Settings
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from manyeyes.app.routes import attention, docs, models, ops, page, runs
+from manyeyes.app.routes import attention, docs, generate, models, ops, page, runs
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.errors import ApiError, error_body
+from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 
@@ -77,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cache = RunCache(settings.cache_bytes, on_size=metrics.cache_bytes.set)
         app.state.registry = registry
         app.state.service = AttentionService(settings, registry, cache, metrics)
+        app.state.generation = GenerationService(settings, registry, metrics)
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
         loader = threading.Thread(target=registry.load_all, name="manyeyes-load", daemon=True)
         loader.start()
@@ -101,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, runs, ops, page, docs):
+    for module in (models, attention, generate, runs, ops, page, docs):
         app.include_router(module.router)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

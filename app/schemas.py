@@ -215,3 +215,56 @@ class Loading(ErrorResponse):
 
     status: Literal["loading", "failed"]
     models: dict[str, ModelProgress]
+
+
+# ---------------------------------------------------------------------------- generation
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20},
+                {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20, "temperature": 0.8, "top_k": 40, "seed": 1},
+            ]
+        },
+    )
+
+    text: str = Field(..., min_length=1, description="The prompt")
+    model: str | None = Field(None, description="A causal model id from GET /api/v1/models; default: the server's default")
+    max_new_tokens: int = Field(20, ge=1, description="Tokens to generate; bounded by the model's context and the server's max_new_tokens")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy; above 0: sample at this temperature")
+    top_k: int | None = Field(None, ge=1, description="Sample only among the k most likely tokens")
+    seed: int | None = Field(None, ge=0, description="A seeded sample repeats exactly")
+    alternatives: int = Field(5, ge=1, le=50, description="Most likely tokens reported with each step")
+
+    _text = field_validator("text")(_not_blank)
+
+
+class ChoiceOut(BaseModel):
+    id: int
+    text: str
+    prob: float = Field(description="Under the model's own distribution (temperature 1, no top-k cut)")
+
+
+class GenerateStart(BaseModel):
+    type: Literal["start"] = "start"
+    model: str
+    n_layers: int
+    n_heads: int
+    prompt: list[TokenOut]
+
+
+class GenerateStep(BaseModel):
+    type: Literal["step"] = "step"
+    index: int = Field(description="0 for the first generated token")
+    position: int = Field(description="Its position in the whole sequence, prompt included")
+    token: ChoiceOut
+    alternatives: list[ChoiceOut]
+    attention: list[list[list[float]]] = Field(description="(layers, heads, position + 1): the token's row in every head")
+
+
+class GenerateEnd(BaseModel):
+    type: Literal["end"] = "end"
+    reason: Literal["length"] = "length"
+    tokens: int

@@ -39,6 +39,7 @@ class Encoded:
 
 
 MASK_PIECES = ("[MASK]", "<mask>")
+UNK_PIECES = ("[UNK]", "<unk>")
 
 
 class TextTokenizer:
@@ -75,6 +76,15 @@ class TextTokenizer:
     def token_text(self, tid: int) -> str:
         """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece)."""
         return self._full.decode([tid], skip_special_tokens=False) or (self._full.id_to_token(tid) or "")
+
+    def special_token(self, kind: str) -> tuple[str, int] | None:
+        """(piece, id) of the "mask" or "unk" token, under the spellings BERT and RoBERTa families use."""
+        pieces = MASK_PIECES if kind == "mask" else (getattr(self._full.model, "unk_token", None), *UNK_PIECES)
+        for piece in pieces:
+            tid = self._full.token_to_id(piece) if piece else None
+            if tid is not None:
+                return piece, tid
+        return None
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         enc = self._full.encode(text, text_pair) if text_pair is not None else self._full.encode(text)
@@ -125,6 +135,9 @@ class TiktokenTokenizer:
 
     def token_text(self, tid: int) -> str:
         return self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
+
+    def special_token(self, kind: str) -> tuple[str, int] | None:
+        return None  # GPT-2's encoding has neither a mask nor an unknown token
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         tokens: list[Token] = []

@@ -132,8 +132,8 @@ def test_hf_missing_tokenizer(hf_copy):
 
 def test_hf_unknown_model_type_and_bad_json(hf_copy):
     cfg = json.loads((hf_copy / "config.json").read_text())
-    (hf_copy / "config.json").write_text(json.dumps(cfg | {"model_type": "llama"}))
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'llama'"):
+    (hf_copy / "config.json").write_text(json.dumps(cfg | {"model_type": "t5"}))
+    with pytest.raises(ModelLoadError, match="unsupported model_type 't5'"):
         load(hf_copy)
     (hf_copy / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot read JSON .*config.json"):

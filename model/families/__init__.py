@@ -17,9 +17,9 @@ from pathlib import Path
 from types import ModuleType
 
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.families import bert, distilbert, gpt2, roberta
+from manyeyes.model.families import bert, distilbert, gpt2, gpt_neox, llama, roberta
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (bert, gpt2, roberta, distilbert)
+FAMILY_MODULES: tuple[ModuleType, ...] = (bert, roberta, distilbert, gpt2, gpt_neox, llama)
 FAMILIES: dict[str, ModuleType] = {t: m for m in FAMILY_MODULES for t in m.MODEL_TYPES}
 
 
