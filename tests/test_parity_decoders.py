@@ -282,7 +282,7 @@ def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
 
 
 def test_unknown_model_type_lists_the_families():
-    with pytest.raises(ModelLoadError, match="supported: bert, gpt2, gpt_neox, llama, mistral, qwen2"):
+    with pytest.raises(ModelLoadError, match="supported: bert, distilbert, gpt2, gpt_neox, llama, mistral, qwen2, roberta$"):
         family_for("t5", "config.json")
 
 
