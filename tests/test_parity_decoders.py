@@ -124,8 +124,9 @@ CASES = {
     "gpt_neox-parallel-rotary25": (
         "gpt_neox", 9, dict(hidden_size=80, num_attention_heads=5, rotary_pct=0.25, use_parallel_residual=True)
     ),
-    "gpt_neox-sequential-rotary50": (
-        "gpt_neox", 10, dict(hidden_size=48, num_attention_heads=3, rotary_pct=0.5, use_parallel_residual=False)
+    "gpt_neox-sequential-rotary50-nobias": (
+        "gpt_neox", 10,
+        dict(hidden_size=48, num_attention_heads=3, rotary_pct=0.5, use_parallel_residual=False, attention_bias=False),
     ),
 }
 
@@ -268,6 +269,21 @@ BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_hea
 def test_llama_family_refuses_what_it_cannot_honour(change, message):
     with pytest.raises(ModelLoadError, match=message):
         llama.build(BASE | change, "config.json")
+
+
+NEOX = dict(model_type="gpt_neox", vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+            intermediate_size=64, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="relu"), "unsupported activation hidden_act='relu'"),
+    (dict(rotary_pct=0.1), "rotary_dim 1 must be even"),
+    (dict(num_attention_heads=3), "not divisible by num_attention_heads"),
+    (dict(rope_scaling={"type": "yarn", "factor": 2.0, "alpha": 1}), "unsupported rope parameter.*alpha"),
+])
+def test_gpt_neox_refuses_what_it_cannot_honour(change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        gpt_neox.build(NEOX | change, "config.json")
 
 
 def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
