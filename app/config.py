@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -59,17 +60,43 @@ class Settings(BaseSettings):
     # Exposure (see SECURITY.md). CORS is off unless origins are listed, e.g.
     # MANYEYES_CORS_ORIGINS='["https://viz.example.org"]'.
     cors_origins: list[str] = Field(default_factory=list)
+    # API keys (see SECURITY.md): with any configured, every /api route needs
+    # `Authorization: Bearer <key>`. MANYEYES_API_KEYS="k1,k2", or a file of SHA-256 hex digests.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_keys_file: Path | None = None
+    close_metrics: bool = False  # True: /metrics needs a key too (/healthz and /readyz stay open)
+    # Fair shares: inputs one client (API key, else address) may have in the system at once, beyond
+    # which it gets 429 while others are still served. X-Forwarded-For is believed only from these
+    # proxy addresses or networks, e.g. MANYEYES_TRUSTED_PROXIES="127.0.0.1,10.0.0.0/8".
+    max_client_queue: int = Field(64, ge=1)
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # glibc malloc: blocks from this size up get their own mmap, returned to the OS when freed.
+    # Without it, attention tensors of mixed sizes fragment the heap and RSS climbs far past the
+    # run cache's bound (see SECURITY.md, "Memory"). 0 leaves the allocator as it is.
+    malloc_mmap_threshold: int = Field(128 * 1024, ge=0)
+
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
     shutdown_grace_s: float = Field(30.0, ge=0)
 
     cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs' full float32 attention
-    gzip_level: int = Field(5, ge=1, le=6)
+    gzip_level: int = Field(5, ge=1, le=6)  # small JSON (models, errors, docs) through GZipMiddleware
     gzip_min_bytes: int = Field(1024, ge=0)
+    # Attention answers are compressed by the service, off the event loop (see services/wire.py):
+    # `json` text with ISA-L gzip at this level (0-3) when the client accepts gzip, any answer of
+    # at least zstd_min_bytes with zstd when the client accepts zstd (0: never zstd).
+    attention_gzip_level: int = Field(1, ge=0, le=3)
+    zstd_level: int = Field(1, ge=1, le=22)
+    zstd_min_bytes: int = Field(64 * 1024, ge=0)
     warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
 
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
     debug_forward_delay_s: float = Field(0.0, ge=0)
     debug_load_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("api_keys", "trusted_proxies", mode="before")
+    @classmethod
+    def _split_list(cls, value):
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
     @field_validator("extra_models", mode="before")
     @classmethod

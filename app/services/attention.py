@@ -13,7 +13,8 @@ from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
 from manyeyes.app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.payload import View, join_results, render_result
+from manyeyes.app.services.payload import View, join_results, render_frame, render_result
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, accepts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.tokenizer import Encoded
@@ -43,11 +44,24 @@ async def off_loop_unless_small(small: bool, fn, *args):
     return fn(*args) if small else await run_in_threadpool(fn, *args)
 
 
+@dataclass(frozen=True)
+class Wire:
+    """What the client said it can read: the frame (`Accept`) and which compressions."""
+
+    frame: bool = False
+    accept_encoding: str | None = None
+
+    @classmethod
+    def from_headers(cls, accept: str | None, accept_encoding: str | None) -> Wire:
+        return cls(accepts(accept, FRAME_MEDIA_TYPE), accept_encoding)
+
+
 @dataclass
 class Reply:
-    body: list[bytes]  # pieces of one JSON document, sent without joining
+    body: list[bytes]  # pieces of one answer, sent without joining
     media_type: str
     log: dict  # run ids and timings for the request's log line
+    headers: dict = field(default_factory=dict)
 
 
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
@@ -85,9 +99,14 @@ class AttentionService:
         self.registry = registry
         self.cache = cache
         self.metrics = metrics
+        self.compression = Compression(
+            settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
+        )
 
     # ------------------------------------------------------------------ public
-    async def attend(self, texts: list[tuple[str, str | None]], options, batch: bool, started: float) -> Reply:
+    async def attend(
+        self, texts: list[tuple[str, str | None]], options, batch: bool, started: float, wire: Wire = Wire(), client: str = ""
+    ) -> Reply:
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
         self._check_chars(texts, batch)
@@ -96,11 +115,10 @@ class AttentionService:
             Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
             for i, (text, pair) in enumerate(texts)
         ]
-        await self._compute(served, items, view, options.truncate, deadline)
-        body = await self._render_off_loop(served, items, view, batch)
-        return Reply(body, self._media_type(view), self._log(items))
+        await self._compute(served, items, view, options.truncate, deadline, client)
+        return await self._reply(served, items, view, batch, wire)
 
-    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str) -> Reply:
+    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire()) -> Reply:
         run = self.cache.get(run_id)
         self.metrics.cache.labels("hit" if run else "miss").inc()
         if run is None:
@@ -110,9 +128,7 @@ class AttentionService:
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
-        item = Item("", None, "", run_id, run)
-        body = await self._render_off_loop(served, [item], view, False)
-        return Reply(body, self._media_type(view), self._log([item]))
+        return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire)
 
     # ------------------------------------------------------------------ steps
     def _view(self, served: Served, layers, heads, fmt: str) -> View:
@@ -143,7 +159,9 @@ class AttentionService:
                 "(GET /api/v1/runs/{run_id}/attention serves slices of a run)"
             )
 
-    async def _compute(self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float) -> None:
+    async def _compute(
+        self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str
+    ) -> None:
         """Fill each item's run: from the cache, else through one place each in the batcher."""
         missing = []
         for item in items:
@@ -155,7 +173,7 @@ class AttentionService:
             self._check_cells([item.run.attention.shape[-1] for item in items], view)
             return
         batcher = served.batcher
-        batcher.admit(len(missing))
+        batcher.admit(len(missing), client)
         submitted = 0
         try:
             chars = sum(len(i.text) + len(i.text_pair or "") for i in missing)
@@ -163,10 +181,10 @@ class AttentionService:
             self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
             futures = []
             for item in missing:
-                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline)))
+                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline, client)))
                 submitted += 1
         finally:
-            batcher.release(len(missing) - submitted)
+            batcher.release(len(missing) - submitted, client)
         try:
             done: list[Done] = await asyncio.wait_for(asyncio.gather(*futures), deadline - time.monotonic())
         except TimeoutError:
@@ -188,16 +206,25 @@ class AttentionService:
                 raise TooLong(item.label + str(exc)) from None
             item.timing["tokenize"] = time.perf_counter() - started
 
-    async def _render_off_loop(self, served: Served, items: list[Item], view: View, batch: bool) -> list[bytes]:
+    async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire) -> Reply:
         cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
-        return await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch)
+        body, encoding = await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch, wire)
+        media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
+        # The same URL answers differently to other Accept/Accept-Encoding headers.
+        headers = {"Vary": "Accept, Accept-Encoding"}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        return Reply(body, media_type, self._log(items), headers)
 
-    def _render(self, served: Served, items: list[Item], view: View, batch: bool) -> list[bytes]:
-        return join_results([render_result(item.run, served.model.info, view, item.timing) for item in items], batch)
-
-    @staticmethod
-    def _media_type(view: View) -> str:
-        return "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
+    def _render(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire) -> tuple[list[bytes], str | None]:
+        info = served.model.info
+        if wire.frame:
+            body = render_frame([(item.run, item.timing) for item in items], info, view, batch)
+        else:
+            body = join_results([render_result(item.run, info, view, item.timing) for item in items], batch)
+        text = view.format == "json" and not wire.frame
+        encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
+        return self.compression.apply(encoding, body), encoding
 
     @staticmethod
     def _log(items: list[Item]) -> dict:

@@ -69,6 +69,7 @@ class Registry:
                         max_wait_s=s.max_wait_ms / 1000,
                         max_queue=s.max_queue,
                         forward_delay_s=s.debug_forward_delay_s,
+                        max_client_queue=s.max_client_queue,
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
                 log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
