@@ -74,6 +74,7 @@ class Settings(BaseSettings):
     # Without it, attention tensors of mixed sizes fragment the heap and RSS climbs far past the
     # run cache's bound (see SECURITY.md, "Memory"). 0 leaves the allocator as it is.
     malloc_mmap_threshold: int = Field(128 * 1024, ge=0)
+    switch_interval_ms: float = Field(0.5, ge=0)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
 
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
     shutdown_grace_s: float = Field(30.0, ge=0)
