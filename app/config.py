@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     default_model: str | None = None  # None: the first configured model
     device: str | None = None  # None: CUDA, then MPS, then CPU
     half: bool = False  # float16 autocast on CUDA
+    # serve: matmuls under autocast (the softmax and the weights stay float32); works on any device.
+    autocast: Literal["off", "float16", "bfloat16"] = "off"
+    # Quantise attention to the request's format on the device, before the copy to the host
+    # (services/device.py). None: on for accelerators, off on the CPU (no copy to save there).
+    device_quantise: bool | None = None
 
     # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
+from manyeyes.app.services.device import serves
 from manyeyes.app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import View, join_results, render_frame, render_result
@@ -128,6 +129,11 @@ class AttentionService:
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
+        if not serves(run.attention.dtype, fmt):
+            raise InvalidInput(
+                f"run {run_id} was kept as {str(run.attention.dtype).removeprefix('torch.')} (quantised on the device); "
+                f"format={fmt} needs more precision: POST the text again with format={fmt}"
+            )
         return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire)
 
     # ------------------------------------------------------------------ steps
@@ -166,6 +172,8 @@ class AttentionService:
         missing = []
         for item in items:
             item.run = self.cache.get(item.run_id)
+            if item.run is not None and not serves(item.run.attention.dtype, view.format):
+                item.run = None  # kept at less precision than this format needs: run it again
             self.metrics.cache.labels("hit" if item.run else "miss").inc()
             if item.run is None:
                 missing.append(item)
@@ -181,7 +189,7 @@ class AttentionService:
             self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
             futures = []
             for item in missing:
-                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline, client)))
+                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline, client, view.format)))
                 submitted += 1
         finally:
             batcher.release(len(missing) - submitted, client)

@@ -10,6 +10,7 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model.runtime import AttentionModel, AttentionResult
@@ -30,6 +31,7 @@ class Job:
     encoded: Encoded
     deadline: float  # time.monotonic() after which the work is no longer wanted
     client: str = ""  # whose share of the queue it counts against (API key, else address)
+    fmt: str = "json"  # the precision its answer needs, when attention is quantised on the device
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
@@ -54,6 +56,8 @@ class Batcher:
         max_queue: int,
         forward_delay_s: float = 0.0,
         max_client_queue: int | None = None,
+        device_quantise: bool = False,
+        copier: HostCopier | None = None,
     ) -> None:
         self.device = device
         self.metrics = metrics
@@ -63,6 +67,8 @@ class Batcher:
         self.max_queue = max_queue
         self.forward_delay_s = forward_delay_s
         self.max_client_queue = max_client_queue or max_queue
+        self.device_quantise = device_quantise
+        self.copier = copier or HostCopier()
         # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
         self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
         self._n_pending = 0
@@ -111,9 +117,9 @@ class Batcher:
         if self._per_client[client] <= 0:
             del self._per_client[client]
 
-    def submit(self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "") -> Future:
+    def submit(self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json") -> Future:
         """Hand one admitted input to the worker; the future resolves to a Done."""
-        job = Job(model, encoded, deadline, client)
+        job = Job(model, encoded, deadline, client, fmt)
         with self._cond:
             self._admitted -= 1
             if self._closed:
@@ -262,7 +268,11 @@ class Batcher:
         try:
             if self.forward_delay_s:
                 time.sleep(self.forward_delay_s)
-            results = model.run([job.encoded for job in live])
+            if self.device_quantise:
+                to_host = device_to_host(self.copier, most_precise(job.fmt for job in live))
+                results = model.run([job.encoded for job in live], to_host=to_host)
+            else:
+                results = model.run([job.encoded for job in live])
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
                 self._settle(job, error=exc)

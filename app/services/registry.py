@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Batcher
+from manyeyes.app.services.device import AUTOCAST
 from manyeyes.app.services.errors import NotReady, UnknownModel
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model import ModelLoadError, load
@@ -57,6 +58,9 @@ class Registry:
             for model_id, spec in specs.items():
                 started = time.monotonic()
                 model = load(spec, device=s.device, half=s.half, name=model_id)
+                if AUTOCAST[s.autocast] is not None:
+                    model.autocast_dtype = AUTOCAST[s.autocast]
+                    model.info = replace(model.info, dtype=s.autocast)
                 if s.warmup:
                     warm_up(model)
                 device = model.info.device
@@ -70,6 +74,7 @@ class Registry:
                         max_queue=s.max_queue,
                         forward_delay_s=s.debug_forward_delay_s,
                         max_client_queue=s.max_client_queue,
+                        device_quantise=device != "cpu" if s.device_quantise is None else s.device_quantise,
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
                 log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
