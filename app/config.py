@@ -49,6 +49,14 @@ class Settings(BaseSettings):
     # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included
     max_batch_items: int = Field(64, ge=1)
+    # Attention weights one forward may produce (rows x layers x heads x width^2; 4 bytes each):
+    # the batch's tensor and its rows' copies are the largest transient memory the server has.
+    # 40M cells (160 MB) holds two MiniLM rows at T=512 and any number of short ones; batching
+    # long inputs gains little anyway, the forward is compute-bound there.
+    max_batch_cells: int = Field(40_000_000, ge=1)
+    # Answers encoded (u8/f16/json bytes, base64, compression) at once; more than the cores gains
+    # nothing and each holds a copy of its answer (19 MB for u8 at T=512) while it works.
+    max_concurrent_renders: int = Field(2, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
     # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)

@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeout_s: float = 300, **settings):
+def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeout_s: float = 300, on_spawn=None, **settings):
     """`manyeyes serve` with MANYEYES_* settings; yields (base URL, pid) once /readyz says 200.
     log_level="info" writes the access log (one JSON line per request, with the server's own ms)
     to log_path."""
@@ -42,6 +42,8 @@ def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeou
     url = f"http://{HOST}:{port}"
     with (open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")) as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if on_spawn is not None:  # e.g. start polling its memory from the first moment
+            on_spawn(proc.pid)
         try:
             deadline = time.monotonic() + ready_timeout_s
             while True:

@@ -100,6 +100,7 @@ class AttentionService:
         self.registry = registry
         self.cache = cache
         self.metrics = metrics
+        self._renders = asyncio.Semaphore(settings.max_concurrent_renders)
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )
@@ -216,7 +217,11 @@ class AttentionService:
 
     async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire) -> Reply:
         cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
-        body, encoding = await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch, wire)
+        if cells <= INLINE_CELLS:
+            body, encoding = self._render(served, items, view, batch, wire)
+        else:
+            async with self._renders:
+                body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire)
         media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
         # The same URL answers differently to other Accept/Accept-Encoding headers.
         headers = {"Vary": "Accept, Accept-Encoding"}

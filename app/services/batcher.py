@@ -58,6 +58,7 @@ class Batcher:
         max_client_queue: int | None = None,
         device_quantise: bool = False,
         copier: HostCopier | None = None,
+        max_batch_cells: int | None = None,
     ) -> None:
         self.device = device
         self.metrics = metrics
@@ -68,6 +69,7 @@ class Batcher:
         self.forward_delay_s = forward_delay_s
         self.max_client_queue = max_client_queue or max_queue
         self.device_quantise = device_quantise
+        self.max_batch_cells = max_batch_cells
         self.copier = copier or HostCopier()
         # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
         self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
@@ -176,6 +178,8 @@ class Batcher:
         chosen: list[Job] = []
         width = 0
         left_out = False
+        # Attention weights a row of width w holds: layers x heads x w x w (float32 on the device).
+        per_pair = model.info.n_layers * model.info.n_heads
         queues = [[j for j in queue if j.model is model] for queue in self._pending.values()]
         for turn in range(max(map(len, queues), default=0)):
             for queue in queues:
@@ -183,7 +187,9 @@ class Batcher:
                     continue
                 job = queue[turn]
                 wider = max(width, len(job.encoded))
-                if chosen and (wider * (len(chosen) + 1) > self.max_batch_tokens or len(chosen) >= self.max_batch_items):
+                rows = len(chosen) + 1
+                over_cells = self.max_batch_cells is not None and rows * per_pair * wider * wider > self.max_batch_cells
+                if chosen and (wider * rows > self.max_batch_tokens or len(chosen) >= self.max_batch_items or over_cells):
                     left_out = True
                     continue
                 chosen.append(job)
