@@ -252,14 +252,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="T up to 128, fewer rounds, shorter load test")
     parser.add_argument("--lengths", default=None, help="comma-separated T (default 16,64,128,256,512)")
-    parser.add_argument("--forms", default=",".join(FORMS), help="which of our forms, comma-separated by name")
+    parser.add_argument("--forms", default=";".join(FORMS), help="which of our forms, by name, separated by ;")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0, help="load-test duration per server")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else list(LENGTHS[:3] if args.quick else LENGTHS)
     rounds = {n: max(2, ROUNDS.get(n, 3) // 2) if args.quick else ROUNDS.get(n, 3) for n in lengths}
     seconds = min(args.seconds, 5.0) if args.quick else args.seconds
-    forms = [f.strip() for f in args.forms.split(",")]
+    forms = [f.strip() for f in args.forms.split(";")]
 
     from manyeyes.model import load
 
