@@ -78,10 +78,14 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     api_keys_file: Path | None = None
     close_metrics: bool = False  # True: /metrics needs a key too (/healthz and /readyz stay open)
-    # Fair shares: inputs one client (API key, else address) may have in the system at once, beyond
-    # which it gets 429 while others are still served. X-Forwarded-For is believed only from these
-    # proxy addresses or networks, e.g. MANYEYES_TRUSTED_PROXIES="127.0.0.1,10.0.0.0/8".
-    max_client_queue: int = Field(64, ge=1)
+    # Fair shares: each client (API key, else address) has its own queue, served round-robin into
+    # the batches, so a flood from one delays another's request by at most one batch. Beyond
+    # max_client_queue inputs in the system a client gets 429 while others are still admitted.
+    # None: max_queue, no cap of its own, since many users behind one NAT or an untrusted proxy
+    # share an address; a public service sets it (e.g. 64) so no one client can fill the queue.
+    # X-Forwarded-For is believed only from these proxy addresses or networks, e.g.
+    # MANYEYES_TRUSTED_PROXIES="127.0.0.1,10.0.0.0/8".
+    max_client_queue: int | None = Field(None, ge=1)
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # glibc malloc: blocks from this size up get their own mmap, returned to the OS when freed.
     # Without it, attention tensors of mixed sizes fragment the heap and RSS climbs far past the

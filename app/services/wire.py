@@ -72,7 +72,7 @@ class Compression:
     text from gzip_min_bytes on, for compact bodies from zstd_min_bytes on (0: never), where the
     bytes saved outweigh the two passes on any link slower than loopback. gzip only for `json`
     text, which shrinks 2.5-3x, with ISA-L at level 1: zlib's level 5 took longer than the
-    forward. Compact bodies are never gzipped: deflate gains less on them for more time."""
+    forward pass. Compact bodies are never gzipped: deflate gains less on them for more time."""
 
     def __init__(self, zstd_level: int, zstd_min_bytes: int, gzip_level: int, gzip_min_bytes: int) -> None:
         self.zstd_level = zstd_level
