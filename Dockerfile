@@ -1,21 +1,46 @@
-# manyeyes: the attention API and browser UI on the built-in MiniLM (and tiny-gpt).
-# CPU image; for a GPU, start from a CUDA base with a CUDA torch build and pass --device cuda.
-FROM python:3.11-slim
+# manyeyes: the attention API and browser UI on the built-in MiniLM and tiny-gpt.
+#
+#   CPU (default):  docker build -t manyeyes .
+#   CUDA:           docker build --build-arg TORCH_VARIANT=cu126 -t manyeyes:cuda .
+#                   docker run --gpus all -p 8000:8000 manyeyes:cuda
+#
+# torch is pinned to the README's version; TORCH_VARIANT picks its build from PyTorch's index
+# (cpu, cu126, ...). CUDA wheels carry their own CUDA runtime, so both targets share one slim
+# base; the GPU needs only the host's driver (NVIDIA Container Toolkit).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-WORKDIR /srv/manyeyes
-
-# torch first, from the CPU index, so the range in pyproject does not pull a CUDA build.
-RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY manyeyes ./manyeyes
 COPY app ./app
 COPY model ./model
 COPY templates ./templates
 COPY static ./static
-RUN pip install -e .
+# A wheel, not an editable install: the image runs exactly what pip users get.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-RUN useradd --system --uid 10001 manyeyes
-USER manyeyes
+FROM ${PYTHON_IMAGE}
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_VARIANT=cpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/manyeyes
+# torch first, from the chosen index, so pyproject's torch range is met and nothing else pulls a build.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/manyeyes-*.whl && rm -rf /wheels
+
+# A numeric, unprivileged user: Kubernetes' runAsNonRoot can verify it without a passwd lookup.
+RUN groupadd --system --gid 10001 manyeyes \
+    && useradd --system --no-log-init --uid 10001 --gid 10001 --create-home --home-dir /home/manyeyes manyeyes
+USER 10001:10001
+WORKDIR /home/manyeyes
+
 EXPOSE 8000
+# Ready, not merely alive: /readyz answers 200 only once every model is loaded and warmed up.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4)"]
 # Inside a container the server must listen beyond loopback; publish the port deliberately.
 CMD ["manyeyes", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -25,8 +25,11 @@ def _format_head(tokens: list[str], weights, width: int = 12) -> str:
 def cmd_attend(args) -> int:
     from manyeyes.model import load
 
-    model = load(args.model, device=args.device)
+    model = load(args.model, device=args.device, dtype=args.dtype, show_progress=True)
     info = model.info
+    if args.top_k and not info.predictions:
+        print(f"error: model {info.id} has no language-model head, so --top-k has nothing to show", file=sys.stderr)
+        return 2
     if not 0 <= args.layer < info.n_layers or not 0 <= args.head < info.n_heads:
         print(f"error: layer must be in 0..{info.n_layers - 1} and head in 0..{info.n_heads - 1}", file=sys.stderr)
         return 2
@@ -40,7 +43,19 @@ def cmd_attend(args) -> int:
     print("  " + " ".join(f"[{i}]{t}" for i, t in enumerate(texts)))
     print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
     print(_format_head(texts, result.attention[args.layer, args.head]))
+    if args.top_k:
+        _print_predictions(model, result, texts, args.top_k)
     return 0
+
+
+def _print_predictions(model, result, texts: list[str], top_k: int) -> None:
+    found = model.predictions(result, top_k)
+    what = "next token after each position" if model.info.causal else "masked token at each mask"
+    print(f"\npredictions ({what}, top {top_k}):")
+    if not found:
+        print("  none: the text has no mask token")
+    for pos, preds in found.items():
+        print(f"  [{pos}]{texts[pos]} -> " + ", ".join(f"{p.token!r} {p.prob:.3f}" for p in preds))
 
 
 def _print_json(model, args) -> int:
@@ -87,7 +102,13 @@ def cmd_serve(args) -> int:
     updates = {"extra_models": {**settings.extra_models, **_merge(args.model)}}
     if args.device:
         updates["device"] = args.device
+    if args.dtype:
+        updates["dtype"] = args.dtype
     settings = settings.model_copy(update=updates)
+    if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
+        from manyeyes.scale import serve_replicas
+
+        return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     # serve: a server others can reach that asks nobody for a key says so, loudly, at start-up.
@@ -166,6 +187,44 @@ def cmd_train(args) -> int:
     return 0
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = "weights' dtype (default auto: as stored on CUDA, float32 elsewhere); attention stays float32"
+
+
+# ---- export (issue 15): one self-contained HTML file of one run --------------------------------
+
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from manyeyes.export import export_html
+    from manyeyes.model import load
+
+    model = load(args.model, device=args.device)
+    html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate, format=args.format)
+    Path(args.output).write_text(html, encoding="utf-8")
+    print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2**20:.1f} MiB): opens from disk, no server needed", file=sys.stderr)
+    return 0
+
+
+def add_export_command(sub) -> None:
+    export = sub.add_parser("export", help="write one self-contained HTML file with the viewer and one run")
+    export.add_argument("text")
+    export.add_argument("--pair", default=None, help="optional second sentence (pair models)")
+    export.add_argument("--model", default="minilm", help="built-in name, HF folder or book .pth (default: minilm)")
+    export.add_argument("-o", "--output", default="manyeyes-view.html", help="file to write (default: manyeyes-view.html)")
+    export.add_argument("--layer", type=int, default=0, help="layer focused when the file opens")
+    export.add_argument("--head", type=int, default=0, help="head focused when the file opens")
+    export.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
+    export.add_argument("--format", choices=("f16", "u8"), default=None,
+                        help="stored precision (default: f16 up to 16 MiB of weights, else u8)")
+    export.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    export.set_defaults(func=cmd_export)
+
+
+# ---- end export --------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="manyeyes", description="See what every attention head does.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,11 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     attend = sub.add_parser("attend", help="print the attention of one head for a sentence")
     attend.add_argument("text")
     attend.add_argument("--pair", default=None, help="optional second sentence (pair models)")
-    attend.add_argument("--model", default="minilm", help="built-in name, HF folder or book .pth (default: minilm)")
+    attend.add_argument(
+        "--model", default="minilm",
+        help="built-in name, Hugging Face id (gpt2, org/name@revision), local folder or book .pth (default: minilm)",
+    )
     attend.add_argument("--layer", type=int, default=0)
     attend.add_argument("--head", type=int, default=0)
     attend.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
     attend.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    attend.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
+    attend.add_argument("--top-k", type=int, default=0, choices=range(1, 21), metavar="K",
+                        help="also print the model's own top-K predictions (models with an LM head; 1..20)")
     attend.add_argument("--json", action="store_true", help="print the API's JSON response instead of a table")
     attend.add_argument("--format", choices=("json", "f16", "u8"), default="json", help="attention encoding for --json")
     attend.add_argument("--layers", default=None, help="comma-separated layers for --json (default: all)")
@@ -197,11 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--model", action="append", type=_model_flag, default=[], metavar="ID=PATH_OR_SPEC",
-        help="serve another model (repeatable); the built-in minilm stays the default",
+        help="serve another model (repeatable): a Hugging Face id (gpt2, org/name@revision), a folder or a "
+        ".pth, optionally named ID=SPEC; the built-in minilm stays the default",
     )
     serve.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
+    serve.add_argument("--threads", type=int, default=1, help="CPU threads per Ray Serve replica (default 1)")
     serve.set_defaults(func=cmd_serve)
+    add_export_command(sub)
     return parser
 
 

@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     # Quantise attention to the request's format on the device, before the copy to the host
     # (services/device.py). None: on for accelerators, off on the CPU (no copy to save there).
     device_quantise: bool | None = None
+    # Weights' dtype; None/auto: as stored on CUDA (bf16/fp16 checkpoints stay so), float32 elsewhere.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
 
     # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included
@@ -106,6 +108,10 @@ class Settings(BaseSettings):
     zstd_level: int = Field(1, ge=1, le=22)
     zstd_min_bytes: int = Field(64 * 1024, ge=0)
     warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
+
+    # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.
+    max_new_tokens: int = Field(256, ge=1)
+    max_generations: int = Field(4, ge=1)
 
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
     debug_forward_delay_s: float = Field(0.0, ge=0)

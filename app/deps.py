@@ -7,12 +7,17 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from manyeyes.app.services.attention import AttentionService
+from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 
 
 def get_service(request: Request) -> AttentionService:
     return request.app.state.service
+
+
+def get_generation(request: Request) -> GenerationService:
+    return request.app.state.generation
 
 
 def get_registry(request: Request) -> Registry:
@@ -26,3 +31,4 @@ def get_metrics(request: Request) -> Metrics:
 ServiceDep = Annotated[AttentionService, Depends(get_service)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+GenerationDep = Annotated[GenerationService, Depends(get_generation)]

@@ -21,10 +21,11 @@ from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.memory import tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from manyeyes.app.routes import attention, docs, models, ops, page, runs
+from manyeyes.app.routes import aggregates, attention, docs, export, generate, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.errors import ApiError, error_body
+from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cache = RunCache(settings.cache_bytes, on_size=metrics.cache_bytes.set)
         app.state.registry = registry
         app.state.service = AttentionService(settings, registry, cache, metrics)
+        app.state.generation = GenerationService(settings, registry, metrics)
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
         loader = threading.Thread(target=registry.load_all, name="manyeyes-load", daemon=True)
         loader.start()
@@ -112,7 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, runs, ops, page, docs):
+    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export):
         app.include_router(module.router)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

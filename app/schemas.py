@@ -15,6 +15,12 @@ def _not_blank(value: str) -> str:
     return value
 
 
+class PredictionsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    top_k: int = Field(5, ge=1, le=20, description="Predictions per position, best first")
+
+
 class Options(BaseModel):
     # strict: no coercion of client input, so `"truncate": 0` or `"layers": ["1"]` is a 422, as
     # the schema says, rather than a guess (subclasses inherit it).
@@ -29,6 +35,9 @@ class Options(BaseModel):
         "u8: base64 bytes, weight ≈ byte × scale (1/255). Compact formats are ~10× smaller and faster.",
     )
     truncate: bool = Field(False, description="Cut input longer than the model's positions instead of refusing it")
+    predictions: PredictionsRequest | None = Field(
+        None, description="Also return the model's own top-k predictions (422 for a model without an LM head)"
+    )
 
 
 class AttentionRequest(Options):
@@ -49,6 +58,7 @@ class AttentionRequest(Options):
                 {"text": "The bank of the river.", "format": "u8"},
                 {"text": "The bank of the river.", "layers": [2], "heads": [3], "format": "json"},
                 {"text": "Where is it?", "text_pair": "On the bank.", "model": "minilm", "format": "f16"},
+                {"text": "In the beginning", "model": "tiny-gpt", "format": "u8", "predictions": {"top_k": 3}},
             ]
         },
     )
@@ -78,6 +88,7 @@ class TokenOut(BaseModel):
     end: int = Field(description="Exclusive end offset")
     special: bool
     segment: int = Field(description="0: text, 1: text_pair")
+    piece: str = Field(description="The model's own vocabulary piece: '##ing' (WordPiece), 'Ġthe' (byte-level BPE), '[UNK]'")
 
 
 class AttentionData(BaseModel):
@@ -86,6 +97,12 @@ class AttentionData(BaseModel):
     shape: list[int] = Field(description="[layers, heads, T, T]: rows are queries, columns keys")
     data: list | str = Field(description="Nested lists (json) or base64 (f16, u8), row-major")
     scale: float | None = Field(None, description="u8 only: weight ≈ byte × scale")
+
+
+class PredictionOut(BaseModel):
+    token: str = Field(description="How the predicted id reads on its own, e.g. ' the'")
+    id: int
+    prob: float = Field(description="Softmax probability over the whole vocabulary")
 
 
 class Timing(BaseModel):
@@ -106,6 +123,11 @@ class AttentionResponse(BaseModel):
     layers: list[int]
     heads: list[int]
     attention: AttentionData
+    predictions: dict[str, list[PredictionOut]] | None = Field(
+        None,
+        description="Only when asked for: token position -> top-k. Causal LMs: the next token after every "
+        "position. Masked LMs: the masked token at each [MASK] / <mask> position.",
+    )
     device: str
     timing_ms: Timing
 
@@ -119,9 +141,9 @@ class AttentionResponse(BaseModel):
                     "n_layers": 6,
                     "n_heads": 12,
                     "tokens": [
-                        {"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0},
-                        {"text": "Hi", "id": 7632, "start": 0, "end": 2, "special": False, "segment": 0},
-                        {"text": "[SEP]", "id": 102, "start": 0, "end": 0, "special": True, "segment": 0},
+                        {"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[CLS]"},
+                        {"text": "Hi", "id": 7632, "start": 0, "end": 2, "special": False, "segment": 0, "piece": "hi"},
+                        {"text": "[SEP]", "id": 102, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[SEP]"},
                     ],
                     "truncated": False,
                     "layers": [0],
@@ -147,14 +169,17 @@ class BatchResponse(BaseModel):
 
 class ModelOut(BaseModel):
     id: str
-    family: str
+    family: str = Field(description="Hugging Face model_type (bert, roberta, gpt2, llama, ...) or gpt (a book checkpoint)")
     causal: bool
     n_layers: int
-    n_heads: int
+    n_heads: int = Field(description="Query heads; attention is returned per query head")
+    n_kv_heads: int = Field(description="Key/value heads: fewer than n_heads under grouped-query attention")
     d_model: int
     head_dim: int
     max_tokens: int
     device: str
+    dtype: str = Field(description="Weights' dtype; softmax and returned weights are float32 regardless")
+    predictions: bool = Field(description="Whether `predictions` may be asked for (the model has an LM head)")
     default: bool
 
 
@@ -178,3 +203,101 @@ class Health(BaseModel):
 class Ready(BaseModel):
     status: str = Field(examples=["ready"])
     models: list[str]
+
+
+class ModelProgress(BaseModel):
+    state: Literal["queued", "loading", "downloading", "warming", "ready", "failed"]
+    bytes_done: int | None = Field(None, description="While a Hugging Face id downloads")
+    bytes_total: int | None = None
+
+
+class Loading(ErrorResponse):
+    """/readyz's 503: the error plus where each model stands."""
+
+    status: Literal["loading", "failed"]
+    models: dict[str, ModelProgress]
+
+
+# ---------------------------------------------------------------------------- generation
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20},
+                {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20, "temperature": 0.8, "top_k": 40, "seed": 1},
+            ]
+        },
+    )
+
+    text: str = Field(..., min_length=1, description="The prompt")
+    model: str | None = Field(None, description="A causal model id from GET /api/v1/models; default: the server's default")
+    max_new_tokens: int = Field(20, ge=1, description="Tokens to generate; bounded by the model's context and the server's max_new_tokens")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy; above 0: sample at this temperature")
+    top_k: int | None = Field(None, ge=1, description="Sample only among the k most likely tokens")
+    seed: int | None = Field(None, ge=0, description="A seeded sample repeats exactly")
+    alternatives: int = Field(5, ge=1, le=50, description="Most likely tokens reported with each step")
+
+    _text = field_validator("text")(_not_blank)
+
+
+class ChoiceOut(BaseModel):
+    id: int
+    text: str
+    prob: float = Field(description="Under the model's own distribution (temperature 1, no top-k cut)")
+
+
+class GenerateStart(BaseModel):
+    type: Literal["start"] = "start"
+    model: str
+    n_layers: int
+    n_heads: int
+    prompt: list[TokenOut]
+
+
+class GenerateStep(BaseModel):
+    type: Literal["step"] = "step"
+    index: int = Field(description="0 for the first generated token")
+    position: int = Field(description="Its position in the whole sequence, prompt included")
+    token: ChoiceOut
+    alternatives: list[ChoiceOut]
+    attention: list[list[list[float]]] = Field(description="(layers, heads, position + 1): the token's row in every head")
+
+
+class GenerateEnd(BaseModel):
+    type: Literal["end"] = "end"
+    reason: Literal["length"] = "length"
+    tokens: int
+
+
+# ---- page: saved views (issue 13) -----------------------------------------------------------
+
+
+class ViewState(BaseModel):
+    """Everything the page needs to draw one view again; stored under its content id."""
+
+    text: str = Field(..., min_length=1, max_length=200_000)
+    text_pair: str | None = Field(None, max_length=200_000)
+    model: str = Field(..., min_length=1, max_length=200)
+    truncate: bool = False
+    layer: int = Field(0, ge=0, le=4096)
+    head: int = Field(0, ge=0, le=4096)
+    aggregate: Literal["head", "layer", "all"] = "head"
+    heads: list[int] = Field(default_factory=list, max_length=256, description="Heads the head view draws")
+    hide_special: bool = False
+    hide_first: bool = False
+    threshold: float = Field(0.0, ge=0.0, le=1.0)
+    segments: Literal["all", "AA", "AB", "BA", "BB"] = "all"
+    scale: Literal["head", "fixed", "log"] = "head"
+    labels: Literal["pieces", "text"] = "pieces"
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"text": "The bank of the river.", "model": "minilm", "layer": 2, "head": 3}]},
+    )
+
+
+class ViewSaved(BaseModel):
+    id: str = Field(description="Content id: the same view always gets the same id; open /?view=<id>")

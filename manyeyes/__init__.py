@@ -22,5 +22,6 @@ from manyeyes.model import (  # noqa: E402
     TooLongError,
     load,
 )
+from manyeyes.client import Client  # noqa: E402
 
-__all__ = ["AttentionModel", "AttentionResult", "Capture", "ModelInfo", "ModelLoadError", "TooLongError", "load"]
+__all__ = ["AttentionModel", "AttentionResult", "Capture", "Client", "ModelInfo", "ModelLoadError", "TooLongError", "load"]

@@ -3,7 +3,7 @@
 from manyeyes.model.attention import AttentionOutput, Capture, MultiHeadAttention
 from manyeyes.model.errors import ModelLoadError, TooLongError
 from manyeyes.model.loading import load
-from manyeyes.model.runtime import AttentionModel, AttentionResult, ModelInfo, pick_device
+from manyeyes.model.runtime import AttentionModel, AttentionResult, ModelInfo, Prediction, pick_device
 
 __all__ = [
     "AttentionModel",
@@ -13,6 +13,7 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError",
     "MultiHeadAttention",
+    "Prediction",
     "TooLongError",
     "load",
     "pick_device",

@@ -5,6 +5,12 @@ The constructor, attribute names and the persistent ``mask`` buffer match the cl
 What is new is opt-in: a ``causal`` switch for encoders, a key-padding mask for batches,
 and an ``attend`` entry point that hands back the per-head weights (and, on request, the
 per-head q/k/v vectors) without storing anything on the module.
+
+The modern decoder families add keyword-only switches, each off by default so the book's
+module is unchanged: grouped-query attention (``num_kv_heads``), a ``head_dim`` that need not be
+``d_out / num_heads``, rotary position embeddings on queries and keys (``rotary_dim``, the cos/sin
+tables passed to ``attend``), mistral's ``sliding_window``, and an ``out_bias`` switch (qwen2 has
+q/k/v biases but none on its output projection).
 """
 
 from __future__ import annotations
@@ -15,13 +21,17 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from manyeyes.model.rotary import apply_rotary
+
 
 @dataclass(frozen=True)
 class Capture:
     """What ``attend`` should hand back besides the context vectors."""
 
     weights: bool = True  # post-softmax attention, (b, num_heads, T, T)
-    qkv: bool = False  # per-head queries, keys and values, each (b, num_heads, T, head_dim)
+    # Queries (b, num_heads, T, head_dim); keys and values (b, num_kv_heads, T, head_dim): under
+    # grouped-query attention each key/value head serves num_heads / num_kv_heads query heads.
+    qkv: bool = False
     # A float32 (b, num_heads, T, T) buffer the softmax writes into, so a caller that gathers
     # every layer into one tensor pays no extra copy (75 MB for MiniLM at T=512).
     weights_out: torch.Tensor | None = None
@@ -30,59 +40,179 @@ class Capture:
 class AttentionOutput(NamedTuple):
     context: torch.Tensor  # (b, num_tokens, d_out)
     weights: torch.Tensor | None  # (b, num_heads, num_tokens, num_tokens)
+    # As the softmax saw them: after rotary, before the 1/sqrt(head_dim) scaling.
     queries: torch.Tensor | None  # (b, num_heads, num_tokens, head_dim)
-    keys: torch.Tensor | None  # (b, num_heads, num_tokens, head_dim)
-    values: torch.Tensor | None  # (b, num_heads, num_tokens, head_dim)
+    # Per key/value head, not repeated: query head h used key head h // (num_heads // num_kv_heads).
+    keys: torch.Tensor | None  # (b, num_kv_heads, num_tokens, head_dim)
+    values: torch.Tensor | None  # (b, num_kv_heads, num_tokens, head_dim)
+    # Every key and value so far, the past's included, ready to be the next call's `past`.
+    present: "KVCache | None" = None
+
+
+class KVCache(NamedTuple):
+    """One layer's keys (already rotated) and values, for generation: each (b, num_kv_heads, T_past, head_dim)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+
+def blocked_positions(
+    num_queries: int, num_keys: int, *, causal: bool, sliding_window: int | None, device
+) -> torch.Tensor | None:
+    """(num_queries, num_keys) bool, True where a query may not look; None when nothing is blocked.
+
+    Queries are the last `num_queries` of the `num_keys` positions, so a generation cache that
+    holds earlier keys needs no other change here. Causal: key k is visible to query q iff k <= q.
+    With a sliding window W (mistral, qwen2), iff q - W < k <= q: W keys including q itself,
+    exactly transformers' `sliding_window_overlay` (kv_idx > q_idx - sliding_window).
+    """
+    if not causal and sliding_window is None:
+        return None
+    offset = num_keys - num_queries  # query i sits at position offset + i
+    ones = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    # k > offset + i  <=>  k - i > offset: the band above diagonal offset
+    blocked = ones.triu(offset + 1) if causal else torch.zeros_like(ones)
+    if sliding_window is not None:
+        # k <= offset + i - W  <=>  k - i <= offset - W: the band on and below diagonal offset - W
+        blocked |= ones.tril(offset - sliding_window)
+    return blocked
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True):
+    def __init__(
+        self,
+        d_in,
+        d_out,
+        context_length,
+        dropout,
+        num_heads,
+        qkv_bias=False,
+        causal=True,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        out_bias: bool = True,
+        rotary_dim: int = 0,
+        sliding_window: int | None = None,
+    ):
+        """The seed's arguments, then the decoder families' switches.
+
+        context_length: size of the book's persistent causal `mask` buffer; None builds the mask
+            per call instead (rotary models have no fixed context, and a 32k x 32k buffer is 4 GB).
+        num_kv_heads: key/value heads for grouped-query attention; divides num_heads. Default num_heads.
+        head_dim: width of each head; default d_out // num_heads. Queries are num_heads * head_dim
+            wide, keys and values num_kv_heads * head_dim; out_proj maps num_heads * head_dim -> d_out.
+        out_bias: bias on out_proj (the book has one; qwen2, llama and mistral do not).
+        rotary_dim: leading dims of each head that `attend`'s cos/sin tables rotate (0: no rotary).
+        sliding_window: each query sees only its last `sliding_window` positions (itself included).
+        """
         super().__init__()
-        if d_out % num_heads != 0:
-            raise ValueError(f"d_out ({d_out}) must be divisible by num_heads ({num_heads})")
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if d_out % num_heads != 0:
+                raise ValueError(f"d_out ({d_out}) must be divisible by num_heads ({num_heads})")
+            head_dim = d_out // num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and at most head_dim ({head_dim})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window ({sliding_window}) must be positive")
         self.d_out = d_out
         self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.causal = causal
+        self.rotary_dim = rotary_dim
+        self.sliding_window = sliding_window
 
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
+        self.W_query = nn.Linear(d_in, num_heads * head_dim, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias)
+        self.out_proj = nn.Linear(num_heads * head_dim, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
-        # Persistent, as in the book, so its checkpoints carry `...att.mask` and load strictly.
-        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+        if context_length is not None:
+            # Persistent, as in the book, so its checkpoints carry `...att.mask` and load strictly.
+            self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+        else:
+            self.mask = None
 
     def forward(self, x, key_padding_mask=None):
         """The classic call: context vectors only, shape (b, num_tokens, d_out)."""
         return self.attend(x, key_padding_mask, Capture(weights=False)).context
 
-    def attend(self, x, key_padding_mask=None, capture: Capture = Capture()) -> AttentionOutput:
+    def _blocked(self, num_queries: int, num_keys: int, device) -> torch.Tensor | None:
+        """(num_queries, num_keys): the queries are the last num_queries positions."""
+        if self.mask is not None and self.sliding_window is None:
+            return self.mask.bool()[num_keys - num_queries : num_keys, :num_keys] if self.causal else None
+        return blocked_positions(num_queries, num_keys, causal=self.causal, sliding_window=self.sliding_window, device=device)
+
+    def attend(
+        self,
+        x,
+        key_padding_mask=None,
+        capture: Capture = Capture(),
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past: KVCache | None = None,
+    ) -> AttentionOutput:
         """Attention with its internals.
 
         key_padding_mask: (b, num_tokens) bool, True for real tokens. Padded keys get zero
         weight, so each row of a padded batch equals its unpadded run.
+        rope: (cos, sin), each (num_tokens, rotary_dim), from `RotaryEmbedding`; required when
+        the module was built with rotary_dim > 0. The caller computes them once for all layers.
+
+        past: the earlier positions' keys and values (a `KVCache`, the previous call's
+        `present`), for generation. x then holds only the new positions, rope covers only them,
+        key_padding_mask (if any) covers past and new keys, and the weights are
+        (b, num_heads, num_new, T_past + num_new): each new query's whole row.
         """
         b, num_tokens, _ = x.shape
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
 
-        # (b, num_tokens, d_out) -> (b, num_tokens, num_heads, head_dim) -> (b, num_heads, num_tokens, head_dim)
-        queries = self.W_query(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        # (b, num_tokens, heads * head_dim) -> (b, num_tokens, heads, head_dim) -> (b, heads, num_tokens, head_dim)
+        queries = self.W_query(x).view(b, num_tokens, heads, head_dim).transpose(1, 2)
+        # (b, num_tokens, kv_heads * head_dim) -> (b, kv_heads, num_tokens, head_dim)
+        keys = self.W_key(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
+        values = self.W_value(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
+        if self.rotary_dim:
+            if rope is None:
+                raise ValueError("this attention rotates queries and keys: pass rope=(cos, sin)")
+            cos, sin = rope
+            queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)
+        if past is not None:
+            # (b, kv_heads, T_past, head_dim) + (b, kv_heads, num_tokens, head_dim) along the tokens
+            keys = torch.cat((past.keys.to(keys.dtype), keys), dim=2)
+            values = torch.cat((past.values.to(values.dtype), values), dim=2)
+        num_keys = keys.shape[2]
 
         # Scaling the queries (T x head_dim) instead of the scores (T x T) is the same maths, cheaper.
-        # (b, num_heads, num_tokens, head_dim) @ (b, num_heads, head_dim, num_tokens) -> (b, num_heads, num_tokens, num_tokens)
-        attn_scores = (queries * self.head_dim**-0.5) @ keys.transpose(2, 3)
+        # Each key head serves `group` consecutive query heads; stacking those heads' queries along
+        # the token axis gives one matmul per key head with no repeated copy of the keys:
+        # (b, heads, T, head_dim) -> (b, kv_heads, group * T, head_dim)
+        scaled = (queries * head_dim**-0.5).reshape(b, kv_heads, group * num_tokens, head_dim)
+        # (b, kv_heads, group * T, head_dim) @ (b, kv_heads, head_dim, T_keys) -> (b, kv_heads, group * T, T_keys)
+        #   -> (b, heads, T, T_keys), a free view since query head h = kv head * group + r
+        attn_scores = (scaled @ keys.transpose(2, 3)).view(b, heads, num_tokens, num_keys)
 
-        blocked = None
-        if self.causal:
-            blocked = self.mask.bool()[:num_tokens, :num_tokens]  # (num_tokens, num_tokens)
+        blocked = self._blocked(num_tokens, num_keys, x.device)  # (num_tokens, num_keys) or None
         if key_padding_mask is not None:
-            # (b, num_tokens) -> (b, 1, 1, num_tokens), broadcast over heads and queries
-            padded = ~key_padding_mask.bool().view(b, 1, 1, num_tokens)
+            # (b, num_keys) -> (b, 1, 1, num_keys), broadcast over heads and queries
+            padded = ~key_padding_mask.bool().view(b, 1, 1, num_keys)
+            if self.sliding_window is not None and past is None:
+                # A padded query's whole window can be padding; letting it see itself keeps its row
+                # finite (no NaN to leak through 0 * NaN into real rows). Real rows never see padding.
+                padded = padded & ~torch.eye(num_tokens, dtype=torch.bool, device=x.device)
             blocked = padded if blocked is None else (blocked | padded)
         if blocked is not None:
-            attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
+            # Adding a 0/-inf mask in place is the same result, bit for bit, as masked_fill and several
+            # times cheaper on CPU than a masked_fill that broadcasts a bool mask over every head.
+            additive = torch.zeros(blocked.shape, dtype=attn_scores.dtype, device=attn_scores.device)
+            attn_scores += additive.masked_fill_(blocked, -torch.inf)  # (num_tokens, num_tokens) or (b, 1, T, T)
 
         # Softmax in float32 even under half-precision autocast: the weights are the product.
         if capture.weights_out is not None:
@@ -92,11 +222,12 @@ class MultiHeadAttention(nn.Module):
         attn_weights = attn_weights.to(values.dtype)
         dropped = self.dropout(attn_weights)
 
-        # (b, num_heads, num_tokens, num_tokens) @ (b, num_heads, num_tokens, head_dim)
-        #   -> (b, num_heads, num_tokens, head_dim) -> (b, num_tokens, num_heads, head_dim)
-        context = (dropped @ values).transpose(1, 2)
-        # (b, num_tokens, num_heads, head_dim) -> (b, num_tokens, d_out)
-        context = self.out_proj(context.reshape(b, num_tokens, self.d_out))
+        # (b, heads, T, T_keys) -> (b, kv_heads, group * T, T_keys) @ (b, kv_heads, T_keys, head_dim)
+        #   -> (b, kv_heads, group * T, head_dim) -> (b, heads, T, head_dim) -> (b, T, heads, head_dim)
+        context = (dropped.reshape(b, kv_heads, group * num_tokens, num_keys) @ values)
+        context = context.view(b, heads, num_tokens, head_dim).transpose(1, 2)
+        # (b, num_tokens, heads, head_dim) -> (b, num_tokens, heads * head_dim) -> (b, num_tokens, d_out)
+        context = self.out_proj(context.reshape(b, num_tokens, heads * head_dim))
 
         want_qkv = capture.qkv
         return AttentionOutput(
@@ -105,4 +236,5 @@ class MultiHeadAttention(nn.Module):
             queries=queries if want_qkv else None,
             keys=keys if want_qkv else None,
             values=values if want_qkv else None,
+            present=KVCache(keys, values),
         )

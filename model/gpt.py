@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
-from manyeyes.model.layers import FeedForward, LayerNorm, Trace
+from manyeyes.model.layers import FeedForward, LayerNorm, ShapeInfo, Trace
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,20 @@ class TransformerBlock(nn.Module):
         self.norm2 = LayerNorm(cfg.emb_dim, cfg.ln_eps)
         self.drop_shortcut = nn.Dropout(cfg.drop_rate)
 
-    def forward(self, x, key_padding_mask=None, capture: Capture = Capture(weights=False)):
-        att = self.att.attend(self.norm1(x), key_padding_mask, capture)
+    def forward(self, x, key_padding_mask=None, capture: Capture = Capture(weights=False), past=None):
+        att = self.att.attend(self.norm1(x), key_padding_mask, capture, past=past)
         x = x + self.drop_shortcut(att.context)
         x = x + self.drop_shortcut(self.ff(self.norm2(x)))
         return x, att
 
 
-class GPTModel(nn.Module):
+class GPTModel(ShapeInfo, nn.Module):
     causal = True
+    has_lm_head = True
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.context_length
 
     def __init__(self, cfg: GPTConfig | dict):
         super().__init__()
@@ -96,17 +101,22 @@ class GPTModel(nn.Module):
         return self.inspect(in_idx, capture=Capture(weights=False)).logits
 
     def inspect(
-        self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None, weights_out=None
+        self, in_idx, key_padding_mask=None, capture: Capture = Capture(), token_type_ids=None, weights_out=None, past=None
     ) -> Trace:
-        """weights_out: optional (n_layers, b, n_heads, T, T) float32 buffer that receives every layer's weights."""
+        """weights_out: optional (n_layers, b, n_heads, T, T) float32 buffer that receives every layer's weights.
+
+        past: per layer, the `KVCache` of earlier positions (a previous Trace's layers' `present`);
+        in_idx then holds only the new tokens, placed after them.
+        """
         # token_type_ids is accepted and ignored so that GPT and BERT share one calling convention.
         _, num_tokens = in_idx.shape
-        positions = torch.arange(num_tokens, device=in_idx.device)
+        offset = len(past[0]) if past else 0
+        positions = torch.arange(offset, offset + num_tokens, device=in_idx.device)
         x = self.drop_emb(self.tok_emb(in_idx) + self.pos_emb(positions))  # (b, num_tokens, emb_dim)
         layers = []
         for i, block in enumerate(self.trf_blocks):
             layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
-            x, att = block(x, key_padding_mask, layer_capture)
+            x, att = block(x, key_padding_mask, layer_capture, past=past[i] if past else None)
             layers.append(att)
         hidden = self.final_norm(x)
         return Trace(hidden=hidden, logits=self.out_head(hidden), layers=layers)

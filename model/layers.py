@@ -53,9 +53,77 @@ class FeedForward(nn.Module):
         return self.layers(x)
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (llama, mistral, qwen2): no mean, no shift; the gain is ``scale`` as in LayerNorm."""
+
+    def __init__(self, emb_dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+
+    def forward(self, x):
+        # Normalised in float32 whatever the compute dtype, as transformers' LlamaRMSNorm does.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.scale * normed.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward of llama-family models: down(silu(gate(x)) * up(x)).
+
+    Named for their roles, ``ff.gate``, ``ff.up`` and ``ff.down`` (HF gate_proj, up_proj, down_proj).
+    """
+
+    def __init__(self, emb_dim, hidden_dim, bias: bool = False):
+        super().__init__()
+        self.gate = nn.Linear(emb_dim, hidden_dim, bias=bias)
+        self.up = nn.Linear(emb_dim, hidden_dim, bias=bias)
+        self.down = nn.Linear(hidden_dim, emb_dim, bias=bias)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class Trace(NamedTuple):
     """Everything one inspecting forward pass yields."""
 
     hidden: torch.Tensor  # (b, num_tokens, emb_dim), the last hidden state
     logits: torch.Tensor | None  # (b, num_tokens, vocab_size) for language models, else None
     layers: list[AttentionOutput]  # one per transformer block, in order
+
+
+class ShapeInfo:
+    """The read-only shape every network exposes, so loaders and the runtime never read family configs.
+
+    A family whose config names things differently overrides the properties it must.
+    """
+
+    cfg: object
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.cfg.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads  # no grouped-query attention unless a family says so
+
+    @property
+    def d_model(self) -> int:
+        return self.cfg.emb_dim
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_positions
+
+    @property
+    def has_lm_head(self) -> bool:
+        return False

@@ -15,15 +15,27 @@ from manyeyes.model.tokenizer import Encoded, Token
 @dataclass(frozen=True)
 class ModelInfo:
     id: str
-    family: str  # "bert", "gpt2" (Hugging Face GPT-2) or "gpt" (a book GPTModel checkpoint)
+    family: str  # a Hugging Face model_type ("bert", "gpt2", "llama", ...) or "gpt" (a book checkpoint)
     causal: bool
     n_layers: int
-    n_heads: int
+    n_heads: int  # query heads; attention is returned per query head
     d_model: int
     head_dim: int
     max_tokens: int  # positions the model has; longer input needs truncation
     device: str
-    dtype: str  # compute dtype: "float32", or "float16" under GPU autocast
+    dtype: str  # weights' dtype ("float32", "bfloat16", "float16"), or "float16" under GPU autocast
+    n_kv_heads: int | None = None  # key/value heads (fewer than n_heads under grouped-query attention)
+    predictions: bool = False  # has a language-model head: next-token (causal) or masked-token top-k
+
+
+MAX_TOP_K = 20  # predictions kept per position; a request asks for at most this many
+
+
+@dataclass(frozen=True)
+class Prediction:
+    token: str  # how the id reads on its own, e.g. " the"
+    id: int
+    prob: float  # softmax over the whole vocabulary, float32
 
 
 @dataclass
@@ -33,7 +45,11 @@ class AttentionResult:
     attention: torch.Tensor  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax
     hidden: torch.Tensor  # (T, d_model) float32, the last hidden state
     logits: torch.Tensor | None  # (T, vocab_size) for language models
-    # Per layer, each (n_heads, T, head_dim): present only when asked for with Capture(qkv=True).
+    # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
+    top_ids: torch.Tensor | None = None  # (T, MAX_TOP_K) int64
+    top_probs: torch.Tensor | None = None  # (T, MAX_TOP_K) float32
+    # Per layer, present only when asked for with Capture(qkv=True): queries (n_heads, T, head_dim),
+    # keys and values (n_kv_heads, T, head_dim), one per key/value head under grouped-query attention.
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
@@ -71,6 +87,30 @@ class AttentionModel:
     def attend_batch(self, texts: list[str], truncate: bool = False, capture: Capture = Capture()):
         return self.run([self.encode(t, None, truncate) for t in texts], capture)
 
+    def predict(self, text: str, top_k: int = 5, text_pair: str | None = None, truncate: bool = False):
+        """{position: [Prediction, ...]} best first: the next token after every position for a
+        causal LM, the masked token at each [MASK] / <mask> for a masked LM."""
+        return self.predictions(self.attend(text, text_pair, truncate), top_k)
+
+    def predictions(self, result: AttentionResult, top_k: int = 5) -> dict[int, list[Prediction]]:
+        return self.predictions_from(result.tokens, result.top_ids, result.top_probs, top_k)
+
+    def predictions_from(self, tokens: list[Token], top_ids, top_probs, top_k: int) -> dict[int, list[Prediction]]:
+        """The same from a run's kept top-k tensors (the service caches those, not the logits)."""
+        if not self.info.predictions or top_ids is None:
+            raise ValueError(f"model {self.info.id} has no language-model head, so it makes no predictions")
+        if not 1 <= top_k <= top_ids.shape[1]:
+            raise ValueError(f"top_k must be in 1..{top_ids.shape[1]}, got {top_k}")
+        if self.info.causal:
+            positions = list(range(len(tokens)))
+        else:
+            mask_id = self.tokenizer.mask_id
+            positions = [i for i, t in enumerate(tokens) if mask_id is not None and t.id == mask_id]
+        ids, probs = top_ids[positions, :top_k].tolist(), top_probs[positions, :top_k].tolist()
+        text = self.tokenizer.token_text
+        return {i: [Prediction(text(t), t, p) for t, p in zip(row_ids, row_probs)]
+                for i, row_ids, row_probs in zip(positions, ids, probs)}
+
     def _autocast(self):
         if self.autocast_dtype is not None:
             # Weights stay float32; matmuls run in half precision and the softmax is upcast in attention.
@@ -98,10 +138,10 @@ class AttentionModel:
             real[row, : len(enc)] = True
         padded = min(lengths) != width
         capture = Capture(weights=True, qkv=capture.qkv)
-        cfg = self.net.cfg
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
         # (n_layers, b, n_heads, width, width)
-        weights = torch.empty(cfg.n_layers, len(batch), cfg.n_heads, width, width, device=self.device)
+        # Read through the network's ShapeInfo: families name their config fields differently.
+        weights = torch.empty(self.net.n_layers, len(batch), self.net.n_heads, width, width, device=self.device)
         with torch.inference_mode(), self._autocast():
             trace = self.net.inspect(
                 ids.to(self.device),
@@ -113,7 +153,15 @@ class AttentionModel:
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
             attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
             hidden = trace.hidden.float().cpu()
-            logits = trace.logits.float().cpu() if trace.logits is not None else None
+            logits = top_ids = top_probs = None
+            if trace.logits is not None:
+                logits = trace.logits.float()
+                # Top-k on the device, and only (b, T, k) crosses to the CPU. p = exp(logit - logsumexp)
+                # for the k kept ids: two reads of the logits, no softmaxed (b, T, vocab) copy.
+                top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+                top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
+                top_ids = top.indices.cpu()
+                logits = logits.cpu()
 
         results = []
         for row, (enc, n) in enumerate(zip(batch, lengths)):
@@ -125,9 +173,11 @@ class AttentionModel:
                 attention=attention[row, :, :, :n, :n].contiguous(),
                 hidden=hidden[row, :n],
                 logits=logits[row, :n] if logits is not None else None,
+                top_ids=top_ids[row, :n].clone() if top_ids is not None else None,
+                top_probs=top_probs[row, :n].clone() if top_probs is not None else None,
             )
             if capture.qkv:
-                # each layer: (b, n_heads, width, head_dim) -> (n_heads, n, head_dim)
+                # each layer: (b, heads, width, head_dim) -> (heads, n, head_dim); kv heads for keys/values
                 result.queries = [layer.queries[row, :, :n].float().cpu() for layer in trace.layers]
                 result.keys = [layer.keys[row, :, :n].float().cpu() for layer in trace.layers]
                 result.values = [layer.values[row, :, :n].float().cpu() for layer in trace.layers]

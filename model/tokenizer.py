@@ -38,6 +38,10 @@ class Encoded:
         return len(self.tokens)
 
 
+MASK_PIECES = ("[MASK]", "<mask>")
+UNK_PIECES = ("[UNK]", "<unk>")
+
+
 class TextTokenizer:
     """Wraps a `tokenizers.Tokenizer`; holds two immutable copies so calls never mutate shared state."""
 
@@ -59,6 +63,28 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._full.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id masked-LM predictions are made at: BERT's [MASK] or RoBERTa's <mask>."""
+        for piece in MASK_PIECES:
+            tid = self._full.token_to_id(piece)
+            if tid is not None:
+                return tid
+        return None
+
+    def token_text(self, tid: int) -> str:
+        """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece)."""
+        return self._full.decode([tid], skip_special_tokens=False) or (self._full.id_to_token(tid) or "")
+
+    def special_token(self, kind: str) -> tuple[str, int] | None:
+        """(piece, id) of the "mask" or "unk" token, under the spellings BERT and RoBERTa families use."""
+        pieces = MASK_PIECES if kind == "mask" else (getattr(self._full.model, "unk_token", None), *UNK_PIECES)
+        for piece in pieces:
+            tid = self._full.token_to_id(piece) if piece else None
+            if tid is not None:
+                return piece, tid
+        return None
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         enc = self._full.encode(text, text_pair) if text_pair is not None else self._full.encode(text)
@@ -104,6 +130,14 @@ class TiktokenTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._enc.n_vocab
+
+    mask_id = None  # GPT-2's encoding has no mask token
+
+    def token_text(self, tid: int) -> str:
+        return self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
+
+    def special_token(self, kind: str) -> tuple[str, int] | None:
+        return None  # GPT-2's encoding has neither a mask nor an unknown token
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
         tokens: list[Token] = []

@@ -16,6 +16,9 @@ SENTENCES = [
     "Numbers 3.14159, e-mail a.b@c.io, and URLs https://example.org/x?y=1 — all text.",
     "a",
 ]
+# A long paste: far past every model's positions, so `truncate` cuts it to the model's limit and
+# every learned position (MiniLM's 512, the random configs' 48 and 64) takes part.
+PASTE = " ".join(SENTENCES[:5] * 30)
 
 
 def hf_attention(outputs) -> torch.Tensor:
@@ -40,8 +43,27 @@ def test_minilm_matches_transformers(minilm, hf_minilm, sentence):
     assert (ref.last_hidden_state[0] - ours.hidden).abs().max().item() <= 1e-4
 
 
-def test_minilm_pair_matches_transformers(minilm, hf_minilm):
-    ours = minilm.attend("Where is the bank?", "It is by the river.")
+def test_minilm_at_its_full_512_positions_matches_transformers(minilm, hf_minilm):
+    """A truncated paste fills every position: a position table read wrongly past some index shows here."""
+    ours = minilm.attend(PASTE, truncate=True)
+    assert ours.truncated and len(ours.tokens) == minilm.info.max_tokens == 512
+    ids = torch.tensor([[t.id for t in ours.tokens]])
+    with torch.no_grad():
+        ref = hf_minilm(ids, output_attentions=True)
+    assert (hf_attention(ref) - ours.attention).abs().max().item() <= 1e-5
+    assert (ref.last_hidden_state[0] - ours.hidden).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "text, pair",
+    [
+        ("Where is the bank?", "It is by the river."),
+        # Each half alone is longer than the short sentences above, together well over 100 positions.
+        (" ".join(SENTENCES[:3] * 2), " ".join(SENTENCES[3:5] * 2)),
+    ],
+)
+def test_minilm_pair_matches_transformers(minilm, hf_minilm, text, pair):
+    ours = minilm.attend(text, pair)
     ids = torch.tensor([[t.id for t in ours.tokens]])
     types = torch.tensor([[t.segment for t in ours.tokens]])
     assert types.sum() > 0, "second sentence must be segment 1"
@@ -71,8 +93,9 @@ def test_random_bert_folder(tmp_path, minilm_dir, layers, heads, hidden):
 
     ours = load(tmp_path, device="cpu")
     assert (ours.info.n_layers, ours.info.n_heads, ours.info.max_tokens) == (layers, heads, 64)
-    for sentence in SENTENCES[:4]:
+    for sentence in [*SENTENCES[:4], PASTE]:
         r = ours.attend(sentence, truncate=True)
+        assert sentence != PASTE or len(r.tokens) == 64  # the paste reaches the last position
         ids = torch.tensor([[t.id for t in r.tokens]])
         with torch.no_grad():
             ref = ref_model(ids, output_attentions=True)
@@ -80,7 +103,7 @@ def test_random_bert_folder(tmp_path, minilm_dir, layers, heads, hidden):
         assert (ref.last_hidden_state[0] - r.hidden).abs().max().item() <= 1e-4
 
 
-def _save_gpt2(tmp_path, bytelevel_tokenizer, layers, heads, emb, *, tie=True, activation="gelu_new"):
+def _save_gpt2(tmp_path, bytelevel_tokenizer, layers, heads, emb, *, tie=True, activation="gelu_new", sharpen=False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tok_path, vocab = bytelevel_tokenizer
@@ -94,9 +117,51 @@ def _save_gpt2(tmp_path, bytelevel_tokenizer, layers, heads, emb, *, tie=True, a
         activation_function=activation,
         tie_word_embeddings=tie,
     )
-    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    model = GPT2LMHeadModel(config)
+    if sharpen:
+        _sharpen(model)
+    model.save_pretrained(tmp_path)
     shutil.copy(tok_path, tmp_path / "tokenizer.json")
     return GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+
+
+def _sharpen(model) -> None:
+    """Scale a random init until it behaves like a trained model where parity has power.
+
+    At init (std 0.02) attention is within ~0.01 of uniform and the MLP's inputs sit near 0, where
+    the tanh and erf forms of GELU agree to 1e-6: parity then passes whichever form is used. Larger
+    query/key weights peak the attention; larger MLP weights push pre-activations to |x| ~ 2-3,
+    where the two forms differ most (5e-4); larger embeddings make the logits O(1).
+    """
+    emb = model.config.n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, : 2 * emb].mul_(20.0)  # queries and keys, not values
+            block.mlp.c_fc.weight.mul_(8.0)
+            block.mlp.c_proj.weight.mul_(6.0)
+        model.transformer.wte.weight.mul_(10.0)
+
+
+def _gpt2_reference(ref_model, ids, activation=None):
+    """The reference's outputs; `activation` swaps in another GELU form to measure what parity can see."""
+    from transformers.activations import ACT2FN
+
+    saved = [block.mlp.act for block in ref_model.transformer.h]
+    if activation is not None:
+        for block in ref_model.transformer.h:
+            block.mlp.act = ACT2FN[activation]
+    try:
+        with torch.no_grad():
+            return ref_model(ids, output_attentions=True, output_hidden_states=True)
+    finally:
+        for block, act in zip(ref_model.transformer.h, saved):
+            block.mlp.act = act
+
+
+def _assert_gpt2_parity(ref, r):
+    assert (hf_attention(ref) - r.attention).abs().max().item() <= 1e-5
+    assert (ref.hidden_states[-1][0] - r.hidden).abs().max().item() <= 1e-4
+    assert (ref.logits[0] - r.logits).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("layers,heads,emb", [(2, 3, 24), (3, 5, 40)])
@@ -104,14 +169,31 @@ def test_random_gpt2_folder(tmp_path, bytelevel_tokenizer, layers, heads, emb):
     ref_model = _save_gpt2(tmp_path, bytelevel_tokenizer, layers, heads, emb)
     ours = load(tmp_path, device="cpu")
     assert ours.info.family == "gpt2" and ours.info.causal
-    for sentence in SENTENCES[:4]:
+    for sentence in [*SENTENCES[:4], PASTE]:
+        r = ours.attend(sentence, truncate=True)
+        assert sentence != PASTE or len(r.tokens) == 48  # the paste reaches the last position
+        _assert_gpt2_parity(_gpt2_reference(ref_model, torch.tensor([[t.id for t in r.tokens]])), r)
+
+
+@pytest.mark.parametrize("activation, wrong", [("gelu_new", "gelu"), ("gelu", "gelu_new"), ("gelu_pytorch_tanh", "gelu")])
+def test_sharpened_gpt2_parity_tells_the_gelu_forms_apart(tmp_path, bytelevel_tokenizer, activation, wrong):
+    """Peaked attention and large activations, so parity at 1e-5/1e-4 would fail with the other GELU."""
+    ref_model = _save_gpt2(tmp_path, bytelevel_tokenizer, 3, 4, 48, activation=activation, sharpen=True)
+    ours = load(tmp_path, device="cpu")
+    for sentence in [SENTENCES[1], SENTENCES[3], PASTE]:
         r = ours.attend(sentence, truncate=True)
         ids = torch.tensor([[t.id for t in r.tokens]])
-        with torch.no_grad():
-            ref = ref_model(ids, output_attentions=True, output_hidden_states=True)
-        assert (hf_attention(ref) - r.attention).abs().max().item() <= 1e-5
-        assert (ref.hidden_states[-1][0] - r.hidden).abs().max().item() <= 1e-4
-        assert (ref.logits[0] - r.logits).abs().max().item() <= 1e-4
+        ref = _gpt2_reference(ref_model, ids)
+        # The reference is what a trained model looks like: most queries put most weight on one key
+        # (uniform would give query i 1/(i+1), at most 0.2 from the fifth token on).
+        att = hf_attention(ref)  # (L, H, T, T)
+        assert att.max(-1).values[:, :, 4:].mean().item() > 0.5
+        # And the check has power: the wrong GELU form moves every output far beyond the tolerance.
+        other = _gpt2_reference(ref_model, ids, activation=wrong)
+        assert (hf_attention(other) - att).abs().max().item() > 20 * 1e-5
+        assert (other.hidden_states[-1][0] - ref.hidden_states[-1][0]).abs().max().item() > 4 * 1e-4
+        assert (other.logits[0] - ref.logits[0]).abs().max().item() > 5 * 1e-4
+        _assert_gpt2_parity(ref, r)
 
 
 def test_gpt2_untied_head_and_pytorch_bin(tmp_path, bytelevel_tokenizer):

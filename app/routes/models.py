@@ -20,10 +20,13 @@ async def list_models(registry: RegistryDep) -> ModelsResponse:
                 causal=s.model.info.causal,
                 n_layers=s.model.info.n_layers,
                 n_heads=s.model.info.n_heads,
+                n_kv_heads=s.model.info.n_kv_heads or s.model.info.n_heads,
                 d_model=s.model.info.d_model,
                 head_dim=s.model.info.head_dim,
                 max_tokens=s.model.info.max_tokens,
                 device=s.model.info.device,
+                dtype=s.model.info.dtype,
+                predictions=s.model.info.predictions,
                 default=s.default,
             )
             for s in registry.served()

@@ -15,7 +15,24 @@ def errors(*statuses: int) -> dict:
         503: "Models still loading",
         504: "Over the per-request time budget",
     }
-    return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
+    # One example per status: /docs otherwise showed the schema's single too_long example for all.
+    examples = {
+        401: ("unauthorized", "this server needs an API key: send Authorization: Bearer <key>"),
+        404: ("unknown_run", "run 5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f is unknown or was evicted from the cache; POST /api/v1/attention again"),
+        413: ("body_too_large", "request body is over the 1048576-byte limit"),
+        422: ("too_long", "input is 700 tokens long but the model takes at most 512; shorten it or ask for truncation"),
+        429: ("queue_full", "the queue is full; retry after the Retry-After delay"),
+        503: ("not_ready", "models are still loading; retry shortly"),
+        504: ("timeout", "the request took longer than its 30 s budget"),
+    }
+    return {
+        s: {
+            "model": ErrorResponse,
+            "description": descriptions[s],
+            "content": {"application/json": {"example": {"error": {"code": examples[s][0], "message": examples[s][1]}}}},
+        }
+        for s in statuses
+    }
 
 
 # The 200 answer's other form: with `Accept: application/vnd.manyeyes.frame`, the same object as a

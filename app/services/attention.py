@@ -111,6 +111,7 @@ class AttentionService:
     ) -> Reply:
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
+        top_k = self._top_k(served, options.predictions)
         self._check_chars(texts, batch)
         deadline = started + self.settings.request_timeout_s
         items = [
@@ -118,7 +119,7 @@ class AttentionService:
             for i, (text, pair) in enumerate(texts)
         ]
         await self._compute(served, items, view, options.truncate, deadline, client)
-        return await self._reply(served, items, view, batch, wire)
+        return await self._reply(served, items, view, batch, wire, top_k)
 
     async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire()) -> Reply:
         run = self.cache.get(run_id)
@@ -145,6 +146,17 @@ class AttentionService:
             resolve_indices(heads, info.n_heads, "head", info.id),
             fmt,
         )
+
+    @staticmethod
+    def _top_k(served: Served, asked) -> int | None:
+        if asked is None:
+            return None
+        if not served.model.info.predictions:
+            raise InvalidInput(
+                f"model {served.id} has no language-model head, so it makes no predictions; "
+                "GET /api/v1/models says which models do"
+            )
+        return asked.top_k
 
     def _check_chars(self, texts: list[tuple[str, str | None]], batch: bool) -> None:
         """Refuses long pastes before the tokenizer sees them (truncate=true tokenizes all of it)."""
@@ -202,7 +214,9 @@ class AttentionService:
                 "the server is busy or the input is long"
             ) from None
         for item, result in zip(missing, done):
-            item.run = Run(item.run_id, served.id, result.result.tokens, result.result.truncated, result.result.attention)
+            done_result = result.result
+            item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
+                           done_result.top_ids, done_result.top_probs)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
             self.cache.put(item.run)
 
@@ -215,13 +229,14 @@ class AttentionService:
                 raise TooLong(item.label + str(exc)) from None
             item.timing["tokenize"] = time.perf_counter() - started
 
-    async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire) -> Reply:
+    async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
+                     top_k: int | None = None) -> Reply:
         cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
         if cells <= INLINE_CELLS:
-            body, encoding = self._render(served, items, view, batch, wire)
+            body, encoding = self._render(served, items, view, batch, wire, top_k)
         else:
             async with self._renders:
-                body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire)
+                body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire, top_k)
         media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
         # The same URL answers differently to other Accept/Accept-Encoding headers.
         headers = {"Vary": "Accept, Accept-Encoding"}
@@ -229,15 +244,24 @@ class AttentionService:
             headers["Content-Encoding"] = encoding
         return Reply(body, media_type, self._log(items), headers)
 
-    def _render(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire) -> tuple[list[bytes], str | None]:
+    def _render(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
+                top_k: int | None = None) -> tuple[list[bytes], str | None]:
         info = served.model.info
+        found = [self._predictions(served, item.run, top_k) for item in items]
         if wire.frame:
-            body = render_frame([(item.run, item.timing) for item in items], info, view, batch)
+            body = render_frame([(item.run, item.timing, p) for item, p in zip(items, found)], info, view, batch)
         else:
-            body = join_results([render_result(item.run, info, view, item.timing) for item in items], batch)
+            body = join_results([render_result(item.run, info, view, item.timing, p) for item, p in zip(items, found)], batch)
         text = view.format == "json" and not wire.frame
         encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
         return self.compression.apply(encoding, body), encoding
+
+    @staticmethod
+    def _predictions(served: Served, run: Run, top_k: int | None) -> dict | None:
+        if top_k is None:
+            return None
+        found = served.model.predictions_from(run.tokens, run.top_ids, run.top_probs, top_k)
+        return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob} for p in preds] for pos, preds in found.items()}
 
     @staticmethod
     def _log(items: list[Item]) -> dict:

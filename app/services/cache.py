@@ -22,10 +22,14 @@ class Run:
     tokens: list[Token]
     truncated: bool
     attention: torch.Tensor  # (n_layers, n_heads, T, T) float32, CPU
+    # Models with an LM head: the top ids and probabilities per position, (T, MAX_TOP_K) each.
+    top_ids: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.attention.numel() * self.attention.element_size() + TOKEN_BYTES * len(self.tokens)
+        tops = sum(t.numel() * t.element_size() for t in (self.top_ids, self.top_probs) if t is not None)
+        return self.attention.numel() * self.attention.element_size() + TOKEN_BYTES * len(self.tokens) + tops
 
 
 def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:

@@ -29,3 +29,7 @@ class Metrics:
         )
         self.cache = Counter("manyeyes_cache_lookups", "Run cache lookups", ["result"], registry=r)
         self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run cache", registry=r)
+        self.generation_steps = Counter("manyeyes_generation_steps", "Tokens generated, by model", ["model"], registry=r)
+        self.generations = Counter(
+            "manyeyes_generations", "Generations by outcome: finished, or cancelled by a client that hung up", ["outcome"], registry=r
+        )

@@ -92,13 +92,15 @@ def encode_attention(attention: torch.Tensor, fmt: str) -> list[bytes]:
 
 def token_dicts(run: Run) -> list[dict]:
     return [
-        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment}
+        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment,
+         "piece": t.piece}
         for t in run.tokens
     ]
 
 
-def result_fields(run: Run, info, view: View) -> tuple[dict, dict]:
-    """The fields before and after `attention`, in the contract's order."""
+def result_fields(run: Run, info, view: View, predictions: dict | None = None) -> tuple[dict, dict]:
+    """The fields before and after `attention`, in the contract's order; `predictions`
+    (position -> top-k dicts) appears only when it was asked for."""
     before = {
         "run_id": run.run_id,
         "model": run.model,
@@ -110,19 +112,22 @@ def result_fields(run: Run, info, view: View) -> tuple[dict, dict]:
         "layers": view.layers,
         "heads": view.heads,
     }
-    return before, {"device": info.device}
+    after = {"device": info.device}
+    if predictions is not None:
+        after = {"predictions": predictions, **after}
+    return before, after
 
 
 def timing_ms(timing_s: dict) -> dict:
     return {k: round(v * 1000, 3) for k, v in timing_s.items()}
 
 
-def render_result(run: Run, info, view: View, timing_s: dict) -> list[bytes]:
+def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None) -> list[bytes]:
     """One v1 result as pieces of one JSON object, in the contract's field order;
     `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
     started = time.perf_counter()
     attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
-    before, after = result_fields(run, info, view)
+    before, after = result_fields(run, info, view, predictions)
     after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
     first = orjson.dumps(before)[:-1] + b',"attention":' + attention[0]
     return [first, *attention[1:-1], attention[-1] + b"," + orjson.dumps(after)[1:]]
@@ -139,14 +144,15 @@ def join_results(results: list[list[bytes]], batch: bool) -> list[bytes]:
     return pieces
 
 
-def render_frame(runs: list[tuple[Run, dict]], info, view: View, batch: bool) -> list[bytes]:
-    """The same answer as a binary frame (see services/wire.py): one JSON header, raw data after."""
+def render_frame(runs: list[tuple[Run, dict, dict | None]], info, view: View, batch: bool) -> list[bytes]:
+    """The same answer as a binary frame (see services/wire.py): one JSON header, raw data after.
+    `runs` holds (run, timing seconds, predictions or None) per result."""
     results, data, offset = [], [], 0
-    for run, timing_s in runs:
+    for run, timing_s, predictions in runs:
         started = time.perf_counter()
         attention = select(run.attention, view.layers, view.heads)
         raw = raw_data(attention, view.format)
-        before, after = result_fields(run, info, view)
+        before, after = result_fields(run, info, view, predictions)
         after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
         meta = {**attention_meta(attention, view.format), "offset": offset, "nbytes": len(raw)}
         results.append({**before, "attention": meta, **after})

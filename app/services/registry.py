@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -46,6 +47,9 @@ class Registry:
         self._batchers: dict[str, Batcher] = {}
         self.ready = threading.Event()
         self.failure: str | None = None
+        # Per model, for /readyz while loading: state (queued, downloading, loading, warming,
+        # ready, failed) and, while a Hub id downloads, bytes_done / bytes_total.
+        self.progress: dict[str, dict] = {model_id: {"state": "queued"} for model_id in settings.all_models()}
 
     def load_all(self) -> None:
         """Blocking; the app runs it in a thread so /healthz answers while models load."""
@@ -57,11 +61,14 @@ class Registry:
                 raise ModelLoadError(f"default model {self.default_id!r} is not among the configured models {sorted(specs)}")
             for model_id, spec in specs.items():
                 started = time.monotonic()
-                model = load(spec, device=s.device, half=s.half, name=model_id)
+                self.progress[model_id] = {"state": "loading"}
+                model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id,
+                             progress=self._reporter(model_id), show_progress=sys.stderr.isatty())
                 if AUTOCAST[s.autocast] is not None:
                     model.autocast_dtype = AUTOCAST[s.autocast]
                     model.info = replace(model.info, dtype=s.autocast)
                 if s.warmup:
+                    self.progress[model_id] = {"state": "warming"}
                     warm_up(model)
                 device = model.info.device
                 if device not in self._batchers:
@@ -78,11 +85,22 @@ class Registry:
                         device_quantise=device != "cpu" if s.device_quantise is None else s.device_quantise,
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
+                self.progress[model_id] = {"state": "ready"}
                 log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
             self.ready.set()
         except Exception as exc:  # reported by /readyz; the process stays up for diagnosis
             self.failure = f"{type(exc).__name__}: {exc}"
+            for model_id, state in self.progress.items():
+                if state["state"] not in ("ready", "queued"):
+                    self.progress[model_id] = {"state": "failed"}
             log.error("model loading failed: %s", self.failure)
+
+    def _reporter(self, model_id: str):
+        def report(done: int, total: int) -> None:
+            state = "downloading" if done < total else "loading"
+            self.progress[model_id] = {"state": state, "bytes_done": done, "bytes_total": total}
+
+        return report
 
     def get(self, model_id: str | None) -> Served:
         if not self.ready.is_set():

@@ -110,6 +110,12 @@ export function fetchSlice(runId, layers, heads, format, signal) {
   return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, withAuth, signal), {});
 }
 
+// The float32 mean over every head of `layers`, computed by the server, sent as float16.
+export function fetchMean(runId, layers, signal) {
+  const query = new URLSearchParams({ format: "f16", layers: layers.join(",") });
+  return viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, {}, signal);
+}
+
 export function isTooLong(err) {
   return err.status === 422 && /long|length|max_tokens|positions/i.test(`${err.code} ${err.message}`);
 }

@@ -1,26 +1,43 @@
 // The focus view: one head (or a mean) as a Plotly heatmap with token labels and a reading tooltip.
 
 import { plotlyText } from "./dom.js";
-import { palette } from "./theme.js";
+import { LOG_FLOOR, palette, scaled } from "./theme.js";
 
-const MAX_TICKS = 48;
+// Once this many tokens (or fewer) are in view, every one of them is labelled.
+export const ALL_LABELS = 64;
 const MAX_LABEL = 14;
 
 function shortLabel(text) {
   return text.length > MAX_LABEL ? text.slice(0, MAX_LABEL - 1) + "…" : text;
 }
 
-// Index-based axes: the same word can occur twice, so labels are ticks, never categories.
-function ticks(indices, tokens) {
-  const step = Math.max(1, Math.ceil(indices.length / MAX_TICKS));
+// The index range [lo, hi] an axis shows (the whole axis unless zoomed).
+function visibleRange(range, n) {
+  if (!range) return [0, n - 1];
+  const [a, b] = range[0] <= range[1] ? range : [range[1], range[0]];
+  return [Math.max(0, Math.ceil(a)), Math.min(n - 1, Math.floor(b))];
+}
+
+// Index-based axes: the same word can occur twice, so labels are ticks, never categories. Every
+// label in view is shown when ALL_LABELS or fewer are; beyond that every k-th.
+function ticks(indices, labels, range) {
+  const [lo, hi] = visibleRange(range, indices.length);
+  const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
   const tickvals = [];
   const ticktext = [];
-  for (let i = 0; i < indices.length; i += step) {
+  for (let i = lo; i <= hi; i += step) {
     tickvals.push(i);
-    ticktext.push(plotlyText(shortLabel(tokens[indices[i]].text)));
+    ticktext.push(plotlyText(shortLabel(labels[indices[i]])));
   }
-  return { tickvals, ticktext, tickmode: "array" };
+  return { tickvals, ticktext, tickmode: "array", shown: tickvals.length };
 }
+
+// Pixels per label decide the font: a label never gets more room than its row.
+function fontFor(axisPx, shown) {
+  return Math.max(7, Math.min(11, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
+}
+
+const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
 
 export class FocusView {
   constructor(plot, tooltip) {
@@ -29,109 +46,210 @@ export class FocusView {
     this.current = null;
     this.listening = false;
     this.filename = "manyeyes";
+    this.exportCaption = "";
+    this.ranges = { x: null, y: null };
+    this.revision = null;
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
-    const download = (format) => (gd) => window.Plotly.downloadImage(gd, { format, filename: this.filename, scale: format === "png" ? 2 : 1 });
+    // Nothing may leave this machine: no "Share chart" (Plotly 7 shows it by default and posts the
+    // figure to cloud.plotly.com), no logo link, no server URL, no Chart Studio link.
     this.config = {
       responsive: true,
       displaylogo: false,
-      modeBarButtonsToRemove: ["toImage", "select2d", "lasso2d", "autoScale2d"],
+      showSendToCloud: false,
+      showEditInChartStudio: false,
+      showLink: false,
+      showSources: false,
+      plotlyServerURL: "",
+      modeBarButtonsToRemove: ["toImage", "sendChartToCloud", "editInChartStudio", "downloadJson", "select2d", "lasso2d", "autoScale2d"],
       modeBarButtonsToAdd: [
-        { name: "downloadPng", title: "Download plot as PNG", icon: window.Plotly.Icons.camera, click: download("png") },
-        { name: "downloadSvg", title: "Download plot as SVG", icon: window.Plotly.Icons.disk, click: download("svg") },
+        { name: "downloadPng", title: "Download plot as PNG", icon: window.Plotly.Icons.camera, click: () => this.download("png") },
+        { name: "downloadSvg", title: "Download plot as SVG", icon: window.Plotly.Icons.disk, click: () => this.download("svg") },
       ],
     };
   }
 
-  async render({ view, tokens, title, filename }) {
+  // The plot fills what is left of the viewport below its top (on open, scrolled to the top), so
+  // the whole matrix and its key labels fit a 1366 × 768 laptop screen.
+  fitHeight() {
+    const top = this.plot.getBoundingClientRect().top + window.scrollY;
+    const narrow = window.innerWidth < 700;
+    const room = narrow ? window.innerWidth * 1.05 : window.innerHeight - top - 24;
+    this.height = Math.round(Math.max(340, Math.min(720, room)));
+    if (this.plot.style.height !== `${this.height}px`) this.plot.style.height = `${this.height}px`;
+  }
+
+  async render({ view, labels, title, filename, exportCaption, scale = "head", revision }) {
+    this.fitHeight();
     const pal = palette();
     const nRows = view.rows.length;
     const nCols = view.cols.length;
     const z = new Array(nRows);
     let peak = 0;
+    for (let i = 0; i < view.values.length; i++) if (view.values[i] > peak) peak = view.values[i];
+    const log = scale === "log";
     for (let r = 0; r < nRows; r++) {
       const row = new Array(nCols);
+      const base = r * nCols;
       for (let c = 0; c < nCols; c++) {
         // null leaves a gap that shows the masked colour, so masked never reads as zero.
-        const v = view.masked(r, c) ? null : view.values[r * nCols + c];
-        row[c] = v;
-        if (v > peak) peak = v;
+        if (view.masked(r, c)) row[c] = null;
+        else row[c] = log ? scaled(view.values[base + c], "log", peak) : view.values[base + c];
       }
       z[r] = row;
     }
-    this.current = { view, tokens };
+    if (revision !== this.revision) {
+      this.ranges = { x: null, y: null }; // a new text or a new shape: the zoom starts afresh
+      this.revision = revision;
+    }
+    this.current = { view, labels, nRows, nCols, title, scale };
     this.filename = filename;
-    const fontSize = Math.max(nRows, nCols) > 64 ? 9 : 11;
-    const axisFont = { size: fontSize, color: pal.text };
-    const xTicks = ticks(view.cols, tokens);
-    const yTicks = ticks(view.rows, tokens);
-    // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
-    const labelPx = (t) => 8 + fontSize * 0.62 * Math.max(1, ...t.ticktext.map((s) => s.length));
-    // On a phone the colorbar goes under the plot, leaving the width to the matrix.
-    const narrow = this.plot.clientWidth < 520;
-    const keysSpace = labelPx(xTicks) * 0.87 + (narrow ? 8 : 34);
+    this.exportCaption = exportCaption || title;
     const trace = {
       type: "heatmap",
       z,
       colorscale: pal.stops,
       zmin: 0,
-      zmax: peak > 0 ? peak : 1,
+      zmax: log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1,
       // Long inputs: one pixel per cell, scaled by the browser (crisp via CSS), far cheaper than
       // painting hundreds of thousands of bricks; shorter ones keep bricks, which export crisply too.
       zsmooth: Math.max(nRows, nCols) > 200 ? "fast" : false,
       hoverinfo: "none",
-      colorbar: narrow
-        ? { orientation: "h", y: -0.03, yanchor: "top", thickness: 10, len: 0.9, outlinewidth: 0, title: { text: "weight", side: "top" } }
-        : { title: { text: "weight", side: "right" }, thickness: 12, outlinewidth: 0 },
+      colorbar: this.colorbar(log),
     };
-    const layout = {
-      title: { text: plotlyText(title), font: { size: 15, color: pal.text }, x: 0.02, xanchor: "left", y: 0.995, yanchor: "top" },
+    await window.Plotly.react(this.plot, [trace], this.layout(), this.config);
+    if (!this.listening) this.listen();
+  }
+
+  // No plot at all, with a word in the caption: used when the first run fails.
+  clear(message) {
+    window.Plotly.purge(this.plot);
+    this.listening = false;
+    this.current = null;
+    this.tooltip.hidden = true;
+    this.plot.dataset.example = "false";
+    this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
+  }
+
+  colorbar(log) {
+    const narrow = this.plot.clientWidth < 520;
+    const title = { text: log ? "weight (log)" : "weight", side: narrow ? "top" : "right" };
+    const bar = narrow
+      ? { orientation: "h", y: -0.03, yanchor: "top", thickness: 10, len: 0.9, outlinewidth: 0, title }
+      : { title, thickness: 12, outlinewidth: 0 };
+    return log ? { ...bar, tickmode: "array", ...LOG_TICKS } : bar;
+  }
+
+  layout() {
+    const pal = palette();
+    const { view, labels, nRows, nCols, title } = this.current;
+    const narrow = this.plot.clientWidth < 520;
+    const xTicks = ticks(view.cols, labels, this.ranges.x);
+    const yTicks = ticks(view.rows, labels, this.ranges.y);
+    const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
+    const xFont = fontFor(side, xTicks.shown);
+    const yFont = fontFor(side, yTicks.shown);
+    // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
+    const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.ticktext.map((s) => s.length));
+    const keysSpace = labelPx(xTicks, xFont) + (narrow ? 8 : 30);
+    // On a phone the modebar takes the top line: the title goes on the next one.
+    const titleTop = narrow ? 34 : 0;
+    return {
+      // Given, not measured: Plotly.react keeps its old size when only the container changed.
+      height: this.height,
+      title: {
+        text: plotlyText(title), font: { size: 15, color: pal.text }, x: 0.02, xanchor: "left",
+        yref: "container", y: 1, yanchor: "top", pad: { t: 6 + titleTop },
+      },
       paper_bgcolor: pal.paper,
       plot_bgcolor: pal.masked,
       font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
       margin: {
-        t: narrow ? 30 + keysSpace : 40,
+        t: narrow ? 30 + titleTop + keysSpace : 40,
         r: 10,
         b: narrow ? 50 : keysSpace,
-        l: labelPx(yTicks) + (narrow ? 4 : 30),
+        l: labelPx(yTicks, yFont) + (narrow ? 4 : 30),
       },
+      // The same revision keeps the user's zoom while stepping through heads of the same text.
+      uirevision: this.revision,
       xaxis: {
-        ...xTicks, tickangle: -60, tickfont: axisFont, side: narrow ? "top" : "bottom",
+        tickvals: xTicks.tickvals, ticktext: xTicks.ticktext, tickmode: "array",
+        tickangle: xTicks.shown > 24 ? -90 : -60, tickfont: { size: xFont, color: pal.text }, side: narrow ? "top" : "bottom",
         title: { text: narrow ? "" : "key (attended to)", font: { color: pal.muted, size: 12 }, standoff: 6 },
         showgrid: false, zeroline: false, constrain: "domain",
+        ...(this.ranges.x ? { range: this.ranges.x } : { autorange: true }),
       },
       yaxis: {
-        ...yTicks, tickfont: axisFont, autorange: "reversed",
+        tickvals: yTicks.tickvals, ticktext: yTicks.ticktext, tickmode: "array",
+        tickfont: { size: yFont, color: pal.text },
         title: { text: narrow ? "" : "query (attending)", font: { color: pal.muted, size: 12 }, standoff: 6 },
         showgrid: false, zeroline: false, scaleanchor: nRows === nCols ? "x" : undefined, constrain: "domain",
+        ...(this.ranges.y ? { range: this.ranges.y } : { autorange: "reversed" }),
       },
     };
-    await window.Plotly.react(this.plot, [trace], layout, this.config);
-    if (!this.listening) this.listen();
+  }
+
+  // A zoom or pan: keep its ranges (for the next head) and label every token now in view.
+  onRelayout(event) {
+    if (this.relabelling || !this.current) return;
+    const read = (axis) => {
+      if (event[`${axis}axis.autorange`]) return null;
+      const a = event[`${axis}axis.range[0]`] ?? event[`${axis}axis.range`]?.[0];
+      const b = event[`${axis}axis.range[1]`] ?? event[`${axis}axis.range`]?.[1];
+      return a === undefined || b === undefined ? undefined : [a, b];
+    };
+    const x = read("x");
+    const y = read("y");
+    if (x === undefined && y === undefined) return;
+    if (x !== undefined) this.ranges.x = x;
+    if (y !== undefined) this.ranges.y = y;
+    this.relabelling = true;
+    window.Plotly.relayout(this.plot, this.layout()).finally(() => {
+      this.relabelling = false;
+    });
+  }
+
+  // Exports carry a caption: the model, the (shortened) text and the head or measure.
+  download(format) {
+    const figure = { data: this.plot.data, layout: { ...this.plot.layout } };
+    const margin = { ...figure.layout.margin };
+    margin.t = (margin.t || 40) + 40;
+    figure.layout.margin = margin;
+    figure.layout.title = { ...figure.layout.title, text: plotlyText(this.exportCaption), pad: { t: 8 }, font: { size: 13 } };
+    const width = this.plot.clientWidth;
+    const height = this.plot.clientHeight + 40;
+    return window.Plotly.downloadImage(figure, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
+  }
+
+  showReading(event) {
+    const point = event.points?.[0];
+    if (!point || !this.current) return;
+    const { view, labels } = this.current;
+    const r = point.pointIndex[0];
+    const c = point.pointIndex[1];
+    const q = view.rows[r];
+    const k = view.cols[c];
+    const reading = view.masked(r, c) ? "masked" : view.values[r * view.cols.length + c].toFixed(3);
+    const spans = this.spans ? `\n${this.spans(q)} → ${this.spans(k)}` : "";
+    this.tooltip.textContent = `${labels[q]} → ${labels[k]}: ${reading}${spans}`;
+    this.tooltip.dataset.query = q;
+    this.tooltip.dataset.key = k;
+    this.tooltip.hidden = false;
+    const box = this.plot.getBoundingClientRect();
+    const e = event.event;
+    const x = (e?.clientX ?? box.left + box.width / 2) - box.left;
+    const y = (e?.clientY ?? box.top + box.height / 2) - box.top;
+    this.tooltip.style.left = `${Math.max(4, Math.min(x + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
+    this.tooltip.style.top = `${y + 16}px`;
   }
 
   listen() {
     this.listening = true;
-    this.plot.on("plotly_hover", (event) => {
-      const point = event.points[0];
-      if (!point || !this.current) return;
-      const { view, tokens } = this.current;
-      const r = point.pointIndex[0];
-      const c = point.pointIndex[1];
-      const query = tokens[view.rows[r]].text;
-      const key = tokens[view.cols[c]].text;
-      const reading = view.masked(r, c) ? "masked" : view.values[r * view.cols.length + c].toFixed(3);
-      this.tooltip.textContent = `${query} → ${key}: ${reading}`;
-      this.tooltip.dataset.query = view.rows[r];
-      this.tooltip.dataset.key = view.cols[c];
-      this.tooltip.hidden = false;
-      const box = this.plot.getBoundingClientRect();
-      const x = event.event.clientX - box.left;
-      const y = event.event.clientY - box.top;
-      this.tooltip.style.left = `${Math.min(x + 14, box.width - this.tooltip.offsetWidth - 4)}px`;
-      this.tooltip.style.top = `${y + 16}px`;
-    });
+    this.plot.on("plotly_hover", (event) => this.showReading(event));
+    // A tap on a phone never hovers: the click shows the same reading.
+    this.plot.on("plotly_click", (event) => this.showReading(event));
     this.plot.on("plotly_unhover", () => {
       this.tooltip.hidden = true;
     });
+    this.plot.on("plotly_relayout", (event) => this.onRelayout(event));
   }
 }

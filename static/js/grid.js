@@ -2,13 +2,14 @@
 // Rows that scroll into view ask for their layers, so long inputs only fetch what is seen.
 
 import { el } from "./dom.js";
-import { colorTable } from "./theme.js";
+import { colorTable, scaled } from "./theme.js";
 import { isIdentity, viewOf } from "./transform.js";
 
 const MAX_THUMB_PIXELS = 128;
 
-// Max-pools a rows × cols matrix into at most MAX_THUMB_PIXELS per side (peaks stay visible).
-function drawThumb(canvas, values, nRows, nCols, maskedBlock) {
+// Max-pools a rows × cols matrix into at most MAX_THUMB_PIXELS per side (peaks stay visible);
+// weight = value × unit (1/255 for the u8 bytes), coloured on the page's chosen scale.
+function drawThumb(canvas, values, nRows, nCols, maskedBlock, scale = "head", unit = 1) {
   const k = Math.ceil(Math.max(nRows, nCols) / MAX_THUMB_PIXELS);
   const width = Math.ceil(nCols / k);
   const height = Math.ceil(nRows / k);
@@ -26,11 +27,12 @@ function drawThumb(canvas, values, nRows, nCols, maskedBlock) {
   for (let i = 0; i < pooled.length; i++) if (pooled[i] > peak) peak = pooled[i];
   const table = colorTable();
   const pixels = new Uint32Array(width * height);
-  const toIndex = peak > 0 ? 255 / peak : 0;
+  const peakWeight = peak * unit;
   for (let br = 0; br < height; br++) {
     for (let bc = 0; bc < width; bc++) {
       const i = br * width + bc;
-      pixels[i] = maskedBlock(br, bc, k) ? table[256] : table[Math.round(pooled[i] * toIndex)];
+      const index = Math.round(255 * Math.min(1, scaled(pooled[i] * unit, scale, peakWeight)));
+      pixels[i] = maskedBlock(br, bc, k) ? table[256] : table[index];
     }
   }
   canvas.width = width;
@@ -67,7 +69,7 @@ export class GridView {
         const canvas = el("canvas", { attrs: { width: 1, height: 1 } });
         const button = el("button", {
           className: "thumb loading",
-          attrs: { type: "button", "aria-label": `Layer ${l}, head ${h}`, "data-layer": l, "data-head": h },
+          attrs: { type: "button", "aria-label": `Layer ${l}, head ${h}`, title: `Layer ${l}, head ${h}`, "data-layer": l, "data-head": h },
         }, [canvas]);
         button.addEventListener("click", () => this.onSelect(l, h));
         cellsOfLayer.push(button);
@@ -105,14 +107,14 @@ export class GridView {
       const canvas = this.cells[layer][h].firstChild;
       if (fast) {
         const masked = run.causal ? (br, bc, k) => bc * k > Math.min((br + 1) * k - 1, T - 1) : () => false;
-        drawThumb(canvas, run.headBytes(layer, h), T, T, masked);
+        drawThumb(canvas, run.headBytes(layer, h), T, T, masked, options.scale, run.scale);
       } else {
         const view = viewOf(run.head(layer, h), run.tokens, { ...options, causal: run.causal });
         const nR = view.rows.length;
         const masked = run.causal
           ? (br, bc, k) => view.cols[bc * k] > view.rows[Math.min((br + 1) * k - 1, nR - 1)]
           : () => false;
-        drawThumb(canvas, view.values, nR, view.cols.length, masked);
+        drawThumb(canvas, view.values, nR, view.cols.length, masked, options.scale);
       }
       this.cells[layer][h].classList.remove("loading");
     }
@@ -123,12 +125,28 @@ export class GridView {
     for (let l = 0; l < this.run.nLayers; l++) this.paintLayer(l, options);
   }
 
+  // The same, one layer per frame: at T=512 a filtered layer costs tens of ms, all of them together
+  // would freeze the page for half a second. A newer call replaces an unfinished one.
+  paintAllSoon(options) {
+    const schedule = (this.schedule = {});
+    const layers = [...Array(this.run.nLayers).keys()];
+    const step = () => {
+      if (this.schedule !== schedule || !layers.length) return;
+      this.paintLayer(layers.shift(), options);
+      if (layers.length) requestAnimationFrame(step);
+    };
+    requestAnimationFrame(step);
+  }
+
   get complete() {
     return this.run && this.painted.size === this.run.nLayers;
   }
 
-  select(layer, head) {
-    for (const row of this.cells) for (const cell of row) cell.setAttribute("aria-pressed", "false");
-    this.cells[layer]?.[head]?.setAttribute("aria-pressed", "true");
+  // In head mode one cell is pressed; a mean marks the heads it averages instead.
+  select(layer, head, aggregate = "head") {
+    this.cells.forEach((row, l) => row.forEach((cell, h) => {
+      cell.setAttribute("aria-pressed", String(aggregate === "head" && l === layer && h === head));
+      cell.classList.toggle("in-mean", aggregate === "all" || (aggregate === "layer" && l === layer));
+    }));
   }
 }

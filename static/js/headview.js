@@ -6,7 +6,25 @@ import { palette } from "./theme.js";
 
 const ROW = 20;
 const BUCKETS = 10;
-const MIN_DRAWN = 0.02; // fainter lines only add noise
+const MIN_DRAWN = 0.02; // fainter lines only add noise...
+const TOP_PER_TOKEN = 3; // ...but each token keeps its strongest lines, so broad heads at long T still show
+
+// The k-th largest unmasked weight of row r (0 when the row has fewer).
+function topWeight(view, r, k) {
+  const nCols = view.cols.length;
+  const best = new Array(k).fill(0);
+  for (let c = 0; c < nCols; c++) {
+    const w = view.values[r * nCols + c];
+    if (w <= best[k - 1] || view.masked(r, c)) continue;
+    let i = k - 1;
+    while (i > 0 && best[i - 1] < w) {
+      best[i] = best[i - 1];
+      i--;
+    }
+    best[i] = w;
+  }
+  return best[k - 1];
+}
 
 export class HeadView {
   constructor(container) {
@@ -14,13 +32,14 @@ export class HeadView {
     this.drawings = null; // [{ view, color }], one per head drawn
   }
 
-  render(tokens, drawings) {
+  // labels: what each token is called; titles: what a hover says about it (its original span).
+  render(labels, titles, special, drawings) {
     this.drawings = drawings;
     const { rows, cols } = drawings[0].view;
     const tokenList = (indices, side) => el("ol", { className: `hv-tokens hv-${side}`, attrs: { "aria-label": side === "left" ? "Query tokens" : "Key tokens" } },
       indices.map((t, i) => {
-        const item = el("li", { text: tokens[t].text, attrs: { "data-index": i } });
-        if (tokens[t].special) item.classList.add("special");
+        const item = el("li", { text: labels[t], attrs: { "data-index": i, title: titles[t] } });
+        if (special[t]) item.classList.add("special");
         return item;
       }));
     this.left = tokenList(rows, "left");
@@ -54,17 +73,20 @@ export class HeadView {
     ctx.lineCap = "round";
     for (const item of this.left.children) item.classList.toggle("active", focus?.axis === "row" && Number(item.dataset.index) === focus.index);
     for (const item of this.right.children) item.classList.toggle("active", focus?.axis === "col" && Number(item.dataset.index) === focus.index);
+    let lines = 0;
     for (const { view, color } of this.drawings) {
       const nCols = view.cols.length;
       // Bucketed by weight: ten paths per head instead of one stroke per line.
       const paths = Array.from({ length: BUCKETS }, () => new Path2D());
       for (let r = 0; r < view.rows.length; r++) {
         if (focus?.axis === "row" && focus.index !== r) continue;
+        const floor = Math.min(MIN_DRAWN, topWeight(view, r, TOP_PER_TOKEN));
         for (let c = 0; c < nCols; c++) {
           if (focus?.axis === "col" && focus.index !== c) continue;
           const w = view.values[r * nCols + c];
-          if (w < MIN_DRAWN || view.masked(r, c)) continue;
+          if (w < floor || w <= 0 || view.masked(r, c)) continue;
           const path = paths[Math.min(BUCKETS - 1, Math.floor(w * BUCKETS))];
+          lines++;
           path.moveTo(0, r * ROW + ROW / 2);
           path.lineTo(width, c * ROW + ROW / 2);
         }
@@ -79,5 +101,6 @@ export class HeadView {
         ctx.stroke(path);
       });
     }
+    this.canvas.dataset.lines = lines; // read by the tests: a blank head view is a bug
   }
 }

@@ -1,21 +1,24 @@
 // Wires the page: input → API → run data → focus heatmap, model grid and head view, plus the permalink.
-// Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) feed bench/ui_bench.py.
+// Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
+// (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { describeError, fetchSlice, listModels, postAttention } from "./api.js";
+import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson } from "./download.js";
 import { FocusView } from "./focus.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
-import { readPermalink, writePermalink } from "./permalink.js";
+import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
 import { AttentionRun } from "./run.js";
-import { onThemeChange, palette } from "./theme.js";
-import { viewOf } from "./transform.js";
+import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
+import { describeToken, tokenLabels } from "./tokens.js";
+import { isIdentity, viewOf } from "./transform.js";
 
 // Above this many bytes of u8 attention, the first request asks only for the focused layer and the
 // grid fetches the others as they come into view. Token counts are guessed at ~4 characters each.
 const EAGER_BYTES = 4e6;
 const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
+const NARROW = window.matchMedia("(max-width: 700px)");
 
 const state = {
   models: [],
@@ -24,23 +27,28 @@ const state = {
   controller: null,
   layer: 0,
   head: 0,
-  headSet: new Set([0]),
+  extraHeads: new Set(), // heads ticked for the head view besides the focused one
   aggregate: "head",
   hideSpecial: false,
+  hideFirst: false,
   threshold: 0,
   segments: "all",
-  pending: new Set(), // u8 layers and "f16:layer:head" slices being fetched
+  scale: "head",
+  labels: "pieces",
+  pending: new Set(), // requests on their way: u8 layer numbers, "f16:<layer>", "mean:<key>"
   marks: new Set(),
   renderToken: 0,
+  interaction: null, // { name, start } of the input whose result is not on screen yet
+  labelCache: null,
 };
 
 const focus = new FocusView($("focus-plot"), $("tooltip"));
 const grid = new GridView($("grid"), {
   onSelect: (l, h) => {
     state.aggregate = "head";
-    setFocus(l, h);
+    setFocus(l, h, "grid");
   },
-  onNeedLayers: (layers) => loadLayers(layers),
+  onNeedLayers: (layers) => loadU8(layers),
 });
 const headView = new HeadView($("headview"));
 
@@ -50,10 +58,22 @@ function mark(name) {
   performance.mark(`manyeyes:${name}`);
 }
 
+function startInteraction(name) {
+  state.interaction = { name, start: performance.now() };
+}
+
+function explain(err) {
+  // The server's too-long message ends in its own advice; the page gives it once, in its words.
+  if (isTooLong(err)) return `Text too long: ${err.message.split(";")[0]}. Shorten it, or tick “Cut to fit” to keep the start.`;
+  return describeError(err);
+}
+
 function showError(message) {
   const box = $("error");
   box.textContent = message;
   box.hidden = !message;
+  // With no run behind it, the made-up example must not look like a result of the failed input.
+  if (message && !state.run) focus.clear("The example is hidden: the run above failed.");
 }
 
 function setBusy(busy) {
@@ -63,7 +83,10 @@ function setBusy(busy) {
 }
 
 function viewOptions() {
-  return { hideSpecial: state.hideSpecial, threshold: state.threshold, segments: state.segments, causal: state.run.causal };
+  return {
+    hideSpecial: state.hideSpecial, hideFirst: state.hideFirst, threshold: state.threshold,
+    segments: state.segments, causal: state.run.causal, scale: state.scale,
+  };
 }
 
 function modelInfo(id) {
@@ -74,64 +97,105 @@ function clamp(n, max) {
   return Math.min(Math.max(n ?? 0, 0), max - 1);
 }
 
+function labels() {
+  const run = state.run;
+  if (state.labelCache?.run !== run || state.labelCache.mode !== state.labels) {
+    state.labelCache = { run, mode: state.labels, labels: tokenLabels(run.tokens, state.labels), titles: run.tokens.map(describeToken) };
+  }
+  return state.labelCache;
+}
+
 // ---- data -------------------------------------------------------------------------------------
 
-async function loadLayers(layers, heads = null, format = "u8") {
-  const run = state.run;
+// One request for this run; if the server's cache dropped the run, the same text is posted again
+// (cheaply: one head of one layer) and the request repeated.
+async function fromRun(run, key, fetcher) {
   const pending = state.pending; // this run's own: a newer run gets a fresh set
-  const keys = format === "u8" ? layers : layers.flatMap((l) => heads.map((h) => `${format}:${l}:${h}`));
-  const wanted = format === "u8" ? layers.filter((l) => !run.hasLayer(l) && !pending.has(l)) : layers;
-  if (!wanted.length || keys.some((k) => format !== "u8" && pending.has(k))) return;
-  keys.forEach((k) => pending.add(k));
+  if (pending.has(key)) return null;
+  pending.add(key);
   try {
-    let slice;
     try {
-      slice = await fetchSlice(run.runId, wanted, heads, format, state.controller.signal);
+      return await fetcher(run.runId);
     } catch (err) {
       if (err.status !== 404) throw err;
-      // The server's cache dropped this run: the same request recomputes it.
-      slice = await postAttention({ ...state.request, layers: wanted, heads: heads ?? undefined, format }, state.controller.signal);
-      run.runId = slice.run_id;
+      const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "u8" }, state.controller.signal);
+      run.runId = again.run_id;
+      return await fetcher(run.runId);
     }
-    if (state.run !== run) return;
-    run.ingest(slice);
   } catch (err) {
-    if (err.name !== "AbortError" && state.run === run) showError(describeError(err));
-    return;
+    if (err.name !== "AbortError" && state.run === run) showError(explain(err));
+    return null;
   } finally {
-    keys.forEach((k) => pending.delete(k));
-  }
-  if (format === "u8") afterLayersArrived(wanted);
-  else if (state.aggregate === "head" && wanted.includes(state.layer) && heads.includes(state.head)) {
-    renderViews({ headView: false });
-  } else {
-    refineFocus(); // the focus moved on while these values were on their way
+    pending.delete(key);
   }
 }
 
-// Exact (float16) values for the focused head, once no layer is on its way: until then the u8
-// heatmap is as good to look at, and the grid's layers matter more.
-function refineFocus() {
+async function loadU8(layers) {
   const run = state.run;
-  if (!run || state.aggregate !== "head" || run.isPrecise(state.layer, state.head) || state.pending.size) return;
-  loadLayers([state.layer], [state.head], "f16");
+  const wanted = layers.filter((l) => !run.hasLayer(l) && !state.pending.has(String(l)));
+  if (!wanted.length) return;
+  const slice = await fromRun(run, wanted.join(","), (id) => fetchSlice(id, wanted, null, "u8", state.controller.signal));
+  if (!slice || state.run !== run) return;
+  run.ingest(slice);
+  const options = viewOptions();
+  wanted.forEach((l) => grid.paintLayer(l, options));
+  if (grid.complete) nextFrame().then(() => mark("grid-painted"));
+  if (state.aggregate === "head" && wanted.includes(state.layer)) renderViews();
+  else if (state.aggregate === "head" && !u8Pending() && !run.isPrecise(state.layer, state.head)) loadExact(state.layer);
 }
 
-function afterLayersArrived(layers) {
-  const options = viewOptions();
-  layers.forEach((l) => grid.paintLayer(l, options));
-  if (grid.complete) nextFrame().then(() => mark("grid-painted"));
-  if (state.aggregate === "all" || layers.includes(state.layer)) renderViews();
-  else refineFocus();
+function u8Pending() {
+  return [...state.pending].some((key) => !String(key).includes(":"));
+}
+
+// Exact (float16) values for every head of a layer: arrow steps within it then need no request,
+// and hide-special, hide-first and the threshold work on exact weights.
+async function loadExact(layer) {
+  const run = state.run;
+  const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal));
+  if (!slice || state.run !== run) return;
+  run.ingest(slice);
+  if (state.aggregate === "head" && state.layer === layer) renderViews();
+}
+
+async function loadMean(key, layers) {
+  const run = state.run;
+  const reply = await fromRun(run, `mean:${key}`, (id) => fetchMean(id, layers, state.controller.signal));
+  if (!reply || state.run !== run) return;
+  run.means.set(key, reply.attention.decoded.values);
+  if (meanKey() === key) renderViews();
+}
+
+function meanKey() {
+  if (state.aggregate === "all") return "all";
+  if (state.aggregate === "layer") return `layer:${state.layer}`;
+  return null;
 }
 
 // ---- rendering --------------------------------------------------------------------------------
 
+// The focused matrix and whether it is exact; null while what it needs is on its way (and asked for).
 function focusMatrix() {
   const run = state.run;
-  if (state.aggregate === "all") return run.mean([...Array(run.nLayers).keys()]);
-  if (state.aggregate === "layer") return run.mean([state.layer]);
-  return run.head(state.layer, state.head);
+  const key = meanKey();
+  if (key) {
+    const mean = run.exactMean(key);
+    if (mean) return { matrix: mean, precise: true };
+    loadMean(key, key === "all" ? [...Array(run.nLayers).keys()] : [state.layer]);
+    return null;
+  }
+  const precise = run.isPrecise(state.layer, state.head);
+  // The grid's layers go first; the exact layer follows once none is on its way (see loadU8).
+  if (!precise && !u8Pending()) loadExact(state.layer);
+  if (precise) return { matrix: run.head(state.layer, state.head), precise: true };
+  // Until the exact values arrive the 8-bit ones are as good to look at, but renormalised rows or
+  // a threshold would carry their rounding: those wait.
+  if (!run.hasLayer(state.layer)) {
+    loadU8([state.layer]);
+    return null;
+  }
+  if (!isIdentity(viewOptions(), run.hasPair)) return null;
+  return { matrix: run.head(state.layer, state.head), precise: false };
 }
 
 function focusTitle() {
@@ -146,39 +210,72 @@ function fileStem() {
   return `manyeyes-${state.run.model}-${what}`;
 }
 
-async function renderViews({ headView = true } = {}) {
+function exportCaption() {
+  const text = state.request.text + (state.request.text_pair ? ` | ${state.request.text_pair}` : "");
+  const short = text.length > 80 ? `${text.slice(0, 79)}…` : text;
+  return `${state.run.model} · ${focusTitle()} · “${short}”`;
+}
+
+function panelTitles() {
+  const names = { head: "Focused head", layer: `Mean of layer ${state.layer}`, all: "Mean of all heads" };
+  $("focus-title").textContent = names[state.aggregate];
+  const heads = drawnHeads();
+  $("headview-title").textContent = state.aggregate === "head"
+    ? `Head view: layer ${state.layer}, head${heads.length > 1 ? "s" : ""} ${heads.join(", ")}`
+    : `Head view: ${names[state.aggregate].toLowerCase()}`;
+}
+
+function drawnHeads() {
+  return [...new Set([state.head, ...state.extraHeads])].sort((a, b) => a - b);
+}
+
+async function renderViews({ headView: withHeadView = true } = {}) {
   const run = state.run;
   const token = ++state.renderToken;
   const plot = $("focus-plot");
-  const matrix = focusMatrix();
-  if (!matrix) {
-    $("focus-caption").textContent = "Loading these layers…";
-    const missing = state.aggregate === "all" ? run.missingLayers() : [state.layer];
-    loadLayers(missing);
+  panelTitles();
+  const focused = focusMatrix();
+  if (!focused) {
+    $("focus-caption").textContent = "Loading exact values…";
     return;
   }
-  const view = viewOf(matrix, run.tokens, viewOptions());
-  const precise = state.aggregate === "head" && run.isPrecise(state.layer, state.head);
-  await focus.render({ view, tokens: run.tokens, title: focusTitle(), filename: fileStem() });
+  const view = viewOf(focused.matrix, run.tokens, viewOptions());
+  const names = labels();
+  focus.spans = (i) => `“${run.tokens[i].text}”`;
+  await focus.render({
+    view, labels: names.labels, title: focusTitle(), filename: fileStem(), exportCaption: exportCaption(),
+    scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`,
+  });
   if (token !== state.renderToken) return;
   plot.dataset.layer = state.layer;
   plot.dataset.head = state.head;
   plot.dataset.aggregate = state.aggregate;
-  plot.dataset.precision = precise ? "f16" : "u8";
+  plot.dataset.precision = focused.precise ? "f16" : "u8";
+  plot.dataset.scale = state.scale;
   plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers.`);
-  $("focus-caption").textContent = caption(run);
+  $("focus-caption").textContent = caption(run, view);
   await nextFrame();
   mark("first-heatmap");
+  if (state.interaction && token === state.renderToken) {
+    const { name, start } = state.interaction;
+    state.interaction = null;
+    performance.measure(`manyeyes:interaction:${name}`, { start, end: performance.now() });
+  }
   // The head view is secondary: draw it after the heatmap has reached the screen.
-  if (headView) setTimeout(() => token === state.renderToken && renderHeadView(), 0);
-  if (!precise) refineFocus();
+  if (withHeadView) setTimeout(() => token === state.renderToken && renderHeadView(), 0);
 }
 
-function caption(run) {
-  const parts = [`${run.T} tokens${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
+function caption(run, view) {
+  const shown = Math.max(view.rows.length, view.cols.length);
+  const count = shown === run.T ? `${run.T} tokens` : `${view.rows.length} × ${view.cols.length} of ${run.T} tokens shown`;
+  const parts = [`${count}${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
   parts.push(run.causal ? "causal: grey cells are masked, a token cannot see ahead" : "bidirectional");
-  if (state.hideSpecial) parts.push("special tokens hidden, rows renormalised");
+  if (state.hideSpecial) parts.push("special tokens hidden");
+  if (state.hideFirst) parts.push("first token hidden");
+  if (state.hideSpecial || state.hideFirst) parts.push("rows renormalised");
   if (state.threshold > 0) parts.push(`weights under ${state.threshold.toFixed(2)} shown as 0`);
+  if (state.scale === "fixed") parts.push("colour: fixed 0–1");
+  if (state.scale === "log") parts.push("colour: log scale");
   return parts.join(" · ");
 }
 
@@ -186,12 +283,21 @@ function renderHeadView() {
   const run = state.run;
   const options = viewOptions();
   const pal = palette();
-  const matrices = state.aggregate === "head"
-    ? [...state.headSet].sort((a, b) => a - b).map((h) => ({ matrix: run.head(state.layer, h), color: pal.heads[h % pal.heads.length] }))
-    : [{ matrix: focusMatrix(), color: pal.heads[0] }];
-  const drawings = matrices.filter((m) => m.matrix).map(({ matrix, color }) => ({ view: viewOf(matrix, run.tokens, options), color }));
+  let drawings;
+  if (state.aggregate === "head") {
+    drawings = drawnHeads().map((h) => {
+      const matrix = run.isPrecise(state.layer, h) ? run.head(state.layer, h) : isIdentity(options, run.hasPair) ? run.head(state.layer, h) : null;
+      return matrix && { view: viewOf(matrix, run.tokens, options), color: pal.heads[h % pal.heads.length] };
+    }).filter(Boolean);
+  } else {
+    const focused = focusMatrix();
+    drawings = focused ? [{ view: viewOf(focused.matrix, run.tokens, options), color: pal.heads[0] }] : [];
+  }
   if (!drawings.length) return;
-  headView.render(run.tokens, drawings);
+  const names = labels();
+  headView.render(names.labels, names.titles, run.tokens.map((t) => t.special), drawings);
+  $("headview").dataset.layer = state.layer;
+  $("headview").dataset.heads = state.aggregate === "head" ? drawnHeads().join(",") : state.aggregate;
   renderHeadChips();
 }
 
@@ -199,16 +305,17 @@ function renderHeadChips() {
   const run = state.run;
   const fieldset = $("headview-heads");
   const pal = palette();
-  const chips = [el("legend", { text: "Heads drawn" })];
+  const chips = [el("legend", { text: `Heads of layer ${state.layer} drawn (the focused one always)` })];
   for (let h = 0; h < run.nHeads; h++) {
     const box = el("input", { attrs: { type: "checkbox", id: `hv-head-${h}` } });
-    box.checked = state.headSet.has(h);
-    box.disabled = state.aggregate !== "head";
+    box.checked = h === state.head || state.extraHeads.has(h);
+    box.disabled = state.aggregate !== "head" || h === state.head;
     box.addEventListener("change", () => {
-      if (box.checked) state.headSet.add(h);
-      else if (state.headSet.size > 1) state.headSet.delete(h);
-      else box.checked = true; // at least one head stays drawn
+      if (box.checked) state.extraHeads.add(h);
+      else state.extraHeads.delete(h);
+      panelTitles();
       renderHeadView();
+      updatePermalink();
     });
     const swatch = el("span", { className: "swatch", attrs: { "aria-hidden": "true" } });
     swatch.style.background = pal.heads[h % pal.heads.length];
@@ -218,38 +325,106 @@ function renderHeadChips() {
   fieldset.hidden = false;
 }
 
-function setFocus(layer, head) {
+function setFocus(layer, head, how = "select") {
   const run = state.run;
   if (!run) return;
+  startInteraction(how);
   layer = clamp(layer, run.nLayers);
   head = clamp(head, run.nHeads);
-  const sameHeadSet = state.headSet.size <= 1;
   state.layer = layer;
   state.head = head;
-  if (sameHeadSet) state.headSet = new Set([head]);
+  state.extraHeads.delete(head);
   if (state.aggregate === "all") state.aggregate = "head";
   $("layer").value = String(layer);
   $("head").value = String(head);
   $("aggregate").value = state.aggregate;
-  grid.select(layer, head);
+  grid.select(layer, head, state.aggregate);
   updatePermalink();
   renderViews();
 }
 
+// ---- permalink --------------------------------------------------------------------------------
+
+function viewState() {
+  return {
+    text: state.request.text, text_pair: state.request.text_pair ?? null, model: state.run.model,
+    truncate: state.request.truncate, layer: state.layer, head: state.head, aggregate: state.aggregate,
+    heads: [...state.extraHeads].sort((a, b) => a - b), hide_special: state.hideSpecial, hide_first: state.hideFirst,
+    threshold: state.threshold, segments: state.segments, scale: state.scale, labels: state.labels,
+  };
+}
+
+let saveTimer = 0;
+
+// Saved a moment after the last change (an arrow key held down saves once); `push` makes a new
+// history entry, for a new text.
 function updatePermalink(push = false) {
-  if (!state.request) return;
-  writePermalink({
-    text: state.request.text,
-    pair: state.request.text_pair || "",
-    model: state.run.model,
-    layer: state.layer,
-    head: state.head,
-  }, push);
+  if (!state.request || !state.run) return;
+  clearTimeout(saveTimer);
+  document.body.dataset.viewPending = "true"; // tests wait for the address bar to catch up
+  const save = () => {
+    saveView(viewState()).then((id) => {
+      writePermalink(id, push);
+      document.body.dataset.view = id;
+    }).catch(() => {
+      // The link is a convenience: the view itself goes on working.
+    }).finally(() => {
+      if (saveTimer === timer) delete document.body.dataset.viewPending;
+    });
+  };
+  let timer = 0;
+  timer = saveTimer = push ? 0 : setTimeout(save, 250);
+  if (push) save();
+}
+
+function applyViewState(v) {
+  state.aggregate = v.aggregate ?? "head";
+  state.extraHeads = new Set(v.heads ?? []);
+  state.hideSpecial = Boolean(v.hide_special);
+  state.hideFirst = Boolean(v.hide_first);
+  state.threshold = v.threshold ?? 0;
+  state.segments = v.segments ?? "all";
+  state.scale = v.scale ?? "head";
+  state.labels = v.labels ?? "pieces";
+  $("text").value = v.text;
+  $("pair").value = v.text_pair ?? "";
+  $("truncate").checked = Boolean(v.truncate);
+  if (v.model && state.models.some((m) => m.id === v.model)) $("model").value = v.model;
+  syncControls();
+}
+
+function syncControls() {
+  $("aggregate").value = state.aggregate;
+  $("hide-special").checked = state.hideSpecial;
+  $("hide-first").checked = state.hideFirst;
+  $("threshold").value = String(state.threshold);
+  $("threshold-value").textContent = state.threshold.toFixed(2);
+  $("segments").value = state.segments;
+  $("scale").value = state.scale;
+  $("labels").value = state.labels;
+}
+
+async function restoreFromUrl(push) {
+  const link = readPermalink();
+  let saved = null;
+  if (link.view) {
+    try {
+      saved = await loadView(link.view);
+    } catch (err) {
+      showError(err.status === 404 ? "This link has expired: the server no longer holds its view. Run the text again." : explain(err));
+      return;
+    }
+  } else if (link.legacy) {
+    saved = { ...link.legacy, truncate: false };
+  }
+  if (!saved) return;
+  applyViewState(saved);
+  await submit({ layer: saved.layer ?? 0, head: saved.head ?? 0, push, restoring: true });
 }
 
 // ---- running ----------------------------------------------------------------------------------
 
-async function submit({ layer = 0, head = 0, push = true } = {}) {
+async function submit({ layer = 0, head = 0, push = true, restoring = false } = {}) {
   const text = $("text").value;
   const pair = $("pair").value;
   if (!text.trim()) {
@@ -257,6 +432,7 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
     $("text").focus();
     return;
   }
+  const typedIn = document.activeElement === $("text") || document.activeElement === $("pair");
   state.controller?.abort();
   state.controller = new AbortController();
   state.marks = new Set();
@@ -275,7 +451,7 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
     response = await postAttention(lazy ? { ...request, layers: [layer] } : request, state.controller.signal);
   } catch (err) {
     if (err.name !== "AbortError") {
-      showError(describeError(err));
+      showError(explain(err));
       setBusy(false);
     }
     return;
@@ -287,14 +463,23 @@ async function submit({ layer = 0, head = 0, push = true } = {}) {
   state.pending = new Set();
   state.layer = layer;
   state.head = clamp(head, run.nHeads);
-  state.headSet = new Set([state.head]);
+  if (!restoring) state.extraHeads = new Set();
+  state.extraHeads = new Set([...state.extraHeads].filter((h) => h < run.nHeads && h !== state.head));
+  if (!run.hasPair) state.segments = "all";
   setupControls(run);
   $("controls").hidden = false;
+  $("keys-hint").hidden = false;
   updatePermalink(push);
   grid.build(run);
-  grid.select(state.layer, state.head);
+  grid.select(state.layer, state.head, state.aggregate);
+  if (NARROW.matches) {
+    $("controls").open = false;
+    $("views").scrollIntoView({ block: "start" });
+  }
   await renderViews();
   setBusy(false);
+  // After Enter the caret would keep the arrow keys in the text box: the heatmap takes them.
+  if (typedIn) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
@@ -305,24 +490,27 @@ function setupControls(run) {
   fillSelect($("layer"), range(run.nLayers), state.layer);
   fillSelect($("head"), range(run.nHeads), state.head);
   $("segments").disabled = !run.hasPair;
-  if (!run.hasPair) state.segments = "all";
-  $("segments").value = state.segments;
-  $("aggregate").value = state.aggregate;
+  syncControls();
 }
 
 let optionsFrame = 0;
 
-function optionsChanged() {
+function optionsChanged(event) {
+  startInteraction(event?.target?.id ?? "options");
   state.hideSpecial = $("hide-special").checked;
+  state.hideFirst = $("hide-first").checked;
   state.threshold = Number($("threshold").value);
   state.segments = $("segments").value;
+  state.scale = $("scale").value;
+  state.labels = $("labels").value;
   $("threshold-value").textContent = state.threshold.toFixed(2);
   if (!state.run || optionsFrame) return;
-  // A dragged slider fires many events; repainting 72 thumbnails once per frame is plenty.
+  // A dragged slider fires many events: one redraw per frame; the focus first, the 72 thumbnails
+  // one layer per frame after it.
   optionsFrame = requestAnimationFrame(() => {
     optionsFrame = 0;
-    grid.paintAll(viewOptions());
-    renderViews();
+    renderViews().then(() => grid.paintAllSoon(viewOptions()));
+    updatePermalink();
   });
 }
 
@@ -339,14 +527,16 @@ function onKey(event) {
   // Heads wrap into the neighbouring layer, so the arrows walk through every head in order.
   const flat = (state.layer + step[0]) * nHeads + state.head + step[1];
   const wrapped = (flat + nLayers * nHeads) % (nLayers * nHeads);
-  setFocus(Math.floor(wrapped / nHeads), wrapped % nHeads);
+  state.aggregate = "head";
+  setFocus(Math.floor(wrapped / nHeads), wrapped % nHeads, "arrow");
 }
 
 async function download(kind) {
   const run = state.run;
   if (!run) return;
-  let matrix = focusMatrix();
-  let precision = state.aggregate === "head" && run.isPrecise(state.layer, state.head) ? "float16" : "uint8";
+  const focused = focusMatrix();
+  let matrix = focused?.matrix;
+  let precision = focused?.precise ? "float16" : "uint8";
   if (state.aggregate === "head") {
     // A single head is worth its exact float32 values: the cached run serves them without a new forward.
     try {
@@ -365,7 +555,7 @@ async function download(kind) {
     downloadJson(fileStem(), data, {
       model: run.model, run_id: run.runId, text: state.request.text, text_pair: state.request.text_pair ?? null,
       layer: state.aggregate === "all" ? null : state.layer, head: state.aggregate === "head" ? state.head : null,
-      aggregate: state.aggregate, hide_special: state.hideSpecial, threshold: state.threshold,
+      aggregate: state.aggregate, hide_special: state.hideSpecial, hide_first: state.hideFirst, threshold: state.threshold,
       segments: state.segments, precision,
     });
   }
@@ -373,21 +563,16 @@ async function download(kind) {
 
 async function copyLink() {
   const status = $("link-status");
+  if (!state.run) return;
+  clearTimeout(saveTimer); // saved now, not in a moment
   try {
+    const id = await saveView(viewState());
+    writePermalink(id);
     await navigator.clipboard.writeText(window.location.href);
     status.textContent = "Link copied.";
   } catch {
     status.textContent = "The address bar holds this view: copy it from there.";
   }
-}
-
-async function restoreFromUrl(push) {
-  const link = readPermalink();
-  if (!link.text) return;
-  $("text").value = link.text;
-  $("pair").value = link.pair;
-  if (link.model && state.models.some((m) => m.id === link.model)) $("model").value = link.model;
-  await submit({ layer: link.layer ?? 0, head: link.head ?? 0, push });
 }
 
 // Until the first run the focus view shows a made-up example: the plot then exists and Plotly's
@@ -398,10 +583,14 @@ function renderExample() {
   const n = words.length;
   const matrix = new Float32Array(n * n).map((_, i) => 1 / (1 + Math.abs(Math.floor(i / n) - (i % n)) * 3));
   const view = viewOf(matrix, tokens, { hideSpecial: false, threshold: 0, segments: "all", causal: false });
-  return focus.render({ view, tokens, title: "Example: type a sentence above and press Enter", filename: "manyeyes-example" });
+  $("focus-plot").dataset.example = "true";
+  return focus.render({ view, labels: words, title: "Example: type a sentence above and press Enter", filename: "manyeyes-example", revision: "example" });
 }
 
 async function init() {
+  $("theme").value = themeChoice();
+  setTheme(themeChoice());
+  if (NARROW.matches) $("controls").open = false;
   renderExample();
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -410,17 +599,26 @@ async function init() {
   $("layer").addEventListener("change", () => setFocus(Number($("layer").value), state.head));
   $("head").addEventListener("change", () => setFocus(state.layer, Number($("head").value)));
   $("aggregate").addEventListener("change", () => {
+    startInteraction("aggregate");
     state.aggregate = $("aggregate").value;
+    grid.select(state.layer, state.head, state.aggregate);
+    updatePermalink();
     renderViews();
   });
-  for (const id of ["hide-special", "threshold", "segments"]) $(id).addEventListener("input", optionsChanged);
+  for (const id of ["hide-special", "hide-first", "threshold", "segments", "scale", "labels"]) $(id).addEventListener("input", optionsChanged);
+  $("theme").addEventListener("change", () => setTheme($("theme").value));
   $("download-csv").addEventListener("click", () => download("csv"));
   $("download-json").addEventListener("click", () => download("json"));
   $("copy-link").addEventListener("click", copyLink);
+  // The address bar is the permalink; /export turns the same view into one downloadable file.
+  $("export-page").addEventListener("click", () => window.location.assign("/export" + window.location.search));
   document.addEventListener("keydown", onKey);
   window.addEventListener("popstate", () => restoreFromUrl(false));
   onThemeChange(() => {
-    if (!state.run) return;
+    if (!state.run) {
+      if ($("focus-plot").dataset.example === "true") renderExample();
+      return;
+    }
     grid.paintAll(viewOptions());
     renderViews();
   });
@@ -428,7 +626,7 @@ async function init() {
   try {
     state.models = await listModels();
   } catch (err) {
-    showError(`Cannot list the models: ${describeError(err)}`);
+    showError(`Cannot list the models: ${explain(err)}`);
     return;
   }
   const label = (m) => `${m.id} (${m.family}, ${m.n_layers}×${m.n_heads}${m.causal ? ", causal" : ""})`;

@@ -1,27 +1,47 @@
-// The URL is the permalink: text, pair, model, layer and head, restored on load and on back/forward.
+// The permalink: the whole view (text, controls, chosen heads) is saved on the server under a
+// content id, so the address bar holds only `?view=<id>` however long the text. Links in the old
+// form (?text=…&model=…&layer=…&head=…) still open.
 
+import { request } from "./api.js";
+
+const VIEW_ID = /^[0-9a-f]{18}$/;
+
+// Returns { view } (an id to fetch), { legacy } (the old query fields) or {} for a plain page.
 export function readPermalink() {
   const params = new URLSearchParams(window.location.search);
+  const id = params.get("view");
+  if (id && VIEW_ID.test(id)) return { view: id };
+  if (!params.get("text")) return {};
   const int = (name) => {
     const n = Number.parseInt(params.get(name) ?? "", 10);
-    return Number.isFinite(n) && n >= 0 ? n : null;
+    return Number.isFinite(n) && n >= 0 ? n : 0;
   };
   return {
-    text: params.get("text") ?? "",
-    pair: params.get("pair") ?? "",
-    model: params.get("model") ?? "",
-    layer: int("layer"),
-    head: int("head"),
+    legacy: {
+      text: params.get("text"),
+      text_pair: params.get("pair") || null,
+      model: params.get("model") ?? "",
+      layer: int("layer"),
+      head: int("head"),
+    },
   };
 }
 
-export function writePermalink({ text, pair, model, layer, head }, push = false) {
-  const params = new URLSearchParams({ text });
-  if (pair) params.set("pair", pair);
-  params.set("model", model);
-  params.set("layer", layer);
-  params.set("head", head);
-  const url = `${window.location.pathname}?${params}`;
+export function loadView(id) {
+  return request(`/api/v1/views/${id}`);
+}
+
+export async function saveView(state) {
+  const { id } = await request("/api/v1/views", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(state),
+  });
+  return id;
+}
+
+export function writePermalink(id, push = false) {
+  const url = `${window.location.pathname}?view=${id}`;
   if (url === window.location.pathname + window.location.search) return;
   if (push) window.history.pushState(null, "", url);
   else window.history.replaceState(null, "", url);

@@ -14,6 +14,7 @@ export class AttentionRun {
     this.layerBytes = new Array(this.nLayers).fill(null); // each Uint8Array [head][query][key]
     this.scale = 1 / 255;
     this.precise = new Map(); // "layer:head" -> Float32Array [query][key]
+    this.means = new Map(); // "all" or "layer:N" -> Float32Array, the server's float32 mean
     this.hasPair = response.tokens.some((t) => t.segment === 1);
     this.ingest(response);
   }
@@ -67,19 +68,8 @@ export class AttentionRun {
     return values;
   }
 
-  // Mean over the heads of one layer, or over every layer and head; null until the data is here.
-  mean(layers) {
-    if (!layers.every((l) => this.hasLayer(l))) return null;
-    const cells = this.T * this.T;
-    const sum = new Float32Array(cells);
-    for (const layer of layers) {
-      const bytes = this.layerBytes[layer];
-      for (let offset = 0; offset < bytes.length; offset += cells) {
-        for (let i = 0; i < cells; i++) sum[i] += bytes[offset + i];
-      }
-    }
-    const factor = this.scale / (layers.length * this.nHeads);
-    for (let i = 0; i < cells; i++) sum[i] *= factor;
-    return sum;
+  // The exact mean the server computed; null until it has arrived.
+  exactMean(key) {
+    return this.means.get(key) ?? null;
   }
 }

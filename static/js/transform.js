@@ -3,38 +3,47 @@
 const SEGMENT_FILTERS = { all: [null, null], AA: [0, 0], AB: [0, 1], BA: [1, 0], BB: [1, 1] };
 
 export function isIdentity(options, hasPair) {
-  return !options.hideSpecial && options.threshold <= 0 && (!hasPair || options.segments === "all");
+  return !options.hideSpecial && !options.hideFirst && options.threshold <= 0 && (!hasPair || options.segments === "all");
 }
 
-// Returns { rows, cols, values (rows.length × cols.length), masked(r, c) }; rows and cols hold token indices.
-export function viewOf(matrix, tokens, { hideSpecial, threshold, segments, causal }) {
+// Hidden tokens: special ones, and/or the first token (the "attention sink" of causal models).
+function hiddenOf(tokens, { hideSpecial, hideFirst }) {
+  return tokens.map((t, i) => (hideSpecial && t.special) || (hideFirst && i === 0));
+}
+
+// Returns { rows, cols, values (rows.length × cols.length), masked(r, c), shown }; rows and cols hold
+// token indices. Rows are renormalised over every key that is not hidden, so a pair block shows
+// each row's real share.
+export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, threshold, segments, causal }) {
   const T = tokens.length;
   const [rowSegment, colSegment] = SEGMENT_FILTERS[segments] || SEGMENT_FILTERS.all;
-  const keep = (t, segment) => !(hideSpecial && t.special) && (segment === null || t.segment === segment);
+  const hidden = hiddenOf(tokens, { hideSpecial, hideFirst });
+  const keep = (t, i, segment) => !hidden[i] && (segment === null || t.segment === segment);
   const rows = [];
   const cols = [];
   tokens.forEach((t, i) => {
-    if (keep(t, rowSegment)) rows.push(i);
-    if (keep(t, colSegment)) cols.push(i);
+    if (keep(t, i, rowSegment)) rows.push(i);
+    if (keep(t, i, colSegment)) cols.push(i);
   });
 
-  // Renormalise over every non-special key, so a pair block shows each row's real share.
-  const nonSpecial = hideSpecial ? tokens.map((t, i) => (t.special ? -1 : i)).filter((i) => i >= 0) : null;
-  const values = new Float32Array(rows.length * cols.length);
-  rows.forEach((q, r) => {
-    const base = q * T;
+  const renormalise = hideSpecial || hideFirst;
+  const visibleKeys = renormalise ? hidden.map((h, i) => (h ? -1 : i)).filter((i) => i >= 0) : null;
+  const nCols = cols.length;
+  const values = new Float32Array(rows.length * nCols);
+  for (let r = 0; r < rows.length; r++) {
+    const base = rows[r] * T;
     let norm = 1;
-    if (nonSpecial) {
+    if (visibleKeys) {
       let total = 0;
-      for (const k of nonSpecial) total += matrix[base + k];
+      for (let k = 0; k < visibleKeys.length; k++) total += matrix[base + visibleKeys[k]];
       norm = total > 0 ? 1 / total : 0;
     }
-    const out = r * cols.length;
-    for (let c = 0; c < cols.length; c++) {
+    const out = r * nCols;
+    for (let c = 0; c < nCols; c++) {
       const w = matrix[base + cols[c]] * norm;
       values[out + c] = w < threshold ? 0 : w;
     }
-  });
+  }
   const masked = causal ? (r, c) => cols[c] > rows[r] : () => false;
-  return { rows, cols, values, masked };
+  return { rows, cols, values, masked, causal: Boolean(causal) };
 }

@@ -11,7 +11,7 @@ import pytest
 from tests.api.conftest import decode, metric
 
 TEXT = "The bank of the river."
-TOKEN_KEYS = {"text", "id", "start", "end", "special", "segment"}
+TOKEN_KEYS = {"text", "id", "start", "end", "special", "segment", "piece"}
 
 
 def test_models_lists_the_default_minilm(api):
@@ -19,8 +19,9 @@ def test_models_lists_the_default_minilm(api):
     assert body == {
         "models": [
             {
-                "id": "minilm", "family": "bert", "causal": False, "n_layers": 6, "n_heads": 12, "d_model": 384,
-                "head_dim": 32, "max_tokens": 512, "device": "cpu", "default": True,
+                "id": "minilm", "family": "bert", "causal": False, "n_layers": 6, "n_heads": 12, "n_kv_heads": 12,
+                "d_model": 384, "head_dim": 32, "max_tokens": 512, "device": "cpu", "dtype": "float32",
+                "predictions": False, "default": True,
             }
         ]
     }
@@ -39,8 +40,8 @@ def test_attention_json_matches_the_model(api, minilm):
     assert (body["n_layers"], body["n_heads"], body["device"]) == (6, 12, "cpu")
     assert body["layers"] == list(range(6)) and body["heads"] == list(range(12))
     assert all(set(t) == TOKEN_KEYS for t in body["tokens"])
-    assert [(t["text"], t["id"], t["start"], t["end"], t["special"], t["segment"]) for t in body["tokens"]] == [
-        (t.text, t.id, t.start, t.end, t.special, t.segment) for t in expected.tokens
+    assert [(t["text"], t["id"], t["start"], t["end"], t["special"], t["segment"], t["piece"]) for t in body["tokens"]] == [
+        (t.text, t.id, t.start, t.end, t.special, t.segment, t.piece) for t in expected.tokens
     ]
     att = body["attention"]
     assert (att["format"], att["dtype"], att["shape"]) == ("json", "float32", [6, 12, 8, 8])
@@ -144,8 +145,23 @@ def test_openapi_documents_the_contract_with_examples(api):
     assert api.get("/docs").status_code == 200
 
 
+# How far each format may be from the float32 weights: u8 rounds to the nearest 1/255, f16 keeps 11 bits.
+FORMAT_TOLERANCE = {"json": 1e-6, "u8": 0.5 / 255 + 1e-6, "f16": 1e-3}
+
+
 @pytest.mark.parametrize("fmt", ["json", "u8", "f16"])
 def test_every_format_round_trips_the_same_run(api, fmt, minilm):
-    body = api.post("/api/v1/attention", json={"text": "Rivers have banks.", "format": fmt, "layers": [1]}).json()
+    """The POST's weights are the model's, and the cached run's slice in the same format is the same bytes' worth."""
+    text = "Rivers have banks."
+    body = api.post("/api/v1/attention", json={"text": text, "format": fmt, "layers": [1]}).json()
     assert body["attention"]["format"] == fmt
-    assert decode(body["attention"]).shape == (1, 12, 6, 6)
+    posted = decode(body["attention"])
+    assert posted.shape == (1, 12, 6, 6)
+    expected = minilm.attend(text).attention.numpy()[[1]]
+    assert np.abs(posted - expected).max() <= FORMAT_TOLERANCE[fmt]
+    # Not a constant or a copy of one head: the heads differ from each other as the model's do.
+    assert np.abs(expected[0, 0] - expected[0, 1]).max() > 10 * FORMAT_TOLERANCE[fmt]
+
+    again = api.get(f"/api/v1/runs/{body['run_id']}/attention", params={"layers": "1", "format": fmt}).json()
+    assert again["run_id"] == body["run_id"] and again["timing_ms"]["forward"] == 0
+    np.testing.assert_array_equal(decode(again["attention"]), posted)

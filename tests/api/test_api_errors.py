@@ -139,8 +139,11 @@ def slow():
 
 
 def test_readyz_is_503_until_models_load_while_healthz_answers(slow):
-    err = error_of(slow.get("/readyz"), 503)
-    assert err["code"] == "not_ready" and "loading" in err["message"]
+    r = slow.get("/readyz")
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    body = r.json()  # the error, plus where each model stands
+    assert body["error"]["code"] == "not_ready" and "loading" in body["error"]["message"]
+    assert body["status"] == "loading" and set(body["models"]) == set(slow.app.state.settings.all_models())
     assert slow.get("/healthz").status_code == 200
     assert error_of(slow.post("/api/v1/attention", json={"text": "early"}), 503)["code"] == "not_ready"
     deadline = time.monotonic() + 30
@@ -150,12 +153,21 @@ def test_readyz_is_503_until_models_load_while_healthz_answers(slow):
 
 
 def test_full_queue_is_429_with_retry_after_and_slow_work_is_504(slow):
+    """N simultaneous requests against room for max_queue: exactly max_queue are admitted and time
+    out (each forward outlasts the budget), and exactly N - max_queue are refused at once."""
     while slow.get("/readyz").status_code != 200:
         time.sleep(0.05)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        replies = list(pool.map(lambda i: slow.post("/api/v1/attention", json={"text": f"busy {i}"}), range(8)))
+    settings = slow.app.state.settings
+    n = 8
+    # Long enough that all n arrive while the admitted ones still hold their places, on a busy machine too.
+    slow.app.state.registry.get(None).batcher.forward_delay_s = 3.0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            replies = list(pool.map(lambda i: slow.post("/api/v1/attention", json={"text": f"busy {i}"}), range(n)))
+    finally:
+        slow.app.state.registry.get(None).batcher.forward_delay_s = settings.debug_forward_delay_s
     statuses = sorted(r.status_code for r in replies)
-    assert set(statuses) <= {429, 504} and 429 in statuses and 504 in statuses, statuses
+    assert statuses == [429] * (n - settings.max_queue) + [504] * settings.max_queue, statuses
     for r in replies:
         err = error_of(r, r.status_code)
         if r.status_code == 429:

@@ -39,10 +39,14 @@ def test_u8_rounds_to_nearest_and_keeps_ones_and_zeros(api):
 
 
 def test_f16_is_little_endian_row_major(api):
-    body = api.post("/api/v1/attention", json={"text": "Rows.", "format": "json", "layers": [2], "heads": [5]}).json()
-    f16 = api.post("/api/v1/attention", json={"text": "Rows.", "format": "f16", "layers": [2], "heads": [5]}).json()
-    raw = base64.b64decode(f16["attention"]["data"])
-    first = np.frombuffer(raw[:2], dtype="<f2")[0]
-    assert abs(float(first) - body["attention"]["data"][0][0][0][0]) <= 1e-3
-    last = np.frombuffer(raw[-2:], dtype="<f2")[0]
-    assert abs(float(last) - body["attention"]["data"][0][0][-1][-1]) <= 1e-3
+    """Every element in C order: query rows, then keys. First and last elements alone are the same
+    in row- and column-major order, so the whole head is compared, and it is not symmetric."""
+    request = {"text": "Rows and columns differ.", "layers": [2], "heads": [5]}
+    body = api.post("/api/v1/attention", json={**request, "format": "json"}).json()
+    f16 = api.post("/api/v1/attention", json={**request, "format": "f16"}).json()["attention"]
+    reference = np.asarray(body["attention"]["data"], dtype=np.float32)  # (1, 1, T, T), nested lists: unambiguous
+    head = reference[0, 0]
+    assert np.abs(head - head.T).max() > 0.05  # a transposed layout would show
+    flat = np.frombuffer(base64.b64decode(f16["data"]), dtype="<f2").astype(np.float32)
+    assert np.abs(flat - head.reshape(-1)).max() <= 1e-3  # row-major: row r starts at r * T
+    assert np.abs(flat - head.T.reshape(-1)).max() > 0.05

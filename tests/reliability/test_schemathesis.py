@@ -14,11 +14,23 @@ import pytest
 from tests.reliability.conftest import live_server
 
 CHECKS = "not_a_server_error,response_schema_conformance,negative_data_rejection"
+# Every warning counts as an issue except two that say nothing about the server: run ids are
+# only ever fuzzed unknown (404: OpenAPI links from the POST are not declared), and schemathesis
+# has no deserializer for the streamed application/x-ndjson of /generate (tested in
+# test_generate_stream.py instead).
+WARNINGS = ",".join(
+    [
+        "missing_auth", "base_url_mismatch", "validation_mismatch", "unused_openapi_auth", "unsupported_regex",
+        "method_not_allowed", "unmatched_filter", "unresolvable_reference", "low_valid_rate", "rate_limited",
+        "dictionary_mismatch",
+    ]
+)
 
 
 @pytest.mark.slow
 def test_schemathesis_finds_nothing_on_any_operation(tmp_path):
-    with live_server() as server:
+    # tiny-gpt first, so that the default model is a causal LM and /generate is fuzzed past its 422.
+    with live_server(models={"tiny-gpt": "tiny-gpt", "minilm": "minilm"}) as server:
         schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
         operations = sum(len(methods) for methods in schema["paths"].values())
         assert operations >= 7
@@ -27,7 +39,7 @@ def test_schemathesis_finds_nothing_on_any_operation(tmp_path):
                 sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
                 "--checks", CHECKS, "--mode", "all", "--phases", "examples,coverage,fuzzing",
                 "--max-examples", "40", "--seed", "1", "--workers", "1", "--no-color",
-                "--generation-database", "none", "--request-timeout", "60", "--suppress-health-check", "too_slow",
+                "--generation-database", "none", "--request-timeout", "60", "--suppress-health-check", "too_slow", "--warnings", WARNINGS,
             ],
             cwd=tmp_path, capture_output=True, text=True, timeout=600,
         )

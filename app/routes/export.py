@@ -1,0 +1,69 @@
+"""GET /export: the page's "Export page" button; one self-contained HTML file of one run."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Annotated
+
+import orjson
+from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from manyeyes.app.deps import RegistryDep, ServiceDep
+from manyeyes.app.routes.responses import errors
+from manyeyes.app.schemas import AttentionRequest
+from manyeyes.app.routes.views import UnknownView, ViewsDep
+from manyeyes.app.services.errors import InvalidInput
+
+router = APIRouter(tags=["page"])
+
+
+@router.get("/export", response_class=Response, responses={200: {"content": {"text/html": {}}}, **errors(404, 413, 422, 429, 503, 504)})
+async def export_page(
+    service: ServiceDep,
+    registry: RegistryDep,
+    views: ViewsDep,
+    text: Annotated[str | None, Query(min_length=1)] = None,
+    view: Annotated[str | None, Query(pattern="^[0-9a-f]{18}$", description="A saved view's id (the page's ?view=)")] = None,
+    pair: Annotated[str | None, Query(description="Second segment, for sentence-pair models")] = None,
+    model: Annotated[str | None, Query()] = None,
+    layer: Annotated[int, Query(ge=0, description="Layer focused when the file opens")] = 0,
+    head: Annotated[int, Query(ge=0, description="Head focused when the file opens")] = 0,
+    truncate: Annotated[bool, Query(description="Cut input longer than the model's positions (as the page's option)")] = True,
+) -> Response:
+    """The viewer with this run's attention inside, as a download that opens from disk with no
+    server and no network. The query is the page's permalink: a saved `view` id, or `text`, `pair`,
+    `model`, `layer`, `head`."""
+    from manyeyes.export import build_html, embed, model_entry, pick_format, render_page
+
+    if view is not None:
+        state = views.get(view)
+        if state is None:
+            raise UnknownView(f"view {view} is unknown or has expired; the server keeps views for 30 days")
+        text, pair, model = state["text"], state["text_pair"], state["model"]
+        layer, head, truncate = state["layer"], state["head"], state["truncate"]
+    if text is None:
+        raise InvalidInput("name the run to export: ?view=<id> or ?text=...")
+
+    served = registry.get(model)
+    try:
+        probe = AttentionRequest(text=text, text_pair=pair or None, model=served.id, layers=[0], heads=[0], format="u8", truncate=truncate)
+    except ValueError as exc:
+        raise InvalidInput(str(exc).splitlines()[-1]) from None
+    reply = await service.attend([(probe.text, probe.text_pair)], probe, batch=False, started=time.monotonic())
+    n_tokens = orjson.loads(b"".join(reply.body))["attention"]["shape"][-1]
+    info = served.model.info
+    # The same run again, all of it: the run cache answers, no second forward pass.
+    full = probe.model_copy(update={"layers": None, "heads": None, "format": pick_format(info.n_layers, info.n_heads, n_tokens)})
+    reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic())
+
+    def build() -> bytes:
+        body = orjson.loads(b"".join(reply.body))
+        entry = model_entry(info, default=served.default)
+        return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head)).encode("utf-8")
+
+    html = await run_in_threadpool(build)
+    name = re.sub(r"[^\w.-]", "_", served.id)
+    return Response(html, media_type="text/html; charset=utf-8",
+                    headers={"Content-Disposition": f'attachment; filename="manyeyes-{name}.html"'})

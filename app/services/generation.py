@@ -1,0 +1,99 @@
+"""Generation streamed step by step, off the event loop, stopping within one step of a hang-up."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import anyio
+import orjson
+
+from manyeyes.app.config import Settings
+from manyeyes.app.services.errors import InvalidInput, QueueFull
+from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.registry import Registry
+from manyeyes.model.errors import TooLongError
+from manyeyes.model.generate import Sampling, Step, check_generation, generate
+
+_DONE = object()
+
+
+def _choice(c) -> dict:
+    return {"id": c.id, "text": c.text, "prob": c.prob}
+
+
+def _step_line(step: Step) -> bytes:
+    body = {
+        "type": "step",
+        "index": step.index,
+        "position": step.position,
+        "token": _choice(step.token),
+        "alternatives": [_choice(c) for c in step.alternatives],
+        "attention": step.attention.numpy(),  # float32, serialised exactly
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+
+
+class GenerationService:
+    def __init__(self, settings: Settings, registry: Registry, metrics: Metrics) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
+        self._slots = threading.BoundedSemaphore(settings.max_generations)
+
+    def start(self, body) -> AsyncIterator[bytes]:
+        """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
+        served = self.registry.get(body.model)
+        model = served.model
+        if body.max_new_tokens > self.settings.max_new_tokens:
+            raise InvalidInput(f"max_new_tokens is at most {self.settings.max_new_tokens} on this server")
+        if len(body.text) > self.settings.max_text_chars:
+            raise InvalidInput(f"text is longer than {self.settings.max_text_chars} characters")
+        try:
+            prompt = model.encode(body.text)
+            check_generation(model, len(prompt), body.max_new_tokens)
+        except TooLongError as exc:
+            raise InvalidInput(str(exc)) from exc
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        if not self._slots.acquire(blocking=False):
+            raise QueueFull(f"{self.settings.max_generations} generations are running; try again shortly", retry_after_s=1)
+        steps = generate(
+            model, body.text, body.max_new_tokens, Sampling(body.temperature, body.top_k, body.seed), body.alternatives
+        )
+        start = {
+            "type": "start",
+            "model": served.id,
+            "n_layers": model.info.n_layers,
+            "n_heads": model.info.n_heads,
+            "prompt": [
+                {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment, "piece": t.piece}
+                for t in prompt.tokens
+            ],
+        }
+        return self._stream(served.id, start, steps)
+
+    async def _stream(self, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
+        outcome = "cancelled"  # unless the loop below runs to its end
+        count = 0
+        delay = self.settings.debug_forward_delay_s
+        try:
+            yield orjson.dumps(start) + b"\n"
+            while True:
+                # One step per worker-thread hop: the loop stays free, and a client that hangs up
+                # cancels this coroutine between two steps, so at most one more step runs.
+                step = await anyio.to_thread.run_sync(lambda: next(steps, _DONE))
+                if step is _DONE:
+                    break
+                self.metrics.generation_steps.labels(model_id).inc()
+                count += 1
+                yield _step_line(step)
+                if delay:
+                    await anyio.sleep(delay)
+            outcome = "finished"
+            yield orjson.dumps({"type": "end", "reason": "length", "tokens": count}) + b"\n"
+        finally:
+            self.metrics.generations.labels(outcome).inc()
+            steps.close()
+            self._slots.release()

@@ -1,0 +1,328 @@
+"""A Python client for a manyeyes server: numpy arrays and typed results, typed errors, 429 retries.
+
+    from manyeyes import Client
+    c = Client("http://127.0.0.1:8000")
+    r = c.attention("The bank of the river.", model="minilm")
+    r.attention.shape          # (layers, heads, T, T) float32 numpy
+    r.head(2, 3)               # one head, by its model-wide layer and head index
+    c.slice(r, layers=[0])     # another slice of the same run, no forward pass
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+class ManyeyesError(Exception):
+    """Any failure the server reported, with its HTTP status and the stable code of its error body.
+    `status` is 0 when the server could not be reached or answered something unreadable."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(ManyeyesError):
+    """422: blank text, a layer or head the model lacks, too long without truncate (code too_long)."""
+
+
+class NotFound(ManyeyesError):
+    """404: unknown_model, unknown_run (evicted: post the text again) or not_found."""
+
+
+class TooLarge(ManyeyesError):
+    """413: body_too_large or too_many_cells (ask for u8/f16 or fewer layers and heads)."""
+
+
+class Overloaded(ManyeyesError):
+    """429 queue_full, still so after the client's retries."""
+
+
+class NotReady(ManyeyesError):
+    """503 not_ready: models still loading."""
+
+
+class ServerTimeout(ManyeyesError):
+    """504: the request ran past the server's per-request budget."""
+
+
+class ConnectionFailed(ManyeyesError):
+    """The server could not be reached."""
+
+
+ERRORS_BY_STATUS = {422: InvalidRequest, 404: NotFound, 413: TooLarge, 429: Overloaded, 503: NotReady, 504: ServerTimeout}
+
+
+def error_from_response(response: httpx.Response) -> ManyeyesError:
+    code, message = f"http_{response.status_code}", response.reason_phrase or "request failed"
+    try:
+        body = response.json()
+        code, message = body["error"]["code"], body["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass  # not our JSON error body (a proxy's page): the status line is all there is
+    cls = ERRORS_BY_STATUS.get(response.status_code, ManyeyesError)
+    return cls(response.status_code, code, message, retry_after(response))
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    try:
+        return max(float(response.headers["Retry-After"]), 0.0)
+    except (KeyError, ValueError):
+        return None  # absent, or an HTTP date, which our server never sends
+
+
+# ---- results ------------------------------------------------------------------------------------
+
+
+def _known(cls, fields: dict) -> dict:
+    """The fields a result type knows: a newer server may send more, and an old client must not break."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in fields.items() if k in names}
+
+
+@dataclass(frozen=True)
+class RemoteToken:
+    text: str
+    id: int
+    start: int
+    end: int
+    special: bool
+    segment: int
+    piece: str = ""  # the model's own vocabulary piece ("##ing", "Ġthe"); "" from servers before it
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    id: str
+    family: str
+    causal: bool
+    n_layers: int
+    n_heads: int
+    d_model: int
+    head_dim: int
+    max_tokens: int
+    device: str
+    default: bool
+    n_kv_heads: int | None = None  # fewer than n_heads under grouped-query attention
+    dtype: str = "float32"
+    predictions: bool = False  # whether the model has an LM head to ask `predictions` of
+
+
+@dataclass
+class RemoteResult:
+    """One run's attention as the server sent it: `attention[i, j]` is layer `layers[i]`, head `heads[j]`."""
+
+    run_id: str
+    model: str
+    causal: bool
+    n_layers: int
+    n_heads: int
+    tokens: list[RemoteToken]
+    truncated: bool
+    layers: list[int]
+    heads: list[int]
+    attention: np.ndarray  # (len(layers), len(heads), T, T) float32
+    format: str
+    device: str
+    timing_ms: dict[str, float]
+    # The POST body that made this run, so an evicted run can be recomputed by any server.
+    request: dict | None = field(default=None, repr=False)
+
+    def head(self, layer: int, head: int) -> np.ndarray:
+        """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it."""
+        try:
+            return self.attention[self.layers.index(layer), self.heads.index(head)]
+        except ValueError:
+            raise KeyError(f"layer {layer}, head {head} is not in this slice (layers {self.layers}, heads {self.heads})") from None
+
+
+def decode_attention(attention: dict) -> np.ndarray:
+    """The `attention` object of a v1 body (json, f16 or u8) to float32 of its shape."""
+    shape = attention["shape"]
+    fmt = attention["format"]
+    if fmt == "json":
+        return np.asarray(attention["data"], dtype=np.float32).reshape(shape)
+    raw = base64.b64decode(attention["data"])
+    if fmt == "f16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float32).reshape(shape)
+    if fmt == "u8":
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.float32).reshape(shape) * np.float32(attention["scale"])
+    raise ManyeyesError(0, "unknown_format", f"the server sent attention in an unknown format {fmt!r}")
+
+
+def decode_body(response: httpx.Response) -> list[tuple[dict, np.ndarray]]:
+    """Every result in a response as (its JSON fields, its attention array). The one place that
+    knows the wire format: a binary frame format slots in here by Content-Type."""
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise ManyeyesError(response.status_code, "unreadable", f"the response is not JSON: {exc}") from None
+    results = body["results"] if "results" in body else [body]
+    return [(r, decode_attention(r["attention"])) for r in results]
+
+
+def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteResult:
+    return RemoteResult(
+        run_id=fields["run_id"],
+        model=fields["model"],
+        causal=fields["causal"],
+        n_layers=fields["n_layers"],
+        n_heads=fields["n_heads"],
+        tokens=[RemoteToken(**_known(RemoteToken, t)) for t in fields["tokens"]],
+        truncated=fields["truncated"],
+        layers=fields["layers"],
+        heads=fields["heads"],
+        attention=array,
+        format=fields["attention"]["format"],
+        device=fields["device"],
+        timing_ms=fields["timing_ms"],
+        request=request,
+    )
+
+
+# ---- the client ---------------------------------------------------------------------------------
+
+
+class Client:
+    """A synchronous client for one server. `api_key` is sent as `Authorization: Bearer ...` for a
+    proxy in front of the server (manyeyes itself checks none). A 429 is retried after its
+    Retry-After (capped at `max_retry_wait_s`) up to `max_retries` times, then raised as Overloaded."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        max_retries: int = 5,
+        max_retry_wait_s: float = 30.0,
+        format: str = "f16",
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"User-Agent": f"manyeyes-client python/{sys.version_info.major}.{sys.version_info.minor}"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
+        self.max_retries = max_retries
+        self.max_retry_wait_s = max_retry_wait_s
+        self.format = format  # f16: exact to float16 at half json's size and none of its parsing
+        self.retries = 0  # 429s waited out over this client's life
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
+            if response.status_code == 429 and attempt < self.max_retries:
+                self.retries += 1
+                time.sleep(min(retry_after(response) or 1.0, self.max_retry_wait_s))
+                continue
+            if response.is_error:
+                raise error_from_response(response)
+            return response
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    # -- operations --
+
+    def ready(self) -> bool:
+        """True once every model on the server is loaded and warmed up."""
+        try:
+            self._send("GET", "/readyz")
+        except (NotReady, ConnectionFailed):
+            return False
+        return True
+
+    def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise NotReady(503, "not_ready", f"not ready after {timeout_s:g} s")
+            time.sleep(poll_s)
+
+    def models(self) -> list[RemoteModel]:
+        return [RemoteModel(**_known(RemoteModel, m)) for m in self._send("GET", "/api/v1/models").json()["models"]]
+
+    def attention(
+        self,
+        text: str,
+        text_pair: str | None = None,
+        *,
+        model: str | None = None,
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        format: str | None = None,
+        truncate: bool = False,
+    ) -> RemoteResult:
+        body = {"text": text, "text_pair": text_pair, "model": model, "layers": layers, "heads": heads,
+                "format": format or self.format, "truncate": truncate}
+        body = {k: v for k, v in body.items() if v is not None}
+        [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
+        return to_result(fields, array, body)
+
+    def attention_batch(
+        self,
+        texts: list[str],
+        *,
+        model: str | None = None,
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        format: str | None = None,
+        truncate: bool = False,
+    ) -> list[RemoteResult]:
+        options = {"model": model, "layers": layers, "heads": heads, "format": format or self.format, "truncate": truncate}
+        options = {k: v for k, v in options.items() if v is not None}
+        pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": texts, **options}))
+        return [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(texts, pieces)]
+
+    def slice(
+        self,
+        run: RemoteResult | str,
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        format: str | None = None,
+    ) -> RemoteResult:
+        """Other layers/heads of a run from the server's run cache. Given a result (not a bare
+        run id), a run the server no longer holds is recomputed from the request that made it."""
+        run_id = run if isinstance(run, str) else run.run_id
+        params = {"format": format or self.format}
+        if layers is not None:
+            params["layers"] = ",".join(map(str, layers))
+        if heads is not None:
+            params["heads"] = ",".join(map(str, heads))
+        try:
+            [(fields, array)] = decode_body(self._send("GET", f"/api/v1/runs/{run_id}/attention", params=params))
+        except NotFound as exc:
+            if exc.code != "unknown_run" or isinstance(run, str) or run.request is None:
+                raise
+            body = {**run.request, "format": params["format"]}
+            body.pop("layers", None)
+            body.pop("heads", None)
+            body.update({k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None})
+            [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
+            return to_result(fields, array, run.request)
+        return to_result(fields, array, None if isinstance(run, str) else run.request)

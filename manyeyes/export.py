@@ -1,0 +1,145 @@
+"""One self-contained HTML file: the page's viewer with one run's attention inside it.
+
+The file opens from disk with no server and no network. It is assembled at export time from the
+page as it is now (templates/index.html, static/css, static/js), so it follows the page's changes:
+
+- the stylesheet and plotly.js (from the installed plotly package) are inlined;
+- ES modules cannot load from file://, so each module's relative imports ("./grid.js") become
+  bare specifiers ("manyeyes/grid.js") that an import map resolves to data: URLs;
+- api.js is mapped to offline_api.js, which exports the same functions answered from the run
+  embedded as JSON; the original api.js still loads behind it for everything it does not redefine;
+- a small classic script puts the run's text, model, layer and head in the address bar before the
+  modules run, so the page's own permalink code restores and draws that run.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import orjson
+import plotly
+
+from manyeyes.app.routes.page import TEMPLATES_DIR
+from manyeyes.app.services.payload import View, render_result
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+STATIC_DIR = TEMPLATES_DIR.parent / "static"
+PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+OFFLINE_API = PACKAGE_DIR / "offline_api.js"
+F16_BUDGET_BYTES = 16 * 2**20  # above this, u8: half the size, values within 1/510
+
+RELATIVE_IMPORT = re.compile(r"""(\bfrom\s*|\bimport\s*\(?\s*)(["'])\./([\w./-]+\.js)\2""")
+STYLESHEET = re.compile(r"""<link\b[^>]*\brel="stylesheet"[^>]*\bhref="/static/([^"?]+)"[^>]*>""")
+PLOTLY_TAG = re.compile(r"""<script\b[^>]*\bsrc="/vendor/plotly\.min\.js[^"]*"[^>]*>\s*</script>""")
+MAIN_MODULE = re.compile(r"""<script\b[^>]*\btype="module"[^>]*\bsrc="/static/js/([\w.-]+\.js)"[^>]*>\s*</script>""")
+
+
+def pick_format(n_layers: int, n_heads: int, n_tokens: int) -> str:
+    return "f16" if n_layers * n_heads * n_tokens * n_tokens * 2 <= F16_BUDGET_BYTES else "u8"
+
+
+def inline_script(source: str) -> str:
+    """Script text that cannot end its <script> element early (`<\\/` reads as `</` in JS)."""
+    return source.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def json_script(value) -> str:
+    """JSON to place inside <script>: every `<` escaped, so no text in it can close the element."""
+    return orjson.dumps(value).decode().replace("<", "\\u003c")
+
+
+def data_url(source: str) -> str:
+    return "data:text/javascript;base64," + base64.b64encode(source.encode("utf-8")).decode("ascii")
+
+
+def bare(source: str) -> str:
+    return RELATIVE_IMPORT.sub(lambda m: f"{m[1]}{m[2]}manyeyes/{m[3]}{m[2]}", source)
+
+
+def module_graph(entry: str) -> dict[str, str]:
+    """Every module reachable from static/js/<entry>, name -> source with bare specifiers."""
+    modules: dict[str, str] = {}
+    todo = [entry]
+    while todo:
+        name = todo.pop()
+        if name in modules:
+            continue
+        source = (STATIC_DIR / "js" / name).read_text(encoding="utf-8")
+        modules[name] = bare(source)
+        todo += [m[3] for m in RELATIVE_IMPORT.finditer(source)]
+    return modules
+
+
+def import_map(entry: str) -> dict[str, str]:
+    modules = module_graph(entry)
+    imports = {f"manyeyes/{name}": data_url(source) for name, source in modules.items()}
+    if "api.js" in modules:
+        imports["manyeyes/original-api.js"] = imports["manyeyes/api.js"]
+        imports["manyeyes/api.js"] = data_url(OFFLINE_API.read_text(encoding="utf-8"))
+        imports.setdefault("manyeyes/payload.js", data_url(bare((STATIC_DIR / "js" / "payload.js").read_text("utf-8"))))
+    return imports
+
+
+def build_html(page_html: str, embedded: dict) -> str:
+    """The rendered index.html turned into the one-file export holding `embedded`."""
+    html = STYLESHEET.sub(lambda m: "<style>\n" + inline_script((STATIC_DIR / m[1]).read_text(encoding="utf-8")) + "\n</style>", page_html)
+    html, n = PLOTLY_TAG.subn(lambda m: f"<script>{inline_script(PLOTLY_JS.read_text(encoding='utf-8'))}</script>", html)
+    main = MAIN_MODULE.search(html)
+    if not n or not main:
+        raise RuntimeError("templates/index.html no longer loads plotly.js and a main module the way the export expects")
+    focus = embedded["focus"]
+    query = {"text": embedded["text"], "model": embedded["model"]["id"], "layer": focus["layer"], "head": focus["head"]}
+    if embedded["text_pair"]:
+        query["pair"] = embedded["text_pair"]
+    boot = (
+        '<script type="application/json" id="manyeyes-export">' + json_script(embedded) + "</script>\n"
+        # The page restores a run from the address bar: start it there unless a view is already in it.
+        "<script>(() => { const q = " + json_script(query) + ";"
+        " if (new URLSearchParams(location.search).get('text') !== q.text)"
+        " history.replaceState(null, '', location.pathname + '?' + new URLSearchParams(q)); })();</script>\n"
+        '<script type="importmap">' + json_script({"imports": import_map(main[1])}) + "</script>\n"
+        f'<script type="module">import "manyeyes/{main[1]}";</script>'
+    )
+    html = html[: main.start()] + boot + html[main.end():]
+    # Buttons that need a server have nothing to do in a file.
+    return re.sub(r'(<(?:button|a)\b[^>]*\bid="export-page")', r"\1 hidden", html)
+
+
+def render_page() -> str:
+    from manyeyes.app.routes.page import templates
+
+    return templates.env.get_template("index.html").render(plotly_version=plotly.__version__, request=None)
+
+
+def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int, head: int) -> dict:
+    return {
+        "text": text,
+        "text_pair": text_pair,
+        "model": model,
+        "run": body,
+        "focus": {"layer": min(max(layer, 0), body["n_layers"] - 1), "head": min(max(head, 0), body["n_heads"] - 1)},
+    }
+
+
+def model_entry(info, default: bool = True) -> dict:
+    """The model as GET /api/v1/models lists it."""
+    fields = ("family", "causal", "n_layers", "n_heads", "d_model", "head_dim", "max_tokens", "device")
+    return {"id": info.id, **{f: getattr(info, f) for f in fields}, "default": default}
+
+
+def export_html(
+    model, text: str, text_pair: str | None = None, *, layer: int = 0, head: int = 0, truncate: bool = False,
+    format: str | None = None,
+) -> str:
+    """One run of a loaded model (manyeyes.load) as a one-file HTML viewer."""
+    from manyeyes.app.services.cache import Run, run_id_for
+
+    result = model.run([model.encode(text, text_pair, truncate=truncate)])[0]
+    n_layers, n_heads, n_tokens = result.attention.shape[:3]
+    view = View(list(range(n_layers)), list(range(n_heads)), format or pick_format(n_layers, n_heads, n_tokens))
+    run = Run(run_id_for(model.info.id, text, text_pair, truncate), model.info.id, result.tokens, result.truncated, result.attention)
+    timing = {"tokenize": 0.0, "queue": 0.0, "forward": 0.0}
+    body = orjson.loads(b"".join(render_result(run, model.info, view, timing)))
+    return build_html(render_page(), embed(body, model_entry(model.info), text, text_pair, layer, head))

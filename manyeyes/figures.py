@@ -1,0 +1,189 @@
+"""Plotly figures for notebooks, from a local `AttentionResult` (manyeyes.load(...).attend) or a
+`RemoteResult` (manyeyes.Client): heatmap, grid, head view and per-head measures.
+
+Offline: call `offline()` once; plotly.js then travels inside the notebook from the installed
+plotly package (no CDN), and `to_html` writes standalone files the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.subplots import make_subplots
+
+COLORSCALE = "Blues"
+HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+MIN_DRAWN = 0.02  # head view: fainter lines only add noise
+BUCKETS = 10
+
+
+def offline() -> None:
+    """Render figures in notebooks with plotly.js inlined from the installed package, never a CDN."""
+    from plotly.io._base_renderers import NotebookRenderer
+
+    class OfflineNotebook(NotebookRenderer):
+        # plotly's own notebook renderer adds MathJax from a CDN to every figure; ours need none.
+        def to_mimebundle(self, fig_dict):
+            html = pio.to_html(fig_dict, config=self.config, include_plotlyjs=False, include_mathjax=False,
+                               full_html=False, default_width="100%", default_height=525, validate=False)
+            return {"text/html": html}
+
+    pio.renderers["manyeyes"] = OfflineNotebook(connected=False)
+    pio.renderers.default = "manyeyes"  # activating it inlines plotly.js into the notebook once
+
+
+def to_html(fig: go.Figure, path: str | None = None) -> str:
+    """A standalone page with plotly.js inside it (about 4.6 MB), written to `path` if given."""
+    html = pio.to_html(fig, include_plotlyjs=True, include_mathjax=False, full_html=True)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(html)
+    return html
+
+
+@dataclass
+class Weights:
+    """Either kind of result as numpy: attention[i, j] is layer layers[i], head heads[j]."""
+
+    attention: np.ndarray  # (len(layers), len(heads), T, T) float32
+    layers: list[int]
+    heads: list[int]
+    tokens: list[str]
+
+    def head(self, layer: int, head: int) -> np.ndarray:
+        try:
+            return self.attention[self.layers.index(layer), self.heads.index(head)]
+        except ValueError:
+            raise KeyError(f"layer {layer}, head {head} is not in this result (layers {self.layers}, heads {self.heads})") from None
+
+
+def weights_of(result) -> Weights:
+    attention = result.attention
+    if hasattr(attention, "detach"):  # a torch tensor: a local AttentionResult holds every head
+        attention = attention.detach().float().cpu().numpy()
+    attention = np.asarray(attention, dtype=np.float32)
+    layers = list(getattr(result, "layers", None) or range(attention.shape[0]))
+    heads = list(getattr(result, "heads", None) or range(attention.shape[1]))
+    return Weights(attention, layers, heads, [t.text for t in result.tokens])
+
+
+def _ticks(tokens: list[str], max_ticks: int = 48) -> dict:
+    # Index axes with token text as tick labels: the same word may occur twice.
+    step = max(1, -(-len(tokens) // max_ticks))
+    values = list(range(0, len(tokens), step))
+    return {"tickmode": "array", "tickvals": values, "ticktext": [tokens[i] for i in values]}
+
+
+def heatmap(result, layer: int, head: int, *, title: str | None = None) -> go.Figure:
+    """One head: queries on rows, keys on columns, token labels, hover `query → key: weight`."""
+    w = weights_of(result)
+    matrix = w.head(layer, head)
+    n = len(w.tokens)
+    labels = np.array(w.tokens, dtype=object)
+    custom = np.stack(np.broadcast_arrays(labels[:, None], labels[None, :]), axis=-1)
+    fig = go.Figure(
+        go.Heatmap(
+            z=matrix, customdata=custom, colorscale=COLORSCALE, zmin=0, zmax=float(max(matrix.max(), 1e-9)),
+            colorbar={"title": {"text": "weight"}},
+            hovertemplate="%{customdata[0]} → %{customdata[1]}: %{z:.4f}<extra>query %{y}, key %{x}</extra>",
+        )
+    )
+    size = min(900, 260 + 14 * n)
+    fig.update_layout(
+        title=title or f"Layer {layer}, head {head}", width=size + 80, height=size,
+        xaxis={**_ticks(w.tokens), "title": "key (attended to)", "tickangle": -60},
+        yaxis={**_ticks(w.tokens), "title": "query (attending)", "autorange": "reversed", "scaleanchor": "x"},
+    )
+    return fig
+
+
+def grid(result, *, cell_px: int = 90) -> go.Figure:
+    """Every layer × head of the result as small heatmaps: rows are layers, columns heads."""
+    w = weights_of(result)
+    rows, cols = len(w.layers), len(w.heads)
+    fig = make_subplots(rows=rows, cols=cols, horizontal_spacing=0.01, vertical_spacing=0.01,
+                        row_titles=[f"L{l}" for l in w.layers], column_titles=[f"H{h}" for h in w.heads])
+    for i, layer in enumerate(w.layers):
+        for j, head in enumerate(w.heads):
+            fig.add_trace(
+                go.Heatmap(z=w.attention[i, j], coloraxis="coloraxis",
+                           hovertemplate=f"layer {layer}, head {head}<br>query %{{y}} → key %{{x}}: %{{z:.3f}}<extra></extra>"),
+                row=i + 1, col=j + 1,
+            )
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(showticklabels=False, autorange="reversed")
+    fig.update_layout(coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1}, title="All heads",
+                      width=80 + cell_px * cols, height=80 + cell_px * rows, margin={"l": 40, "r": 40, "t": 60, "b": 20})
+    return fig
+
+
+def head_view(result, layer: int, heads: list[int] | None = None) -> go.Figure:
+    """Lines from each query token (left) to the keys it attends to (right), one colour per head,
+    width and opacity by weight."""
+    w = weights_of(result)
+    heads = list(w.heads if heads is None else heads)
+    n = len(w.tokens)
+    fig = go.Figure()
+    for k, head in enumerate(heads):
+        matrix = w.head(layer, head)
+        color = HEAD_COLORS[head % len(HEAD_COLORS)]
+        # One trace per weight bucket: a few traces, not one per line.
+        bucket = np.minimum((matrix * BUCKETS).astype(int), BUCKETS - 1)
+        for b in range(BUCKETS):
+            qs, ks = np.nonzero((bucket == b) & (matrix >= MIN_DRAWN))
+            if not len(qs):
+                continue
+            xs = np.tile([0.0, 1.0, np.nan], len(qs))
+            ys = np.column_stack([qs, ks, np.full(len(qs), np.nan)]).ravel()
+            fig.add_trace(go.Scatter(
+                x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False, legendgroup=f"h{head}",
+                line={"color": color, "width": 0.5 + 3.5 * (b + 1) / BUCKETS}, opacity=0.15 + 0.85 * (b + 1) / BUCKETS,
+            ))
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"color": color, "width": 3},
+                                 name=f"head {head}", legendgroup=f"h{head}"))
+    for x, anchor in ((0.0, "right"), (1.0, "left")):
+        fig.add_trace(go.Scatter(
+            x=[x] * n, y=list(range(n)), mode="text", text=w.tokens, textposition=f"middle {anchor}",
+            hovertext=[f"{i}: {t}" for i, t in enumerate(w.tokens)], hoverinfo="text", showlegend=False,
+        ))
+    fig.update_layout(
+        title=f"Head view, layer {layer}", width=520, height=120 + 18 * n,
+        xaxis={"visible": False, "range": [-0.6, 1.6]}, yaxis={"visible": False, "autorange": "reversed"},
+    )
+    return fig
+
+
+def head_measures(result) -> dict[str, np.ndarray]:
+    """Per-head summaries of the weights, each (len(layers), len(heads)):
+    previous_token (mean weight on the token just before), first_token (on token 0, an attention
+    sink), diagonal (on itself) and entropy (nats; low is sharp)."""
+    a = weights_of(result).attention.astype(np.float64)
+    n = a.shape[-1]
+    rows = np.arange(1, n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.nansum(np.where(a > 0, a * np.log(a), 0.0), axis=-1).mean(-1)
+    return {
+        "previous_token": a[..., rows, rows - 1].mean(-1) if n > 1 else np.zeros(a.shape[:2]),
+        "first_token": a[..., :, 0].mean(-1),
+        "diagonal": np.diagonal(a, axis1=-2, axis2=-1).mean(-1),
+        "entropy": entropy,
+    }
+
+
+def measures(result, measure: str = "previous_token") -> go.Figure:
+    """A layer × head map of one of `head_measures`: which heads do what, at a glance."""
+    w = weights_of(result)
+    values = head_measures(result)
+    if measure not in values:
+        raise ValueError(f"measure must be one of {sorted(values)}, got {measure!r}")
+    fig = go.Figure(go.Heatmap(
+        z=values[measure], x=[f"H{h}" for h in w.heads], y=[f"L{l}" for l in w.layers], colorscale="Viridis",
+        text=np.round(values[measure], 2), texttemplate="%{text}",
+        hovertemplate=f"%{{y}} %{{x}}: {measure} %{{z:.3f}}<extra></extra>",
+    ))
+    fig.update_layout(title=f"{measure.replace('_', ' ')} per head", yaxis={"autorange": "reversed"},
+                      width=140 + 60 * len(w.heads), height=140 + 50 * len(w.layers))
+    return fig

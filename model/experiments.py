@@ -1,0 +1,241 @@
+"""Experiments: change one thing, run again, and rank what moved.
+
+- `ablate`: silence heads where they enter the model, at their slice of out_proj's input (not
+  their weights, not out_proj's output), by zero or by their mean over this run's positions;
+- `change_token`: replace a token with the mask or unknown token, or delete it;
+- `compare`: two inputs, aligned on their token strings with difflib.
+
+Every experiment ranks the heads by the Jensen-Shannon divergence of their rows, averaged over
+the query rows the two runs share, and reports how the model's predictions moved.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from manyeyes.model.runtime import AttentionModel, AttentionResult
+from manyeyes.model.tokenizer import Encoded, Token
+
+MODES = ("zero", "mean")
+
+
+# ---------------------------------------------------------------------------- divergence
+def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence in bits (0 same ... 1 disjoint) over the last dimension."""
+    p, q = p.double(), q.double()
+    m = 0.5 * (p + q)
+
+    def kl(a):
+        return torch.where(a > 0, a * (a.clamp_min(1e-300) / m.clamp_min(1e-300)).log2(), torch.zeros_like(a)).sum(-1)
+
+    return (0.5 * kl(p) + 0.5 * kl(q)).clamp_min(0).float()
+
+
+@dataclass(frozen=True)
+class HeadChange:
+    layer: int
+    head: int
+    divergence: float  # mean JS divergence (bits) over the shared query rows
+
+
+def rank_heads(before: torch.Tensor, after: torch.Tensor) -> list[HeadChange]:
+    """before, after: (n_layers, n_heads, R, K) rows over the same keys; largest change first."""
+    per_head = js_divergence(before, after).mean(-1)  # (n_layers, n_heads)
+    n_heads = per_head.shape[1]
+    order = per_head.flatten().argsort(descending=True)
+    return [HeadChange(int(k) // n_heads, int(k) % n_heads, float(per_head.flatten()[k])) for k in order]
+
+
+# ---------------------------------------------------------------------------- predictions
+@dataclass(frozen=True)
+class Guess:
+    id: int
+    token: str
+    prob: float
+
+
+def top_k(model: AttentionModel, logits: torch.Tensor, k: int) -> list[list[Guess]]:
+    """Per position, the k most likely tokens; (T, vocab) logits."""
+    probs = torch.softmax(logits.double(), -1)
+    values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    decode = model.tokenizer.token_text
+    return [[Guess(int(i), decode(int(i)), float(v)) for v, i in zip(vs, row)] for vs, row in zip(values, ids)]
+
+
+def next_token_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """log p(token i+1 | ..i) for each i < T-1: how well a causal LM predicts the actual text."""
+    logp = torch.log_softmax(logits.double(), -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].float()
+
+
+# ---------------------------------------------------------------------------- ablation
+@dataclass(frozen=True)
+class Ablation:
+    layer: int
+    head: int
+    mode: str = "zero"  # "zero", or "mean": the head's output averaged over this run's positions
+
+
+@contextmanager
+def _silenced(model: AttentionModel, ablations: Iterable[Ablation], means: dict[tuple[int, int], torch.Tensor]):
+    """Pre-hooks on out_proj that overwrite each ablated head's slice of its input."""
+    head_dim = model.info.head_dim
+    by_layer: dict[int, list[Ablation]] = {}
+    for a in ablations:
+        by_layer.setdefault(a.layer, []).append(a)
+    hooks = []
+
+    def hook_for(layer_ablations):
+        def pre_hook(module, args):
+            heads = args[0].clone()  # (b, T, n_heads * head_dim), the heads glued back
+            for a in layer_ablations:
+                part = slice(a.head * head_dim, (a.head + 1) * head_dim)
+                if a.mode == "zero":
+                    heads[..., part] = 0
+                else:
+                    heads[..., part] = means[(a.layer, a.head)].to(heads.dtype)
+            return (heads,)
+
+        return pre_hook
+
+    for layer, layer_ablations in by_layer.items():
+        hooks.append(model.net.trf_blocks[layer].att.out_proj.register_forward_pre_hook(hook_for(layer_ablations)))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _head_means(model: AttentionModel, result: AttentionResult, ablations: list[Ablation]) -> dict[tuple[int, int], torch.Tensor]:
+    """Each mean-ablated head's output (α V, its slice of out_proj's input) averaged over positions."""
+    means = {}
+    for a in ablations:
+        if a.mode != "mean":
+            continue
+        values = result.values[a.layer]  # (n_kv_heads, T, head_dim)
+        kv = a.head // (model.info.n_heads // values.shape[0])
+        # (T, T) @ (T, head_dim) -> (T, head_dim), then the mean over query positions
+        means[(a.layer, a.head)] = (result.attention[a.layer, a.head] @ values[kv]).mean(0)
+    return means
+
+
+@dataclass
+class AblationResult:
+    before: AttentionResult
+    after: AttentionResult
+    ranking: list[HeadChange]  # heads downstream of the first ablated layer, largest change first
+    logprob_change: torch.Tensor | None  # (T-1,) causal LMs: Δ log p(actual next token)
+    top_before: list[list[Guess]] | None
+    top_after: list[list[Guess]] | None
+
+
+def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation]) -> list[Ablation]:
+    ablations = list(ablations)
+    if not ablations:
+        raise ValueError("name at least one (layer, head) to ablate")
+    info = model.info
+    for a in ablations:
+        if not (0 <= a.layer < info.n_layers and 0 <= a.head < info.n_heads):
+            raise ValueError(f"no head L{a.layer} H{a.head}: layers 0..{info.n_layers - 1}, heads 0..{info.n_heads - 1}")
+        if a.mode not in MODES:
+            raise ValueError(f"unknown ablation mode {a.mode!r}; expected one of {', '.join(MODES)}")
+    return ablations
+
+
+def ablate(model: AttentionModel, encoded: Encoded, ablations: Iterable[Ablation], top: int = 5) -> AblationResult:
+    from manyeyes.model.attention import Capture
+
+    ablations = validate_ablations(model, ablations)
+    before = model.run([encoded], Capture(qkv=True))[0]
+    means = _head_means(model, before, ablations)
+    with _silenced(model, ablations, means):
+        after = model.run([encoded])[0]
+    first = min(a.layer for a in ablations)
+    # Heads in or before the first ablated layer cannot move: rank only what lies downstream.
+    ranking = rank_heads(before.attention[first + 1 :], after.attention[first + 1 :])
+    ranking = [HeadChange(c.layer + first + 1, c.head, c.divergence) for c in ranking]
+    change = tops_before = tops_after = None
+    if before.logits is not None:
+        tops_before, tops_after = top_k(model, before.logits, top), top_k(model, after.logits, top)
+        if model.info.causal and len(encoded) > 1:
+            change = next_token_logprobs(after.logits, encoded.ids) - next_token_logprobs(before.logits, encoded.ids)
+    return AblationResult(before, after, ranking, change, tops_before, tops_after)
+
+
+# ---------------------------------------------------------------------------- token changes and comparison
+def align(a: list[Token], b: list[Token]) -> list[tuple[int, int]]:
+    """Index pairs of tokens that difflib matches on their model pieces (then ids)."""
+    matcher = difflib.SequenceMatcher(a=[(t.piece, t.id) for t in a], b=[(t.piece, t.id) for t in b], autojunk=False)
+    return [(block.a + k, block.b + k) for block in matcher.get_matching_blocks() for k in range(block.size)]
+
+
+@dataclass
+class Comparison:
+    a: AttentionResult
+    b: AttentionResult
+    pairs: list[tuple[int, int]]  # aligned (index in a, index in b)
+    ranking: list[HeadChange]
+    # (n_layers, n_heads, P, P): A - B on aligned cells (raw weights, not renormalised)
+    difference: torch.Tensor
+
+
+def compare_results(a: AttentionResult, b: AttentionResult) -> Comparison:
+    """Per-head divergence over aligned rows, each row restricted to the aligned keys and renormalised.
+
+    Mass on keys that exist in only one input is left out of the divergence, so a deleted token
+    changes a head's score only through what it did to the shared tokens.
+    """
+    pairs = align(a.tokens, b.tokens)
+    if not pairs:
+        raise ValueError("the two inputs share no token to align")
+    ia = torch.tensor([p[0] for p in pairs])
+    ib = torch.tensor([p[1] for p in pairs])
+    wa = a.attention[:, :, ia][:, :, :, ia]  # (L, H, P, P)
+    wb = b.attention[:, :, ib][:, :, :, ib]
+    difference = wa - wb
+    na = wa / wa.sum(-1, keepdim=True).clamp_min(1e-30)
+    nb = wb / wb.sum(-1, keepdim=True).clamp_min(1e-30)
+    return Comparison(a, b, pairs, rank_heads(na, nb), difference)
+
+
+def compare(model: AttentionModel, text_a: str, text_b: str) -> Comparison:
+    a, b = model.run([model.encode(text_a), model.encode(text_b)])
+    return compare_results(a, b)
+
+
+CHANGES = ("mask", "unk", "delete")
+
+
+def changed_tokens(model: AttentionModel, encoded: Encoded, index: int, change: str) -> Encoded:
+    """The same input with token `index` replaced by the model's mask or unknown token, or deleted."""
+    if change not in CHANGES:
+        raise ValueError(f"unknown change {change!r}; expected one of {', '.join(CHANGES)}")
+    if not 0 <= index < len(encoded):
+        raise ValueError(f"token index must be in 0..{len(encoded) - 1}")
+    if encoded.tokens[index].special:
+        raise ValueError("special tokens ([CLS], [SEP], BOS) stay: change a word piece")
+    tokens, types = list(encoded.tokens), list(encoded.type_ids)
+    if change == "delete":
+        if len(tokens) < 2:
+            raise ValueError("deleting the only token leaves nothing to run")
+        del tokens[index], types[index]
+    else:
+        replacement = model.tokenizer.special_token(change) if hasattr(model.tokenizer, "special_token") else None
+        if replacement is None:
+            raise ValueError(f"{model.info.id} has no {change} token")
+        piece, token_id = replacement
+        old = tokens[index]
+        tokens[index] = Token(piece, token_id, old.start, old.end, True, old.segment, piece)
+    return Encoded(tokens, types, encoded.truncated)
+
+
+def change_token(model: AttentionModel, encoded: Encoded, index: int, change: str) -> Comparison:
+    changed = changed_tokens(model, encoded, index, change)
+    before, after = model.run([encoded, changed])
+    return compare_results(before, after)

@@ -1,0 +1,82 @@
+"""GPT-2 on the book's GPTModel: pre-LN decoder, learned positions, fused c_attn in Conv1D layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.gpt import GPTConfig, GPTModel
+from manyeyes.model.keymap import gelu_form, map_state, need, pop_required, refuse_leftovers, rows_for, strip_prefix, transpose
+
+MODEL_TYPES = ("gpt2",)
+
+TOP = [
+    ("wte.weight", "tok_emb.weight", None),
+    ("wpe.weight", "pos_emb.weight", None),
+    ("ln_f.weight", "final_norm.scale", None),
+    ("ln_f.bias", "final_norm.shift", None),
+]
+LAYER = [
+    ("h.{i}.ln_1.weight", "trf_blocks.{i}.norm1.scale", None),
+    ("h.{i}.ln_1.bias", "trf_blocks.{i}.norm1.shift", None),
+    # c_attn is split three ways in `convert`, then each third transposed.
+    ("h.{i}.attn.c_proj.weight", "trf_blocks.{i}.att.out_proj.weight", transpose),
+    ("h.{i}.attn.c_proj.bias", "trf_blocks.{i}.att.out_proj.bias", None),
+    ("h.{i}.ln_2.weight", "trf_blocks.{i}.norm2.scale", None),
+    ("h.{i}.ln_2.bias", "trf_blocks.{i}.norm2.shift", None),
+    ("h.{i}.mlp.c_fc.weight", "trf_blocks.{i}.ff.layers.0.weight", transpose),
+    ("h.{i}.mlp.c_fc.bias", "trf_blocks.{i}.ff.layers.0.bias", None),
+    ("h.{i}.mlp.c_proj.weight", "trf_blocks.{i}.ff.layers.2.weight", transpose),
+    ("h.{i}.mlp.c_proj.bias", "trf_blocks.{i}.ff.layers.2.bias", None),
+]
+QKV = ("W_query", "W_key", "W_value")  # the order of c_attn's three slices
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # HF's causal-mask buffers
+
+
+def build(config: dict, path: Path) -> GPTModel:
+    emb = need(config, "n_embd", path)
+    if config.get("n_inner") not in (None, 4 * emb):
+        raise ModelLoadError(f"{path}: n_inner={config['n_inner']} is unsupported; GPTModel uses 4 * n_embd")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if config.get(flag):
+            raise ModelLoadError(f"{path}: {flag}=true is unsupported")
+    if config.get("scale_attn_weights", True) is not True:
+        raise ModelLoadError(f"{path}: scale_attn_weights=false is unsupported")
+    try:
+        cfg = GPTConfig.from_dict(
+            dict(
+                vocab_size=need(config, "vocab_size", path),
+                context_length=need(config, "n_positions", path),
+                emb_dim=emb,
+                n_heads=need(config, "n_head", path),
+                n_layers=need(config, "n_layer", path),
+                drop_rate=0.0,
+                qkv_bias=True,
+                ln_eps=config.get("layer_norm_epsilon", 1e-5),
+                gelu=gelu_form(config, "activation_function", path, default="gelu_new"),
+            )
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    return GPTModel(cfg)
+
+
+def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict[str, torch.Tensor]:
+    # GPT-2 ties lm_head to wte; an explicit lm_head.weight (untied or saved anyway) wins.
+    lm_head = weights.get("lm_head.weight")
+    state = strip_prefix({k: v for k, v in weights.items() if k != "lm_head.weight"}, "transformer.")
+    mapped = map_state(state, rows_for(TOP, LAYER, net.cfg.n_layers), path)
+    for i in range(net.cfg.n_layers):
+        for kind in ("weight", "bias"):
+            key = f"h.{i}.attn.c_attn.{kind}"
+            fused = pop_required(state, key, path)
+            if fused.shape[-1] % 3:
+                raise ModelLoadError(f"{path}: '{key}' has shape {tuple(fused.shape)}, not divisible in three")
+            # weight (emb, 3*emb) -> three (emb, emb), each transposed to Linear's (out, in); bias (3*emb,)
+            for name, part in zip(QKV, fused.chunk(3, dim=-1)):
+                mapped[f"trf_blocks.{i}.att.{name}.{kind}"] = transpose(part) if kind == "weight" else part
+    mapped["out_head.weight"] = lm_head.float() if lm_head is not None else mapped["tok_emb.weight"]
+    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES), "gpt2", path)
+    return mapped

@@ -1,0 +1,114 @@
+"""Step through generation: each new token with its probability, its alternatives and its attention row.
+
+A key/value cache (`KVCache`, threaded through `MultiHeadAttention.attend`'s `past`) means each
+step runs the network on one token, not on the whole sequence again. A step is yielded once its
+token has itself been run, so that its attention row (what it looked at, in every head) comes with
+it; the caller can stop between any two steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from manyeyes.model.attention import Capture
+from manyeyes.model.runtime import AttentionModel
+
+
+@dataclass(frozen=True)
+class Choice:
+    id: int
+    text: str  # the token decoded on its own (a byte-level piece may be part of a character)
+    prob: float  # under the model's own distribution (temperature 1, no top-k cut)
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int  # 0 for the first generated token
+    position: int  # its position in the whole sequence, prompt included
+    token: Choice
+    alternatives: list[Choice]  # the most likely tokens at that point, best first
+    attention: torch.Tensor  # (n_layers, n_heads, position + 1): the token's row in every head, float32
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy (the most likely token every time)
+    top_k: int | None = None  # sample only among the k most likely (sampling only)
+    seed: int | None = None  # a seeded sample repeats exactly
+
+
+def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse what cannot run: encoders, models without a head, and sequences past the context."""
+    if not model.info.causal or not getattr(model.net, "has_lm_head", False):
+        raise ValueError(f"{model.info.id} is not a causal language model: it cannot generate")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    if prompt_tokens < 1:
+        raise ValueError("the prompt needs at least one token")
+    limit = model.info.max_tokens
+    if prompt_tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed {model.info.id}'s "
+            f"context of {limit}; ask for at most {max(limit - prompt_tokens, 0)} new tokens"
+        )
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    if sampling.temperature <= 0:
+        return int(logits.argmax())
+    scaled = logits.double() / sampling.temperature
+    if sampling.top_k:
+        cutoff = scaled.topk(min(sampling.top_k, scaled.shape[-1])).values[-1]
+        scaled = scaled.masked_fill(scaled < cutoff, -torch.inf)
+    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
+
+
+def generate(
+    model: AttentionModel,
+    text: str,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    alternatives: int = 5,
+    use_cache: bool = True,
+) -> Iterator[Step]:
+    """Yield one `Step` per new token. use_cache=False recomputes the whole sequence each step
+    (the reference the cache is checked and benchmarked against)."""
+    encoded = model.encode(text)
+    check_generation(model, len(encoded), max_new_tokens)
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    decode = model.tokenizer.token_text
+    ids = list(encoded.ids)
+    device = model.device
+
+    def forward(new_ids: list[int], past):
+        # Entered per forward, never held across a yield: inference mode is per thread, and a
+        # server may run each step on a different worker thread.
+        with torch.inference_mode(), model._autocast():
+            return model.net.inspect(torch.tensor([new_ids], device=device), capture=Capture(weights=True), past=past)
+
+    trace = forward(ids, None)
+    logits = trace.logits[0, -1].float().cpu()
+    past = [layer.present for layer in trace.layers]
+    for index in range(max_new_tokens):
+        probs = torch.softmax(logits.double(), -1)
+        chosen = _choose(logits, sampling, generator)
+        top = probs.topk(min(alternatives, probs.shape[-1]))
+        ids.append(chosen)
+        if use_cache:
+            trace = forward([chosen], past)
+            past = [layer.present for layer in trace.layers]
+        else:
+            trace = forward(ids, None)
+        # each layer's weights: (1, n_heads, new queries, T) -> the last query's row, (n_heads, T)
+        row = torch.stack([layer.weights[0, :, -1] for layer in trace.layers]).float().cpu()
+        yield Step(
+            index=index,
+            position=len(ids) - 1,
+            token=Choice(chosen, decode(chosen), float(probs[chosen])),
+            alternatives=[Choice(int(i), decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
+            attention=row,
+        )
+        logits = trace.logits[0, -1].float().cpu()

@@ -1,0 +1,219 @@
+"""Hugging Face ids ("gpt2", "org/name", "org/name@revision") to a local snapshot folder.
+
+The cache comes first, through huggingface_hub's own functions and constants, so HF_HOME,
+HF_HUB_CACHE and HF_HUB_OFFLINE mean here what they mean to every other HF tool. Only when the
+cache lacks what we need, and downloads are allowed, are the needed files fetched: the config,
+tokenizer.json and the weights (safetensors, sharded or not; `.bin` only when a repo has no
+safetensors). Every failure is a `ModelLoadError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from manyeyes.model.errors import ModelLoadError
+
+# (bytes_done, bytes_total) while files download; the CLI draws a bar, the service fills /readyz.
+Progress = Callable[[int, int], None]
+
+# A repo id as the Hub spells them (an optional namespace), then an optional @revision.
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?)(?:@(?P<revision>[\w./-]+))?$")
+
+NEEDED = ("config.json", "tokenizer.json")
+# Weight layouts in order of preference: one file or an index naming its shards.
+WEIGHT_LAYOUTS = (
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+)
+
+
+@dataclass(frozen=True)
+class HubId:
+    repo: str
+    revision: str | None  # None: the default branch
+
+    def __str__(self) -> str:
+        return self.repo + (f"@{self.revision}" if self.revision else "")
+
+
+def parse_hub_id(spec: str) -> HubId | None:
+    """A HubId when `spec` can only be one; paths (with a suffix, ~, ./, or absolute) never are."""
+    if spec.endswith((".pth", ".pt", ".bin", ".safetensors", ".json")) or spec.startswith(("/", ".", "~")):
+        return None
+    match = HUB_ID.match(spec)
+    if match is None or ".." in spec:
+        return None
+    return HubId(match["repo"], match["revision"])
+
+
+def weight_files(folder: Path) -> tuple[list[Path], Path] | None:
+    """The weight files a folder holds in the preferred layout, and the file errors should name
+    (the lone file, or the shards' index); None when it holds no complete set."""
+    for single, index in WEIGHT_LAYOUTS:
+        if (folder / single).exists():
+            return [folder / single], folder / single
+        if (folder / index).exists():
+            shards = shard_names(folder / index)
+            if all((folder / s).exists() for s in shards):
+                return [folder / s for s in shards], folder / index
+    return None
+
+
+def shard_names(index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot read the shard index {index}: {exc}") from exc
+    if not names or not all(isinstance(n, str) and "/" not in n and ".." not in n for n in names):
+        raise ModelLoadError(f"{index}: weight_map must name shard files in the same folder")
+    return names
+
+
+def missing_files(folder: Path) -> list[str]:
+    missing = [name for name in NEEDED if not (folder / name).exists()]
+    if weight_files(folder) is None:
+        missing.append("weights (model.safetensors, its index and shards, or pytorch_model.bin)")
+    return missing
+
+
+def choose_files(repo_files: list[str]) -> tuple[list[str], str | None]:
+    """From a repo's file list: the files to fetch first, and the weight index (if any) whose
+    shards follow. Safetensors whenever a repo has them; `.bin` only when it has nothing else."""
+    present = set(repo_files)
+    lacking = [name for name in NEEDED if name not in present]
+    if lacking:
+        raise ModelLoadError(f"the repo has no {' or '.join(lacking)}; manyeyes needs {', '.join(NEEDED)}")
+    for single, index in WEIGHT_LAYOUTS:
+        if single in present:
+            return [*NEEDED, single], None
+        if index in present:
+            return [*NEEDED, index], index
+    raise ModelLoadError("the repo has no model.safetensors (or shards) and no pytorch_model.bin")
+
+
+def cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool = False) -> Path:
+    """The local folder holding `hub_id`'s files, fetching what the cache lacks when allowed."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = cache_dir()
+    folder = None
+    try:
+        folder = Path(snapshot_download(hub_id.repo, revision=hub_id.revision, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as exc:  # a malformed id or a broken cache entry
+        raise ModelLoadError(f"{hub_id}: cannot read the Hugging Face cache at {cache}: {exc}") from exc
+    lacking = missing_files(folder) if folder is not None else ["everything"]
+    if not lacking:
+        return folder
+    if offline():
+        where = f"{cache}/models--{hub_id.repo.replace('/', '--')}"
+        held = "is not in" if folder is None else f"is incomplete (lacks {', '.join(lacking)}) in"
+        raise ModelLoadError(
+            f"model {hub_id} {held} the Hugging Face cache ({where}, revision {hub_id.revision or 'main'}) and "
+            f"HF_HUB_OFFLINE is set, so nothing is downloaded. Fetch it on a connected machine with "
+            f"`hf download {hub_id.repo}{f' --revision {hub_id.revision}' if hub_id.revision else ''}` "
+            "(into the same HF_HUB_CACHE), or unset HF_HUB_OFFLINE to let manyeyes download it."
+        )
+    return download(hub_id, cache, progress, show_progress)
+
+
+class _Tally:
+    """Bytes fetched so far across every file of one download, reported to a callback."""
+
+    def __init__(self, total: int, report: Progress | None):
+        self.total, self.done, self.report = total, 0, report
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done = min(self.done + n, self.total) if self.total else self.done + n
+            done = self.done
+        if self.report is not None:
+            self.report(done, self.total)
+
+
+def _tqdm_class(tally: _Tally, show: bool):
+    """huggingface_hub's tqdm (it honours HF_HUB_DISABLE_PROGRESS_BARS), counting into `tally`."""
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class Counting(hf_tqdm):
+        def __init__(self, *args, **kwargs):
+            if not show:
+                kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            tally.add(int(n or 0))
+            return super().update(n)
+
+    return Counting
+
+
+def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progress: bool) -> Path:
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        info = HfApi().model_info(hub_id.repo, revision=hub_id.revision, files_metadata=True)
+        sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+        first, index = choose_files(list(sizes))
+
+        def fetch(names: list[str], tally: _Tally) -> None:
+            for name in names:
+                hf_hub_download(hub_id.repo, name, revision=info.sha, cache_dir=cache,
+                                tqdm_class=_tqdm_class(tally, show_progress))
+
+        # The shards' sizes are known from the listing, so the total is right from the start.
+        folder = cache / f"models--{hub_id.repo.replace('/', '--')}" / "snapshots" / info.sha
+        index_size = sizes.get(index, 0) if index else 0
+        tally = _Tally(sum(sizes[n] for n in first), progress)
+        if index:
+            fetch([index], _Tally(index_size, None))
+            shards = shard_names(folder / index)
+            tally.total = sum(sizes[n] for n in first if n != index) + sum(sizes.get(s, 0) for s in shards)
+            fetch([n for n in first if n != index] + shards, tally)
+        else:
+            fetch(first, tally)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"model {hub_id}: {exc}") from exc
+    except GatedRepoError as exc:
+        raise ModelLoadError(f"model {hub_id} is gated: accept its terms on huggingface.co and log in with `hf auth login`") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelLoadError(f"no model {hub_id.repo!r} on the Hugging Face Hub (or it is private: `hf auth login`)") from exc
+    except RevisionNotFoundError as exc:
+        raise ModelLoadError(f"model {hub_id.repo} has no revision {hub_id.revision!r}") from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelLoadError(
+            f"model {hub_id} is not in the Hugging Face cache at {cache} and downloading it failed: {exc}. "
+            f"Check the network, or fetch it with `hf download {hub_id.repo}` and set HF_HUB_OFFLINE=1."
+        ) from exc
+    except Exception as exc:  # httpx connection errors and the like: still one clear line
+        raise ModelLoadError(
+            f"model {hub_id} is not in the Hugging Face cache at {cache} and the Hub could not be reached "
+            f"({type(exc).__name__}: {exc}). Fetch it on a connected machine with `hf download {hub_id.repo}`, "
+            "or set HF_HUB_OFFLINE=1 to use only the cache."
+        ) from exc
+    lacking = missing_files(folder)
+    if lacking:
+        raise ModelLoadError(f"model {hub_id}: downloaded to {folder} but it lacks {', '.join(lacking)}")
+    return folder

@@ -1,0 +1,105 @@
+"""Checkpoint key tables: map a foreign state dict onto ours, one explicit row per tensor.
+
+A row is (their key, our key, transform); per-layer rows use `{i}`. A transform is named
+(`transpose`), never an inline lambda, so a table says which tensors change layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from manyeyes.model.errors import ModelLoadError
+
+Transform = Callable[[torch.Tensor], torch.Tensor] | None
+Row = tuple[str, str, Transform]
+
+
+def transpose(t: torch.Tensor) -> torch.Tensor:
+    """GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in)."""
+    return t.t().contiguous()
+
+
+def rows_for(top: Iterable[Row], per_layer: Iterable[Row], n_layers: int) -> list[Row]:
+    per_layer = list(per_layer)
+    return list(top) + [(src.format(i=i), dst.format(i=i), fn) for i in range(n_layers) for src, dst, fn in per_layer]
+
+
+def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -> dict[str, torch.Tensor]:
+    """Pop each row's tensor from `state` (float32) into our names; a missing key names itself."""
+    mapped = {}
+    for src, dst, fn in rows:
+        if src not in state:
+            raise ModelLoadError(f"{path}: missing key '{src}' (for '{dst}')")
+        tensor = state.pop(src).float()
+        mapped[dst] = fn(tensor) if fn else tensor
+    return mapped
+
+
+def pop_required(state: dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
+    if key not in state:
+        raise ModelLoadError(f"{path}: missing key '{key}'")
+    return state.pop(key).float()
+
+
+def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Task models save the base model under a prefix ("bert.", "transformer.", "model.")."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()}
+
+
+def refuse_leftovers(state: dict[str, torch.Tensor], ignorable: Callable[[str], bool], family: str, path: Path):
+    for key in state:
+        if not ignorable(key):
+            raise ModelLoadError(f"{path}: unexpected key '{key}'; is this really a {family} checkpoint?")
+
+
+def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Path, derived=("mask",)):
+    """Shape-check every tensor by name, then load strictly; derived buffers come from the module."""
+    own = net.state_dict()
+    for key, tensor in own.items():
+        if key.rsplit(".", 1)[-1] in derived and key not in mapped:
+            mapped[key] = tensor
+    for key in own:
+        if key not in mapped:
+            raise ModelLoadError(f"{path}: missing key '{key}'")
+        if tuple(mapped[key].shape) != tuple(own[key].shape):
+            raise ModelLoadError(
+                f"{path}: shape mismatch for '{key}': checkpoint has {tuple(mapped[key].shape)}, "
+                f"model expects {tuple(own[key].shape)}"
+            )
+    for key in mapped:
+        if key not in own:
+            raise ModelLoadError(f"{path}: unexpected key '{key}'")
+    net.load_state_dict(mapped, strict=True)
+
+
+def read_json(path: Path) -> dict:
+    if not path.exists():
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read JSON {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def need(config: dict, key: str, path: Path):
+    """A config value the model cannot be built without."""
+    if key not in config:
+        raise ModelLoadError(f"{path} lacks the key '{key}'")
+    return config[key]
+
+
+GELU_FORMS = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+
+def gelu_form(config: dict, key: str, path: Path, default: str = "gelu") -> str:
+    act = config.get(key, default)
+    if act not in GELU_FORMS:
+        raise ModelLoadError(f"{path}: unsupported activation {key}={act!r}")
+    return GELU_FORMS[act]

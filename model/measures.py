@@ -1,0 +1,520 @@
+"""Measures beyond raw weights, each computed from one captured run with no second forward pass.
+
+Raw weights mislead on their own: a head can put 0.9 on [SEP] and move almost nothing. These are
+the field's corrections, side by side:
+
+- `rollout`: attention rollout (Abnar & Zuidema, 2020);
+- `head_writes` / `contributions`: what each head writes into the residual stream, its norm and
+  its share of the attention block's output (after Kobayashi et al., 2020; Ferrando & Voita, 2024);
+- `head_stats` / `tag_heads`: per-head statistics and automatic tags (after TransformerLens'
+  head detector), with an induction score from a built-in repeated-random-tokens probe;
+- `merge_words`: subword pieces merged into words, for any tokenizer with offsets;
+- `neuron_view`: the query, keys, q ⊙ k, scores, softmax and values behind one row of one head.
+
+Value-weighted norms stay in `manyeyes.model.analysis`.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from dataclasses import dataclass
+
+import torch
+
+from manyeyes.model.attention import Capture
+from manyeyes.model.runtime import AttentionModel, AttentionResult
+from manyeyes.model.tokenizer import Encoded, Token
+
+
+# ---------------------------------------------------------------------------- rollout
+def rollout(attention: torch.Tensor) -> torch.Tensor:
+    """R = Ã_L ⋯ Ã_1 with Ã_l = ½·mean_h A_l + ½·I, rows renormalised; (T, T).
+
+    attention: (n_layers, n_heads, T, T). A causal model's weights are lower-triangular, and so
+    is every Ã_l and their product: the causal form needs no special case, only no leakage, which
+    the identity term cannot add.
+    """
+    n_tokens = attention.shape[-1]
+    eye = torch.eye(n_tokens, dtype=torch.float64)
+    result = eye.clone()
+    for layer in attention.double():
+        mixed = 0.5 * layer.mean(0) + 0.5 * eye  # (T, T)
+        mixed = mixed / mixed.sum(-1, keepdim=True)
+        result = mixed @ result  # later layers on the left: token i at layer l reads rows of l-1
+    return result.float()
+
+
+# ---------------------------------------------------------------------------- what heads write
+def _per_query_head(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(n_kv_heads, T, head_dim) -> (n_heads, T, head_dim): query head h reads kv head h // group."""
+    group = n_heads // tensor.shape[0]
+    return tensor.repeat_interleave(group, dim=0) if group > 1 else tensor
+
+
+def head_writes(model: AttentionModel, result: AttentionResult) -> torch.Tensor:
+    """Each head's write into the residual stream, (n_layers, n_heads, T, d_model).
+
+    For head h at query i: Σ_j α_ij · v_j W_O,h, its slice of out_proj without the bias (the
+    bias belongs to no head). Needs Capture(qkv=True).
+    """
+    if result.values is None:
+        raise ValueError("head contributions need the values: run with Capture(qkv=True)")
+    info = model.info
+    writes = []
+    for block, values, weights in zip(model.net.trf_blocks, result.values, result.attention):
+        values = _per_query_head(values, info.n_heads)  # (n_heads, T, head_dim)
+        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
+        # (d_model, n_heads * head_dim) -> (d_model, n_heads, head_dim) -> (n_heads, head_dim, d_model)
+        w_o = w_o.view(w_o.shape[0], info.n_heads, info.head_dim).permute(1, 2, 0)
+        # (n_heads, T, T) @ (n_heads, T, head_dim) -> (n_heads, T, head_dim)
+        mixed = weights @ values
+        # (n_heads, T, head_dim) @ (n_heads, head_dim, d_model) -> (n_heads, T, d_model)
+        writes.append(mixed @ w_o)
+    return torch.stack(writes)
+
+
+@dataclass(frozen=True)
+class Contributions:
+    norms: torch.Tensor  # (n_layers, n_heads, T): ‖what head h writes at query i‖
+    # (n_layers, n_heads, T): the head's write projected on the block's output y (heads + bias),
+    # c·y / ‖y‖². Over the heads and the bias it sums to exactly 1; a head that cancels others
+    # gets a negative share.
+    shares: torch.Tensor
+    bias_shares: torch.Tensor  # (n_layers, T): out_proj's bias, the remainder of the sum
+
+
+def contributions(model: AttentionModel, result: AttentionResult) -> Contributions:
+    writes = head_writes(model, result)  # (n_layers, n_heads, T, d_model)
+    biases = torch.stack(
+        [
+            block.att.out_proj.bias.detach().float().cpu()
+            if block.att.out_proj.bias is not None
+            else torch.zeros(writes.shape[-1])
+            for block in model.net.trf_blocks
+        ]
+    )  # (n_layers, d_model)
+    output = writes.sum(1) + biases[:, None, :]  # (n_layers, T, d_model): the block's output
+    denom = (output * output).sum(-1).clamp_min(1e-30)  # (n_layers, T)
+    shares = (writes * output[:, None]).sum(-1) / denom[:, None]  # (n_layers, n_heads, T)
+    bias_shares = (biases[:, None, :] * output).sum(-1) / denom
+    return Contributions(norms=writes.norm(dim=-1), shares=shares, bias_shares=bias_shares)
+
+
+# ---------------------------------------------------------------------------- head statistics and tags
+STAT_NAMES = ("entropy", "distance", "self", "previous", "first", "delimiter", "duplicate")
+
+
+def _is_delimiter(token: Token) -> bool:
+    text = token.text.strip()
+    return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> dict[str, torch.Tensor]:
+    """Each statistic as (n_layers, n_heads), averaged over the query rows where it is defined.
+
+    - entropy: a row's entropy over log(number of keys it may see), 0 sharp ... 1 uniform;
+    - distance: Σ_j α_ij |i - j|, in tokens;
+    - self: α_ii; previous: α_i,i-1; first: α_i,0, the sink share;
+    - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
+    - duplicate: mass on earlier copies of the query's own token.
+    Rows that see a single key (a causal model's first row) carry no choice and are left out.
+    Reductions over keys are matmuls or views where they can be, so stats and tags stay a small
+    fraction of the forward pass at T=512.
+    """
+    attention = attention.float()
+    n_tokens = attention.shape[-1]
+    positions = torch.arange(n_tokens)
+    visible = (positions + 1).float() if causal else torch.full((n_tokens,), float(n_tokens))
+    choosing = visible > 1  # (T,)
+
+    def row_mean(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # per_row: (n_layers, n_heads, T); rows: (T,) bool
+        return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2])
+
+    entropy = -torch.special.xlogy(attention, attention).sum(-1) / visible.clamp_min(2).log()  # (L, H, T)
+    index = positions.float()
+    if causal:  # j ≤ i, so Σ_j α_ij (i - j) = i - Σ_j j·α_ij: a matmul, no (T, T) temporary
+        distance = index - attention @ index
+    else:
+        distance = (attention * (index[:, None] - index[None, :]).abs()).sum(-1)
+    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
+    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
+    first = attention[..., :, 0]
+    delimiters = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)])
+    delimiter = attention @ delimiters  # (L, H, T)
+    ids = torch.tensor([t.id for t in tokens])
+    earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
+    has_copy = earlier_copy.any(-1)
+    if has_copy.any():
+        rows = has_copy.nonzero().squeeze(-1)
+        # only rows with an earlier copy: (L, H, R, T) * (R, T) -> (L, H, R)
+        duplicate = torch.zeros(attention.shape[:-1])
+        duplicate[..., rows] = (attention[..., rows, :] * earlier_copy[rows].float()).sum(-1)
+    else:
+        duplicate = torch.zeros(attention.shape[:-1])
+    return {
+        "entropy": row_mean(entropy, choosing),
+        "distance": row_mean(distance, choosing),
+        "self": row_mean(diagonal, choosing),
+        "previous": row_mean(previous, positions >= 1),
+        "first": row_mean(first, choosing & (positions >= 1)),
+        "delimiter": row_mean(delimiter, choosing),
+        "duplicate": row_mean(duplicate, has_copy),
+    }
+
+
+# Thresholds for the tags, each on a statistic above (or the induction probe). A head may carry
+# several tags or none. They are deliberately strict: a tag should name what a head mostly does.
+TAG_THRESHOLDS = {
+    "previous-token": ("previous", 0.5),  # half its mass on the token just before
+    "self": ("self", 0.5),
+    "sink": ("first", 0.5),  # half its mass parked on the first token ([CLS], <s> or BOS)
+    "broad": ("entropy", 0.8),  # close to uniform over what it may see
+    "induction": ("induction", 0.3),  # on the probe: mass on the token after the earlier copy
+}
+POSITIONAL_SHARE = 0.6  # "positional": the same fixed offset (not 0 or 1) is the argmax of ≥ 60% of rows
+
+
+def fixed_offset_share(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the most common i - argmax_j α_ij and the share of rows that have it; (n_layers, n_heads) each."""
+    n_tokens = attention.shape[-1]
+    offsets = torch.arange(n_tokens)[:, None] - attention.argmax(-1).unsqueeze(-1)  # (L, H, T, 1)
+    offsets = offsets.squeeze(-1)
+    mode = offsets.mode(dim=-1).values  # (L, H)
+    share = (offsets == mode[..., None]).float().mean(-1)
+    return mode, share
+
+
+def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor) -> list[list[list[str]]]:
+    """tags[layer][head]: names from TAG_THRESHOLDS (plus "positional"); "induction" needs stats["induction"]."""
+    n_layers, n_heads = attention.shape[:2]
+    offset, share = fixed_offset_share(attention)
+    tags: list[list[list[str]]] = [[[] for _ in range(n_heads)] for _ in range(n_layers)]
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            for tag, (stat, threshold) in TAG_THRESHOLDS.items():
+                if stat in stats and float(stats[stat][layer, head]) >= threshold:
+                    tags[layer][head].append(tag)
+            if int(offset[layer, head]) not in (0, 1) and float(share[layer, head]) >= POSITIONAL_SHARE:
+                tags[layer][head].append("positional")
+    return tags
+
+
+# Text whose token ids seed the induction probe: random draws over a model's whole vocabulary
+# land on ids that training never updated (185 of tiny-gpt's 257 bytes never occur in its
+# corpus), and an untrained embedding tells nothing about a head. Public domain (Lincoln).
+PROBE_SOURCE = (
+    "It is for us the living, rather, to be dedicated here to the unfinished work which they who "
+    "fought here have thus far so nobly advanced. It is rather for us to be here dedicated to the "
+    "great task remaining before us"
+)
+PROBE_LENGTH = 40  # random tokens per copy; the probe is [first special?] + R + R
+PROBE_SEED = 0
+
+
+def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: int = PROBE_SEED) -> torch.Tensor:
+    """(n_layers, n_heads): on random tokens repeated twice, the mean weight from each token of the
+    second copy to the token that followed its earlier occurrence (Olsson et al., 2022).
+
+    Computed once per model and kept on it: every run's tags reuse it.
+    """
+    cached = getattr(model, "_induction_scores", None)
+    if cached is not None and cached[0] == (length, seed):
+        return cached[1]
+    source = model.encode(PROBE_SOURCE)
+    lead = [t for t in source.tokens[:1] if t.special]  # keep a BERT's [CLS]: its heads expect it
+    pool = sorted({t.id for t in source.tokens if not t.special})
+    generator = torch.Generator().manual_seed(seed)
+    draws = [pool[int(k)] for k in torch.randint(len(pool), (length,), generator=generator)]
+    body = [Token(str(i), i, 0, 0, False, 0, str(i)) for i in draws + draws]
+    probe = Encoded(lead + body, [0] * (len(lead) + len(body)), False)
+    attention = model.run([probe])[0].attention  # (n_layers, n_heads, T, T)
+    start = len(lead)
+    queries = torch.arange(start + length + 1, start + 2 * length)  # second copy, from its 2nd token
+    targets = queries - length + 1  # the token after the earlier occurrence
+    scores = attention[:, :, queries, targets].mean(-1)
+    model._induction_scores = ((length, seed), scores)
+    return scores
+
+
+def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str, torch.Tensor], list[list[list[str]]]]:
+    """Stats for every head of a run, the model's induction scores beside them, and the tags."""
+    stats = head_stats(result.attention, result.tokens, model.info.causal)
+    stats["induction"] = induction_scores(model)
+    return stats, tag_heads(stats, result.attention)
+
+
+# ---------------------------------------------------------------------------- word view
+@dataclass(frozen=True)
+class Word:
+    text: str
+    start: int
+    end: int
+    segment: int
+    special: bool
+    pieces: tuple[int, ...]  # token indices
+
+
+def _word_groups(tokens: list[Token]) -> list[list[int]]:
+    """Consecutive pieces form a word when their spans touch or overlap in the same segment.
+
+    Offsets, not vocabulary markers ("##", "Ġ", "▁"), decide, so WordPiece, byte-level BPE and
+    SentencePiece behave alike. A piece that begins with a space begins a word (" bank", or a
+    lone " " then "bank"). Specials and punctuation stand alone: "river." is two words.
+    """
+    groups: list[list[int]] = []
+    for k, token in enumerate(tokens):
+        prev = tokens[k - 1] if k else None
+        joins = (
+            prev is not None
+            and not (token.special or prev.special)
+            and token.segment == prev.segment
+            and (
+                token.start < prev.end  # the bytes of one character share its span
+                or (
+                    token.start == prev.end
+                    and not token.text[:1].isspace()  # byte-level BPE: a leading space starts a word
+                    and not (_is_delimiter(token) or _is_delimiter(prev))
+                )
+            )
+        )
+        if joins:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return groups
+
+
+def merge_words(tokens: list[Token], attention: torch.Tensor, source: tuple[str, str] | None = None):
+    """Words and their attention, (..., W, W): keys summed over a word's pieces, queries averaged.
+
+    Rows still sum to one. source: (text, text_pair), to name each word by its own characters.
+    """
+    groups = _word_groups(tokens)
+    membership = torch.zeros(len(groups), len(tokens), dtype=attention.dtype)  # (W, T)
+    for w, group in enumerate(groups):
+        membership[w, group] = 1.0
+    query_mean = membership / membership.sum(-1, keepdim=True)
+    # (W, T) @ (..., T, T) @ (T, W) -> (..., W, W)
+    merged = query_mean @ attention @ membership.T
+    words = []
+    for group in groups:
+        first, last = tokens[group[0]], tokens[group[-1]]
+        if source is not None and not first.special:
+            text = source[first.segment][first.start : last.end].strip() or first.text
+        else:
+            text = "".join(tokens[k].text for k in group) if len(group) > 1 else first.text
+        words.append(Word(text, first.start, last.end, first.segment, first.special, tuple(group)))
+    return words, merged
+
+
+# ---------------------------------------------------------------------------- neuron view
+@dataclass(frozen=True)
+class NeuronView:
+    layer: int
+    head: int
+    kv_head: int  # the key/value head this query head reads (grouped-query attention shares them)
+    query_index: int
+    query: torch.Tensor  # (head_dim,), as the softmax saw it (after rotary, where the model has it)
+    keys: torch.Tensor  # (T, head_dim)
+    products: torch.Tensor  # (T, head_dim): query ⊙ key, whose sum is the raw score
+    scores: torch.Tensor  # (T,): Σ(q ⊙ k) / √head_dim, -inf where masked
+    weights: torch.Tensor  # (T,): the softmax of the scores, the row of the run's attention
+    values: torch.Tensor  # (T, head_dim): what the weights mix
+
+
+def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head: int, query_index: int) -> NeuronView:
+    if result.queries is None or result.keys is None or result.values is None:
+        raise ValueError("the neuron view needs queries, keys and values: run with Capture(qkv=True)")
+    info = model.info
+    n_kv = result.keys[layer].shape[0]
+    kv_head = head // (info.n_heads // n_kv)
+    query = result.queries[layer][head, query_index]  # (head_dim,)
+    keys = result.keys[layer][kv_head]  # (T, head_dim)
+    products = query[None, :] * keys  # (T, head_dim)
+    scores = products.sum(-1) / math.sqrt(query.shape[-1])
+    weights = result.attention[layer, head, query_index]
+    if info.causal:
+        scores[query_index + 1 :] = -math.inf  # later keys are masked, whatever their score
+    return NeuronView(layer, head, kv_head, query_index, query, keys, products, scores, weights, result.values[layer][kv_head])
+
+
+# ---------------------------------------------------------------------------- direct logit attribution
+@dataclass(frozen=True)
+class LogitAttribution:
+    position: int  # the query position whose logits are read
+    target: int  # the token id whose logit is decomposed
+    logit: float  # the model's own logit for it
+    heads: torch.Tensor  # (n_layers, n_heads): each head's direct contribution
+    attention_bias: torch.Tensor  # (n_layers,): each out_proj's bias
+    mlps: torch.Tensor  # (n_layers,): each feed-forward block's output
+    embeddings: float  # token (and position) embeddings, the stream's start
+    rest: float  # the final norm's shift and the unembedding's bias: fixed for this target
+
+    @property
+    def total(self) -> float:
+        return float(self.heads.sum() + self.attention_bias.sum() + self.mlps.sum()) + self.embeddings + self.rest
+
+    def ranked_heads(self) -> list[tuple[int, int, float]]:
+        """(layer, head, contribution), largest first."""
+        n_heads = self.heads.shape[1]
+        order = self.heads.flatten().argsort(descending=True)
+        return [(int(k) // n_heads, int(k) % n_heads, float(self.heads.flatten()[k])) for k in order]
+
+
+class _StreamTap:
+    """Forward pre-hooks that keep the residual stream entering each block (and the final norm)."""
+
+    def __init__(self, net):
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.final: torch.Tensor | None = None
+        self._hooks = [
+            block.register_forward_pre_hook(lambda m, args, i=i: self.inputs.__setitem__(i, args[0][0].detach().float().cpu()))
+            for i, block in enumerate(net.trf_blocks)
+        ]
+        if hasattr(net, "final_norm"):
+            self._hooks.append(
+                net.final_norm.register_forward_pre_hook(lambda m, args: setattr(self, "final", args[0][0].detach().float().cpu()))
+            )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+
+
+def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
+    """One forward that also keeps the residual stream entering each block: (result, [(T, d_model)] * n_layers, final).
+
+    final is the stream entering the final norm, or None for a model without one.
+    """
+    with _StreamTap(model.net) as tap:
+        result = model.run([model.encode(text, text_pair)], Capture(qkv=True))[0]
+    return result, [tap.inputs[i] for i in range(len(tap.inputs))], tap.final
+
+
+def _frozen_norm(norm: torch.nn.Module, stream: torch.Tensor):
+    """The final norm as a linear map at this run's scale: (apply to a component, the constant part)."""
+    scale = norm.scale.detach().float().cpu()
+    if hasattr(norm, "shift"):  # LayerNorm: centre, then divide by this position's σ
+        sigma = torch.sqrt(stream.var(-1, unbiased=False) + norm.eps)
+        return (lambda c: scale * (c - c.mean(-1, keepdim=True)) / sigma), norm.shift.detach().float().cpu()
+    rms = torch.sqrt(stream.pow(2).mean(-1) + norm.eps)  # RMSNorm: divide by this position's rms
+    return (lambda c: scale * c / rms), torch.zeros_like(scale)
+
+
+def logit_attribution(model: AttentionModel, text: str, position: int, target: int | None = None) -> LogitAttribution:
+    """Each component's direct contribution to one logit, through the final norm frozen at this run's scale.
+
+    For pre-norm language models (every causal family here): the stream entering the final norm
+    is the embeddings plus, per layer, each head's write, the out_proj bias and the feed-forward
+    output, so the parts add up to the logit exactly (TransformerLens' direct logit attribution).
+    target None: the model's own top prediction at that position.
+    """
+    net = model.net
+    if not model.info.causal or not hasattr(net, "final_norm") or not hasattr(net, "out_head"):
+        raise ValueError("logit attribution needs a pre-norm language model with a final norm and an output head")
+    result, inputs, final = run_with_stream(model, text)
+    n_tokens = len(result.tokens)
+    if not 0 <= position < n_tokens:
+        raise ValueError(f"position must be in 0..{n_tokens - 1}")
+    logits = result.logits[position]
+    target = int(logits.argmax()) if target is None else int(target)
+    if not 0 <= target < logits.shape[-1]:
+        raise ValueError(f"target must be a token id in 0..{logits.shape[-1] - 1}")
+
+    stream = final[position]  # (d_model,)
+    normed, shift = _frozen_norm(net.final_norm, stream)
+    unembed = net.out_head.weight.detach().float().cpu()[target]  # (d_model,)
+    out_bias = float(net.out_head.bias[target]) if getattr(net.out_head, "bias", None) is not None else 0.0
+
+    def direct(component: torch.Tensor) -> torch.Tensor:
+        return normed(component) @ unembed
+
+    writes = head_writes(model, result)[:, :, position]  # (n_layers, n_heads, d_model)
+    n_layers = writes.shape[0]
+    attention_bias, mlps = torch.zeros(n_layers), torch.zeros(n_layers)
+    for layer, block in enumerate(net.trf_blocks):
+        bias = block.att.out_proj.bias
+        bias = bias.detach().float().cpu() if bias is not None else torch.zeros_like(stream)
+        after = inputs[layer + 1][position] if layer + 1 < n_layers else stream
+        attention_bias[layer] = direct(bias)
+        mlps[layer] = direct(after - inputs[layer][position] - writes[layer].sum(0) - bias)
+    return LogitAttribution(
+        position=position,
+        target=target,
+        logit=float(logits[target]),
+        heads=direct(writes),
+        attention_bias=attention_bias,
+        mlps=mlps,
+        embeddings=float(direct(inputs[0][position])),
+        rest=float(shift @ unembed) + out_bias,
+    )
+
+
+# ---------------------------------------------------------------------------- information-flow routes
+@dataclass(frozen=True)
+class FlowEdge:
+    layer: int  # the edge runs from token `source` below layer `layer` to token `target` above it
+    source: int
+    target: int
+    weight: float  # the source's share of what the target's stream becomes, in [0, 1]
+    head: int | None  # the head that carries most of it; None for the residual (source == target)
+
+
+def _proximity(parts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Ferrando & Voita's importance: max(0, ‖y‖₁ - ‖y - z‖₁), normalised over the parts.
+
+    parts: (..., K, d) summing (with whatever else) to total: (..., d). Returns (..., K).
+    """
+    raw = (total.abs().sum(-1, keepdim=True) - (total.unsqueeze(-2) - parts).abs().sum(-1)).clamp_min(0)
+    return raw / raw.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+FLOW_CHUNK = 32  # targets at a time: bounds the (chunk, T, d_model) edge tensor (25 MB at T=512)
+
+
+def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, text_pair: str | None = None):
+    """Token-to-token routes through the layers (Ferrando & Voita, 2024), edges below `threshold` pruned.
+
+    At each layer, token i's stream after attention is y_i = x_i + Σ_j z_ij + b, where z_ij is
+    what every head moves from token j (Σ_h α_h,ij · v_h,j W_O,h) and x_i the residual. Each
+    edge j → i weighs z_ij (the residual: x_i) by its proximity to y_i, so the edges into one
+    token at one layer share 1. Returns (tokens, edges).
+    """
+    result, inputs, _ = run_with_stream(model, text, text_pair)
+    info = model.info
+    edges: list[FlowEdge] = []
+    for layer, block in enumerate(model.net.trf_blocks):
+        values = _per_query_head(result.values[layer], info.n_heads)  # (n_heads, T, head_dim)
+        w_o = block.att.out_proj.weight.detach().float().cpu()
+        # (d_model, n_heads * head_dim) -> (n_heads, head_dim, d_model)
+        w_o = w_o.view(w_o.shape[0], info.n_heads, info.head_dim).permute(1, 2, 0)
+        moved = values @ w_o  # (n_heads, T_source, d_model): what each head would move from each token
+        weights_l = result.attention[layer]  # (n_heads, T, T_source)
+        residual = inputs[layer]  # (T, d_model)
+        bias = block.att.out_proj.bias
+        bias = bias.detach().float().cpu() if bias is not None else torch.zeros(residual.shape[-1])
+        # α ≥ 0, so ‖α_h,ij · m_h,j‖ = α_h,ij ‖m_h,j‖: the carrier needs no (T, T, d_model) tensor.
+        carrier = (weights_l * moved.norm(dim=-1).unsqueeze(1)).argmax(0)  # (T, T_source)
+        weights = torch.empty(residual.shape[0], residual.shape[0] + 1)
+        for start in range(0, residual.shape[0], FLOW_CHUNK):
+            stop = min(start + FLOW_CHUNK, residual.shape[0])
+            # (n_heads, chunk, T_source) x (n_heads, T_source, d_model) -> (chunk, T_source, d_model)
+            through = torch.einsum("hij,hjd->ijd", weights_l[:, start:stop], moved)
+            total = residual[start:stop] + through.sum(1) + bias  # (chunk, d_model)
+            # parts per target: every source token, then the residual: (chunk, T_source + 1, d_model)
+            parts = torch.cat([through, residual[start:stop].unsqueeze(1)], dim=1)
+            weights[start:stop] = _proximity(parts, total)
+        kept = (weights > 0) & (weights >= threshold)  # (T, T_source + 1); the last column is the residual
+        n_tokens = residual.shape[0]
+        for target, source in kept.nonzero().tolist():
+            weight = float(weights[target, source])
+            if source == n_tokens:
+                edges.append(FlowEdge(layer, target, target, weight, None))
+            else:
+                edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
+    return result.tokens, edges

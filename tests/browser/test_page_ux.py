@@ -1,0 +1,370 @@
+"""Issue 13: the page tried as a new user would. One test (or more) per numbered defect; each fails
+on the page as it was before the fix. Screenshots go to test-artifacts/ to be looked at."""
+
+from __future__ import annotations
+
+import base64
+import re
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+import pytest
+
+from tests.browser.conftest import CHROMIUM_ARGS, LOOPBACK
+from tests.browser.test_page import PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, run, wait_focus, wait_grid, wait_saved
+
+pytestmark = pytest.mark.browser
+
+WORDS = "the river bank was muddy after heavy rain and every boat stayed close to the shore".split()
+
+
+def text_of_tokens(api, n: int, model: str = "minilm") -> str:
+    """A text that the model splits into exactly n tokens, specials included."""
+    words = list(WORDS)
+    while True:
+        text = " ".join(words)
+        count = len(api.post("/api/v1/attention", json={"text": text, "model": model, "layers": [0], "heads": [0], "format": "u8"}).json()["tokens"])
+        if count == n:
+            return text
+        if count < n:
+            words += WORDS[: max(1, (n - count) // 2)] if n - count > 2 else [WORDS[len(words) % len(WORDS)]]
+        else:
+            words.pop()
+
+
+def f16_attention(api, text, layers, heads=None, pair=None):
+    body = {"text": text, "model": "minilm", "format": "f16", "layers": layers}
+    if heads is not None:
+        body["heads"] = heads
+    if pair:
+        body["text_pair"] = pair
+    data = api.post("/api/v1/attention", json=body).json()
+    raw = np.frombuffer(base64.b64decode(data["attention"]["data"]), dtype="<f2").astype(np.float64)
+    return data["tokens"], raw.reshape(data["attention"]["shape"])
+
+
+def tick_texts(page, axis="y"):
+    return page.locator(f"#focus-plot .{axis}tick text").all_text_contents()
+
+
+# ---- 1. privacy ---------------------------------------------------------------------------------
+
+
+def test_no_modebar_button_or_link_leaves_this_machine(server, page, watched, artifacts):
+    popups = []
+    page.context.on("page", lambda p: popups.append(p.url))
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    titles = []
+    page.hover("#focus-plot")
+    buttons = page.locator("#focus-plot .modebar-btn")
+    page.locator("#focus-plot").screenshot(path=str(artifacts / "modebar.png"))
+    for i in range(buttons.count()):
+        button = buttons.nth(i)
+        titles.append(button.get_attribute("data-title"))
+        page.hover("#focus-plot")
+        button.click()
+        page.wait_for_timeout(150)
+    assert not any("share" in (t or "").lower() or "cloud" in (t or "").lower() for t in titles), titles
+    assert page.locator("#focus-plot a[href*='plotly']").count() == 0
+    links = page.locator("a[href]")
+    hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
+    for href in hrefs:
+        open_page(page, server)
+        page.locator(f"a[href='{href}']").first.click()
+        page.wait_for_load_state()
+        assert urlsplit(page.url).hostname in LOOPBACK, page.url
+    page.wait_for_timeout(300)
+    assert popups == []
+    assert watched.off_loopback() == []
+
+
+# ---- 2. labels and zoom -------------------------------------------------------------------------
+
+
+def test_every_label_is_shown_up_to_64_tokens_and_zoom_survives_arrow_keys(server, api, page, artifacts):
+    text = text_of_tokens(api, 57)
+    open_page(page, server)
+    run(page, text)
+    assert len(tick_texts(page, "y")) == 57 and len(tick_texts(page, "x")) == 57
+    page.evaluate("() => Plotly.relayout('focus-plot', {'xaxis.range': [9.5, 39.5], 'yaxis.range': [39.5, 9.5]})")
+    page.wait_for_function("() => document.querySelectorAll('#focus-plot .ytick text').length === 30")
+    page.focus("#focus-plot")
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=0, head=1)
+    assert page.evaluate("() => document.getElementById('focus-plot').layout.xaxis.range") == [9.5, 39.5]
+    ticks = page.locator("#focus-plot .ytick text")
+    assert ticks.count() == 30
+    boxes = [ticks.nth(i).bounding_box() for i in range(30)]
+    sizes = page.evaluate("() => [...document.querySelectorAll('#focus-plot .ytick text')].map(t => parseFloat(getComputedStyle(t).fontSize))")
+    assert min(sizes) >= 9, sizes  # readable, not shrunk to fit
+    tops = sorted(b["y"] for b in boxes)
+    heights = max(b["height"] for b in boxes)
+    assert all(b - a >= heights * 0.9 for a, b in zip(tops, tops[1:])), "labels overlap"
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "zoomed-labels.png"))
+
+
+# ---- 3. tokens as the model saw them ------------------------------------------------------------
+
+
+def test_labels_are_the_models_pieces_with_the_original_span_on_hover(server, api, page):
+    text = "unbelievably naïve 🏦"
+    reply = api.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()
+    assert [t["piece"] for t in reply["tokens"]] == ["[CLS]", "un", "##bel", "##ie", "##va", "##bly", "naive", "[UNK]", "[SEP]"]
+    open_page(page, server)
+    run(page, text)
+    left = page.locator(".hv-left li").all_text_contents()
+    assert left == ["[CLS]", "un", "##bel", "##ie", "##va", "##bly", "naive", "[UNK]", "[SEP]"]
+    assert tick_texts(page, "y") == left
+    assert page.locator(".hv-left li").nth(7).get_attribute("title").startswith("[UNK] from “🏦”")
+    full = page.locator("#tooltip")
+    hover_cell(page, 6, 7)
+    assert full.text_content() == f"naive → [UNK]: {full.text_content().split(': ')[1].splitlines()[0]}\n“naïve” → “🏦”"
+    page.select_option("#labels", "text")
+    page.wait_for_function("() => document.querySelectorAll('.hv-left li')[7]?.textContent === '🏦'")
+
+
+def test_byte_level_pieces_show_bytes_and_visible_spaces(server, page):
+    """tiny-gpt's real tokens (byte-level BPE), labelled by the page's own tokens.js."""
+    from manyeyes.model import load
+
+    tokens = [
+        {"text": t.text, "piece": t.piece, "special": t.special, "start": t.start, "end": t.end}
+        for t in load("tiny-gpt", device="cpu").tokenizer.encode("a naïve 🏦 bank", None).tokens
+    ]
+    open_page(page, server)
+    labels = page.evaluate("async (tokens) => (await import('/static/js/tokens.js')).tokenLabels(tokens, 'pieces')", tokens)
+    assert labels == ["a", "␣", "n", "a", "‹C3›", "‹AF›", "v", "e", "␣", "‹F0›", "‹9F›", "‹8F›", "‹A6›", "␣", "b", "a", "n", "k"]
+
+
+# ---- 4. aggregates from float32 -----------------------------------------------------------------
+
+
+def test_means_and_renormalised_rows_hold_their_mass_at_512_tokens(server, api, page):
+    text = text_of_tokens(api, 512)
+    open_page(page, server)
+    run(page, text)
+    page.select_option("#aggregate", "layer")
+    page.wait_for_selector("#focus-plot[data-aggregate=layer][data-precision=f16]", timeout=60_000)
+    z = np.array(plotted(page), dtype=np.float64)
+    assert z.shape == (512, 512)
+    sums = z.sum(axis=1)
+    assert np.abs(sums - 1).max() <= 0.01, (sums.min(), sums.max())
+    tokens, exact = f16_attention(api, text, [0])
+    assert np.abs(z - exact[0].mean(axis=0)).max() <= 2e-3
+
+    page.select_option("#aggregate", "head")
+    wait_focus(page, layer=0, head=0)
+    page.check("#hide-special")
+    page.wait_for_function("() => document.getElementById('focus-plot').data[0].z.length === 510", timeout=60_000)
+    z = np.array(plotted(page), dtype=np.float64)
+    assert np.abs(z.sum(axis=1) - 1).max() <= 0.01
+    kept = exact[0, 0][1:-1, 1:-1]
+    assert np.abs(z - kept / kept.sum(axis=1, keepdims=True)).max() <= 2e-3
+
+
+# ---- 5. head view in step with the focus --------------------------------------------------------
+
+
+def test_head_view_follows_the_focus_and_names_its_layer(server, page, artifacts):
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.wait_for_selector(".hv-left li")
+    for h in (2, 5, 9):
+        page.check(f"#hv-head-{h}")
+    page.click(".thumb[data-layer='4'][data-head='7']")
+    wait_focus(page, layer=4, head=7)
+    page.wait_for_function("() => document.getElementById('headview').dataset.layer === '4'")
+    assert page.locator("#headview").get_attribute("data-heads") == "2,5,7,9"
+    assert page.locator("#headview-title").text_content() == "Head view: layer 4, heads 2, 5, 7, 9"
+    colours = page.evaluate("async () => (await import('/static/js/theme.js')).palette().heads")
+    assert len(colours) >= 32
+    rgb = np.array([[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in colours[:32]], dtype=float)
+    distance = np.linalg.norm(rgb[:, None] - rgb[None], axis=-1) + np.eye(32) * 1e9
+    assert distance.min() >= 25, distance.min()
+    page.locator(".head-panel").screenshot(path=str(artifacts / "head-view.png"))
+
+
+def test_head_view_draws_every_tokens_top_lines_at_long_t(server, api, page):
+    text = text_of_tokens(api, 400)
+    open_page(page, server)
+    run(page, text)
+    page.select_option("#aggregate", "all")  # the broadest weights there are
+    page.wait_for_selector("#focus-plot[data-aggregate=all]", timeout=60_000)
+    page.wait_for_function("() => Number(document.querySelector('.hv-canvas')?.dataset.lines) >= 3 * 400", timeout=30_000)
+
+
+# ---- 6. permalink -------------------------------------------------------------------------------
+
+
+def test_a_short_link_restores_every_control(server, make_page, artifacts):
+    long_text = " ".join(f"Sentence {i} is about rivers and banks." for i in range(80))
+    first = make_page()
+    open_page(first, server)
+    first.check("#truncate")
+    first.fill("#pair", PAIR)
+    run(first, long_text)
+    first.click(".thumb[data-layer='2'][data-head='3']")
+    wait_focus(first, layer=2, head=3)
+    first.check("#hv-head-6")
+    first.check("#hide-special")
+    first.check("#hide-first")
+    first.locator("#threshold").fill("0.05")
+    first.select_option("#segments", "AB")
+    first.select_option("#scale", "log")
+    first.select_option("#labels", "text")
+    first.select_option("#aggregate", "layer")
+    first.wait_for_selector("#focus-plot[data-aggregate=layer]")
+    wait_saved(first)
+    assert len(first.url) < 100, first.url
+    controls = ["#text", "#pair", "#model", "#layer", "#head", "#aggregate", "#segments", "#scale", "#labels", "#threshold"]
+    checks = ["#truncate", "#hide-special", "#hide-first"]
+    before = {c: first.locator(c).input_value() for c in controls} | {c: first.locator(c).is_checked() for c in checks}
+    z = plotted(first)
+
+    second = make_page()
+    second.goto(first.url)
+    second.wait_for_selector("#focus-plot[data-aggregate=layer][data-layer='2']", timeout=30_000)
+    second.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z.length === n", arg=len(z))
+    after = {c: second.locator(c).input_value() for c in controls} | {c: second.locator(c).is_checked() for c in checks}
+    assert after == before
+    assert second.locator("#hv-head-6").is_checked() and second.locator("#hv-head-3").is_checked()
+    assert plotted(second) == z
+    assert "(cut to fit)" in second.locator("#focus-caption").text_content()
+
+
+def test_an_expired_link_says_so(server, page):
+    open_page(page, server, "?view=" + "0" * 18)
+    page.locator("#error").wait_for(state="visible")
+    assert "expired" in page.locator("#error").text_content()
+
+
+# ---- 7. laptop and phone ------------------------------------------------------------------------
+
+
+def test_the_focused_heatmap_fits_a_laptop_screen(server, make_page, artifacts):
+    page = make_page(viewport=(1366, 768))
+    open_page(page, server)
+    run(page, SENTENCE, PAIR)
+    assert page.evaluate("() => window.scrollY") == 0
+    plot = page.locator("#focus-plot .nsewdrag").bounding_box()
+    keys = [b for b in (t.bounding_box() for t in page.locator("#focus-plot .xtick text").all()) if b]
+    page.screenshot(path=str(artifacts / "laptop-1366x768.png"))
+    assert plot["y"] + plot["height"] <= 768
+    assert max(b["y"] + b["height"] for b in keys) <= 768
+    page.screenshot(path=str(artifacts / "laptop-1366x768.png"))
+
+
+def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artifacts):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True, device_scale_factor=2)
+    requests = []
+    context.on("request", lambda r: requests.append(r.url))
+    try:
+        page = context.new_page()
+        open_page(page, server)
+        run(page, SENTENCE)
+        assert not page.locator("#controls").evaluate("d => d.open")
+        plot_box = page.locator("#focus-plot").bounding_box()
+        assert 0 <= plot_box["y"] < 844 / 3, plot_box  # the heatmap starts on the first screen
+        page.wait_for_timeout(300)
+        title = page.locator("#focus-plot .gtitle").bounding_box()
+        bar = page.locator("#focus-plot .modebar").bounding_box()
+        if bar:
+            assert title["y"] >= bar["y"] + bar["height"] or title["x"] + title["width"] <= bar["x"], (title, bar)
+        cell = page.evaluate("""() => { const gd = document.getElementById('focus-plot');
+            const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+            return [box.left + gd._fullLayout.xaxis.l2p(3), box.top + gd._fullLayout.yaxis.l2p(2)]; }""")
+        page.touchscreen.tap(*cell)
+        page.locator("#tooltip[data-query='2'][data-key='3']").wait_for(state="visible", timeout=5000)
+        page.screenshot(path=str(artifacts / "phone-tap.png"))
+    finally:
+        context.close()
+    assert all(urlsplit(u).hostname in LOOPBACK for u in requests if u.startswith("http"))
+
+
+# ---- 9. smaller things ----------------------------------------------------------------------------
+
+
+def test_arrow_keys_work_right_after_enter_and_say_so(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    assert "step through heads" in page.locator("#keys-hint").text_content()
+    assert page.locator("#keys-hint").is_visible()
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=0, head=1)
+
+
+def test_too_long_gives_its_advice_once_and_hides_the_example(server, page):
+    open_page(page, server)
+    assert page.locator("#focus-plot .main-svg").count() > 0  # the made-up example
+    page.fill("#text", "word " * 700)
+    page.press("#text", "Enter")
+    page.locator("#error").wait_for(state="visible")
+    message = page.locator("#error").text_content()
+    assert len(re.findall("shorten", message, re.I)) == 1, message
+    assert page.locator("#focus-plot .main-svg").count() == 0
+
+
+def test_docs_give_each_error_status_its_own_example(api):
+    responses = api.get("/openapi.json").json()["paths"]["/api/v1/attention"]["post"]["responses"]
+    codes = {s: r["content"]["application/json"]["example"]["error"]["code"] for s, r in responses.items() if s != "200"}
+    assert len(set(codes.values())) == len(codes) >= 5, codes
+
+
+def test_caption_counts_shown_tokens_and_mean_mode_says_what_it_shows(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.check("#hide-special")
+    page.wait_for_function("() => document.getElementById('focus-caption').textContent.startsWith('11 × 11 of 13 tokens shown')")
+    page.select_option("#aggregate", "layer")
+    page.wait_for_selector("#focus-plot[data-aggregate=layer]")
+    assert page.locator("#focus-title").text_content() == "Mean of layer 0"
+    assert page.locator(".thumb[aria-pressed=true]").count() == 0
+    assert page.locator(".thumb.in-mean").count() == 12
+    assert page.locator(".thumb[data-layer='1'][data-head='2']").get_attribute("title") == "Layer 1, head 2"
+
+
+def test_exported_images_carry_a_caption(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.hover("#focus-plot")
+    with page.expect_download() as download:
+        page.click(".modebar-btn[data-title='Download plot as SVG']")
+    svg = open(download.value.path(), encoding="utf-8").read()
+    assert "minilm · Layer 0, head 0 · “The bank of the river was muddy after the rain.”" in svg
+
+
+# ---- 10. colour, sinks and theme ----------------------------------------------------------------
+
+
+def test_colour_scales_hide_first_token_and_theme_toggle(server, page, artifacts):
+    open_page(page, server)
+    run(page, "The bank of the river.", model="tiny-causal")
+    page.select_option("#scale", "fixed")
+    page.wait_for_selector("#focus-plot[data-scale=fixed]")
+    assert page.evaluate("() => document.getElementById('focus-plot').data[0].zmax") == 1
+    page.select_option("#scale", "log")
+    page.wait_for_selector("#focus-plot[data-scale=log]")
+    assert "0.0001" in page.locator("#focus-plot .colorbar").text_content()
+    z_log = np.array(plotted(page), dtype=float)
+    page.select_option("#scale", "head")
+    page.wait_for_selector("#focus-plot[data-scale=head]")
+    z = np.array(plotted(page), dtype=float)
+    seen = ~np.isnan(z)
+    assert np.allclose(z_log[seen], (np.log10(np.maximum(z[seen], 1e-4)) + 4) / 4, atol=1e-6)
+
+    page.check("#hide-first")
+    n = len(z) - 1
+    page.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z.length === n", arg=n)
+    kept = np.nan_to_num(np.array(plotted(page), dtype=float))
+    assert np.allclose(kept.sum(axis=1), 1, atol=5e-3)
+
+    page.select_option("#theme", "dark")
+    page.wait_for_function("() => getComputedStyle(document.body).backgroundColor === 'rgb(13, 17, 23)'")
+    page.wait_for_function("() => document.getElementById('focus-plot').layout.paper_bgcolor === '#161b22'")
+    page.screenshot(path=str(artifacts / "dark-toggle-log.png"), full_page=True)
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.locator("#theme").input_value() == "dark"  # remembered
+    page.select_option("#theme", "system")

@@ -1,0 +1,73 @@
+"""Fixtures for the ecosystem suites: a real `manyeyes serve` on a loopback port, tiny-gpt only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{base} was not ready within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def live_server(models: dict[str, str] | None = None, cwd: Path = ROOT, python: str = sys.executable, **settings):
+    """`python -m manyeyes serve` in a subprocess with MANYEYES_* settings; yields its base URL."""
+    port = free_port()
+    env = {**os.environ, "MANYEYES_MODELS": json.dumps(models or {"tiny-gpt": "tiny-gpt"})}
+    env.update({f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()})
+    proc = subprocess.Popen(
+        [python, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu", "--log-level", "warning"],
+        cwd=cwd, env=env, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    with live_server() as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt():
+    from manyeyes.model import load
+
+    return load("tiny-gpt", device="cpu")

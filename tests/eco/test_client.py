@@ -1,0 +1,126 @@
+"""manyeyes.Client against a live `manyeyes serve` (tiny-gpt on the CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from manyeyes import Client
+from manyeyes.client import ConnectionFailed, InvalidRequest, NotFound, Overloaded, RemoteModel, RemoteToken
+from tests.eco.conftest import free_port, live_server
+
+TEXT = "In the beginning was the Word."
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def local(tiny_gpt):
+    return tiny_gpt.attend(TEXT).attention.numpy()
+
+
+def test_models_are_typed(client):
+    [model] = client.models()
+    assert isinstance(model, RemoteModel)
+    assert (model.id, model.causal, model.n_layers, model.n_heads, model.default) == ("tiny-gpt", True, 2, 8, True)
+
+
+@pytest.mark.parametrize("fmt, tol", [("json", 1e-5), ("f16", 1e-3), ("u8", 0.5 / 255 + 1e-6)])
+def test_attention_decodes_to_the_models_weights(client, local, fmt, tol):
+    r = client.attention(TEXT, format=fmt)
+    assert r.format == fmt
+    assert r.attention.dtype == np.float32 and r.attention.shape == local.shape
+    np.testing.assert_allclose(r.attention, local, atol=tol, rtol=0)
+    assert isinstance(r.tokens[0], RemoteToken) and "".join(t.text for t in r.tokens) == TEXT
+    assert r.layers == [0, 1] and r.heads == list(range(8)) and r.causal
+
+
+def test_slice_and_head_use_model_wide_indices(client, local):
+    full = client.attention(TEXT)
+    part = client.slice(full, layers=[1], heads=[0, 5], format="json")
+    assert part.run_id == full.run_id and part.attention.shape == (1, 2, *local.shape[2:])
+    np.testing.assert_allclose(part.head(1, 5), local[1, 5], atol=1e-5)
+    with pytest.raises(KeyError, match="layer 0, head 5"):
+        part.head(0, 5)
+
+
+def test_an_evicted_run_is_recomputed_from_its_request(client, local):
+    gone = dataclasses.replace(client.attention(TEXT, layers=[0]), run_id="f" * 32)
+    with pytest.raises(NotFound) as err:
+        client.slice(gone.run_id, layers=[1])
+    assert err.value.status == 404 and err.value.code == "unknown_run"
+    again = client.slice(gone, layers=[1], heads=[3], format="json")
+    assert again.layers == [1] and again.heads == [3]
+    np.testing.assert_allclose(again.head(1, 3), local[1, 3], atol=1e-5)
+
+
+def test_batch_returns_one_result_per_text(client, tiny_gpt):
+    texts = ["And God said.", "Let there be light."]
+    results = client.attention_batch(texts, layers=[1], format="json")
+    for text, r in zip(texts, results):
+        np.testing.assert_allclose(r.attention[0], tiny_gpt.attend(text).attention[1].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, code, words",
+    [
+        ({"model": "nope"}, NotFound, "unknown_model", "nope"),
+        ({"layers": [7]}, InvalidRequest, "invalid_request", "layer"),
+        ({"text": "   "}, InvalidRequest, "invalid_request", "whitespace"),
+        ({"text": "x" * 400}, InvalidRequest, "too_long", "256"),
+    ],
+)
+def test_errors_carry_the_servers_code_and_message(client, kwargs, error, code, words):
+    with pytest.raises(error) as err:
+        client.attention(**{"text": TEXT, **kwargs})
+    assert err.value.code == code and words in err.value.message
+
+
+def test_an_unreachable_server_is_a_typed_error():
+    with Client(f"http://127.0.0.1:{free_port()}", timeout_s=2) as c, pytest.raises(ConnectionFailed):
+        c.models()
+    assert not Client(f"http://127.0.0.1:{free_port()}", timeout_s=2).ready()
+
+
+def test_the_api_key_is_sent_as_a_bearer_token():
+    seen = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen["auth"] = request.headers.get("authorization")
+        return httpx.Response(200, json={"models": []})
+
+    with Client("http://proxy", api_key="s3cret", transport=httpx.MockTransport(answer)) as c:
+        assert c.models() == []
+    assert seen["auth"] == "Bearer s3cret"
+
+
+def test_429_is_retried_after_retry_after_then_raised():
+    # Room for one input and a slow forward: a second request at the same time gets 429.
+    with live_server(max_queue=1, debug_forward_delay_s=1.5, warmup="false") as base:
+        results, errors = [], []
+
+        def call(c: Client, text: str):
+            try:
+                results.append(c.attention(text))
+            except Exception as exc:  # noqa: BLE001 (collected and asserted below)
+                errors.append(exc)
+
+        patient, impatient = Client(base), Client(base, max_retries=0)
+        first = threading.Thread(target=call, args=(patient, "Blessed are the meek."))
+        first.start()
+        time.sleep(0.7)  # the first input is in its 1.5 s forward
+        with pytest.raises(Overloaded) as err:
+            impatient.attention("And the earth was without form.")
+        assert err.value.code == "queue_full" and err.value.retry_after_s >= 1
+        call(patient, "And the earth was without form.")  # waits out Retry-After, then succeeds
+        first.join()
+        assert not errors and len(results) == 2 and patient.retries >= 1

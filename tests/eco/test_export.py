@@ -1,0 +1,133 @@
+"""The one-file HTML export, opened from file:// in headless chromium with every network request refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+
+from manyeyes.app.cli import main as cli
+from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
+
+pytestmark = pytest.mark.browser
+TEXT = "In the beginning was the Word, and the Word was with God."
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{CHROMIUM} is missing")
+        pytest.skip(f"{CHROMIUM} is missing")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def open_offline(browser, path: Path):
+    """The file in a fresh context that refuses any request that is not the file itself."""
+    context = browser.new_context(accept_downloads=False)
+    seen, refused, problems = [], [], []
+    context.route(lambda url: urlsplit(url).scheme not in ("file", "data"), lambda route: (refused.append(route.request.url), route.abort()))
+    page = context.new_page()
+    page.on("request", lambda r: seen.append(r.url))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+    page.on("dialog", lambda d: (problems.append(f"dialog {d.message}"), d.dismiss()))
+    page.goto(path.as_uri())
+    page.wait_for_selector("#grid canvas", timeout=20_000)
+    page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'", timeout=20_000)
+    page.wait_for_selector("#headview canvas", timeout=20_000)
+    return context, page, seen, refused, problems
+
+
+def focus_z(page) -> np.ndarray:
+    z = page.evaluate("document.getElementById('focus-plot').data[0].z")
+    return np.array([[np.nan if v is None else v for v in row] for row in z], dtype=np.float64)
+
+
+def check_view(page, tiny_gpt, text: str, layer: int, head: int) -> None:
+    plot = page.locator("#focus-plot")
+    assert (plot.get_attribute("data-layer"), plot.get_attribute("data-head")) == (str(layer), str(head))
+    expected = tiny_gpt.attend(text).attention[layer, head].numpy()
+    shown = focus_z(page)
+    assert shown.shape == expected.shape
+    known = ~np.isnan(shown)  # the causal upper triangle is drawn masked (null), not as zeros
+    assert known.sum() >= expected.shape[0] * (expected.shape[0] + 1) // 2
+    np.testing.assert_allclose(shown[known], expected[known], atol=1e-3)
+
+
+def test_cli_export_opens_from_disk_with_grid_focus_and_head_view(browser, tiny_gpt, tmp_path, capsys):
+    out = tmp_path / "view.html"
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(out), "--layer", "1", "--head", "0", "--device", "cpu"]) == 0
+    size = out.stat().st_size
+    print(f"export size: {size:,} bytes")  # README records it
+    assert "MiB" in capsys.readouterr().err and size < 8 * 2**20
+    context, page, seen, refused, problems = open_offline(browser, out)
+    try:
+        assert not refused and all(urlsplit(u).scheme in ("file", "data") for u in seen), seen
+        assert page.locator("#grid canvas").count() == 2 * 8
+        check_view(page, tiny_gpt, TEXT, 1, 0)
+        page.locator("#grid canvas").nth(3).click()  # layer 0, head 3: the previous-token head
+        page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '3'")
+        page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'")
+        check_view(page, tiny_gpt, TEXT, 0, 3)
+        page.locator("#focus-plot").focus()
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '4'")
+        assert page.locator("#headview .hv-left li").count() == len(tiny_gpt.attend(TEXT).tokens)
+        assert page.locator("#export-page").is_hidden()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "export-offline.png"), full_page=True)
+        assert not problems, problems
+    finally:
+        context.close()
+
+
+def test_hostile_text_stays_text_in_the_file(browser, tiny_gpt, tmp_path):
+    text = "</script><script>alert(1)</script><!-- <img src=x onerror=alert(2)>"
+    out = tmp_path / "hostile.html"
+    assert cli(["export", text, "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 0
+    context, page, seen, refused, problems = open_offline(browser, out)
+    try:
+        assert page.locator("#text").input_value() == text
+        check_view(page, tiny_gpt, text, 0, 0)
+        assert not problems and not refused, (problems, refused)
+    finally:
+        context.close()
+
+
+def test_export_button_downloads_the_same_viewer(browser, server, tiny_gpt, tmp_path):
+    context = browser.new_context(accept_downloads=True)
+    try:
+        page = context.new_page()
+        page.goto(f"{server}/?text=And+God+said&model=tiny-gpt&layer=1&head=2")
+        page.wait_for_selector("#grid canvas", timeout=20_000)
+        with page.expect_download() as download:
+            page.locator("#export-page").click()
+        path = tmp_path / download.value.suggested_filename
+        download.value.save_as(path)
+        assert path.name == "manyeyes-tiny-gpt.html"
+    finally:
+        context.close()
+    context, page, seen, refused, problems = open_offline(browser, path)
+    try:
+        check_view(page, tiny_gpt, "And God said", 1, 2)
+        assert not refused and not problems, (refused, problems)
+    finally:
+        context.close()
+
+
+def test_export_route_errors_are_json(server):
+    r = httpx.get(f"{server}/export", params={"text": "hi", "model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model"
+    r = httpx.get(f"{server}/export", params={"text": "   "})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"

@@ -1,0 +1,95 @@
+"""Ray Serve with 2 replicas on a local Ray (2 CPUs, dashboard and auth off): slices of a run work
+on any replica, overload is the app's JSON 429, never Ray's 503."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.eco.conftest import free_port, wait_ready
+
+pytestmark = pytest.mark.slow
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    import ray  # CI installs the scale extra: a missing Ray fails there, never skips
+else:
+    ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a local test cluster: no token to generate and store
+    from ray import serve
+
+    from manyeyes.app.config import Settings
+    from manyeyes.scale import NAMESPACE, deployment
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # A small queue and a slow forward, so that 24 requests at once overflow two replicas.
+        settings = Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", max_queue=3, debug_forward_delay_s=0.25)
+        serve.run(deployment(settings, replicas=2, threads=1), name="manyeyes", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, timeout_s=120)
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_two_replicas_are_running_and_healthy(cluster):
+    from ray import serve
+
+    status = serve.status().applications["manyeyes"]
+    deployment = status.deployments["manyeyes"]
+    assert status.status == "RUNNING" and deployment.status == "HEALTHY"
+    assert deployment.replica_states.get("RUNNING") == 2
+
+
+def test_100_slices_across_replicas_with_no_errors(cluster, tiny_gpt):
+    texts = [f"And the {w} was good." for w in ("light", "land", "sea", "sky", "grass", "tree", "sun", "moon", "star", "beast")]
+    with httpx.Client(base_url=cluster, timeout=60) as http:
+        run_ids = []
+        for text in texts:
+            r = http.post("/api/v1/attention", json={"text": text, "layers": [0], "heads": [0], "format": "u8"})
+            assert r.status_code == 200, r.text
+            run_ids.append(r.json()["run_id"])
+        statuses, recomputed = [], 0
+        for i in range(100):
+            k, layer, head = i % len(texts), i % 2, (i * 3) % 8
+            r = http.get(f"/api/v1/runs/{run_ids[k]}/attention", params={"layers": layer, "heads": head, "format": "json"})
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                got = np.asarray(r.json()["attention"]["data"], dtype=np.float32)[0, 0]
+                np.testing.assert_allclose(got, tiny_gpt.attend(texts[k]).attention[layer, head].numpy(), atol=1e-5)
+                recomputed += r.headers.get("x-manyeyes-recomputed") == "1"
+    assert statuses.count(200) == 100, {s: statuses.count(s) for s in set(statuses)}
+    # Without the shared directory these would have been 404s: the slice reached a replica that
+    # had not computed the run.
+    assert recomputed > 0
+    print(f"100 slices: 0 errors, {recomputed} answered by a replica that recomputed the run")
+
+
+def test_an_unknown_run_is_still_a_404_json(cluster):
+    r = httpx.get(f"{cluster}/api/v1/runs/{'0' * 32}/attention")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_run"
+
+
+def test_overload_is_the_apps_json_429_never_rays_503(cluster):
+    def post(i: int) -> httpx.Response:
+        return httpx.post(f"{cluster}/api/v1/attention", json={"text": f"Verse number {i} of many.", "format": "u8"}, timeout=60)
+
+    with cf.ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(post, range(24)))
+    codes = [a.status_code for a in answers]
+    assert set(codes) <= {200, 429}, codes
+    busy = [a for a in answers if a.status_code == 429]
+    assert busy and codes.count(200) >= 2
+    for a in busy:
+        assert a.headers["content-type"] == "application/json" and int(a.headers["retry-after"]) >= 1
+        assert a.json()["error"]["code"] == "queue_full"

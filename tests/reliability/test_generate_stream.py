@@ -1,0 +1,129 @@
+"""POST /api/v1/generate against a live server: streamed as made, exact rows, stopped by a hang-up."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from manyeyes.model import load
+from manyeyes.model.generate import generate
+from tests.reliability.conftest import assert_json_error, live_server, wait_until
+
+PROMPT = "In the beginning God created the heaven and the earth."
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(models={"tiny-gpt": "tiny-gpt", "minilm": "minilm"}, max_new_tokens=64) as s:
+        yield s
+
+
+def lines(response: httpx.Response):
+    for line in response.iter_lines():
+        if line:
+            yield json.loads(line)
+
+
+def test_stream_matches_the_python_api_row_for_row(server):
+    body = {"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 8}
+    with httpx.stream("POST", f"{server.url}/api/v1/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        events = list(lines(r))
+    start, steps, end = events[0], events[1:-1], events[-1]
+    assert start["type"] == "start" and start["n_layers"] == 2 and start["n_heads"] == 8
+    assert [t["piece"] for t in start["prompt"]][:2] == ["I", "n"]
+    assert end == {"type": "end", "reason": "length", "tokens": 8}
+    expected = list(generate(load("tiny-gpt", device="cpu"), PROMPT, 8))
+    assert [s["token"]["id"] for s in steps] == [e.token.id for e in expected]
+    for got, want in zip(steps, expected):
+        assert got["position"] == want.position
+        row = np.asarray(got["attention"], dtype=np.float32)
+        assert row.shape == (2, 8, want.position + 1)
+        assert np.abs(row - want.attention.numpy()).max() <= 1e-6
+        assert got["token"]["prob"] == pytest.approx(want.token.prob)
+
+
+def test_first_step_arrives_before_generation_finishes(server):
+    """With a delay after each step, the first step must be readable long before the last is made."""
+    server.app.state.settings.debug_forward_delay_s = 0.2
+    try:
+        body = {"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 10}
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{server.url}/api/v1/generate", json=body, timeout=60) as r:
+            events = lines(r)
+            assert next(events)["type"] == "start"
+            assert next(events)["type"] == "step"
+            first_at = time.monotonic() - t0
+            rest = list(events)
+        total = time.monotonic() - t0
+    finally:
+        server.app.state.settings.debug_forward_delay_s = 0.0
+    assert rest[-1]["type"] == "end" and len(rest) == 10
+    assert first_at < total - 1.0, (first_at, total)  # ≥ 9 delays of 0.2 s came after it
+
+
+def test_a_client_that_hangs_up_stops_the_work(server):
+    server.app.state.settings.debug_forward_delay_s = 0.1
+    try:
+        before_steps = server.metric("manyeyes_generation_steps_total", model="tiny-gpt")
+        before_cancelled = server.metric("manyeyes_generations_total", outcome="cancelled")
+        body = {"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 60}
+        with httpx.stream("POST", f"{server.url}/api/v1/generate", json=body, timeout=60) as r:
+            events = lines(r)
+            next(events), next(events)  # start, then the first step: then hang up
+        wait_until(
+            lambda: server.metric("manyeyes_generations_total", outcome="cancelled") == before_cancelled + 1,
+            20,
+            "the server to record the cancelled generation",
+        )
+        made = server.metric("manyeyes_generation_steps_total", model="tiny-gpt") - before_steps
+        time.sleep(0.5)  # five more delays: a generation still running would have made more steps
+        assert server.metric("manyeyes_generation_steps_total", model="tiny-gpt") - before_steps == made
+        assert made < 10, made  # stopped within a step or two of the hang-up, far short of 60
+    finally:
+        server.app.state.settings.debug_forward_delay_s = 0.0
+
+
+@pytest.mark.parametrize(
+    "body,status,code",
+    [
+        ({"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 65}, 422, "invalid_request"),  # server limit
+        ({"text": "x " * 120, "model": "tiny-gpt", "max_new_tokens": 64}, 422, "invalid_request"),  # past the context
+        ({"text": PROMPT, "model": "minilm", "max_new_tokens": 3}, 422, "invalid_request"),  # an encoder
+        ({"text": PROMPT, "model": "nope", "max_new_tokens": 3}, 404, "unknown_model"),
+        ({"text": "  ", "model": "tiny-gpt"}, 422, "invalid_request"),
+        ({"text": PROMPT, "model": "tiny-gpt", "temperature": -1}, 422, "invalid_request"),
+        ({"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": "5"}, 422, "invalid_request"),
+    ],
+)
+def test_bad_requests_get_json_errors_before_any_stream(server, body, status, code):
+    err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=30), status)
+    assert err["code"] == code
+
+
+def test_too_many_generations_at_once_get_429(server):
+    service = server.app.state.generation
+    taken = 0
+    while service._slots.acquire(blocking=False):
+        taken += 1
+    try:
+        r = httpx.post(f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt"}, timeout=30)
+        assert_json_error(r, 429)
+        assert r.headers["Retry-After"] == "1"
+    finally:
+        for _ in range(taken):
+            service._slots.release()
+
+
+def test_seeded_sampling_repeats_over_http(server):
+    body = {"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 6, "temperature": 1.0, "top_k": 20, "seed": 3}
+    runs = []
+    for _ in range(2):
+        with httpx.stream("POST", f"{server.url}/api/v1/generate", json=body, timeout=60) as r:
+            runs.append([e["token"]["id"] for e in lines(r) if e["type"] == "step"])
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+

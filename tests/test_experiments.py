@@ -1,0 +1,213 @@
+"""Experiments checked against references built on transformers with their own forward pre-hooks."""
+
+import pytest
+import torch
+
+from manyeyes.model import load
+from manyeyes.model.experiments import (
+    Ablation,
+    ablate,
+    align,
+    change_token,
+    compare,
+    js_divergence,
+    next_token_logprobs,
+)
+
+TEXT = "The bank was robbed, and the robbers fled across the river bank!"
+
+
+def hf_attentions(out) -> torch.Tensor:
+    return torch.stack([a[0] for a in out.attentions])
+
+
+def run_hf_ablated(hf, dense_modules, ids, ablations, head_dim):
+    """transformers' forward with each ablated head's slice of the output projection's input overwritten.
+
+    mean mode: the slice's mean over positions, taken from a clean transformers run.
+    """
+    clean_inputs = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, a, i=i: clean_inputs.__setitem__(i, a[0].detach().clone()))
+        for i, m in enumerate(dense_modules)
+    ]
+    with torch.no_grad():
+        clean = hf(ids, output_attentions=True)
+    for h in hooks:
+        h.remove()
+
+    def pre_hook_for(layer):
+        def pre_hook(mod, args):
+            x = args[0].clone()
+            for a in ablations:
+                if a.layer != layer:
+                    continue
+                part = slice(a.head * head_dim, (a.head + 1) * head_dim)
+                x[..., part] = 0 if a.mode == "zero" else clean_inputs[layer][0, :, part].mean(0)
+            return (x,)
+
+        return pre_hook
+
+    hooks = [m.register_forward_pre_hook(pre_hook_for(i)) for i, m in enumerate(dense_modules)]
+    try:
+        with torch.no_grad():
+            ablated = hf(ids, output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return clean, ablated
+
+
+@pytest.fixture(scope="module")
+def hf_minilm(minilm_dir):
+    from transformers import BertModel
+
+    return BertModel.from_pretrained(str(minilm_dir), attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablation_matches_transformers_minilm(minilm, hf_minilm, mode):
+    ablations = [Ablation(1, 4, mode), Ablation(1, 9, mode), Ablation(3, 0, mode)]
+    enc = minilm.encode(TEXT)
+    ours = ablate(minilm, enc, ablations)
+    dense = [layer.attention.output.dense for layer in hf_minilm.encoder.layer]
+    clean, ablated = run_hf_ablated(hf_minilm, dense, torch.tensor([enc.ids]), ablations, 32)
+    assert (hf_attentions(ablated) - ours.after.attention).abs().max().item() <= 1e-5
+    assert (ablated.last_hidden_state[0] - ours.after.hidden).abs().max().item() <= 1e-4
+    # The ablation really moved something downstream, and nothing upstream.
+    assert (ours.after.attention[2:] - ours.before.attention[2:]).abs().max() > 1e-3
+    assert torch.equal(ours.after.attention[:2], ours.before.attention[:2])
+    assert all(c.layer >= 2 for c in ours.ranking) and len(ours.ranking) == 4 * 12
+    assert ours.ranking[0].divergence >= ours.ranking[-1].divergence > -1e-9
+
+
+def gpt2_from_book(book) -> "torch.nn.Module":
+    """tiny-gpt's weights in a transformers GPT2LMHeadModel: an independent implementation of the same net."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = book.cfg
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.emb_dim, n_layer=cfg.n_layers,
+            n_head=cfg.n_heads, activation_function="gelu_new", layer_norm_epsilon=cfg.ln_eps,
+            tie_word_embeddings=False, attn_implementation="eager",
+        )
+    ).eval()
+    sd = book.state_dict()
+    new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
+           "transformer.ln_f.weight": sd["final_norm.scale"], "transformer.ln_f.bias": sd["final_norm.shift"],
+           "lm_head.weight": sd["out_head.weight"]}
+    for i in range(cfg.n_layers):
+        p, h = f"trf_blocks.{i}.", f"transformer.h.{i}."
+        qkv = [sd[p + f"att.{n}.weight"] for n in ("W_query", "W_key", "W_value")]
+        new[h + "attn.c_attn.weight"] = torch.cat(qkv, 0).T  # Conv1D stores (in, out)
+        biases = [sd.get(p + f"att.{n}.bias", torch.zeros(cfg.emb_dim)) for n in ("W_query", "W_key", "W_value")]
+        new[h + "attn.c_attn.bias"] = torch.cat(biases)
+        new[h + "attn.c_proj.weight"] = sd[p + "att.out_proj.weight"].T
+        new[h + "attn.c_proj.bias"] = sd[p + "att.out_proj.bias"]
+        new[h + "ln_1.weight"], new[h + "ln_1.bias"] = sd[p + "norm1.scale"], sd[p + "norm1.shift"]
+        new[h + "ln_2.weight"], new[h + "ln_2.bias"] = sd[p + "norm2.scale"], sd[p + "norm2.shift"]
+        new[h + "mlp.c_fc.weight"], new[h + "mlp.c_fc.bias"] = sd[p + "ff.layers.0.weight"].T, sd[p + "ff.layers.0.bias"]
+        new[h + "mlp.c_proj.weight"], new[h + "mlp.c_proj.bias"] = sd[p + "ff.layers.2.weight"].T, sd[p + "ff.layers.2.bias"]
+    missing, unexpected = hf.load_state_dict(new, strict=False)
+    assert not unexpected and all(k.endswith((".attn.bias", ".attn.masked_bias")) for k in missing), (missing, unexpected)
+    return hf
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablation_matches_transformers_tiny_gpt(mode):
+    tiny = load("tiny-gpt", device="cpu")
+    hf = gpt2_from_book(tiny.net)
+    ablations = [Ablation(0, 3, mode)]  # its previous-token head
+    enc = tiny.encode("In the beginning God created the heaven and the earth. And the earth was")
+    ours = ablate(tiny, enc, ablations)
+    dense = [block.attn.c_proj for block in hf.transformer.h]
+    clean, ablated = run_hf_ablated(hf, dense, torch.tensor([enc.ids]), ablations, 16)
+    assert (clean.logits[0] - ours.before.logits).abs().max().item() <= 1e-4
+    assert (ablated.logits[0] - ours.after.logits).abs().max().item() <= 1e-4
+    assert (hf_attentions(ablated) - ours.after.attention).abs().max().item() <= 1e-5
+    # Killing the previous-token head moves the induction head downstream (L1 H0) among the most,
+    # and costs the model its grip on the text.
+    assert (1, 0) in [(c.layer, c.head) for c in ours.ranking[:3]] and ours.ranking[0].divergence > 0.05
+    assert ours.logprob_change.mean() < -0.5
+    expected = next_token_logprobs(ablated.logits[0], enc.ids) - next_token_logprobs(clean.logits[0], enc.ids)
+    assert torch.allclose(ours.logprob_change, expected, atol=1e-4)
+    assert len(ours.top_before) == len(enc) and len(ours.top_before[0]) == 5
+    assert ours.top_before[3][0].id == int(ours.before.logits[3].argmax())
+
+
+def test_ablation_matches_transformers_random_gpt2(tmp_path, bytelevel_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(11)
+    tok_path, vocab = bytelevel_tokenizer
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=36, n_layer=3, n_head=3, initializer_range=0.2)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours_model = load(tmp_path, device="cpu")
+    ablations = [Ablation(0, 1, "zero"), Ablation(1, 2, "mean")]
+    enc = ours_model.encode("Attention heads look back, some look ahead.")
+    ours = ablate(ours_model, enc, ablations)
+    clean, ablated = run_hf_ablated(hf, [b.attn.c_proj for b in hf.transformer.h], torch.tensor([enc.ids]), ablations, 12)
+    assert (ablated.logits[0] - ours.after.logits).abs().max().item() <= 1e-4
+    assert (hf_attentions(ablated) - ours.after.attention).abs().max().item() <= 1e-5
+
+
+def test_bad_ablations_are_refused(minilm):
+    enc = minilm.encode("hi")
+    with pytest.raises(ValueError, match="no head L6 H0"):
+        ablate(minilm, enc, [Ablation(6, 0)])
+    with pytest.raises(ValueError, match="unknown ablation mode"):
+        ablate(minilm, enc, [Ablation(0, 0, "random")])
+    with pytest.raises(ValueError, match="at least one"):
+        ablate(minilm, enc, [])
+
+
+def test_js_divergence_bounds():
+    p = torch.tensor([0.5, 0.5, 0.0])
+    assert js_divergence(p, p).item() == pytest.approx(0.0, abs=1e-7)
+    assert js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])).item() == pytest.approx(1.0)
+
+
+def test_compare_aligns_and_ranks(minilm):
+    same = compare(minilm, TEXT, TEXT)
+    assert max(c.divergence for c in same.ranking) == pytest.approx(0.0, abs=1e-6)
+    assert same.difference.abs().max() == 0
+    other = compare(minilm, "The bank of the river.", "The bank of the old river.")
+    pieces_a = [other.a.tokens[i].piece for i, _ in other.pairs]
+    assert pieces_a == ["[CLS]", "the", "bank", "of", "the", "river", ".", "[SEP]"]
+    assert other.difference.shape == (6, 12, 8, 8)
+    i, j = other.pairs[5]
+    assert other.difference[2, 3, 5, 2] == pytest.approx(
+        (other.a.attention[2, 3, i, other.pairs[2][0]] - other.b.attention[2, 3, j, other.pairs[2][1]]).item()
+    )
+    assert other.ranking[0].divergence > 0
+
+
+def test_change_token_mask_unk_and_delete(minilm):
+    enc = minilm.encode("The bank of the river.")
+    masked = change_token(minilm, enc, 2, "mask")
+    assert masked.b.tokens[2].piece == "[MASK]" and masked.b.tokens[2].id == 103
+    assert len(masked.pairs) == len(enc) - 1  # every token but the masked one aligns
+    assert masked.ranking[0].divergence > 0
+    unk = change_token(minilm, enc, 2, "unk")
+    assert unk.b.tokens[2].id == 100
+    deleted = change_token(minilm, enc, 2, "delete")
+    assert len(deleted.b.tokens) == len(enc) - 1
+    with pytest.raises(ValueError, match="special tokens"):
+        change_token(minilm, enc, 0, "mask")
+    with pytest.raises(ValueError, match="no mask token"):
+        tiny = load("tiny-gpt", device="cpu")
+        change_token(tiny, tiny.encode("a b"), 1, "mask")
+
+
+def test_align_pairs_identical_pieces():
+    from manyeyes.model.tokenizer import Token
+
+    def toks(words):
+        return [Token(w, i, 0, 0, False, 0, w) for i, w in enumerate(words)]
+
+    a, b = toks(["x", "y", "z"]), toks(["x", "q", "y", "z"])
+    b = [Token(t.text, {"x": 0, "y": 1, "z": 2}.get(t.piece, 9), 0, 0, False, 0, t.piece) for t in b]
+    assert align(a, b) == [(0, 0), (1, 2), (2, 3)]

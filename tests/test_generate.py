@@ -1,0 +1,99 @@
+"""Generation with a key/value cache: same tokens as transformers, same rows as a full recompute."""
+
+import pytest
+import torch
+
+from manyeyes.model import load
+from manyeyes.model.generate import Sampling, generate
+from tests.test_parity_decoders import save_random
+
+PROMPT = "In the beginning God created the heaven and the earth. And the"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-gpt", device="cpu")
+
+
+def check_rows_equal_full_recompute(model, prompt, steps):
+    """Every streamed row equals that position's row of one full forward over prompt + generated."""
+    ids = model.encode(prompt).ids + [s.token.id for s in steps]
+    with torch.inference_mode():
+        full = model.net.inspect(torch.tensor([ids]))
+    attention = torch.stack([layer.weights[0] for layer in full.layers])  # (L, H, T, T)
+    for step in steps:
+        assert step.attention.shape == (model.info.n_layers, model.info.n_heads, step.position + 1)
+        assert (step.attention - attention[:, :, step.position, : step.position + 1]).abs().max().item() <= 1e-5
+
+
+def test_tiny_gpt_greedy_with_cache_equals_the_recompute(tiny):
+    cached = list(generate(tiny, PROMPT, 12))
+    recomputed = list(generate(tiny, PROMPT, 12, use_cache=False))
+    assert [s.token.id for s in cached] == [s.token.id for s in recomputed]
+    for a, b in zip(cached, recomputed):
+        assert (a.attention - b.attention).abs().max().item() <= 1e-5
+        assert a.token.prob == pytest.approx(b.token.prob, abs=1e-5)
+    check_rows_equal_full_recompute(tiny, PROMPT, cached)
+    first = cached[0]
+    assert first.position == len(tiny.encode(PROMPT)) and first.alternatives[0].id == first.token.id
+    assert first.alternatives[0].prob >= first.alternatives[1].prob
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("llama", dict(num_key_value_heads=2)),
+        ("mistral", dict(num_key_value_heads=3, sliding_window=6)),
+    ],
+)
+def test_greedy_equals_transformers_generate(tmp_path, bytelevel_tokenizer, family, overrides):
+    ref = save_random(tmp_path, bytelevel_tokenizer, family, 21, **overrides)
+    ours = load(tmp_path, device="cpu")
+    steps = list(generate(ours, "The quick brown fox", 10))
+    ids = torch.tensor([ours.encode("The quick brown fox").ids])
+    with torch.no_grad():
+        expected = ref.generate(ids, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(ids),
+                                pad_token_id=0, eos_token_id=None)
+    assert [s.token.id for s in steps] == expected[0, ids.shape[1]:].tolist()
+    check_rows_equal_full_recompute(ours, "The quick brown fox", steps)
+
+
+def test_greedy_equals_transformers_generate_gpt2(tmp_path, bytelevel_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(4)
+    tok_path, vocab = bytelevel_tokenizer
+    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=64, n_embd=48, n_layer=2, n_head=4,
+                               initializer_range=0.2)).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    ref = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = load(tmp_path, device="cpu")
+    ids = torch.tensor([ours.encode("Attention heads look").ids])
+    steps = list(generate(ours, "Attention heads look", 12))
+    with torch.no_grad():
+        expected = ref.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids),
+                                pad_token_id=0, eos_token_id=None)
+    assert [s.token.id for s in steps] == expected[0, ids.shape[1]:].tolist()
+    check_rows_equal_full_recompute(ours, "Attention heads look", steps)
+
+
+def test_a_seeded_sample_repeats_and_seeds_differ(tiny):
+    sampling = Sampling(temperature=1.0, top_k=20, seed=7)
+    first = [s.token.id for s in generate(tiny, PROMPT, 16, sampling)]
+    again = [s.token.id for s in generate(tiny, PROMPT, 16, sampling)]
+    other = [s.token.id for s in generate(tiny, PROMPT, 16, Sampling(temperature=1.0, top_k=20, seed=8))]
+    assert first == again and first != other
+
+
+def test_top_k_sampling_stays_within_the_top_k(tiny):
+    for step in generate(tiny, PROMPT, 8, Sampling(temperature=2.0, top_k=3, seed=1), alternatives=3):
+        assert step.token.id in [a.id for a in step.alternatives]
+
+
+def test_bounds_are_refused(tiny, minilm):
+    with pytest.raises(ValueError, match="exceed tiny-gpt's context of 256"):
+        next(generate(tiny, PROMPT, 250))
+    with pytest.raises(ValueError, match="at least 1"):
+        next(generate(tiny, PROMPT, 0))
+    with pytest.raises(ValueError, match="not a causal language model"):
+        next(generate(minilm, "hello", 3))

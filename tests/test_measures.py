@@ -1,0 +1,296 @@
+"""Measures beyond raw weights, each checked against an independent computation from transformers."""
+
+import math
+
+import pytest
+import torch
+
+from manyeyes.model import Capture, load
+from manyeyes.model.measures import (
+    contributions,
+    head_stats,
+    head_table,
+    induction_scores,
+    information_flow,
+    logit_attribution,
+    merge_words,
+    neuron_view,
+    rollout,
+)
+
+SENTENCE = "The bank was robbed, and the robbers fled across the river bank!"
+
+
+@pytest.fixture(scope="module")
+def hf_minilm(minilm_dir):
+    from transformers import BertModel
+
+    return BertModel.from_pretrained(str(minilm_dir), attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-gpt", device="cpu")
+
+
+def reference_rollout(attentions) -> torch.Tensor:
+    """Abnar & Zuidema's recipe written out from transformers' attentions, in float64 numpy-style loops."""
+    n_tokens = attentions[0].shape[-1]
+    joint = torch.eye(n_tokens, dtype=torch.float64)
+    for layer in attentions:
+        a = layer[0].double().mean(0)
+        a = a + torch.eye(n_tokens, dtype=torch.float64)
+        a = a / a.sum(-1, keepdim=True)
+        joint = a @ joint
+    return joint
+
+
+def test_rollout_matches_transformers_attentions(minilm, hf_minilm):
+    r = minilm.attend(SENTENCE)
+    with torch.no_grad():
+        ref = hf_minilm(torch.tensor([[t.id for t in r.tokens]]), output_attentions=True)
+    ours = rollout(r.attention)
+    assert (ours.double() - reference_rollout(ref.attentions)).abs().max().item() <= 1e-5
+    assert torch.allclose(ours.sum(-1), torch.ones(len(r.tokens)), atol=1e-5)
+
+
+def test_rollout_of_a_causal_model_never_looks_ahead(tiny):
+    flow = rollout(tiny.attend("In the beginning God created the heaven.").attention)
+    assert torch.equal(flow.triu(1), torch.zeros_like(flow))
+    assert torch.allclose(flow.sum(-1), torch.ones(flow.shape[0]), atol=1e-5)
+
+
+def context_inputs(hf_layers, attr_path):
+    """Hooks that keep what each layer's output projection receives: the heads, concatenated."""
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(hf_layers):
+        module = layer
+        for part in attr_path:
+            module = getattr(module, part)
+        hooks.append(module.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, args[0][0].detach())))
+    return seen, hooks
+
+
+def check_contributions(model, result, seen, dense_weights, n_heads, head_dim):
+    ours = contributions(model, result)
+    for layer, w_o in enumerate(dense_weights):
+        context = seen[layer]  # (T, n_heads * head_dim) from transformers
+        for head in range(n_heads):
+            part = context[:, head * head_dim : (head + 1) * head_dim] @ w_o[:, head * head_dim : (head + 1) * head_dim].T
+            assert (ours.norms[layer, head] - part.norm(dim=-1)).abs().max().item() <= 1e-5 * max(1.0, part.norm().item())
+    total = ours.shares.sum(1) + ours.bias_shares
+    assert torch.allclose(total, torch.ones_like(total), atol=1e-4)
+    return ours
+
+
+def test_head_contributions_match_transformers_minilm(minilm, hf_minilm):
+    r = minilm.attend(SENTENCE, capture=Capture(qkv=True))
+    seen, hooks = context_inputs(hf_minilm.encoder.layer, ("attention", "output", "dense"))
+    try:
+        with torch.no_grad():
+            hf_minilm(torch.tensor([[t.id for t in r.tokens]]))
+    finally:
+        for h in hooks:
+            h.remove()
+    weights = [layer.attention.output.dense.weight.detach() for layer in hf_minilm.encoder.layer]
+    check_contributions(minilm, r, seen, weights, 12, 32)
+
+
+def test_head_contributions_match_transformers_gpt2(tmp_path, bytelevel_tokenizer):
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(3)
+    tok_path, vocab = bytelevel_tokenizer
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=40, n_layer=2, n_head=5, initializer_range=0.2)
+    GPT2Model(config).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    hf = GPT2Model.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = load(tmp_path, device="cpu")
+    r = ours.attend("Attention heads look back, some look ahead.", capture=Capture(qkv=True))
+    seen, hooks = context_inputs(hf.h, ("attn", "c_proj"))
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([[t.id for t in r.tokens]]))
+    finally:
+        for h in hooks:
+            h.remove()
+    # Conv1D stores (in, out): its Linear-layout weight is the transpose.
+    weights = [block.attn.c_proj.weight.detach().T for block in hf.h]
+    check_contributions(ours, r, seen, weights, 5, 8)
+
+
+def test_contributions_need_values(minilm):
+    with pytest.raises(ValueError, match=r"Capture\(qkv=True\)"):
+        contributions(minilm, minilm.attend("hi"))
+
+
+def test_tiny_gpt_tags_name_its_known_heads(tiny):
+    text = (
+        "Four score and seven years ago our fathers brought forth on this continent, a new nation, "
+        "conceived in Liberty, and dedicated to the proposition that all men are created equal."
+    )
+    stats, tags = head_table(tiny, tiny.attend(text))
+    assert "previous-token" in tags[0][3], tags[0]
+    assert "induction" in tags[1][0], (tags[1], stats["induction"][1])
+    # Tags are specific: the induction head is the only one in layer 1 over the threshold.
+    assert sum("induction" in t for t in tags[1]) == 1
+    assert not any("induction" in t for t in tags[0])
+
+
+def test_induction_probe_runs_once_per_model(tiny):
+    first = induction_scores(tiny)
+    assert induction_scores(tiny) is first
+
+
+def test_stats_from_hand_built_heads():
+    from manyeyes.model.tokenizer import Token
+
+    n = 6
+    tokens = [Token(w, i, 0, 0, i == 0, 0, w) for i, w in enumerate(["[CLS]", "a", ",", "b", "a", "[SEP]"])]
+    tokens[-1] = Token("[SEP]", 99, 0, 0, True, 0, "[SEP]")
+    tokens[4] = Token("a", 1, 0, 0, False, 0, "a")  # a repeat of token 1
+    prev = torch.zeros(n, n)
+    prev[0, 0] = 1
+    for i in range(1, n):
+        prev[i, i - 1] = 1
+    uniform = torch.full((n, n), 1 / n)
+    att = torch.stack([prev, uniform])[None]  # (1 layer, 2 heads, T, T), bidirectional
+    stats = head_stats(att, tokens, causal=False)
+    assert stats["previous"][0, 0] == pytest.approx(1.0)
+    assert stats["entropy"][0, 0] == pytest.approx(0.0, abs=1e-6)
+    assert stats["entropy"][0, 1] == pytest.approx(1.0, abs=1e-6)
+    assert stats["distance"][0, 0] == pytest.approx((0 + 5 * 1) / 6)
+    # uniform: 1/6 on each of "," and [SEP]
+    assert stats["delimiter"][0, 1] == pytest.approx(2 / 6)
+    assert stats["duplicate"][0, 1] == pytest.approx(1 / 6)  # row 4 looks at 1 with 1/6
+    causal_uniform = torch.tril(torch.ones(n, n))
+    causal_uniform = (causal_uniform / causal_uniform.sum(-1, keepdim=True))[None, None]
+    causal_stats = head_stats(causal_uniform, tokens, causal=True)
+    # row i spreads evenly over 0..i: mean distance i/2 and entropy 1, over the rows 1..n-1
+    assert causal_stats["distance"][0, 0] == pytest.approx(sum(i / 2 for i in range(1, n)) / (n - 1))
+    assert causal_stats["entropy"][0, 0] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_word_view_merges_wordpiece_and_keeps_rows_stochastic(minilm):
+    text = "Unbelievably naive robbers fled."
+    r = minilm.attend(text)
+    pieces = [t.piece for t in r.tokens]
+    assert any(p.startswith("##") for p in pieces), pieces
+    words, merged = merge_words(r.tokens, r.attention, (text, ""))
+    assert [w.text for w in words] == ["[CLS]", "Unbelievably", "naive", "robbers", "fled", ".", "[SEP]"]
+    assert merged.shape == (6, 12, len(words), len(words))
+    assert torch.allclose(merged.sum(-1), torch.ones(merged.shape[:-1]), atol=1e-5)
+    # By hand for one cell: mean over the query word's pieces of the sum over the key word's pieces.
+    q, k = words[1].pieces, words[3].pieces
+    expected = r.attention[2, 5][list(q)][:, list(k)].sum(-1).mean()
+    assert merged[2, 5, 1, 3] == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_word_view_merges_bytes_of_one_character(tiny):
+    text = "a 🏦 bank"
+    r = tiny.attend(text)
+    words, merged = merge_words(r.tokens, r.attention, (text, ""))
+    assert "🏦" in [w.text for w in words]
+    assert len(words) < len(r.tokens)
+    assert torch.allclose(merged.sum(-1), torch.ones(merged.shape[:-1]), atol=1e-5)
+
+
+def test_neuron_view_reproduces_the_row(minilm, tiny):
+    for model, text in ((minilm, SENTENCE), (tiny, "In the beginning God created the heaven.")):
+        r = model.attend(text, capture=Capture(qkv=True))
+        view = neuron_view(model, r, layer=1, head=2, query_index=5)
+        assert view.kv_head == 2
+        assert torch.allclose(view.products.sum(-1)[:6], (view.query @ view.keys.T)[:6], atol=1e-5)
+        assert torch.allclose(torch.softmax(view.scores, -1), view.weights, atol=1e-5)
+        if model.info.causal:
+            assert math.isinf(view.scores[6].item()) and view.weights[6] == 0
+
+
+def test_logit_attribution_adds_up_to_the_logit(tiny):
+    text = "In the beginning God created the heaven and the earth."
+    dla = logit_attribution(tiny, text, position=10)
+    assert dla.target == int(tiny.attend(text).logits[10].argmax())
+    assert dla.total == pytest.approx(dla.logit, abs=1e-4)
+    assert dla.heads.shape == (2, 8)
+    layer, head, value = dla.ranked_heads()[0]
+    assert value == pytest.approx(dla.heads.max().item())
+
+
+def test_logit_attribution_matches_transformers_gpt2(tmp_path, bytelevel_tokenizer):
+    """Per-head direct effects from transformers' own pieces: c_proj inputs, c_proj weight, ln_f, wte."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    tok_path, vocab = bytelevel_tokenizer
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=40, n_layer=2, n_head=5, initializer_range=0.2)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = load(tmp_path, device="cpu")
+    text = "Attention heads look back, some look ahead."
+    position, target = 4, 17
+    dla = logit_attribution(ours, text, position, target)
+
+    ids = torch.tensor([[t.id for t in ours.encode(text).tokens]])
+    seen, hooks = context_inputs(hf.transformer.h, ("attn", "c_proj"))
+    final = {}
+    hooks.append(hf.transformer.ln_f.register_forward_pre_hook(lambda m, a: final.__setitem__("x", a[0][0].detach())))
+    try:
+        with torch.no_grad():
+            out = hf(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert dla.logit == pytest.approx(out.logits[0, position, target].item(), abs=1e-4)
+    x = final["x"][position]
+    ln = hf.transformer.ln_f
+    sigma = torch.sqrt(x.var(unbiased=False) + ln.eps)
+    w_u = hf.lm_head.weight[target]
+    for layer, block in enumerate(hf.transformer.h):
+        w_o = block.attn.c_proj.weight.T  # (out, in)
+        for head in range(5):
+            part = seen[layer][position, head * 8 : (head + 1) * 8] @ w_o[:, head * 8 : (head + 1) * 8].T
+            expected = (ln.weight * (part - part.mean()) / sigma) @ w_u
+            assert dla.heads[layer, head].item() == pytest.approx(expected.item(), abs=1e-5)
+    assert dla.total == pytest.approx(dla.logit, abs=1e-4)
+
+
+def test_logit_attribution_refuses_an_encoder(minilm):
+    with pytest.raises(ValueError, match="pre-norm language model"):
+        logit_attribution(minilm, "hello", 0)
+
+
+def test_information_flow_edges_share_each_target_and_respect_causality(tiny):
+    text = "In the beginning God created the heaven."
+    tokens, edges = information_flow(tiny, text, threshold=0.0)
+    n = len(tokens)
+    assert all(e.source <= e.target for e in edges), "a causal model has no edge from a later token"
+    for layer in range(2):
+        for target in range(n):
+            total = sum(e.weight for e in edges if e.layer == layer and e.target == target)
+            assert total == pytest.approx(1.0, abs=1e-5)
+    pruned = information_flow(tiny, text, threshold=0.2)[1]
+    assert 0 < len(pruned) < len(edges) and all(e.weight >= 0.2 for e in pruned)
+
+
+def test_information_flow_proximity_by_hand(minilm):
+    """One edge recomputed from the definition with the value vectors and out_proj by hand."""
+    from manyeyes.model.measures import run_with_stream
+
+    text = "The bank of the river."
+    tokens, edges = information_flow(minilm, text, threshold=0.0)
+    r, inputs, _ = run_with_stream(minilm, text)
+    layer, target, source = 2, 3, 1
+    att = minilm.net.trf_blocks[layer].att
+    w_o, b = att.out_proj.weight.detach(), att.out_proj.bias.detach()
+    z = []
+    for j in range(len(tokens)):
+        moved = sum(r.attention[layer, h, target, j] * (w_o[:, h * 32 : (h + 1) * 32] @ r.values[layer][h, j]) for h in range(12))
+        z.append(moved)
+    x = inputs[layer][target]
+    y = x + sum(z) + b
+    raw = [max(0.0, (y.abs().sum() - (y - p).abs().sum()).item()) for p in z + [x]]
+    expected = raw[source] / sum(raw)
+    [edge] = [e for e in edges if e.layer == layer and e.target == target and e.source == source and e.head is not None]
+    assert edge.weight == pytest.approx(expected, abs=1e-5)

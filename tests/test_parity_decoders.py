@@ -1,0 +1,347 @@
+"""Parity of the rotary decoder families (llama, mistral, qwen2, gpt_neox) with transformers' eager attention.
+
+Each case saves a random-weight model with `save_pretrained` (safetensors) beside a tokenizer.json,
+loads the folder with `manyeyes.model.load`, and compares attention weights (1e-5), the last
+hidden state and the logits (1e-4) with transformers in float32 eager attention. Weights are drawn
+with a large initializer_range so attention is peaked: near-uniform weights would let a wrong
+mask or a wrong rotation pass unnoticed, so every case asserts that the reference is peaked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from manyeyes.model import load
+from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.families import family_for, gpt_neox, llama
+from manyeyes.model.rotary import RotaryEmbedding, rope_config, rope_parameters
+
+TEXT = (
+    "Attention heads look at other tokens; some look back, some look ahead. The quick brown fox "
+    "jumps over the lazy dog, and the dog looks back at the fox."
+)
+SHORT = "The quick brown fox."
+
+
+def _classes(family: str):
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
+    }[family]
+
+
+def save_random(folder, tokenizer, family: str, seed: int, **overrides):
+    """A random-weight `family` model saved to `folder` with the tokenizer; returns transformers' eager copy."""
+    config_cls, model_cls = _classes(family)
+    tok_path, vocab = tokenizer
+    settings = dict(
+        vocab_size=vocab,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        intermediate_size=80,
+        max_position_embeddings=96,
+        initializer_range=0.2,  # peaked attention; 0.02 gives near-uniform rows
+    )
+    torch.manual_seed(seed)
+    model_cls(config_cls(**(settings | overrides))).save_pretrained(folder, safe_serialization=True)
+    shutil.copy(tok_path, folder / "tokenizer.json")
+    return model_cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def reference(model, ids: torch.Tensor):
+    with torch.no_grad():
+        out = model(ids, output_attentions=True, output_hidden_states=True)
+    return torch.stack([a[0] for a in out.attentions]), out.hidden_states[-1][0], out.logits[0]
+
+
+def assert_peaked(attention: torch.Tensor, skip: int = 4):
+    """Rows past the first few (which causality forces to be peaked) must concentrate well above uniform."""
+    rows = attention[..., skip:, :]  # (layers, heads, T - skip, T)
+    visible = (rows > 0).sum(-1)  # keys each query could see (softmax never underflows to 0 here)
+    row_max = rows.amax(-1)
+    above_uniform = row_max * visible  # 1.0 for a uniform row
+    assert (row_max > 0.5).float().mean() > 0.05, "reference attention is rarely peaked: the test would have no power"
+    assert above_uniform.median() > 2, f"reference attention is near-uniform ({above_uniform.median():.1f}x)"
+
+
+def assert_parity(ours, ref_model, text: str = TEXT, min_tokens: int = 24):
+    r = ours.attend(text, truncate=True)
+    ids = torch.tensor([[t.id for t in r.tokens]])
+    assert ids.shape[1] >= min_tokens
+    attention, hidden, logits = reference(ref_model, ids)
+    assert_peaked(attention)
+    assert r.attention.shape == attention.shape
+    assert (attention - r.attention).abs().max().item() <= 1e-5
+    assert (hidden - r.hidden).abs().max().item() <= 1e-4
+    assert (logits - r.logits).abs().max().item() <= 1e-4
+    return r
+
+
+# (family, seed, config overrides): odd head counts, GQA ratios 6/2, 9/3, 4/1, 3/1, 5/5,
+# an explicit head_dim, biases, tied heads, every rope_scaling variant, partial rotary, windows.
+CASES = {
+    "llama-gqa-6q2kv": ("llama", 1, dict(num_key_value_heads=2)),
+    "llama-9q3kv-head_dim-bias-linear": (
+        "llama", 2,
+        dict(hidden_size=36, num_attention_heads=9, num_key_value_heads=3, head_dim=8, attention_bias=True,
+             mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    "llama-4q1kv-tied-llama3": (
+        "llama", 3,
+        dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+             rope_theta=500.0,
+             rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 16}),
+    ),
+    "llama-5q-yarn": (
+        "llama", 4,
+        dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=5,
+             rope_scaling={"rope_type": "yarn", "factor": 6.0, "original_max_position_embeddings": 16}),
+    ),
+    "llama-3q1kv-longrope": (
+        "llama", 5,
+        dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64,
+             rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
+                           "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                           "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}),
+    ),
+    "mistral-window6-6q2kv": ("mistral", 6, dict(num_key_value_heads=2, sliding_window=6)),
+    "qwen2-bias-window-on-layer1": (
+        "qwen2", 7,
+        dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, tie_word_embeddings=True,
+             use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
+    "qwen2-7q7kv": ("qwen2", 8, dict(hidden_size=56, num_attention_heads=7, num_key_value_heads=7)),
+    "gpt_neox-parallel-rotary25": (
+        "gpt_neox", 9, dict(hidden_size=80, num_attention_heads=5, rotary_pct=0.25, use_parallel_residual=True)
+    ),
+    "gpt_neox-sequential-rotary50-nobias": (
+        "gpt_neox", 10,
+        dict(hidden_size=48, num_attention_heads=3, rotary_pct=0.5, use_parallel_residual=False, attention_bias=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decoder_folder_matches_transformers(tmp_path, bytelevel_tokenizer, case):
+    family, seed, overrides = CASES[case]
+    ref_model = save_random(tmp_path, bytelevel_tokenizer, family, seed, **overrides)
+    ours = load(tmp_path, device="cpu")
+    cfg = ref_model.config
+    assert ours.info.family == family and ours.info.causal
+    assert ours.net.n_kv_heads == getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    assert ours.info.head_dim == (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    r = assert_parity(ours, ref_model)
+    # The first token only sees itself, so its scores are exact; deeper rows are the real check above.
+    assert torch.allclose(r.attention[:, :, 0, 0], torch.ones(()))
+
+
+def test_mistral_window_is_shorter_than_the_context(tmp_path, bytelevel_tokenizer):
+    ref_model = save_random(tmp_path, bytelevel_tokenizer, "mistral", 11, num_key_value_heads=3, sliding_window=4)
+    r = assert_parity(load(tmp_path, device="cpu"), ref_model)
+    T = r.attention.shape[-1]
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    outside = (k > q) | (k <= q - 4)
+    assert T > 4 * 6 and r.attention[..., outside].abs().max() == 0
+    assert (r.attention[..., ~outside] > 0).all()  # every key inside the window keeps some weight
+
+
+def test_dynamic_ntk_beyond_the_trained_context(tmp_path, bytelevel_tokenizer):
+    """Dynamic NTK only differs past max_position_embeddings, which the tokenizer never exceeds: go to the network."""
+    ref_model = save_random(
+        tmp_path, bytelevel_tokenizer, "llama", 12, num_key_value_heads=2, max_position_embeddings=24,
+        rope_scaling={"rope_type": "dynamic", "factor": 3.0},
+    )
+    ours = load(tmp_path, device="cpu")
+    ids = torch.randint(0, ours.net.cfg.vocab_size, (1, 56), generator=torch.Generator().manual_seed(0))
+    attention, hidden, logits = reference(ref_model, ids)  # a fresh model: transformers' cache is empty
+    assert_peaked(attention)
+    with torch.no_grad():
+        trace = ours.net.inspect(ids)
+    assert (attention - torch.stack([a.weights[0] for a in trace.layers])).abs().max().item() <= 1e-5
+    assert (hidden - trace.hidden[0]).abs().max().item() <= 1e-4
+    assert (logits - trace.logits[0]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", dict(num_key_value_heads=2, sliding_window=3)),
+    ("gpt_neox", dict(num_attention_heads=3, rotary_pct=0.5)),
+])
+def test_padded_batch_rows_equal_their_own_runs(tmp_path, bytelevel_tokenizer, family, overrides):
+    """A window can hold only padding for a padded query; that must not turn real rows into NaN."""
+    save_random(tmp_path, bytelevel_tokenizer, family, 13, **overrides)
+    ours = load(tmp_path, device="cpu")
+    batch = ours.attend_batch([TEXT, SHORT])
+    for text, r in zip([TEXT, SHORT], batch):
+        alone = ours.attend(text)
+        assert torch.isfinite(r.attention).all()
+        assert (r.attention - alone.attention).abs().max().item() <= 1e-6
+        assert (r.logits - alone.logits).abs().max().item() <= 1e-5
+
+
+def test_returned_queries_and_keys_are_what_the_softmax_saw(tmp_path, bytelevel_tokenizer):
+    """Under GQA the keys come back per key/value head (4q/2kv here); rebuilding the weights from them proves it."""
+    from manyeyes.model.attention import Capture
+
+    save_random(tmp_path, bytelevel_tokenizer, "mistral", 14, num_attention_heads=4, num_key_value_heads=2,
+                hidden_size=32, sliding_window=5)
+    r = load(tmp_path, device="cpu").attend(TEXT, capture=Capture(qkv=True))
+    T = len(r.tokens)
+    q_idx, k_idx = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    blocked = (k_idx > q_idx) | (k_idx <= q_idx - 5)
+    for layer, (q, k) in enumerate(zip(r.queries, r.keys)):
+        assert q.shape == (4, T, 8) and k.shape == (2, T, 8)
+        scores = q @ k.repeat_interleave(2, dim=0).transpose(1, 2) / 8**0.5  # query head h uses kv head h // 2
+        rebuilt = torch.softmax(scores.masked_fill(blocked, -torch.inf), dim=-1)
+        assert (rebuilt - r.attention[layer]).abs().max().item() <= 1e-5
+
+
+# --------------------------------------------------------------------------- rotary tables alone
+ROPE_VARIANTS = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.8,
+                    "mscale_all_dim": 0.5, "truncate": False},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                 "short_factor": [1.0 + i / 8 for i in range(16)], "long_factor": [1.0 + i for i in range(16)]},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+@pytest.mark.parametrize("length", [20, 200])
+def test_rotary_tables_match_transformers(variant, length):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=8, max_position_embeddings=128,
+                         rope_theta=10000.0, rope_scaling=dict(ROPE_VARIANTS[variant]))
+    theirs = LlamaRotaryEmbedding(config)  # fresh for each length: its dynamic cache starts empty
+    ours = RotaryEmbedding(rope_config(rope_parameters(json.loads(config.to_json_string())), 32, 128))
+    assert torch.allclose(ours.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0)
+    positions = torch.arange(length)
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), positions[None])
+    our_cos, our_sin = ours(positions)
+    assert (cos[0] - our_cos).abs().max().item() <= 1e-6
+    assert (sin[0] - our_sin).abs().max().item() <= 1e-6
+
+
+def test_partial_rotary_tables_match_gpt_neox():
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+
+    config = GPTNeoXConfig(hidden_size=128, num_attention_heads=4, rotary_pct=0.25, rotary_emb_base=500)
+    theirs = GPTNeoXRotaryEmbedding(config)
+    net = gpt_neox.build(json.loads(config.to_json_string()), "config.json")
+    assert net.cfg.rope.rotary_dim == 8
+    cos, sin = theirs(torch.zeros(1), torch.arange(50)[None])
+    our_cos, our_sin = net.rotary(torch.arange(50))
+    assert (cos[0] - our_cos).abs().max().item() <= 1e-6 and (sin[0] - our_sin).abs().max().item() <= 1e-6
+
+
+# --------------------------------------------------------------------------- what we refuse, and why
+BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+            intermediate_size=32, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    (dict(rope_scaling={"rope_type": "su-rope", "factor": 2.0}), "unsupported rope type 'su-rope'"),
+    (dict(rope_scaling={"rope_type": "linear"}), "needs a 'factor'"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "warp": 1}), "unsupported rope parameter.*warp"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor is unsupported"),
+    (dict(num_key_value_heads=3, num_attention_heads=4), "not divisible by num_key_value_heads"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=None, layer_types=["sliding_attention"]),
+     "no sliding_window"),
+])
+def test_llama_family_refuses_what_it_cannot_honour(change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        llama.build(BASE | change, "config.json")
+
+
+NEOX = dict(model_type="gpt_neox", vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+            intermediate_size=64, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="relu"), "unsupported activation hidden_act='relu'"),
+    (dict(rotary_pct=0.1), "rotary_dim 1 must be even"),
+    (dict(num_attention_heads=3), "not divisible by num_attention_heads"),
+    (dict(rope_scaling={"type": "yarn", "factor": 2.0, "alpha": 1}), "unsupported rope parameter.*alpha"),
+])
+def test_gpt_neox_refuses_what_it_cannot_honour(change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        gpt_neox.build(NEOX | change, "config.json")
+
+
+def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 15, num_key_value_heads=2)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing key 'lm_head.weight'"):
+        load(tmp_path, device="cpu")
+
+
+def test_unknown_model_type_lists_the_families():
+    with pytest.raises(ModelLoadError, match="unsupported model_type 't5'; supported: ") as err:
+        family_for("t5", "config.json")
+    listed = str(err.value).split("supported: ")[-1].split(", ")
+    assert set(listed) == {"bert", "distilbert", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "roberta"}
+
+
+@pytest.mark.parametrize("num_queries,num_keys,window", [(6, 6, None), (9, 9, 1), (9, 9, 4), (3, 9, 4)])
+def test_mask_matches_transformers_mask_functions(num_queries, num_keys, window):
+    """Our blocked positions against transformers' own mask predicates, including a cache-style offset."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from manyeyes.model.attention import blocked_positions
+
+    allowed_fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    offset = num_keys - num_queries
+    allowed = torch.tensor([
+        [bool(allowed_fn(torch.tensor(0), torch.tensor(0), torch.tensor(offset + i), torch.tensor(k)))
+         for k in range(num_keys)]
+        for i in range(num_queries)
+    ])
+    ours = blocked_positions(num_queries, num_keys, causal=True, sliding_window=window, device="cpu")
+    assert torch.equal(ours, ~allowed)
+
+
+def _as_transformers4(folder, family: str):
+    """Rewrite a saved config.json the way transformers 4.x wrote it: most hub checkpoints look like this."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    params = config.pop("rope_parameters")
+    theta = params.pop("rope_theta")
+    if family == "gpt_neox":
+        config |= {"rotary_emb_base": theta, "rotary_pct": params.pop("partial_rotary_factor")}
+    else:
+        config["rope_theta"] = theta
+    kind = params.pop("rope_type")
+    config["rope_scaling"] = None if kind == "default" else params | {"type": kind}  # the oldest spelling
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case", ["llama-5q-yarn", "llama-4q1kv-tied-llama3", "gpt_neox-parallel-rotary25"])
+def test_transformers4_configs_load_the_same(tmp_path, bytelevel_tokenizer, case):
+    family, seed, overrides = CASES[case]
+    overrides = dict(overrides, rope_theta=2000.0) if family != "gpt_neox" else dict(overrides, rotary_emb_base=2000)
+    ref_model = save_random(tmp_path, bytelevel_tokenizer, family, seed, **overrides)
+    _as_transformers4(tmp_path, family)
+    assert "rope_parameters" not in json.loads((tmp_path / "config.json").read_text())
+    assert_parity(load(tmp_path, device="cpu"), ref_model)
