@@ -26,6 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_server import access_ms, serve  # noqa: E402
+from serve_bench import throughput  # noqa: E402
 
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
 
@@ -47,29 +48,6 @@ def bare_rate(model, n_tokens: int, batch: int, repeats: int) -> float:
         model.run(encoded)
         times.append(time.perf_counter() - started)
     return batch / statistics.median(times)
-
-
-async def served_rate(url: str, n_tokens: int, clients: int, seconds: float) -> tuple[float, int]:
-    done = errors = 0
-    stop = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-
-        async def worker(w: int) -> None:
-            nonlocal done, errors
-            i = 0
-            while time.monotonic() < stop:
-                r = await client.post("/api/v1/attention", json={"text": text_of(n_tokens, 1_000_000 * (w + 1) + i), "format": "u8"},
-                                      headers=FRAME)
-                i += 1
-                if r.status_code == 200 and len(read_frame(r.content)[1]) > 0:
-                    done += 1
-                else:
-                    errors += 1
-
-        started = time.monotonic()
-        await asyncio.gather(*(worker(w) for w in range(clients)))
-        return done / (time.monotonic() - started), errors
 
 
 def main() -> int:
@@ -105,7 +83,11 @@ def main() -> int:
                 if i >= 3:  # the first few pay one-time costs
                     run_ids.append(header["run_id"])
                     forward.append(header["timing_ms"]["forward"])
-        served = {n: asyncio.run(served_rate(url, n, args.clients, args.seconds)) for n in lengths}
+        served = {
+            n: asyncio.run(throughput(f"{url}/api/v1/attention", lambda s, n=n: {"text": text_of(n, 1_000_000 + s), "format": "u8"},
+                                      args.clients, args.seconds, FRAME))
+            for n in lengths
+        }
         time.sleep(0.5)
         server_ms = [access_ms(log)[r] for r in run_ids]
 
