@@ -79,7 +79,8 @@ MUTANTS = [
            "span = sources[segment][start:end]", "span = sources[0][start:end]",
            ("tests/test_tokenizer.py",)),
     Mutant("heads-reported-under-the-wrong-numbers", "model/runtime.py",
-           "attention = weights.cpu().transpose(0, 1)", "attention = weights.cpu().transpose(0, 1).roll(1, dims=2)",
+           "attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)",
+           "attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1).roll(1, dims=2)",
            ("tests/test_tiny_gpt.py", "-k", "previous_token")),
     # ---- app/
     Mutant("u8-scaled-by-256", "app/services/payload.py",
