@@ -57,10 +57,15 @@ function askForKey() {
 }
 
 async function authorised(call, init) {
+  const sent = sessionStorage.getItem(KEY_ITEM);
   try {
     return await call(withKey(init));
   } catch (err) {
-    if (!(err instanceof ApiError) || err.status !== 401 || !(await askForKey())) throw err;
+    if (!(err instanceof ApiError) || err.status !== 401) throw err;
+    // A request that left before another one's question was answered retries with that answer.
+    const current = sessionStorage.getItem(KEY_ITEM);
+    if (current && current !== sent) return call(withKey(init));
+    if (!(await askForKey())) throw err;
     return call(withKey(init));
   }
 }
