@@ -1,7 +1,14 @@
-// The focus view: one head (or a mean) as a Plotly heatmap with token labels and a reading tooltip.
+// The focus view: one head (or a mean) as a heatmap with token labels and a reading tooltip. The page
+// paints the cells into a canvas (canvas_heatmap.js); Plotly draws the axes, labels, title, colorbar
+// and modebar around them and handles zoom and pan.
+//
+// What is plotted is readable, for tests and tools, through `focusPlot.plotted()`: { rows, cols,
+// zmax, scale } and, unless called as plotted({ z: false }), z: rows of numbers as coloured (the
+// log10 position on the log scale), null where masked, as Plotly's heatmap z was.
 
+import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { plotlyText } from "./dom.js";
-import { LOG_FLOOR, palette, scaled } from "./theme.js";
+import { palette, scaled } from "./theme.js";
 
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
 export const ALL_LABELS = 64;
@@ -49,6 +56,8 @@ export class FocusView {
     this.exportCaption = "";
     this.ranges = { x: null, y: null };
     this.revision = null;
+    this.heatmap = new CanvasHeatmap(plot);
+    plot.plotted = (options) => this.plotted(options);
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
     // Nothing may leave this machine: no "Share chart" (Plotly 7 shows it by default and posts the
     // figure to cloud.plotly.com), no logo link, no server URL, no Chart Studio link.
@@ -83,41 +92,48 @@ export class FocusView {
     const pal = palette();
     const nRows = view.rows.length;
     const nCols = view.cols.length;
-    const z = new Array(nRows);
     let peak = 0;
     for (let i = 0; i < view.values.length; i++) if (view.values[i] > peak) peak = view.values[i];
     const log = scale === "log";
-    for (let r = 0; r < nRows; r++) {
-      const row = new Array(nCols);
-      const base = r * nCols;
-      for (let c = 0; c < nCols; c++) {
-        // null leaves a gap that shows the masked colour, so masked never reads as zero.
-        if (view.masked(r, c)) row[c] = null;
-        else row[c] = log ? scaled(view.values[base + c], "log", peak) : view.values[base + c];
-      }
-      z[r] = row;
-    }
     if (revision !== this.revision) {
       this.ranges = { x: null, y: null }; // a new text or a new shape: the zoom starts afresh
       this.revision = revision;
     }
-    this.current = { view, labels, nRows, nCols, title, scale };
+    const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
+    this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
     this.filename = filename;
     this.exportCaption = exportCaption || title;
+    this.heatmap.setMatrix(view, scale, peak);
+    // Plotly's only trace: one invisible-to-hover brick spanning the cells' extent (edges at
+    // -0.5 … n - 0.5), which gives the axes their autorange and carries the colorbar.
     const trace = {
       type: "heatmap",
-      z,
+      z: [[0]],
+      x: [-0.5, nCols - 0.5],
+      y: [-0.5, nRows - 0.5],
       colorscale: pal.stops,
       zmin: 0,
-      zmax: log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1,
-      // Long inputs: one pixel per cell, scaled by the browser (crisp via CSS), far cheaper than
-      // painting hundreds of thousands of bricks; shorter ones keep bricks, which export crisply too.
-      zsmooth: Math.max(nRows, nCols) > 200 ? "fast" : false,
-      hoverinfo: "none",
+      zmax,
+      hoverinfo: "skip",
       colorbar: this.colorbar(log),
     };
     await window.Plotly.react(this.plot, [trace], this.layout(), this.config);
+    this.heatmap.draw();
     if (!this.listening) this.listen();
+  }
+
+  // What is plotted, in the terms of Plotly's heatmap z (see the top of this file).
+  plotted({ z = true } = {}) {
+    if (!this.current) return null;
+    const { view, nRows, nCols, scale, peak, zmax } = this.current;
+    const out = { rows: nRows, cols: nCols, zmax, scale };
+    if (!z) return out;
+    out.z = view.rows.map((_, r) => view.cols.map((_k, c) => {
+      if (view.masked(r, c)) return null;
+      const v = view.values[r * nCols + c];
+      return scale === "log" ? scaled(v, "log", peak) : v;
+    }));
+    return out;
   }
 
   // No plot at all, with a word in the caption: used when the first run fails.
@@ -161,6 +177,7 @@ export class FocusView {
         yref: "container", y: 1, yanchor: "top", pad: { t: 6 + titleTop },
       },
       paper_bgcolor: pal.paper,
+      hovermode: false, // the page reads cells itself (showReading)
       plot_bgcolor: pal.masked,
       font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
       margin: {
@@ -190,7 +207,9 @@ export class FocusView {
 
   // A zoom or pan: keep its ranges (for the next head) and label every token now in view.
   onRelayout(event) {
-    if (this.relabelling || !this.current) return;
+    if (!this.current) return;
+    this.heatmap.draw(); // the ranges or the plot's size changed
+    if (this.relabelling) return;
     const read = (axis) => {
       if (event[`${axis}axis.autorange`]) return null;
       const a = event[`${axis}axis.range[0]`] ?? event[`${axis}axis.range`]?.[0];
@@ -205,12 +224,19 @@ export class FocusView {
     this.relabelling = true;
     window.Plotly.relayout(this.plot, this.layout()).finally(() => {
       this.relabelling = false;
+      this.heatmap.draw(); // new labels can move the plot area
     });
   }
 
-  // Exports carry a caption: the model, the (shortened) text and the head or measure.
+  // Exports carry a caption: the model, the (shortened) text and the head or measure. The cells go
+  // in as an image placed on the axes (in an SVG, an embedded PNG, as Plotly's heatmaps were).
   download(format) {
-    const figure = { data: this.plot.data, layout: { ...this.plot.layout } };
+    const { nRows, nCols } = this.current;
+    const cells = {
+      source: this.heatmap.dataUrl(), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: nCols, sizey: nRows,
+      xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
+    };
+    const figure = { data: this.plot.data, layout: { ...this.plot.layout, images: [cells] } };
     const margin = { ...figure.layout.margin };
     margin.t = (margin.t || 40) + 40;
     figure.layout.margin = margin;
@@ -220,12 +246,15 @@ export class FocusView {
     return window.Plotly.downloadImage(figure, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
   }
 
-  showReading(event) {
-    const point = event.points?.[0];
-    if (!point || !this.current) return;
+  // The reading of the cell under a client-space point: "query → key: 0.123" and the original spans.
+  showReading(clientX, clientY) {
+    const cell = this.current && this.heatmap.cellAt(clientX, clientY);
+    if (!cell) {
+      this.tooltip.hidden = true;
+      return;
+    }
     const { view, labels } = this.current;
-    const r = point.pointIndex[0];
-    const c = point.pointIndex[1];
+    const { row: r, col: c } = cell;
     const q = view.rows[r];
     const k = view.cols[c];
     const reading = view.masked(r, c) ? "masked" : view.values[r * view.cols.length + c].toFixed(3);
@@ -235,21 +264,31 @@ export class FocusView {
     this.tooltip.dataset.key = k;
     this.tooltip.hidden = false;
     const box = this.plot.getBoundingClientRect();
-    const e = event.event;
-    const x = (e?.clientX ?? box.left + box.width / 2) - box.left;
-    const y = (e?.clientY ?? box.top + box.height / 2) - box.top;
+    const x = clientX - box.left;
+    const y = clientY - box.top;
     this.tooltip.style.left = `${Math.max(4, Math.min(x + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
     this.tooltip.style.top = `${y + 16}px`;
   }
 
   listen() {
     this.listening = true;
-    this.plot.on("plotly_hover", (event) => this.showReading(event));
-    // A tap on a phone never hovers: the click shows the same reading.
-    this.plot.on("plotly_click", (event) => this.showReading(event));
-    this.plot.on("plotly_unhover", () => {
+    const plot = this.plot;
+    plot.addEventListener("mousemove", (event) => this.showReading(event.clientX, event.clientY));
+    plot.addEventListener("mouseleave", () => {
       this.tooltip.hidden = true;
     });
-    this.plot.on("plotly_relayout", (event) => this.onRelayout(event));
+    // A tap on a phone never hovers: a press released where it began shows the same reading.
+    // Pointer events, because Plotly's drag layer cancels the touch's click.
+    let down = null;
+    plot.addEventListener("pointerdown", (event) => {
+      down = { x: event.clientX, y: event.clientY };
+    });
+    plot.addEventListener("pointerup", (event) => {
+      if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) this.showReading(event.clientX, event.clientY);
+      down = null;
+    });
+    plot.on("plotly_relayout", (event) => this.onRelayout(event));
+    // Mid-pan Plotly moves the axes live; the cells follow (a zoom box leaves the ranges alone).
+    plot.on("plotly_relayouting", () => this.heatmap.draw());
   }
 }
