@@ -1,13 +1,16 @@
 // The focus view: one head (or a mean) as a heatmap with token labels and a reading tooltip. The page
-// paints the cells into a canvas (canvas_heatmap.js); Plotly draws the axes, labels, title, colorbar
-// and modebar around them and handles zoom and pan.
+// paints the cells into a canvas (canvas_heatmap.js) and draws the title and colorbar (colorbar.js);
+// Plotly draws the axes, their labels and the modebar, and handles zoom and pan. So a step to
+// another head of the same text calls Plotly only when the axes change: at T=512 a Plotly.react of
+// a heatmap took ~220 ms, and even a new title or colorbar range made it lay out every tick again.
 //
 // What is plotted is readable, for tests and tools, through `focusPlot.plotted()`: { rows, cols,
 // zmax, scale } and, unless called as plotted({ z: false }), z: rows of numbers as coloured (the
 // log10 position on the log scale), null where masked, as Plotly's heatmap z was.
 
 import { CanvasHeatmap } from "./canvas_heatmap.js";
-import { plotlyText } from "./dom.js";
+import { Colorbar } from "./colorbar.js";
+import { el, plotlyText } from "./dom.js";
 import { palette, scaled } from "./theme.js";
 
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
@@ -57,6 +60,11 @@ export class FocusView {
     this.ranges = { x: null, y: null };
     this.revision = null;
     this.heatmap = new CanvasHeatmap(plot);
+    this.titleNode = el("div", { className: "gtitle" });
+    this.titleNode.hidden = true;
+    plot.append(this.titleNode);
+    this.colorbarView = new Colorbar(plot);
+    this.figureKey = ""; // what Plotly has on screen, to skip a Plotly.react that would change nothing
     plot.plotted = (options) => this.plotted(options);
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
     // Nothing may leave this machine: no "Share chart" (Plotly 7 shows it by default and posts the
@@ -104,22 +112,45 @@ export class FocusView {
     this.filename = filename;
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
-    // Plotly's only trace: one invisible-to-hover brick spanning the cells' extent (edges at
-    // -0.5 … n - 0.5), which gives the axes their autorange and carries the colorbar.
-    const trace = {
-      type: "heatmap",
-      z: [[0]],
-      x: [-0.5, nCols - 0.5],
-      y: [-0.5, nRows - 0.5],
-      colorscale: pal.stops,
-      zmin: 0,
-      zmax,
-      hoverinfo: "skip",
-      colorbar: this.colorbar(log),
-    };
-    await window.Plotly.react(this.plot, [trace], this.layout(), this.config);
-    this.heatmap.draw();
+    const { trace, layout } = this.figure();
+    const key = JSON.stringify([trace, layout]);
+    if (key !== this.figureKey || !this.plot._fullLayout) {
+      this.figureKey = key;
+      await window.Plotly.react(this.plot, [trace], layout, this.config);
+    }
+    this.decorate();
     if (!this.listening) this.listen();
+  }
+
+  // Plotly's part: its only trace is one brick spanning the cells' extent (edges at -0.5 … n - 0.5),
+  // which gives the axes their autorange; the canvas covers it.
+  figure() {
+    const { nRows, nCols } = this.current;
+    const trace = {
+      type: "heatmap", z: [[0]], x: [-0.5, nCols - 0.5], y: [-0.5, nRows - 0.5],
+      colorscale: palette().stops, zmin: 0, zmax: 1, showscale: false, hoverinfo: "skip",
+    };
+    return { trace, layout: this.layout() };
+  }
+
+  // The page's part, placed on Plotly's axes as they are now: cells, title and colorbar.
+  decorate() {
+    if (!this.current) return;
+    this.heatmap.draw();
+    const xa = this.plot._fullLayout?.xaxis;
+    const ya = this.plot._fullLayout?.yaxis;
+    if (!xa || !ya) return;
+    const pal = palette();
+    const narrow = this.plot.clientWidth < 520;
+    const { title, scale, zmax } = this.current;
+    this.titleNode.textContent = title;
+    this.titleNode.style.color = pal.text;
+    this.titleNode.style.top = `${6 + (narrow ? 34 : 0)}px`;
+    this.titleNode.hidden = false;
+    this.colorbarView.render({
+      stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text,
+      box: { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length },
+    });
   }
 
   // What is plotted, in the terms of Plotly's heatmap z (see the top of this file).
@@ -141,6 +172,9 @@ export class FocusView {
     window.Plotly.purge(this.plot);
     this.listening = false;
     this.current = null;
+    this.figureKey = "";
+    this.titleNode.hidden = true;
+    this.colorbarView.hide();
     this.tooltip.hidden = true;
     this.plot.dataset.example = "false";
     this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
@@ -157,7 +191,7 @@ export class FocusView {
 
   layout() {
     const pal = palette();
-    const { view, labels, nRows, nCols, title } = this.current;
+    const { view, labels, nRows, nCols } = this.current;
     const narrow = this.plot.clientWidth < 520;
     const xTicks = ticks(view.cols, labels, this.ranges.x);
     const yTicks = ticks(view.rows, labels, this.ranges.y);
@@ -167,23 +201,19 @@ export class FocusView {
     // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
     const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.ticktext.map((s) => s.length));
     const keysSpace = labelPx(xTicks, xFont) + (narrow ? 8 : 30);
-    // On a phone the modebar takes the top line: the title goes on the next one.
+    // On a phone the modebar takes the top line: the title (see decorate) goes on the next one.
     const titleTop = narrow ? 34 : 0;
     return {
       // Given, not measured: Plotly.react keeps its old size when only the container changed.
       height: this.height,
-      title: {
-        text: plotlyText(title), font: { size: 15, color: pal.text }, x: 0.02, xanchor: "left",
-        yref: "container", y: 1, yanchor: "top", pad: { t: 6 + titleTop },
-      },
       paper_bgcolor: pal.paper,
       hovermode: false, // the page reads cells itself (showReading)
       plot_bgcolor: pal.masked,
       font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
       margin: {
         t: narrow ? 30 + titleTop + keysSpace : 40,
-        r: 10,
-        b: narrow ? 50 : keysSpace,
+        r: narrow ? 10 : 90, // the page's colorbar goes there
+        b: narrow ? 60 : keysSpace,
         l: labelPx(yTicks, yFont) + (narrow ? 4 : 30),
       },
       // The same revision keeps the user's zoom while stepping through heads of the same text.
@@ -208,7 +238,7 @@ export class FocusView {
   // A zoom or pan: keep its ranges (for the next head) and label every token now in view.
   onRelayout(event) {
     if (!this.current) return;
-    this.heatmap.draw(); // the ranges or the plot's size changed
+    this.decorate(); // the ranges or the plot's size changed
     if (this.relabelling) return;
     const read = (axis) => {
       if (event[`${axis}axis.autorange`]) return null;
@@ -224,26 +254,31 @@ export class FocusView {
     this.relabelling = true;
     window.Plotly.relayout(this.plot, this.layout()).finally(() => {
       this.relabelling = false;
-      this.heatmap.draw(); // new labels can move the plot area
+      this.figureKey = ""; // Plotly's figure is now the relayout's, not the last react's
+      this.decorate(); // new labels can move the plot area
     });
   }
 
   // Exports carry a caption: the model, the (shortened) text and the head or measure. The cells go
   // in as an image placed on the axes (in an SVG, an embedded PNG, as Plotly's heatmaps were).
   download(format) {
-    const { nRows, nCols } = this.current;
+    const { nRows, nCols, scale, zmax } = this.current;
+    const pal = palette();
     const cells = {
       source: this.heatmap.dataUrl(), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: nCols, sizey: nRows,
       xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
-    const figure = { data: this.plot.data, layout: { ...this.plot.layout, images: [cells] } };
-    const margin = { ...figure.layout.margin };
-    margin.t = (margin.t || 40) + 40;
-    figure.layout.margin = margin;
-    figure.layout.title = { ...figure.layout.title, text: plotlyText(this.exportCaption), pad: { t: 8 }, font: { size: 13 } };
+    const log = scale === "log";
+    const trace = { ...this.figure().trace, zmax, showscale: true, colorbar: this.colorbar(log) };
+    const layout = { ...this.plot.layout, images: [cells] };
+    layout.margin = { ...layout.margin, t: (layout.margin?.t || 40) + 40, r: 10 };
+    layout.title = {
+      text: plotlyText(this.exportCaption), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
+      yref: "container", y: 1, yanchor: "top", pad: { t: 8 },
+    };
     const width = this.plot.clientWidth;
     const height = this.plot.clientHeight + 40;
-    return window.Plotly.downloadImage(figure, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
+    return window.Plotly.downloadImage({ data: [trace], layout }, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
   }
 
   // The reading of the cell under a client-space point: "query → key: 0.123" and the original spans.
