@@ -8,6 +8,7 @@
 // zmax, scale } and, unless called as plotted({ z: false }), z: rows of numbers as coloured (the
 // log10 position on the log scale), null where masked, as Plotly's heatmap z was.
 
+import { AxisLabels } from "./axis_labels.js";
 import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { Colorbar } from "./colorbar.js";
 import { el, plotlyText } from "./dom.js";
@@ -33,13 +34,13 @@ function visibleRange(range, n) {
 function ticks(indices, labels, range) {
   const [lo, hi] = visibleRange(range, indices.length);
   const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
-  const tickvals = [];
-  const ticktext = [];
+  const values = [];
+  const texts = [];
   for (let i = lo; i <= hi; i += step) {
-    tickvals.push(i);
-    ticktext.push(plotlyText(shortLabel(labels[indices[i]])));
+    values.push(i);
+    texts.push(shortLabel(labels[indices[i]]));
   }
-  return { tickvals, ticktext, tickmode: "array", shown: tickvals.length };
+  return { values, texts, shown: values.length };
 }
 
 // Pixels per label decide the font: a label never gets more room than its row.
@@ -64,6 +65,8 @@ export class FocusView {
     this.titleNode.hidden = true;
     plot.append(this.titleNode);
     this.colorbarView = new Colorbar(plot);
+    this.labels = new AxisLabels(plot);
+    this.labelsKey = "";
     this.figureKey = ""; // what Plotly has on screen, to skip a Plotly.react that would change nothing
     plot.plotted = (options) => this.plotted(options);
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
@@ -112,34 +115,41 @@ export class FocusView {
     this.filename = filename;
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
-    const { trace, layout } = this.figure();
+    const axes = this.axes();
+    const { trace, layout } = this.figure(axes);
     const key = JSON.stringify([trace, layout]);
     if (key !== this.figureKey || !this.plot._fullLayout) {
       this.figureKey = key;
       await window.Plotly.react(this.plot, [trace], layout, this.config);
     }
-    this.decorate();
+    this.decorate(axes);
     if (!this.listening) this.listen();
   }
 
   // Plotly's part: its only trace is one brick spanning the cells' extent (edges at -0.5 … n - 0.5),
   // which gives the axes their autorange; the canvas covers it.
-  figure() {
+  figure(axes = this.axes()) {
     const { nRows, nCols } = this.current;
     const trace = {
       type: "heatmap", z: [[0]], x: [-0.5, nCols - 0.5], y: [-0.5, nRows - 0.5],
       colorscale: palette().stops, zmin: 0, zmax: 1, showscale: false, hoverinfo: "skip",
     };
-    return { trace, layout: this.layout() };
+    return { trace, layout: this.layout(axes) };
   }
 
-  // The page's part, placed on Plotly's axes as they are now: cells, title and colorbar.
-  decorate() {
+  // The page's part, placed on Plotly's axes as they are now: cells, labels, title and colorbar.
+  decorate(axes = this.axes()) {
     if (!this.current) return;
     this.heatmap.draw();
-    const xa = this.plot._fullLayout?.xaxis;
-    const ya = this.plot._fullLayout?.yaxis;
-    if (!xa || !ya) return;
+    const place = this.placement();
+    if (!place) return;
+    const labelsKey = JSON.stringify([axes.x, axes.y, axes.titles, axes.colors]);
+    if (labelsKey !== this.labelsKey) {
+      this.labelsKey = labelsKey;
+      this.labels.render(axes, place.box, place.ranges);
+    } else {
+      this.labels.move(place.box, place.ranges);
+    }
     const pal = palette();
     const narrow = this.plot.clientWidth < 520;
     const { title, scale, zmax } = this.current;
@@ -147,10 +157,25 @@ export class FocusView {
     this.titleNode.style.color = pal.text;
     this.titleNode.style.top = `${6 + (narrow ? 34 : 0)}px`;
     this.titleNode.hidden = false;
-    this.colorbarView.render({
-      stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text,
+    this.colorbarView.render({ stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text, box: place.box });
+  }
+
+  // Where Plotly's axes put the cells now: their box in the plot's pixels and the data ranges.
+  placement() {
+    const xa = this.plot._fullLayout?.xaxis;
+    const ya = this.plot._fullLayout?.yaxis;
+    if (!xa || !ya) return null;
+    return {
       box: { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length },
-    });
+      ranges: { x: xa.range, y: ya.range },
+    };
+  }
+
+  // Mid-pan Plotly moves the axes live: the cells and labels follow (a zoom box leaves them alone).
+  follow() {
+    this.heatmap.draw();
+    const place = this.placement();
+    if (place) this.labels.move(place.box, place.ranges);
   }
 
   // What is plotted, in the terms of Plotly's heatmap z (see the top of this file).
@@ -175,6 +200,8 @@ export class FocusView {
     this.figureKey = "";
     this.titleNode.hidden = true;
     this.colorbarView.hide();
+    this.labels.clear();
+    this.labelsKey = "";
     this.tooltip.hidden = true;
     this.plot.dataset.example = "false";
     this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
@@ -189,56 +216,80 @@ export class FocusView {
     return log ? { ...bar, tickmode: "array", ...LOG_TICKS } : bar;
   }
 
-  layout() {
+  // The labels for the ranges in view: which ticks, their fonts and angles, and the margins they need.
+  axes() {
     const pal = palette();
-    const { view, labels, nRows, nCols } = this.current;
+    const { view, labels } = this.current;
     const narrow = this.plot.clientWidth < 520;
     const xTicks = ticks(view.cols, labels, this.ranges.x);
     const yTicks = ticks(view.rows, labels, this.ranges.y);
     const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
     const xFont = fontFor(side, xTicks.shown);
     const yFont = fontFor(side, yTicks.shown);
-    // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
-    const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.ticktext.map((s) => s.length));
-    const keysSpace = labelPx(xTicks, xFont) + (narrow ? 8 : 30);
+    // Margins sized from the longest label, not measured: measuring is what made Plotly slow.
+    const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.texts.map((s) => s.length));
+    const xLabels = labelPx(xTicks, xFont);
+    const yLabels = labelPx(yTicks, yFont);
+    const keysSpace = xLabels + (narrow ? 8 : 30);
     // On a phone the modebar takes the top line: the title (see decorate) goes on the next one.
     const titleTop = narrow ? 34 : 0;
     return {
-      // Given, not measured: Plotly.react keeps its old size when only the container changed.
-      height: this.height,
-      paper_bgcolor: pal.paper,
-      hovermode: false, // the page reads cells itself (showReading)
-      plot_bgcolor: pal.masked,
-      font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
+      x: { values: xTicks.values, texts: xTicks.texts, font: xFont, angle: xTicks.shown > 24 ? -90 : -60, top: narrow },
+      y: { values: yTicks.values, texts: yTicks.texts, font: yFont },
+      titles: {
+        x: { text: narrow ? "" : "key (attended to)", offset: xLabels + 14 },
+        y: { text: narrow ? "" : "query (attending)", offset: yLabels + 12 },
+      },
+      colors: { text: pal.text, muted: pal.muted },
       margin: {
         t: narrow ? 30 + titleTop + keysSpace : 40,
         r: narrow ? 10 : 90, // the page's colorbar goes there
         b: narrow ? 60 : keysSpace,
-        l: labelPx(yTicks, yFont) + (narrow ? 4 : 30),
+        l: yLabels + (narrow ? 4 : 30),
       },
+    };
+  }
+
+  // Plotly's part of the layout: bare axes (the page draws their labels), the margins, the zoom.
+  layout(axes = this.axes()) {
+    const pal = palette();
+    const { nRows, nCols } = this.current;
+    const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false, constrain: "domain" };
+    return {
+      // Given, not measured: Plotly.react keeps its old size when only the container changed.
+      height: this.height,
+      paper_bgcolor: pal.paper,
+      plot_bgcolor: pal.masked,
+      hovermode: false, // the page reads cells itself (showReading)
+      font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
+      margin: axes.margin,
       // The same revision keeps the user's zoom while stepping through heads of the same text.
       uirevision: this.revision,
-      xaxis: {
-        tickvals: xTicks.tickvals, ticktext: xTicks.ticktext, tickmode: "array",
-        tickangle: xTicks.shown > 24 ? -90 : -60, tickfont: { size: xFont, color: pal.text }, side: narrow ? "top" : "bottom",
-        title: { text: narrow ? "" : "key (attended to)", font: { color: pal.muted, size: 12 }, standoff: 6 },
-        showgrid: false, zeroline: false, constrain: "domain",
-        ...(this.ranges.x ? { range: this.ranges.x } : { autorange: true }),
-      },
+      xaxis: { ...bare, side: axes.x.top ? "top" : "bottom", ...(this.ranges.x ? { range: this.ranges.x } : { autorange: true }) },
       yaxis: {
-        tickvals: yTicks.tickvals, ticktext: yTicks.ticktext, tickmode: "array",
-        tickfont: { size: yFont, color: pal.text },
-        title: { text: narrow ? "" : "query (attending)", font: { color: pal.muted, size: 12 }, standoff: 6 },
-        showgrid: false, zeroline: false, scaleanchor: nRows === nCols ? "x" : undefined, constrain: "domain",
+        ...bare, scaleanchor: nRows === nCols ? "x" : undefined,
         ...(this.ranges.y ? { range: this.ranges.y } : { autorange: "reversed" }),
       },
     };
   }
 
+  // The same axes with Plotly drawing the labels, for exported images (no hurry there).
+  labelledLayout(axes = this.axes()) {
+    const layout = this.layout(axes);
+    const pal = palette();
+    const labelled = (spec, title) => ({
+      showticklabels: true, ticks: "outside", ticklen: 5, tickmode: "array", tickvals: spec.values,
+      ticktext: spec.texts.map(plotlyText), tickfont: { size: spec.font, color: pal.text },
+      title: { text: title.text, font: { color: pal.muted, size: 12 }, standoff: 6 },
+    });
+    layout.xaxis = { ...layout.xaxis, ...labelled(axes.x, axes.titles.x), tickangle: axes.x.angle };
+    layout.yaxis = { ...layout.yaxis, ...labelled(axes.y, axes.titles.y) };
+    return layout;
+  }
+
   // A zoom or pan: keep its ranges (for the next head) and label every token now in view.
   onRelayout(event) {
     if (!this.current) return;
-    this.decorate(); // the ranges or the plot's size changed
     if (this.relabelling) return;
     const read = (axis) => {
       if (event[`${axis}axis.autorange`]) return null;
@@ -248,14 +299,24 @@ export class FocusView {
     };
     const x = read("x");
     const y = read("y");
-    if (x === undefined && y === undefined) return;
+    if (x === undefined && y === undefined) {
+      this.decorate(); // a resize: the same labels, somewhere else
+      return;
+    }
     if (x !== undefined) this.ranges.x = x;
     if (y !== undefined) this.ranges.y = y;
+    // Labels for what is now in view; Plotly is asked again only if their margins changed.
+    const axes = this.axes();
+    const margin = this.plot.layout.margin || {};
+    if (["t", "r", "b", "l"].every((k) => Math.abs((margin[k] ?? 0) - axes.margin[k]) < 1)) {
+      this.decorate(axes);
+      return;
+    }
     this.relabelling = true;
-    window.Plotly.relayout(this.plot, this.layout()).finally(() => {
+    window.Plotly.relayout(this.plot, { margin: axes.margin }).finally(() => {
       this.relabelling = false;
       this.figureKey = ""; // Plotly's figure is now the relayout's, not the last react's
-      this.decorate(); // new labels can move the plot area
+      this.decorate(axes);
     });
   }
 
@@ -270,7 +331,7 @@ export class FocusView {
     };
     const log = scale === "log";
     const trace = { ...this.figure().trace, zmax, showscale: true, colorbar: this.colorbar(log) };
-    const layout = { ...this.plot.layout, images: [cells] };
+    const layout = { ...this.labelledLayout(), images: [cells] };
     layout.margin = { ...layout.margin, t: (layout.margin?.t || 40) + 40, r: 10 };
     layout.title = {
       text: plotlyText(this.exportCaption), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
@@ -323,7 +384,6 @@ export class FocusView {
       down = null;
     });
     plot.on("plotly_relayout", (event) => this.onRelayout(event));
-    // Mid-pan Plotly moves the axes live; the cells follow (a zoom box leaves the ranges alone).
-    plot.on("plotly_relayouting", () => this.heatmap.draw());
+    plot.on("plotly_relayouting", () => this.follow());
   }
 }
