@@ -11,36 +11,38 @@ import { colorTable, scaled } from "./theme.js";
 
 const MASKED = 256; // index of the masked colour in colorTable()
 
-// The colour index (0..255) of each cell, MASKED where the model could not look.
-export function colourIndices(view, scale, peak) {
+// Each cell's colour from the 256-entry table (the masked colour where the model could not look),
+// packed RGBA into out (one Uint32 per cell, row-major).
+export function paintCells(view, scale, peak, out) {
+  const table = colorTable();
   const nRows = view.rows.length;
   const nCols = view.cols.length;
-  const out = new Uint16Array(nRows * nCols);
   const unit = scale === "head" ? (peak > 0 ? 1 / peak : 0) : 1;
   for (let r = 0; r < nRows; r++) {
     const base = r * nCols;
     for (let c = 0; c < nCols; c++) {
       if (view.masked(r, c)) {
-        out[base + c] = MASKED;
+        out[base + c] = table[MASKED];
         continue;
       }
       const v = view.values[base + c];
       const x = scale === "log" ? scaled(v, "log", peak) : v * unit;
-      out[base + c] = Math.round(255 * Math.min(1, Math.max(0, x)));
+      out[base + c] = table[Math.round(255 * Math.min(1, Math.max(0, x)))];
     }
   }
   return out;
 }
 
-// One tile: cells [row0, row0 + rows) × [col0, col0 + cols) as an image, one pixel per cell.
-function tileOf(indices, nRows, nCols, row0 = 0, col0 = 0) {
-  const table = colorTable();
-  const pixels = new Uint32Array(nRows * nCols);
-  for (let i = 0; i < pixels.length; i++) pixels[i] = table[indices[i]];
-  const image = document.createElement("canvas");
-  image.width = nCols;
-  image.height = nRows;
-  image.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer), nCols, nRows), 0, 0);
+// One tile: cells [row0, row0 + rows) × [col0, col0 + cols) as an image, one pixel per cell; the
+// previous tile's canvas is reused when it has the same size (no new allocation per head step).
+function tileOf(pixels, nRows, nCols, previous, row0 = 0, col0 = 0) {
+  let image = previous?.image;
+  if (!image || image.width !== nCols || image.height !== nRows) {
+    image = document.createElement("canvas");
+    image.width = nCols;
+    image.height = nRows;
+  }
+  image.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer, 0, nRows * nCols * 4), nCols, nRows), 0, 0);
   return { row0, col0, rows: nRows, cols: nCols, image };
 }
 
@@ -58,7 +60,14 @@ export class CanvasHeatmap {
   setMatrix(view, scale, peak) {
     this.nRows = view.rows.length;
     this.nCols = view.cols.length;
-    this.tiles = this.nRows && this.nCols ? [tileOf(colourIndices(view, scale, peak), this.nRows, this.nCols)] : [];
+    const cells = this.nRows * this.nCols;
+    if (!cells) {
+      this.tiles = [];
+      return;
+    }
+    if (!this.pixels || this.pixels.length < cells) this.pixels = new Uint32Array(cells);
+    paintCells(view, scale, peak, this.pixels);
+    this.tiles = [tileOf(this.pixels, this.nRows, this.nCols, this.tiles[0])];
   }
 
   // Between Plotly's lower SVG (background, ticks, drag layer) and its upper one (title, colorbar,

@@ -493,7 +493,8 @@ function setupControls(run) {
   syncControls();
 }
 
-let optionsFrame = 0;
+let optionsBusy = false; // a redraw for changed options is under way
+let optionsAgain = false; // ...and more changes came meanwhile
 
 function optionsChanged(event) {
   startInteraction(event?.target?.id ?? "options");
@@ -504,14 +505,29 @@ function optionsChanged(event) {
   state.scale = $("scale").value;
   state.labels = $("labels").value;
   $("threshold-value").textContent = state.threshold.toFixed(2);
-  if (!state.run || optionsFrame) return;
-  // A dragged slider fires many events: one redraw per frame; the focus first, the 72 thumbnails
-  // one layer per frame after it.
-  optionsFrame = requestAnimationFrame(() => {
-    optionsFrame = 0;
-    renderViews().then(() => grid.paintAllSoon(viewOptions()));
+  if (state.run) redrawOptions();
+}
+
+// At once (waiting for a frame would add one to every change), but a dragged slider's events
+// while a redraw is under way make one more redraw, not one each; the focus first, the 72
+// thumbnails in slices after it.
+async function redrawOptions() {
+  if (optionsBusy) {
+    optionsAgain = true;
+    return;
+  }
+  optionsBusy = true;
+  try {
+    await renderViews();
+    grid.paintAllSoon(viewOptions());
     updatePermalink();
-  });
+  } finally {
+    optionsBusy = false;
+  }
+  if (optionsAgain) {
+    optionsAgain = false;
+    redrawOptions();
+  }
 }
 
 // ---- wiring -----------------------------------------------------------------------------------
