@@ -327,7 +327,7 @@ def test_caption_counts_shown_tokens_and_mean_mode_says_what_it_shows(server, pa
     assert page.locator(".thumb[data-layer='1'][data-head='2']").get_attribute("title") == "Layer 1, head 2"
 
 
-def test_exported_images_carry_a_caption(server, page):
+def test_exported_images_carry_a_caption(server, page, artifacts):
     open_page(page, server)
     run(page, SENTENCE)
     page.hover("#focus-plot")
@@ -335,6 +335,18 @@ def test_exported_images_carry_a_caption(server, page):
         page.click(".modebar-btn[data-title='Download plot as SVG']")
     svg = open(download.value.path(), encoding="utf-8").read()
     assert "minilm · Layer 0, head 0 · “The bank of the river was muddy after the rain.”" in svg
+    # The page paints the cells itself (issue 13, item 8): exports embed them as an image, crisp,
+    # with Plotly's labelled axes and colorbar around them.
+    images = re.findall(r'href="data:image/png;base64,([^"]+)"', svg)
+    sizes = [(int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) for png in map(base64.b64decode, images)]
+    width, height = max(sizes)  # the cells (Plotly's placeholder brick under them is 1 × 1)
+    assert width == height and width % 13 == 0 and width >= 13 * 8  # 13 tokens, whole pixels a cell
+    assert "muddy" in svg and "colorbar" in svg and "query (attending)" in svg
+    with page.expect_download() as download:
+        page.click(".modebar-btn[data-title='Download plot as PNG']")
+    data = open(download.value.path(), "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    (artifacts / "export.png").write_bytes(data)
 
 
 # ---- 10. colour, sinks and theme ----------------------------------------------------------------
