@@ -58,7 +58,10 @@ export class HeadView {
     this.height = Math.max(rows.length, cols.length) * ROW;
     this.hook(this.left, "row");
     this.hook(this.right, "col");
-    this.draw(null);
+    // The lines in the next frame: at T=512 the lists and the lines are two long pieces of work,
+    // and one frame holding both would freeze the page for longer.
+    const drawings0 = drawings;
+    requestAnimationFrame(() => this.drawings === drawings0 && this.draw(null));
   }
 
   hook(list, axis) {

@@ -19,6 +19,7 @@ import { isIdentity, viewOf } from "./transform.js";
 const EAGER_BYTES = 4e6;
 const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
 const NARROW = window.matchMedia("(max-width: 700px)");
+const HEAD_VIEW_PAUSE_MS = 120;
 
 const state = {
   models: [],
@@ -40,6 +41,7 @@ const state = {
   renderToken: 0,
   interaction: null, // { name, start } of the input whose result is not on screen yet
   labelCache: null,
+  headViewTimer: 0,
 };
 
 const focus = new FocusView($("focus-plot"), $("tooltip"));
@@ -261,8 +263,12 @@ async function renderViews({ headView: withHeadView = true } = {}) {
     state.interaction = null;
     performance.measure(`manyeyes:interaction:${name}`, { start, end: performance.now() });
   }
-  // The head view is secondary: draw it after the heatmap has reached the screen.
-  if (withHeadView) setTimeout(() => token === state.renderToken && renderHeadView(), 0);
+  // The head view is secondary: drawn once the heatmap is on screen and the keys have paused
+  // (at T=512 it is the heaviest view; a held arrow key would redraw it for every head passed).
+  if (withHeadView) {
+    clearTimeout(state.headViewTimer);
+    state.headViewTimer = setTimeout(() => token === state.renderToken && renderHeadView(), HEAD_VIEW_PAUSE_MS);
+  }
 }
 
 function caption(run, view) {
