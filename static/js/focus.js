@@ -1,7 +1,18 @@
-// The focus view: one head (or a mean) as a Plotly heatmap with token labels and a reading tooltip.
+// The focus view: one head (or a mean) as a heatmap with token labels and a reading tooltip. The page
+// paints the cells into a canvas (canvas_heatmap.js) and draws the title and colorbar (colorbar.js);
+// Plotly draws the axes, their labels and the modebar, and handles zoom and pan. So a step to
+// another head of the same text calls Plotly only when the axes change: at T=512 a Plotly.react of
+// a heatmap took ~220 ms, and even a new title or colorbar range made it lay out every tick again.
+//
+// What is plotted is readable, for tests and tools, through `focusPlot.plotted()`: { rows, cols,
+// zmax, scale } and, unless called as plotted({ z: false }), z: rows of numbers as coloured (the
+// log10 position on the log scale), null where masked, as Plotly's heatmap z was.
 
-import { plotlyText } from "./dom.js";
-import { LOG_FLOOR, palette, scaled } from "./theme.js";
+import { AxisLabels } from "./axis_labels.js";
+import { CanvasHeatmap } from "./canvas_heatmap.js";
+import { Colorbar } from "./colorbar.js";
+import { el, plotlyText } from "./dom.js";
+import { palette, scaled } from "./theme.js";
 
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
 export const ALL_LABELS = 64;
@@ -23,13 +34,13 @@ function visibleRange(range, n) {
 function ticks(indices, labels, range) {
   const [lo, hi] = visibleRange(range, indices.length);
   const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
-  const tickvals = [];
-  const ticktext = [];
+  const values = [];
+  const texts = [];
   for (let i = lo; i <= hi; i += step) {
-    tickvals.push(i);
-    ticktext.push(plotlyText(shortLabel(labels[indices[i]])));
+    values.push(i);
+    texts.push(shortLabel(labels[indices[i]]));
   }
-  return { tickvals, ticktext, tickmode: "array", shown: tickvals.length };
+  return { values, texts, shown: values.length };
 }
 
 // Pixels per label decide the font: a label never gets more room than its row.
@@ -49,6 +60,15 @@ export class FocusView {
     this.exportCaption = "";
     this.ranges = { x: null, y: null };
     this.revision = null;
+    this.heatmap = new CanvasHeatmap(plot);
+    this.titleNode = el("div", { className: "gtitle" });
+    this.titleNode.hidden = true;
+    plot.append(this.titleNode);
+    this.colorbarView = new Colorbar(plot);
+    this.labels = new AxisLabels(plot);
+    this.labelsKey = "";
+    this.figureKey = ""; // what Plotly has on screen, to skip a Plotly.react that would change nothing
+    plot.plotted = (options) => this.plotted(options);
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
     // Nothing may leave this machine: no "Share chart" (Plotly 7 shows it by default and posts the
     // figure to cloud.plotly.com), no logo link, no server URL, no Chart Studio link.
@@ -83,41 +103,93 @@ export class FocusView {
     const pal = palette();
     const nRows = view.rows.length;
     const nCols = view.cols.length;
-    const z = new Array(nRows);
     let peak = 0;
     for (let i = 0; i < view.values.length; i++) if (view.values[i] > peak) peak = view.values[i];
     const log = scale === "log";
-    for (let r = 0; r < nRows; r++) {
-      const row = new Array(nCols);
-      const base = r * nCols;
-      for (let c = 0; c < nCols; c++) {
-        // null leaves a gap that shows the masked colour, so masked never reads as zero.
-        if (view.masked(r, c)) row[c] = null;
-        else row[c] = log ? scaled(view.values[base + c], "log", peak) : view.values[base + c];
-      }
-      z[r] = row;
-    }
     if (revision !== this.revision) {
       this.ranges = { x: null, y: null }; // a new text or a new shape: the zoom starts afresh
       this.revision = revision;
     }
-    this.current = { view, labels, nRows, nCols, title, scale };
+    const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
+    this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
     this.filename = filename;
     this.exportCaption = exportCaption || title;
-    const trace = {
-      type: "heatmap",
-      z,
-      colorscale: pal.stops,
-      zmin: 0,
-      zmax: log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1,
-      // Long inputs: one pixel per cell, scaled by the browser (crisp via CSS), far cheaper than
-      // painting hundreds of thousands of bricks; shorter ones keep bricks, which export crisply too.
-      zsmooth: Math.max(nRows, nCols) > 200 ? "fast" : false,
-      hoverinfo: "none",
-      colorbar: this.colorbar(log),
-    };
-    await window.Plotly.react(this.plot, [trace], this.layout(), this.config);
+    this.heatmap.setMatrix(view, scale, peak);
+    const axes = this.axes();
+    const { trace, layout } = this.figure(axes);
+    const key = JSON.stringify([trace, layout]);
+    if (key !== this.figureKey || !this.plot._fullLayout) {
+      this.figureKey = key;
+      await window.Plotly.react(this.plot, [trace], layout, this.config);
+    }
+    this.decorate(axes);
     if (!this.listening) this.listen();
+  }
+
+  // Plotly's part: its only trace is one brick spanning the cells' extent (edges at -0.5 … n - 0.5),
+  // which gives the axes their autorange; the canvas covers it.
+  figure(axes = this.axes()) {
+    const { nRows, nCols } = this.current;
+    const trace = {
+      type: "heatmap", z: [[0]], x: [-0.5, nCols - 0.5], y: [-0.5, nRows - 0.5],
+      colorscale: palette().stops, zmin: 0, zmax: 1, showscale: false, hoverinfo: "skip",
+    };
+    return { trace, layout: this.layout(axes) };
+  }
+
+  // The page's part, placed on Plotly's axes as they are now: cells, labels, title and colorbar.
+  decorate(axes = this.axes()) {
+    if (!this.current) return;
+    this.heatmap.draw();
+    const place = this.placement();
+    if (!place) return;
+    const labelsKey = JSON.stringify([axes.x, axes.y, axes.titles, axes.colors]);
+    if (labelsKey !== this.labelsKey) {
+      this.labelsKey = labelsKey;
+      this.labels.render(axes, place.box, place.ranges);
+    } else {
+      this.labels.move(place.box, place.ranges);
+    }
+    const pal = palette();
+    const narrow = this.plot.clientWidth < 520;
+    const { title, scale, zmax } = this.current;
+    this.titleNode.textContent = title;
+    this.titleNode.style.color = pal.text;
+    this.titleNode.style.top = `${6 + (narrow ? 34 : 0)}px`;
+    this.titleNode.hidden = false;
+    this.colorbarView.render({ stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text, box: place.box });
+  }
+
+  // Where Plotly's axes put the cells now: their box in the plot's pixels and the data ranges.
+  placement() {
+    const xa = this.plot._fullLayout?.xaxis;
+    const ya = this.plot._fullLayout?.yaxis;
+    if (!xa || !ya) return null;
+    return {
+      box: { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length },
+      ranges: { x: xa.range, y: ya.range },
+    };
+  }
+
+  // Mid-pan Plotly moves the axes live: the cells and labels follow (a zoom box leaves them alone).
+  follow() {
+    this.heatmap.draw();
+    const place = this.placement();
+    if (place) this.labels.move(place.box, place.ranges);
+  }
+
+  // What is plotted, in the terms of Plotly's heatmap z (see the top of this file).
+  plotted({ z = true } = {}) {
+    if (!this.current) return null;
+    const { view, nRows, nCols, scale, peak, zmax } = this.current;
+    const out = { rows: nRows, cols: nCols, zmax, scale };
+    if (!z) return out;
+    out.z = view.rows.map((_, r) => view.cols.map((_k, c) => {
+      if (view.masked(r, c)) return null;
+      const v = view.values[r * nCols + c];
+      return scale === "log" ? scaled(v, "log", peak) : v;
+    }));
+    return out;
   }
 
   // No plot at all, with a word in the caption: used when the first run fails.
@@ -125,6 +197,11 @@ export class FocusView {
     window.Plotly.purge(this.plot);
     this.listening = false;
     this.current = null;
+    this.figureKey = "";
+    this.titleNode.hidden = true;
+    this.colorbarView.hide();
+    this.labels.clear();
+    this.labelsKey = "";
     this.tooltip.hidden = true;
     this.plot.dataset.example = "false";
     this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
@@ -139,58 +216,81 @@ export class FocusView {
     return log ? { ...bar, tickmode: "array", ...LOG_TICKS } : bar;
   }
 
-  layout() {
+  // The labels for the ranges in view: which ticks, their fonts and angles, and the margins they need.
+  axes() {
     const pal = palette();
-    const { view, labels, nRows, nCols, title } = this.current;
+    const { view, labels } = this.current;
     const narrow = this.plot.clientWidth < 520;
     const xTicks = ticks(view.cols, labels, this.ranges.x);
     const yTicks = ticks(view.rows, labels, this.ranges.y);
     const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
     const xFont = fontFor(side, xTicks.shown);
     const yFont = fontFor(side, yTicks.shown);
-    // Margins sized from the longest label: Plotly's automargin would cost extra layout passes.
-    const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.ticktext.map((s) => s.length));
-    const keysSpace = labelPx(xTicks, xFont) + (narrow ? 8 : 30);
-    // On a phone the modebar takes the top line: the title goes on the next one.
+    // Margins sized from the longest label, not measured: measuring is what made Plotly slow.
+    const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.texts.map((s) => s.length));
+    const xLabels = labelPx(xTicks, xFont);
+    const yLabels = labelPx(yTicks, yFont);
+    const keysSpace = xLabels + (narrow ? 8 : 30);
+    // On a phone the modebar takes the top line: the title (see decorate) goes on the next one.
     const titleTop = narrow ? 34 : 0;
+    return {
+      x: { values: xTicks.values, texts: xTicks.texts, font: xFont, angle: xTicks.shown > 24 ? -90 : -60, top: narrow },
+      y: { values: yTicks.values, texts: yTicks.texts, font: yFont },
+      titles: {
+        x: { text: narrow ? "" : "key (attended to)", offset: xLabels + 14 },
+        y: { text: narrow ? "" : "query (attending)", offset: yLabels + 12 },
+      },
+      colors: { text: pal.text, muted: pal.muted },
+      margin: {
+        t: narrow ? 30 + titleTop + keysSpace : 40,
+        r: narrow ? 10 : 90, // the page's colorbar goes there
+        b: narrow ? 60 : keysSpace,
+        l: yLabels + (narrow ? 4 : 30),
+      },
+    };
+  }
+
+  // Plotly's part of the layout: bare axes (the page draws their labels), the margins, the zoom.
+  layout(axes = this.axes()) {
+    const pal = palette();
+    const { nRows, nCols } = this.current;
+    const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false, constrain: "domain" };
     return {
       // Given, not measured: Plotly.react keeps its old size when only the container changed.
       height: this.height,
-      title: {
-        text: plotlyText(title), font: { size: 15, color: pal.text }, x: 0.02, xanchor: "left",
-        yref: "container", y: 1, yanchor: "top", pad: { t: 6 + titleTop },
-      },
       paper_bgcolor: pal.paper,
       plot_bgcolor: pal.masked,
+      hovermode: false, // the page reads cells itself (showReading)
       font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
-      margin: {
-        t: narrow ? 30 + titleTop + keysSpace : 40,
-        r: 10,
-        b: narrow ? 50 : keysSpace,
-        l: labelPx(yTicks, yFont) + (narrow ? 4 : 30),
-      },
+      margin: axes.margin,
       // The same revision keeps the user's zoom while stepping through heads of the same text.
       uirevision: this.revision,
-      xaxis: {
-        tickvals: xTicks.tickvals, ticktext: xTicks.ticktext, tickmode: "array",
-        tickangle: xTicks.shown > 24 ? -90 : -60, tickfont: { size: xFont, color: pal.text }, side: narrow ? "top" : "bottom",
-        title: { text: narrow ? "" : "key (attended to)", font: { color: pal.muted, size: 12 }, standoff: 6 },
-        showgrid: false, zeroline: false, constrain: "domain",
-        ...(this.ranges.x ? { range: this.ranges.x } : { autorange: true }),
-      },
+      xaxis: { ...bare, side: axes.x.top ? "top" : "bottom", ...(this.ranges.x ? { range: this.ranges.x } : { autorange: true }) },
       yaxis: {
-        tickvals: yTicks.tickvals, ticktext: yTicks.ticktext, tickmode: "array",
-        tickfont: { size: yFont, color: pal.text },
-        title: { text: narrow ? "" : "query (attending)", font: { color: pal.muted, size: 12 }, standoff: 6 },
-        showgrid: false, zeroline: false, scaleanchor: nRows === nCols ? "x" : undefined, constrain: "domain",
+        ...bare, scaleanchor: nRows === nCols ? "x" : undefined,
         ...(this.ranges.y ? { range: this.ranges.y } : { autorange: "reversed" }),
       },
     };
   }
 
+  // The same axes with Plotly drawing the labels, for exported images (no hurry there).
+  labelledLayout(axes = this.axes()) {
+    const layout = this.layout(axes);
+    const pal = palette();
+    const labelled = (spec, title) => ({
+      showticklabels: true, ticks: "outside", ticklen: 5, tickmode: "array", tickvals: spec.values,
+      ticktext: spec.texts.map(plotlyText), tickfont: { size: spec.font, color: pal.text },
+      title: { text: title.text, font: { color: pal.muted, size: 12 }, standoff: 6 },
+    });
+    layout.xaxis = { ...layout.xaxis, ...labelled(axes.x, axes.titles.x), tickangle: axes.x.angle };
+    layout.yaxis = { ...layout.yaxis, ...labelled(axes.y, axes.titles.y) };
+    return layout;
+  }
+
   // A zoom or pan: keep its ranges (for the next head) and label every token now in view.
   onRelayout(event) {
-    if (this.relabelling || !this.current) return;
+    if (!this.current) return;
+    if (this.relabelling) return;
     const read = (axis) => {
       if (event[`${axis}axis.autorange`]) return null;
       const a = event[`${axis}axis.range[0]`] ?? event[`${axis}axis.range`]?.[0];
@@ -199,33 +299,58 @@ export class FocusView {
     };
     const x = read("x");
     const y = read("y");
-    if (x === undefined && y === undefined) return;
+    if (x === undefined && y === undefined) {
+      this.decorate(); // a resize: the same labels, somewhere else
+      return;
+    }
     if (x !== undefined) this.ranges.x = x;
     if (y !== undefined) this.ranges.y = y;
+    // Labels for what is now in view; Plotly is asked again only if their margins changed.
+    const axes = this.axes();
+    const margin = this.plot.layout.margin || {};
+    if (["t", "r", "b", "l"].every((k) => Math.abs((margin[k] ?? 0) - axes.margin[k]) < 1)) {
+      this.decorate(axes);
+      return;
+    }
     this.relabelling = true;
-    window.Plotly.relayout(this.plot, this.layout()).finally(() => {
+    window.Plotly.relayout(this.plot, { margin: axes.margin }).finally(() => {
       this.relabelling = false;
+      this.figureKey = ""; // Plotly's figure is now the relayout's, not the last react's
+      this.decorate(axes);
     });
   }
 
-  // Exports carry a caption: the model, the (shortened) text and the head or measure.
+  // Exports carry a caption: the model, the (shortened) text and the head or measure. The cells go
+  // in as an image placed on the axes (in an SVG, an embedded PNG, as Plotly's heatmaps were).
   download(format) {
-    const figure = { data: this.plot.data, layout: { ...this.plot.layout } };
-    const margin = { ...figure.layout.margin };
-    margin.t = (margin.t || 40) + 40;
-    figure.layout.margin = margin;
-    figure.layout.title = { ...figure.layout.title, text: plotlyText(this.exportCaption), pad: { t: 8 }, font: { size: 13 } };
+    const { nRows, nCols, scale, zmax } = this.current;
+    const pal = palette();
+    const cells = {
+      source: this.heatmap.dataUrl(), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: nCols, sizey: nRows,
+      xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
+    };
+    const log = scale === "log";
+    const trace = { ...this.figure().trace, zmax, showscale: true, colorbar: this.colorbar(log) };
+    const layout = { ...this.labelledLayout(), images: [cells] };
+    layout.margin = { ...layout.margin, t: (layout.margin?.t || 40) + 40, r: 10 };
+    layout.title = {
+      text: plotlyText(this.exportCaption), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
+      yref: "container", y: 1, yanchor: "top", pad: { t: 8 },
+    };
     const width = this.plot.clientWidth;
     const height = this.plot.clientHeight + 40;
-    return window.Plotly.downloadImage(figure, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
+    return window.Plotly.downloadImage({ data: [trace], layout }, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
   }
 
-  showReading(event) {
-    const point = event.points?.[0];
-    if (!point || !this.current) return;
+  // The reading of the cell under a client-space point: "query → key: 0.123" and the original spans.
+  showReading(clientX, clientY) {
+    const cell = this.current && this.heatmap.cellAt(clientX, clientY);
+    if (!cell) {
+      this.tooltip.hidden = true;
+      return;
+    }
     const { view, labels } = this.current;
-    const r = point.pointIndex[0];
-    const c = point.pointIndex[1];
+    const { row: r, col: c } = cell;
     const q = view.rows[r];
     const k = view.cols[c];
     const reading = view.masked(r, c) ? "masked" : view.values[r * view.cols.length + c].toFixed(3);
@@ -235,21 +360,30 @@ export class FocusView {
     this.tooltip.dataset.key = k;
     this.tooltip.hidden = false;
     const box = this.plot.getBoundingClientRect();
-    const e = event.event;
-    const x = (e?.clientX ?? box.left + box.width / 2) - box.left;
-    const y = (e?.clientY ?? box.top + box.height / 2) - box.top;
+    const x = clientX - box.left;
+    const y = clientY - box.top;
     this.tooltip.style.left = `${Math.max(4, Math.min(x + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
     this.tooltip.style.top = `${y + 16}px`;
   }
 
   listen() {
     this.listening = true;
-    this.plot.on("plotly_hover", (event) => this.showReading(event));
-    // A tap on a phone never hovers: the click shows the same reading.
-    this.plot.on("plotly_click", (event) => this.showReading(event));
-    this.plot.on("plotly_unhover", () => {
+    const plot = this.plot;
+    plot.addEventListener("mousemove", (event) => this.showReading(event.clientX, event.clientY));
+    plot.addEventListener("mouseleave", () => {
       this.tooltip.hidden = true;
     });
-    this.plot.on("plotly_relayout", (event) => this.onRelayout(event));
+    // A tap on a phone never hovers: a press released where it began shows the same reading.
+    // Pointer events, because Plotly's drag layer cancels the touch's click.
+    let down = null;
+    plot.addEventListener("pointerdown", (event) => {
+      down = { x: event.clientX, y: event.clientY };
+    });
+    plot.addEventListener("pointerup", (event) => {
+      if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) this.showReading(event.clientX, event.clientY);
+      down = null;
+    });
+    plot.on("plotly_relayout", (event) => this.onRelayout(event));
+    plot.on("plotly_relayouting", () => this.follow());
   }
 }

@@ -6,6 +6,7 @@ import { colorTable, scaled } from "./theme.js";
 import { isIdentity, viewOf } from "./transform.js";
 
 const MAX_THUMB_PIXELS = 128;
+const SLICE_MS = 8; // the longest a background repaint holds the page before letting input in
 
 // Max-pools a rows × cols matrix into at most MAX_THUMB_PIXELS per side (peaks stay visible);
 // weight = value × unit (1/255 for the u8 bytes), coloured on the page's chosen scale.
@@ -99,43 +100,49 @@ export class GridView {
   }
 
   paintLayer(layer, options) {
-    const run = this.run;
-    if (!run.hasLayer(layer)) return;
-    const fast = isIdentity(options, run.hasPair);
-    const T = run.T;
-    for (let h = 0; h < run.nHeads; h++) {
-      const canvas = this.cells[layer][h].firstChild;
-      if (fast) {
-        const masked = run.causal ? (br, bc, k) => bc * k > Math.min((br + 1) * k - 1, T - 1) : () => false;
-        drawThumb(canvas, run.headBytes(layer, h), T, T, masked, options.scale, run.scale);
-      } else {
-        const view = viewOf(run.head(layer, h), run.tokens, { ...options, causal: run.causal });
-        const nR = view.rows.length;
-        const masked = run.causal
-          ? (br, bc, k) => view.cols[bc * k] > view.rows[Math.min((br + 1) * k - 1, nR - 1)]
-          : () => false;
-        drawThumb(canvas, view.values, nR, view.cols.length, masked, options.scale);
-      }
-      this.cells[layer][h].classList.remove("loading");
-    }
+    if (!this.run.hasLayer(layer)) return;
+    for (let h = 0; h < this.run.nHeads; h++) this.paintHead(layer, h, options);
     this.painted.add(layer);
+  }
+
+  paintHead(layer, h, options) {
+    const run = this.run;
+    const T = run.T;
+    const canvas = this.cells[layer][h].firstChild;
+    if (isIdentity(options, run.hasPair)) {
+      const masked = run.causal ? (br, bc, k) => bc * k > Math.min((br + 1) * k - 1, T - 1) : () => false;
+      drawThumb(canvas, run.headBytes(layer, h), T, T, masked, options.scale, run.scale);
+    } else {
+      const view = viewOf(run.head(layer, h), run.tokens, { ...options, causal: run.causal });
+      const nR = view.rows.length;
+      const masked = run.causal
+        ? (br, bc, k) => view.cols[bc * k] > view.rows[Math.min((br + 1) * k - 1, nR - 1)]
+        : () => false;
+      drawThumb(canvas, view.values, nR, view.cols.length, masked, options.scale);
+    }
+    this.cells[layer][h].classList.remove("loading");
   }
 
   paintAll(options) {
     for (let l = 0; l < this.run.nLayers; l++) this.paintLayer(l, options);
   }
 
-  // The same, one layer per frame: at T=512 a filtered layer costs tens of ms, all of them together
-  // would freeze the page for half a second. A newer call replaces an unfinished one.
+  // The same in slices of a few ms between other tasks: at T=512 a filtered head costs several ms,
+  // all 72 together would freeze the page (and the next arrow key) for a second. A newer call
+  // replaces an unfinished one.
   paintAllSoon(options) {
     const schedule = (this.schedule = {});
-    const layers = [...Array(this.run.nLayers).keys()];
+    const queue = [];
+    for (let l = 0; l < this.run.nLayers; l++) {
+      if (this.run.hasLayer(l)) for (let h = 0; h < this.run.nHeads; h++) queue.push([l, h]);
+    }
     const step = () => {
-      if (this.schedule !== schedule || !layers.length) return;
-      this.paintLayer(layers.shift(), options);
-      if (layers.length) requestAnimationFrame(step);
+      if (this.schedule !== schedule) return;
+      const start = performance.now();
+      while (queue.length && performance.now() - start < SLICE_MS) this.paintHead(...queue.shift(), options);
+      if (queue.length) setTimeout(step, 0);
     };
-    requestAnimationFrame(step);
+    setTimeout(step, 0);
   }
 
   get complete() {

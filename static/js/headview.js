@@ -36,6 +36,14 @@ export class HeadView {
   render(labels, titles, special, drawings) {
     this.drawings = drawings;
     const { rows, cols } = drawings[0].view;
+    // Stepping through heads keeps the tokens: only the lines are drawn again (at T=512 the two
+    // lists hold a thousand items).
+    const same = (a, b) => a && a.length === b.length && a.every((v, i) => v === b[i]);
+    if (this.tokens && this.tokens.labels === labels && this.container.contains(this.canvas) && same(this.tokens.rows, rows) && same(this.tokens.cols, cols)) {
+      this.draw(null);
+      return;
+    }
+    this.tokens = { labels, rows, cols };
     const tokenList = (indices, side) => el("ol", { className: `hv-tokens hv-${side}`, attrs: { "aria-label": side === "left" ? "Query tokens" : "Key tokens" } },
       indices.map((t, i) => {
         const item = el("li", { text: labels[t], attrs: { "data-index": i, title: titles[t] } });
@@ -50,7 +58,10 @@ export class HeadView {
     this.height = Math.max(rows.length, cols.length) * ROW;
     this.hook(this.left, "row");
     this.hook(this.right, "col");
-    this.draw(null);
+    // The lines in the next frame: at T=512 the lists and the lines are two long pieces of work,
+    // and one frame holding both would freeze the page for longer.
+    const drawings0 = drawings;
+    requestAnimationFrame(() => this.drawings === drawings0 && this.draw(null));
   }
 
   hook(list, axis) {
@@ -65,11 +76,17 @@ export class HeadView {
     const pal = palette();
     const width = this.canvas.clientWidth || 240;
     const ratio = window.devicePixelRatio || 1;
-    this.canvas.width = width * ratio;
-    this.canvas.height = this.height * ratio;
-    this.canvas.style.height = `${this.height}px`;
     const ctx = this.canvas.getContext("2d");
-    ctx.scale(ratio, ratio);
+    // Resizing a canvas reallocates it (at T=512 ten thousand pixels tall): only when the size changes.
+    if (this.canvas.width !== width * ratio || this.canvas.height !== this.height * ratio) {
+      this.canvas.width = width * ratio;
+      this.canvas.height = this.height * ratio;
+      this.canvas.style.height = `${this.height}px`;
+    } else {
+      ctx.setTransform(1, 0, 0, 1, 0, 0);
+      ctx.clearRect(0, 0, this.canvas.width, this.canvas.height);
+    }
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.lineCap = "round";
     for (const item of this.left.children) item.classList.toggle("active", focus?.axis === "row" && Number(item.dataset.index) === focus.index);
     for (const item of this.right.children) item.classList.toggle("active", focus?.axis === "col" && Number(item.dataset.index) === focus.index);

@@ -19,6 +19,7 @@ import { isIdentity, viewOf } from "./transform.js";
 const EAGER_BYTES = 4e6;
 const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
 const NARROW = window.matchMedia("(max-width: 700px)");
+const HEAD_VIEW_PAUSE_MS = 120;
 
 const state = {
   models: [],
@@ -40,6 +41,7 @@ const state = {
   renderToken: 0,
   interaction: null, // { name, start } of the input whose result is not on screen yet
   labelCache: null,
+  headViewTimer: 0,
 };
 
 const focus = new FocusView($("focus-plot"), $("tooltip"));
@@ -261,8 +263,12 @@ async function renderViews({ headView: withHeadView = true } = {}) {
     state.interaction = null;
     performance.measure(`manyeyes:interaction:${name}`, { start, end: performance.now() });
   }
-  // The head view is secondary: draw it after the heatmap has reached the screen.
-  if (withHeadView) setTimeout(() => token === state.renderToken && renderHeadView(), 0);
+  // The head view is secondary: drawn once the heatmap is on screen and the keys have paused
+  // (at T=512 it is the heaviest view; a held arrow key would redraw it for every head passed).
+  if (withHeadView) {
+    clearTimeout(state.headViewTimer);
+    state.headViewTimer = setTimeout(() => token === state.renderToken && renderHeadView(), HEAD_VIEW_PAUSE_MS);
+  }
 }
 
 function caption(run, view) {
@@ -493,7 +499,8 @@ function setupControls(run) {
   syncControls();
 }
 
-let optionsFrame = 0;
+let optionsBusy = false; // a redraw for changed options is under way
+let optionsAgain = false; // ...and more changes came meanwhile
 
 function optionsChanged(event) {
   startInteraction(event?.target?.id ?? "options");
@@ -504,14 +511,29 @@ function optionsChanged(event) {
   state.scale = $("scale").value;
   state.labels = $("labels").value;
   $("threshold-value").textContent = state.threshold.toFixed(2);
-  if (!state.run || optionsFrame) return;
-  // A dragged slider fires many events: one redraw per frame; the focus first, the 72 thumbnails
-  // one layer per frame after it.
-  optionsFrame = requestAnimationFrame(() => {
-    optionsFrame = 0;
-    renderViews().then(() => grid.paintAllSoon(viewOptions()));
+  if (state.run) redrawOptions();
+}
+
+// At once (waiting for a frame would add one to every change), but a dragged slider's events
+// while a redraw is under way make one more redraw, not one each; the focus first, the 72
+// thumbnails in slices after it.
+async function redrawOptions() {
+  if (optionsBusy) {
+    optionsAgain = true;
+    return;
+  }
+  optionsBusy = true;
+  try {
+    await renderViews();
+    grid.paintAllSoon(viewOptions());
     updatePermalink();
-  });
+  } finally {
+    optionsBusy = false;
+  }
+  if (optionsAgain) {
+    optionsAgain = false;
+    redrawOptions();
+  }
 }
 
 // ---- wiring -----------------------------------------------------------------------------------

@@ -56,8 +56,25 @@ def focus_title(page) -> str:
 
 
 def plotted(page):
-    """The heatmap's z as Plotly holds it (null = masked)."""
-    return page.evaluate("() => document.getElementById('focus-plot').data[0].z")
+    """The focused heatmap's values as coloured (null = masked; log10 positions on the log scale).
+
+    The page paints the cells itself (static/js/canvas_heatmap.js); `focusPlot.plotted()` gives what
+    it painted in the terms of Plotly's heatmap z, which is what these tests used to read."""
+    return page.evaluate("() => document.getElementById('focus-plot').plotted().z")
+
+
+def plotted_zmax(page) -> float:
+    """The value drawn in the darkest colour (the colorbar's top)."""
+    return page.evaluate("() => document.getElementById('focus-plot').plotted({ z: false }).zmax")
+
+
+def wait_plotted_shape(page, rows: int, cols: int | None = None, timeout: int = 30_000):
+    """Waits until the focused heatmap shows rows × cols cells (cols: any, when not given)."""
+    page.wait_for_function(
+        "([r, c]) => { const p = document.getElementById('focus-plot').plotted?.({ z: false });"
+        " return !!p && p.rows === r && (c === null || p.cols === c); }",
+        arg=[rows, cols], timeout=timeout,
+    )
 
 
 def hover_cell(page, row, col) -> str:
@@ -218,7 +235,7 @@ def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
     page.select_option("#aggregate", "head")
     wait_focus(page, layer=1, head=4)
     page.check("#hide-special")
-    page.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z.length === n", arg=int((~special).sum()))
+    wait_plotted_shape(page, int((~special).sum()))
     z = np.array(plotted(page))
     kept = weights[0, 4][~special][:, ~special]
     assert np.allclose(z.sum(axis=1), 1, atol=5e-3)
@@ -231,7 +248,7 @@ def test_aggregates_hide_special_threshold_and_pair_filters(server, api, page):
     page.wait_for_function("() => document.getElementById('threshold-value').textContent === '0.20'")
     # Three option changes in a row each redraw; wait for the last one to reach the plot, not just the label.
     page.wait_for_function(
-        "(n) => { const z = document.getElementById('focus-plot').data[0].z;"
+        "(n) => { const z = document.getElementById('focus-plot').plotted().z;"
         " return z.length === n && z.every((row) => row.every((v) => v === 0 || v >= 0.2)); }",
         arg=len(tokens),
     )

@@ -1,6 +1,6 @@
 """What the page draws is the model's attention: pixels, plotted values and the URL against the API.
 
-Each check reads something stable (canvas pixels, Plotly's z, the address bar) and compares it
+Each check reads something stable (canvas pixels, the plotted values, the address bar) and compares it
 with the API's answer for the same text, never with another part of the page, so a page that
 draws the wrong head everywhere, or restores a link to the wrong view, fails.
 """
@@ -14,6 +14,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 import numpy as np
 import pytest
+
+from tests.browser.test_page import plotted, wait_plotted_shape
 
 pytestmark = pytest.mark.browser
 
@@ -48,15 +50,6 @@ def wait_grid(page):
     )
 
 
-def plotted(page) -> list[list[float | None]]:
-    return page.evaluate("() => document.getElementById('focus-plot').data[0].z")
-
-
-def wait_plotted_shape(page, rows: int, cols: int):
-    page.wait_for_function(
-        "([r, c]) => { const z = document.getElementById('focus-plot').data[0].z; return z.length === r && z[0].length === c; }",
-        arg=[rows, cols],
-    )
 
 
 # ---------------------------------------------------------------------------- API helpers

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from tests.browser.conftest import CHROMIUM_ARGS, LOOPBACK
-from tests.browser.test_page import PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, run, wait_focus, wait_grid, wait_saved
+from tests.browser.test_page import (
+    PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, plotted_zmax, run, wait_focus, wait_grid, wait_plotted_shape, wait_saved,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -157,7 +159,7 @@ def test_means_and_renormalised_rows_hold_their_mass_at_512_tokens(server, api, 
     page.select_option("#aggregate", "head")
     wait_focus(page, layer=0, head=0)
     page.check("#hide-special")
-    page.wait_for_function("() => document.getElementById('focus-plot').data[0].z.length === 510", timeout=60_000)
+    wait_plotted_shape(page, 510, 510, timeout=60_000)
     z = np.array(plotted(page), dtype=np.float64)
     assert np.abs(z.sum(axis=1) - 1).max() <= 0.01
     kept = exact[0, 0][1:-1, 1:-1]
@@ -226,7 +228,7 @@ def test_a_short_link_restores_every_control(server, make_page, artifacts):
     second = make_page()
     second.goto(first.url)
     second.wait_for_selector("#focus-plot[data-aggregate=layer][data-layer='2']", timeout=30_000)
-    second.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z.length === n", arg=len(z))
+    wait_plotted_shape(second, len(z))
     after = {c: second.locator(c).input_value() for c in controls} | {c: second.locator(c).is_checked() for c in checks}
     assert after == before
     assert second.locator("#hv-head-6").is_checked() and second.locator("#hv-head-3").is_checked()
@@ -325,7 +327,7 @@ def test_caption_counts_shown_tokens_and_mean_mode_says_what_it_shows(server, pa
     assert page.locator(".thumb[data-layer='1'][data-head='2']").get_attribute("title") == "Layer 1, head 2"
 
 
-def test_exported_images_carry_a_caption(server, page):
+def test_exported_images_carry_a_caption(server, page, artifacts):
     open_page(page, server)
     run(page, SENTENCE)
     page.hover("#focus-plot")
@@ -333,6 +335,18 @@ def test_exported_images_carry_a_caption(server, page):
         page.click(".modebar-btn[data-title='Download plot as SVG']")
     svg = open(download.value.path(), encoding="utf-8").read()
     assert "minilm · Layer 0, head 0 · “The bank of the river was muddy after the rain.”" in svg
+    # The page paints the cells itself (issue 13, item 8): exports embed them as an image, crisp,
+    # with Plotly's labelled axes and colorbar around them.
+    images = re.findall(r'href="data:image/png;base64,([^"]+)"', svg)
+    sizes = [(int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) for png in map(base64.b64decode, images)]
+    width, height = max(sizes)  # the cells (Plotly's placeholder brick under them is 1 × 1)
+    assert width == height and width % 13 == 0 and width >= 13 * 8  # 13 tokens, whole pixels a cell
+    assert "muddy" in svg and "colorbar" in svg and "query (attending)" in svg
+    with page.expect_download() as download:
+        page.click(".modebar-btn[data-title='Download plot as PNG']")
+    data = open(download.value.path(), "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    (artifacts / "export.png").write_bytes(data)
 
 
 # ---- 10. colour, sinks and theme ----------------------------------------------------------------
@@ -343,7 +357,7 @@ def test_colour_scales_hide_first_token_and_theme_toggle(server, page, artifacts
     run(page, "The bank of the river.", model="tiny-causal")
     page.select_option("#scale", "fixed")
     page.wait_for_selector("#focus-plot[data-scale=fixed]")
-    assert page.evaluate("() => document.getElementById('focus-plot').data[0].zmax") == 1
+    assert plotted_zmax(page) == 1
     page.select_option("#scale", "log")
     page.wait_for_selector("#focus-plot[data-scale=log]")
     assert "0.0001" in page.locator("#focus-plot .colorbar").text_content()
@@ -356,7 +370,7 @@ def test_colour_scales_hide_first_token_and_theme_toggle(server, page, artifacts
 
     page.check("#hide-first")
     n = len(z) - 1
-    page.wait_for_function("(n) => document.getElementById('focus-plot').data[0].z.length === n", arg=n)
+    wait_plotted_shape(page, n)
     kept = np.nan_to_num(np.array(plotted(page), dtype=float))
     assert np.allclose(kept.sum(axis=1), 1, atol=5e-3)
 

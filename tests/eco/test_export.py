@@ -50,7 +50,8 @@ def open_offline(browser, path: Path):
 
 
 def focus_z(page) -> np.ndarray:
-    z = page.evaluate("document.getElementById('focus-plot').data[0].z")
+    # The page paints the cells itself; plotted() gives them as Plotly's z did (README, Browser).
+    z = page.evaluate("document.getElementById('focus-plot').plotted().z")
     return np.array([[np.nan if v is None else v for v in row] for row in z], dtype=np.float64)
 
 
