@@ -17,6 +17,7 @@ Value-weighted norms stay in `manyeyes.model.analysis`.
 from __future__ import annotations
 
 import math
+import threading
 import unicodedata
 from dataclasses import dataclass
 
@@ -364,19 +365,31 @@ class LogitAttribution:
 
 
 class _StreamTap:
-    """Forward pre-hooks that keep the residual stream entering each block (and the final norm)."""
+    """Forward pre-hooks that keep the residual stream entering each block (and the final norm).
+
+    Hooks sit on the shared module, so a server's other threads (its batcher, a generation) fire
+    them too while the tap is on: only the thread that opened the tap is recorded.
+    """
 
     def __init__(self, net):
         self.inputs: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
+        self._thread = threading.get_ident()
         self._hooks = [
-            block.register_forward_pre_hook(lambda m, args, i=i: self.inputs.__setitem__(i, args[0][0].detach().float().cpu()))
+            block.register_forward_pre_hook(lambda m, args, i=i: self._keep(i, args[0]))
             for i, block in enumerate(net.trf_blocks)
         ]
         if hasattr(net, "final_norm"):
-            self._hooks.append(
-                net.final_norm.register_forward_pre_hook(lambda m, args: setattr(self, "final", args[0][0].detach().float().cpu()))
-            )
+            self._hooks.append(net.final_norm.register_forward_pre_hook(lambda m, args: self._keep(None, args[0])))
+
+    def _keep(self, index: int | None, stream: torch.Tensor) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        stream = stream[0].detach().float().cpu()  # (T, d_model) of the lone input
+        if index is None:
+            self.final = stream
+        else:
+            self.inputs[index] = stream
 
     def __enter__(self):
         return self
@@ -386,14 +399,18 @@ class _StreamTap:
             hook.remove()
 
 
-def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
-    """One forward that also keeps the residual stream entering each block: (result, [(T, d_model)] * n_layers, final).
-
-    final is the stream entering the final norm, or None for a model without one.
-    """
+def capture_stream(model: AttentionModel, encoded: Encoded):
+    """One forward of one encoded input that keeps q/k/v and the residual stream entering each
+    block: (result, [(T, d_model)] * n_layers, final), final the stream entering the final norm
+    (None for a model without one)."""
     with _StreamTap(model.net) as tap:
-        result = model.run([model.encode(text, text_pair)], Capture(qkv=True))[0]
+        result = model.run([encoded], Capture(qkv=True))[0]
     return result, [tap.inputs[i] for i in range(len(tap.inputs))], tap.final
+
+
+def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
+    """`capture_stream` of a text."""
+    return capture_stream(model, model.encode(text, text_pair))
 
 
 def _frozen_norm(norm: torch.nn.Module, stream: torch.Tensor):
@@ -414,14 +431,33 @@ def logit_attribution(model: AttentionModel, text: str, position: int, target: i
     output, so the parts add up to the logit exactly (TransformerLens' direct logit attribution).
     target None: the model's own top prediction at that position.
     """
+    check_attributable(model)
+    result, inputs, final = run_with_stream(model, text)
+    return attribute_logit(model, result, inputs, final, position, target)
+
+
+def check_attributable(model: AttentionModel) -> None:
     net = model.net
     if not model.info.causal or not hasattr(net, "final_norm") or not hasattr(net, "out_head"):
         raise ValueError("logit attribution needs a pre-norm language model with a final norm and an output head")
-    result, inputs, final = run_with_stream(model, text)
+
+
+def attribute_logit(model: AttentionModel, result: AttentionResult, inputs: list[torch.Tensor], final: torch.Tensor,
+                    position: int, target: int | None = None) -> LogitAttribution:
+    """`logit_attribution` of a run already captured by `capture_stream`. A result kept without
+    its (T, vocab) logits gets the one row it needs from the last hidden state."""
+    check_attributable(model)
+    net = model.net
     n_tokens = len(result.tokens)
     if not 0 <= position < n_tokens:
         raise ValueError(f"position must be in 0..{n_tokens - 1}")
-    logits = result.logits[position]
+    if result.logits is not None:
+        logits = result.logits[position]
+    else:
+        head_bias = getattr(net.out_head, "bias", None)
+        logits = result.hidden[position] @ net.out_head.weight.detach().float().cpu().T  # (vocab,)
+        if head_bias is not None:
+            logits = logits + head_bias.detach().float().cpu()
     target = int(logits.argmax()) if target is None else int(target)
     if not 0 <= target < logits.shape[-1]:
         raise ValueError(f"target must be a token id in 0..{logits.shape[-1] - 1}")
@@ -486,6 +522,11 @@ def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, 
     token at one layer share 1. Returns (tokens, edges).
     """
     result, inputs, _ = run_with_stream(model, text, text_pair)
+    return result.tokens, flow_edges(model, result, inputs, threshold)
+
+
+def flow_edges(model: AttentionModel, result: AttentionResult, inputs: list[torch.Tensor], threshold: float) -> list[FlowEdge]:
+    """`information_flow`'s edges for a run already captured by `capture_stream`."""
     info = model.info
     edges: list[FlowEdge] = []
     for layer, block in enumerate(model.net.trf_blocks):
@@ -517,4 +558,4 @@ def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, 
                 edges.append(FlowEdge(layer, target, target, weight, None))
             else:
                 edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
-    return result.tokens, edges
+    return edges
