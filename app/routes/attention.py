@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from manyeyes.app.deps import ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
+from manyeyes.app.routes.measures import MeasuresDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from manyeyes.app.services.errors import InvalidInput
@@ -15,13 +16,15 @@ ERRORS = errors(404, 413, 422, 429, 503, 504)
 
 
 @router.post("/attention", response_model=AttentionResponse, responses=ERRORS)
-async def attention(body: AttentionRequest, service: ServiceDep, request: Request) -> Response:
+async def attention(body: AttentionRequest, service: ServiceDep, measures: MeasuresDep, request: Request) -> Response:
     """Attention weights of every (or the chosen) layer and head for one text.
 
     Repeating a request is served from the run cache. Large inputs: use `format=u8`."""
     started = time.monotonic()
     reply = await unless_disconnected(request, service.attend([(body.text, body.text_pair)], body, batch=False, started=started))
     request.state.log = reply.log
+    if body.measures:
+        reply.body = await measures.attach(reply.body, reply.log["run_id"], body.measures, body)
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
     return PiecesResponse(reply.body, reply.media_type)
 
