@@ -39,14 +39,19 @@ CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
 @dataclass(frozen=True)
 class Captured:
     run_id: str
-    result: AttentionResult  # kept without its (T, vocab) logits
+    # Kept without its (T, vocab) logits and without its weights: those are the cached run's
+    # (same tokens, same forward), joined back by `with_weights`, never held twice.
+    result: AttentionResult
     inputs: list[torch.Tensor]  # (T, d_model) per layer: the stream entering each block
     final: torch.Tensor | None  # (T, d_model): the stream entering the final norm
+
+    def with_weights(self, run: Run) -> AttentionResult:
+        return replace(self.result, attention=run.attention)
 
     @property
     def nbytes(self) -> int:
         r = self.result
-        tensors = [r.attention, r.hidden, *r.queries, *r.keys, *r.values, *self.inputs]
+        tensors = [r.hidden, *r.queries, *r.keys, *r.values, *self.inputs]
         if self.final is not None:
             tensors.append(self.final)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -113,7 +118,7 @@ class MeasuresService:
                 n_types = type_emb.num_embeddings if type_emb is not None else 1
                 encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
                 result, inputs, final = m.capture_stream(model, encoded)
-                captured = Captured(run.run_id, replace(result, logits=None), inputs, final)
+                captured = Captured(run.run_id, replace(result, logits=None, attention=None), inputs, final)
                 self.captures.put(captured)
                 return captured
         finally:
@@ -149,15 +154,15 @@ class MeasuresService:
 
     def _matrices(self, run: Run, served: Served, names, layers, heads, fmt) -> dict:
         model = served.model
-        captured = self._capture(run, served) if NEEDS_CAPTURE & set(names) else None
+        captured = self._capture(run, served).with_weights(run) if NEEDS_CAPTURE & set(names) else None
         out = {}
         for name in names:
             if name == "rollout":
                 out[name] = encode_matrix(m.rollout(run.attention), fmt)
             elif name == "value_norms":
-                out[name] = encode_matrix(pick(value_weighted_norms(model, captured.result), layers, heads), fmt)
+                out[name] = encode_matrix(pick(value_weighted_norms(model, captured), layers, heads), fmt)
             elif name == "contributions":
-                found = m.contributions(model, captured.result)
+                found = m.contributions(model, captured)
                 out[name] = {
                     "norms": encode_matrix(pick(found.norms, layers, heads), fmt),
                     "shares": encode_matrix(pick(found.shares, layers, heads), fmt),
@@ -201,7 +206,7 @@ class MeasuresService:
 
     def _flow(self, run: Run, served: Served, threshold: float) -> dict:
         captured = self._capture(run, served)
-        edges = m.flow_edges(served.model, captured.result, captured.inputs, threshold)
+        edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)
         return {
             "run_id": run.run_id,
             "threshold": threshold,
@@ -220,7 +225,7 @@ class MeasuresService:
         return await run_in_threadpool(self._neuron, run, served, layer, head, query)
 
     def _neuron(self, run: Run, served: Served, layer: int, head: int, query: int) -> dict:
-        view = m.neuron_view(served.model, self._capture(run, served).result, layer, head, query)
+        view = m.neuron_view(served.model, self._capture(run, served).with_weights(run), layer, head, query)
         info = served.model.info
 
         def rows(t: torch.Tensor):
@@ -249,7 +254,7 @@ class MeasuresService:
 
     def _logits(self, run: Run, served: Served, position: int, target: int | None, top: int) -> dict:
         captured = self._capture(run, served)
-        found = m.attribute_logit(served.model, captured.result, captured.inputs, captured.final, position, target)
+        found = m.attribute_logit(served.model, captured.with_weights(run), captured.inputs, captured.final, position, target)
         ranked = found.ranked_heads()
         token = served.model.tokenizer.token_text(found.target)
         return {

@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from manyeyes.app.config import Settings
 from manyeyes.model import Capture, load
@@ -195,7 +194,9 @@ def test_capture_cache_counts_its_bytes(client):
     captured = service.captures.get(run_id)
     assert captured is not None
     r = captured.result
-    expected = sum(t.numel() * 4 for t in [r.attention, r.hidden, *r.queries, *r.keys, *r.values, *captured.inputs, captured.final])
-    assert captured.nbytes == expected and captured.result.logits is None
+    expected = sum(t.numel() * 4 for t in [r.hidden, *r.queries, *r.keys, *r.values, *captured.inputs, captured.final])
+    # neither the (T, vocab) logits nor a second copy of the weights is kept
+    assert captured.nbytes == expected and r.logits is None and r.attention is None
     assert service.captures.nbytes <= service.captures.max_bytes
-    assert torch.equal(service.captures.get(run_id).result.attention, captured.result.attention)
+    run = client.app.state.service.cache.get(run_id)
+    assert captured.with_weights(run).attention is run.attention
