@@ -18,9 +18,12 @@ def value_weighted_norms(model: AttentionModel, result: AttentionResult) -> torc
     info = model.info
     norms = []
     for block, values in zip(model.net.trf_blocks, result.values):
-        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, d_model)
+        # Under grouped-query attention query head h reads kv head h // group: (n_heads, T, head_dim)
+        group = info.n_heads // values.shape[0]
+        values = values.repeat_interleave(group, dim=0) if group > 1 else values
+        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
         # (d_model, n_heads * head_dim) -> (d_model, n_heads, head_dim) -> (n_heads, head_dim, d_model)
-        w_o = w_o.view(info.d_model, info.n_heads, info.head_dim).permute(1, 2, 0)
+        w_o = w_o.view(w_o.shape[0], info.n_heads, info.head_dim).permute(1, 2, 0)
         # (n_heads, T, head_dim) @ (n_heads, head_dim, d_model) -> (n_heads, T, d_model)
         transformed = values @ w_o
         norms.append(transformed.norm(dim=-1))  # (n_heads, T): ‖f(x_j)‖ per key

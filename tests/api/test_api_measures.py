@@ -200,3 +200,30 @@ def test_capture_cache_counts_its_bytes(client):
     assert service.captures.nbytes <= service.captures.max_bytes
     run = client.app.state.service.cache.get(run_id)
     assert captured.with_weights(run).attention is run.attention
+
+
+def test_grouped_query_attention_is_shown_honestly(tmp_path, bytelevel_tokenizer):
+    """A random llama with 6 query heads over 2 key/value heads: query head 4 reads kv head 1, the
+    same keys and values as head 3, and every number equals the Python functions'."""
+    from tests.test_parity_decoders import save_random
+
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 3, num_key_value_heads=2)
+    model = load(tmp_path, device="cpu")
+    text = "The quick brown fox jumps over the lazy dog."
+    gqa = serve(Settings(models={"gqa": str(tmp_path)}, device="cpu"))
+    try:
+        body = gqa.post("/api/v1/attention", json={"text": text, "format": "json", "measures": ["value_norms"]}).json()
+        result = model.run([model.encode(text)], Capture(qkv=True))[0]
+        np.testing.assert_allclose(decoded(body["measures"]["value_norms"]), value_weighted_norms(model, result).numpy(), atol=1e-5)
+        base = f"/api/v1/runs/{body['run_id']}"
+        four = gqa.get(f"{base}/neuron", params={"layer": 1, "head": 4, "query": 7}).json()
+        three = gqa.get(f"{base}/neuron", params={"layer": 1, "head": 3, "query": 7}).json()
+        assert (four["kv_head"], three["kv_head"], four["n_kv_heads"], four["n_heads"]) == (1, 1, 2, 6)
+        assert four["keys"] == three["keys"] and four["values"] == three["values"] and four["query"] != three["query"]
+        view = m.neuron_view(model, result, 1, 4, 7)
+        np.testing.assert_allclose(four["keys"], view.keys.numpy(), atol=1e-5)
+        np.testing.assert_allclose(four["weights"], view.weights.numpy(), atol=1e-5)
+        dla = gqa.get(f"{base}/logit-attribution", params={"position": 7}).json()
+        assert abs(dla["total"] - dla["logit"]) < 1e-4  # RMSNorm frozen at the run's scale
+    finally:
+        gqa.__exit__(None, None, None)
