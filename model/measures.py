@@ -37,13 +37,16 @@ def rollout(attention: torch.Tensor) -> torch.Tensor:
     the identity term cannot add.
     """
     n_tokens = attention.shape[-1]
-    eye = torch.eye(n_tokens, dtype=torch.float64)
-    result = eye.clone()
-    for layer in attention.double():
-        mixed = 0.5 * layer.mean(0) + 0.5 * eye  # (T, T)
+    eye = torch.eye(n_tokens)
+    result = None
+    # float32 throughout: rows are distributions, so products stay within ~1e-7 of float64 at
+    # T=512, and a float64 copy of every weight cost more than the rest of the rollout.
+    for layer_mean in attention.float().mean(1):  # (T, T) per layer
+        mixed = 0.5 * layer_mean + 0.5 * eye
         mixed = mixed / mixed.sum(-1, keepdim=True)
-        result = mixed @ result  # later layers on the left: token i at layer l reads rows of l-1
-    return result.float()
+        # later layers on the left: token i at layer l reads rows of l-1; the first needs no product
+        result = mixed if result is None else mixed @ result
+    return eye if result is None else result
 
 
 # ---------------------------------------------------------------------------- what heads write
@@ -291,14 +294,20 @@ def merge_words(tokens: list[Token], attention: torch.Tensor, source: tuple[str,
     """Words and their attention, (..., W, W): keys summed over a word's pieces, queries averaged.
 
     Rows still sum to one. source: (text, text_pair), to name each word by its own characters.
+    When no word has two pieces the merged attention is `attention` itself, not a copy.
     """
     groups = _word_groups(tokens)
-    membership = torch.zeros(len(groups), len(tokens), dtype=attention.dtype)  # (W, T)
-    for w, group in enumerate(groups):
-        membership[w, group] = 1.0
-    query_mean = membership / membership.sum(-1, keepdim=True)
-    # (W, T) @ (..., T, T) @ (T, W) -> (..., W, W)
-    merged = query_mean @ attention @ membership.T
+    if len(groups) == len(tokens):
+        merged = attention
+    else:
+        # Sums by index, not (W, T) @ A @ (T, W): two dense matmuls cost 4x a T=512 forward pass.
+        word_of = torch.tensor([w for w, group in enumerate(groups) for _ in group])  # (T,)
+        counts = torch.tensor([len(group) for group in groups], dtype=attention.dtype)  # (W,)
+        # (..., T, T) -> (..., T, W): keys summed over each word's pieces
+        keys = attention.new_zeros(attention.shape[:-1] + (len(groups),)).index_add_(-1, word_of, attention)
+        # (..., T, W) -> (..., W, W): then queries averaged
+        merged = keys.new_zeros(keys.shape[:-2] + (len(groups), len(groups))).index_add_(-2, word_of, keys)
+        merged = merged / counts[:, None]
     words = []
     for group in groups:
         first, last = tokens[group[0]], tokens[group[-1]]
