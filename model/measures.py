@@ -136,12 +136,18 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
         # per_row: (n_layers, n_heads, T); rows: (T,) bool
         return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2])
 
-    entropy = -torch.special.xlogy(attention, attention).sum(-1) / visible.clamp_min(2).log()  # (L, H, T)
+    # Σ p log p one layer at a time, in place: xlogy over all weights at once allocated and
+    # walked a second full-size tensor, the largest single cost of the statistics.
+    plogp = torch.empty(attention.shape[:-1])  # (L, H, T)
+    for layer, weights in enumerate(attention):
+        buffer = weights.clamp_min(1e-30).log_().mul_(weights)  # 0 · log(1e-30) = 0 where p = 0
+        plogp[layer] = buffer.sum(-1)
+    entropy = -plogp / visible.clamp_min(2).log()  # (L, H, T)
     index = positions.float()
     if causal:  # j ≤ i, so Σ_j α_ij (i - j) = i - Σ_j j·α_ij: a matmul, no (T, T) temporary
         distance = index - attention @ index
-    else:
-        distance = (attention * (index[:, None] - index[None, :]).abs()).sum(-1)
+    else:  # a contraction with the (T, T) distances: no (L, H, T, T) product
+        distance = torch.einsum("lhij,ij->lhi", attention, (index[:, None] - index[None, :]).abs())
     diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
     previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
     first = attention[..., :, 0]
@@ -150,13 +156,8 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     ids = torch.tensor([t.id for t in tokens])
     earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
     has_copy = earlier_copy.any(-1)
-    if has_copy.any():
-        rows = has_copy.nonzero().squeeze(-1)
-        # only rows with an earlier copy: (L, H, R, T) * (R, T) -> (L, H, R)
-        duplicate = torch.zeros(attention.shape[:-1])
-        duplicate[..., rows] = (attention[..., rows, :] * earlier_copy[rows].float()).sum(-1)
-    else:
-        duplicate = torch.zeros(attention.shape[:-1])
+    # (L, H, T, T) . (T, T) -> (L, H, T): mass on earlier copies, 0 on rows without one
+    duplicate = torch.einsum("lhij,ij->lhi", attention, earlier_copy.float()) if has_copy.any() else torch.zeros(attention.shape[:-1])
     return {
         "entropy": row_mean(entropy, choosing),
         "distance": row_mean(distance, choosing),
