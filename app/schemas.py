@@ -382,6 +382,20 @@ class MeasuresResponse(BaseModel):
     heads: list[int]
     measures: MeasuresOut
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "model": "tiny-gpt", "layers": [1], "heads": [0],
+        "measures": {
+            "rollout": {"format": "json", "dtype": "float32", "shape": [2, 2], "data": [[1.0, 0.0], [0.62, 0.38]]},
+            "value_norms": {"format": "u8", "dtype": "uint8", "shape": [1, 1, 2, 2], "data": "/wAxfw==",
+                            "scale": 0.0112, "offset": 0.0},
+            "heads": {"stats": ["entropy", "distance", "self", "previous", "first", "delimiter", "duplicate", "induction"],
+                      "rows": [{"layer": 1, "head": 0, "tags": ["induction"],
+                                "stats": {"entropy": 0.5, "distance": 13.9, "self": 0.07, "previous": 0.06, "first": 0.37,
+                                          "delimiter": 0.02, "duplicate": 0.31, "induction": 0.61}}],
+                      "thresholds": {"induction": {"stat": "induction", "at_least": 0.3}}, "positional_share": 0.6},
+        },
+    }]})
+
 
 class FlowEdgeOut(BaseModel):
     layer: int = Field(description="The edge runs from token `source` below this layer to token `target` above it")
@@ -419,6 +433,11 @@ class NeuronResponse(BaseModel):
     weights: list[float] = Field(description="The softmax: this query's row of the head's attention")
     values: list[list[float]] = Field(description="(T, head_dim): what the weights mix")
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "layer": 1, "head": 4, "kv_head": 1, "n_heads": 6, "n_kv_heads": 2,
+        "query_index": 1, "query": [0.5, -1.0], "keys": [[1.0, 0.2], [0.1, -0.9]], "products": [[0.5, -0.2], [0.05, 0.9]],
+        "scores": [0.212, 0.672], "weights": [0.387, 0.613], "values": [[0.3, 0.1], [-0.2, 0.4]]}]})
+
 
 class HeadAttribution(BaseModel):
     layer: int
@@ -438,3 +457,9 @@ class LogitAttributionResponse(BaseModel):
     mlps: list[float]
     embeddings: float
     rest: float = Field(description="The final norm's shift and the unembedding's bias")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "position": 5, "target": 109, "target_text": "m",
+        "logit": 6.2663, "total": 6.2663, "heads": [{"layer": 0, "head": 3, "contribution": 0.685},
+                                                   {"layer": 0, "head": 2, "contribution": 0.27}],
+        "attention_bias": [0.01, -0.02], "mlps": [1.9, 2.4], "embeddings": 0.8, "rest": 0.0}]})
