@@ -5,16 +5,10 @@ the heatmap, and predictions line up under it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import pytest
 
-from tests.browser.conftest import SERVER_SCRIPT, free_port
+from tests.browser.conftest import serving
 from tests.browser.test_page import open_page, run, wait_focus
 
 pytestmark = pytest.mark.browser
@@ -24,27 +18,8 @@ TEXT = "The cat sat on the mat. The cat sat on"
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    port = free_port()
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps({"tiny-gpt": "tiny-gpt"})], cwd=root)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with status {proc.returncode}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server was not ready within 120 s")
-            time.sleep(0.25)
+    with serving({"tiny-gpt": "tiny-gpt"}) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
