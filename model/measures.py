@@ -88,21 +88,41 @@ class Contributions:
     bias_shares: torch.Tensor  # (n_layers, T): out_proj's bias, the remainder of the sum
 
 
+def head_gram(w_o: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """W_O,hᵀ W_O,h per head, (n_heads, head_dim, head_dim): ‖x W_O,hᵀ‖² = x G_h xᵀ, so the norm of
+    what a head writes needs no d_model-wide vector. w_o: out_proj's (d_model, n_heads * head_dim)."""
+    # (d_model, n_heads * head_dim) -> (n_heads, head_dim, d_model)
+    per_head = w_o.view(w_o.shape[0], n_heads, -1).permute(1, 2, 0)
+    return per_head @ per_head.transpose(1, 2)  # (n_heads, head_dim, head_dim)
+
+
 def contributions(model: AttentionModel, result: AttentionResult) -> Contributions:
-    writes = head_writes(model, result)  # (n_layers, n_heads, T, d_model)
-    biases = torch.stack(
-        [
-            block.att.out_proj.bias.detach().float().cpu()
-            if block.att.out_proj.bias is not None
-            else torch.zeros(writes.shape[-1])
-            for block in model.net.trf_blocks
-        ]
-    )  # (n_layers, d_model)
-    output = writes.sum(1) + biases[:, None, :]  # (n_layers, T, d_model): the block's output
-    denom = (output * output).sum(-1).clamp_min(1e-30)  # (n_layers, T)
-    shares = (writes * output[:, None]).sum(-1) / denom[:, None]  # (n_layers, n_heads, T)
-    bias_shares = (biases[:, None, :] * output).sum(-1) / denom
-    return Contributions(norms=writes.norm(dim=-1), shares=shares, bias_shares=bias_shares)
+    """`head_writes`' norms and shares, without ever holding the (n_layers, n_heads, T, d_model) writes.
+
+    Per layer, with m_h = Σ_j α_ij v_j (the head's mixed values) and y the block's output:
+    ‖m_h W_O,hᵀ‖² = m_h G_h m_hᵀ and m_h W_O,hᵀ · y = m_h · (y W_O,h): head_dim-wide work only.
+    """
+    if result.values is None:
+        raise ValueError("head contributions need the values: run with Capture(qkv=True)")
+    info = model.info
+    norms, shares, bias_shares = [], [], []
+    for block, values, weights in zip(model.net.trf_blocks, result.values, result.attention):
+        values = _per_query_head(values, info.n_heads)  # (n_heads, T, head_dim)
+        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
+        bias = block.att.out_proj.bias
+        bias = bias.detach().float().cpu() if bias is not None else torch.zeros(w_o.shape[0])
+        mixed = weights @ values  # (n_heads, T, T) @ (n_heads, T, head_dim) -> (n_heads, T, head_dim)
+        n_tokens = mixed.shape[1]
+        context = mixed.transpose(0, 1).reshape(n_tokens, -1)  # (T, n_heads * head_dim)
+        output = context @ w_o.T + bias  # (T, d_model): the block's output, heads + bias
+        # (T, d_model) @ (d_model, n_heads * head_dim) -> (n_heads, T, head_dim): y W_O,h per head
+        pulled = (output @ w_o).view(n_tokens, info.n_heads, -1).transpose(0, 1)
+        denom = (output * output).sum(-1).clamp_min(1e-30)  # (T,)
+        squared = ((mixed @ head_gram(w_o, info.n_heads)) * mixed).sum(-1)  # (n_heads, T)
+        norms.append(squared.clamp_min(0).sqrt())
+        shares.append((mixed * pulled).sum(-1) / denom)
+        bias_shares.append((output @ bias) / denom)
+    return Contributions(norms=torch.stack(norms), shares=torch.stack(shares), bias_shares=torch.stack(bias_shares))
 
 
 # ---------------------------------------------------------------------------- head statistics and tags
