@@ -27,10 +27,10 @@ export class FlowGraph {
   render(flow, labels, focused) {
     const { n_layers: nLayers, n_tokens: nTokens, edges } = flow;
     const step = Math.max(28, Math.min(60, 900 / Math.max(nTokens, 1)));
-    const width = step * nTokens + 40;
-    const height = ROW * nLayers + LABEL_ROOM + 20;
-    const x = (token) => 20 + step * (token + 0.5);
-    const y = (level) => 10 + ROW * (nLayers - level); // level 0: the embeddings, at the bottom
+    const width = step * nTokens + 56;
+    const height = ROW * nLayers + LABEL_ROOM + 34;
+    const x = (token) => 36 + step * (token + 0.5); // room on the left for the level names
+    const y = (level) => 24 + ROW * (nLayers - level); // level 0: the embeddings, at the bottom
     const drawing = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, role: "img",
                                  "aria-label": `Information flow: ${edges.length} routes at threshold ${flow.threshold}` });
     const title = svg("title");
