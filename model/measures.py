@@ -156,28 +156,32 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
         # per_row: (n_layers, n_heads, T); rows: (T,) bool
         return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2])
 
-    # Σ p log p one layer at a time, in place: xlogy over all weights at once allocated and
-    # walked a second full-size tensor, the largest single cost of the statistics.
-    plogp = torch.empty(attention.shape[:-1])  # (L, H, T)
-    for layer, weights in enumerate(attention):
-        buffer = weights.clamp_min(1e-30).log_().mul_(weights)  # 0 · log(1e-30) = 0 where p = 0
-        plogp[layer] = buffer.sum(-1)
-    entropy = -plogp / visible.clamp_min(2).log()  # (L, H, T)
     index = positions.float()
-    if causal:  # j ≤ i, so Σ_j α_ij (i - j) = i - Σ_j j·α_ij: a matmul, no (T, T) temporary
-        distance = index - attention @ index
-    else:  # a contraction with the (T, T) distances: no (L, H, T, T) product
-        distance = torch.einsum("lhij,ij->lhi", attention, (index[:, None] - index[None, :]).abs())
-    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
-    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
-    first = attention[..., :, 0]
     delimiters = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)])
-    delimiter = attention @ delimiters  # (L, H, T)
     ids = torch.tensor([t.id for t in tokens])
     earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
     has_copy = earlier_copy.any(-1)
-    # (L, H, T, T) . (T, T) -> (L, H, T): mass on earlier copies, 0 on rows without one
-    duplicate = torch.einsum("lhij,ij->lhi", attention, earlier_copy.float()) if has_copy.any() else torch.zeros(attention.shape[:-1])
+    # Three row-wise contractions in one pass, Σ_j α_ij K_ij[k]: distance |i - j| (a causal
+    # row is 0 past i, so the same kernel serves), earlier copies, and delimiters (the same for
+    # every row). (T_i, T_j, 3)
+    kernel = torch.stack(
+        [(index[:, None] - index[None, :]).abs(), earlier_copy.float(), delimiters.expand(n_tokens, n_tokens)], dim=-1
+    )
+    plogp = torch.empty(attention.shape[:-1])  # (L, H, T)
+    sums = torch.empty((3,) + attention.shape[:-1])  # (3, L, H, T)
+    # One layer at a time, so its weights stay in cache across both passes; Σ p log p in place
+    # (xlogy over all weights at once walked a second full-size tensor).
+    buffer = torch.empty(attention.shape[1:])  # (H, T, T), reused: fresh pages cost more than the log
+    for layer, weights in enumerate(attention):  # (H, T, T)
+        torch.clamp_min(weights, 1e-30, out=buffer).log_().mul_(weights)  # 0 · log(1e-30) = 0 where p = 0
+        plogp[layer] = buffer.sum(-1)
+        # (H, T_i, T_j) . (T_i, T_j, 3) -> (3, H, T_i)
+        sums[:, layer] = torch.einsum("hij,ijk->khi", weights, kernel)
+    entropy = -plogp / visible.clamp_min(2).log()  # (L, H, T)
+    distance, duplicate, delimiter = sums  # (L, H, T) each; duplicate is 0 on rows without a copy
+    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
+    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
+    first = attention[..., :, 0]
     return {
         "entropy": row_mean(entropy, choosing),
         "distance": row_mean(distance, choosing),
