@@ -5,11 +5,11 @@ from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import StringConstraints
 
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
-from manyeyes.app.services.errors import InvalidInput
 from manyeyes.app.services.measures import MATRIX_MEASURES, MeasuresService
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
@@ -22,6 +22,8 @@ def get_measures(request: Request) -> MeasuresService:
 
 MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]
 Index = Annotated[int, Query(ge=0, le=1_000_000)]
+_ONE = "(" + "|".join(MATRIX_MEASURES) + ")"
+NAMES = f"^{_ONE}(,{_ONE})*$"  # in the schema too, so clients (and fuzzers) know the names
 
 
 def json_response(body: dict) -> Response:
@@ -32,7 +34,8 @@ def json_response(body: dict) -> Response:
 async def run_measures(
     run_id: str,
     service: MeasuresDep,
-    names: Annotated[list[str], Query(description=f"Comma-separated, any of {', '.join(MATRIX_MEASURES)}")],
+    names: Annotated[list[Annotated[str, StringConstraints(pattern=NAMES)]],
+                     Query(description=f"Comma-separated, any of {', '.join(MATRIX_MEASURES)}")],
     layers: Annotated[list[str] | None, Query(description="Comma-separated layer indices; default all")] = None,
     heads: Annotated[list[str] | None, Query(description="Comma-separated head indices; default all")] = None,
     format: Annotated[Format, Query()] = "json",
@@ -40,9 +43,7 @@ async def run_measures(
     """Rollout (T, T), value-weighted norms (L, H, T, T), head contributions (L, H, T), the word
     view and the head table of a run. The first value-based measure of a run costs one captured
     forward pass (kept); the rest come from the cached weights."""
-    asked = [n.strip() for n in ",".join(names).split(",") if n.strip()]
-    if not asked:
-        raise InvalidInput(f"names must list at least one of {', '.join(MATRIX_MEASURES)}")
+    asked = ",".join(names).split(",")  # the schema's pattern has checked every name
     layer_list, head_list = parse_index_list(layers, "layer"), parse_index_list(heads, "head")
     found = await service.matrices(run_id, asked, layer_list, head_list, format)
     run, served = service.run(run_id)

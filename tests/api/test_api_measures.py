@@ -153,9 +153,9 @@ def test_bad_input_is_a_clear_4xx(client):
     cases = [
         (client.post("/api/v1/attention", json={"model": "tiny-gpt", "text": TEXT, "measures": ["flux"]}), 422, None),
         (client.post("/api/v1/attention", json={"model": "tiny-gpt", "text": TEXT, "measures": []}), 422, None),
-        (client.get(f"{base}/measures", params={"names": "rollout,bogus"}), 422, "unknown measure"),
+        (client.get(f"{base}/measures", params={"names": "rollout,bogus"}), 422, None),  # the schema's pattern
         (client.get(f"{base}/measures", params={"names": "rollout,rollout"}), 422, "once"),
-        (client.get(f"{base}/measures", params={"names": ","}), 422, "at least one"),
+        (client.get(f"{base}/measures", params={"names": ","}), 422, None),
         (client.get(f"{base}/measures", params={"names": "value_norms", "layers": "7"}), 422, "layer 7"),
         (client.get("/api/v1/runs/0123/measures", params={"names": "rollout"}), 404, "unknown or was evicted"),
         (client.get(f"{base}/flow", params={"threshold": 0}), 422, None),
