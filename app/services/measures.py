@@ -137,9 +137,8 @@ class MeasuresService:
     async def matrices(self, run_id: str, names: list[str], layers, heads, fmt: str) -> dict:
         """The `measures` object of a response: each asked name (one of MATRIX_MEASURES, as the
         schemas check) -> its result."""
-        if len(set(names)) != len(names):
-            raise InvalidInput("each measure may be asked for once")
         run, served = self.run(run_id)
+        names = list(dict.fromkeys(names))  # a repeated name is answered once, never twice
         info = served.model.info
         layers = resolve_indices(layers, info.n_layers, "layer", info.id)
         heads = resolve_indices(heads, info.n_heads, "head", info.id)
