@@ -34,6 +34,8 @@ MATRIX_MEASURES = ("rollout", "value_norms", "contributions", "words", "heads")
 NEEDS_CAPTURE = {"value_norms", "contributions"}
 CAPTURE_SHARE = 4  # captures get 1/4 of the run cache's byte budget, in their own LRU
 CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
+# Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, beyond 429.
+FLOW_SLOTS = 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class MeasuresService:
         self.settings = attention.settings
         self.captures = RunCache(attention.settings.cache_bytes // CAPTURE_SHARE)
         self._slots = threading.BoundedSemaphore(CAPTURE_SLOTS)
+        self._flow_slots = threading.BoundedSemaphore(FLOW_SLOTS)
         self._capturing: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -203,7 +206,12 @@ class MeasuresService:
 
     def _flow(self, run: Run, served: Served, threshold: float) -> dict:
         captured = self._capture(run, served)
-        edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)
+        if not self._flow_slots.acquire(blocking=False):
+            raise QueueFull("an information-flow graph is already being computed; retry shortly", 2)
+        try:
+            edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)
+        finally:
+            self._flow_slots.release()
         return {
             "run_id": run.run_id,
             "threshold": threshold,

@@ -9,6 +9,8 @@ import { HeadFinder } from "./finder.js";
 import { NeuronPanel } from "./neuron.js";
 import { tokenLabels } from "./tokens.js";
 
+const FLOW_AUTO_TOKENS = 128;
+
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
   rollout: "Attention rollout (Abnar & Zuidema, 2020): every layer's mean head plus the residual, multiplied through; how much of each input token reaches each position at the top.",
@@ -50,6 +52,7 @@ class Measures {
     $("word-view").addEventListener("change", () => this.drawMeasure());
     const threshold = $("flow-threshold");
     threshold.addEventListener("change", () => this.loadFlow());
+    $("flow-draw").addEventListener("click", () => this.loadFlow());
     threshold.addEventListener("input", () => { $("flow-threshold-value").textContent = Number(threshold.value).toFixed(2); });
   }
 
@@ -87,7 +90,11 @@ class Measures {
     $("measures").hidden = false;
     const token = (this.token = {});
     this.loadHeads(token);
-    this.loadFlow(token);
+    // The flow graph costs several forward passes at T=512 (README): long inputs draw it on request.
+    const auto = run.tokens.length <= FLOW_AUTO_TOKENS;
+    $("flow-draw").hidden = auto;
+    if (auto) this.loadFlow(token);
+    else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
     this.loadPredictions(token).then(() => this.drawMeasure());
     this.finder.select(layer, head);
     this.drawNeuron();
