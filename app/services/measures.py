@@ -90,7 +90,7 @@ class MeasuresService:
         self.captures = RunCache(attention.settings.cache_bytes // CAPTURE_SHARE)
         self._slots = threading.BoundedSemaphore(CAPTURE_SLOTS)
         self._flow_slots = threading.BoundedSemaphore(FLOW_SLOTS)
-        self._capturing: dict[str, threading.Lock] = {}
+        self._capturing: dict[str, list] = {}
         self._guard = threading.Lock()
 
     # ------------------------------------------------------------------ lookups
@@ -103,31 +103,38 @@ class MeasuresService:
         return run, self.attention.registry.get(run.model)
 
     def _capture(self, run: Run, served: Served) -> Captured:
-        """The run's captured forward, from the LRU or made now (on a worker thread)."""
+        """The run's captured forward, from the LRU or made now (on a worker thread). Requests
+        for one run wait for one forward and hold no slot while they wait: the page asks for a
+        run's flow, neuron view and value norms at once."""
         found = self.captures.get(run.run_id)
         if found is not None:
             return found
-        if not self._slots.acquire(blocking=False):
-            raise QueueFull(f"{CAPTURE_SLOTS} captured runs are already being computed; retry shortly", 1)
+        with self._guard:
+            entry = self._capturing.setdefault(run.run_id, [threading.Lock(), 0])  # [lock, waiters]
+            entry[1] += 1
         try:
-            with self._guard:  # two requests for one run share one forward
-                lock = self._capturing.setdefault(run.run_id, threading.Lock())
-            with lock:
+            with entry[0]:
                 found = self.captures.get(run.run_id)
                 if found is not None:
                     return found
-                model = served.model
-                type_emb = getattr(model.net, "type_emb", None)
-                n_types = type_emb.num_embeddings if type_emb is not None else 1
-                encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
-                result, inputs, final = m.capture_stream(model, encoded)
-                captured = Captured(run.run_id, replace(result, logits=None, attention=None), inputs, final)
-                self.captures.put(captured)
-                return captured
+                if not self._slots.acquire(blocking=False):
+                    raise QueueFull(f"{CAPTURE_SLOTS} captured runs are already being computed; retry shortly", 1)
+                try:
+                    model = served.model
+                    type_emb = getattr(model.net, "type_emb", None)
+                    n_types = type_emb.num_embeddings if type_emb is not None else 1
+                    encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
+                    result, inputs, final = m.capture_stream(model, encoded)
+                    captured = Captured(run.run_id, replace(result, logits=None, attention=None), inputs, final)
+                    self.captures.put(captured)
+                    return captured
+                finally:
+                    self._slots.release()
         finally:
             with self._guard:
-                self._capturing.pop(run.run_id, None)
-            self._slots.release()
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._capturing.pop(run.run_id, None)
 
     def _cells_check(self, cells: int, fmt: str) -> None:
         if fmt == "json" and cells > self.settings.max_json_cells:

@@ -240,3 +240,27 @@ def test_a_second_flow_while_one_runs_is_a_429_not_a_pile_up(client):
     finally:
         slots.release()
     assert client.get(f"/api/v1/runs/{run_id}/flow").status_code == 200
+
+
+def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch):
+    """The page asks for a run's flow, neuron view and value norms at once: more requests than
+    capture slots, all answered, by one forward."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from manyeyes.app.services import measures as service_module
+
+    run_id = post(client, text="Five requests, one capture, no 429.", format="u8")["run_id"]
+    service = client.app.state.measures
+    run, served = service.run(run_id)
+    calls = []
+    real = service_module.m.capture_stream
+
+    def counted(model, encoded):
+        calls.append(1)
+        return real(model, encoded)
+
+    monkeypatch.setattr(service_module.m, "capture_stream", counted)
+    with ThreadPoolExecutor(5) as pool:
+        found = list(pool.map(lambda _: service._capture(run, served), range(5)))
+    assert len(calls) == 1 and all(f is found[0] for f in found)
+    assert service._capturing == {}
