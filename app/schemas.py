@@ -290,8 +290,9 @@ class ViewState(BaseModel):
     layer: int = Field(0, ge=0, le=4096)
     head: int = Field(0, ge=0, le=4096)
     aggregate: Literal["head", "layer", "all"] = "head"
-    # Bounded items: an unbounded int (2**90) reached orjson in the view's id and was a 500.
-    heads: list[Annotated[int, Field(ge=0, le=4096)]] = Field(default_factory=list, max_length=256, description="Heads the head view draws")
+    heads: list[Annotated[int, Field(ge=0, le=4096)]] = Field(
+        default_factory=list, max_length=256, description="Heads the head view draws"
+    )
     hide_special: bool = False
     hide_first: bool = False
     threshold: float = Field(0.0, ge=0.0, le=1.0)
