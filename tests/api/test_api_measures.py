@@ -264,3 +264,11 @@ def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch
         found = list(pool.map(lambda _: service._capture(run, served), range(5)))
     assert len(calls) == 1 and all(f is found[0] for f in found)
     assert service._capturing == {}
+
+
+def test_measures_answer_plain_json_whatever_the_client_accepts(client):
+    """Frames and compressed bodies are the attention's wire; measures join a JSON answer."""
+    r = client.post("/api/v1/attention", json={"model": "tiny-gpt", "text": TEXT, "format": "u8", "measures": ["rollout"]},
+                    headers={"Accept": "application/vnd.manyeyes.frame", "Accept-Encoding": "zstd, gzip"})
+    assert r.status_code == 200 and "content-encoding" not in r.headers
+    assert r.json()["measures"]["rollout"]["shape"] == [len(r.json()["tokens"])] * 2
