@@ -2,7 +2,7 @@
 // weighted norms, head contributions), a word view, the model's predictions under it, and the
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
-import { ApiError, describeError, listModels, request } from "./api.js";
+import { ApiError, describeError, listModels, requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { HeadFinder } from "./finder.js";
@@ -60,16 +60,16 @@ class Measures {
   async get(path) {
     const url = `/api/v1/runs/${encodeURIComponent(this.run.runId)}/${path}`;
     try {
-      return await request(url);
+      return await requestJson(url);
     } catch (err) {
       if (!(err instanceof ApiError && err.status === 404 && err.code === "unknown_run")) throw err;
       await this.post({ format: "u8", layers: [0], heads: [0] });
-      return request(url);
+      return requestJson(url);
     }
   }
 
   post(extra) {
-    return request("/api/v1/attention", {
+    return requestJson("/api/v1/attention", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ ...this.request, ...extra }),
     });
   }
