@@ -21,9 +21,10 @@ from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.memory import tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from manyeyes.app.routes import aggregates, attention, docs, export, generate, models, ops, page, runs, views
+from manyeyes.app.routes import aggregates, attention, docs, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.cache import RunCache
+from manyeyes.app.services.measures import MeasuresService
 from manyeyes.app.services.errors import ApiError, error_body
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
@@ -90,6 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.registry = registry
         app.state.service = AttentionService(settings, registry, cache, metrics)
         app.state.generation = GenerationService(settings, registry, metrics)
+        app.state.measures = MeasuresService(app.state.service)
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
         loader = threading.Thread(target=registry.load_all, name="manyeyes-load", daemon=True)
         loader.start()
@@ -114,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export):
+    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export, measures):
         app.include_router(module.router)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

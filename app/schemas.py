@@ -43,6 +43,10 @@ class Options(BaseModel):
 class AttentionRequest(Options):
     text: str = Field(..., min_length=1)
     text_pair: str | None = Field(None, min_length=1, description="Second segment, for sentence-pair models")
+    measures: list[MeasureName] | None = Field(
+        None, min_length=1, description="Also return these measures of the run, in `format` (heads: JSON); "
+        "the same as GET /api/v1/runs/{run_id}/measures"
+    )
 
     _text = field_validator("text")(_not_blank)
 
@@ -59,6 +63,7 @@ class AttentionRequest(Options):
                 {"text": "The bank of the river.", "layers": [2], "heads": [3], "format": "json"},
                 {"text": "Where is it?", "text_pair": "On the bank.", "model": "minilm", "format": "f16"},
                 {"text": "In the beginning", "model": "tiny-gpt", "format": "u8", "predictions": {"top_k": 3}},
+                {"text": "The bank of the river.", "format": "u8", "measures": ["rollout", "heads"]},
             ]
         },
     )
@@ -128,6 +133,7 @@ class AttentionResponse(BaseModel):
         description="Only when asked for: token position -> top-k. Causal LMs: the next token after every "
         "position. Masked LMs: the masked token at each [MASK] / <mask> position.",
     )
+    measures: MeasuresOut | None = Field(None, description="Only when asked for with `measures`")
     device: str
     timing_ms: Timing
 
@@ -303,3 +309,159 @@ class ViewState(BaseModel):
 
 class ViewSaved(BaseModel):
     id: str = Field(description="Content id: the same view always gets the same id; open /?view=<id>")
+
+
+# ---- measures beyond raw weights (issue 11) --------------------------------------------------
+
+MeasureName = Literal["rollout", "value_norms", "contributions", "words", "heads"]
+
+
+class MeasureMatrix(BaseModel):
+    format: Format
+    dtype: Literal["float32", "float16", "uint8"]
+    shape: list[int] = Field(description="rollout: [T, T]; value_norms and word attention: [layers, heads, T, T] "
+                                         "(W for words); contributions: [layers, heads, T]; bias_shares: [layers, T]")
+    data: list | str = Field(description="Nested lists (json) or base64 (f16, u8), row-major")
+    scale: float | None = Field(None, description="u8 only: value ≈ offset + byte × scale")
+    offset: float | None = Field(None, description="u8 only: the smallest value (0 unless some are negative)")
+
+
+class ContributionsOut(BaseModel):
+    norms: MeasureMatrix = Field(description="‖what head h writes into the residual stream at query i‖")
+    shares: MeasureMatrix = Field(description="That write projected on the whole attention block's output; "
+                                              "heads plus bias_shares sum to 1 per position, negative when a head cancels others")
+    bias_shares: MeasureMatrix = Field(description="out_proj's bias: the rest of the sum")
+
+
+class WordOut(BaseModel):
+    text: str
+    start: int
+    end: int
+    segment: int
+    special: bool
+    pieces: list[int] = Field(description="Indices of the tokens this word merges")
+
+
+class WordsOut(BaseModel):
+    words: list[WordOut]
+    attention: MeasureMatrix = Field(description="Keys summed over a word's pieces, queries averaged; rows still sum to 1")
+
+
+class HeadRow(BaseModel):
+    layer: int
+    head: int
+    tags: list[str] = Field(description="previous-token, induction, sink, broad, self, positional; several or none")
+    stats: dict[str, float] = Field(description="entropy (0 sharp…1 uniform), distance (tokens), self, previous, first, "
+                                                "delimiter, duplicate (attention shares), induction (the built-in probe)")
+
+
+class TagRule(BaseModel):
+    stat: str
+    at_least: float
+
+
+class HeadsOut(BaseModel):
+    stats: list[str]
+    rows: list[HeadRow] = Field(description="Every head, layer-major")
+    thresholds: dict[str, TagRule]
+    positional_share: float = Field(description="positional: one fixed offset (not 0 or 1) is the argmax of at least this share of rows")
+
+
+class MeasuresOut(BaseModel):
+    """Only the measures asked for are present."""
+
+    rollout: MeasureMatrix | None = Field(None, description="Attention rollout (Abnar & Zuidema, 2020), (T, T)")
+    value_norms: MeasureMatrix | None = Field(None, description="‖α_ij · f_h(x_j)‖ (Kobayashi et al., 2020)")
+    contributions: ContributionsOut | None = None
+    words: WordsOut | None = None
+    heads: HeadsOut | None = None
+
+
+class MeasuresResponse(BaseModel):
+    run_id: str
+    model: str
+    layers: list[int]
+    heads: list[int]
+    measures: MeasuresOut
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "model": "tiny-gpt", "layers": [1], "heads": [0],
+        "measures": {
+            "rollout": {"format": "json", "dtype": "float32", "shape": [2, 2], "data": [[1.0, 0.0], [0.62, 0.38]]},
+            "value_norms": {"format": "u8", "dtype": "uint8", "shape": [1, 1, 2, 2], "data": "/wAxfw==",
+                            "scale": 0.0112, "offset": 0.0},
+            "heads": {"stats": ["entropy", "distance", "self", "previous", "first", "delimiter", "duplicate", "induction"],
+                      "rows": [{"layer": 1, "head": 0, "tags": ["induction"],
+                                "stats": {"entropy": 0.5, "distance": 13.9, "self": 0.07, "previous": 0.06, "first": 0.37,
+                                          "delimiter": 0.02, "duplicate": 0.31, "induction": 0.61}}],
+                      "thresholds": {"induction": {"stat": "induction", "at_least": 0.3}}, "positional_share": 0.6},
+        },
+    }]})
+
+
+class FlowEdgeOut(BaseModel):
+    layer: int = Field(description="The edge runs from token `source` below this layer to token `target` above it")
+    source: int
+    target: int
+    weight: float = Field(description="The source's share of what the target's stream becomes; a target's edges at a layer sum to 1 before pruning")
+    head: int | None = Field(description="The head that carries most of it; null for the residual (source == target)")
+
+
+class FlowResponse(BaseModel):
+    run_id: str
+    threshold: float
+    n_layers: int
+    n_tokens: int
+    edges: list[FlowEdgeOut]
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "threshold": 0.05, "n_layers": 2, "n_tokens": 3,
+        "edges": [{"layer": 0, "source": 0, "target": 1, "weight": 0.41, "head": 3},
+                  {"layer": 0, "source": 1, "target": 1, "weight": 0.59, "head": None}]}]})
+
+
+class NeuronResponse(BaseModel):
+    run_id: str
+    layer: int
+    head: int
+    kv_head: int = Field(description="The key/value head this query head reads: head // (n_heads / n_kv_heads)")
+    n_heads: int
+    n_kv_heads: int
+    query_index: int
+    query: list[float] = Field(description="(head_dim,) as the softmax saw it: after rotary where the model has it")
+    keys: list[list[float]] = Field(description="(T, head_dim)")
+    products: list[list[float]] = Field(description="(T, head_dim): query ⊙ key; a row sums to the raw score")
+    scores: list[float | None] = Field(description="Σ(q ⊙ k) / √head_dim; null where the key is masked (later tokens of a causal model)")
+    weights: list[float] = Field(description="The softmax: this query's row of the head's attention")
+    values: list[list[float]] = Field(description="(T, head_dim): what the weights mix")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "layer": 1, "head": 4, "kv_head": 1, "n_heads": 6, "n_kv_heads": 2,
+        "query_index": 1, "query": [0.5, -1.0], "keys": [[1.0, 0.2], [0.1, -0.9]], "products": [[0.5, -0.2], [0.05, 0.9]],
+        "scores": [0.212, 0.672], "weights": [0.387, 0.613], "values": [[0.3, 0.1], [-0.2, 0.4]]}]})
+
+
+class HeadAttribution(BaseModel):
+    layer: int
+    head: int
+    contribution: float
+
+
+class LogitAttributionResponse(BaseModel):
+    run_id: str
+    position: int
+    target: int = Field(description="The token id whose logit is decomposed (default: the model's top prediction)")
+    target_text: str
+    logit: float = Field(description="The model's own logit")
+    total: float = Field(description="Heads + attention biases + MLPs + embeddings + rest: equals logit within 1e-4")
+    heads: list[HeadAttribution] = Field(description="Direct contributions, largest first, the top `top`")
+    attention_bias: list[float]
+    mlps: list[float]
+    embeddings: float
+    rest: float = Field(description="The final norm's shift and the unembedding's bias")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "position": 5, "target": 109, "target_text": "m",
+        "logit": 6.2663, "total": 6.2663, "heads": [{"layer": 0, "head": 3, "contribution": 0.685},
+                                                   {"layer": 0, "head": 2, "contribution": 0.27}],
+        "attention_bias": [0.01, -0.02], "mlps": [1.9, 2.4], "embeddings": 0.8, "rest": 0.0}]})

@@ -17,6 +17,7 @@ Value-weighted norms stay in `manyeyes.model.analysis`.
 from __future__ import annotations
 
 import math
+import threading
 import unicodedata
 from dataclasses import dataclass
 
@@ -36,13 +37,16 @@ def rollout(attention: torch.Tensor) -> torch.Tensor:
     the identity term cannot add.
     """
     n_tokens = attention.shape[-1]
-    eye = torch.eye(n_tokens, dtype=torch.float64)
-    result = eye.clone()
-    for layer in attention.double():
-        mixed = 0.5 * layer.mean(0) + 0.5 * eye  # (T, T)
+    eye = torch.eye(n_tokens)
+    result = None
+    # float32 throughout: rows are distributions, so products stay within ~1e-7 of float64 at
+    # T=512, and a float64 copy of every weight cost more than the rest of the rollout.
+    for layer_mean in attention.float().mean(1):  # (T, T) per layer
+        mixed = 0.5 * layer_mean + 0.5 * eye
         mixed = mixed / mixed.sum(-1, keepdim=True)
-        result = mixed @ result  # later layers on the left: token i at layer l reads rows of l-1
-    return result.float()
+        # later layers on the left: token i at layer l reads rows of l-1; the first needs no product
+        result = mixed if result is None else mixed @ result
+    return eye if result is None else result
 
 
 # ---------------------------------------------------------------------------- what heads write
@@ -84,21 +88,41 @@ class Contributions:
     bias_shares: torch.Tensor  # (n_layers, T): out_proj's bias, the remainder of the sum
 
 
+def head_gram(w_o: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """W_O,hᵀ W_O,h per head, (n_heads, head_dim, head_dim): ‖x W_O,hᵀ‖² = x G_h xᵀ, so the norm of
+    what a head writes needs no d_model-wide vector. w_o: out_proj's (d_model, n_heads * head_dim)."""
+    # (d_model, n_heads * head_dim) -> (n_heads, head_dim, d_model)
+    per_head = w_o.view(w_o.shape[0], n_heads, -1).permute(1, 2, 0)
+    return per_head @ per_head.transpose(1, 2)  # (n_heads, head_dim, head_dim)
+
+
 def contributions(model: AttentionModel, result: AttentionResult) -> Contributions:
-    writes = head_writes(model, result)  # (n_layers, n_heads, T, d_model)
-    biases = torch.stack(
-        [
-            block.att.out_proj.bias.detach().float().cpu()
-            if block.att.out_proj.bias is not None
-            else torch.zeros(writes.shape[-1])
-            for block in model.net.trf_blocks
-        ]
-    )  # (n_layers, d_model)
-    output = writes.sum(1) + biases[:, None, :]  # (n_layers, T, d_model): the block's output
-    denom = (output * output).sum(-1).clamp_min(1e-30)  # (n_layers, T)
-    shares = (writes * output[:, None]).sum(-1) / denom[:, None]  # (n_layers, n_heads, T)
-    bias_shares = (biases[:, None, :] * output).sum(-1) / denom
-    return Contributions(norms=writes.norm(dim=-1), shares=shares, bias_shares=bias_shares)
+    """`head_writes`' norms and shares, without ever holding the (n_layers, n_heads, T, d_model) writes.
+
+    Per layer, with m_h = Σ_j α_ij v_j (the head's mixed values) and y the block's output:
+    ‖m_h W_O,hᵀ‖² = m_h G_h m_hᵀ and m_h W_O,hᵀ · y = m_h · (y W_O,h): head_dim-wide work only.
+    """
+    if result.values is None:
+        raise ValueError("head contributions need the values: run with Capture(qkv=True)")
+    info = model.info
+    norms, shares, bias_shares = [], [], []
+    for block, values, weights in zip(model.net.trf_blocks, result.values, result.attention):
+        values = _per_query_head(values, info.n_heads)  # (n_heads, T, head_dim)
+        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
+        bias = block.att.out_proj.bias
+        bias = bias.detach().float().cpu() if bias is not None else torch.zeros(w_o.shape[0])
+        mixed = weights @ values  # (n_heads, T, T) @ (n_heads, T, head_dim) -> (n_heads, T, head_dim)
+        n_tokens = mixed.shape[1]
+        context = mixed.transpose(0, 1).reshape(n_tokens, -1)  # (T, n_heads * head_dim)
+        output = context @ w_o.T + bias  # (T, d_model): the block's output, heads + bias
+        # (T, d_model) @ (d_model, n_heads * head_dim) -> (n_heads, T, head_dim): y W_O,h per head
+        pulled = (output @ w_o).view(n_tokens, info.n_heads, -1).transpose(0, 1)
+        denom = (output * output).sum(-1).clamp_min(1e-30)  # (T,)
+        squared = ((mixed @ head_gram(w_o, info.n_heads)) * mixed).sum(-1)  # (n_heads, T)
+        norms.append(squared.clamp_min(0).sqrt())
+        shares.append((mixed * pulled).sum(-1) / denom)
+        bias_shares.append((output @ bias) / denom)
+    return Contributions(norms=torch.stack(norms), shares=torch.stack(shares), bias_shares=torch.stack(bias_shares))
 
 
 # ---------------------------------------------------------------------------- head statistics and tags
@@ -132,27 +156,32 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
         # per_row: (n_layers, n_heads, T); rows: (T,) bool
         return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2])
 
-    entropy = -torch.special.xlogy(attention, attention).sum(-1) / visible.clamp_min(2).log()  # (L, H, T)
     index = positions.float()
-    if causal:  # j ≤ i, so Σ_j α_ij (i - j) = i - Σ_j j·α_ij: a matmul, no (T, T) temporary
-        distance = index - attention @ index
-    else:
-        distance = (attention * (index[:, None] - index[None, :]).abs()).sum(-1)
-    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
-    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
-    first = attention[..., :, 0]
     delimiters = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)])
-    delimiter = attention @ delimiters  # (L, H, T)
     ids = torch.tensor([t.id for t in tokens])
     earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
     has_copy = earlier_copy.any(-1)
-    if has_copy.any():
-        rows = has_copy.nonzero().squeeze(-1)
-        # only rows with an earlier copy: (L, H, R, T) * (R, T) -> (L, H, R)
-        duplicate = torch.zeros(attention.shape[:-1])
-        duplicate[..., rows] = (attention[..., rows, :] * earlier_copy[rows].float()).sum(-1)
-    else:
-        duplicate = torch.zeros(attention.shape[:-1])
+    # Three row-wise contractions in one pass, Σ_j α_ij K_ij[k]: distance |i - j| (a causal
+    # row is 0 past i, so the same kernel serves), earlier copies, and delimiters (the same for
+    # every row). (T_i, T_j, 3)
+    kernel = torch.stack(
+        [(index[:, None] - index[None, :]).abs(), earlier_copy.float(), delimiters.expand(n_tokens, n_tokens)], dim=-1
+    )
+    plogp = torch.empty(attention.shape[:-1])  # (L, H, T)
+    sums = torch.empty((3,) + attention.shape[:-1])  # (3, L, H, T)
+    # One layer at a time, so its weights stay in cache across both passes; Σ p log p in place
+    # (xlogy over all weights at once walked a second full-size tensor).
+    buffer = torch.empty(attention.shape[1:])  # (H, T, T), reused: fresh pages cost more than the log
+    for layer, weights in enumerate(attention):  # (H, T, T)
+        torch.clamp_min(weights, 1e-30, out=buffer).log_().mul_(weights)  # 0 · log(1e-30) = 0 where p = 0
+        plogp[layer] = buffer.sum(-1)
+        # (H, T_i, T_j) . (T_i, T_j, 3) -> (3, H, T_i)
+        sums[:, layer] = torch.einsum("hij,ijk->khi", weights, kernel)
+    entropy = -plogp / visible.clamp_min(2).log()  # (L, H, T)
+    distance, duplicate, delimiter = sums  # (L, H, T) each; duplicate is 0 on rows without a copy
+    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
+    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
+    first = attention[..., :, 0]
     return {
         "entropy": row_mean(entropy, choosing),
         "distance": row_mean(distance, choosing),
@@ -290,14 +319,20 @@ def merge_words(tokens: list[Token], attention: torch.Tensor, source: tuple[str,
     """Words and their attention, (..., W, W): keys summed over a word's pieces, queries averaged.
 
     Rows still sum to one. source: (text, text_pair), to name each word by its own characters.
+    When no word has two pieces the merged attention is `attention` itself, not a copy.
     """
     groups = _word_groups(tokens)
-    membership = torch.zeros(len(groups), len(tokens), dtype=attention.dtype)  # (W, T)
-    for w, group in enumerate(groups):
-        membership[w, group] = 1.0
-    query_mean = membership / membership.sum(-1, keepdim=True)
-    # (W, T) @ (..., T, T) @ (T, W) -> (..., W, W)
-    merged = query_mean @ attention @ membership.T
+    if len(groups) == len(tokens):
+        merged = attention
+    else:
+        # Sums by index, not (W, T) @ A @ (T, W): two dense matmuls cost 4x a T=512 forward pass.
+        word_of = torch.tensor([w for w, group in enumerate(groups) for _ in group])  # (T,)
+        counts = torch.tensor([len(group) for group in groups], dtype=attention.dtype)  # (W,)
+        # (..., T, T) -> (..., T, W): keys summed over each word's pieces
+        keys = attention.new_zeros(attention.shape[:-1] + (len(groups),)).index_add_(-1, word_of, attention)
+        # (..., T, W) -> (..., W, W): then queries averaged
+        merged = keys.new_zeros(keys.shape[:-2] + (len(groups), len(groups))).index_add_(-2, word_of, keys)
+        merged = merged / counts[:, None]
     words = []
     for group in groups:
         first, last = tokens[group[0]], tokens[group[-1]]
@@ -364,19 +399,31 @@ class LogitAttribution:
 
 
 class _StreamTap:
-    """Forward pre-hooks that keep the residual stream entering each block (and the final norm)."""
+    """Forward pre-hooks that keep the residual stream entering each block (and the final norm).
+
+    Hooks sit on the shared module, so a server's other threads (its batcher, a generation) fire
+    them too while the tap is on: only the thread that opened the tap is recorded.
+    """
 
     def __init__(self, net):
         self.inputs: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
+        self._thread = threading.get_ident()
         self._hooks = [
-            block.register_forward_pre_hook(lambda m, args, i=i: self.inputs.__setitem__(i, args[0][0].detach().float().cpu()))
+            block.register_forward_pre_hook(lambda m, args, i=i: self._keep(i, args[0]))
             for i, block in enumerate(net.trf_blocks)
         ]
         if hasattr(net, "final_norm"):
-            self._hooks.append(
-                net.final_norm.register_forward_pre_hook(lambda m, args: setattr(self, "final", args[0][0].detach().float().cpu()))
-            )
+            self._hooks.append(net.final_norm.register_forward_pre_hook(lambda m, args: self._keep(None, args[0])))
+
+    def _keep(self, index: int | None, stream: torch.Tensor) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        stream = stream[0].detach().float().cpu()  # (T, d_model) of the lone input
+        if index is None:
+            self.final = stream
+        else:
+            self.inputs[index] = stream
 
     def __enter__(self):
         return self
@@ -386,14 +433,18 @@ class _StreamTap:
             hook.remove()
 
 
-def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
-    """One forward that also keeps the residual stream entering each block: (result, [(T, d_model)] * n_layers, final).
-
-    final is the stream entering the final norm, or None for a model without one.
-    """
+def capture_stream(model: AttentionModel, encoded: Encoded):
+    """One forward of one encoded input that keeps q/k/v and the residual stream entering each
+    block: (result, [(T, d_model)] * n_layers, final), final the stream entering the final norm
+    (None for a model without one)."""
     with _StreamTap(model.net) as tap:
-        result = model.run([model.encode(text, text_pair)], Capture(qkv=True))[0]
+        result = model.run([encoded], Capture(qkv=True))[0]
     return result, [tap.inputs[i] for i in range(len(tap.inputs))], tap.final
+
+
+def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
+    """`capture_stream` of a text."""
+    return capture_stream(model, model.encode(text, text_pair))
 
 
 def _frozen_norm(norm: torch.nn.Module, stream: torch.Tensor):
@@ -414,14 +465,33 @@ def logit_attribution(model: AttentionModel, text: str, position: int, target: i
     output, so the parts add up to the logit exactly (TransformerLens' direct logit attribution).
     target None: the model's own top prediction at that position.
     """
+    check_attributable(model)
+    result, inputs, final = run_with_stream(model, text)
+    return attribute_logit(model, result, inputs, final, position, target)
+
+
+def check_attributable(model: AttentionModel) -> None:
     net = model.net
     if not model.info.causal or not hasattr(net, "final_norm") or not hasattr(net, "out_head"):
         raise ValueError("logit attribution needs a pre-norm language model with a final norm and an output head")
-    result, inputs, final = run_with_stream(model, text)
+
+
+def attribute_logit(model: AttentionModel, result: AttentionResult, inputs: list[torch.Tensor], final: torch.Tensor,
+                    position: int, target: int | None = None) -> LogitAttribution:
+    """`logit_attribution` of a run already captured by `capture_stream`. A result kept without
+    its (T, vocab) logits gets the one row it needs from the last hidden state."""
+    check_attributable(model)
+    net = model.net
     n_tokens = len(result.tokens)
     if not 0 <= position < n_tokens:
         raise ValueError(f"position must be in 0..{n_tokens - 1}")
-    logits = result.logits[position]
+    if result.logits is not None:
+        logits = result.logits[position]
+    else:
+        head_bias = getattr(net.out_head, "bias", None)
+        logits = result.hidden[position] @ net.out_head.weight.detach().float().cpu().T  # (vocab,)
+        if head_bias is not None:
+            logits = logits + head_bias.detach().float().cpu()
     target = int(logits.argmax()) if target is None else int(target)
     if not 0 <= target < logits.shape[-1]:
         raise ValueError(f"target must be a token id in 0..{logits.shape[-1] - 1}")
@@ -486,6 +556,11 @@ def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, 
     token at one layer share 1. Returns (tokens, edges).
     """
     result, inputs, _ = run_with_stream(model, text, text_pair)
+    return result.tokens, flow_edges(model, result, inputs, threshold)
+
+
+def flow_edges(model: AttentionModel, result: AttentionResult, inputs: list[torch.Tensor], threshold: float) -> list[FlowEdge]:
+    """`information_flow`'s edges for a run already captured by `capture_stream`."""
     info = model.info
     edges: list[FlowEdge] = []
     for layer, block in enumerate(model.net.trf_blocks):
@@ -517,4 +592,4 @@ def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, 
                 edges.append(FlowEdge(layer, target, target, weight, None))
             else:
                 edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
-    return result.tokens, edges
+    return edges

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request, Response
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
+from manyeyes.app.routes.measures import MeasuresDep
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from manyeyes.app.services.attention import Wire
@@ -21,15 +22,19 @@ def wire_of(request: Request) -> Wire:
 
 
 @router.post("/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **ERRORS})
-async def attention(body: AttentionRequest, service: ServiceDep, request: Request) -> Response:
+async def attention(body: AttentionRequest, service: ServiceDep, measures: MeasuresDep, request: Request) -> Response:
     """Attention weights of every (or the chosen) layer and head for one text.
 
     Repeating a request is served from the run cache. Large inputs: use `format=u8`, and
     `Accept: application/vnd.manyeyes.frame` for raw bytes instead of base64."""
     started = time.monotonic()
-    work = service.attend([(body.text, body.text_pair)], body, False, started, wire_of(request), client_of(request))
+    # With measures the answer stays plain JSON (no frame, no compression) so they can join it.
+    wire = Wire() if body.measures else wire_of(request)
+    work = service.attend([(body.text, body.text_pair)], body, False, started, wire, client_of(request))
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
+    if body.measures:
+        reply.body = await measures.attach(reply.body, reply.log["run_id"], body.measures, body)
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
     return PiecesResponse(reply.body, reply.media_type, reply.headers)
 

@@ -70,6 +70,11 @@ async function authorised(call, init) {
   }
 }
 
+// Plain JSON calls (the measures, static/js/measures.js) with the tab's API key, asked for on a 401.
+export function requestJson(url, init = {}) {
+  return authorised((withAuth) => request(url, withAuth), init);
+}
+
 export function listModels() {
   return authorised((init) => request("/api/v1/models", init), {}).then((body) => body.models);
 }

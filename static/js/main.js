@@ -8,6 +8,7 @@ import { downloadCsv, downloadJson } from "./download.js";
 import { FocusView } from "./focus.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
+import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
 import { AttentionRun } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
@@ -53,6 +54,7 @@ const grid = new GridView($("grid"), {
   onNeedLayers: (layers) => loadU8(layers),
 });
 const headView = new HeadView($("headview"));
+const measures = mountMeasures((l, h) => { state.aggregate = "head"; setFocus(l, h, "finder"); });
 
 function mark(name) {
   if (state.marks.has(name)) return;
@@ -347,6 +349,7 @@ function setFocus(layer, head, how = "select") {
   grid.select(layer, head, state.aggregate);
   updatePermalink();
   renderViews();
+  measures.onFocus(layer, head);
 }
 
 // ---- permalink --------------------------------------------------------------------------------
@@ -483,6 +486,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     $("views").scrollIntoView({ block: "start" });
   }
   await renderViews();
+  measures.onRun(run, request, state.layer, state.head);
   setBusy(false);
   // After Enter the caret would keep the arrow keys in the text box: the heatmap takes them.
   if (typedIn) $("focus-plot").focus({ preventScroll: true });

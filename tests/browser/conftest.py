@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -53,11 +54,10 @@ def causal_model_spec(tmp_path_factory) -> str:
     return f"{folder / 'model.pth'}?tokenizer={builtin_path('minilm') / 'tokenizer.json'}"
 
 
-@pytest.fixture(scope="session")
-def server(causal_model_spec):
+@contextlib.contextmanager
+def serving(models: dict[str, str]):
     """`create_app` under uvicorn in a subprocess, as `manyeyes serve` runs it; yields its base URL."""
     port = free_port()
-    models = {"minilm": "minilm", "tiny-causal": causal_model_spec}
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root)
     base = f"http://127.0.0.1:{port}"
@@ -81,6 +81,12 @@ def server(causal_model_spec):
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(causal_model_spec):
+    with serving({"minilm": "minilm", "tiny-causal": causal_model_spec}) as base:
+        yield base
 
 
 @pytest.fixture(scope="session")

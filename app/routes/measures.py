@@ -1,0 +1,88 @@
+"""Measures of a cached run: GET /api/v1/runs/{run_id}/measures (the matrices and the head table,
+also on POST /api/v1/attention as `measures`), /flow, /neuron and /logit-attribution."""
+
+from typing import Annotated
+
+import orjson
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import StringConstraints
+
+from manyeyes.app.routes.responses import errors
+from manyeyes.app.schemas import FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
+from manyeyes.app.services.attention import parse_index_list
+from manyeyes.app.services.measures import MATRIX_MEASURES, MeasuresService
+
+router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
+ERRORS = errors(404, 413, 422, 429, 503)
+
+
+def get_measures(request: Request) -> MeasuresService:
+    return request.app.state.measures
+
+
+MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]
+Index = Annotated[int, Query(ge=0, le=1_000_000)]
+_ONE = "(" + "|".join(MATRIX_MEASURES) + ")"
+NAMES = f"^{_ONE}(,{_ONE})*$"  # in the schema too, so clients (and fuzzers) know the names
+
+
+def json_response(body: dict) -> Response:
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+
+@router.get("/measures", response_model=MeasuresResponse, responses=ERRORS)
+async def run_measures(
+    run_id: str,
+    service: MeasuresDep,
+    names: Annotated[list[Annotated[str, StringConstraints(pattern=NAMES)]],
+                     Query(description=f"Comma-separated, any of {', '.join(MATRIX_MEASURES)}")],
+    layers: Annotated[list[str] | None, Query(description="Comma-separated layer indices; default all")] = None,
+    heads: Annotated[list[str] | None, Query(description="Comma-separated head indices; default all")] = None,
+    format: Annotated[Format, Query()] = "json",
+) -> Response:
+    """Rollout (T, T), value-weighted norms (L, H, T, T), head contributions (L, H, T), the word
+    view and the head table of a run. The first value-based measure of a run costs one captured
+    forward pass (kept); the rest come from the cached weights."""
+    asked = ",".join(names).split(",")  # the schema's pattern has checked every name
+    layer_list, head_list = parse_index_list(layers, "layer"), parse_index_list(heads, "head")
+    found = await service.matrices(run_id, asked, layer_list, head_list, format)
+    run, served = service.run(run_id)
+    info = served.model.info
+    return json_response({
+        "run_id": run_id, "model": run.model,
+        "layers": layer_list if layer_list is not None else list(range(info.n_layers)),
+        "heads": head_list if head_list is not None else list(range(info.n_heads)),
+        "measures": found,
+    })
+
+
+@router.get("/flow", response_model=FlowResponse, responses=ERRORS)
+async def run_flow(
+    run_id: str,
+    service: MeasuresDep,
+    threshold: Annotated[float, Query(ge=0.01, le=1.0, description="Edges below this share are pruned; ≥ 0.01 bounds a target's edges per layer to 100")] = 0.05,
+) -> Response:
+    """Information-flow routes (Ferrando & Voita, 2024): token → token edges through the layers,
+    weighted by how much of the target's stream each source makes, pruned at `threshold`."""
+    return json_response(await service.flow(run_id, threshold))
+
+
+@router.get("/neuron", response_model=NeuronResponse, responses=ERRORS)
+async def run_neuron(run_id: str, service: MeasuresDep, layer: Index, head: Index, query: Index) -> Response:
+    """The neuron view of one head and one query token: the query, every key, q ⊙ k, the scaled
+    scores, the softmax and the values. Under grouped-query attention, `kv_head` says which
+    key/value head this query head reads."""
+    return json_response(await service.neuron(run_id, layer, head, query))
+
+
+@router.get("/logit-attribution", response_model=LogitAttributionResponse, responses=ERRORS)
+async def run_logit_attribution(
+    run_id: str,
+    service: MeasuresDep,
+    position: Index,
+    target: Annotated[int | None, Query(ge=0, le=10_000_000, description="Token id; default the top prediction at `position`")] = None,
+    top: Annotated[int, Query(ge=1, le=4096, description="Heads returned, largest first")] = 10,
+) -> Response:
+    """Direct logit attribution (causal LMs): each head's direct contribution to the logit of
+    `target` at `position`, through the final norm frozen at this run's scale, ranked."""
+    return json_response(await service.logits(run_id, position, target, top))

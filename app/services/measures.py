@@ -1,0 +1,278 @@
+"""Measures beyond raw weights for cached runs: rollout, value norms, contributions, the word
+view, head stats and tags, information flow, the neuron view and direct logit attribution.
+
+The run cache keeps attention only. Measures that read the weights alone (rollout, words, head
+stats) are computed from it with no forward pass. The others need values, queries and keys,
+and the residual stream: those come from one captured forward of the run's own tokens, made
+the first time such a measure is asked for and kept in a separate LRU bounded in bytes (a
+capture is L × T × (3·d + d) floats, a fraction of the T² weights). The batcher's forward stays
+as it is: most runs never ask for these, and a capture with the stream costs more than a plain
+forward.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from dataclasses import dataclass, replace
+
+import orjson
+import torch
+from starlette.concurrency import run_in_threadpool
+
+from manyeyes.app.services.attention import AttentionService, resolve_indices
+from manyeyes.app.services.cache import Run, RunCache
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, UnknownRun
+from manyeyes.app.services.payload import to_f16
+from manyeyes.app.services.registry import Served
+from manyeyes.model import measures as m
+from manyeyes.model.analysis import value_weighted_norms
+from manyeyes.model.runtime import AttentionResult
+from manyeyes.model.tokenizer import Encoded
+
+MATRIX_MEASURES = ("rollout", "value_norms", "contributions", "words", "heads")
+NEEDS_CAPTURE = {"value_norms", "contributions"}
+CAPTURE_SHARE = 4  # captures get 1/4 of the run cache's byte budget, in their own LRU
+CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
+# Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, beyond 429.
+FLOW_SLOTS = 1
+
+
+@dataclass(frozen=True)
+class Captured:
+    run_id: str
+    # Kept without its (T, vocab) logits and without its weights: those are the cached run's
+    # (same tokens, same forward), joined back by `with_weights`, never held twice.
+    result: AttentionResult
+    inputs: list[torch.Tensor]  # (T, d_model) per layer: the stream entering each block
+    final: torch.Tensor | None  # (T, d_model): the stream entering the final norm
+
+    def with_weights(self, run: Run) -> AttentionResult:
+        return replace(self.result, attention=run.attention)
+
+    @property
+    def nbytes(self) -> int:
+        r = self.result
+        tensors = [r.hidden, *r.queries, *r.keys, *r.values, *self.inputs]
+        if self.final is not None:
+            tensors.append(self.final)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def encode_matrix(values: torch.Tensor, fmt: str) -> dict:
+    """A measure's tensor in the attention formats. Measures are not weights in [0, 1], so u8
+    carries its own affine map: value ≈ offset + byte × scale."""
+    values = values.float().contiguous()
+    out = {"format": fmt, "dtype": {"json": "float32", "f16": "float16", "u8": "uint8"}[fmt], "shape": list(values.shape)}
+    if fmt == "json":
+        out["data"] = values.numpy()
+        return out
+    if fmt == "f16":
+        out["data"] = base64.b64encode(to_f16(values)).decode("ascii")
+        return out
+    low = min(float(values.min()), 0.0) if values.numel() else 0.0
+    high = float(values.max()) if values.numel() else 1.0
+    scale = (high - low) / 255 if high > low else 1 / 255
+    raw = ((values - low) / scale).round_().clamp_(0, 255).to(torch.uint8)
+    out.update(data=base64.b64encode(raw.numpy().tobytes()).decode("ascii"), scale=scale, offset=low)
+    return out
+
+
+def pick(tensor: torch.Tensor, layers: list[int], heads: list[int]) -> torch.Tensor:
+    """(L, H, ...) -> (L', H', ...)."""
+    return tensor.index_select(0, torch.tensor(layers)).index_select(1, torch.tensor(heads))
+
+
+class MeasuresService:
+    def __init__(self, attention: AttentionService) -> None:
+        self.attention = attention
+        self.settings = attention.settings
+        self.captures = RunCache(attention.settings.cache_bytes // CAPTURE_SHARE)
+        self._slots = threading.BoundedSemaphore(CAPTURE_SLOTS)
+        self._flow_slots = threading.BoundedSemaphore(FLOW_SLOTS)
+        self._capturing: dict[str, list] = {}
+        self._guard = threading.Lock()
+
+    # ------------------------------------------------------------------ lookups
+    def run(self, run_id: str) -> tuple[Run, Served]:
+        run = self.attention.cache.get(run_id)
+        if run is None:
+            raise UnknownRun(
+                f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
+            )
+        return run, self.attention.registry.get(run.model)
+
+    def _capture(self, run: Run, served: Served) -> Captured:
+        """The run's captured forward, from the LRU or made now (on a worker thread). Requests
+        for one run wait for one forward and hold no slot while they wait: the page asks for a
+        run's flow, neuron view and value norms at once."""
+        found = self.captures.get(run.run_id)
+        if found is not None:
+            return found
+        with self._guard:
+            entry = self._capturing.setdefault(run.run_id, [threading.Lock(), 0])  # [lock, waiters]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                found = self.captures.get(run.run_id)
+                if found is not None:
+                    return found
+                if not self._slots.acquire(blocking=False):
+                    raise QueueFull(f"{CAPTURE_SLOTS} captured runs are already being computed; retry shortly", 1)
+                try:
+                    model = served.model
+                    type_emb = getattr(model.net, "type_emb", None)
+                    n_types = type_emb.num_embeddings if type_emb is not None else 1
+                    encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
+                    result, inputs, final = m.capture_stream(model, encoded)
+                    captured = Captured(run.run_id, replace(result, logits=None, attention=None), inputs, final)
+                    self.captures.put(captured)
+                    return captured
+                finally:
+                    self._slots.release()
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._capturing.pop(run.run_id, None)
+
+    def _cells_check(self, cells: int, fmt: str) -> None:
+        if fmt == "json" and cells > self.settings.max_json_cells:
+            raise TooManyCells(
+                f"format=json would return {cells:,} values, over this server's limit of "
+                f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads"
+            )
+
+    # ------------------------------------------------------------------ the matrix measures
+    async def matrices(self, run_id: str, names: list[str], layers, heads, fmt: str) -> dict:
+        """The `measures` object of a response: each asked name (one of MATRIX_MEASURES, as the
+        schemas check) -> its result."""
+        run, served = self.run(run_id)
+        names = list(dict.fromkeys(names))  # a repeated name is answered once, never twice
+        info = served.model.info
+        layers = resolve_indices(layers, info.n_layers, "layer", info.id)
+        heads = resolve_indices(heads, info.n_heads, "head", info.id)
+        n = run.attention.shape[-1]
+        per_head = len(layers) * len(heads)
+        cells = {"rollout": n * n, "value_norms": per_head * n * n, "contributions": 2 * per_head * n + len(layers) * n,
+                 "words": per_head * n * n, "heads": 0}
+        self._cells_check(sum(cells[name] for name in names), fmt)
+        return await run_in_threadpool(self._matrices, run, served, names, layers, heads, fmt)
+
+    def _matrices(self, run: Run, served: Served, names, layers, heads, fmt) -> dict:
+        model = served.model
+        captured = self._capture(run, served).with_weights(run) if NEEDS_CAPTURE & set(names) else None
+        out = {}
+        for name in names:
+            if name == "rollout":
+                out[name] = encode_matrix(m.rollout(run.attention), fmt)
+            elif name == "value_norms":
+                out[name] = encode_matrix(pick(value_weighted_norms(model, captured), layers, heads), fmt)
+            elif name == "contributions":
+                found = m.contributions(model, captured)
+                out[name] = {
+                    "norms": encode_matrix(pick(found.norms, layers, heads), fmt),
+                    "shares": encode_matrix(pick(found.shares, layers, heads), fmt),
+                    "bias_shares": encode_matrix(found.bias_shares.index_select(0, torch.tensor(layers)), fmt),
+                }
+            elif name == "words":
+                words, merged = m.merge_words(run.tokens, run.attention)
+                out[name] = {
+                    "words": [{"text": w.text, "start": w.start, "end": w.end, "segment": w.segment,
+                               "special": w.special, "pieces": list(w.pieces)} for w in words],
+                    "attention": encode_matrix(pick(merged, layers, heads), fmt),
+                }
+            else:
+                out[name] = self._heads(run, served)
+        return out
+
+    @staticmethod
+    def _heads(run: Run, served: Served) -> dict:
+        stats, tags = m.head_table(served.model, run)
+        n_layers, n_heads = run.attention.shape[:2]
+        return {
+            "stats": list(m.STAT_NAMES) + ["induction"],
+            "rows": [
+                {"layer": layer, "head": head, "tags": tags[layer][head],
+                 "stats": {name: round(float(value[layer, head]), 6) for name, value in stats.items()}}
+                for layer in range(n_layers) for head in range(n_heads)
+            ],
+            "thresholds": {tag: {"stat": stat, "at_least": value} for tag, (stat, value) in m.TAG_THRESHOLDS.items()},
+            "positional_share": m.POSITIONAL_SHARE,
+        }
+
+    async def attach(self, pieces: list[bytes], run_id: str, names: list[str], options) -> list[bytes]:
+        """POST /attention's pieces with a `measures` member added before the closing brace."""
+        found = await self.matrices(run_id, names, options.layers, options.heads, options.format)
+        return [*pieces[:-1], pieces[-1][:-1] + b',"measures":' + orjson.dumps(found, option=orjson.OPT_SERIALIZE_NUMPY) + b"}"]
+
+    # ------------------------------------------------------------------ the parameterised ones
+    async def flow(self, run_id: str, threshold: float) -> dict:
+        run, served = self.run(run_id)
+        return await run_in_threadpool(self._flow, run, served, threshold)
+
+    def _flow(self, run: Run, served: Served, threshold: float) -> dict:
+        captured = self._capture(run, served)
+        if not self._flow_slots.acquire(blocking=False):
+            raise QueueFull("an information-flow graph is already being computed; retry shortly", 2)
+        try:
+            edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)
+        finally:
+            self._flow_slots.release()
+        return {
+            "run_id": run.run_id,
+            "threshold": threshold,
+            "n_layers": run.attention.shape[0],
+            "n_tokens": len(run.tokens),
+            "edges": [{"layer": e.layer, "source": e.source, "target": e.target, "weight": round(e.weight, 6),
+                       "head": e.head} for e in edges],
+        }
+
+    async def neuron(self, run_id: str, layer: int, head: int, query: int) -> dict:
+        run, served = self.run(run_id)
+        info = served.model.info
+        resolve_indices([layer], info.n_layers, "layer", info.id)
+        resolve_indices([head], info.n_heads, "head", info.id)
+        resolve_indices([query], len(run.tokens), "query position", info.id)
+        return await run_in_threadpool(self._neuron, run, served, layer, head, query)
+
+    def _neuron(self, run: Run, served: Served, layer: int, head: int, query: int) -> dict:
+        view = m.neuron_view(served.model, self._capture(run, served).with_weights(run), layer, head, query)
+        info = served.model.info
+
+        def rows(t: torch.Tensor):
+            return [[round(float(x), 6) for x in row] for row in t.tolist()] if t.dim() == 2 else [round(float(x), 6) for x in t.tolist()]
+
+        return {
+            "run_id": run.run_id, "layer": layer, "head": head, "kv_head": view.kv_head,
+            "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads, "query_index": query,
+            "query": rows(view.query), "keys": rows(view.keys), "products": rows(view.products),
+            # -inf (a masked key) is not JSON: null says "masked" instead.
+            "scores": [None if s == float("-inf") else round(s, 6) for s in view.scores.tolist()],
+            "weights": rows(view.weights), "values": rows(view.values),
+        }
+
+    async def logits(self, run_id: str, position: int, target: int | None, top: int) -> dict:
+        run, served = self.run(run_id)
+        try:
+            m.check_attributable(served.model)
+        except ValueError as exc:
+            raise InvalidInput(f"model {served.id}: {exc}") from None
+        resolve_indices([position], len(run.tokens), "position", served.id)
+        vocab = served.model.net.out_head.weight.shape[0]
+        if target is not None and not 0 <= target < vocab:
+            raise InvalidInput(f"target must be a token id in 0..{vocab - 1}")
+        return await run_in_threadpool(self._logits, run, served, position, target, top)
+
+    def _logits(self, run: Run, served: Served, position: int, target: int | None, top: int) -> dict:
+        captured = self._capture(run, served)
+        found = m.attribute_logit(served.model, captured.with_weights(run), captured.inputs, captured.final, position, target)
+        ranked = found.ranked_heads()
+        token = served.model.tokenizer.token_text(found.target)
+        return {
+            "run_id": run.run_id, "position": found.position, "target": found.target,
+            "target_text": token, "logit": found.logit, "total": found.total,
+            "heads": [{"layer": layer, "head": head, "contribution": value} for layer, head, value in ranked[:top]],
+            "attention_bias": found.attention_bias.tolist(), "mlps": found.mlps.tolist(),
+            "embeddings": found.embeddings, "rest": found.rest,
+        }

@@ -1,0 +1,72 @@
+// The information-flow graph (Ferrando & Voita, 2024) as plain SVG: tokens along the bottom,
+// one row of nodes per layer boundary going up, an edge per kept route, its width its weight.
+// Clicking a head's edge focuses that head; residual edges (straight up) belong to no head.
+
+import { el } from "./dom.js";
+
+const SVG = "http://www.w3.org/2000/svg";
+const ROW = 70; // px between layer rows
+const LABEL_ROOM = 70; // px under the bottom row for the token labels
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  return node;
+}
+
+export class FlowGraph {
+  constructor(root, { onEdge }) {
+    this.root = root;
+    this.onEdge = onEdge;
+  }
+
+  clear(message) {
+    this.root.replaceChildren(el("p", { className: "empty", text: message }));
+  }
+
+  render(flow, labels, focused) {
+    const { n_layers: nLayers, n_tokens: nTokens, edges } = flow;
+    const step = Math.max(28, Math.min(60, 900 / Math.max(nTokens, 1)));
+    const width = step * nTokens + 56;
+    const height = ROW * nLayers + LABEL_ROOM + 34;
+    const x = (token) => 36 + step * (token + 0.5); // room on the left for the level names
+    const y = (level) => 24 + ROW * (nLayers - level); // level 0: the embeddings, at the bottom
+    const drawing = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, role: "img",
+                                 "aria-label": `Information flow: ${edges.length} routes at threshold ${flow.threshold}` });
+    const title = svg("title");
+    title.textContent = "Routes between tokens through the layers; click an edge to focus its head";
+    drawing.append(title);
+    for (let level = 0; level <= nLayers; level++) {
+      const name = svg("text", { x: 4, y: y(level) - 4, class: "flow-level" });
+      name.textContent = level === 0 ? "emb" : `L${level - 1}`;
+      drawing.append(name);
+    }
+    for (const edge of edges) {
+      const onFocus = focused && edge.head === focused.head && edge.layer === focused.layer;
+      const line = svg("line", {
+        x1: x(edge.source), y1: y(edge.layer), x2: x(edge.target), y2: y(edge.layer + 1),
+        "stroke-width": (0.5 + 6 * edge.weight).toFixed(2),
+        class: `flow-edge${edge.head === null ? " residual" : ""}${onFocus ? " focused" : ""}`,
+        "data-layer": edge.layer, "data-source": edge.source, "data-target": edge.target,
+        "data-head": edge.head ?? "", "data-weight": edge.weight,
+      });
+      line.style.strokeOpacity = String(0.25 + 0.75 * edge.weight);
+      const tip = svg("title");
+      const through = edge.head === null ? "residual" : `layer ${edge.layer} head ${edge.head}`;
+      tip.textContent = `${labels[edge.source]} → ${labels[edge.target]}: ${(edge.weight * 100).toFixed(1)}% via ${through}`;
+      line.append(tip);
+      if (edge.head !== null) line.addEventListener("click", () => this.onEdge(edge.layer, edge.head));
+      drawing.append(line);
+    }
+    for (let level = 0; level <= nLayers; level++) {
+      for (let t = 0; t < nTokens; t++) drawing.append(svg("circle", { cx: x(t), cy: y(level), r: 3, class: "flow-node" }));
+    }
+    labels.forEach((label, t) => {
+      const text = svg("text", { x: x(t), y: y(0) + 14, class: "flow-token",
+                                 transform: `rotate(45 ${x(t)} ${y(0) + 14})` });
+      text.textContent = label; // textContent: a token is never markup
+      drawing.append(text);
+    });
+    this.root.replaceChildren(drawing);
+  }
+}

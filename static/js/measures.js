@@ -1,0 +1,257 @@
+// "Beyond raw weights": the measure chosen for the focused head (raw weights, rollout, value-
+// weighted norms, head contributions), a word view, the model's predictions under it, and the
+// head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
+
+import { ApiError, describeError, listModels, requestJson } from "./api.js";
+import { $, el, plotlyText } from "./dom.js";
+import { FlowGraph } from "./flow.js";
+import { HeadFinder } from "./finder.js";
+import { NeuronPanel } from "./neuron.js";
+import { tokenLabels } from "./tokens.js";
+
+const FLOW_AUTO_TOKENS = 128;
+
+const CAPTIONS = {
+  raw: "The focused head's softmax weights: where each query (row) looks.",
+  rollout: "Attention rollout (Abnar & Zuidema, 2020): every layer's mean head plus the residual, multiplied through; how much of each input token reaches each position at the top.",
+  value_norms: "Value-weighted norms ‖α·f(x)‖ (Kobayashi et al., 2020): a weight counts only as much as what it moves; a big weight on a token with a tiny value vector fades.",
+  contributions: "Each head's share of what the layer's attention writes at each position (rows: heads; columns: query tokens); negative shares cancel other heads.",
+};
+
+function matrixOf(measure) {
+  // json measures: nested lists; flatten to rows of the last two axes.
+  let data = measure.data;
+  while (Array.isArray(data[0]?.[0])) data = data[0];
+  return data;
+}
+
+// Sum over a word's key pieces, mean over its query pieces: the same rule as the API's word view.
+function mergeWords(matrix, words) {
+  return words.map((qw) => words.map((kw) => {
+    let total = 0;
+    for (const q of qw.pieces) for (const k of kw.pieces) total += matrix[q][k];
+    return total / qw.pieces.length;
+  }));
+}
+
+class Measures {
+  constructor(focusHead) {
+    this.focusHead = focusHead;
+    this.run = null;
+    this.layer = 0;
+    this.head = 0;
+    this.queryIndex = 0;
+    this.flow = null;
+    this.words = null;
+    this.predictions = null;
+    this.models = listModels().catch(() => []);
+    this.finder = new HeadFinder($("finder"), { onSelect: (l, h) => this.focusHead(l, h) });
+    this.flowGraph = new FlowGraph($("flow"), { onEdge: (l, h) => this.focusHead(l, h) });
+    this.neuron = new NeuronPanel($("neuron"), { onQuery: (q) => { this.queryIndex = q; this.drawNeuron(); } });
+    $("measure").addEventListener("change", () => this.drawMeasure());
+    $("word-view").addEventListener("change", () => this.drawMeasure());
+    const threshold = $("flow-threshold");
+    threshold.addEventListener("change", () => this.loadFlow());
+    $("flow-draw").addEventListener("click", () => this.loadFlow());
+    threshold.addEventListener("input", () => { $("flow-threshold-value").textContent = Number(threshold.value).toFixed(2); });
+  }
+
+  // GET a run's measure; a run the server evicted is posted again (same id) and asked once more.
+  async get(path) {
+    const url = `/api/v1/runs/${encodeURIComponent(this.run.runId)}/${path}`;
+    try {
+      return await requestJson(url);
+    } catch (err) {
+      if (!(err instanceof ApiError && err.status === 404 && err.code === "unknown_run")) throw err;
+      await this.post({ format: "u8", layers: [0], heads: [0] });
+      return requestJson(url);
+    }
+  }
+
+  post(extra) {
+    return requestJson("/api/v1/attention", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ ...this.request, ...extra }),
+    });
+  }
+
+  status(id, err) {
+    $(id).textContent = err ? describeError(err) : "";
+  }
+
+  onRun(run, requestBody, layer, head) {
+    this.run = run;
+    this.layer = layer;
+    this.head = head;
+    this.request = requestBody;
+    this.labels = tokenLabels(run.tokens, "text");
+    this.flow = this.words = this.predictions = null;
+    this.queryIndex = run.tokens.length - 1;
+    this.neuron.setTokens(this.labels, this.queryIndex);
+    $("measures").hidden = false;
+    const token = (this.token = {});
+    this.loadHeads(token);
+    // The flow graph costs several forward passes at T=512 (README): long inputs draw it on request.
+    const auto = run.tokens.length <= FLOW_AUTO_TOKENS;
+    $("flow-draw").hidden = auto;
+    if (auto) this.loadFlow(token);
+    else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
+    this.loadPredictions(token).then(() => this.drawMeasure());
+    this.finder.select(layer, head);
+    this.drawNeuron();
+  }
+
+  onFocus(layer, head) {
+    this.layer = layer;
+    this.head = head;
+    this.finder.select(layer, head);
+    if (!this.run) return;
+    if (this.flow) this.flowGraph.render(this.flow, this.labels, { layer, head });
+    this.drawMeasure();
+    this.drawNeuron();
+  }
+
+  async loadHeads(token = this.token) {
+    try {
+      const body = await this.get("measures?names=heads");
+      if (token !== this.token) return;
+      this.finder.render(body.measures.heads);
+      this.finder.select(this.layer, this.head);
+      $("finder").dataset.runId = this.run.runId;
+      this.status("finder-status");
+    } catch (err) {
+      this.status("finder-status", err);
+    }
+  }
+
+  async loadFlow(token = this.token) {
+    if (!this.run) return;
+    const threshold = Number($("flow-threshold").value);
+    try {
+      const flow = await this.get(`flow?threshold=${threshold}`);
+      if (token !== this.token) return;
+      this.flow = flow;
+      this.flowGraph.render(flow, this.labels, { layer: this.layer, head: this.head });
+      $("flow").dataset.threshold = String(threshold);
+      this.status("flow-status");
+    } catch (err) {
+      this.status("flow-status", err);
+    }
+  }
+
+  async loadPredictions(token = this.token) {
+    const info = (await this.models).find((m) => m.id === this.run.model);
+    const strip = $("predictions");
+    if (!info?.predictions) {
+      strip.replaceChildren(el("span", { className: "hint", text: "This model has no language-model head: no predictions." }));
+      return;
+    }
+    try {
+      const body = await this.post({ format: "u8", layers: [0], heads: [0], predictions: { top_k: 5 } });
+      if (token !== this.token) return;
+      this.predictions = body.predictions;
+      this.drawPredictions(info.causal);
+    } catch (err) {
+      strip.replaceChildren(el("span", { className: "hint", text: describeError(err) }));
+    }
+  }
+
+  drawPredictions(causal) {
+    const cells = this.labels.map((label, i) => {
+      const top = this.predictions[String(i)];
+      const guess = top ? top[0].token : "";
+      const title = top ? `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${p.token} ${(p.prob * 100).toFixed(1)}%`).join(", ") : label;
+      return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "data-position": i } }, [
+        el("span", { className: "pred-token", text: label }),
+        el("span", { className: "pred-guess", text: guess }),
+      ]);
+    });
+    $("predictions").replaceChildren(el("span", { className: "hint", text: causal ? "Next token: " : "Masked token: " }), ...cells);
+  }
+
+  async wordsOf() {
+    if (!this.words) this.words = (await this.get("measures?names=words&layers=0&heads=0")).measures.words.words;
+    return this.words;
+  }
+
+  async drawMeasure() {
+    if (!this.run) return;
+    const kind = $("measure").value;
+    const wordView = $("word-view").checked && kind !== "contributions";
+    $("word-view").disabled = kind === "contributions";
+    const { layer, head } = this;
+    const token = (this.drawToken = {});
+    try {
+      let matrix;
+      let rows = this.labels;
+      let cols = this.labels;
+      let signed = false;
+      if (kind === "raw" && wordView) {
+        const body = await this.get(`measures?names=words&layers=${layer}&heads=${head}`);
+        matrix = matrixOf(body.measures.words.attention);
+        this.words = body.measures.words.words;
+      } else if (kind === "raw") {
+        matrix = matrixOf((await this.get(`attention?layers=${layer}&heads=${head}&format=json`)).attention);
+      } else if (kind === "rollout") {
+        matrix = matrixOf((await this.get("measures?names=rollout")).measures.rollout);
+      } else if (kind === "value_norms") {
+        matrix = matrixOf((await this.get(`measures?names=value_norms&layers=${layer}&heads=${head}`)).measures.value_norms);
+      } else {
+        const body = await this.get(`measures?names=contributions&layers=${layer}`);
+        matrix = matrixOf(body.measures.contributions.shares);
+        rows = [...Array(matrix.length).keys()].map((h) => `H${h}`);
+        signed = true;
+      }
+      if (wordView && kind !== "raw") matrix = mergeWords(matrix, await this.wordsOf());
+      if (wordView) rows = cols = (await this.wordsOf()).map((w) => w.text);
+      if (token !== this.drawToken) return;
+      await this.plot(matrix, rows, cols, signed, kind, wordView);
+      this.status("measure-status");
+    } catch (err) {
+      this.status("measure-status", err);
+    }
+  }
+
+  async plot(matrix, rows, cols, signed, kind, wordView) {
+    const plot = $("measure-plot");
+    const peak = Math.max(...matrix.flat().map(Math.abs), 1e-12);
+    const nextOf = (i) => {
+      const top = !wordView && kind !== "contributions" && this.predictions?.[String(i)];
+      return top ? `<br>next: ${plotlyText(top[0].token)} ${(top[0].prob * 100).toFixed(0)}%` : "";
+    };
+    const text = matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`));
+    const trace = {
+      type: "heatmap", z: matrix, text, hoverinfo: "text",
+      colorscale: signed ? "RdBu" : "Viridis", reversescale: signed,
+      zmin: signed ? -peak : 0, zmax: peak,
+    };
+    const ink = getComputedStyle(document.body).color;
+    const axis = (labels) => ({ tickvals: labels.map((_, i) => i), ticktext: labels.map(plotlyText), tickfont: { size: 10 }, automargin: true });
+    const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${this.layer}${kind === "contributions" ? "" : ` head ${this.head}`}`;
+    await window.Plotly.react(plot, [trace], {
+      title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 } },
+      xaxis: { ...axis(cols), side: "bottom", tickangle: -45 }, yaxis: { ...axis(rows), autorange: "reversed" },
+      margin: { t: 36, r: 10, b: 10, l: 10 }, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
+      height: Math.max(260, Math.min(640, 120 + 16 * rows.length)),
+    }, { displaylogo: false, responsive: true });
+    Object.assign(plot.dataset, { measure: kind, layer: this.layer, head: this.head, words: String(wordView) });
+    $("measure-caption").textContent = CAPTIONS[kind];
+  }
+
+  async drawNeuron() {
+    if (!this.run) return;
+    const { layer, head, queryIndex } = this;
+    try {
+      const view = await this.get(`neuron?layer=${layer}&head=${head}&query=${queryIndex}`);
+      if (layer !== this.layer || head !== this.head || queryIndex !== this.queryIndex) return;
+      this.neuron.render(view, this.labels);
+      this.status("neuron-status");
+    } catch (err) {
+      this.status("neuron-status", err);
+    }
+  }
+}
+
+// focusHead(layer, head): how the page focuses a head (main.js's setFocus).
+export function mountMeasures(focusHead) {
+  return new Measures(focusHead);
+}

@@ -1,0 +1,69 @@
+// The neuron view: for the focused head and one query token, the query vector, every key, the
+// elementwise q ⊙ k, the scaled score, the softmax and the value each weight mixes. Vectors are
+// drawn as colour strips (blue negative, red positive, per-vector scale); numbers are text.
+
+import { el } from "./dom.js";
+
+const CELL = 3; // px per vector component
+
+function strip(vector, label) {
+  const canvas = el("canvas", { className: "vec", attrs: { width: vector.length * CELL, height: 12, "aria-label": label, title: label } });
+  const ctx = canvas.getContext("2d");
+  const peak = Math.max(...vector.map(Math.abs), 1e-12);
+  vector.forEach((v, i) => {
+    const a = Math.min(1, Math.abs(v) / peak);
+    ctx.fillStyle = v >= 0 ? `rgba(214, 39, 40, ${a})` : `rgba(31, 119, 180, ${a})`;
+    ctx.fillRect(i * CELL, 0, CELL, 12);
+  });
+  return canvas;
+}
+
+const norm = (v) => Math.sqrt(v.reduce((s, x) => s + x * x, 0));
+
+export class NeuronPanel {
+  constructor(root, { onQuery }) {
+    this.root = root;
+    this.query = el("select", { attrs: { id: "neuron-query", "aria-label": "Query token" } });
+    this.query.addEventListener("change", () => onQuery(Number(this.query.value)));
+    this.note = el("p", { className: "caption", attrs: { id: "neuron-note" } });
+    this.table = el("table", { className: "neuron-table", attrs: { id: "neuron-table" } });
+    root.replaceChildren(
+      el("div", { className: "finder-filters" }, [el("label", { text: "Query token ", attrs: { for: "neuron-query" } }), this.query]),
+      this.note,
+      el("div", { className: "finder-scroll" }, [this.table]),
+    );
+  }
+
+  setTokens(labels, chosen) {
+    this.query.replaceChildren(...labels.map((label, i) => el("option", { text: `${i}: ${label}`, attrs: { value: i } })));
+    this.query.value = String(chosen);
+  }
+
+  render(view, labels) {
+    const group = view.n_heads / view.n_kv_heads;
+    this.note.textContent = group > 1
+      ? `Layer ${view.layer} head ${view.head} reads key/value head ${view.kv_head} of ${view.n_kv_heads} (grouped-query attention: ${group} query heads share it, so they see the same keys and values).`
+      : `Layer ${view.layer} head ${view.head}: its own keys and values (key/value head ${view.kv_head}).`;
+    this.root.dataset.layer = view.layer;
+    this.root.dataset.head = view.head;
+    this.root.dataset.query = view.query_index;
+    const header = el("tr", {}, ["key token", "key k", "q ⊙ k", "score q·k/√d", "softmax", "value v"].map((t) => el("th", { text: t, attrs: { scope: "col" } })));
+    const queryRow = el("tr", { className: "neuron-query-row" }, [
+      el("th", { text: `query: ${labels[view.query_index]}`, attrs: { scope: "row" } }),
+      el("td", {}, [strip(view.query, `query vector, norm ${norm(view.query).toFixed(3)}`)]),
+      el("td"), el("td"), el("td"), el("td"),
+    ]);
+    const rows = view.keys.map((key, j) => {
+      const masked = view.scores[j] === null;
+      return el("tr", { className: masked ? "masked" : "", attrs: { "data-key": j } }, [
+        el("th", { text: labels[j], attrs: { scope: "row" } }),
+        el("td", {}, [strip(key, `key ${j}, norm ${norm(key).toFixed(3)}`)]),
+        el("td", {}, [strip(view.products[j], `q ⊙ k, sum ${view.products[j].reduce((s, x) => s + x, 0).toFixed(4)}`)]),
+        el("td", { className: "num score", text: masked ? "masked" : view.scores[j].toFixed(4) }),
+        el("td", { className: "num weight", text: view.weights[j].toFixed(4) }, []),
+        el("td", {}, [strip(view.values[j], `value ${j}, norm ${norm(view.values[j]).toFixed(3)}`)]),
+      ]);
+    });
+    this.table.replaceChildren(el("thead", {}, [header]), el("tbody", {}, [queryRow, ...rows]));
+  }
+}

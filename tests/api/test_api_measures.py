@@ -1,0 +1,274 @@
+"""The measures over HTTP: each value equals the Python function's on the same run, in every
+format; bad input is a clear 4xx."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from manyeyes.app.config import Settings
+from manyeyes.model import Capture, load
+from manyeyes.model import measures as m
+from manyeyes.model.analysis import value_weighted_norms
+from tests.api.conftest import decode, serve
+
+TEXT = "The cat sat on the mat. The cat sat on"
+PAIR = ("Where is the riverbank?", "On the other side.")
+# Small enough that a json value-norms answer for tiny-gpt overflows it, large enough for rollout.
+JSON_CELLS = 5_000
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = serve(Settings(models={"tiny-gpt": "tiny-gpt", "minilm": "minilm"}, device="cpu", max_wait_ms=5,
+                       max_json_cells=200_000))
+    yield c
+    c.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-gpt", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load("minilm", device="cpu")
+
+
+def post(client, **body):
+    r = client.post("/api/v1/attention", json={"model": "tiny-gpt", **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def decoded(matrix: dict) -> np.ndarray:
+    if matrix["format"] == "u8":  # measures carry their own affine map
+        raw = decode({**matrix, "scale": 1.0})
+        return matrix["offset"] + raw * matrix["scale"]
+    return decode(matrix)
+
+
+def test_post_measures_equal_the_python_functions(client, tiny):
+    body = post(client, text=TEXT, format="json", measures=["rollout", "value_norms", "contributions", "words"])
+    result = tiny.run([tiny.encode(TEXT)], Capture(qkv=True))[0]
+    got = body["measures"]
+    np.testing.assert_allclose(decoded(got["rollout"]), m.rollout(result.attention).numpy(), atol=1e-5)
+    np.testing.assert_allclose(decoded(got["value_norms"]), value_weighted_norms(tiny, result).numpy(), atol=1e-5)
+    found = m.contributions(tiny, result)
+    np.testing.assert_allclose(decoded(got["contributions"]["norms"]), found.norms.numpy(), atol=1e-5)
+    np.testing.assert_allclose(decoded(got["contributions"]["shares"]), found.shares.numpy(), atol=1e-5)
+    np.testing.assert_allclose(decoded(got["contributions"]["bias_shares"]), found.bias_shares.numpy(), atol=1e-5)
+    words, merged = m.merge_words(result.tokens, result.attention)
+    assert [w["pieces"] for w in got["words"]["words"]] == [list(w.pieces) for w in words]
+    np.testing.assert_allclose(decoded(got["words"]["attention"]), merged.numpy(), atol=1e-5)
+    assert "heads" not in got and "predictions" not in body
+
+
+@pytest.mark.parametrize("fmt", ["f16", "u8"])
+def test_compact_formats_round_trip_signed_and_unbounded_values(client, tiny, fmt):
+    body = post(client, text=TEXT, format=fmt, heads=[0, 1, 7], measures=["value_norms", "contributions"])
+    result = tiny.run([tiny.encode(TEXT)], Capture(qkv=True))[0]
+    norms = value_weighted_norms(tiny, result)[:, [0, 1, 7]].numpy()
+    shares = m.contributions(tiny, result).shares[:, [0, 1, 7]].numpy()
+    got_norms, got_shares = decoded(body["measures"]["value_norms"]), decoded(body["measures"]["contributions"]["shares"])
+    assert got_norms.shape == norms.shape and got_shares.shape == shares.shape
+    # f16: relative precision; u8: half a step of the measure's own range
+    tol = (lambda x: 1e-3 * np.abs(x).max()) if fmt == "f16" else (lambda x: (x.max() - min(x.min(), 0)) / 255 / 2 + 1e-6)
+    assert np.abs(got_norms - norms).max() <= tol(norms)
+    assert np.abs(got_shares - shares).max() <= tol(shares)
+    assert shares.min() < 0 or fmt == "f16"  # the u8 offset is exercised by a negative share
+
+
+def test_head_table_tags_tiny_gpts_known_heads(client):
+    body = post(client, text=TEXT, format="u8", measures=["heads"])
+    rows = {(r["layer"], r["head"]): r for r in body["measures"]["heads"]["rows"]}
+    assert len(rows) == 2 * 8
+    assert "previous-token" in rows[0, 3]["tags"]
+    assert "induction" in rows[1, 0]["tags"]
+    assert rows[1, 0]["stats"]["induction"] >= body["measures"]["heads"]["thresholds"]["induction"]["at_least"]
+
+
+def test_get_measures_serves_the_same_values_as_post(client):
+    body = post(client, text=TEXT, format="json", measures=["rollout", "heads"])
+    again = client.get(f"/api/v1/runs/{body['run_id']}/measures", params={"names": "rollout,heads"}).json()
+    assert again["measures"] == body["measures"]
+    sliced = client.get(f"/api/v1/runs/{body['run_id']}/measures",
+                        params={"names": "value_norms", "layers": "1", "heads": "0,2"}).json()
+    full = client.get(f"/api/v1/runs/{body['run_id']}/measures", params={"names": "value_norms"}).json()
+    np.testing.assert_allclose(decoded(sliced["measures"]["value_norms"]),
+                               decoded(full["measures"]["value_norms"])[1:2][:, [0, 2]], atol=1e-7)
+    assert (sliced["layers"], sliced["heads"]) == ([1], [0, 2])
+    twice = client.get(f"/api/v1/runs/{body['run_id']}/measures", params={"names": "rollout,rollout"}).json()
+    assert list(twice["measures"]) == ["rollout"]
+
+
+def test_flow_edges_equal_information_flow(client, tiny):
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    got = client.get(f"/api/v1/runs/{run_id}/flow", params={"threshold": 0.1}).json()
+    _, edges = m.information_flow(tiny, TEXT, threshold=0.1)
+    assert [(e["layer"], e["source"], e["target"], e["head"]) for e in got["edges"]] == [
+        (e.layer, e.source, e.target, e.head) for e in edges]
+    np.testing.assert_allclose([e["weight"] for e in got["edges"]], [e.weight for e in edges], atol=1e-5)
+    assert got["n_layers"] == 2 and all(e["weight"] >= 0.1 for e in got["edges"])
+
+
+def test_neuron_view_equals_the_python_function(client, tiny):
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    got = client.get(f"/api/v1/runs/{run_id}/neuron", params={"layer": 1, "head": 0, "query": 9}).json()
+    view = m.neuron_view(tiny, tiny.run([tiny.encode(TEXT)], Capture(qkv=True))[0], 1, 0, 9)
+    assert (got["kv_head"], got["n_kv_heads"], got["query_index"]) == (0, 8, 9)
+    for name in ("query", "keys", "products", "weights", "values"):
+        np.testing.assert_allclose(got[name], getattr(view, name).numpy(), atol=1e-5)
+    scores = view.scores.numpy()
+    assert got["scores"][10:] == [None] * (len(scores) - 10)  # later keys are masked: null, not -inf
+    np.testing.assert_allclose(got["scores"][:10], scores[:10], atol=1e-5)
+    assert math.isclose(sum(got["weights"]), 1.0, abs_tol=1e-5)
+
+
+def test_logit_attribution_equals_the_python_function_and_adds_up(client, tiny):
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    got = client.get(f"/api/v1/runs/{run_id}/logit-attribution", params={"position": 12, "top": 16}).json()
+    want = m.logit_attribution(tiny, TEXT, 12)
+    assert got["target"] == want.target and got["target_text"] == tiny.tokenizer.token_text(want.target)
+    assert abs(got["logit"] - want.logit) < 1e-4 and abs(got["total"] - got["logit"]) < 1e-4
+    assert [(h["layer"], h["head"]) for h in got["heads"]] == [(l_, h_) for l_, h_, _ in want.ranked_heads()]
+    np.testing.assert_allclose([h["contribution"] for h in got["heads"]], [c for _, _, c in want.ranked_heads()], atol=1e-5)
+    chosen = client.get(f"/api/v1/runs/{run_id}/logit-attribution", params={"position": 12, "target": 101, "top": 3}).json()
+    assert chosen["target"] == 101 and len(chosen["heads"]) == 3
+
+
+def test_a_pair_on_a_bert_keeps_its_segments_in_the_capture(client, minilm):
+    """The capture re-runs the cached tokens: type ids must come back from their segments."""
+    body = client.post("/api/v1/attention", json={"model": "minilm", "text": PAIR[0], "text_pair": PAIR[1],
+                                                  "format": "f16", "measures": ["value_norms"]}).json()
+    result = minilm.run([minilm.encode(*PAIR)], Capture(qkv=True))[0]
+    want = value_weighted_norms(minilm, result).numpy()
+    assert np.abs(decoded(body["measures"]["value_norms"]) - want).max() <= 1e-3 * want.max()
+
+
+def test_bad_input_is_a_clear_4xx(client):
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    base = f"/api/v1/runs/{run_id}"
+    cases = [
+        (client.post("/api/v1/attention", json={"model": "tiny-gpt", "text": TEXT, "measures": ["flux"]}), 422, None),
+        (client.post("/api/v1/attention", json={"model": "tiny-gpt", "text": TEXT, "measures": []}), 422, None),
+        (client.get(f"{base}/measures", params={"names": "rollout,bogus"}), 422, None),  # the schema's pattern
+        (client.get(f"{base}/measures", params={"names": ","}), 422, None),
+        (client.get(f"{base}/measures", params={"names": "value_norms", "layers": "7"}), 422, "layer 7"),
+        (client.get("/api/v1/runs/0123/measures", params={"names": "rollout"}), 404, "unknown or was evicted"),
+        (client.get(f"{base}/flow", params={"threshold": 0}), 422, None),
+        (client.get(f"{base}/neuron", params={"layer": 0, "head": 8, "query": 0}), 422, "head 8"),
+        (client.get(f"{base}/neuron", params={"layer": 0, "head": 0, "query": 999}), 422, "query position 999"),
+        (client.get(f"{base}/neuron", params={"layer": -1, "head": 0, "query": 0}), 422, None),
+        (client.get(f"{base}/logit-attribution", params={"position": 99}), 422, "position 99"),
+        (client.get(f"{base}/logit-attribution", params={"position": 0, "target": 257}), 422, "target"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        assert "error" in response.json() or status == 422
+        if words:
+            assert words in response.json()["error"]["message"]
+    encoder = client.post("/api/v1/attention", json={"model": "minilm", "text": "Hi there", "format": "u8"}).json()
+    refused = client.get(f"/api/v1/runs/{encoder['run_id']}/logit-attribution", params={"position": 1})
+    assert refused.status_code == 422 and "language model" in refused.json()["error"]["message"]
+
+
+def test_json_over_the_cell_budget_is_a_413():
+    small = serve(Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", max_json_cells=JSON_CELLS))
+    try:
+        run_id = small.post("/api/v1/attention", json={"text": TEXT, "format": "u8"}).json()["run_id"]
+        ok = small.get(f"/api/v1/runs/{run_id}/measures", params={"names": "rollout"})
+        assert ok.status_code == 200
+        big = small.get(f"/api/v1/runs/{run_id}/measures", params={"names": "value_norms"})
+        assert big.status_code == 413 and "format=u8" in big.json()["error"]["message"]
+        assert small.get(f"/api/v1/runs/{run_id}/measures", params={"names": "value_norms", "format": "u8"}).status_code == 200
+    finally:
+        small.__exit__(None, None, None)
+
+
+def test_capture_cache_counts_its_bytes(client):
+    service = client.app.state.measures
+    run_id = post(client, text="A fresh sentence for the capture cache.", format="u8", measures=["value_norms"])["run_id"]
+    captured = service.captures.get(run_id)
+    assert captured is not None
+    r = captured.result
+    expected = sum(t.numel() * 4 for t in [r.hidden, *r.queries, *r.keys, *r.values, *captured.inputs, captured.final])
+    # neither the (T, vocab) logits nor a second copy of the weights is kept
+    assert captured.nbytes == expected and r.logits is None and r.attention is None
+    assert service.captures.nbytes <= service.captures.max_bytes
+    run = client.app.state.service.cache.get(run_id)
+    assert captured.with_weights(run).attention is run.attention
+
+
+def test_grouped_query_attention_is_shown_honestly(tmp_path, bytelevel_tokenizer):
+    """A random llama with 6 query heads over 2 key/value heads: query head 4 reads kv head 1, the
+    same keys and values as head 3, and every number equals the Python functions'."""
+    from tests.test_parity_decoders import save_random
+
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 3, num_key_value_heads=2)
+    model = load(tmp_path, device="cpu")
+    text = "The quick brown fox jumps over the lazy dog."
+    gqa = serve(Settings(models={"gqa": str(tmp_path)}, device="cpu"))
+    try:
+        body = gqa.post("/api/v1/attention", json={"text": text, "format": "json", "measures": ["value_norms"]}).json()
+        result = model.run([model.encode(text)], Capture(qkv=True))[0]
+        np.testing.assert_allclose(decoded(body["measures"]["value_norms"]), value_weighted_norms(model, result).numpy(), atol=1e-5)
+        base = f"/api/v1/runs/{body['run_id']}"
+        four = gqa.get(f"{base}/neuron", params={"layer": 1, "head": 4, "query": 7}).json()
+        three = gqa.get(f"{base}/neuron", params={"layer": 1, "head": 3, "query": 7}).json()
+        assert (four["kv_head"], three["kv_head"], four["n_kv_heads"], four["n_heads"]) == (1, 1, 2, 6)
+        assert four["keys"] == three["keys"] and four["values"] == three["values"] and four["query"] != three["query"]
+        view = m.neuron_view(model, result, 1, 4, 7)
+        np.testing.assert_allclose(four["keys"], view.keys.numpy(), atol=1e-5)
+        np.testing.assert_allclose(four["weights"], view.weights.numpy(), atol=1e-5)
+        dla = gqa.get(f"{base}/logit-attribution", params={"position": 7}).json()
+        assert abs(dla["total"] - dla["logit"]) < 1e-4  # RMSNorm frozen at the run's scale
+    finally:
+        gqa.__exit__(None, None, None)
+
+
+def test_a_second_flow_while_one_runs_is_a_429_not_a_pile_up(client):
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    slots = client.app.state.measures._flow_slots
+    assert slots.acquire(blocking=False)  # as if another flow graph were being computed
+    try:
+        busy = client.get(f"/api/v1/runs/{run_id}/flow")
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "2"
+    finally:
+        slots.release()
+    assert client.get(f"/api/v1/runs/{run_id}/flow").status_code == 200
+
+
+def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch):
+    """The page asks for a run's flow, neuron view and value norms at once: more requests than
+    capture slots, all answered, by one forward."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from manyeyes.app.services import measures as service_module
+
+    run_id = post(client, text="Five requests, one capture, no 429.", format="u8")["run_id"]
+    service = client.app.state.measures
+    run, served = service.run(run_id)
+    calls = []
+    real = service_module.m.capture_stream
+
+    def counted(model, encoded):
+        calls.append(1)
+        return real(model, encoded)
+
+    monkeypatch.setattr(service_module.m, "capture_stream", counted)
+    with ThreadPoolExecutor(5) as pool:
+        found = list(pool.map(lambda _: service._capture(run, served), range(5)))
+    assert len(calls) == 1 and all(f is found[0] for f in found)
+    assert service._capturing == {}
+
+
+def test_measures_answer_plain_json_whatever_the_client_accepts(client):
+    """Frames and compressed bodies are the attention's wire; measures join a JSON answer."""
+    r = client.post("/api/v1/attention", json={"model": "tiny-gpt", "text": TEXT, "format": "u8", "measures": ["rollout"]},
+                    headers={"Accept": "application/vnd.manyeyes.frame", "Accept-Encoding": "zstd, gzip"})
+    assert r.status_code == 200 and "content-encoding" not in r.headers
+    assert r.json()["measures"]["rollout"]["shape"] == [len(r.json()["tokens"])] * 2

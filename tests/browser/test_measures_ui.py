@@ -1,0 +1,152 @@
+"""The measures on the page, in headless Chromium against a real server running tiny-gpt: the head
+finder names its known heads and focuses them, the flow graph draws the API's edges and an edge
+click focuses its head, the neuron view shows the API's numbers, measures and the word view redraw
+the heatmap, and predictions line up under it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.browser.conftest import serving
+from tests.browser.test_page import open_page, run, wait_focus
+
+pytestmark = pytest.mark.browser
+
+TEXT = "The cat sat on the mat. The cat sat on"
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    with serving({"tiny-gpt": "tiny-gpt"}) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def tiny_api(tiny_server):
+    with httpx.Client(base_url=tiny_server, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def ran(page, tiny_server, tiny_api):
+    open_page(page, tiny_server)
+    run(page, TEXT, model="tiny-gpt")
+    page.wait_for_selector("#finder tbody tr", timeout=30_000)
+    run_id = page.evaluate("() => document.getElementById('finder').dataset.runId")
+    return page, run_id
+
+
+def flow_edges(api, run_id, threshold) -> list[dict]:
+    """The API's edges, as a polite client gets them: one flow graph is computed at a time, and
+    the page may be drawing its own right now (429 with Retry-After)."""
+    for _ in range(60):
+        response = api.get(f"/api/v1/runs/{run_id}/flow", params={"threshold": threshold})
+        if response.status_code != 429:
+            return response.json()["edges"]
+        time.sleep(float(response.headers["retry-after"]) / 4)
+    raise AssertionError("the flow route stayed busy")
+
+
+def row_tags(page, layer, head) -> str:
+    return page.locator(f"#finder tr[data-layer='{layer}'][data-head='{head}'] td").first.text_content()
+
+
+def test_head_finder_names_the_known_heads_and_a_click_focuses(ran, tiny_api, artifacts):
+    page, run_id = ran
+    assert "previous-token" in row_tags(page, 0, 3)
+    assert "induction" in row_tags(page, 1, 0)
+    assert "induction" in page.locator(".finder-cell[data-layer='1'][data-head='0']").get_attribute("data-tags")
+    api_rows = tiny_api.get(f"/api/v1/runs/{run_id}/measures", params={"names": "heads"}).json()["measures"]["heads"]["rows"]
+    assert page.locator("#finder tbody tr").count() == len(api_rows) == 16
+
+    page.select_option("#finder-tag", "induction")
+    shown = page.locator("#finder tbody tr")
+    inducing = [(r["layer"], r["head"]) for r in api_rows if "induction" in r["tags"]]
+    assert [(int(shown.nth(i).get_attribute("data-layer")), int(shown.nth(i).get_attribute("data-head")))
+            for i in range(shown.count())] == inducing
+    page.select_option("#finder-tag", "")
+
+    page.click("#finder thead button[data-sort='previous']")  # a stat column sorts largest first
+    first = page.locator("#finder tbody tr").first
+    best = max(api_rows, key=lambda r: r["stats"]["previous"])
+    assert (first.get_attribute("data-layer"), first.get_attribute("data-head")) == (str(best["layer"]), str(best["head"]))
+
+    page.click("#finder tr[data-layer='1'][data-head='0']")
+    wait_focus(page, layer=1, head=0)
+    page.wait_for_selector("#neuron[data-layer='1'][data-head='0']")
+    assert page.locator("#finder tr.selected").get_attribute("data-head") == "0"
+    page.click(".finder-cell[data-layer='0'][data-head='3']")
+    wait_focus(page, layer=0, head=3)
+    page.locator("#measures").screenshot(path=str(artifacts / "measures-finder.png"))
+
+
+def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, tiny_api, artifacts):
+    page, run_id = ran
+    page.wait_for_selector("#flow line.flow-edge", state="attached")
+    threshold = float(page.locator("#flow").get_attribute("data-threshold"))
+    edges = flow_edges(tiny_api, run_id, threshold)
+    assert page.locator("#flow line.flow-edge").count() == len(edges)
+    # the heaviest slanted layer-1 head edge, clicked like a person would
+    target = max((e for e in edges if e["head"] is not None and e["layer"] == 1 and e["source"] != e["target"]),
+                 key=lambda e: e["weight"])
+    line = page.locator(f"#flow line[data-layer='1'][data-source='{target['source']}'][data-target='{target['target']}']"
+                        f"[data-head='{target['head']}']")
+    line.click()
+    wait_focus(page, layer=1, head=target["head"])
+    assert "focused" in line.get_attribute("class")
+    # a higher threshold prunes edges, and the drawing follows
+    page.fill("#flow-threshold", "0.4")  # a range input: fill fires input and change
+    page.wait_for_selector("#flow[data-threshold='0.4']", state="attached")
+    fewer = flow_edges(tiny_api, run_id, 0.4)
+    assert page.locator("#flow line.flow-edge").count() == len(fewer) < len(edges)
+    page.locator("#flow").screenshot(path=str(artifacts / "measures-flow.png"))
+
+
+def test_neuron_view_shows_the_apis_numbers(ran, tiny_api, artifacts):
+    page, run_id = ran
+    page.click("#finder tr[data-layer='1'][data-head='0']")
+    page.select_option("#neuron-query", "12")
+    page.wait_for_selector("#neuron[data-layer='1'][data-head='0'][data-query='12']")
+    view = tiny_api.get(f"/api/v1/runs/{run_id}/neuron", params={"layer": 1, "head": 0, "query": 12}).json()
+    scores = page.locator("#neuron-table td.score").all_text_contents()
+    weights = page.locator("#neuron-table td.weight").all_text_contents()
+    assert len(scores) == len(view["scores"]) == len(weights)
+    for shown, want in zip(scores, view["scores"]):
+        assert shown == "masked" if want is None else abs(float(shown) - want) <= 5e-5
+    for shown, want in zip(weights, view["weights"]):
+        assert abs(float(shown) - want) <= 5e-5
+    assert "own keys and values" in page.locator("#neuron-note").text_content()
+    page.locator("#neuron").screenshot(path=str(artifacts / "measures-neuron.png"))
+
+
+def test_measures_redraw_the_heatmap_and_predictions_line_up(ran, tiny_api, artifacts):
+    page, run_id = ran
+    page.wait_for_selector("#measure-plot[data-measure='raw']")
+    page.select_option("#measure", "rollout")
+    page.wait_for_selector("#measure-plot[data-measure='rollout']")
+    z = page.evaluate("() => document.getElementById('measure-plot').data[0].z")
+    want = tiny_api.get(f"/api/v1/runs/{run_id}/measures", params={"names": "rollout"}).json()["measures"]["rollout"]["data"]
+    assert max(abs(a - b) for zr, wr in zip(z, want) for a, b in zip(zr, wr)) < 1e-6
+    page.check("#word-view")
+    page.wait_for_selector("#measure-plot[data-words='true']")
+    words = tiny_api.get(f"/api/v1/runs/{run_id}/measures", params={"names": "words", "layers": "0", "heads": "0"}).json()
+    n_words = len(words["measures"]["words"]["words"])
+    z = page.evaluate("() => document.getElementById('measure-plot').data[0].z")
+    assert len(z) == n_words < len(want)
+    assert all(abs(sum(row) - 1) < 1e-5 for row in z)  # rollout rows stay distributions over words
+    page.select_option("#measure", "contributions")
+    page.wait_for_selector("#measure-plot[data-measure='contributions']")
+
+    body = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "u8",
+                                                    "predictions": {"top_k": 5}}).json()
+    page.wait_for_selector("#predictions .pred")
+    cells = page.locator("#predictions .pred")
+    assert cells.count() == len(body["tokens"])
+    for i in (0, 5, len(body["tokens"]) - 1):
+        top = body["predictions"][str(i)][0]
+        assert cells.nth(i).locator(".pred-guess").text_content() == top["token"]
+        assert f"{top['prob'] * 100:.1f}%" in cells.nth(i).get_attribute("title")
+    page.locator("#measures").screenshot(path=str(artifacts / "measures-contributions.png"))
