@@ -18,7 +18,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddle
 
 from manyeyes.app.config import Settings
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from manyeyes.app.routes import aggregates, attention, docs, export, generate, models, ops, page, runs, views
+from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.errors import ApiError, error_body
@@ -103,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export):
+    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export, experiments):
         app.include_router(module.router)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
