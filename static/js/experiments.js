@@ -211,13 +211,12 @@ function buildTokenChange() {
   load.addEventListener("click", loadTokens);
   $("token-box").replaceChildren(
     el("h3", { text: "Change a token" }),
-    el("p", { className: "hint", text: "Click a token to replace it with the model's mask or unknown token, or to delete it." }),
+    el("p", { className: "hint", text: "Show the sentence's tokens, then click one to replace it with the model's mask or unknown token, or to delete it." }),
     el("div", { className: "exp-row" }, [change, load]),
     el("div", { className: "chips", attrs: { id: "token-chips" } }),
     el("p", { className: "exp-status", attrs: { id: "token-status", role: "status", "aria-live": "polite" } }),
     el("div", { attrs: { id: "token-result" } }),
   );
-  $("run-form").addEventListener("submit", () => setTimeout(loadTokens, 0));
 }
 
 function mount() {

@@ -111,6 +111,7 @@ def test_ablating_a_causal_model_shows_the_prediction_change(server, api, page):
 def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     open_page(page, server)
     run(page, SENTENCE, "minilm")
+    page.click("#token-load")
     page.wait_for_selector("#token-chips button[data-index='2']")
     page.click("#token-chips button[data-index='2']")
     page.wait_for_selector("#token-result[data-index='2'] table.ranking")
@@ -207,7 +208,8 @@ def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
     page.fill("#gen-text", PROMPT)
     page.fill("#gen-n", "40")
     page.click("#gen-start")
-    page.wait_for_selector("#gen-row-plot[data-index='1']", timeout=30_000)
+    # Several lines can arrive in one read, so wait on the count, not on one particular index.
+    page.wait_for_function("() => window.manyeyesGeneration.steps.length >= 2", timeout=30_000)
     page.click("#gen-stop")
     page.wait_for_selector("#generate-box[data-outcome='stopped']", timeout=10_000)
     shown_steps = page.evaluate("window.manyeyesGeneration.steps.length")
