@@ -58,6 +58,7 @@ class AttentionRequest(Options):
                 {"text": "The bank of the river.", "format": "u8"},
                 {"text": "The bank of the river.", "layers": [2], "heads": [3], "format": "json"},
                 {"text": "Where is it?", "text_pair": "On the bank.", "model": "minilm", "format": "f16"},
+                {"text": "In the beginning", "model": "tiny-gpt", "format": "u8", "predictions": {"top_k": 3}},
             ]
         },
     )

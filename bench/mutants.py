@@ -57,6 +57,10 @@ MUTANTS = [
            "run.headBytes(layer, h)", "run.headBytes(0, 0)",
            (TRUTH, "-k", "thumbnail")),
     # ---- model/
+    Mutant("gpt-positions-clamped-at-200", "model/gpt.py",
+           "positions = torch.arange(offset, offset + num_tokens, device=in_idx.device)",
+           "positions = torch.arange(offset, offset + num_tokens, device=in_idx.device).clamp(max=200)",
+           ("tests/test_loading.py", "-k", "every_position")),
     Mutant("softmax-over-queries", "model/attention.py",
            "dim=-1, out=capture.weights_out", "dim=-2, out=capture.weights_out",
            (PARITY, "-k", "minilm_matches")),

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -88,6 +89,12 @@ def retry_after(response: httpx.Response) -> float | None:
 # ---- results ------------------------------------------------------------------------------------
 
 
+def _known(cls, fields: dict) -> dict:
+    """The fields a result type knows: a newer server may send more, and an old client must not break."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in fields.items() if k in names}
+
+
 @dataclass(frozen=True)
 class RemoteToken:
     text: str
@@ -96,6 +103,7 @@ class RemoteToken:
     end: int
     special: bool
     segment: int
+    piece: str = ""  # the model's own vocabulary piece ("##ing", "Ġthe"); "" from servers before it
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,9 @@ class RemoteModel:
     max_tokens: int
     device: str
     default: bool
+    n_kv_heads: int | None = None  # fewer than n_heads under grouped-query attention
+    dtype: str = "float32"
+    predictions: bool = False  # whether the model has an LM head to ask `predictions` of
 
 
 @dataclass
@@ -172,7 +183,7 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         causal=fields["causal"],
         n_layers=fields["n_layers"],
         n_heads=fields["n_heads"],
-        tokens=[RemoteToken(**t) for t in fields["tokens"]],
+        tokens=[RemoteToken(**_known(RemoteToken, t)) for t in fields["tokens"]],
         truncated=fields["truncated"],
         layers=fields["layers"],
         heads=fields["heads"],
@@ -254,7 +265,7 @@ class Client:
             time.sleep(poll_s)
 
     def models(self) -> list[RemoteModel]:
-        return [RemoteModel(**m) for m in self._send("GET", "/api/v1/models").json()["models"]]
+        return [RemoteModel(**_known(RemoteModel, m)) for m in self._send("GET", "/api/v1/models").json()["models"]]
 
     def attention(
         self,

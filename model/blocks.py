@@ -118,7 +118,7 @@ class RotaryDecoder(ShapeInfo, nn.Module):
         _, num_tokens = in_idx.shape
         offset = len(past[0]) if past else 0
         positions = torch.arange(offset, offset + num_tokens, device=in_idx.device)
-        rope = self.rotary(positions)  # cos, sin: (num_tokens, rotary_dim), shared by every layer
+        rope = self.rotary(positions, num_tokens)  # cos, sin: (num_tokens, rotary_dim), shared by every layer
         x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
         layers = []
         for i, block in enumerate(self.trf_blocks):

@@ -165,9 +165,13 @@ class RotaryEmbedding(nn.Module):
             return inverse_frequencies(self.cfg, seq_len, self.inv_freq.device)[0], self.attention_factor
         return self.inv_freq, self.attention_factor
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) int; returns cos and sin, each (T, rotary_dim) float32."""
-        inv_freq, attention_factor = self._frequencies(int(positions.max()) + 1)
+    def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) int; returns cos and sin, each (T, rotary_dim) float32.
+
+        seq_len: the input's length in positions (default: last position + 1); passing it spares a
+        device-to-host read on a GPU.
+        """
+        inv_freq, attention_factor = self._frequencies(seq_len if seq_len is not None else int(positions.max()) + 1)
         freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # (T, rotary_dim / 2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (T, rotary_dim): pair i and i + rotary_dim/2 share an angle
         return angles.cos() * attention_factor, angles.sin() * attention_factor

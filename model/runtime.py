@@ -47,7 +47,8 @@ class AttentionResult:
     # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
     top_ids: torch.Tensor | None = None  # (T, MAX_TOP_K) int64
     top_probs: torch.Tensor | None = None  # (T, MAX_TOP_K) float32
-    # Per layer, each (n_heads, T, head_dim): present only when asked for with Capture(qkv=True).
+    # Per layer, present only when asked for with Capture(qkv=True): queries (n_heads, T, head_dim),
+    # keys and values (n_kv_heads, T, head_dim), one per key/value head under grouped-query attention.
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
@@ -166,7 +167,7 @@ class AttentionModel:
                 top_probs=top_probs[row, :n].clone() if top_probs is not None else None,
             )
             if capture.qkv:
-                # each layer: (b, n_heads, width, head_dim) -> (n_heads, n, head_dim)
+                # each layer: (b, heads, width, head_dim) -> (heads, n, head_dim); kv heads for keys/values
                 result.queries = [layer.queries[row, :, :n].float().cpu() for layer in trace.layers]
                 result.keys = [layer.keys[row, :, :n].float().cpu() for layer in trace.layers]
                 result.values = [layer.values[row, :, :n].float().cpu() for layer in trace.layers]

@@ -65,3 +65,33 @@ def test_bfloat16_runs_on_cpu_and_returns_float32_weights(spec, request):
 def test_book_checkpoint_in_float16():
     m = load("tiny-gpt", device="cpu", dtype="float16")
     assert m.info.dtype == "float16" and m.attend(TEXT).attention.dtype == torch.float32
+
+
+def test_llama_from_a_cached_id_in_bfloat16(tmp_path, monkeypatch, bytelevel_tokenizer):
+    """A grouped-query llama saved in bfloat16 under an id: CPU default widens it, bfloat16 on
+    request narrows parameters only (the rotary tables stay float32), attention stays float32."""
+    from huggingface_hub import constants
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.hub_cache import add_to_cache
+
+    tok, vocab = bytelevel_tokenizer
+    folder, cache = tmp_path / "smol", tmp_path / "cache"
+    torch.manual_seed(9)
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                                 num_key_value_heads=2, intermediate_size=80, max_position_embeddings=64)).to(
+        torch.bfloat16).save_pretrained(folder)
+    shutil.copy(tok, folder / "tokenizer.json")
+    add_to_cache(cache, "HuggingFaceTB/SmolLM2-135M", folder)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    wide = load("HuggingFaceTB/SmolLM2-135M", device="cpu", name="smol")
+    assert (wide.info.family, wide.info.n_heads, wide.info.n_kv_heads, wide.info.dtype) == ("llama", 6, 2, "float32")
+    narrow = load("HuggingFaceTB/SmolLM2-135M", device="cpu", dtype="bfloat16")
+    assert {p.dtype for p in narrow.net.parameters()} == {torch.bfloat16}
+    assert all(b.dtype != torch.bfloat16 for b in narrow.net.buffers())
+    a, b = wide.attend(TEXT), narrow.attend(TEXT)
+    assert b.attention.dtype == torch.float32 and a.attention.shape == b.attention.shape
+    assert 0 < (a.attention - b.attention).abs().max().item() < 0.1
+    assert list(narrow.predict(TEXT, top_k=2)) == list(range(len(b.tokens)))

@@ -197,3 +197,21 @@ def test_half_precision_needs_gpu():
 def test_unknown_spec_option():
     with pytest.raises(ModelLoadError, match="unknown option"):
         load("minilm?colour=blue")
+
+
+def test_book_models_match_the_book_at_every_position(book_folder):
+    """Up to the last position each model has: a position table read wrongly past some index
+    shows only there (the short texts above stop at 11 tokens)."""
+    from manyeyes.model.loading import builtin_path
+
+    folder, book, cfg = book_folder
+    tiny_folder = builtin_path("tiny-gpt")
+    tiny_cfg = json.loads((tiny_folder / "config.json").read_text())
+    tiny_book = BookGPTModel(tiny_cfg).eval()
+    tiny_book.load_state_dict(torch.load(tiny_folder / "model.pth", weights_only=True), strict=True)
+    for ours, reference, config in ((load(folder, device="cpu"), book, cfg), (load("tiny-gpt", device="cpu"), tiny_book, tiny_cfg)):
+        r = ours.attend("In the beginning was the Word, and the Word was with God. " * 40, truncate=True)
+        assert r.truncated and len(r.tokens) == config["context_length"] == ours.info.max_tokens
+        ids = torch.tensor([[t.id for t in r.tokens]])
+        with torch.no_grad():
+            assert (reference(ids)[0] - r.logits).abs().max() <= 1e-4

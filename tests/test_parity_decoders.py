@@ -124,8 +124,9 @@ CASES = {
     "gpt_neox-parallel-rotary25": (
         "gpt_neox", 9, dict(hidden_size=80, num_attention_heads=5, rotary_pct=0.25, use_parallel_residual=True)
     ),
-    "gpt_neox-sequential-rotary50": (
-        "gpt_neox", 10, dict(hidden_size=48, num_attention_heads=3, rotary_pct=0.5, use_parallel_residual=False)
+    "gpt_neox-sequential-rotary50-nobias": (
+        "gpt_neox", 10,
+        dict(hidden_size=48, num_attention_heads=3, rotary_pct=0.5, use_parallel_residual=False, attention_bias=False),
     ),
 }
 
@@ -270,6 +271,21 @@ def test_llama_family_refuses_what_it_cannot_honour(change, message):
         llama.build(BASE | change, "config.json")
 
 
+NEOX = dict(model_type="gpt_neox", vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+            intermediate_size=64, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="relu"), "unsupported activation hidden_act='relu'"),
+    (dict(rotary_pct=0.1), "rotary_dim 1 must be even"),
+    (dict(num_attention_heads=3), "not divisible by num_attention_heads"),
+    (dict(rope_scaling={"type": "yarn", "factor": 2.0, "alpha": 1}), "unsupported rope parameter.*alpha"),
+])
+def test_gpt_neox_refuses_what_it_cannot_honour(change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        gpt_neox.build(NEOX | change, "config.json")
+
+
 def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
     save_random(tmp_path, bytelevel_tokenizer, "llama", 15, num_key_value_heads=2)
     from safetensors.torch import load_file, save_file
@@ -282,8 +298,10 @@ def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
 
 
 def test_unknown_model_type_lists_the_families():
-    with pytest.raises(ModelLoadError, match="supported: bert, gpt2, gpt_neox, llama, mistral, qwen2"):
+    with pytest.raises(ModelLoadError, match="unsupported model_type 't5'; supported: ") as err:
         family_for("t5", "config.json")
+    listed = str(err.value).split("supported: ")[-1].split(", ")
+    assert set(listed) == {"bert", "distilbert", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "roberta"}
 
 
 @pytest.mark.parametrize("num_queries,num_keys,window", [(6, 6, None), (9, 9, 1), (9, 9, 4), (3, 9, 4)])
@@ -302,3 +320,28 @@ def test_mask_matches_transformers_mask_functions(num_queries, num_keys, window)
     ])
     ours = blocked_positions(num_queries, num_keys, causal=True, sliding_window=window, device="cpu")
     assert torch.equal(ours, ~allowed)
+
+
+def _as_transformers4(folder, family: str):
+    """Rewrite a saved config.json the way transformers 4.x wrote it: most hub checkpoints look like this."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    params = config.pop("rope_parameters")
+    theta = params.pop("rope_theta")
+    if family == "gpt_neox":
+        config |= {"rotary_emb_base": theta, "rotary_pct": params.pop("partial_rotary_factor")}
+    else:
+        config["rope_theta"] = theta
+    kind = params.pop("rope_type")
+    config["rope_scaling"] = None if kind == "default" else params | {"type": kind}  # the oldest spelling
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case", ["llama-5q-yarn", "llama-4q1kv-tied-llama3", "gpt_neox-parallel-rotary25"])
+def test_transformers4_configs_load_the_same(tmp_path, bytelevel_tokenizer, case):
+    family, seed, overrides = CASES[case]
+    overrides = dict(overrides, rope_theta=2000.0) if family != "gpt_neox" else dict(overrides, rotary_emb_base=2000)
+    ref_model = save_random(tmp_path, bytelevel_tokenizer, family, seed, **overrides)
+    _as_transformers4(tmp_path, family)
+    assert "rope_parameters" not in json.loads((tmp_path / "config.json").read_text())
+    assert_parity(load(tmp_path, device="cpu"), ref_model)

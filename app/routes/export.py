@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import AttentionRequest
+from manyeyes.app.routes.views import UnknownView, ViewsDep
 from manyeyes.app.services.errors import InvalidInput
 
 router = APIRouter(tags=["page"])
@@ -22,7 +23,9 @@ router = APIRouter(tags=["page"])
 async def export_page(
     service: ServiceDep,
     registry: RegistryDep,
-    text: Annotated[str, Query(min_length=1)],
+    views: ViewsDep,
+    text: Annotated[str | None, Query(min_length=1)] = None,
+    view: Annotated[str | None, Query(pattern="^[0-9a-f]{18}$", description="A saved view's id (the page's ?view=)")] = None,
     pair: Annotated[str | None, Query(description="Second segment, for sentence-pair models")] = None,
     model: Annotated[str | None, Query()] = None,
     layer: Annotated[int, Query(ge=0, description="Layer focused when the file opens")] = 0,
@@ -30,8 +33,18 @@ async def export_page(
     truncate: Annotated[bool, Query(description="Cut input longer than the model's positions (as the page's option)")] = True,
 ) -> Response:
     """The viewer with this run's attention inside, as a download that opens from disk with no
-    server and no network. The query is the page's permalink (`text`, `pair`, `model`, `layer`, `head`)."""
+    server and no network. The query is the page's permalink: a saved `view` id, or `text`, `pair`,
+    `model`, `layer`, `head`."""
     from manyeyes.export import build_html, embed, model_entry, pick_format, render_page
+
+    if view is not None:
+        state = views.get(view)
+        if state is None:
+            raise UnknownView(f"view {view} is unknown or has expired; the server keeps views for 30 days")
+        text, pair, model = state["text"], state["text_pair"], state["model"]
+        layer, head, truncate = state["layer"], state["head"], state["truncate"]
+    if text is None:
+        raise InvalidInput("name the run to export: ?view=<id> or ?text=...")
 
     served = registry.get(model)
     try:

@@ -11,7 +11,7 @@ import pytest
 from tests.api.conftest import decode, metric
 
 TEXT = "The bank of the river."
-TOKEN_KEYS = {"text", "id", "start", "end", "special", "segment"}
+TOKEN_KEYS = {"text", "id", "start", "end", "special", "segment", "piece"}
 
 
 def test_models_lists_the_default_minilm(api):
@@ -40,8 +40,8 @@ def test_attention_json_matches_the_model(api, minilm):
     assert (body["n_layers"], body["n_heads"], body["device"]) == (6, 12, "cpu")
     assert body["layers"] == list(range(6)) and body["heads"] == list(range(12))
     assert all(set(t) == TOKEN_KEYS for t in body["tokens"])
-    assert [(t["text"], t["id"], t["start"], t["end"], t["special"], t["segment"]) for t in body["tokens"]] == [
-        (t.text, t.id, t.start, t.end, t.special, t.segment) for t in expected.tokens
+    assert [(t["text"], t["id"], t["start"], t["end"], t["special"], t["segment"], t["piece"]) for t in body["tokens"]] == [
+        (t.text, t.id, t.start, t.end, t.special, t.segment, t.piece) for t in expected.tokens
     ]
     att = body["attention"]
     assert (att["format"], att["dtype"], att["shape"]) == ("json", "float32", [6, 12, 8, 8])
