@@ -106,7 +106,7 @@ def _silenced(model: AttentionModel, ablations: Iterable[Ablation], means: dict[
                 if a.mode == "zero":
                     heads[..., part] = 0
                 else:
-                    heads[..., part] = means[(a.layer, a.head)].to(heads.dtype)
+                    heads[..., part] = means[(a.layer, a.head)].to(heads.device, heads.dtype)
             return (heads,)
 
         return pre_hook

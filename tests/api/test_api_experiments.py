@@ -16,9 +16,19 @@ PROMPT = "In the beginning God created the heaven and the earth. And the earth w
 
 
 @pytest.fixture(scope="module")
-def client():
-    c = serve(Settings(models={"minilm": "minilm", "tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False,
-                       max_json_cells=20_000))
+def mlm_dir(tmp_path_factory, minilm_dir):
+    """A random BERT with its masked-LM head (MiniLM's tokenizer): no download."""
+    from tests.test_encoder_families import _mlm_bert
+
+    folder = tmp_path_factory.mktemp("mlm")
+    _mlm_bert(folder, minilm_dir)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def client(mlm_dir):
+    c = serve(Settings(models={"minilm": "minilm", "tiny-gpt": "tiny-gpt", "mlm": str(mlm_dir)}, device="cpu",
+                       warmup=False, max_json_cells=20_000))
     yield c
     c.__exit__(None, None, None)
 
@@ -73,6 +83,21 @@ def test_ablate_an_encoder_without_a_head_ranks_but_predicts_nothing(client, min
     assert {c["layer"] for c in got["ranking"]} == {5} and len(got["ranking"]) == 12
     want = ablate(minilm, minilm.encode("The bank of the river."), [Ablation(4, 1)])
     assert np.abs(decode(got["attention"]) - want.after.attention.numpy()).max() <= 0.5 / 255 + 1e-6
+
+
+def test_ablate_a_masked_lm_scores_the_masks(client, mlm_dir):
+    text = "The [MASK] of the river was [MASK] and wide."
+    r = client.post("/api/v1/experiments/ablate", json={"text": text, "model": "mlm", "top_k": 2,
+                                                        "ablate": [{"layer": 0, "head": 2}, {"layer": 0, "head": 4, "mode": "mean"}]})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    model = load(mlm_dir, device="cpu")
+    want = ablate(model, model.encode(text), [Ablation(0, 2, "zero"), Ablation(0, 4, "mean")], top=2)
+    masks = [i for i, t in enumerate(got["tokens"]) if t["piece"] == "[MASK]"]
+    assert got["predictions"]["positions"] == masks == want.predicted
+    assert [(c["position"], c["id"]) for c in got["logprob_change"]] == want.targets
+    assert [c["change"] for c in got["logprob_change"]] == pytest.approx(want.logprob_change.tolist(), abs=1e-5)
+    assert [len(row) for row in got["predictions"]["after"]] == [2, 2]
 
 
 def test_change_token_and_compare_match_the_python_api(client, minilm):
