@@ -4,7 +4,7 @@
 
 import { ApiError, describeError } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
-import { currentInput, heatmap, status } from "./experiment_parts.js";
+import { currentInput, decodeTensor, headRows, heatmap, postJson, status } from "./experiment_parts.js";
 
 const PLAY_MS = 350;
 
@@ -61,7 +61,7 @@ export function mountGeneration(box) {
     note, tokens,
     el("div", { className: "exp-columns" }, [rowPlot, growPlot]),
   );
-  const state = { start: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "" };
+  const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "" };
   window.manyeyesGeneration = state;
 
   function setButtons() {
@@ -95,14 +95,16 @@ export function mountGeneration(box) {
     const keys = all.slice(0, step.position + 1);
     heatmap(rowPlot, z, { x: keys, y: names, title: `Row of “${step.token.text}” in every head` });
     rowPlot.dataset.index = String(state.current);
+    // The full heatmap so far: the prompt's rows (a causal prompt's rows never change as tokens
+    // are added) over the generated tokens' rows, each padded to the current width.
     const l = Number(layer.value), h = Number(head.value);
-    const width = state.steps[state.current].position + 1;
-    const grown = state.steps.slice(0, state.current + 1).map((s) => {
-      const row = s.attention[l][h].slice();
-      while (row.length < width) row.push(null);
-      return row;
-    });
-    heatmap(growPlot, grown, { x: all.slice(0, width), y: state.steps.slice(0, state.current + 1).map((s) => s.token.text), title: `L${l} H${h}: rows of the generated tokens` });
+    const width = step.position + 1;
+    const pad = (row) => [...row, ...Array(width - row.length).fill(null)];
+    const promptRows = state.prompt ? headRows(state.prompt, l, h).map(pad) : [];
+    const generated = state.steps.slice(0, state.current + 1);
+    const grown = [...promptRows, ...generated.map((s) => pad(Array.from(s.attention[l][h])))];
+    const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => s.token.text)];
+    heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, title: `L${l} H${h}: the heatmap so far` });
     growPlot.dataset.rows = String(grown.length);
   }
 
@@ -112,10 +114,34 @@ export function mountGeneration(box) {
     render();
   }
 
+  // Steps can arrive faster than two heatmaps draw: draw the newest once per frame, so the page
+  // (and its Stop button) never falls behind the stream.
+  let frame = 0;
+  function followSoon() {
+    if (frame) return;
+    frame = requestAnimationFrame(() => {
+      frame = 0;
+      if (state.follow && !state.timer) go(state.steps.length - 1);
+    });
+  }
+
   function pause() {
     clearInterval(state.timer);
     state.timer = null;
     setButtons();
+  }
+
+  // The prompt's own rows, for the full heatmap; the run cache usually has them already.
+  async function loadPrompt(body) {
+    const ask = (format) => postJson("/api/v1/attention", { text: body.text, model: body.model, format }, state.controller.signal);
+    try {
+      const reply = await ask("json").catch((err) => (err.status === 413 ? ask("f16") : Promise.reject(err)));
+      if (reply.tokens.length !== state.start?.prompt.length) return; // not the same tokens: leave the prompt out
+      state.prompt = decodeTensor(reply.attention);
+      render();
+    } catch (err) {
+      if (err.name !== "AbortError") status(note, `The prompt's rows could not be loaded: ${describeError(err)}`, "error");
+    }
   }
 
   async function generate() {
@@ -123,7 +149,7 @@ export function mountGeneration(box) {
     const base = currentInput();
     const body = { text: prompt.value || base.text, model: base.model, max_new_tokens: Number(count.value) || 20, temperature: Number(temperature.value) || 0 };
     if (seed.value !== "") body.seed = Number(seed.value);
-    Object.assign(state, { start: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
+    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
     tokens.replaceChildren();
     status(note, "Generating…", "busy");
     setButtons();
@@ -133,11 +159,12 @@ export function mountGeneration(box) {
       for await (const event of ndjson(response)) {
         if (event.type === "start") {
           state.start = event;
+          loadPrompt(body);
           fillSelect(layer, [...Array(event.n_layers).keys()].map((i) => ({ value: i, label: `L${i}` })), Number(layer.value) || 0);
           fillSelect(head, [...Array(event.n_heads).keys()].map((i) => ({ value: i, label: `H${i}` })), Number(head.value) || 0);
         } else if (event.type === "step") {
           state.steps.push(event);
-          if (state.follow && !state.timer) go(state.steps.length - 1);
+          if (state.follow && !state.timer) followSoon();
           else setButtons();
         } else if (event.type === "end") {
           state.outcome = "finished";
@@ -153,7 +180,9 @@ export function mountGeneration(box) {
         status(note, describeError(err), "error");
       }
     } finally {
+      const following = state.follow && !state.timer && state.steps.length > 0;
       state.running = false;
+      if (following) go(state.steps.length - 1); // the last step, even if its frame has not come yet
       state.follow = false;
       box.dataset.outcome = state.outcome;
       setButtons();

@@ -147,7 +147,7 @@ def stream(base, body):
         return [json.loads(line) for line in r.iter_lines() if line]
 
 
-def test_generate_then_step_back_shows_the_streamed_row(server, page, artifacts):
+def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):
     open_page(page, server)
     page.select_option("#model", "tiny-causal")
     page.fill("#gen-text", PROMPT)
@@ -162,7 +162,16 @@ def test_generate_then_step_back_shows_the_streamed_row(server, page, artifacts)
     page.wait_for_selector("#gen-row-plot[data-index='8']")
     want = f32(steps[8]["attention"]).reshape(-1, steps[8]["position"] + 1)
     assert same(shown(page, "gen-row-plot"), want)
-    assert page.get_attribute("#gen-grow-plot", "data-rows") == "9"
+    # The full heatmap so far: the prompt's rows (from /attention) over the 9 generated rows.
+    page.wait_for_function("() => window.manyeyesGeneration.prompt !== null")
+    prompt = api.post("/api/v1/attention", json={"text": PROMPT, "model": "tiny-causal", "layers": [0], "heads": [0],
+                                                  "format": "json"}).json()["attention"]["data"][0][0]
+    grown = page.evaluate("document.getElementById('gen-grow-plot').data[0].z")
+    width = steps[8]["position"] + 1
+    assert len(grown) == len(prompt) + 9 and all(len(row) == width for row in grown)
+    for got, want in zip(grown, prompt):
+        assert same(f32(got[: len(want)]), f32(want)) and got[len(want):] == [None] * (width - len(want))
+    assert same(f32(grown[-1]), f32(steps[8]["attention"][0][0]))
     assert page.inner_text("#gen-tokens .chip.current") == steps[8]["token"]["text"]
     page.locator("#generate-box").screenshot(path=str(artifacts / "experiments-generate.png"))
     page.click("#gen-play")
@@ -172,10 +181,10 @@ def test_generate_then_step_back_shows_the_streamed_row(server, page, artifacts)
 
 @pytest.fixture(scope="module")
 def slow_server(causal_model_spec):
-    """A server whose generation waits 0.1 s after each step, so that Stop lands mid-stream."""
+    """A server whose generation waits 0.2 s after each step, so that Stop lands mid-stream."""
     port = free_port()
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MANYEYES_DEBUG_FORWARD_DELAY_S": "0.1", "MANYEYES_WARMUP": "false"}
+    env = {**os.environ, "MANYEYES_DEBUG_FORWARD_DELAY_S": "0.2", "MANYEYES_WARMUP": "false"}
     models = {"tiny-causal": causal_model_spec}
     proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -206,19 +215,19 @@ def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
     page.goto(f"{slow_server}/")
     page.wait_for_selector("#gen-start")
     page.fill("#gen-text", PROMPT)
-    page.fill("#gen-n", "40")
+    page.fill("#gen-n", "55")
     page.click("#gen-start")
     # Several lines can arrive in one read, so wait on the count, not on one particular index.
     page.wait_for_function("() => window.manyeyesGeneration.steps.length >= 2", timeout=30_000)
     page.click("#gen-stop")
     page.wait_for_selector("#generate-box[data-outcome='stopped']", timeout=10_000)
     shown_steps = page.evaluate("window.manyeyesGeneration.steps.length")
-    assert 2 <= shown_steps < 40
+    assert 2 <= shown_steps < 55
     deadline = time.monotonic() + 20
     while metric(slow_server, "manyeyes_generations_total", outcome="cancelled") < 1:
         assert time.monotonic() < deadline, "the server never recorded the cancelled generation"
         time.sleep(0.1)
     made = metric(slow_server, "manyeyes_generation_steps_total")
-    time.sleep(0.5)  # five more step delays: a generation still running would have made more
+    time.sleep(1.0)  # five more step delays: a generation still running would have made more
     assert metric(slow_server, "manyeyes_generation_steps_total") == made < shown_steps + 3
     assert "Stopped after" in page.inner_text("#gen-status")
