@@ -3,7 +3,7 @@
 // stream, and the server stops within one step of the hang-up.
 
 import { ApiError, describeError } from "./api.js";
-import { $, el, fillSelect } from "./dom.js";
+import { el, fillSelect } from "./dom.js";
 import { currentInput, decodeTensor, headRows, heatmap, postJson, status } from "./experiment_parts.js";
 
 const PLAY_MS = 350;
