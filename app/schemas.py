@@ -357,10 +357,13 @@ class AblateRequest(ExperimentOptions):
 
 
 class ChangeTokenRequest(ExperimentOptions):
-    text: str = Field(..., min_length=1)
+    text: str = Field(..., min_length=1, examples=["The bank of the river."])
     text_pair: str | None = Field(None, min_length=1)
-    index: int = Field(..., ge=0, description="Token position (as in `tokens` of POST /api/v1/attention)")
-    change: Literal["mask", "unk", "delete"] = Field(..., description="Replace by the mask or unknown token, or delete it")
+    index: int = Field(..., ge=0, examples=[2], description="Token position (as in `tokens` of POST /api/v1/attention)")
+    change: Literal["mask", "unk", "delete"] = Field(
+        ..., examples=["delete"],
+        description="Replace by the mask or unknown token (422 for a model that has none, like GPT-2's), or delete it",
+    )
     difference: TensorRequest | None = Field(None, description="Also return A − B on aligned cells")
 
     _text = field_validator("text")(_not_blank)
@@ -368,7 +371,12 @@ class ChangeTokenRequest(ExperimentOptions):
     model_config = ConfigDict(
         extra="forbid",
         strict=True,
-        json_schema_extra={"examples": [{"text": "The bank of the river.", "model": "minilm", "index": 2, "change": "mask"}]},
+        json_schema_extra={
+            "examples": [
+                {"text": "The bank of the river.", "model": "minilm", "index": 2, "change": "mask"},
+                {"text": "The bank of the river.", "index": 2, "change": "delete"},
+            ]
+        },
     )
 
 
