@@ -111,12 +111,21 @@ def cmd_serve(args) -> int:
         return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
+    # serve: a server others can reach that asks nobody for a key says so, loudly, at start-up.
+    from manyeyes.app.clients import exposure_warning
+
+    warning = exposure_warning(args.host, bool(settings.api_keys or settings.api_keys_file))
+    if warning:
+        print(warning, file=sys.stderr)
     # Our own middleware writes one structured line per request, so uvicorn's access log is off.
     # On SIGTERM uvicorn stops accepting at once and lets in-flight requests finish, then cancels
     # what is left and runs the lifespan's shutdown. The grace period bounds the whole exit, so
     # the drain gets all of it but a second kept for that shutdown and the interpreter's exit.
     uvicorn.run(
         create_app(settings), host=args.host, port=args.port, access_log=False, log_level=args.log_level,
+        # uvicorn would believe X-Forwarded-For from loopback by default; the app decides whom
+        # to believe (MANYEYES_TRUSTED_PROXIES), so uvicorn must pass the real peer through.
+        proxy_headers=False,
         timeout_graceful_shutdown=max(settings.shutdown_grace_s - 1.0, 0.0),
     )
     return 0

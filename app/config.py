@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -39,12 +40,25 @@ class Settings(BaseSettings):
     default_model: str | None = None  # None: the first configured model
     device: str | None = None  # None: CUDA, then MPS, then CPU
     half: bool = False  # float16 autocast on CUDA
+    # serve: matmuls under autocast (the softmax and the weights stay float32); works on any device.
+    autocast: Literal["off", "float16", "bfloat16"] = "off"
+    # Quantise attention to the request's format on the device, before the copy to the host
+    # (services/device.py). None: on for accelerators, off on the CPU (no copy to save there).
+    device_quantise: bool | None = None
     # Weights' dtype; None/auto: as stored on CUDA (bf16/fp16 checkpoints stay so), float32 elsewhere.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
 
     # Dynamic micro-batching: one padded forward per batch, bounded in padded tokens and in wait.
     max_batch_tokens: int = Field(8192, ge=1)  # rows x longest row, padding included
     max_batch_items: int = Field(64, ge=1)
+    # Attention weights one forward may produce (rows x layers x heads x width^2; 4 bytes each):
+    # the batch's tensor and its rows' copies are the largest transient memory the server has.
+    # 40M cells (160 MB) holds two MiniLM rows at T=512 and any number of short ones; batching
+    # long inputs gains little anyway, the forward is compute-bound there.
+    max_batch_cells: int = Field(40_000_000, ge=1)
+    # Answers encoded (u8/f16/json bytes, base64, compression) at once; more than the cores gains
+    # nothing and each holds a copy of its answer (19 MB for u8 at T=512) while it works.
+    max_concurrent_renders: int = Field(2, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
     # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)
@@ -61,12 +75,38 @@ class Settings(BaseSettings):
     # Exposure (see SECURITY.md). CORS is off unless origins are listed, e.g.
     # MANYEYES_CORS_ORIGINS='["https://viz.example.org"]'.
     cors_origins: list[str] = Field(default_factory=list)
+    # API keys (see SECURITY.md): with any configured, every /api route needs
+    # `Authorization: Bearer <key>`. MANYEYES_API_KEYS="k1,k2", or a file of SHA-256 hex digests.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_keys_file: Path | None = None
+    close_metrics: bool = False  # True: /metrics needs a key too (/healthz and /readyz stay open)
+    # Fair shares: each client (API key, else address) has its own queue, served round-robin into
+    # the batches, so a flood from one delays another's request by at most one batch. Beyond
+    # max_client_queue inputs in the system a client gets 429 while others are still admitted.
+    # None: max_queue, no cap of its own, since many users behind one NAT or an untrusted proxy
+    # share an address; a public service sets it (e.g. 64) so no one client can fill the queue.
+    # X-Forwarded-For is believed only from these proxy addresses or networks, e.g.
+    # MANYEYES_TRUSTED_PROXIES="127.0.0.1,10.0.0.0/8".
+    max_client_queue: int | None = Field(None, ge=1)
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # glibc malloc: blocks from this size up get their own mmap, returned to the OS when freed.
+    # Without it, attention tensors of mixed sizes fragment the heap and RSS climbs far past the
+    # run cache's bound (see SECURITY.md, "Memory"). 0 leaves the allocator as it is.
+    malloc_mmap_threshold: int = Field(128 * 1024, ge=0)
+    switch_interval_ms: float = Field(0.5, ge=0)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
+
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
     shutdown_grace_s: float = Field(30.0, ge=0)
 
     cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs' full float32 attention
-    gzip_level: int = Field(5, ge=1, le=6)
+    gzip_level: int = Field(5, ge=1, le=6)  # small JSON (models, errors, docs) through GZipMiddleware
     gzip_min_bytes: int = Field(1024, ge=0)
+    # Attention answers are compressed by the service, off the event loop (see services/wire.py):
+    # `json` text with ISA-L gzip at this level (0-3) when the client accepts gzip, any answer of
+    # at least zstd_min_bytes with zstd when the client accepts zstd (0: never zstd).
+    attention_gzip_level: int = Field(1, ge=0, le=3)
+    zstd_level: int = Field(1, ge=1, le=22)
+    zstd_min_bytes: int = Field(64 * 1024, ge=0)
     warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
 
     # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.
@@ -78,6 +118,11 @@ class Settings(BaseSettings):
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
     debug_forward_delay_s: float = Field(0.0, ge=0)
     debug_load_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("api_keys", "trusted_proxies", mode="before")
+    @classmethod
+    def _split_list(cls, value):
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
     @field_validator("extra_models", mode="before")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,7 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
 
+from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
+from manyeyes.app.memory import tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
@@ -25,6 +28,7 @@ from manyeyes.app.services.errors import ApiError, error_body
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 log = logging.getLogger("manyeyes")
@@ -71,9 +75,16 @@ def add_error_handlers(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
+    keys = KeyRing(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        tune_malloc(settings.malloc_mmap_threshold)
+        if settings.switch_interval_ms:
+            # The forward thread takes the GIL back after every torch op; with the default 5 ms
+            # interval a busy event loop made each re-take wait, and a batch of 8 short inputs
+            # took seconds while 200 requests were being answered.
+            sys.setswitchinterval(settings.switch_interval_ms / 1000)
         registry = Registry(settings, metrics)
         cache = RunCache(settings.cache_bytes, on_size=metrics.cache_bytes.set)
         app.state.registry = registry
@@ -113,13 +124,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         GZipMiddleware,
         minimum_size=settings.gzip_min_bytes,
         compresslevel=settings.gzip_level,
-        exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE),
+        exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE, FRAME_MEDIA_TYPE),
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # Outside BodyLimit: a request without a valid key is refused before its body is read.
+    app.add_middleware(ClientIdentity, keys=keys, proxies=TrustedProxies(settings.trusted_proxies), close_metrics=settings.close_metrics)
     if settings.cors_origins:  # off by default: only the page this server serves may call the API
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-            allow_headers=["Content-Type"], expose_headers=["Retry-After"], max_age=600,
+            allow_headers=["Content-Type", "Authorization"], expose_headers=["Retry-After"], max_age=600,
         )
     app.add_middleware(AccessLog, metrics=metrics)
     # Outermost, so every answer carries the headers, the 413s BodyLimit writes included.

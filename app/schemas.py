@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -284,7 +284,9 @@ class ViewState(BaseModel):
     layer: int = Field(0, ge=0, le=4096)
     head: int = Field(0, ge=0, le=4096)
     aggregate: Literal["head", "layer", "all"] = "head"
-    heads: list[int] = Field(default_factory=list, max_length=256, description="Heads the head view draws")
+    heads: list[Annotated[int, Field(ge=0, le=4096)]] = Field(
+        default_factory=list, max_length=256, description="Heads the head view draws"
+    )
     hide_special: bool = False
     hide_first: bool = False
     threshold: float = Field(0.0, ge=0.0, le=1.0)

@@ -29,19 +29,23 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(**settings):
-    """`manyeyes serve` with MANYEYES_* settings; yields (base URL, pid) once /readyz says 200."""
+def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeout_s: float = 300, on_spawn=None, **settings):
+    """`manyeyes serve` with MANYEYES_* settings; yields (base URL, pid) once /readyz says 200.
+    log_level="info" writes the access log (one JSON line per request, with the server's own ms)
+    to log_path."""
     port = free_port()
     script = Path(sys.executable).with_name("manyeyes")
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "manyeyes.app.cli"]
-    argv += ["serve", "--host", HOST, "--port", str(port), "--log-level", "warning"]
+    argv += ["serve", "--host", HOST, "--port", str(port), "--log-level", log_level]
     env = {**os.environ, "MANYEYES_MODELS": json.dumps({"minilm": "minilm"}), "MANYEYES_DEVICE": "cpu"}
     env.update({f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()})
     url = f"http://{HOST}:{port}"
-    with tempfile.TemporaryFile("w+") as log:
+    with (open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")) as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if on_spawn is not None:  # e.g. start polling its memory from the first moment
+            on_spawn(proc.pid)
         try:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + ready_timeout_s
             while True:
                 if proc.poll() is not None:
                     log.seek(0)
@@ -52,7 +56,7 @@ def serve(**settings):
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline:
-                    raise SystemExit("the server was not ready within 300 s")
+                    raise SystemExit(f"the server was not ready within {ready_timeout_s:g} s")
                 time.sleep(0.2)
             yield url, proc.pid
         finally:
@@ -105,3 +109,16 @@ def matches(body: dict, reference) -> bool:
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
+
+
+def access_ms(log_path: Path) -> dict[str, float]:
+    """run_id -> the server's own milliseconds for that request (request in to last byte out)."""
+    import orjson
+
+    out = {}
+    for line in Path(log_path).read_text().splitlines():
+        if " manyeyes.access " in line:
+            entry = orjson.loads(line.split(" manyeyes.access ", 1)[1])
+            if isinstance(entry.get("run_id"), str):
+                out[entry["run_id"]] = entry["ms"]
+    return out

@@ -1,15 +1,25 @@
-"""Our API server against a naive reference server, started side by side in one run.
+"""Our API server against a naive reference server, started side by side in one run, like for like.
 
 The reference is what a new user would write: FastAPI + transformers (`output_attentions=True`,
-eager attention) + stdlib `json.dumps(attentions.tolist())`, on the same MiniLM weights.
-Ours is `manyeyes serve` asked for `format=u8`, all layers and heads.
+eager attention) + stdlib `json.dumps(attentions.tolist())`, on the same MiniLM weights; it never
+compresses. Ours is `manyeyes serve`, asked in every form a client can ask for:
 
-For T = 16, 64, 128, 256, 512 tokens it sends the same sentences to both, alternating request by
-request so machine noise hits both alike, and prints p50 end-to-end latency, response bytes, the
-ratios, and our server's time beside the forward pass. Every request text is new, so our run
-cache never answers. Then 32 concurrent clients send short sentences to each server in turn.
+    json, identity        float32 JSON, no compression           lossless, like the reference
+    json, gzip            Accept-Encoding: gzip, deflate         what a browser without zstd gets
+    json, zstd            httpx's default with zstandard, Chrome  lossless
+    f32 frame             format=json as a raw frame (float32)    lossless
+    f16 json / frame      base64 in JSON / raw frame              float16: within 1e-3
+    u8 json / frame       base64 in JSON / raw frame              LOSSY: within 1/255
+    u8 frame, zstd        the page's form                         LOSSY: within 1/255
 
-    python bench/serve_bench.py [--quick]
+For each T every form gets its own new sentence (so our run cache never answers), in rounds that
+alternate with the reference request by request, so machine noise hits all alike. Time is from
+sending the request to holding the whole decoded body. Both servers' forward times are printed
+(ours from timing_ms, the reference's from its X-Forward-Ms header), and our server's own time
+per request from its access log. Then throughput: 32 clients against each server in turn, and our
+single-stream rate, to show what micro-batching adds.
+
+    python bench/serve_bench.py [--quick] [--lengths 16,64,128] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -28,16 +38,34 @@ from pathlib import Path
 import httpx
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_server import access_ms  # noqa: E402
+
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (16, 64, 128, 256, 512)
-ROUNDS = {16: 15, 64: 9, 128: 7, 256: 3, 512: 2}  # the reference needs ~17 s per request at T=512
+ROUNDS = {16: 15, 64: 9, 128: 7, 256: 3, 512: 2}  # the reference needs ~15 s per request at T=512
 WORDS = (
     "the river bank was full of fish while a heron waited by the old stone mill and children ran "
     "along the path to see boats go past under green trees in warm summer light"
 ).split()
+FRAME = FRAME_MEDIA_TYPE
+# name -> (request format, Accept, Accept-Encoding, note)
+FORMS = {
+    "json, identity": ("json", "application/json", "identity", "lossless"),
+    "json, gzip": ("json", "application/json", "gzip, deflate", "lossless"),
+    "json, zstd": ("json", "application/json", "gzip, deflate, zstd", "lossless"),
+    "f32 frame": ("json", FRAME, "identity", "lossless"),
+    "f16 json": ("f16", "application/json", "identity", "float16"),
+    "f16 frame": ("f16", FRAME, "identity", "float16"),
+    "u8 json": ("u8", "application/json", "identity", "LOSSY 1/255"),
+    "u8 frame": ("u8", FRAME, "identity", "LOSSY 1/255"),
+    "u8 frame, zstd": ("u8", FRAME, "zstd", "LOSSY 1/255"),
+}
 
 REFERENCE_SERVER = """
-import json, sys, torch, uvicorn
+import json, sys, time, torch, uvicorn
 from fastapi import FastAPI, Response
 from pydantic import BaseModel
 from transformers import AutoTokenizer, BertModel
@@ -54,11 +82,14 @@ class Req(BaseModel):
 @app.post("/attention")
 def attention(req: Req):
     enc = tokenizer(req.text, return_tensors="pt", truncation=True, max_length=512)
+    started = time.perf_counter()
     with torch.no_grad():
         out = model(**enc, output_attentions=True)
+    forward_ms = (time.perf_counter() - started) * 1000
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0])
     weights = torch.stack(out.attentions)[:, 0]  # (layers, heads, T, T)
-    return Response(json.dumps({"tokens": tokens, "attention": weights.tolist()}), media_type="application/json")
+    return Response(json.dumps({"tokens": tokens, "attention": weights.tolist()}), media_type="application/json",
+                    headers={"X-Forward-Ms": f"{forward_ms:.3f}"})
 
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
@@ -76,7 +107,7 @@ def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT)
 
 
-def wait_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180) -> None:
+def wait_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -101,71 +132,70 @@ def sentence(n_tokens: int, seed: int, encode) -> str:
         words.pop()
 
 
-def p50(values: list[float]) -> float:
-    return statistics.median(values)
+def ours_request(client: httpx.Client, url: str, text: str, form: str) -> dict:
+    fmt, accept, encoding, _ = FORMS[form]
+    t0 = time.perf_counter()
+    r = client.post(f"{url}/api/v1/attention", json={"text": text, "format": fmt},
+                    headers={"Accept": accept, "Accept-Encoding": encoding})
+    body = r.content  # decoded (decompressed) as it arrived
+    ms = (time.perf_counter() - t0) * 1000
+    assert r.status_code == 200, (form, r.status_code, body[:200])
+    header = read_frame(body)[0] if accept == FRAME else orjson.loads(body)
+    n = len(header["tokens"])
+    assert header["attention"]["shape"] == [6, 12, n, n], header["attention"]["shape"]
+    expected_encoding = {"identity": None, "gzip, deflate": "gzip"}.get(encoding, "zstd")
+    if expected_encoding == "zstd" and fmt != "json" and r.num_bytes_downloaded < 64 * 1024:
+        expected_encoding = None  # compact answers under 64 KiB are not worth compressing
+    assert r.headers.get("content-encoding") == expected_encoding, (form, r.headers.get("content-encoding"))
+    return {"ms": ms, "bytes": r.num_bytes_downloaded, "forward": header["timing_ms"]["forward"], "run_id": header["run_id"]}
 
 
-def latency_table(client: httpx.Client, ours: str, ref: str, encode, lengths, rounds) -> list[dict]:
-    rows = []
+def latency_table(client: httpx.Client, ours: str, ref: str, encode, lengths, rounds, forms) -> dict:
+    table = {}
     for n in lengths:
-        stats = {k: [] for k in ("ours_ms", "ref_ms", "forward_ms", "run_ids", "ours_bytes", "ref_bytes")}
-        for i in range(rounds[n] + 1):  # the first pair warms both up and is not counted
-            text = sentence(n, 1000 * n + i, encode)
-            t0 = time.perf_counter()
-            r = client.post(f"{ours}/api/v1/attention", json={"text": text, "format": "u8"})
-            ours_ms = (time.perf_counter() - t0) * 1000
-            wire = r.num_bytes_downloaded
-            body = orjson.loads(r.content)
-            assert r.status_code == 200 and body["attention"]["shape"] == [6, 12, n, n], (r.status_code, r.text[:200])
-            t0 = time.perf_counter()
-            r = client.post(f"{ref}/attention", json={"text": text})
-            ref_ms = (time.perf_counter() - t0) * 1000
-            assert r.status_code == 200
-            if i == 0:
-                continue
-            timing = body["timing_ms"]
-            stats["ours_ms"].append(ours_ms)
-            stats["ref_ms"].append(ref_ms)
-            stats["forward_ms"].append(timing["forward"])
-            stats["run_ids"].append(body["run_id"])
-            stats["ours_bytes"].append(wire)
-            stats["ref_bytes"].append(r.num_bytes_downloaded)
-        row = {"T": n, "run_ids": stats.pop("run_ids"), **{k: p50(v) for k, v in stats.items()}}
-        rows.append(row)
-        print(f"  T={n}: ours {row['ours_ms']:.1f} ms, reference {row['ref_ms']:.1f} ms", file=sys.stderr)
-    return rows
+        samples = {form: [] for form in forms}
+        samples["reference"] = []
+        for i in range(rounds[n] + 1):  # the first round warms both up and is not counted
+            for k, form in enumerate(forms):
+                text = sentence(n, 1000 * n + 50 * i + k, encode)
+                result = ours_request(client, ours, text, form)
+                if k % 3 == 0:  # the reference between every third of ours, so noise hits both alike
+                    text = sentence(n, 1000 * n + 50 * i + 40 + k, encode)
+                    t0 = time.perf_counter()
+                    r = client.post(f"{ref}/attention", json={"text": text})
+                    body = r.content
+                    ref_ms = (time.perf_counter() - t0) * 1000
+                    assert r.status_code == 200 and len(body) > 0
+                    if i:
+                        samples["reference"].append({"ms": ref_ms, "bytes": r.num_bytes_downloaded,
+                                                     "forward": float(r.headers["x-forward-ms"])})
+                if i:
+                    samples[form].append(result)
+        table[n] = samples
+        ref_p50 = statistics.median(s["ms"] for s in samples["reference"])
+        print(f"  T={n}: reference {ref_p50:.0f} ms; " + ", ".join(
+            f"{f} {statistics.median(s['ms'] for s in samples[f]):.1f}" for f in forms), file=sys.stderr)
+    return table
 
 
-def add_server_times(rows: list[dict], log: Path) -> None:
-    """Our server's own time per request, from its access log (request in to last byte handed
-    to the socket), and how much of it is not the forward pass."""
-    served_ms = {}
-    for line in log.read_text().splitlines():
-        if " manyeyes.access " in line:
-            entry = orjson.loads(line.split(" manyeyes.access ", 1)[1])
-            served_ms[entry.get("run_id")] = entry["ms"]
-    for row in rows:
-        row["server_ms"] = p50([served_ms[run_id] for run_id in row["run_ids"]])
-        row["beyond_forward"] = (row["server_ms"] - row["forward_ms"]) / row["forward_ms"]
-
-
-async def throughput(url: str, body_for, clients: int, seconds: float) -> tuple[float, int]:
-    done = 0
-    errors = 0
+async def throughput(url: str, body_for, clients: int, seconds: float, headers: dict | None = None) -> tuple[float, int]:
+    done = errors = 0
     stop = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=120, headers=headers) as client:
 
         async def worker(w: int) -> None:
             nonlocal done, errors
             i = 0
             while time.perf_counter() < stop:
-                r = await client.post(url, json=body_for(w * 100_000 + i))
+                try:
+                    r = await client.post(url, json=body_for(w * 100_000 + i))
+                    ok = r.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
                 i += 1
-                if r.status_code == 200:
-                    done += 1
-                else:
-                    errors += 1
+                done += ok
+                errors += not ok
 
         started = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(clients)))
@@ -177,15 +207,59 @@ def short(seed: int) -> str:
     return f"s{seed} " + " ".join(WORDS[(seed + k * 3) % len(WORDS)] for k in range(6 + seed % 7))
 
 
+def p50(values) -> float:
+    return statistics.median(values)
+
+
+def report(table: dict, served_ms: dict, forms, rounds) -> list[dict]:
+    """Prints the tables; returns the T=128 (or largest) figures for the targets."""
+    print("\n### Latency, p50 ms (time to the whole decoded body), and bytes on the wire\n")
+    print("| T | reference | ref forward | " + " | ".join(forms) + " | our forward |")
+    print("|---:|---:|---:|" + "---:|" * len(forms) + "---:|")
+    for n, samples in table.items():
+        ref = samples["reference"]
+        cells = [f"{p50(s['ms'] for s in samples[f]):.1f}" for f in forms]
+        our_forward = p50(s["forward"] for f in forms for s in samples[f])
+        print(f"| {n} | {p50(s['ms'] for s in ref):.1f} | {p50(s['forward'] for s in ref):.1f} | " + " | ".join(cells)
+              + f" | {our_forward:.1f} |")
+    print("\n### Against the reference, per form: speed-up (p50 over p50) and smaller by\n")
+    print("| T | " + " | ".join(forms) + " |")
+    print("|---:|" + "---:|" * len(forms))
+    for n, samples in table.items():
+        ref_ms, ref_bytes = p50(s["ms"] for s in samples["reference"]), p50(s["bytes"] for s in samples["reference"])
+        print(f"| {n} | " + " | ".join(
+            f"{ref_ms / p50(s['ms'] for s in samples[f]):.1f}x / {ref_bytes / p50(s['bytes'] for s in samples[f]):.1f}x"
+            for f in forms) + " |")
+    print("\n(" + "; ".join(f"{f}: {FORMS[f][3]}" for f in forms) + ")")
+    print("\n### Our server's own time (access log: request in to last byte out) beyond its forward pass\n")
+    print("| T | form | server ms | forward ms | beyond forward |")
+    print("|---:|---|---:|---:|---:|")
+    overhead = {}
+    for n, samples in table.items():
+        for form in ("u8 frame", "f32 frame", "json, gzip"):
+            if form not in forms:
+                continue
+            server = [served_ms[s["run_id"]] for s in samples[form] if s["run_id"] in served_ms]
+            forward = [s["forward"] for s in samples[form]]
+            beyond = [served_ms[s["run_id"]] - s["forward"] for s in samples[form] if s["run_id"] in served_ms]
+            overhead[(n, form)] = (p50(server), p50(forward), p50(beyond))
+            print(f"| {n} | {form} | {p50(server):.1f} | {p50(forward):.1f} | {p50(beyond):.1f} ms "
+                  f"({100 * p50(beyond) / p50(forward):.0f}%) |")
+    return overhead
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="T up to 128, fewer rounds, shorter load test")
+    parser.add_argument("--lengths", default=None, help="comma-separated T (default 16,64,128,256,512)")
+    parser.add_argument("--forms", default=";".join(FORMS), help="which of our forms, by name, separated by ;")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0, help="load-test duration per server")
     args = parser.parse_args()
-    lengths = LENGTHS[:3] if args.quick else LENGTHS
-    rounds = {n: max(2, r // 2) for n, r in ROUNDS.items()} if args.quick else ROUNDS
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else list(LENGTHS[:3] if args.quick else LENGTHS)
+    rounds = {n: max(2, ROUNDS.get(n, 3) // 2) if args.quick else ROUNDS.get(n, 3) for n in lengths}
     seconds = min(args.seconds, 5.0) if args.quick else args.seconds
+    forms = [f.strip() for f in args.forms.split(";")]
 
     from manyeyes.model import load
 
@@ -193,6 +267,7 @@ def main() -> None:
     ours_port, ref_port = free_port(), free_port()
     env = {"MANYEYES_MODELS": '{"minilm": "minilm"}', "MANYEYES_DEVICE": "cpu", "MANYEYES_CACHE_BYTES": str(256 * 2**20)}
     logs = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    load_before = os.getloadavg()
     servers = [
         start([sys.executable, "-c", "from manyeyes.app.cli import main; main()", "serve", "--port", str(ours_port)],
               env, logs / "ours.log"),
@@ -203,43 +278,57 @@ def main() -> None:
         wait_up(servers[0], f"{ours}/readyz", logs / "ours.log")
         wait_up(servers[1], f"{ref}/docs", logs / "reference.log")
         with httpx.Client(timeout=300) as client:
-            rows = latency_table(client, ours, ref, encode, lengths, rounds)
-        time.sleep(0.5)  # the log line follows the last byte
-        add_server_times(rows, logs / "ours.log")
-        print(f"  load test: {args.clients} clients x {seconds:g} s per server", file=sys.stderr)
+            table = latency_table(client, ours, ref, encode, lengths, rounds, forms)
+        print(f"  load test: {args.clients} clients x {seconds:g} s per server, then 1 client on ours", file=sys.stderr)
         # Two alternating halves each, so a burst of outside load cannot favour one side.
-        ours_runs, ref_runs = [], []
+        u8 = {"Accept": FRAME}
+        ours_runs, ref_runs, single_runs = [], [], []
         for half in range(2):
             ours_runs.append(asyncio.run(throughput(
-                f"{ours}/api/v1/attention", lambda s: {"text": short(s + 50_000 * half), "format": "u8"}, args.clients, seconds / 2)))
+                f"{ours}/api/v1/attention", lambda s: {"text": short(s + 50_000 * half), "format": "u8"}, args.clients, seconds / 2, u8)))
             ref_runs.append(asyncio.run(throughput(
                 f"{ref}/attention", lambda s: {"text": short(s + 50_000 * half)}, args.clients, seconds / 2)))
-        ours_rps, ours_err = sum(r for r, _ in ours_runs) / 2, sum(e for _, e in ours_runs)
-        ref_rps, ref_err = sum(r for r, _ in ref_runs) / 2, sum(e for _, e in ref_runs)
+            single_runs.append(asyncio.run(throughput(
+                f"{ours}/api/v1/attention", lambda s: {"text": short(s + 70_000 + 50_000 * half), "format": "u8"}, 1, seconds / 2, u8)))
+        time.sleep(0.5)  # the log line follows the last byte
+        served_ms = access_ms(logs / "ours.log")
     finally:
         for proc in servers:
             proc.terminate()
         for proc in servers:
             proc.wait(timeout=30)
 
-    print(f"\nMiniLM on {os.cpu_count()} CPU cores; ours: format=u8, all 6 layers x 12 heads; p50 of "
-          f"{', '.join(f'{rounds[n]}' for n in lengths)} new sentences per T\n")
-    print("| T | ours p50 ms | reference p50 ms | speed-up | ours bytes | reference bytes | smaller by | "
-          "ours forward ms | ours server ms | server time beyond forward |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['T']} | {r['ours_ms']:.1f} | {r['ref_ms']:.1f} | {r['ref_ms'] / r['ours_ms']:.1f}x | "
-              f"{r['ours_bytes']:,.0f} | {r['ref_bytes']:,.0f} | {r['ref_bytes'] / r['ours_bytes']:.1f}x | "
-              f"{r['forward_ms']:.1f} | {r['server_ms']:.1f} | {100 * r['beyond_forward']:.0f}% |")
-    print(f"\nThroughput, {args.clients} concurrent clients, short sentences (8-14 tokens): ours {ours_rps:.1f} req/s "
-          f"({ours_err} errors), reference {ref_rps:.1f} req/s ({ref_err} errors): {ours_rps / ref_rps:.1f}x")
+    load_after = os.getloadavg()
+    print(f"\nMiniLM on {os.cpu_count()} CPU cores, all 6 layers x 12 heads, p50 of "
+          f"{', '.join(f'{rounds[n]}' for n in lengths)} new sentences per T and form; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    overhead = report(table, served_ms, forms, rounds)
+    ours_rps, ours_err = sum(r for r, _ in ours_runs) / 2, sum(e for _, e in ours_runs)
+    ref_rps, ref_err = sum(r for r, _ in ref_runs) / 2, sum(e for _, e in ref_runs)
+    single_rps = sum(r for r, _ in single_runs) / 2
+    print(f"\nThroughput, short sentences (8-14 tokens), u8 frames: ours {ours_rps:.1f} req/s at {args.clients} clients "
+          f"({ours_err} errors), {single_rps:.1f} req/s single-stream ({ours_rps / single_rps:.1f}x from batching); "
+          f"reference {ref_rps:.1f} req/s ({ref_err} errors): {ours_rps / ref_rps:.1f}x")
 
-    at128 = next((r for r in rows if r["T"] == 128), None)
-    checks = [("throughput >= 2x", ours_rps / ref_rps >= 2)]
-    if at128:
-        checks += [("T=128 >= 10x faster", at128["ref_ms"] / at128["ours_ms"] >= 10),
-                   ("T=128 >= 15x smaller", at128["ref_bytes"] / at128["ours_bytes"] >= 15)]
-    checks.append(("server time beyond forward <= 50% at every T", all(r["beyond_forward"] <= 0.5 for r in rows)))
+    checks = [("throughput at 32 clients >= 2x single-stream", ours_rps >= 2 * single_rps)]
+    if 128 in table:
+        t = table[128]
+        ref_ms, ref_bytes = p50(s["ms"] for s in t["reference"]), p50(s["bytes"] for s in t["reference"])
+
+        def ratio(form, key):
+            return (ref_ms if key == "ms" else ref_bytes) / p50(s[key] for s in t[form]) if form in t else float("nan")
+
+        checks += [
+            ("T=128 json with gzip >= 5x faster like for like", ratio("json, gzip", "ms") >= 5),
+            ("T=128 u8 frame >= 30x faster", ratio("u8 frame", "ms") >= 30),
+            ("T=128 u8 frame >= 22x smaller", ratio("u8 frame", "bytes") >= 22),
+            ("T=128 u8 frame with zstd >= 40x smaller", ratio("u8 frame, zstd", "bytes") >= 40),
+        ]
+    if any(form == "u8 frame" for _, form in overhead):
+        checks.append(("server time beyond forward <= 30% at every T (u8 frame)",
+                       all(b <= 0.3 * f for (n, form), (_, f, b) in overhead.items() if form == "u8 frame")))
+    if (16, "u8 frame") in overhead:
+        checks.append(("<= 2 ms beyond forward at T=16", overhead[(16, "u8 frame")][2] <= 2))
     print("\nTargets: " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks))
 
 

@@ -1,94 +1,244 @@
-"""Soak: 20,000 requests against a real `manyeyes serve` on loopback; prints the server's RSS
-as it goes and its growth after warm-up. Target: under 100 MB.
+"""Soak: concurrent mixed-length load against a real `manyeyes serve`, with its memory bound checked.
 
-The mix exercises every path that could leak: new sentences (forward + cache insert + eviction
-once the bounded cache is full), repeats (cache hits), all three formats, slices of cached runs,
-batches, and refused requests (422, 404).
+100 clients (default) send texts of 16 to 512 tokens, all layers and heads, in the forms real
+clients use (u8 and f16 as JSON and as raw frames, repeats the cache answers, slices of cached
+runs, batches), against the default 512 MB run cache. The server's RSS is polled every 50 ms from
+the moment the process starts. The bound (SECURITY.md, "Memory"):
 
-    python bench/soak.py [--requests 20000] [--concurrency 16] [--cache-mb 64]
+    peak RSS  <=  RSS after warm-up  +  cache_bytes x 1.1  +  100 MB
+
+Every answer is checked (status, shape against its tokens, every row of weights summing to 1);
+every 50th fresh text is also compared, after the load, with a single run in this process.
+
+    python bench/soak.py [--requests 10000] [--clients 100] [--warmup 300] [--malloc-mmap-threshold 0]
+
+--malloc-mmap-threshold 0 runs the server with glibc's allocator defaults, to see the problem
+the start-up setting fixes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import random
+import statistics
+import sys
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
+import numpy as np
+import orjson
 
-from live_server import rss_mb, serve
-from load import sentences
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_server import TOLERANCE, decode, rss_mb, serve  # noqa: E402
 
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
 
-def request_for(i: int, texts: list[str], run_ids: list[str]) -> tuple[str, str, dict | None]:
-    """The i-th request of the mix: (method, path, json body)."""
-    kind = i % 10
-    text = texts[(i * 7919) % len(texts)]
-    if kind < 4:
-        return "POST", "/api/v1/attention", {"text": text, "format": ("u8", "f16", "u8", "json")[kind], "layers": [kind % 6]}
-    if kind < 6:
-        return "POST", "/api/v1/attention", {"text": f"{text} ({i})", "format": "u8"}  # never seen: a forward
-    if kind == 6 and run_ids:
-        return "GET", f"/api/v1/runs/{run_ids[i % len(run_ids)]}/attention?format=f16&heads=1,2", None
-    if kind == 7:
-        return "POST", "/api/v1/attention/batch", {"texts": [text, texts[(i * 31) % len(texts)]], "format": "u8"}
-    if kind == 8:
-        return "POST", "/api/v1/attention", {"text": text, "layers": [99]}  # 422
-    return "GET", f"/api/v1/runs/{i:032x}/attention", None  # 404
+WORDS = (
+    "the a river bank money water heron boat mill stone bridge field winter summer quiet loud teacher "
+    "student paper window garden market village forest mountain valley morning evening walked saw "
+    "under over near slowly quickly old new"
+).split()
+FRAME = {"Accept": FRAME_MEDIA_TYPE}
 
 
-async def soak(url: str, pid: int, total: int, concurrency: int, every: int) -> dict:
-    texts = sentences(3000, seed=2)
-    statuses: Counter = Counter()
-    samples: list[tuple[int, float]] = [(0, rss_mb(pid))]
-    run_ids: list[str] = []
-    counter = iter(range(total))
-    done = 0
-    started = time.monotonic()
+class RssPoller(threading.Thread):
+    def __init__(self, interval_s: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.pid: int | None = None
+        self.samples: list[tuple[float, float]] = []  # (monotonic time, MB)
+        self.stop = threading.Event()
 
-    async def worker(client):
-        nonlocal done
-        for i in counter:
-            method, path, body = request_for(i, texts, run_ids)
-            r = await client.request(method, path, json=body)
-            statuses[r.status_code] += 1
-            if r.status_code == 200 and path == "/api/v1/attention" and len(run_ids) < 500:
-                run_ids.append(r.json()["run_id"])
-            done += 1
-            if done % every == 0:
-                samples.append((done, rss_mb(pid)))
-                print(f"  {done:>6} requests  RSS {samples[-1][1]:7.1f} MB  {done / (time.monotonic() - started):6.1f} req/s", flush=True)
+    def watch(self, pid: int) -> None:
+        self.pid = pid
+        self.start()
 
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return {"statuses": statuses, "samples": samples, "elapsed": time.monotonic() - started}
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.samples.append((time.monotonic(), rss_mb(self.pid)))
+            except (OSError, RuntimeError):
+                return  # the process has gone
+            time.sleep(self.interval_s)
+
+    def peak(self, since: float = 0.0) -> float:
+        return max((mb for t, mb in self.samples if t >= since), default=float("nan"))
+
+    def now(self) -> float:
+        return self.samples[-1][1] if self.samples else float("nan")
+
+
+def text_of(rng: random.Random, i: int) -> str:
+    # Mostly one token a word: 14 to 510 words gives 16 to 512 tokens with [CLS] and [SEP].
+    n = rng.choice((rng.randint(14, 60), rng.randint(60, 250), rng.randint(250, 510)))
+    return f"soak{i} " + " ".join(rng.choice(WORDS) for _ in range(n - 1))
+
+
+def check(attention: dict, values: np.ndarray, n_tokens: int) -> str | None:
+    """What is wrong with one answer's weights, or None."""
+    if attention["shape"] != [6, 12, n_tokens, n_tokens]:
+        return f"shape {attention['shape']} for {n_tokens} tokens"
+    rows = values.sum(-1)
+    slack = {"u8": n_tokens * 0.5 / 255, "f16": n_tokens * 1e-3, "json": 1e-4}[attention["format"]]
+    if np.abs(rows - 1).max() > slack + 1e-6:
+        return f"rows sum to {rows.min():.4f}..{rows.max():.4f}"
+    return None
+
+
+class Soak:
+    def __init__(self, url: str, total: int, clients: int, seed: int) -> None:
+        self.url = url
+        self.total = total
+        self.clients = clients
+        self.rng = random.Random(seed)
+        self.statuses: Counter = Counter()
+        self.wrong: list[str] = []
+        self.failures: Counter = Counter()  # exceptions: timeouts, resets, refused connections
+        self.sampled: list[tuple[str, dict, np.ndarray]] = []  # (text, header, weights) checked later
+        self.run_ids: list[str] = []
+        self.recent: list[str] = []
+        self.done = 0
+
+    def request_for(self, i: int) -> tuple[str, str, dict | None, dict, str | None]:
+        """(method, path, body, headers, fresh text or None) of the i-th request."""
+        kind = i % 20
+        if kind < 8:
+            text = text_of(self.rng, i)
+            return "POST", "/api/v1/attention", {"text": text, "format": "u8", "truncate": True}, FRAME, text
+        if kind < 12:
+            text = text_of(self.rng, i)
+            return "POST", "/api/v1/attention", {"text": text, "format": "u8", "truncate": True}, {}, text
+        if kind < 15:
+            text = text_of(self.rng, i)
+            return "POST", "/api/v1/attention", {"text": text, "format": "f16", "truncate": True}, FRAME, text
+        if kind < 17 and self.recent:  # a repeat: the cache answers
+            text = self.rng.choice(self.recent)
+            return "POST", "/api/v1/attention", {"text": text, "format": "u8", "truncate": True}, FRAME, None
+        if kind < 19 and self.run_ids:
+            run_id = self.rng.choice(self.run_ids[-200:])
+            return "GET", f"/api/v1/runs/{run_id}/attention?format=f16&layers=0,5", None, FRAME, None
+        texts = [text_of(self.rng, i), text_of(self.rng, i + 1)]
+        return "POST", "/api/v1/attention/batch", {"texts": texts, "format": "u8", "truncate": True}, FRAME, None
+
+    def verify(self, r: httpx.Response, text: str | None, i: int) -> None:
+        if r.headers["content-type"] == FRAME_MEDIA_TYPE:
+            header, data = read_frame(r.content)
+            results = header.get("results", [header])
+            arrays = []
+            for res in results:
+                att = res["attention"]
+                dtype = {"u8": np.uint8, "f16": "<f2", "json": "<f4"}[att["format"]]
+                raw = np.frombuffer(data[att["offset"] : att["offset"] + att["nbytes"]], dtype=dtype).astype(np.float32)
+                arrays.append(raw.reshape(att["shape"]) * (att.get("scale") or 1.0))
+        else:
+            header = orjson.loads(r.content)
+            results = header.get("results", [header])
+            arrays = [decode(res["attention"]) for res in results]
+        for res, values in zip(results, arrays):
+            if res["layers"] == list(range(6)):
+                problem = check(res["attention"], values, len(res["tokens"]))
+                if problem:
+                    self.wrong.append(f"request {i}: {problem}")
+            self.run_ids.append(res["run_id"])
+        if text is not None:
+            self.recent = (self.recent + [text])[-100:]
+            if len(self.sampled) * 50 <= i:
+                self.sampled.append((text, results[0], arrays[0]))
+
+    async def run(self, poller: RssPoller, every: int) -> float:
+        counter = iter(range(self.total))
+        started = time.monotonic()
+        limits = httpx.Limits(max_connections=self.clients, max_keepalive_connections=self.clients)
+        async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
+
+            async def worker() -> None:
+                for i in counter:
+                    method, path, body, headers, text = self.request_for(i)
+                    try:
+                        r = await client.request(method, path, json=body, headers=headers)
+                    except httpx.HTTPError as exc:  # every exception is a failure, never a success
+                        self.failures[type(exc).__name__] += 1
+                        continue
+                    finally:
+                        self.done += 1
+                        if self.done % every == 0:
+                            rate = self.done / (time.monotonic() - started)
+                            print(f"  {self.done:>6} requests  RSS {poller.now():7.0f} MB  peak {poller.peak():7.0f} MB  "
+                                  f"{rate:5.1f} req/s  load {os.getloadavg()[0]:.1f}", flush=True)
+                    self.statuses[r.status_code] += 1
+                    if r.status_code == 200:
+                        self.verify(r, text, i)
+
+            await asyncio.gather(*(worker() for _ in range(self.clients)))
+        return time.monotonic() - started
+
+
+def compare_samples(sampled) -> int:
+    """Sampled answers against single unbatched runs in this process; returns how many differ."""
+    from manyeyes.model import load
+
+    model = load("minilm", device="cpu")
+    wrong = 0
+    for text, result, values in sampled:
+        reference = model.attend(text, truncate=True)
+        expected = reference.attention.numpy()
+        tol = TOLERANCE[result["attention"]["format"]]
+        if [t["id"] for t in result["tokens"]] != [t.id for t in reference.tokens] or values.shape != expected.shape \
+                or float(np.abs(values - expected).max()) > tol:
+            wrong += 1
+    return wrong
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--cache-mb", type=int, default=64, help="run cache bound; it fills during warm-up")
-    parser.add_argument("--warmup", type=int, default=4_000, help="requests before the baseline RSS is taken")
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=300, help="requests before the baseline RSS is taken")
+    parser.add_argument("--cache-mb", type=int, default=512, help="the run cache's bound (default: the server's default)")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None, help="0: glibc defaults (the server's own setting otherwise)")
+    parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
-    every = max(args.requests // 20, 1)
-    with serve(cache_bytes=args.cache_mb * 2**20) as (url, pid):
-        print(f"soak: {args.requests} requests, {args.concurrency} at a time, run cache {args.cache_mb} MB, minilm on cpu")
-        result = asyncio.run(soak(url, pid, args.requests, args.concurrency, every))
-    samples = result["samples"]
-    baseline = next(rss for n, rss in samples if n >= args.warmup)
-    after = [rss for n, rss in samples if n >= args.warmup]
-    growth = max(after) - baseline
-    server_errors = sum(n for s, n in result["statuses"].items() if s >= 500)
-    print(f"  statuses      {dict(sorted(result['statuses'].items()))}")
-    print(f"  throughput    {args.requests / result['elapsed']:.1f} req/s over {result['elapsed']:.0f} s")
-    print(f"  RSS           start {samples[0][1]:.0f} MB, after {args.warmup} warm-up requests {baseline:.0f} MB, "
-          f"end {samples[-1][1]:.0f} MB, peak after warm-up {max(after):.0f} MB")
-    print(f"  growth after warm-up {growth:.1f} MB (target < 100 MB); 5xx {server_errors}")
-    ok = growth < 100 and server_errors == 0
-    print("target:", "MET" if ok else "MISSED")
+
+    poller = RssPoller()
+    settings = {"cache_bytes": args.cache_mb * 2**20, "max_queue": 4 * args.clients, "max_client_queue": 4 * args.clients,
+                "request_timeout_s": 300}
+    if args.malloc_mmap_threshold is not None:
+        settings["malloc_mmap_threshold"] = args.malloc_mmap_threshold
+    cpus = os.cpu_count()
+    print(f"soak: {args.requests} requests ({args.warmup} warm-up), {args.clients} clients, 16-512 tokens, "
+          f"run cache {args.cache_mb} MB, minilm on {cpus} CPUs, load {os.getloadavg()[0]:.1f}")
+    with serve(on_spawn=poller.watch, **settings) as (url, pid):
+        ready_rss = poller.now()
+        warm = Soak(url, args.warmup, args.clients, args.seed)
+        asyncio.run(warm.run(poller, max(args.warmup, 1)))
+        baseline = rss_mb(pid)
+        baseline_at = time.monotonic()
+        soak = Soak(url, args.requests, args.clients, args.seed + 1)
+        soak.recent, soak.run_ids = warm.recent, warm.run_ids
+        elapsed = asyncio.run(soak.run(poller, max(args.requests // 20, 1)))
+        end_rss = rss_mb(pid)
+    poller.stop.set()
+    peak = poller.peak(baseline_at)
+    bound = baseline + args.cache_mb * 1.048576 * 1.1 + 100
+    sample_wrong = compare_samples(soak.sampled)
+    server_errors = sum(n for s, n in soak.statuses.items() if s >= 500)
+    failures = sum(soak.failures.values()) + server_errors
+    print(f"  statuses      {dict(sorted(soak.statuses.items()))}; exceptions {dict(soak.failures) or 0}")
+    print(f"  throughput    {args.requests / elapsed:.1f} req/s over {elapsed:.0f} s; load average {os.getloadavg()[0]:.1f} on {cpus} CPUs")
+    print(f"  answers       {len(soak.wrong)} wrong of those checked in full; {sample_wrong} of {len(soak.sampled)} "
+          "sampled texts differ from a single run")
+    print(f"  RSS           ready {ready_rss:.0f} MB, after warm-up {baseline:.0f} MB, end {end_rss:.0f} MB, "
+          f"peak {peak:.0f} MB (polled every 50 ms, {len(poller.samples)} samples, p50 {statistics.median(mb for _, mb in poller.samples):.0f} MB)")
+    print(f"  bound         {baseline:.0f} + {args.cache_mb} MiB x 1.1 + 100 = {bound:.0f} MB; peak is {peak - baseline:.0f} MB over warm-up")
+    for problem in soak.wrong[:5]:
+        print("   ", problem)
+    ok = peak <= bound and failures == 0 and not soak.wrong and sample_wrong == 0
+    print("target (peak within the bound, no failures, every answer right):", "MET" if ok else "MISSED")
     return 0 if ok else 1
 
 

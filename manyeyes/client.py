@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -123,6 +125,22 @@ class RemoteModel:
     predictions: bool = False  # whether the model has an LM head to ask `predictions` of
 
 
+@dataclass(frozen=True)
+class Prediction:
+    token: str  # how the id reads on its own, e.g. " the"
+    id: int
+    prob: float
+
+
+@dataclass(frozen=True)
+class GenerationStep:
+    index: int  # 0 for the first generated token
+    position: int  # in the whole sequence, prompt included
+    token: Prediction  # the chosen token and its probability under the model
+    alternatives: list[Prediction]  # the most likely tokens at that point, best first
+    attention: np.ndarray  # (n_layers, n_heads, position + 1): the token's row in every head
+
+
 @dataclass
 class RemoteResult:
     """One run's attention as the server sent it: `attention[i, j]` is layer `layers[i]`, head `heads[j]`."""
@@ -142,6 +160,8 @@ class RemoteResult:
     timing_ms: dict[str, float]
     # The POST body that made this run, so an evicted run can be recomputed by any server.
     request: dict | None = field(default=None, repr=False)
+    # Asked for with predictions=K: position -> the model's top K (next token, or at a [MASK]).
+    predictions: dict[int, list[Prediction]] | None = None
 
     def head(self, layer: int, head: int) -> np.ndarray:
         """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it."""
@@ -165,9 +185,35 @@ def decode_attention(attention: dict) -> np.ndarray:
     raise ManyeyesError(0, "unknown_format", f"the server sent attention in an unknown format {fmt!r}")
 
 
+FRAME_MEDIA_TYPE = "application/vnd.manyeyes.frame"
+FRAME_DTYPES = {"u8": np.uint8, "f16": np.dtype("<f2"), "json": np.dtype("<f4")}
+
+
+def decode_frame(body: bytes) -> list[tuple[dict, np.ndarray]]:
+    """The binary frame: b"MEF1", a u32 LE header length, the JSON header, then raw row-major data
+    that each result's `attention` points into by `offset` and `nbytes` (see app/services/wire.py)."""
+    if body[:4] != b"MEF1":
+        raise ManyeyesError(0, "unreadable", f"not a manyeyes frame: starts with {body[:4]!r}")
+    size = int.from_bytes(body[4:8], "little")
+    header = json.loads(body[8 : 8 + size])
+    data = memoryview(body)[8 + size :]
+    results = header["results"] if "results" in header else [header]
+    out = []
+    for fields in results:
+        att = fields["attention"]
+        raw = np.frombuffer(data[att["offset"] : att["offset"] + att["nbytes"]], dtype=FRAME_DTYPES[att["format"]])
+        array = raw.astype(np.float32).reshape(att["shape"])
+        if att["format"] == "u8":
+            array *= np.float32(att["scale"])
+        out.append((fields, array))
+    return out
+
+
 def decode_body(response: httpx.Response) -> list[tuple[dict, np.ndarray]]:
-    """Every result in a response as (its JSON fields, its attention array). The one place that
-    knows the wire format: a binary frame format slots in here by Content-Type."""
+    """Every result in a response as (its JSON fields, its attention array), from the binary
+    frame or the JSON form, whichever the server chose to send."""
+    if response.headers.get("content-type", "").startswith(FRAME_MEDIA_TYPE):
+        return decode_frame(response.content)
     try:
         body = response.json()
     except ValueError as exc:
@@ -192,6 +238,9 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         device=fields["device"],
         timing_ms=fields["timing_ms"],
         request=request,
+        predictions=None
+        if fields.get("predictions") is None
+        else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in fields["predictions"].items()},
     )
 
 
@@ -212,9 +261,15 @@ class Client:
         max_retries: int = 5,
         max_retry_wait_s: float = 30.0,
         format: str = "f16",
+        frames: bool = True,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"User-Agent": f"manyeyes-client python/{sys.version_info.major}.{sys.version_info.minor}"}
+        if frames:
+            # The fastest form the server offers: raw bytes in a small frame, no base64 and no
+            # parsing of numbers; zstd where the server finds it pays (httpx decodes it).
+            headers["Accept"] = f"{FRAME_MEDIA_TYPE}, application/json;q=0.5"
+            headers["Accept-Encoding"] = "zstd, gzip"
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
@@ -277,9 +332,13 @@ class Client:
         heads: list[int] | None = None,
         format: str | None = None,
         truncate: bool = False,
+        predictions: int | None = None,
     ) -> RemoteResult:
+        """predictions=K: also the model's top K per position (next token for causal LMs, at each
+        [MASK] for masked LMs); InvalidRequest for a model without an LM head."""
         body = {"text": text, "text_pair": text_pair, "model": model, "layers": layers, "heads": heads,
-                "format": format or self.format, "truncate": truncate}
+                "format": format or self.format, "truncate": truncate,
+                "predictions": None if predictions is None else {"top_k": predictions}}
         body = {k: v for k, v in body.items() if v is not None}
         [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
         return to_result(fields, array, body)
@@ -326,3 +385,44 @@ class Client:
             [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
             return to_result(fields, array, run.request)
         return to_result(fields, array, None if isinstance(run, str) else run.request)
+
+    def generate(
+        self,
+        text: str,
+        max_new_tokens: int = 20,
+        *,
+        model: str | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        alternatives: int = 5,
+    ) -> Iterator[GenerationStep]:
+        """Each new token as the server makes it. Stop iterating (or close the iterator) to hang
+        up: the server stops within one step. Greedy unless temperature > 0."""
+        body = {"text": text, "max_new_tokens": max_new_tokens, "model": model, "temperature": temperature,
+                "top_k": top_k, "seed": seed, "alternatives": alternatives}
+        body = {k: v for k, v in body.items() if v is not None}
+        request = self.http.build_request("POST", "/api/v1/generate", json=body, headers={"Accept": "application/x-ndjson"})
+        try:
+            response = self.http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
+        try:
+            if response.is_error:
+                response.read()
+                raise error_from_response(response)
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if event["type"] != "step":
+                    continue
+                yield GenerationStep(
+                    index=event["index"],
+                    position=event["position"],
+                    token=Prediction(event["token"]["text"], event["token"]["id"], event["token"]["prob"]),
+                    alternatives=[Prediction(a["text"], a["id"], a["prob"]) for a in event["alternatives"]],
+                    attention=np.asarray(event["attention"], dtype=np.float32),
+                )
+        finally:
+            response.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ class AttentionModel:
         self.tokenizer = tokenizer
         self.info = info
         self.half = half
+        # Matmuls under autocast in this dtype (float16 or bfloat16; None: none); the softmax and
+        # the weights it writes stay float32 either way (see attention.py).
+        self.autocast_dtype: torch.dtype | None = torch.float16 if half else None
         self.device = next(net.parameters()).device
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
@@ -108,13 +112,19 @@ class AttentionModel:
                 for i, row_ids, row_probs in zip(positions, ids, probs)}
 
     def _autocast(self):
-        if self.half:
-            # Weights stay float32; matmuls run in float16 and the softmax is upcast in attention.
-            return torch.autocast(device_type=self.device.type, dtype=torch.float16)
+        if self.autocast_dtype is not None:
+            # Weights stay float32; matmuls run in half precision and the softmax is upcast in attention.
+            return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
         return contextlib.nullcontext()
 
-    def run(self, batch: list[Encoded], capture: Capture = Capture()) -> list[AttentionResult]:
-        """One forward pass over already-encoded inputs, right-padded and masked as one batch."""
+    def run(
+        self, batch: list[Encoded], capture: Capture = Capture(), to_host: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> list[AttentionResult]:
+        """One forward pass over already-encoded inputs, right-padded and masked as one batch.
+
+        to_host: how the (n_layers, b, n_heads, width, width) weights leave the device (default
+        `.cpu()`); the server passes one that quantises on the device and copies through pinned
+        memory, so the attention may then come back as uint8 or float16."""
         if not batch:
             return []
         lengths = [len(e) for e in batch]
@@ -141,7 +151,7 @@ class AttentionModel:
                 weights_out=weights,
             )
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
-            attention = weights.cpu().transpose(0, 1)
+            attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
             hidden = trace.hidden.float().cpu()
             logits = top_ids = top_probs = None
             if trace.logits is not None:

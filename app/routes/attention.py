@@ -4,35 +4,44 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
+from manyeyes.app.clients import client_of
 from manyeyes.app.deps import ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
-from manyeyes.app.routes.responses import PiecesResponse, errors
+from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
+from manyeyes.app.services.attention import Wire
 from manyeyes.app.services.errors import InvalidInput
 
 router = APIRouter(prefix="/api/v1", tags=["attention"])
-ERRORS = errors(404, 413, 422, 429, 503, 504)
+ERRORS = errors(401, 404, 413, 422, 429, 503, 504)
 
 
-@router.post("/attention", response_model=AttentionResponse, responses=ERRORS)
+def wire_of(request: Request) -> Wire:
+    return Wire.from_headers(request.headers.get("accept"), request.headers.get("accept-encoding"))
+
+
+@router.post("/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **ERRORS})
 async def attention(body: AttentionRequest, service: ServiceDep, request: Request) -> Response:
     """Attention weights of every (or the chosen) layer and head for one text.
 
-    Repeating a request is served from the run cache. Large inputs: use `format=u8`."""
+    Repeating a request is served from the run cache. Large inputs: use `format=u8`, and
+    `Accept: application/vnd.manyeyes.frame` for raw bytes instead of base64."""
     started = time.monotonic()
-    reply = await unless_disconnected(request, service.attend([(body.text, body.text_pair)], body, batch=False, started=started))
+    work = service.attend([(body.text, body.text_pair)], body, False, started, wire_of(request), client_of(request))
+    reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
-    return PiecesResponse(reply.body, reply.media_type)
+    return PiecesResponse(reply.body, reply.media_type, reply.headers)
 
 
-@router.post("/attention/batch", response_model=BatchResponse, responses=ERRORS)
+@router.post("/attention/batch", response_model=BatchResponse, responses={200: ANSWER_CONTENT, **ERRORS})
 async def attention_batch(body: BatchRequest, service: ServiceDep, request: Request) -> Response:
     """Several texts with the same options; they share forward passes."""
     started = time.monotonic()
     limit = service.settings.max_batch_texts
     if len(body.texts) > limit:
         raise InvalidInput(f"a batch holds at most {limit} texts, got {len(body.texts)}")
-    reply = await unless_disconnected(request, service.attend([(t, None) for t in body.texts], body, batch=True, started=started))
+    work = service.attend([(t, None) for t in body.texts], body, True, started, wire_of(request), client_of(request))
+    reply = await unless_disconnected(request, work)
     request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type)
+    return PiecesResponse(reply.body, reply.media_type, reply.headers)

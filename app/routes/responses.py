@@ -7,15 +7,17 @@ from manyeyes.app.schemas import ErrorResponse
 
 def errors(*statuses: int) -> dict:
     descriptions = {
+        401: "An API key is required (Authorization: Bearer <key>) and was missing or wrong",
         404: "Unknown model or run",
         413: "Body over the byte limit, or a json response over the cell budget",
         422: "Invalid input: blank text, bad index or format, text too long without truncate",
-        429: "Queue full; see Retry-After",
+        429: "Queue full, or this client's share of it is; see Retry-After",
         503: "Models still loading",
         504: "Over the per-request time budget",
     }
     # One example per status: /docs otherwise showed the schema's single too_long example for all.
     examples = {
+        401: ("unauthorized", "this server needs an API key: send Authorization: Bearer <key>"),
         404: ("unknown_run", "run 5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f is unknown or was evicted from the cache; POST /api/v1/attention again"),
         413: ("body_too_large", "request body is over the 1048576-byte limit"),
         422: ("too_long", "input is 700 tokens long but the model takes at most 512; shorten it or ask for truncation"),
@@ -33,12 +35,27 @@ def errors(*statuses: int) -> dict:
     }
 
 
+# The 200 answer's other form: with `Accept: application/vnd.manyeyes.frame`, the same object as a
+# JSON header followed by the raw weights (layout in app/services/wire.py and README).
+ANSWER_CONTENT = {
+    "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), "
+    "or the binary frame when Accept asks for it. With Accept-Encoding: zstd (any answer of 64 KiB or more) "
+    "or gzip (json text), the body is compressed.",
+    "content": {
+        "application/vnd.manyeyes.frame": {
+            "schema": {"type": "string", "format": "binary"},
+            "example": "MEF1 | u32 LE header length | JSON header (attention.offset, attention.nbytes) | raw weights",
+        }
+    },
+}
+
+
 class PiecesResponse(Response):
     """A body sent as the pieces it was built from (a 25 MB base64 string stays one piece):
     one Content-Length, several writes, no join."""
 
-    def __init__(self, pieces: list[bytes], media_type: str) -> None:
-        super().__init__(b"", media_type=media_type)
+    def __init__(self, pieces: list[bytes], media_type: str, headers: dict | None = None) -> None:
+        super().__init__(b"", media_type=media_type, headers=headers)
         self.pieces = pieces
         self.headers["content-length"] = str(sum(len(p) for p in pieces))
 

@@ -11,9 +11,11 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
+from manyeyes.app.services.device import serves
 from manyeyes.app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.payload import View, join_results, render_result
+from manyeyes.app.services.payload import View, join_results, render_frame, render_result
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, accepts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.tokenizer import Encoded
@@ -43,11 +45,24 @@ async def off_loop_unless_small(small: bool, fn, *args):
     return fn(*args) if small else await run_in_threadpool(fn, *args)
 
 
+@dataclass(frozen=True)
+class Wire:
+    """What the client said it can read: the frame (`Accept`) and which compressions."""
+
+    frame: bool = False
+    accept_encoding: str | None = None
+
+    @classmethod
+    def from_headers(cls, accept: str | None, accept_encoding: str | None) -> Wire:
+        return cls(accepts(accept, FRAME_MEDIA_TYPE), accept_encoding)
+
+
 @dataclass
 class Reply:
-    body: list[bytes]  # pieces of one JSON document, sent without joining
+    body: list[bytes]  # pieces of one answer, sent without joining
     media_type: str
     log: dict  # run ids and timings for the request's log line
+    headers: dict = field(default_factory=dict)
 
 
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
@@ -85,9 +100,15 @@ class AttentionService:
         self.registry = registry
         self.cache = cache
         self.metrics = metrics
+        self._renders = asyncio.Semaphore(settings.max_concurrent_renders)
+        self.compression = Compression(
+            settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
+        )
 
     # ------------------------------------------------------------------ public
-    async def attend(self, texts: list[tuple[str, str | None]], options, batch: bool, started: float) -> Reply:
+    async def attend(
+        self, texts: list[tuple[str, str | None]], options, batch: bool, started: float, wire: Wire = Wire(), client: str = ""
+    ) -> Reply:
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
         top_k = self._top_k(served, options.predictions)
@@ -97,11 +118,10 @@ class AttentionService:
             Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
             for i, (text, pair) in enumerate(texts)
         ]
-        await self._compute(served, items, view, options.truncate, deadline)
-        body = await self._render_off_loop(served, items, view, batch, top_k)
-        return Reply(body, self._media_type(view), self._log(items))
+        await self._compute(served, items, view, options.truncate, deadline, client)
+        return await self._reply(served, items, view, batch, wire, top_k)
 
-    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str) -> Reply:
+    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire()) -> Reply:
         run = self.cache.get(run_id)
         self.metrics.cache.labels("hit" if run else "miss").inc()
         if run is None:
@@ -111,9 +131,12 @@ class AttentionService:
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
-        item = Item("", None, "", run_id, run)
-        body = await self._render_off_loop(served, [item], view, False)
-        return Reply(body, self._media_type(view), self._log([item]))
+        if not serves(run.attention.dtype, fmt):
+            raise InvalidInput(
+                f"run {run_id} was kept as {str(run.attention.dtype).removeprefix('torch.')} (quantised on the device); "
+                f"format={fmt} needs more precision: POST the text again with format={fmt}"
+            )
+        return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire)
 
     # ------------------------------------------------------------------ steps
     def _view(self, served: Served, layers, heads, fmt: str) -> View:
@@ -155,11 +178,15 @@ class AttentionService:
                 "(GET /api/v1/runs/{run_id}/attention serves slices of a run)"
             )
 
-    async def _compute(self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float) -> None:
+    async def _compute(
+        self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str
+    ) -> None:
         """Fill each item's run: from the cache, else through one place each in the batcher."""
         missing = []
         for item in items:
             item.run = self.cache.get(item.run_id)
+            if item.run is not None and not serves(item.run.attention.dtype, view.format):
+                item.run = None  # kept at less precision than this format needs: run it again
             self.metrics.cache.labels("hit" if item.run else "miss").inc()
             if item.run is None:
                 missing.append(item)
@@ -167,7 +194,7 @@ class AttentionService:
             self._check_cells([item.run.attention.shape[-1] for item in items], view)
             return
         batcher = served.batcher
-        batcher.admit(len(missing))
+        batcher.admit(len(missing), client)
         submitted = 0
         try:
             chars = sum(len(i.text) + len(i.text_pair or "") for i in missing)
@@ -175,10 +202,10 @@ class AttentionService:
             self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
             futures = []
             for item in missing:
-                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline)))
+                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline, client, view.format)))
                 submitted += 1
         finally:
-            batcher.release(len(missing) - submitted)
+            batcher.release(len(missing) - submitted, client)
         try:
             done: list[Done] = await asyncio.wait_for(asyncio.gather(*futures), deadline - time.monotonic())
         except TimeoutError:
@@ -202,17 +229,32 @@ class AttentionService:
                 raise TooLong(item.label + str(exc)) from None
             item.timing["tokenize"] = time.perf_counter() - started
 
-    async def _render_off_loop(self, served: Served, items: list[Item], view: View, batch: bool,
-                               top_k: int | None = None) -> list[bytes]:
+    async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
+                     top_k: int | None = None) -> Reply:
         cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
-        return await off_loop_unless_small(cells <= INLINE_CELLS, self._render, served, items, view, batch, top_k)
+        if cells <= INLINE_CELLS:
+            body, encoding = self._render(served, items, view, batch, wire, top_k)
+        else:
+            async with self._renders:
+                body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire, top_k)
+        media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
+        # The same URL answers differently to other Accept/Accept-Encoding headers.
+        headers = {"Vary": "Accept, Accept-Encoding"}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        return Reply(body, media_type, self._log(items), headers)
 
-    def _render(self, served: Served, items: list[Item], view: View, batch: bool, top_k: int | None = None) -> list[bytes]:
-        return join_results(
-            [render_result(item.run, served.model.info, view, item.timing, self._predictions(served, item.run, top_k))
-             for item in items],
-            batch,
-        )
+    def _render(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
+                top_k: int | None = None) -> tuple[list[bytes], str | None]:
+        info = served.model.info
+        found = [self._predictions(served, item.run, top_k) for item in items]
+        if wire.frame:
+            body = render_frame([(item.run, item.timing, p) for item, p in zip(items, found)], info, view, batch)
+        else:
+            body = join_results([render_result(item.run, info, view, item.timing, p) for item, p in zip(items, found)], batch)
+        text = view.format == "json" and not wire.frame
+        encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
+        return self.compression.apply(encoding, body), encoding
 
     @staticmethod
     def _predictions(served: Served, run: Run, top_k: int | None) -> dict | None:
@@ -220,10 +262,6 @@ class AttentionService:
             return None
         found = served.model.predictions_from(run.tokens, run.top_ids, run.top_probs, top_k)
         return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob} for p in preds] for pos, preds in found.items()}
-
-    @staticmethod
-    def _media_type(view: View) -> str:
-        return "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
 
     @staticmethod
     def _log(items: list[Item]) -> dict:

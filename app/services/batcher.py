@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model.runtime import AttentionModel, AttentionResult
@@ -29,6 +30,8 @@ class Job:
     model: AttentionModel
     encoded: Encoded
     deadline: float  # time.monotonic() after which the work is no longer wanted
+    client: str = ""  # whose share of the queue it counts against (API key, else address)
+    fmt: str = "json"  # the precision its answer needs, when attention is quantised on the device
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
@@ -37,7 +40,11 @@ class Batcher:
     """Owns one device. Admission is counted from the moment a request is accepted (before it is
     tokenized) until its forward pass ends, so at most `max_queue` inputs are ever in the system
     (tokenizing, waiting or running) and the N+1st of N simultaneous arrivals gets 429, however
-    the worker's timing falls. The worker also knows more is coming."""
+    the worker's timing falls. The worker also knows more is coming.
+
+    Fair shares: each client (API key, else address) has its own queue and at most
+    `max_client_queue` inputs in the system; batches are filled round-robin across clients, so
+    one client's flood delays another's request by at most the batch already running."""
 
     def __init__(
         self,
@@ -48,6 +55,10 @@ class Batcher:
         max_wait_s: float,
         max_queue: int,
         forward_delay_s: float = 0.0,
+        max_client_queue: int | None = None,
+        device_quantise: bool = False,
+        copier: HostCopier | None = None,
+        max_batch_cells: int | None = None,
     ) -> None:
         self.device = device
         self.metrics = metrics
@@ -56,7 +67,14 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.forward_delay_s = forward_delay_s
-        self._pending: deque[Job] = deque()
+        self.max_client_queue = max_client_queue or max_queue
+        self.device_quantise = device_quantise
+        self.max_batch_cells = max_batch_cells
+        self.copier = copier or HostCopier()
+        # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
+        self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
+        self._n_pending = 0
+        self._per_client: Counter[str] = Counter()  # admitted + pending + running, by client
         self._admitted = 0  # accepted, not yet submitted (being tokenized)
         self._running = 0  # taken by the worker, forward pass not finished
         self._cond = threading.Condition()
@@ -67,34 +85,51 @@ class Batcher:
         self._thread.start()
 
     # ------------------------------------------------------------------ event-loop side
-    def admit(self, n: int = 1) -> None:
+    def admit(self, n: int = 1, client: str = "") -> None:
         """Reserve room for n inputs or refuse with 429; pair with submit() or release()."""
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
-            waiting = self._admitted + len(self._pending) + self._running
+            waiting = self._admitted + self._n_pending + self._running
             if waiting + n > self.max_queue:
                 self.metrics.dropped.labels("queue_full").inc(n)
                 raise QueueFull(
                     f"the queue is full ({waiting} waiting, room for {self.max_queue}); retry shortly",
                     self._retry_after(waiting),
                 )
+            mine = self._per_client[client]
+            if mine + n > self.max_client_queue:
+                self.metrics.dropped.labels("client_share").inc(n)
+                raise QueueFull(
+                    f"this client already has {mine} inputs in the queue, its share is {self.max_client_queue}; "
+                    "retry shortly",
+                    self._retry_after(mine),
+                )
             self._admitted += n
+            self._per_client[client] += n
 
-    def release(self, n: int = 1) -> None:
+    def release(self, n: int = 1, client: str = "") -> None:
         with self._cond:
             self._admitted -= n
+            self._leave(client, n)
             self._cond.notify_all()
 
-    def submit(self, model: AttentionModel, encoded: Encoded, deadline: float) -> Future:
+    def _leave(self, client: str, n: int = 1) -> None:
+        self._per_client[client] -= n
+        if self._per_client[client] <= 0:
+            del self._per_client[client]
+
+    def submit(self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json") -> Future:
         """Hand one admitted input to the worker; the future resolves to a Done."""
-        job = Job(model, encoded, deadline)
+        job = Job(model, encoded, deadline, client, fmt)
         with self._cond:
             self._admitted -= 1
             if self._closed:
+                self._leave(client)
                 job.future.set_exception(NotReady("the server is shutting down"))
                 return job.future
-            self._pending.append(job)
+            self._pending.setdefault(client, deque()).append(job)
+            self._n_pending += 1
             self.metrics.queue_depth.inc()
             self._cond.notify_all()
         # A client that goes away cancels its future: free its place in the queue at once. The
@@ -108,9 +143,10 @@ class Batcher:
             return
         with self._cond:
             # Not found: the worker already took it, and _run counts it.
-            job = next((j for j in self._pending if j.future is future), None)
+            job = next((j for queue in self._pending.values() for j in queue if j.future is future), None)
             if job is not None:
-                self._pending.remove(job)
+                self._take(job)
+                self._leave(job.client)
                 self.metrics.queue_depth.dec()
                 self.metrics.dropped.labels("cancelled").inc()
                 self._cond.notify_all()
@@ -126,20 +162,38 @@ class Batcher:
         return max(1, math.ceil(self._forward_ewma_s * (waiting / self.max_batch_items + 1)))
 
     # ------------------------------------------------------------------ worker side
+    def _take(self, job: Job) -> None:
+        queue = self._pending[job.client]
+        queue.remove(job)
+        self._n_pending -= 1
+        if not queue:
+            del self._pending[job.client]
+
+    def _oldest(self) -> Job:
+        return min((queue[0] for queue in self._pending.values()), key=lambda job: job.enqueued)
+
     def _select(self, model: AttentionModel) -> tuple[list[Job], bool]:
-        """FIFO jobs of one model that fit the token budget; True when some had to be left out."""
+        """Jobs of one model that fit the token budget, one per client in turn (each client's
+        oldest first); True when some had to be left out."""
         chosen: list[Job] = []
         width = 0
         left_out = False
-        for job in self._pending:
-            if job.model is not model:
-                continue
-            wider = max(width, len(job.encoded))
-            if chosen and (wider * (len(chosen) + 1) > self.max_batch_tokens or len(chosen) >= self.max_batch_items):
-                left_out = True
-                continue
-            chosen.append(job)
-            width = wider
+        # Attention weights a row of width w holds: layers x heads x w x w (float32 on the device).
+        per_pair = model.info.n_layers * model.info.n_heads
+        queues = [[j for j in queue if j.model is model] for queue in self._pending.values()]
+        for turn in range(max(map(len, queues), default=0)):
+            for queue in queues:
+                if turn >= len(queue):
+                    continue
+                job = queue[turn]
+                wider = max(width, len(job.encoded))
+                rows = len(chosen) + 1
+                over_cells = self.max_batch_cells is not None and rows * per_pair * wider * wider > self.max_batch_cells
+                if chosen and (wider * rows > self.max_batch_tokens or len(chosen) >= self.max_batch_items or over_cells):
+                    left_out = True
+                    continue
+                chosen.append(job)
+                width = wider
         return chosen, left_out
 
     def _next_batch(self) -> list[Job] | None:
@@ -148,12 +202,13 @@ class Batcher:
                 if self._closed:
                     return None
                 self._cond.wait()
-            model = self._pending[0].model
+            oldest = self._oldest()
+            model = oldest.model
             # Under load (the last forward was shared) the next requests are on their way, so
             # wait up to max_wait from now for them; a lone client never waits, and requests
             # already admitted (still tokenizing) are always worth waiting for.
             loaded = self._last_batch > 1
-            until = max(self._pending[0].enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
+            until = max(oldest.enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
             while True:
                 batch, full = self._select(model)
                 remaining = until - time.monotonic()
@@ -162,7 +217,11 @@ class Batcher:
                 self._cond.wait(remaining)
             self._last_batch = len(batch)
             for job in batch:
-                self._pending.remove(job)
+                self._take(job)
+            # Whoever was served goes to the back of the round-robin order.
+            for client in dict.fromkeys(job.client for job in batch):
+                if client in self._pending:
+                    self._pending.move_to_end(client)
             self.metrics.queue_depth.dec(len(batch))
             self._running += len(batch)
             return batch
@@ -174,8 +233,11 @@ class Batcher:
                 break
             self._run(batch)
         with self._cond:
-            leftovers = list(self._pending)
+            leftovers = [job for queue in self._pending.values() for job in queue]
             self._pending.clear()
+            self._n_pending = 0
+            for job in leftovers:
+                self._leave(job.client)
         for job in leftovers:
             if job.future.set_running_or_notify_cancel():
                 self.metrics.dropped.labels("shutdown").inc()
@@ -186,6 +248,7 @@ class Batcher:
         next request at once is never refused for room its last one still held."""
         with self._cond:
             self._running -= 1
+            self._leave(job.client)
             self._cond.notify_all()
         if error is not None:
             job.future.set_exception(error)
@@ -211,7 +274,11 @@ class Batcher:
         try:
             if self.forward_delay_s:
                 time.sleep(self.forward_delay_s)
-            results = model.run([job.encoded for job in live])
+            if self.device_quantise:
+                to_host = device_to_host(self.copier, most_precise(job.fmt for job in live))
+                results = model.run([job.encoded for job in live], to_host=to_host)
+            else:
+                results = model.run([job.encoded for job in live])
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
                 self._settle(job, error=exc)

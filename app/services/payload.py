@@ -12,6 +12,7 @@ import orjson
 import torch
 
 from manyeyes.app.services.cache import Run
+from manyeyes.app.services.wire import frame
 
 U8_SCALE = 1 / 255
 DTYPES = {"json": "float32", "f16": "float16", "u8": "uint8"}
@@ -58,15 +59,35 @@ def to_f16(attention: torch.Tensor) -> bytes:
     return halves.tobytes()
 
 
+def raw_data(attention: torch.Tensor, fmt: str) -> bytes:
+    """The weights as little-endian row-major bytes: what base64 wraps, and what a frame carries."""
+    if attention.dtype == torch.uint8:  # quantised on the device already (see services/device.py)
+        return attention.numpy().tobytes()
+    if fmt == "u8":
+        return to_u8(attention)
+    if fmt == "f16":
+        return to_f16(attention)
+    floats = attention.float().numpy()
+    return (floats.byteswap() if sys.byteorder != "little" else floats).tobytes()
+
+
+def attention_meta(attention: torch.Tensor, fmt: str) -> dict:
+    meta = {"format": fmt, "dtype": DTYPES[fmt], "shape": list(attention.shape)}
+    if fmt == "u8":
+        meta["scale"] = U8_SCALE
+    return meta
+
+
 def encode_attention(attention: torch.Tensor, fmt: str) -> list[bytes]:
-    """The `attention` object of a response as serialised pieces: the data stays its own piece
-    (up to 25 MB at T=512), never copied again into a bigger string."""
-    head = orjson.dumps({"format": fmt, "dtype": DTYPES[fmt], "shape": list(attention.shape)})[:-1]
+    """The `attention` object of a JSON response as serialised pieces: the data stays its own
+    piece (up to 25 MB at T=512), never copied again into a bigger string."""
+    meta = attention_meta(attention, fmt)
+    scale = meta.pop("scale", None)
+    head = orjson.dumps(meta)[:-1]
     if fmt == "json":
-        return [head + b',"data":', orjson.dumps(attention.numpy(), option=NUMPY), b"}"]
-    raw = to_u8(attention) if fmt == "u8" else to_f16(attention)
-    tail = b'","scale":' + orjson.dumps(U8_SCALE) + b"}" if fmt == "u8" else b'"}'
-    return [head + b',"data":"', base64.b64encode(raw), tail]
+        return [head + b',"data":', orjson.dumps(attention.float().numpy(), option=NUMPY), b"}"]
+    tail = b'","scale":' + orjson.dumps(scale) + b"}" if fmt == "u8" else b'"}'
+    return [head + b',"data":"', base64.b64encode(raw_data(attention, fmt)), tail]
 
 
 def token_dicts(run: Run) -> list[dict]:
@@ -77,13 +98,9 @@ def token_dicts(run: Run) -> list[dict]:
     ]
 
 
-def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None) -> list[bytes]:
-    """One v1 result as pieces of one JSON object, in the contract's field order;
-    `timing_s` holds tokenize/queue/forward seconds, encode is measured here;
-    `predictions` (position -> top-k dicts) appears only when it was asked for."""
-    started = time.perf_counter()
-    attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
-    timing_s = {**timing_s, "encode": time.perf_counter() - started}
+def result_fields(run: Run, info, view: View, predictions: dict | None = None) -> tuple[dict, dict]:
+    """The fields before and after `attention`, in the contract's order; `predictions`
+    (position -> top-k dicts) appears only when it was asked for."""
     before = {
         "run_id": run.run_id,
         "model": run.model,
@@ -95,9 +112,23 @@ def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict 
         "layers": view.layers,
         "heads": view.heads,
     }
-    after = {"device": info.device, "timing_ms": {k: round(v * 1000, 3) for k, v in timing_s.items()}}
+    after = {"device": info.device}
     if predictions is not None:
         after = {"predictions": predictions, **after}
+    return before, after
+
+
+def timing_ms(timing_s: dict) -> dict:
+    return {k: round(v * 1000, 3) for k, v in timing_s.items()}
+
+
+def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None) -> list[bytes]:
+    """One v1 result as pieces of one JSON object, in the contract's field order;
+    `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
+    started = time.perf_counter()
+    attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
+    before, after = result_fields(run, info, view, predictions)
+    after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
     first = orjson.dumps(before)[:-1] + b',"attention":' + attention[0]
     return [first, *attention[1:-1], attention[-1] + b"," + orjson.dumps(after)[1:]]
 
@@ -111,3 +142,21 @@ def join_results(results: list[list[bytes]], batch: bool) -> list[bytes]:
         pieces.extend(result if i == 0 else [b"," + result[0], *result[1:]])
     pieces.append(b"]}")
     return pieces
+
+
+def render_frame(runs: list[tuple[Run, dict, dict | None]], info, view: View, batch: bool) -> list[bytes]:
+    """The same answer as a binary frame (see services/wire.py): one JSON header, raw data after.
+    `runs` holds (run, timing seconds, predictions or None) per result."""
+    results, data, offset = [], [], 0
+    for run, timing_s, predictions in runs:
+        started = time.perf_counter()
+        attention = select(run.attention, view.layers, view.heads)
+        raw = raw_data(attention, view.format)
+        before, after = result_fields(run, info, view, predictions)
+        after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
+        meta = {**attention_meta(attention, view.format), "offset": offset, "nbytes": len(raw)}
+        results.append({**before, "attention": meta, **after})
+        data.append(raw)
+        offset += len(raw)
+    header = orjson.dumps({"results": results} if batch else results[0])
+    return frame(header, data)

@@ -6,10 +6,11 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Batcher
+from manyeyes.app.services.device import AUTOCAST
 from manyeyes.app.services.errors import NotReady, UnknownModel
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model import ModelLoadError, load
@@ -63,6 +64,9 @@ class Registry:
                 self.progress[model_id] = {"state": "loading"}
                 model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id,
                              progress=self._reporter(model_id), show_progress=sys.stderr.isatty())
+                if AUTOCAST[s.autocast] is not None:
+                    model.autocast_dtype = AUTOCAST[s.autocast]
+                    model.info = replace(model.info, dtype=s.autocast)
                 if s.warmup:
                     self.progress[model_id] = {"state": "warming"}
                     warm_up(model)
@@ -76,6 +80,9 @@ class Registry:
                         max_wait_s=s.max_wait_ms / 1000,
                         max_queue=s.max_queue,
                         forward_delay_s=s.debug_forward_delay_s,
+                        max_client_queue=s.max_client_queue,
+                        max_batch_cells=s.max_batch_cells,
+                        device_quantise=device != "cpu" if s.device_quantise is None else s.device_quantise,
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
                 self.progress[model_id] = {"state": "ready"}

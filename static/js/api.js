@@ -9,8 +9,9 @@ export class ApiError extends Error {
   }
 }
 
-// Shared with fetch-worker.js, which runs the same request off the main thread.
-export async function request(url, options = {}) {
+// Shared with fetch-worker.js, which runs the same request off the main thread. binary: a frame
+// answer comes back as its ArrayBuffer (JSON answers and errors are parsed either way).
+export async function request(url, options = {}, binary = false) {
   let response;
   try {
     response = await fetch(url, options);
@@ -18,7 +19,10 @@ export async function request(url, options = {}) {
     if (err.name === "AbortError") throw err;
     throw new ApiError(0, "network", "The server could not be reached. Is `manyeyes serve` still running?");
   }
-  if (response.ok) return response.json();
+  if (response.ok) {
+    const type = response.headers.get("Content-Type") || "";
+    return binary && type.startsWith("application/vnd.manyeyes.frame") ? response.arrayBuffer() : response.json();
+  }
   let code = "http_" + response.status;
   let message = response.statusText || "request failed";
   try {
@@ -30,8 +34,39 @@ export async function request(url, options = {}) {
   throw new ApiError(response.status, code, message, response.headers.get("Retry-After"));
 }
 
+// API keys: a server started with MANYEYES_API_KEYS answers 401 until the page sends one. The page
+// asks once, keeps the key for this tab only (sessionStorage), and asks again only if it is refused.
+const KEY_ITEM = "manyeyes.apiKey";
+let asking = null;
+
+function withKey(init = {}) {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${key}` } } : init;
+}
+
+function askForKey() {
+  // Several requests refused at once share one question.
+  asking ??= Promise.resolve().then(() => {
+    const key = window.prompt("This manyeyes server needs an API key. It is kept for this tab only.");
+    if (key && key.trim()) sessionStorage.setItem(KEY_ITEM, key.trim());
+    else sessionStorage.removeItem(KEY_ITEM);
+    asking = null;
+    return Boolean(key && key.trim());
+  });
+  return asking;
+}
+
+async function authorised(call, init) {
+  try {
+    return await call(withKey(init));
+  } catch (err) {
+    if (!(err instanceof ApiError) || err.status !== 401 || !(await askForKey())) throw err;
+    return call(withKey(init));
+  }
+}
+
 export function listModels() {
-  return request("/api/v1/models").then((body) => body.models);
+  return authorised((init) => request("/api/v1/models", init), {}).then((body) => body.models);
 }
 
 // Attention payloads are fetched, parsed and decoded in a worker: tens of MB of base64 at T=512
@@ -65,14 +100,14 @@ function viaWorker(url, init, signal) {
 
 export function postAttention(body, signal) {
   const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
-  return viaWorker("/api/v1/attention", init, signal);
+  return authorised((withAuth) => viaWorker("/api/v1/attention", withAuth, signal), init);
 }
 
 export function fetchSlice(runId, layers, heads, format, signal) {
   const query = new URLSearchParams({ format });
   if (layers) query.set("layers", layers.join(","));
   if (heads) query.set("heads", heads.join(","));
-  return viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, {}, signal);
+  return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, withAuth, signal), {});
 }
 
 // The float32 mean over every head of `layers`, computed by the server, sent as float16.
@@ -91,6 +126,8 @@ export function describeError(err) {
   switch (err.status) {
     case 0:
       return err.message;
+    case 401:
+      return `This server needs an API key: ${detail} Reload the page to enter it again.`;
     case 404:
       return `Not found: ${detail}`;
     case 413:

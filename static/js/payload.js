@@ -1,5 +1,10 @@
 // Decoding the API's attention payloads into flat typed arrays, row-major [layer][head][query][key].
 
+// The binary frame (Accept: application/vnd.manyeyes.frame): "MEF1", u32 LE header length, a JSON
+// header (the JSON answer with attention.offset/nbytes in place of data), then the raw weights.
+export const FRAME_MEDIA_TYPE = "application/vnd.manyeyes.frame";
+const MAGIC = "MEF1";
+
 export function base64ToBytes(b64) {
   if (Uint8Array.fromBase64) return Uint8Array.fromBase64(b64);
   const binary = atob(b64);
@@ -27,6 +32,13 @@ function halfToFloatTable() {
   return halfTable;
 }
 
+function halvesToFloats(halves) {
+  const table = halfToFloatTable();
+  const values = new Float32Array(halves.length);
+  for (let i = 0; i < halves.length; i++) values[i] = table[halves[i]];
+  return values;
+}
+
 // Returns { shape, bytes?, scale?, values? }: `bytes` for u8 (weight = byte * scale), else float `values`.
 export function decodeAttention(attention) {
   const { format, shape } = attention;
@@ -35,11 +47,31 @@ export function decodeAttention(attention) {
   }
   if (format === "f16") {
     const raw = base64ToBytes(attention.data);
-    const halves = new Uint16Array(raw.buffer, raw.byteOffset, raw.byteLength / 2);
-    const table = halfToFloatTable();
-    const values = new Float32Array(halves.length);
-    for (let i = 0; i < halves.length; i++) values[i] = table[halves[i]];
-    return { shape, values };
+    return { shape, values: halvesToFloats(new Uint16Array(raw.buffer, raw.byteOffset, raw.byteLength / 2)) };
   }
   return { shape, values: Float32Array.from(attention.data.flat(3)) };
+}
+
+// A frame's header object, each result's attention carrying `decoded` (views into `buffer` where
+// the dtype allows: the data section starts 8-byte aligned, so u8 and float32 need no copy).
+export function decodeFrame(buffer) {
+  const view = new DataView(buffer);
+  const magic = String.fromCharCode(...new Uint8Array(buffer, 0, 4));
+  if (magic !== MAGIC) throw new Error(`not a manyeyes frame (starts with ${JSON.stringify(magic)})`);
+  const headerLength = view.getUint32(4, true);
+  const body = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 8, headerLength)));
+  const dataStart = 8 + headerLength;
+  for (const result of body.results ?? [body]) {
+    const attention = result.attention;
+    const start = dataStart + attention.offset;
+    const { format, shape, nbytes } = attention;
+    if (format === "u8") {
+      attention.decoded = { shape, bytes: new Uint8Array(buffer, start, nbytes), scale: attention.scale ?? 1 / 255 };
+    } else if (format === "f16") {
+      attention.decoded = { shape, values: halvesToFloats(new Uint16Array(buffer, start, nbytes / 2)) };
+    } else {
+      attention.decoded = { shape, values: new Float32Array(buffer, start, nbytes / 4) };
+    }
+  }
+  return body;
 }

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import numpy as np
+import torch
 import pytest
 
 from manyeyes import Client
@@ -124,3 +125,50 @@ def test_429_is_retried_after_retry_after_then_raised():
         call(patient, "And the earth was without form.")  # waits out Retry-After, then succeeds
         first.join()
         assert not errors and len(results) == 2 and patient.retries >= 1
+
+
+@pytest.mark.parametrize("fmt, tol", [("json", 1e-5), ("f16", 1e-3), ("u8", 0.5 / 255 + 1e-6)])
+def test_frames_and_the_json_form_decode_to_the_same_weights(server, local, fmt, tol):
+    """The client asks for the binary frame by default and falls back to JSON when told to."""
+    seen = []
+    hooks = {"response": [lambda response: seen.append(response.headers.get("content-type", ""))]}
+    with Client(server) as framed, Client(server, frames=False) as plain:
+        framed.http.event_hooks = hooks
+        plain.http.event_hooks = hooks
+        a = framed.attention(TEXT, format=fmt)
+        b = plain.attention(TEXT, format=fmt)
+        c = framed.attention_batch([TEXT, "And the Word was God."], format=fmt)[0]
+        d = framed.slice(a, layers=[1], heads=[2], format=fmt)
+    # the JSON form is application/json, or application/vnd.manyeyes+json for the compact formats
+    assert seen[0].startswith("application/vnd.manyeyes.frame") and "json" in seen[1]
+    assert seen[2].startswith("application/vnd.manyeyes.frame") and seen[3].startswith("application/vnd.manyeyes.frame")
+    np.testing.assert_array_equal(a.attention, b.attention)
+    np.testing.assert_allclose(a.attention, local, atol=tol, rtol=0)
+    np.testing.assert_array_equal(c.attention, a.attention)
+    np.testing.assert_array_equal(d.head(1, 2), a.head(1, 2))
+
+
+def test_predictions_come_typed_and_match_the_model(client, tiny_gpt):
+    r = client.attention(TEXT, predictions=3)
+    assert set(r.predictions) == set(range(len(r.tokens)))
+    logits = tiny_gpt.attend(TEXT).logits  # (T, vocab)
+    probs = torch.softmax(logits.double(), -1)
+    for position, guesses in r.predictions.items():
+        assert len(guesses) == 3 and guesses[0].prob >= guesses[1].prob >= guesses[2].prob
+        assert guesses[0].id == int(logits[position].argmax())
+        assert guesses[0].prob == pytest.approx(float(probs[position].max()), abs=1e-5)
+
+
+def test_generate_yields_the_models_steps_and_hangs_up_when_dropped(client, tiny_gpt):
+    from manyeyes.model.generate import generate
+
+    steps = list(client.generate(TEXT, 6))
+    expected = list(generate(tiny_gpt, TEXT, 6))
+    assert [s.token.id for s in steps] == [e.token.id for e in expected]
+    for got, want in zip(steps, expected):
+        assert got.attention.shape == tuple(want.attention.shape)
+        np.testing.assert_allclose(got.attention, want.attention.numpy(), atol=1e-6)
+    first = next(iter(client.generate(TEXT, 50)))  # dropping the iterator closes the stream
+    assert first.index == 0
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        next(iter(client.generate(TEXT, 10_000)))

@@ -1,0 +1,134 @@
+"""Who is asking: optional API keys (Authorization: Bearer), and the client identity that fair
+shares are counted by (the key, else the address; X-Forwarded-For only from trusted proxies)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+from pathlib import Path
+
+from fastapi import Request
+
+from manyeyes.app.middleware import send_error
+
+log = logging.getLogger("manyeyes")
+LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
+
+
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class KeyRing:
+    """The accepted keys, held only as SHA-256 digests. A file holds one hex digest per line
+    (`printf %s "$KEY" | sha256sum`); blank lines and `#` comments are skipped."""
+
+    def __init__(self, keys: list[str] = (), key_file: Path | None = None) -> None:
+        digests = [key_digest(k) for k in keys if k]
+        if key_file is not None:
+            for number, line in enumerate(Path(key_file).read_text().splitlines(), 1):
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                try:
+                    digest = bytes.fromhex(line.split()[0])
+                except ValueError:
+                    digest = b""
+                if len(digest) != 32:
+                    raise ValueError(f"{key_file}:{number}: expected a 64-digit SHA-256 hex digest")
+                digests.append(digest)
+        self.digests = digests
+
+    def __bool__(self) -> bool:
+        return bool(self.digests)
+
+    def match(self, key: str) -> str | None:
+        """The matching key's id (its digest's first 12 hex digits), or None. Every stored digest
+        is compared, each in constant time, so the time taken says nothing about which is close."""
+        presented = key_digest(key)
+        found = None
+        for digest in self.digests:
+            if hmac.compare_digest(presented, digest):
+                found = digest
+        return found.hex()[:12] if found is not None else None
+
+
+def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return None
+
+
+class TrustedProxies:
+    def __init__(self, entries: list[str]) -> None:
+        self.networks = [ipaddress.ip_network(e.strip(), strict=False) for e in entries if e.strip()]
+
+    def __contains__(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.networks)
+
+    def client_address(self, peer: str, headers: list[tuple[bytes, bytes]]) -> str:
+        """The peer, or, when the peer is a trusted proxy, the nearest X-Forwarded-For hop that is
+        not itself one (hops further left are whatever the client chose to write)."""
+        if peer not in self:
+            return peer
+        hops = []
+        for name, value in headers:
+            if name == b"x-forwarded-for":
+                hops += [h.strip() for h in value.decode("latin-1").split(",") if h.strip()]
+        for hop in reversed(hops):
+            if hop not in self:
+                return hop
+        return peer
+
+
+class ClientIdentity:
+    """Pure ASGI: refuses /api (and /metrics when closed) without a valid key when keys are
+    configured, and records the client's identity in scope["state"]["client"]."""
+
+    def __init__(self, app, keys: KeyRing, proxies: TrustedProxies, close_metrics: bool) -> None:
+        self.app = app
+        self.keys = keys
+        self.proxies = proxies
+        self.close_metrics = close_metrics
+
+    def guarded(self, path: str) -> bool:
+        return path.startswith("/api/") or (self.close_metrics and path == "/metrics")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        peer = (scope.get("client") or ("", 0))[0]
+        client = "addr:" + self.proxies.client_address(peer, scope["headers"])
+        if self.keys and self.guarded(scope["path"]):
+            token = bearer(scope["headers"])
+            key_id = self.keys.match(token) if token else None
+            if key_id is None:
+                message = "this server needs an API key: send Authorization: Bearer <key>" if token is None else "the API key is not valid"
+                await send_error(send, 401, "unauthorized", message, [(b"www-authenticate", b'Bearer realm="manyeyes"')])
+                return
+            client = "key:" + key_id
+        scope.setdefault("state", {})["client"] = client
+        await self.app(scope, receive, send)
+
+
+def client_of(request: Request) -> str:
+    return request.scope.get("state", {}).get("client", "")
+
+
+def exposure_warning(host: str, has_keys: bool) -> str | None:
+    """The start-up warning for a server others can reach that asks nobody for a key."""
+    if has_keys or host in LOOPBACK_HOSTS:
+        return None
+    return (
+        f"WARNING: serving on {host} without API keys: anyone who can reach this address can use the API. "
+        "Set MANYEYES_API_KEYS (or MANYEYES_API_KEYS_FILE), or serve on 127.0.0.1 behind a proxy; see SECURITY.md."
+    )

@@ -1,0 +1,109 @@
+"""The accelerator path, end to end: `manyeyes serve --device cuda` against the bare forward.
+
+Prints
+  - the server's own time for one request at T=128, batch 1 (goal: <= 10 ms on an H200), from its
+    access log (request in to last byte out), with the forward beside it;
+  - batched throughput at T=16, 128 and 512 (64 concurrent clients, fresh texts, format=u8 as raw
+    frames) against the bare batch-64 forward of the same model, in inputs per second
+    (goal: >= 50% of the bare rate).
+Every text is new, so the run cache never answers. Runs on the CPU too (--device cpu), where the
+figures only prove the script; the goals are for a GPU.
+
+    python bench/gpu_bench.py [--device cuda] [--autocast off|float16|bfloat16] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_server import access_ms, serve  # noqa: E402
+from serve_bench import throughput  # noqa: E402
+
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
+
+FRAME = {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "identity"}
+WORDS = "river bank heron mill stone boat path tree summer light water field".split()
+
+
+def text_of(n_tokens: int, seed: int) -> str:
+    # MiniLM: one token a word here, plus [CLS] and [SEP].
+    return " ".join([f"s{seed}"] + [WORDS[(seed + i) % len(WORDS)] for i in range(n_tokens - 3)])
+
+
+def bare_rate(model, n_tokens: int, batch: int, repeats: int) -> float:
+    encoded = [model.encode(text_of(n_tokens, 10_000 + i), truncate=True) for i in range(batch)]
+    model.run(encoded)  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        model.run(encoded)
+        times.append(time.perf_counter() - started)
+    return batch / statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--autocast", default="off", choices=("off", "float16", "bfloat16"))
+    parser.add_argument("--seconds", type=float, default=10.0, help="load per length")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--lengths", default="16,128,512")
+    parser.add_argument("--single", type=int, default=30, help="sequential requests at T=128")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+
+    from manyeyes.model import load
+
+    model = load("minilm", device=args.device)
+    if args.autocast != "off":
+        from manyeyes.app.services.device import AUTOCAST
+
+        model.autocast_dtype = AUTOCAST[args.autocast]
+    bare = {n: bare_rate(model, n, 64, 5) for n in lengths}
+    del model
+
+    log = Path(tempfile.mkdtemp(prefix="gpu-bench-")) / "server.log"
+    settings = {"device": args.device, "autocast": args.autocast, "max_batch_items": 64, "max_batch_tokens": 64 * 512,
+                "max_queue": 4 * args.clients, "max_client_queue": 4 * args.clients, "cache_bytes": 0}
+    with serve(log_level="info", log_path=log, **settings) as (url, _pid):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            run_ids, forward = [], []
+            for i in range(args.single + 3):
+                r = client.post("/api/v1/attention", json={"text": text_of(128, i), "format": "u8"}, headers=FRAME)
+                header, _ = read_frame(r.content)
+                if i >= 3:  # the first few pay one-time costs
+                    run_ids.append(header["run_id"])
+                    forward.append(header["timing_ms"]["forward"])
+        served = {
+            n: asyncio.run(throughput(f"{url}/api/v1/attention", lambda s, n=n: {"text": text_of(n, 1_000_000 + s), "format": "u8"},
+                                      args.clients, args.seconds, FRAME))
+            for n in lengths
+        }
+        time.sleep(0.5)
+        server_ms = [access_ms(log)[r] for r in run_ids]
+
+    print(f"\nMiniLM on {args.device}, autocast {args.autocast}, format=u8 as raw frames, fresh texts\n")
+    print(f"T=128, batch 1, {len(server_ms)} sequential requests: server time p50 {statistics.median(server_ms):.1f} ms "
+          f"(min {min(server_ms):.1f}, max {max(server_ms):.1f}); forward p50 {statistics.median(forward):.1f} ms "
+          f"(goal: server time <= 10 ms on an H200)\n")
+    print(f"| T | served inputs/s ({args.clients} clients) | bare batch-64 forward inputs/s | served / bare | errors |")
+    print("|---:|---:|---:|---:|---:|")
+    for n in lengths:
+        rate, errors = served[n]
+        print(f"| {n} | {rate:.0f} | {bare[n]:.0f} | {100 * rate / bare[n]:.0f}% | {errors} |")
+    ok = statistics.median(server_ms) <= 10 and all(served[n][0] >= 0.5 * bare[n] for n in lengths)
+    print("\ngoals (<= 10 ms; >= 50% of bare):", "MET" if ok else "MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

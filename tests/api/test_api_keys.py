@@ -1,0 +1,110 @@
+"""Optional API keys: every /api route needs `Authorization: Bearer <key>` once keys are set."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from manyeyes.app import clients
+from manyeyes.app.clients import KeyRing, TrustedProxies, exposure_warning
+from manyeyes.app.config import Settings
+from tests.api.conftest import serve
+
+KEYS = ["alpha-key-0123456789", "beta-key-9876543210"]
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory):
+    # One key given raw, one only as its SHA-256 digest in a file, as an operator would keep it.
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# operators' keys\n\n{hashlib.sha256(KEYS[1].encode()).hexdigest()}  bob\n")
+    client = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, api_keys=[KEYS[0]],
+                            api_keys_file=key_file, close_metrics=True))
+    yield client
+    client.__exit__(None, None, None)
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+API_CALLS = [
+    ("GET", "/api/v1/models", None),
+    ("POST", "/api/v1/attention", {"text": "The bank.", "format": "u8"}),
+    ("POST", "/api/v1/attention/batch", {"texts": ["The bank."], "format": "u8"}),
+    ("GET", "/api/v1/runs/0123456789abcdef0123456789abcdef/attention", None),
+]
+
+
+@pytest.mark.parametrize("method, path, body", API_CALLS)
+def test_api_routes_refuse_missing_or_wrong_keys_with_401_json(locked, method, path, body):
+    for headers in ({}, auth("wrong"), {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": "Bearer "}, auth(KEYS[0] + "x")):
+        r = locked.request(method, path, json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.status_code)
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["code"] == "unauthorized"
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        assert KEYS[0] not in r.text
+    for key in KEYS:  # the raw key and the one kept only as a digest both open every route
+        r = locked.request(method, path, json=body, headers=auth(key))
+        assert r.status_code in (200, 404), r.text
+        if path.startswith("/api/v1/runs/"):
+            assert r.json()["error"]["code"] == "unknown_run"
+
+
+def test_health_and_page_stay_open_and_metrics_can_be_closed(locked):
+    assert locked.get("/healthz").status_code == 200
+    assert locked.get("/readyz").status_code == 200
+    assert locked.get("/").status_code == 200  # the page itself, which then asks for the key
+    assert locked.get("/metrics").status_code == 401
+    assert locked.get("/metrics", headers=auth(KEYS[1])).status_code == 200
+
+
+def test_an_unauthorised_body_is_refused_before_it_is_read(locked):
+    r = locked.post("/api/v1/attention", content=b"x" * 5_000_000, headers={"content-type": "application/json"})
+    assert r.status_code == 401
+
+
+def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch):
+    ring = KeyRing([f"key-{i}" for i in range(5)])
+    calls = []
+    real = clients.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(clients.hmac, "compare_digest", spy)
+    for presented, expected in (("key-0", True), ("key-4", True), ("key-9", False), ("", False), ("k" * 10_000, False)):
+        calls.clear()
+        found = ring.match(presented)
+        assert (found is not None) is expected
+        # Every stored key is compared, whichever matched, and always digest against digest: the
+        # time taken depends neither on the key's length nor on how early it matched.
+        assert calls == [(32, 32)] * 5
+    assert ring.match("key-3") == hashlib.sha256(b"key-3").hexdigest()[:12]
+
+
+def test_a_bad_key_file_fails_at_start_up(tmp_path):
+    bad = tmp_path / "keys.txt"
+    bad.write_text("not-a-digest\n")
+    with pytest.raises(ValueError, match="keys.txt:1"):
+        KeyRing([], bad)
+
+
+def test_open_server_without_keys_answers_and_warns_only_beyond_loopback():
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert exposure_warning(host, has_keys=False) is None
+    assert exposure_warning("0.0.0.0", has_keys=True) is None
+    warning = exposure_warning("0.0.0.0", has_keys=False)
+    assert "without API keys" in warning and "MANYEYES_API_KEYS" in warning
+
+
+def test_forwarded_for_is_believed_only_from_trusted_proxies():
+    proxies = TrustedProxies(["10.0.0.0/8", "127.0.0.1"])
+    headers = [(b"x-forwarded-for", b"6.6.6.6, 203.0.113.7, 10.1.2.3")]
+    assert proxies.client_address("127.0.0.1", headers) == "203.0.113.7"  # nearest hop not a proxy
+    assert proxies.client_address("192.0.2.1", headers) == "192.0.2.1"  # not a proxy: its own address
+    assert proxies.client_address("127.0.0.1", []) == "127.0.0.1"
+    assert TrustedProxies([]).client_address("127.0.0.1", headers) == "127.0.0.1"

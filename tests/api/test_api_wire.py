@@ -1,0 +1,156 @@
+"""The binary frame and compression negotiation: the same answer, byte for byte, in every form."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import struct
+
+import numpy as np
+import orjson
+import pytest
+import zstandard
+
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, MAGIC, accepts, read_frame
+from tests.api.conftest import decode
+
+FRAME = {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "identity"}
+PLAIN = {"Accept-Encoding": "identity"}
+TEXT = "The heron waited by the old stone mill while the boats went past."
+DTYPES = {"u8": np.uint8, "f16": np.dtype("<f2"), "json": np.dtype("<f4")}
+
+
+def raw_post(api, body: dict, headers: dict, path: str = "/api/v1/attention"):
+    r = api.post(path, json=body, headers=headers)
+    assert r.status_code == 200, r.text[:300]
+    return r
+
+
+def frame_arrays(body: bytes) -> tuple[dict, list[np.ndarray]]:
+    """Decodes a frame as an independent client would: by the documented layout, not our helper."""
+    assert body[:4] == MAGIC
+    (size,) = struct.unpack_from("<I", body, 4)
+    assert (8 + size) % 8 == 0, "the data section must start 8-byte aligned"
+    header = orjson.loads(body[8 : 8 + size])
+    data = body[8 + size :]
+    results = header["results"] if "results" in header else [header]
+    arrays = []
+    for result in results:
+        att = result["attention"]
+        assert "data" not in att
+        chunk = data[att["offset"] : att["offset"] + att["nbytes"]]
+        values = np.frombuffer(chunk, dtype=DTYPES[att["format"]]).reshape(att["shape"]).astype(np.float32)
+        arrays.append(values * att["scale"] if att["format"] == "u8" else values)
+    end = max(r["attention"]["offset"] + r["attention"]["nbytes"] for r in results)
+    assert end == len(data), "the data section holds exactly the results' bytes"
+    return header, arrays
+
+
+@pytest.mark.parametrize("fmt", ["u8", "f16", "json"])
+def test_frame_carries_the_same_answer_as_json(api, fmt):
+    body = {"text": TEXT, "format": fmt, "layers": [0, 3], "heads": [1, 5, 7]}
+    as_json = raw_post(api, body, PLAIN).json()
+    r = raw_post(api, body, FRAME)
+    assert r.headers["content-type"] == FRAME_MEDIA_TYPE
+    assert "content-encoding" not in r.headers
+    header, (values,) = frame_arrays(r.content)
+    for key in ("run_id", "tokens", "layers", "heads", "n_layers", "n_heads", "causal", "model"):
+        assert header[key] == as_json[key], key
+    assert header["attention"]["shape"] == as_json["attention"]["shape"] == [2, 3, len(as_json["tokens"]), len(as_json["tokens"])]
+    # Exactly the JSON form's numbers: the frame changes the wrapping, never the values.
+    np.testing.assert_array_equal(values, decode(as_json["attention"]))
+    if fmt != "json":
+        assert bytes(read_frame(r.content)[1]) == base64.b64decode(as_json["attention"]["data"])
+
+
+def test_frame_of_a_batch_and_of_a_cached_slice(api):
+    texts = ["I sat by the bank.", "I paid at the bank of the river yesterday.", "Quiet."]
+    r = raw_post(api, {"texts": texts, "format": "u8"}, FRAME, "/api/v1/attention/batch")
+    header, arrays = frame_arrays(r.content)
+    assert [len(res["tokens"]) for res in header["results"]] == [a.shape[-1] for a in arrays]
+    offsets = [res["attention"]["offset"] for res in header["results"]]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(set(offsets)) == 3
+    for text, values, res in zip(texts, arrays, header["results"]):
+        single = raw_post(api, {"text": text, "format": "u8"}, PLAIN).json()
+        assert single["run_id"] == res["run_id"]
+        np.testing.assert_array_equal(values, decode(single["attention"]))
+    run_id = header["results"][1]["run_id"]
+    sliced = api.get(f"/api/v1/runs/{run_id}/attention?layers=5&heads=0,11&format=f16", headers=FRAME)
+    assert sliced.status_code == 200 and sliced.headers["content-type"] == FRAME_MEDIA_TYPE
+    _, (values,) = frame_arrays(sliced.content)
+    np.testing.assert_allclose(values, arrays[1][[5]][:, [0, 11]], atol=0.5 / 255 + 1e-3)
+
+
+def test_frame_is_raw_bytes_where_json_has_base64(api):
+    body = {"text": TEXT * 3, "format": "u8"}
+    framed = raw_post(api, body, FRAME).content
+    as_json = raw_post(api, body, PLAIN).content
+    header, data = read_frame(framed)
+    cells = int(np.prod(header["attention"]["shape"]))
+    assert len(data) == cells == header["attention"]["nbytes"]
+    # Header plus one byte a weight, against 4/3 of a byte a weight in base64.
+    assert len(framed) < cells + 8 + len(orjson.dumps(header)) + 8
+    assert len(as_json) > cells * 4 / 3
+
+
+def unzstd(raw: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+
+
+class Sent:
+    """An answer's headers and its body exactly as it went on the wire (not decoded)."""
+
+    def __init__(self, api, body: dict, headers: dict, path: str = "/api/v1/attention") -> None:
+        with api.stream("POST", path, json=body, headers=headers) as r:
+            self.status_code, self.headers, self.content = r.status_code, r.headers, b"".join(r.iter_raw())
+
+
+def test_zstd_only_when_asked_and_only_for_big_answers(api):
+    body = {"text": TEXT * 4, "format": "u8"}
+    plain = orjson.loads(raw_post(api, body, PLAIN).content)
+    for accept in ("zstd", "gzip, deflate, br, zstd"):
+        r = Sent(api, body, {"Accept-Encoding": accept})
+        assert r.headers["content-encoding"] == "zstd"
+        assert "Accept-Encoding" in r.headers["vary"]
+        assert int(r.headers["content-length"]) == len(r.content) < len(orjson.dumps(plain)) / 2
+        assert orjson.loads(unzstd(r.content))["attention"] == plain["attention"]
+    framed = Sent(api, body, {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "zstd"})
+    assert framed.headers["content-encoding"] == "zstd"
+    _, (values,) = frame_arrays(unzstd(framed.content))
+    np.testing.assert_array_equal(values, decode(plain["attention"]))
+    # q=0 refuses it; a gzip-only client gets no compression of a compact answer.
+    for refused in ("zstd;q=0", "gzip", "identity"):
+        r = Sent(api, body, {"Accept-Encoding": refused})
+        assert "content-encoding" not in r.headers, refused
+        assert orjson.loads(r.content)["attention"] == plain["attention"]
+    # Small answers are not worth it, whatever the client accepts.
+    small = Sent(api, {"text": "Hi.", "format": "u8", "layers": [0], "heads": [0]}, {"Accept-Encoding": "zstd"})
+    assert "content-encoding" not in small.headers
+
+
+def test_json_text_is_gzipped_for_gzip_clients_and_decodes_to_the_same_numbers(api):
+    body = {"text": TEXT, "format": "json", "layers": [1]}
+    plain = raw_post(api, body, PLAIN).json()
+    r = Sent(api, body, {"Accept-Encoding": "gzip"})
+    assert r.headers["content-encoding"] == "gzip"
+    assert orjson.loads(gzip.decompress(r.content))["attention"]["data"] == plain["attention"]["data"]
+    assert len(r.content) < len(orjson.dumps(plain)) / 2
+    r = Sent(api, body, {"Accept-Encoding": "zstd, gzip"})
+    assert r.headers["content-encoding"] == "zstd"
+    assert orjson.loads(unzstd(r.content))["attention"]["data"] == plain["attention"]["data"]
+
+
+@pytest.mark.parametrize(
+    "header, token, expected",
+    [
+        ("gzip, deflate, br, zstd", "zstd", True),
+        ("gzip;q=1.0, zstd;q=0", "zstd", False),
+        ("ZSTD", "zstd", True),
+        ("xzstd, zstdx", "zstd", False),
+        (None, "gzip", False),
+        ("application/json, application/vnd.manyeyes.frame;q=0.9", FRAME_MEDIA_TYPE, True),
+        ("*/*", FRAME_MEDIA_TYPE, False),  # only a client that names the frame gets one
+    ],
+)
+def test_accepts(header, token, expected):
+    assert accepts(header, token) is expected

@@ -1,0 +1,71 @@
+"""How the batcher fills a forward: round-robin across clients, within the token and cell budgets."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from manyeyes.app.services.batcher import Batcher, Job
+from manyeyes.app.services.errors import QueueFull
+from manyeyes.app.services.metrics import Metrics
+
+MODEL = SimpleNamespace(info=SimpleNamespace(n_layers=6, n_heads=12, id="fake"))
+
+
+class Encoded(list):
+    pass
+
+
+def job(client: str, n_tokens: int, tag: str) -> Job:
+    j = Job(MODEL, Encoded([0] * n_tokens), time.monotonic() + 60, client)
+    j.tag = tag
+    return j
+
+
+@pytest.fixture
+def batcher():
+    b = Batcher("cpu", Metrics(), max_batch_tokens=8192, max_batch_items=6, max_wait_s=0, max_queue=100,
+                max_client_queue=10, max_batch_cells=72 * 512 * 512 * 2)
+    yield b
+    b.close()
+
+
+def queue(batcher: Batcher, jobs: list[Job]) -> None:
+    for j in jobs:
+        batcher._pending.setdefault(j.client, deque()).append(j)
+        batcher._n_pending += 1
+
+
+def test_one_job_per_client_in_turn(batcher):
+    queue(batcher, [job("flood", 8, f"f{i}") for i in range(10)] + [job("quiet", 8, "q0")] + [job("other", 8, f"o{i}") for i in range(2)])
+    chosen, left_out = batcher._select(MODEL)
+    assert [j.tag for j in chosen] == ["f0", "q0", "o0", "f1", "o1", "f2"]
+    assert left_out
+
+
+def test_the_cell_budget_limits_long_rows_but_one_always_fits(batcher):
+    queue(batcher, [job("a", 512, f"a{i}") for i in range(4)])
+    chosen, left_out = batcher._select(MODEL)
+    assert len(chosen) == 2 and left_out  # 2 x 72 x 512^2 cells is the budget
+    tight = Batcher("cpu", Metrics(), 8192, 64, 0, 100, max_batch_cells=1)
+    try:
+        queue(tight, [job("a", 512, "only")])
+        assert [j.tag for j in tight._select(MODEL)[0]] == ["only"]
+    finally:
+        tight.close()
+
+
+def test_share_is_per_client_and_released(batcher):
+    batcher.admit(10, "flood")
+    with pytest.raises(QueueFull) as refused:
+        batcher.admit(1, "flood")
+    assert "this client" in refused.value.message and int(refused.value.headers["Retry-After"]) >= 1
+    batcher.admit(1, "quiet")  # another client still gets in
+    batcher.release(10, "flood")
+    batcher.release(1, "quiet")
+    assert not batcher._per_client
+    batcher.admit(10, "flood")
+    batcher.release(10, "flood")

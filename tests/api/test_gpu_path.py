@@ -1,0 +1,127 @@
+"""The accelerator path (quantise on the device, copy through staging buffers, autocast), run on
+the CPU: the same functions a GPU runs, checked against the host path they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from manyeyes.app.config import Settings
+from manyeyes.app.services.device import HostCopier, device_to_host, most_precise, quantise, serves
+from manyeyes.app.services.payload import to_f16, to_u8
+from tests.api.conftest import decode, metric, serve
+
+TEXTS = ["The heron waited by the old stone mill.", "Boats went past under green trees in warm summer light, slowly."]
+
+
+def softmaxed(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(*shape, generator=g) * 4, dim=-1)
+
+
+@pytest.mark.parametrize("fmt, host", [("u8", to_u8), ("f16", to_f16)])
+def test_device_quantisation_gives_the_host_paths_exact_bytes(fmt, host):
+    weights = softmaxed(6, 12, 37, 37)
+    assert quantise(weights, fmt).numpy().tobytes() == host(weights)
+    assert quantise(weights, "json") is weights
+
+
+def test_staging_buffers_are_reused_and_results_are_independent_copies():
+    copier = HostCopier(pin=False, always_stage=True)
+    first = copier.to_host(quantise(softmaxed(2, 3, 20, 20), "u8"))
+    buffer = copier._staging[torch.uint8]
+    second_src = quantise(softmaxed(2, 3, 11, 11, seed=1), "u8")
+    second = copier.to_host(second_src)
+    assert copier._staging[torch.uint8] is buffer, "a smaller copy reuses the staging buffer"
+    assert torch.equal(second, second_src)
+    assert torch.equal(first, quantise(softmaxed(2, 3, 20, 20), "u8")), "a later copy must not overwrite an earlier result"
+    assert second.data_ptr() != buffer.data_ptr()
+    copier.to_host(quantise(softmaxed(4, 3, 30, 30), "u8"))
+    assert copier._staging[torch.uint8].numel() == 4 * 3 * 30 * 30, "grown when a bigger batch comes"
+
+
+def test_precision_order():
+    assert most_precise(["u8", "f16", "u8"]) == "f16"
+    assert most_precise(["u8", "json"]) == "json"
+    assert serves(torch.float32, "u8") and serves(torch.float16, "u8") and serves(torch.uint8, "u8")
+    assert not serves(torch.uint8, "f16") and not serves(torch.float16, "json")
+
+
+@pytest.fixture(scope="module")
+def on_device_quantised():
+    client = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, device_quantise=True, max_wait_ms=20))
+    yield client
+    client.__exit__(None, None, None)
+
+
+def test_a_server_quantising_on_the_device_answers_byte_for_byte_like_the_host_path(api, on_device_quantised):
+    for fmt in ("u8", "f16", "json"):
+        for text in TEXTS:
+            body = {"text": f"{text} ({fmt})", "format": fmt}
+            device = on_device_quantised.post("/api/v1/attention", json=body).json()["attention"]
+            host = api.post("/api/v1/attention", json=body).json()["attention"]
+            assert device["data"] == host["data"], fmt
+
+
+def test_a_batch_is_kept_at_its_most_demanding_requests_precision(on_device_quantised):
+    client = on_device_quantised
+    model = client.app.state.registry.get(None).model
+    text = "A sentence seen first in u8, then asked for in f16."
+    u8 = client.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()
+    run = client.app.state.service.cache.get(u8["run_id"])
+    assert run.attention.dtype == torch.uint8  # only 1 byte a weight crossed from the device
+    # A slice needing more precision than was kept is refused, with what to do instead...
+    r = client.get(f"/api/v1/runs/{u8['run_id']}/attention?format=f16")
+    assert r.status_code == 422 and "POST the text again" in r.json()["error"]["message"]
+    # ...while a POST recomputes it, and the answer is the float run's, to float16 precision.
+    misses = metric(client, "manyeyes_cache_lookups_total", result="miss")
+    f16 = client.post("/api/v1/attention", json={"text": text, "format": "f16"}).json()
+    assert metric(client, "manyeyes_cache_lookups_total", result="miss") == misses + 1
+    expected = model.attend(text).attention.numpy()
+    np.testing.assert_allclose(decode(f16["attention"]), expected, atol=1e-3)
+    # The f16 run now kept also answers u8, within the u8 promise.
+    again = client.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()
+    assert np.abs(decode(again["attention"]) - expected).max() <= 1 / 255
+
+
+def test_a_batch_sent_with_the_device_to_host_hook_matches_single_runs(minilm_model):
+    to_host = device_to_host(HostCopier(pin=False, always_stage=True), "f16")
+    encoded = [minilm_model.encode(t) for t in TEXTS]
+    results = minilm_model.run(encoded, to_host=to_host)
+    for text, result in zip(TEXTS, results):
+        assert result.attention.dtype == torch.float16
+        single = minilm_model.attend(text).attention
+        torch.testing.assert_close(result.attention.float(), single, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_keeps_softmax_and_weights_in_float32(minilm_model, dtype):
+    text = TEXTS[1]
+    exact = minilm_model.attend(text).attention
+    minilm_model.autocast_dtype = dtype
+    try:
+        cast = minilm_model.attend(text).attention
+    finally:
+        minilm_model.autocast_dtype = None
+    assert cast.dtype == torch.float32
+    # A float32 softmax: every row sums to 1 to float32 precision, whatever the matmuls ran in.
+    torch.testing.assert_close(cast.sum(-1), torch.ones_like(cast.sum(-1)), atol=1e-5, rtol=0)
+    # And the half-precision matmuls moved the weights, but not far.
+    assert 0 < (cast - exact).abs().max() < 0.05
+
+
+@pytest.fixture(scope="module")
+def minilm_model():
+    from manyeyes.model import load
+
+    return load("minilm", device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned memory and a real device copy")
+def test_pinned_copy_from_cuda():
+    copier = HostCopier()
+    weights = softmaxed(6, 12, 64, 64).cuda()
+    host = copier.to_host(quantise(weights, "u8"))
+    assert copier._staging[torch.uint8].is_pinned()
+    assert host.device.type == "cpu" and host.numpy().tobytes() == to_u8(weights.cpu())

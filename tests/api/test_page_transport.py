@@ -1,0 +1,112 @@
+"""The page's API module in a real browser: it asks for raw frames and decodes them to the same
+numbers as the JSON form, and with API keys on it asks for the key once per tab."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, free_port
+
+pytestmark = pytest.mark.browser
+KEY = "page-key-0123456789"
+SERVER = """
+import json, sys, uvicorn
+from manyeyes.app.config import Settings
+from manyeyes.app.main import create_app
+uvicorn.run(create_app(Settings(**json.loads(sys.argv[2]))), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def spawn(settings: dict):
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), json.dumps(settings)], cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server was not ready within 120 s"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CHROMIUM} is missing")
+        pytest.skip(f"{CHROMIUM} is missing")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module", params=["open", "keys"])
+def served(request):
+    settings = {"models": {"minilm": "minilm"}, "device": "cpu", "warmup": False}
+    if request.param == "keys":
+        settings["api_keys"] = [KEY]
+    proc, url = spawn(settings)
+    yield request.param, url
+    proc.terminate()
+    proc.wait(30)
+
+
+CALL = """async ([text, fmt]) => {
+  const api = await import("/static/js/api.js");
+  const models = await api.listModels();
+  const body = await api.postAttention({ text, format: fmt });
+  const d = body.attention.decoded;
+  return { models: models.map((m) => m.id), shape: d.shape, scale: d.scale ?? null,
+           cells: Array.from(d.bytes ?? d.values), runId: body.run_id };
+}"""
+
+
+def test_the_page_fetches_frames_and_decodes_the_same_numbers(browser, served):
+    mode, url = served
+    page = browser.new_page()
+    prompts, accepts = [], []
+    page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept(KEY)))
+    page.on("request", lambda req: accepts.append(req.headers.get("accept", "")) if "/api/v1/attention" in req.url else None)
+    page.goto(url + "/")
+    headers = {"Authorization": f"Bearer {KEY}"} if mode == "keys" else {}
+    for fmt, text in (("u8", "The heron waited by the old stone mill."), ("f16", "Boats went past."), ("json", "Quiet.")):
+        got = page.evaluate(CALL, [text, fmt])
+        assert got["models"] == ["minilm"]
+        expected = httpx.post(f"{url}/api/v1/attention", json={"text": text, "format": fmt}, headers=headers, timeout=60).json()
+        assert got["runId"] == expected["run_id"] and got["shape"] == expected["attention"]["shape"]
+        if fmt == "u8":
+            np.testing.assert_array_equal(got["cells"], np.frombuffer(base64.b64decode(expected["attention"]["data"]), np.uint8))
+        elif fmt == "f16":
+            raw = np.frombuffer(base64.b64decode(expected["attention"]["data"]), "<f2").astype(np.float32)
+            np.testing.assert_array_equal(np.float32(got["cells"]), raw)
+        else:
+            np.testing.assert_array_equal(np.float32(got["cells"]), np.float32(expected["attention"]["data"]).ravel())
+    assert accepts and all("application/vnd.manyeyes.frame" in a for a in accepts), accepts
+    if mode == "keys":
+        # Asked once, on the first refused call; kept for the tab, never asked again.
+        assert len(prompts) == 1 and "API key" in prompts[0]
+        assert page.evaluate("sessionStorage.getItem('manyeyes.apiKey')") == KEY
+        # Never persisted beyond the tab (the page keeps its own preferences in localStorage).
+        stored = page.evaluate("Object.values(localStorage)")
+        assert all(KEY not in value for value in stored), stored
+    else:
+        assert prompts == []
+    page.close()

@@ -1,0 +1,36 @@
+"""Saved views (the page's permalinks): content ids, round trips, bounds and expiry."""
+
+from manyeyes.app.services.views import ViewStore
+
+VIEW = {"text": "The bank of the river.", "model": "minilm", "layer": 2, "head": 3, "heads": [1, 4]}
+
+
+def test_a_view_round_trips_under_a_content_id(api):
+    saved = api.post("/api/v1/views", json=VIEW)
+    assert saved.status_code == 200
+    view_id = saved.json()["id"]
+    assert api.post("/api/v1/views", json=VIEW).json()["id"] == view_id  # same view, same link
+    assert api.post("/api/v1/views", json={**VIEW, "head": 4}).json()["id"] != view_id
+    back = api.get(f"/api/v1/views/{view_id}").json()
+    assert {k: back[k] for k in VIEW} == VIEW and back["aggregate"] == "head"
+
+
+def test_bad_views_are_4xx_never_500(api):
+    # Found by schemathesis: an integer past 64 bits reached orjson and crashed the hash.
+    for heads in ([2**70], [-1], [5000]):
+        r = api.post("/api/v1/views", json={**VIEW, "heads": heads})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+    assert api.get("/api/v1/views/0123456789abcdef01").status_code == 404
+    assert api.get("/api/v1/views/not-an-id").status_code == 422
+
+
+def test_the_store_forgets_by_count_and_by_age():
+    now = [0.0]
+    store = ViewStore(max_views=2, ttl_s=10, clock=lambda: now[0])
+    first = store.put({"n": 1})
+    store.put({"n": 2})
+    store.put({"n": 3})
+    assert store.get(first) is None  # the oldest went first
+    last = store.put({"n": 4})
+    now[0] = 11.0
+    assert store.get(last) is None  # past its age
