@@ -112,6 +112,8 @@ class Settings(BaseSettings):
     # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.
     max_new_tokens: int = Field(256, ge=1)
     max_generations: int = Field(4, ge=1)
+    # Experiments (POST /api/v1/experiments/*): each runs two forwards on a worker thread; beyond this many at once, 429.
+    max_experiments: int = Field(2, ge=1)
 
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
     debug_forward_delay_s: float = Field(0.0, ge=0)

@@ -21,7 +21,7 @@ from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.memory import tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
-from manyeyes.app.routes import aggregates, attention, docs, export, generate, measures, models, ops, page, runs, views
+from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.measures import MeasuresService
@@ -116,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export, measures):
+    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
         app.include_router(module.router)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

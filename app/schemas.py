@@ -465,3 +465,191 @@ class LogitAttributionResponse(BaseModel):
         "logit": 6.2663, "total": 6.2663, "heads": [{"layer": 0, "head": 3, "contribution": 0.685},
                                                    {"layer": 0, "head": 2, "contribution": 0.27}],
         "attention_bias": [0.01, -0.02], "mlps": [1.9, 2.4], "embeddings": 0.8, "rest": 0.0}]})
+
+
+# ---- experiments: ablate, change a token, compare (issue 12) -------------------------------
+
+
+class HeadAblation(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    layer: int = Field(..., ge=0)
+    head: int = Field(..., ge=0)
+    mode: Literal["zero", "mean"] = Field(
+        "zero", description="zero: silence the head; mean: replace its output by its mean over this input's positions"
+    )
+
+
+class TensorRequest(BaseModel):
+    """Which layers and heads of a (layers, heads, T, T) tensor to send back, and how."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    layers: list[int] | None = Field(None, min_length=1, description="Layer indices; default: all")
+    heads: list[int] | None = Field(None, min_length=1, description="Head indices; default: all")
+    format: Format = Field("u8", description="json: float32 lists; f16: base64 float16; u8: base64 bytes (see scale/offset)")
+
+
+class ExperimentOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="A model id from GET /api/v1/models; default: the server's default")
+    truncate: bool = Field(False, description="Cut input longer than the model's positions instead of refusing it")
+
+
+class AblateRequest(ExperimentOptions):
+    text: str = Field(..., min_length=1)
+    text_pair: str | None = Field(None, min_length=1, description="Second segment, for sentence-pair models")
+    ablate: list[HeadAblation] = Field(..., min_length=1, max_length=4096, description="Heads to silence, each once")
+    top_k: int = Field(5, ge=1, le=20, description="Predictions before/after per predicted position (models with an LM head)")
+    attention: TensorRequest | None = Field(None, description="Also return the ablated run's attention")
+
+    _text = field_validator("text")(_not_blank)
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"text": "In the beginning God created the heaven and the earth.", "model": "tiny-gpt",
+                 "ablate": [{"layer": 0, "head": 3, "mode": "zero"}]},
+                {"text": "The bank of the river.", "model": "minilm",
+                 "ablate": [{"layer": 1, "head": 4, "mode": "mean"}], "attention": {"layers": [2], "format": "f16"}},
+            ]
+        },
+    )
+
+
+class ChangeTokenRequest(ExperimentOptions):
+    text: str = Field(..., min_length=1, examples=["The bank of the river."])
+    text_pair: str | None = Field(None, min_length=1)
+    index: int = Field(..., ge=0, examples=[2], description="Token position (as in `tokens` of POST /api/v1/attention)")
+    change: Literal["mask", "unk", "delete"] = Field(
+        ..., examples=["delete"],
+        description="Replace by the mask or unknown token (422 for a model that has none, like GPT-2's), or delete it",
+    )
+    difference: TensorRequest | None = Field(None, description="Also return A − B on aligned cells")
+
+    _text = field_validator("text")(_not_blank)
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"text": "The bank of the river.", "model": "minilm", "index": 2, "change": "mask"},
+                {"text": "The bank of the river.", "index": 2, "change": "delete"},
+            ]
+        },
+    )
+
+
+class CompareRequest(ExperimentOptions):
+    text_a: str = Field(..., min_length=1)
+    text_b: str = Field(..., min_length=1)
+    difference: TensorRequest | None = Field(None, description="Also return A − B on aligned cells")
+
+    _a = field_validator("text_a")(_not_blank)
+    _b = field_validator("text_b")(_not_blank)
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"text_a": "The bank of the river.", "text_b": "The bank of the old river.", "model": "minilm"},
+                {"text_a": "The bank of the river.", "text_b": "The shore of the river.",
+                 "difference": {"layers": [2], "heads": [3], "format": "json"}},
+            ]
+        },
+    )
+
+
+class HeadChangeOut(BaseModel):
+    layer: int
+    head: int
+    divergence: float = Field(description="Jensen–Shannon divergence in bits (0..1) per query row, averaged")
+
+
+class LogprobChange(BaseModel):
+    position: int = Field(description="Where the prediction is made")
+    id: int = Field(description="Causal LM: the actual next token. Masked LM: the clean model's top guess at the mask")
+    token: str
+    before: float = Field(description="log p (natural log) before the ablation")
+    after: float
+    change: float = Field(description="after − before")
+
+
+class PredictionsChange(BaseModel):
+    positions: list[int] = Field(description="Causal LM: every position. Masked LM: each mask")
+    before: list[list[PredictionOut]]
+    after: list[list[PredictionOut]]
+
+
+class TensorOut(BaseModel):
+    format: Format
+    dtype: Literal["float32", "float16", "uint8"]
+    shape: list[int] = Field(description="[layers, heads, rows, columns]")
+    layers: list[int]
+    heads: list[int]
+    data: list | str = Field(description="Nested lists (json) or base64 (f16 little-endian, u8), row-major")
+    scale: float | None = Field(None, description="u8 only: value ≈ byte × scale + offset")
+    offset: float | None = Field(None, description="u8 only")
+
+
+class AblateResponse(BaseModel):
+    model: str
+    causal: bool
+    n_layers: int
+    n_heads: int
+    tokens: list[TokenOut]
+    truncated: bool
+    ablate: list[HeadAblation]
+    ranking: list[HeadChangeOut] = Field(description="Every head after the first ablated layer, largest change first")
+    predictions: PredictionsChange | None = Field(None, description="Models with an LM head only")
+    logprob_change: list[LogprobChange] | None = Field(None, description="Models with an LM head only")
+    attention: TensorOut | None = Field(None, description="The ablated run's attention, when asked for")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "tiny-gpt", "causal": True, "n_layers": 2, "n_heads": 8,
+                    "tokens": [{"text": "I", "id": 73, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"}],
+                    "truncated": False,
+                    "ablate": [{"layer": 0, "head": 3, "mode": "zero"}],
+                    "ranking": [{"layer": 1, "head": 0, "divergence": 0.41}],
+                    "predictions": {"positions": [0], "before": [[{"token": "n", "id": 110, "prob": 0.62}]],
+                                    "after": [[{"token": "n", "id": 110, "prob": 0.35}]]},
+                    "logprob_change": [{"position": 0, "id": 110, "token": "n", "before": -0.48, "after": -1.05, "change": -0.57}],
+                }
+            ]
+        }
+    )
+
+
+class ComparisonResponse(BaseModel):
+    model: str
+    n_layers: int
+    n_heads: int
+    tokens_a: list[TokenOut]
+    tokens_b: list[TokenOut]
+    pairs: list[tuple[int, int]] = Field(description="Aligned (index in A, index in B), in order")
+    ranking: list[HeadChangeOut] = Field(description="Every head, largest change over the aligned rows first")
+    difference: TensorOut | None = Field(
+        None, description="A − B on aligned cells, shape [layers, heads, P, P] for P aligned pairs, when asked for"
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "minilm", "n_layers": 6, "n_heads": 12,
+                    "tokens_a": [{"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[CLS]"}],
+                    "tokens_b": [{"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[CLS]"}],
+                    "pairs": [[0, 0]],
+                    "ranking": [{"layer": 2, "head": 3, "divergence": 0.12}],
+                }
+            ]
+        }
+    )

@@ -12,6 +12,7 @@ the query rows the two runs share, and reports how the model's predictions moved
 from __future__ import annotations
 
 import difflib
+import threading
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,8 +84,13 @@ class Ablation:
 
 @contextmanager
 def _silenced(model: AttentionModel, ablations: Iterable[Ablation], means: dict[tuple[int, int], torch.Tensor]):
-    """Pre-hooks on out_proj that overwrite each ablated head's slice of its input."""
+    """Pre-hooks on out_proj that overwrite each ablated head's slice of its input.
+
+    Hooks live on the shared module, but only act on forwards run by the thread that set them:
+    a server runs other requests' forwards (and generations) on the same model at the same time.
+    """
     head_dim = model.info.head_dim
+    owner = threading.get_ident()
     by_layer: dict[int, list[Ablation]] = {}
     for a in ablations:
         by_layer.setdefault(a.layer, []).append(a)
@@ -92,13 +98,15 @@ def _silenced(model: AttentionModel, ablations: Iterable[Ablation], means: dict[
 
     def hook_for(layer_ablations):
         def pre_hook(module, args):
+            if threading.get_ident() != owner:
+                return None
             heads = args[0].clone()  # (b, T, n_heads * head_dim), the heads glued back
             for a in layer_ablations:
                 part = slice(a.head * head_dim, (a.head + 1) * head_dim)
                 if a.mode == "zero":
                     heads[..., part] = 0
                 else:
-                    heads[..., part] = means[(a.layer, a.head)].to(heads.dtype)
+                    heads[..., part] = means[(a.layer, a.head)].to(heads.device, heads.dtype)
             return (heads,)
 
         return pre_hook
@@ -130,9 +138,14 @@ class AblationResult:
     before: AttentionResult
     after: AttentionResult
     ranking: list[HeadChange]  # heads downstream of the first ablated layer, largest change first
-    logprob_change: torch.Tensor | None  # (T-1,) causal LMs: Δ log p(actual next token)
-    top_before: list[list[Guess]] | None
+    # Δ log p(target) at each (position, target id) of `targets`: for a causal LM the actual next
+    # token after every position but the last; for a masked LM, at each mask, the token the
+    # unablated model ranks first (the text says nothing about what the mask hides).
+    logprob_change: torch.Tensor | None
+    top_before: list[list[Guess]] | None  # per position of `predicted`, best first
     top_after: list[list[Guess]] | None
+    targets: list[tuple[int, int]] | None = None
+    predicted: list[int] | None = None  # positions with predictions: all (causal) or the masks (MLM)
 
 
 def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation]) -> list[Ablation]:
@@ -160,12 +173,34 @@ def ablate(model: AttentionModel, encoded: Encoded, ablations: Iterable[Ablation
     # Heads in or before the first ablated layer cannot move: rank only what lies downstream.
     ranking = rank_heads(before.attention[first + 1 :], after.attention[first + 1 :])
     ranking = [HeadChange(c.layer + first + 1, c.head, c.divergence) for c in ranking]
-    change = tops_before = tops_after = None
+    change = tops_before = tops_after = targets = positions = None
     if before.logits is not None:
-        tops_before, tops_after = top_k(model, before.logits, top), top_k(model, after.logits, top)
-        if model.info.causal and len(encoded) > 1:
-            change = next_token_logprobs(after.logits, encoded.ids) - next_token_logprobs(before.logits, encoded.ids)
-    return AblationResult(before, after, ranking, change, tops_before, tops_after)
+        positions = prediction_positions(model, encoded)
+        tops_before = top_k(model, before.logits[positions], top)
+        tops_after = top_k(model, after.logits[positions], top)
+        if model.info.causal:
+            targets = list(zip(range(len(encoded) - 1), encoded.ids[1:]))
+        else:
+            targets = [(p, int(before.logits[p].argmax())) for p in positions]
+        change = target_logprobs(after.logits, targets) - target_logprobs(before.logits, targets)
+    return AblationResult(before, after, ranking, change, tops_before, tops_after, targets, positions)
+
+
+def prediction_positions(model: AttentionModel, encoded: Encoded) -> list[int]:
+    """Where the model's head predicts something: every position of a causal LM, each mask of a masked LM."""
+    if model.info.causal:
+        return list(range(len(encoded)))
+    mask_id = model.tokenizer.mask_id
+    return [i for i, token_id in enumerate(encoded.ids) if mask_id is not None and token_id == mask_id]
+
+
+def target_logprobs(logits: torch.Tensor, targets: list[tuple[int, int]]) -> torch.Tensor:
+    """log p(id | position) for each (position, id); (T, vocab) logits."""
+    if not targets:
+        return torch.zeros(0)
+    logp = torch.log_softmax(logits.double(), -1)
+    positions, ids = zip(*targets)
+    return logp[torch.tensor(positions), torch.tensor(ids)].float()
 
 
 # ---------------------------------------------------------------------------- token changes and comparison

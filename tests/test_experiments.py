@@ -211,3 +211,68 @@ def test_align_pairs_identical_pieces():
     a, b = toks(["x", "y", "z"]), toks(["x", "q", "y", "z"])
     b = [Token(t.text, {"x": 0, "y": 1, "z": 2}.get(t.piece, 9), 0, 0, False, 0, t.piece) for t in b]
     assert align(a, b) == [(0, 0), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablation_matches_transformers_random_llama_gqa(tmp_path, bytelevel_tokenizer, mode):
+    """llama: the ablation sits at o_proj's input; grouped-query heads share values, so a mean
+    ablation must average the right query head's output, not its key/value group's."""
+    from tests.test_parity_decoders import save_random
+
+    hf = save_random(tmp_path, bytelevel_tokenizer, "llama", 21, num_key_value_heads=2)
+    ours_model = load(tmp_path, device="cpu")
+    assert ours_model.info.n_heads == 6 and ours_model.info.n_kv_heads == 2
+    ablations = [Ablation(0, 1, mode), Ablation(0, 4, mode), Ablation(1, 5, mode)]
+    enc = ours_model.encode("Attention heads look back, some look ahead. The fox looks back at the dog.")
+    ours = ablate(ours_model, enc, ablations)
+    dense = [layer.self_attn.o_proj for layer in hf.model.layers]
+    clean, ablated = run_hf_ablated(hf, dense, torch.tensor([enc.ids]), ablations, 8)
+    assert (clean.logits[0] - ours.before.logits).abs().max().item() <= 1e-4
+    assert (ablated.logits[0] - ours.after.logits).abs().max().item() <= 1e-4
+    assert (hf_attentions(ablated) - ours.after.attention).abs().max().item() <= 1e-5
+    assert (ours.after.attention[1] - ours.before.attention[1]).abs().max() > 1e-3
+    expected = next_token_logprobs(ablated.logits[0], enc.ids) - next_token_logprobs(clean.logits[0], enc.ids)
+    assert torch.allclose(ours.logprob_change, expected, atol=1e-4) and expected.abs().max() > 1e-3
+
+
+def test_masked_lm_ablation_reports_the_masked_token(tmp_path, minilm_dir):
+    """A masked LM: predictions and Δ log-prob only at the masks, of the token the clean model
+    ranks first there, equal to transformers' BertForMaskedLM under the same pre-hooks."""
+    from tests.test_encoder_families import _mlm_bert
+
+    hf = _mlm_bert(tmp_path, minilm_dir)
+    model = load(tmp_path, device="cpu")
+    enc = model.encode("The [MASK] of the river was [MASK] and wide.")
+    masks = [i for i, t in enumerate(enc.tokens) if t.piece == "[MASK]"]
+    assert len(masks) == 2
+    ablations = [Ablation(0, 2, "zero"), Ablation(0, 4, "mean")]
+    ours = ablate(model, enc, ablations, top=3)
+    dense = [layer.attention.output.dense for layer in hf.bert.encoder.layer]
+    clean, ablated = run_hf_ablated(hf, dense, torch.tensor([enc.ids]), ablations, 8)
+    assert (ablated.logits[0] - ours.after.logits).abs().max().item() <= 1e-4
+    assert ours.predicted == masks and len(ours.top_before) == 2 and len(ours.top_before[0]) == 3
+    wanted = [int(clean.logits[0, p].argmax()) for p in masks]
+    assert ours.targets == list(zip(masks, wanted))
+    logp_clean = torch.log_softmax(clean.logits[0].double(), -1)
+    logp_ablated = torch.log_softmax(ablated.logits[0].double(), -1)
+    expected = torch.tensor([float(logp_ablated[p, t] - logp_clean[p, t]) for p, t in zip(masks, wanted)], dtype=torch.float64)
+    assert torch.allclose(ours.logprob_change.double(), expected, atol=1e-4) and expected.abs().max() > 1e-4
+    assert ours.top_after[1][0].id == int(ablated.logits[0, masks[1]].argmax())
+
+
+def test_ablation_leaves_other_threads_forwards_alone(minilm):
+    """The server runs other requests on the same model while an ablation's hooks are set."""
+    import threading
+
+    from manyeyes.model.experiments import _silenced
+
+    enc = minilm.encode(TEXT)
+    clean = minilm.run([enc])[0].attention
+    seen = {}
+    with _silenced(minilm, [Ablation(0, 0, "zero")], {}):
+        here = minilm.run([enc])[0].attention
+        other = threading.Thread(target=lambda: seen.setdefault("other", minilm.run([enc])[0].attention))
+        other.start()
+        other.join()
+    assert torch.equal(seen["other"], clean)
+    assert (here[1:] - clean[1:]).abs().max() > 1e-3

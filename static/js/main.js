@@ -14,6 +14,7 @@ import { AttentionRun } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenLabels } from "./tokens.js";
 import { isIdentity, viewOf } from "./transform.js";
+import "./experiments.js";
 
 // Above this many bytes of u8 attention, the first request asks only for the focused layer and the
 // grid fetches the others as they come into view. Token counts are guessed at ~4 characters each.

@@ -1,0 +1,53 @@
+"""POST /api/v1/experiments/{ablate,change-token,compare}: change one thing, run again, rank what moved."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from manyeyes.app.disconnect import unless_disconnected
+from manyeyes.app.routes.responses import errors
+from manyeyes.app.schemas import AblateRequest, AblateResponse, ChangeTokenRequest, CompareRequest, ComparisonResponse
+from manyeyes.app.services.experiments import ExperimentService
+
+router = APIRouter(prefix="/api/v1/experiments", tags=["experiments"])
+ERRORS = errors(404, 413, 422, 429, 503, 504)
+
+
+def get_experiments(request: Request) -> ExperimentService:
+    """Built on first use from the lifespan's registry, so the app factory needs no change for it."""
+    state = request.app.state
+    if getattr(state, "experiments", None) is None:
+        state.experiments = ExperimentService(state.settings, state.registry)
+    return state.experiments
+
+
+ExperimentsDep = Annotated[ExperimentService, Depends(get_experiments)]
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+@router.post("/ablate", response_model=AblateResponse, responses=ERRORS)
+async def ablate(body: AblateRequest, service: ExperimentsDep, request: Request) -> Response:
+    """Silence heads at their slice of the output projection's input (zero, or their mean over
+    this input's positions), run again, and rank every downstream head by how much its rows moved
+    (Jensen–Shannon divergence). Models with an LM head also get top-k before/after and the change
+    in log-probability of each actual next token (causal) or of the clean top guess at each mask (MLM)."""
+    return _json(await unless_disconnected(request, service.ablate(body)))
+
+
+@router.post("/change-token", response_model=ComparisonResponse, responses=ERRORS)
+async def change_token(body: ChangeTokenRequest, service: ExperimentsDep, request: Request) -> Response:
+    """Replace token `index` by the model's mask or unknown token, or delete it; the two runs are
+    aligned on their tokens and every head ranked by the divergence of its aligned rows."""
+    return _json(await unless_disconnected(request, service.change_token(body)))
+
+
+@router.post("/compare", response_model=ComparisonResponse, responses=ERRORS)
+async def compare(body: CompareRequest, service: ExperimentsDep, request: Request) -> Response:
+    """Two texts aligned on their token strings (difflib), heads ranked by the divergence of their
+    aligned rows, and on request A − B on the aligned cells."""
+    return _json(await unless_disconnected(request, service.compare(body)))

@@ -1,0 +1,230 @@
+"""Experiments over HTTP: ablate heads, change a token, compare two texts.
+
+Each request runs two forwards plus its ranking on a worker thread, never on the event loop. At
+most `max_experiments` run at once (beyond it, 429), each within the request time budget (else
+504); a slot is held until its thread's work has really ended, so clients that hang up or time
+out cannot pile up work behind the server's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+import threading
+
+import orjson
+import torch
+from starlette.concurrency import run_in_threadpool
+
+from manyeyes.app.config import Settings
+from manyeyes.app.services.errors import InvalidInput, OverBudget, QueueFull, TooLong, TooManyCells
+from manyeyes.app.services.registry import Registry, Served
+from manyeyes.model.errors import TooLongError
+from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results
+from manyeyes.model.tokenizer import Encoded
+
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
+DTYPES = {"json": "float32", "f16": "float16", "u8": "uint8"}
+
+
+def token_dicts(tokens) -> list[dict]:
+    return [
+        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment, "piece": t.piece}
+        for t in tokens
+    ]
+
+
+def ranking_dicts(ranking) -> list[dict]:
+    return [{"layer": c.layer, "head": c.head, "divergence": c.divergence} for c in ranking]
+
+
+def guesses(rows) -> list[list[dict]]:
+    return [[{"token": g.token, "id": g.id, "prob": g.prob} for g in row] for row in rows]
+
+
+def pick(indices: list[int] | None, count: int, what: str) -> list[int]:
+    """Chosen layers or heads, each once and in range; all of them when none are named."""
+    if indices is None:
+        return list(range(count))
+    bad = [i for i in indices if not 0 <= i < count]
+    if bad:
+        raise InvalidInput(f"{what} {str(bad[0])[:24]} does not exist: the model has {what}s 0..{count - 1}")
+    if len(set(indices)) != len(indices):
+        raise InvalidInput(f"each {what} may be asked for once")
+    return list(indices)
+
+
+def tensor_out(values: torch.Tensor, layers: list[int], heads: list[int], fmt: str, signed: bool) -> dict:
+    """(L, H, R, C) float32 as json lists or base64; u8 maps [0, 1] (weights) or [-1, 1]
+    (differences, `signed`) onto 0..255: value ≈ byte × scale + offset."""
+    chosen = values.index_select(0, torch.tensor(layers)).index_select(1, torch.tensor(heads)).contiguous()
+    out = {"format": fmt, "dtype": DTYPES[fmt], "shape": list(chosen.shape), "layers": layers, "heads": heads}
+    if fmt == "json":
+        out["data"] = chosen.numpy()
+        return out
+    if fmt == "f16":
+        halves = chosen.to(torch.float16).numpy()
+        out["data"] = base64.b64encode((halves.byteswap() if sys.byteorder != "little" else halves).tobytes()).decode()
+        return out
+    low, span = (-1.0, 2.0) if signed else (0.0, 1.0)
+    scale = span / 255
+    raw = ((chosen - low) / scale).round_().clamp_(0, 255).to(torch.uint8)
+    out.update(data=base64.b64encode(raw.numpy().tobytes()).decode(), scale=scale, offset=low)
+    return out
+
+
+class ExperimentService:
+    def __init__(self, settings: Settings, registry: Registry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self._slots = threading.BoundedSemaphore(settings.max_experiments)
+
+    # ------------------------------------------------------------------ routes' entry points
+    async def ablate(self, body) -> bytes:
+        served = self.registry.get(body.model)
+        info = served.model.info
+        self._check_chars(len(body.text) + len(body.text_pair or ""))
+        seen = set()
+        for a in body.ablate:
+            if not (a.layer < info.n_layers and a.head < info.n_heads):
+                raise InvalidInput(f"no head L{a.layer} H{a.head}: layers 0..{info.n_layers - 1}, heads 0..{info.n_heads - 1}")
+            if (a.layer, a.head) in seen:
+                raise InvalidInput(f"head L{a.layer} H{a.head} is named twice")
+            seen.add((a.layer, a.head))
+        view = self._view(served, body.attention)
+        return await self._run(self._ablate, served, body, view)
+
+    async def change_token(self, body) -> bytes:
+        served = self.registry.get(body.model)
+        self._check_chars(len(body.text) + len(body.text_pair or ""))
+        view = self._view(served, body.difference)
+        return await self._run(self._change_token, served, body, view)
+
+    async def compare(self, body) -> bytes:
+        served = self.registry.get(body.model)
+        self._check_chars(len(body.text_a), "text_a: ")
+        self._check_chars(len(body.text_b), "text_b: ")
+        view = self._view(served, body.difference)
+        return await self._run(self._compare, served, body, view)
+
+    # ------------------------------------------------------------------ bounds
+    def _check_chars(self, size: int, label: str = "") -> None:
+        limit = self.settings.max_text_chars
+        if size > limit:
+            raise TooLong(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")
+
+    @staticmethod
+    def _view(served: Served, asked) -> tuple[list[int], list[int], str] | None:
+        if asked is None:
+            return None
+        info = served.model.info
+        return pick(asked.layers, info.n_layers, "layer"), pick(asked.heads, info.n_heads, "head"), asked.format
+
+    def _check_cells(self, view, rows: int) -> None:
+        if view is None or view[2] != "json":
+            return
+        cells = len(view[0]) * len(view[1]) * rows * rows
+        if cells > self.settings.max_json_cells:
+            raise TooManyCells(
+                f"format=json would return {cells:,} values, over this server's limit of "
+                f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads"
+            )
+
+    async def _run(self, fn, *args) -> bytes:
+        if not self._slots.acquire(blocking=False):
+            raise QueueFull(f"{self.settings.max_experiments} experiments are running; try again shortly", retry_after_s=1)
+
+        def work():
+            try:
+                return fn(*args)
+            finally:
+                self._slots.release()  # only once the forwards have really ended
+
+        try:
+            return await asyncio.wait_for(run_in_threadpool(work), self.settings.request_timeout_s)
+        except TimeoutError:
+            raise OverBudget(
+                f"the experiment did not finish within its {self.settings.request_timeout_s:g} s budget"
+            ) from None
+
+    @staticmethod
+    def _encode(served: Served, text: str, pair: str | None, truncate: bool, label: str = "") -> Encoded:
+        try:
+            return served.model.encode(text, pair, truncate)
+        except TooLongError as exc:
+            raise TooLong(label + str(exc)) from None
+
+    # ------------------------------------------------------------------ work, on a worker thread
+    def _ablate(self, served: Served, body, view) -> bytes:
+        model = served.model
+        encoded = self._encode(served, body.text, body.text_pair, body.truncate)
+        self._check_cells(view, len(encoded))
+        ablations = [Ablation(a.layer, a.head, a.mode) for a in body.ablate]
+        try:
+            result = ablate(model, encoded, ablations, top=body.top_k)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        info = model.info
+        out = {
+            "model": served.id,
+            "causal": info.causal,
+            "n_layers": info.n_layers,
+            "n_heads": info.n_heads,
+            "tokens": token_dicts(encoded.tokens),
+            "truncated": encoded.truncated,
+            "ablate": [{"layer": a.layer, "head": a.head, "mode": a.mode} for a in ablations],
+            "ranking": ranking_dicts(result.ranking),
+            "predictions": None,
+            "logprob_change": None,
+            "attention": None,
+        }
+        if result.top_before is not None:
+            out["predictions"] = {"positions": result.predicted, "before": guesses(result.top_before),
+                                  "after": guesses(result.top_after)}
+            logp_before = torch.log_softmax(result.before.logits.double(), -1)
+            logp_after = torch.log_softmax(result.after.logits.double(), -1)
+            decode = model.tokenizer.token_text
+            out["logprob_change"] = [
+                {"position": p, "id": t, "token": decode(t), "before": float(logp_before[p, t]),
+                 "after": float(logp_after[p, t]), "change": float(change)}
+                for (p, t), change in zip(result.targets, result.logprob_change.tolist())
+            ]
+        if view is not None:
+            out["attention"] = tensor_out(result.after.attention, *view, signed=False)
+        return orjson.dumps(out, option=NUMPY)
+
+    def _change_token(self, served: Served, body, view) -> bytes:
+        model = served.model
+        encoded = self._encode(served, body.text, body.text_pair, body.truncate)
+        try:
+            changed = changed_tokens(model, encoded, body.index, body.change)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        before, after = model.run([encoded, changed])
+        return self._comparison(served, compare_results(before, after), view)
+
+    def _compare(self, served: Served, body, view) -> bytes:
+        a = self._encode(served, body.text_a, None, body.truncate, "text_a: ")
+        b = self._encode(served, body.text_b, None, body.truncate, "text_b: ")
+        run_a, run_b = served.model.run([a, b])
+        try:
+            comparison = compare_results(run_a, run_b)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        return self._comparison(served, comparison, view)
+
+    def _comparison(self, served: Served, c: Comparison, view) -> bytes:
+        self._check_cells(view, len(c.pairs))
+        info = served.model.info
+        out = {
+            "model": served.id,
+            "n_layers": info.n_layers,
+            "n_heads": info.n_heads,
+            "tokens_a": token_dicts(c.a.tokens),
+            "tokens_b": token_dicts(c.b.tokens),
+            "pairs": c.pairs,
+            "ranking": ranking_dicts(c.ranking),
+            "difference": tensor_out(c.difference, *view, signed=True) if view is not None else None,
+        }
+        return orjson.dumps(out, option=NUMPY)

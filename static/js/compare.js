@@ -1,0 +1,72 @@
+// Compare two sentences: the heads ranked by how much their aligned rows differ, and one head
+// side by side (A, B) with the difference A − B on the aligned cells.
+
+import { describeError } from "./api.js";
+import { el } from "./dom.js";
+import { currentInput, decodeTensor, headRows, heatmap, postJson, rankingTable, status } from "./experiment_parts.js";
+
+export function mountCompare(box) {
+  const a = el("input", { attrs: { id: "compare-a", type: "text", "aria-label": "Sentence A", placeholder: "The bank of the river." } });
+  const b = el("input", { attrs: { id: "compare-b", type: "text", "aria-label": "Sentence B", placeholder: "The bank of the old river." } });
+  const go = el("button", { text: "Compare", attrs: { id: "compare-run", type: "button" } });
+  const note = el("p", { className: "exp-status", attrs: { id: "compare-status", role: "status", "aria-live": "polite" } });
+  const ranking = el("div", { attrs: { id: "compare-ranking" } });
+  const plots = ["compare-plot-a", "compare-plot-b", "compare-plot-diff"].map((id) => el("div", { className: "exp-plot", attrs: { id } }));
+  box.replaceChildren(
+    el("h3", { text: "Compare two sentences" }),
+    el("p", { className: "hint", text: "Tokens are aligned on their pieces; heads are ranked by the divergence of their aligned rows." }),
+    el("div", { className: "exp-row" }, [a, b, go]),
+    note,
+    el("div", { className: "exp-columns three" }, plots),
+    ranking,
+  );
+  const state = { reply: null, difference: null, input: null, shown: null, token: 0 };
+
+  async function show(layer, head) {
+    const token = ++state.token;
+    state.shown = { layer, head };
+    const { reply, input } = state;
+    const run = (text) => postJson("/api/v1/attention", { text, model: input.model, truncate: input.truncate, layers: [layer], heads: [head], format: "json" });
+    try {
+      const [ra, rb] = await Promise.all([run(input.text_a), run(input.text_b)]);
+      if (token !== state.token) return;
+      const pieces = (tokens) => tokens.map((t) => t.piece);
+      heatmap(plots[0], ra.attention.data[0][0], { x: pieces(ra.tokens), y: pieces(ra.tokens), title: `A · L${layer} H${head}` });
+      heatmap(plots[1], rb.attention.data[0][0], { x: pieces(rb.tokens), y: pieces(rb.tokens), title: `B · L${layer} H${head}` });
+      const aligned = reply.pairs.map(([i, j]) => (reply.tokens_a[i].piece === reply.tokens_b[j].piece ? reply.tokens_a[i].piece : `${reply.tokens_a[i].piece}|${reply.tokens_b[j].piece}`));
+      const z = headRows(state.difference, layer, head);
+      heatmap(plots[2], z, { x: aligned, y: aligned, signed: true, title: `A − B on aligned cells · L${layer} H${head}` });
+      Object.assign(plots[2].dataset, { layer, head, ready: "true" });
+    } catch (err) {
+      status(note, describeError(err), "error");
+    }
+  }
+
+  async function compare() {
+    const base = currentInput();
+    const input = { text_a: a.value || base.text, text_b: b.value, model: base.model, truncate: base.truncate };
+    if (!input.text_a.trim() || !input.text_b.trim()) return status(note, "Write two sentences to compare.", "error");
+    plots[2].dataset.ready = "false";
+    status(note, "Comparing…", "busy");
+    try {
+      let reply;
+      try {
+        reply = await postJson("/api/v1/experiments/compare", { ...input, difference: { format: "json" } });
+      } catch (err) {
+        if (err.status !== 413) throw err; // over the json budget: float16 is plenty for a picture
+        reply = await postJson("/api/v1/experiments/compare", { ...input, difference: { format: "f16" } });
+      }
+      Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
+      ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show }));
+      status(note, `${reply.pairs.length} aligned tokens of ${reply.tokens_a.length} and ${reply.tokens_b.length}.`);
+      const top = reply.ranking[0];
+      await show(top.layer, top.head);
+    } catch (err) {
+      status(note, describeError(err), "error");
+    }
+  }
+
+  go.addEventListener("click", compare);
+  for (const input of [a, b]) input.addEventListener("keydown", (e) => e.key === "Enter" && compare());
+  window.manyeyesCompare = state;
+}

@@ -1,0 +1,102 @@
+// Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
+
+import { request } from "./api.js";
+import { $, el, plotlyText } from "./dom.js";
+
+export function postJson(url, body, signal) {
+  return request(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
+}
+
+// What the main form holds: the experiments run on the sentence and model the page shows.
+export function currentInput() {
+  const pair = $("pair")?.value.trim();
+  return {
+    text: $("text").value,
+    ...(pair ? { text_pair: pair } : {}),
+    model: $("model").value || undefined,
+    truncate: $("truncate").checked,
+  };
+}
+
+// A (layers, heads, R, C) tensor of the experiments API as Float32Array and shape.
+export function decodeTensor(t) {
+  const [L, H, R, C] = t.shape;
+  const out = new Float32Array(L * H * R * C);
+  if (t.format === "json") {
+    let i = 0;
+    for (const layer of t.data) for (const head of layer) for (const row of head) for (const v of row) out[i++] = v;
+  } else {
+    const bytes = Uint8Array.from(atob(t.data), (c) => c.charCodeAt(0));
+    if (t.format === "f16") {
+      const view = new DataView(bytes.buffer);
+      for (let i = 0; i < out.length; i++) out[i] = halfToFloat(view.getUint16(2 * i, true));
+    } else {
+      for (let i = 0; i < out.length; i++) out[i] = bytes[i] * t.scale + t.offset;
+    }
+  }
+  return { values: out, shape: t.shape };
+}
+
+function halfToFloat(h) {
+  const sign = h & 0x8000 ? -1 : 1;
+  const exp = (h >> 10) & 0x1f;
+  const frac = h & 0x3ff;
+  if (exp === 0) return sign * 2 ** -14 * (frac / 1024);
+  if (exp === 31) return frac ? NaN : sign * Infinity;
+  return sign * 2 ** (exp - 15) * (1 + frac / 1024);
+}
+
+// One head's (R, C) matrix as rows of plain numbers (Plotly's z), from a decoded tensor.
+export function headRows({ values, shape }, layerIndex, headIndex) {
+  const [, H, R, C] = shape;
+  const base = (layerIndex * H + headIndex) * R * C;
+  return Array.from({ length: R }, (_, r) => Array.from(values.subarray(base + r * C, base + (r + 1) * C)));
+}
+
+// The ranking as a table; clicking a row calls onPick(layer, head). Text only, never HTML.
+export function rankingTable(ranking, { limit = 12, onPick, caption } = {}) {
+  const rows = ranking.slice(0, limit).map((c, i) => {
+    const tr = el("tr", { attrs: { "data-layer": c.layer, "data-head": c.head, tabindex: 0 } }, [
+      el("td", { text: String(i + 1) }),
+      el("td", { text: `L${c.layer} H${c.head}` }),
+      el("td", { text: c.divergence.toFixed(4), className: "num" }),
+    ]);
+    if (onPick) {
+      tr.addEventListener("click", () => onPick(c.layer, c.head));
+      tr.addEventListener("keydown", (e) => e.key === "Enter" && onPick(c.layer, c.head));
+    }
+    return tr;
+  });
+  const head = el("tr", {}, [el("th", { text: "#" }), el("th", { text: "Head" }), el("th", { text: "JS divergence (bits)" })]);
+  return el("table", { className: "exp-table ranking" }, [
+    ...(caption ? [el("caption", { text: caption })] : []),
+    el("thead", {}, [head]),
+    el("tbody", {}, rows),
+  ]);
+}
+
+const DIVERGING = [[0, "#2166ac"], [0.5, "#f7f7f7"], [1, "#b2182b"]];
+const SEQUENTIAL = [[0, "#f7fbff"], [1, "#08306b"]];
+
+// A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
+export function heatmap(div, z, { x, y, title, signed = false, zmax } = {}) {
+  const limit = zmax ?? (signed ? Math.max(1e-6, ...z.flat().map(Math.abs)) : 1);
+  const names = (labels, n) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${i}: ${plotlyText(s)}`);
+  const trace = {
+    type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),
+    colorscale: signed ? DIVERGING : SEQUENTIAL, zmin: signed ? -limit : 0, zmax: limit,
+    hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>",
+  };
+  const layout = {
+    title: title ? { text: plotlyText(title), font: { size: 13 } } : undefined,
+    margin: { l: 90, r: 10, t: title ? 30 : 8, b: 80 }, height: 320,
+    yaxis: { autorange: "reversed", automargin: true }, xaxis: { automargin: true, tickangle: -45 },
+    paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+  };
+  return window.Plotly.react(div, [trace], layout, { displaylogo: false, responsive: true });
+}
+
+export function status(node, text, kind = "") {
+  node.textContent = text;
+  node.dataset.kind = kind;
+}

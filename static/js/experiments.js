@@ -1,0 +1,232 @@
+// Experiments on the page: ablate heads (from the grid: Alt-click, or the focused head) and undo,
+// and mask / replace / delete a token by clicking it. Mounts the compare and generation panels too.
+
+import { describeError } from "./api.js";
+import { $, el } from "./dom.js";
+import { mountCompare } from "./compare.js";
+import { currentInput, decodeTensor, headRows, heatmap, postJson, rankingTable, status } from "./experiment_parts.js";
+import { mountGeneration } from "./generate_view.js";
+
+// ---------------------------------------------------------------------------- ablation
+const ablation = {
+  input: null, // the form's input the stack belongs to
+  clean: null, // decoded clean attention of that input
+  tokens: [],
+  stack: [], // [{ ablate: [...], reply, attention }], newest last
+  shown: null, // { layer, head } drawn in the heatmap
+  busy: false,
+};
+
+function sameInput(a, b) {
+  return a && b && JSON.stringify(a) === JSON.stringify(b);
+}
+
+function pieceLabels(tokens) {
+  return tokens.map((t) => t.piece);
+}
+
+async function ablateHead(layer, head) {
+  if (ablation.busy) return;
+  const input = currentInput();
+  if (!input.text.trim()) return status($("ablate-status"), "Run a sentence first.", "error");
+  if (!sameInput(input, ablation.input)) Object.assign(ablation, { input, clean: null, stack: [], shown: null });
+  const mode = $("ablate-mode").value;
+  const previous = ablation.stack.at(-1)?.ablate || [];
+  const list = [...previous.filter((a) => a.layer !== layer || a.head !== head), { layer, head, mode }];
+  ablation.busy = true;
+  status($("ablate-status"), `Ablating L${layer} H${head} (${mode})…`, "busy");
+  try {
+    if (!ablation.clean) {
+      // Exact float32 while the server's json budget allows it (short sentences), else float16.
+      let clean;
+      try {
+        clean = await postJson("/api/v1/attention", { ...input, format: "json" });
+      } catch (err) {
+        if (err.status !== 413) throw err;
+        clean = await postJson("/api/v1/attention", { ...input, format: "f16" });
+      }
+      ablation.tokens = clean.tokens;
+      ablation.format = clean.attention.format;
+      ablation.clean = decodeTensor(clean.attention);
+    }
+    const reply = await postJson("/api/v1/experiments/ablate", {
+      ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
+    });
+    ablation.stack.push({ ablate: list, reply, attention: decodeTensor(reply.attention) });
+    const top = reply.ranking[0];
+    if (!ablation.shown && top) ablation.shown = { layer: top.layer, head: top.head };
+    status($("ablate-status"), "", "");
+  } catch (err) {
+    status($("ablate-status"), describeError(err), "error");
+  } finally {
+    ablation.busy = false;
+  }
+  renderAblation();
+}
+
+function undo() {
+  if (!ablation.stack.length) return;
+  ablation.stack.pop();
+  renderAblation();
+}
+
+function restoreAll() {
+  ablation.stack = [];
+  renderAblation();
+}
+
+function renderAblation() {
+  const current = ablation.stack.at(-1);
+  $("ablate-undo").disabled = !current;
+  $("ablate-clear").disabled = !current;
+  const chips = (current?.ablate || []).map((a) => el("li", { className: "chip", text: `L${a.layer} H${a.head} · ${a.mode}` }));
+  $("ablate-list").replaceChildren(...chips);
+  const plot = $("ablate-plot");
+  plot.dataset.depth = String(ablation.stack.length);
+  if (!ablation.clean || !ablation.shown) {
+    $("ablate-ranking").replaceChildren();
+    $("ablate-predictions").replaceChildren();
+    return;
+  }
+  const { layer, head } = ablation.shown;
+  const tensor = current ? current.attention : ablation.clean;
+  const labels = pieceLabels(ablation.tokens);
+  const what = current ? `after ablating ${current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ")}` : "clean (nothing ablated)";
+  heatmap(plot, headRows(tensor, layer, head), { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
+  Object.assign(plot.dataset, { layer, head, state: current ? "ablated" : "clean" });
+  if (!current) {
+    $("ablate-ranking").replaceChildren(el("p", { className: "hint", text: "Nothing ablated: the heatmap shows the clean run." }));
+    $("ablate-predictions").replaceChildren();
+    return;
+  }
+  $("ablate-ranking").replaceChildren(rankingTable(current.reply.ranking, {
+    caption: "Downstream heads, most changed first (click to show)",
+    onPick: (l, h) => { ablation.shown = { layer: l, head: h }; renderAblation(); },
+  }));
+  $("ablate-predictions").replaceChildren(predictionTable(current.reply));
+}
+
+function predictionTable(reply) {
+  if (!reply.logprob_change) return el("p", { className: "hint", text: "This model has no language-model head: no predictions to compare." });
+  if (!reply.logprob_change.length) return el("p", { className: "hint", text: "No position to score (a masked LM needs a [MASK] in the text)." });
+  const top = new Map(reply.predictions.positions.map((p, i) => [p, i]));
+  const changes = [...reply.logprob_change].sort((a, b) => Math.abs(b.change) - Math.abs(a.change)).slice(0, 8);
+  const mean = reply.logprob_change.reduce((s, c) => s + c.change, 0) / reply.logprob_change.length;
+  const rows = changes.map((c) => {
+    const i = top.get(c.position);
+    const guess = (g) => (g ? `${g.token} (${g.prob.toFixed(2)})` : "");
+    return el("tr", { attrs: { "data-position": c.position } }, [
+      el("td", { text: `${c.position}: ${reply.tokens[c.position].piece}` }),
+      el("td", { text: c.token }),
+      el("td", { text: c.change.toFixed(3), className: "num" }),
+      el("td", { text: `${guess(reply.predictions.before[i]?.[0])} → ${guess(reply.predictions.after[i]?.[0])}` }),
+    ]);
+  });
+  const what = reply.causal ? "the actual next token" : "the clean top guess at the mask";
+  return el("table", { className: "exp-table predictions" }, [
+    el("caption", { text: `Δ log p of ${what}: mean ${mean.toFixed(3)}; largest changes` }),
+    el("thead", {}, [el("tr", {}, ["At", "Target", "Δ log p", "Top guess before → after"].map((t) => el("th", { text: t })))]),
+    el("tbody", {}, rows),
+  ]);
+}
+
+// ---------------------------------------------------------------------------- token change
+async function loadTokens() {
+  const input = currentInput();
+  if (!input.text.trim()) return;
+  try {
+    const reply = await postJson("/api/v1/attention", { ...input, layers: [0], heads: [0], format: "u8" });
+    const chips = reply.tokens.map((t, i) => {
+      const chip = el("button", { className: `chip token${t.special ? " special" : ""}`, text: t.piece,
+        attrs: { type: "button", "data-index": i, title: t.special ? "Special tokens stay" : `Change token ${i}` } });
+      chip.disabled = t.special;
+      chip.addEventListener("click", () => changeToken(input, i));
+      return chip;
+    });
+    $("token-chips").replaceChildren(...chips);
+  } catch (err) {
+    status($("token-status"), describeError(err), "error");
+  }
+}
+
+async function changeToken(input, index) {
+  const change = $("token-change").value;
+  status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
+  try {
+    const reply = await postJson("/api/v1/experiments/change-token", { ...input, index, change });
+    const inA = new Set(reply.pairs.map((p) => p[0]));
+    const inB = new Set(reply.pairs.map((p) => p[1]));
+    const line = (tokens, kept, name) => el("div", { className: "aligned-line" }, [
+      el("span", { className: "line-name", text: name }),
+      ...tokens.map((t, i) => el("span", { className: `chip${kept.has(i) ? "" : " unaligned"}`, text: t.piece })),
+    ]);
+    $("token-result").replaceChildren(
+      line(reply.tokens_a, inA, "Before"), line(reply.tokens_b, inB, "After"),
+      rankingTable(reply.ranking, { caption: "Heads whose aligned rows moved most" }),
+    );
+    $("token-result").dataset.index = String(index);
+    status($("token-status"), "", "");
+  } catch (err) {
+    status($("token-status"), describeError(err), "error");
+  }
+}
+
+// ---------------------------------------------------------------------------- mount
+function buildAblation() {
+  const mode = el("select", { attrs: { id: "ablate-mode", "aria-label": "Ablation mode" } }, [
+    el("option", { text: "zero", attrs: { value: "zero" } }),
+    el("option", { text: "mean over positions", attrs: { value: "mean" } }),
+  ]);
+  const add = el("button", { text: "Ablate focused head", attrs: { id: "ablate-add", type: "button" } });
+  add.addEventListener("click", () => ablateHead(Number($("layer").value), Number($("head").value)));
+  const undoButton = el("button", { text: "Undo", attrs: { id: "ablate-undo", type: "button", disabled: "" } });
+  undoButton.addEventListener("click", undo);
+  const clear = el("button", { text: "Restore all", attrs: { id: "ablate-clear", type: "button", disabled: "" } });
+  clear.addEventListener("click", restoreAll);
+  $("ablate-box").replaceChildren(
+    el("h3", { text: "Ablate heads" }),
+    el("p", { className: "hint", text: "Alt-click a head in the grid, or ablate the focused one. The head's output is zeroed, or replaced by its mean, where it enters the output projection." }),
+    el("div", { className: "exp-row" }, [mode, add, undoButton, clear]),
+    el("ul", { className: "chips", attrs: { id: "ablate-list", "aria-label": "Ablated heads" } }),
+    el("p", { className: "exp-status", attrs: { id: "ablate-status", role: "status", "aria-live": "polite" } }),
+    el("div", { className: "exp-columns" }, [
+      el("div", { className: "exp-plot", attrs: { id: "ablate-plot", "data-depth": "0" } }),
+      el("div", {}, [el("div", { attrs: { id: "ablate-ranking" } }), el("div", { attrs: { id: "ablate-predictions" } })]),
+    ]),
+  );
+  // Alt-click on a grid thumbnail ablates it (a plain click still focuses it, as before).
+  $("grid").addEventListener("click", (e) => {
+    const cell = e.target.closest?.(".thumb");
+    if (cell && e.altKey) ablateHead(Number(cell.dataset.layer), Number(cell.dataset.head));
+  });
+}
+
+function buildTokenChange() {
+  const change = el("select", { attrs: { id: "token-change", "aria-label": "Token change" } }, [
+    el("option", { text: "mask", attrs: { value: "mask" } }),
+    el("option", { text: "unknown token", attrs: { value: "unk" } }),
+    el("option", { text: "delete", attrs: { value: "delete" } }),
+  ]);
+  const load = el("button", { text: "Show tokens", attrs: { id: "token-load", type: "button" } });
+  load.addEventListener("click", loadTokens);
+  $("token-box").replaceChildren(
+    el("h3", { text: "Change a token" }),
+    el("p", { className: "hint", text: "Show the sentence's tokens, then click one to replace it with the model's mask or unknown token, or to delete it." }),
+    el("div", { className: "exp-row" }, [change, load]),
+    el("div", { className: "chips", attrs: { id: "token-chips" } }),
+    el("p", { className: "exp-status", attrs: { id: "token-status", role: "status", "aria-live": "polite" } }),
+    el("div", { attrs: { id: "token-result" } }),
+  );
+}
+
+function mount() {
+  if (!$("experiments")) return;
+  buildAblation();
+  buildTokenChange();
+  mountCompare($("compare-box"));
+  mountGeneration($("generate-box"));
+  // Read by the browser tests: what the panels hold, never written to from outside.
+  window.manyeyesExperiments = { ablation };
+}
+
+mount();

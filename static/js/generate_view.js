@@ -1,0 +1,208 @@
+// Step through generation (causal models): tokens stream in as JSON lines; play, pause, step back
+// and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
+// stream, and the server stops within one step of the hang-up.
+
+import { ApiError, describeError } from "./api.js";
+import { el, fillSelect } from "./dom.js";
+import { currentInput, decodeTensor, headRows, heatmap, postJson, status } from "./experiment_parts.js";
+
+const PLAY_MS = 350;
+
+async function* ndjson(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    buffer += decoder.decode(value || new Uint8Array(), { stream: !done });
+    let newline;
+    while ((newline = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, newline).trim();
+      buffer = buffer.slice(newline + 1);
+      if (line) yield JSON.parse(line);
+    }
+    if (done) return;
+  }
+}
+
+async function errorOf(response) {
+  try {
+    const { error } = await response.json();
+    return new ApiError(response.status, error.code, error.message, response.headers.get("Retry-After"));
+  } catch {
+    return new ApiError(response.status, `http_${response.status}`, response.statusText || "request failed");
+  }
+}
+
+export function mountGeneration(box) {
+  const field = (label, input) => el("label", { className: "inline-field" }, [el("span", { text: label }), input]);
+  const prompt = el("input", { attrs: { id: "gen-text", type: "text", "aria-label": "Prompt", placeholder: "In the beginning" } });
+  const count = el("input", { attrs: { id: "gen-n", type: "number", min: 1, max: 256, value: 20 } });
+  const temperature = el("input", { attrs: { id: "gen-temp", type: "number", min: 0, max: 10, step: 0.1, value: 0 } });
+  const seed = el("input", { attrs: { id: "gen-seed", type: "number", min: 0, placeholder: "random" } });
+  const button = (id, text, title) => el("button", { text, attrs: { id, type: "button", title: title || text } });
+  const start = button("gen-start", "Generate");
+  const stop = button("gen-stop", "Stop", "Stop the generation (the server stops too)");
+  const back = button("gen-back", "◀", "Step back");
+  const play = button("gen-play", "Play");
+  const forward = button("gen-forward", "▶", "Step forward");
+  const layer = el("select", { attrs: { id: "gen-layer", "aria-label": "Layer of the growing heatmap" } });
+  const head = el("select", { attrs: { id: "gen-head", "aria-label": "Head of the growing heatmap" } });
+  const where = el("span", { className: "hint", attrs: { id: "gen-position", "aria-live": "polite" } });
+  const note = el("p", { className: "exp-status", attrs: { id: "gen-status", role: "status", "aria-live": "polite" } });
+  const tokens = el("div", { className: "gen-tokens", attrs: { id: "gen-tokens" } });
+  const rowPlot = el("div", { className: "exp-plot", attrs: { id: "gen-row-plot" } });
+  const growPlot = el("div", { className: "exp-plot", attrs: { id: "gen-grow-plot" } });
+  box.replaceChildren(
+    el("h3", { text: "Step through generation" }),
+    el("p", { className: "hint", text: "Causal models only. Greedy at temperature 0; a seed makes a sample repeat." }),
+    el("div", { className: "exp-row" }, [prompt, field("tokens", count), field("temperature", temperature), field("seed", seed), start, stop]),
+    el("div", { className: "exp-row" }, [back, play, forward, where, field("layer", layer), field("head", head)]),
+    note, tokens,
+    el("div", { className: "exp-columns" }, [rowPlot, growPlot]),
+  );
+  const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "" };
+  window.manyeyesGeneration = state;
+
+  function setButtons() {
+    stop.disabled = !state.running;
+    start.disabled = state.running;
+    back.disabled = state.current <= 0;
+    forward.disabled = state.current >= state.steps.length - 1;
+    play.textContent = state.timer ? "Pause" : "Play";
+    play.disabled = state.steps.length < 2;
+  }
+
+  function pieces() {
+    return [...state.start.prompt.map((t) => t.piece), ...state.steps.map((s) => s.token.text)];
+  }
+
+  function render() {
+    setButtons();
+    if (state.current < 0) return;
+    const step = state.steps[state.current];
+    const all = pieces();
+    const promptLength = state.start.prompt.length;
+    tokens.replaceChildren(...all.map((text, i) => el("span", {
+      className: `chip${i >= promptLength ? " generated" : ""}${i === step.position ? " current" : ""}${i > step.position ? " later" : ""}`,
+      text, attrs: i === step.position ? { "aria-current": "true" } : {},
+    })));
+    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${step.token.text}” (p ${step.token.prob.toFixed(3)})`;
+    const { n_layers: L, n_heads: H } = state.start;
+    const names = [];
+    const z = [];
+    for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) { names.push(`L${l} H${h}`); z.push(step.attention[l][h]); }
+    const keys = all.slice(0, step.position + 1);
+    heatmap(rowPlot, z, { x: keys, y: names, title: `Row of “${step.token.text}” in every head` });
+    rowPlot.dataset.index = String(state.current);
+    // The full heatmap so far: the prompt's rows (a causal prompt's rows never change as tokens
+    // are added) over the generated tokens' rows, each padded to the current width.
+    const l = Number(layer.value), h = Number(head.value);
+    const width = step.position + 1;
+    const pad = (row) => [...row, ...Array(width - row.length).fill(null)];
+    const promptRows = state.prompt ? headRows(state.prompt, l, h).map(pad) : [];
+    const generated = state.steps.slice(0, state.current + 1);
+    const grown = [...promptRows, ...generated.map((s) => pad(Array.from(s.attention[l][h])))];
+    const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => s.token.text)];
+    heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, title: `L${l} H${h}: the heatmap so far` });
+    growPlot.dataset.rows = String(grown.length);
+  }
+
+  function go(index) {
+    state.current = Math.max(0, Math.min(index, state.steps.length - 1));
+    state.follow = state.current === state.steps.length - 1 && state.running;
+    render();
+  }
+
+  // Steps can arrive faster than two heatmaps draw: draw the newest once per frame, so the page
+  // (and its Stop button) never falls behind the stream.
+  let frame = 0;
+  function followSoon() {
+    if (frame) return;
+    frame = requestAnimationFrame(() => {
+      frame = 0;
+      if (state.follow && !state.timer) go(state.steps.length - 1);
+    });
+  }
+
+  function pause() {
+    clearInterval(state.timer);
+    state.timer = null;
+    setButtons();
+  }
+
+  // The prompt's own rows, for the full heatmap; the run cache usually has them already.
+  async function loadPrompt(body) {
+    const ask = (format) => postJson("/api/v1/attention", { text: body.text, model: body.model, format }, state.controller.signal);
+    try {
+      const reply = await ask("json").catch((err) => (err.status === 413 ? ask("f16") : Promise.reject(err)));
+      if (reply.tokens.length !== state.start?.prompt.length) return; // not the same tokens: leave the prompt out
+      state.prompt = decodeTensor(reply.attention);
+      render();
+    } catch (err) {
+      if (err.name !== "AbortError") status(note, `The prompt's rows could not be loaded: ${describeError(err)}`, "error");
+    }
+  }
+
+  async function generate() {
+    pause();
+    const base = currentInput();
+    const body = { text: prompt.value || base.text, model: base.model, max_new_tokens: Number(count.value) || 20, temperature: Number(temperature.value) || 0 };
+    if (seed.value !== "") body.seed = Number(seed.value);
+    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
+    tokens.replaceChildren();
+    status(note, "Generating…", "busy");
+    setButtons();
+    try {
+      const response = await fetch("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: state.controller.signal });
+      if (!response.ok) throw await errorOf(response);
+      for await (const event of ndjson(response)) {
+        if (event.type === "start") {
+          state.start = event;
+          loadPrompt(body);
+          fillSelect(layer, [...Array(event.n_layers).keys()].map((i) => ({ value: i, label: `L${i}` })), Number(layer.value) || 0);
+          fillSelect(head, [...Array(event.n_heads).keys()].map((i) => ({ value: i, label: `H${i}` })), Number(head.value) || 0);
+        } else if (event.type === "step") {
+          state.steps.push(event);
+          if (state.follow && !state.timer) followSoon();
+          else setButtons();
+        } else if (event.type === "end") {
+          state.outcome = "finished";
+        }
+      }
+      status(note, `Finished: ${state.steps.length} new tokens.`);
+    } catch (err) {
+      if (err.name === "AbortError") {
+        state.outcome = "stopped";
+        status(note, `Stopped after ${state.steps.length} tokens.`);
+      } else {
+        state.outcome = "failed";
+        status(note, describeError(err), "error");
+      }
+    } finally {
+      const following = state.follow && !state.timer && state.steps.length > 0;
+      state.running = false;
+      if (following) go(state.steps.length - 1); // the last step, even if its frame has not come yet
+      state.follow = false;
+      box.dataset.outcome = state.outcome;
+      setButtons();
+    }
+  }
+
+  start.addEventListener("click", generate);
+  prompt.addEventListener("keydown", (e) => e.key === "Enter" && generate());
+  stop.addEventListener("click", () => state.controller?.abort());
+  back.addEventListener("click", () => { pause(); go(state.current - 1); });
+  forward.addEventListener("click", () => { pause(); go(state.current + 1); });
+  play.addEventListener("click", () => {
+    if (state.timer) return pause();
+    if (state.current >= state.steps.length - 1) go(0);
+    state.timer = setInterval(() => {
+      go(state.current + 1);
+      if (state.current >= state.steps.length - 1 && !state.running) pause();
+    }, PLAY_MS);
+    setButtons();
+  });
+  for (const select of [layer, head]) select.addEventListener("change", render);
+  setButtons();
+}

@@ -1,0 +1,186 @@
+"""POST /api/v1/experiments/*: the same numbers as the Python API, and a clear 4xx for bad input."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from manyeyes.app.config import Settings
+from manyeyes.model import load
+from manyeyes.model.experiments import Ablation, ablate, change_token, compare
+from tests.api.conftest import serve
+
+PROMPT = "In the beginning God created the heaven and the earth. And the earth was"
+
+
+@pytest.fixture(scope="module")
+def mlm_dir(tmp_path_factory, minilm_dir):
+    """A random BERT with its masked-LM head (MiniLM's tokenizer): no download."""
+    from tests.test_encoder_families import _mlm_bert
+
+    folder = tmp_path_factory.mktemp("mlm")
+    _mlm_bert(folder, minilm_dir)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def client(mlm_dir):
+    c = serve(Settings(models={"minilm": "minilm", "tiny-gpt": "tiny-gpt", "mlm": str(mlm_dir)}, device="cpu",
+                       warmup=False, max_json_cells=20_000))
+    yield c
+    c.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-gpt", device="cpu")
+
+
+def decode(t: dict) -> np.ndarray:
+    if t["format"] == "json":
+        return np.asarray(t["data"], dtype=np.float32).reshape(t["shape"])
+    raw = base64.b64decode(t["data"])
+    if t["format"] == "f16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float32).reshape(t["shape"])
+    return np.frombuffer(raw, dtype=np.uint8).astype(np.float32).reshape(t["shape"]) * t["scale"] + t["offset"]
+
+
+def assert_error(r, status: int, code: str, words: str):
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["code"] == code and words in body["message"], body
+
+
+def test_ablate_matches_the_python_api_on_a_causal_lm(client, tiny):
+    body = {"text": PROMPT, "model": "tiny-gpt", "ablate": [{"layer": 0, "head": 3, "mode": "mean"}], "top_k": 3,
+            "attention": {"format": "json", "layers": [1], "heads": [0, 5]}}
+    r = client.post("/api/v1/experiments/ablate", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = ablate(tiny, tiny.encode(PROMPT), [Ablation(0, 3, "mean")], top=3)
+    assert [(c["layer"], c["head"]) for c in got["ranking"]] == [(c.layer, c.head) for c in want.ranking]
+    assert [c["divergence"] for c in got["ranking"]] == pytest.approx([c.divergence for c in want.ranking], abs=1e-6)
+    assert got["ranking"][0]["layer"] == 1 and len(got["ranking"]) == 8
+    changes = got["logprob_change"]
+    assert [(c["position"], c["id"]) for c in changes] == want.targets
+    assert [c["change"] for c in changes] == pytest.approx(want.logprob_change.tolist(), abs=1e-5)
+    assert all(c["after"] - c["before"] == pytest.approx(c["change"], abs=1e-5) for c in changes)
+    assert got["predictions"]["positions"] == list(range(len(got["tokens"])))
+    assert [g["id"] for g in got["predictions"]["after"][5]] == [g.id for g in want.top_after[5]]
+    attention = decode(got["attention"])
+    assert attention.shape == (1, 2, len(got["tokens"]), len(got["tokens"]))
+    assert np.abs(attention - want.after.attention[[1]][:, [0, 5]].numpy()).max() == 0
+
+
+def test_ablate_an_encoder_without_a_head_ranks_but_predicts_nothing(client, minilm):
+    r = client.post("/api/v1/experiments/ablate", json={"text": "The bank of the river.", "model": "minilm",
+                                                        "ablate": [{"layer": 4, "head": 1}], "attention": {"format": "u8"}})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["predictions"] is None and got["logprob_change"] is None
+    assert {c["layer"] for c in got["ranking"]} == {5} and len(got["ranking"]) == 12
+    want = ablate(minilm, minilm.encode("The bank of the river."), [Ablation(4, 1)])
+    assert np.abs(decode(got["attention"]) - want.after.attention.numpy()).max() <= 0.5 / 255 + 1e-6
+
+
+def test_ablate_a_masked_lm_scores_the_masks(client, mlm_dir):
+    text = "The [MASK] of the river was [MASK] and wide."
+    r = client.post("/api/v1/experiments/ablate", json={"text": text, "model": "mlm", "top_k": 2,
+                                                        "ablate": [{"layer": 0, "head": 2}, {"layer": 0, "head": 4, "mode": "mean"}]})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    model = load(mlm_dir, device="cpu")
+    want = ablate(model, model.encode(text), [Ablation(0, 2, "zero"), Ablation(0, 4, "mean")], top=2)
+    masks = [i for i, t in enumerate(got["tokens"]) if t["piece"] == "[MASK]"]
+    assert got["predictions"]["positions"] == masks == want.predicted
+    assert [(c["position"], c["id"]) for c in got["logprob_change"]] == want.targets
+    assert [c["change"] for c in got["logprob_change"]] == pytest.approx(want.logprob_change.tolist(), abs=1e-5)
+    assert [len(row) for row in got["predictions"]["after"]] == [2, 2]
+
+
+def test_change_token_and_compare_match_the_python_api(client, minilm):
+    r = client.post("/api/v1/experiments/change-token",
+                    json={"text": "The bank of the river.", "model": "minilm", "index": 2, "change": "mask",
+                          "difference": {"format": "f16", "layers": [0, 3]}})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = change_token(minilm, minilm.encode("The bank of the river."), 2, "mask")
+    assert got["tokens_b"][2]["piece"] == "[MASK]" and [tuple(p) for p in got["pairs"]] == want.pairs
+    assert [(c["layer"], c["head"]) for c in got["ranking"]] == [(c.layer, c.head) for c in want.ranking]
+    assert np.abs(decode(got["difference"]) - want.difference[[0, 3]].numpy()).max() <= 1e-3
+
+    a, b = "The bank of the river.", "The bank of the old river."
+    r = client.post("/api/v1/experiments/compare",
+                    json={"text_a": a, "text_b": b, "model": "minilm",
+                          "difference": {"format": "json", "layers": [2], "heads": [3, 4]}})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = compare(minilm, a, b)
+    assert [tuple(p) for p in got["pairs"]] == want.pairs
+    assert got["ranking"][0]["divergence"] == pytest.approx(want.ranking[0].divergence, abs=1e-6)
+    assert np.abs(decode(got["difference"]) - want.difference[[2]][:, [3, 4]].numpy()).max() == 0
+    # u8 differences are signed: byte * 2/255 - 1
+    r = client.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm",
+                                                         "difference": {"format": "u8"}})
+    diff = decode(r.json()["difference"])
+    assert diff.min() < -0.01 and np.abs(diff - want.difference.numpy()).max() <= 1 / 255 + 1e-6
+
+
+@pytest.mark.parametrize(
+    "path, body, status, code, words",
+    [
+        ("ablate", {"text": "hi", "ablate": [{"layer": 6, "head": 0}]}, 422, "invalid_request", "no head L6 H0"),
+        ("ablate", {"text": "hi", "ablate": [{"layer": 0, "head": 1}, {"layer": 0, "head": 1, "mode": "mean"}]},
+         422, "invalid_request", "named twice"),
+        ("ablate", {"text": "hi", "ablate": [{"layer": 0, "head": 1, "mode": "noise"}]}, 422, "invalid_request", "mode"),
+        ("ablate", {"text": "hi", "ablate": []}, 422, "invalid_request", "ablate"),
+        ("ablate", {"text": "hi", "ablate": [{"layer": 0, "head": 0}], "model": "nope"}, 404, "unknown_model", "nope"),
+        ("ablate", {"text": "hi", "ablate": [{"layer": 0, "head": 0}], "attention": {"format": "json"}},
+         200, "", ""),
+        ("ablate", {"text": "hi " * 200, "ablate": [{"layer": 0, "head": 0}], "attention": {"format": "json"}},
+         413, "too_many_cells", "format=u8"),
+        ("ablate", {"text": "hi " * 600, "ablate": [{"layer": 0, "head": 0}]}, 422, "too_long", "512"),
+        ("ablate", {"text": "   ", "ablate": [{"layer": 0, "head": 0}]}, 422, "invalid_request", "whitespace"),
+        ("ablate", {"text": "hi", "ablate": [{"layer": 0, "head": 0}], "attention": {"layers": [0, 0]}},
+         422, "invalid_request", "once"),
+        ("change-token", {"text": "The bank.", "index": 9, "change": "mask"}, 422, "invalid_request", "token index"),
+        ("change-token", {"text": "The bank.", "index": 0, "change": "unk"}, 422, "invalid_request", "special"),
+        ("change-token", {"text": "The bank.", "index": 1, "change": "swap"}, 422, "invalid_request", "change"),
+        ("change-token", {"text": "ab", "model": "tiny-gpt", "index": 1, "change": "mask"}, 422, "invalid_request",
+         "no mask token"),
+        ("compare", {"text_a": "abc", "text_b": "xyz", "model": "tiny-gpt"}, 422, "invalid_request", "share no token"),
+        ("compare", {"text_a": "a", "text_b": "b", "difference": {"heads": [12]}}, 422, "invalid_request", "head 12"),
+        ("compare", {"text_a": "a", "text_b": "x" * 100_001}, 422, "too_long", "text_b"),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx(client, path, body, status, code, words):
+    r = client.post(f"/api/v1/experiments/{path}", json=body)
+    if status == 200:
+        assert r.status_code == 200, r.text
+        return
+    assert_error(r, status, code, words)
+
+
+def test_experiments_beyond_the_limit_get_429(client):
+    service = client.app.state.experiments
+    taken = [service._slots.acquire(blocking=False) for _ in range(client.app.state.settings.max_experiments)]
+    try:
+        assert all(taken)
+        r = client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"})
+        assert_error(r, 429, "queue_full", "experiments are running")
+        assert r.headers["retry-after"] == "1"
+    finally:
+        for _ in taken:
+            service._slots.release()
+    assert client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"}).status_code == 200
+
+
+def test_openapi_documents_the_experiments_with_examples(client):
+    spec = client.get("/openapi.json").json()
+    for path in ("ablate", "change-token", "compare"):
+        op = spec["paths"][f"/api/v1/experiments/{path}"]["post"]
+        assert {"200", "404", "422", "429"} <= set(op["responses"])
+    schemas = spec["components"]["schemas"]
+    assert schemas["AblateRequest"]["examples"] and schemas["CompareRequest"]["examples"]

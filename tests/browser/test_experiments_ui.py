@@ -1,0 +1,233 @@
+"""The experiment panels in headless chromium against the real server: what the page shows equals the API."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.browser.conftest import SERVER_SCRIPT, free_port
+
+pytestmark = pytest.mark.browser
+
+SENTENCE = "The bank of the river was muddy after the rain."
+PROMPT = "the river bank"
+
+
+def open_page(page, base):
+    page.goto(f"{base}/")
+    page.wait_for_selector("body[data-ready=true]")
+
+
+def run(page, text, model=None):
+    page.fill("#text", text)
+    if model is not None:
+        page.select_option("#model", model)
+    page.press("#text", "Enter")
+    page.wait_for_selector("#focus-plot[data-precision=f16]", timeout=30_000)
+    page.wait_for_selector("#grid .thumb[data-layer='0'][data-head='0']:not(.loading)", timeout=30_000)
+
+
+def shown(page, plot_id):
+    """The plotted cells as float32: the page keeps the API's float32 values (a Float32Array)."""
+    return np.asarray(page.evaluate(f"document.getElementById('{plot_id}').data[0].z"), dtype=np.float32)
+
+
+def f32(values):
+    return np.asarray(values, dtype=np.float32)
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and np.array_equal(a, b)
+
+
+def ranking_rows(page, container):
+    rows = page.locator(f"#{container} table.ranking tbody tr")
+    return [(int(r.get_attribute("data-layer")), int(r.get_attribute("data-head")), r.locator("td").nth(2).inner_text())
+            for r in rows.all()]
+
+
+def api_ranking(ranking, limit=12):
+    return [(c["layer"], c["head"], f"{c['divergence']:.4f}") for c in ranking[:limit]]
+
+
+def test_ablate_from_the_grid_then_undo_restores_exactly(server, api, page, artifacts):
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    page.click("#grid .thumb[data-layer='1'][data-head='4']", modifiers=["Alt"])
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    first = api.post("/api/v1/experiments/ablate", json={
+        "text": SENTENCE, "model": "minilm", "truncate": False, "ablate": [{"layer": 1, "head": 4, "mode": "zero"}],
+        "top_k": 5, "attention": {"format": "json"}}).json()
+    assert ranking_rows(page, "ablate-ranking") == api_ranking(first["ranking"])
+    layer, head = first["ranking"][0]["layer"], first["ranking"][0]["head"]
+    plot = page.locator("#ablate-plot")
+    assert (int(plot.get_attribute("data-layer")), int(plot.get_attribute("data-head"))) == (layer, head)
+    assert same(shown(page, "ablate-plot"), f32(first["attention"]["data"][layer][head]))
+    assert "no language-model head" in page.inner_text("#ablate-predictions")
+
+    # A second, mean ablation of the focused head, then undo twice: each state comes back exactly.
+    page.select_option("#ablate-mode", "mean")
+    page.select_option("#layer", "0")
+    page.select_option("#head", "7")
+    page.click("#ablate-add")
+    page.wait_for_selector("#ablate-plot[data-depth='2']", timeout=30_000)
+    assert page.inner_text("#ablate-list").split("\n") == ["L1 H4 · zero", "L0 H7 · mean"]
+    page.locator("#experiments").screenshot(path=str(artifacts / "experiments-ablate.png"))
+    page.click("#ablate-undo")
+    page.wait_for_selector("#ablate-plot[data-depth='1']")
+    assert same(shown(page, "ablate-plot"), f32(first["attention"]["data"][layer][head]))
+    page.click("#ablate-undo")
+    page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
+    clean = api.post("/api/v1/attention", json={"text": SENTENCE, "model": "minilm", "layers": [layer], "heads": [head],
+                                                 "format": "json"}).json()
+    assert same(shown(page, "ablate-plot"), f32(clean["attention"]["data"][0][0]))
+    assert not same(shown(page, "ablate-plot"), f32(first["attention"]["data"][layer][head]))
+    assert page.is_disabled("#ablate-undo")
+
+
+def test_ablating_a_causal_model_shows_the_prediction_change(server, api, page):
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    page.click("#grid .thumb[data-layer='0'][data-head='2']", modifiers=["Alt"])
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    reply = api.post("/api/v1/experiments/ablate", json={
+        "text": PROMPT, "model": "tiny-causal", "truncate": False, "ablate": [{"layer": 0, "head": 2, "mode": "zero"}]}).json()
+    mean = sum(c["change"] for c in reply["logprob_change"]) / len(reply["logprob_change"])
+    assert f"mean {mean:.3f}" in page.inner_text("#ablate-predictions caption")
+    biggest = max(reply["logprob_change"], key=lambda c: abs(c["change"]))
+    first_row = page.locator("#ablate-predictions tbody tr").first
+    assert int(first_row.get_attribute("data-position")) == biggest["position"]
+    assert ranking_rows(page, "ablate-ranking") == api_ranking(reply["ranking"])
+
+
+def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    page.click("#token-load")
+    page.wait_for_selector("#token-chips button[data-index='2']")
+    page.click("#token-chips button[data-index='2']")
+    page.wait_for_selector("#token-result[data-index='2'] table.ranking")
+    reply = api.post("/api/v1/experiments/change-token", json={
+        "text": SENTENCE, "model": "minilm", "truncate": False, "index": 2, "change": "mask"}).json()
+    assert ranking_rows(page, "token-result") == api_ranking(reply["ranking"])
+    assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").inner_text() == "[MASK]"
+
+
+def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
+    open_page(page, server)
+    page.select_option("#model", "minilm")
+    a, b = "The bank of the river.", "The bank of the old river."
+    page.fill("#compare-a", a)
+    page.fill("#compare-b", b)
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+    reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm", "truncate": False,
+                                                         "difference": {"format": "json"}}).json()
+    assert ranking_rows(page, "compare-ranking") == api_ranking(reply["ranking"])
+    top = reply["ranking"][0]
+    assert same(shown(page, "compare-plot-diff"), f32(reply["difference"]["data"][top["layer"]][top["head"]]))
+    # Another head from the ranking: its cells, again exactly the API's.
+    page.click("#compare-ranking tbody tr:nth-child(3)")
+    third = reply["ranking"][2]
+    page.wait_for_selector(f"#compare-plot-diff[data-layer='{third['layer']}'][data-head='{third['head']}']")
+    assert same(shown(page, "compare-plot-diff"), f32(reply["difference"]["data"][third["layer"]][third["head"]]))
+    page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
+
+
+def stream(base, body):
+    with httpx.stream("POST", f"{base}/api/v1/generate", json=body, timeout=60) as r:
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):
+    open_page(page, server)
+    page.select_option("#model", "tiny-causal")
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "12")
+    page.click("#gen-start")
+    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    steps = [e for e in stream(server, {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 12}) if e["type"] == "step"]
+    assert len(steps) == 12
+    assert page.get_attribute("#gen-row-plot", "data-index") == "11"
+    for _ in range(3):
+        page.click("#gen-back")
+    page.wait_for_selector("#gen-row-plot[data-index='8']")
+    want = f32(steps[8]["attention"]).reshape(-1, steps[8]["position"] + 1)
+    assert same(shown(page, "gen-row-plot"), want)
+    # The full heatmap so far: the prompt's rows (from /attention) over the 9 generated rows.
+    page.wait_for_function("() => window.manyeyesGeneration.prompt !== null")
+    prompt = api.post("/api/v1/attention", json={"text": PROMPT, "model": "tiny-causal", "layers": [0], "heads": [0],
+                                                  "format": "json"}).json()["attention"]["data"][0][0]
+    grown = page.evaluate("document.getElementById('gen-grow-plot').data[0].z")
+    width = steps[8]["position"] + 1
+    assert len(grown) == len(prompt) + 9 and all(len(row) == width for row in grown)
+    for got, want in zip(grown, prompt):
+        assert same(f32(got[: len(want)]), f32(want)) and got[len(want):] == [None] * (width - len(want))
+    assert same(f32(grown[-1]), f32(steps[8]["attention"][0][0]))
+    assert page.inner_text("#gen-tokens .chip.current") == steps[8]["token"]["text"]
+    page.locator("#generate-box").screenshot(path=str(artifacts / "experiments-generate.png"))
+    page.click("#gen-play")
+    page.wait_for_selector("#gen-row-plot[data-index='11']", timeout=10_000)
+    assert page.inner_text("#gen-play") == "Play"  # it paused itself at the last token
+
+
+@pytest.fixture(scope="module")
+def slow_server(causal_model_spec):
+    """A server whose generation waits 0.2 s after each step, so that Stop lands mid-stream."""
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MANYEYES_DEBUG_FORWARD_DELAY_S": "0.2", "MANYEYES_WARMUP": "false"}
+    models = {"tiny-causal": causal_model_spec}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the slow server did not start"
+            time.sleep(0.25)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def metric(base, name, **labels):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+               for s in f.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
+    page.goto(f"{slow_server}/")
+    page.wait_for_selector("#gen-start")
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "55")
+    page.click("#gen-start")
+    # Several lines can arrive in one read, so wait on the count, not on one particular index.
+    page.wait_for_function("() => window.manyeyesGeneration.steps.length >= 2", timeout=30_000)
+    page.click("#gen-stop")
+    page.wait_for_selector("#generate-box[data-outcome='stopped']", timeout=10_000)
+    shown_steps = page.evaluate("window.manyeyesGeneration.steps.length")
+    assert 2 <= shown_steps < 55
+    deadline = time.monotonic() + 20
+    while metric(slow_server, "manyeyes_generations_total", outcome="cancelled") < 1:
+        assert time.monotonic() < deadline, "the server never recorded the cancelled generation"
+        time.sleep(0.1)
+    made = metric(slow_server, "manyeyes_generation_steps_total")
+    time.sleep(1.0)  # five more step delays: a generation still running would have made more
+    assert metric(slow_server, "manyeyes_generation_steps_total") == made < shown_steps + 3
+    assert "Stopped after" in page.inner_text("#gen-status")
