@@ -44,7 +44,7 @@ class Measures {
     this.flow = null;
     this.words = null;
     this.predictions = null;
-    this.models = listModels().catch(() => []);
+    this.models = null; // asked for after the first run, when the page holds its API key if it needs one
     this.finder = new HeadFinder($("finder"), { onSelect: (l, h) => this.focusHead(l, h) });
     this.flowGraph = new FlowGraph($("flow"), { onEdge: (l, h) => this.focusHead(l, h) });
     this.neuron = new NeuronPanel($("neuron"), { onQuery: (q) => { this.queryIndex = q; this.drawNeuron(); } });
@@ -139,6 +139,7 @@ class Measures {
   }
 
   async loadPredictions(token = this.token) {
+    this.models ??= listModels().catch(() => []);
     const info = (await this.models).find((m) => m.id === this.run.model);
     const strip = $("predictions");
     if (!info?.predictions) {
