@@ -229,5 +229,6 @@ def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
         time.sleep(0.1)
     made = metric(slow_server, "manyeyes_generation_steps_total")
     time.sleep(1.0)  # five more step delays: a generation still running would have made more
-    assert metric(slow_server, "manyeyes_generation_steps_total") == made < shown_steps + 3
+    # The server may be a few steps ahead of what a busy page has drawn, never near the 55 asked for.
+    assert metric(slow_server, "manyeyes_generation_steps_total") == made < min(shown_steps + 15, 55)
     assert "Stopped after" in page.inner_text("#gen-status")
