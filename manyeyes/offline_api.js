@@ -51,6 +51,11 @@ export async function request(url) {
   throw offline(`No server to ask for ${url}.`);
 }
 
+// The measures and experiments panels ask the server for what only a model can compute.
+export async function requestJson(url) {
+  throw offline(`No server to ask for ${url}.`);
+}
+
 export async function listModels() {
   return [embedded.model];
 }
