@@ -141,6 +141,38 @@ class GenerationStep:
     attention: np.ndarray  # (n_layers, n_heads, position + 1): the token's row in every head
 
 
+@dataclass(frozen=True)
+class FlowEdge:
+    layer: int  # from token `source` below this layer to token `target` above it
+    source: int
+    target: int
+    weight: float  # the source's share of what the target's stream becomes
+    head: int | None  # the head carrying most of it; None for the residual
+
+
+@dataclass
+class RemoteMeasures:
+    """A run's measures as numpy arrays; only those asked for are set (see README, Reading the measures)."""
+
+    run_id: str
+    layers: list[int]
+    heads: list[int]
+    rollout: np.ndarray | None = None  # (T, T)
+    value_norms: np.ndarray | None = None  # (layers, heads, T, T)
+    contributions: dict[str, np.ndarray] | None = None  # norms, shares: (layers, heads, T); bias_shares: (layers, T)
+    words: list[dict] | None = None  # text, start, end, segment, special, pieces
+    word_attention: np.ndarray | None = None  # (layers, heads, W, W)
+    head_table: list[dict] | None = None  # layer, head, tags, stats; every head
+
+
+def decode_matrix(matrix: dict) -> np.ndarray:
+    """A measure's matrix (json, f16, or u8 with value ≈ offset + byte × scale) to float32."""
+    if matrix["format"] == "u8":
+        raw = np.frombuffer(base64.b64decode(matrix["data"]), dtype=np.uint8).astype(np.float32)
+        return (raw * np.float32(matrix["scale"]) + np.float32(matrix.get("offset") or 0.0)).reshape(matrix["shape"])
+    return decode_attention(matrix)
+
+
 @dataclass
 class RemoteResult:
     """One run's attention as the server sent it: `attention[i, j]` is layer `layers[i]`, head `heads[j]`."""
@@ -426,3 +458,62 @@ class Client:
                 )
         finally:
             response.close()
+
+    # -- measures beyond raw weights --
+
+    def _run_get(self, run: RemoteResult | str, path: str, params: dict) -> dict:
+        """GET one of a run's routes; a run the server evicted is posted again (given a result)."""
+        run_id = run if isinstance(run, str) else run.run_id
+        try:
+            return self._send("GET", f"/api/v1/runs/{run_id}/{path}", params=params).json()
+        except NotFound as exc:
+            if exc.code != "unknown_run" or isinstance(run, str) or run.request is None:
+                raise
+            self._send("POST", "/api/v1/attention", json={**run.request, "format": "u8", "layers": [0], "heads": [0]})
+            return self._send("GET", f"/api/v1/runs/{run_id}/{path}", params=params).json()
+
+    def measures(
+        self,
+        run: RemoteResult | str,
+        names: list[str],
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        format: str = "json",
+    ) -> RemoteMeasures:
+        """Any of rollout, value_norms, contributions, words, heads for a run."""
+        params = {"names": ",".join(names), "format": format}
+        if layers is not None:
+            params["layers"] = ",".join(map(str, layers))
+        if heads is not None:
+            params["heads"] = ",".join(map(str, heads))
+        body = self._run_get(run, "measures", params)
+        found = body["measures"]
+        out = RemoteMeasures(run_id=body["run_id"], layers=body["layers"], heads=body["heads"])
+        if found.get("rollout"):
+            out.rollout = decode_matrix(found["rollout"])
+        if found.get("value_norms"):
+            out.value_norms = decode_matrix(found["value_norms"])
+        if found.get("contributions"):
+            out.contributions = {k: decode_matrix(v) for k, v in found["contributions"].items()}
+        if found.get("words"):
+            out.words = found["words"]["words"]
+            out.word_attention = decode_matrix(found["words"]["attention"])
+        if found.get("heads"):
+            out.head_table = found["heads"]["rows"]
+        return out
+
+    def flow(self, run: RemoteResult | str, threshold: float = 0.05) -> list[FlowEdge]:
+        """Information-flow routes (Ferrando & Voita, 2024), edges below `threshold` pruned."""
+        body = self._run_get(run, "flow", {"threshold": threshold})
+        return [FlowEdge(**_known(FlowEdge, e)) for e in body["edges"]]
+
+    def neuron(self, run: RemoteResult | str, layer: int, head: int, query: int) -> dict:
+        """The neuron view of one head and query token (query, keys, q ⊙ k, scores, softmax, values, kv_head)."""
+        return self._run_get(run, "neuron", {"layer": layer, "head": head, "query": query})
+
+    def logit_attribution(self, run: RemoteResult | str, position: int, target: int | None = None, top: int = 10) -> dict:
+        """Each head's direct contribution to one logit, ranked (causal LMs)."""
+        params = {"position": position, "top": top}
+        if target is not None:
+            params["target"] = target
+        return self._run_get(run, "logit-attribution", params)

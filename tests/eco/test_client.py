@@ -172,3 +172,26 @@ def test_generate_yields_the_models_steps_and_hangs_up_when_dropped(client, tiny
     assert first.index == 0
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         next(iter(client.generate(TEXT, 10_000)))
+
+
+def test_measures_flow_neuron_and_attribution_come_typed(client, tiny_gpt):
+    from manyeyes.model.measures import head_table, information_flow, rollout
+
+    r = client.attention(TEXT, format="u8", layers=[0])
+    m = client.measures(r, ["rollout", "heads", "contributions"], format="f16")
+    local = tiny_gpt.attend(TEXT)
+    np.testing.assert_allclose(m.rollout, rollout(local.attention).numpy(), atol=2e-3)
+    _, tags = head_table(tiny_gpt, local)
+    assert {(row["layer"], row["head"]): row["tags"] for row in m.head_table}[(0, 3)] == tags[0][3]
+    total = m.contributions["shares"].sum(axis=1) + m.contributions["bias_shares"]
+    np.testing.assert_allclose(total, 1.0, atol=1e-2)
+    edges = client.flow(r, threshold=0.2)
+    _, expected = information_flow(tiny_gpt, TEXT, threshold=0.2)
+    assert {(e.layer, e.source, e.target) for e in edges} == {(e.layer, e.source, e.target) for e in expected}
+    view = client.neuron(r, layer=1, head=0, query=5)
+    assert view["kv_head"] == 0
+    dla = client.logit_attribution(r, position=5, top=3)
+    assert len(dla["heads"]) == 3
+    gone = dataclasses.replace(r, run_id="e" * 32)
+    with pytest.raises(NotFound):
+        client.measures(gone.run_id, ["rollout"])
