@@ -45,7 +45,10 @@ def venv(dist, tmp_path_factory) -> Path:
     site = Path(subprocess.check_output([home / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     (site / "dev-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     [wheel] = dist.glob("*.whl")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--prefix", str(home), str(wheel)],
+    # --ignore-installed: without it pip uninstalls the running environment's own manyeyes (the
+    # developer's editable install, and its console script) before installing into the prefix.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--ignore-installed", "--no-deps", "--no-compile",
+                    "--prefix", str(home), str(wheel)],
                    check=True, capture_output=True, env=clean_env())
     return home
 
