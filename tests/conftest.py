@@ -47,3 +47,16 @@ def bytelevel_tokenizer(tmp_path_factory) -> tuple[Path, int]:
 
 def is_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def save_random_gpt2(folder: Path, tokenizer: tuple[Path, int], seed: int, lm_head: bool = True, **config):
+    """A random-weight GPT-2 folder (save_pretrained + tokenizer.json) with peaked attention
+    (initializer_range 0.2), and transformers' eager copy of it as the oracle."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+
+    model_cls = GPT2LMHeadModel if lm_head else GPT2Model
+    tok_path, vocab = tokenizer
+    torch.manual_seed(seed)
+    model_cls(GPT2Config(vocab_size=vocab, n_positions=64, initializer_range=0.2, **config)).save_pretrained(folder)
+    (folder / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    return model_cls.from_pretrained(folder, attn_implementation="eager").eval()

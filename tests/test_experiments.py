@@ -13,6 +13,7 @@ from manyeyes.model.experiments import (
     js_divergence,
     next_token_logprobs,
 )
+from tests.conftest import save_random_gpt2
 
 TEXT = "The bank was robbed, and the robbers fled across the river bank!"
 
@@ -137,14 +138,7 @@ def test_ablation_matches_transformers_tiny_gpt(mode):
 
 
 def test_ablation_matches_transformers_random_gpt2(tmp_path, bytelevel_tokenizer):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(11)
-    tok_path, vocab = bytelevel_tokenizer
-    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=36, n_layer=3, n_head=3, initializer_range=0.2)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    hf = save_random_gpt2(tmp_path, bytelevel_tokenizer, 11, n_embd=36, n_layer=3, n_head=3)
     ours_model = load(tmp_path, device="cpu")
     ablations = [Ablation(0, 1, "zero"), Ablation(1, 2, "mean")]
     enc = ours_model.encode("Attention heads look back, some look ahead.")

@@ -5,6 +5,7 @@ import torch
 
 from manyeyes.model import load
 from manyeyes.model.generate import Sampling, generate
+from tests.conftest import save_random_gpt2
 from tests.test_parity_decoders import save_random
 
 PROMPT = "In the beginning God created the heaven and the earth. And the"
@@ -59,14 +60,7 @@ def test_greedy_equals_transformers_generate(tmp_path, bytelevel_tokenizer, fami
 
 
 def test_greedy_equals_transformers_generate_gpt2(tmp_path, bytelevel_tokenizer):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(4)
-    tok_path, vocab = bytelevel_tokenizer
-    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=64, n_embd=48, n_layer=2, n_head=4,
-                               initializer_range=0.2)).save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
-    ref = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ref = save_random_gpt2(tmp_path, bytelevel_tokenizer, 4, n_embd=48, n_layer=2, n_head=4)
     ours = load(tmp_path, device="cpu")
     ids = torch.tensor([ours.encode("Attention heads look").ids])
     steps = list(generate(ours, "Attention heads look", 12))

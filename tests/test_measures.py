@@ -17,6 +17,7 @@ from manyeyes.model.measures import (
     neuron_view,
     rollout,
 )
+from tests.conftest import save_random_gpt2
 
 SENTENCE = "The bank was robbed, and the robbers fled across the river bank!"
 
@@ -98,14 +99,7 @@ def test_head_contributions_match_transformers_minilm(minilm, hf_minilm):
 
 
 def test_head_contributions_match_transformers_gpt2(tmp_path, bytelevel_tokenizer):
-    from transformers import GPT2Config, GPT2Model
-
-    torch.manual_seed(3)
-    tok_path, vocab = bytelevel_tokenizer
-    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=40, n_layer=2, n_head=5, initializer_range=0.2)
-    GPT2Model(config).save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
-    hf = GPT2Model.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    hf = save_random_gpt2(tmp_path, bytelevel_tokenizer, 3, lm_head=False, n_embd=40, n_layer=2, n_head=5)
     ours = load(tmp_path, device="cpu")
     r = ours.attend("Attention heads look back, some look ahead.", capture=Capture(qkv=True))
     seen, hooks = context_inputs(hf.h, ("attn", "c_proj"))
@@ -219,14 +213,7 @@ def test_logit_attribution_adds_up_to_the_logit(tiny):
 
 def test_logit_attribution_matches_transformers_gpt2(tmp_path, bytelevel_tokenizer):
     """Per-head direct effects from transformers' own pieces: c_proj inputs, c_proj weight, ln_f, wte."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(5)
-    tok_path, vocab = bytelevel_tokenizer
-    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=40, n_layer=2, n_head=5, initializer_range=0.2)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    hf = save_random_gpt2(tmp_path, bytelevel_tokenizer, 5, n_embd=40, n_layer=2, n_head=5)
     ours = load(tmp_path, device="cpu")
     text = "Attention heads look back, some look ahead."
     position, target = 4, 17

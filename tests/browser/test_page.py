@@ -23,13 +23,18 @@ def open_page(page, server, query=""):
     page.wait_for_selector("body[data-ready=true]")
 
 
-def run(page, text, pair=None, model=None):
+def submit(page, text, pair=None, model=None):
+    """Types the sentence(s), picks the model and presses Enter, without waiting for the plot."""
     page.fill("#text", text)
     if pair is not None:
         page.fill("#pair", pair)
     if model is not None:
         page.select_option("#model", model)
     page.press("#text", "Enter")
+
+
+def run(page, text, pair=None, model=None):
+    submit(page, text, pair, model)
     wait_focus(page)
 
 

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import numpy as np
 import pytest
 
-from tests.browser.test_page import plotted, wait_plotted_shape
+from tests.browser.test_page import open_page, plotted, submit, wait_plotted_shape
 
 pytestmark = pytest.mark.browser
 
@@ -25,17 +25,7 @@ PAIR = "It flowed slowly to the sea."
 
 # ---------------------------------------------------------------------------- page helpers
 def open_view(page, server, **query):
-    page.goto(f"{server}/?{urlencode(query)}" if query else f"{server}/")
-    page.wait_for_selector("body[data-ready=true]")
-
-
-def submit(page, text, pair=None, model=None):
-    page.fill("#text", text)
-    if pair is not None:
-        page.fill("#pair", pair)
-    if model is not None:
-        page.select_option("#model", model)
-    page.press("#text", "Enter")
+    open_page(page, server, f"?{urlencode(query)}" if query else "")
 
 
 def wait_focus(page, layer, head):
