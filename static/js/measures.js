@@ -10,6 +10,7 @@ import { NeuronPanel } from "./neuron.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
+const LAZY_TOKENS = 128; // above this many tokens the panel follows the focus only while on screen
 
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
@@ -54,6 +55,12 @@ class Measures {
     threshold.addEventListener("change", () => this.loadFlow());
     $("flow-draw").addEventListener("click", () => this.loadFlow());
     threshold.addEventListener("input", () => { $("flow-threshold-value").textContent = Number(threshold.value).toFixed(2); });
+    this.onScreen = false;
+    this.stale = false; // a focus change not drawn yet (see onFocus)
+    new IntersectionObserver(([entry]) => {
+      this.onScreen = entry.isIntersecting;
+      if (this.onScreen && this.stale && this.run) this.drawFocus();
+    }, { rootMargin: "200px 0px" }).observe($("measures"));
   }
 
   // GET a run's measure; a run the server evicted is posted again (same id) and asked once more.
@@ -95,9 +102,8 @@ class Measures {
     $("flow-draw").hidden = auto;
     if (auto) this.loadFlow(token);
     else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
-    this.loadPredictions(token).then(() => this.drawMeasure());
     this.finder.select(layer, head);
-    this.drawNeuron();
+    this.loadPredictions(token).then(() => this.drawFocusWhenSeen());
   }
 
   onFocus(layer, head) {
@@ -105,6 +111,19 @@ class Measures {
     this.head = head;
     this.finder.select(layer, head);
     if (!this.run) return;
+    this.drawFocusWhenSeen();
+  }
+
+  // At long T the measure is a T × T Plotly heatmap with a hover text per cell, fetched as JSON:
+  // over a second of main thread at T=512 for every arrow step. Off screen it waits for a look.
+  drawFocusWhenSeen() {
+    if (this.run.tokens.length > LAZY_TOKENS && !this.onScreen) this.stale = true;
+    else this.drawFocus();
+  }
+
+  drawFocus() {
+    const { layer, head } = this;
+    this.stale = false;
     if (this.flow) this.flowGraph.render(this.flow, this.labels, { layer, head });
     this.drawMeasure();
     this.drawNeuron();
