@@ -7,6 +7,7 @@ import { colorTable, scaled } from "./theme.js";
 import { isIdentity, selectionOf } from "./transform.js";
 
 const MAX_THUMB_PIXELS = 128;
+const KEPT_SELECTIONS = 3;
 
 // How a view's cells fall into thumbnail pixels: at most MAX_THUMB_PIXELS per side, each pixel the
 // max of a k × k block (peaks stay visible). Shared by every head of a run for the same hidden
@@ -71,6 +72,8 @@ function pool(values, unit, layout) {
   return pooled;
 }
 
+let pixelBuffer = null;
+
 // Colours pooled weights on the page's scale. A threshold acts here, on the maxima: a block's max
 // survives it exactly when some cell of the block does, so a threshold or scale change only recolours.
 function colour(canvas, pooled, layout, scale = "head", threshold = 0) {
@@ -79,7 +82,9 @@ function colour(canvas, pooled, layout, scale = "head", threshold = 0) {
   for (let i = 0; i < pooled.length; i++) if (pooled[i] > peak) peak = pooled[i];
   if (peak < threshold) peak = 0;
   const table = colorTable();
-  const pixels = new Uint32Array(width * height);
+  // One buffer for every thumbnail (putImageData copies it): 72 fresh ones per repaint fed the GC.
+  if (!pixelBuffer || pixelBuffer.length < width * height) pixelBuffer = new Uint32Array(width * height);
+  const pixels = pixelBuffer.subarray(0, width * height);
   for (let i = 0; i < pixels.length; i++) {
     const v = pooled[i] < threshold ? 0 : pooled[i];
     pixels[i] = masked[i] ? table[256] : table[Math.round(255 * Math.min(1, scaled(v, scale, peak)))];
@@ -88,7 +93,7 @@ function colour(canvas, pooled, layout, scale = "head", threshold = 0) {
     canvas.width = width;
     canvas.height = height;
   }
-  canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer), width, height), 0, 0);
+  canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer, 0, width * height * 4), width, height), 0, 0);
 }
 
 // Max-pools a rows × cols matrix (weight = value × unit, 1/255 for the u8 bytes) into a thumbnail
@@ -106,14 +111,14 @@ export class GridView {
     this.observer = null;
     this.cells = [];
     this.painted = new Set();
-    this.thumbs = []; // [layer][head]: { key, pooled }, so recolouring needs no pooling
+    this.thumbs = []; // [layer][head]: Map of pooling key → pooled maxima, so recolouring needs no pooling
     this.layouts = new Map();
   }
 
   build(run) {
     this.run = run;
     this.painted = new Set();
-    this.thumbs = Array.from({ length: run.nLayers }, () => []);
+    this.thumbs = Array.from({ length: run.nLayers }, () => Array.from({ length: run.nHeads }, () => new Map()));
     this.layouts = new Map();
     this.observer?.disconnect();
     const { nLayers, nHeads } = run;
@@ -187,12 +192,16 @@ export class GridView {
     // exact values once they are here.
     const exact = !isIdentity(options, run.hasPair) && run.isPrecise(layer, h);
     const key = `${layout.key}|${exact ? "f16" : "u8"}`;
-    let thumb = this.thumbs[layer][h];
-    if (thumb?.key !== key) {
-      thumb = { key, pooled: exact ? pool(run.head(layer, h), 1, layout) : pool(run.headBytes(layer, h), run.scale, layout) };
-      this.thumbs[layer][h] = thumb;
+    const kept = this.thumbs[layer][h];
+    let pooled = kept.get(key);
+    if (!pooled) {
+      pooled = exact ? pool(run.head(layer, h), 1, layout) : pool(run.headBytes(layer, h), run.scale, layout);
+      // A few selections per head (64 KB each at T ≥ 128), so toggling an option back costs no pooling.
+      if (kept.size >= KEPT_SELECTIONS) kept.delete(kept.keys().next().value);
     }
-    colour(this.cells[layer][h].firstChild, thumb.pooled, layout, options.scale, options.threshold);
+    kept.delete(key);
+    kept.set(key, pooled); // the most recent last
+    colour(this.cells[layer][h].firstChild, pooled, layout, options.scale, options.threshold);
     this.cells[layer][h].classList.remove("loading");
   }
 

@@ -233,7 +233,9 @@ class Measures {
 
   async plot(matrix, rows, cols, signed, kind, wordView) {
     const plot = $("measure-plot");
-    const peak = Math.max(...matrix.flat().map(Math.abs), 1e-12);
+    // A loop, not Math.max(...cells): spreading T × T arguments overflows the stack at T=512.
+    let peak = 1e-12;
+    for (const row of matrix) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
     const nextOf = (i) => {
       const top = !wordView && kind !== "contributions" && this.predictions?.[String(i)];
       return top ? `<br>next: ${plotlyText(top[0].token)} ${(top[0].prob * 100).toFixed(0)}%` : "";
