@@ -10,7 +10,8 @@ import { NeuronPanel } from "./neuron.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
-const LAZY_TOKENS = 128; // above this many tokens the panel follows the focus only while on screen
+const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
+const SEEN_MARGIN_PX = 200;
 
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
@@ -55,12 +56,10 @@ class Measures {
     threshold.addEventListener("change", () => this.loadFlow());
     $("flow-draw").addEventListener("click", () => this.loadFlow());
     threshold.addEventListener("input", () => { $("flow-threshold-value").textContent = Number(threshold.value).toFixed(2); });
-    this.onScreen = false;
-    this.stale = false; // a focus change not drawn yet (see onFocus)
+    this.stale = false; // a focus change not drawn yet (see drawFocusWhenSeen)
     new IntersectionObserver(([entry]) => {
-      this.onScreen = entry.isIntersecting;
-      if (this.onScreen && this.stale && this.run) this.drawFocus();
-    }, { rootMargin: "200px 0px" }).observe($("measures"));
+      if (entry.isIntersecting && this.stale && this.run) this.drawFocus();
+    }, { rootMargin: `${SEEN_MARGIN_PX}px 0px` }).observe($("measures"));
   }
 
   // GET a run's measure; a run the server evicted is posted again (same id) and asked once more.
@@ -103,7 +102,8 @@ class Measures {
     if (auto) this.loadFlow(token);
     else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
     this.finder.select(layer, head);
-    this.loadPredictions(token).then(() => this.drawFocusWhenSeen());
+    // A short run's panel is drawn at once; a long one's waits to be seen (see drawFocusWhenSeen).
+    this.loadPredictions(token).then(() => (run.tokens.length > LAZY_TOKENS ? this.drawFocusWhenSeen() : this.drawFocus()));
   }
 
   onFocus(layer, head) {
@@ -114,11 +114,14 @@ class Measures {
     this.drawFocusWhenSeen();
   }
 
-  // At long T the measure is a T × T Plotly heatmap with a hover text per cell, fetched as JSON:
-  // over a second of main thread at T=512 for every arrow step. Off screen it waits for a look.
+  // The flow graph, the measure (a T × T Plotly heatmap with a hover text per cell, fetched as
+  // JSON) and the neuron view cost 1-3 s of main thread per focus change at T=128 and more at
+  // T=512, every arrow step: off screen they wait to be scrolled to.
   drawFocusWhenSeen() {
-    if (this.run.tokens.length > LAZY_TOKENS && !this.onScreen) this.stale = true;
-    else this.drawFocus();
+    const box = $("measures").getBoundingClientRect();
+    const seen = box.bottom > -SEEN_MARGIN_PX && box.top < window.innerHeight + SEEN_MARGIN_PX && box.height > 0;
+    if (seen) this.drawFocus();
+    else this.stale = true;
   }
 
   drawFocus() {
