@@ -160,7 +160,7 @@ async function loadExact(layer) {
   const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal));
   if (!slice || state.run !== run) return;
   run.ingest(slice);
-  if (state.aggregate === "head" && state.layer === layer) renderViews();
+  if (state.aggregate !== "all" && state.layer === layer) renderViews();
 }
 
 async function loadMean(key, layers) {
@@ -186,7 +186,10 @@ function focusMatrix() {
   if (key) {
     const mean = run.exactMean(key);
     if (mean) return { matrix: mean, precise: true };
-    loadMean(key, key === "all" ? [...Array(run.nLayers).keys()] : [state.layer]);
+    // A layer's mean is averaged from its float16 heads (run.js), so it reads the same whichever
+    // way the page got there; the mean of all heads is the server's.
+    if (key === "all") loadMean(key, [...Array(run.nLayers).keys()]);
+    else loadExact(state.layer);
     return null;
   }
   const precise = run.isPrecise(state.layer, state.head);

@@ -12,6 +12,7 @@ import { tokenLabels } from "./tokens.js";
 const FLOW_AUTO_TOKENS = 128;
 const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
 const SEEN_MARGIN_PX = 200;
+const MAX_HOVER_TEXTS = 128 * 128;
 
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
@@ -243,9 +244,13 @@ class Measures {
       const top = !wordView && kind !== "contributions" && this.predictions?.[String(i)];
       return top ? `<br>next: ${plotlyText(top[0].token)} ${(top[0].prob * 100).toFixed(0)}%` : "";
     };
-    const text = matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`));
+    // A hover text per cell is 262 144 strings at T=512, seconds of main thread: large matrices
+    // hover with their indices instead (the axes carry the tokens).
+    const hover = rows.length * cols.length <= MAX_HOVER_TEXTS
+      ? { text: matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`)), hoverinfo: "text" }
+      : { hovertemplate: "query %{y} → key %{x}: %{z:.4f}<extra></extra>" };
     const trace = {
-      type: "heatmap", z: matrix, text, hoverinfo: "text",
+      type: "heatmap", z: matrix, ...hover,
       colorscale: signed ? "RdBu" : "Viridis", reversescale: signed,
       zmin: signed ? -peak : 0, zmax: peak,
     };

@@ -68,13 +68,13 @@ export class AttentionRun {
     return values;
   }
 
-  // The exact mean of "all" or "layer:N": the server's, or averaged here from the float16 heads
-  // when every head it needs has arrived (a layer's arrive together, see main.js's loadExact): at
-  // T=512 that is 3 M additions, ~5 ms, against a round trip to the server. null until either.
+  // The exact mean of "all" (the server's) or of "layer:N", averaged here from the layer's float16
+  // heads once they have arrived: at T=512 that is 3 M additions, ~5 ms, against a round trip to
+  // the server. null until then.
   exactMean(key) {
-    if (!this.means.has(key)) {
-      const layers = key === "all" ? [...Array(this.nLayers).keys()] : [Number(key.split(":")[1])];
-      const heads = layers.flatMap((l) => [...Array(this.nHeads).keys()].map((h) => this.precise.get(`${l}:${h}`)));
+    if (!this.means.has(key) && key.startsWith("layer:")) {
+      const layer = Number(key.split(":")[1]);
+      const heads = [...Array(this.nHeads).keys()].map((h) => this.precise.get(`${layer}:${h}`));
       if (heads.every(Boolean)) this.means.set(key, meanOf(heads));
     }
     return this.means.get(key) ?? null;
