@@ -366,3 +366,65 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
         assert api.get(f"/api/v1/runs/{body['run_id']}").status_code == 200
     finally:
         api.__exit__(None, None, None)
+
+
+# ---- TEMPORARY stand-in for model/kept.py (dense runs only), deleted when the core lands ----
+import torch as _torch
+from types import SimpleNamespace as _NS
+
+
+def _bins(n, size):
+    w = -(-n // size)
+    return _torch.tensor(list(range(0, n, w)) + [n])
+
+
+def _pool(values, rows, cols, how):
+    re, ce = _bins(values.shape[-2], rows), _bins(values.shape[-1], cols)
+    red = (lambda t: t.amax(dim=(-1, -2))) if how == "max" else (lambda t: t.mean(dim=(-1, -2)))
+    out = _torch.stack([_torch.stack([red(values[..., re[i]:re[i + 1], ce[j]:ce[j + 1]]) for j in range(len(ce) - 1)], -1)
+                        for i in range(len(re) - 1)], -2)
+    return out, re, ce
+
+
+class _Dense:
+    def __init__(self, attention):
+        self.attention = attention
+        self._ov = None
+
+    @property
+    def nbytes(self):
+        return self.attention.numel() * 4 + (0 if self._ov is None else self._ov[0].numel() * 4)
+
+    def block(self, layer, heads, q0, q1, k0, k1):
+        return self.attention[layer, heads, q0:q1, k0:k1].float()
+
+    def _overview(self):
+        if self._ov is None:
+            self._ov = _pool(self.attention.float(), 8, 8, "max")
+        return self._ov
+
+    overview = property(lambda self: self._overview()[0])
+    overview_rows = property(lambda self: self._overview()[1])
+    overview_cols = property(lambda self: self._overview()[2])
+
+
+def _pooled(att, layer, heads, q0, q1, k0, k1, rows, cols, how, block_rows=None):
+    n_heads = att.attention.shape[1]
+    w = att.block(layer, heads if heads is not None else list(range(n_heads)), q0, q1, k0, k1).mean(0)
+    values, re, ce = _pool(w, rows, cols, how)
+    return _NS(values=values, row_edges=re + q0, col_edges=ce + k0)
+
+
+def _topk(att, layer, head, k, q0, q1, block_rows=None):
+    w = att.block(layer, [head], q0, q1, 0, att.attention.shape[-1])[0]
+    top = w.topk(k, dim=-1)
+    return _NS(values=top.values, indices=top.indices, rest=(1 - top.values.sum(-1)).clamp_min(0))
+
+
+@pytest.fixture(autouse=True)
+def _standin(monkeypatch):
+    import manyeyes.app.services.attention as _a
+    import manyeyes.app.services.tiles as _t
+    monkeypatch.setattr(_a, "DenseAttention", _Dense)
+    monkeypatch.setattr(_t, "pooled", _pooled)
+    monkeypatch.setattr(_t, "topk_rows", _topk)
