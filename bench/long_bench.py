@@ -89,7 +89,8 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int) -> dict:
     model = load(spec, device="cpu")
     texts = [text_of(n_tokens, seed, model) for seed in range(repeats + 1)]
     post_s, bare_s, rss, nbytes, qk_bytes = [], [], [], [], 0
-    with serve(models=json.dumps({name: spec}), warmup="false", dense_max_tokens=1024) as (url, pid):
+    settings = dict(warmup="false", dense_max_tokens=1024, request_timeout_s=900)
+    with serve(models=json.dumps({name: spec}), **settings) as (url, pid):
         ready_rss = rss_mb(pid)
         with httpx.Client(base_url=url, timeout=600) as http:
             for i, text in enumerate(texts):

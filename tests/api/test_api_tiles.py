@@ -248,6 +248,29 @@ def test_tile_frame_and_compact_formats_carry_the_same_weights(tiles_api):
     np.testing.assert_array_equal(indices, as_json)
 
 
+def test_the_python_client_reads_tiles_topk_and_overview(tiles_api):
+    from manyeyes.client import Client
+
+    weights = dense(tiles_api, "llama", LONG)
+    n = weights.shape[2]
+    for frames in (True, False):  # the frame and the JSON form decode alike
+        with Client("http://testserver", transport=tiles_api._transport, frames=frames) as c:
+            run = c.attention(LONG, model="llama")
+            assert run.kept == "qk" and run.attention is None and len(run.tokens) == n
+            assert c.run_info(run)["kept"] == "qk"
+            tile = c.tile(run, 1, "mean", 4, n, 0, n - 1, rows=9, cols=11, pool="mean", format="json")
+            want, re, ce = np_pool(weights[1].mean(0), 4, n, 0, n - 1, 9, 11, "mean")
+            assert (tile.pool, tile.row_edges, tile.col_edges, tile.head) == ("mean", re, ce, "mean")
+            np.testing.assert_allclose(tile.values, want, atol=1e-6, rtol=0)
+            exact = c.tile(run, 0, 5, 0, 8, 0, 8, format="json")
+            np.testing.assert_allclose(exact.values, weights[0, 5, :8, :8], atol=1e-6, rtol=0)
+            top = c.topk(run, 0, 4, k=3, format="json")
+            np.testing.assert_allclose(top.values, -np.sort(-weights[0, 4], axis=1)[:, :3], atol=1e-6, rtol=0)
+            assert top.indices.dtype == np.int32 and top.rest.shape == (n,)
+            overview = c.overview(run, format="f16")
+            assert overview.values.shape[:2] == weights.shape[:2] and overview.row_edges[-1] == n
+
+
 # ---------------------------------------------------------------------------- the short path is unchanged
 def test_short_answers_are_todays_bytes_plus_kept(tiles_api):
     """keep absent, auto and weights give the same answer; removing `"kept":"weights",` leaves
