@@ -374,14 +374,14 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
                          cache_bytes=300_000))
     try:
         cache = api.app.state.service.cache
-        sizes = []
+        sizes, first = [], None
         for i in range(8):
             body = post_qk(api, "llama", f"{i} {LONG}")
             info = api.get(f"/api/v1/runs/{body['run_id']}").json()
             q, k = info["shapes"]["queries"], info["shapes"]["keys"]
             assert info["nbytes"] >= 4 * (math.prod(q) + math.prod(k))
             sizes.append(info["nbytes"])
-            first = first if i else body["run_id"]
+            first = first or body["run_id"]
             assert cache.nbytes <= cache.max_bytes
             assert cache.nbytes == sum(run.nbytes for run in cache._runs.values())
         assert 1 <= len(cache) < 8 and len(cache) <= cache.max_bytes // min(sizes)
