@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     # Weights a tile or top-k request regenerates at once (a row block of its window): with the
     # answer, the most one request allocates, whatever the run's length.
     tile_block_bytes: int = Field(8 * 2**20, ge=4096)
-    max_topk: int = Field(64, ge=1)
+    max_topk: int = Field(64, ge=1, le=64)
     gzip_level: int = Field(5, ge=1, le=6)  # small JSON (models, errors, docs) through GZipMiddleware
     gzip_min_bytes: int = Field(1024, ge=0)
     # Attention answers are compressed by the service, off the event loop (see services/wire.py):

@@ -11,17 +11,14 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
-from manyeyes.app.services.device import serves
+from manyeyes.app.services.device import dequantised, serves
 from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
-try:  # TEMPORARY until the core lands
-    from manyeyes.model.kept import DenseAttention
-except ImportError:
-    DenseAttention = lambda attention: None  # noqa: E731
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, accepts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
+from manyeyes.model.kept import DenseAttention
 from manyeyes.model.tokenizer import Encoded
 
 # Compact formats are already ~10x smaller than JSON text; gzip would cost more than the forward.
@@ -269,7 +266,8 @@ class AttentionService:
         for item, result in zip(missing, done):
             done_result = result.result
             # A weights run is read by the tile routes through a DenseAttention over its tensor.
-            kept = done_result.kept if item.kind == "qk" else DenseAttention(done_result.attention)
+            weights = done_result.attention
+            kept = done_result.kept if item.kind == "qk" else DenseAttention(weights, dequantised(weights.dtype))
             item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
                            done_result.top_ids, done_result.top_probs, kept)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)

@@ -44,9 +44,12 @@ class Run:
     def nbytes(self) -> int:
         tops = sum(t.numel() * t.element_size() for t in (self.top_ids, self.top_probs) if t is not None)
         held = TOKEN_BYTES * len(self.tokens) + tops
-        if self.kept is not None:  # a DenseAttention counts the tensor it wraps, and its overview once made
-            return held + self.kept.nbytes
-        return held + self.attention.numel() * self.attention.element_size()
+        if self.attention is None:
+            return held + self.kept.nbytes  # queries, keys, row statistics, overview
+        held += self.attention.numel() * self.attention.element_size()
+        # A short run's DenseAttention shares that tensor and adds its overview, once made.
+        overview = getattr(self.kept, "_overview", None)
+        return held + (overview.values.numel() * overview.values.element_size() if overview is not None else 0)
 
 
 def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:

@@ -24,10 +24,8 @@ from manyeyes.app.services.cache import Run
 from manyeyes.app.services.errors import InvalidInput, TooManyCells
 from manyeyes.app.services.payload import DTYPES, U8_SCALE, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
-try:  # TEMPORARY until the core lands
-    from manyeyes.model.kept import pooled, topk_rows
-except ImportError:
-    pooled = topk_rows = None
+from manyeyes.model.attention import bin_edges
+from manyeyes.model.kept import MAX_TOPK, Pooled, pooled, rows_per_block, topk_rows
 
 # ---------------------------------------------------------------------------- request checks
 @dataclass(frozen=True)
@@ -72,24 +70,42 @@ def parse_head(head: str, n_heads: int, model_id: str) -> int | None:
     return resolve_indices([index], n_heads, "head", model_id)[0]
 
 
-def side(asked: int | None, extent: int, name: str, cap: int, full_hint: str) -> int:
-    """Answer rows (or cols): at most the window's extent (full resolution) and at most cap."""
+def side(asked: int | None, extent: int, name: str, cap: int) -> int:
+    """Answer rows (or cols): the window's extent at full resolution, else at most what was asked."""
     if asked is None:
-        if extent > cap:
-            raise TooManyCells(
-                f"the window is {extent:,} {full_hint} long, and a full-resolution tile has at most {cap:,} per side; "
-                f"ask for {name}=<at most {cap}> to get it pooled (pool=max or mean), or a smaller window"
-            )
         return extent
     if asked > cap:
         raise InvalidInput(f"{name}={asked} is over this server's tile size of {cap:,} per side")
     return min(asked, extent)
 
 
-def rows_per_block(n_heads: int, n_cols: int, budget_bytes: int) -> int:
-    """Query rows of one block of float32 weights: n_heads x rows x n_cols x 4 bytes within the
-    budget, and at least one row (a single row of a huge window is the least there is)."""
-    return max(1, budget_bytes // (4 * max(1, n_heads) * max(1, n_cols)))
+def pooled_within(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, k1: int, rows: int, cols: int,
+                  how: str, block_cells: int) -> Pooled:
+    """`pooled`, holding at most block_cells weights besides the answer, however tall a row bin is.
+
+    pooled() works in blocks of whole row bins; a bin taller than the budget (rows=64 of an
+    8,192-token layer mean is 128 rows x 12 heads x 8,192 keys, 50 MB) is pooled here instead, a
+    slab of rows at a time, and the slabs combined: max of maxes, or means weighted by their rows."""
+    n_heads = att.n_heads if heads is None else len(heads)
+    row_edges = bin_edges(q1 - q0, rows) + q0
+    bin_rows = int(row_edges[1] - row_edges[0])
+    if n_heads * bin_rows * (k1 - k0) <= block_cells:
+        return pooled(att, layer, heads, q0, q1, k0, k1, rows, cols, how, block_cells)
+    slab = rows_per_block(n_heads, k1 - k0, block_cells)
+    out, col_edges = None, None
+    for i in range(len(row_edges) - 1):
+        b0, b1 = int(row_edges[i]), int(row_edges[i + 1])
+        acc = None
+        for s0 in range(b0, b1, slab):
+            s1 = min(b1, s0 + slab)
+            part = pooled(att, layer, heads, s0, s1, k0, k1, 1, cols, how, block_cells)
+            values = part.values[0] if how == "max" else part.values[0] * (s1 - s0)
+            acc = values if acc is None else (torch.maximum(acc, values) if how == "max" else acc + values)
+            col_edges = part.col_edges
+        if out is None:
+            out = torch.empty(len(row_edges) - 1, acc.shape[0])
+        out[i] = acc if how == "max" else acc / (b1 - b0)
+    return Pooled(out, row_edges, col_edges)
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -146,6 +162,7 @@ class TileService:
     def __init__(self, attention: AttentionService) -> None:
         self.attention = attention
         self.settings = attention.settings
+        self.block_cells = attention.settings.tile_block_bytes // 4  # float32 weights
 
     def _run(self, run_id: str) -> tuple[Run, object]:
         run = self.attention.cached(run_id)
@@ -198,21 +215,24 @@ class TileService:
         head_index = parse_head(head, info.n_heads, info.id)
         window = Window(*span(run, q0, q1, "q0", "q1"), *span(run, k0, k1, "k0", "k1"))
         cap = self.settings.max_tile_side
-        n_rows = side(rows, window.n_rows, "rows", cap, "query rows")
-        n_cols = side(cols, window.n_cols, "cols", cap, "key columns")
+        n_rows, n_cols = side(rows, window.n_rows, "rows", cap), side(cols, window.n_cols, "cols", cap)
+        if n_rows > cap or n_cols > cap:
+            over = " and ".join(name for name, size in (("rows", n_rows), ("cols", n_cols)) if size > cap)
+            raise TooManyCells(
+                f"at full resolution this window is {n_rows:,} x {n_cols:,} weights, and a tile has at most {cap:,} "
+                f"a side: ask for {over} (at most {cap:,}) to get it pooled (pool=max or mean), or a smaller window"
+            )
         self._check_json(n_rows * n_cols, fmt, "this tile")
         full = n_rows == window.n_rows and n_cols == window.n_cols
         heads = None if head_index is None else [head_index]
-        block = rows_per_block(info.n_heads if heads is None else 1, window.n_cols, self.settings.tile_block_bytes)
 
         def work():
-            found = pooled(run.kept, layer, heads, window.q0, window.q1, window.k0, window.k1, n_rows, n_cols,
-                           pool, block_rows=block)
-            self._grew(run)
+            found = pooled_within(run.kept, layer, heads, window.q0, window.q1, window.k0, window.k1, n_rows, n_cols,
+                                  pool, self.block_cells)
             fields = {
                 "run_id": run.run_id, "layer": layer, "head": "mean" if head_index is None else head_index,
                 "window": {"q0": window.q0, "q1": window.q1, "k0": window.k0, "k1": window.k1},
-                "shape": [n_rows, n_cols], "pool": "none" if full else pool,
+                "shape": list(found.values.shape), "pool": "none" if full else pool,
                 "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(),
             }
             return fields, {"attention": found.values.float().cpu()}
@@ -224,15 +244,15 @@ class TileService:
         run, info = self._run(run_id)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head = resolve_indices([head], info.n_heads, "head", info.id)[0]
-        if k > self.settings.max_topk:
-            raise InvalidInput(f"k={k} is over this server's limit of {self.settings.max_topk} weights per row")
+        limit = min(self.settings.max_topk, MAX_TOPK)
+        if k > limit:
+            raise InvalidInput(f"k={k} is over this server's limit of {limit} weights per row")
         k = min(k, run.n_tokens)
         q0, q1 = span(run, q0, q1, "q0", "q1")
         self._check_json((q1 - q0) * k, fmt, "these rows")
-        block = rows_per_block(1, run.n_tokens, self.settings.tile_block_bytes)
 
         def work():
-            found = topk_rows(run.kept, layer, head, k, q0, q1, block_rows=block)
+            found = topk_rows(run.kept, layer, head, k, q0, q1, self.block_cells)
             fields = {"run_id": run.run_id, "layer": layer, "head": head, "k": k, "q0": q0, "q1": q1}
             return fields, {"values": found.values.float().cpu(), "indices": found.indices.cpu(),
                             "rest": found.rest.float().cpu()}
@@ -244,13 +264,12 @@ class TileService:
         run, info = self._run(run_id)
 
         def work():
-            kept = run.kept
-            values = kept.overview
+            found = run.kept.overview_pooled()  # a short run makes its overview now, once
             self._grew(run)
-            self._check_json(values.numel(), fmt, "the overview")
+            self._check_json(found.values.numel(), fmt, "the overview")
             fields = {"run_id": run.run_id, "n_layers": info.n_layers, "n_heads": info.n_heads,
-                      "row_edges": kept.overview_rows.tolist(), "col_edges": kept.overview_cols.tolist(), "pool": "max"}
-            return fields, {"attention": values.float().cpu()}
+                      "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(), "pool": "max"}
+            return fields, {"attention": found.values.float().cpu()}
 
         return await self._answer(work, wire, fmt, {"run_id": run_id, "overview": True})
 

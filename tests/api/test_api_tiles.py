@@ -13,22 +13,23 @@ from __future__ import annotations
 import base64
 import math
 
+import httpx
 import numpy as np
 import orjson
 import pytest
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.tiles import rows_per_block
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame
 from tests.api.conftest import serve
 
-DENSE_MAX = 64
-SIDE = 48  # max_tile_side: a full-resolution window over 48 a side needs rows/cols
+DENSE_MAX = 32
+SIDE = 24  # max_tile_side: a full-resolution window over 24 a side needs rows/cols
+BLOCK_BYTES = 16_384  # tile_block_bytes: 4,096 weights a block, so every view takes many blocks
 LONG = (
     "Attention heads look at other tokens; some look back, some look ahead. The quick brown fox jumps over "
-    "the lazy dog, and the dog looks back at the fox. Attention heads look at other tokens again."
+    "the lazy dog, and the dog looks back at the fox. Attention heads look at other tokens again. Quixotic zebras vex."
 )
-SHORT = "The quick brown fox jumps over the lazy dog."
+SHORT = "The quick brown fox."
 MODELS = ("tiny-gpt", "llama")
 
 
@@ -45,7 +46,7 @@ def llama_dir(tmp_path_factory, bytelevel_tokenizer):
 def tiles_api(llama_dir):
     client = serve(Settings(
         models={"tiny-gpt": "tiny-gpt", "llama": str(llama_dir)}, device="cpu", warmup=False,
-        dense_max_tokens=DENSE_MAX, max_tile_side=SIDE,
+        dense_max_tokens=DENSE_MAX, max_tile_side=SIDE, tile_block_bytes=BLOCK_BYTES,
     ))
     yield client
     client.__exit__(None, None, None)
@@ -92,7 +93,8 @@ def np_pool(w: np.ndarray, q0, q1, k0, k1, rows, cols, how) -> tuple[np.ndarray,
 
 
 def get(api, run_id: str, route: str, **params):
-    return api.get(f"/api/v1/runs/{run_id}/{route}", params=params)
+    """None leaves a parameter out."""
+    return api.get(f"/api/v1/runs/{run_id}/{route}", params={k: v for k, v in params.items() if v is not None})
 
 
 # ---------------------------------------------------------------------------- values
@@ -227,7 +229,7 @@ def overview_bytes(body: dict) -> int:
 
 def test_tile_frame_and_compact_formats_carry_the_same_weights(tiles_api):
     run_id = post_qk(tiles_api, "llama", LONG)["run_id"]
-    params = dict(layer=1, head="mean", rows=20, cols=30, pool="max")
+    params = dict(layer=1, head="mean", rows=20, cols=17, pool="max")
     exact = array(get(tiles_api, run_id, "tile", format="json", **params).json()["attention"])
     r = tiles_api.get(f"/api/v1/runs/{run_id}/tile", params={**params, "format": "f16"}, headers={"Accept": FRAME_MEDIA_TYPE})
     assert r.headers["content-type"] == FRAME_MEDIA_TYPE
@@ -253,8 +255,16 @@ def test_the_python_client_reads_tiles_topk_and_overview(tiles_api):
 
     weights = dense(tiles_api, "llama", LONG)
     n = weights.shape[2]
+    def through_the_app(request: httpx.Request) -> httpx.Response:
+        # The test client asks for gzip and undoes it itself: the body handed on is plain.
+        headers = {k: v for k, v in request.headers.items() if k != "accept-encoding"}
+        answer = tiles_api.request(request.method, request.url.path, params=request.url.params, headers=headers,
+                                   content=request.read())
+        plain = {k: v for k, v in answer.headers.items() if k not in ("content-encoding", "content-length")}
+        return httpx.Response(answer.status_code, headers=plain, content=answer.content)
+
     for frames in (True, False):  # the frame and the JSON form decode alike
-        with Client("http://testserver", transport=tiles_api._transport, frames=frames) as c:
+        with Client("http://testserver", transport=httpx.MockTransport(through_the_app), frames=frames) as c:
             run = c.attention(LONG, model="llama")
             assert run.kept == "qk" and run.attention is None and len(run.tokens) == n
             assert c.run_info(run)["kept"] == "qk"
@@ -362,11 +372,36 @@ def test_keep_qk_on_a_short_input_then_weights_again(tiles_api):
 
 
 # ---------------------------------------------------------------------------- memory
-def test_row_blocks_fit_the_byte_budget():
-    assert rows_per_block(n_heads=1, n_cols=1024, budget_bytes=8 * 2**20) == 2048
-    assert rows_per_block(n_heads=12, n_cols=8192, budget_bytes=8 * 2**20) == 21  # 12 x 21 x 8192 x 4 = 8.3 MB
-    assert 12 * 21 * 8192 * 4 <= 8 * 2**20 < 12 * 22 * 8192 * 4
-    assert rows_per_block(n_heads=32, n_cols=10**6, budget_bytes=4096) == 1  # never zero rows
+@pytest.mark.parametrize("model_id", MODELS)
+def test_a_request_holds_at_most_one_row_block_besides_its_answer(tiles_api, model_id, monkeypatch):
+    """Every block of weights a tile or top-k request regenerates fits tile_block_bytes: tall
+    pooling bins (rows=1 of the whole run, the mean of every head) included."""
+    run_id = post_qk(tiles_api, model_id, LONG)["run_id"]
+    kept = tiles_api.app.state.service.cache.get(run_id).kept
+    n, block_cells = kept.n_tokens, BLOCK_BYTES // 4
+    real = type(kept).block
+    blocks = []
+
+    def counting(self, layer, heads, q0, q1, k0, k1, *args, **kwargs):
+        blocks.append(len(heads) * (q1 - q0) * (k1 - k0))
+        return real(self, layer, heads, q0, q1, k0, k1, *args, **kwargs)
+
+    monkeypatch.setattr(type(kept), "block", counting)
+    weights = dense(tiles_api, model_id, LONG)
+    for params in (dict(head="mean", rows=1, cols=5), dict(head="mean", rows=3, cols=20, pool="mean"),
+                   dict(head=2, rows=SIDE, cols=SIDE), dict(head=0, q0=0, q1=SIDE, k0=n - SIDE, k1=n)):
+        blocks.clear()
+        body = get(tiles_api, run_id, "tile", layer=1, format="json", **params).json()
+        assert blocks and max(blocks) <= block_cells, (params, max(blocks), block_cells)
+        head = params["head"]
+        w = weights[1].mean(0) if head == "mean" else weights[1, head]
+        q0, q1, k0, k1 = params.get("q0", 0), params.get("q1", n), params.get("k0", 0), params.get("k1", n)
+        want, _, _ = np_pool(w, q0, q1, k0, k1, params["rows"] if "rows" in params else q1 - q0,
+                             params["cols"] if "cols" in params else k1 - k0, params.get("pool", "max"))
+        np.testing.assert_allclose(array(body["attention"]), want, atol=1e-6, rtol=0)
+    blocks.clear()
+    assert get(tiles_api, run_id, "topk", layer=0, head=1, k=8).status_code == 200
+    assert blocks and max(blocks) <= block_cells
 
 
 def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
@@ -390,64 +425,3 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
     finally:
         api.__exit__(None, None, None)
 
-
-# ---- TEMPORARY stand-in for model/kept.py (dense runs only), deleted when the core lands ----
-import torch as _torch
-from types import SimpleNamespace as _NS
-
-
-def _bins(n, size):
-    w = -(-n // size)
-    return _torch.tensor(list(range(0, n, w)) + [n])
-
-
-def _pool(values, rows, cols, how):
-    re, ce = _bins(values.shape[-2], rows), _bins(values.shape[-1], cols)
-    red = (lambda t: t.amax(dim=(-1, -2))) if how == "max" else (lambda t: t.mean(dim=(-1, -2)))
-    out = _torch.stack([_torch.stack([red(values[..., re[i]:re[i + 1], ce[j]:ce[j + 1]]) for j in range(len(ce) - 1)], -1)
-                        for i in range(len(re) - 1)], -2)
-    return out, re, ce
-
-
-class _Dense:
-    def __init__(self, attention):
-        self.attention = attention
-        self._ov = None
-
-    @property
-    def nbytes(self):
-        return self.attention.numel() * 4 + (0 if self._ov is None else self._ov[0].numel() * 4)
-
-    def block(self, layer, heads, q0, q1, k0, k1):
-        return self.attention[layer, heads, q0:q1, k0:k1].float()
-
-    def _overview(self):
-        if self._ov is None:
-            self._ov = _pool(self.attention.float(), 8, 8, "max")
-        return self._ov
-
-    overview = property(lambda self: self._overview()[0])
-    overview_rows = property(lambda self: self._overview()[1])
-    overview_cols = property(lambda self: self._overview()[2])
-
-
-def _pooled(att, layer, heads, q0, q1, k0, k1, rows, cols, how, block_rows=None):
-    n_heads = att.attention.shape[1]
-    w = att.block(layer, heads if heads is not None else list(range(n_heads)), q0, q1, k0, k1).mean(0)
-    values, re, ce = _pool(w, rows, cols, how)
-    return _NS(values=values, row_edges=re + q0, col_edges=ce + k0)
-
-
-def _topk(att, layer, head, k, q0, q1, block_rows=None):
-    w = att.block(layer, [head], q0, q1, 0, att.attention.shape[-1])[0]
-    top = w.topk(k, dim=-1)
-    return _NS(values=top.values, indices=top.indices, rest=(1 - top.values.sum(-1)).clamp_min(0))
-
-
-@pytest.fixture(autouse=True)
-def _standin(monkeypatch):
-    import manyeyes.app.services.attention as _a
-    import manyeyes.app.services.tiles as _t
-    monkeypatch.setattr(_a, "DenseAttention", _Dense)
-    monkeypatch.setattr(_t, "pooled", _pooled)
-    monkeypatch.setattr(_t, "topk_rows", _topk)
