@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_server import rss_mb, serve  # noqa: E402
+from live_server import serve  # noqa: E402
 
 from manyeyes.model import Capture, load  # noqa: E402
 
@@ -73,12 +73,13 @@ def text_of(n_tokens: int, seed: int, model) -> str:
     return text[:lo]
 
 
-def vm_hwm_mb(pid: int) -> float:
+def status_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory now (VmRSS) or at its peak so far (VmHWM), from /proc."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for {pid}")
+    raise RuntimeError(f"no {field} for {pid}")
 
 
 def spread(values: list[float]) -> str:
@@ -91,7 +92,7 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int) -> dict:
     post_s, bare_s, rss, nbytes, qk_bytes = [], [], [], [], 0
     settings = dict(warmup="false", dense_max_tokens=1024, request_timeout_s=900)
     with serve(models=json.dumps({name: spec}), **settings) as (url, pid):
-        ready_rss = rss_mb(pid)
+        ready_rss = status_mb(pid)
         with httpx.Client(base_url=url, timeout=600) as http:
             for i, text in enumerate(texts):
                 encoded = model.encode(text, truncate=True)
@@ -111,9 +112,9 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int) -> dict:
                 del result, kept
                 info = http.get(f"/api/v1/runs/{body['run_id']}").json()
                 nbytes.append(info["nbytes"])
-                rss.append(rss_mb(pid))
+                rss.append(status_mb(pid))
                 if i == 0:  # the first of each side pays one-time costs: not timed, but its peak is the forward's
-                    peak = vm_hwm_mb(pid) - ready_rss
+                    peak = status_mb(pid, "VmHWM") - ready_rss
                     continue
                 post_s.append(took)
                 bare_s.append(bare)

@@ -10,7 +10,7 @@ from manyeyes.app.deps import ServiceDep
 from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
-from manyeyes.app.services.attention import parse_index_list
+from manyeyes.app.services.attention import Reply, parse_index_list
 from manyeyes.app.services.tiles import TileService
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
@@ -28,6 +28,11 @@ ARRAYS_CONTENT = {
     "(8-byte aligned) instead of data. Indices are int32.",
     "content": {"application/vnd.manyeyes.frame": {"schema": {"type": "string", "format": "binary"}}},
 }
+def answered(request: Request, reply: Reply) -> Response:
+    request.state.log = reply.log
+    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+
+
 Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
 End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length")]
 
@@ -44,8 +49,7 @@ async def run_slice(
     """A 404 means the run was evicted (or never existed): POST the text again. A run that kept
     queries and keys (a long input) has no whole weights to slice: 422, use /tile."""
     reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request))
-    request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+    return answered(request, reply)
 
 
 @router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(401, 404))
@@ -77,9 +81,7 @@ async def run_tile(
     to rows x cols (bins of width ceil(n / size), the last one narrower, edges in the answer).
     Values are computed from the float32 weights, exactly; the answer says which pooling it used
     (`none` at full resolution)."""
-    reply = await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request))
-    request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+    return answered(request, await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request)))
 
 
 @router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422)})
@@ -96,9 +98,7 @@ async def run_topk(
 ) -> Response:
     """For each query row in [q0, q1): its k largest weights, their key positions, and `rest`,
     the mass the k leave over (1 - their sum). A whole long head, cheaply."""
-    reply = await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request))
-    request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+    return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request)))
 
 
 @router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422)})
@@ -110,6 +110,4 @@ async def run_overview(
 ) -> Response:
     """Every head's thumbnail, (layers, heads, rows, cols), max-pooled over the whole run: made
     during a long run's forward, and on first use for a short one."""
-    reply = await tiles.overview(run_id, format, wire_of(request))
-    request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+    return answered(request, await tiles.overview(run_id, format, wire_of(request)))

@@ -18,14 +18,14 @@ import orjson
 import torch
 from starlette.concurrency import run_in_threadpool
 
-from manyeyes.app.services.attention import AttentionService, Reply, Wire, resolve_indices
-from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE
+from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService, Reply, Wire, resolve_indices
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.errors import InvalidInput, TooManyCells
 from manyeyes.app.services.payload import DTYPES, U8_SCALE, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.attention import bin_edges
 from manyeyes.model.kept import MAX_TOPK, Pooled, pooled, rows_per_block, topk_rows
+
 
 # ---------------------------------------------------------------------------- request checks
 @dataclass(frozen=True)
