@@ -86,9 +86,9 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})"
 
 
-def bench_case(name: str, spec: str, n_tokens: int, repeats: int) -> dict:
+def bench_case(name: str, spec: str, n_tokens: int, repeats: int, untimed: int = 1) -> dict:
     model = load(spec, device="cpu")
-    texts = [text_of(n_tokens, seed, model) for seed in range(repeats + 1)]
+    texts = [text_of(n_tokens, seed, model) for seed in range(repeats + untimed)]
     post_s, bare_s, rss, nbytes, qk_bytes = [], [], [], [], 0
     settings = dict(warmup="false", dense_max_tokens=1024, request_timeout_s=900)
     with serve(models=json.dumps({name: spec}), **settings) as (url, pid):
@@ -113,12 +113,15 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int) -> dict:
                 info = http.get(f"/api/v1/runs/{body['run_id']}").json()
                 nbytes.append(info["nbytes"])
                 rss.append(status_mb(pid))
-                if i == 0:  # the first of each side pays one-time costs: not timed, but its peak is the forward's
+                if i == 0:  # after one forward and nothing else: the forward's peak
                     peak = status_mb(pid, "VmHWM") - ready_rss
+                if i < untimed:  # the first of each side pays one-time costs
                     continue
                 post_s.append(took)
                 bare_s.append(bare)
-    per_run_mb = (rss[-1] - rss[0]) / (len(rss) - 1) if len(rss) > 1 else float("nan")
+    # The slope over the cached runs; from one run, its growth over the ready server (one-time
+    # allocations included: an upper bound).
+    per_run_mb = (rss[-1] - rss[0]) / (len(rss) - 1) if len(rss) > 1 else rss[0] - ready_rss
     return {
         "name": name, "T": n_tokens, "post_s": post_s, "bare_s": bare_s,
         "ratio": [p / b for p, b in zip(post_s, bare_s)], "qk_mb": qk_bytes / 2**20,
@@ -131,6 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default="2048,4096,8192")
+    # 0 on a crowded machine: at T=8192 a forward is minutes of CPU there, and one-time costs are noise.
+    parser.add_argument("--untimed", type=int, default=1, help="pairs run first and not timed")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     cases = []
@@ -148,11 +153,11 @@ def main() -> None:
         if big:
             folder = random_llama(Path(tmp) / "big", max(big), layers=6, heads=12, kv_heads=4, width=384)
             cases += [("llama-6x12", str(folder), n) for n in big]
-        print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores); repeats {args.repeats} after one untimed")
+        print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores); {args.repeats} timed pairs after {args.untimed} untimed")
         print(f"{'model':>12} {'T':>5} {'POST s':>16} {'forward s':>16} {'POST/forward':>18} {'q+k MB':>7} "
               f"{'cache/qk':>8} {'RSS/run/qk':>10} {'peak MB':>8}")
         for name, spec, n in cases:
-            row = bench_case(name, spec, n, args.repeats)
+            row = bench_case(name, spec, n, args.repeats, args.untimed)
             print(f"{row['name']:>12} {row['T']:>5} {spread(row['post_s']):>16} {spread(row['bare_s']):>16} "
                   f"{spread(row['ratio']):>18} {row['qk_mb']:>7.1f} {row['cache_ratio']:>8.2f} "
                   f"{row['rss_per_run_ratio']:>10.2f} {row['peak_mb']:>8.0f}", flush=True)
