@@ -41,6 +41,9 @@ class Capture:
     keep: bool = False
     overview: int = 64  # the overview's side, in bins, when keep is set
     block_cells: int = 1 << 24  # score cells one row block may hold (64 MB as float32)
+    # False: the trace carries no (b, T, vocab_size) logits, which at long T can outweigh everything
+    # else; the caller applies the network's `lm_head` to the hidden state a few rows at a time.
+    logits: bool = True
 
 
 class AttentionOutput(NamedTuple):

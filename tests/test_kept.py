@@ -98,8 +98,10 @@ def test_rebuilt_weights_equal_the_forward(model, monkeypatch):
         assert (rebuilt - dense.attention[layer]).abs().max() <= 1e-5
         assert torch.allclose(rebuilt.sum(-1), torch.ones(()), atol=1e-5)
     assert (result.hidden - dense.hidden).abs().max() <= 1e-4
+    assert result.logits is None  # (T, vocab) is not kept: predictions come from row blocks of logits
     if dense.top_ids is not None:
         assert torch.equal(result.top_ids[:, :3], dense.top_ids[:, :3])
+        assert (result.top_probs - dense.top_probs).abs().max() <= 1e-5
 
 
 def test_windows_and_head_subsets_are_cut_from_the_same_weights(model):
