@@ -100,10 +100,14 @@ def get(api, run_id: str, route: str, **params):
 # ---------------------------------------------------------------------------- values
 @pytest.mark.parametrize("model_id", MODELS)
 def test_long_post_keeps_queries_and_keys_and_answers_with_links(tiles_api, model_id):
-    body = post_qk(tiles_api, model_id, LONG, format="u8")
+    body = post_qk(tiles_api, model_id, LONG, format="u8", predictions={"top_k": 2})
     n = len(body["tokens"])
     assert n > DENSE_MAX
     assert body["kept"] == "qk" and body["attention"] is None
+    # Predictions come with a kept run as with a dense one.
+    expected = model_of(tiles_api, model_id).predict(LONG, top_k=2)
+    assert {int(p): [x["id"] for x in found] for p, found in body["predictions"].items()} == {
+        p: [x.id for x in found] for p, found in expected.items()}
     assert body["links"]["tile"].startswith(f"/api/v1/runs/{body['run_id']}/tile?layer={{layer}}&head={{head}}")
     info = tiles_api.get(f"/api/v1/runs/{body['run_id']}").json()
     model = model_of(tiles_api, model_id).info
