@@ -377,6 +377,30 @@ def test_keep_qk_on_a_short_input_then_weights_again(tiles_api):
 
 # ---------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("model_id", MODELS)
+def test_the_kept_forward_never_scores_a_whole_layer(tiles_api, model_id, monkeypatch):
+    """What a long POST runs: no (heads, T, T) scores, only row blocks of them. (A full score
+    matrix made before the row-block branch cost 3.2 GB a layer at T = 8,192 in bench/long_bench.py.)"""
+    import torch
+
+    from manyeyes.model.attention import Capture
+
+    model = model_of(tiles_api, model_id)
+    encoded = model.encode(LONG)
+    n = len(encoded)
+    real = torch.Tensor.__matmul__
+    sizes = []
+
+    def counting(a, b):
+        out = real(a, b)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+    model.run([encoded], Capture(keep=True, block_cells=3_000))
+    assert sizes and max(sizes) < model.info.n_heads * n * n // 4, (max(sizes), n)
+
+
+@pytest.mark.parametrize("model_id", MODELS)
 def test_a_request_holds_at_most_one_row_block_besides_its_answer(tiles_api, model_id, monkeypatch):
     """Every block of weights a tile or top-k request regenerates fits tile_block_bytes: tall
     pooling bins (rows=1 of the whole run, the mean of every head) included."""
