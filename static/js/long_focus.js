@@ -60,9 +60,13 @@ class TiledHeatmap extends CanvasHeatmap {
     const y1 = py(tile.row0 + tile.rows - 0.5);
     const xe = px(tile.col0 + tile.image.width * tile.colStep - 0.5);
     const ye = py(tile.row0 + tile.image.height * tile.rowStep - 0.5);
+    // The clip on whole pixels: two neighbouring tiles then share their edge, with no anti-aliased
+    // seam through which the coarser tile under them would show.
+    const [left, right] = [Math.round(Math.min(x0, x1)), Math.round(Math.max(x0, x1))];
+    const [top, bottom] = [Math.round(Math.min(y0, y1)), Math.round(Math.max(y0, y1))];
     ctx.save();
     ctx.beginPath();
-    ctx.rect(Math.min(x0, x1), Math.min(y0, y1), Math.abs(x1 - x0), Math.abs(y1 - y0));
+    ctx.rect(left, top, right - left, bottom - top);
     ctx.clip();
     ctx.drawImage(tile.image, Math.min(x0, xe), Math.min(y0, ye), Math.abs(xe - x0), Math.abs(ye - y0));
     ctx.restore();

@@ -27,8 +27,14 @@ def bins(n: int, size: int) -> np.ndarray:
     return np.append(np.arange(0, n, width), n)
 
 
+def array(values: np.ndarray) -> dict:
+    """The API's ArrayData in format=json (app/schemas.py)."""
+    return {"format": "json", "dtype": str(values.dtype), "shape": list(values.shape), "data": values.tolist()}
+
+
 class KeptMock:
-    """A long causal run: L × H heads over T tokens, weights from random queries and keys."""
+    """A long causal run: L × H heads over T tokens, weights from random queries and keys, answered
+    in the shapes of the API's TileResponse, OverviewResponse and TopKResponse (app/schemas.py)."""
 
     def __init__(self, T=2048, n_layers=2, n_heads=4, dim=8, seed=0):
         rng = np.random.default_rng(seed)
@@ -88,14 +94,13 @@ class KeptMock:
         full = len(re_) - 1 == q1 - q0 and len(ce) - 1 == k1 - k0
         return {"run_id": "long-mock", "layer": layer, "head": head, "window": {"q0": q0, "q1": q1, "k0": k0, "k1": k1},
                 "shape": list(values.shape), "pool": "none" if full else "max",
-                "row_edges": (re_ + q0).tolist(), "col_edges": (ce + k0).tolist(),
-                "format": "json", "dtype": "float32", "data": values.tolist()}
+                "row_edges": (re_ + q0).tolist(), "col_edges": (ce + k0).tolist(), "attention": array(values)}
 
     def overview(self) -> dict:
         thumbs = [[self.pooled(self.head(l, h), 64, 64)[0] for h in range(self.n_heads)] for l in range(self.n_layers)]
         edges = bins(self.T, 64).tolist()
-        return {"run_id": "long-mock", "shape": [self.n_layers, self.n_heads, 64, 64], "row_edges": edges, "col_edges": edges,
-                "format": "json", "dtype": "float32", "data": np.array(thumbs).tolist()}
+        return {"run_id": "long-mock", "n_layers": self.n_layers, "n_heads": self.n_heads, "row_edges": edges,
+                "col_edges": edges, "pool": "max", "attention": array(np.array(thumbs))}
 
     def topk(self, query: dict) -> dict:
         layer, head, k = int(query["layer"]), int(query["head"]), int(query["k"])
@@ -103,8 +108,8 @@ class KeptMock:
         rows = self.head(layer, head)[q0:q1]
         order = np.argsort(-rows, axis=1, kind="stable")[:, :k]
         values = np.take_along_axis(rows, order, axis=1)
-        return {"run_id": "long-mock", "layer": layer, "head": head, "k": k, "window": {"q0": q0, "q1": q1},
-                "values": values.tolist(), "indices": order.tolist(), "rest": np.maximum(0, 1 - values.sum(1)).tolist()}
+        return {"run_id": "long-mock", "layer": layer, "head": head, "k": k, "q0": q0, "q1": q1, "values": array(values),
+                "indices": array(order.astype(np.int32)), "rest": array(np.maximum(0, 1 - values.sum(1)))}
 
     def serve(self, page):
         """Answers the page's long-run requests from this run; the rest go to the real server."""
