@@ -18,7 +18,7 @@ import { palette, scaled } from "./theme.js";
 export const ALL_LABELS = 64;
 const MAX_LABEL = 14;
 
-function shortLabel(text) {
+export function shortLabel(text) {
   return text.length > MAX_LABEL ? text.slice(0, MAX_LABEL - 1) + "…" : text;
 }
 

@@ -5,7 +5,7 @@
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
 import { CanvasHeatmap, paintCells } from "./canvas_heatmap.js";
-import { FocusView } from "./focus.js";
+import { ALL_LABELS, FocusView, shortLabel } from "./focus.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor } from "./tiles.js";
 import { themeName } from "./theme.js";
 
@@ -265,6 +265,25 @@ export class TiledFocusView extends FocusView {
       this.heatmap.draw();
       this.refine();
     }
+  }
+
+  // Beyond ALL_LABELS tokens in view a long run labels every k-th token counted from 0, not from
+  // the window's edge: a pan then moves the labels with their rows instead of relabelling them all.
+  axes() {
+    const axes = super.axes();
+    if (!this.long) return axes;
+    const { labels } = this.current;
+    for (const [axis, range] of [["x", this.ranges.x], ["y", this.ranges.y]]) {
+      const [lo, hi] = range ? [Math.min(...range), Math.max(...range)] : [0, this.long.T - 1];
+      const first = Math.max(0, Math.ceil(lo));
+      const last = Math.min(this.long.T - 1, Math.floor(hi));
+      const step = Math.max(1, Math.ceil((last - first + 1) / ALL_LABELS));
+      const values = [];
+      for (let i = Math.ceil(first / step) * step; i <= last; i += step) values.push(i);
+      axes[axis].values = values;
+      axes[axis].texts = values.map((i) => shortLabel(labels[i]));
+    }
+    return axes;
   }
 
   plotted(options) {

@@ -124,7 +124,10 @@ export function longControls(run, aggregate) {
     ? `${why} Rollout, value norms, contributions, the head finder, information flow and the neuron view need every weight: off for this run.`
     : "");
   const experiments = ["ablate-box", "token-box", "compare-box"].map($).filter(Boolean);
-  experiments.forEach((box) => box.toggleAttribute("inert", long));
+  experiments.forEach((box) => {
+    box.toggleAttribute("inert", long);
+    box.style.opacity = long ? "0.5" : "";
+  });
   note("experiments-long-note", $("experiments"), long
     ? `${why} Ablation, token masking and comparison need the dense weights: off for this run. Generation still works.`
     : "");

@@ -228,9 +228,14 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
     shown = visible_labels(page, "y")
     assert 32 <= len(shown) <= 64
     # The head view: the rows in view, each joined to its strongest keys from the top-k route.
-    page.wait_for_function("() => Number(document.querySelector('#headview canvas')?.dataset.lines) > 0")
-    assert any("/topk" in url for url in mock.requests)
-    assert page.locator("#headview .hv-left li").count() == 64
+    page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 64"
+                           " && Number(document.querySelector('#headview canvas').dataset.lines) > 0")
+    assert page.locator("#headview .hv-left li").first.text_content() == mock.tokens[0]["piece"]
+    topk = [u for u in mock.requests if "/topk" in u]
+    assert topk and "q0=0&q1=64" in topk[-1]
+    # Every line ends at a listed key: the keys column holds the rows' strongest keys, in order.
+    keys = [int(i) for i in page.locator("#headview .hv-right li[data-index]").evaluate_all("els => els.map(e => e.dataset.index)")]
+    assert keys == sorted(keys) and 0 in keys
     assert_never_whole(watched.requests, T)
 
 
@@ -311,3 +316,111 @@ def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
     assert result["level"] == [16, 1]
     # Causal: the block above the diagonal is never asked for.
     assert sorted(result["blocks"]) == [[0, 0, 256], [1024, 0, 256], [1024, 1024, 256]]
+
+
+# ---- against the real server: a random llama whose inputs above dense_max_tokens keep q and k ----
+
+LONG_T = 1500
+
+
+@pytest.fixture(scope="module")
+def llama_spec(tmp_path_factory) -> str:
+    """A small random-weight llama (2 layers, 4 query heads, 2 kv heads) with 2048 positions and
+    tiny-gpt's byte tokenizer; transformers only writes the folder, manyeyes loads it."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from manyeyes.model.loading import builtin_path
+
+    folder = tmp_path_factory.mktemp("long-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, max_position_embeddings=2048, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    shutil.copy(builtin_path("tiny-gpt") / "tokenizer.json", folder / "tokenizer.json")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def long_server(llama_spec):
+    from tests.browser.conftest import serving
+
+    with serving({"llama-long": llama_spec}) as base:
+        yield base
+
+
+def long_text(n_chars: int) -> str:
+    words = "the mill stood by the river and the river ran under the bridge to the sea".split()
+    out = []
+    while len(" ".join(out)) < n_chars:
+        out.append(words[len(out) % len(words)] + ("." if len(out) % 11 == 10 else ""))
+    return " ".join(out)[:n_chars]
+
+
+PIXEL = """async ([row, col]) => {
+    const gd = document.getElementById('focus-plot');
+    const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+    const drag = gd.querySelector('.nsewdrag').getBoundingClientRect();
+    const canvas = gd.querySelector('canvas.heatmap-canvas');
+    const box = canvas.getBoundingClientRect();
+    const px = Math.floor((drag.left + xa.l2p(col) - box.left) * canvas.width / box.width);
+    const py = Math.floor((drag.top + ya.l2p(row) - box.top) * canvas.height / box.height);
+    const [r, g, b] = canvas.getContext('2d').getImageData(px, py, 1, 1).data;
+    const { colorTable } = await import('/static/js/theme.js');
+    const table = [...colorTable()].map((p) => [p & 255, (p >> 8) & 255, (p >> 16) & 255]);
+    return [[r, g, b], table];
+}"""
+
+
+@pytest.mark.slow
+def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, page, watched, artifacts):
+    from manyeyes.model import load
+
+    text = long_text(LONG_T)
+    dense = load(llama_spec, device="cpu").attend(text).attention.numpy()  # (L, H, T, T), the Python model's
+    T = dense.shape[-1]
+    assert T > 1024  # above dense_max_tokens: the server keeps queries and keys
+    open_page(page, long_server)
+    submit(page, text, model="llama-long")
+    wait_settled(page, timeout=120_000)
+    page.wait_for_function("() => document.querySelectorAll('.thumb').length === 8 && !document.querySelector('.thumb.loading')")
+    plotted = page.evaluate("() => document.getElementById('focus-plot').plotted()")
+    assert plotted["long"] and plotted["rows"] == T
+    # The overview's max is the head's max (f16 on the wire).
+    assert plotted["peak"] == pytest.approx(float(dense[0, 0].max()), rel=1e-3)
+    assert plotted["level"] >= 2 and all(t["pool"] == "max" for t in plotted["tiles"])
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-overview.png"))
+
+    # Zoom to 40 × 48 tokens: tiles at full resolution for that window, every label, exact readings.
+    before = len(watched.requests)
+    q0, k0 = 1100, 1070
+    zoom(page, q0, q0 + 40, k0, k0 + 48)
+    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
+    wait_settled(page)
+    new = tile_windows(watched.requests[before:])
+    assert new and all(rows is None for *_w, rows in new)
+    assert any(a <= q0 < b and c <= k0 < d for a, b, c, d, _r in new)
+    assert len(visible_labels(page, "y")) == 40 and len(visible_labels(page, "x")) == 48
+    weights = dense[0, 0]
+    peak = float(weights.max())
+    for q, k in [(q0 + 20, k0 + 5), (q0 + 39, k0 + 47), (q0 + 3, k0 + 33), (q0 + 31, k0 + 30)]:
+        text_shown = hover_cell(page, q, k)
+        assert float(text_shown.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=1e-3)
+        got, table = page.evaluate(PIXEL, [q, k])
+        index = round(255 * min(1.0, float(weights[q, k]) / peak))
+        assert got in table[max(0, index - 1): index + 2], (q, k, got, index)
+    assert hover_cell(page, q0, k0 + 47).endswith(": masked")
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-zoomed.png"))
+
+    # The next head: its own tiles; the head view's lines come from the top-k route.
+    page.focus("#focus-plot")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#focus-plot[data-head='1']")
+    wait_settled(page)
+    reading = float(hover_cell(page, q0 + 20, k0 + 5).rsplit(": ", 1)[1])
+    assert reading == pytest.approx(float(dense[0, 1, q0 + 20, k0 + 5]), abs=1e-3)
+    page.wait_for_function("() => Number(document.querySelector('#headview canvas')?.dataset.lines) > 0")
+    assert any("/topk?" in url for url in watched.requests)
+    assert_never_whole(watched.requests, T)
