@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from manyeyes.model.attention import Capture
+from manyeyes.model.attention import Capture, MultiHeadAttention
+from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
 
 
@@ -42,7 +43,7 @@ class Prediction:
 class AttentionResult:
     tokens: list[Token]
     truncated: bool
-    attention: torch.Tensor  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax
+    attention: torch.Tensor | None  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax; None when kept
     hidden: torch.Tensor  # (T, d_model) float32, the last hidden state
     logits: torch.Tensor | None  # (T, vocab_size) for language models
     # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
@@ -53,6 +54,8 @@ class AttentionResult:
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
+    # Capture(keep=True): the queries and keys that regenerate every weight, on the model's device.
+    kept: KeptAttention | None = None
 
 
 def pick_device(preference: str | None = None) -> torch.device:
@@ -127,6 +130,8 @@ class AttentionModel:
         memory, so the attention may then come back as uint8 or float16."""
         if not batch:
             return []
+        if capture.keep:
+            return [self._run_kept(encoded, capture) for encoded in batch]
         lengths = [len(e) for e in batch]
         width = max(lengths)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -183,3 +188,35 @@ class AttentionModel:
                 result.values = [layer.values[row, :, :n].float().cpu() for layer in trace.layers]
             results.append(result)
         return results
+
+    def _run_kept(self, encoded: Encoded, capture: Capture) -> AttentionResult:
+        """One input through the row-block softmax: no layer ever holds its (heads, T, T) weights.
+
+        One input per forward: long inputs gain nothing from batching (the forward is compute-bound)
+        and unpadded rows keep the overview's bins and the causal masks simple."""
+        ids = torch.tensor([encoded.ids], dtype=torch.long, device=self.device)
+        types = torch.tensor([encoded.type_ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode(), self._autocast():
+            trace = self.net.inspect(ids, None, capture, token_type_ids=types)
+            kept = kept_from_layers(trace.layers, len(encoded), self.info.causal, self.sliding_windows, capture)
+            logits = top_ids = top_probs = None
+            if trace.logits is not None:
+                logits = trace.logits[0].float()  # (T, vocab_size)
+                top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+                top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
+                top_ids = top.indices.cpu()
+                logits = logits.cpu()
+        result = AttentionResult(
+            tokens=encoded.tokens, truncated=encoded.truncated, attention=None, hidden=trace.hidden[0].float().cpu(),
+            logits=logits, top_ids=top_ids, top_probs=top_probs, kept=kept,
+        )
+        if capture.qkv:
+            result.queries = [layer.queries[0].float().cpu() for layer in trace.layers]
+            result.keys = [layer.keys[0].float().cpu() for layer in trace.layers]
+            result.values = [layer.values[0].float().cpu() for layer in trace.layers]
+        return result
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: none), in layer order."""
+        return tuple(m.sliding_window for m in self.net.modules() if isinstance(m, MultiHeadAttention))
