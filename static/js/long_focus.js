@@ -145,7 +145,7 @@ export class TiledFocusView extends FocusView {
     this.heatmap.nRows = this.heatmap.nCols = T;
     this.plot.dataset.long = "true";
     this.current = { view, labels, nRows: T, nCols: T, title, scale, peak, zmax: 1 };
-    this.setPeak(peak);
+    this.setPeak(base ? peak : this.peakOf(this.coarsestTile()));
     this.filename = filename;
     this.exportCaption = exportCaption || title;
     this.heatmap.tiles = this.drawnTiles();
@@ -228,14 +228,23 @@ export class TiledFocusView extends FocusView {
     this.onWindow?.(win);
   }
 
+  // A mean's coarsest tile: the whole run in one, pooled by max, so its max is the mean's peak.
+  coarsestTile() {
+    const L = this.long;
+    return this.loader.cache.get(this.tileKey({ w: L.coarsest, q0: 0, k0: 0 })) ?? null;
+  }
+
+  peakOf(tile) {
+    let peak = 0;
+    if (tile) for (const v of tile.values) if (v > peak) peak = v;
+    return peak;
+  }
+
   tileArrived(spec) {
     const L = this.long;
     if (!L || !spec.key.startsWith(L.prefix)) return;
-    if (!L.base && spec.w === L.coarsest && spec.q0 === 0 && spec.k0 === 0 && spec.q1 === L.T) {
-      const tile = this.loader.get(spec.key);
-      let peak = 0;
-      for (const v of tile.values) if (v > peak) peak = v;
-      this.setPeak(peak);
+    if (!L.base && spec.key === this.tileKey({ w: L.coarsest, q0: 0, k0: 0 })) {
+      this.setPeak(this.peakOf(this.loader.get(spec.key)));
       this.decorate();
     }
     this.heatmap.tiles = this.drawnTiles();

@@ -74,6 +74,7 @@ const NEEDS_WEIGHTS = ["hide-special", "hide-first", "threshold", "segments", "d
 
 function note(id, parent, text) {
   let node = $(id);
+  if (!node && !text) return; // a short run: nothing to say, nothing added
   if (!node) {
     node = el("p", { className: "hint long-note", attrs: { id, role: "note" } });
     const heading = parent.querySelector(":scope > h2");
@@ -117,8 +118,13 @@ export function longControls(run, aggregate) {
   for (const child of measures.children) {
     if (child.tagName === "H2" || child.id === "measures-long-note") continue;
     // A style, not `hidden`: the stylesheet's display rules would win over the attribute.
-    if (long) child.style.display = "none";
-    else if (child.style.display === "none") child.style.display = "";
+    if (long) {
+      child.style.display = "none";
+      child.dataset.longOff = "true";
+    } else if (child.dataset.longOff) {
+      child.style.display = "";
+      delete child.dataset.longOff;
+    }
   }
   note("measures-long-note", measures, long
     ? `${why} Rollout, value norms, contributions, the head finder, information flow and the neuron view need every weight: off for this run.`

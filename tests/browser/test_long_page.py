@@ -270,6 +270,14 @@ def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(serv
     wait_settled(page)
     plotted = page.evaluate("() => document.getElementById('focus-plot').plotted()")
     assert plotted["peak"] == pytest.approx(float(mock.head(0, "mean").max()), abs=1e-3)
+    # Back to the head and to the mean again: the mean's tiles come from the cache, its peak too.
+    page.select_option("#aggregate", "head")
+    wait_settled(page)
+    tiles_before = len(tile_windows(mock.requests))
+    page.select_option("#aggregate", "layer")
+    wait_settled(page)
+    assert page.evaluate("() => document.getElementById('focus-plot').plotted().peak") == plotted["peak"]
+    assert len(tile_windows(mock.requests)) == tiles_before
     assert_never_whole(watched.requests, mock.T)
 
 
