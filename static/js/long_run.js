@@ -96,13 +96,15 @@ export function longControls(run, aggregate) {
     const control = $(id);
     if (!control) continue;
     if (long) {
-      control.dataset.longOff = "true";
+      if (control.dataset.longOff === undefined) control.dataset.longOff = control.getAttribute("title") ?? "";
       control.disabled = true;
       control.title = "Off for long runs: it needs every weight of the run.";
-    } else if (control.dataset.longOff) {
+    } else if (control.dataset.longOff !== undefined) {
+      const title = control.dataset.longOff; // the control's own title, kept while it was off
       delete control.dataset.longOff;
       control.disabled = id === "segments" ? !run.hasPair : false;
-      control.removeAttribute("title");
+      if (title) control.title = title;
+      else control.removeAttribute("title");
     }
   }
   const all = $("aggregate").querySelector('option[value="all"]');

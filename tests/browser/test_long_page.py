@@ -53,6 +53,7 @@ class KeptMock:
             self.tokens.append({"text": piece, "piece": piece, "id": i, "start": start, "end": start + len(piece),
                                 "special": False, "segment": 0})
         self.text = text
+        self.prompt = text[:200]  # what the tests type: its POST is answered with this run
         self.requests: list[str] = []
 
     def head(self, layer: int, head) -> np.ndarray:
@@ -118,8 +119,8 @@ class KeptMock:
             route.fulfill(status=status, content_type="application/json", body=json.dumps(body))
 
         def on_post(route):
-            if route.request.method != "POST":
-                route.continue_()
+            if route.request.method != "POST" or (route.request.post_data_json or {}).get("text") != self.prompt:
+                route.continue_()  # another text: the real server's (short) run
                 return
             reply(route, self.answer())
 
@@ -186,7 +187,7 @@ def mock():
 def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, mock, watched, artifacts):
     mock.serve(page)
     open_page(page, server)
-    submit(page, mock.text[:200])
+    submit(page, mock.prompt)
     wait_settled(page)
     page.wait_for_function("() => !document.querySelector('.thumb.loading') && document.querySelectorAll('.thumb').length === 8")
     T = mock.T
@@ -242,7 +243,7 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
 def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
     mock.serve(page)
     open_page(page, server)
-    submit(page, mock.text[:200])
+    submit(page, mock.prompt)
     wait_settled(page)
     # Unzoomed, a pixel covers several cells: hovering asks for the cell's own weight.
     point = page.evaluate("""() => {
@@ -284,7 +285,7 @@ def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(serv
 def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
     mock.serve(page)
     open_page(page, server)
-    submit(page, mock.text[:200])
+    submit(page, mock.prompt)
     wait_settled(page)
     for control in ["hide-special", "hide-first", "threshold", "download-csv", "download-json", "export-page"]:
         assert page.locator(f"#{control}").is_disabled(), control
@@ -294,6 +295,18 @@ def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
     assert "need every weight" in page.locator("#measures-long-note").text_content()
     assert page.locator("#measures-long-note").is_visible()
     assert not page.locator("#finder").is_visible()
+    # A short text next: everything is back as it was.
+    submit(page, "The bank of the river.", model="minilm")
+    page.wait_for_selector("#focus-plot[data-precision=f16]:not([data-long])", timeout=30_000)
+    for control in ["hide-special", "hide-first", "threshold", "download-csv", "download-json", "export-page"]:
+        assert page.locator(f"#{control}").is_enabled(), control
+    assert page.locator("#export-page").get_attribute("title") == "One HTML file with this run that opens without a server"
+    assert page.locator("#download-csv").get_attribute("title") is None
+    assert page.locator("#aggregate option[value=all]").is_enabled()
+    assert not page.locator("#long-note").is_visible() and not page.locator("#measures-long-note").is_visible()
+    page.wait_for_function("() => document.getElementById('finder').dataset.runId")
+    assert page.locator("#finder").is_visible()
+    assert page.locator("#ablate-box").get_attribute("inert") is None
 
 
 def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
