@@ -41,6 +41,9 @@ class Capture:
     keep: bool = False
     overview: int = 64  # the overview's side, in bins, when keep is set
     block_cells: int = 1 << 24  # score cells one row block may hold (64 MB as float32)
+    # False: the trace carries no (b, T, vocab_size) logits, which at long T can outweigh everything
+    # else; the caller applies the network's `lm_head` to the hidden state a few rows at a time.
+    logits: bool = True
 
 
 class AttentionOutput(NamedTuple):
@@ -118,6 +121,15 @@ def visible_keys(q0: int, q1: int, num_keys: int, *, causal: bool, sliding_windo
     k1 = q1 if causal else num_keys
     k0 = max(0, q0 - sliding_window + 1) if sliding_window is not None else 0
     return k0 // align * align, min(num_keys, -(-k1 // align) * align)
+
+
+def masked_band(q0: int, q1: int, k0: int, k1: int, *, causal: bool, sliding_window: int | None) -> tuple[int, int]:
+    """[lo, hi) within [k0, k1): the only keys that some query at positions [q0, q1) may not see.
+
+    Causal: keys after the first query; a sliding window: keys at or before the last query's reach."""
+    if sliding_window is None:
+        return (max(k0, q0 + 1), k1) if causal else (k0, k0)
+    return k0, (k1 if causal else max(k0, min(k1, q1 - sliding_window)))
 
 
 def row_block(num_keys: int, heads: int, row_width: int, block_cells: int) -> int:
@@ -342,13 +354,19 @@ class MultiHeadAttention(nn.Module):
             scaled = (queries[:, :, q0:q1] * scale).reshape(b, kv_heads, group * rows, head_dim)
             # (b, kv_heads, group * rows, head_dim) @ (b, kv_heads, head_dim, k1 - k0) -> (b, heads, rows, k1 - k0)
             scores = (scaled @ keys[:, :, k0:k1].transpose(2, 3)).view(b, heads, rows, k1 - k0).float()
-            blocked = blocked_rows(q0, q1, k0, k1, offset=offset, causal=self.causal,
+            if padded is not None:
+                band = (k0, k1)
+            else:  # only the columns where some row of the block is blocked need a mask
+                band = masked_band(q0 + offset, q1 + offset, k0, k1, causal=self.causal, sliding_window=self.sliding_window)
+            blocked = blocked_rows(q0, q1, *band, offset=offset, causal=self.causal,
                                    sliding_window=self.sliding_window, device=scores.device)
             if padded is not None:
                 blocked = padded[..., k0:k1] if blocked is None else (blocked | padded[..., k0:k1])
             if blocked is not None:
                 # an added 0/-inf mask: bit for bit masked_fill, and far cheaper than a broadcast bool fill
-                scores += torch.zeros(blocked.shape, device=scores.device).masked_fill_(blocked, -torch.inf)
+                scores[..., band[0] - k0 : band[1] - k0] += torch.zeros(blocked.shape, device=scores.device).masked_fill_(
+                    blocked, -torch.inf
+                )
             top = scores.amax(-1, keepdim=True)  # (b, heads, rows, 1)
             weights = scores.sub_(top).exp_()
             total = weights.sum(-1, keepdim=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -197,24 +197,29 @@ class AttentionModel:
         ids = torch.tensor([encoded.ids], dtype=torch.long, device=self.device)
         types = torch.tensor([encoded.type_ids], dtype=torch.long, device=self.device)
         with torch.inference_mode(), self._autocast():
-            trace = self.net.inspect(ids, None, capture, token_type_ids=types)
+            trace = self.net.inspect(ids, None, replace(capture, logits=False), token_type_ids=types)
             kept = kept_from_layers(trace.layers, len(encoded), self.info.causal, self.sliding_windows, capture)
-            logits = top_ids = top_probs = None
-            if trace.logits is not None:
-                logits = trace.logits[0].float()  # (T, vocab_size)
-                top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
-                top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
-                top_ids = top.indices.cpu()
-                logits = logits.cpu()
-        result = AttentionResult(
+            top_ids = top_probs = None
+            if self.info.predictions and self.net.lm_head is not None:
+                top_ids, top_probs = self._top_predictions(trace.hidden[0])
+        # No logits: (T, vocab_size) float32 is 1.6 GB for a 49k vocabulary at T = 8,192.
+        return AttentionResult(
             tokens=encoded.tokens, truncated=encoded.truncated, attention=None, hidden=trace.hidden[0].float().cpu(),
-            logits=logits, top_ids=top_ids, top_probs=top_probs, kept=kept,
+            logits=None, top_ids=top_ids, top_probs=top_probs, kept=kept,
+            queries=[layer.queries[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
+            keys=[layer.keys[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
+            values=[layer.values[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
         )
-        if capture.qkv:
-            result.queries = [layer.queries[0].float().cpu() for layer in trace.layers]
-            result.keys = [layer.keys[0].float().cpu() for layer in trace.layers]
-            result.values = [layer.values[0].float().cpu() for layer in trace.layers]
-        return result
+
+    def _top_predictions(self, hidden: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, MAX_TOP_K) ids and probabilities from the hidden state, `rows` positions of logits at a time."""
+        ids, probs = [], []
+        for r0 in range(0, hidden.shape[0], rows):
+            logits = self.net.lm_head(hidden[r0 : r0 + rows]).float()  # (rows, vocab_size)
+            top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+            probs.append((top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu())
+            ids.append(top.indices.cpu())
+        return torch.cat(ids), torch.cat(probs)
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:

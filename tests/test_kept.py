@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from manyeyes.model import load
-from manyeyes.model.attention import Capture, bin_edges
+from manyeyes.model.attention import Capture, bin_edges, blocked_rows, masked_band
 from manyeyes.model.kept import BLOCK_CELLS, DenseAttention, pooled, rows_per_block, topk_rows
 from tests.test_parity_decoders import save_random
 
@@ -59,17 +59,18 @@ def forward_weights(model, encoded, monkeypatch, block_cells=3_000):
     import manyeyes.model.attention as attention
 
     windows, blocks = [], []
-    real_blocked_rows, real_max_pool = attention.blocked_rows, attention.max_pool
+    real_visible_keys, real_max_pool = attention.visible_keys, attention.max_pool
 
-    def spy_window(q0, q1, k0, k1, **kw):
+    def spy_window(q0, q1, num_keys, **kw):
+        k0, k1 = real_visible_keys(q0, q1, num_keys, **kw)
         windows.append((q0, q1, k0, k1))
-        return real_blocked_rows(q0, q1, k0, k1, **kw)
+        return k0, k1
 
     def spy_pool(weights, *args):
         blocks.append(weights[0].clone())
         return real_max_pool(weights, *args)
 
-    monkeypatch.setattr(attention, "blocked_rows", spy_window)
+    monkeypatch.setattr(attention, "visible_keys", spy_window)
     monkeypatch.setattr(attention, "max_pool", spy_pool)
     result = model.run([encoded], Capture(keep=True, block_cells=block_cells))[0]
     monkeypatch.undo()
@@ -97,8 +98,10 @@ def test_rebuilt_weights_equal_the_forward(model, monkeypatch):
         assert (rebuilt - dense.attention[layer]).abs().max() <= 1e-5
         assert torch.allclose(rebuilt.sum(-1), torch.ones(()), atol=1e-5)
     assert (result.hidden - dense.hidden).abs().max() <= 1e-4
+    assert result.logits is None  # (T, vocab) is not kept: predictions come from row blocks of logits
     if dense.top_ids is not None:
         assert torch.equal(result.top_ids[:, :3], dense.top_ids[:, :3])
+        assert (result.top_probs - dense.top_probs).abs().max() <= 1e-5
 
 
 def test_windows_and_head_subsets_are_cut_from_the_same_weights(model):
@@ -197,3 +200,15 @@ def test_kept_run_holds_no_weights_and_counts_its_bytes(gqa_window_llama):
     cells = info.n_layers * info.n_heads
     # (the overview's 64 x 64 per head is small beside the queries and keys only at long T: the bench checks 2x there)
     assert kept.nbytes == kept.qk_bytes + cells * T * 8 + cells * kept.overview.shape[-1] * kept.overview.shape[-2] * 4
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 5), (False, 5), (False, None)])
+def test_the_masked_band_holds_every_blocked_key(causal, window):
+    """The row-block softmax masks only this band of columns: nothing blocked may lie outside it."""
+    for q0, q1, k0, k1 in [(0, 4, 0, 4), (8, 12, 0, 12), (8, 12, 4, 20), (30, 31, 0, 40), (3, 9, 6, 7)]:
+        blocked = blocked_rows(q0, q1, k0, k1, offset=0, causal=causal, sliding_window=window, device="cpu")
+        lo, hi = masked_band(q0, q1, k0, k1, causal=causal, sliding_window=window)
+        assert k0 <= lo <= hi <= k1
+        if blocked is not None:
+            columns = blocked.any(0).nonzero().flatten() + k0
+            assert lo <= int(columns.min()) and int(columns.max()) < hi
