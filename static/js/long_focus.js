@@ -134,7 +134,10 @@ export class TiledFocusView extends FocusView {
       this.revision = revision;
     }
     const { T, causal } = run;
-    if (this.long?.runId !== run.runId) this.exact.clear();
+    if (this.long?.runId !== run.runId) {
+      this.loader.clear(); // another run's tiles: never drawn again
+      this.exact.clear();
+    }
     if (!this.identity || this.identity.length !== T) this.identity = Int32Array.from({ length: T }, (_, i) => i);
     const view = { rows: this.identity, cols: this.identity, values: null, causal, masked: causal ? (r, c) => c > r : () => false };
     this.long = {
@@ -221,7 +224,7 @@ export class TiledFocusView extends FocusView {
     // A mean has no overview: its coarsest tile (the whole run in one) comes first and sets the peak.
     if (!L.base) specs.push(...blocksFor({ q0: 0, q1: L.T, k0: 0, k1: L.T }, L.coarsest, L.T, false).map(spec));
     for (const block of blocksFor(win, w, L.T, L.causal)) if (!specs.some((s) => s.key === this.tileKey(block))) specs.push(spec(block));
-    this.refineStart = performance.now();
+    this.refineStart ??= performance.now(); // from the first of several refines before the tiles settle
     this.loader.want(specs);
     this.plot.dataset.level = String(w);
     this.settled();

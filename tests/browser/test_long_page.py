@@ -222,6 +222,12 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
         assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=6e-4)
     assert hover_cell(page, 1001, 1020).endswith(": masked")
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-zoomed.png"))
+    # The export embeds what the page has of the matrix, at most 2048 pixels a side.
+    with page.expect_download() as download:
+        page.click(".modebar-btn[data-title='Download plot as PNG']")
+    assert download.value.suggested_filename == "manyeyes-tiny-causal-L0-H0.png"
+    assert open(download.value.path(), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    download.value.save_as(artifacts / "long-export.png")
 
     # Beyond 64 tokens in view the labels thin evenly.
     zoom(page, 0, 512, 0, 512)
