@@ -10,7 +10,7 @@ const SLICE_MS = 8; // the longest a background repaint holds the page before le
 
 // Max-pools a rows × cols matrix into at most MAX_THUMB_PIXELS per side (peaks stay visible);
 // weight = value × unit (1/255 for the u8 bytes), coloured on the page's chosen scale.
-export function drawThumb(canvas, values, nRows, nCols, maskedBlock, scale = "head", unit = 1) {
+function drawThumb(canvas, values, nRows, nCols, maskedBlock, scale = "head", unit = 1) {
   const k = Math.ceil(Math.max(nRows, nCols) / MAX_THUMB_PIXELS);
   const width = Math.ceil(nCols / k);
   const height = Math.ceil(nRows / k);

@@ -4,30 +4,14 @@
 // the screen's resolution (full resolution once the window is small), and asks again after each
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
-import { CanvasHeatmap, paintCells } from "./canvas_heatmap.js";
+import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { ALL_LABELS, FocusView, shortLabel } from "./focus.js";
-import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor } from "./tiles.js";
+import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { themeName } from "./theme.js";
 
 const EXPORT_SIDE = 2048; // pixels a side of an exported long matrix
 const HOVER_PAUSE_MS = 60; // a resting pointer over a pooled cell asks for that cell's exact value
 const EXACT_KEPT = 512;
-
-// A tile's bins coloured into an image, one pixel a bin; a bin wholly above a causal diagonal (its
-// first key after its last query) is masked.
-function colourTile(tile, scale, peak, causal) {
-  const { nr, nc, rowEdges: re, colEdges: ce } = tile;
-  const view = {
-    rows: { length: nr }, cols: { length: nc }, values: tile.values,
-    masked: causal ? (i, j) => ce[j] > re[i + 1] - 1 : () => false,
-  };
-  const pixels = paintCells(view, scale, peak, new Uint32Array(nr * nc));
-  const image = tile.image?.width === nc && tile.image.height === nr ? tile.image : document.createElement("canvas");
-  image.width = nc;
-  image.height = nr;
-  image.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer), nc, nr), 0, 0);
-  return image;
-}
 
 // What draw() needs of a tile: its cell rectangle and the cells one pixel of its image covers.
 function placed(tile, w) {
@@ -204,7 +188,7 @@ export class TiledFocusView extends FocusView {
     tiles.sort((a, b) => b.w - a.w);
     for (const tile of tiles) {
       if (tile.colourKey === colourKey) continue;
-      tile.image = colourTile(tile, this.current.scale, L.peak, L.causal);
+      tile.image = paintBins(tile.image ?? document.createElement("canvas"), tile, this.current.scale, L.peak, L.causal);
       tile.colourKey = colourKey;
     }
     return tiles;

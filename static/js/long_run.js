@@ -4,8 +4,7 @@
 // the dense weights says on screen why it is off.
 
 import { $, el } from "./dom.js";
-import { drawThumb } from "./grid.js";
-import { fetchOverview } from "./tiles.js";
+import { fetchOverview, paintBins } from "./tiles.js";
 
 // The run object main.js passes around, with no layers to fetch.
 export class LongRun {
@@ -51,18 +50,19 @@ export function openLongRun(run, signal) {
   return run.overview;
 }
 
-// Every thumbnail of the grid from the overview, on the page's colour scale.
+// Every thumbnail of the grid from the overview, each head on its own peak (or the page's scale).
 export async function paintOverview(grid, run, scale) {
   const o = await run.overview;
   if (grid.run !== run) return;
   const cells = o.nr * o.nc;
-  const { rowEdges: re, colEdges: ce } = o;
-  const masked = run.causal ? (br, bc, k) => ce[bc * k] > re[Math.min((br + 1) * k, o.nr)] - 1 : () => false;
   for (let l = 0; l < run.nLayers; l++) {
     for (let h = 0; h < run.nHeads; h++) {
       const start = (l * o.nHeads + h) * cells;
+      const values = o.values.subarray(start, start + cells);
+      let peak = 0;
+      for (const v of values) if (v > peak) peak = v;
       const button = grid.cells[l][h];
-      drawThumb(button.firstChild, o.values.subarray(start, start + cells), o.nr, o.nc, masked, scale);
+      paintBins(button.firstChild, { ...o, values }, scale, peak, run.causal);
       button.classList.remove("loading");
     }
     grid.painted.add(l);

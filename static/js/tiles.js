@@ -8,6 +8,7 @@
 // finds the previous level's tiles in the cache.
 
 import { requestJson } from "./api.js";
+import { paintCells } from "./canvas_heatmap.js";
 import { decodeAttention } from "./payload.js";
 
 export const BLOCK = 256; // bins per side of one tile (the server allows up to 1024)
@@ -74,6 +75,23 @@ export async function fetchTopk(runId, { layer, head, k, q0, q1 }, signal) {
   const values = floatsOf(body.values);
   const indices = Array.isArray(body.indices) ? Int32Array.from(body.indices.flat()) : Int32Array.from(floatsOf(body.indices));
   return { n: q1 - q0, k: values.length / (q1 - q0), values, indices, rest: floatsOf(body.rest) };
+}
+
+// Bins ({ nr, nc, values, rowEdges, colEdges }: a tile, or a head's overview) coloured into
+// canvas, one pixel a bin, on the page's scale; a bin wholly above a causal diagonal (its first key
+// after its last query) is masked.
+export function paintBins(canvas, { nr, nc, values, rowEdges: re, colEdges: ce }, scale, peak, causal) {
+  const view = {
+    rows: { length: nr }, cols: { length: nc }, values,
+    masked: causal ? (i, j) => ce[j] > re[i + 1] - 1 : () => false,
+  };
+  const pixels = paintCells(view, scale, peak, new Uint32Array(nr * nc));
+  if (canvas.width !== nc || canvas.height !== nr) {
+    canvas.width = nc;
+    canvas.height = nr;
+  }
+  canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer), nc, nr), 0, 0);
+  return canvas;
 }
 
 // The smallest power of two w such that `cells` cells fit `pixels` pixels at w cells a pixel.
