@@ -5,7 +5,7 @@
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
 import { CanvasHeatmap } from "./canvas_heatmap.js";
-import { ALL_LABELS, FocusView, shortLabel } from "./focus.js";
+import { ALL_LABELS, FocusView, MAX_FONT, shortLabel } from "./focus.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { themeName } from "./theme.js";
 
@@ -255,31 +255,32 @@ export class TiledFocusView extends FocusView {
   }
 
   onRelayout(event) {
+    if (this.long) this.heatmap.tiles = this.drawnTiles(); // drawn by the decorate in super's
     super.onRelayout(event);
-    if (this.long) {
-      this.heatmap.tiles = this.drawnTiles();
-      this.heatmap.draw();
-      this.refine();
-    }
+    if (this.long) this.refine();
   }
 
   // Beyond ALL_LABELS tokens in view a long run labels every k-th token counted from 0, not from
   // the window's edge: a pan then moves the labels with their rows instead of relabelling them all.
-  axes() {
-    const axes = super.axes();
-    if (!this.long) return axes;
+  ticks(indices, labels, range) {
+    if (!this.long) return super.ticks(indices, labels, range);
+    const n = indices.length;
+    const [a, b] = range ? [Math.min(...range), Math.max(...range)] : [0, n - 1];
+    const lo = Math.max(0, Math.ceil(a));
+    const hi = Math.min(n - 1, Math.floor(b));
+    const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
+    const values = [];
+    for (let i = Math.ceil(lo / step) * step; i <= hi; i += step) values.push(i);
+    return { values, texts: values.map((i) => shortLabel(labels[i])), shown: values.length };
+  }
+
+  // A long run's margins hold its longest label at the largest font, whatever is in view: they
+  // stay put through zooms and pans, which then never pay for a second Plotly relayout.
+  labelPx(texts, font) {
+    if (!this.long) return super.labelPx(texts, font);
     const { labels } = this.current;
-    for (const [axis, range] of [["x", this.ranges.x], ["y", this.ranges.y]]) {
-      const [lo, hi] = range ? [Math.min(...range), Math.max(...range)] : [0, this.long.T - 1];
-      const first = Math.max(0, Math.ceil(lo));
-      const last = Math.min(this.long.T - 1, Math.floor(hi));
-      const step = Math.max(1, Math.ceil((last - first + 1) / ALL_LABELS));
-      const values = [];
-      for (let i = Math.ceil(first / step) * step; i <= last; i += step) values.push(i);
-      axes[axis].values = values;
-      axes[axis].texts = values.map((i) => shortLabel(labels[i]));
-    }
-    return axes;
+    if (this.longestLabel?.labels !== labels) this.longestLabel = { labels, px: super.labelPx(labels.map(shortLabel), MAX_FONT) };
+    return this.longestLabel.px;
   }
 
   plotted(options) {
