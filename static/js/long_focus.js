@@ -174,18 +174,33 @@ export class TiledFocusView extends FocusView {
     return `${this.long.prefix}${block.w}|${block.q0}|${block.k0}`;
   }
 
+  // The level (cells a pixel) at which the window fits the plot's device pixels.
+  levelOf(win) {
+    const box = this.placement()?.box;
+    if (!box) return this.long.coarsest;
+    const ratio = window.devicePixelRatio || 1;
+    return Math.max(levelFor(win.q1 - win.q0, box.height * ratio), levelFor(win.k1 - win.k0, box.width * ratio));
+  }
+
   // The tiles to paint, coarse under fine: the overview, then whatever cached tiles of this head
-  // meet the window, recoloured if the scale, the peak or the theme changed since.
+  // meet the window, recoloured if the scale, the peak or the theme changed since. Once the
+  // window's own tiles are all here, only they are drawn (the rest would be painted over).
   drawnTiles() {
     const L = this.long;
-    const { q0, q1, k0, k1 } = this.window();
+    const win = this.window();
+    const { q0, q1, k0, k1 } = win;
     const colourKey = `${this.current.scale}|${L.peak}|${themeName()}`;
-    const tiles = [];
-    if (L.base) tiles.push(L.base);
-    for (const [key, tile] of this.loader.cache) {
-      if (key.startsWith(L.prefix) && tile.q0 < q1 && tile.q1 > q0 && tile.k0 < k1 && tile.k1 > k0) tiles.push(tile);
+    const own = blocksFor(win, this.levelOf(win), L.T, L.causal).map((b) => this.loader.cache.get(this.tileKey(b)));
+    let tiles = [];
+    if (own.every(Boolean)) {
+      tiles = own;
+    } else {
+      if (L.base) tiles.push(L.base);
+      for (const [key, tile] of this.loader.cache) {
+        if (key.startsWith(L.prefix) && tile.q0 < q1 && tile.q1 > q0 && tile.k0 < k1 && tile.k1 > k0) tiles.push(tile);
+      }
+      tiles.sort((a, b) => b.w - a.w);
     }
-    tiles.sort((a, b) => b.w - a.w);
     for (const tile of tiles) {
       if (tile.colourKey === colourKey) continue;
       tile.image = paintBins(tile.image ?? document.createElement("canvas"), tile, this.current.scale, L.peak, L.causal);
@@ -200,8 +215,7 @@ export class TiledFocusView extends FocusView {
     const place = this.placement();
     if (!L || !place) return;
     const win = this.window();
-    const ratio = window.devicePixelRatio || 1;
-    const w = Math.max(levelFor(win.q1 - win.q0, place.box.height * ratio), levelFor(win.k1 - win.k0, place.box.width * ratio));
+    const w = this.levelOf(win);
     L.level = w;
     const spec = (block) => ({ ...block, key: this.tileKey(block), runId: L.runId, layer: L.layer, head: L.head });
     const specs = [];
