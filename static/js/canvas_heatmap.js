@@ -137,6 +137,11 @@ export class CanvasHeatmap {
     return { row, col };
   }
 
+  // What exports embed: the image and the cells it covers (edges at index ± 0.5), here all of them.
+  exportImage() {
+    return { source: this.dataUrl(), x: -0.5, y: -0.5, sizex: this.nCols, sizey: this.nRows };
+  }
+
   // The whole matrix as a PNG data URL for exports, each cell at least a few pixels wide so that
   // the exporter's scaling keeps blocks crisp (at most 2048 pixels a side).
   dataUrl() {

@@ -335,8 +335,7 @@ export class FocusView {
     const { nRows, nCols, scale, zmax } = this.current;
     const pal = palette();
     const cells = {
-      source: this.heatmap.dataUrl(), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: nCols, sizey: nRows,
-      xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
+      ...this.heatmap.exportImage(), xref: "x", yref: "y", xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
     const log = scale === "log";
     const trace = { ...this.figure().trace, zmax, showscale: true, colorbar: this.colorbar(log) };

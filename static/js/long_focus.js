@@ -7,9 +7,9 @@
 import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { ALL_LABELS, FocusView, MAX_FONT, shortLabel } from "./focus.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
-import { themeName } from "./theme.js";
+import { colorTable, themeName } from "./theme.js";
 
-const EXPORT_SIDE = 2048; // pixels a side of an exported long matrix
+const EXPORT_SIDE = 2048; // pixels a side of an exported window of a long run, at most
 const HOVER_PAUSE_MS = 60; // a resting pointer over a pooled cell asks for that cell's exact value
 const EXACT_KEPT = 512;
 
@@ -56,19 +56,21 @@ class TiledHeatmap extends CanvasHeatmap {
     ctx.restore();
   }
 
-  // A long matrix exports what the page has of it (the overview under the tiles in view), at most
-  // EXPORT_SIDE pixels a side: a T × T image at T = 8192 would be 268 MB.
-  dataUrl() {
-    if (!this.long) return super.dataUrl();
-    const k = EXPORT_SIDE / Math.max(this.nRows, this.nCols, 1);
+  // A long run exports the window in view (exportWindow, set by the focus), from the tiles it has,
+  // each cell a whole number of pixels while the window is at most 2048 cells a side, as short runs'
+  // exports are: a T × T image at T = 8192 would be 268 MB, and one pixel a cell blurs when zoomed.
+  exportImage() {
+    if (!this.long) return super.exportImage();
+    const { q0, q1, k0, k1 } = this.exportWindow;
+    const side = Math.max(q1 - q0, k1 - k0);
+    const k = side <= EXPORT_SIDE ? Math.max(1, Math.min(Math.ceil(1200 / side), Math.floor(EXPORT_SIDE / side))) : EXPORT_SIDE / side;
     const out = document.createElement("canvas");
-    out.width = Math.round(this.nCols * k);
-    out.height = Math.round(this.nRows * k);
+    out.width = Math.round((k1 - k0) * k);
+    out.height = Math.round((q1 - q0) * k);
     const ctx = out.getContext("2d");
     ctx.imageSmoothingEnabled = false;
-    const at = (v) => (v + 0.5) * k;
-    for (const tile of this.tiles) this.drawTile(ctx, tile, at, at);
-    return out.toDataURL("image/png");
+    for (const tile of this.tiles) this.drawTile(ctx, tile, (v) => (v - k0 + 0.5) * k, (v) => (v - q0 + 0.5) * k);
+    return { source: out.toDataURL("image/png"), x: k0 - 0.5, y: q0 - 0.5, sizex: k1 - k0, sizey: q1 - q0 };
   }
 }
 
@@ -190,7 +192,7 @@ export class TiledFocusView extends FocusView {
     const win = this.window();
     const { q0, q1, k0, k1 } = win;
     const colourKey = `${this.current.scale}|${L.peak}|${themeName()}`;
-    const own = blocksFor(win, this.levelOf(win), L.T, L.causal).map((b) => this.loader.cache.get(this.tileKey(b)));
+    const own = blocksFor(win, this.levelOf(win), L.T, L.causal).map((b) => (b.masked ? this.maskedTile(b) : this.loader.cache.get(this.tileKey(b))));
     let tiles = [];
     if (own.every(Boolean)) {
       tiles = own;
@@ -202,11 +204,24 @@ export class TiledFocusView extends FocusView {
       tiles.sort((a, b) => b.w - a.w);
     }
     for (const tile of tiles) {
-      if (tile.colourKey === colourKey) continue;
+      if (tile.masked || tile.colourKey === colourKey) continue;
       tile.image = paintBins(tile.image ?? document.createElement("canvas"), tile, this.current.scale, L.peak, L.causal);
       tile.colourKey = colourKey;
     }
     return tiles;
+  }
+
+  // A block wholly above a causal diagonal, in the masked colour (under the tiles Plotly's own
+  // background is the colour of weight 0).
+  maskedTile(block) {
+    const colour = colorTable()[256];
+    if (this.maskImage?.colour !== colour) {
+      const image = document.createElement("canvas");
+      image.width = image.height = 1;
+      image.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(Uint32Array.of(colour).buffer), 1, 1), 0, 0);
+      this.maskImage = { colour, image };
+    }
+    return { row0: block.q0, col0: block.k0, rows: block.q1 - block.q0, cols: block.k1 - block.k0, image: this.maskImage.image, w: block.w, masked: true };
   }
 
   // Asks for the tiles of the window in view at the screen's resolution; the rest are aborted.
@@ -221,7 +236,9 @@ export class TiledFocusView extends FocusView {
     const specs = [];
     // A mean has no overview: its coarsest tile (the whole run in one) comes first and sets the peak.
     if (!L.base) specs.push(...blocksFor({ q0: 0, q1: L.T, k0: 0, k1: L.T }, L.coarsest, L.T, false).map(spec));
-    for (const block of blocksFor(win, w, L.T, L.causal)) if (!specs.some((s) => s.key === this.tileKey(block))) specs.push(spec(block));
+    for (const block of blocksFor(win, w, L.T, L.causal)) {
+      if (!block.masked && !specs.some((s) => s.key === this.tileKey(block))) specs.push(spec(block));
+    }
     this.refineStart ??= performance.now(); // from the first of several refines before the tiles settle
     this.loader.want(specs);
     this.plot.dataset.level = String(w);
@@ -297,10 +314,16 @@ export class TiledFocusView extends FocusView {
     return this.longestLabel.px;
   }
 
+  download(format) {
+    if (this.long) this.heatmap.exportWindow = this.window();
+    return super.download(format);
+  }
+
   plotted(options) {
     if (!this.long) return super.plotted(options);
     const { nRows, nCols, zmax, scale, peak } = this.current;
-    const tiles = this.heatmap.tiles.map(({ q0, q1, k0, k1, w, nr, nc, pool }) => ({ q0, q1, k0, k1, w: Number.isFinite(w) ? w : null, nr, nc, pool }));
+    const tiles = this.heatmap.tiles.filter((t) => !t.masked)
+      .map(({ q0, q1, k0, k1, w, nr, nc, pool }) => ({ q0, q1, k0, k1, w: Number.isFinite(w) ? w : null, nr, nc, pool }));
     return { rows: nRows, cols: nCols, zmax, scale, peak, long: true, level: this.long.level, window: this.window(), tiles, pending: this.loader.pending };
   }
 

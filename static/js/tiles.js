@@ -101,16 +101,16 @@ export function levelFor(cells, pixels) {
   return w;
 }
 
-// The tiles of level w that cover the window; a causal run skips tiles wholly above the diagonal
-// (every cell masked). Nearest the window's centre first, so they arrive in that order.
+// The tiles of level w that cover the window, nearest the window's centre first (so they arrive in
+// that order); in a causal run those wholly above the diagonal are `masked` (never asked for).
 export function blocksFor({ q0, q1, k0, k1 }, w, T, causal) {
   const span = BLOCK * w;
   const blocks = [];
   for (let bi = Math.floor(q0 / span); bi * span < q1; bi++) {
     for (let bj = Math.floor(k0 / span); bj * span < k1; bj++) {
       const block = { w, q0: bi * span, q1: Math.min(T, (bi + 1) * span), k0: bj * span, k1: Math.min(T, (bj + 1) * span) };
-      if (causal && block.k0 > block.q1 - 1) continue;
-      if (w > 1) Object.assign(block, { rows: Math.ceil((block.q1 - block.q0) / w), cols: Math.ceil((block.k1 - block.k0) / w) });
+      if (causal && block.k0 > block.q1 - 1) block.masked = true;
+      else if (w > 1) Object.assign(block, { rows: Math.ceil((block.q1 - block.q0) / w), cols: Math.ceil((block.k1 - block.k0) / w) });
       blocks.push(block);
     }
   }

@@ -168,6 +168,21 @@ def visible_labels(page, axis):
                          ".filter(g => g.style.display !== 'none').map(g => g.querySelector('text').textContent)", axis)
 
 
+# Whether the cell's pixel has the masked colour.
+MASKED_PIXEL = """async ([row, col]) => {
+    const gd = document.getElementById('focus-plot');
+    const drag = gd.querySelector('.nsewdrag').getBoundingClientRect();
+    const canvas = gd.querySelector('canvas.heatmap-canvas');
+    const box = canvas.getBoundingClientRect();
+    const px = Math.floor((drag.left + gd._fullLayout.xaxis.l2p(col) - box.left) * canvas.width / box.width);
+    const py = Math.floor((drag.top + gd._fullLayout.yaxis.l2p(row) - box.top) * canvas.height / box.height);
+    const [r, g, b, a] = canvas.getContext('2d').getImageData(px, py, 1, 1).data;
+    const { colorTable } = await import('/static/js/theme.js');
+    const m = colorTable()[256];
+    return a === 255 && r === (m & 255) && g === ((m >> 8) & 255) && b === ((m >> 16) & 255);
+}"""
+
+
 def assert_never_whole(urls, T):
     for url in urls:
         path = urlsplit(url).path
@@ -222,6 +237,8 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
         assert text.startswith(f"{mock.tokens[q]['piece']} → {mock.tokens[k]['piece']}: ")
         assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=6e-4)
     assert hover_cell(page, 1001, 1020).endswith(": masked")
+    # (1010, 1026) lies in a tile wholly above the diagonal, never fetched: painted masked all the same.
+    assert page.evaluate(MASKED_PIXEL, [1010, 1026])
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-zoomed.png"))
     # The export embeds what the page has of the matrix, at most 2048 pixels a side.
     with page.expect_download() as download:
@@ -336,14 +353,14 @@ def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
         loader.want(['c', 'd'].map((key) => ({ key })));
         return { started, aborted, arrived, cached: [...loader.cache.keys()], requested: loader.requested,
                  level: [levelFor(8192, 700), levelFor(40, 700)],
-                 blocks: blocksFor({ q0: 0, q1: 2048, k0: 0, k1: 2048 }, 4, 2048, true).map((b) => [b.q0, b.k0, b.rows]) };
+                 blocks: blocksFor({ q0: 0, q1: 2048, k0: 0, k1: 2048 }, 4, 2048, true).map((b) => [b.q0, b.k0, b.rows ?? null, Boolean(b.masked)]) };
     }""")
     assert result["started"] == ["a", "b", "c", "d"]
     assert sorted(result["aborted"]) == ["a", "b"]
     assert sorted(result["arrived"]) == ["c", "d"] and result["requested"] == 4  # the cache answers the second want
     assert result["level"] == [16, 1]
-    # Causal: the block above the diagonal is never asked for.
-    assert sorted(result["blocks"]) == [[0, 0, 256], [1024, 0, 256], [1024, 1024, 256]]
+    # Causal: the block above the diagonal is masked, never asked for (the page paints it masked).
+    assert sorted(result["blocks"]) == [[0, 0, 256, False], [0, 1024, None, True], [1024, 0, 256, False], [1024, 1024, 256, False]]
 
 
 # ---- against the real server: a random llama whose inputs above dense_max_tokens keep q and k ----
