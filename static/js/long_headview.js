@@ -22,6 +22,13 @@ export class LongHeadView {
 
   // heads: [{ head, color }]; q0..q1: the query rows shown; labels/titles/special: per token.
   async render({ run, layer, heads, q0, q1, labels, titles, special }) {
+    // A pan along the keys keeps the rows: the lines stay as they are.
+    const key = JSON.stringify([run.runId, layer, heads, q0, q1]);
+    if (key === this.key && labels === this.labels && this.container.contains(this.canvas)) {
+      this.draw(null);
+      return true;
+    }
+    this.key = null;
     this.controller?.abort();
     const controller = (this.controller = new AbortController());
     let rows;
@@ -75,6 +82,8 @@ export class LongHeadView {
     this.hook(this.left, "query");
     this.hook(this.right, "key");
     this.draw(null);
+    this.key = key;
+    this.labels = labels;
     return true;
   }
 
