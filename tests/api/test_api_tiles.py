@@ -465,3 +465,20 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
     finally:
         api.__exit__(None, None, None)
 
+
+
+def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
+    """An 8k-position model warmed up at its full length would make 19 GB of weights."""
+    from manyeyes.app.services.registry import warm_up
+
+    model = model_of(tiles_api, "tiny-gpt")  # 256 positions, one token a byte
+    real, lengths = model.run, []
+
+    def counting(batch, *args, **kwargs):
+        lengths.extend(len(e) for e in batch)
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(model, "run", counting)
+    warm_up(model, 40)
+    warm_up(model, 4096)
+    assert 30 <= lengths[0] <= 40 and lengths[1] == model.info.max_tokens
