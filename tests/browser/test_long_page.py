@@ -284,6 +284,17 @@ def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(serv
     text = page.locator("#tooltip").text_content().split("\n")[0]
     assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[q, k]), abs=6e-4)
     assert (q, q + 1, k, k + 1, None) in tile_windows(mock.requests)
+    # Beyond 64 tokens in view not every row is labelled: pointing at the labels' margin names the one there.
+    point = page.evaluate("""() => {
+        const gd = document.getElementById('focus-plot');
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        return [box.left - 12, box.top + gd._fullLayout.yaxis.l2p(777)];
+    }""")
+    page.mouse.move(*point)
+    page.wait_for_function("() => document.getElementById('tooltip').textContent.startsWith('query ')")
+    row = int(page.locator("#tooltip").text_content().split(":")[0].split()[1])
+    assert abs(row - 777) <= 4
+    assert page.locator("#tooltip").text_content().split("\n")[0] == f"query {row}: {mock.tokens[row]['piece']}"
     # A step to the next head paints its overview and asks for its own tiles.
     page.focus("#focus-plot")
     page.keyboard.press("ArrowRight")
