@@ -59,7 +59,7 @@ async def run_info(run_id: str, tiles: TilesDep) -> RunInfo:
     return RunInfo.model_validate(tiles.info(run_id))
 
 
-@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422)})
+@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
 async def run_tile(
     run_id: str,
     tiles: TilesDep,
@@ -84,7 +84,7 @@ async def run_tile(
     return answered(request, await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request)))
 
 
-@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422)})
+@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
 async def run_topk(
     run_id: str,
     tiles: TilesDep,
@@ -101,7 +101,7 @@ async def run_topk(
     return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request)))
 
 
-@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422)})
+@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
 async def run_overview(
     run_id: str,
     tiles: TilesDep,

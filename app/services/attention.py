@@ -104,6 +104,7 @@ class AttentionService:
         self.metrics = metrics
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
         self.renders = asyncio.Semaphore(settings.max_concurrent_renders)
+        self.tiles_in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )

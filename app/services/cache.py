@@ -48,8 +48,7 @@ class Run:
             return held + self.kept.nbytes  # queries, keys, row statistics, overview
         held += self.attention.numel() * self.attention.element_size()
         # A short run's DenseAttention shares that tensor and adds its overview, once made.
-        overview = getattr(self.kept, "_overview", None)
-        return held + (overview.values.numel() * overview.values.element_size() if overview is not None else 0)
+        return held + self.kept.overview_nbytes
 
 
 def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService, Reply, Wire, resolve_indices
 from manyeyes.app.services.cache import Run
-from manyeyes.app.services.errors import InvalidInput, TooManyCells
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import DTYPES, U8_SCALE, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.attention import bin_edges
@@ -183,9 +183,17 @@ class TileService:
             encoding = self.attention.compression.choose(wire.accept_encoding, sum(map(len, pieces)), text)
             return self.attention.compression.apply(encoding, pieces), media, encoding
 
+        # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, 429.
+        service = self.attention
+        if service.tiles_in_flight >= self.settings.max_queue:
+            raise QueueFull(f"{service.tiles_in_flight} tile requests are already waiting; retry shortly", 1)
         started = time.perf_counter()
-        async with self.attention.renders:
-            body, media, encoding = await run_in_threadpool(build)
+        service.tiles_in_flight += 1
+        try:
+            async with service.renders:
+                body, media, encoding = await run_in_threadpool(build)
+        finally:
+            service.tiles_in_flight -= 1
         headers = {"Vary": "Accept, Accept-Encoding"}
         if encoding:
             headers["Content-Encoding"] = encoding

@@ -347,6 +347,18 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
     assert_error(tiles_api.get(f"/api/v1/runs/{unknown}"), 404, unknown)
 
 
+def test_tile_work_waiting_is_bounded(tiles_api, monkeypatch):
+    run_id = post_qk(tiles_api, "tiny-gpt", LONG)["run_id"]
+    service = tiles_api.app.state.service
+    monkeypatch.setattr(service, "tiles_in_flight", service.settings.max_queue)
+    r = get(tiles_api, run_id, "tile", layer=0, head=0, rows=4, cols=4)
+    assert_error(r, 429, "tile requests")
+    assert r.headers["retry-after"] == "1"
+    monkeypatch.setattr(service, "tiles_in_flight", 0)
+    assert get(tiles_api, run_id, "tile", layer=0, head=0, rows=4, cols=4).status_code == 200
+    assert service.tiles_in_flight == 0  # released after the answer
+
+
 def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):
     run_id = post_qk(tiles_api, "tiny-gpt", LONG)["run_id"]
     for path in ("attention", "mean", "measures?names=rollout", "flow", "neuron?layer=0&head=0&query=1"):
@@ -453,3 +465,20 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
     finally:
         api.__exit__(None, None, None)
 
+
+
+def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
+    """An 8k-position model warmed up at its full length would make 19 GB of weights."""
+    from manyeyes.app.services.registry import warm_up
+
+    model = model_of(tiles_api, "tiny-gpt")  # 256 positions, one token a byte
+    real, lengths = model.run, []
+
+    def counting(batch, *args, **kwargs):
+        lengths.extend(len(e) for e in batch)
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(model, "run", counting)
+    warm_up(model, 40)
+    warm_up(model, 4096)
+    assert 30 <= lengths[0] <= 40 and lengths[1] == model.info.max_tokens
