@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+from itertools import islice
 import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
@@ -15,6 +16,16 @@ from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
+
+# Work of one input of n tokens, in units whose forward time is roughly proportional: n^2 for the
+# attention (scores, softmax, the weights kept), 64 n for the rest (projections, feed-forward).
+# 64 is where the two met for MiniLM on the CPU (a fit of 16..512-token forwards); the measured
+# rate below absorbs the rest, batching and padding included.
+LINEAR_TOKENS = 64
+
+
+def work_units(n_tokens: int) -> int:
+    return n_tokens * (n_tokens + LINEAR_TOKENS)
 
 
 @dataclass
@@ -35,6 +46,28 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
+    @property
+    def units(self) -> int:
+        return work_units(len(self.encoded))
+
+
+class WorkRate:
+    """Work units a model's forwards get through per second, from its recent batches (sums that
+    decay by half every few forwards, so long batches weigh as much as their time)."""
+
+    DECAY = 0.8
+
+    def __init__(self) -> None:
+        self.units = 0.0
+        self.seconds = 0.0
+
+    def observe(self, units: int, seconds: float) -> None:
+        self.units = self.DECAY * self.units + units
+        self.seconds = self.DECAY * self.seconds + seconds
+
+    def seconds_for(self, units: float) -> float | None:
+        return units * self.seconds / self.units if self.units > 0 and self.seconds > 0 else None
+
 
 class Batcher:
     """Owns one device. Admission is counted from the moment a request is accepted (before it is
@@ -44,7 +77,12 @@ class Batcher:
 
     Fair shares: each client (API key, else address) has its own queue and at most
     `max_client_queue` inputs in the system; batches are filled round-robin across clients, so
-    one client's flood delays another's request by at most the batch already running."""
+    one client's flood delays another's request by at most the batch already running.
+
+    Admission by work: an input is queued only if the work ahead of it (in round-robin order, so
+    only its own client's backlog counts in full) plus its own can be done, at the model's recent
+    forward rate, within `work_fraction` of the request's remaining budget; otherwise 429 at once,
+    rather than a 504 once the budget is spent. An input with nothing ahead is always queued."""
 
     def __init__(
         self,
@@ -59,6 +97,7 @@ class Batcher:
         device_quantise: bool = False,
         copier: HostCopier | None = None,
         max_batch_cells: int | None = None,
+        work_fraction: float = 0.0,
     ) -> None:
         self.device = device
         self.metrics = metrics
@@ -70,6 +109,7 @@ class Batcher:
         self.max_client_queue = max_client_queue or max_queue
         self.device_quantise = device_quantise
         self.max_batch_cells = max_batch_cells
+        self.work_fraction = work_fraction  # 0: admission by count only
         self.copier = copier or HostCopier()
         # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
         self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
@@ -81,6 +121,8 @@ class Batcher:
         self._closed = False
         self._forward_ewma_s = 0.05
         self._last_batch = 0
+        self._rates: dict[str, WorkRate] = {}  # model id -> its recent forward rate
+        self._running_batch: tuple[float, float] | None = None  # (started, expected seconds) of the forward under way
         self._thread = threading.Thread(target=self._loop, name=f"manyeyes-forward-{device}", daemon=True)
         self._thread.start()
 
@@ -121,22 +163,67 @@ class Batcher:
 
     def submit(self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json") -> Future:
         """Hand one admitted input to the worker; the future resolves to a Done."""
-        job = Job(model, encoded, deadline, client, fmt)
+        return self.submit_all(model, [encoded], deadline, client, fmt)[0]
+
+    def submit_all(
+        self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json"
+    ) -> list[Future]:
+        """Hand admitted inputs of one request to the worker, all or none: QueueFull (429) when the
+        work ahead would not let them finish before the deadline (the caller releases them)."""
+        jobs = [Job(model, e, deadline, client, fmt) for e in encoded]
         with self._cond:
-            self._admitted -= 1
             if self._closed:
-                self._leave(client)
-                job.future.set_exception(NotReady("the server is shutting down"))
-                return job.future
-            self._pending.setdefault(client, deque()).append(job)
-            self._n_pending += 1
-            self.metrics.queue_depth.inc()
+                raise NotReady("the server is shutting down")
+            self._check_work(jobs, deadline)
+            self._admitted -= len(jobs)
+            self._pending.setdefault(client, deque()).extend(jobs)
+            self._n_pending += len(jobs)
+            self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify_all()
         # A client that goes away cancels its future: free its place in the queue at once. The
         # callback takes the future, not the job: job -> future -> callback -> job would be a
         # cycle that keeps every finished result's attention alive until a full gc.
-        job.future.add_done_callback(self._forget_cancelled)
-        return job.future
+        for job in jobs:
+            job.future.add_done_callback(self._forget_cancelled)
+        return [job.future for job in jobs]
+
+    def wait_ahead_s(self, jobs: list[Job]) -> float | None:
+        """Seconds until these jobs (all of one client and model) would be done, at the recent
+        forward rates; None while the model has no measured forward yet. Round-robin serves each
+        client's i-th job in turn i, so of another client's queue only as many jobs count as
+        this client will have queued, counting the new ones."""
+        client = jobs[0].client
+        own_rate = self._rates.get(jobs[0].model.info.id)
+        if own_rate is None:
+            return None
+        mine = self._pending.get(client, ())
+        turns = len(mine) + len(jobs)
+        seconds = 0.0
+        for other, queue in self._pending.items():
+            ahead = queue if other == client else islice(queue, turns)
+            for job in ahead:
+                rate = self._rates.get(job.model.info.id)
+                seconds += (rate.seconds_for(job.units) or 0.0) if rate else 0.0
+        seconds += own_rate.seconds_for(sum(job.units for job in jobs)) or 0.0
+        if self._running_batch is not None:
+            started, expected = self._running_batch
+            seconds += max(0.0, expected - (time.monotonic() - started))
+        return seconds
+
+    def _check_work(self, jobs: list[Job], deadline: float) -> None:
+        if not self.work_fraction or not (self._pending or self._running_batch):
+            return  # nothing ahead: it runs next, whatever its size
+        needed = self.wait_ahead_s(jobs)
+        if needed is None:
+            return
+        allowed = self.work_fraction * (deadline - time.monotonic())
+        if needed > allowed:
+            self.metrics.dropped.labels("work").inc(len(jobs))
+            raise QueueFull(
+                f"the server has about {needed:.1f} s of work queued for this request, more than its "
+                f"{allowed:.1f} s budget allows; retry shortly",
+                max(1, math.ceil(needed - allowed)),
+            )
 
     def _forget_cancelled(self, future: Future) -> None:
         if not future.cancelled():
@@ -224,6 +311,9 @@ class Batcher:
                     self._pending.move_to_end(client)
             self.metrics.queue_depth.dec(len(batch))
             self._running += len(batch)
+            rate = self._rates.get(model.info.id)
+            expected = rate.seconds_for(sum(job.units for job in batch)) if rate else None
+            self._running_batch = (time.monotonic(), expected or 0.0)
             return batch
 
     def _loop(self) -> None:
@@ -231,7 +321,11 @@ class Batcher:
             batch = self._next_batch()
             if batch is None:
                 break
-            self._run(batch)
+            try:
+                self._run(batch)
+            finally:
+                with self._cond:
+                    self._running_batch = None
         with self._cond:
             leftovers = [job for queue in self._pending.values() for job in queue]
             self._pending.clear()
@@ -285,6 +379,8 @@ class Batcher:
             return
         forward_s = time.monotonic() - started
         self._forward_ewma_s = 0.8 * self._forward_ewma_s + 0.2 * forward_s
+        with self._cond:
+            self._rates.setdefault(model.info.id, WorkRate()).observe(sum(job.units for job in live), forward_s)
         name = model.info.id
         self.metrics.forward.labels(name).observe(forward_s)
         self.metrics.batch_size.labels(name).observe(len(live))
