@@ -200,9 +200,9 @@ class AttentionService:
             chars = sum(len(i.text) + len(i.text_pair or "") for i in missing)
             await off_loop_unless_small(chars <= INLINE_CHARS, self._tokenize, served, missing, truncate)
             self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
-            submitted_futures = batcher.submit_all(served.model, [i.encoded for i in missing], deadline, client, view.format)
+            queued = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format)
             submitted = len(missing)
-            futures = [asyncio.wrap_future(f) for f in submitted_futures]
+            futures = [asyncio.wrap_future(f) for f in queued]
         finally:
             batcher.release(len(missing) - submitted, client)
         try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 import threading
-from itertools import islice
 import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import islice
 
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
@@ -19,13 +19,19 @@ from manyeyes.model.tokenizer import Encoded
 
 # Work of one input of n tokens, in units whose forward time is roughly proportional: n^2 for the
 # attention (scores, softmax, the weights kept), 64 n for the rest (projections, feed-forward).
-# 64 is where the two met for MiniLM on the CPU (a fit of 16..512-token forwards); the measured
-# rate below absorbs the rest, batching and padding included.
+# 64 is where the two met for MiniLM on the CPU (a fit of 16..512-token forwards). Rows shorter
+# than 64 tokens count as 64: their cost is the per-row and per-token part, which padding them
+# that far hardly changes. The measured rate (WorkRate) and the calibration absorb the rest.
 LINEAR_TOKENS = 64
+# A job beyond its client's first joins a batch only if the batch's padded work stays within
+# this factor of the work its rows need: one 512-token row padding fifteen short ones to 512
+# made a forward take ten times its rows' work, and the estimates of everything behind it wrong.
+PADDING_SLACK = 1.5
 
 
 def work_units(n_tokens: int) -> int:
-    return n_tokens * (n_tokens + LINEAR_TOKENS)
+    n = max(n_tokens, LINEAR_TOKENS)
+    return n * (n + LINEAR_TOKENS)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Job:
     fmt: str = "json"  # the precision its answer needs, when attention is quantised on the device
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
+    estimate_s: float | None = None  # uncalibrated wait for its answer, estimated when it was queued
 
     @property
     def units(self) -> int:
@@ -53,7 +60,7 @@ class Job:
 
 class WorkRate:
     """Work units a model's forwards get through per second, from its recent batches (sums that
-    decay by half every few forwards, so long batches weigh as much as their time)."""
+    decay by a fifth every forward, so long batches weigh as much as their time)."""
 
     DECAY = 0.8
 
@@ -79,10 +86,12 @@ class Batcher:
     `max_client_queue` inputs in the system; batches are filled round-robin across clients, so
     one client's flood delays another's request by at most the batch already running.
 
-    Admission by work: an input is queued only if the work ahead of it (in round-robin order, so
-    only its own client's backlog counts in full) plus its own can be done, at the model's recent
-    forward rate, within `work_fraction` of the request's remaining budget; otherwise 429 at once,
-    rather than a 504 once the budget is spent. An input with nothing ahead is always queued."""
+    Admission by work: inputs are queued only if the work ahead of them (in round-robin order,
+    so only their own client's backlog counts in full) plus their own can be done, at the
+    model's recent forward rate, within `work_fraction` of the request's remaining budget;
+    otherwise 429 at once, rather than a 504 once the budget is spent. Estimates are calibrated
+    by how long answers really took against what was estimated for them (contention from other
+    processes, padding). Inputs with nothing ahead are always queued."""
 
     def __init__(
         self,
@@ -123,6 +132,7 @@ class Batcher:
         self._last_batch = 0
         self._rates: dict[str, WorkRate] = {}  # model id -> its recent forward rate
         self._running_batch: tuple[float, float] | None = None  # (started, expected seconds) of the forward under way
+        self._calibration = 1.0  # recent answers' real wait over their estimate
         self._thread = threading.Thread(target=self._loop, name=f"manyeyes-forward-{device}", daemon=True)
         self._thread.start()
 
@@ -161,15 +171,10 @@ class Batcher:
         if self._per_client[client] <= 0:
             del self._per_client[client]
 
-    def submit(self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json") -> Future:
-        """Hand one admitted input to the worker; the future resolves to a Done."""
-        return self.submit_all(model, [encoded], deadline, client, fmt)[0]
-
-    def submit_all(
-        self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json"
-    ) -> list[Future]:
-        """Hand admitted inputs of one request to the worker, all or none: QueueFull (429) when the
-        work ahead would not let them finish before the deadline (the caller releases them)."""
+    def submit(self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json") -> list[Future]:
+        """Hand admitted inputs of one request to the worker, all or none; each future resolves
+        to a Done. QueueFull (429) when the work ahead would not let them finish before the
+        deadline; NotReady (503) when shutting down. Either way the caller releases them."""
         jobs = [Job(model, e, deadline, client, fmt) for e in encoded]
         with self._cond:
             if self._closed:
@@ -189,33 +194,31 @@ class Batcher:
 
     def wait_ahead_s(self, jobs: list[Job]) -> float | None:
         """Seconds until these jobs (all of one client and model) would be done, at the recent
-        forward rates; None while the model has no measured forward yet. Round-robin serves each
-        client's i-th job in turn i, so of another client's queue only as many jobs count as
-        this client will have queued, counting the new ones."""
+        forward rates and before calibration; None while the model has no measured forward yet.
+        Round-robin serves each client's i-th job in turn i, so of another client's queue only
+        as many jobs count as this client will have queued, counting the new ones."""
         client = jobs[0].client
         own_rate = self._rates.get(jobs[0].model.info.id)
         if own_rate is None:
             return None
-        mine = self._pending.get(client, ())
-        turns = len(mine) + len(jobs)
-        seconds = 0.0
+        turns = len(self._pending.get(client, ())) + len(jobs)
+        seconds = own_rate.seconds_for(sum(job.units for job in jobs)) or 0.0
         for other, queue in self._pending.items():
-            ahead = queue if other == client else islice(queue, turns)
-            for job in ahead:
+            for job in queue if other == client else islice(queue, turns):
                 rate = self._rates.get(job.model.info.id)
                 seconds += (rate.seconds_for(job.units) or 0.0) if rate else 0.0
-        seconds += own_rate.seconds_for(sum(job.units for job in jobs)) or 0.0
         if self._running_batch is not None:
             started, expected = self._running_batch
             seconds += max(0.0, expected - (time.monotonic() - started))
         return seconds
 
     def _check_work(self, jobs: list[Job], deadline: float) -> None:
-        if not self.work_fraction or not (self._pending or self._running_batch):
-            return  # nothing ahead: it runs next, whatever its size
-        needed = self.wait_ahead_s(jobs)
-        if needed is None:
-            return
+        estimate = self.wait_ahead_s(jobs)
+        for job in jobs:
+            job.estimate_s = estimate
+        if estimate is None or not self.work_fraction or not (self._pending or self._running_batch):
+            return  # no rate measured yet, admission by count only, or nothing ahead: it runs next
+        needed = estimate * self._calibration
         allowed = self.work_fraction * (deadline - time.monotonic())
         if needed > allowed:
             self.metrics.dropped.labels("work").inc(len(jobs))
@@ -224,6 +227,13 @@ class Batcher:
                 f"{allowed:.1f} s budget allows; retry shortly",
                 max(1, math.ceil(needed - allowed)),
             )
+
+    def _calibrate(self, jobs: list[Job], now: float) -> None:
+        """Fold how long these answers took, against their estimates, into the calibration."""
+        ratios = [(now - job.enqueued) / job.estimate_s for job in jobs if job.estimate_s and job.estimate_s > 0.01]
+        if ratios:
+            observed = sum(ratios) / len(ratios)
+            self._calibration = min(max(0.7 * self._calibration + 0.3 * observed, 0.5), 20.0)
 
     def _forget_cancelled(self, future: Future) -> None:
         if not future.cancelled():
@@ -264,6 +274,7 @@ class Batcher:
         oldest first); True when some had to be left out."""
         chosen: list[Job] = []
         width = 0
+        needed = 0  # work units of the chosen rows, unpadded
         left_out = False
         # Attention weights a row of width w holds: layers x heads x w x w (float32 on the device).
         per_pair = model.info.n_layers * model.info.n_heads
@@ -276,10 +287,14 @@ class Batcher:
                 wider = max(width, len(job.encoded))
                 rows = len(chosen) + 1
                 over_cells = self.max_batch_cells is not None and rows * per_pair * wider * wider > self.max_batch_cells
-                if chosen and (wider * rows > self.max_batch_tokens or len(chosen) >= self.max_batch_items or over_cells):
+                # Each client's first job rides whatever its length (the fair-share bound),
+                # the others only where they do not make the batch mostly padding.
+                wasteful = turn > 0 and rows * work_units(wider) > PADDING_SLACK * (needed + job.units)
+                if chosen and (wider * rows > self.max_batch_tokens or len(chosen) >= self.max_batch_items or over_cells or wasteful):
                     left_out = True
                     continue
                 chosen.append(job)
+                needed += job.units
                 width = wider
         return chosen, left_out
 
@@ -381,6 +396,7 @@ class Batcher:
         self._forward_ewma_s = 0.8 * self._forward_ewma_s + 0.2 * forward_s
         with self._cond:
             self._rates.setdefault(model.info.id, WorkRate()).observe(sum(job.units for job in live), forward_s)
+            self._calibrate(live, started + forward_s)
         name = model.info.id
         self.metrics.forward.labels(name).observe(forward_s)
         self.metrics.batch_size.labels(name).observe(len(live))

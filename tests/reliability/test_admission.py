@@ -47,7 +47,7 @@ def test_only_the_clients_own_backlog_counts_in_full(batcher):
     assert batcher.wait_ahead_s([job("quiet", 16)]) == pytest.approx(3.0)
     # The flooder waits for its ten, and for the other client's three served in the same rounds.
     assert batcher.wait_ahead_s([job("flood", 16)]) == pytest.approx(14.0)
-    # Work grows with the square of the length: a 512-token input is worth 230 short ones.
+    # Work grows with the square of the length: a 512-token input is worth 36 short ones.
     assert batcher.wait_ahead_s([job("quiet", 512)]) == pytest.approx(2.0 + work_units(512) / work_units(16))
 
 
@@ -77,15 +77,15 @@ def test_no_estimate_until_the_model_has_run(batcher):
     batcher._check_work([job("flood", 16)], time.monotonic() + 1)  # admitted: no rate to judge by yet
 
 
-SAME_LENGTH = [f"The heron number {n} waited on the bank." for n in range(10, 18)]
+SAME_LENGTH = [f"The heron number {n} waited on the bank." for n in range(10, 16)]
 
 
 def burst_against(budget_s: float, delay_s: float, fraction: float):
     # Warmed up as `manyeyes serve` is, so the first forward does not pay one-time costs.
     with live_server(debug_forward_delay_s=delay_s, request_timeout_s=budget_s, max_batch_items=1, cache_bytes=0,
                      work_budget_fraction=fraction, warmup=True) as server:
-        first = asyncio.run(burst(server.url, ["A first request measures the forward rate."]))
-        assert first[0][0].status_code == 200
+        for text in ("The heron number 8 waited on the bank.", "The heron number 9 waited on the bank."):
+            assert asyncio.run(burst(server.url, [text]))[0][0].status_code == 200  # measures the forward rate
         replies = asyncio.run(burst(server.url, SAME_LENGTH))
         server.batcher.forward_delay_s = 0
         return server, replies, server.metric("manyeyes_dropped_total", reason="work")
@@ -93,16 +93,18 @@ def burst_against(budget_s: float, delay_s: float, fraction: float):
 
 @pytest.mark.slow
 def test_a_burst_beyond_the_budget_gets_early_429s_instead_of_504s():
-    # Each forward takes 0.5 s (one input each), the budget is 2.5 s: of 8 simultaneous requests
-    # about four can finish in time. Without admission by work the rest wait out their budget.
-    budget, delay = 2.5, 0.5
+    # Each forward takes 2 s (one input each), the budget is 7 s: of 6 simultaneous requests two
+    # or three can finish in time (0.8 x 7 s is the estimate's allowance). Without admission by
+    # work the rest wait out their budget. The delay dwarfs the real forward (milliseconds), so
+    # the outcome does not hang on the machine's load, up to a second of jitter per forward.
+    budget, delay = 7.0, 2.0
     server, replies, dropped = burst_against(budget, delay, 0.8)
     statuses = [r.status_code for r, _ in replies]
+    print("admission by work:", statuses, [round(t, 2) for _, t in replies], "calibration", server.batcher._calibration)
     assert set(statuses) <= {200, 429}, statuses
     served = [(r, t, text) for (r, t), text in zip(replies, SAME_LENGTH) if r.status_code == 200]
     refused = [(r, t) for r, t in replies if r.status_code == 429]
-    print("admission by work:", statuses, [round(t, 2) for _, t in replies])
-    assert 2 <= len(served) <= 4 and refused, statuses
+    assert 1 <= len(served) <= 3 and refused, statuses
     for r, t in refused:
         err = assert_json_error(r, 429)
         assert err["code"] == "queue_full" and "work queued" in err["message"]
@@ -118,3 +120,29 @@ def test_a_burst_beyond_the_budget_gets_early_429s_instead_of_504s():
     statuses = [r.status_code for r, _ in replies]
     print("admission by count:", statuses, [round(t, 2) for _, t in replies])
     assert 504 in statuses and 429 not in statuses and dropped == 0, statuses
+
+
+def test_a_clients_later_jobs_do_not_pad_a_batch_to_waste_but_its_first_always_rides(batcher):
+    backlog(batcher, [job("flood", 20), job("flood", 512), job("flood", 30), job("flood", 400), job("quiet", 500)])
+    chosen, left_out = batcher._select(MODEL)
+    # flood's first (20) and quiet's first (500: its only one, whatever the padding) ride; flood's
+    # 512 and 400 would pad the short ones up, its 30 would be padded to 500.
+    assert [len(j.encoded) for j in chosen] == [20, 500] and left_out
+    batcher._pending.clear()
+    backlog(batcher, [job("flood", n) for n in (300, 400, 20, 350)])
+    assert [len(j.encoded) for j in batcher._select(MODEL)[0]] == [300, 400, 350]
+
+
+def test_estimates_are_calibrated_by_how_long_answers_really_took(batcher):
+    backlog(batcher, [job("flood", 16) for _ in range(4)])
+    late = [job("quiet", 16) for _ in range(3)]
+    for j in late:
+        j.estimate_s, j.enqueued = 1.0, time.monotonic() - 4.0  # estimated 1 s, took 4
+    for _ in range(10):
+        batcher._calibrate(late, time.monotonic())
+    assert batcher._calibration == pytest.approx(4.0, rel=0.05)
+    # 2 s of raw estimate now reads as 8 s: over 0.8 x 9 s.
+    with pytest.raises(QueueFull):
+        batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
+    batcher._calibration = 1.0
+    batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
