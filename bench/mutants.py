@@ -84,8 +84,7 @@ MUTANTS = [
            ("tests/test_tiny_gpt.py", "-k", "previous_token")),
     # ---- app/
     Mutant("u8-scaled-by-256", "app/services/payload.py",
-           "np.multiply(rows[start : start + step], 255.0, out=chunk)",
-           "np.multiply(rows[start : start + step], 256.0, out=chunk)",
+           "torch.mul(attention[i], 255.0, out=buf)", "torch.mul(attention[i], 256.0, out=buf)",
            ("tests/api/test_api_formats.py",)),
     Mutant("f16-column-major", "app/services/payload.py",
            "halves = attention.to(torch.float16).numpy()",
