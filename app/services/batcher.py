@@ -229,11 +229,14 @@ class Batcher:
             )
 
     def _calibrate(self, jobs: list[Job], now: float) -> None:
-        """Fold how long these answers took, against their estimates, into the calibration."""
-        ratios = [(now - job.enqueued) / job.estimate_s for job in jobs if job.estimate_s and job.estimate_s > 0.01]
-        if ratios:
-            observed = sum(ratios) / len(ratios)
-            self._calibration = min(max(0.7 * self._calibration + 0.3 * observed, 0.5), 20.0)
+        """Fold how long these answers took, against their estimates, into the calibration. A ratio
+        of sums, so that a job estimated at a few milliseconds (nothing ahead of it when it came)
+        that then waited for a long forward cannot swing it by itself."""
+        timed = [job for job in jobs if job.estimate_s]
+        estimated = sum(job.estimate_s for job in timed)
+        if estimated > 0.05:
+            observed = sum(now - job.enqueued for job in timed) / estimated
+            self._calibration = min(max(0.7 * self._calibration + 0.3 * min(observed, 10.0), 0.5), 10.0)
 
     def _forget_cancelled(self, future: Future) -> None:
         if not future.cancelled():
