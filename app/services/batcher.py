@@ -14,6 +14,7 @@ from itertools import islice
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
+from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
 
@@ -49,6 +50,7 @@ class Job:
     deadline: float  # time.monotonic() after which the work is no longer wanted
     client: str = ""  # whose share of the queue it counts against (API key, else address)
     fmt: str = "json"  # the precision its answer needs, when attention is quantised on the device
+    keep: bool = False  # keep queries and keys (a long input), not the weights: runs in a forward of its own
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
     estimate_s: float | None = None  # uncalibrated wait for its answer, estimated when it was queued
@@ -171,11 +173,16 @@ class Batcher:
         if self._per_client[client] <= 0:
             del self._per_client[client]
 
-    def submit(self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json") -> list[Future]:
+    def submit(
+        self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json",
+        keep: list[bool] | None = None,
+    ) -> list[Future]:
         """Hand admitted inputs of one request to the worker, all or none; each future resolves
-        to a Done. QueueFull (429) when the work ahead would not let them finish before the
-        deadline; NotReady (503) when shutting down. Either way the caller releases them."""
-        jobs = [Job(model, e, deadline, client, fmt) for e in encoded]
+        to a Done. `keep[i]`: input i keeps queries and keys (a long input), not the weights.
+        QueueFull (429) when the work ahead would not let them finish before the deadline;
+        NotReady (503) when shutting down. Either way the caller releases them."""
+        keep = keep or [False] * len(encoded)
+        jobs = [Job(model, e, deadline, client, fmt, k) for e, k in zip(encoded, keep)]
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
@@ -272,16 +279,20 @@ class Batcher:
     def _oldest(self) -> Job:
         return min((queue[0] for queue in self._pending.values()), key=lambda job: job.enqueued)
 
-    def _select(self, model: AttentionModel) -> tuple[list[Job], bool]:
+    def _select(self, model: AttentionModel, keep: bool = False) -> tuple[list[Job], bool]:
         """Jobs of one model that fit the token budget, one per client in turn (each client's
-        oldest first); True when some had to be left out."""
+        oldest first); True when some had to be left out. A long input that keeps its queries
+        and keys runs alone: its forward is compute-bound, a batch would only pad it."""
+        if keep:
+            first = next((j for queue in self._pending.values() for j in queue if j.model is model and j.keep), None)
+            return ([first] if first else []), True
         chosen: list[Job] = []
         width = 0
         needed = 0  # work units of the chosen rows, unpadded
         left_out = False
         # Attention weights a row of width w holds: layers x heads x w x w (float32 on the device).
         per_pair = model.info.n_layers * model.info.n_heads
-        queues = [[j for j in queue if j.model is model] for queue in self._pending.values()]
+        queues = [[j for j in queue if j.model is model and not j.keep] for queue in self._pending.values()]
         for turn in range(max(map(len, queues), default=0)):
             for queue in queues:
                 if turn >= len(queue):
@@ -315,7 +326,7 @@ class Batcher:
             loaded = self._last_batch > 1
             until = max(oldest.enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
             while True:
-                batch, full = self._select(model)
+                batch, full = self._select(model, oldest.keep)
                 remaining = until - time.monotonic()
                 if full or self._closed or remaining <= 0 or (self._admitted <= 0 and not loaded):
                     break
@@ -386,7 +397,9 @@ class Batcher:
         try:
             if self.forward_delay_s:
                 time.sleep(self.forward_delay_s)
-            if self.device_quantise:
+            if live[0].keep:
+                results = model.run([job.encoded for job in live], Capture(keep=True))
+            elif self.device_quantise:
                 to_host = device_to_host(self.copier, most_precise(job.fmt for job in live))
                 results = model.run([job.encoded for job in live], to_host=to_host)
             else:
