@@ -96,13 +96,6 @@ function colour(canvas, pooled, layout, scale = "head", threshold = 0) {
   canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer, 0, width * height * 4), width, height), 0, 0);
 }
 
-// Max-pools a rows × cols matrix (weight = value × unit, 1/255 for the u8 bytes) into a thumbnail
-// coloured on the page's chosen scale.
-export function drawThumb(canvas, values, nRows, nCols, maskedBlock, scale = "head", unit = 1) {
-  const layout = layoutOf({ nRows, nCols, maskedBlock });
-  colour(canvas, pool(values, unit, layout), layout, scale);
-}
-
 export class GridView {
   constructor(container, { onSelect, onNeedLayers }) {
     this.container = container;
