@@ -267,7 +267,7 @@ def test_information_flow_proximity_by_hand(minilm):
 
     text = "The bank of the river."
     tokens, edges = information_flow(minilm, text, threshold=0.0)
-    r, inputs, _ = run_with_stream(minilm, text)
+    r, inputs = run_with_stream(minilm, text)[:2]
     layer, target, source = 2, 3, 1
     att = minilm.net.trf_blocks[layer].att
     w_o, b = att.out_proj.weight.detach(), att.out_proj.bias.detach()
