@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from manyeyes.model.measures import head_gram
+from manyeyes.model.measures import out_proj_gram
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 
 
@@ -22,9 +22,8 @@ def value_weighted_norms(model: AttentionModel, result: AttentionResult) -> torc
         # Under grouped-query attention query head h reads kv head h // group: (n_heads, T, head_dim)
         group = info.n_heads // values.shape[0]
         values = values.repeat_interleave(group, dim=0) if group > 1 else values
-        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
         # ‖v_j W_O,hᵀ‖² = v_j G_h v_jᵀ with G_h = W_O,hᵀ W_O,h: no (n_heads, T, d_model) tensor
-        squared = ((values @ head_gram(w_o, info.n_heads)) * values).sum(-1)  # (n_heads, T)
+        squared = ((values @ out_proj_gram(block.att.out_proj, info.n_heads)) * values).sum(-1)  # (n_heads, T)
         norms.append(squared.clamp_min(0).sqrt())  # ‖f(x_j)‖ per key
     # (n_layers, n_heads, T, T) * (n_layers, n_heads, 1, T): α_ij scales the norm of key j
     return result.attention * torch.stack(norms).unsqueeze(2)

@@ -35,9 +35,6 @@ class Capture:
     # A float32 (b, num_heads, T, T) buffer the softmax writes into, so a caller that gathers
     # every layer into one tensor pays no extra copy (75 MB for MiniLM at T=512).
     weights_out: torch.Tensor | None = None
-    # Each row's entropy -Σ_j p_ij log p_ij, (b, num_heads, T) float32, from the softmax's own
-    # terms (see `row_entropy`): the head statistics get it with no log per weight.
-    entropy: bool = False
 
 
 class AttentionOutput(NamedTuple):
@@ -50,7 +47,6 @@ class AttentionOutput(NamedTuple):
     values: torch.Tensor | None  # (b, num_kv_heads, num_tokens, head_dim)
     # Every key and value so far, the past's included, ready to be the next call's `past`.
     present: "KVCache | None" = None
-    entropy: torch.Tensor | None = None  # (b, num_heads, num_tokens) float32, when Capture(entropy=True)
 
 
 class KVCache(NamedTuple):
@@ -83,21 +79,6 @@ def blocked_positions(
         # k <= offset + i - W  <=>  k - i <= offset - W: the band on and below diagonal offset - W
         blocked |= ones.tril(offset - sliding_window)
     return blocked
-
-
-def row_entropy(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """-Σ_j p_ij log p_ij per row of p = softmax(s), without a log per weight: (..., T_keys) -> (...).
-
-    log p_ij = s_ij - lse_i and lse_i = m_i - log max_j p_ij with m_i = max_j s_ij (the largest
-    weight is exp(0) / Σ), so the entropy is -log max_j p_ij - Σ_j p_ij (s_ij - m_i): two
-    reductions and a row-wise dot instead of a transcendental per weight. scores: float32, -inf
-    where masked; overwritten (the softmax has used them): a masked score becomes the most
-    negative float, so 0 · s stays 0, not NaN.
-    """
-    # Centred on the row's max first: Σ_j p_ij (s_ij - max) is a sum of small terms, where
-    # lse - Σ_j p_ij s_ij would cancel two large ones (1e-5 off per row in float32 at T=512).
-    scores.sub_(scores.amax(-1, keepdim=True)).clamp_min_(torch.finfo(scores.dtype).min)
-    return -weights.amax(-1).log() - torch.linalg.vecdot(weights, scores)
 
 
 class MultiHeadAttention(nn.Module):
@@ -234,12 +215,10 @@ class MultiHeadAttention(nn.Module):
             attn_scores += additive.masked_fill_(blocked, -torch.inf)  # (num_tokens, num_tokens) or (b, 1, T, T)
 
         # Softmax in float32 even under half-precision autocast: the weights are the product.
-        scores = attn_scores.float()
         if capture.weights_out is not None:
-            attn_weights = torch.softmax(scores, dim=-1, out=capture.weights_out)
+            attn_weights = torch.softmax(attn_scores.float(), dim=-1, out=capture.weights_out)
         else:
-            attn_weights = torch.softmax(scores, dim=-1)
-        entropy = row_entropy(scores, attn_weights) if capture.entropy else None
+            attn_weights = torch.softmax(attn_scores.float(), dim=-1)
         attn_weights = attn_weights.to(values.dtype)
         dropped = self.dropout(attn_weights)
 
@@ -258,5 +237,4 @@ class MultiHeadAttention(nn.Module):
             keys=keys if want_qkv else None,
             values=values if want_qkv else None,
             present=KVCache(keys, values),
-            entropy=entropy,
         )

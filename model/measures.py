@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import unicodedata
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -97,6 +98,23 @@ def head_gram(w_o: torch.Tensor, n_heads: int) -> torch.Tensor:
     return per_head @ per_head.transpose(1, 2)  # (n_heads, head_dim, head_dim)
 
 
+# Keyed by the out_proj module (a tensor key would compare elementwise): ((weight version, storage), gram).
+_GRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def out_proj_gram(out_proj: torch.nn.Linear, n_heads: int) -> torch.Tensor:
+    """`head_gram` of an out_proj's weight, made once per weight and kept while the weight is
+    unchanged (its version counter: an in-place edit recomputes it). Value norms and
+    contributions of every run reuse it."""
+    weight = out_proj.weight
+    found = _GRAMS.get(out_proj)
+    if found is not None and found[0] == (weight._version, weight.data_ptr()) and found[1].shape[0] == n_heads:
+        return found[1]
+    gram = head_gram(weight.detach().float().cpu(), n_heads)
+    _GRAMS[out_proj] = ((weight._version, weight.data_ptr()), gram)
+    return gram
+
+
 def contributions(
     model: AttentionModel,
     result: AttentionResult,
@@ -132,7 +150,7 @@ def contributions(
         # (T, d_model) @ (d_model, n_heads * head_dim) -> (n_heads, T, head_dim): y W_O,h per head
         pulled = (output @ w_o).view(n_tokens, info.n_heads, -1).transpose(0, 1)
         denom = (output * output).sum(-1).clamp_min(1e-30)  # (T,)
-        squared = ((heads @ head_gram(w_o, info.n_heads)) * heads).sum(-1)  # (n_heads, T)
+        squared = ((heads @ out_proj_gram(block.att.out_proj, info.n_heads)) * heads).sum(-1)  # (n_heads, T)
         norms.append(squared.clamp_min(0).sqrt())
         shares.append((heads * pulled).sum(-1) / denom)
         bias_shares.append((output @ bias) / denom)
@@ -148,9 +166,7 @@ def _is_delimiter(token: Token) -> bool:
     return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
 
 
-def head_stats(
-    attention: torch.Tensor, tokens: list[Token], causal: bool, entropy: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
+def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> dict[str, torch.Tensor]:
     """Each statistic as (n_layers, n_heads), averaged over the query rows where it is defined.
 
     - entropy: a row's entropy over log(number of keys it may see), 0 sharp ... 1 uniform;
@@ -159,9 +175,8 @@ def head_stats(
     - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
     - duplicate: mass on earlier copies of the query's own token.
     Rows that see a single key (a causal model's first row) carry no choice and are left out.
-
-    entropy: each row's entropy in nats, (n_layers, n_heads, T), as the forward hands it back
-    with Capture(entropy=True) (no log per weight); None computes it from the weights.
+    Reductions over keys are one pass per layer each where they can be, so the table stays a
+    fraction of the forward pass (README, "What the measures cost").
     """
     attention = attention.float()
     n_tokens = attention.shape[-1]
@@ -191,14 +206,14 @@ def head_stats(
         sums[:, layer] = torch.einsum("hij,ijk->khi", weights, kernel)
     distance, duplicate, delimiter = sums  # (L, H, T) each; duplicate is 0 on rows without a copy
 
-    if entropy is None:
-        entropy = torch.empty(attention.shape[:-1])  # (L, H, T)
-        # One layer at a time, into a reused buffer: fresh pages cost more than the log.
-        buffer = torch.empty(attention.shape[1:])  # (H, T, T)
-        for layer, weights in enumerate(attention):  # (H, T, T)
-            torch.clamp_min(weights, 1e-30, out=buffer).log_().mul_(weights)  # 0 · log(1e-30) = 0 where p = 0
-            torch.sum(buffer, -1, out=entropy[layer]).neg_()
-    normalised = entropy.float() / visible.clamp_min(2).log()  # (L, H, T)
+    entropy = torch.empty(attention.shape[:-1])  # (L, H, T), nats
+    # One layer at a time, into a reused buffer: fresh pages cost more than the log. p = 0 gives
+    # 0 · log 0 = NaN, which nansum drops: one pass fewer than clamping p away from 0 first.
+    buffer = torch.empty(attention.shape[1:])  # (H, T, T)
+    for layer, weights in enumerate(attention):  # (H, T, T)
+        torch.log(weights, out=buffer).mul_(weights)
+        torch.nansum(buffer, -1, out=entropy[layer]).neg_()
+    normalised = entropy / visible.clamp_min(2).log()  # (L, H, T)
     diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
     previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
     first = attention[..., :, 0]
@@ -285,7 +300,7 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
 
 def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str, torch.Tensor], list[list[list[str]]]]:
     """Stats for every head of a run, the model's induction scores beside them, and the tags."""
-    stats = head_stats(result.attention, result.tokens, model.info.causal, getattr(result, "entropy", None))
+    stats = head_stats(result.attention, result.tokens, model.info.causal)
     stats["induction"] = induction_scores(model)
     return stats, tag_heads(stats, result.attention)
 

@@ -53,8 +53,6 @@ class AttentionResult:
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
-    # (n_layers, n_heads, T) float32: each row's entropy in nats, when asked for with Capture(entropy=True).
-    entropy: torch.Tensor | None = None
 
 
 def pick_device(preference: str | None = None) -> torch.device:
@@ -139,7 +137,7 @@ class AttentionModel:
             types[row, : len(enc)] = torch.tensor(enc.type_ids, dtype=torch.long)
             real[row, : len(enc)] = True
         padded = min(lengths) != width
-        capture = Capture(weights=True, qkv=capture.qkv, entropy=capture.entropy)
+        capture = Capture(weights=True, qkv=capture.qkv)
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
         # (n_layers, b, n_heads, width, width)
         # Read through the network's ShapeInfo: families name their config fields differently.
@@ -155,8 +153,6 @@ class AttentionModel:
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
             attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
             hidden = trace.hidden.float().cpu()
-            # (n_layers, b, n_heads, width) -> (b, n_layers, n_heads, width)
-            entropy = torch.stack([layer.entropy for layer in trace.layers]).cpu().transpose(0, 1) if capture.entropy else None
             logits = top_ids = top_probs = None
             if trace.logits is not None:
                 logits = trace.logits.float()
@@ -179,7 +175,6 @@ class AttentionModel:
                 logits=logits[row, :n] if logits is not None else None,
                 top_ids=top_ids[row, :n].clone() if top_ids is not None else None,
                 top_probs=top_probs[row, :n].clone() if top_probs is not None else None,
-                entropy=entropy[row, :, :, :n].clone() if entropy is not None else None,
             )
             if capture.qkv:
                 # each layer: (b, heads, width, head_dim) -> (heads, n, head_dim); kv heads for keys/values

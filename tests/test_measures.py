@@ -7,6 +7,7 @@ import torch
 
 from manyeyes.model import Capture, load
 from manyeyes.model.measures import (
+    capture_stream,
     contributions,
     head_stats,
     head_table,
@@ -15,8 +16,10 @@ from manyeyes.model.measures import (
     logit_attribution,
     merge_words,
     neuron_view,
+    out_proj_gram,
     rollout,
 )
+from manyeyes.model.tokenizer import Encoded
 from tests.conftest import save_random_gpt2
 
 SENTENCE = "The bank was robbed, and the robbers fled across the river bank!"
@@ -74,15 +77,36 @@ def context_inputs(hf_layers, attr_path):
 
 
 def check_contributions(model, result, seen, dense_weights, n_heads, head_dim):
-    ours = contributions(model, result)
-    for layer, w_o in enumerate(dense_weights):
-        context = seen[layer]  # (T, n_heads * head_dim) from transformers
-        for head in range(n_heads):
-            part = context[:, head * head_dim : (head + 1) * head_dim] @ w_o[:, head * head_dim : (head + 1) * head_dim].T
-            assert (ours.norms[layer, head] - part.norm(dim=-1)).abs().max().item() <= 1e-5 * max(1.0, part.norm().item())
-    total = ours.shares.sum(1) + ours.bias_shares
-    assert torch.allclose(total, torch.ones_like(total), atol=1e-4)
-    return ours
+    """Both ways to the contributions: from the values (mixed again) and from the captured
+    stream (out_proj's own input and output), each against transformers' context vectors."""
+    stream = capture_stream(model, Encoded(result.tokens, [0] * len(result.tokens), False))
+    both = [contributions(model, result), contributions(model, stream.result, stream.mixed, stream.outputs)]
+    for ours in both:
+        for layer, w_o in enumerate(dense_weights):
+            context = seen[layer]  # (T, n_heads * head_dim) from transformers
+            for head in range(n_heads):
+                part = context[:, head * head_dim : (head + 1) * head_dim] @ w_o[:, head * head_dim : (head + 1) * head_dim].T
+                assert (ours.norms[layer, head] - part.norm(dim=-1)).abs().max().item() <= 1e-5 * max(1.0, part.norm().item())
+        total = ours.shares.sum(1) + ours.bias_shares
+        assert torch.allclose(total, torch.ones_like(total), atol=1e-4)
+    assert torch.allclose(both[0].shares, both[1].shares, atol=1e-5)
+    assert torch.allclose(both[0].bias_shares, both[1].bias_shares, atol=1e-5)
+    return both[0]
+
+
+def test_out_proj_gram_is_kept_until_the_weight_changes(minilm):
+    out_proj = minilm.net.trf_blocks[0].att.out_proj
+    first = out_proj_gram(out_proj, 12)
+    assert out_proj_gram(out_proj, 12) is first
+    saved = out_proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            out_proj.weight.mul_(2)
+        assert torch.allclose(out_proj_gram(out_proj, 12), 4 * first, rtol=1e-5)
+    finally:
+        with torch.no_grad():
+            out_proj.weight.copy_(saved)
+    assert torch.allclose(out_proj_gram(out_proj, 12), first)
 
 
 def test_head_contributions_match_transformers_minilm(minilm, hf_minilm):

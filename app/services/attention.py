@@ -216,7 +216,7 @@ class AttentionService:
         for item, result in zip(missing, done):
             done_result = result.result
             item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
-                           done_result.top_ids, done_result.top_probs, done_result.entropy)
+                           done_result.top_ids, done_result.top_probs)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
             self.cache.put(item.run)
 

@@ -13,13 +13,8 @@ from dataclasses import dataclass, field
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
-
-# Each row's entropy comes with every forward, from the softmax's own terms (a few % of it):
-# the head table of any cached run then needs no log per weight.
-ROW_ENTROPY = Capture(entropy=True)
 
 
 @dataclass
@@ -281,9 +276,9 @@ class Batcher:
                 time.sleep(self.forward_delay_s)
             if self.device_quantise:
                 to_host = device_to_host(self.copier, most_precise(job.fmt for job in live))
-                results = model.run([job.encoded for job in live], ROW_ENTROPY, to_host=to_host)
+                results = model.run([job.encoded for job in live], to_host=to_host)
             else:
-                results = model.run([job.encoded for job in live], ROW_ENTROPY)
+                results = model.run([job.encoded for job in live])
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
                 self._settle(job, error=exc)

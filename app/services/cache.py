@@ -25,11 +25,10 @@ class Run:
     # Models with an LM head: the top ids and probabilities per position, (T, MAX_TOP_K) each.
     top_ids: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None  # (n_layers, n_heads, T) float32: each row's entropy, for the head table
 
     @property
     def nbytes(self) -> int:
-        tops = sum(t.numel() * t.element_size() for t in (self.top_ids, self.top_probs, self.entropy) if t is not None)
+        tops = sum(t.numel() * t.element_size() for t in (self.top_ids, self.top_probs) if t is not None)
         return self.attention.numel() * self.attention.element_size() + TOKEN_BYTES * len(self.tokens) + tops
 
 
