@@ -2,14 +2,19 @@
 // weighted norms, head contributions), a word view, the model's predictions under it, and the
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
-import { ApiError, describeError, listModels, requestJson } from "./api.js";
-import { $, el, plotlyText } from "./dom.js";
+import { ApiError, describeError, requestJson } from "./api.js";
+import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { HeadFinder } from "./finder.js";
+import { sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
+import { Predictions } from "./predictions.js";
+import { onThemeChange } from "./theme.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
+
+const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
@@ -44,12 +49,14 @@ class Measures {
     this.flow = null;
     this.words = null;
     this.predictions = null;
-    this.models = null; // asked for after the first run, when the page holds its API key if it needs one
+    // Under the focused heatmap and in its hover, and in the strip under this section's heatmap.
+    this.predictionsView = new Predictions($("focus-plot"), $("tooltip"));
     this.finder = new HeadFinder($("finder"), { onSelect: (l, h) => this.focusHead(l, h) });
     this.flowGraph = new FlowGraph($("flow"), { onEdge: (l, h) => this.focusHead(l, h) });
     this.neuron = new NeuronPanel($("neuron"), { onQuery: (q) => { this.queryIndex = q; this.drawNeuron(); } });
     $("measure").addEventListener("change", () => this.drawMeasure());
     $("word-view").addEventListener("change", () => this.drawMeasure());
+    onThemeChange(() => this.drawMeasure()); // the colours follow the theme, as the heatmap's do
     const threshold = $("flow-threshold");
     threshold.addEventListener("change", () => this.loadFlow());
     $("flow-draw").addEventListener("click", () => this.loadFlow());
@@ -95,7 +102,7 @@ class Measures {
     $("flow-draw").hidden = auto;
     if (auto) this.loadFlow(token);
     else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
-    this.loadPredictions(token).then(() => this.drawMeasure());
+    this.loadPredictions().then(() => this.drawMeasure());
     this.finder.select(layer, head);
     this.drawNeuron();
   }
@@ -138,35 +145,8 @@ class Measures {
     }
   }
 
-  async loadPredictions(token = this.token) {
-    this.models ??= listModels().catch(() => []);
-    const info = (await this.models).find((m) => m.id === this.run.model);
-    const strip = $("predictions");
-    if (!info?.predictions) {
-      strip.replaceChildren(el("span", { className: "hint", text: "This model has no language-model head: no predictions." }));
-      return;
-    }
-    try {
-      const body = await this.post({ format: "u8", layers: [0], heads: [0], predictions: { top_k: 5 } });
-      if (token !== this.token) return;
-      this.predictions = body.predictions;
-      this.drawPredictions(info.causal);
-    } catch (err) {
-      strip.replaceChildren(el("span", { className: "hint", text: describeError(err) }));
-    }
-  }
-
-  drawPredictions(causal) {
-    const cells = this.labels.map((label, i) => {
-      const top = this.predictions[String(i)];
-      const guess = top ? top[0].token : "";
-      const title = top ? `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${p.token} ${(p.prob * 100).toFixed(1)}%`).join(", ") : label;
-      return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "data-position": i } }, [
-        el("span", { className: "pred-token", text: label }),
-        el("span", { className: "pred-guess", text: guess }),
-      ]);
-    });
-    $("predictions").replaceChildren(el("span", { className: "hint", text: causal ? "Next token: " : "Masked token: " }), ...cells);
+  async loadPredictions() {
+    this.predictions = await this.predictionsView.load(this.run, this.request, this.labels, [$("predictions")]);
   }
 
   async wordsOf() {
@@ -220,10 +200,12 @@ class Measures {
       return top ? `<br>next: ${plotlyText(top[0].token)} ${(top[0].prob * 100).toFixed(0)}%` : "";
     };
     const text = matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`));
+    // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: matrix, text, hoverinfo: "text",
-      colorscale: signed ? "RdBu" : "Viridis", reversescale: signed,
+      colorscale: signed ? signedStops() : sequentialStops(),
       zmin: signed ? -peak : 0, zmax: peak,
+      colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
     };
     const ink = getComputedStyle(document.body).color;
     const axis = (labels) => ({ tickvals: labels.map((_, i) => i), ticktext: labels.map(plotlyText), tickfont: { size: 10 }, automargin: true });
