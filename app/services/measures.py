@@ -174,7 +174,7 @@ class MeasuresService:
             if name == "rollout":
                 out[name] = encode_matrix(m.rollout(run.attention), fmt)
             elif name == "value_norms":
-                out[name] = encode_matrix(pick(value_weighted_norms(model, captured), layers, heads), fmt)
+                out[name] = encode_matrix(value_weighted_norms(model, captured, layers, heads), fmt)
             elif name == "contributions":
                 found = m.contributions(model, captured, raw.mixed, raw.outputs)
                 out[name] = {
@@ -183,11 +183,11 @@ class MeasuresService:
                     "bias_shares": encode_matrix(found.bias_shares.index_select(0, torch.tensor(layers)), fmt),
                 }
             elif name == "words":
-                words, merged = m.merge_words(run.tokens, run.attention)
+                words, merged = m.merge_words(run.tokens, pick(run.attention, layers, heads))  # per head: pick first
                 out[name] = {
                     "words": [{"text": w.text, "start": w.start, "end": w.end, "segment": w.segment,
                                "special": w.special, "pieces": list(w.pieces)} for w in words],
-                    "attention": encode_matrix(pick(merged, layers, heads), fmt),
+                    "attention": encode_matrix(merged, fmt),
                 }
             else:
                 out[name] = self._heads(run, served)
