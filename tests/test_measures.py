@@ -190,6 +190,39 @@ def test_stats_from_hand_built_heads():
     assert causal_stats["entropy"][0, 0] == pytest.approx(1.0, abs=1e-6)
 
 
+def reference_stats(att: torch.Tensor, tokens, causal: bool) -> dict[str, torch.Tensor]:
+    """head_stats' definitions written out plainly in float64, row by row of every head."""
+    from manyeyes.model.measures import _is_delimiter
+
+    att = att.double()
+    n = att.shape[-1]
+    delimiter = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)], dtype=torch.float64)
+    out = {name: torch.zeros(att.shape[:2], dtype=torch.float64) for name in ("entropy", "distance", "delimiter", "duplicate")}
+    rows = [i for i in range(n) if (i + 1 if causal else n) > 1]
+    copies = [i for i in range(n) if any(tokens[j].id == tokens[i].id for j in range(i))]
+    for i in rows:
+        p = att[:, :, i]  # (L, H, T)
+        seen = i + 1 if causal else n
+        out["entropy"] += -torch.special.xlogy(p, p).sum(-1) / math.log(seen) / len(rows)
+        out["distance"] += (p * (torch.arange(n) - i).abs()).sum(-1) / len(rows)
+        out["delimiter"] += (p * delimiter).sum(-1) / len(rows)
+    for i in copies:
+        earlier = torch.tensor([float(j < i and tokens[j].id == tokens[i].id) for j in range(n)], dtype=torch.float64)
+        out["duplicate"] += (att[:, :, i] * earlier).sum(-1) / len(copies)
+    return out
+
+
+@pytest.mark.parametrize("name", ["minilm", "tiny"])
+def test_head_stats_match_a_plain_float64_computation(name, minilm, tiny):
+    model = {"minilm": minilm, "tiny": tiny}[name]
+    r = model.attend("The bank, the river and the bank again. The river ran; the bank stood. " * 3)
+    ours = head_stats(r.attention, r.tokens, model.info.causal)
+    want = reference_stats(r.attention, r.tokens, model.info.causal)
+    for stat, expected in want.items():
+        scale = expected.abs().max().item()  # distance is in tokens: float32 holds it to ~1e-7 relative
+        assert (ours[stat].double() - expected).abs().max().item() <= 1e-6 * max(1.0, scale), stat
+
+
 def test_word_view_merges_wordpiece_and_keeps_rows_stochastic(minilm):
     text = "Unbelievably naive robbers fled."
     r = minilm.attend(text)
