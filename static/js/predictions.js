@@ -72,9 +72,10 @@ export class Predictions {
     this.models ??= listModels().catch(() => []);
     const info = (await this.models).find((m) => m.id === run.model);
     if (token !== this.token) return null;
-    this.strip.hidden = false;
+    // Under the focused heatmap only when there is something to show; the measures' strip says why not.
+    this.strip.hidden = !info?.predictions;
     if (!info?.predictions) {
-      for (const strip of strips) hint(strip, "This model has no language-model head: no predictions.");
+      for (const strip of others) hint(strip, "This model has no language-model head: no predictions.");
       return null;
     }
     try {
