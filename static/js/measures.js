@@ -146,7 +146,9 @@ class Measures {
   }
 
   async loadPredictions() {
-    this.predictions = await this.predictionsView.load(this.run, this.request, this.labels, [$("predictions")]);
+    const run = this.run;
+    const found = await this.predictionsView.load(run, this.request, this.labels, [$("predictions")]);
+    if (run === this.run) this.predictions = found; // a later run's answer is never overwritten by this one
   }
 
   async wordsOf() {
