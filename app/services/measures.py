@@ -2,12 +2,12 @@
 view, head stats and tags, information flow, the neuron view and direct logit attribution.
 
 The run cache keeps attention only. Measures that read the weights alone (rollout, words, head
-stats) are computed from it with no forward pass. The others need values, queries and keys, and the
-residual stream: those come from one captured forward of the run's own tokens, made the first
-time such a measure is asked for and kept in a separate LRU bounded in bytes (a capture is
-L × T × 6·d floats: q, k, v, the stream, out_proj's input and output; a fraction of the T²
-weights). The batcher's forward keeps none of that: most runs never ask for these, and a
-capture with the stream costs more than a plain forward.
+stats) are computed from it with no forward pass. The others need values, queries and keys,
+and the residual stream: those come from one captured forward of the run's own tokens, made
+the first time such a measure is asked for and kept in a separate LRU bounded in bytes (a
+capture is L × T × 6·d floats: q, k, v, the stream, out_proj's input and output; a fraction
+of the T² weights). The batcher's forward keeps none of that: most runs never ask for these,
+and a capture with the stream costs more than a plain forward.
 """
 
 from __future__ import annotations
