@@ -266,6 +266,8 @@ class MultiHeadAttention(nn.Module):
             keys = torch.cat((past.keys.to(keys.dtype), keys), dim=2)
             values = torch.cat((past.values.to(values.dtype), values), dim=2)
         num_keys = keys.shape[2]
+        if capture.keep:  # before any (b, heads, T, T) scores exist: 3.2 GB a layer at T = 8,192
+            return self._attend_in_row_blocks(queries, keys, values, key_padding_mask, capture)
 
         # Scaling the queries (T x head_dim) instead of the scores (T x T) is the same maths, cheaper.
         # Each key head serves `group` consecutive query heads; stacking those heads' queries along
@@ -275,9 +277,6 @@ class MultiHeadAttention(nn.Module):
         # (b, kv_heads, group * T, head_dim) @ (b, kv_heads, head_dim, T_keys) -> (b, kv_heads, group * T, T_keys)
         #   -> (b, heads, T, T_keys), a free view since query head h = kv head * group + r
         attn_scores = (scaled @ keys.transpose(2, 3)).view(b, heads, num_tokens, num_keys)
-
-        if capture.keep:
-            return self._attend_in_row_blocks(queries, keys, values, key_padding_mask, capture)
 
         blocked = self._blocked(num_tokens, num_keys, x.device)  # (num_tokens, num_keys) or None
         if key_padding_mask is not None:

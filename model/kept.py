@@ -133,6 +133,11 @@ class DenseAttention:
     def n_tokens(self) -> int:
         return self.attention.shape[2]
 
+    @property
+    def overview_nbytes(self) -> int:
+        """What it holds beyond the weights it shares with its run: the overview, once made."""
+        return 0 if self._overview is None else self._overview.values.numel() * self._overview.values.element_size()
+
     def block(self, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         window = self.attention[layer, heads, q0:q1, k0:k1]  # (len(heads), rows, cols)
         return self.to_float(window) if self.to_float is not None else window.float()
