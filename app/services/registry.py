@@ -88,6 +88,7 @@ class Registry:
                         forward_delay_s=s.debug_forward_delay_s,
                         max_client_queue=s.max_client_queue,
                         max_batch_cells=s.max_batch_cells,
+                        work_fraction=s.work_budget_fraction,
                         device_quantise=device != "cpu" if s.device_quantise is None else s.device_quantise,
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)

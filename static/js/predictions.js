@@ -95,6 +95,14 @@ export class Predictions {
     }
   }
 
+  // A run this view is not told about (a long run, which the measures skip): nothing shown, and
+  // no hover line from the previous run's positions.
+  clear() {
+    this.token = {};
+    this.byPosition = null;
+    this.strip.hidden = true;
+  }
+
   // The query row's top-k under the reading focus.js has just put in the tooltip.
   annotate() {
     const tip = this.tooltip;
