@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from manyeyes.model.measures import head_gram
+from manyeyes.model.measures import out_proj_gram
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 
 
-def value_weighted_norms(model: AttentionModel, result: AttentionResult) -> torch.Tensor:
-    """‖α_ij · f(x_j)‖ per head (Kobayashi et al., 2020), shape (n_layers, n_heads, T, T).
+def value_weighted_norms(
+    model: AttentionModel, result: AttentionResult, layers: list[int] | None = None, heads: list[int] | None = None
+) -> torch.Tensor:
+    """‖α_ij · f(x_j)‖ per head (Kobayashi et al., 2020), shape (n_layers, n_heads, T, T), or
+    (len(layers), len(heads), T, T) for the layers and heads asked for (default all).
 
     f(x_j) is token j's value vector for one head pushed through that head's slice of out_proj,
     so a weight counts only as much as what it actually moves. Needs Capture(qkv=True).
@@ -17,14 +20,22 @@ def value_weighted_norms(model: AttentionModel, result: AttentionResult) -> torc
     if result.values is None:
         raise ValueError("value-weighted norms need the values: run with Capture(qkv=True)")
     info = model.info
+    layers = list(range(info.n_layers)) if layers is None else layers
+    heads = list(range(info.n_heads)) if heads is None else heads
     norms = []
-    for block, values in zip(model.net.trf_blocks, result.values):
+    for layer in layers:
+        block, values = model.net.trf_blocks[layer], result.values[layer]
         # Under grouped-query attention query head h reads kv head h // group: (n_heads, T, head_dim)
         group = info.n_heads // values.shape[0]
         values = values.repeat_interleave(group, dim=0) if group > 1 else values
-        w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
         # ‖v_j W_O,hᵀ‖² = v_j G_h v_jᵀ with G_h = W_O,hᵀ W_O,h: no (n_heads, T, d_model) tensor
-        squared = ((values @ head_gram(w_o, info.n_heads)) * values).sum(-1)  # (n_heads, T)
-        norms.append(squared.clamp_min(0).sqrt())  # ‖f(x_j)‖ per key
-    # (n_layers, n_heads, T, T) * (n_layers, n_heads, 1, T): α_ij scales the norm of key j
-    return result.attention * torch.stack(norms).unsqueeze(2)
+        squared = ((values @ out_proj_gram(block.att.out_proj, info.n_heads)) * values).sum(-1)  # (n_heads, T)
+        norms.append(squared.clamp_min(0).sqrt()[heads])  # ‖f(x_j)‖ per key, (len(heads), T)
+    weights = result.attention
+    # Only the asked heads' weights are read (the page asks for one: 1/(L·H) of the work).
+    if layers != list(range(info.n_layers)):
+        weights = weights.index_select(0, torch.tensor(layers))
+    if heads != list(range(info.n_heads)):
+        weights = weights.index_select(1, torch.tensor(heads))
+    # (L', H', T, T) * (L', H', 1, T): α_ij scales the norm of key j
+    return weights * torch.stack(norms).unsqueeze(2)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import threading
 import unicodedata
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -96,31 +98,61 @@ def head_gram(w_o: torch.Tensor, n_heads: int) -> torch.Tensor:
     return per_head @ per_head.transpose(1, 2)  # (n_heads, head_dim, head_dim)
 
 
-def contributions(model: AttentionModel, result: AttentionResult) -> Contributions:
+# Keyed by the out_proj module (a tensor key would compare elementwise): ((weight version, storage), gram).
+_GRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def out_proj_gram(out_proj: torch.nn.Linear, n_heads: int) -> torch.Tensor:
+    """`head_gram` of an out_proj's weight, made once per weight and kept while the weight is
+    unchanged (its version counter and storage: an in-place edit or a new tensor recomputes it).
+    Value norms and contributions of every run reuse it."""
+    weight = out_proj.weight
+    found = _GRAMS.get(out_proj)
+    if found is not None and found[0] == (weight._version, weight.data_ptr()) and found[1].shape[0] == n_heads:
+        return found[1]
+    gram = head_gram(weight.detach().float().cpu(), n_heads)
+    _GRAMS[out_proj] = ((weight._version, weight.data_ptr()), gram)
+    return gram
+
+
+def contributions(
+    model: AttentionModel,
+    result: AttentionResult,
+    mixed: list[torch.Tensor] | None = None,
+    outputs: list[torch.Tensor] | None = None,
+) -> Contributions:
     """`head_writes`' norms and shares, without ever holding the (n_layers, n_heads, T, d_model) writes.
 
     Per layer, with m_h = Σ_j α_ij v_j (the head's mixed values) and y the block's output:
     ‖m_h W_O,hᵀ‖² = m_h G_h m_hᵀ and m_h W_O,hᵀ · y = m_h · (y W_O,h): head_dim-wide work only.
+    mixed, outputs: out_proj's input and output per layer as `capture_stream` keeps them; the
+    forward already made both, so with them nothing is recomputed (without: from the values).
     """
-    if result.values is None:
+    if result.values is None and mixed is None:
         raise ValueError("head contributions need the values: run with Capture(qkv=True)")
     info = model.info
     norms, shares, bias_shares = [], [], []
-    for block, values, weights in zip(model.net.trf_blocks, result.values, result.attention):
-        values = _per_query_head(values, info.n_heads)  # (n_heads, T, head_dim)
+    for layer, block in enumerate(model.net.trf_blocks):
         w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
         bias = block.att.out_proj.bias
         bias = bias.detach().float().cpu() if bias is not None else torch.zeros(w_o.shape[0])
-        mixed = weights @ values  # (n_heads, T, T) @ (n_heads, T, head_dim) -> (n_heads, T, head_dim)
-        n_tokens = mixed.shape[1]
-        context = mixed.transpose(0, 1).reshape(n_tokens, -1)  # (T, n_heads * head_dim)
-        output = context @ w_o.T + bias  # (T, d_model): the block's output, heads + bias
+        if mixed is not None and outputs is not None:
+            context, output = mixed[layer], outputs[layer]  # (T, n_heads * head_dim), (T, d_model)
+            n_tokens = context.shape[0]
+            # (T, n_heads * head_dim) -> (T, n_heads, head_dim) -> (n_heads, T, head_dim)
+            heads = context.view(n_tokens, info.n_heads, -1).transpose(0, 1)
+        else:
+            values = _per_query_head(result.values[layer], info.n_heads)  # (n_heads, T, head_dim)
+            heads = result.attention[layer] @ values  # (n_heads, T, T) @ (n_heads, T, head_dim) -> (n_heads, T, head_dim)
+            n_tokens = heads.shape[1]
+            context = heads.transpose(0, 1).reshape(n_tokens, -1)  # (T, n_heads * head_dim)
+            output = context @ w_o.T + bias  # (T, d_model): the block's output, heads + bias
         # (T, d_model) @ (d_model, n_heads * head_dim) -> (n_heads, T, head_dim): y W_O,h per head
         pulled = (output @ w_o).view(n_tokens, info.n_heads, -1).transpose(0, 1)
         denom = (output * output).sum(-1).clamp_min(1e-30)  # (T,)
-        squared = ((mixed @ head_gram(w_o, info.n_heads)) * mixed).sum(-1)  # (n_heads, T)
+        squared = ((heads @ out_proj_gram(block.att.out_proj, info.n_heads)) * heads).sum(-1)  # (n_heads, T)
         norms.append(squared.clamp_min(0).sqrt())
-        shares.append((mixed * pulled).sum(-1) / denom)
+        shares.append((heads * pulled).sum(-1) / denom)
         bias_shares.append((output @ bias) / denom)
     return Contributions(norms=torch.stack(norms), shares=torch.stack(shares), bias_shares=torch.stack(bias_shares))
 
@@ -143,8 +175,8 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
     - duplicate: mass on earlier copies of the query's own token.
     Rows that see a single key (a causal model's first row) carry no choice and are left out.
-    Reductions over keys are matmuls or views where they can be, so stats and tags stay a small
-    fraction of the forward pass at T=512.
+    Reductions over keys are one pass per layer each where they can be, so the table stays a
+    fraction of the forward pass (README, "What the measures cost").
     """
     attention = attention.float()
     n_tokens = attention.shape[-1]
@@ -163,27 +195,29 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     has_copy = earlier_copy.any(-1)
     # Three row-wise contractions in one pass, Σ_j α_ij K_ij[k]: distance |i - j| (a causal
     # row is 0 past i, so the same kernel serves), earlier copies, and delimiters (the same for
-    # every row). (T_i, T_j, 3)
+    # every row). Per row, not one sum over a head's T² weights: float32 over 262k terms drifted
+    # by 4e-5 of the distance at T=512, over one row's T terms by 1e-7. (T_i, T_j, 3)
     kernel = torch.stack(
         [(index[:, None] - index[None, :]).abs(), earlier_copy.float(), delimiters.expand(n_tokens, n_tokens)], dim=-1
     )
-    plogp = torch.empty(attention.shape[:-1])  # (L, H, T)
     sums = torch.empty((3,) + attention.shape[:-1])  # (3, L, H, T)
-    # One layer at a time, so its weights stay in cache across both passes; Σ p log p in place
-    # (xlogy over all weights at once walked a second full-size tensor).
-    buffer = torch.empty(attention.shape[1:])  # (H, T, T), reused: fresh pages cost more than the log
+    entropy = torch.empty(attention.shape[:-1])  # (L, H, T), nats
+    # One layer at a time, so its weights stay in cache across both passes, and Σ p log p into a
+    # reused buffer (fresh pages cost more than the log). p = 0 gives 0 · log 0 = NaN, which
+    # nansum drops: one pass fewer than clamping p away from 0 first.
+    buffer = torch.empty(attention.shape[1:])  # (H, T, T)
     for layer, weights in enumerate(attention):  # (H, T, T)
-        torch.clamp_min(weights, 1e-30, out=buffer).log_().mul_(weights)  # 0 · log(1e-30) = 0 where p = 0
-        plogp[layer] = buffer.sum(-1)
         # (H, T_i, T_j) . (T_i, T_j, 3) -> (3, H, T_i)
         sums[:, layer] = torch.einsum("hij,ijk->khi", weights, kernel)
-    entropy = -plogp / visible.clamp_min(2).log()  # (L, H, T)
+        torch.log(weights, out=buffer).mul_(weights)
+        torch.nansum(buffer, -1, out=entropy[layer]).neg_()
     distance, duplicate, delimiter = sums  # (L, H, T) each; duplicate is 0 on rows without a copy
+    normalised = entropy / visible.clamp_min(2).log()  # (L, H, T)
     diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
     previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
     first = attention[..., :, 0]
     return {
-        "entropy": row_mean(entropy, choosing),
+        "entropy": row_mean(normalised, choosing),
         "distance": row_mean(distance, choosing),
         "self": row_mean(diagonal, choosing),
         "previous": row_mean(previous, positions >= 1),
@@ -219,15 +253,11 @@ def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor) -> list[l
     """tags[layer][head]: names from TAG_THRESHOLDS (plus "positional"); "induction" needs stats["induction"]."""
     n_layers, n_heads = attention.shape[:2]
     offset, share = fixed_offset_share(attention)
-    tags: list[list[list[str]]] = [[[] for _ in range(n_heads)] for _ in range(n_layers)]
-    for layer in range(n_layers):
-        for head in range(n_heads):
-            for tag, (stat, threshold) in TAG_THRESHOLDS.items():
-                if stat in stats and float(stats[stat][layer, head]) >= threshold:
-                    tags[layer][head].append(tag)
-            if int(offset[layer, head]) not in (0, 1) and float(share[layer, head]) >= POSITIONAL_SHARE:
-                tags[layer][head].append("positional")
-    return tags
+    # Whole (L, H) comparisons, in float64 as a Python float compares, then one list each.
+    flags = [(tag, (stats[stat].double() >= threshold).tolist())
+             for tag, (stat, threshold) in TAG_THRESHOLDS.items() if stat in stats]
+    flags.append(("positional", ((offset != 0) & (offset != 1) & (share.double() >= POSITIONAL_SHARE)).tolist()))
+    return [[[tag for tag, on in flags if on[layer][head]] for head in range(n_heads)] for layer in range(n_layers)]
 
 
 # Text whose token ids seed the induction probe: random draws over a model's whole vocabulary
@@ -401,7 +431,8 @@ class LogitAttribution:
 
 
 class _StreamTap:
-    """Forward pre-hooks that keep the residual stream entering each block (and the final norm).
+    """Hooks that keep the residual stream entering each block (and the final norm), and each
+    out_proj's input and output: the heads' mixed values side by side and the block's write.
 
     Hooks sit on the shared module, so a server's other threads (its batcher, a generation) fire
     them too while the tap is on: only the thread that opened the tap is recorded.
@@ -409,23 +440,29 @@ class _StreamTap:
 
     def __init__(self, net):
         self.inputs: dict[int, torch.Tensor] = {}
+        self.mixed: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
         self._thread = threading.get_ident()
-        self._hooks = [
-            block.register_forward_pre_hook(lambda m, args, i=i: self._keep(i, args[0]))
-            for i, block in enumerate(net.trf_blocks)
-        ]
+        self._hooks = []
+        for i, block in enumerate(net.trf_blocks):
+            self._hooks.append(block.register_forward_pre_hook(lambda m, args, i=i: self._keep(self.inputs, i, args[0])))
+            self._hooks.append(block.att.out_proj.register_forward_hook(lambda m, args, out, i=i: self._out_proj(i, args[0], out)))
         if hasattr(net, "final_norm"):
-            self._hooks.append(net.final_norm.register_forward_pre_hook(lambda m, args: self._keep(None, args[0])))
+            self._hooks.append(net.final_norm.register_forward_pre_hook(lambda m, args: self._keep(None, None, args[0])))
 
-    def _keep(self, index: int | None, stream: torch.Tensor) -> None:
+    def _keep(self, into: dict | None, index: int | None, tensor: torch.Tensor) -> None:
         if threading.get_ident() != self._thread:
             return
-        stream = stream[0].detach().float().cpu()  # (T, d_model) of the lone input
-        if index is None:
-            self.final = stream
+        tensor = tensor[0].detach().float().cpu()  # (T, width) of the lone input
+        if into is None:
+            self.final = tensor
         else:
-            self.inputs[index] = stream
+            into[index] = tensor
+
+    def _out_proj(self, index: int, context: torch.Tensor, output: torch.Tensor) -> None:
+        self._keep(self.mixed, index, context)
+        self._keep(self.outputs, index, output)
 
     def __enter__(self):
         return self
@@ -435,16 +472,30 @@ class _StreamTap:
             hook.remove()
 
 
-def capture_stream(model: AttentionModel, encoded: Encoded):
-    """One forward of one encoded input that keeps q/k/v and the residual stream entering each
-    block: (result, [(T, d_model)] * n_layers, final), final the stream entering the final norm
-    (None for a model without one)."""
+class Stream(NamedTuple):
+    """One captured forward: the run with q/k/v, and what the measures that follow the residual
+    stream read, so none of them recomputes what the forward already made."""
+
+    result: AttentionResult
+    inputs: list[torch.Tensor]  # (T, d_model) per layer: the stream entering each block
+    final: torch.Tensor | None  # (T, d_model): the stream entering the final norm (None without one)
+    # (T, n_heads * head_dim) per layer: out_proj's input, head h's Σ_j α_ij v_j in its slice
+    mixed: list[torch.Tensor]
+    outputs: list[torch.Tensor]  # (T, d_model) per layer: out_proj's output, the heads' writes + bias
+
+
+def capture_stream(model: AttentionModel, encoded: Encoded, capture: Capture = Capture(qkv=True)) -> Stream:
+    """One forward of one encoded input that keeps q/k/v, the residual stream entering each
+    block and each attention block's out_proj input and output. capture: also ask for the
+    row entropies (Capture(qkv=True, entropy=True))."""
     with _StreamTap(model.net) as tap:
-        result = model.run([encoded], Capture(qkv=True))[0]
-    return result, [tap.inputs[i] for i in range(len(tap.inputs))], tap.final
+        result = model.run([encoded], capture)[0]
+    n_layers = len(tap.inputs)
+    return Stream(result, [tap.inputs[i] for i in range(n_layers)], tap.final,
+                  [tap.mixed[i] for i in range(n_layers)], [tap.outputs[i] for i in range(n_layers)])
 
 
-def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None):
+def run_with_stream(model: AttentionModel, text: str, text_pair: str | None = None) -> Stream:
     """`capture_stream` of a text."""
     return capture_stream(model, model.encode(text, text_pair))
 
@@ -468,8 +519,8 @@ def logit_attribution(model: AttentionModel, text: str, position: int, target: i
     target None: the model's own top prediction at that position.
     """
     check_attributable(model)
-    result, inputs, final = run_with_stream(model, text)
-    return attribute_logit(model, result, inputs, final, position, target)
+    stream = run_with_stream(model, text)
+    return attribute_logit(model, stream.result, stream.inputs, stream.final, position, target)
 
 
 def check_attributable(model: AttentionModel) -> None:
@@ -557,8 +608,8 @@ def information_flow(model: AttentionModel, text: str, threshold: float = 0.05, 
     edge j → i weighs z_ij (the residual: x_i) by its proximity to y_i, so the edges into one
     token at one layer share 1. Returns (tokens, edges).
     """
-    result, inputs, _ = run_with_stream(model, text, text_pair)
-    return result.tokens, flow_edges(model, result, inputs, threshold)
+    stream = run_with_stream(model, text, text_pair)
+    return stream.result.tokens, flow_edges(model, stream.result, stream.inputs, threshold)
 
 
 def flow_edges(model: AttentionModel, result: AttentionResult, inputs: list[torch.Tensor], threshold: float) -> list[FlowEdge]:

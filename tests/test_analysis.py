@@ -24,3 +24,12 @@ def test_value_weighted_norms_match_brute_force(minilm):
 def test_norms_need_captured_values(minilm):
     with pytest.raises(ValueError, match="Capture\\(qkv=True\\)"):
         value_weighted_norms(minilm, minilm.attend("hi"))
+
+
+def test_value_weighted_norms_of_some_heads_are_those_heads_of_all(minilm):
+    r = minilm.attend("The bank of the river.", capture=Capture(qkv=True))
+    every = value_weighted_norms(minilm, r)
+    some = value_weighted_norms(minilm, r, [4, 0], [11, 3, 5])
+    assert some.shape == (2, 3) + every.shape[2:]
+    assert torch.equal(some, every[[4, 0]][:, [11, 3, 5]])
+    assert torch.equal(value_weighted_norms(minilm, r, list(range(6)), list(range(12))), every)

@@ -8,6 +8,7 @@ import torch
 from manyeyes.model import Capture, load
 from manyeyes.model.measures import (
     PROBE_LENGTH,
+    capture_stream,
     contributions,
     head_stats,
     head_table,
@@ -16,8 +17,10 @@ from manyeyes.model.measures import (
     logit_attribution,
     merge_words,
     neuron_view,
+    out_proj_gram,
     rollout,
 )
+from manyeyes.model.tokenizer import Encoded
 from tests.conftest import save_random_gpt2
 
 SENTENCE = "The bank was robbed, and the robbers fled across the river bank!"
@@ -75,15 +78,36 @@ def context_inputs(hf_layers, attr_path):
 
 
 def check_contributions(model, result, seen, dense_weights, n_heads, head_dim):
-    ours = contributions(model, result)
-    for layer, w_o in enumerate(dense_weights):
-        context = seen[layer]  # (T, n_heads * head_dim) from transformers
-        for head in range(n_heads):
-            part = context[:, head * head_dim : (head + 1) * head_dim] @ w_o[:, head * head_dim : (head + 1) * head_dim].T
-            assert (ours.norms[layer, head] - part.norm(dim=-1)).abs().max().item() <= 1e-5 * max(1.0, part.norm().item())
-    total = ours.shares.sum(1) + ours.bias_shares
-    assert torch.allclose(total, torch.ones_like(total), atol=1e-4)
-    return ours
+    """Both ways to the contributions: from the values (mixed again) and from the captured
+    stream (out_proj's own input and output), each against transformers' context vectors."""
+    stream = capture_stream(model, Encoded(result.tokens, [0] * len(result.tokens), False))
+    both = [contributions(model, result), contributions(model, stream.result, stream.mixed, stream.outputs)]
+    for ours in both:
+        for layer, w_o in enumerate(dense_weights):
+            context = seen[layer]  # (T, n_heads * head_dim) from transformers
+            for head in range(n_heads):
+                part = context[:, head * head_dim : (head + 1) * head_dim] @ w_o[:, head * head_dim : (head + 1) * head_dim].T
+                assert (ours.norms[layer, head] - part.norm(dim=-1)).abs().max().item() <= 1e-5 * max(1.0, part.norm().item())
+        total = ours.shares.sum(1) + ours.bias_shares
+        assert torch.allclose(total, torch.ones_like(total), atol=1e-4)
+    assert torch.allclose(both[0].shares, both[1].shares, atol=1e-5)
+    assert torch.allclose(both[0].bias_shares, both[1].bias_shares, atol=1e-5)
+    return both[0]
+
+
+def test_out_proj_gram_is_kept_until_the_weight_changes(minilm):
+    out_proj = minilm.net.trf_blocks[0].att.out_proj
+    first = out_proj_gram(out_proj, 12)
+    assert out_proj_gram(out_proj, 12) is first
+    saved = out_proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            out_proj.weight.mul_(2)
+        assert torch.allclose(out_proj_gram(out_proj, 12), 4 * first, rtol=1e-5)
+    finally:
+        with torch.no_grad():
+            out_proj.weight.copy_(saved)
+    assert torch.allclose(out_proj_gram(out_proj, 12), first)
 
 
 def test_head_contributions_match_transformers_minilm(minilm, hf_minilm):
@@ -174,6 +198,39 @@ def test_stats_from_hand_built_heads():
     # row i spreads evenly over 0..i: mean distance i/2 and entropy 1, over the rows 1..n-1
     assert causal_stats["distance"][0, 0] == pytest.approx(sum(i / 2 for i in range(1, n)) / (n - 1))
     assert causal_stats["entropy"][0, 0] == pytest.approx(1.0, abs=1e-6)
+
+
+def reference_stats(att: torch.Tensor, tokens, causal: bool) -> dict[str, torch.Tensor]:
+    """head_stats' definitions written out plainly in float64, row by row of every head."""
+    from manyeyes.model.measures import _is_delimiter
+
+    att = att.double()
+    n = att.shape[-1]
+    delimiter = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)], dtype=torch.float64)
+    out = {name: torch.zeros(att.shape[:2], dtype=torch.float64) for name in ("entropy", "distance", "delimiter", "duplicate")}
+    rows = [i for i in range(n) if (i + 1 if causal else n) > 1]
+    copies = [i for i in range(n) if any(tokens[j].id == tokens[i].id for j in range(i))]
+    for i in rows:
+        p = att[:, :, i]  # (L, H, T)
+        seen = i + 1 if causal else n
+        out["entropy"] += -torch.special.xlogy(p, p).sum(-1) / math.log(seen) / len(rows)
+        out["distance"] += (p * (torch.arange(n) - i).abs()).sum(-1) / len(rows)
+        out["delimiter"] += (p * delimiter).sum(-1) / len(rows)
+    for i in copies:
+        earlier = torch.tensor([float(j < i and tokens[j].id == tokens[i].id) for j in range(n)], dtype=torch.float64)
+        out["duplicate"] += (att[:, :, i] * earlier).sum(-1) / len(copies)
+    return out
+
+
+@pytest.mark.parametrize("name", ["minilm", "tiny"])
+def test_head_stats_match_a_plain_float64_computation(name, minilm, tiny):
+    model = {"minilm": minilm, "tiny": tiny}[name]
+    r = model.attend("The bank, the river and the bank again. The river ran; the bank stood. " * 3)
+    ours = head_stats(r.attention, r.tokens, model.info.causal)
+    want = reference_stats(r.attention, r.tokens, model.info.causal)
+    for stat, expected in want.items():
+        scale = expected.abs().max().item()  # distance is in tokens: float32 holds it to ~1e-7 relative
+        assert (ours[stat].double() - expected).abs().max().item() <= 1e-6 * max(1.0, scale), stat
 
 
 def test_word_view_merges_wordpiece_and_keeps_rows_stochastic(minilm):
@@ -277,7 +334,7 @@ def test_information_flow_proximity_by_hand(minilm):
 
     text = "The bank of the river."
     tokens, edges = information_flow(minilm, text, threshold=0.0)
-    r, inputs, _ = run_with_stream(minilm, text)
+    r, inputs = run_with_stream(minilm, text)[:2]
     layer, target, source = 2, 3, 1
     att = minilm.net.trf_blocks[layer].att
     w_o, b = att.out_proj.weight.detach(), att.out_proj.bias.detach()

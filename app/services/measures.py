@@ -5,9 +5,9 @@ The run cache keeps attention only. Measures that read the weights alone (rollou
 stats) are computed from it with no forward pass. The others need values, queries and keys,
 and the residual stream: those come from one captured forward of the run's own tokens, made
 the first time such a measure is asked for and kept in a separate LRU bounded in bytes (a
-capture is L × T × (3·d + d) floats, a fraction of the T² weights). The batcher's forward stays
-as it is: most runs never ask for these, and a capture with the stream costs more than a plain
-forward.
+capture is L × T × 6·d floats: q, k, v, the stream, out_proj's input and output; a fraction
+of the T² weights). The batcher's forward keeps none of that: most runs never ask for these,
+and a capture with the stream costs more than a plain forward.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class Captured:
     result: AttentionResult
     inputs: list[torch.Tensor]  # (T, d_model) per layer: the stream entering each block
     final: torch.Tensor | None  # (T, d_model): the stream entering the final norm
+    # Per layer, out_proj's input (T, n_heads * head_dim) and output (T, d_model): contributions
+    # read them instead of mixing the values again.
+    mixed: list[torch.Tensor]
+    outputs: list[torch.Tensor]
 
     def with_weights(self, run: Run) -> AttentionResult:
         return replace(self.result, attention=run.attention)
@@ -53,7 +57,7 @@ class Captured:
     @property
     def nbytes(self) -> int:
         r = self.result
-        tensors = [r.hidden, *r.queries, *r.keys, *r.values, *self.inputs]
+        tensors = [r.hidden, *r.queries, *r.keys, *r.values, *self.inputs, *self.mixed, *self.outputs]
         if self.final is not None:
             tensors.append(self.final)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -120,8 +124,9 @@ class MeasuresService:
                     type_emb = getattr(model.net, "type_emb", None)
                     n_types = type_emb.num_embeddings if type_emb is not None else 1
                     encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
-                    result, inputs, final = m.capture_stream(model, encoded)
-                    captured = Captured(run.run_id, replace(result, logits=None, attention=None), inputs, final)
+                    stream = m.capture_stream(model, encoded)
+                    captured = Captured(run.run_id, replace(stream.result, logits=None, attention=None),
+                                        stream.inputs, stream.final, stream.mixed, stream.outputs)
                     self.captures.put(captured)
                     return captured
                 finally:
@@ -157,26 +162,27 @@ class MeasuresService:
 
     def _matrices(self, run: Run, served: Served, names, layers, heads, fmt) -> dict:
         model = served.model
-        captured = self._capture(run, served).with_weights(run) if NEEDS_CAPTURE & set(names) else None
+        raw = self._capture(run, served) if NEEDS_CAPTURE & set(names) else None
+        captured = raw.with_weights(run) if raw is not None else None
         out = {}
         for name in names:
             if name == "rollout":
                 out[name] = encode_matrix(m.rollout(run.attention), fmt)
             elif name == "value_norms":
-                out[name] = encode_matrix(pick(value_weighted_norms(model, captured), layers, heads), fmt)
+                out[name] = encode_matrix(value_weighted_norms(model, captured, layers, heads), fmt)
             elif name == "contributions":
-                found = m.contributions(model, captured)
+                found = m.contributions(model, captured, raw.mixed, raw.outputs)
                 out[name] = {
                     "norms": encode_matrix(pick(found.norms, layers, heads), fmt),
                     "shares": encode_matrix(pick(found.shares, layers, heads), fmt),
                     "bias_shares": encode_matrix(found.bias_shares.index_select(0, torch.tensor(layers)), fmt),
                 }
             elif name == "words":
-                words, merged = m.merge_words(run.tokens, run.attention)
+                words, merged = m.merge_words(run.tokens, pick(run.attention, layers, heads))  # per head: pick first
                 out[name] = {
                     "words": [{"text": w.text, "start": w.start, "end": w.end, "segment": w.segment,
                                "special": w.special, "pieces": list(w.pieces)} for w in words],
-                    "attention": encode_matrix(pick(merged, layers, heads), fmt),
+                    "attention": encode_matrix(merged, fmt),
                 }
             else:
                 out[name] = self._heads(run, served)

@@ -569,6 +569,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   }
   await renderViews();
   if (!run.long) measures.onRun(run, request, state.layer, state.head);
+  else measures.onLongRun();
   setBusy(false);
   // After Enter the caret would keep the arrow keys in the text box: the heatmap takes them.
   if (typedIn) $("focus-plot").focus({ preventScroll: true });

@@ -2,17 +2,22 @@
 // weighted norms, head contributions), a word view, the model's predictions under it, and the
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
-import { ApiError, describeError, listModels, requestJson } from "./api.js";
-import { $, el, plotlyText } from "./dom.js";
+import { ApiError, describeError, requestJson } from "./api.js";
+import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { HeadFinder } from "./finder.js";
+import { sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
+import { Predictions } from "./predictions.js";
+import { onThemeChange } from "./theme.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
 const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
 const SEEN_MARGIN_PX = 200;
 const MAX_HOVER_TEXTS = 128 * 128;
+
+const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
@@ -47,12 +52,14 @@ class Measures {
     this.flow = null;
     this.words = null;
     this.predictions = null;
-    this.models = null; // asked for after the first run, when the page holds its API key if it needs one
+    // Under the focused heatmap and in its hover, and in the strip under this section's heatmap.
+    this.predictionsView = new Predictions($("focus-plot"), $("tooltip"));
     this.finder = new HeadFinder($("finder"), { onSelect: (l, h) => this.focusHead(l, h) });
     this.flowGraph = new FlowGraph($("flow"), { onEdge: (l, h) => this.focusHead(l, h) });
     this.neuron = new NeuronPanel($("neuron"), { onQuery: (q) => { this.queryIndex = q; this.drawNeuron(); } });
     $("measure").addEventListener("change", () => this.drawMeasure());
     $("word-view").addEventListener("change", () => this.drawMeasure());
+    onThemeChange(() => this.drawMeasure()); // the colours follow the theme, as the heatmap's do
     const threshold = $("flow-threshold");
     threshold.addEventListener("change", () => this.loadFlow());
     $("flow-draw").addEventListener("click", () => this.loadFlow());
@@ -104,7 +111,16 @@ class Measures {
     else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
     this.finder.select(layer, head);
     // A short run's panel is drawn at once; a long one's waits to be seen (see drawFocusWhenSeen).
-    this.loadPredictions(token).then(() => (run.tokens.length > LAZY_TOKENS ? this.drawFocusWhenSeen() : this.drawFocus()));
+    this.loadPredictions().then(() => (run.tokens.length > LAZY_TOKENS ? this.drawFocusWhenSeen() : this.drawFocus()));
+  }
+
+  // A long run gets no measures (main.js): forget the last short run's predictions.
+  onLongRun() {
+    this.token = {}; // loads still in flight for the last run drop their answers
+    this.run = null;
+    this.flow = null;
+    this.predictions = null;
+    this.predictionsView.clear();
   }
 
   onFocus(layer, head) {
@@ -161,35 +177,10 @@ class Measures {
     }
   }
 
-  async loadPredictions(token = this.token) {
-    this.models ??= listModels().catch(() => []);
-    const info = (await this.models).find((m) => m.id === this.run.model);
-    const strip = $("predictions");
-    if (!info?.predictions) {
-      strip.replaceChildren(el("span", { className: "hint", text: "This model has no language-model head: no predictions." }));
-      return;
-    }
-    try {
-      const body = await this.post({ format: "u8", layers: [0], heads: [0], predictions: { top_k: 5 } });
-      if (token !== this.token) return;
-      this.predictions = body.predictions;
-      this.drawPredictions(info.causal);
-    } catch (err) {
-      strip.replaceChildren(el("span", { className: "hint", text: describeError(err) }));
-    }
-  }
-
-  drawPredictions(causal) {
-    const cells = this.labels.map((label, i) => {
-      const top = this.predictions[String(i)];
-      const guess = top ? top[0].token : "";
-      const title = top ? `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${p.token} ${(p.prob * 100).toFixed(1)}%`).join(", ") : label;
-      return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "data-position": i } }, [
-        el("span", { className: "pred-token", text: label }),
-        el("span", { className: "pred-guess", text: guess }),
-      ]);
-    });
-    $("predictions").replaceChildren(el("span", { className: "hint", text: causal ? "Next token: " : "Masked token: " }), ...cells);
+  async loadPredictions() {
+    const run = this.run;
+    const found = await this.predictionsView.load(run, this.request, this.labels, [$("predictions")]);
+    if (run === this.run) this.predictions = found; // a later run's answer is never overwritten by this one
   }
 
   async wordsOf() {
@@ -249,10 +240,12 @@ class Measures {
     const hover = rows.length * cols.length <= MAX_HOVER_TEXTS
       ? { text: matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`)), hoverinfo: "text" }
       : { hovertemplate: "query %{y} → key %{x}: %{z:.4f}<extra></extra>" };
+    // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: matrix, ...hover,
-      colorscale: signed ? "RdBu" : "Viridis", reversescale: signed,
+      colorscale: signed ? signedStops() : sequentialStops(),
       zmin: signed ? -peak : 0, zmax: peak,
+      colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
     };
     const ink = getComputedStyle(document.body).color;
     const axis = (labels) => ({ tickvals: labels.map((_, i) => i), ticktext: labels.map(plotlyText), tickfont: { size: 10 }, automargin: true });

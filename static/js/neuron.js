@@ -1,8 +1,10 @@
 // The neuron view: for the focused head and one query token, the query vector, every key, the
 // elementwise q ⊙ k, the scaled score, the softmax and the value each weight mixes. Vectors are
-// drawn as colour strips (blue negative, red positive, per-vector scale); numbers are text.
+// drawn as colour strips (measures_colours.js: red negative, the heatmap's blue positive, per-vector
+// scale); numbers are text.
 
 import { el } from "./dom.js";
+import { signedFill } from "./measures_colours.js";
 
 const CELL = 3; // px per vector component
 
@@ -11,8 +13,7 @@ function strip(vector, label) {
   const ctx = canvas.getContext("2d");
   const peak = Math.max(...vector.map(Math.abs), 1e-12);
   vector.forEach((v, i) => {
-    const a = Math.min(1, Math.abs(v) / peak);
-    ctx.fillStyle = v >= 0 ? `rgba(214, 39, 40, ${a})` : `rgba(31, 119, 180, ${a})`;
+    ctx.fillStyle = signedFill(v, peak);
     ctx.fillRect(i * CELL, 0, CELL, 12);
   });
   return canvas;

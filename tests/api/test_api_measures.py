@@ -195,7 +195,8 @@ def test_capture_cache_counts_its_bytes(client):
     captured = service.captures.get(run_id)
     assert captured is not None
     r = captured.result
-    expected = sum(t.numel() * 4 for t in [r.hidden, *r.queries, *r.keys, *r.values, *captured.inputs, captured.final])
+    expected = sum(t.numel() * 4 for t in [r.hidden, *r.queries, *r.keys, *r.values, *captured.inputs, captured.final,
+                                            *captured.mixed, *captured.outputs])
     # neither the (T, vocab) logits nor a second copy of the weights is kept
     assert captured.nbytes == expected and r.logits is None and r.attention is None
     assert service.captures.nbytes <= service.captures.max_bytes

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.browser.conftest import serving
-from tests.browser.test_page import open_page, run, wait_focus
+from tests.browser.test_page import hover_cell, open_page, run, wait_focus
 
 pytestmark = pytest.mark.browser
 
@@ -150,3 +150,45 @@ def test_measures_redraw_the_heatmap_and_predictions_line_up(ran, tiny_api, arti
         assert cells.nth(i).locator(".pred-guess").text_content() == top["token"]
         assert f"{top['prob'] * 100:.1f}%" in cells.nth(i).get_attribute("title")
     page.locator("#measures").screenshot(path=str(artifacts / "measures-contributions.png"))
+
+
+def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tiny_api, artifacts):
+    page, run_id = ran
+    body = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "u8",
+                                                    "predictions": {"top_k": 5}}).json()
+    n = len(body["tokens"])
+    page.wait_for_selector("#focus-predictions .pred")
+    cells = page.locator("#focus-predictions .pred")
+    assert cells.count() == n
+    for i in (0, 5, n - 1):
+        top = body["predictions"][str(i)][0]
+        assert cells.nth(i).locator(".pred-guess").text_content() == top["token"]
+        assert f"{top['prob'] * 100:.1f}%" in cells.nth(i).get_attribute("title")
+    for row, col in ((3, 1), (n - 1, 2)):
+        hover_cell(page, row, col)
+        text = page.locator("#tooltip").text_content()
+        reading, *_, line = text.split("\n")
+        assert "→" in reading  # focus.js's own reading stays first
+        assert line.startswith("next after"), text
+        for guess in body["predictions"][str(row)]:
+            assert f"{guess['token']} {guess['prob'] * 100:.1f}%" in line
+    # Another row's reading never keeps this row's predictions: one line per hover, not appended twice.
+    hover_cell(page, 4, 0)
+    text = page.locator("#tooltip").text_content()
+    assert text.count("next after") == 1 and f"{body['predictions']['4'][0]['token']} " in text
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "focus-predictions.png"))
+
+
+def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
+    page, _ = ran
+    page.wait_for_selector("#measure-plot[data-measure='raw']")
+    colours = page.evaluate("""() => [document.getElementById('measure-plot').data[0].colorscale,
+                                      document.getElementById('focus-plot').data[0].colorscale]""")
+    assert colours[0] == colours[1]
+    page.select_option("#measure", "contributions")
+    page.wait_for_selector("#measure-plot[data-measure='contributions']")
+    signed = page.evaluate("() => document.getElementById('measure-plot').data[0].colorscale")
+    darkest = colours[1][-1][1].lstrip("#")
+    assert signed[-1][1] == "rgb({},{},{})".format(*(int(darkest[k:k + 2], 16) for k in (0, 2, 4)))
+    assert signed[0][1] != signed[-1][1]  # negative and positive shares read apart
+    page.locator("#measure-plot").screenshot(path=str(artifacts / "measures-signed-colours.png"))

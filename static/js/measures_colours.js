@@ -1,0 +1,36 @@
+// One colour language for every measure, the focused heatmap's own: unsigned values (weights,
+// rollout, value-weighted norms) on the theme's sequential scale (palette().stops: light blue to
+// dark blue in the light theme, the same as the heatmap above); signed values (head contribution
+// shares, the neuron view's vectors) on a diverging scale that is the paper colour at 0, that same
+// sequential scale's strongest colour for positive values and red for negative ones. Every
+// measure plot carries its colorbar as the legend.
+
+import { palette } from "./theme.js";
+
+const NEGATIVE = [203, 45, 62]; // red: a share that cancels other heads, a negative component
+
+function rgb(hex) {
+  const n = parseInt(hex.slice(1), 16);
+  return [(n >> 16) & 255, (n >> 8) & 255, n & 255];
+}
+
+export function sequentialStops() {
+  return palette().stops;
+}
+
+function positive() {
+  const stops = palette().stops;
+  return rgb(stops[stops.length - 1][1]);
+}
+
+// A Plotly colorscale for values in [-peak, peak] (zmin -peak, zmax peak).
+export function signedStops() {
+  return [[0, `rgb(${NEGATIVE.join(",")})`], [0.5, palette().paper], [1, `rgb(${positive().join(",")})`]];
+}
+
+// A canvas fill for one signed value: its side's colour, as opaque as |value| / peak.
+export function signedFill(value, peak) {
+  const alpha = Math.min(1, Math.abs(value) / (peak || 1));
+  const [r, g, b] = value >= 0 ? positive() : NEGATIVE;
+  return `rgba(${r}, ${g}, ${b}, ${alpha})`;
+}
