@@ -165,6 +165,7 @@ TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or
     "kv_heads": (int, "llama: key/value heads, grouped-query attention (default --heads)"),
     "ff_dim": (int, "llama: SwiGLU hidden width (default 8/3 of --emb-dim, rounded up to 32)"),
     "rope_theta": (float, "llama: RoPE base wavelength (default 10000)"),
+    "attention_bias": (bool, "llama: biases on the q, k, v and o projections (HF attention_bias), a constant that rotary heads can aim by position"),
     "init_from": (str, "start from the weights of a folder manyeyes train wrote (same shapes; its tokenizer is reused)"),
 }
 
@@ -178,7 +179,9 @@ def cmd_train(args) -> int:
     # The card records the command in canonical form: every option given, nothing else.
     words = ["manyeyes", "train", "--text", *args.text, "--out", args.out]
     for name, value in options.items():
-        if value is not None:
+        if value is True:
+            words += [f"--{name.replace('_', '-')}"]
+        elif value is not None:
             words += [f"--{name.replace('_', '-')}", str(value)]
     words += ["--resume"] if args.resume else []
     try:
@@ -258,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--text", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
     trainer.add_argument("--out", required=True, metavar="DIR", help="folder for model.pth, config.json, ...")
     for name, (kind, text) in TRAIN_OPTIONS.items():
-        trainer.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+        if kind is bool:
+            trainer.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None, help=text)
+        else:
+            trainer.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
     trainer.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt up to --steps")
     trainer.set_defaults(func=cmd_train)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from manyeyes.model.blocks import DecoderConfig, RotaryDecoder
-from manyeyes.model.families.llama import LAYER, LM_HEAD, TOP
+from manyeyes.model.families.llama import LAYER, LM_HEAD, OUT_BIAS, QKV_BIAS, TOP
 from manyeyes.model.keymap import rows_for
 from manyeyes.model.rotary import RopeConfig
 
@@ -20,7 +20,8 @@ RMS_EPS = 1e-6  # llama's default rms_norm_eps
 
 
 def decoder_config(
-    vocab_size: int, context: int, emb_dim: int, layers: int, heads: int, kv_heads: int, ff_dim: int, rope_theta: float
+    vocab_size: int, context: int, emb_dim: int, layers: int, heads: int, kv_heads: int, ff_dim: int, rope_theta: float,
+    attention_bias: bool = False,
 ) -> DecoderConfig:
     head_dim = emb_dim // heads
     return DecoderConfig(
@@ -36,6 +37,8 @@ def decoder_config(
         norm="rms",
         norm_eps=RMS_EPS,
         ff="swiglu",
+        qkv_bias=attention_bias,  # llama's attention_bias puts a bias on all four projections
+        out_bias=attention_bias,
     )
 
 
@@ -55,7 +58,7 @@ def hf_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope.theta,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": cfg.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -66,7 +69,8 @@ def hf_state(net: RotaryDecoder, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state_dict in Hugging Face llama names, through the loader's own table read backwards."""
     ours = net.state_dict()
     state = {}
-    for hf_key, our_key, transform in rows_for(TOP, LAYER, net.cfg.n_layers):
+    biases = (QKV_BIAS + OUT_BIAS) if net.cfg.qkv_bias else []
+    for hf_key, our_key, transform in rows_for(TOP, LAYER + biases, net.cfg.n_layers):
         assert transform is None, f"{hf_key} is transformed on load; its inverse would be needed here"
         state["model." + hf_key] = ours[our_key]
     state[LM_HEAD] = ours["out_head.weight"]

@@ -87,6 +87,7 @@ class TrainConfig:
     kv_heads: int | None = None  # llama: key/value heads, each shared by heads / kv_heads query heads; default heads
     ff_dim: int | None = None  # llama: SwiGLU hidden width; default 8/3 of emb_dim rounded up to 32
     rope_theta: float = 10000.0  # llama: RoPE base wavelength
+    attention_bias: bool = False  # llama: biases on q, k, v and o (HF attention_bias)
     init_from: Path | None = None  # start from the weights of a folder this command wrote (same shapes); reuses its tokenizer
 
     def __post_init__(self):
@@ -115,8 +116,8 @@ class TrainConfig:
         if self.arch not in ARCHS:
             raise TrainError(f"--arch must be {' or '.join(ARCHS)}, not {self.arch}")
         if self.arch == "gpt":
-            for name in ("kv_heads", "ff_dim"):
-                if getattr(self, name) is not None:
+            for name in ("kv_heads", "ff_dim", "attention_bias"):
+                if getattr(self, name) not in (None, False):
                     raise TrainError(f"--{_flag(name)} applies to --arch llama only")
         else:
             if self.pos_init != "random":
@@ -282,7 +283,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
     if cfg.arch == "llama":
         model = RotaryDecoder(
             decoder_config(
-                vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta
+                vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta,
+                cfg.attention_bias,
             )
         )
         init_weights(model)

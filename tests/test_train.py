@@ -284,17 +284,20 @@ def test_llama_folder_matches_transformers(corpus, tmp_path):
     """transformers' own LlamaForCausalLM reads the folder and computes what we compute.
 
     Forty steps leave attention near uniform, where a wrong rotation or mask could hide; so the
-    writer also saves the same architecture with weights ten times the init's (peaked rows).
+    writer also saves the same architecture, with attention biases, with weights ten times the
+    init's (peaked rows) and random biases.
     """
     transformers = pytest.importorskip("transformers")
     trained = tmp_path / "trained"
     run(corpus, trained, steps=40, **LLAMA)
     sharp = tmp_path / "sharp"
     sharp.mkdir()
-    model = build_model(make_config({"text": [corpus], "out": sharp, **LLAMA}), vocab_size=320)
+    model = build_model(make_config({"text": [corpus], "out": sharp, **LLAMA, "attention_bias": True}), vocab_size=320)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if not name.endswith("scale"):
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif not name.endswith("scale"):
                 param.mul_(10)
     save_model(model, sharp, "float32")
     (sharp / "tokenizer.json").write_text((trained / "tokenizer.json").read_text())
@@ -351,6 +354,7 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     [
         (["--arch", "bert"], "--arch must be gpt or llama"),
         (["--kv-heads", "2"], "--kv-heads applies to --arch llama only"),
+        (["--attention-bias"], "--attention-bias applies to --arch llama only"),
         (["--arch", "llama", "--heads", "4", "--emb-dim", "32", "--kv-heads", "3"], "must be a multiple of --kv-heads (3)"),
         (["--arch", "llama", "--heads", "4", "--emb-dim", "12"], "must be even: RoPE rotates pairs"),
         (["--arch", "llama", "--pos-init", "sinusoidal"], "--pos-init applies to --arch gpt only"),
