@@ -98,7 +98,19 @@ class Settings(BaseSettings):
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
     shutdown_grace_s: float = Field(30.0, ge=0)
 
-    cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs' full float32 attention
+    cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs (their weights, or queries and keys)
+
+    # Long inputs (issue 10, README "Long inputs"). Above dense_max_tokens a run keeps its queries
+    # and keys instead of the (L, H, T, T) weights (`keep: "auto"`), and serves any window of any
+    # head from them: /runs/{id}/tile, /topk, /overview. 1024: MiniLM/tiny-gpt inputs all stay
+    # dense, byte for byte as before; a 6-layer, 12-head run at T=1024 is 300 MB of weights.
+    dense_max_tokens: int = Field(1024, ge=1)
+    # A tile answer is at most max_tile_side x max_tile_side cells; bigger windows are pooled.
+    max_tile_side: int = Field(1024, ge=1)
+    # Weights a tile or top-k request regenerates at once (a row block of its window): with the
+    # answer, the most one request allocates, whatever the run's length.
+    tile_block_bytes: int = Field(8 * 2**20, ge=4096)
+    max_topk: int = Field(64, ge=1, le=64)
     gzip_level: int = Field(5, ge=1, le=6)  # small JSON (models, errors, docs) through GZipMiddleware
     gzip_min_bytes: int = Field(1024, ge=0)
     # Attention answers are compressed by the service, off the event loop (see services/wire.py):

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Format = Literal["json", "f16", "u8"]
+Keep = Literal["auto", "weights", "qk"]
 
 
 def _not_blank(value: str) -> str:
@@ -47,6 +48,13 @@ class AttentionRequest(Options):
         None, min_length=1, description="Also return these measures of the run, in `format` (heads: JSON); "
         "the same as GET /api/v1/runs/{run_id}/measures"
     )
+    keep: Keep = Field(
+        "auto",
+        description="What the run keeps. weights: the (layers, heads, T, T) weights, sent in the answer. "
+        "qk: the queries and keys, from which /runs/{run_id}/tile, /topk and /overview compute any head "
+        "exactly; the answer is then metadata with `attention: null` and `links`. auto: qk above the "
+        "server's dense_max_tokens (GET /api/v1/runs/{run_id} tells), weights below",
+    )
 
     _text = field_validator("text")(_not_blank)
 
@@ -64,6 +72,7 @@ class AttentionRequest(Options):
                 {"text": "Where is it?", "text_pair": "On the bank.", "model": "minilm", "format": "f16"},
                 {"text": "In the beginning", "model": "tiny-gpt", "format": "u8", "predictions": {"top_k": 3}},
                 {"text": "The bank of the river.", "format": "u8", "measures": ["rollout", "heads"]},
+                {"text": "A long document ...", "model": "tiny-gpt", "keep": "qk"},
             ]
         },
     )
@@ -127,7 +136,12 @@ class AttentionResponse(BaseModel):
     truncated: bool
     layers: list[int]
     heads: list[int]
-    attention: AttentionData
+    kept: Literal["weights", "qk"] = Field(
+        description="weights: `attention` holds them. qk: the run kept queries and keys; `attention` is null "
+        "and `links` names the routes that serve its heads"
+    )
+    attention: AttentionData | None
+    links: RunLinks | None = Field(None, description="qk runs only: URL templates of the run's routes")
     predictions: dict[str, list[PredictionOut]] | None = Field(
         None,
         description="Only when asked for: token position -> top-k. Causal LMs: the next token after every "
@@ -154,6 +168,7 @@ class AttentionResponse(BaseModel):
                     "truncated": False,
                     "layers": [0],
                     "heads": [0],
+                    "kept": "weights",
                     "attention": {
                         "format": "u8",
                         "dtype": "uint8",
@@ -653,3 +668,121 @@ class ComparisonResponse(BaseModel):
             ]
         }
     )
+
+
+# ---- long inputs: runs that keep queries and keys, and the routes that serve them (issue 10) ----
+
+
+class RunLinks(BaseModel):
+    """URL templates, the run id filled in; `{name}` marks a query parameter to fill or drop."""
+
+    run: str
+    tile: str
+    topk: str
+    overview: str
+
+
+class ArrayData(BaseModel):
+    """An array in the encodings attention uses: nested lists (json), base64 little-endian float16
+    (f16) or bytes with value ≈ byte × scale (u8). Under `Accept: application/vnd.manyeyes.frame`,
+    `offset` and `nbytes` into the frame's data section replace `data`."""
+
+    format: Literal["json", "f16", "u8", "i32"] = Field(description="i32: base64 little-endian int32 (indices)")
+    dtype: Literal["float32", "float16", "uint8", "int32"]
+    shape: list[int]
+    data: list | str | None = None
+    scale: float | None = Field(None, description="u8 only: value ≈ byte × scale")
+    offset: int | None = Field(None, description="Frame only: where the bytes start in the data section")
+    nbytes: int | None = Field(None, description="Frame only")
+
+
+class RunInfo(BaseModel):
+    run_id: str
+    model: str
+    causal: bool
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    n_tokens: int
+    tokens: list[TokenOut]
+    truncated: bool
+    kept: Literal["weights", "qk"]
+    shapes: dict[str, list[int]] = Field(description="What the run holds: attention [L, H, T, T] (weights), "
+                                                     "or queries [L, H, T, d] and keys [L, KV, T, d] (qk)")
+    nbytes: int = Field(description="Bytes the run holds in the server's run cache")
+    dense_max_tokens: int = Field(description="This server keeps weights (keep=auto) up to this many tokens")
+    links: RunLinks
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "model": "tiny-llama", "causal": True, "n_layers": 4, "n_heads": 8,
+        "n_kv_heads": 4, "n_tokens": 2,
+        "tokens": [{"text": "I", "id": 73, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"},
+                   {"text": "n", "id": 110, "start": 1, "end": 2, "special": False, "segment": 0, "piece": "n"}],
+        "truncated": False, "kept": "qk", "shapes": {"queries": [4, 8, 2, 32], "keys": [4, 4, 2, 32]}, "nbytes": 9184,
+        "dense_max_tokens": 1024,
+        "links": {"run": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f",
+                  "tile": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f/tile?layer={layer}&head={head}&q0={q0}&q1={q1}"
+                          "&k0={k0}&k1={k1}&rows={rows}&cols={cols}&pool={pool}&format={format}",
+                  "topk": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f/topk?layer={layer}&head={head}&k={k}&q0={q0}&q1={q1}&format={format}",
+                  "overview": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f/overview?format={format}"},
+    }]})
+
+
+class TileWindow(BaseModel):
+    q0: int = Field(description="First query row (inclusive)")
+    q1: int = Field(description="Last query row (exclusive)")
+    k0: int = Field(description="First key column (inclusive)")
+    k1: int = Field(description="Last key column (exclusive)")
+
+
+class TileResponse(BaseModel):
+    run_id: str
+    layer: int
+    head: int | Literal["mean"] = Field(description="A query head, or mean: the mean over the layer's heads")
+    window: TileWindow
+    shape: list[int] = Field(description="[rows, cols] of the answer")
+    pool: Literal["none", "max", "mean"] = Field(description="none: full resolution (every weight of the window)")
+    row_edges: list[int] = Field(description="rows + 1 query positions: answer row i covers [row_edges[i], row_edges[i+1])")
+    col_edges: list[int] = Field(description="cols + 1 key positions, likewise")
+    attention: ArrayData = Field(description="(rows, cols) float32 weights, pooled from the exact float32 weights")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "layer": 1, "head": 3, "window": {"q0": 0, "q1": 4096, "k0": 0, "k1": 4096},
+        "shape": [2, 2], "pool": "max", "row_edges": [0, 2048, 4096], "col_edges": [0, 2048, 4096],
+        "attention": {"format": "json", "dtype": "float32", "shape": [2, 2], "data": [[1.0, 0.0], [0.61, 0.93]]},
+    }]})
+
+
+class TopKResponse(BaseModel):
+    run_id: str
+    layer: int
+    head: int
+    k: int
+    q0: int
+    q1: int
+    values: ArrayData = Field(description="(q1 - q0, k): each query row's k largest weights, largest first")
+    indices: ArrayData = Field(description="(q1 - q0, k) key positions of those weights (json: lists; f16/u8: i32)")
+    rest: ArrayData = Field(description="(q1 - q0,): 1 - the sum of the row's k weights, the mass left over")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "layer": 1, "head": 3, "k": 2, "q0": 0, "q1": 2,
+        "values": {"format": "json", "dtype": "float32", "shape": [2, 2], "data": [[1.0, 0.0], [0.7, 0.3]]},
+        "indices": {"format": "json", "dtype": "int32", "shape": [2, 2], "data": [[0, 1], [1, 0]]},
+        "rest": {"format": "json", "dtype": "float32", "shape": [2], "data": [0.0, 0.0]},
+    }]})
+
+
+class OverviewResponse(BaseModel):
+    run_id: str
+    n_layers: int
+    n_heads: int
+    row_edges: list[int]
+    col_edges: list[int]
+    pool: Literal["max"] = "max"
+    attention: ArrayData = Field(description="(layers, heads, rows, cols): every head's max-pooled thumbnail")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "n_layers": 1, "n_heads": 1, "row_edges": [0, 2, 3],
+        "col_edges": [0, 2, 3], "pool": "max",
+        "attention": {"format": "u8", "dtype": "uint8", "shape": [1, 1, 2, 2], "data": "/wCZZg==", "scale": 1 / 255},
+    }]})

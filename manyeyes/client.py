@@ -6,6 +6,12 @@
     r.attention.shape          # (layers, heads, T, T) float32 numpy
     r.head(2, 3)               # one head, by its model-wide layer and head index
     c.slice(r, layers=[0])     # another slice of the same run, no forward pass
+
+    long = c.attention(book, model="tiny-llama")        # over the server's dense_max_tokens:
+    long.kept, long.attention                           # "qk", None: the run kept queries and keys
+    c.tile(long, layer=1, head=3, rows=512, cols=512)   # any window of any head, pooled or exact
+    c.topk(long, layer=1, head=3, k=8)                  # every row's 8 largest weights
+    c.overview(long).values                             # (layers, heads, r, c) thumbnails
 """
 
 from __future__ import annotations
@@ -186,14 +192,16 @@ class RemoteResult:
     truncated: bool
     layers: list[int]
     heads: list[int]
-    attention: np.ndarray  # (len(layers), len(heads), T, T) float32
-    format: str
+    attention: np.ndarray | None  # (len(layers), len(heads), T, T) float32; None when kept == "qk"
+    format: str | None
     device: str
     timing_ms: dict[str, float]
     # The POST body that made this run, so an evicted run can be recomputed by any server.
     request: dict | None = field(default=None, repr=False)
     # Asked for with predictions=K: position -> the model's top K (next token, or at a [MASK]).
     predictions: dict[int, list[Prediction]] | None = None
+    # "qk": a long input whose run kept queries and keys; read it with tile/topk/overview.
+    kept: str = "weights"
 
     def head(self, layer: int, head: int) -> np.ndarray:
         """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it."""
@@ -251,7 +259,7 @@ def decode_body(response: httpx.Response) -> list[tuple[dict, np.ndarray]]:
     except ValueError as exc:
         raise ManyeyesError(response.status_code, "unreadable", f"the response is not JSON: {exc}") from None
     results = body["results"] if "results" in body else [body]
-    return [(r, decode_attention(r["attention"])) for r in results]
+    return [(r, None if r["attention"] is None else decode_attention(r["attention"])) for r in results]
 
 
 def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteResult:
@@ -266,7 +274,8 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         layers=fields["layers"],
         heads=fields["heads"],
         attention=array,
-        format=fields["attention"]["format"],
+        format=None if fields["attention"] is None else fields["attention"]["format"],
+        kept=fields.get("kept", "weights"),
         device=fields["device"],
         timing_ms=fields["timing_ms"],
         request=request,
@@ -274,6 +283,72 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         if fields.get("predictions") is None
         else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in fields["predictions"].items()},
     )
+
+
+@dataclass(frozen=True)
+class RemoteTile:
+    """values[i, j] covers query rows [row_edges[i], row_edges[i+1]) and keys [col_edges[j], col_edges[j+1])."""
+
+    run_id: str
+    layer: int
+    head: int | str  # "mean": the layer's mean over heads
+    window: dict  # q0, q1, k0, k1
+    pool: str  # "none" at full resolution, else "max" or "mean"
+    row_edges: list[int]
+    col_edges: list[int]
+    values: np.ndarray  # (rows, cols) float32
+
+
+@dataclass(frozen=True)
+class RemoteTopK:
+    run_id: str
+    layer: int
+    head: int
+    k: int
+    q0: int
+    q1: int
+    values: np.ndarray  # (q1 - q0, k) float32, largest first
+    indices: np.ndarray  # (q1 - q0, k) int32 key positions
+    rest: np.ndarray  # (q1 - q0,) float32: 1 - the row's k weights
+
+
+@dataclass(frozen=True)
+class RemoteOverview:
+    run_id: str
+    row_edges: list[int]
+    col_edges: list[int]
+    values: np.ndarray  # (layers, heads, rows, cols) float32, max-pooled
+
+
+ARRAY_DTYPES = {**FRAME_DTYPES, "i32": np.dtype("<i4")}
+
+
+def decode_array(meta: dict, data: memoryview | None = None) -> np.ndarray:
+    """One array of a tile/topk/overview answer: from the frame's data section, or inline."""
+    fmt = meta["format"]
+    if data is not None:
+        raw = np.frombuffer(data[meta["offset"] : meta["offset"] + meta["nbytes"]], dtype=ARRAY_DTYPES[fmt])
+    elif fmt == "json":
+        return np.asarray(meta["data"], dtype=np.int32 if meta["dtype"] == "int32" else np.float32).reshape(meta["shape"])
+    else:
+        raw = np.frombuffer(base64.b64decode(meta["data"]), dtype=ARRAY_DTYPES[fmt])
+    array = raw.reshape(meta["shape"])
+    if fmt == "i32":
+        return array.astype(np.int32)
+    array = array.astype(np.float32)
+    return array * np.float32(meta["scale"]) if fmt == "u8" else array
+
+
+def decode_arrays(response: httpx.Response) -> tuple[dict, dict[str, np.ndarray]]:
+    """(the answer's other fields, its arrays by name), from the frame or the JSON form."""
+    if response.headers.get("content-type", "").startswith(FRAME_MEDIA_TYPE):
+        body = response.content
+        size = int.from_bytes(body[4:8], "little")
+        fields, data = json.loads(body[8 : 8 + size]), memoryview(body)[8 + size :]
+    else:
+        fields, data = response.json(), None
+    arrays = {k: decode_array(v, data) for k, v in fields.items() if isinstance(v, dict) and "dtype" in v}
+    return {k: v for k, v in fields.items() if k not in arrays}, arrays
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -365,12 +440,15 @@ class Client:
         format: str | None = None,
         truncate: bool = False,
         predictions: int | None = None,
+        keep: str | None = None,
     ) -> RemoteResult:
         """predictions=K: also the model's top K per position (next token for causal LMs, at each
-        [MASK] for masked LMs); InvalidRequest for a model without an LM head."""
+        [MASK] for masked LMs); InvalidRequest for a model without an LM head.
+        keep: "auto" (the server's default: whole weights up to its dense_max_tokens), "weights"
+        or "qk" (queries and keys: the result's attention is None, read it with tile/topk/overview)."""
         body = {"text": text, "text_pair": text_pair, "model": model, "layers": layers, "heads": heads,
                 "format": format or self.format, "truncate": truncate,
-                "predictions": None if predictions is None else {"top_k": predictions}}
+                "predictions": None if predictions is None else {"top_k": predictions}, "keep": keep}
         body = {k: v for k, v in body.items() if v is not None}
         [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
         return to_result(fields, array, body)
@@ -463,14 +541,18 @@ class Client:
 
     def _run_get(self, run: RemoteResult | str, path: str, params: dict) -> dict:
         """GET one of a run's routes; a run the server evicted is posted again (given a result)."""
+        return self._run_response(run, path, params).json()
+
+    def _run_response(self, run: RemoteResult | str, path: str, params: dict) -> httpx.Response:
         run_id = run if isinstance(run, str) else run.run_id
+        url = f"/api/v1/runs/{run_id}/{path}".rstrip("/")
         try:
-            return self._send("GET", f"/api/v1/runs/{run_id}/{path}", params=params).json()
+            return self._send("GET", url, params=params)
         except NotFound as exc:
             if exc.code != "unknown_run" or isinstance(run, str) or run.request is None:
                 raise
             self._send("POST", "/api/v1/attention", json={**run.request, "format": "u8", "layers": [0], "heads": [0]})
-            return self._send("GET", f"/api/v1/runs/{run_id}/{path}", params=params).json()
+            return self._send("GET", url, params=params)
 
     def measures(
         self,
@@ -517,3 +599,45 @@ class Client:
         if target is not None:
             params["target"] = target
         return self._run_get(run, "logit-attribution", params)
+
+    # -- long inputs: any head of any run, a window at a time
+
+    def run_info(self, run: RemoteResult | str) -> dict:
+        """What the server holds of a run: tokens, kept ("weights" or "qk"), shapes, bytes, links."""
+        return self._run_get(run, "", {})
+
+    def tile(
+        self,
+        run: RemoteResult | str,
+        layer: int,
+        head: int | str,
+        q0: int | None = None,
+        q1: int | None = None,
+        k0: int | None = None,
+        k1: int | None = None,
+        *,
+        rows: int | None = None,
+        cols: int | None = None,
+        pool: str = "max",
+        format: str | None = None,
+    ) -> RemoteTile:
+        """One head (head="mean": the layer's mean) over [q0, q1) x [k0, k1), default the whole
+        run: every weight, or pooled ("max" or "mean") to rows x cols; at most 1024 a side."""
+        params = {"layer": layer, "head": head, "q0": q0, "q1": q1, "k0": k0, "k1": k1, "rows": rows, "cols": cols,
+                  "pool": pool, "format": format or self.format}
+        fields, arrays = decode_arrays(self._run_response(run, "tile", {k: v for k, v in params.items() if v is not None}))
+        return RemoteTile(**_known(RemoteTile, fields), values=arrays["attention"])
+
+    def topk(
+        self, run: RemoteResult | str, layer: int, head: int, k: int = 8, q0: int | None = None, q1: int | None = None,
+        *, format: str | None = None,
+    ) -> RemoteTopK:
+        """Each query row's k largest weights (largest first), their key positions and the mass left over."""
+        params = {"layer": layer, "head": head, "k": k, "q0": q0, "q1": q1, "format": format or self.format}
+        fields, arrays = decode_arrays(self._run_response(run, "topk", {k: v for k, v in params.items() if v is not None}))
+        return RemoteTopK(**_known(RemoteTopK, fields), values=arrays["values"], indices=arrays["indices"], rest=arrays["rest"])
+
+    def overview(self, run: RemoteResult | str, *, format: str | None = None) -> RemoteOverview:
+        """Every head's max-pooled thumbnail of the whole run."""
+        fields, arrays = decode_arrays(self._run_response(run, "overview", {"format": format or self.format}))
+        return RemoteOverview(**_known(RemoteOverview, fields), values=arrays["attention"])

@@ -35,6 +35,15 @@ class Capture:
     # A float32 (b, num_heads, T, T) buffer the softmax writes into, so a caller that gathers
     # every layer into one tensor pays no extra copy (75 MB for MiniLM at T=512).
     weights_out: torch.Tensor | None = None
+    # Long inputs: never hold a layer's (b, num_heads, T, T) weights. The softmax runs over row
+    # blocks of queries and hands back, instead of the weights, what regenerates them exactly
+    # (each row's max and sum, with the queries and keys) and a max-pooled overview of every head.
+    keep: bool = False
+    overview: int = 64  # the overview's side, in bins, when keep is set
+    block_cells: int = 1 << 24  # score cells one row block may hold (64 MB as float32)
+    # False: the trace carries no (b, T, vocab_size) logits, which at long T can outweigh everything
+    # else; the caller applies the network's `lm_head` to the hidden state a few rows at a time.
+    logits: bool = True
 
 
 class AttentionOutput(NamedTuple):
@@ -47,6 +56,12 @@ class AttentionOutput(NamedTuple):
     values: torch.Tensor | None  # (b, num_kv_heads, num_tokens, head_dim)
     # Every key and value so far, the past's included, ready to be the next call's `past`.
     present: "KVCache | None" = None
+    # Capture(keep=True) only: the softmax of row q is exp(score - row_max[q]) / row_sum[q], both
+    # (b, num_heads, num_tokens) float32, and `overview` is (b, num_heads, r, c) float32, each
+    # cell the largest weight in its bin of queries x keys (edges from `bin_edges`).
+    row_max: torch.Tensor | None = None
+    row_sum: torch.Tensor | None = None
+    overview: torch.Tensor | None = None
 
 
 class KVCache(NamedTuple):
@@ -79,6 +94,68 @@ def blocked_positions(
         # k <= offset + i - W  <=>  k - i <= offset - W: the band on and below diagonal offset - W
         blocked |= ones.tril(offset - sliding_window)
     return blocked
+
+
+def blocked_rows(
+    q0: int, q1: int, k0: int, k1: int, *, offset: int, causal: bool, sliding_window: int | None, device
+) -> torch.Tensor | None:
+    """(q1 - q0, k1 - k0) bool: `blocked_positions` cut to one window, without building all of it.
+
+    Query i sits at position offset + i, as there. None when nothing in the window is blocked."""
+    if not causal and sliding_window is None:
+        return None
+    # (q1 - q0, 1) and (1, k1 - k0): where each query may look, against each key's position
+    query_pos = torch.arange(offset + q0, offset + q1, device=device).unsqueeze(1)
+    key_pos = torch.arange(k0, k1, device=device).unsqueeze(0)
+    blocked = key_pos > query_pos if causal else torch.zeros(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+    if sliding_window is not None:
+        blocked |= key_pos <= query_pos - sliding_window
+    return blocked if bool(blocked.any()) else None
+
+
+def visible_keys(q0: int, q1: int, num_keys: int, *, causal: bool, sliding_window: int | None, align: int) -> tuple[int, int]:
+    """[k0, k1): the keys that queries at positions [q0, q1) may see at all, widened to multiples of `align`.
+
+    The row-block softmax scores only these (half the work of a causal model); `kept` scores the
+    same range again, so a rebuilt weight comes out of the very same float ops."""
+    k1 = q1 if causal else num_keys
+    k0 = max(0, q0 - sliding_window + 1) if sliding_window is not None else 0
+    return k0 // align * align, min(num_keys, -(-k1 // align) * align)
+
+
+def masked_band(q0: int, q1: int, k0: int, k1: int, *, causal: bool, sliding_window: int | None) -> tuple[int, int]:
+    """[lo, hi) within [k0, k1): the only keys that some query at positions [q0, q1) may not see.
+
+    Causal: keys after the first query; a sliding window: keys at or before the last query's reach."""
+    if sliding_window is None:
+        return (max(k0, q0 + 1), k1) if causal else (k0, k0)
+    return k0, (k1 if causal else max(k0, min(k1, q1 - sliding_window)))
+
+
+def row_block(num_keys: int, heads: int, row_width: int, block_cells: int) -> int:
+    """Query rows per block of the row-block softmax: whole overview bins, as many as the budget allows."""
+    return max(1, block_cells // max(1, heads * num_keys) // row_width) * row_width
+
+
+def bin_edges(n: int, size: int) -> torch.Tensor:
+    """Edges of at most `size` bins over range(n): equal width ceil(n / size), the last one may be narrower."""
+    width = -(-n // max(1, min(size, n)))
+    return torch.tensor([*range(0, n, width), n], dtype=torch.long)
+
+
+def max_pool(weights: torch.Tensor, row_width: int, col_width: int) -> torch.Tensor:
+    """(..., R, C) -> (..., ceil(R / row_width), ceil(C / col_width)): the largest weight per bin."""
+    *lead, rows, cols = weights.shape
+    full = cols // col_width * col_width
+    # Splitting the unit-stride key axis is a view even on a slice, so no copy of the block is made.
+    pooled = weights[..., :full].unflatten(-1, (full // col_width, col_width)).amax(-1)  # (..., R, C // col_width)
+    if full < cols:
+        pooled = torch.cat((pooled, weights[..., full:].amax(-1, keepdim=True)), dim=-1)
+    full = rows // row_width * row_width
+    out = pooled[..., :full, :].unflatten(-2, (full // row_width, row_width)).amax(-2)  # (..., R // row_width, c)
+    if full < rows:
+        out = torch.cat((out, pooled[..., full:, :].amax(-2, keepdim=True)), dim=-2)
+    return out
 
 
 class MultiHeadAttention(nn.Module):
@@ -189,6 +266,8 @@ class MultiHeadAttention(nn.Module):
             keys = torch.cat((past.keys.to(keys.dtype), keys), dim=2)
             values = torch.cat((past.values.to(values.dtype), values), dim=2)
         num_keys = keys.shape[2]
+        if capture.keep:  # before any (b, heads, T, T) scores exist: 3.2 GB a layer at T = 8,192
+            return self._attend_in_row_blocks(queries, keys, values, key_padding_mask, capture)
 
         # Scaling the queries (T x head_dim) instead of the scores (T x T) is the same maths, cheaper.
         # Each key head serves `group` consecutive query heads; stacking those heads' queries along
@@ -237,4 +316,72 @@ class MultiHeadAttention(nn.Module):
             keys=keys if want_qkv else None,
             values=values if want_qkv else None,
             present=KVCache(keys, values),
+        )
+
+    def _attend_in_row_blocks(self, queries, keys, values, key_padding_mask, capture: Capture) -> AttentionOutput:
+        """The same attention, a block of query rows at a time, for `Capture(keep=True)`.
+
+        No (b, heads, T, T) tensor ever exists: each block's scores are softmaxed, pooled into the
+        overview and mixed into the context, then dropped. Each row's max and sum are kept, so
+        `kept.KeptAttention` can rebuild any weight from the queries and keys with the same float ops.
+        """
+        b, heads, num_tokens, head_dim = queries.shape
+        kv_heads, num_keys = keys.shape[1], keys.shape[2]
+        group = heads // kv_heads
+        offset = num_keys - num_tokens
+        row_edges, col_edges = bin_edges(num_tokens, capture.overview), bin_edges(num_keys, capture.overview)
+        row_width, col_width = int(row_edges[1]), int(col_edges[1])
+        rows_per_block = row_block(num_keys, b * heads, row_width, capture.block_cells)
+        padded = None
+        if key_padding_mask is not None:
+            # (b, num_keys) -> (b, 1, 1, num_keys), broadcast over heads and query rows
+            padded = ~key_padding_mask.bool().view(b, 1, 1, num_keys)
+
+        context = torch.empty(b, heads, num_tokens, head_dim, dtype=values.dtype, device=values.device)
+        row_max = torch.empty(b, heads, num_tokens, device=queries.device)
+        row_sum = torch.empty(b, heads, num_tokens, device=queries.device)
+        overview = torch.empty(b, heads, len(row_edges) - 1, len(col_edges) - 1, device=queries.device)
+        scale = head_dim**-0.5
+        overview.zero_()  # bins no query can see stay 0: their keys are never scored
+        for q0 in range(0, num_tokens, rows_per_block):
+            q1 = min(num_tokens, q0 + rows_per_block)
+            rows = q1 - q0
+            # Whole overview bins of keys, so the pooling needs no padding
+            k0, k1 = visible_keys(q0 + offset, q1 + offset, num_keys, causal=self.causal,
+                                  sliding_window=self.sliding_window, align=col_width)
+            # (b, heads, rows, head_dim) -> (b, kv_heads, group * rows, head_dim), as in `attend`
+            scaled = (queries[:, :, q0:q1] * scale).reshape(b, kv_heads, group * rows, head_dim)
+            # (b, kv_heads, group * rows, head_dim) @ (b, kv_heads, head_dim, k1 - k0) -> (b, heads, rows, k1 - k0)
+            scores = (scaled @ keys[:, :, k0:k1].transpose(2, 3)).view(b, heads, rows, k1 - k0).float()
+            if padded is not None:
+                band = (k0, k1)
+            else:  # only the columns where some row of the block is blocked need a mask
+                band = masked_band(q0 + offset, q1 + offset, k0, k1, causal=self.causal, sliding_window=self.sliding_window)
+            blocked = blocked_rows(q0, q1, *band, offset=offset, causal=self.causal,
+                                   sliding_window=self.sliding_window, device=scores.device)
+            if padded is not None:
+                blocked = padded[..., k0:k1] if blocked is None else (blocked | padded[..., k0:k1])
+            if blocked is not None:
+                # an added 0/-inf mask: bit for bit masked_fill, and far cheaper than a broadcast bool fill
+                scores[..., band[0] - k0 : band[1] - k0] += torch.zeros(blocked.shape, device=scores.device).masked_fill_(
+                    blocked, -torch.inf
+                )
+            top = scores.amax(-1, keepdim=True)  # (b, heads, rows, 1)
+            weights = scores.sub_(top).exp_()
+            total = weights.sum(-1, keepdim=True)
+            weights.div_(total)
+            row_max[:, :, q0:q1], row_sum[:, :, q0:q1] = top.squeeze(-1), total.squeeze(-1)
+            # whole row bins per block (the last block may end in a narrower one), whole key bins
+            overview[:, :, q0 // row_width : -(-q1 // row_width), k0 // col_width : -(-k1 // col_width)] = max_pool(
+                weights, row_width, col_width
+            )
+            # (b, heads, rows, k1 - k0) -> (b, kv_heads, group * rows, k1 - k0) @ (b, kv_heads, k1 - k0, head_dim)
+            #   -> (b, heads, rows, head_dim)
+            mixed = weights.to(values.dtype).view(b, kv_heads, group * rows, k1 - k0) @ values[:, :, k0:k1]
+            context[:, :, q0:q1] = mixed.view(b, heads, rows, head_dim)
+        # (b, heads, T, head_dim) -> (b, T, heads, head_dim) -> (b, T, heads * head_dim) -> (b, T, d_out)
+        out = self.out_proj(context.transpose(1, 2).reshape(b, num_tokens, heads * head_dim))
+        return AttentionOutput(
+            context=out, weights=None, queries=queries, keys=keys, values=values if capture.qkv else None,
+            present=KVCache(keys, values), row_max=row_max, row_sum=row_sum, overview=overview,
         )

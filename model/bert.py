@@ -122,7 +122,7 @@ class BertEncoder(ShapeInfo, nn.Module):
             layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
             x, att = block(x, key_padding_mask, layer_capture)
             layers.append(att)
-        logits = self.mlm_head(x) if self.mlm_head is not None else None
+        logits = self.mlm_head(x) if self.mlm_head is not None and capture.logits else None
         return Trace(hidden=x, logits=logits, layers=layers)
 
     def forward(self, in_idx, key_padding_mask=None, token_type_ids=None):

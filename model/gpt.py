@@ -119,4 +119,4 @@ class GPTModel(ShapeInfo, nn.Module):
             x, att = block(x, key_padding_mask, layer_capture, past=past[i] if past else None)
             layers.append(att)
         hidden = self.final_norm(x)
-        return Trace(hidden=hidden, logits=self.out_head(hidden), layers=layers)
+        return Trace(hidden=hidden, logits=self.out_head(hidden) if capture.logits else None, layers=layers)

@@ -127,3 +127,9 @@ class ShapeInfo:
     @property
     def has_lm_head(self) -> bool:
         return False
+
+    @property
+    def lm_head(self):
+        """The module that maps the last hidden state to vocabulary logits (None without a head)."""
+        head = getattr(self, "mlm_head", None) or getattr(self, "out_head", None)
+        return head if self.has_lm_head else None

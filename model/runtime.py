@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from manyeyes.model.attention import Capture
+from manyeyes.model.attention import Capture, MultiHeadAttention
+from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
 
 
@@ -42,7 +43,7 @@ class Prediction:
 class AttentionResult:
     tokens: list[Token]
     truncated: bool
-    attention: torch.Tensor  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax
+    attention: torch.Tensor | None  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax; None when kept
     hidden: torch.Tensor  # (T, d_model) float32, the last hidden state
     logits: torch.Tensor | None  # (T, vocab_size) for language models
     # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
@@ -53,6 +54,8 @@ class AttentionResult:
     queries: list[torch.Tensor] | None = None
     keys: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
+    # Capture(keep=True): the queries and keys that regenerate every weight, on the model's device.
+    kept: KeptAttention | None = None
 
 
 def pick_device(preference: str | None = None) -> torch.device:
@@ -127,6 +130,8 @@ class AttentionModel:
         memory, so the attention may then come back as uint8 or float16."""
         if not batch:
             return []
+        if capture.keep:
+            return [self._run_kept(encoded, capture) for encoded in batch]
         lengths = [len(e) for e in batch]
         width = max(lengths)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -183,3 +188,40 @@ class AttentionModel:
                 result.values = [layer.values[row, :, :n].float().cpu() for layer in trace.layers]
             results.append(result)
         return results
+
+    def _run_kept(self, encoded: Encoded, capture: Capture) -> AttentionResult:
+        """One input through the row-block softmax: no layer ever holds its (heads, T, T) weights.
+
+        One input per forward: long inputs gain nothing from batching (the forward is compute-bound)
+        and unpadded rows keep the overview's bins and the causal masks simple."""
+        ids = torch.tensor([encoded.ids], dtype=torch.long, device=self.device)
+        types = torch.tensor([encoded.type_ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode(), self._autocast():
+            trace = self.net.inspect(ids, None, replace(capture, logits=False), token_type_ids=types)
+            kept = kept_from_layers(trace.layers, len(encoded), self.info.causal, self.sliding_windows, capture)
+            top_ids = top_probs = None
+            if self.info.predictions and self.net.lm_head is not None:
+                top_ids, top_probs = self._top_predictions(trace.hidden[0])
+        # No logits: (T, vocab_size) float32 is 1.6 GB for a 49k vocabulary at T = 8,192.
+        return AttentionResult(
+            tokens=encoded.tokens, truncated=encoded.truncated, attention=None, hidden=trace.hidden[0].float().cpu(),
+            logits=None, top_ids=top_ids, top_probs=top_probs, kept=kept,
+            queries=[layer.queries[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
+            keys=[layer.keys[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
+            values=[layer.values[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
+        )
+
+    def _top_predictions(self, hidden: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, MAX_TOP_K) ids and probabilities from the hidden state, `rows` positions of logits at a time."""
+        ids, probs = [], []
+        for r0 in range(0, hidden.shape[0], rows):
+            logits = self.net.lm_head(hidden[r0 : r0 + rows]).float()  # (rows, vocab_size)
+            top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+            probs.append((top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu())
+            ids.append(top.indices.cpu())
+        return torch.cat(ids), torch.cat(probs)
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: none), in layer order."""
+        return tuple(m.sliding_window for m in self.net.modules() if isinstance(m, MultiHeadAttention))

@@ -17,7 +17,6 @@ from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionResponse, Format
 from manyeyes.app.services.attention import parse_index_list, resolve_indices
 from manyeyes.app.services.cache import Run
-from manyeyes.app.services.errors import UnknownRun
 from manyeyes.app.services.payload import View, render_result
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
@@ -34,9 +33,7 @@ async def run_mean(
     """Shape [1, 1, T, T]: the mean over every head of the chosen layers (the reply's
     n_layers, n_heads, layers and heads describe that one matrix). A 404 means the run was
     evicted: POST the text again."""
-    run = service.cache.get(run_id)
-    if run is None:
-        raise UnknownRun(f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again")
+    run = service.cached(run_id, "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)")
     info = service.registry.get(run.model).model.info
     chosen = resolve_indices(parse_index_list(layers, "layer"), info.n_layers, "layer", info.id)
     started = time.perf_counter()

@@ -1,16 +1,40 @@
-"""GET /api/v1/runs/{run_id}/attention: another slice of a recent run, with no forward pass."""
+"""GET /api/v1/runs/{run_id}/...: a recent run again, with no forward pass. /attention slices a
+run's whole weights; the run itself, /tile, /topk and /overview serve any run, long ones
+(which keep queries and keys, issue 10) included."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from manyeyes.app.deps import ServiceDep
 from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
-from manyeyes.app.schemas import AttentionResponse, Format
-from manyeyes.app.services.attention import parse_index_list
+from manyeyes.app.schemas import AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
+from manyeyes.app.services.attention import Reply, parse_index_list
+from manyeyes.app.services.tiles import TileService
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
+
+
+def get_tiles(service: ServiceDep) -> TileService:
+    return TileService(service)
+
+
+TilesDep = Annotated[TileService, Depends(get_tiles)]
+# The frame's layout for the tile routes: each array's `offset` and `nbytes` into the data section.
+ARRAYS_CONTENT = {
+    "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), or the "
+    "binary frame when Accept asks for it: each array then carries offset/nbytes into the data section "
+    "(8-byte aligned) instead of data. Indices are int32.",
+    "content": {"application/vnd.manyeyes.frame": {"schema": {"type": "string", "format": "binary"}}},
+}
+def answered(request: Request, reply: Reply) -> Response:
+    request.state.log = reply.log
+    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+
+
+Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
+End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length")]
 
 
 @router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(401, 404, 413, 422, 503)})
@@ -22,7 +46,68 @@ async def run_slice(
     heads: Annotated[list[str] | None, Query(description="Comma-separated head indices; default all")] = None,
     format: Annotated[Format, Query()] = "json",
 ) -> Response:
-    """A 404 means the run was evicted (or never existed): POST the text again."""
+    """A 404 means the run was evicted (or never existed): POST the text again. A run that kept
+    queries and keys (a long input) has no whole weights to slice: 422, use /tile."""
     reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request))
-    request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers)
+    return answered(request, reply)
+
+
+@router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(401, 404))
+async def run_info(run_id: str, tiles: TilesDep) -> RunInfo:
+    """What a cached run is: its tokens, what it keeps (weights, or queries and keys), the bytes
+    it holds, and the URL templates of the routes that serve it."""
+    return RunInfo.model_validate(tiles.info(run_id))
+
+
+@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
+async def run_tile(
+    run_id: str,
+    tiles: TilesDep,
+    request: Request,
+    layer: Annotated[int, Query(ge=0)],
+    head: Annotated[str, Query(description="A query head index, or `mean`: the mean over the layer's heads",
+                               examples=["3", "mean"], max_length=32)],
+    q0: Start = None,
+    q1: End = None,
+    k0: Start = None,
+    k1: End = None,
+    rows: Annotated[int | None, Query(ge=1, description="Answer rows; default the window's (full resolution, "
+                                                        "at most 1024 a side: 413 beyond)")] = None,
+    cols: Annotated[int | None, Query(ge=1, description="Answer columns; default the window's")] = None,
+    pool: Annotated[Literal["max", "mean"], Query(description="How a cell sums up the weights it covers")] = "max",
+    format: Annotated[Format, Query()] = "json",
+) -> Response:
+    """One head (or a layer's mean) over the window [q0, q1) x [k0, k1): every weight, or pooled
+    to rows x cols (bins of width ceil(n / size), the last one narrower, edges in the answer).
+    Values are computed from the float32 weights, exactly; the answer says which pooling it used
+    (`none` at full resolution)."""
+    return answered(request, await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request)))
+
+
+@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
+async def run_topk(
+    run_id: str,
+    tiles: TilesDep,
+    request: Request,
+    layer: Annotated[int, Query(ge=0)],
+    head: Annotated[int, Query(ge=0)],
+    k: Annotated[int, Query(ge=1, description="Weights per query row, at most 64 (the run's length, if shorter)")] = 8,
+    q0: Start = None,
+    q1: End = None,
+    format: Annotated[Format, Query(description="Of values and rest; indices are json lists or int32")] = "json",
+) -> Response:
+    """For each query row in [q0, q1): its k largest weights, their key positions, and `rest`,
+    the mass the k leave over (1 - their sum). A whole long head, cheaply."""
+    return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request)))
+
+
+@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
+async def run_overview(
+    run_id: str,
+    tiles: TilesDep,
+    request: Request,
+    format: Annotated[Format, Query()] = "u8",
+) -> Response:
+    """Every head's thumbnail, (layers, heads, rows, cols), max-pooled over the whole run: made
+    during a long run's forward, and on first use for a short one."""
+    return answered(request, await tiles.overview(run_id, format, wire_of(request)))

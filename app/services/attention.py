@@ -11,13 +11,14 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
-from manyeyes.app.services.device import serves
-from manyeyes.app.services.errors import InvalidInput, OverBudget, TooLong, TooManyCells, UnknownRun
+from manyeyes.app.services.device import dequantised, serves
+from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.payload import View, join_results, render_frame, render_result
+from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, accepts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
+from manyeyes.model.kept import DenseAttention
 from manyeyes.model.tokenizer import Encoded
 
 # Compact formats are already ~10x smaller than JSON text; gzip would cost more than the forward.
@@ -32,6 +33,7 @@ class Item:
     run_id: str = ""
     run: Run | None = None
     encoded: Encoded | None = None
+    kind: str = "weights"  # what its run keeps: "weights", or "qk" (queries and keys, a long input)
     timing: dict = field(default_factory=lambda: {"tokenize": 0.0, "queue": 0.0, "forward": 0.0})
 
 
@@ -100,7 +102,9 @@ class AttentionService:
         self.registry = registry
         self.cache = cache
         self.metrics = metrics
-        self._renders = asyncio.Semaphore(settings.max_concurrent_renders)
+        # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
+        self.renders = asyncio.Semaphore(settings.max_concurrent_renders)
+        self.tiles_in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )
@@ -118,16 +122,33 @@ class AttentionService:
             Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
             for i, (text, pair) in enumerate(texts)
         ]
-        await self._compute(served, items, view, options.truncate, deadline, client)
+        # A batch answers with weights only; one text may keep queries and keys (see kind_for).
+        keep = getattr(options, "keep", "weights")
+        measures = getattr(options, "measures", None)
+        await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures))
         return await self._reply(served, items, view, batch, wire, top_k)
 
-    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire()) -> Reply:
-        run = self.cache.get(run_id)
-        self.metrics.cache.labels("hit" if run else "miss").inc()
-        if run is None:
-            raise UnknownRun(
-                f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
+    def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False) -> str:
+        """What a run of n_tokens keeps: auto keeps weights up to dense_max_tokens, as always,
+        and queries and keys beyond; weights beyond the limit is refused (413)."""
+        limit = self.settings.dense_max_tokens
+        if keep == "weights" and n_tokens > limit:
+            raise NeedsTiles(
+                f"{label}input is {n_tokens:,} tokens long; this server sends whole weights up to {limit:,} tokens. "
+                'POST /api/v1/attention with "keep": "qk" (or "auto") and read the run through '
+                "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
             )
+        kind = "qk" if keep == "qk" or (keep == "auto" and n_tokens > limit) else "weights"
+        if kind == "qk" and measures:
+            raise KeptQK(
+                f"{label}measures need a run's whole weights, and this input ({n_tokens:,} tokens) keeps queries and keys "
+                f"(over this server's dense_max_tokens, {limit:,}); drop `measures`, and read its heads through "
+                "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
+            )
+        return kind
+
+    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire()) -> Reply:
+        run = self.cached(run_id, "GET /api/v1/runs/{run_id}/attention")
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
@@ -137,6 +158,24 @@ class AttentionService:
                 f"format={fmt} needs more precision: POST the text again with format={fmt}"
             )
         return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire)
+
+    def cached(self, run_id: str, needs_weights: str | None = None) -> Run:
+        """The cached run, else 404. needs_weights names a route that reads the whole weights:
+        a run that kept queries and keys gets a 422 saying which routes serve it."""
+        run = self.cache.get(run_id)
+        self.metrics.cache.labels("hit" if run else "miss").inc()
+        if run is None:
+            raise UnknownRun(
+                f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
+            )
+        if needs_weights and run.kind == "qk":
+            raise KeptQK(
+                f"run {run_id} is {run.n_tokens:,} tokens long and kept its queries and keys, not whole weights, "
+                f"so {needs_weights} cannot serve it; GET /api/v1/runs/{run_id}/tile, /topk and /overview do "
+                f"(any head, window, pooling), or POST it again with \"keep\": \"weights\" if it is at most "
+                f"{self.settings.dense_max_tokens:,} tokens"
+            )
+        return run
 
     # ------------------------------------------------------------------ steps
     def _view(self, served: Served, layers, heads, fmt: str) -> View:
@@ -179,19 +218,24 @@ class AttentionService:
             )
 
     async def _compute(
-        self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str
+        self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str,
+        keep: str = "weights", measures: bool = False,
     ) -> None:
         """Fill each item's run: from the cache, else through one place each in the batcher."""
         missing = []
         for item in items:
             item.run = self.cache.get(item.run_id)
-            if item.run is not None and not serves(item.run.attention.dtype, view.format):
-                item.run = None  # kept at less precision than this format needs: run it again
+            if item.run is not None:
+                item.kind = self.kind_for(keep, item.run.n_tokens, item.label, measures)
+                if item.run.kind != item.kind:
+                    item.run = None  # kept the other way (weights vs queries and keys): run it again
+                elif item.kind == "weights" and not serves(item.run.attention.dtype, view.format):
+                    item.run = None  # kept at less precision than this format needs: run it again
             self.metrics.cache.labels("hit" if item.run else "miss").inc()
             if item.run is None:
                 missing.append(item)
         if not missing:
-            self._check_cells([item.run.attention.shape[-1] for item in items], view)
+            self._check_cells([item.run.n_tokens for item in items if item.kind == "weights"], view)
             return
         batcher = served.batcher
         batcher.admit(len(missing), client)
@@ -199,10 +243,17 @@ class AttentionService:
         try:
             chars = sum(len(i.text) + len(i.text_pair or "") for i in missing)
             await off_loop_unless_small(chars <= INLINE_CHARS, self._tokenize, served, missing, truncate)
-            self._check_cells([len(i.encoded) if i.run is None else i.run.attention.shape[-1] for i in items], view)
+            for item in missing:
+                item.kind = self.kind_for(keep, len(item.encoded), item.label, measures)
+            self._check_cells(
+                [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"], view
+            )
             futures = []
             for item in missing:
-                futures.append(asyncio.wrap_future(batcher.submit(served.model, item.encoded, deadline, client, view.format)))
+                keeps_qk = item.kind == "qk"
+                futures.append(asyncio.wrap_future(
+                    batcher.submit(served.model, item.encoded, deadline, client, view.format, keeps_qk)
+                ))
                 submitted += 1
         finally:
             batcher.release(len(missing) - submitted, client)
@@ -215,8 +266,11 @@ class AttentionService:
             ) from None
         for item, result in zip(missing, done):
             done_result = result.result
+            # A weights run is read by the tile routes through a DenseAttention over its tensor.
+            weights = done_result.attention
+            kept = done_result.kept if item.kind == "qk" else DenseAttention(weights, dequantised(weights.dtype))
             item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
-                           done_result.top_ids, done_result.top_probs)
+                           done_result.top_ids, done_result.top_probs, kept)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
             self.cache.put(item.run)
 
@@ -231,13 +285,16 @@ class AttentionService:
 
     async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
                      top_k: int | None = None) -> Reply:
-        cells = sum(view.cells(item.run.attention.shape[-1]) for item in items)
+        cells = sum(view.cells(item.run.n_tokens) for item in items if item.kind == "weights")
         if cells <= INLINE_CELLS:
             body, encoding = self._render(served, items, view, batch, wire, top_k)
         else:
-            async with self._renders:
+            async with self.renders:
                 body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire, top_k)
-        media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
+        if any(item.kind == "qk" for item in items):  # metadata and links only: JSON, whatever Accept asks
+            media_type = "application/json"
+        else:
+            media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
         # The same URL answers differently to other Accept/Accept-Encoding headers.
         headers = {"Vary": "Accept, Accept-Encoding"}
         if encoding:
@@ -248,6 +305,11 @@ class AttentionService:
                 top_k: int | None = None) -> tuple[list[bytes], str | None]:
         info = served.model.info
         found = [self._predictions(served, item.run, top_k) for item in items]
+        if items[0].kind == "qk":  # never in a batch (kind_for)
+            item = items[0]
+            body = render_kept(item.run, info, view, item.timing, found[0])
+            encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), True)
+            return self.compression.apply(encoding, body), encoding
         if wire.frame:
             body = render_frame([(item.run, item.timing, p) for item, p in zip(items, found)], info, view, batch)
         else:

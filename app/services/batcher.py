@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
+from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
 
@@ -32,6 +33,7 @@ class Job:
     deadline: float  # time.monotonic() after which the work is no longer wanted
     client: str = ""  # whose share of the queue it counts against (API key, else address)
     fmt: str = "json"  # the precision its answer needs, when attention is quantised on the device
+    keep: bool = False  # keep queries and keys (a long input), not the weights: runs in a forward of its own
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
@@ -119,9 +121,11 @@ class Batcher:
         if self._per_client[client] <= 0:
             del self._per_client[client]
 
-    def submit(self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json") -> Future:
+    def submit(
+        self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json", keep: bool = False
+    ) -> Future:
         """Hand one admitted input to the worker; the future resolves to a Done."""
-        job = Job(model, encoded, deadline, client, fmt)
+        job = Job(model, encoded, deadline, client, fmt, keep)
         with self._cond:
             self._admitted -= 1
             if self._closed:
@@ -172,15 +176,19 @@ class Batcher:
     def _oldest(self) -> Job:
         return min((queue[0] for queue in self._pending.values()), key=lambda job: job.enqueued)
 
-    def _select(self, model: AttentionModel) -> tuple[list[Job], bool]:
+    def _select(self, model: AttentionModel, keep: bool = False) -> tuple[list[Job], bool]:
         """Jobs of one model that fit the token budget, one per client in turn (each client's
-        oldest first); True when some had to be left out."""
+        oldest first); True when some had to be left out. A long input that keeps its queries
+        and keys runs alone: its forward is compute-bound, a batch would only pad it."""
+        if keep:
+            first = next((j for queue in self._pending.values() for j in queue if j.model is model and j.keep), None)
+            return ([first] if first else []), True
         chosen: list[Job] = []
         width = 0
         left_out = False
         # Attention weights a row of width w holds: layers x heads x w x w (float32 on the device).
         per_pair = model.info.n_layers * model.info.n_heads
-        queues = [[j for j in queue if j.model is model] for queue in self._pending.values()]
+        queues = [[j for j in queue if j.model is model and not j.keep] for queue in self._pending.values()]
         for turn in range(max(map(len, queues), default=0)):
             for queue in queues:
                 if turn >= len(queue):
@@ -210,7 +218,7 @@ class Batcher:
             loaded = self._last_batch > 1
             until = max(oldest.enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
             while True:
-                batch, full = self._select(model)
+                batch, full = self._select(model, oldest.keep)
                 remaining = until - time.monotonic()
                 if full or self._closed or remaining <= 0 or (self._admitted <= 0 and not loaded):
                     break
@@ -274,7 +282,9 @@ class Batcher:
         try:
             if self.forward_delay_s:
                 time.sleep(self.forward_delay_s)
-            if self.device_quantise:
+            if live[0].keep:
+                results = model.run([job.encoded for job in live], Capture(keep=True))
+            elif self.device_quantise:
                 to_host = device_to_host(self.copier, most_precise(job.fmt for job in live))
                 results = model.run([job.encoded for job in live], to_host=to_host)
             else:

@@ -1,12 +1,13 @@
-"""Recent runs, kept whole (float32, all layers and heads) so any slice can be served later
-without a forward pass. An LRU bounded in bytes."""
+"""Recent runs, kept whole so any slice can be served later without a forward pass: short runs
+as their (L, H, T, T) weights, long ones as the queries and keys that regenerate them (a
+`KeptAttention`, issue 10). An LRU bounded in bytes, every byte a run holds counted."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,15 +22,33 @@ class Run:
     model: str
     tokens: list[Token]
     truncated: bool
-    attention: torch.Tensor  # (n_layers, n_heads, T, T) float32, CPU
+    # (n_layers, n_heads, T, T) float32 (or f16/u8 when quantised on the device), CPU; None for a
+    # run that kept queries and keys instead (kept is then its KeptAttention).
+    attention: torch.Tensor | None
     # Models with an LM head: the top ids and probabilities per position, (T, MAX_TOP_K) each.
     top_ids: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None
+    # KeptAttention (queries, keys, lse, overview) of a qk run; for a cached weights run, the
+    # DenseAttention over `attention` that the tile routes read (services/tiles.py).
+    kept: object | None = field(default=None, compare=False)
+
+    @property
+    def kind(self) -> str:
+        return "weights" if self.attention is not None else "qk"
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
     def nbytes(self) -> int:
         tops = sum(t.numel() * t.element_size() for t in (self.top_ids, self.top_probs) if t is not None)
-        return self.attention.numel() * self.attention.element_size() + TOKEN_BYTES * len(self.tokens) + tops
+        held = TOKEN_BYTES * len(self.tokens) + tops
+        if self.attention is None:
+            return held + self.kept.nbytes  # queries, keys, row statistics, overview
+        held += self.attention.numel() * self.attention.element_size()
+        # A short run's DenseAttention shares that tensor and adds its overview, once made.
+        return held + self.kept.overview_nbytes
 
 
 def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:
@@ -39,10 +58,14 @@ def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> 
 
 
 class RunCache:
+    """Holds anything with `run_id` and `nbytes`. A run's size is recorded when it is put and
+    again by refresh(): a dense run's overview is made on first use, after the run was cached."""
+
     def __init__(self, max_bytes: int, on_size=lambda nbytes: None) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._runs: OrderedDict[str, Run] = OrderedDict()
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
         self._on_size = on_size
 
@@ -59,16 +82,32 @@ class RunCache:
         if size > self.max_bytes:
             return False
         with self._lock:
-            old = self._runs.pop(run.run_id, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            while self._runs and self.nbytes + size > self.max_bytes:
-                _, evicted = self._runs.popitem(last=False)
-                self.nbytes -= evicted.nbytes
+            if self._runs.pop(run.run_id, None) is not None:
+                self.nbytes -= self._sizes.pop(run.run_id)
+            self._evict(self.max_bytes - size)
             self._runs[run.run_id] = run
+            self._sizes[run.run_id] = size
             self.nbytes += size
             self._on_size(self.nbytes)
         return True
+
+    def refresh(self, run: Run) -> None:
+        """Count a cached run again after it grew; older runs make room, this one stays."""
+        with self._lock:
+            if self._runs.get(run.run_id) is not run:
+                return  # evicted or replaced meanwhile: nothing of it is counted any more
+            size = run.nbytes
+            self.nbytes += size - self._sizes[run.run_id]
+            self._sizes[run.run_id] = size
+            self._runs.move_to_end(run.run_id)
+            self._evict(self.max_bytes, keep=1)
+            self._on_size(self.nbytes)
+
+    def _evict(self, until: int, keep: int = 0) -> None:
+        """Oldest first, until at most `until` bytes are held or only `keep` runs are left."""
+        while len(self._runs) > keep and self.nbytes > until:
+            evicted, _ = self._runs.popitem(last=False)
+            self.nbytes -= self._sizes.pop(evicted)
 
     def __len__(self) -> int:
         return len(self._runs)

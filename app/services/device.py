@@ -36,6 +36,11 @@ def quantise(weights: torch.Tensor, fmt: str) -> torch.Tensor:
     return weights
 
 
+def dequantised(kept: torch.dtype):
+    """How weights kept as `kept` become float32 again: u8 is byte / 255 (None: a plain .float())."""
+    return (lambda weights: weights.float().div_(255.0)) if kept == torch.uint8 else None
+
+
 class HostCopier:
     """Device -> host copies through reusable pinned staging buffers, one per dtype, grown as
     needed. Only the forward worker thread uses it; the lock keeps a stray second caller safe.

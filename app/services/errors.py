@@ -33,6 +33,20 @@ class TooManyCells(ApiError):
     code = "too_many_cells"
 
 
+class NeedsTiles(ApiError):
+    """Whole weights asked for an input over dense_max_tokens: its run keeps queries and keys."""
+
+    status = 413
+    code = "needs_tiles"
+
+
+class KeptQK(ApiError):
+    """A route that reads whole weights, asked of a run that kept queries and keys."""
+
+    status = 422
+    code = "kept_qk"
+
+
 class UnknownModel(ApiError):
     status = 404
     code = "unknown_model"

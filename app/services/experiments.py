@@ -18,7 +18,7 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.errors import InvalidInput, OverBudget, QueueFull, TooLong, TooManyCells
+from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, QueueFull, TooLong, TooManyCells
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results
@@ -148,12 +148,20 @@ class ExperimentService:
                 f"the experiment did not finish within its {self.settings.request_timeout_s:g} s budget"
             ) from None
 
-    @staticmethod
-    def _encode(served: Served, text: str, pair: str | None, truncate: bool, label: str = "") -> Encoded:
+    def _encode(self, served: Served, text: str, pair: str | None, truncate: bool, label: str = "") -> Encoded:
         try:
-            return served.model.encode(text, pair, truncate)
+            encoded = served.model.encode(text, pair, truncate)
         except TooLongError as exc:
             raise TooLong(label + str(exc)) from None
+        # Experiments compare whole weights of two forwards; long inputs keep queries and keys instead.
+        limit = self.settings.dense_max_tokens
+        if len(encoded) > limit:
+            raise KeptQK(
+                f"{label}input is {len(encoded):,} tokens long; experiments compare whole weights, which this server "
+                f"computes up to {limit:,} tokens (dense_max_tokens). Longer runs are served by "
+                "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
+            )
+        return encoded
 
     # ------------------------------------------------------------------ work, on a worker thread
     def _ablate(self, served: Served, body, view) -> bytes:

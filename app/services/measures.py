@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.services.attention import AttentionService, resolve_indices
 from manyeyes.app.services.cache import Run, RunCache
-from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, UnknownRun
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import to_f16
 from manyeyes.app.services.registry import Served
 from manyeyes.model import measures as m
@@ -95,11 +95,7 @@ class MeasuresService:
 
     # ------------------------------------------------------------------ lookups
     def run(self, run_id: str) -> tuple[Run, Served]:
-        run = self.attention.cache.get(run_id)
-        if run is None:
-            raise UnknownRun(
-                f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
-            )
+        run = self.attention.cached(run_id, "the measures routes (measures, flow, neuron, logit-attribution)")
         return run, self.attention.registry.get(run.model)
 
     def _capture(self, run: Run, served: Served) -> Captured:

@@ -105,12 +105,14 @@ def result_fields(run: Run, info, view: View, predictions: dict | None = None) -
         "run_id": run.run_id,
         "model": run.model,
         "causal": info.causal,
-        "n_layers": run.attention.shape[0],
-        "n_heads": run.attention.shape[1],
+        # From the tensor: the mean route's answer is one (1, 1, T, T) matrix and says so.
+        "n_layers": run.attention.shape[0] if run.attention is not None else info.n_layers,
+        "n_heads": run.attention.shape[1] if run.attention is not None else info.n_heads,
         "tokens": token_dicts(run),
         "truncated": run.truncated,
         "layers": view.layers,
         "heads": view.heads,
+        "kept": run.kind,
     }
     after = {"device": info.device}
     if predictions is not None:
@@ -131,6 +133,27 @@ def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict 
     after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
     first = orjson.dumps(before)[:-1] + b',"attention":' + attention[0]
     return [first, *attention[1:-1], attention[-1] + b"," + orjson.dumps(after)[1:]]
+
+
+def links_for(run_id: str) -> dict:
+    """URL templates of a run's routes (issue 10); `{name}` is a query parameter to fill or drop."""
+    base = f"/api/v1/runs/{run_id}"
+    return {
+        "run": base,
+        "tile": f"{base}/tile?layer={{layer}}&head={{head}}&q0={{q0}}&q1={{q1}}&k0={{k0}}&k1={{k1}}"
+                "&rows={rows}&cols={cols}&pool={pool}&format={format}",
+        "topk": f"{base}/topk?layer={{layer}}&head={{head}}&k={{k}}&q0={{q0}}&q1={{q1}}&format={{format}}",
+        "overview": f"{base}/overview?format={{format}}",
+    }
+
+
+def render_kept(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None) -> list[bytes]:
+    """A run that kept queries and keys: the usual fields, `attention: null` and the links to
+    the routes that serve its heads, as one JSON object."""
+    started = time.perf_counter()
+    before, after = result_fields(run, info, view, predictions)
+    after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
+    return [orjson.dumps({**before, "attention": None, "links": links_for(run.run_id), **after})]
 
 
 def join_results(results: list[list[bytes]], batch: bool) -> list[bytes]:

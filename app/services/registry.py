@@ -27,10 +27,16 @@ class Served:
     default: bool
 
 
-def warm_up(model: AttentionModel) -> None:
-    """One forward at the model's longest input: pays one-time costs now and proves the shapes."""
+def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
+    """One forward at the longest input that keeps whole weights: pays one-time costs now and
+    proves the shapes. Not beyond dense_max_tokens: at 8,192 positions the weights alone of a
+    6-layer, 12-head model would be 19 GB, and such inputs keep queries and keys instead."""
     info = model.info
-    encoded = model.encode("hello " * (info.max_tokens + 8), truncate=True)
+    words = min(info.max_tokens, dense_max_tokens) + 8
+    encoded = model.encode("hello " * words, truncate=True)
+    while len(encoded) > dense_max_tokens and words > 1:  # a tokenizer that splits "hello " in several
+        words = max(1, words * dense_max_tokens // len(encoded) - 1)
+        encoded = model.encode("hello " * words, truncate=True)
     n = len(encoded)
     result = model.run([encoded])[0]
     expected = (info.n_layers, info.n_heads, n, n)
@@ -69,7 +75,7 @@ class Registry:
                     model.info = replace(model.info, dtype=s.autocast)
                 if s.warmup:
                     self.progress[model_id] = {"state": "warming"}
-                    warm_up(model)
+                    warm_up(model, s.dense_max_tokens)
                 device = model.info.device
                 if device not in self._batchers:
                     self._batchers[device] = Batcher(

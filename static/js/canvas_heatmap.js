@@ -4,8 +4,8 @@
 // table and one drawImage costs a few ms.
 //
 // The matrix is held as a list of tiles, each an image of a rectangle of cells; today one tile
-// holds every cell. Drawing from tiles fetched per zoom level (issue 10) only changes what fills
-// `tiles`: draw() already maps each tile's cell rectangle to pixels through the axes' ranges.
+// holds every cell. Long runs (issue 10, long_focus.js) fill `tiles` from the server's tiles per
+// zoom level: draw() maps each tile's cell rectangle to pixels through the axes' ranges.
 
 import { colorTable, scaled } from "./theme.js";
 
@@ -109,13 +109,16 @@ export class CanvasHeatmap {
     // Cell edges sit at index ± 0.5; y grows downward on screen, so y's range reads top = range[1].
     const px = (v) => ((v - x0) / (x1 - x0)) * canvas.width;
     const py = (v) => ((y1 - v) / (y1 - y0)) * canvas.height;
-    for (const tile of this.tiles) {
-      const left = px(tile.col0 - 0.5);
-      const right = px(tile.col0 + tile.cols - 0.5);
-      const top = py(tile.row0 - 0.5);
-      const bottom = py(tile.row0 + tile.rows - 0.5);
-      ctx.drawImage(tile.image, Math.min(left, right), Math.min(top, bottom), Math.abs(right - left), Math.abs(bottom - top));
-    }
+    for (const tile of this.tiles) this.drawTile(ctx, tile, px, py);
+  }
+
+  // One tile, its cells mapped to canvas pixels by px (columns) and py (rows).
+  drawTile(ctx, tile, px, py) {
+    const left = px(tile.col0 - 0.5);
+    const right = px(tile.col0 + tile.cols - 0.5);
+    const top = py(tile.row0 - 0.5);
+    const bottom = py(tile.row0 + tile.rows - 0.5);
+    ctx.drawImage(tile.image, Math.min(left, right), Math.min(top, bottom), Math.abs(right - left), Math.abs(bottom - top));
   }
 
   // The cell (row, col) under a client-space point, or null outside the matrix.
@@ -132,6 +135,11 @@ export class CanvasHeatmap {
     const row = Math.round(ya.p2l(y));
     if (row < 0 || col < 0 || row >= this.nRows || col >= this.nCols) return null;
     return { row, col };
+  }
+
+  // What exports embed: the image and the cells it covers (edges at index ± 0.5), here all of them.
+  exportImage() {
+    return { source: this.dataUrl(), x: -0.5, y: -0.5, sizex: this.nCols, sizey: this.nRows };
   }
 
   // The whole matrix as a PNG data URL for exports, each cell at least a few pixels wide so that

@@ -15,10 +15,11 @@ self.onmessage = async ({ data: { id, url, init } }) => {
     } else {
       // A server (or a proxy) that answered JSON after all: base64 or nested lists.
       body = reply;
-      body.attention = { ...body.attention, decoded: decodeAttention(body.attention), data: null };
+      // A long run's answer (`kept: "qk"`) has no attention: the page asks for tiles instead.
+      if (body.attention) body.attention = { ...body.attention, decoded: decodeAttention(body.attention), data: null };
     }
-    const decoded = body.attention.decoded;
-    self.postMessage({ id, body }, [(decoded.bytes || decoded.values).buffer]);
+    const decoded = body.attention?.decoded;
+    self.postMessage({ id, body }, decoded ? [(decoded.bytes || decoded.values).buffer] : []);
   } catch (err) {
     const known = err instanceof ApiError;
     self.postMessage({

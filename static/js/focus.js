@@ -17,8 +17,9 @@ import { palette, scaled } from "./theme.js";
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
 export const ALL_LABELS = 64;
 const MAX_LABEL = 14;
+export const MAX_FONT = 11; // px, the largest label font (fontFor)
 
-function shortLabel(text) {
+export function shortLabel(text) {
   return text.length > MAX_LABEL ? text.slice(0, MAX_LABEL - 1) + "…" : text;
 }
 
@@ -45,7 +46,7 @@ function ticks(indices, labels, range) {
 
 // Pixels per label decide the font: a label never gets more room than its row.
 function fontFor(axisPx, shown) {
-  return Math.max(7, Math.min(11, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
+  return Math.max(7, Math.min(MAX_FONT, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
 }
 
 const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
@@ -216,20 +217,28 @@ export class FocusView {
     return log ? { ...bar, tickmode: "array", ...LOG_TICKS } : bar;
   }
 
+  // Which tokens of an axis are labelled for a range (long_focus.js counts them from token 0).
+  ticks(indices, labels, range) {
+    return ticks(indices, labels, range);
+  }
+
+  // The room labels need, sized from the longest one, not measured: measuring made Plotly slow.
+  labelPx(texts, font) {
+    return 8 + font * 0.62 * Math.max(1, ...texts.map((s) => s.length));
+  }
+
   // The labels for the ranges in view: which ticks, their fonts and angles, and the margins they need.
   axes() {
     const pal = palette();
     const { view, labels } = this.current;
     const narrow = this.plot.clientWidth < 520;
-    const xTicks = ticks(view.cols, labels, this.ranges.x);
-    const yTicks = ticks(view.rows, labels, this.ranges.y);
+    const xTicks = this.ticks(view.cols, labels, this.ranges.x);
+    const yTicks = this.ticks(view.rows, labels, this.ranges.y);
     const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
     const xFont = fontFor(side, xTicks.shown);
     const yFont = fontFor(side, yTicks.shown);
-    // Margins sized from the longest label, not measured: measuring is what made Plotly slow.
-    const labelPx = (t, size) => 8 + size * 0.62 * Math.max(1, ...t.texts.map((s) => s.length));
-    const xLabels = labelPx(xTicks, xFont);
-    const yLabels = labelPx(yTicks, yFont);
+    const xLabels = this.labelPx(xTicks.texts, xFont);
+    const yLabels = this.labelPx(yTicks.texts, yFont);
     const keysSpace = xLabels + (narrow ? 8 : 30);
     // On a phone the modebar takes the top line: the title (see decorate) goes on the next one.
     const titleTop = narrow ? 34 : 0;
@@ -326,8 +335,7 @@ export class FocusView {
     const { nRows, nCols, scale, zmax } = this.current;
     const pal = palette();
     const cells = {
-      source: this.heatmap.dataUrl(), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: nCols, sizey: nRows,
-      xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
+      ...this.heatmap.exportImage(), xref: "x", yref: "y", xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
     const log = scale === "log";
     const trace = { ...this.figure().trace, zmax, showscale: true, colorbar: this.colorbar(log) };

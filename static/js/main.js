@@ -5,9 +5,11 @@
 import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson } from "./download.js";
-import { FocusView } from "./focus.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
+import { TiledFocusView } from "./long_focus.js";
+import { LongHeadView, QUERIES } from "./long_headview.js";
+import { LongRun, longCaption, longControls, openLongRun, paintOverview } from "./long_run.js";
 import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
 import { AttentionRun } from "./run.js";
@@ -46,7 +48,7 @@ const state = {
   headViewTimer: 0,
 };
 
-const focus = new FocusView($("focus-plot"), $("tooltip"));
+const focus = new TiledFocusView($("focus-plot"), $("tooltip"));
 const grid = new GridView($("grid"), {
   onSelect: (l, h) => {
     state.aggregate = "head";
@@ -55,6 +57,14 @@ const grid = new GridView($("grid"), {
   onNeedLayers: (layers) => loadU8(layers),
 });
 const headView = new HeadView($("headview"));
+const longHeadView = new LongHeadView($("headview"));
+focus.onTileError = (err) => state.run?.long && showError(explain(err));
+// The head view of a long run follows the rows in view on the heatmap.
+focus.onWindow = () => {
+  if (!state.run?.long) return;
+  clearTimeout(state.headViewTimer);
+  state.headViewTimer = setTimeout(renderHeadView, HEAD_VIEW_PAUSE_MS);
+};
 const measures = mountMeasures((l, h) => { state.aggregate = "head"; setFocus(l, h, "finder"); });
 
 function mark(name) {
@@ -137,6 +147,7 @@ async function fromRun(run, key, fetcher) {
 
 async function loadU8(layers) {
   const run = state.run;
+  if (run.long) return; // a long run's grid paints its overview instead
   const wanted = layers.filter((l) => !run.hasLayer(l) && !state.pending.has(String(l)));
   if (!wanted.length) return;
   const slice = await fromRun(run, wanted.join(","), (id) => fetchSlice(id, wanted, null, "u8", state.controller.signal));
@@ -237,8 +248,8 @@ function drawnHeads() {
 async function renderViews({ headView: withHeadView = true } = {}) {
   const run = state.run;
   const token = ++state.renderToken;
-  const plot = $("focus-plot");
   panelTitles();
+  if (run.long) return renderLongViews(token, withHeadView);
   const focused = focusMatrix();
   if (!focused) {
     $("focus-caption").textContent = "Loading exact values…";
@@ -252,13 +263,48 @@ async function renderViews({ headView: withHeadView = true } = {}) {
     scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`,
   });
   if (token !== state.renderToken) return;
+  labelPlot(focused.precise ? "f16" : "u8");
+  $("focus-caption").textContent = caption(run, view);
+  await focusShown(token, withHeadView);
+}
+
+function labelPlot(precision) {
+  const plot = $("focus-plot");
   plot.dataset.layer = state.layer;
   plot.dataset.head = state.head;
   plot.dataset.aggregate = state.aggregate;
-  plot.dataset.precision = focused.precise ? "f16" : "u8";
+  plot.dataset.precision = precision;
   plot.dataset.scale = state.scale;
   plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers.`);
-  $("focus-caption").textContent = caption(run, view);
+}
+
+// A long run's focus: the head's overview at once, then the server's tiles of what is in view.
+async function renderLongViews(token, withHeadView) {
+  const run = state.run;
+  const head = state.aggregate === "layer" ? "mean" : state.head;
+  let base = null;
+  if (head !== "mean") {
+    try {
+      base = await run.base(state.layer, head);
+    } catch (err) {
+      if (state.run === run && err.name !== "AbortError") showError(explain(err));
+      return;
+    }
+  }
+  if (token !== state.renderToken) return;
+  focus.spans = (i) => `“${run.tokens[i].text}”`;
+  await focus.renderLong({
+    run, layer: state.layer, head, base: base?.tile, peak: base?.peak ?? 0, labels: labels().labels, title: focusTitle(),
+    filename: fileStem(), exportCaption: exportCaption(), scale: state.scale, revision: `${run.runId}:long`,
+  });
+  if (token !== state.renderToken) return;
+  labelPlot("tiles");
+  $("focus-caption").textContent = longCaption(run, state.scale);
+  await focusShown(token, withHeadView);
+}
+
+// The heatmap is on screen: the marks and measures for the bench, then the head view.
+async function focusShown(token, withHeadView) {
   await nextFrame();
   mark("first-heatmap");
   if (state.interaction && token === state.renderToken) {
@@ -290,6 +336,10 @@ function caption(run, view) {
 
 function renderHeadView() {
   const run = state.run;
+  if (run.long) {
+    renderLongHeadView();
+    return;
+  }
   const options = viewOptions();
   const pal = palette();
   let drawings;
@@ -308,6 +358,30 @@ function renderHeadView() {
   $("headview").dataset.layer = state.layer;
   $("headview").dataset.heads = state.aggregate === "head" ? drawnHeads().join(",") : state.aggregate;
   renderHeadChips();
+}
+
+// Top-k lines of the rows in view (at most QUERIES), for the focused head and those ticked.
+function renderLongHeadView() {
+  const run = state.run;
+  if (state.aggregate !== "head") {
+    longHeadView.cancel();
+    $("headview").replaceChildren(el("p", { className: "empty", text: "The head view of a long run draws single heads: pick one (its lines come from the top-k route)." }));
+    renderHeadChips();
+    return;
+  }
+  const { q0, q1 } = focus.window();
+  const pal = palette();
+  const names = labels();
+  const heads = drawnHeads().map((head) => ({ head, color: pal.heads[head % pal.heads.length] }));
+  longHeadView.render({
+    run, layer: state.layer, heads, q0, q1: Math.min(q1, q0 + QUERIES), labels: names.labels, titles: names.titles,
+    special: run.tokens.map((t) => t.special),
+  }).then((drawn) => {
+    if (!drawn || state.run !== run) return;
+    $("headview").dataset.layer = state.layer;
+    $("headview").dataset.heads = drawnHeads().join(",");
+    renderHeadChips();
+  }).catch((err) => state.run === run && showError(explain(err)));
 }
 
 function renderHeadChips() {
@@ -350,7 +424,7 @@ function setFocus(layer, head, how = "select") {
   grid.select(layer, head, state.aggregate);
   updatePermalink();
   renderViews();
-  measures.onFocus(layer, head);
+  if (!run.long) measures.onFocus(layer, head);
 }
 
 // ---- permalink --------------------------------------------------------------------------------
@@ -467,7 +541,8 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     return;
   }
   mark("response");
-  const run = new AttentionRun(response);
+  const run = response.kept === "qk" ? new LongRun(response) : new AttentionRun(response);
+  if (run.long) openLongRun(run, state.controller.signal);
   state.run = run;
   state.request = request;
   state.pending = new Set();
@@ -487,12 +562,13 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     $("views").scrollIntoView({ block: "start" });
   }
   await renderViews();
-  measures.onRun(run, request, state.layer, state.head);
+  if (!run.long) measures.onRun(run, request, state.layer, state.head);
   setBusy(false);
   // After Enter the caret would keep the arrow keys in the text box: the heatmap takes them.
   if (typedIn) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
+  if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(explain(err)));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
 }
 
@@ -501,6 +577,7 @@ function setupControls(run) {
   fillSelect($("layer"), range(run.nLayers), state.layer);
   fillSelect($("head"), range(run.nHeads), state.head);
   $("segments").disabled = !run.hasPair;
+  state.aggregate = longControls(run, state.aggregate);
   syncControls();
 }
 
@@ -531,6 +608,7 @@ async function redrawOptions() {
   try {
     await renderViews();
     grid.paintAllSoon(viewOptions());
+    if (state.run.long) paintOverview(grid, state.run, state.scale).catch(() => {});
     updatePermalink();
   } finally {
     optionsBusy = false;
@@ -560,7 +638,7 @@ function onKey(event) {
 
 async function download(kind) {
   const run = state.run;
-  if (!run) return;
+  if (!run || run.long) return; // off for long runs (long_run.js says why)
   const focused = focusMatrix();
   let matrix = focused?.matrix;
   let precision = focused?.precise ? "float16" : "uint8";
@@ -647,6 +725,7 @@ async function init() {
       return;
     }
     grid.paintAll(viewOptions());
+    if (state.run.long) paintOverview(grid, state.run, state.scale).catch(() => {});
     renderViews();
   });
 

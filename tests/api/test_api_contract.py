@@ -32,7 +32,7 @@ def test_attention_json_matches_the_model(api, minilm):
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     body = r.json()
     assert set(body) == {
-        "run_id", "model", "causal", "n_layers", "n_heads", "tokens", "truncated", "layers", "heads",
+        "run_id", "model", "causal", "n_layers", "n_heads", "tokens", "truncated", "layers", "heads", "kept",
         "attention", "device", "timing_ms",
     }
     expected = minilm.attend(TEXT)

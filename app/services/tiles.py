@@ -1,0 +1,287 @@
+"""Any head of any cached run, a window at a time (issue 10): full-resolution or pooled tiles of
+one head or of a layer's mean, each query row's top-k, and every head's overview thumbnail.
+
+Long runs keep their queries and keys (`KeptAttention`) and regenerate exactly the weights a
+request covers; short runs answer from their kept tensor through a `DenseAttention`, so every
+route works for both. The work happens in row blocks sized from `tile_block_bytes`: a request
+holds at most its answer plus one block of weights, however long the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import time
+from dataclasses import dataclass
+
+import orjson
+import torch
+from starlette.concurrency import run_in_threadpool
+
+from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService, Reply, Wire, resolve_indices
+from manyeyes.app.services.cache import Run
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
+from manyeyes.app.services.payload import DTYPES, U8_SCALE, links_for, raw_data, token_dicts
+from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
+from manyeyes.model.attention import bin_edges
+from manyeyes.model.kept import MAX_TOPK, Pooled, pooled, rows_per_block, topk_rows
+
+
+# ---------------------------------------------------------------------------- request checks
+@dataclass(frozen=True)
+class Window:
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+    @property
+    def n_rows(self) -> int:
+        return self.q1 - self.q0
+
+    @property
+    def n_cols(self) -> int:
+        return self.k1 - self.k0
+
+
+def span(run: Run, lo: int | None, hi: int | None, lo_name: str, hi_name: str) -> tuple[int, int]:
+    """[lo, hi) within the run's tokens; defaults: all of them. Negative values are refused by
+    the route (ge=0) before this."""
+    n = run.n_tokens
+    lo = 0 if lo is None else lo
+    hi = n if hi is None else hi
+    if hi > n:
+        raise InvalidInput(f"{hi_name}={hi} is past the run's end: run {run.run_id} has {n:,} tokens, "
+                           f"so {lo_name} and {hi_name} lie in 0..{n}")
+    if lo >= hi:
+        raise InvalidInput(f"{lo_name}={lo} must be below {hi_name}={hi}: the window [{lo_name}, {hi_name}) would be empty")
+    return lo, hi
+
+
+def parse_head(head: str, n_heads: int, model_id: str) -> int | None:
+    """A query head index, or None for "mean" (the mean over the layer's heads)."""
+    if head.strip().lower() == "mean":
+        return None
+    try:
+        index = int(head)
+    except ValueError:
+        shown = head if len(head) <= 24 else f"{head[:20]}..."
+        raise InvalidInput(f"head must be a head index or 'mean', got {shown!r}") from None
+    return resolve_indices([index], n_heads, "head", model_id)[0]
+
+
+def side(asked: int | None, extent: int, name: str, cap: int) -> int:
+    """Answer rows (or cols): the window's extent at full resolution, else at most what was asked."""
+    if asked is None:
+        return extent
+    if asked > cap:
+        raise InvalidInput(f"{name}={asked} is over this server's tile size of {cap:,} per side")
+    return min(asked, extent)
+
+
+def pooled_within(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, k1: int, rows: int, cols: int,
+                  how: str, block_cells: int) -> Pooled:
+    """`pooled`, holding at most block_cells weights besides the answer, however tall a row bin is.
+
+    pooled() works in blocks of whole row bins; a bin taller than the budget (rows=64 of an
+    8,192-token layer mean is 128 rows x 12 heads x 8,192 keys, 50 MB) is pooled here instead, a
+    slab of rows at a time, and the slabs combined: max of maxes, or means weighted by their rows."""
+    n_heads = att.n_heads if heads is None else len(heads)
+    row_edges = bin_edges(q1 - q0, rows) + q0
+    bin_rows = int(row_edges[1] - row_edges[0])
+    if n_heads * bin_rows * (k1 - k0) <= block_cells:
+        return pooled(att, layer, heads, q0, q1, k0, k1, rows, cols, how, block_cells)
+    slab = rows_per_block(n_heads, k1 - k0, block_cells)
+    out, col_edges = None, None
+    for i in range(len(row_edges) - 1):
+        b0, b1 = int(row_edges[i]), int(row_edges[i + 1])
+        acc = None
+        for s0 in range(b0, b1, slab):
+            s1 = min(b1, s0 + slab)
+            part = pooled(att, layer, heads, s0, s1, k0, k1, 1, cols, how, block_cells)
+            values = part.values[0] if how == "max" else part.values[0] * (s1 - s0)
+            acc = values if acc is None else (torch.maximum(acc, values) if how == "max" else acc + values)
+            col_edges = part.col_edges
+        if out is None:
+            out = torch.empty(len(row_edges) - 1, acc.shape[0])
+        out[i] = acc if how == "max" else acc / (b1 - b0)
+    return Pooled(out, row_edges, col_edges)
+
+
+# ---------------------------------------------------------------------------- encoding
+def array_meta(values: torch.Tensor, fmt: str) -> dict:
+    if values.dtype in (torch.int32, torch.int64):
+        return {"format": "i32" if fmt != "json" else "json", "dtype": "int32", "shape": list(values.shape)}
+    meta = {"format": fmt, "dtype": DTYPES[fmt], "shape": list(values.shape)}
+    if fmt == "u8":
+        meta["scale"] = U8_SCALE
+    return meta
+
+
+def array_bytes(values: torch.Tensor, fmt: str) -> bytes:
+    """Little-endian row-major bytes; weights as attention encodes them, indices as int32."""
+    if values.dtype in (torch.int32, torch.int64):
+        ints = values.to(torch.int32).numpy()
+        return (ints.byteswap() if sys.byteorder != "little" else ints).tobytes()
+    # 2-D for raw_data's u8 path, which works a row at a time; the bytes are the same.
+    flat = values.float().reshape(-1, values.shape[-1]) if values.dim() else values.float().reshape(1, 1)
+    return raw_data(flat.contiguous(), fmt)
+
+
+def render(fields: dict, arrays: dict[str, torch.Tensor], fmt: str, as_frame: bool) -> tuple[list[bytes], str]:
+    """One answer: `fields` then each array, as JSON (data inline) or as the binary frame
+    (offset/nbytes into the data section, each array 8-byte aligned). Returns (pieces, media type)."""
+    out = dict(fields)
+    if as_frame:
+        data, offset = [], 0
+        for name, values in arrays.items():
+            raw = array_bytes(values, fmt)
+            meta = array_meta(values, fmt)
+            if meta["format"] == "json":  # raw float32 in a frame, as /attention sends it
+                meta["format"] = "i32" if meta["dtype"] == "int32" else "json"
+            out[name] = {**meta, "offset": offset, "nbytes": len(raw)}
+            raw += b"\0" * (-len(raw) % ALIGN)
+            data.append(raw)
+            offset += len(raw)
+        return frame(orjson.dumps(out), data), FRAME_MEDIA_TYPE
+    for name, values in arrays.items():
+        meta = array_meta(values, fmt)
+        if fmt == "json":
+            meta["data"] = values.numpy() if values.dtype != torch.int64 else values.to(torch.int32).numpy()
+        else:
+            meta["data"] = base64.b64encode(array_bytes(values, fmt)).decode("ascii")
+        out[name] = meta
+    media = "application/json" if fmt == "json" else COMPACT_MEDIA_TYPE
+    return [orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)], media
+
+
+# ---------------------------------------------------------------------------- the service
+class TileService:
+    """Reads runs from the attention service's cache; renders and compresses as it does."""
+
+    def __init__(self, attention: AttentionService) -> None:
+        self.attention = attention
+        self.settings = attention.settings
+        self.block_cells = attention.settings.tile_block_bytes // 4  # float32 weights
+
+    def _run(self, run_id: str) -> tuple[Run, object]:
+        run = self.attention.cached(run_id)
+        return run, self.attention.registry.get(run.model).model.info
+
+    def _check_json(self, cells: int, fmt: str, what: str) -> None:
+        if fmt == "json" and cells > self.settings.max_json_cells:
+            raise TooManyCells(f"format=json would return {cells:,} numbers for {what}, over this server's limit of "
+                               f"{self.settings.max_json_cells:,}; ask for format=f16 or u8")
+
+    async def _answer(self, work, wire: Wire, fmt: str, log: dict) -> Reply:
+        """Runs `work` (-> (fields, arrays)) on a worker thread, bounded like the renders are."""
+
+        def build() -> tuple[list[bytes], str, str | None]:
+            fields, arrays = work()
+            pieces, media = render(fields, arrays, fmt, wire.frame)
+            text = media == "application/json"
+            encoding = self.attention.compression.choose(wire.accept_encoding, sum(map(len, pieces)), text)
+            return self.attention.compression.apply(encoding, pieces), media, encoding
+
+        # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, 429.
+        service = self.attention
+        if service.tiles_in_flight >= self.settings.max_queue:
+            raise QueueFull(f"{service.tiles_in_flight} tile requests are already waiting; retry shortly", 1)
+        started = time.perf_counter()
+        service.tiles_in_flight += 1
+        try:
+            async with service.renders:
+                body, media, encoding = await run_in_threadpool(build)
+        finally:
+            service.tiles_in_flight -= 1
+        headers = {"Vary": "Accept, Accept-Encoding"}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        log["timing_ms"] = round((time.perf_counter() - started) * 1000, 2)
+        return Reply(body, media, log, headers)
+
+    # -- GET /runs/{run_id}
+    def info(self, run_id: str) -> dict:
+        run, info = self._run(run_id)
+        kept = run.kept
+        if run.kind == "qk":
+            shapes = {"queries": list(kept.queries.shape), "keys": list(kept.keys.shape)}
+        else:
+            shapes = {"attention": list(run.attention.shape)}
+        return {
+            "run_id": run.run_id, "model": run.model, "causal": info.causal, "n_layers": info.n_layers,
+            "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads or info.n_heads, "n_tokens": run.n_tokens,
+            "tokens": token_dicts(run), "truncated": run.truncated, "kept": run.kind, "shapes": shapes,
+            "nbytes": run.nbytes, "dense_max_tokens": self.settings.dense_max_tokens, "links": links_for(run.run_id),
+        }
+
+    # -- GET /runs/{run_id}/tile
+    async def tile(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, pool: str, fmt: str,
+                   wire: Wire) -> Reply:
+        run, info = self._run(run_id)
+        layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
+        head_index = parse_head(head, info.n_heads, info.id)
+        window = Window(*span(run, q0, q1, "q0", "q1"), *span(run, k0, k1, "k0", "k1"))
+        cap = self.settings.max_tile_side
+        n_rows, n_cols = side(rows, window.n_rows, "rows", cap), side(cols, window.n_cols, "cols", cap)
+        if n_rows > cap or n_cols > cap:
+            over = " and ".join(name for name, size in (("rows", n_rows), ("cols", n_cols)) if size > cap)
+            raise TooManyCells(
+                f"at full resolution this window is {n_rows:,} x {n_cols:,} weights, and a tile has at most {cap:,} "
+                f"a side: ask for {over} (at most {cap:,}) to get it pooled (pool=max or mean), or a smaller window"
+            )
+        self._check_json(n_rows * n_cols, fmt, "this tile")
+        full = n_rows == window.n_rows and n_cols == window.n_cols
+        heads = None if head_index is None else [head_index]
+
+        def work():
+            found = pooled_within(run.kept, layer, heads, window.q0, window.q1, window.k0, window.k1, n_rows, n_cols,
+                                  pool, self.block_cells)
+            fields = {
+                "run_id": run.run_id, "layer": layer, "head": "mean" if head_index is None else head_index,
+                "window": {"q0": window.q0, "q1": window.q1, "k0": window.k0, "k1": window.k1},
+                "shape": list(found.values.shape), "pool": "none" if full else pool,
+                "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(),
+            }
+            return fields, {"attention": found.values.float().cpu()}
+
+        return await self._answer(work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]})
+
+    # -- GET /runs/{run_id}/topk
+    async def topk(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str, wire: Wire) -> Reply:
+        run, info = self._run(run_id)
+        layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
+        head = resolve_indices([head], info.n_heads, "head", info.id)[0]
+        limit = min(self.settings.max_topk, MAX_TOPK)
+        if k > limit:
+            raise InvalidInput(f"k={k} is over this server's limit of {limit} weights per row")
+        k = min(k, run.n_tokens)
+        q0, q1 = span(run, q0, q1, "q0", "q1")
+        self._check_json((q1 - q0) * k, fmt, "these rows")
+
+        def work():
+            found = topk_rows(run.kept, layer, head, k, q0, q1, self.block_cells)
+            fields = {"run_id": run.run_id, "layer": layer, "head": head, "k": k, "q0": q0, "q1": q1}
+            return fields, {"values": found.values.float().cpu(), "indices": found.indices.cpu(),
+                            "rest": found.rest.float().cpu()}
+
+        return await self._answer(work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]})
+
+    # -- GET /runs/{run_id}/overview
+    async def overview(self, run_id: str, fmt: str, wire: Wire) -> Reply:
+        run, info = self._run(run_id)
+
+        def work():
+            found = run.kept.overview_pooled()  # a short run makes its overview now, once
+            self._grew(run)
+            self._check_json(found.values.numel(), fmt, "the overview")
+            fields = {"run_id": run.run_id, "n_layers": info.n_layers, "n_heads": info.n_heads,
+                      "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(), "pool": "max"}
+            return fields, {"attention": found.values.float().cpu()}
+
+        return await self._answer(work, wire, fmt, {"run_id": run_id, "overview": True})
+
+    def _grew(self, run: Run) -> None:
+        """A dense run makes its overview on first use: the cache counts those bytes too."""
+        if run.kind == "weights":
+            self.attention.cache.refresh(run)

@@ -1,0 +1,242 @@
+"""A run kept as queries and keys instead of weights, and the views of it computed on demand.
+
+A (layers, heads, T, T) float32 tensor is 75 MB for MiniLM at T = 512 and 18 GB for a 30-layer
+model at T = 4,096, while the queries and keys that produced it grow with T alone. So a long run
+keeps, per layer, the queries and keys as the softmax saw them (after rotary) and each row's max
+and sum; any head's weights, any window of them and any aggregate are then rebuilt exactly:
+weight = exp(q · k / sqrt(head_dim) - row_max) / row_sum, the forward's own float ops.
+
+`DenseAttention` serves the same views from a kept weights tensor (short runs), so callers never
+ask which kind of run they hold. Every view works a block of query rows at a time: it never holds
+more than its answer plus one row block of weights (`block_cells`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from manyeyes.model.attention import Capture, bin_edges, blocked_rows, max_pool, row_block, visible_keys
+
+BLOCK_CELLS = 1 << 21  # weights one row block of a view may hold: 8 MB as float32
+MAX_TOPK = 64
+
+
+class Pooled(NamedTuple):
+    values: torch.Tensor  # (r, c) float32
+    row_edges: torch.Tensor  # (r + 1,) int64: bin i covers queries [row_edges[i], row_edges[i + 1])
+    col_edges: torch.Tensor  # (c + 1,) int64, keys likewise
+
+
+class TopK(NamedTuple):
+    values: torch.Tensor  # (n, k) float32, each row's largest weights, largest first
+    indices: torch.Tensor  # (n, k) int64, their keys
+    rest: torch.Tensor  # (n,) float32, the row's weight outside those k (never negative)
+
+
+@dataclass
+class KeptAttention:
+    """One input's attention, kept as what regenerates it. Tensors stay on the run's device."""
+
+    queries: torch.Tensor  # (n_layers, n_heads, T, head_dim), after rotary, before the 1/sqrt(head_dim)
+    keys: torch.Tensor  # (n_layers, n_kv_heads, T, head_dim), after rotary
+    row_max: torch.Tensor  # (n_layers, n_heads, T) float32, each row's largest masked score
+    row_sum: torch.Tensor  # (n_layers, n_heads, T) float32, each row's sum of exp(score - row_max)
+    overview: torch.Tensor  # (n_layers, n_heads, r, c) float32, max-pooled weights, made in the forward
+    causal: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+    # The forward's row blocks and key alignment: scores are rebuilt over the same key ranges, since
+    # a matmul's rounding can depend on its width, and then come out bit for bit as the forward's.
+    block_rows: int
+    key_align: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.queries.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.queries.shape[1]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.queries.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        held = (self.queries, self.keys, self.row_max, self.row_sum, self.overview)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    @property
+    def qk_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.queries, self.keys))
+
+    def overview_pooled(self) -> Pooled:
+        return Pooled(self.overview, *overview_edges(self.n_tokens, self.overview.shape[-1]))
+
+    def block(self, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int,
+              block_cells: int = BLOCK_CELLS) -> torch.Tensor:
+        """(len(heads), q1 - q0, k1 - k0) float32: the weights of those heads in that window.
+
+        Scores are computed a few rows at a time over the keys the forward scored for those rows,
+        so besides the answer this holds at most about block_cells scores (or one row of them)."""
+        queries, keys = self.queries[layer], self.keys[layer]
+        n, head_dim = self.n_tokens, queries.shape[-1]
+        window = self.sliding_windows[layer]
+        index = torch.tensor(heads, device=queries.device)
+        key_index = index // (self.n_heads // keys.shape[0])  # query head h reads key head h // group
+        out = torch.zeros(len(heads), q1 - q0, k1 - k0, device=queries.device)
+        for first in range(q0 // self.block_rows * self.block_rows, q1, self.block_rows):
+            f0, f1 = visible_keys(first, min(n, first + self.block_rows), n, causal=self.causal,
+                                  sliding_window=window, align=self.key_align)
+            c0, c1 = max(k0, f0), min(k1, f1)
+            if c0 >= c1:
+                continue  # no query of this block sees any key of the window
+            step = rows_per_block(len(heads), f1 - f0, block_cells)
+            for r0 in range(max(q0, first), min(q1, first + self.block_rows), step):
+                r1 = min(q1, first + self.block_rows, r0 + step)
+                # (heads, r1 - r0, head_dim), scaled as attention.py scales them before the matmul
+                scaled = queries[index, r0:r1] * head_dim**-0.5
+                # (heads, r1 - r0, head_dim) @ (heads, head_dim, f1 - f0) -> (heads, r1 - r0, f1 - f0)
+                scores = (scaled @ keys[key_index, f0:f1].transpose(1, 2)).float()
+                blocked = blocked_rows(r0, r1, f0, f1, offset=0, causal=self.causal, sliding_window=window,
+                                       device=scores.device)
+                if blocked is not None:
+                    scores += torch.zeros(blocked.shape, device=scores.device).masked_fill_(blocked, -torch.inf)
+                # (heads, r1 - r0) -> (heads, r1 - r0, 1), broadcast over the keys
+                top = self.row_max[layer, index, r0:r1].unsqueeze(-1)
+                total = self.row_sum[layer, index, r0:r1].unsqueeze(-1)
+                weights = scores.sub_(top).exp_().div_(total)
+                out[:, r0 - q0 : r1 - q0, c0 - k0 : c1 - k0] = weights[:, :, c0 - f0 : c1 - f0]
+        return out
+
+
+@dataclass
+class DenseAttention:
+    """The same views over a kept (n_layers, n_heads, T, T) weights tensor (a short run)."""
+
+    attention: torch.Tensor  # float32, or float16 / uint8 as quantised on the device (see `to_float`)
+    to_float: object = None  # uint8 -> float32 for a quantised tensor; None: a plain .float()
+    _overview: Pooled | None = field(default=None, repr=False)
+
+    @property
+    def n_layers(self) -> int:
+        return self.attention.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.attention.shape[1]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.attention.shape[2]
+
+    @property
+    def overview_nbytes(self) -> int:
+        """What it holds beyond the weights it shares with its run: the overview, once made."""
+        return 0 if self._overview is None else self._overview.values.numel() * self._overview.values.element_size()
+
+    def block(self, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        window = self.attention[layer, heads, q0:q1, k0:k1]  # (len(heads), rows, cols)
+        return self.to_float(window) if self.to_float is not None else window.float()
+
+    def overview_pooled(self, size: int = 64) -> Pooled:
+        if self._overview is None:
+            rows, cols = overview_edges(self.n_tokens, size)
+            values = torch.stack([
+                torch.stack([pooled(self, layer, [head], 0, self.n_tokens, 0, self.n_tokens, size, size, "max").values
+                             for head in range(self.n_heads)])
+                for layer in range(self.n_layers)
+            ])  # (n_layers, n_heads, r, c)
+            self._overview = Pooled(values, rows, cols)
+        return self._overview
+
+
+def overview_edges(n_tokens: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    edges = bin_edges(n_tokens, size)
+    return edges, edges
+
+
+def rows_per_block(heads: int, cols: int, block_cells: int = BLOCK_CELLS) -> int:
+    """Query rows one block of `heads` heads over `cols` keys may hold within block_cells (at least one)."""
+    return max(1, block_cells // max(1, heads * cols))
+
+
+def pooled(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, k1: int,
+           rows: int, cols: int, how: str = "max", block_cells: int = BLOCK_CELLS) -> Pooled:
+    """The window [q0, q1) x [k0, k1) of one head (heads=[h]) or of the layer's mean over heads
+    (heads=None) as at most rows x cols bins, each the max or mean of its float32 weights.
+
+    rows/cols at least the window's size give it at full resolution."""
+    if how not in ("max", "mean"):
+        raise ValueError(f"pooling is max or mean, not {how!r}")
+    head_list = list(range(att.n_heads)) if heads is None else list(heads)
+    row_edges, col_edges = bin_edges(q1 - q0, rows) + q0, bin_edges(k1 - k0, cols) + k0
+    row_width, col_width = int(row_edges[1] - row_edges[0]), int(col_edges[1] - col_edges[0])
+    out = torch.empty(len(row_edges) - 1, len(col_edges) - 1)
+    # whole row bins per block, so no bin straddles two blocks
+    step = max(1, rows_per_block(len(head_list), k1 - k0, block_cells) // row_width) * row_width
+    for r0 in range(q0, q1, step):
+        r1 = min(q1, r0 + step)
+        weights = att.block(layer, head_list, r0, r1, k0, k1)  # (heads, r1 - r0, k1 - k0)
+        if heads is None:
+            weights = weights.mean(0, keepdim=True)
+        weights = weights[0]  # (r1 - r0, k1 - k0)
+        first = (r0 - q0) // row_width
+        out[first : first + -(-(r1 - r0) // row_width)] = _pool(weights, row_width, col_width, how).cpu()
+    return Pooled(out, row_edges, col_edges)
+
+
+def _pool(weights: torch.Tensor, row_width: int, col_width: int, how: str) -> torch.Tensor:
+    if row_width == col_width == 1:
+        return weights
+    if how == "max":
+        return max_pool(weights, row_width, col_width)
+    # Mean: sums per bin over the padded grid, then each bin's real count (the last ones may be narrower).
+    rows, cols = weights.shape
+    r, c = -(-rows // row_width), -(-cols // col_width)
+    padded = weights.new_zeros(r * row_width, c * col_width)
+    padded[:rows, :cols] = weights
+    # (r * row_width, c * col_width) -> (r, row_width, c, col_width) -> (r, c)
+    sums = padded.view(r, row_width, c, col_width).sum((1, 3))
+    row_counts = torch.full((r,), row_width, dtype=weights.dtype, device=weights.device)
+    row_counts[-1] = rows - (r - 1) * row_width
+    col_counts = torch.full((c,), col_width, dtype=weights.dtype, device=weights.device)
+    col_counts[-1] = cols - (c - 1) * col_width
+    return sums / (row_counts[:, None] * col_counts[None, :])
+
+
+def topk_rows(att, layer: int, head: int, k: int, q0: int, q1: int, block_cells: int = BLOCK_CELLS) -> TopK:
+    """Each query row's k largest weights with their keys, and the weight left over."""
+    n_keys = att.n_tokens
+    if not 1 <= k <= min(MAX_TOPK, n_keys):
+        raise ValueError(f"k must be in 1..{min(MAX_TOPK, n_keys)}, got {k}")
+    values = torch.empty(q1 - q0, k)
+    indices = torch.empty(q1 - q0, k, dtype=torch.long)
+    step = rows_per_block(1, n_keys, block_cells)
+    for r0 in range(q0, q1, step):
+        r1 = min(q1, r0 + step)
+        top = att.block(layer, [head], r0, r1, 0, n_keys)[0].topk(k, dim=-1)  # (r1 - r0, k) each
+        values[r0 - q0 : r1 - q0], indices[r0 - q0 : r1 - q0] = top.values.cpu(), top.indices.cpu()
+    rest = (1 - values.sum(-1)).clamp_(min=0)
+    return TopK(values, indices, rest)
+
+
+def kept_from_layers(layers, n: int, causal: bool, sliding_windows, capture: Capture) -> KeptAttention:
+    """The KeptAttention of a one-input Capture(keep=True) trace, from its per-layer outputs."""
+    row = 0
+    n_heads = layers[0].queries.shape[1]
+    bin_width = int(bin_edges(n, capture.overview)[1])  # the overview's, on both axes
+    return KeptAttention(
+        queries=torch.stack([layer.queries[row, :, :n] for layer in layers]),  # (n_layers, n_heads, n, head_dim)
+        keys=torch.stack([layer.keys[row, :, :n] for layer in layers]),  # (n_layers, n_kv_heads, n, head_dim)
+        row_max=torch.stack([layer.row_max[row, :, :n] for layer in layers]),  # (n_layers, n_heads, n)
+        row_sum=torch.stack([layer.row_sum[row, :, :n] for layer in layers]),
+        overview=torch.stack([layer.overview[row] for layer in layers]),  # (n_layers, n_heads, r, c)
+        causal=causal,
+        sliding_windows=tuple(sliding_windows),
+        block_rows=row_block(n, n_heads, bin_width, capture.block_cells),  # as attention.py chose them
+        key_align=bin_width,
+    )

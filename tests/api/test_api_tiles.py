@@ -1,0 +1,484 @@
+"""Long inputs through the API (issue 10): runs that keep queries and keys, and the routes that
+serve any head of any run from them (/runs/{id}, /tile, /topk, /overview).
+
+Every value is checked against the dense weights of the same forward (the model's own attend,
+or a short run's answer): single heads and the layer mean within 1e-6, pooling against an
+independent numpy pooling, top-k against numpy's sort. Causal masks and grouped-query attention
+come from a random-weight llama folder (6 query heads over 2 key/value heads); tiny-gpt is the
+book's decoder. dense_max_tokens is set low so short, fast inputs take the long-input path.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from manyeyes.app.config import Settings
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame
+from tests.api.conftest import serve
+
+DENSE_MAX = 32
+SIDE = 24  # max_tile_side: a full-resolution window over 24 a side needs rows/cols
+BLOCK_BYTES = 16_384  # tile_block_bytes: 4,096 weights a block, so every view takes many blocks
+LONG = (
+    "Attention heads look at other tokens; some look back, some look ahead. The quick brown fox jumps over "
+    "the lazy dog, and the dog looks back at the fox. Attention heads look at other tokens again. Quixotic zebras vex."
+)
+SHORT = "The quick brown fox."
+MODELS = ("tiny-gpt", "llama")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, bytelevel_tokenizer):
+    from tests.test_parity_decoders import save_random
+
+    folder = tmp_path_factory.mktemp("llama-gqa")
+    save_random(folder, bytelevel_tokenizer, "llama", seed=3, num_key_value_heads=2, max_position_embeddings=256)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiles_api(llama_dir):
+    client = serve(Settings(
+        models={"tiny-gpt": "tiny-gpt", "llama": str(llama_dir)}, device="cpu", warmup=False,
+        dense_max_tokens=DENSE_MAX, max_tile_side=SIDE, tile_block_bytes=BLOCK_BYTES,
+    ))
+    yield client
+    client.__exit__(None, None, None)
+
+
+def model_of(api, model_id: str):
+    return api.app.state.registry.get(model_id).model
+
+
+def dense(api, model_id: str, text: str) -> np.ndarray:
+    """The dense forward's weights, (L, H, T, T) float32: the oracle every kept value must equal."""
+    return model_of(api, model_id).attend(text).attention.numpy()
+
+
+def post_qk(api, model_id: str, text: str, **extra) -> dict:
+    r = api.post("/api/v1/attention", json={"text": text, "model": model_id, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def array(obj: dict) -> np.ndarray:
+    shape = obj["shape"]
+    if obj["format"] == "json":
+        return np.asarray(obj["data"], dtype=np.int64 if obj["dtype"] == "int32" else np.float32).reshape(shape)
+    raw = base64.b64decode(obj["data"])
+    if obj["format"] == "i32":
+        return np.frombuffer(raw, dtype="<i4").reshape(shape)
+    if obj["format"] == "f16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float32).reshape(shape)
+    return np.frombuffer(raw, dtype=np.uint8).astype(np.float32).reshape(shape) * obj["scale"]
+
+
+def np_edges(n: int, size: int) -> list[int]:
+    width = math.ceil(n / size)
+    return list(range(0, n, width)) + [n]
+
+
+def np_pool(w: np.ndarray, q0, q1, k0, k1, rows, cols, how) -> tuple[np.ndarray, list[int], list[int]]:
+    re = [q0 + e for e in np_edges(q1 - q0, rows)]
+    ce = [k0 + e for e in np_edges(k1 - k0, cols)]
+    reduce = np.max if how == "max" else np.mean
+    out = np.array([[reduce(w[re[i]:re[i + 1], ce[j]:ce[j + 1]]) for j in range(len(ce) - 1)] for i in range(len(re) - 1)])
+    return out.astype(np.float32), re, ce
+
+
+def get(api, run_id: str, route: str, **params):
+    """None leaves a parameter out."""
+    return api.get(f"/api/v1/runs/{run_id}/{route}", params={k: v for k, v in params.items() if v is not None})
+
+
+# ---------------------------------------------------------------------------- values
+@pytest.mark.parametrize("model_id", MODELS)
+def test_long_post_keeps_queries_and_keys_and_answers_with_links(tiles_api, model_id):
+    body = post_qk(tiles_api, model_id, LONG, format="u8", predictions={"top_k": 2})
+    n = len(body["tokens"])
+    assert n > DENSE_MAX
+    assert body["kept"] == "qk" and body["attention"] is None
+    # Predictions come with a kept run as with a dense one.
+    expected = model_of(tiles_api, model_id).predict(LONG, top_k=2)
+    assert {int(p): [x["id"] for x in found] for p, found in body["predictions"].items()} == {
+        p: [x.id for x in found] for p, found in expected.items()}
+    assert body["links"]["tile"].startswith(f"/api/v1/runs/{body['run_id']}/tile?layer={{layer}}&head={{head}}")
+    info = tiles_api.get(f"/api/v1/runs/{body['run_id']}").json()
+    model = model_of(tiles_api, model_id).info
+    kv = model.n_kv_heads or model.n_heads
+    assert info["kept"] == "qk" and info["n_tokens"] == n and info["n_kv_heads"] == kv
+    assert info["shapes"]["queries"] == [model.n_layers, model.n_heads, n, model.head_dim]
+    assert info["shapes"]["keys"] == [model.n_layers, kv, n, model.head_dim]
+    qk_bytes = 4 * n * model.head_dim * model.n_layers * (model.n_heads + kv)
+    # Counted in full, and held well under the weights it stands for.
+    assert qk_bytes <= info["nbytes"] <= 2 * qk_bytes + 200 * n + 2 * 4 * model.n_layers * model.n_heads * 64 * 64
+    assert info["nbytes"] < 4 * model.n_layers * model.n_heads * n * n
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_full_resolution_tiles_equal_the_dense_weights(tiles_api, model_id):
+    weights = dense(tiles_api, model_id, LONG)
+    run_id = post_qk(tiles_api, model_id, LONG)["run_id"]
+    n_layers, n_heads, n = weights.shape[:3]
+    for layer in range(n_layers):
+        for head in (0, n_heads - 1, "mean"):
+            # A window inside the full-resolution cap, off the diagonal's start.
+            window = dict(q0=n - SIDE, q1=n, k0=3, k1=3 + SIDE)
+            r = get(tiles_api, run_id, "tile", layer=layer, head=head, format="json", **window)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            want = weights[layer].mean(0) if head == "mean" else weights[layer, head]
+            want = want[n - SIDE:n, 3:3 + SIDE]
+            assert body["pool"] == "none" and body["shape"] == [SIDE, SIDE]
+            assert body["window"] == {"q0": n - SIDE, "q1": n, "k0": 3, "k1": 3 + SIDE}
+            assert body["row_edges"] == list(range(n - SIDE, n + 1))
+            np.testing.assert_allclose(array(body["attention"]), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+@pytest.mark.parametrize("how", ["max", "mean"])
+def test_pooled_tiles_equal_numpy_pooling_of_the_dense_weights(tiles_api, model_id, how):
+    weights = dense(tiles_api, model_id, LONG)
+    run_id = post_qk(tiles_api, model_id, LONG)["run_id"]
+    n = weights.shape[2]
+    cases = [
+        dict(layer=0, head=1, rows=7, cols=5),  # the whole run; bins of uneven last width
+        dict(layer=1, head="mean", q0=5, q1=n - 2, k0=0, k1=n - 10, rows=9, cols=13),
+        dict(layer=1, head=0, q0=10, q1=11, k0=0, k1=n, rows=1, cols=4),  # one row
+    ]
+    for case in cases:
+        r = get(tiles_api, run_id, "tile", pool=how, format="json", **case)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        layer, head = case["layer"], case["head"]
+        w = weights[layer].mean(0) if head == "mean" else weights[layer, head]
+        q0, q1, k0, k1 = case.get("q0", 0), case.get("q1", n), case.get("k0", 0), case.get("k1", n)
+        want, re, ce = np_pool(w, q0, q1, k0, k1, case["rows"], case["cols"], how)
+        assert body["pool"] == how and body["row_edges"] == re and body["col_edges"] == ce
+        assert body["shape"] == list(want.shape)
+        np.testing.assert_allclose(array(body["attention"]), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_topk_rows_equal_numpy_sort_with_the_mass_left_over(tiles_api, model_id):
+    weights = dense(tiles_api, model_id, LONG)
+    run_id = post_qk(tiles_api, model_id, LONG)["run_id"]
+    n = weights.shape[2]
+    k = 5
+    for fmt in ("json", "f16"):
+        r = get(tiles_api, run_id, "topk", layer=1, head=2, k=k, q0=2, q1=n, format=fmt)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        values, indices, rest = array(body["values"]), array(body["indices"]), array(body["rest"])
+        w = weights[1, 2, 2:n]
+        want = -np.sort(-w, axis=1)[:, :k]
+        tol = 1e-6 if fmt == "json" else 1e-3
+        assert values.shape == indices.shape == (n - 2, k) and rest.shape == (n - 2,)
+        np.testing.assert_allclose(values, want, atol=tol, rtol=0)
+        # Indices point at those weights (ties among zeros may be ordered either way).
+        np.testing.assert_allclose(np.take_along_axis(w, indices, axis=1), want, atol=tol, rtol=0)
+        np.testing.assert_allclose(rest, np.maximum(1 - want.sum(1), 0), atol=max(tol, 1e-5), rtol=0)
+        assert (rest >= 0).all()
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_overview_is_the_max_pooled_dense_weights(tiles_api, model_id):
+    weights = dense(tiles_api, model_id, LONG)
+    run_id = post_qk(tiles_api, model_id, LONG)["run_id"]
+    body = get(tiles_api, run_id, "overview", format="json").json()
+    overview = array(body["attention"])
+    n_layers, n_heads, n = weights.shape[:3]
+    re, ce = body["row_edges"], body["col_edges"]
+    assert re[0] == ce[0] == 0 and re[-1] == ce[-1] == n
+    assert re == np_edges(n, len(re) - 1) and ce == np_edges(n, len(ce) - 1)
+    assert overview.shape == (n_layers, n_heads, len(re) - 1, len(ce) - 1)
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            want, _, _ = np_pool(weights[layer, head], 0, n, 0, n, len(re) - 1, len(ce) - 1, "max")
+            np.testing.assert_allclose(overview[layer, head], want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_a_short_run_serves_the_same_routes_from_its_weights(tiles_api, model_id):
+    r = tiles_api.post("/api/v1/attention", json={"text": SHORT, "model": model_id, "format": "json"})
+    body = r.json()
+    assert body["kept"] == "weights" and "links" not in body
+    weights = np.asarray(body["attention"]["data"], dtype=np.float32)
+    run_id, n = body["run_id"], weights.shape[2]
+    tile = get(tiles_api, run_id, "tile", layer=1, head=3, format="json").json()
+    np.testing.assert_allclose(array(tile["attention"]), weights[1, 3], atol=1e-6, rtol=0)
+    mean = get(tiles_api, run_id, "tile", layer=0, head="mean", rows=4, cols=3, pool="mean", format="json").json()
+    np.testing.assert_allclose(array(mean["attention"]), np_pool(weights[0].mean(0), 0, n, 0, n, 4, 3, "mean")[0], atol=1e-6)
+    top = get(tiles_api, run_id, "topk", layer=0, head=0, k=3).json()
+    np.testing.assert_allclose(array(top["values"]), -np.sort(-weights[0, 0], axis=1)[:, :3], atol=1e-6)
+    before = tiles_api.app.state.service.cache.nbytes
+    overview = get(tiles_api, run_id, "overview", format="json").json()
+    assert array(overview["attention"]).shape[:2] == weights.shape[:2]
+    info = tiles_api.get(f"/api/v1/runs/{run_id}").json()
+    assert info["kept"] == "weights" and info["shapes"] == {"attention": list(weights.shape)}
+    # The overview a dense run makes on first use is counted by the cache.
+    assert info["nbytes"] >= weights.nbytes + overview_bytes(overview)
+    assert tiles_api.app.state.service.cache.nbytes >= before
+
+
+def overview_bytes(body: dict) -> int:
+    return 4 * math.prod(body["attention"]["shape"])
+
+
+def test_tile_frame_and_compact_formats_carry_the_same_weights(tiles_api):
+    run_id = post_qk(tiles_api, "llama", LONG)["run_id"]
+    params = dict(layer=1, head="mean", rows=20, cols=17, pool="max")
+    exact = array(get(tiles_api, run_id, "tile", format="json", **params).json()["attention"])
+    r = tiles_api.get(f"/api/v1/runs/{run_id}/tile", params={**params, "format": "f16"}, headers={"Accept": FRAME_MEDIA_TYPE})
+    assert r.headers["content-type"] == FRAME_MEDIA_TYPE
+    header, data = read_frame(r.content)
+    meta = header["attention"]
+    framed = np.frombuffer(data[meta["offset"]:meta["offset"] + meta["nbytes"]], dtype="<f2").reshape(meta["shape"])
+    np.testing.assert_allclose(framed, exact, atol=1e-3)
+    u8 = get(tiles_api, run_id, "tile", format="u8", **params).json()["attention"]
+    np.testing.assert_allclose(array(u8), exact, atol=0.5 / 255 + 1e-7)
+    top = tiles_api.get(f"/api/v1/runs/{run_id}/topk", params={"layer": 0, "head": 1, "k": 4},
+                        headers={"Accept": FRAME_MEDIA_TYPE})
+    header, data = read_frame(top.content)
+    for name in ("values", "indices", "rest"):
+        assert header[name]["offset"] % 8 == 0
+    idx = header["indices"]
+    indices = np.frombuffer(data[idx["offset"]:idx["offset"] + idx["nbytes"]], dtype="<i4").reshape(idx["shape"])
+    as_json = array(get(tiles_api, run_id, "topk", layer=0, head=1, k=4).json()["indices"])
+    np.testing.assert_array_equal(indices, as_json)
+
+
+def test_the_python_client_reads_tiles_topk_and_overview(tiles_api):
+    from manyeyes.client import Client
+
+    weights = dense(tiles_api, "llama", LONG)
+    n = weights.shape[2]
+    def through_the_app(request: httpx.Request) -> httpx.Response:
+        # The test client asks for gzip and undoes it itself: the body handed on is plain.
+        headers = {k: v for k, v in request.headers.items() if k != "accept-encoding"}
+        answer = tiles_api.request(request.method, request.url.path, params=request.url.params, headers=headers,
+                                   content=request.read())
+        plain = {k: v for k, v in answer.headers.items() if k not in ("content-encoding", "content-length")}
+        return httpx.Response(answer.status_code, headers=plain, content=answer.content)
+
+    for frames in (True, False):  # the frame and the JSON form decode alike
+        with Client("http://testserver", transport=httpx.MockTransport(through_the_app), frames=frames) as c:
+            run = c.attention(LONG, model="llama")
+            assert run.kept == "qk" and run.attention is None and len(run.tokens) == n
+            assert c.run_info(run)["kept"] == "qk"
+            tile = c.tile(run, 1, "mean", 4, n, 0, n - 1, rows=9, cols=11, pool="mean", format="json")
+            want, re, ce = np_pool(weights[1].mean(0), 4, n, 0, n - 1, 9, 11, "mean")
+            assert (tile.pool, tile.row_edges, tile.col_edges, tile.head) == ("mean", re, ce, "mean")
+            np.testing.assert_allclose(tile.values, want, atol=1e-6, rtol=0)
+            exact = c.tile(run, 0, 5, 0, 8, 0, 8, format="json")
+            np.testing.assert_allclose(exact.values, weights[0, 5, :8, :8], atol=1e-6, rtol=0)
+            top = c.topk(run, 0, 4, k=3, format="json")
+            np.testing.assert_allclose(top.values, -np.sort(-weights[0, 4], axis=1)[:, :3], atol=1e-6, rtol=0)
+            assert top.indices.dtype == np.int32 and top.rest.shape == (n,)
+            overview = c.overview(run, format="f16")
+            assert overview.values.shape[:2] == weights.shape[:2] and overview.row_edges[-1] == n
+
+
+# ---------------------------------------------------------------------------- the short path is unchanged
+def test_short_answers_are_todays_bytes_plus_kept(tiles_api):
+    """keep absent, auto and weights give the same answer; removing `"kept":"weights",` leaves
+    the contract's fields in its order, with the model's weights."""
+    answers = []
+    for keep in (None, "auto", "weights"):
+        body = {"text": SHORT, "model": "tiny-gpt", "format": "u8"} | ({"keep": keep} if keep else {})
+        r = tiles_api.post("/api/v1/attention", json=body)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/vnd.manyeyes+json"
+        answers.append(r.content)
+    strip = [a.replace(b'"kept":"weights",', b"", 1) for a in answers]
+    parsed = [orjson.loads(s) for s in strip]
+    assert [list(p) for p in parsed] == [[
+        "run_id", "model", "causal", "n_layers", "n_heads", "tokens", "truncated", "layers", "heads",
+        "attention", "device", "timing_ms",
+    ]] * 3
+    without_timing = [s[:s.index(b'"timing_ms"')] for s in strip]
+    assert without_timing[0] == without_timing[1] == without_timing[2]
+    assert b'"heads":[0,1,2,3,4,5,6,7],"kept":"weights","attention":{"format":"u8"' in answers[0]
+    weights = model_of(tiles_api, "tiny-gpt").attend(SHORT).attention
+    want = (weights * 255).round().to(dtype=__import__("torch").uint8).numpy().tobytes()
+    assert base64.b64decode(parsed[0]["attention"]["data"]) == want
+
+
+# ---------------------------------------------------------------------------- bad input
+def assert_error(r, status: int, *words: str) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    message = r.json()["error"]["message"]
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
+    body = post_qk(tiles_api, "llama", LONG)
+    run_id, n = body["run_id"], len(body["tokens"])
+    tile = lambda **p: get(tiles_api, run_id, "tile", **({"layer": 0, "head": 0, "rows": 8, "cols": 8} | p))  # noqa: E731
+    assert_error(tile(q1=n + 1), 422, "q1", str(n))
+    assert_error(tile(k1=n + 5), 422, "k1", str(n))
+    assert_error(tile(q0=9, q1=9), 422, "q0", "q1")
+    assert_error(tile(q0=12, q1=3), 422, "q0", "q1")
+    assert_error(tile(k0=30, k1=20), 422, "k0", "k1")
+    assert_error(tile(q0=-1), 422, "q0")
+    assert_error(tile(rows=SIDE + 1), 422, "rows", str(SIDE))
+    assert_error(tile(cols=0), 422, "cols")
+    assert_error(tile(rows=None, cols=None), 413, "rows", "cols")  # the whole run at full resolution
+    assert_error(tile(q0=0, q1=SIDE + 1, k0=0, k1=4, rows=None, cols=None), 413, "rows")
+    assert_error(tile(layer=2), 422, "layer 2")
+    assert_error(tile(head=6), 422, "head 6")
+    assert_error(tile(head="all"), 422, "head", "mean")
+    assert_error(tile(pool="median"), 422, "pool")
+    assert_error(tile(format="png"), 422, "format")
+    assert_error(get(tiles_api, run_id, "tile", head=0), 422, "layer")
+    assert_error(get(tiles_api, run_id, "topk", layer=0, head=0, k=65), 422, "k", "64")
+    assert_error(get(tiles_api, run_id, "topk", layer=0, head="mean"), 422, "head")
+    assert_error(get(tiles_api, run_id, "topk", layer=0, head=0, q0=n), 422, "q0")
+    unknown = "0" * 32
+    for route, params in (("tile", {"layer": 0, "head": 0}), ("topk", {"layer": 0, "head": 0}), ("overview", {})):
+        assert_error(get(tiles_api, unknown, route, **params), 404, unknown)
+    assert_error(tiles_api.get(f"/api/v1/runs/{unknown}"), 404, unknown)
+
+
+def test_tile_work_waiting_is_bounded(tiles_api, monkeypatch):
+    run_id = post_qk(tiles_api, "tiny-gpt", LONG)["run_id"]
+    service = tiles_api.app.state.service
+    monkeypatch.setattr(service, "tiles_in_flight", service.settings.max_queue)
+    r = get(tiles_api, run_id, "tile", layer=0, head=0, rows=4, cols=4)
+    assert_error(r, 429, "tile requests")
+    assert r.headers["retry-after"] == "1"
+    monkeypatch.setattr(service, "tiles_in_flight", 0)
+    assert get(tiles_api, run_id, "tile", layer=0, head=0, rows=4, cols=4).status_code == 200
+    assert service.tiles_in_flight == 0  # released after the answer
+
+
+def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):
+    run_id = post_qk(tiles_api, "tiny-gpt", LONG)["run_id"]
+    for path in ("attention", "mean", "measures?names=rollout", "flow", "neuron?layer=0&head=0&query=1"):
+        r = tiles_api.get(f"/api/v1/runs/{run_id}/{path}")
+        assert_error(r, 422, "/tile")
+        assert r.json()["error"]["code"] == "kept_qk"
+    r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "keep": "weights"})
+    assert_error(r, 413, "keep", "/tile")
+    r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "measures": ["rollout"]})
+    assert_error(r, 422, "measures", "/tile")
+    r = tiles_api.post("/api/v1/attention/batch", json={"texts": [SHORT, LONG], "model": "tiny-gpt"})
+    assert_error(r, 413, "texts[1]")
+    r = tiles_api.post("/api/v1/experiments/ablate", json={"text": LONG, "model": "tiny-gpt", "ablate": [{"layer": 0, "head": 0}]})
+    assert_error(r, 422, "experiments", "/tile")
+    r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "keep": "everything"})
+    assert_error(r, 422, "keep")
+
+
+def test_keep_qk_on_a_short_input_then_weights_again(tiles_api):
+    """A run id names the text; what its run keeps follows the request that made it."""
+    qk = post_qk(tiles_api, "tiny-gpt", SHORT, keep="qk")
+    assert qk["kept"] == "qk" and qk["attention"] is None
+    assert get(tiles_api, qk["run_id"], "attention").status_code == 422
+    again = post_qk(tiles_api, "tiny-gpt", SHORT, format="json")
+    assert again["run_id"] == qk["run_id"] and again["kept"] == "weights"
+    assert get(tiles_api, qk["run_id"], "attention").status_code == 200
+
+
+# ---------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("model_id", MODELS)
+def test_the_kept_forward_never_scores_a_whole_layer(tiles_api, model_id, monkeypatch):
+    """What a long POST runs: no (heads, T, T) scores, only row blocks of them. (A full score
+    matrix made before the row-block branch cost 3.2 GB a layer at T = 8,192 in bench/long_bench.py.)"""
+    import torch
+
+    from manyeyes.model.attention import Capture
+
+    model = model_of(tiles_api, model_id)
+    encoded = model.encode(LONG)
+    n = len(encoded)
+    real = torch.Tensor.__matmul__
+    sizes = []
+
+    def counting(a, b):
+        out = real(a, b)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+    model.run([encoded], Capture(keep=True, block_cells=3_000))
+    assert sizes and max(sizes) < model.info.n_heads * n * n // 4, (max(sizes), n)
+
+
+@pytest.mark.parametrize("model_id", MODELS)
+def test_a_request_holds_at_most_one_row_block_besides_its_answer(tiles_api, model_id, monkeypatch):
+    """Every block of weights a tile or top-k request regenerates fits tile_block_bytes: tall
+    pooling bins (rows=1 of the whole run, the mean of every head) included."""
+    run_id = post_qk(tiles_api, model_id, LONG)["run_id"]
+    kept = tiles_api.app.state.service.cache.get(run_id).kept
+    n, block_cells = kept.n_tokens, BLOCK_BYTES // 4
+    real = type(kept).block
+    blocks = []
+
+    def counting(self, layer, heads, q0, q1, k0, k1, *args, **kwargs):
+        blocks.append(len(heads) * (q1 - q0) * (k1 - k0))
+        return real(self, layer, heads, q0, q1, k0, k1, *args, **kwargs)
+
+    monkeypatch.setattr(type(kept), "block", counting)
+    weights = dense(tiles_api, model_id, LONG)
+    for params in (dict(head="mean", rows=1, cols=5), dict(head="mean", rows=3, cols=20, pool="mean"),
+                   dict(head=2, rows=SIDE, cols=SIDE), dict(head=0, q0=0, q1=SIDE, k0=n - SIDE, k1=n)):
+        blocks.clear()
+        body = get(tiles_api, run_id, "tile", layer=1, format="json", **params).json()
+        assert blocks and max(blocks) <= block_cells, (params, max(blocks), block_cells)
+        head = params["head"]
+        w = weights[1].mean(0) if head == "mean" else weights[1, head]
+        q0, q1, k0, k1 = params.get("q0", 0), params.get("q1", n), params.get("k0", 0), params.get("k1", n)
+        want, _, _ = np_pool(w, q0, q1, k0, k1, params["rows"] if "rows" in params else q1 - q0,
+                             params["cols"] if "cols" in params else k1 - k0, params.get("pool", "max"))
+        np.testing.assert_allclose(array(body["attention"]), want, atol=1e-6, rtol=0)
+    blocks.clear()
+    assert get(tiles_api, run_id, "topk", layer=0, head=1, k=8).status_code == 200
+    assert blocks and max(blocks) <= block_cells
+
+
+def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
+    api = serve(Settings(models={"llama": str(llama_dir)}, device="cpu", warmup=False, dense_max_tokens=8,
+                         cache_bytes=300_000))
+    try:
+        cache = api.app.state.service.cache
+        sizes, first = [], None
+        for i in range(8):
+            body = post_qk(api, "llama", f"{i} {LONG}")
+            info = api.get(f"/api/v1/runs/{body['run_id']}").json()
+            q, k = info["shapes"]["queries"], info["shapes"]["keys"]
+            assert info["nbytes"] >= 4 * (math.prod(q) + math.prod(k))
+            sizes.append(info["nbytes"])
+            first = first or body["run_id"]
+            assert cache.nbytes <= cache.max_bytes
+            assert cache.nbytes == sum(run.nbytes for run in cache._runs.values())
+        assert 1 <= len(cache) < 8 and len(cache) <= cache.max_bytes // min(sizes)
+        assert api.get(f"/api/v1/runs/{first}").status_code == 404  # the oldest went first
+        assert api.get(f"/api/v1/runs/{body['run_id']}").status_code == 200
+    finally:
+        api.__exit__(None, None, None)
+
+
+
+def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
+    """An 8k-position model warmed up at its full length would make 19 GB of weights."""
+    from manyeyes.app.services.registry import warm_up
+
+    model = model_of(tiles_api, "tiny-gpt")  # 256 positions, one token a byte
+    real, lengths = model.run, []
+
+    def counting(batch, *args, **kwargs):
+        lengths.extend(len(e) for e in batch)
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(model, "run", counting)
+    warm_up(model, 40)
+    warm_up(model, 4096)
+    assert 30 <= lengths[0] <= 40 and lengths[1] == model.info.max_tokens

@@ -1,0 +1,482 @@
+"""The page at any length (issue 10, item 5): a run answered with `kept: "qk"` is drawn from the
+server's tiles, overview and top-k rows, never from the whole tensor.
+
+`KeptMock` computes a long run's answers from known queries and keys (a causal softmax, exactly),
+and the page's requests for them are answered through Playwright's page.route(): the tests hold
+the page to the values, windows and sizes of the tiles it asks for."""
+
+from __future__ import annotations
+
+import json
+import re
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+import pytest
+
+from tests.browser.test_page import hover_cell, open_page, submit
+
+pytestmark = pytest.mark.browser
+
+MAX_SIDE = 1024
+
+
+def bins(n: int, size: int) -> np.ndarray:
+    """Bin edges of LONG.md's pooled(): width ceil(n / size), the last bin possibly narrower."""
+    width = -(-n // size)
+    return np.append(np.arange(0, n, width), n)
+
+
+def array(values: np.ndarray) -> dict:
+    """The API's ArrayData in format=json (app/schemas.py)."""
+    return {"format": "json", "dtype": str(values.dtype), "shape": list(values.shape), "data": values.tolist()}
+
+
+class KeptMock:
+    """A long causal run: L × H heads over T tokens, weights from random queries and keys, answered
+    in the shapes of the API's TileResponse, OverviewResponse and TopKResponse (app/schemas.py)."""
+
+    def __init__(self, T=2048, n_layers=2, n_heads=4, dim=8, seed=0):
+        rng = np.random.default_rng(seed)
+        self.T, self.n_layers, self.n_heads = T, n_layers, n_heads
+        self.q = rng.standard_normal((n_layers, n_heads, T, dim)).astype(np.float32)
+        self.k = rng.standard_normal((n_layers, n_heads, T, dim)).astype(np.float32)
+        # Head (l, 0) looks at the previous token: a diagonal stripe to see in the pictures.
+        self.k[:, 0, :-1] += 3 * self.q[:, 0, 1:]
+        self.cache: dict = {}
+        words = ("the river ran past the old mill and under the bridge where children played " * 300).split()
+        text, self.tokens = "", []
+        for i in range(T):
+            piece = f"{words[i % len(words)]}{i}"
+            start = len(text) + (1 if text else 0)
+            text += (" " if text else "") + piece
+            self.tokens.append({"text": piece, "piece": piece, "id": i, "start": start, "end": start + len(piece),
+                                "special": False, "segment": 0})
+        self.text = text
+        self.prompt = text[:200]  # what the tests type: its POST is answered with this run
+        self.requests: list[str] = []
+
+    def head(self, layer: int, head) -> np.ndarray:
+        key = (layer, head)
+        if key not in self.cache:
+            if head == "mean":
+                weights = np.mean([self.head(layer, h) for h in range(self.n_heads)], axis=0)
+            else:
+                scores = self.q[layer, head] @ self.k[layer, head].T  # (T, T)
+                scores[np.triu_indices(self.T, 1)] = -np.inf
+                scores -= scores.max(axis=1, keepdims=True)
+                weights = np.exp(scores)
+                weights /= weights.sum(axis=1, keepdims=True)
+            self.cache[key] = weights.astype(np.float32)
+        return self.cache[key]
+
+    def pooled(self, m: np.ndarray, rows: int, cols: int):
+        re_, ce = bins(m.shape[0], rows), bins(m.shape[1], cols)
+        out = np.maximum.reduceat(np.maximum.reduceat(m, re_[:-1], axis=0), ce[:-1], axis=1)
+        return out, re_, ce
+
+    def answer(self) -> dict:
+        return {
+            "run_id": "long-mock", "model": "tiny-causal", "causal": True, "n_layers": self.n_layers,
+            "n_heads": self.n_heads, "tokens": self.tokens, "truncated": False, "kept": "qk", "attention": None,
+            "links": {}, "timing_ms": {"forward": 1.0},
+        }
+
+    def tile(self, query: dict) -> dict:
+        layer = int(query["layer"])
+        head = query["head"] if query["head"] == "mean" else int(query["head"])
+        q0, q1, k0, k1 = (int(query[f]) for f in ("q0", "q1", "k0", "k1"))
+        window = self.head(layer, head)[q0:q1, k0:k1]
+        rows, cols = int(query.get("rows", q1 - q0)), int(query.get("cols", k1 - k0))
+        assert rows <= MAX_SIDE and cols <= MAX_SIDE, query
+        if rows >= q1 - q0 and cols >= k1 - k0:
+            assert (q1 - q0) * (k1 - k0) <= MAX_SIDE * MAX_SIDE, query
+        values, re_, ce = self.pooled(window, min(rows, q1 - q0), min(cols, k1 - k0))
+        full = len(re_) - 1 == q1 - q0 and len(ce) - 1 == k1 - k0
+        return {"run_id": "long-mock", "layer": layer, "head": head, "window": {"q0": q0, "q1": q1, "k0": k0, "k1": k1},
+                "shape": list(values.shape), "pool": "none" if full else "max",
+                "row_edges": (re_ + q0).tolist(), "col_edges": (ce + k0).tolist(), "attention": array(values)}
+
+    def overview(self) -> dict:
+        thumbs = [[self.pooled(self.head(l, h), 64, 64)[0] for h in range(self.n_heads)] for l in range(self.n_layers)]
+        edges = bins(self.T, 64).tolist()
+        return {"run_id": "long-mock", "n_layers": self.n_layers, "n_heads": self.n_heads, "row_edges": edges,
+                "col_edges": edges, "pool": "max", "attention": array(np.array(thumbs))}
+
+    def topk(self, query: dict) -> dict:
+        layer, head, k = int(query["layer"]), int(query["head"]), int(query["k"])
+        q0, q1 = int(query["q0"]), int(query["q1"])
+        rows = self.head(layer, head)[q0:q1]
+        order = np.argsort(-rows, axis=1, kind="stable")[:, :k]
+        values = np.take_along_axis(rows, order, axis=1)
+        return {"run_id": "long-mock", "layer": layer, "head": head, "k": k, "q0": q0, "q1": q1, "values": array(values),
+                "indices": array(order.astype(np.int32)), "rest": array(np.maximum(0, 1 - values.sum(1)))}
+
+    def serve(self, page):
+        """Answers the page's long-run requests from this run; the rest go to the real server."""
+
+        def reply(route, body, status=200):
+            route.fulfill(status=status, content_type="application/json", body=json.dumps(body))
+
+        def on_post(route):
+            if route.request.method != "POST" or (route.request.post_data_json or {}).get("text") != self.prompt:
+                route.continue_()  # another text: the real server's (short) run
+                return
+            reply(route, self.answer())
+
+        def on_run(route):
+            url = urlsplit(route.request.url)
+            self.requests.append(route.request.url)
+            query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            what = url.path.rsplit("/", 1)[-1]
+            handlers = {"tile": self.tile, "overview": lambda _q: self.overview(), "topk": self.topk}
+            if what not in handlers:
+                reply(route, {"error": {"code": "dense_only", "message": f"{what} needs the dense weights"}}, 422)
+                return
+            reply(route, handlers[what](query))
+
+        page.route("**/api/v1/attention", on_post)
+        page.route("**/api/v1/runs/long-mock/**", on_run)
+
+
+def tile_windows(urls):
+    """The tile requests among urls as (q0, q1, k0, k1, rows or None)."""
+    out = []
+    for url in urls:
+        parts = urlsplit(url)
+        if not parts.path.endswith("/tile"):
+            continue
+        q = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        out.append((int(q["q0"]), int(q["q1"]), int(q["k0"]), int(q["k1"]), int(q["rows"]) if "rows" in q else None))
+    return out
+
+
+def wait_settled(page, timeout=30_000):
+    page.wait_for_function(
+        "() => { const p = document.getElementById('focus-plot');"
+        " return p.dataset.long === 'true' && p.dataset.tilesPending === '0'; }", timeout=timeout)
+
+
+def zoom(page, q0, q1, k0, k1):
+    """Zooms the heatmap to queries [q0, q1) × keys [k0, k1) as a drag would (Plotly relayout)."""
+    page.evaluate("([q0, q1, k0, k1]) => Plotly.relayout('focus-plot', {'xaxis.range': [k0 - 0.5, k1 - 0.5],"
+                  " 'yaxis.range': [q1 - 0.5, q0 - 0.5]})", [q0, q1, k0, k1])
+
+
+def visible_labels(page, axis):
+    return page.evaluate("(axis) => [...document.querySelectorAll(`#focus-plot .${axis}tick`)]"
+                         ".filter(g => g.style.display !== 'none').map(g => g.querySelector('text').textContent)", axis)
+
+
+# Whether the cell's pixel has the masked colour.
+MASKED_PIXEL = """async ([row, col]) => {
+    const gd = document.getElementById('focus-plot');
+    const drag = gd.querySelector('.nsewdrag').getBoundingClientRect();
+    const canvas = gd.querySelector('canvas.heatmap-canvas');
+    const box = canvas.getBoundingClientRect();
+    const px = Math.floor((drag.left + gd._fullLayout.xaxis.l2p(col) - box.left) * canvas.width / box.width);
+    const py = Math.floor((drag.top + gd._fullLayout.yaxis.l2p(row) - box.top) * canvas.height / box.height);
+    const [r, g, b, a] = canvas.getContext('2d').getImageData(px, py, 1, 1).data;
+    const { colorTable } = await import('/static/js/theme.js');
+    const m = colorTable()[256];
+    return a === 255 && r === (m & 255) && g === ((m >> 8) & 255) && b === ((m >> 16) & 255);
+}"""
+
+
+def assert_never_whole(urls, T):
+    for url in urls:
+        path = urlsplit(url).path
+        assert not re.search(r"/runs/[^/]+/(attention|mean)$", path), url
+    for q0, q1, k0, k1, rows in tile_windows(urls):
+        if rows is None:
+            assert (q1 - q0) * (k1 - k0) <= MAX_SIDE * MAX_SIDE, (q0, q1, k0, k1)
+        else:
+            assert rows <= MAX_SIDE
+
+
+@pytest.fixture
+def mock():
+    return KeptMock()
+
+
+def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, mock, watched, artifacts):
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    page.wait_for_function("() => !document.querySelector('.thumb.loading') && document.querySelectorAll('.thumb').length === 8")
+    T = mock.T
+    plotted = page.evaluate("() => document.getElementById('focus-plot').plotted()")
+    assert plotted["long"] and plotted["rows"] == T and plotted["window"] == {"q0": 0, "q1": T, "k0": 0, "k1": T}
+    # The head's peak sets the colour scale; the screen's few hundred pixels set the pooling.
+    assert plotted["peak"] == pytest.approx(float(mock.head(0, 0).max()), abs=1e-6)
+    level = plotted["level"]
+    assert 2 <= level <= 16
+    # Settled, the window's own tiles are all there is to draw (the overview under them is hidden).
+    assert plotted["tiles"] and all(t["w"] == level and t["pool"] == "max" for t in plotted["tiles"])
+    first = tile_windows(mock.requests)
+    assert first and all(rows == min(256, (q1 - q0 + level - 1) // level) for q0, q1, _k0, _k1, rows in first)
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-overview-tiles.png"))
+
+    # Zoomed to 40 × 48 tokens: full resolution, every label, hover reads the exact weight.
+    before = len(mock.requests)
+    zoom(page, 1000, 1040, 980, 1028)
+    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
+    wait_settled(page)
+    new = tile_windows(mock.requests[before:])
+    assert new and all(rows is None for *_w, rows in new)
+    # The window straddles a tile edge (k = 1024): the tiles that meet it cover it, above the diagonal excepted.
+    for q, k in [(1000, 980), (1039, 980), (1039, 1027), (1024, 1024)]:
+        assert any(q0 <= q < q1 and k0 <= k < k1 for q0, q1, k0, k1, _r in new), (q, k)
+    assert visible_labels(page, "y") == [f"{mock.tokens[i]['piece']}"[:13] + ("…" if len(mock.tokens[i]["piece"]) > 14 else "")
+                                        for i in range(1000, 1040)]
+    assert len(visible_labels(page, "x")) == 48
+    weights = mock.head(0, 0)
+    for q, k in [(1020, 1000), (1039, 1027), (1005, 1004), (1030, 985)]:
+        text = hover_cell(page, q, k)
+        assert text.startswith(f"{mock.tokens[q]['piece']} → {mock.tokens[k]['piece']}: ")
+        assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=6e-4)
+    assert hover_cell(page, 1001, 1020).endswith(": masked")
+    # (1010, 1026) lies in a tile wholly above the diagonal, never fetched: painted masked all the same.
+    assert page.evaluate(MASKED_PIXEL, [1010, 1026])
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-zoomed.png"))
+    # The export embeds what the page has of the matrix, at most 2048 pixels a side.
+    with page.expect_download() as download:
+        page.click(".modebar-btn[data-title='Download plot as PNG']")
+    assert download.value.suggested_filename == "manyeyes-tiny-causal-L0-H0.png"
+    assert open(download.value.path(), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    download.value.save_as(artifacts / "long-export.png")
+
+    # Beyond 64 tokens in view the labels thin evenly.
+    zoom(page, 0, 512, 0, 512)
+    wait_settled(page)
+    shown = visible_labels(page, "y")
+    assert 32 <= len(shown) <= 64
+    # The head view: the rows in view, each joined to its strongest keys from the top-k route.
+    page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 64"
+                           " && Number(document.querySelector('#headview canvas').dataset.lines) > 0")
+    assert page.locator("#headview .hv-left li").first.text_content() == mock.tokens[0]["piece"]
+    topk = [u for u in mock.requests if "/topk" in u]
+    assert topk and "q0=0&q1=64" in topk[-1]
+    # Every line ends at a listed key: the keys column holds the rows' strongest keys, in order.
+    keys = [int(i) for i in page.locator("#headview .hv-right li[data-index]").evaluate_all("els => els.map(e => e.dataset.index)")]
+    assert keys == sorted(keys) and 0 in keys
+    assert_never_whole(watched.requests, T)
+
+
+def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    # Unzoomed, a pixel covers several cells: hovering asks for the cell's own weight.
+    point = page.evaluate("""() => {
+        const gd = document.getElementById('focus-plot');
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        return [box.left + gd._fullLayout.xaxis.l2p(700), box.top + gd._fullLayout.yaxis.l2p(1500)];
+    }""")
+    page.mouse.move(point[0] - 20, point[1] - 20)
+    page.mouse.move(*point, steps=3)
+    page.wait_for_function("() => { const t = document.getElementById('tooltip');"
+                           " return !t.hidden && t.dataset.query && !t.textContent.includes('reading'); }")
+    q, k = (int(page.locator("#tooltip").get_attribute(f"data-{a}")) for a in ("query", "key"))
+    assert abs(q - 1500) <= 8 and abs(k - 700) <= 8
+    text = page.locator("#tooltip").text_content().split("\n")[0]
+    assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[q, k]), abs=6e-4)
+    assert (q, q + 1, k, k + 1, None) in tile_windows(mock.requests)
+    # Beyond 64 tokens in view not every row is labelled: pointing at the labels' margin names the one there.
+    point = page.evaluate("""() => {
+        const gd = document.getElementById('focus-plot');
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        return [box.left - 12, box.top + gd._fullLayout.yaxis.l2p(777)];
+    }""")
+    page.mouse.move(*point)
+    page.wait_for_function("() => document.getElementById('tooltip').textContent.startsWith('query ')")
+    row = int(page.locator("#tooltip").text_content().split(":")[0].split()[1])
+    assert abs(row - 777) <= 4
+    assert page.locator("#tooltip").text_content().split("\n")[0] == f"query {row}: {mock.tokens[row]['piece']}"
+    # A step to the next head paints its overview and asks for its own tiles.
+    page.focus("#focus-plot")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#focus-plot[data-head='1']")
+    wait_settled(page)
+    assert any("head=1" in url for url in mock.requests if "/tile" in url)
+    # The layer's mean: no overview, its coarsest tile first and the peak from it.
+    page.select_option("#aggregate", "layer")
+    wait_settled(page)
+    plotted = page.evaluate("() => document.getElementById('focus-plot').plotted()")
+    assert plotted["peak"] == pytest.approx(float(mock.head(0, "mean").max()), abs=1e-3)
+    # Back to the head and to the mean again: the mean's tiles come from the cache, its peak too.
+    page.select_option("#aggregate", "head")
+    wait_settled(page)
+    tiles_before = len(tile_windows(mock.requests))
+    page.select_option("#aggregate", "layer")
+    wait_settled(page)
+    assert page.evaluate("() => document.getElementById('focus-plot').plotted().peak") == plotted["peak"]
+    assert len(tile_windows(mock.requests)) == tiles_before
+    assert_never_whole(watched.requests, mock.T)
+
+
+def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    for control in ["hide-special", "hide-first", "threshold", "download-csv", "download-json", "export-page"]:
+        assert page.locator(f"#{control}").is_disabled(), control
+    assert page.locator("#aggregate option[value=all]").is_disabled()
+    note = page.locator("#long-note").text_content()
+    assert "2048 tokens" in note and "queries and keys" in note
+    assert "need every weight" in page.locator("#measures-long-note").text_content()
+    assert page.locator("#measures-long-note").is_visible()
+    assert not page.locator("#finder").is_visible()
+    # A short text next: everything is back as it was.
+    submit(page, "The bank of the river.", model="minilm")
+    page.wait_for_selector("#focus-plot[data-precision=f16]:not([data-long])", timeout=30_000)
+    for control in ["hide-special", "hide-first", "threshold", "download-csv", "download-json", "export-page"]:
+        assert page.locator(f"#{control}").is_enabled(), control
+    assert page.locator("#export-page").get_attribute("title") == "One HTML file with this run that opens without a server"
+    assert page.locator("#download-csv").get_attribute("title") is None
+    assert page.locator("#aggregate option[value=all]").is_enabled()
+    assert not page.locator("#long-note").is_visible() and not page.locator("#measures-long-note").is_visible()
+    page.wait_for_function("() => document.getElementById('finder').dataset.runId")
+    assert page.locator("#finder").is_visible()
+    assert page.locator("#ablate-box").get_attribute("inert") is None
+
+
+def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
+    open_page(page, server)
+    result = page.evaluate("""async () => {
+        const { TileLoader, blocksFor, levelFor } = await import('/static/js/tiles.js');
+        const started = [], aborted = [], arrived = [];
+        const loader = new TileLoader({
+            concurrent: 2,
+            fetch: (spec, signal) => new Promise((resolve, reject) => {
+                started.push(spec.key);
+                signal.addEventListener('abort', () => { aborted.push(spec.key); reject(new DOMException('x', 'AbortError')); });
+                setTimeout(() => resolve({ key: spec.key }), 50);
+            }),
+            onTile: (spec) => arrived.push(spec.key),
+        });
+        loader.want(['a', 'b', 'c'].map((key) => ({ key })));
+        loader.want(['c', 'd'].map((key) => ({ key })));
+        await new Promise((r) => setTimeout(r, 300));
+        loader.want(['c', 'd'].map((key) => ({ key })));
+        return { started, aborted, arrived, cached: [...loader.cache.keys()], requested: loader.requested,
+                 level: [levelFor(8192, 700), levelFor(40, 700)],
+                 blocks: blocksFor({ q0: 0, q1: 2048, k0: 0, k1: 2048 }, 4, 2048, true).map((b) => [b.q0, b.k0, b.rows ?? null, Boolean(b.masked)]) };
+    }""")
+    assert result["started"] == ["a", "b", "c", "d"]
+    assert sorted(result["aborted"]) == ["a", "b"]
+    assert sorted(result["arrived"]) == ["c", "d"] and result["requested"] == 4  # the cache answers the second want
+    assert result["level"] == [16, 1]
+    # Causal: the block above the diagonal is masked, never asked for (the page paints it masked).
+    assert sorted(result["blocks"]) == [[0, 0, 256, False], [0, 1024, None, True], [1024, 0, 256, False], [1024, 1024, 256, False]]
+
+
+# ---- against the real server: a random llama whose inputs above dense_max_tokens keep q and k ----
+
+LONG_T = 1500
+
+
+@pytest.fixture(scope="module")
+def llama_spec(tmp_path_factory) -> str:
+    """A small random-weight llama (2 layers, 4 query heads, 2 kv heads) with 2048 positions and
+    tiny-gpt's byte tokenizer; transformers only writes the folder, manyeyes loads it."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from manyeyes.model.loading import builtin_path
+
+    folder = tmp_path_factory.mktemp("long-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, max_position_embeddings=2048, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    shutil.copy(builtin_path("tiny-gpt") / "tokenizer.json", folder / "tokenizer.json")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def long_server(llama_spec):
+    from tests.browser.conftest import serving
+
+    with serving({"llama-long": llama_spec}) as base:
+        yield base
+
+
+def long_text(n_chars: int) -> str:
+    words = "the mill stood by the river and the river ran under the bridge to the sea".split()
+    out = []
+    while len(" ".join(out)) < n_chars:
+        out.append(words[len(out) % len(words)] + ("." if len(out) % 11 == 10 else ""))
+    return " ".join(out)[:n_chars]
+
+
+PIXEL = """async ([row, col]) => {
+    const gd = document.getElementById('focus-plot');
+    const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+    const drag = gd.querySelector('.nsewdrag').getBoundingClientRect();
+    const canvas = gd.querySelector('canvas.heatmap-canvas');
+    const box = canvas.getBoundingClientRect();
+    const px = Math.floor((drag.left + xa.l2p(col) - box.left) * canvas.width / box.width);
+    const py = Math.floor((drag.top + ya.l2p(row) - box.top) * canvas.height / box.height);
+    const [r, g, b] = canvas.getContext('2d').getImageData(px, py, 1, 1).data;
+    const { colorTable } = await import('/static/js/theme.js');
+    const table = [...colorTable()].map((p) => [p & 255, (p >> 8) & 255, (p >> 16) & 255]);
+    return [[r, g, b], table];
+}"""
+
+
+@pytest.mark.slow
+def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, page, watched, artifacts):
+    from manyeyes.model import load
+
+    text = long_text(LONG_T)
+    dense = load(llama_spec, device="cpu").attend(text).attention.numpy()  # (L, H, T, T), the Python model's
+    T = dense.shape[-1]
+    assert T > 1024  # above dense_max_tokens: the server keeps queries and keys
+    open_page(page, long_server)
+    submit(page, text, model="llama-long")
+    wait_settled(page, timeout=120_000)
+    page.wait_for_function("() => document.querySelectorAll('.thumb').length === 8 && !document.querySelector('.thumb.loading')")
+    plotted = page.evaluate("() => document.getElementById('focus-plot').plotted()")
+    assert plotted["long"] and plotted["rows"] == T
+    # The overview's max is the head's max (f16 on the wire).
+    assert plotted["peak"] == pytest.approx(float(dense[0, 0].max()), rel=1e-3)
+    assert plotted["level"] >= 2 and all(t["pool"] == "max" for t in plotted["tiles"])
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-overview.png"))
+
+    # Zoom to 40 × 48 tokens: tiles at full resolution for that window, every label, exact readings.
+    before = len(watched.requests)
+    q0, k0 = 1100, 1070
+    zoom(page, q0, q0 + 40, k0, k0 + 48)
+    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
+    wait_settled(page)
+    new = tile_windows(watched.requests[before:])
+    assert new and all(rows is None for *_w, rows in new)
+    assert any(a <= q0 < b and c <= k0 < d for a, b, c, d, _r in new)
+    assert len(visible_labels(page, "y")) == 40 and len(visible_labels(page, "x")) == 48
+    weights = dense[0, 0]
+    peak = float(weights.max())
+    for q, k in [(q0 + 20, k0 + 5), (q0 + 39, k0 + 47), (q0 + 3, k0 + 33), (q0 + 31, k0 + 30)]:
+        text_shown = hover_cell(page, q, k)
+        assert float(text_shown.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=1e-3)
+        got, table = page.evaluate(PIXEL, [q, k])
+        index = round(255 * min(1.0, float(weights[q, k]) / peak))
+        assert got in table[max(0, index - 1): index + 2], (q, k, got, index)
+    assert hover_cell(page, q0, k0 + 47).endswith(": masked")
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-zoomed.png"))
+
+    # The next head: its own tiles; the head view's lines come from the top-k route.
+    page.focus("#focus-plot")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#focus-plot[data-head='1']")
+    wait_settled(page)
+    reading = float(hover_cell(page, q0 + 20, k0 + 5).rsplit(": ", 1)[1])
+    assert reading == pytest.approx(float(dense[0, 1, q0 + 20, k0 + 5]), abs=1e-3)
+    page.wait_for_function("() => Number(document.querySelector('#headview canvas')?.dataset.lines) > 0")
+    assert any("/topk?" in url for url in watched.requests)
+    assert_never_whole(watched.requests, T)

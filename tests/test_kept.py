@@ -1,0 +1,214 @@
+"""Runs kept as queries and keys (issue 10): every view rebuilt on demand equals the weights.
+
+Three references, from strictest to loosest:
+- the softmax of the very scores the kept forward computed (same queries and keys): 1e-6;
+- our dense forward (a different float path through every layer): 1e-5;
+- transformers' eager attention: covered through the dense path by test_parity*.py.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from manyeyes.model import load
+from manyeyes.model.attention import Capture, bin_edges, blocked_rows, masked_band
+from manyeyes.model.kept import BLOCK_CELLS, DenseAttention, pooled, rows_per_block, topk_rows
+from tests.test_parity_decoders import save_random
+
+TEXT = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters."
+)
+
+
+@pytest.fixture(scope="module")
+def gqa_window_llama(tmp_path_factory, bytelevel_tokenizer):
+    """Grouped-query attention and a sliding window shorter than the text: every mask rule at once."""
+    folder = tmp_path_factory.mktemp("mistral")
+    save_random(folder, bytelevel_tokenizer, "mistral", 21, num_key_value_heads=2, sliding_window=9,
+                max_position_embeddings=512)
+    return load(folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    return load("tiny-gpt")
+
+
+@pytest.fixture(scope="module", params=["tiny-gpt", "minilm", "mistral"])
+def model(request, minilm, gqa_window_llama, tiny_gpt):
+    return {"tiny-gpt": tiny_gpt, "minilm": minilm, "mistral": gqa_window_llama}[request.param]
+
+
+_runs = {}
+
+
+def both(model, block_cells=3_000):
+    """The dense run and the kept run of TEXT (once per model); a tiny block budget forces many row blocks."""
+    if model.info.id not in _runs:
+        encoded = model.encode(TEXT, truncate=True)
+        dense = model.run([encoded])[0]
+        kept = model.run([encoded], Capture(keep=True, block_cells=block_cells))[0]
+        _runs[model.info.id] = dense, kept
+    return _runs[model.info.id]
+
+
+def forward_weights(model, encoded, monkeypatch, block_cells=3_000):
+    """The kept forward's run and, per layer, the (H, T, T) weights it really mixed into the values,
+    caught block by block on their way to the overview pooling (blocks come in row order per layer)."""
+    import manyeyes.model.attention as attention
+
+    windows, blocks = [], []
+    real_visible_keys, real_max_pool = attention.visible_keys, attention.max_pool
+
+    def spy_window(q0, q1, num_keys, **kw):
+        k0, k1 = real_visible_keys(q0, q1, num_keys, **kw)
+        windows.append((q0, q1, k0, k1))
+        return k0, k1
+
+    def spy_pool(weights, *args):
+        blocks.append(weights[0].clone())
+        return real_max_pool(weights, *args)
+
+    monkeypatch.setattr(attention, "visible_keys", spy_window)
+    monkeypatch.setattr(attention, "max_pool", spy_pool)
+    result = model.run([encoded], Capture(keep=True, block_cells=block_cells))[0]
+    monkeypatch.undo()
+    T, layers = len(encoded), []
+    for (q0, q1, k0, k1), block in zip(windows, blocks):
+        if q0 == 0:
+            layers.append(torch.zeros(block.shape[0], T, T))
+        layers[-1][:, q0:q1, k0:k1] = block
+    assert len(layers) == model.info.n_layers and len(windows) == len(blocks) > 2 * len(layers)
+    return result, layers
+
+
+def test_rebuilt_weights_equal_the_forward(model, monkeypatch):
+    encoded = model.encode(TEXT, truncate=True)
+    dense = model.run([encoded])[0]
+    result, used = forward_weights(model, encoded, monkeypatch)
+    kept = result.kept
+    assert result.attention is None
+    T = len(result.tokens)
+    assert T > 30 and kept.n_tokens == T
+    everything = list(range(kept.n_heads))
+    for layer in range(kept.n_layers):
+        rebuilt = kept.block(layer, everything, 0, T, 0, T)
+        assert (rebuilt - used[layer]).abs().max() <= 1e-6
+        assert (rebuilt - dense.attention[layer]).abs().max() <= 1e-5
+        assert torch.allclose(rebuilt.sum(-1), torch.ones(()), atol=1e-5)
+    assert (result.hidden - dense.hidden).abs().max() <= 1e-4
+    assert result.logits is None  # (T, vocab) is not kept: predictions come from row blocks of logits
+    if dense.top_ids is not None:
+        assert torch.equal(result.top_ids[:, :3], dense.top_ids[:, :3])
+        assert (result.top_probs - dense.top_probs).abs().max() <= 1e-5
+
+
+def test_windows_and_head_subsets_are_cut_from_the_same_weights(model):
+    dense, result = both(model)
+    kept, T = result.kept, len(result.tokens)
+    heads = [model.info.n_heads - 1, 0]
+    window = kept.block(1, heads, 5, T - 3, 2, 17)
+    assert window.shape == (2, T - 8, 15)
+    assert (window - dense.attention[1, heads, 5 : T - 3, 2:17]).abs().max() <= 1e-5
+    if kept.causal:  # keys after the query: exactly zero, not tiny
+        assert kept.block(0, [0], 3, 4, 4, T).abs().max() == 0
+
+
+def numpy_pool(weights: np.ndarray, rows: int, cols: int, how: str):
+    """The bins of the docs, written independently: width ceil(n / size), the last one narrower."""
+    def edges(n, size):
+        width = -(-n // min(size, n))
+        return list(range(0, n, width)) + [n]
+
+    r_edges, c_edges = edges(weights.shape[0], rows), edges(weights.shape[1], cols)
+    reduce = np.max if how == "max" else np.mean
+    out = np.array([[reduce(weights[a:b, c:d]) for c, d in zip(c_edges, c_edges[1:])]
+                    for a, b in zip(r_edges, r_edges[1:])])
+    return out, r_edges, c_edges
+
+
+@pytest.mark.parametrize("how", ["max", "mean"])
+@pytest.mark.parametrize("window,size", [((0, None, 0, None), (7, 9)), ((3, -2, 1, -5), (64, 5)), ((10, 30, 0, None), (1024, 1024))])
+def test_pooled_pictures_equal_an_independent_pooling(model, how, window, size):
+    dense, result = both(model)
+    T = len(result.tokens)
+    q0, q1, k0, k1 = window
+    q1, k1 = (T if q1 is None else q1 % T), (T if k1 is None else k1 % T)
+    for heads in ([2], None):
+        picture = pooled(result.kept, 1, heads, q0, q1, k0, k1, *size, how, block_cells=4_000)
+        source = dense.attention[1, heads[0]] if heads else dense.attention[1].mean(0)
+        expected, r_edges, c_edges = numpy_pool(source[q0:q1, k0:k1].numpy(), *size, how)
+        assert picture.row_edges.tolist() == [q0 + e for e in r_edges]
+        assert picture.col_edges.tolist() == [k0 + e for e in c_edges]
+        assert np.abs(picture.values.numpy() - expected).max() <= 1e-5
+
+
+def test_dense_and_kept_runs_answer_every_view_alike(model):
+    dense, result = both(model)
+    as_dense, kept = DenseAttention(dense.attention), result.kept
+    T = len(result.tokens)
+    a = pooled(as_dense, 0, None, 0, T, 0, T, 16, 16, "mean")
+    b = pooled(kept, 0, None, 0, T, 0, T, 16, 16, "mean")
+    assert torch.equal(a.row_edges, b.row_edges) and (a.values - b.values).abs().max() <= 1e-5
+    overview, rows, cols = kept.overview_pooled()
+    dense_overview = as_dense.overview_pooled()
+    assert overview.shape == (kept.n_layers, kept.n_heads, *dense_overview.values.shape[2:])
+    assert torch.equal(rows, bin_edges(T, 64)) and torch.equal(rows, dense_overview.row_edges)
+    assert (overview - dense_overview.values).abs().max() <= 1e-5
+
+
+def test_overview_with_uneven_bins(gqa_window_llama):
+    """T=~200 over 64 bins: width 4, 50 bins, the last narrower; the window's zero bins stay 0."""
+    encoded = gqa_window_llama.encode(TEXT + TEXT[:21], truncate=True)
+    T = len(encoded)
+    dense = gqa_window_llama.run([encoded])[0].attention
+    kept = gqa_window_llama.run([encoded], Capture(keep=True, block_cells=2_000))[0].kept
+    expected = [[numpy_pool(dense[l, h].numpy(), 64, 64, "max")[0] for h in range(dense.shape[1])] for l in range(dense.shape[0])]
+    assert T % 64 and np.abs(kept.overview.numpy() - np.array(expected)).max() <= 1e-5
+    assert kept.overview[0, 0, -1, 0] == 0  # the last queries cannot see the first keys (window 9)
+
+
+def test_topk_rows(model):
+    dense, result = both(model)
+    T = len(result.tokens)
+    top = topk_rows(result.kept, 1, 1, 5, 2, T, block_cells=100)
+    weights = dense.attention[1, 1, 2:T]
+    order = np.argsort(-weights.numpy(), axis=-1, kind="stable")[:, :5]
+    assert np.abs(top.values.numpy() - np.take_along_axis(weights.numpy(), order, -1)).max() <= 1e-5
+    ties = np.abs(np.take_along_axis(weights.numpy(), top.indices.numpy(), -1) - top.values.numpy()).max()
+    assert ties <= 1e-5  # the indices point at those weights (equal weights may come in either order)
+    assert (top.rest - (1 - top.values.sum(-1))).abs().max() <= 1e-6 and (top.rest >= 0).all()
+    with pytest.raises(ValueError, match=f"k must be in 1..{min(64, T)}"):
+        topk_rows(result.kept, 0, 0, 65, 0, T)
+
+
+def test_row_blocks_stay_within_the_budget():
+    assert rows_per_block(12, 8192) * 12 * 8192 <= BLOCK_CELLS
+    assert rows_per_block(12, 10**9) == 1  # one row even when a single row is over the budget
+    assert bin_edges(10, 3).tolist() == [0, 4, 8, 10]
+    assert bin_edges(5, 1024).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_kept_run_holds_no_weights_and_counts_its_bytes(gqa_window_llama):
+    encoded = gqa_window_llama.encode(TEXT, truncate=True)
+    kept = gqa_window_llama.run([encoded], Capture(keep=True))[0].kept
+    T, info = len(encoded), gqa_window_llama.info
+    assert kept.queries.shape == (info.n_layers, info.n_heads, T, info.head_dim)
+    assert kept.keys.shape == (info.n_layers, info.n_kv_heads, T, info.head_dim)
+    assert kept.qk_bytes == 4 * T * info.n_layers * info.head_dim * (info.n_heads + info.n_kv_heads)
+    cells = info.n_layers * info.n_heads
+    # (the overview's 64 x 64 per head is small beside the queries and keys only at long T: the bench checks 2x there)
+    assert kept.nbytes == kept.qk_bytes + cells * T * 8 + cells * kept.overview.shape[-1] * kept.overview.shape[-2] * 4
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 5), (False, 5), (False, None)])
+def test_the_masked_band_holds_every_blocked_key(causal, window):
+    """The row-block softmax masks only this band of columns: nothing blocked may lie outside it."""
+    for q0, q1, k0, k1 in [(0, 4, 0, 4), (8, 12, 0, 12), (8, 12, 4, 20), (30, 31, 0, 40), (3, 9, 6, 7)]:
+        blocked = blocked_rows(q0, q1, k0, k1, offset=0, causal=causal, sliding_window=window, device="cpu")
+        lo, hi = masked_band(q0, q1, k0, k1, causal=causal, sliding_window=window)
+        assert k0 <= lo <= hi <= k1
+        if blocked is not None:
+            columns = blocked.any(0).nonzero().flatten() + k0
+            assert lo <= int(columns.min()) and int(columns.max()) < hi
