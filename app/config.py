@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)
     request_timeout_s: float = Field(30.0, gt=0)  # per-request budget: queue + forward, else 504
+    # Admission by work: a request is queued only if the work ahead of it and its own, at the
+    # model's recent forward rate, fit in this fraction of its remaining budget; else 429 with
+    # Retry-After at once instead of a 504 when the budget runs out. The rest of the budget is
+    # for tokenizing, encoding and the estimate's error. 0: admission by count only.
+    work_budget_fraction: float = Field(0.8, ge=0, le=1)
 
     # Limits on what one request may ask for.
     max_body_bytes: int = Field(1_000_000, ge=1)  # 413 before any JSON is parsed

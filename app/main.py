@@ -20,7 +20,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddle
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.memory import tune_malloc
-from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders
+from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.cache import RunCache
@@ -136,6 +136,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
             allow_headers=["Content-Type", "Authorization"], expose_headers=["Retry-After"], max_age=600,
         )
+    # Inside AccessLog, so the 503s it writes at shutdown are logged and counted.
+    app.add_middleware(ShutdownAnswer)
     app.add_middleware(AccessLog, metrics=metrics)
     # Outermost, so every answer carries the headers, the 413s BodyLimit writes included.
     app.add_middleware(SecurityHeaders)

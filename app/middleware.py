@@ -1,13 +1,15 @@
-"""Pure ASGI middleware: the request body limit, and one log line plus metrics per request."""
+"""Pure ASGI middleware: the request body limit, one log line plus metrics per request, the
+answer to requests cut off by shutdown, and the security headers."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import orjson
 
-from manyeyes.app.services.errors import error_body
+from manyeyes.app.services.errors import NotReady, error_body
 from manyeyes.app.services.metrics import Metrics
 
 access_log = logging.getLogger("manyeyes.access")
@@ -71,6 +73,43 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+# A request cut off by shutdown is best retried against the restarted server or another replica.
+SHUTDOWN_RETRY_AFTER_S = 5
+
+
+class ShutdownAnswer:
+    """Past the shutdown grace period uvicorn cancels the requests still running, and would answer
+    those that had not begun their response with a plain-text 500 (logging a traceback). The only
+    thing that cancels a whole request's task is that shutdown, so this answers them as what it
+    is: 503 JSON with Retry-After, and the connection closed."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except asyncio.CancelledError:
+            if started:  # half an answer cannot be replaced: uvicorn closes the connection
+                raise
+            # The task ends here, answered; uvicorn has stopped waiting for it and exits.
+            await send_error(
+                send, 503, NotReady.code, "the server shut down before this request finished; retry shortly",
+                [(b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()), (b"connection", b"close")],
+            )
 
 
 class AccessLog:

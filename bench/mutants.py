@@ -105,7 +105,7 @@ MUTANTS = [
            ("tests/api/test_api_errors.py", "-k", "full_queue")),
     # ---- static/
     Mutant("thumbnail-colour-scale-fixed-not-per-head", "static/js/grid.js",
-           "const peakWeight = peak * unit;", "const peakWeight = 255 * unit;",
+           "Math.min(1, scaled(v, scale, peak))", "Math.min(1, scaled(v, scale, 1))",
            (TRUTH, "-k", "thumbnail")),
     Mutant("pair-block-renormalised-over-its-own-keys", "static/js/transform.js",
            "for (let k = 0; k < visibleKeys.length; k++) total += matrix[base + visibleKeys[k]];",
@@ -119,7 +119,7 @@ MUTANTS = [
            "layer: state.layer, head: state.layer, aggregate: state.aggregate,",
            (TRUTH, "-k", "permalink")),
     Mutant("head-view-hover-isolates-nothing", "static/js/headview.js",
-           'if (focus?.axis === "row" && focus.index !== r) continue;', "",
+           'if (focus && (focus.axis === "row" ? r : c) !== focus.index) continue;', "",
            (TRUTH, "-k", "head_view")),
 ]
 

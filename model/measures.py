@@ -246,13 +246,15 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
     """(n_layers, n_heads): on random tokens repeated twice, the mean weight from each token of the
     second copy to the token that followed its earlier occurrence (Olsson et al., 2022).
 
-    Computed once per model and kept on it: every run's tags reuse it.
+    Computed once per model and kept on it: every run's tags reuse it. A model with fewer
+    positions than the probe gets a shorter one (both copies must fit).
     """
     cached = getattr(model, "_induction_scores", None)
     if cached is not None and cached[0] == (length, seed):
         return cached[1]
-    source = model.encode(PROBE_SOURCE)
+    source = model.encode(PROBE_SOURCE, truncate=True)
     lead = [t for t in source.tokens[:1] if t.special]  # keep a BERT's [CLS]: its heads expect it
+    length = min(length, (model.info.max_tokens - len(lead)) // 2)
     pool = sorted({t.id for t in source.tokens if not t.special})
     generator = torch.Generator().manual_seed(seed)
     draws = [pool[int(k)] for k in torch.randint(len(pool), (length,), generator=generator)]

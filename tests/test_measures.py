@@ -7,6 +7,7 @@ import torch
 
 from manyeyes.model import Capture, load
 from manyeyes.model.measures import (
+    PROBE_LENGTH,
     contributions,
     head_stats,
     head_table,
@@ -135,6 +136,15 @@ def test_tiny_gpt_tags_name_its_known_heads(tiny):
 def test_induction_probe_runs_once_per_model(tiny):
     first = induction_scores(tiny)
     assert induction_scores(tiny) is first
+
+
+def test_induction_probe_fits_a_short_context(tmp_path, bytelevel_tokenizer):
+    """Both copies of the probe must fit the model's positions (a 64-position GPT-2 raised IndexError: a 500)."""
+    save_random_gpt2(tmp_path, bytelevel_tokenizer, 3, n_layer=1, n_head=2, n_embd=16)  # 64 positions
+    model = load(tmp_path, device="cpu")
+    assert model.info.max_tokens == 64 < 2 * PROBE_LENGTH
+    scores = induction_scores(model)
+    assert scores.shape == (1, 2) and torch.isfinite(scores).all() and (scores > 0).all()
 
 
 def test_stats_from_hand_built_heads():

@@ -15,7 +15,7 @@ router = APIRouter(prefix="/api/v1/experiments", tags=["experiments"])
 ERRORS = errors(404, 413, 422, 429, 503, 504)
 
 
-def get_experiments(request: Request) -> ExperimentService:
+async def get_experiments(request: Request) -> ExperimentService:  # async: no thread-pool hop (app/deps.py)
     """Built on first use from the lifespan's registry, so the app factory needs no change for it."""
     state = request.app.state
     if getattr(state, "experiments", None) is None:

@@ -16,7 +16,7 @@ router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
 ERRORS = errors(404, 413, 422, 429, 503)
 
 
-def get_measures(request: Request) -> MeasuresService:
+async def get_measures(request: Request) -> MeasuresService:  # async: no thread-pool hop (app/deps.py)
     return request.app.state.measures
 
 

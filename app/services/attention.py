@@ -248,13 +248,10 @@ class AttentionService:
             self._check_cells(
                 [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"], view
             )
-            futures = []
-            for item in missing:
-                keeps_qk = item.kind == "qk"
-                futures.append(asyncio.wrap_future(
-                    batcher.submit(served.model, item.encoded, deadline, client, view.format, keeps_qk)
-                ))
-                submitted += 1
+            queued = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
+                                    [i.kind == "qk" for i in missing])
+            submitted = len(missing)
+            futures = [asyncio.wrap_future(f) for f in queued]
         finally:
             batcher.release(len(missing) - submitted, client)
         try:

@@ -9,6 +9,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import islice
 
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
@@ -16,6 +17,22 @@ from manyeyes.app.services.metrics import Metrics
 from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
+
+# Work of one input of n tokens, in units whose forward time is roughly proportional: n^2 for the
+# attention (scores, softmax, the weights kept), 64 n for the rest (projections, feed-forward).
+# 64 is where the two met for MiniLM on the CPU (a fit of 16..512-token forwards). Rows shorter
+# than 64 tokens count as 64: their cost is the per-row and per-token part, which padding them
+# that far hardly changes. The measured rate (WorkRate) and the calibration absorb the rest.
+LINEAR_TOKENS = 64
+# A job beyond its client's first joins a batch only if the batch's padded work stays within
+# this factor of the work its rows need: one 512-token row padding fifteen short ones to 512
+# made a forward take ten times its rows' work, and the estimates of everything behind it wrong.
+PADDING_SLACK = 1.5
+
+
+def work_units(n_tokens: int) -> int:
+    n = max(n_tokens, LINEAR_TOKENS)
+    return n * (n + LINEAR_TOKENS)
 
 
 @dataclass
@@ -36,6 +53,29 @@ class Job:
     keep: bool = False  # keep queries and keys (a long input), not the weights: runs in a forward of its own
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
+    estimate_s: float | None = None  # uncalibrated wait for its answer, estimated when it was queued
+
+    @property
+    def units(self) -> int:
+        return work_units(len(self.encoded))
+
+
+class WorkRate:
+    """Work units a model's forwards get through per second, from its recent batches (sums that
+    decay by a fifth every forward, so long batches weigh as much as their time)."""
+
+    DECAY = 0.8
+
+    def __init__(self) -> None:
+        self.units = 0.0
+        self.seconds = 0.0
+
+    def observe(self, units: int, seconds: float) -> None:
+        self.units = self.DECAY * self.units + units
+        self.seconds = self.DECAY * self.seconds + seconds
+
+    def seconds_for(self, units: float) -> float | None:
+        return units * self.seconds / self.units if self.units > 0 and self.seconds > 0 else None
 
 
 class Batcher:
@@ -46,7 +86,14 @@ class Batcher:
 
     Fair shares: each client (API key, else address) has its own queue and at most
     `max_client_queue` inputs in the system; batches are filled round-robin across clients, so
-    one client's flood delays another's request by at most the batch already running."""
+    one client's flood delays another's request by at most the batch already running.
+
+    Admission by work: inputs are queued only if the work ahead of them (in round-robin order,
+    so only their own client's backlog counts in full) plus their own can be done, at the
+    model's recent forward rate, within `work_fraction` of the request's remaining budget;
+    otherwise 429 at once, rather than a 504 once the budget is spent. Estimates are calibrated
+    by how long answers really took against what was estimated for them (contention from other
+    processes, padding). Inputs with nothing ahead are always queued."""
 
     def __init__(
         self,
@@ -61,6 +108,7 @@ class Batcher:
         device_quantise: bool = False,
         copier: HostCopier | None = None,
         max_batch_cells: int | None = None,
+        work_fraction: float = 0.0,
     ) -> None:
         self.device = device
         self.metrics = metrics
@@ -72,6 +120,7 @@ class Batcher:
         self.max_client_queue = max_client_queue or max_queue
         self.device_quantise = device_quantise
         self.max_batch_cells = max_batch_cells
+        self.work_fraction = work_fraction  # 0: admission by count only
         self.copier = copier or HostCopier()
         # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
         self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
@@ -83,6 +132,9 @@ class Batcher:
         self._closed = False
         self._forward_ewma_s = 0.05
         self._last_batch = 0
+        self._rates: dict[str, WorkRate] = {}  # model id -> its recent forward rate
+        self._running_batch: tuple[float, float] | None = None  # (started, expected seconds) of the forward under way
+        self._calibration = 1.0  # recent answers' real wait over their estimate
         self._thread = threading.Thread(target=self._loop, name=f"manyeyes-forward-{device}", daemon=True)
         self._thread.start()
 
@@ -122,25 +174,80 @@ class Batcher:
             del self._per_client[client]
 
     def submit(
-        self, model: AttentionModel, encoded: Encoded, deadline: float, client: str = "", fmt: str = "json", keep: bool = False
-    ) -> Future:
-        """Hand one admitted input to the worker; the future resolves to a Done."""
-        job = Job(model, encoded, deadline, client, fmt, keep)
+        self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json",
+        keep: list[bool] | None = None,
+    ) -> list[Future]:
+        """Hand admitted inputs of one request to the worker, all or none; each future resolves
+        to a Done. `keep[i]`: input i keeps queries and keys (a long input), not the weights.
+        QueueFull (429) when the work ahead would not let them finish before the deadline;
+        NotReady (503) when shutting down. Either way the caller releases them."""
+        keep = keep or [False] * len(encoded)
+        jobs = [Job(model, e, deadline, client, fmt, k) for e, k in zip(encoded, keep)]
         with self._cond:
-            self._admitted -= 1
             if self._closed:
-                self._leave(client)
-                job.future.set_exception(NotReady("the server is shutting down"))
-                return job.future
-            self._pending.setdefault(client, deque()).append(job)
-            self._n_pending += 1
-            self.metrics.queue_depth.inc()
+                raise NotReady("the server is shutting down")
+            self._check_work(jobs, deadline)
+            self._admitted -= len(jobs)
+            self._pending.setdefault(client, deque()).extend(jobs)
+            self._n_pending += len(jobs)
+            self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify_all()
         # A client that goes away cancels its future: free its place in the queue at once. The
         # callback takes the future, not the job: job -> future -> callback -> job would be a
         # cycle that keeps every finished result's attention alive until a full gc.
-        job.future.add_done_callback(self._forget_cancelled)
-        return job.future
+        for job in jobs:
+            job.future.add_done_callback(self._forget_cancelled)
+        return [job.future for job in jobs]
+
+    def observe_rate(self, model_id: str, n_tokens: int, seconds: float) -> None:
+        """Folds one forward of one n-token input, timed elsewhere (the warm-up), into the model's rate."""
+        self._rates.setdefault(model_id, WorkRate()).observe(work_units(n_tokens), seconds)
+
+    def wait_ahead_s(self, jobs: list[Job]) -> float | None:
+        """Seconds until these jobs (all of one client and model) would be done, at the recent
+        forward rates and before calibration; None while the model has no measured forward yet.
+        Round-robin serves each client's i-th job in turn i, so of another client's queue only
+        as many jobs count as this client will have queued, counting the new ones."""
+        client = jobs[0].client
+        own_rate = self._rates.get(jobs[0].model.info.id)
+        if own_rate is None:
+            return None
+        turns = len(self._pending.get(client, ())) + len(jobs)
+        seconds = own_rate.seconds_for(sum(job.units for job in jobs)) or 0.0
+        for other, queue in self._pending.items():
+            for job in queue if other == client else islice(queue, turns):
+                rate = self._rates.get(job.model.info.id)
+                seconds += (rate.seconds_for(job.units) or 0.0) if rate else 0.0
+        if self._running_batch is not None:
+            started, expected = self._running_batch
+            seconds += max(0.0, expected - (time.monotonic() - started))
+        return seconds
+
+    def _check_work(self, jobs: list[Job], deadline: float) -> None:
+        estimate = self.wait_ahead_s(jobs)
+        for job in jobs:
+            job.estimate_s = estimate
+        if estimate is None or not self.work_fraction or not (self._pending or self._running_batch):
+            return  # no rate measured yet, admission by count only, or nothing ahead: it runs next
+        needed = estimate * self._calibration
+        allowed = self.work_fraction * (deadline - time.monotonic())
+        if needed > allowed:
+            self.metrics.dropped.labels("work").inc(len(jobs))
+            raise QueueFull(
+                f"the server has about {needed:.1f} s of work queued for this request, more than its "
+                f"{allowed:.1f} s budget allows; retry shortly",
+                max(1, math.ceil(needed - allowed)),
+            )
+
+    def _calibrate(self, jobs: list[Job], now: float) -> None:
+        """Fold how long these answers took, against their estimates, into the calibration. A ratio
+        of sums, so that a job estimated at a few milliseconds (nothing ahead of it when it came)
+        that then waited for a long forward cannot swing it by itself."""
+        timed = [job for job in jobs if job.estimate_s]
+        estimated = sum(job.estimate_s for job in timed)
+        if estimated > 0.05:
+            observed = sum(now - job.enqueued for job in timed) / estimated
+            self._calibration = min(max(0.7 * self._calibration + 0.3 * min(observed, 10.0), 0.5), 10.0)
 
     def _forget_cancelled(self, future: Future) -> None:
         if not future.cancelled():
@@ -185,6 +292,7 @@ class Batcher:
             return ([first] if first else []), True
         chosen: list[Job] = []
         width = 0
+        needed = 0  # work units of the chosen rows, unpadded
         left_out = False
         # Attention weights a row of width w holds: layers x heads x w x w (float32 on the device).
         per_pair = model.info.n_layers * model.info.n_heads
@@ -197,10 +305,14 @@ class Batcher:
                 wider = max(width, len(job.encoded))
                 rows = len(chosen) + 1
                 over_cells = self.max_batch_cells is not None and rows * per_pair * wider * wider > self.max_batch_cells
-                if chosen and (wider * rows > self.max_batch_tokens or len(chosen) >= self.max_batch_items or over_cells):
+                # Each client's first job rides whatever its length (the fair-share bound),
+                # the others only where they do not make the batch mostly padding.
+                wasteful = turn > 0 and rows * work_units(wider) > PADDING_SLACK * (needed + job.units)
+                if chosen and (wider * rows > self.max_batch_tokens or len(chosen) >= self.max_batch_items or over_cells or wasteful):
                     left_out = True
                     continue
                 chosen.append(job)
+                needed += job.units
                 width = wider
         return chosen, left_out
 
@@ -232,6 +344,9 @@ class Batcher:
                     self._pending.move_to_end(client)
             self.metrics.queue_depth.dec(len(batch))
             self._running += len(batch)
+            rate = self._rates.get(model.info.id)
+            expected = rate.seconds_for(sum(job.units for job in batch)) if rate else None
+            self._running_batch = (time.monotonic(), expected or 0.0)
             return batch
 
     def _loop(self) -> None:
@@ -239,7 +354,11 @@ class Batcher:
             batch = self._next_batch()
             if batch is None:
                 break
-            self._run(batch)
+            try:
+                self._run(batch)
+            finally:
+                with self._cond:
+                    self._running_batch = None
         with self._cond:
             leftovers = [job for queue in self._pending.values() for job in queue]
             self._pending.clear()
@@ -295,6 +414,9 @@ class Batcher:
             return
         forward_s = time.monotonic() - started
         self._forward_ewma_s = 0.8 * self._forward_ewma_s + 0.2 * forward_s
+        with self._cond:
+            self._rates.setdefault(model.info.id, WorkRate()).observe(sum(job.units for job in live), forward_s)
+            self._calibrate(live, started + forward_s)
         name = model.info.id
         self.metrics.forward.labels(name).observe(forward_s)
         self.metrics.batch_size.labels(name).observe(len(live))

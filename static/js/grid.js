@@ -2,43 +2,98 @@
 // Rows that scroll into view ask for their layers, so long inputs only fetch what is seen.
 
 import { el } from "./dom.js";
+import { inSlices } from "./slices.js";
 import { colorTable, scaled } from "./theme.js";
-import { isIdentity, viewOf } from "./transform.js";
+import { isIdentity, selectionOf } from "./transform.js";
 
 const MAX_THUMB_PIXELS = 128;
-const SLICE_MS = 8; // the longest a background repaint holds the page before letting input in
+const KEPT_SELECTIONS = 3;
 
-// Max-pools a rows × cols matrix into at most MAX_THUMB_PIXELS per side (peaks stay visible);
-// weight = value × unit (1/255 for the u8 bytes), coloured on the page's chosen scale.
-function drawThumb(canvas, values, nRows, nCols, maskedBlock, scale = "head", unit = 1) {
-  const k = Math.ceil(Math.max(nRows, nCols) / MAX_THUMB_PIXELS);
+// How a view's cells fall into thumbnail pixels: at most MAX_THUMB_PIXELS per side, each pixel the
+// max of a k × k block (peaks stay visible). Shared by every head of a run for the same hidden
+// tokens and pair block. The matrix is nRows × nCols with rows `stride` apart; rows/cols: the token
+// indices a view keeps (null: all); keys: what rows renormalise over (null: none);
+// maskedBlock(br, bc, k): whether a pixel's block lies where the model could not look.
+function layoutOf({ nRows, nCols, stride = nCols, rows = null, cols = null, keys = null, maskedBlock = null }) {
+  const k = Math.max(1, Math.ceil(Math.max(nRows, nCols) / MAX_THUMB_PIXELS));
   const width = Math.ceil(nCols / k);
   const height = Math.ceil(nRows / k);
+  const slot = new Int32Array(nCols);
+  for (let c = 0; c < nCols; c++) slot[c] = Math.floor(c / k);
+  const masked = new Uint8Array(width * height);
+  if (maskedBlock) {
+    for (let br = 0; br < height; br++) for (let bc = 0; bc < width; bc++) masked[br * width + bc] = maskedBlock(br, bc, k) ? 1 : 0;
+  }
+  return {
+    nRows, nCols, stride, k, width, height, slot, masked,
+    rows: rows && Int32Array.from(rows), cols: cols && Int32Array.from(cols), keys: keys && Int32Array.from(keys),
+  };
+}
+
+// A run's layout for a selection (undefined: every token), causal runs masking each block whose
+// first key lies after its last query.
+function runLayout(T, causal, { rows = null, cols = null, visibleKeys = null } = {}) {
+  const nRows = rows ? rows.length : T;
+  const rowAt = (r) => (rows ? rows[r] : r);
+  const colAt = (c) => (cols ? cols[c] : c);
+  const maskedBlock = causal ? (br, bc, k) => colAt(bc * k) > rowAt(Math.min((br + 1) * k - 1, nRows - 1)) : null;
+  return layoutOf({ nRows, nCols: cols ? cols.length : T, stride: T, rows, cols, keys: visibleKeys, maskedBlock });
+}
+
+// The pooled maxima of one head's T × T weights (value × unit), rows renormalised over layout.keys,
+// in one pass without building the view: at T=512 a filtered head used to allocate two 1 MB
+// arrays, and 72 of them kept the garbage collector busy.
+function pool(values, unit, layout) {
+  const { stride, nRows, nCols, width, height, k, slot, rows, cols, keys } = layout;
   const pooled = new Float32Array(width * height);
   for (let r = 0; r < nRows; r++) {
+    const base = (rows ? rows[r] : r) * stride;
+    let norm = unit;
+    if (keys) {
+      let total = 0;
+      for (let i = 0; i < keys.length; i++) total += values[base + keys[i]];
+      norm = total > 0 ? 1 / total : 0; // the unit cancels out of a renormalised row
+    }
     const out = Math.floor(r / k) * width;
-    const base = r * nCols;
-    for (let c = 0; c < nCols; c++) {
-      const v = values[base + c];
-      const slot = out + Math.floor(c / k);
-      if (v > pooled[slot]) pooled[slot] = v;
+    if (cols) {
+      for (let c = 0; c < nCols; c++) {
+        const v = values[base + cols[c]] * norm;
+        const s = out + slot[c];
+        if (v > pooled[s]) pooled[s] = v;
+      }
+    } else {
+      for (let c = 0; c < nCols; c++) {
+        const v = values[base + c] * norm;
+        const s = out + slot[c];
+        if (v > pooled[s]) pooled[s] = v;
+      }
     }
   }
+  return pooled;
+}
+
+let pixelBuffer = null;
+
+// Colours pooled weights on the page's scale. A threshold acts here, on the maxima: a block's max
+// survives it exactly when some cell of the block does, so a threshold or scale change only recolours.
+function colour(canvas, pooled, layout, scale = "head", threshold = 0) {
+  const { width, height, masked } = layout;
   let peak = 0;
   for (let i = 0; i < pooled.length; i++) if (pooled[i] > peak) peak = pooled[i];
+  if (peak < threshold) peak = 0;
   const table = colorTable();
-  const pixels = new Uint32Array(width * height);
-  const peakWeight = peak * unit;
-  for (let br = 0; br < height; br++) {
-    for (let bc = 0; bc < width; bc++) {
-      const i = br * width + bc;
-      const index = Math.round(255 * Math.min(1, scaled(pooled[i] * unit, scale, peakWeight)));
-      pixels[i] = maskedBlock(br, bc, k) ? table[256] : table[index];
-    }
+  // One buffer for every thumbnail (putImageData copies it): 72 fresh ones per repaint fed the GC.
+  if (!pixelBuffer || pixelBuffer.length < width * height) pixelBuffer = new Uint32Array(width * height);
+  const pixels = pixelBuffer.subarray(0, width * height);
+  for (let i = 0; i < pixels.length; i++) {
+    const v = pooled[i] < threshold ? 0 : pooled[i];
+    pixels[i] = masked[i] ? table[256] : table[Math.round(255 * Math.min(1, scaled(v, scale, peak)))];
   }
-  canvas.width = width;
-  canvas.height = height;
-  canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer), width, height), 0, 0);
+  if (canvas.width !== width || canvas.height !== height) {
+    canvas.width = width;
+    canvas.height = height;
+  }
+  canvas.getContext("2d").putImageData(new ImageData(new Uint8ClampedArray(pixels.buffer, 0, width * height * 4), width, height), 0, 0);
 }
 
 export class GridView {
@@ -49,11 +104,15 @@ export class GridView {
     this.observer = null;
     this.cells = [];
     this.painted = new Set();
+    this.thumbs = []; // [layer][head]: Map of pooling key → pooled maxima, so recolouring needs no pooling
+    this.layouts = new Map();
   }
 
   build(run) {
     this.run = run;
     this.painted = new Set();
+    this.thumbs = Array.from({ length: run.nLayers }, () => Array.from({ length: run.nHeads }, () => new Map()));
+    this.layouts = new Map();
     this.observer?.disconnect();
     const { nLayers, nHeads } = run;
     this.container.style.setProperty("--heads", nHeads);
@@ -105,21 +164,37 @@ export class GridView {
     this.painted.add(layer);
   }
 
+  // The thumbnail layout for these options (hidden tokens and pair block; threshold and colour
+  // scale only recolour).
+  layoutFor(options) {
+    const key = `${options.hideSpecial}|${options.hideFirst}|${options.segments}`;
+    let layout = this.layouts.get(key);
+    if (!layout) {
+      const selected = isIdentity({ ...options, threshold: 0 }, this.run.hasPair) ? undefined : selectionOf(this.run.tokens, options);
+      layout = runLayout(this.run.T, this.run.causal, selected);
+      layout.key = key;
+      this.layouts.set(key, layout);
+    }
+    return layout;
+  }
+
   paintHead(layer, h, options) {
     const run = this.run;
-    const T = run.T;
-    const canvas = this.cells[layer][h].firstChild;
-    if (isIdentity(options, run.hasPair)) {
-      const masked = run.causal ? (br, bc, k) => bc * k > Math.min((br + 1) * k - 1, T - 1) : () => false;
-      drawThumb(canvas, run.headBytes(layer, h), T, T, masked, options.scale, run.scale);
-    } else {
-      const view = viewOf(run.head(layer, h), run.tokens, { ...options, causal: run.causal });
-      const nR = view.rows.length;
-      const masked = run.causal
-        ? (br, bc, k) => view.cols[bc * k] > view.rows[Math.min((br + 1) * k - 1, nR - 1)]
-        : () => false;
-      drawThumb(canvas, view.values, nR, view.cols.length, masked, options.scale);
+    const layout = this.layoutFor(options);
+    // The 8-bit bytes as they came, unless rows are renormalised or thresholded: then the head's
+    // exact values once they are here.
+    const exact = !isIdentity(options, run.hasPair) && run.isPrecise(layer, h);
+    const key = `${layout.key}|${exact ? "f16" : "u8"}`;
+    const kept = this.thumbs[layer][h];
+    let pooled = kept.get(key);
+    if (!pooled) {
+      pooled = exact ? pool(run.head(layer, h), 1, layout) : pool(run.headBytes(layer, h), run.scale, layout);
+      // A few selections per head (64 KB each at T ≥ 128), so toggling an option back costs no pooling.
+      if (kept.size >= KEPT_SELECTIONS) kept.delete(kept.keys().next().value);
     }
+    kept.delete(key);
+    kept.set(key, pooled); // the most recent last
+    colour(this.cells[layer][h].firstChild, pooled, layout, options.scale, options.threshold);
     this.cells[layer][h].classList.remove("loading");
   }
 
@@ -127,22 +202,15 @@ export class GridView {
     for (let l = 0; l < this.run.nLayers; l++) this.paintLayer(l, options);
   }
 
-  // The same in slices of a few ms between other tasks: at T=512 a filtered head costs several ms,
-  // all 72 together would freeze the page (and the next arrow key) for a second. A newer call
-  // replaces an unfinished one.
+  // The same in slices of a few ms between other tasks: all 72 heads at T=512 in one task would
+  // freeze the page (and the next arrow key). A newer call replaces an unfinished one.
   paintAllSoon(options) {
     const schedule = (this.schedule = {});
-    const queue = [];
+    const jobs = [];
     for (let l = 0; l < this.run.nLayers; l++) {
-      if (this.run.hasLayer(l)) for (let h = 0; h < this.run.nHeads; h++) queue.push([l, h]);
+      if (this.run.hasLayer(l)) for (let h = 0; h < this.run.nHeads; h++) jobs.push(() => this.paintHead(l, h, options));
     }
-    const step = () => {
-      if (this.schedule !== schedule) return;
-      const start = performance.now();
-      while (queue.length && performance.now() - start < SLICE_MS) this.paintHead(...queue.shift(), options);
-      if (queue.length) setTimeout(step, 0);
-    };
-    setTimeout(step, 0);
+    return inSlices(jobs, () => this.schedule !== schedule);
   }
 
   get complete() {

@@ -1,13 +1,22 @@
 // The head view, in the spirit of BertViz: each query token (left) joined to the keys it attends to
 // (right), one colour per head, line weight and opacity by attention.
+//
+// At T=512 the two token lists are ten thousand pixels tall. Only what the scroll box shows is
+// built: the lists hold the tokens in view (plus a margin), the canvas is one screen tall and
+// sticks to the view, and a scroll redraws the lines that cross it. Each head's lines are picked
+// in a slice of their own (slices.js), so a change of options never holds the page for long.
 
 import { el } from "./dom.js";
+import { inSlices } from "./slices.js";
 import { palette } from "./theme.js";
+import { selectionOf, viewOf } from "./transform.js";
 
 const ROW = 20;
 const BUCKETS = 10;
 const MIN_DRAWN = 0.02; // fainter lines only add noise...
 const TOP_PER_TOKEN = 3; // ...but each token keeps its strongest lines, so broad heads at long T still show
+const MARGIN_ROWS = 30; // tokens built beyond each edge of the view, so a short scroll shows no gap
+const MAX_LABEL_CH = 16;
 
 // The k-th largest unmasked weight of row r (0 when the row has fewer).
 function topWeight(view, r, k) {
@@ -26,87 +35,179 @@ function topWeight(view, r, k) {
   return best[k - 1];
 }
 
+// The lines of one head's view: flat [row, col, bucket, …] of every weight worth drawing.
+export function linesOf(view) {
+  const nCols = view.cols.length;
+  const lines = [];
+  for (let r = 0; r < view.rows.length; r++) {
+    const floor = Math.min(MIN_DRAWN, topWeight(view, r, TOP_PER_TOKEN));
+    for (let c = 0; c < nCols; c++) {
+      const w = view.values[r * nCols + c];
+      if (w < floor || w <= 0 || view.masked(r, c)) continue;
+      lines.push(r, c, Math.min(BUCKETS - 1, Math.floor(w * BUCKETS)));
+    }
+  }
+  return lines;
+}
+
+// One side's token list, built for a window of its items only; the list keeps its full height so
+// that the scroll box scrolls as if every item were there.
+class TokenList {
+  constructor(side, onHover) {
+    this.side = side;
+    this.node = el("ol", { className: `hv-tokens hv-${side}`, attrs: { "aria-label": side === "left" ? "Query tokens" : "Key tokens" } });
+    this.node.addEventListener("mouseover", (event) => {
+      const item = event.target.closest("li");
+      if (item) onHover(Number(item.dataset.index));
+    });
+    this.node.addEventListener("mouseleave", () => onHover(null));
+    this.window = [0, 0];
+  }
+
+  setTokens(indices, labels, titles, special) {
+    Object.assign(this, { indices, labels, titles, special });
+    this.window = [0, 0];
+    this.node.replaceChildren();
+    this.node.style.height = `${indices.length * ROW}px`;
+    // A fixed width from the longest label: the built window changes while scrolling, the column must not.
+    const longest = indices.reduce((n, t) => Math.max(n, [...labels[t]].length), 1);
+    this.node.style.minWidth = `calc(${Math.min(MAX_LABEL_CH, longest) + 1}ch + 12px)`;
+  }
+
+  // Builds items [from, to) (clamped), reusing those already built.
+  show(from, to, active) {
+    from = Math.max(0, from);
+    to = Math.min(this.indices.length, to);
+    if (from !== this.window[0] || to !== this.window[1]) {
+      const built = new Map([...this.node.children].map((item) => [Number(item.dataset.index), item]));
+      const items = [];
+      for (let i = from; i < to; i++) items.push(built.get(i) ?? this.item(i));
+      this.node.style.paddingTop = `${from * ROW}px`;
+      this.node.replaceChildren(...items);
+      this.window = [from, to];
+    }
+    for (const item of this.node.children) item.classList.toggle("active", Number(item.dataset.index) === active);
+  }
+
+  item(i) {
+    const t = this.indices[i];
+    const item = el("li", { text: this.labels[t], attrs: { "data-index": i, title: this.titles[t], "aria-posinset": i + 1, "aria-setsize": this.indices.length } });
+    if (this.special[t]) item.classList.add("special");
+    return item;
+  }
+}
+
 export class HeadView {
   constructor(container) {
     this.container = container;
-    this.drawings = null; // [{ view, color }], one per head drawn
-  }
-
-  // labels: what each token is called; titles: what a hover says about it (its original span).
-  render(labels, titles, special, drawings) {
-    this.drawings = drawings;
-    const { rows, cols } = drawings[0].view;
-    // Stepping through heads keeps the tokens: only the lines are drawn again (at T=512 the two
-    // lists hold a thousand items).
-    const same = (a, b) => a && a.length === b.length && a.every((v, i) => v === b[i]);
-    if (this.tokens && this.tokens.labels === labels && this.container.contains(this.canvas) && same(this.tokens.rows, rows) && same(this.tokens.cols, cols)) {
-      this.draw(null);
-      return;
-    }
-    this.tokens = { labels, rows, cols };
-    const tokenList = (indices, side) => el("ol", { className: `hv-tokens hv-${side}`, attrs: { "aria-label": side === "left" ? "Query tokens" : "Key tokens" } },
-      indices.map((t, i) => {
-        const item = el("li", { text: labels[t], attrs: { "data-index": i, title: titles[t] } });
-        if (special[t]) item.classList.add("special");
-        return item;
-      }));
-    this.left = tokenList(rows, "left");
-    this.right = tokenList(cols, "right");
+    this.key = null;
+    this.drawings = []; // [{ lines, color }], one per head drawn, once its lines are picked
+    this.focus = null; // { axis: "row" | "col", index } while a token is hovered
+    this.left = new TokenList("left", (index) => this.hover("row", index));
+    this.right = new TokenList("right", (index) => this.hover("col", index));
     this.canvas = el("canvas", { className: "hv-canvas", attrs: { "aria-hidden": "true" } });
-    const body = el("div", { className: "hv-body" }, [this.left, this.canvas, this.right]);
-    this.container.replaceChildren(body);
-    this.height = Math.max(rows.length, cols.length) * ROW;
-    this.hook(this.left, "row");
-    this.hook(this.right, "col");
-    // The lines in the next frame: at T=512 the lists and the lines are two long pieces of work,
-    // and one frame holding both would freeze the page for longer.
-    const drawings0 = drawings;
-    requestAnimationFrame(() => this.drawings === drawings0 && this.draw(null));
+    this.lines = el("div", { className: "hv-lines" }, [this.canvas]);
+    this.body = el("div", { className: "hv-body" }, [this.left.node, this.lines, this.right.node]);
+    this.frame = 0;
+    container.addEventListener("scroll", () => this.soon(), { passive: true });
   }
 
-  hook(list, axis) {
-    list.addEventListener("mouseover", (event) => {
-      const item = event.target.closest("li");
-      if (item) this.draw({ axis, index: Number(item.dataset.index) });
-    });
-    list.addEventListener("mouseleave", () => this.draw(null));
-  }
-
-  draw(focus) {
-    const pal = palette();
-    const width = this.canvas.clientWidth || 240;
-    const ratio = window.devicePixelRatio || 1;
-    const ctx = this.canvas.getContext("2d");
-    // Resizing a canvas reallocates it (at T=512 ten thousand pixels tall): only when the size changes.
-    if (this.canvas.width !== width * ratio || this.canvas.height !== this.height * ratio) {
-      this.canvas.width = width * ratio;
-      this.canvas.height = this.height * ratio;
-      this.canvas.style.height = `${this.height}px`;
-    } else {
-      ctx.setTransform(1, 0, 0, 1, 0, 0);
-      ctx.clearRect(0, 0, this.canvas.width, this.canvas.height);
+  // tokens and options as for viewOf; heads: [{ matrix, color }]; labels: what each token is
+  // called; titles: what a hover says about it (its original span). key: the same key as the last
+  // call's means nothing changed, and nothing is done.
+  render({ key, tokens, options, heads, labels, titles, special }) {
+    if (key === this.key && this.container.contains(this.body)) return Promise.resolve(false);
+    this.key = key;
+    const { rows, cols } = selectionOf(tokens, options);
+    const same = (a, b) => a && a.length === b.length && a.every((v, i) => v === b[i]);
+    if (!this.container.contains(this.body) || this.labels !== labels || !same(this.left.indices, rows) || !same(this.right.indices, cols)) {
+      this.labels = labels;
+      this.left.setTokens(rows, labels, titles, special);
+      this.right.setTokens(cols, labels, titles, special);
+      this.height = Math.max(rows.length, cols.length) * ROW;
+      this.lines.style.height = `${this.height}px`;
+      if (!this.container.contains(this.body)) this.container.replaceChildren(this.body);
+      this.showTokens();
     }
-    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    // Each head's view and lines in a slice of its own; what is on screen stays until all are picked.
+    const drawings = [];
+    const jobs = heads.map(({ matrix, color }) => () => drawings.push({ lines: linesOf(viewOf(matrix, tokens, options)), color }));
+    return inSlices(jobs, () => this.key !== key).then((done) => {
+      if (!done) return false;
+      this.drawings = drawings;
+      this.canvas.dataset.lines = drawings.reduce((n, d) => n + d.lines.length / 3, 0); // read by the tests: a blank head view is a bug
+      this.draw();
+      return true;
+    });
+  }
+
+  // The rows (in content pixels) the scroll box shows now.
+  band() {
+    const view = this.container.clientHeight || 560;
+    const top = Math.max(0, this.container.getBoundingClientRect().top - this.body.getBoundingClientRect().top);
+    return [top, Math.min(this.height, top + view)];
+  }
+
+  showTokens() {
+    const [top, bottom] = this.band();
+    const from = Math.floor(top / ROW) - MARGIN_ROWS;
+    const to = Math.ceil(bottom / ROW) + MARGIN_ROWS;
+    this.left.show(from, to, this.focus?.axis === "row" ? this.focus.index : -1);
+    this.right.show(from, to, this.focus?.axis === "col" ? this.focus.index : -1);
+  }
+
+  soon() {
+    if (this.frame) return;
+    this.frame = requestAnimationFrame(() => {
+      this.frame = 0;
+      if (!this.container.contains(this.body)) return;
+      this.showTokens();
+      this.draw();
+    });
+  }
+
+  hover(axis, index) {
+    this.focus = index === null ? null : { axis, index };
+    this.showTokens();
+    this.draw();
+  }
+
+  // The lines that cross the rows in view, on a canvas one view tall that sticks to it.
+  draw() {
+    const pal = palette();
+    const focus = this.focus;
+    const [top, bottom] = this.band();
+    const height = Math.max(1, bottom - top);
+    const width = this.lines.clientWidth || 240;
+    const ratio = window.devicePixelRatio || 1;
+    const canvas = this.canvas;
+    // Resizing a canvas reallocates it: only when the size changes.
+    if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
+      canvas.width = Math.round(width * ratio);
+      canvas.height = Math.round(height * ratio);
+      canvas.style.height = `${height}px`;
+    }
+    // Where the sticky canvas really sits (the scroll box's padding and the list's end move it).
+    const offset = canvas.getBoundingClientRect().top - this.body.getBoundingClientRect().top;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    ctx.setTransform(ratio, 0, 0, ratio, 0, -offset * ratio);
     ctx.lineCap = "round";
-    for (const item of this.left.children) item.classList.toggle("active", focus?.axis === "row" && Number(item.dataset.index) === focus.index);
-    for (const item of this.right.children) item.classList.toggle("active", focus?.axis === "col" && Number(item.dataset.index) === focus.index);
-    let lines = 0;
-    for (const { view, color } of this.drawings) {
-      const nCols = view.cols.length;
+    const y = (i) => i * ROW + ROW / 2;
+    for (const { lines, color } of this.drawings) {
       // Bucketed by weight: ten paths per head instead of one stroke per line.
       const paths = Array.from({ length: BUCKETS }, () => new Path2D());
-      for (let r = 0; r < view.rows.length; r++) {
-        if (focus?.axis === "row" && focus.index !== r) continue;
-        const floor = Math.min(MIN_DRAWN, topWeight(view, r, TOP_PER_TOKEN));
-        for (let c = 0; c < nCols; c++) {
-          if (focus?.axis === "col" && focus.index !== c) continue;
-          const w = view.values[r * nCols + c];
-          if (w < floor || w <= 0 || view.masked(r, c)) continue;
-          const path = paths[Math.min(BUCKETS - 1, Math.floor(w * BUCKETS))];
-          lines++;
-          path.moveTo(0, r * ROW + ROW / 2);
-          path.lineTo(width, c * ROW + ROW / 2);
-        }
+      for (let i = 0; i < lines.length; i += 3) {
+        const r = lines[i];
+        const c = lines[i + 1];
+        if (focus && (focus.axis === "row" ? r : c) !== focus.index) continue;
+        const y0 = y(r);
+        const y1 = y(c);
+        if (Math.max(y0, y1) < offset - ROW || Math.min(y0, y1) > offset + height + ROW) continue;
+        const path = paths[lines[i + 2]];
+        path.moveTo(0, y0);
+        path.lineTo(width, y1);
       }
       ctx.strokeStyle = color || pal.heads[0];
       // A hovered token's few lines are drawn stronger, so that even small weights can be read.
@@ -118,6 +219,5 @@ export class HeadView {
         ctx.stroke(path);
       });
     }
-    this.canvas.dataset.lines = lines; // read by the tests: a blank head view is a bug
   }
 }

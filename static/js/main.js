@@ -171,7 +171,7 @@ async function loadExact(layer) {
   const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal));
   if (!slice || state.run !== run) return;
   run.ingest(slice);
-  if (state.aggregate === "head" && state.layer === layer) renderViews();
+  if (state.aggregate !== "all" && state.layer === layer) renderViews();
 }
 
 async function loadMean(key, layers) {
@@ -197,7 +197,10 @@ function focusMatrix() {
   if (key) {
     const mean = run.exactMean(key);
     if (mean) return { matrix: mean, precise: true };
-    loadMean(key, key === "all" ? [...Array(run.nLayers).keys()] : [state.layer]);
+    // A layer's mean is averaged from its float16 heads (run.js), so it reads the same whichever
+    // way the page got there; the mean of all heads is the server's.
+    if (key === "all") loadMean(key, [...Array(run.nLayers).keys()]);
+    else loadExact(state.layer);
     return null;
   }
   const precise = run.isPrecise(state.layer, state.head);
@@ -342,19 +345,22 @@ function renderHeadView() {
   }
   const options = viewOptions();
   const pal = palette();
-  let drawings;
+  let heads;
   if (state.aggregate === "head") {
-    drawings = drawnHeads().map((h) => {
-      const matrix = run.isPrecise(state.layer, h) ? run.head(state.layer, h) : isIdentity(options, run.hasPair) ? run.head(state.layer, h) : null;
-      return matrix && { view: viewOf(matrix, run.tokens, options), color: pal.heads[h % pal.heads.length] };
+    heads = drawnHeads().map((h) => {
+      const precise = run.isPrecise(state.layer, h);
+      const matrix = precise || isIdentity(options, run.hasPair) ? run.head(state.layer, h) : null;
+      return matrix && { matrix, color: pal.heads[h % pal.heads.length], id: `${h}${precise ? "" : "~"}` };
     }).filter(Boolean);
   } else {
     const focused = focusMatrix();
-    drawings = focused ? [{ view: viewOf(focused.matrix, run.tokens, options), color: pal.heads[0] }] : [];
+    heads = focused ? [{ matrix: focused.matrix, color: pal.heads[0], id: meanKey() }] : [];
   }
-  if (!drawings.length) return;
+  if (!heads.length) return;
   const names = labels();
-  headView.render(names.labels, names.titles, run.tokens.map((t) => t.special), drawings);
+  // What the lines depend on; the colour scale is not part of it, so a scale change redraws nothing.
+  const key = JSON.stringify([run.runId, state.layer, heads.map((d) => d.id), state.hideSpecial, state.hideFirst, state.threshold, state.segments, state.labels, pal.heads[0]]);
+  headView.render({ key, tokens: run.tokens, options, heads, labels: names.labels, titles: names.titles, special: run.tokens.map((t) => t.special) });
   $("headview").dataset.layer = state.layer;
   $("headview").dataset.heads = state.aggregate === "head" ? drawnHeads().join(",") : state.aggregate;
   renderHeadChips();

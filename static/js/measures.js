@@ -10,6 +10,9 @@ import { NeuronPanel } from "./neuron.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
+const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
+const SEEN_MARGIN_PX = 200;
+const MAX_HOVER_TEXTS = 128 * 128;
 
 const CAPTIONS = {
   raw: "The focused head's softmax weights: where each query (row) looks.",
@@ -54,6 +57,10 @@ class Measures {
     threshold.addEventListener("change", () => this.loadFlow());
     $("flow-draw").addEventListener("click", () => this.loadFlow());
     threshold.addEventListener("input", () => { $("flow-threshold-value").textContent = Number(threshold.value).toFixed(2); });
+    this.stale = false; // a focus change not drawn yet (see drawFocusWhenSeen)
+    new IntersectionObserver(([entry]) => {
+      if (entry.isIntersecting && this.stale && this.run) this.drawFocus();
+    }, { rootMargin: `${SEEN_MARGIN_PX}px 0px` }).observe($("measures"));
   }
 
   // GET a run's measure; a run the server evicted is posted again (same id) and asked once more.
@@ -95,9 +102,9 @@ class Measures {
     $("flow-draw").hidden = auto;
     if (auto) this.loadFlow(token);
     else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
-    this.loadPredictions(token).then(() => this.drawMeasure());
     this.finder.select(layer, head);
-    this.drawNeuron();
+    // A short run's panel is drawn at once; a long one's waits to be seen (see drawFocusWhenSeen).
+    this.loadPredictions(token).then(() => (run.tokens.length > LAZY_TOKENS ? this.drawFocusWhenSeen() : this.drawFocus()));
   }
 
   onFocus(layer, head) {
@@ -105,6 +112,22 @@ class Measures {
     this.head = head;
     this.finder.select(layer, head);
     if (!this.run) return;
+    this.drawFocusWhenSeen();
+  }
+
+  // The flow graph, the measure (a T × T Plotly heatmap with a hover text per cell, fetched as
+  // JSON) and the neuron view cost 1-3 s of main thread per focus change at T=128 and more at
+  // T=512, every arrow step: off screen they wait to be scrolled to.
+  drawFocusWhenSeen() {
+    const box = $("measures").getBoundingClientRect();
+    const seen = box.bottom > -SEEN_MARGIN_PX && box.top < window.innerHeight + SEEN_MARGIN_PX && box.height > 0;
+    if (seen) this.drawFocus();
+    else this.stale = true;
+  }
+
+  drawFocus() {
+    const { layer, head } = this;
+    this.stale = false;
     if (this.flow) this.flowGraph.render(this.flow, this.labels, { layer, head });
     this.drawMeasure();
     this.drawNeuron();
@@ -214,14 +237,20 @@ class Measures {
 
   async plot(matrix, rows, cols, signed, kind, wordView) {
     const plot = $("measure-plot");
-    const peak = Math.max(...matrix.flat().map(Math.abs), 1e-12);
+    // A loop, not Math.max(...cells): spreading T × T arguments overflows the stack at T=512.
+    let peak = 1e-12;
+    for (const row of matrix) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
     const nextOf = (i) => {
       const top = !wordView && kind !== "contributions" && this.predictions?.[String(i)];
       return top ? `<br>next: ${plotlyText(top[0].token)} ${(top[0].prob * 100).toFixed(0)}%` : "";
     };
-    const text = matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`));
+    // A hover text per cell is 262 144 strings at T=512, seconds of main thread: large matrices
+    // hover with their indices instead (the axes carry the tokens).
+    const hover = rows.length * cols.length <= MAX_HOVER_TEXTS
+      ? { text: matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`)), hoverinfo: "text" }
+      : { hovertemplate: "query %{y} → key %{x}: %{z:.4f}<extra></extra>" };
     const trace = {
-      type: "heatmap", z: matrix, text, hoverinfo: "text",
+      type: "heatmap", z: matrix, ...hover,
       colorscale: signed ? "RdBu" : "Viridis", reversescale: signed,
       zmin: signed ? -peak : 0, zmax: peak,
     };

@@ -68,8 +68,24 @@ export class AttentionRun {
     return values;
   }
 
-  // The exact mean the server computed; null until it has arrived.
+  // The exact mean of "all" (the server's) or of "layer:N", averaged here from the layer's float16
+  // heads once they have arrived: at T=512 that is 3 M additions, ~5 ms, against a round trip to
+  // the server. null until then.
   exactMean(key) {
+    if (!this.means.has(key) && key.startsWith("layer:")) {
+      const layer = Number(key.split(":")[1]);
+      const heads = [...Array(this.nHeads).keys()].map((h) => this.precise.get(`${layer}:${h}`));
+      if (heads.every(Boolean)) this.means.set(key, meanOf(heads));
+    }
     return this.means.get(key) ?? null;
   }
+}
+
+// The elementwise mean of equal-length float arrays, summed in float64 then stored as float32.
+function meanOf(arrays) {
+  const sum = new Float64Array(arrays[0].length);
+  for (const a of arrays) for (let i = 0; i < a.length; i++) sum[i] += a[i];
+  const mean = new Float32Array(sum.length);
+  for (let i = 0; i < sum.length; i++) mean[i] = sum[i] / arrays.length;
+  return mean;
 }

@@ -11,11 +11,9 @@ function hiddenOf(tokens, { hideSpecial, hideFirst }) {
   return tokens.map((t, i) => (hideSpecial && t.special) || (hideFirst && i === 0));
 }
 
-// Returns { rows, cols, values (rows.length × cols.length), masked(r, c), shown }; rows and cols hold
-// token indices. Rows are renormalised over every key that is not hidden, so a pair block shows
-// each row's real share.
-export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, threshold, segments, causal }) {
-  const T = tokens.length;
+// Which tokens a view keeps: rows and cols (token indices) and, when rows are renormalised, the
+// keys each row is renormalised over (every key not hidden; null when rows stay as they are).
+export function selectionOf(tokens, { hideSpecial, hideFirst = false, segments }) {
   const [rowSegment, colSegment] = SEGMENT_FILTERS[segments] || SEGMENT_FILTERS.all;
   const hidden = hiddenOf(tokens, { hideSpecial, hideFirst });
   const keep = (t, i, segment) => !hidden[i] && (segment === null || t.segment === segment);
@@ -25,9 +23,17 @@ export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, thresho
     if (keep(t, i, rowSegment)) rows.push(i);
     if (keep(t, i, colSegment)) cols.push(i);
   });
-
   const renormalise = hideSpecial || hideFirst;
   const visibleKeys = renormalise ? hidden.map((h, i) => (h ? -1 : i)).filter((i) => i >= 0) : null;
+  return { rows, cols, visibleKeys };
+}
+
+// Returns { rows, cols, values (rows.length × cols.length), masked(r, c), causal }; rows and cols hold
+// token indices. Rows are renormalised over every key that is not hidden, so a pair block shows
+// each row's real share.
+export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, threshold, segments, causal }) {
+  const T = tokens.length;
+  const { rows, cols, visibleKeys } = selectionOf(tokens, { hideSpecial, hideFirst, segments });
   const nCols = cols.length;
   const values = new Float32Array(rows.length * nCols);
   for (let r = 0; r < rows.length; r++) {

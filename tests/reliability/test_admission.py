@@ -1,0 +1,156 @@
+"""Admission by work: a request that cannot finish within its budget, given the work queued
+ahead of it, gets 429 with Retry-After at once instead of a 504 when the budget runs out, and
+the estimate keeps fair shares (only a client's own backlog counts in full against it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from manyeyes.app.services.batcher import Batcher, Job, WorkRate, work_units
+from manyeyes.app.services.errors import QueueFull
+from manyeyes.app.services.metrics import Metrics
+from tests.reliability.conftest import assert_json_error, live_server
+from tests.reliability.test_overload import burst, check_against_single_run
+
+MODEL = SimpleNamespace(info=SimpleNamespace(n_layers=6, n_heads=12, id="fake"))
+
+
+def job(client: str, n_tokens: int, deadline_s: float = 60) -> Job:
+    return Job(MODEL, [0] * n_tokens, time.monotonic() + deadline_s, client)
+
+
+@pytest.fixture
+def batcher():
+    # The worker thread is never woken: jobs are put straight into the queues below.
+    b = Batcher("cpu", Metrics(), max_batch_tokens=8192, max_batch_items=8, max_wait_s=0, max_queue=1000,
+                work_fraction=0.8)
+    b._rates["fake"] = WorkRate()
+    b._rates["fake"].observe(work_units(16), 1.0)  # one 16-token input: one second
+    yield b
+    b.close()
+
+
+def backlog(batcher: Batcher, jobs: list[Job]) -> None:
+    for j in jobs:
+        batcher._pending.setdefault(j.client, deque()).append(j)
+        batcher._n_pending += 1
+
+
+def test_only_the_clients_own_backlog_counts_in_full(batcher):
+    backlog(batcher, [job("flood", 16) for _ in range(10)] + [job("other", 16) for _ in range(3)])
+    # The quiet client rides in the next round: one job of each other client, then its own.
+    assert batcher.wait_ahead_s([job("quiet", 16)]) == pytest.approx(3.0)
+    # The flooder waits for its ten, and for the other client's three served in the same rounds.
+    assert batcher.wait_ahead_s([job("flood", 16)]) == pytest.approx(14.0)
+    # Work grows with the square of the length: a 512-token input is worth 36 short ones.
+    assert batcher.wait_ahead_s([job("quiet", 512)]) == pytest.approx(2.0 + work_units(512) / work_units(16))
+
+
+def test_work_beyond_the_budget_is_refused_with_retry_after_and_others_still_get_in(batcher):
+    backlog(batcher, [job("flood", 16) for _ in range(10)])
+    with pytest.raises(QueueFull) as refused:
+        batcher._check_work([job("flood", 16)], time.monotonic() + 10.5)
+    # 11 s of work against 0.8 x 10.5 s allowed: retry in 3 s, when enough has drained.
+    assert refused.value.headers["Retry-After"] == "3"
+    assert "work queued" in refused.value.message
+    batcher._check_work([job("quiet", 16)], time.monotonic() + 10)  # 2 s: admitted
+    # Nothing ahead: admitted whatever its size, as one input always fits a batch.
+    batcher._pending.clear()
+    batcher._check_work([job("quiet", 512)], time.monotonic() + 10)
+
+
+def test_the_running_forward_counts_for_what_is_left_of_it(batcher):
+    batcher._running_batch = (time.monotonic() - 0.25, 1.0)
+    assert batcher.wait_ahead_s([job("quiet", 16)]) == pytest.approx(1.75, abs=0.05)
+    batcher._running_batch = (time.monotonic() - 5.0, 1.0)  # overran its estimate: nothing more is assumed
+    assert batcher.wait_ahead_s([job("quiet", 16)]) == pytest.approx(1.0)
+
+
+def test_no_estimate_until_the_model_has_run(batcher):
+    backlog(batcher, [job("flood", 16) for _ in range(100)])
+    batcher._rates.clear()
+    batcher._check_work([job("flood", 16)], time.monotonic() + 1)  # admitted: no rate to judge by yet
+
+
+def test_the_warm_up_gives_the_first_burst_a_rate_to_judge_by():
+    """Before any request: the warm-up's forward seeds the rate, so a burst that arrives before
+    the first forward ends is already admitted by work, not by count alone."""
+    with live_server(warmup=True, max_batch_items=1) as server:
+        assert "minilm" in server.batcher._rates, "no rate before the first request"
+        assert server.batcher._rates["minilm"].seconds_for(work_units(512)) > 0
+
+
+SAME_LENGTH = [f"The heron number {n} waited on the bank." for n in range(10, 16)]
+
+
+def burst_against(budget_s: float, delay_s: float, fraction: float):
+    # Warmed up as `manyeyes serve` is, so the first forward does not pay one-time costs.
+    with live_server(debug_forward_delay_s=delay_s, request_timeout_s=budget_s, max_batch_items=1, cache_bytes=0,
+                     work_budget_fraction=fraction, warmup=True) as server:
+        for text in ("The heron number 8 waited on the bank.", "The heron number 9 waited on the bank."):
+            assert asyncio.run(burst(server.url, [text]))[0][0].status_code == 200  # measures the forward rate
+        replies = asyncio.run(burst(server.url, SAME_LENGTH))
+        server.batcher.forward_delay_s = 0
+        return server, replies, server.metric("manyeyes_dropped_total", reason="work")
+
+
+@pytest.mark.slow
+def test_a_burst_beyond_the_budget_gets_early_429s_instead_of_504s():
+    # Each forward takes 2 s (one input each), the budget is 7 s: of 6 simultaneous requests two
+    # or three can finish in time (0.8 x 7 s is the estimate's allowance). Without admission by
+    # work the rest wait out their budget. The delay dwarfs the real forward (milliseconds), so
+    # the outcome does not hang on the machine's load, up to a second of jitter per forward.
+    budget, delay = 7.0, 2.0
+    server, replies, dropped = burst_against(budget, delay, 0.8)
+    statuses = [r.status_code for r, _ in replies]
+    print("admission by work:", statuses, [round(t, 2) for _, t in replies], "calibration", server.batcher._calibration)
+    assert set(statuses) <= {200, 429}, statuses
+    served = [(r, t, text) for (r, t), text in zip(replies, SAME_LENGTH) if r.status_code == 200]
+    refused = [(r, t) for r, t in replies if r.status_code == 429]
+    assert 1 <= len(served) <= 3 and refused, statuses
+    for r, t in refused:
+        err = assert_json_error(r, 429)
+        assert err["code"] == "queue_full" and "work queued" in err["message"]
+        assert 1 <= int(r.headers["Retry-After"]) <= 10
+    # Refused at once: before the first admitted request's forward could end.
+    assert max(t for _, t in refused) < delay <= min(t for _, t, _ in served)
+    assert max(t for _, t, _ in served) < budget
+    assert dropped == len(refused)
+    for r, _, text in served:
+        check_against_single_run(server.model, text, r.json())
+
+    _, replies, dropped = burst_against(budget, delay, 0.0)  # admission by count only: late 504s
+    statuses = [r.status_code for r, _ in replies]
+    print("admission by count:", statuses, [round(t, 2) for _, t in replies])
+    assert 504 in statuses and 429 not in statuses and dropped == 0, statuses
+
+
+def test_a_clients_later_jobs_do_not_pad_a_batch_to_waste_but_its_first_always_rides(batcher):
+    backlog(batcher, [job("flood", 20), job("flood", 512), job("flood", 30), job("flood", 400), job("quiet", 500)])
+    chosen, left_out = batcher._select(MODEL)
+    # flood's first (20) and quiet's first (500: its only one, whatever the padding) ride; flood's
+    # 512 and 400 would pad the short ones up, its 30 would be padded to 500.
+    assert [len(j.encoded) for j in chosen] == [20, 500] and left_out
+    batcher._pending.clear()
+    backlog(batcher, [job("flood", n) for n in (300, 400, 20, 350)])
+    assert [len(j.encoded) for j in batcher._select(MODEL)[0]] == [300, 400, 350]
+
+
+def test_estimates_are_calibrated_by_how_long_answers_really_took(batcher):
+    backlog(batcher, [job("flood", 16) for _ in range(4)])
+    late = [job("quiet", 16) for _ in range(3)]
+    for j in late:
+        j.estimate_s, j.enqueued = 1.0, time.monotonic() - 4.0  # estimated 1 s, took 4
+    for _ in range(10):
+        batcher._calibrate(late, time.monotonic())
+    assert batcher._calibration == pytest.approx(4.0, rel=0.05)
+    # 2 s of raw estimate now reads as 8 s: over 0.8 x 9 s.
+    with pytest.raises(QueueFull):
+        batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
+    batcher._calibration = 1.0
+    batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
