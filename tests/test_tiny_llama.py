@@ -100,6 +100,16 @@ def test_a_previous_token_head_on_held_out_text(tiny):
     assert to_previous.max() > PREVIOUS_TOKEN_FLOOR, to_previous
 
 
+def test_layer0_head0_leans_on_the_previous_token(tiny):
+    """What the shipped weights do have (0.41 measured, every other layer-0 head at most 0.15): a
+    loader, rotary or runtime change that moves or blurs it fails here."""
+    att = tiny.attend(HELD_OUT).attention
+    queries = torch.arange(1, att.shape[-1])
+    to_previous = att[0, :, queries, queries - 1].mean(-1)  # (heads,) of layer 0
+    assert to_previous[0] > 0.35, to_previous
+    assert to_previous[1:].max() < 0.25, to_previous
+
+
 def induction_scores(tiny, length: int, gap: int, n: int) -> torch.Tensor:
     """(layers, heads): mean weight from each token of a repeat to what followed its first occurrence.
 
