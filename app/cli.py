@@ -161,6 +161,12 @@ TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or
     "pos_init": (str, "position embeddings start as random (default) or sinusoidal; trained either way"),
     "corpus_name": (str, "how card.json names the corpus (default the file names)"),
     "licence": (str, "the corpus licence, for card.json"),
+    "arch": (str, "gpt (the book's GPTModel, default) or llama (RoPE, RMSNorm, SwiGLU; saved as a Hugging Face llama folder)"),
+    "kv_heads": (int, "llama: key/value heads, grouped-query attention (default --heads)"),
+    "ff_dim": (int, "llama: SwiGLU hidden width (default 8/3 of --emb-dim, rounded up to 32)"),
+    "rope_theta": (float, "llama: RoPE base wavelength (default 10000)"),
+    "attention_bias": (bool, "llama: biases on the q, k, v and o projections (HF attention_bias), a constant that rotary heads can aim by position"),
+    "init_from": (str, "start from the weights of a folder manyeyes train wrote (same shapes; its tokenizer is reused)"),
 }
 
 
@@ -173,7 +179,9 @@ def cmd_train(args) -> int:
     # The card records the command in canonical form: every option given, nothing else.
     words = ["manyeyes", "train", "--text", *args.text, "--out", args.out]
     for name, value in options.items():
-        if value is not None:
+        if value is True:
+            words += [f"--{name.replace('_', '-')}"]
+        elif value is not None:
             words += [f"--{name.replace('_', '-')}", str(value)]
     words += ["--resume"] if args.resume else []
     try:
@@ -249,11 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
     attend.add_argument("--heads", default=None, help="comma-separated heads for --json (default: all)")
     attend.set_defaults(func=cmd_attend)
 
-    trainer = sub.add_parser("train", help="train the book's GPTModel on text files into a folder load() reads")
+    trainer = sub.add_parser("train", help="train the book's GPTModel (or --arch llama) on text files into a folder load() reads")
     trainer.add_argument("--text", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
     trainer.add_argument("--out", required=True, metavar="DIR", help="folder for model.pth, config.json, ...")
     for name, (kind, text) in TRAIN_OPTIONS.items():
-        trainer.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+        if kind is bool:
+            trainer.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None, help=text)
+        else:
+            trainer.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
     trainer.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt up to --steps")
     trainer.set_defaults(func=cmd_train)
 

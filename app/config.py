@@ -10,8 +10,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def builtin_models() -> dict[str, str]:
-    """Both models that ship with manyeyes: the MiniLM encoder and the causal tiny-gpt."""
-    return {"minilm": "minilm", "tiny-gpt": "tiny-gpt"}
+    """The models that ship with manyeyes: the MiniLM encoder, the causal tiny-gpt and the long-context tiny-llama."""
+    return {"minilm": "minilm", "tiny-gpt": "tiny-gpt", "tiny-llama": "tiny-llama"}
 
 
 def parse_model_specs(specs: list[str] | str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from manyeyes.model.keymap import load_strict, read_json
 from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
 from manyeyes.model.tokenizer import TextTokenizer, TiktokenTokenizer, tiktoken_gpt2_cached
 
-BUILTINS = ("minilm", "tiny-gpt")
+BUILTINS = ("minilm", "tiny-gpt", "tiny-llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ---------------------------------------------------------------------------- entry point
@@ -39,7 +39,7 @@ def load(
 ) -> AttentionModel:
     """Load a model ready for inference: eval mode, no grad, on its device.
 
-    spec: "minilm", "tiny-gpt", a Hugging Face folder, a folder written by `manyeyes train`, a
+    spec: "minilm", "tiny-gpt", "tiny-llama", a Hugging Face folder, a folder written by `manyeyes train`, a
     book `.pth`, or a Hub id ("gpt2", "org/name", "org/name@revision"). A string spec may carry
     options after "?", for example "weights.pth?config=gpt2-small&tokenizer=/data/tokenizer.json".
 

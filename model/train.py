@@ -1,13 +1,18 @@
-"""Train the book's GPTModel on plain text files, nanoGPT style, into a folder `load(DIR)` reads.
+"""Train the book's GPTModel (or a llama-family RotaryDecoder) on plain text files, nanoGPT style,
+into a folder `load(DIR)` reads.
 
 The recipe: a byte-level BPE tokenizer trained on the text, the last tenth of the tokens held
 out for validation, random windows as batches, AdamW with linear warmup and cosine decay,
 gradient clipping. Everything random draws from generators seeded by `seed`, so a run on the
 CPU repeats exactly, and a resumed run continues exactly where the interrupted one stopped.
 
-The output folder holds:
+The output folder holds (--arch gpt, the default):
     model.pth       the model's state_dict in the book's names (nothing else, so it loads anywhere)
     config.json     the book's GPTConfig keys
+or (--arch llama) a Hugging Face llama folder:
+    model.safetensors  the weights in Hugging Face llama key names
+    config.json        LlamaConfig keys, model_type "llama"
+and either way:
     tokenizer.json  the trained tokenizer
     card.json       corpus, licence, steps, tokens seen, losses, perplexity, seconds, command line
     checkpoint.pt   model + optimizer + step + random state, for --resume
@@ -30,11 +35,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from manyeyes.model.blocks import RotaryDecoder
+from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.gpt import GPTConfig, GPTModel
+from manyeyes.model.keymap import load_strict
+from manyeyes.model.llama_folder import decoder_config, hf_config, save_weights
 from manyeyes.model.runtime import pick_device
 
 END_OF_TEXT = "<|endoftext|>"  # separates files, so no window pretends one file continues another
 CHECKPOINT = "checkpoint.pt"
+WEIGHTS = {"gpt": "model.pth", "llama": "model.safetensors"}
+ARCHS = tuple(WEIGHTS)
 MIN_VOCAB = 257  # the 256 byte symbols plus END_OF_TEXT
 VAL_FRACTION = 0.1
 MIN_LR_RATIO = 0.1  # cosine decay ends at a tenth of the peak learning rate
@@ -72,6 +83,12 @@ class TrainConfig:
     pos_init: str = "random"  # "random" (GPT-2's N(0, 0.02)) or "sinusoidal" (still trained)
     corpus_name: str | None = None  # what the card calls the corpus; default: the file names
     licence: str = "unknown (pass --licence)"
+    arch: str = "gpt"  # "gpt" (the book's GPTModel) or "llama" (RotaryDecoder: RoPE, RMSNorm, SwiGLU, GQA)
+    kv_heads: int | None = None  # llama: key/value heads, each shared by heads / kv_heads query heads; default heads
+    ff_dim: int | None = None  # llama: SwiGLU hidden width; default 8/3 of emb_dim rounded up to 32
+    rope_theta: float = 10000.0  # llama: RoPE base wavelength
+    attention_bias: bool = False  # llama: biases on q, k, v and o (HF attention_bias)
+    init_from: Path | None = None  # start from the weights of a folder this command wrote (same shapes); reuses its tokenizer
 
     def __post_init__(self):
         positive = ("layers", "heads", "emb_dim", "steps", "batch_size")
@@ -96,6 +113,31 @@ class TrainConfig:
             raise TrainError(f"--pos-init must be random or sinusoidal, not {self.pos_init}")
         if not self.text:
             raise TrainError("--text needs at least one file")
+        if self.arch not in ARCHS:
+            raise TrainError(f"--arch must be {' or '.join(ARCHS)}, not {self.arch}")
+        if self.arch == "gpt":
+            for name in ("kv_heads", "ff_dim", "attention_bias"):
+                if getattr(self, name) not in (None, False):
+                    raise TrainError(f"--{_flag(name)} applies to --arch llama only")
+        else:
+            if self.pos_init != "random":
+                raise TrainError("--pos-init applies to --arch gpt only: llama rotates queries and keys instead")
+            if self.n_kv_heads < 1 or self.heads % self.n_kv_heads:
+                raise TrainError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.n_kv_heads})")
+            if self.ff_dim is not None and self.ff_dim < 1:
+                raise TrainError(f"--ff-dim must be at least 1, not {self.ff_dim}")
+            if (self.emb_dim // self.heads) % 2:
+                raise TrainError(f"--emb-dim / --heads ({self.emb_dim // self.heads}) must be even: RoPE rotates pairs")
+            if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+                raise TrainError(f"--rope-theta must be a positive number, not {self.rope_theta}")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def swiglu_dim(self) -> int:
+        return self.ff_dim if self.ff_dim is not None else -(-8 * self.emb_dim // 3 // 32) * 32
 
     @property
     def warmup_steps(self) -> int:
@@ -106,11 +148,13 @@ class TrainConfig:
         return self.eval_every or max(1, self.steps // 10)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "text": [str(p) for p in self.text], "out": str(self.out)}
+        init = None if self.init_from is None else str(self.init_from)
+        return {**asdict(self), "text": [str(p) for p in self.text], "out": str(self.out), "init_from": init}
 
     @classmethod
     def from_json(cls, d: dict) -> "TrainConfig":
-        return cls(**{**d, "text": tuple(Path(p) for p in d["text"]), "out": Path(d["out"])})
+        init = None if d.get("init_from") is None else Path(d["init_from"])
+        return cls(**{**d, "text": tuple(Path(p) for p in d["text"]), "out": Path(d["out"]), "init_from": init})
 
 
 def _flag(name: str) -> str:
@@ -125,6 +169,8 @@ def make_config(options: dict, resume: bool = False) -> TrainConfig:
     given = {k: v for k, v in options.items() if v is not None}
     given["text"] = tuple(Path(p) for p in given.get("text", ()))
     given["out"] = Path(given["out"])
+    if "init_from" in given:
+        given["init_from"] = Path(given["init_from"])
     unknown = sorted(set(given) - {f.name for f in fields(TrainConfig)})
     if unknown:
         raise TrainError(f"unknown training option(s): {', '.join(unknown)}")
@@ -233,7 +279,16 @@ def get_batch(data: torch.Tensor, batch_size: int, context: int, gen: torch.Gene
 
 
 # ---------------------------------------------------------------------------- model and optimizer
-def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel:
+def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
+    if cfg.arch == "llama":
+        model = RotaryDecoder(
+            decoder_config(
+                vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta,
+                cfg.attention_bias,
+            )
+        )
+        init_weights(model)
+        return model
     gpt = GPTConfig(
         vocab_size=vocab_size,
         context_length=cfg.context,
@@ -266,7 +321,7 @@ def sinusoidal_positions(context: int, emb_dim: int) -> torch.Tensor:
     return table * (0.02 * math.sqrt(2.0))
 
 
-def init_weights(model: GPTModel) -> None:
+def init_weights(model: GPTModel | RotaryDecoder) -> None:
     """GPT-2's init: PyTorch's default N(0, 1) embeddings train far slower at this scale.
 
     Projections that write into the residual stream are scaled down by sqrt(2 * n_layers), so
@@ -275,7 +330,7 @@ def init_weights(model: GPTModel) -> None:
     residual_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            std = residual_std if name.endswith(("att.out_proj", "ff.layers.2")) else 0.02
+            std = residual_std if name.endswith(("att.out_proj", "ff.layers.2", "ff.down")) else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
@@ -341,11 +396,45 @@ def _read_checkpoint(out: Path) -> dict:
         raise TrainError(f"cannot resume: {path} is unreadable: {exc}") from exc
 
 
-def save_model(model: GPTModel, out: Path, save_dtype: str) -> None:
+def save_model(model: GPTModel | RotaryDecoder, out: Path, save_dtype: str) -> None:
     dtype = torch.float16 if save_dtype == "float16" else torch.float32
+    if isinstance(model, RotaryDecoder):
+        _atomic_save(lambda p: save_weights(model, p, dtype), out / WEIGHTS["llama"])
+        _write_json(out / "config.json", hf_config(model.cfg, dtype))
+        return
     state = {k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.cpu() for k, v in model.state_dict().items()}
-    _atomic_save(lambda p: torch.save(state, p), out / "model.pth")
+    _atomic_save(lambda p: torch.save(state, p), out / WEIGHTS["gpt"])
     _write_json(out / "config.json", model.cfg.to_dict())
+
+
+def model_config(model: GPTModel | RotaryDecoder) -> dict:
+    """What config.json holds, for the card."""
+    if isinstance(model, RotaryDecoder):
+        return hf_config(model.cfg, next(iter(model.parameters())).dtype)
+    return model.cfg.to_dict()
+
+
+def init_from(model: GPTModel | RotaryDecoder, cfg: TrainConfig) -> dict:
+    """Copy the weights of the folder cfg.init_from into model; returns that folder's card.
+
+    The folder is read by the same loader as any model, so a shape or key that differs (another
+    width, another vocabulary, the other --arch) is named in the error. Only positions may
+    differ: RoPE has no position table, so a llama trained at one --context starts another.
+    """
+    from manyeyes.model.loading import load
+
+    folder = cfg.init_from
+    card_path = folder / "card.json"
+    try:
+        source = load(folder, device="cpu").net
+        if type(source) is not type(model):
+            raise TrainError(f"--init-from {folder} is not an --arch {cfg.arch} model")
+        load_strict(model, dict(source.state_dict()), folder)
+    except ModelLoadError as exc:
+        raise TrainError(f"--init-from {folder} does not fit this model: {exc}") from exc
+    card = json.loads(card_path.read_text(encoding="utf-8"))
+    keep = ("corpus", "steps", "tokens_seen", "train_loss", "val_loss", "seconds", "command", "resumed_with", "init_from")
+    return {"folder": str(folder), **{k: card[k] for k in keep if k in card}}
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -399,14 +488,15 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             raise TrainError(f"nothing to do: {out} is already trained for {ckpt['step']} steps; pass a larger --steps")
         tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     else:
-        if (out / "model.pth").exists() or (out / CHECKPOINT).exists():
+        if any((out / name).exists() for name in (*WEIGHTS.values(), CHECKPOINT)):
             raise TrainError(f"{out} already holds a model; pass --resume to continue it, or choose another --out")
+        # With --init-from, the ids must mean what they meant to the weights we start from.
+        tokenizer = _init_tokenizer(cfg) if cfg.init_from is not None else train_tokenizer(corpus.texts, cfg.vocab_size)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
         ckpt = None
-        tokenizer = train_tokenizer(corpus.texts, cfg.vocab_size)
         _atomic_save(lambda p: tokenizer.save(str(p)), out / "tokenizer.json")
 
     train_ids, val_ids = split_ids(encode_corpus(tokenizer, corpus.texts), cfg.context)
@@ -416,12 +506,14 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     optimizer = make_optimizer(model, cfg.lr)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
     step, tokens_seen, seconds_before, commands = 0, 0, 0.0, [command]
+    started_from = init_from(model, cfg) if cfg.init_from is not None and ckpt is None else None
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         batch_gen.set_state(ckpt["batch_rng"])
         step, tokens_seen, seconds_before = ckpt["step"], ckpt["tokens_seen"], ckpt["seconds"]
         commands = ckpt["commands"] + [command]
+        started_from = ckpt.get("init_from")
 
     def checkpoint(seconds: float) -> None:
         state = {
@@ -434,13 +526,14 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             "corpus_sha256": corpus.sha256,
             "commands": commands,
             "train_config": cfg.to_json(),
+            "init_from": started_from,
         }
         _atomic_save(lambda p: torch.save(state, p), out / CHECKPOINT)
         save_model(model, out, cfg.save_dtype)
 
     progress = Progress(cfg.steps, stream or sys.stderr)
     progress.note(
-        f"training {cfg.layers} layers x {cfg.heads} heads, emb {cfg.emb_dim}, context {cfg.context}, "
+        f"training {cfg.arch}, {cfg.layers} layers x {cfg.heads} heads, emb {cfg.emb_dim}, context {cfg.context}, "
         f"vocab {tokenizer.get_vocab_size()} on {len(train_ids):,} tokens ({len(val_ids):,} held out), "
         f"{device}" + (f"; resuming at step {step}" if step else "")
     )
@@ -482,7 +575,7 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     val_loss = estimate_loss(model, val_ids, cfg, device)
     checkpoint(seconds)
     card = {
-        "model": "GPTModel (LLMs from scratch), causal",
+        "model": "RotaryDecoder (llama family), causal" if cfg.arch == "llama" else "GPTModel (LLMs from scratch), causal",
         "corpus": cfg.corpus_name or ", ".join(f["name"] for f in corpus.files),
         "corpus_files": corpus.files,
         "licence": cfg.licence,
@@ -497,7 +590,8 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         "resumed_with": commands[1:],  # each --resume, in order; resuming re-stretches the cosine to --steps
         "device": str(device),
         "torch": torch.__version__,
-        "config": model.cfg.to_dict(),
+        "config": model_config(model),
+        "init_from": started_from,  # the run these weights started from (None: random init), with its own card
         "training": {
             "batch_size": cfg.batch_size,
             "lr": cfg.lr,
@@ -517,6 +611,19 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}); wrote {out}"
     )
     return card
+
+
+def _init_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    for name in ("card.json", "tokenizer.json"):
+        if not (cfg.init_from / name).exists():
+            raise TrainError(f"--init-from {cfg.init_from} holds no {name}: it is not a folder `manyeyes train` finished")
+    path = cfg.init_from / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size() != cfg.vocab_size:
+        raise TrainError(
+            f"--vocab-size {cfg.vocab_size} differs from the {tokenizer.get_vocab_size()} ids of --init-from {cfg.init_from}'s tokenizer"
+        )
+    return tokenizer
 
 
 def _device(name: str) -> torch.device:

@@ -13,7 +13,17 @@ import torch
 from manyeyes.app.cli import main
 from manyeyes.model import load
 from manyeyes.model.gpt import GPTModel
-from manyeyes.model.train import TrainConfig, build_model, encode_corpus, estimate_loss, make_config, split_ids, train
+from manyeyes.model.train import (
+    TrainConfig,
+    build_model,
+    encode_corpus,
+    estimate_loss,
+    init_from,
+    make_config,
+    save_model,
+    split_ids,
+    train,
+)
 from tokenizers import Tokenizer
 
 TINY = dict(layers=2, heads=2, emb_dim=32, context=32, vocab_size=320, batch_size=8, lr=3e-3, device="cpu")
@@ -237,3 +247,122 @@ def test_sinusoidal_positions_start_as_the_transformer_table(corpus):
     # The offset "one back" is one fixed rotation per frequency, the property a previous-token head uses.
     random = build_model(make_config({"text": [corpus], "out": Path("unused"), **TINY}), vocab_size=320)
     assert not torch.allclose(random.pos_emb.weight, table)
+
+
+# ---------------------------------------------------------------------------- --arch llama
+LLAMA = dict(TINY, arch="llama", heads=4, kv_heads=2, ff_dim=48)
+
+
+def test_llama_learns_and_saves_a_hugging_face_llama_folder(corpus, tmp_path):
+    out = tmp_path / "llama"
+    card = run(corpus, out, steps=40, **LLAMA)
+    assert card["train_loss"] < math.log(320) - 1.0 and card["model"].startswith("RotaryDecoder (llama family)")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["max_position_embeddings"] == 32
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (4, 2, 48)
+    assert card["config"] == config and card["init_from"] is None
+    assert not (out / "model.pth").exists()
+
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 8, 32)  # 2 kv heads of 8
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.mlp.gate_proj.weight"} <= set(stored)
+
+    # load() reads it through the llama family, and gives the logits of the model as it left training.
+    loaded = load(out, device="cpu")
+    assert loaded.info.family == "llama" and loaded.info.causal and loaded.info.n_kv_heads == 2
+    assert loaded.info.max_tokens == 32
+    trained = build_model(make_config({"text": [corpus], "out": out, **LLAMA}), vocab_size=320).eval()
+    trained.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True)["model"])
+    ids = torch.tensor([loaded.encode("The function returns a new list.").ids])
+    with torch.no_grad():
+        assert torch.equal(loaded.net(ids), trained(ids))
+
+
+def test_llama_folder_matches_transformers(corpus, tmp_path):
+    """transformers' own LlamaForCausalLM reads the folder and computes what we compute.
+
+    Forty steps leave attention near uniform, where a wrong rotation or mask could hide; so the
+    writer also saves the same architecture, with attention biases, with weights ten times the
+    init's (peaked rows) and random biases.
+    """
+    transformers = pytest.importorskip("transformers")
+    trained = tmp_path / "trained"
+    run(corpus, trained, steps=40, **LLAMA)
+    sharp = tmp_path / "sharp"
+    sharp.mkdir()
+    model = build_model(make_config({"text": [corpus], "out": sharp, **LLAMA, "attention_bias": True}), vocab_size=320)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif not name.endswith("scale"):
+                param.mul_(10)
+    save_model(model, sharp, "float32")
+    (sharp / "tokenizer.json").write_text((trained / "tokenizer.json").read_text())
+
+    text = "The function returns a new list, and the list holds the values."
+    for folder, peaked in ((trained, False), (sharp, True)):
+        ours = load(folder, device="cpu")
+        reference = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        result = ours.attend(text, truncate=True)
+        ids = torch.tensor([[t.id for t in result.tokens]])
+        with torch.no_grad():
+            expected = reference(ids, output_attentions=True)
+        attention = torch.stack([a[0] for a in expected.attentions])  # (layers, heads, T, T)
+        assert attention.shape == result.attention.shape == (2, 4, 32, 32)
+        if peaked:
+            # Each row's top weight against a uniform row's 1/(keys it sees): several times above it.
+            assert (attention[..., 4:, :].amax(-1) * torch.arange(5, 33)).median() > 3
+        assert (attention - result.attention).abs().max().item() <= 1e-5
+        assert (expected.logits[0] - result.logits).abs().max().item() <= 1e-4
+
+
+def test_init_from_starts_from_a_folder_at_a_longer_context(corpus, tmp_path):
+    short, long = tmp_path / "short", tmp_path / "long"
+    first = run(corpus, short, steps=10, **LLAMA)
+    cfg = make_config({"text": [corpus], "out": long, **LLAMA, "context": 64, "steps": 1, "init_from": short})
+    model = build_model(cfg, vocab_size=320)
+    started = init_from(model, cfg)
+    source = load(short, device="cpu").net.state_dict()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in source.items())
+    assert started["folder"] == str(short) and started["steps"] == first["steps"] == 10
+
+    card = run(corpus, long, steps=3, **{**LLAMA, "context": 64, "init_from": str(short)})
+    assert card["init_from"] == started and card["steps"] == 3
+    assert json.loads((long / "config.json").read_text())["max_position_embeddings"] == 64
+    assert (long / "tokenizer.json").read_text() == (short / "tokenizer.json").read_text()
+    assert load(long, device="cpu").info.max_tokens == 64
+
+
+def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, capsys):
+    run(corpus, tmp_path / "llama", steps=2, **LLAMA)
+    run(corpus, tmp_path / "gpt", steps=2)
+    base = ["train", "--text", str(corpus), "--out", str(tmp_path / "m"), "--steps", "2", "--vocab-size", "320",
+            "--context", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff-dim", "48", "--arch", "llama"]
+    assert main(base + ["--emb-dim", "64", "--init-from", str(tmp_path / "llama")]) == 2
+    assert "shape mismatch for 'tok_emb.weight'" in capsys.readouterr().err
+    assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "gpt")]) == 2
+    assert "is not an --arch llama model" in capsys.readouterr().err
+    assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "nowhere")]) == 2
+    assert "holds no card.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--arch", "bert"], "--arch must be gpt or llama"),
+        (["--kv-heads", "2"], "--kv-heads applies to --arch llama only"),
+        (["--attention-bias"], "--attention-bias applies to --arch llama only"),
+        (["--arch", "llama", "--heads", "4", "--emb-dim", "32", "--kv-heads", "3"], "must be a multiple of --kv-heads (3)"),
+        (["--arch", "llama", "--heads", "4", "--emb-dim", "12"], "must be even: RoPE rotates pairs"),
+        (["--arch", "llama", "--pos-init", "sinusoidal"], "--pos-init applies to --arch gpt only"),
+        (["--arch", "llama", "--rope-theta", "0"], "--rope-theta must be a positive number"),
+    ],
+)
+def test_bad_llama_arguments_exit_2_naming_the_problem(corpus, tmp_path, capsys, extra, message):
+    argv = ["train", "--text", str(corpus), "--out", str(tmp_path / "m"), "--steps", "2", "--vocab-size", "300"]
+    assert main(argv + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "m" / "model.safetensors").exists()

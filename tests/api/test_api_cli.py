@@ -44,7 +44,7 @@ def test_serve_adds_model_flags_to_the_builtin_default(monkeypatch):
     assert main(["serve", "--port", "8123", "--model", "mine=/models/b.pth?config=gpt2-small", "--model", "minilm2=minilm"]) == 0
     settings = seen["app"].state.settings
     assert settings.all_models() == {
-        "minilm": "minilm", "tiny-gpt": "tiny-gpt",
+        "minilm": "minilm", "tiny-gpt": "tiny-gpt", "tiny-llama": "tiny-llama",
         "env-one": "/models/a", "mine": "/models/b.pth?config=gpt2-small", "minilm2": "minilm",
     }
     assert settings.default_model_id() == "minilm"
