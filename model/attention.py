@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from manyeyes.model.rotary import apply_rotary
 
@@ -268,6 +269,15 @@ class MultiHeadAttention(nn.Module):
         num_keys = keys.shape[2]
         if capture.keep:  # before any (b, heads, T, T) scores exist: 3.2 GB a layer at T = 8,192
             return self._attend_in_row_blocks(queries, keys, values, key_padding_mask, capture)
+        if self.training and capture == Capture(weights=False) and past is None and key_padding_mask is None \
+                and self.sliding_window is None:
+            # Training inspects nothing: PyTorch's fused kernel never builds the (b, heads, T, T) weights,
+            # forward or backward, which at T = 2,048 made each step several times slower.
+            context = F.scaled_dot_product_attention(
+                queries, keys, values, dropout_p=self.dropout.p, is_causal=self.causal, enable_gqa=group > 1
+            )  # (b, heads, T, head_dim)
+            context = self.out_proj(context.transpose(1, 2).reshape(b, num_tokens, heads * head_dim))
+            return AttentionOutput(context, None, None, None, None, present=KVCache(keys, values))
 
         # Scaling the queries (T x head_dim) instead of the scores (T x T) is the same maths, cheaper.
         # Each key head serves `group` consecutive query heads; stacking those heads' queries along

@@ -120,3 +120,23 @@ def test_weights_out_receives_the_weights_in_place():
     out = mha.attend(x, capture=Capture(weights_out=buffer))
     assert out.weights.data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer, mha.attend(x).weights)
+
+
+@pytest.mark.parametrize("kv_heads,causal", [(None, True), (2, True), (None, False)])
+def test_training_uses_the_fused_kernel_and_computes_the_same(kv_heads, causal, monkeypatch):
+    """In training nothing is inspected: the fused kernel (no T x T weights kept for the backward)
+    gives the same context and the same gradients as the inspecting path."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 16, 32, 0.0, num_heads=4, causal=causal, num_kv_heads=kv_heads)
+    x = torch.randn(2, 20, 16, requires_grad=True)
+    mha.eval()
+    expected = mha(x)
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
+    calls = []
+    fused = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    mha.train()
+    got = mha(x)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+    assert calls and torch.allclose(got, expected, atol=1e-5) and torch.allclose(got_grad, expected_grad, atol=1e-4)
+    assert mha.attend(x, capture=Capture()).weights is not None  # inspecting in training mode still works
