@@ -5,6 +5,8 @@ For each model and T, against a real `manyeyes serve` (CPU, warm-up off, one ser
   a fresh text each time, interleaved with the same forward run here, in this process, on the same
   tokens: `model.run([enc], Capture(keep=True))`. Prints the median ratio and its min..max, and
   the server's own forward time from the answer's timing_ms (what of the POST is not the forward).
+  Beside them the bare forward the issue measures against: the network's own call, logits only
+  (`model.net(ids)`, which captures nothing), so the ratio to it shows what keeping costs.
 - memory: the run's bytes as the cache counts them (GET /api/v1/runs/{id}), and the server's RSS
   growth per cached run (slope over the POSTs), each over the run's query + key bytes.
 - peak RSS: the server's VmHWM after its first long forward, minus its RSS when ready.
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_server import serve  # noqa: E402
@@ -45,7 +48,6 @@ WORDS = ("the river bank was quiet while money moved through the other bank and 
 def random_llama(folder: Path, positions: int, layers: int, heads: int, kv_heads: int, width: int) -> Path:
     """A random-weight llama folder with tiny-gpt's byte tokenizer. transformers only writes the
     folder (save_pretrained), as the tests do; manyeyes loads it with its own llama family."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = ROOT / "model" / "data" / "tiny-gpt" / "tokenizer.json"
@@ -90,7 +92,7 @@ def spread(values: list[float]) -> str:
 def bench_case(name: str, spec: str, n_tokens: int, repeats: int, untimed: int = 1) -> dict:
     model = load(spec, device="cpu")
     texts = [text_of(n_tokens, seed, model) for seed in range(repeats + untimed)]
-    post_s, server_s, bare_s, rss, nbytes, qk_bytes = [], [], [], [], [], 0
+    post_s, server_s, bare_s, net_s, rss, nbytes, qk_bytes = [], [], [], [], [], [], 0
     settings = dict(warmup="false", dense_max_tokens=1024, request_timeout_s=900)
     with serve(models=json.dumps({name: spec}), **settings) as (url, pid):
         ready_rss = status_mb(pid)
@@ -108,6 +110,11 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int, untimed: int =
                 started = time.perf_counter()
                 result = model.run([encoded], Capture(keep=True))[0]
                 bare = time.perf_counter() - started
+                ids = torch.tensor([encoded.ids])
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    model.net(ids)
+                net_forward = time.perf_counter() - started
                 kept = result.kept
                 qk_bytes = kept.queries.numel() * kept.queries.element_size() + kept.keys.numel() * kept.keys.element_size()
                 del result, kept
@@ -121,12 +128,14 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int, untimed: int =
                 post_s.append(took)
                 server_s.append(body["timing_ms"]["forward"] / 1000)  # the server's own forward, within the POST
                 bare_s.append(bare)
+                net_s.append(net_forward)
     # The slope over the cached runs; from one run, its growth over the ready server (one-time
     # allocations included: an upper bound).
     per_run_mb = (rss[-1] - rss[0]) / (len(rss) - 1) if len(rss) > 1 else rss[0] - ready_rss
     return {
         "name": name, "T": n_tokens, "post_s": post_s, "server_s": server_s, "bare_s": bare_s,
-        "ratio": [p / b for p, b in zip(post_s, bare_s)], "qk_mb": qk_bytes / 2**20,
+        "ratio": [p / b for p, b in zip(post_s, bare_s)], "net_s": net_s,
+        "net_ratio": [p / b for p, b in zip(post_s, net_s)], "qk_mb": qk_bytes / 2**20,
         "cache_ratio": statistics.median(nbytes) / qk_bytes, "rss_per_run_ratio": per_run_mb * 2**20 / qk_bytes,
         "peak_mb": peak, "ready_mb": ready_rss,
     }
@@ -156,13 +165,14 @@ def main() -> None:
             folder = random_llama(Path(tmp) / "big", max(big), layers=6, heads=12, kv_heads=4, width=384)
             cases += [("llama-6x12", str(folder), n) for n in big]
         print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores); {args.repeats} timed pairs after {args.untimed} untimed")
-        print(f"{'model':>12} {'T':>5} {'POST s':>16} {'its forward s':>16} {'forward s':>16} {'POST/forward':>18} {'q+k MB':>7} "
+        print(f"{'model':>12} {'T':>5} {'POST s':>16} {'its forward s':>16} {'forward s':>16} {'POST/forward':>18} "
+              f"{'bare net s':>16} {'POST/bare':>18} {'q+k MB':>7} "
               f"{'cache/qk':>8} {'RSS/run/qk':>10} {'peak MB':>8}")
         for name, spec, n in cases:
             row = bench_case(name, spec, n, args.repeats, args.untimed)
             print(f"{row['name']:>12} {row['T']:>5} {spread(row['post_s']):>16} {spread(row['server_s']):>16} "
                   f"{spread(row['bare_s']):>16} "
-                  f"{spread(row['ratio']):>18} {row['qk_mb']:>7.1f} {row['cache_ratio']:>8.2f} "
+                  f"{spread(row['ratio']):>18} {spread(row['net_s']):>16} {spread(row['net_ratio']):>18} {row['qk_mb']:>7.1f} {row['cache_ratio']:>8.2f} "
                   f"{row['rss_per_run_ratio']:>10.2f} {row['peak_mb']:>8.0f}", flush=True)
         print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
