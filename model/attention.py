@@ -353,6 +353,10 @@ class MultiHeadAttention(nn.Module):
         overview = torch.empty(b, heads, len(row_edges) - 1, len(col_edges) - 1, device=queries.device)
         scale = head_dim**-0.5
         overview.zero_()  # bins no query can see stay 0: their keys are never scored
+        # One buffer for every block's scores: a fresh 64 MB tensor per block is a fresh mmap (and
+        # its page faults) once large allocations bypass the heap, as the server sets them to.
+        reuse = queries.dtype == torch.float32 and not torch.is_autocast_enabled(queries.device.type)
+        scratch = torch.empty(b * heads * rows_per_block * num_keys if reuse else 0, device=queries.device)
         for q0 in range(0, num_tokens, rows_per_block):
             q1 = min(num_tokens, q0 + rows_per_block)
             rows = q1 - q0
@@ -362,7 +366,12 @@ class MultiHeadAttention(nn.Module):
             # (b, heads, rows, head_dim) -> (b, kv_heads, group * rows, head_dim), as in `attend`
             scaled = (queries[:, :, q0:q1] * scale).reshape(b, kv_heads, group * rows, head_dim)
             # (b, kv_heads, group * rows, head_dim) @ (b, kv_heads, head_dim, k1 - k0) -> (b, heads, rows, k1 - k0)
-            scores = (scaled @ keys[:, :, k0:k1].transpose(2, 3)).view(b, heads, rows, k1 - k0).float()
+            if reuse:
+                scores = scratch[: b * heads * rows * (k1 - k0)].view(b, kv_heads, group * rows, k1 - k0)
+                torch.matmul(scaled, keys[:, :, k0:k1].transpose(2, 3), out=scores)
+                scores = scores.view(b, heads, rows, k1 - k0)
+            else:
+                scores = (scaled @ keys[:, :, k0:k1].transpose(2, 3)).view(b, heads, rows, k1 - k0).float()
             if padded is not None:
                 band = (k0, k1)
             else:  # only the columns where some row of the block is blocked need a mask
