@@ -199,10 +199,6 @@ class Batcher:
             job.future.add_done_callback(self._forget_cancelled)
         return [job.future for job in jobs]
 
-    def observe_rate(self, model_id: str, n_tokens: int, seconds: float) -> None:
-        """Folds one forward of one n-token input, timed elsewhere (the warm-up), into the model's rate."""
-        self._rates.setdefault(model_id, WorkRate()).observe(work_units(n_tokens), seconds)
-
     def wait_ahead_s(self, jobs: list[Job]) -> float | None:
         """Seconds until these jobs (all of one client and model) would be done, at the recent
         forward rates and before calibration; None while the model has no measured forward yet.

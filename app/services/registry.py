@@ -27,12 +27,10 @@ class Served:
     default: bool
 
 
-def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
+def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
     """One forward at the longest input that keeps whole weights: pays one-time costs now and
     proves the shapes. Not beyond dense_max_tokens: at 8,192 positions the weights alone of a
-    6-layer, 12-head model would be 19 GB, and such inputs keep queries and keys instead.
-
-    Returns its length and seconds: the batcher's first estimate of the model's forward rate."""
+    6-layer, 12-head model would be 19 GB, and such inputs keep queries and keys instead."""
     info = model.info
     words = min(info.max_tokens, dense_max_tokens) + 8
     encoded = model.encode("hello " * words, truncate=True)
@@ -40,13 +38,10 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
         words = max(1, words * dense_max_tokens // len(encoded) - 1)
         encoded = model.encode("hello " * words, truncate=True)
     n = len(encoded)
-    started = time.perf_counter()
     result = model.run([encoded])[0]
-    seconds = time.perf_counter() - started
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
-    return n, seconds
 
 
 class Registry:
@@ -78,10 +73,9 @@ class Registry:
                 if AUTOCAST[s.autocast] is not None:
                     model.autocast_dtype = AUTOCAST[s.autocast]
                     model.info = replace(model.info, dtype=s.autocast)
-                warmed = None
                 if s.warmup:
                     self.progress[model_id] = {"state": "warming"}
-                    warmed = warm_up(model, s.dense_max_tokens)
+                    warm_up(model, s.dense_max_tokens)
                 device = model.info.device
                 if device not in self._batchers:
                     self._batchers[device] = Batcher(
@@ -97,12 +91,6 @@ class Registry:
                         work_fraction=s.work_budget_fraction,
                         device_quantise=device != "cpu" if s.device_quantise is None else s.device_quantise,
                     )
-                if warmed is not None:
-                    # A cold forward is slower than later ones: a cautious rate for the first burst,
-                    # which otherwise is admitted by count alone before any forward has finished.
-                    # (The slow-forward test hook slows this one too, as it slows every later one.)
-                    n_tokens, seconds = warmed
-                    self._batchers[device].observe_rate(model.info.id, n_tokens, seconds + s.debug_forward_delay_s)
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
                 self.progress[model_id] = {"state": "ready"}
                 log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)

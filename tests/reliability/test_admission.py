@@ -77,14 +77,6 @@ def test_no_estimate_until_the_model_has_run(batcher):
     batcher._check_work([job("flood", 16)], time.monotonic() + 1)  # admitted: no rate to judge by yet
 
 
-def test_the_warm_up_gives_the_first_burst_a_rate_to_judge_by():
-    """Before any request: the warm-up's forward seeds the rate, so a burst that arrives before
-    the first forward ends is already admitted by work, not by count alone."""
-    with live_server(warmup=True, max_batch_items=1) as server:
-        assert "minilm" in server.batcher._rates, "no rate before the first request"
-        assert server.batcher._rates["minilm"].seconds_for(work_units(512)) > 0
-
-
 SAME_LENGTH = [f"The heron number {n} waited on the bank." for n in range(10, 16)]
 
 
