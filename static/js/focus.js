@@ -101,7 +101,6 @@ export class FocusView {
 
   async render({ view, labels, title, filename, exportCaption, scale = "head", revision }) {
     this.fitHeight();
-    const pal = palette();
     const nRows = view.rows.length;
     const nCols = view.cols.length;
     let peak = 0;
@@ -116,6 +115,12 @@ export class FocusView {
     this.filename = filename;
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
+    await this.layOut();
+  }
+
+  // Plotly's axes and labels for the current view: relaid only when they changed (a relayout is the
+  // costliest part of a step), then the decorations and, once, the listeners.
+  async layOut() {
     const axes = this.axes();
     const { trace, layout } = this.figure(axes);
     const key = JSON.stringify([trace, layout]);

@@ -138,15 +138,7 @@ export class TiledFocusView extends FocusView {
     this.filename = filename;
     this.exportCaption = exportCaption || title;
     this.heatmap.tiles = this.drawnTiles();
-    const axes = this.axes();
-    const { trace, layout } = this.figure(axes);
-    const key = JSON.stringify([trace, layout]);
-    if (key !== this.figureKey || !this.plot._fullLayout) {
-      this.figureKey = key;
-      await window.Plotly.react(this.plot, [trace], layout, this.config);
-    }
-    this.decorate(axes);
-    if (!this.listening) this.listen();
+    await this.layOut();
     this.refine();
   }
 
