@@ -23,8 +23,7 @@ from manyeyes.app.services.cache import Run
 from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import DTYPES, U8_SCALE, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
-from manyeyes.model.attention import bin_edges
-from manyeyes.model.kept import MAX_TOPK, Pooled, pooled, rows_per_block, topk_rows
+from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows
 
 
 # ---------------------------------------------------------------------------- request checks
@@ -77,35 +76,6 @@ def side(asked: int | None, extent: int, name: str, cap: int) -> int:
     if asked > cap:
         raise InvalidInput(f"{name}={asked} is over this server's tile size of {cap:,} per side")
     return min(asked, extent)
-
-
-def pooled_within(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, k1: int, rows: int, cols: int,
-                  how: str, block_cells: int) -> Pooled:
-    """`pooled`, holding at most block_cells weights besides the answer, however tall a row bin is.
-
-    pooled() works in blocks of whole row bins; a bin taller than the budget (rows=64 of an
-    8,192-token layer mean is 128 rows x 12 heads x 8,192 keys, 50 MB) is pooled here instead, a
-    slab of rows at a time, and the slabs combined: max of maxes, or means weighted by their rows."""
-    n_heads = att.n_heads if heads is None else len(heads)
-    row_edges = bin_edges(q1 - q0, rows) + q0
-    bin_rows = int(row_edges[1] - row_edges[0])
-    if n_heads * bin_rows * (k1 - k0) <= block_cells:
-        return pooled(att, layer, heads, q0, q1, k0, k1, rows, cols, how, block_cells)
-    slab = rows_per_block(n_heads, k1 - k0, block_cells)
-    out, col_edges = None, None
-    for i in range(len(row_edges) - 1):
-        b0, b1 = int(row_edges[i]), int(row_edges[i + 1])
-        acc = None
-        for s0 in range(b0, b1, slab):
-            s1 = min(b1, s0 + slab)
-            part = pooled(att, layer, heads, s0, s1, k0, k1, 1, cols, how, block_cells)
-            values = part.values[0] if how == "max" else part.values[0] * (s1 - s0)
-            acc = values if acc is None else (torch.maximum(acc, values) if how == "max" else acc + values)
-            col_edges = part.col_edges
-        if out is None:
-            out = torch.empty(len(row_edges) - 1, acc.shape[0])
-        out[i] = acc if how == "max" else acc / (b1 - b0)
-    return Pooled(out, row_edges, col_edges)
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -235,7 +205,7 @@ class TileService:
         heads = None if head_index is None else [head_index]
 
         def work():
-            found = pooled_within(run.kept, layer, heads, window.q0, window.q1, window.k0, window.k1, n_rows, n_cols,
+            found = pooled(run.kept, layer, heads, window.q0, window.q1, window.k0, window.k1, n_rows, n_cols,
                                   pool, self.block_cells)
             fields = {
                 "run_id": run.run_id, "layer": layer, "head": "mean" if head_index is None else head_index,
