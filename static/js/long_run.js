@@ -4,21 +4,14 @@
 // the dense weights says on screen why it is off.
 
 import { $, el } from "./dom.js";
+import { runHeader } from "./run.js";
 import { fetchOverview, paintBins } from "./tiles.js";
 
 // The run object main.js passes around, with no layers to fetch.
 export class LongRun {
   constructor(response) {
+    Object.assign(this, runHeader(response));
     this.long = true;
-    this.runId = response.run_id;
-    this.model = response.model;
-    this.causal = response.causal;
-    this.nLayers = response.n_layers;
-    this.nHeads = response.n_heads;
-    this.tokens = response.tokens;
-    this.truncated = response.truncated;
-    this.T = response.tokens.length;
-    this.hasPair = response.tokens.some((t) => t.segment === 1);
     this.layerBytes = [];
     this.overview = null; // a promise of fetchOverview's answer
   }

@@ -1,21 +1,28 @@
 // One analysed text: its tokens and whichever layers have arrived so far.
 // Layers arrive as u8 (fast, for the grid); single heads can be refined to float16 for exact reading.
 
+// What every run the page holds knows of its answer, short (AttentionRun) or long (LongRun).
+export function runHeader(response) {
+  return {
+    runId: response.run_id,
+    model: response.model,
+    causal: response.causal,
+    nLayers: response.n_layers,
+    nHeads: response.n_heads,
+    tokens: response.tokens,
+    truncated: response.truncated,
+    T: response.tokens.length,
+    hasPair: response.tokens.some((t) => t.segment === 1),
+  };
+}
+
 export class AttentionRun {
   constructor(response) {
-    this.runId = response.run_id;
-    this.model = response.model;
-    this.causal = response.causal;
-    this.nLayers = response.n_layers;
-    this.nHeads = response.n_heads;
-    this.tokens = response.tokens;
-    this.truncated = response.truncated;
-    this.T = response.tokens.length;
+    Object.assign(this, runHeader(response));
     this.layerBytes = new Array(this.nLayers).fill(null); // each Uint8Array [head][query][key]
     this.scale = 1 / 255;
     this.precise = new Map(); // "layer:head" -> Float32Array [query][key]
     this.means = new Map(); // "all" or "layer:N" -> Float32Array, the server's float32 mean
-    this.hasPair = response.tokens.some((t) => t.segment === 1);
     this.ingest(response);
   }
 
