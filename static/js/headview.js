@@ -12,7 +12,19 @@ import { palette } from "./theme.js";
 import { selectionOf, viewOf } from "./transform.js";
 
 const ROW = 20;
-const BUCKETS = 10;
+export const BUCKETS = 10; // line weights are drawn in this many widths and opacities, one path each
+
+// Each bucket's lines in one stroke. A hovered token's few lines are drawn stronger, so that even
+// small weights can be read.
+export function strokeBuckets(ctx, paths, focus) {
+  const floor = focus ? 0.45 : 0.15;
+  paths.forEach((path, b) => {
+    const w = (b + 0.5) / BUCKETS;
+    ctx.globalAlpha = Math.min(1, floor + w);
+    ctx.lineWidth = (focus ? 1 : 0.5) + 3.5 * w;
+    ctx.stroke(path);
+  });
+}
 const MIN_DRAWN = 0.02; // fainter lines only add noise...
 const TOP_PER_TOKEN = 3; // ...but each token keeps its strongest lines, so broad heads at long T still show
 const MARGIN_ROWS = 30; // tokens built beyond each edge of the view, so a short scroll shows no gap
@@ -210,14 +222,7 @@ export class HeadView {
         path.lineTo(width, y1);
       }
       ctx.strokeStyle = color || pal.heads[0];
-      // A hovered token's few lines are drawn stronger, so that even small weights can be read.
-      const floor = focus ? 0.45 : 0.15;
-      paths.forEach((path, b) => {
-        const w = (b + 0.5) / BUCKETS;
-        ctx.globalAlpha = Math.min(1, floor + w);
-        ctx.lineWidth = (focus ? 1 : 0.5) + 3.5 * w;
-        ctx.stroke(path);
-      });
+      strokeBuckets(ctx, paths, focus);
     }
   }
 }

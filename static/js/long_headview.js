@@ -4,6 +4,7 @@
 // line reaches, in order, with the gaps between them counted.
 
 import { el } from "./dom.js";
+import { BUCKETS, strokeBuckets } from "./headview.js";
 import { palette } from "./theme.js";
 import { fetchTopk } from "./tiles.js";
 
@@ -12,7 +13,6 @@ const K = 8; // asked per row; drawn: the 3 strongest, and the others at 0.02 or
 const TOP_PER_TOKEN = 3;
 const MIN_DRAWN = 0.02;
 const ROW = 20;
-const BUCKETS = 10;
 
 export class LongHeadView {
   constructor(container) {
@@ -119,13 +119,7 @@ export class LongHeadView {
         path.lineTo(width, this.keyRow.get(key) * ROW + ROW / 2);
       }
       ctx.strokeStyle = this.colors[h] || pal.heads[0];
-      const floor = focus ? 0.45 : 0.15;
-      paths.forEach((path, b) => {
-        const w = (b + 0.5) / BUCKETS;
-        ctx.globalAlpha = Math.min(1, floor + w);
-        ctx.lineWidth = (focus ? 1 : 0.5) + 3.5 * w;
-        ctx.stroke(path);
-      });
+      strokeBuckets(ctx, paths, focus);
     });
     this.canvas.dataset.lines = count;
   }
