@@ -32,7 +32,7 @@ function visibleRange(range, n) {
 
 // Index-based axes: the same word can occur twice, so labels are ticks, never categories. Every
 // label in view is shown when ALL_LABELS or fewer are; beyond that every k-th.
-function ticks(indices, labels, range) {
+export function ticks(indices, labels, range) {
   const [lo, hi] = visibleRange(range, indices.length);
   const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
   const values = [];

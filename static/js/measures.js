@@ -5,6 +5,7 @@
 import { ApiError, describeError, requestJson } from "./api.js";
 import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
+import { shortLabel, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -16,6 +17,26 @@ const FLOW_AUTO_TOKENS = 128;
 const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
 const SEEN_MARGIN_PX = 200;
 const MAX_HOVER_TEXTS = 128 * 128;
+const TICK_FONT = 10; // px
+
+// Plotly ticks for the labels in a range, thinned as the focused heatmap's are (every label once
+// ALL_LABELS or fewer are in view), and the margin any of them needs once zoomed, sized by
+// arithmetic: with a label per token and automargin, Plotly measured every label, 0.7 s of main
+// thread at T=128 and 16 s at T=512.
+function axisTicks(labels, range) {
+  const { values, texts } = ticks(labels.map((_, i) => i), labels, range);
+  let longest = 1;
+  for (const label of labels) longest = Math.max(longest, shortLabel(label).length);
+  return { tickvals: values, ticktext: texts.map(plotlyText), room: 8 + TICK_FONT * 0.62 * longest };
+}
+
+// The range a relayout event gives an axis: [a, b], null for autorange, undefined if untouched.
+function rangeOf(event, axis) {
+  if (event[`${axis}axis.autorange`]) return null;
+  const a = event[`${axis}axis.range[0]`] ?? event[`${axis}axis.range`]?.[0];
+  const b = event[`${axis}axis.range[1]`] ?? event[`${axis}axis.range`]?.[1];
+  return a === undefined || b === undefined ? undefined : [a, b];
+}
 
 const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
@@ -248,16 +269,42 @@ class Measures {
       colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
     };
     const ink = getComputedStyle(document.body).color;
-    const axis = (labels) => ({ tickvals: labels.map((_, i) => i), ticktext: labels.map(plotlyText), tickfont: { size: 10 }, automargin: true });
+    const x = axisTicks(cols, null);
+    const y = axisTicks(rows, null);
+    const axis = ({ tickvals, ticktext }) => ({ tickmode: "array", tickvals, ticktext, tickfont: { size: TICK_FONT } });
     const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${this.layer}${kind === "contributions" ? "" : ` head ${this.head}`}`;
+    this.axisLabels = { rows, cols };
     await window.Plotly.react(plot, [trace], {
       title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 } },
-      xaxis: { ...axis(cols), side: "bottom", tickangle: -45 }, yaxis: { ...axis(rows), autorange: "reversed" },
-      margin: { t: 36, r: 10, b: 10, l: 10 }, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
+      xaxis: { ...axis(x), side: "bottom", tickangle: -45 }, yaxis: { ...axis(y), autorange: "reversed" },
+      // a label at -45° needs about 0.75 of its length below the axis
+      margin: { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) },
+      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       height: Math.max(260, Math.min(640, 120 + 16 * rows.length)),
     }, { displaylogo: false, responsive: true });
+    if (!this.zoomListening) this.relabelOnZoom(plot);
     Object.assign(plot.dataset, { measure: kind, layer: this.layer, head: this.head, words: String(wordView) });
     $("measure-caption").textContent = CAPTIONS[kind];
+  }
+
+  // A zoom labels every token now in view (once ALL_LABELS or fewer), as the focused heatmap does.
+  relabelOnZoom(plot) {
+    this.zoomListening = true;
+    plot.on("plotly_relayout", (event) => {
+      const xr = rangeOf(event, "x");
+      const yr = rangeOf(event, "y");
+      if ((xr === undefined && yr === undefined) || !this.axisLabels) return;
+      const update = {};
+      if (xr !== undefined) {
+        const { tickvals, ticktext } = axisTicks(this.axisLabels.cols, xr);
+        Object.assign(update, { "xaxis.tickvals": tickvals, "xaxis.ticktext": ticktext });
+      }
+      if (yr !== undefined) {
+        const { tickvals, ticktext } = axisTicks(this.axisLabels.rows, yr);
+        Object.assign(update, { "yaxis.tickvals": tickvals, "yaxis.ticktext": ticktext });
+      }
+      window.Plotly.relayout(plot, update); // ticks only: its event carries no range, so no loop
+    });
   }
 
   async drawNeuron() {
