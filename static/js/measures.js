@@ -7,7 +7,7 @@ import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { shortLabel, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
-import { sequentialStops, signedStops } from "./measures_colours.js";
+import { cellColours, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
 import { onThemeChange } from "./theme.js";
@@ -16,7 +16,6 @@ import { tokenLabels } from "./tokens.js";
 const FLOW_AUTO_TOKENS = 128;
 const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
 const SEEN_MARGIN_PX = 200;
-const MAX_HOVER_TEXTS = 128 * 128;
 const TICK_FONT = 10; // px
 
 // Plotly ticks for the labels in a range, thinned as the focused heatmap's are (every label once
@@ -28,6 +27,28 @@ function axisTicks(labels, range) {
   let longest = 1;
   for (const label of labels) longest = Math.max(longest, shortLabel(label).length);
   return { tickvals: values, ticktext: texts.map(plotlyText), room: 8 + TICK_FONT * 0.62 * longest };
+}
+
+// The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads.
+function cellImage(matrix, signed, peak) {
+  const nRows = matrix.length;
+  const nCols = matrix[0]?.length ?? 0;
+  const canvas = document.createElement("canvas");
+  canvas.width = Math.max(1, nCols);
+  canvas.height = Math.max(1, nRows);
+  const context = canvas.getContext("2d");
+  const image = context.createImageData(canvas.width, canvas.height);
+  const pixels = new Uint32Array(image.data.buffer);
+  const colours = cellColours(signed);
+  for (let i = 0; i < nRows; i++) {
+    const row = matrix[i];
+    for (let j = 0; j < nCols; j++) {
+      const x = signed ? 0.5 + row[j] / (2 * peak) : row[j] / peak; // 0 … 1 along the colorbar
+      pixels[i * nCols + j] = colours[Math.round(255 * Math.min(1, Math.max(0, x)))];
+    }
+  }
+  context.putImageData(image, 0, 0);
+  return canvas.toDataURL("image/png");
 }
 
 // The range a relayout event gives an axis: [a, b], null for autorange, undefined if untouched.
@@ -152,9 +173,9 @@ class Measures {
     this.drawFocusWhenSeen();
   }
 
-  // The flow graph, the measure (a T × T Plotly heatmap with a hover text per cell, fetched as
-  // JSON) and the neuron view cost 1-3 s of main thread per focus change at T=128 and more at
-  // T=512, every arrow step: off screen they wait to be scrolled to.
+  // The flow graph, the measure (a T × T Plotly heatmap fetched as JSON) and the neuron view cost
+  // 0.2-0.4 s of main thread per focus change at T=128 to 512 (1-3 s before their labels were
+  // thinned), every arrow step: off screen they wait to be scrolled to.
   drawFocusWhenSeen() {
     const box = $("measures").getBoundingClientRect();
     const seen = box.bottom > -SEEN_MARGIN_PX && box.top < window.innerHeight + SEEN_MARGIN_PX && box.height > 0;
@@ -247,26 +268,26 @@ class Measures {
     }
   }
 
+  // The cells are painted by the page into one image laid on Plotly's axes; Plotly draws only a
+  // single brick under it (for the autorange and the colorbar), the labels and the zoom. A Plotly
+  // heatmap of 128 × 128 cells took 150-250 ms of main thread to draw, the image a few ms.
   async plot(matrix, rows, cols, signed, kind, wordView) {
     const plot = $("measure-plot");
     // A loop, not Math.max(...cells): spreading T × T arguments overflows the stack at T=512.
     let peak = 1e-12;
     for (const row of matrix) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
-    const nextOf = (i) => {
-      const top = !wordView && kind !== "contributions" && this.predictions?.[String(i)];
-      return top ? `<br>next: ${plotlyText(top[0].token)} ${(top[0].prob * 100).toFixed(0)}%` : "";
-    };
-    // A hover text per cell is 262 144 strings at T=512, seconds of main thread: large matrices
-    // hover with their indices instead (the axes carry the tokens).
-    const hover = rows.length * cols.length <= MAX_HOVER_TEXTS
-      ? { text: matrix.map((row, i) => row.map((v, j) => `${plotlyText(rows[i])} → ${plotlyText(cols[j])}: ${v.toFixed(4)}${nextOf(i)}`)), hoverinfo: "text" }
-      : { hovertemplate: "query %{y} → key %{x}: %{z:.4f}<extra></extra>" };
+    this.cells = { matrix, rows, cols, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
+    plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
-      type: "heatmap", z: matrix, ...hover,
+      type: "heatmap", z: [[0]], x: [-0.5, cols.length - 0.5], y: [-0.5, rows.length - 0.5], hoverinfo: "none",
       colorscale: signed ? signedStops() : sequentialStops(),
       zmin: signed ? -peak : 0, zmax: peak,
       colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
+    };
+    const cells = {
+      source: cellImage(matrix, signed, peak), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
+      xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
     const ink = getComputedStyle(document.body).color;
     const x = axisTicks(cols, null);
@@ -280,16 +301,37 @@ class Measures {
       // a label at -45° needs about 0.75 of its length below the axis
       margin: { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) },
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
-      height: Math.max(260, Math.min(640, 120 + 16 * rows.length)),
+      height: Math.max(260, Math.min(640, 120 + 16 * rows.length)), images: [cells],
     }, { displaylogo: false, responsive: true });
-    if (!this.zoomListening) this.relabelOnZoom(plot);
+    if (!this.listening) this.listen(plot);
     Object.assign(plot.dataset, { measure: kind, layer: this.layer, head: this.head, words: String(wordView) });
     $("measure-caption").textContent = CAPTIONS[kind];
   }
 
-  // A zoom labels every token now in view (once ALL_LABELS or fewer), as the focused heatmap does.
-  relabelOnZoom(plot) {
-    this.zoomListening = true;
+  // "query → key: value" for the cell under the pointer, and the model's next-token guess after
+  // the query where there is one, in the line under the plot.
+  readCell(event) {
+    const plot = $("measure-plot");
+    const xa = plot._fullLayout?.xaxis;
+    const ya = plot._fullLayout?.yaxis;
+    if (!xa || !ya || !this.cells) return;
+    const { matrix, rows, cols, predictions } = this.cells;
+    const box = plot.getBoundingClientRect();
+    const i = Math.round(ya.p2l(event.clientY - box.top - ya._offset));
+    const j = Math.round(xa.p2l(event.clientX - box.left - xa._offset));
+    if (!(i >= 0 && j >= 0 && i < rows.length && j < cols.length)) return;
+    const top = predictions?.[String(i)]?.[0];
+    const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
+    const reading = $("measure-reading");
+    reading.textContent = `${rows[i]} → ${cols[j]}: ${matrix[i][j].toFixed(4)}${next}`;
+    Object.assign(reading.dataset, { row: i, col: j });
+  }
+
+  // Once per plot: hover readings, and a zoom labels every token now in view (once ALL_LABELS or
+  // fewer), as the focused heatmap does.
+  listen(plot) {
+    this.listening = true;
+    plot.addEventListener("mousemove", (event) => this.readCell(event));
     plot.on("plotly_relayout", (event) => {
       const xr = rangeOf(event, "x");
       const yr = rangeOf(event, "y");

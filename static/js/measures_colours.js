@@ -5,7 +5,7 @@
 // sequential scale's strongest colour for positive values and red for negative ones. Every
 // measure plot carries its colorbar as the legend.
 
-import { palette } from "./theme.js";
+import { colorTable, palette } from "./theme.js";
 
 const NEGATIVE = [203, 45, 62]; // red: a share that cancels other heads, a negative component
 
@@ -33,4 +33,21 @@ export function signedFill(value, peak) {
   const alpha = Math.min(1, Math.abs(value) / (peak || 1));
   const [r, g, b] = value >= 0 ? positive() : NEGATIVE;
   return `rgba(${r}, ${g}, ${b}, ${alpha})`;
+}
+
+const pack = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0; // RGBA bytes, little-endian
+
+// 256 packed RGBA colours for a measure's cells, the same scale as its colorbar: sequential for
+// [0, peak] (the focused heatmap's own table) or signed for [-peak, peak], index 127.5 at 0.
+export function cellColours(signed) {
+  if (!signed) return colorTable().subarray(0, 256);
+  const paper = rgb(palette().paper);
+  const table = new Uint32Array(256);
+  for (let i = 0; i < 256; i++) {
+    const t = (i - 127.5) / 127.5; // -1 … 1
+    const end = t < 0 ? NEGATIVE : positive();
+    const k = Math.abs(t);
+    table[i] = pack(paper.map((v, c) => Math.round(v + (end[c] - v) * k)));
+  }
+  return table;
 }

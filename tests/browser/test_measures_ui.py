@@ -127,14 +127,14 @@ def test_measures_redraw_the_heatmap_and_predictions_line_up(ran, tiny_api, arti
     page.wait_for_selector("#measure-plot[data-measure='raw']")
     page.select_option("#measure", "rollout")
     page.wait_for_selector("#measure-plot[data-measure='rollout']")
-    z = page.evaluate("() => document.getElementById('measure-plot').data[0].z")
+    z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
     want = tiny_api.get(f"/api/v1/runs/{run_id}/measures", params={"names": "rollout"}).json()["measures"]["rollout"]["data"]
     assert max(abs(a - b) for zr, wr in zip(z, want) for a, b in zip(zr, wr)) < 1e-6
     page.check("#word-view")
     page.wait_for_selector("#measure-plot[data-words='true']")
     words = tiny_api.get(f"/api/v1/runs/{run_id}/measures", params={"names": "words", "layers": "0", "heads": "0"}).json()
     n_words = len(words["measures"]["words"]["words"])
-    z = page.evaluate("() => document.getElementById('measure-plot').data[0].z")
+    z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
     assert len(z) == n_words < len(want)
     assert all(abs(sum(row) - 1) < 1e-5 for row in z)  # rollout rows stay distributions over words
     page.select_option("#measure", "contributions")
@@ -191,6 +191,28 @@ def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
     darkest = colours[1][-1][1].lstrip("#")
     assert signed[-1][1] == "rgb({},{},{})".format(*(int(darkest[k:k + 2], 16) for k in (0, 2, 4)))
     assert signed[0][1] != signed[-1][1]  # negative and positive shares read apart
+    # The painted cells read as the colorbar does: the largest share in the positive end's colour,
+    # the most negative one towards red.
+    painted = page.evaluate("""async () => {
+        const plot = document.getElementById('measure-plot');
+        const { matrix } = plot.measured;
+        const image = new Image();
+        image.src = plot.layout.images[0].source;
+        await image.decode();
+        const canvas = document.createElement('canvas');
+        canvas.width = image.width; canvas.height = image.height;
+        const ctx = canvas.getContext('2d');
+        ctx.drawImage(image, 0, 0);
+        const cells = matrix.flatMap((row, i) => row.map((v, j) => [v, i, j]));
+        const pick = (better) => cells.reduce((a, b) => (better(b[0], a[0]) ? b : a));
+        const at = ([v, i, j]) => [v, [...ctx.getImageData(j, i, 1, 1).data.slice(0, 3)]];
+        return [at(pick((a, b) => a > b)), at(pick((a, b) => a < b)), [image.width, image.height, matrix[0].length, matrix.length]];
+    }""")
+    (top, top_rgb), (low, low_rgb), (width, height, cols, rows) = painted
+    assert (width, height) == (cols, rows)  # one pixel per cell
+    assert "rgb({},{},{})".format(*top_rgb) == signed[-1][1] and top > 0
+    if low < 0:
+        assert low_rgb[0] > low_rgb[2], low_rgb  # red side
     page.locator("#measure-plot").screenshot(path=str(artifacts / "measures-signed-colours.png"))
 
 
@@ -210,3 +232,18 @@ def test_measure_labels_are_thinned_and_a_zoom_labels_every_token_in_view(page, 
     assert x == y == list(range(10, 31))
     texts = page.evaluate("() => document.getElementById('measure-plot').layout.xaxis.ticktext")
     assert "".join(texts) == text[10:31]
+    # Hovering a cell reads it in the line under the plot (no Plotly hover text per cell).
+    page.locator("#measure-plot").scroll_into_view_if_needed()
+    point = page.evaluate(
+        """() => {
+            const gd = document.getElementById('measure-plot');
+            const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+            return [box.left + gd._fullLayout.xaxis.l2p(12), box.top + gd._fullLayout.yaxis.l2p(20)];
+        }"""
+    )
+    page.mouse.move(point[0] - 20, point[1] - 20)
+    page.mouse.move(*point, steps=3)
+    reading = page.locator("#measure-reading[data-row='20'][data-col='12']")
+    reading.wait_for()
+    z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix[20][12]")
+    assert reading.text_content().startswith(f"{text[20]} → {text[12]}: {z:.4f}"), reading.text_content()
