@@ -3,6 +3,7 @@
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
 import { ApiError, describeError, requestJson } from "./api.js";
+import { AxisLabels } from "./axis_labels.js";
 import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { shortLabel, ticks } from "./focus.js";
@@ -14,19 +15,18 @@ import { onThemeChange } from "./theme.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
-const LAZY_TOKENS = 128; // above this many tokens even a run's first draw waits for the panel to be seen
 const SEEN_MARGIN_PX = 200;
 const TICK_FONT = 10; // px
 
-// Plotly ticks for the labels in a range, thinned as the focused heatmap's are (every label once
-// ALL_LABELS or fewer are in view), and the margin any of them needs once zoomed, sized by
-// arithmetic: with a label per token and automargin, Plotly measured every label, 0.7 s of main
-// thread at T=128 and 16 s at T=512.
+// The labels for a range, thinned as the focused heatmap's are (every label once ALL_LABELS or
+// fewer are in view), and the room any of them needs once zoomed. The page draws them
+// (axis_labels.js) over bare Plotly axes: with Plotly's own tick labels, even thinned and without
+// automargin, each draw relaid and measured them, 180-210 ms of main thread at T=128.
 function axisTicks(labels, range) {
   const { values, texts } = ticks(labels.map((_, i) => i), labels, range);
   let longest = 1;
   for (const label of labels) longest = Math.max(longest, shortLabel(label).length);
-  return { tickvals: values, ticktext: texts.map(plotlyText), room: 8 + TICK_FONT * 0.62 * longest };
+  return { values, texts, font: TICK_FONT, room: 8 + TICK_FONT * 0.62 * longest };
 }
 
 // The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads.
@@ -49,14 +49,6 @@ function cellImage(matrix, signed, peak) {
   }
   context.putImageData(image, 0, 0);
   return canvas.toDataURL("image/png");
-}
-
-// The range a relayout event gives an axis: [a, b], null for autorange, undefined if untouched.
-function rangeOf(event, axis) {
-  if (event[`${axis}axis.autorange`]) return null;
-  const a = event[`${axis}axis.range[0]`] ?? event[`${axis}axis.range`]?.[0];
-  const b = event[`${axis}axis.range[1]`] ?? event[`${axis}axis.range`]?.[1];
-  return a === undefined || b === undefined ? undefined : [a, b];
 }
 
 const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
@@ -152,8 +144,10 @@ class Measures {
     if (auto) this.loadFlow(token);
     else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
     this.finder.select(layer, head);
-    // A short run's panel is drawn at once; a long one's waits to be seen (see drawFocusWhenSeen).
-    this.loadPredictions().then(() => (run.tokens.length > LAZY_TOKENS ? this.drawFocusWhenSeen() : this.drawFocus()));
+    // The panel is drawn when it is seen (see drawFocusWhenSeen), a run's first draw too: drawn at
+    // once, its heatmap, neuron view and graph landed in frames of 150-330 ms at T=128, just as the
+    // user starts stepping through heads above it.
+    this.loadPredictions().then(() => this.drawFocusWhenSeen());
   }
 
   // A long run gets no measures (main.js): forget the last short run's predictions.
@@ -173,9 +167,9 @@ class Measures {
     this.drawFocusWhenSeen();
   }
 
-  // The flow graph, the measure (a T × T Plotly heatmap fetched as JSON) and the neuron view cost
-  // 0.2-0.4 s of main thread per focus change at T=128 to 512 (1-3 s before their labels were
-  // thinned), every arrow step: off screen they wait to be scrolled to.
+  // The flow graph, the measure (a T × T matrix fetched as JSON, drawn on Plotly's axes) and the
+  // neuron view cost 0.15-0.3 s of main thread per focus change at T=128 to 512 (1-3 s before the
+  // measure's labels were thinned), every arrow step: off screen they wait to be scrolled to.
   drawFocusWhenSeen() {
     const box = $("measures").getBoundingClientRect();
     const seen = box.bottom > -SEEN_MARGIN_PX && box.top < window.innerHeight + SEEN_MARGIN_PX && box.height > 0;
@@ -292,18 +286,19 @@ class Measures {
     const ink = getComputedStyle(document.body).color;
     const x = axisTicks(cols, null);
     const y = axisTicks(rows, null);
-    const axis = ({ tickvals, ticktext }) => ({ tickmode: "array", tickvals, ticktext, tickfont: { size: TICK_FONT } });
+    const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false };
     const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${this.layer}${kind === "contributions" ? "" : ` head ${this.head}`}`;
     this.axisLabels = { rows, cols };
     await window.Plotly.react(plot, [trace], {
       title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 } },
-      xaxis: { ...axis(x), side: "bottom", tickangle: -45 }, yaxis: { ...axis(y), autorange: "reversed" },
+      xaxis: { ...bare, autorange: true }, yaxis: { ...bare, autorange: "reversed" },
       // a label at -45° needs about 0.75 of its length below the axis
       margin: { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) },
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       height: Math.max(260, Math.min(640, 120 + 16 * rows.length)), images: [cells],
     }, { displaylogo: false, responsive: true });
     if (!this.listening) this.listen(plot);
+    this.placeLabels();
     Object.assign(plot.dataset, { measure: kind, layer: this.layer, head: this.head, words: String(wordView) });
     $("measure-caption").textContent = CAPTIONS[kind];
   }
@@ -327,25 +322,33 @@ class Measures {
     Object.assign(reading.dataset, { row: i, col: j });
   }
 
-  // Once per plot: hover readings, and a zoom labels every token now in view (once ALL_LABELS or
-  // fewer), as the focused heatmap does.
+  // The labels of the tokens (or heads) now in view, at the axes' current ranges.
+  placeLabels() {
+    const plot = $("measure-plot");
+    const xa = plot._fullLayout?.xaxis;
+    const ya = plot._fullLayout?.yaxis;
+    if (!xa || !ya || !this.axisLabels) return;
+    const ranges = { x: xa.range, y: ya.range };
+    const box = { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length };
+    const { rows, cols } = this.axisLabels;
+    const colour = getComputedStyle(document.body).color;
+    this.labelsView.render({
+      x: { ...axisTicks(cols, ranges.x), angle: -45, top: false }, y: axisTicks(rows, ranges.y),
+      titles: { x: { text: "" }, y: { text: "" } }, colors: { text: colour, muted: colour },
+    }, box, ranges);
+  }
+
+  // Once per plot: hover readings, and labels that follow a pan and are redrawn after a zoom
+  // (every token once ALL_LABELS or fewer are in view), as the focused heatmap's are.
   listen(plot) {
     this.listening = true;
+    this.labelsView = new AxisLabels(plot);
     plot.addEventListener("mousemove", (event) => this.readCell(event));
-    plot.on("plotly_relayout", (event) => {
-      const xr = rangeOf(event, "x");
-      const yr = rangeOf(event, "y");
-      if ((xr === undefined && yr === undefined) || !this.axisLabels) return;
-      const update = {};
-      if (xr !== undefined) {
-        const { tickvals, ticktext } = axisTicks(this.axisLabels.cols, xr);
-        Object.assign(update, { "xaxis.tickvals": tickvals, "xaxis.ticktext": ticktext });
-      }
-      if (yr !== undefined) {
-        const { tickvals, ticktext } = axisTicks(this.axisLabels.rows, yr);
-        Object.assign(update, { "yaxis.tickvals": tickvals, "yaxis.ticktext": ticktext });
-      }
-      window.Plotly.relayout(plot, update); // ticks only: its event carries no range, so no loop
+    plot.on("plotly_relayout", () => this.placeLabels());
+    plot.on("plotly_relayouting", () => {
+      const xa = plot._fullLayout.xaxis;
+      const ya = plot._fullLayout.yaxis;
+      this.labelsView.move({ left: xa._offset, top: ya._offset, width: xa._length, height: ya._length }, { x: xa.range, y: ya.range });
     });
   }
 

@@ -35,6 +35,7 @@ def ran(page, tiny_server, tiny_api):
     open_page(page, tiny_server)
     run(page, TEXT, model="tiny-gpt")
     page.wait_for_selector("#finder tbody tr", timeout=30_000)
+    page.locator("#measures").scroll_into_view_if_needed()  # the panel draws its views once seen
     run_id = page.evaluate("() => document.getElementById('finder').dataset.runId")
     return page, run_id
 
@@ -157,6 +158,7 @@ def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tin
     body = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "u8",
                                                     "predictions": {"top_k": 5}}).json()
     n = len(body["tokens"])
+    page.locator("#focus-plot").scroll_into_view_if_needed()  # `ran` left the measures panel in view
     page.wait_for_selector("#focus-predictions .pred")
     cells = page.locator("#focus-predictions .pred")
     assert cells.count() == n
@@ -222,16 +224,18 @@ def test_measure_labels_are_thinned_and_a_zoom_labels_every_token_in_view(page, 
     open_page(page, tiny_server)
     text = "abcdefghij" * 10  # tiny-gpt is byte-level: 100 tokens
     run(page, text, model="tiny-gpt")
+    page.locator("#measures").scroll_into_view_if_needed()
     page.wait_for_selector("#measure-plot[data-measure='raw']", timeout=30_000)
-    axes = "() => { const l = document.getElementById('measure-plot').layout; return [l.xaxis.tickvals, l.yaxis.tickvals]; }"
-    x, y = page.evaluate(axes)
-    assert len(x) == len(y) == 50 and x == list(range(0, 100, 2)), x  # every other token of 100
+    # The page's own labels (axis_labels.js), each token's text, over bare Plotly axes.
+    labels = """() => ['xtick', 'ytick'].map((axis) => [...document.querySelectorAll(`#measure-plot .axis-labels .${axis}`)]
+                      .filter((g) => g.style.display !== 'none').map((g) => g.textContent))"""
+    x, y = page.evaluate(labels)
+    assert x == y == list(text[::2]), x  # every other token of 100: 50 labels
+    assert page.evaluate("() => document.getElementById('measure-plot').layout.xaxis.showticklabels") is False
     page.evaluate("() => Plotly.relayout(document.getElementById('measure-plot'), {'xaxis.range': [9.5, 30.5], 'yaxis.range': [30.5, 9.5]})")
-    page.wait_for_function("() => document.getElementById('measure-plot').layout.xaxis.tickvals.length === 21")
-    x, y = page.evaluate(axes)
-    assert x == y == list(range(10, 31))
-    texts = page.evaluate("() => document.getElementById('measure-plot').layout.xaxis.ticktext")
-    assert "".join(texts) == text[10:31]
+    page.wait_for_function("() => document.querySelectorAll('#measure-plot .axis-labels .xtick').length === 21")
+    x, y = page.evaluate(labels)
+    assert x == y == list(text[10:31])
     # Hovering a cell reads it in the line under the plot (no Plotly hover text per cell).
     page.locator("#measure-plot").scroll_into_view_if_needed()
     point = page.evaluate(
