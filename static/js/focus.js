@@ -49,6 +49,27 @@ function fontFor(axisPx, shown) {
   return Math.max(7, Math.min(MAX_FONT, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
 }
 
+// A Plotly config for the page's plots. Nothing may leave this machine: no "Share chart" (Plotly 7
+// shows it by default and posts the figure to cloud.plotly.com), no logo link, no server URL, no
+// Chart Studio link. Plotly's own image export would miss what the page draws itself (cells,
+// labels): the camera and disk buttons call download(format) instead.
+export function localConfig(download) {
+  return {
+    responsive: true,
+    displaylogo: false,
+    showSendToCloud: false,
+    showEditInChartStudio: false,
+    showLink: false,
+    showSources: false,
+    plotlyServerURL: "",
+    modeBarButtonsToRemove: ["toImage", "sendChartToCloud", "editInChartStudio", "downloadJson", "select2d", "lasso2d", "autoScale2d"],
+    modeBarButtonsToAdd: [
+      { name: "downloadPng", title: "Download plot as PNG", icon: window.Plotly.Icons.camera, click: () => download("png") },
+      { name: "downloadSvg", title: "Download plot as SVG", icon: window.Plotly.Icons.disk, click: () => download("svg") },
+    ],
+  };
+}
+
 const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
 
 export class FocusView {
@@ -71,22 +92,7 @@ export class FocusView {
     this.figureKey = ""; // what Plotly has on screen, to skip a Plotly.react that would change nothing
     plot.plotted = (options) => this.plotted(options);
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
-    // Nothing may leave this machine: no "Share chart" (Plotly 7 shows it by default and posts the
-    // figure to cloud.plotly.com), no logo link, no server URL, no Chart Studio link.
-    this.config = {
-      responsive: true,
-      displaylogo: false,
-      showSendToCloud: false,
-      showEditInChartStudio: false,
-      showLink: false,
-      showSources: false,
-      plotlyServerURL: "",
-      modeBarButtonsToRemove: ["toImage", "sendChartToCloud", "editInChartStudio", "downloadJson", "select2d", "lasso2d", "autoScale2d"],
-      modeBarButtonsToAdd: [
-        { name: "downloadPng", title: "Download plot as PNG", icon: window.Plotly.Icons.camera, click: () => this.download("png") },
-        { name: "downloadSvg", title: "Download plot as SVG", icon: window.Plotly.Icons.disk, click: () => this.download("svg") },
-      ],
-    };
+    this.config = localConfig((format) => this.download(format));
   }
 
   // The plot fills what is left of the viewport below its top (on open, scrolled to the top), so

@@ -6,7 +6,7 @@ import { ApiError, describeError, requestJson } from "./api.js";
 import { AxisLabels } from "./axis_labels.js";
 import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
-import { shortLabel, ticks } from "./focus.js";
+import { localConfig, shortLabel, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { cellColours, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -296,7 +296,8 @@ class Measures {
       margin: { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) },
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       height: Math.max(260, Math.min(640, 120 + 16 * rows.length)), images: [cells],
-    }, { displaylogo: false, responsive: true });
+    }, this.config());
+    this.exportName = `manyeyes-${this.run.model}-${kind}${kind === "rollout" ? "" : `-L${this.layer}`}${kind === "contributions" || kind === "rollout" ? "" : `-H${this.head}`}`;
     if (!this.listening) this.listen(plot);
     this.placeLabels();
     Object.assign(plot.dataset, { measure: kind, layer: this.layer, head: this.head, words: String(wordView) });
@@ -320,6 +321,36 @@ class Measures {
     const reading = $("measure-reading");
     reading.textContent = `${rows[i]} → ${cols[j]}: ${matrix[i][j].toFixed(4)}${next}`;
     Object.assign(reading.dataset, { row: i, col: j });
+  }
+
+  // One config for the plot's life (a changed one redraws from scratch), as private as the
+  // focused heatmap's; its exports label the axes with Plotly (the page draws them on screen).
+  config() {
+    this.plotConfig ??= localConfig((format) => this.download(format));
+    return this.plotConfig;
+  }
+
+  // The plot as on screen, labelled by Plotly, captioned with the model and the text.
+  download(format) {
+    const plot = $("measure-plot");
+    const xa = plot._fullLayout.xaxis;
+    const ya = plot._fullLayout.yaxis;
+    const { rows, cols } = this.axisLabels;
+    const labelled = (labels, range) => {
+      const { values, texts } = axisTicks(labels, range);
+      return { showticklabels: true, ticks: "outside", tickmode: "array", tickvals: values, ticktext: texts.map(plotlyText), tickfont: { size: TICK_FONT } };
+    };
+    const text = this.request.text + (this.request.text_pair ? ` | ${this.request.text_pair}` : "");
+    const short = text.length > 80 ? `${text.slice(0, 79)}…` : text;
+    const layout = {
+      ...plot.layout,
+      xaxis: { ...plot.layout.xaxis, ...labelled(cols, xa.range), range: xa.range, autorange: false, tickangle: -45 },
+      yaxis: { ...plot.layout.yaxis, ...labelled(rows, ya.range), range: ya.range, autorange: false },
+      title: { ...plot.layout.title, text: `${plot.layout.title.text} · ${plotlyText(`${this.run.model} · “${short}”`)}` },
+    };
+    return window.Plotly.downloadImage({ data: plot.data, layout }, {
+      format, filename: this.exportName, width: plot.clientWidth, height: plot.clientHeight, scale: format === "png" ? 2 : 1,
+    });
   }
 
   // The labels of the tokens (or heads) now in view, at the axes' current ranges.

@@ -5,6 +5,7 @@ the heatmap, and predictions line up under it."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -251,3 +252,19 @@ def test_measure_labels_are_thinned_and_a_zoom_labels_every_token_in_view(page, 
     reading.wait_for()
     z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix[20][12]")
     assert reading.text_content().startswith(f"{text[20]} → {text[12]}: {z:.4f}"), reading.text_content()
+
+
+def test_measure_export_carries_its_labels_cells_and_caption(ran):
+    """The page draws the measure's labels, which Plotly's own export would drop: the modebar's
+    camera and disk export with Plotly-drawn labels, the painted cells and a caption."""
+    page, _ = ran
+    page.wait_for_selector("#measure-plot[data-measure='raw']")
+    page.hover("#measure-plot")
+    with page.expect_download() as download:
+        page.click("#measure-plot .modebar-btn[data-title='Download plot as SVG']")
+    assert download.value.suggested_filename == "manyeyes-tiny-gpt-raw-L0-H0.svg"
+    svg = open(download.value.path(), encoding="utf-8").read()
+    assert "Raw weights, layer 0 head 0 · tiny-gpt · “The cat sat on the mat. The cat sat on”" in svg
+    ticks = re.findall(r'class="xtick"[^>]*>.*?<text[^>]*>([^<]*)</text>', svg)
+    assert len(ticks) == len(TEXT) and "".join(ticks).replace("␣", " ").replace("\u00a0", " ") == TEXT, ticks[:12]
+    assert "data:image/png;base64," in svg  # the cells, as painted on the page
