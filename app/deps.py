@@ -14,6 +14,7 @@ from manyeyes.app.services.attention import AttentionService
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
+from manyeyes.app.services.tiles import TileService
 
 
 async def get_service(request: Request) -> AttentionService:
@@ -22,6 +23,10 @@ async def get_service(request: Request) -> AttentionService:
 
 async def get_generation(request: Request) -> GenerationService:
     return request.app.state.generation
+
+
+async def get_tiles(request: Request) -> TileService:
+    return request.app.state.tiles
 
 
 async def get_registry(request: Request) -> Registry:
@@ -36,3 +41,4 @@ ServiceDep = Annotated[AttentionService, Depends(get_service)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 GenerationDep = Annotated[GenerationService, Depends(get_generation)]
+TilesDep = Annotated[TileService, Depends(get_tiles)]

@@ -23,6 +23,7 @@ from manyeyes.app.memory import tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
+from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.measures import MeasuresService
 from manyeyes.app.services.errors import ApiError, error_body
@@ -90,6 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cache = RunCache(settings.cache_bytes, on_size=metrics.cache_bytes.set)
         app.state.registry = registry
         app.state.service = AttentionService(settings, registry, cache, metrics)
+        app.state.tiles = TileService(app.state.service)
         app.state.generation = GenerationService(settings, registry, metrics)
         app.state.measures = MeasuresService(app.state.service)
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.

@@ -229,14 +229,26 @@ FRAME_MEDIA_TYPE = "application/vnd.manyeyes.frame"
 FRAME_DTYPES = {"u8": np.uint8, "f16": np.dtype("<f2"), "json": np.dtype("<f4")}
 
 
-def decode_frame(body: bytes) -> list[tuple[dict, np.ndarray]]:
-    """The binary frame: b"MEF1", a u32 LE header length, the JSON header, then raw row-major data
-    that each result's `attention` points into by `offset` and `nbytes` (see app/services/wire.py)."""
+def frame_parts(body: bytes) -> tuple[dict, memoryview]:
+    """The binary frame's JSON header and its data section: b"MEF1", a u32 LE header length, the
+    header, then raw row-major data that the header's arrays point into by `offset` and `nbytes`
+    (see app/services/wire.py)."""
     if body[:4] != b"MEF1":
         raise ManyeyesError(0, "unreadable", f"not a manyeyes frame: starts with {body[:4]!r}")
     size = int.from_bytes(body[4:8], "little")
-    header = json.loads(body[8 : 8 + size])
-    data = memoryview(body)[8 + size :]
+    return json.loads(body[8 : 8 + size]), memoryview(body)[8 + size :]
+
+
+def json_body(response: httpx.Response) -> dict:
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise ManyeyesError(response.status_code, "unreadable", f"the response is not JSON: {exc}") from None
+
+
+def decode_frame(body: bytes) -> list[tuple[dict, np.ndarray]]:
+    """Every result of a frame, each `attention` read from the data section."""
+    header, data = frame_parts(body)
     results = header["results"] if "results" in header else [header]
     out = []
     for fields in results:
@@ -254,10 +266,7 @@ def decode_body(response: httpx.Response) -> list[tuple[dict, np.ndarray]]:
     frame or the JSON form, whichever the server chose to send."""
     if response.headers.get("content-type", "").startswith(FRAME_MEDIA_TYPE):
         return decode_frame(response.content)
-    try:
-        body = response.json()
-    except ValueError as exc:
-        raise ManyeyesError(response.status_code, "unreadable", f"the response is not JSON: {exc}") from None
+    body = json_body(response)
     results = body["results"] if "results" in body else [body]
     return [(r, None if r["attention"] is None else decode_attention(r["attention"])) for r in results]
 
@@ -342,11 +351,9 @@ def decode_array(meta: dict, data: memoryview | None = None) -> np.ndarray:
 def decode_arrays(response: httpx.Response) -> tuple[dict, dict[str, np.ndarray]]:
     """(the answer's other fields, its arrays by name), from the frame or the JSON form."""
     if response.headers.get("content-type", "").startswith(FRAME_MEDIA_TYPE):
-        body = response.content
-        size = int.from_bytes(body[4:8], "little")
-        fields, data = json.loads(body[8 : 8 + size]), memoryview(body)[8 + size :]
+        fields, data = frame_parts(response.content)
     else:
-        fields, data = response.json(), None
+        fields, data = json_body(response), None
     arrays = {k: decode_array(v, data) for k, v in fields.items() if isinstance(v, dict) and "dtype" in v}
     return {k: v for k, v in fields.items() if k not in arrays}, arrays
 

@@ -104,7 +104,6 @@ class AttentionService:
         self.metrics = metrics
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
         self.renders = asyncio.Semaphore(settings.max_concurrent_renders)
-        self.tiles_in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )
@@ -302,16 +301,13 @@ class AttentionService:
                 top_k: int | None = None) -> tuple[list[bytes], str | None]:
         info = served.model.info
         found = [self._predictions(served, item.run, top_k) for item in items]
-        if items[0].kind == "qk":  # never in a batch (kind_for)
-            item = items[0]
-            body = render_kept(item.run, info, view, item.timing, found[0])
-            encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), True)
-            return self.compression.apply(encoding, body), encoding
-        if wire.frame:
-            body = render_frame([(item.run, item.timing, p) for item, p in zip(items, found)], info, view, batch)
+        if items[0].kind == "qk":  # never in a batch (kind_for); always JSON
+            body, text = render_kept(items[0].run, info, view, items[0].timing, found[0]), True
+        elif wire.frame:
+            body, text = render_frame([(item.run, item.timing, p) for item, p in zip(items, found)], info, view, batch), False
         else:
             body = join_results([render_result(item.run, info, view, item.timing, p) for item, p in zip(items, found)], batch)
-        text = view.format == "json" and not wire.frame
+            text = view.format == "json"
         encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
         return self.compression.apply(encoding, body), encoding
 

@@ -220,11 +220,13 @@ class Batcher:
         return seconds
 
     def _check_work(self, jobs: list[Job], deadline: float) -> None:
+        if not self.work_fraction:
+            return  # admission by count only: no estimate, so nothing to calibrate either
         estimate = self.wait_ahead_s(jobs)
         for job in jobs:
             job.estimate_s = estimate
-        if estimate is None or not self.work_fraction or not (self._pending or self._running_batch):
-            return  # no rate measured yet, admission by count only, or nothing ahead: it runs next
+        if estimate is None or not (self._pending or self._running_batch):
+            return  # no rate measured yet, or nothing ahead: it runs next
         needed = estimate * self._calibration
         allowed = self.work_fraction * (deadline - time.monotonic())
         if needed > allowed:

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService, Reply, Wire, resolve_indices
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
-from manyeyes.app.services.payload import DTYPES, U8_SCALE, links_for, raw_data, token_dicts
+from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows
 
@@ -82,10 +82,7 @@ def side(asked: int | None, extent: int, name: str, cap: int) -> int:
 def array_meta(values: torch.Tensor, fmt: str) -> dict:
     if values.dtype in (torch.int32, torch.int64):
         return {"format": "i32" if fmt != "json" else "json", "dtype": "int32", "shape": list(values.shape)}
-    meta = {"format": fmt, "dtype": DTYPES[fmt], "shape": list(values.shape)}
-    if fmt == "u8":
-        meta["scale"] = U8_SCALE
-    return meta
+    return attention_meta(values, fmt)
 
 
 def array_bytes(values: torch.Tensor, fmt: str) -> bytes:
@@ -133,6 +130,7 @@ class TileService:
         self.attention = attention
         self.settings = attention.settings
         self.block_cells = attention.settings.tile_block_bytes // 4  # float32 weights
+        self.in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
 
     def _run(self, run_id: str) -> tuple[Run, object]:
         run = self.attention.cached(run_id)
@@ -154,16 +152,15 @@ class TileService:
             return self.attention.compression.apply(encoding, pieces), media, encoding
 
         # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, 429.
-        service = self.attention
-        if service.tiles_in_flight >= self.settings.max_queue:
-            raise QueueFull(f"{service.tiles_in_flight} tile requests are already waiting; retry shortly", 1)
+        if self.in_flight >= self.settings.max_queue:
+            raise QueueFull(f"{self.in_flight} tile requests are already waiting; retry shortly", 1)
         started = time.perf_counter()
-        service.tiles_in_flight += 1
+        self.in_flight += 1
         try:
-            async with service.renders:
+            async with self.attention.renders:
                 body, media, encoding = await run_in_threadpool(build)
         finally:
-            service.tiles_in_flight -= 1
+            self.in_flight -= 1
         headers = {"Vary": "Accept, Accept-Encoding"}
         if encoding:
             headers["Content-Encoding"] = encoding
