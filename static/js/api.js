@@ -108,6 +108,12 @@ function viaWorker(url, init, signal) {
   });
 }
 
+// The same POST answered as plain JSON on the main thread: small answers (predictions, a run
+// posted again after eviction) that need no decoding worker.
+export function postAttentionJson(body) {
+  return requestJson("/api/v1/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+}
+
 export function postAttention(body, signal) {
   const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
   return authorised((withAuth) => viaWorker("/api/v1/attention", withAuth, signal), init);

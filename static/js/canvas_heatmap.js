@@ -46,6 +46,22 @@ function tileOf(pixels, nRows, nCols, previous, row0 = 0, col0 = 0) {
   return { row0, col0, rows: nRows, cols: nCols, image };
 }
 
+// The cell (row, col) of an nRows × nCols matrix on a Plotly plot's axes (edges at index ± 0.5)
+// under a client-space point, or null outside the plot area or the matrix.
+export function cellUnder(plot, clientX, clientY, nRows, nCols) {
+  const xa = plot._fullLayout?.xaxis;
+  const ya = plot._fullLayout?.yaxis;
+  if (!xa || !ya || !nRows) return null;
+  const box = plot.getBoundingClientRect();
+  const x = clientX - box.left - xa._offset;
+  const y = clientY - box.top - ya._offset;
+  if (x < 0 || y < 0 || x > xa._length || y > ya._length) return null;
+  const col = Math.round(xa.p2l(x));
+  const row = Math.round(ya.p2l(y));
+  if (row < 0 || col < 0 || row >= nRows || col >= nCols) return null;
+  return { row, col };
+}
+
 export class CanvasHeatmap {
   constructor(plot) {
     this.plot = plot; // the Plotly graph div whose axes place the cells
@@ -123,18 +139,7 @@ export class CanvasHeatmap {
 
   // The cell (row, col) under a client-space point, or null outside the matrix.
   cellAt(clientX, clientY) {
-    const layout = this.plot._fullLayout;
-    const xa = layout?.xaxis;
-    const ya = layout?.yaxis;
-    if (!xa || !ya || !this.nRows) return null;
-    const box = this.plot.getBoundingClientRect();
-    const x = clientX - box.left - xa._offset;
-    const y = clientY - box.top - ya._offset;
-    if (x < 0 || y < 0 || x > xa._length || y > ya._length) return null;
-    const col = Math.round(xa.p2l(x));
-    const row = Math.round(ya.p2l(y));
-    if (row < 0 || col < 0 || row >= this.nRows || col >= this.nCols) return null;
-    return { row, col };
+    return cellUnder(this.plot, clientX, clientY, this.nRows, this.nCols);
   }
 
   // What exports embed: the image and the cells it covers (edges at index ± 0.5), here all of them.

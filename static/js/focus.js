@@ -70,6 +70,18 @@ export function localConfig(download) {
   };
 }
 
+// Where a Plotly plot's axes are now: their box in the plot's pixels and their data ranges, or
+// null before Plotly has laid them out.
+export function placementOf(plot) {
+  const xa = plot._fullLayout?.xaxis;
+  const ya = plot._fullLayout?.yaxis;
+  if (!xa || !ya) return null;
+  return {
+    box: { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length },
+    ranges: { x: xa.range, y: ya.range },
+  };
+}
+
 const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
 
 export class FocusView {
@@ -172,15 +184,9 @@ export class FocusView {
     this.colorbarView.render({ stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text, box: place.box });
   }
 
-  // Where Plotly's axes put the cells now: their box in the plot's pixels and the data ranges.
+  // Where Plotly's axes put the cells now (placementOf).
   placement() {
-    const xa = this.plot._fullLayout?.xaxis;
-    const ya = this.plot._fullLayout?.yaxis;
-    if (!xa || !ya) return null;
-    return {
-      box: { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length },
-      ranges: { x: xa.range, y: ya.range },
-    };
+    return placementOf(this.plot);
   }
 
   // Mid-pan Plotly moves the axes live: the cells and labels follow (a zoom box leaves them alone).

@@ -48,7 +48,7 @@ function topWeight(view, r, k) {
 }
 
 // The lines of one head's view: flat [row, col, bucket, …] of every weight worth drawing.
-export function linesOf(view) {
+function linesOf(view) {
   const nCols = view.cols.length;
   const lines = [];
   for (let r = 0; r < view.rows.length; r++) {

@@ -2,11 +2,12 @@
 // weighted norms, head contributions), a word view, the model's predictions under it, and the
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
-import { ApiError, describeError, requestJson } from "./api.js";
+import { ApiError, describeError, postAttentionJson, requestJson } from "./api.js";
 import { AxisLabels } from "./axis_labels.js";
+import { cellUnder } from "./canvas_heatmap.js";
 import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
-import { localConfig, shortLabel, ticks } from "./focus.js";
+import { localConfig, placementOf, shortLabel, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { cellColours, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -117,9 +118,7 @@ class Measures {
   }
 
   post(extra) {
-    return requestJson("/api/v1/attention", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ ...this.request, ...extra }),
-    });
+    return postAttentionJson({ ...this.request, ...extra });
   }
 
   status(id, err) {
@@ -288,7 +287,6 @@ class Measures {
     const y = axisTicks(rows, null);
     const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false };
     const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${this.layer}${kind === "contributions" ? "" : ` head ${this.head}`}`;
-    this.axisLabels = { rows, cols };
     await window.Plotly.react(plot, [trace], {
       title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 } },
       xaxis: { ...bare, autorange: true }, yaxis: { ...bare, autorange: "reversed" },
@@ -307,15 +305,11 @@ class Measures {
   // "query → key: value" for the cell under the pointer, and the model's next-token guess after
   // the query where there is one, in the line under the plot.
   readCell(event) {
-    const plot = $("measure-plot");
-    const xa = plot._fullLayout?.xaxis;
-    const ya = plot._fullLayout?.yaxis;
-    if (!xa || !ya || !this.cells) return;
+    if (!this.cells) return;
     const { matrix, rows, cols, predictions } = this.cells;
-    const box = plot.getBoundingClientRect();
-    const i = Math.round(ya.p2l(event.clientY - box.top - ya._offset));
-    const j = Math.round(xa.p2l(event.clientX - box.left - xa._offset));
-    if (!(i >= 0 && j >= 0 && i < rows.length && j < cols.length)) return;
+    const cell = cellUnder($("measure-plot"), event.clientX, event.clientY, rows.length, cols.length);
+    if (!cell) return;
+    const { row: i, col: j } = cell;
     const top = predictions?.[String(i)]?.[0];
     const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
     const reading = $("measure-reading");
@@ -333,9 +327,8 @@ class Measures {
   // The plot as on screen, labelled by Plotly, captioned with the model and the text.
   download(format) {
     const plot = $("measure-plot");
-    const xa = plot._fullLayout.xaxis;
-    const ya = plot._fullLayout.yaxis;
-    const { rows, cols } = this.axisLabels;
+    const { ranges } = placementOf(plot);
+    const { rows, cols } = this.cells;
     const labelled = (labels, range) => {
       const { values, texts } = axisTicks(labels, range);
       return { showticklabels: true, ticks: "outside", tickmode: "array", tickvals: values, ticktext: texts.map(plotlyText), tickfont: { size: TICK_FONT } };
@@ -344,8 +337,8 @@ class Measures {
     const short = text.length > 80 ? `${text.slice(0, 79)}…` : text;
     const layout = {
       ...plot.layout,
-      xaxis: { ...plot.layout.xaxis, ...labelled(cols, xa.range), range: xa.range, autorange: false, tickangle: -45 },
-      yaxis: { ...plot.layout.yaxis, ...labelled(rows, ya.range), range: ya.range, autorange: false },
+      xaxis: { ...plot.layout.xaxis, ...labelled(cols, ranges.x), range: ranges.x, autorange: false, tickangle: -45 },
+      yaxis: { ...plot.layout.yaxis, ...labelled(rows, ranges.y), range: ranges.y, autorange: false },
       title: { ...plot.layout.title, text: `${plot.layout.title.text} · ${plotlyText(`${this.run.model} · “${short}”`)}` },
     };
     return window.Plotly.downloadImage({ data: plot.data, layout }, {
@@ -355,18 +348,14 @@ class Measures {
 
   // The labels of the tokens (or heads) now in view, at the axes' current ranges.
   placeLabels() {
-    const plot = $("measure-plot");
-    const xa = plot._fullLayout?.xaxis;
-    const ya = plot._fullLayout?.yaxis;
-    if (!xa || !ya || !this.axisLabels) return;
-    const ranges = { x: xa.range, y: ya.range };
-    const box = { left: xa._offset, top: ya._offset, width: xa._length, height: ya._length };
-    const { rows, cols } = this.axisLabels;
+    const place = placementOf($("measure-plot"));
+    if (!place || !this.cells) return;
+    const { rows, cols } = this.cells;
     const colour = getComputedStyle(document.body).color;
     this.labelsView.render({
-      x: { ...axisTicks(cols, ranges.x), angle: -45, top: false }, y: axisTicks(rows, ranges.y),
+      x: { ...axisTicks(cols, place.ranges.x), angle: -45, top: false }, y: axisTicks(rows, place.ranges.y),
       titles: { x: { text: "" }, y: { text: "" } }, colors: { text: colour, muted: colour },
-    }, box, ranges);
+    }, place.box, place.ranges);
   }
 
   // Once per plot: hover readings, and labels that follow a pan and are redrawn after a zoom
@@ -377,9 +366,8 @@ class Measures {
     plot.addEventListener("mousemove", (event) => this.readCell(event));
     plot.on("plotly_relayout", () => this.placeLabels());
     plot.on("plotly_relayouting", () => {
-      const xa = plot._fullLayout.xaxis;
-      const ya = plot._fullLayout.yaxis;
-      this.labelsView.move({ left: xa._offset, top: ya._offset, width: xa._length, height: ya._length }, { x: xa.range, y: ya.range });
+      const place = placementOf(plot);
+      if (place) this.labelsView.move(place.box, place.ranges);
     });
   }
 

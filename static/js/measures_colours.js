@@ -5,22 +5,19 @@
 // sequential scale's strongest colour for positive values and red for negative ones. Every
 // measure plot carries its colorbar as the legend.
 
-import { colorTable, palette } from "./theme.js";
+import { colorTable, hexToRgb, packRgb, palette } from "./theme.js";
 
 const NEGATIVE = [203, 45, 62]; // red: a share that cancels other heads, a negative component
-
-function rgb(hex) {
-  const n = parseInt(hex.slice(1), 16);
-  return [(n >> 16) & 255, (n >> 8) & 255, n & 255];
-}
+const positives = new Map(); // palette -> its strongest colour as [r, g, b]: the neuron strips ask per component
 
 export function sequentialStops() {
   return palette().stops;
 }
 
 function positive() {
-  const stops = palette().stops;
-  return rgb(stops[stops.length - 1][1]);
+  const theme = palette();
+  if (!positives.has(theme)) positives.set(theme, hexToRgb(theme.stops[theme.stops.length - 1][1]));
+  return positives.get(theme);
 }
 
 // A Plotly colorscale for values in [-peak, peak] (zmin -peak, zmax peak).
@@ -35,19 +32,18 @@ export function signedFill(value, peak) {
   return `rgba(${r}, ${g}, ${b}, ${alpha})`;
 }
 
-const pack = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0; // RGBA bytes, little-endian
-
 // 256 packed RGBA colours for a measure's cells, the same scale as its colorbar: sequential for
 // [0, peak] (the focused heatmap's own table) or signed for [-peak, peak], index 127.5 at 0.
 export function cellColours(signed) {
   if (!signed) return colorTable().subarray(0, 256);
-  const paper = rgb(palette().paper);
+  const paper = hexToRgb(palette().paper);
+  const strongest = positive();
   const table = new Uint32Array(256);
   for (let i = 0; i < 256; i++) {
     const t = (i - 127.5) / 127.5; // -1 … 1
-    const end = t < 0 ? NEGATIVE : positive();
+    const end = t < 0 ? NEGATIVE : strongest;
     const k = Math.abs(t);
-    table[i] = pack(paper.map((v, c) => Math.round(v + (end[c] - v) * k)));
+    table[i] = packRgb(paper.map((v, c) => Math.round(v + (end[c] - v) * k)));
   }
   return table;
 }

@@ -5,10 +5,10 @@
 // added by a listener on the plot's wrapper, which hears a mousemove after the plot's own listener
 // (focus.js) has written the reading and set the tooltip's data-query.
 
-import { describeError, listModels, requestJson } from "./api.js";
+import { describeError, listModels, postAttentionJson } from "./api.js";
 import { el } from "./dom.js";
 
-export const TOP_K = 5;
+const TOP_K = 5;
 // Spans per strip: beyond this many tokens the strip stops (the hover line still has every token).
 const STRIP_TOKENS = 1024;
 
@@ -17,12 +17,12 @@ function percent(prob) {
 }
 
 // "next after “cat”: sat 41.2%, is 9.0%, …" (causal) or "at “[MASK]”: …" (masked LM).
-export function describeTop(top, label, causal) {
+function describeTop(top, label, causal) {
   return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${p.token} ${percent(p.prob)}`).join(", ");
 }
 
 // One span per token: the token, its top guess under it, the whole top-k in its title.
-export function renderStrip(container, labels, predictions, causal) {
+function renderStrip(container, labels, predictions, causal) {
   const shown = labels.slice(0, STRIP_TOKENS);
   const cells = shown.map((label, i) => {
     const top = predictions[String(i)];
@@ -79,10 +79,7 @@ export class Predictions {
       return null;
     }
     try {
-      const body = await requestJson("/api/v1/attention", {
-        method: "POST", headers: { "Content-Type": "application/json" },
-        body: JSON.stringify({ ...request, format: "u8", layers: [0], heads: [0], predictions: { top_k: TOP_K } }),
-      });
+      const body = await postAttentionJson({ ...request, format: "u8", layers: [0], heads: [0], predictions: { top_k: TOP_K } });
       if (token !== this.token) return null;
       this.byPosition = body.predictions;
       this.causal = info.causal;

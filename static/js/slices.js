@@ -2,10 +2,10 @@
 // get in between: at T=512 the grid's 72 thumbnails or the head view's lines done in one go would
 // hold the page for a frame or more.
 
-export const SLICE_MS = 8; // the longest one slice holds the page
+const SLICE_MS = 8; // the longest one slice holds the page
 
 // A fresh task (scheduler.postTask where there is one: setTimeout(0) is clamped to 4 ms when nested).
-export function nextTask() {
+function nextTask() {
   if (globalThis.scheduler?.postTask) return globalThis.scheduler.postTask(() => {}, { priority: "user-visible" });
   return new Promise((resolve) => setTimeout(resolve, 0));
 }

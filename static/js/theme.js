@@ -96,10 +96,13 @@ export function scaled(value, mode, peak) {
   return peak > 0 ? value / peak : 0;
 }
 
-function hexToRgb(hex) {
+export function hexToRgb(hex) {
   const n = parseInt(hex.slice(1), 16);
   return [(n >> 16) & 255, (n >> 8) & 255, n & 255];
 }
+
+// One opaque colour as canvas ImageData reads it from a Uint32Array (RGBA bytes, little-endian).
+export const packRgb = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
 
 // 256 packed RGBA colours (little-endian, as canvas ImageData reads a Uint32Array) along the scale.
 export function colorTable() {
@@ -107,7 +110,6 @@ export function colorTable() {
   if (lutCache[name]) return lutCache[name];
   const { stops, masked } = PALETTES[name];
   const table = new Uint32Array(257); // index 256 is the masked colour
-  const pack = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
   for (let i = 0; i < 256; i++) {
     const x = i / 255;
     let s = 1;
@@ -117,9 +119,9 @@ export function colorTable() {
     const t = (x - x0) / (x1 - x0);
     const a = hexToRgb(c0);
     const b = hexToRgb(c1);
-    table[i] = pack(a.map((v, k) => Math.round(v + (b[k] - v) * t)));
+    table[i] = packRgb(a.map((v, k) => Math.round(v + (b[k] - v) * t)));
   }
-  table[256] = pack(hexToRgb(masked));
+  table[256] = packRgb(hexToRgb(masked));
   lutCache[name] = table;
   return table;
 }

@@ -219,12 +219,17 @@ def test_a_short_run_serves_the_same_routes_from_its_weights(tiles_api, model_id
     np.testing.assert_allclose(array(top["values"]), -np.sort(-weights[0, 0], axis=1)[:, :3], atol=1e-6)
     before = tiles_api.app.state.service.cache.nbytes
     overview = get(tiles_api, run_id, "overview", format="json").json()
-    assert array(overview["attention"]).shape[:2] == weights.shape[:2]
+    pooled, re, ce = array(overview["attention"]), overview["row_edges"], overview["col_edges"]
+    assert pooled.shape == (*weights.shape[:2], len(re) - 1, len(ce) - 1)
+    for layer in range(weights.shape[0]):  # made from the run's own weights on first use: same maxima
+        for head in range(weights.shape[1]):
+            want, _, _ = np_pool(weights[layer, head], 0, n, 0, n, len(re) - 1, len(ce) - 1, "max")
+            np.testing.assert_allclose(pooled[layer, head], want, atol=1e-6, rtol=0)
     info = tiles_api.get(f"/api/v1/runs/{run_id}").json()
     assert info["kept"] == "weights" and info["shapes"] == {"attention": list(weights.shape)}
     # The overview a dense run makes on first use is counted by the cache.
     assert info["nbytes"] >= weights.nbytes + overview_bytes(overview)
-    assert tiles_api.app.state.service.cache.nbytes >= before
+    assert tiles_api.app.state.service.cache.nbytes >= before + overview_bytes(overview)
 
 
 def overview_bytes(body: dict) -> int:

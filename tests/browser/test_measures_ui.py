@@ -214,8 +214,7 @@ def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
     (top, top_rgb), (low, low_rgb), (width, height, cols, rows) = painted
     assert (width, height) == (cols, rows)  # one pixel per cell
     assert "rgb({},{},{})".format(*top_rgb) == signed[-1][1] and top > 0
-    if low < 0:
-        assert low_rgb[0] > low_rgb[2], low_rgb  # red side
+    assert low < 0 and low_rgb[0] > low_rgb[2], (low, low_rgb)  # the most negative share: red side
     page.locator("#measure-plot").screenshot(path=str(artifacts / "measures-signed-colours.png"))
 
 
