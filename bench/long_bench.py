@@ -36,7 +36,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_server import serve  # noqa: E402
+from live_server import rss_mb, serve  # noqa: E402
 
 from manyeyes.model import Capture, load  # noqa: E402
 
@@ -76,15 +76,6 @@ def text_of(n_tokens: int, seed: int, model) -> str:
     return text[:lo]
 
 
-def status_mb(pid: int, field: str = "VmRSS") -> float:
-    """Resident memory now (VmRSS) or at its peak so far (VmHWM), from /proc."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} for {pid}")
-
-
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})"
 
@@ -95,7 +86,7 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int, untimed: int =
     post_s, server_s, bare_s, net_s, rss, nbytes, qk_bytes = [], [], [], [], [], [], 0
     settings = dict(warmup="false", dense_max_tokens=1024, request_timeout_s=900)
     with serve(models=json.dumps({name: spec}), **settings) as (url, pid):
-        ready_rss = status_mb(pid)
+        ready_rss = rss_mb(pid)
         with httpx.Client(base_url=url, timeout=600) as http:
             for i, text in enumerate(texts):
                 encoded = model.encode(text, truncate=True)
@@ -120,9 +111,9 @@ def bench_case(name: str, spec: str, n_tokens: int, repeats: int, untimed: int =
                 del result, kept
                 info = http.get(f"/api/v1/runs/{body['run_id']}").json()
                 nbytes.append(info["nbytes"])
-                rss.append(status_mb(pid))
+                rss.append(rss_mb(pid))
                 if i == 0:  # after one forward and nothing else: the forward's peak
-                    peak = status_mb(pid, "VmHWM") - ready_rss
+                    peak = rss_mb(pid, "VmHWM") - ready_rss
                 if i < untimed:  # the first of each side pays one-time costs
                     continue
                 post_s.append(took)
@@ -152,14 +143,7 @@ def main() -> None:
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         if 2048 in sizes:
-            try:
-                load("tiny-llama", device="cpu")
-                cases.append(("tiny-llama", "tiny-llama", 2048))
-            except Exception:  # not built in on this branch yet
-                folder = random_llama(Path(tmp) / "small", 2048, layers=4, heads=8, kv_heads=4, width=256)
-                print("tiny-llama is not built in here: T=2048 uses a random llama of its planned shape "
-                      "(4 layers, 8 heads, 4 kv heads, width 256, tiny-gpt's byte tokenizer)")
-                cases.append(("small-llama", str(folder), 2048))
+            cases.append(("tiny-llama", "tiny-llama", 2048))
         big = [n for n in sizes if n != 2048]
         if big:
             folder = random_llama(Path(tmp) / "big", max(big), layers=6, heads=12, kv_heads=4, width=384)

@@ -269,8 +269,8 @@ class MultiHeadAttention(nn.Module):
         num_keys = keys.shape[2]
         if capture.keep:  # before any (b, heads, T, T) scores exist: 3.2 GB a layer at T = 8,192
             return self._attend_in_row_blocks(queries, keys, values, key_padding_mask, capture)
-        if self.training and capture == Capture(weights=False) and past is None and key_padding_mask is None \
-                and self.sliding_window is None:
+        inspects_nothing = not capture.weights and not capture.qkv and capture.weights_out is None
+        if self.training and inspects_nothing and past is None and key_padding_mask is None and self.sliding_window is None:
             # Training inspects nothing: PyTorch's fused kernel never builds the (b, heads, T, T) weights,
             # forward or backward, which at T = 2,048 made each step several times slower.
             context = F.scaled_dot_product_attention(

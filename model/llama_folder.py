@@ -12,34 +12,22 @@ from pathlib import Path
 import torch
 
 from manyeyes.model.blocks import DecoderConfig, RotaryDecoder
-from manyeyes.model.families.llama import LAYER, LM_HEAD, OUT_BIAS, QKV_BIAS, TOP
+from manyeyes.model.families.llama import LAYER, LM_HEAD, TOP, bias_rows, build
 from manyeyes.model.keymap import rows_for
-from manyeyes.model.rotary import RopeConfig
 
-RMS_EPS = 1e-6  # llama's default rms_norm_eps
-
-
-def decoder_config(
+def training_decoder(
     vocab_size: int, context: int, emb_dim: int, layers: int, heads: int, kv_heads: int, ff_dim: int, rope_theta: float,
     attention_bias: bool = False,
-) -> DecoderConfig:
-    head_dim = emb_dim // heads
-    return DecoderConfig(
-        vocab_size=vocab_size,
-        max_positions=context,
-        emb_dim=emb_dim,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=kv_heads,
-        head_dim=head_dim,
-        ff_dim=ff_dim,
-        rope=RopeConfig(head_dim=head_dim, rotary_dim=head_dim, theta=rope_theta, max_positions=context),
-        norm="rms",
-        norm_eps=RMS_EPS,
-        ff="swiglu",
-        qkv_bias=attention_bias,  # llama's attention_bias puts a bias on all four projections
-        out_bias=attention_bias,
-    )
+) -> RotaryDecoder:
+    """A fresh llama to train, built by the llama family's own loader from a config.json: the folder
+    it is saved as then loads back as the same model by construction, not by two hand-kept copies
+    of the same DecoderConfig agreeing. (attention_bias puts a bias on all four projections.)"""
+    config = {
+        "model_type": "llama", "vocab_size": vocab_size, "hidden_size": emb_dim, "intermediate_size": ff_dim,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "max_position_embeddings": context, "rope_theta": rope_theta, "attention_bias": attention_bias,
+    }
+    return build(config, Path("manyeyes train"))
 
 
 def hf_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
@@ -69,8 +57,7 @@ def hf_state(net: RotaryDecoder, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state_dict in Hugging Face llama names, through the loader's own table read backwards."""
     ours = net.state_dict()
     state = {}
-    biases = (QKV_BIAS + OUT_BIAS) if net.cfg.qkv_bias else []
-    for hf_key, our_key, transform in rows_for(TOP, LAYER + biases, net.cfg.n_layers):
+    for hf_key, our_key, transform in rows_for(TOP, LAYER + bias_rows(net.cfg), net.cfg.n_layers):
         assert transform is None, f"{hf_key} is transformed on load; its inverse would be needed here"
         state["model." + hf_key] = ours[our_key]
     state[LM_HEAD] = ours["out_head.weight"]

@@ -128,15 +128,16 @@ def contributions(
     mixed, outputs: out_proj's input and output per layer as `capture_stream` keeps them; the
     forward already made both, so with them nothing is recomputed (without: from the values).
     """
-    if result.values is None and mixed is None:
-        raise ValueError("head contributions need the values: run with Capture(qkv=True)")
+    streamed = mixed is not None and outputs is not None
+    if result.values is None and not streamed:
+        raise ValueError("head contributions need the values (run with Capture(qkv=True)) or both mixed and outputs")
     info = model.info
     norms, shares, bias_shares = [], [], []
     for layer, block in enumerate(model.net.trf_blocks):
         w_o = block.att.out_proj.weight.detach().float().cpu()  # (d_model, n_heads * head_dim)
         bias = block.att.out_proj.bias
         bias = bias.detach().float().cpu() if bias is not None else torch.zeros(w_o.shape[0])
-        if mixed is not None and outputs is not None:
+        if streamed:
             context, output = mixed[layer], outputs[layer]  # (T, n_heads * head_dim), (T, d_model)
             n_tokens = context.shape[0]
             # (T, n_heads * head_dim) -> (T, n_heads, head_dim) -> (n_heads, T, head_dim)
@@ -284,7 +285,7 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
         return cached[1]
     source = model.encode(PROBE_SOURCE, truncate=True)
     lead = [t for t in source.tokens[:1] if t.special]  # keep a BERT's [CLS]: its heads expect it
-    length = min(length, (model.info.max_tokens - len(lead)) // 2)
+    asked, length = length, min(length, (model.info.max_tokens - len(lead)) // 2)
     pool = sorted({t.id for t in source.tokens if not t.special})
     generator = torch.Generator().manual_seed(seed)
     draws = [pool[int(k)] for k in torch.randint(len(pool), (length,), generator=generator)]
@@ -295,7 +296,7 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
     queries = torch.arange(start + length + 1, start + 2 * length)  # second copy, from its 2nd token
     targets = queries - length + 1  # the token after the earlier occurrence
     scores = attention[:, :, queries, targets].mean(-1)
-    model._induction_scores = ((length, seed), scores)
+    model._induction_scores = ((asked, seed), scores)  # the key it is looked up by, not the shortened length
     return scores
 
 

@@ -39,7 +39,7 @@ from manyeyes.model.blocks import RotaryDecoder
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.gpt import GPTConfig, GPTModel
 from manyeyes.model.keymap import load_strict
-from manyeyes.model.llama_folder import decoder_config, hf_config, save_weights
+from manyeyes.model.llama_folder import hf_config, save_weights, training_decoder
 from manyeyes.model.runtime import pick_device
 
 END_OF_TEXT = "<|endoftext|>"  # separates files, so no window pretends one file continues another
@@ -281,11 +281,9 @@ def get_batch(data: torch.Tensor, batch_size: int, context: int, gen: torch.Gene
 # ---------------------------------------------------------------------------- model and optimizer
 def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
     if cfg.arch == "llama":
-        model = RotaryDecoder(
-            decoder_config(
-                vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta,
-                cfg.attention_bias,
-            )
+        model = training_decoder(
+            vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta,
+            cfg.attention_bias,
         )
         init_weights(model)
         return model

@@ -169,6 +169,7 @@ def test_induction_probe_fits_a_short_context(tmp_path, bytelevel_tokenizer):
     assert model.info.max_tokens == 64 < 2 * PROBE_LENGTH
     scores = induction_scores(model)
     assert scores.shape == (1, 2) and torch.isfinite(scores).all() and (scores > 0).all()
+    assert induction_scores(model) is scores  # kept under the length asked for, not the shortened one
 
 
 def test_stats_from_hand_built_heads():

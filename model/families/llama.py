@@ -34,7 +34,7 @@ LAYER = [
     ("layers.{i}.mlp.up_proj.weight", "trf_blocks.{i}.ff.up.weight", None),
     ("layers.{i}.mlp.down_proj.weight", "trf_blocks.{i}.ff.down.weight", None),
 ]
-# Present only when the config switches them on (see `_bias_rows`).
+# Present only when the config switches them on (see `bias_rows`).
 QKV_BIAS = [
     ("layers.{i}.self_attn.q_proj.bias", "trf_blocks.{i}.att.W_query.bias", None),
     ("layers.{i}.self_attn.k_proj.bias", "trf_blocks.{i}.att.W_key.bias", None),
@@ -126,7 +126,7 @@ def build(config: dict, path: Path) -> RotaryDecoder:
     )
 
 
-def _bias_rows(cfg: DecoderConfig) -> list:
+def bias_rows(cfg: DecoderConfig) -> list:
     return (QKV_BIAS if cfg.qkv_bias else []) + (OUT_BIAS if cfg.out_bias else []) + (MLP_BIAS if cfg.ff_bias else [])
 
 
@@ -134,7 +134,7 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
     cfg = net.cfg
     lm_head = weights.get(LM_HEAD)
     state = strip_prefix({k: v for k, v in weights.items() if k != LM_HEAD}, "model.")
-    mapped = map_state(state, rows_for(TOP, LAYER + _bias_rows(cfg), cfg.n_layers), path)
+    mapped = map_state(state, rows_for(TOP, LAYER + bias_rows(cfg), cfg.n_layers), path)
     if cfg.tie_embeddings:
         # Tied: the head is the embedding, whatever a saved lm_head.weight holds (transformers agrees).
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
