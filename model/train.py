@@ -50,6 +50,7 @@ MIN_VOCAB = 257  # the 256 byte symbols plus END_OF_TEXT
 VAL_FRACTION = 0.1
 MIN_LR_RATIO = 0.1  # cosine decay ends at a tenth of the peak learning rate
 WEIGHT_DECAY = 0.1
+WEIGHT_INITS = ("gpt2", "torch")
 GRAD_CLIP = 1.0
 BETAS = (0.9, 0.95)
 EVAL_BATCHES = 20
@@ -81,6 +82,11 @@ class TrainConfig:
     eval_every: int | None = None  # default: ten evaluations per run
     save_dtype: str = "float32"  # storage of model.pth; "float16" halves it for shipping
     pos_init: str = "random"  # "random" (GPT-2's N(0, 0.02)) or "sinusoidal" (still trained)
+    # "gpt2": N(0, 0.02), residual writers scaled down (init_weights); "torch": each module's own
+    # PyTorch default (Linear U(±1/sqrt(fan_in)), Embedding N(0, 1)). The larger torch init makes
+    # attention sharp from step 0; with a SwiGLU block, induction heads formed only under it here
+    # (README, "The built-in tiny-llama").
+    weight_init: str = "gpt2"
     corpus_name: str | None = None  # what the card calls the corpus; default: the file names
     licence: str = "unknown (pass --licence)"
     arch: str = "gpt"  # "gpt" (the book's GPTModel) or "llama" (RotaryDecoder: RoPE, RMSNorm, SwiGLU, GQA)
@@ -111,6 +117,8 @@ class TrainConfig:
             raise TrainError(f"--save-dtype must be float32 or float16, not {self.save_dtype}")
         if self.pos_init not in ("random", "sinusoidal"):
             raise TrainError(f"--pos-init must be random or sinusoidal, not {self.pos_init}")
+        if self.weight_init not in WEIGHT_INITS:
+            raise TrainError(f"--weight-init must be {' or '.join(WEIGHT_INITS)}, not {self.weight_init}")
         if not self.text:
             raise TrainError("--text needs at least one file")
         if self.arch not in ARCHS:
@@ -285,7 +293,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
             vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta,
             cfg.attention_bias,
         )
-        init_weights(model)
+        if cfg.weight_init == "gpt2":
+            init_weights(model)
         return model
     gpt = GPTConfig(
         vocab_size=vocab_size,
@@ -297,7 +306,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
         qkv_bias=False,
     )
     model = GPTModel(gpt)
-    init_weights(model)
+    if cfg.weight_init == "gpt2":
+        init_weights(model)
     if cfg.pos_init == "sinusoidal":
         with torch.no_grad():
             model.pos_emb.weight.copy_(sinusoidal_positions(cfg.context, cfg.emb_dim))

@@ -191,6 +191,7 @@ def test_resume_refuses_other_settings_and_finished_runs(corpus, tmp_path, capsy
         (["--device", "tpu9"], "--device"),
         (["--save-dtype", "int8"], "--save-dtype must be float32 or float16"),
         (["--pos-init", "rope"], "--pos-init must be random or sinusoidal"),
+        (["--weight-init", "xavier"], "--weight-init must be gpt2 or torch"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(corpus, tmp_path, capsys, extra, message):
@@ -251,6 +252,21 @@ def test_sinusoidal_positions_start_as_the_transformer_table(corpus):
 
 # ---------------------------------------------------------------------------- --arch llama
 LLAMA = dict(TINY, arch="llama", heads=4, kv_heads=2, ff_dim=48)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_weight_init_torch_keeps_each_modules_own_default(corpus, arch):
+    options = LLAMA if arch == "llama" else TINY
+    gpt2 = build_model(make_config({"text": [corpus], "out": Path("unused"), **options}), vocab_size=320)
+    torch_init = build_model(make_config({"text": [corpus], "out": Path("unused"), **options, "weight_init": "torch"}), 320)
+    # Embedding: N(0, 0.02) against PyTorch's N(0, 1)
+    assert abs(float(gpt2.tok_emb.weight.std()) - 0.02) < 0.002
+    assert abs(float(torch_init.tok_emb.weight.std()) - 1.0) < 0.05
+    # Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), std 1/sqrt(3 fan_in), and its bias kept (not zeroed)
+    query = torch_init.trf_blocks[0].att.W_query.weight  # (out, fan_in=32)
+    bound = 32**-0.5
+    assert float(query.abs().max()) <= bound and abs(float(query.std()) - bound / math.sqrt(3)) < 0.01
+    assert float(gpt2.trf_blocks[0].att.W_query.weight.std()) < 0.025
 
 
 def test_llama_learns_and_saves_a_hugging_face_llama_folder(corpus, tmp_path):
