@@ -39,6 +39,7 @@ from manyeyes.model.blocks import RotaryDecoder
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.gpt import GPTConfig, GPTModel
 from manyeyes.model.keymap import load_strict
+from manyeyes.model.layers import SwiGLU
 from manyeyes.model.llama_folder import hf_config, save_weights, training_decoder
 from manyeyes.model.runtime import pick_device
 
@@ -87,6 +88,10 @@ class TrainConfig:
     # attention sharp from step 0; with a SwiGLU block, induction heads formed only under it here
     # (README, "The built-in tiny-llama").
     weight_init: str = "gpt2"
+    # The feed-forward blocks are frozen; a fresh model's start at zero output, so the model is
+    # attention-only. With the SwiGLU block training from step 0, a 2-layer llama formed no
+    # induction head on copying text where the same model without it did (README, tiny-llama).
+    freeze_ff: bool = False
     corpus_name: str | None = None  # what the card calls the corpus; default: the file names
     licence: str = "unknown (pass --licence)"
     arch: str = "gpt"  # "gpt" (the book's GPTModel) or "llama" (RotaryDecoder: RoPE, RMSNorm, SwiGLU, GQA)
@@ -295,6 +300,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
         )
         if cfg.weight_init == "gpt2":
             init_weights(model)
+        if cfg.freeze_ff:
+            freeze_feed_forward(model)
         return model
     gpt = GPTConfig(
         vocab_size=vocab_size,
@@ -308,6 +315,8 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
     model = GPTModel(gpt)
     if cfg.weight_init == "gpt2":
         init_weights(model)
+    if cfg.freeze_ff:
+        freeze_feed_forward(model)
     if cfg.pos_init == "sinusoidal":
         with torch.no_grad():
             model.pos_emb.weight.copy_(sinusoidal_positions(cfg.context, cfg.emb_dim))
@@ -342,6 +351,18 @@ def init_weights(model: GPTModel | RotaryDecoder) -> None:
             nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+
+def freeze_feed_forward(model: GPTModel | RotaryDecoder) -> None:
+    """Zero each feed-forward block's last projection (its output is then 0) and exclude the block
+    from training. --init-from loads its weights afterwards, and they stay as loaded."""
+    for block in model.trf_blocks:
+        last = block.ff.down if isinstance(block.ff, SwiGLU) else block.ff.layers[2]
+        with torch.no_grad():
+            last.weight.zero_()
+            if last.bias is not None:
+                last.bias.zero_()
+        block.ff.requires_grad_(False)
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:

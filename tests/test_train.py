@@ -254,19 +254,42 @@ def test_sinusoidal_positions_start_as_the_transformer_table(corpus):
 LLAMA = dict(TINY, arch="llama", heads=4, kv_heads=2, ff_dim=48)
 
 
+def feed_forward_layers(net) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(first, last) projection of each block's feed-forward, for either arch."""
+    return [(b.ff.gate, b.ff.down) if hasattr(b.ff, "down") else (b.ff.layers[0], b.ff.layers[2]) for b in net.trf_blocks]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_freeze_ff_trains_attention_only_and_a_later_stage_trains_the_rest(corpus, tmp_path, arch):
+    options = LLAMA if arch == "llama" else {}
+    frozen = tmp_path / "frozen"
+    run(corpus, frozen, steps=4, freeze_ff=True, **options)
+    trained = load(frozen, device="cpu").net
+    torch.manual_seed(TrainConfig.seed)  # train() builds the model right after seeding
+    start = build_model(make_config({"text": [corpus], "out": frozen, **TINY, **options, "freeze_ff": True}), 320)
+    for (first, last), (first0, _) in zip(feed_forward_layers(trained), feed_forward_layers(start)):
+        assert last.weight.abs().max() == 0 and (last.bias is None or last.bias.abs().max() == 0)
+        assert torch.equal(first.weight, first0.weight)  # never stepped, not even by weight decay
+    assert not torch.equal(trained.trf_blocks[0].att.W_query.weight, start.trf_blocks[0].att.W_query.weight)
+
+    later = tmp_path / "later"
+    run(corpus, later, steps=4, init_from=frozen, **options)
+    assert all(last.weight.abs().max() > 0 for _, last in feed_forward_layers(load(later, device="cpu").net))
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_weight_init_torch_keeps_each_modules_own_default(corpus, arch):
     options = LLAMA if arch == "llama" else TINY
     gpt2 = build_model(make_config({"text": [corpus], "out": Path("unused"), **options}), vocab_size=320)
     torch_init = build_model(make_config({"text": [corpus], "out": Path("unused"), **options, "weight_init": "torch"}), 320)
     # Embedding: N(0, 0.02) against PyTorch's N(0, 1)
-    assert abs(float(gpt2.tok_emb.weight.std()) - 0.02) < 0.002
-    assert abs(float(torch_init.tok_emb.weight.std()) - 1.0) < 0.05
+    assert abs(float(gpt2.tok_emb.weight.detach().std()) - 0.02) < 0.002
+    assert abs(float(torch_init.tok_emb.weight.detach().std()) - 1.0) < 0.05
     # Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), std 1/sqrt(3 fan_in), and its bias kept (not zeroed)
-    query = torch_init.trf_blocks[0].att.W_query.weight  # (out, fan_in=32)
+    query = torch_init.trf_blocks[0].att.W_query.weight.detach()  # (out, fan_in=32)
     bound = 32**-0.5
     assert float(query.abs().max()) <= bound and abs(float(query.std()) - bound / math.sqrt(3)) < 0.01
-    assert float(gpt2.trf_blocks[0].att.W_query.weight.std()) < 0.025
+    assert float(gpt2.trf_blocks[0].att.W_query.weight.detach().std()) < 0.025
 
 
 def test_llama_learns_and_saves_a_hugging_face_llama_folder(corpus, tmp_path):
