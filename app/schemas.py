@@ -714,11 +714,11 @@ class RunInfo(BaseModel):
     links: RunLinks
 
     model_config = ConfigDict(json_schema_extra={"examples": [{
-        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "model": "tiny-llama", "causal": True, "n_layers": 4, "n_heads": 8,
-        "n_kv_heads": 4, "n_tokens": 2,
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "model": "tiny-llama", "causal": True, "n_layers": 2, "n_heads": 4,
+        "n_kv_heads": 2, "n_tokens": 2,
         "tokens": [{"text": "I", "id": 73, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"},
                    {"text": "n", "id": 110, "start": 1, "end": 2, "special": False, "segment": 0, "piece": "n"}],
-        "truncated": False, "kept": "qk", "shapes": {"queries": [4, 8, 2, 32], "keys": [4, 4, 2, 32]}, "nbytes": 9184,
+        "truncated": False, "kept": "qk", "shapes": {"queries": [2, 4, 2, 32], "keys": [2, 2, 2, 32]}, "nbytes": 4128,
         "dense_max_tokens": 1024,
         "links": {"run": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f",
                   "tile": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f/tile?layer={layer}&head={head}&q0={q0}&q1={q1}"
