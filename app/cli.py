@@ -160,7 +160,7 @@ TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or
     "save_dtype": (str, "model.pth storage: float32 or float16 (default float32)"),
     "pos_init": (str, "position embeddings start as random (default) or sinusoidal; trained either way"),
     "weight_init": (str, "gpt2 (N(0, 0.02), default) or torch (each module's PyTorch default: larger, attention sharp from the start)"),
-    "freeze_ff": (bool, "freeze the feed-forward blocks; a fresh model's output 0 from them (attention-only), until a later --init-from run trains them"),
+    "freeze_ff": (bool, "freeze the feed-forward blocks (on a fresh model at zero output: attention only); a later --init-from run trains them"),
     "corpus_name": (str, "how card.json names the corpus (default the file names)"),
     "licence": (str, "the corpus licence, for card.json"),
     "arch": (str, "gpt (the book's GPTModel, default) or llama (RoPE, RMSNorm, SwiGLU; saved as a Hugging Face llama folder)"),

@@ -88,9 +88,9 @@ class TrainConfig:
     # attention sharp from step 0; with a SwiGLU block, induction heads formed only under it here
     # (README, "The built-in tiny-llama").
     weight_init: str = "gpt2"
-    # The feed-forward blocks are frozen; a fresh model's start at zero output, so the model is
-    # attention-only. With the SwiGLU block training from step 0, a 2-layer llama formed no
-    # induction head on copying text where the same model without it did (README, tiny-llama).
+    # Freeze the feed-forward blocks; on a fresh model they start at zero output, so it is
+    # attention-only. With the SwiGLU blocks training from step 0, a 2-layer llama formed no
+    # induction head on copying text where the same model without them did (README, tiny-llama).
     freeze_ff: bool = False
     corpus_name: str | None = None  # what the card calls the corpus; default: the file names
     licence: str = "unknown (pass --licence)"
@@ -298,26 +298,21 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPTModel | RotaryDecoder:
             vocab_size, cfg.context, cfg.emb_dim, cfg.layers, cfg.heads, cfg.n_kv_heads, cfg.swiglu_dim, cfg.rope_theta,
             cfg.attention_bias,
         )
-        if cfg.weight_init == "gpt2":
-            init_weights(model)
-        if cfg.freeze_ff:
-            freeze_feed_forward(model)
-        return model
-    gpt = GPTConfig(
-        vocab_size=vocab_size,
-        context_length=cfg.context,
-        emb_dim=cfg.emb_dim,
-        n_heads=cfg.heads,
-        n_layers=cfg.layers,
-        drop_rate=0.0,  # short runs over a whole corpus underfit rather than overfit
-        qkv_bias=False,
-    )
-    model = GPTModel(gpt)
+    else:
+        model = GPTModel(GPTConfig(
+            vocab_size=vocab_size,
+            context_length=cfg.context,
+            emb_dim=cfg.emb_dim,
+            n_heads=cfg.heads,
+            n_layers=cfg.layers,
+            drop_rate=0.0,  # short runs over a whole corpus underfit rather than overfit
+            qkv_bias=False,
+        ))
     if cfg.weight_init == "gpt2":
         init_weights(model)
     if cfg.freeze_ff:
         freeze_feed_forward(model)
-    if cfg.pos_init == "sinusoidal":
+    if cfg.pos_init == "sinusoidal":  # --arch gpt only (__post_init__)
         with torch.no_grad():
             model.pos_emb.weight.copy_(sinusoidal_positions(cfg.context, cfg.emb_dim))
     return model

@@ -30,9 +30,17 @@ HELD_OUT = (
 PREVIOUS_TOKEN_FLOOR = 0.5
 INDUCTION_FLOOR = 0.3
 LONG_GAP = 1_000
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load("tiny-llama", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def repeat_scores(tiny):
+    """Induction scores on 50 English letters written twice in a row, shared by the tests that read them."""
+    return induction_scores(tiny, length=50, gap=0, n=8)
 
 
 def weights_of(tiny, ids: torch.Tensor) -> torch.Tensor:
@@ -90,14 +98,14 @@ def test_a_previous_token_head_on_held_out_text(tiny):
     assert to_previous.max() > PREVIOUS_TOKEN_FLOOR, to_previous
 
 
-def test_the_shipped_circuit_previous_token_head_in_layer_0_induction_head_in_layer_1(tiny):
+def test_the_shipped_circuit_previous_token_head_in_layer_0_induction_head_in_layer_1(tiny, repeat_scores):
     """Where the shipped weights have them (README: layer 0 head 3 at 0.57 on this text, layer 1 head 1
     at 0.79 on a repeat): a loader, rotary or runtime change that moves or blurs either fails here."""
     att = tiny.attend(HELD_OUT).attention
     queries = torch.arange(1, att.shape[-1])
     to_previous = att[0, :, queries, queries - 1].mean(-1)  # (heads,) of layer 0
     assert to_previous.argmax() == 3 and to_previous[3] > PREVIOUS_TOKEN_FLOOR, to_previous
-    induction = induction_scores(tiny, length=50, gap=0, n=8)
+    induction = repeat_scores
     assert induction[1].argmax() == 1 and induction[1, 1] > 0.7, induction
 
 
@@ -121,8 +129,8 @@ def induction_scores(tiny, length: int, gap: int, n: int) -> torch.Tensor:
     return att[:, :, :, queries, followers].mean(dim=(0, -1))
 
 
-def test_an_induction_head_above_layer_0(tiny):
-    induction = induction_scores(tiny, length=50, gap=0, n=8)
+def test_an_induction_head_above_layer_0(repeat_scores):
+    induction = repeat_scores
     assert induction[1:].max() > INDUCTION_FLOOR, induction
     assert induction[0].max() < 0.1, induction  # one layer cannot copy: induction needs a previous-token head below it
 
@@ -136,7 +144,7 @@ def test_an_induction_head_copies_more_than_1000_tokens_back(tiny):
 
 def test_the_head_finder_tags_the_circuit(tiny):
     """The page's head finder (measures.head_table) names both heads without being told where they are."""
-    stats, tags = head_table(tiny, tiny.attend(HELD_OUT))
+    _, tags = head_table(tiny, tiny.attend(HELD_OUT))
     assert "previous-token" in tags[0][3], tags
     assert {head for head, t in enumerate(tags[1]) if "induction" in t} == {0, 1, 3}, tags  # README: 0.79, 0.81, 0.78
     assert not any("induction" in t for t in tags[0]), tags  # induction needs the layer below
