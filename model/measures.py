@@ -16,6 +16,7 @@ Value-weighted norms stay in `manyeyes.model.analysis`.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import unicodedata
@@ -23,9 +24,11 @@ import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from manyeyes.model.attention import Capture
+from manyeyes.model.row_sums import row_sums
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
 
@@ -163,8 +166,19 @@ STAT_NAMES = ("entropy", "distance", "self", "previous", "first", "delimiter", "
 
 
 def _is_delimiter(token: Token) -> bool:
-    text = token.text.strip()
+    return _is_punctuation(token.text)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _is_punctuation(text: str) -> bool:
+    # Memoised: a vocabulary's pieces recur from run to run, and the character scan cost 2 ms at T=512.
+    text = text.strip()
     return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def _host_array(attention: torch.Tensor) -> np.ndarray:
+    """The weights as a contiguous float32 numpy array on the host (a view when they already are)."""
+    return attention.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
 def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> dict[str, torch.Tensor]:
@@ -176,7 +190,7 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
     - duplicate: mass on earlier copies of the query's own token.
     Rows that see a single key (a causal model's first row) carry no choice and are left out.
-    Reductions over keys are one pass per layer each where they can be, so the table stays a
+    The sums over keys are one compiled pass over the weights, so the table stays a small
     fraction of the forward pass (README, "What the measures cost").
     """
     attention = attention.float()
@@ -186,33 +200,22 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     choosing = visible > 1  # (T,)
 
     def row_mean(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # per_row: (n_layers, n_heads, T); rows: (T,) bool
-        return per_row[..., rows].mean(-1) if rows.any() else torch.zeros(per_row.shape[:2])
+        # per_row: (n_layers, n_heads, T); rows: (T,) bool. A product with the rows' mean weights:
+        # a boolean index copied each strided (L, H, T) view first.
+        count = int(rows.sum())
+        return per_row @ (rows.float() / count) if count else torch.zeros(per_row.shape[:2])
 
-    index = positions.float()
     delimiters = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)])
     ids = torch.tensor([t.id for t in tokens])
     earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
     has_copy = earlier_copy.any(-1)
-    # Three row-wise contractions in one pass, Σ_j α_ij K_ij[k]: distance |i - j| (a causal
-    # row is 0 past i, so the same kernel serves), earlier copies, and delimiters (the same for
-    # every row). Per row, not one sum over a head's T² weights: float32 over 262k terms drifted
-    # by 4e-5 of the distance at T=512, over one row's T terms by 1e-7. (T_i, T_j, 3)
-    kernel = torch.stack(
-        [(index[:, None] - index[None, :]).abs(), earlier_copy.float(), delimiters.expand(n_tokens, n_tokens)], dim=-1
-    )
-    sums = torch.empty((3,) + attention.shape[:-1])  # (3, L, H, T)
-    entropy = torch.empty(attention.shape[:-1])  # (L, H, T), nats
-    # One layer at a time, so its weights stay in cache across both passes, and Σ p log p into a
-    # reused buffer (fresh pages cost more than the log). p = 0 gives 0 · log 0 = NaN, which
-    # nansum drops: one pass fewer than clamping p away from 0 first.
-    buffer = torch.empty(attention.shape[1:])  # (H, T, T)
-    for layer, weights in enumerate(attention):  # (H, T, T)
-        # (H, T_i, T_j) . (T_i, T_j, 3) -> (3, H, T_i)
-        sums[:, layer] = torch.einsum("hij,ijk->khi", weights, kernel)
-        torch.log(weights, out=buffer).mul_(weights)
-        torch.nansum(buffer, -1, out=entropy[layer]).neg_()
-    distance, duplicate, delimiter = sums  # (L, H, T) each; duplicate is 0 on rows without a copy
+    # Each row's sums over its keys, one compiled pass over the weights (model/row_sums.py):
+    # per row, not one sum over a head's T² weights (float32 over 262k terms drifted by 4e-5 of
+    # the distance at T=512, over one row's T terms by 1e-7).
+    flat = _host_array(attention).reshape(-1, n_tokens, n_tokens)  # (L·H, T, T)
+    sums = torch.from_numpy(row_sums(flat, earlier_copy.numpy(), delimiters.numpy(), causal))
+    plogp, distance, duplicate, delimiter = sums.view((4,) + attention.shape[:-1])  # (L, H, T) each
+    entropy = -plogp  # nats; duplicate is 0 on rows without a copy
     normalised = entropy / visible.clamp_min(2).log()  # (L, H, T)
     diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
     previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
@@ -243,11 +246,14 @@ POSITIONAL_SHARE = 0.6  # "positional": the same fixed offset (not 0 or 1) is th
 def fixed_offset_share(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the most common i - argmax_j α_ij and the share of rows that have it; (n_layers, n_heads) each."""
     n_tokens = attention.shape[-1]
-    offsets = torch.arange(n_tokens)[:, None] - attention.argmax(-1).unsqueeze(-1)  # (L, H, T, 1)
-    offsets = offsets.squeeze(-1)
-    mode = offsets.mode(dim=-1).values  # (L, H)
-    share = (offsets == mode[..., None]).float().mean(-1)
-    return mode, share
+    # numpy's argmax is SIMD (5x torch's over MiniLM's 72 heads at T=512); both take the first maximum.
+    argmax = torch.from_numpy(_host_array(attention).argmax(-1))  # (L, H, T)
+    offsets = torch.arange(n_tokens) - argmax  # (L, H, T), in -(T-1) .. T-1
+    # The mode as the first (smallest) most counted offset: a count per offset, not torch.mode's sort.
+    counts = torch.zeros(offsets.shape[:-1] + (2 * n_tokens - 1,)).scatter_add_(
+        -1, offsets + (n_tokens - 1), torch.ones(offsets.shape))  # (L, H, 2T - 1)
+    top = counts.max(-1)
+    return top.indices - (n_tokens - 1), top.values / n_tokens
 
 
 def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor) -> list[list[list[str]]]:
@@ -487,8 +493,7 @@ class Stream(NamedTuple):
 
 def capture_stream(model: AttentionModel, encoded: Encoded, capture: Capture = Capture(qkv=True)) -> Stream:
     """One forward of one encoded input that keeps q/k/v, the residual stream entering each
-    block and each attention block's out_proj input and output. capture: also ask for the
-    row entropies (Capture(qkv=True, entropy=True))."""
+    block and each attention block's out_proj input and output."""
     with _StreamTap(model.net) as tap:
         result = model.run([encoded], capture)[0]
     n_layers = len(tap.inputs)

@@ -10,6 +10,7 @@ from manyeyes.model.measures import (
     PROBE_LENGTH,
     capture_stream,
     contributions,
+    fixed_offset_share,
     head_stats,
     head_table,
     induction_scores,
@@ -19,7 +20,9 @@ from manyeyes.model.measures import (
     neuron_view,
     out_proj_gram,
     rollout,
+    tag_heads,
 )
+from manyeyes.model.row_sums import row_sums
 from manyeyes.model.tokenizer import Encoded
 from tests.conftest import save_random_gpt2
 
@@ -221,6 +224,47 @@ def reference_stats(att: torch.Tensor, tokens, causal: bool) -> dict[str, torch.
         earlier = torch.tensor([float(j < i and tokens[j].id == tokens[i].id) for j in range(n)], dtype=torch.float64)
         out["duplicate"] += (att[:, :, i] * earlier).sum(-1) / len(copies)
     return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_sums_match_float64_down_to_zeros_and_subnormals(causal):
+    """The compiled pass (its own log from the float's bits) against xlogy and plain sums in float64."""
+    n = 37  # not a multiple of any vector width: the loop's tail is exercised too
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(5, n, n, generator=generator) * torch.tensor([0.1, 1.0, 5.0, 30.0, 80.0])[:, None, None]
+    if causal:
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    weights = torch.softmax(scores, -1)
+    weights[4, 3] = 0.0
+    weights[4, 3, 1] = 1.0  # one-hot: entropy exactly 0
+    weights[4, 5, :2] = torch.tensor([1e-40, 1e-39])  # subnormals (and the row's zeros past them)
+    assert (weights == 0).any() and (weights[4, 5, :2] < torch.finfo(torch.float32).tiny).all()
+    copies = (torch.rand(n, n, generator=generator) < 0.2).float()
+    delimiters = (torch.rand(n, generator=generator) < 0.3).float()
+    if causal:  # the pass reads a causal row only up to its query; the oracle sees the whole row
+        copies = copies.tril()
+    sums = torch.from_numpy(row_sums(weights.numpy(), copies.numpy(), delimiters.numpy(), causal)).double()
+    w = weights.double()
+    index = torch.arange(n, dtype=torch.float64)
+    assert (sums[0] - torch.special.xlogy(w, w).sum(-1)).abs().max() < 1e-6
+    assert sums[0, 4, 3] == 0.0
+    expected_distance = (w * (index[:, None] - index[None, :]).abs()).sum(-1)
+    assert ((sums[1] - expected_distance).abs() / expected_distance.clamp_min(1)).max() < 1e-6
+    assert (sums[2] - (w * copies.double()).sum(-1)).abs().max() < 1e-6
+    assert (sums[3] - w @ delimiters.double()).abs().max() < 1e-6
+
+
+def test_fixed_offset_share_counts_argmax_offsets():
+    n = 10
+    att = torch.full((1, 3, n, n), 0.01)
+    for i in range(n):
+        att[0, 0, i, max(i - 2, 0)] = 0.9  # offset 2 on rows 2..9, 0 on rows 0 and 1
+        att[0, 1, i, i] = 0.9  # offset 0 everywhere: positional, but not a fixed offset beyond 1
+        att[0, 2, i, (0 if i % 2 else n - 1)] = 0.9  # two offsets, 5 rows each
+    mode, share = fixed_offset_share(att)
+    assert mode[0].tolist() == [2, 0, -9] and share[0].tolist() == pytest.approx([0.8, 1.0, 0.1])
+    tags = tag_heads({"previous": torch.zeros(1, 3)}, att)
+    assert tags == [[["positional"], [], []]]
 
 
 @pytest.mark.parametrize("name", ["minilm", "tiny"])

@@ -14,6 +14,7 @@ from manyeyes.app.services.device import AUTOCAST
 from manyeyes.app.services.errors import NotReady, UnknownModel
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model import ModelLoadError, load
+from manyeyes.model.measures import head_table
 from manyeyes.model.runtime import AttentionModel
 
 log = logging.getLogger("manyeyes.registry")
@@ -42,6 +43,8 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
+    # The head finder's one-time costs: the model's induction probe and the compiled row pass.
+    head_table(model, result)
 
 
 class Registry:
