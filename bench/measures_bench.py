@@ -1,17 +1,20 @@
 """What the measures cost next to the forward pass they are computed from.
 
-For MiniLM at each T, interleaved in one run so machine noise hits every side alike:
+For MiniLM at each T, interleaved in one run so machine noise hits every side alike, a fresh
+text per repeat:
 - forward: a plain run (weights only), the baseline;
-- all measures: one captured forward (q/k/v, the residual stream, out_proj's input and output)
-  then rollout, value-weighted norms, head contributions, head statistics with tags, and the
-  word view; its extra over the baseline;
-- stats + tags: head statistics and tags alone, from a run's weights, as the server computes
-  the head table of a cached run (the induction probe is per model, run before).
-Prints medians and min..max of the ratio extra/forward (targets: all measures ≤ 25% at T=128,
-≤ 60% at T=512; stats and tags ≤ 10%), and the load average before and after. Times are
-the process's CPU time (see `ms`).
+- capture: one captured forward (q/k/v, the residual stream, out_proj's input and output);
+- then, each timed on its own from that capture: rollout, value-weighted norms, head
+  contributions, the head table (statistics and tags, as the server computes it for a run;
+  the induction probe is per model, run before) and the word view.
+All measures = (capture - forward, at least 0) + the five parts. Each part is a median over the repeats, and
+so is the forward: a per-repeat difference of two ~40 ms forwards whose noise on this machine is
+±5 ms each buried a ~9 ms cost (per-repeat ratios of 11%..51% in one run). The min..max of the
+per-repeat ratios is printed beside each median, and the parts' medians under it.
+Targets: all measures ≤ 25% at T=128 and ≤ 60% at T=512; stats and tags ≤ 10%. Times are the
+process's CPU time (see `ms`); the load average before and after is printed.
 
-    OMP_NUM_THREADS=1 nice -n 10 python bench/measures_bench.py [--repeats 9]
+    OMP_NUM_THREADS=1 nice -n 10 python bench/measures_bench.py [--repeats 15]
 """
 
 from __future__ import annotations
@@ -60,34 +63,44 @@ def main() -> None:
             enc = model.encode(text, truncate=True)
             encs.append(type(enc)(enc.tokens[: target - 1] + enc.tokens[-1:], enc.type_ids[:target], True))
 
-        def everything(enc):
-            stream = capture_stream(model, enc)
-            r = stream.result
-            rollout(r.attention)
-            value_weighted_norms(model, r)
-            contributions(model, r, stream.mixed, stream.outputs)
-            table(r)
-            merge_words(r.tokens, r.attention)
-
         def table(r):
             stats = head_stats(r.attention, r.tokens, model.info.causal)
             stats["induction"] = scores
             tag_heads(stats, r.attention)
 
-        everything(encs[0])
-        base, full, tags = [], [], []
+        parts = {
+            "rollout": lambda s: rollout(s.result.attention),
+            "value norms": lambda s: value_weighted_norms(model, s.result),
+            "contributions": lambda s: contributions(model, s.result, s.mixed, s.outputs),
+            "stats + tags": lambda s: table(s.result),
+            "words": lambda s: merge_words(s.result.tokens, s.result.attention),
+        }
+        stream = capture_stream(model, encs[0])  # first calls: compile, caches
+        for part in parts.values():
+            part(stream)
+        times = {name: [] for name in ("forward", "capture", *parts)}
         for enc in encs[1:]:
-            base.append(ms(lambda: model.run([enc])))
-            full.append(ms(lambda: everything(enc)))
-            r = model.run([enc])[0]
-            tags.append(ms(lambda: table(r)))
-        extra = sorted((f - b) / b for f, b in zip(full, base))
-        tag_ratio = sorted(t / b for t, b in zip(tags, base))
-        print(
-            f"{target:>5} {statistics.median(base):>14.1f} "
-            f"{statistics.median(extra):>8.0%} ({extra[0]:.0%}..{extra[-1]:.0%}) "
-            f"{statistics.median(tag_ratio):>8.0%} ({tag_ratio[0]:.0%}..{tag_ratio[-1]:.0%})"
+            times["forward"].append(ms(lambda: model.run([enc])))
+            captured = []
+            times["capture"].append(ms(lambda: captured.append(capture_stream(model, enc))))
+            for name, part in parts.items():
+                times[name].append(ms(lambda: part(captured[0])))
+        median = {name: statistics.median(values) for name, values in times.items()}
+        # A capture does all a plain forward does and keeps more: a negative median difference is noise.
+        capture_extra = max(0.0, median["capture"] - median["forward"])
+        extra = capture_extra + sum(median[name] for name in parts)
+        per_repeat = sorted(
+            (times["capture"][i] - times["forward"][i] + sum(times[name][i] for name in parts)) / times["forward"][i]
+            for i in range(args.repeats)
         )
+        tag_ratio = sorted(t / b for t, b in zip(times["stats + tags"], times["forward"]))
+        print(
+            f"{target:>5} {median['forward']:>14.1f} "
+            f"{extra / median['forward']:>8.0%} ({per_repeat[0]:.0%}..{per_repeat[-1]:.0%}) "
+            f"{median['stats + tags'] / median['forward']:>8.0%} ({tag_ratio[0]:.0%}..{tag_ratio[-1]:.0%})"
+        )
+        print("      parts, median ms: " + ", ".join(
+            f"{name} {capture_extra if name == 'capture' else median[name]:.1f}" for name in ("capture", *parts)))
     print(f"load average before {before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
 
 

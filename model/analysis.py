@@ -33,7 +33,7 @@ def value_weighted_norms(
     if not every_head:
         values, grams = values[:, heads], grams[:, heads]  # (L', H', T, head_dim), (L', H', head_dim, head_dim)
     # ‖v_j W_O,hᵀ‖² = v_j G_h v_jᵀ with G_h = W_O,hᵀ W_O,h: no (heads, T, d_model) tensor
-    squared = ((values @ grams) * values).sum(-1)  # (L', H', T)
+    squared = (values @ grams).mul_(values).sum(-1)  # (L', H', T)
     norms = squared.clamp_min(0).sqrt()  # ‖f(x_j)‖ per key
     # Only the asked heads' weights are read (the page asks for one: 1/(L·H) of the work).
     weights = result.attention

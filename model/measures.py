@@ -153,10 +153,11 @@ def contributions(
             output = context @ w_o.T + bias  # (T, d_model): the block's output, heads + bias
         # (T, d_model) @ (d_model, n_heads * head_dim) -> (n_heads, T, head_dim): y W_O,h per head
         pulled = (output @ w_o).view(n_tokens, info.n_heads, -1).transpose(0, 1)
-        denom = (output * output).sum(-1).clamp_min(1e-30)  # (T,)
-        squared = ((heads @ out_proj_gram(block.att.out_proj, info.n_heads)) * heads).sum(-1)  # (n_heads, T)
+        # Products multiplied in place: on this VM a fresh page costs more than the arithmetic on it.
+        denom = torch.linalg.vector_norm(output, dim=-1).square().clamp_min(1e-30)  # (T,), with no (T, d) temporary
+        squared = (heads @ out_proj_gram(block.att.out_proj, info.n_heads)).mul_(heads).sum(-1)  # (n_heads, T)
         norms.append(squared.clamp_min(0).sqrt())
-        shares.append((heads * pulled).sum(-1) / denom)
+        shares.append(pulled.mul_(heads).sum(-1) / denom)
         bias_shares.append((output @ bias) / denom)
     return Contributions(norms=torch.stack(norms), shares=torch.stack(shares), bias_shares=torch.stack(bias_shares))
 
