@@ -30,8 +30,10 @@ def sentences(n: int, seed: int = 7) -> list[str]:
 @pytest.mark.slow
 def test_200_concurrent_clients_each_get_their_own_result():
     texts = sentences(200)
-    # No run cache: every request must take its own place in a batch.
-    with live_server(cache_bytes=0, max_wait_ms=20) as server:
+    # No run cache: every request must take its own place in a batch. One client's 200 requests
+    # are admitted by their whole backlog's estimated work (0.12 s a request once, under CI load,
+    # crossed the 24 s default budget): a longer budget keeps admission, tested elsewhere, out of it.
+    with live_server(cache_bytes=0, max_wait_ms=20, request_timeout_s=120) as server:
         model = server.model
         references = {text: model.attend(text) for text in texts}
 
