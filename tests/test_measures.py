@@ -393,3 +393,26 @@ def test_information_flow_proximity_by_hand(minilm):
     expected = raw[source] / sum(raw)
     [edge] = [e for e in edges if e.layer == layer and e.target == target and e.source == source and e.head is not None]
     assert edge.weight == pytest.approx(expected, abs=1e-5)
+
+
+def test_row_pass_compiles_when_no_cache_directory_is_writable(monkeypatch):
+    """numba's cache=True fails at decoration when neither the install nor $HOME can be written
+    (checked by hand on a read-only tmpfs); the row pass then compiles per process instead."""
+    import numba
+
+    from manyeyes.model import row_sums
+
+    real = numba.njit
+
+    def without_a_cache_directory(*args, cache=False, **kwargs):
+        if cache:
+            raise RuntimeError("cannot cache function 'add_one': no locator available for file 'row_sums.py'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(row_sums.numba, "njit", without_a_cache_directory)
+
+    def add_one(x):
+        return x + 1
+
+    compiled = row_sums._compiled(add_one)
+    assert compiled(41) == 42 and hasattr(compiled, "py_func")  # a numba dispatcher, not the plain function
