@@ -12,7 +12,7 @@ so is the forward: a per-repeat difference of two ~40 ms forwards whose noise on
 ±5 ms each buried a ~9 ms cost (per-repeat ratios of 11%..51% in one run). The min..max of the
 per-repeat ratios is printed beside each median, and the parts' medians under it.
 Targets: all measures ≤ 25% at T=128 and ≤ 60% at T=512; stats and tags ≤ 10%. Times are the
-process's CPU time (see `ms`); the load average before and after is printed.
+process's CPU time (see `timed`); the load average before and after is printed.
 
     OMP_NUM_THREADS=1 nice -n 10 python bench/measures_bench.py [--repeats 15]
 """
@@ -39,12 +39,17 @@ from manyeyes.model.measures import (
 WORDS = "the bank of the river was quiet while money moved through the other bank".split()
 
 
-def ms(fn) -> float:
-    # CPU time of this process, not wall time: on a shared machine a wall clock mostly measures
-    # how long the scheduler kept us waiting (run with OMP_NUM_THREADS=1, so CPU time = work).
+def timed(fn):
+    """(CPU ms, fn's result). CPU time of this process, not wall time: on a shared machine a wall
+    clock mostly measures how long the scheduler kept us waiting (run with OMP_NUM_THREADS=1, so
+    CPU time = work)."""
     t0 = time.process_time()
-    fn()
-    return (time.process_time() - t0) * 1000
+    out = fn()
+    return (time.process_time() - t0) * 1000, out
+
+
+def ms(fn) -> float:
+    return timed(fn)[0]
 
 
 def main() -> None:
@@ -81,10 +86,10 @@ def main() -> None:
         times = {name: [] for name in ("forward", "capture", *parts)}
         for enc in encs[1:]:
             times["forward"].append(ms(lambda: model.run([enc])))
-            captured = []
-            times["capture"].append(ms(lambda: captured.append(capture_stream(model, enc))))
+            elapsed, stream = timed(lambda: capture_stream(model, enc))
+            times["capture"].append(elapsed)
             for name, part in parts.items():
-                times[name].append(ms(lambda: part(captured[0])))
+                times[name].append(ms(lambda: part(stream)))
         median = {name: statistics.median(values) for name, values in times.items()}
         # A capture does all a plain forward does and keeps more: a negative median difference is noise.
         capture_extra = max(0.0, median["capture"] - median["forward"])

@@ -309,9 +309,11 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
 
 def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str, torch.Tensor], list[list[list[str]]]]:
     """Stats for every head of a run, the model's induction scores beside them, and the tags."""
-    stats = head_stats(result.attention, result.tokens, model.info.causal)
+    # On the host as float32 once: both passes below then read it in place.
+    attention = torch.from_numpy(_host_array(result.attention))
+    stats = head_stats(attention, result.tokens, model.info.causal)
     stats["induction"] = induction_scores(model)
-    return stats, tag_heads(stats, result.attention)
+    return stats, tag_heads(stats, attention)
 
 
 # ---------------------------------------------------------------------------- word view

@@ -290,9 +290,9 @@ def test_weight_init_torch_keeps_each_modules_own_default(corpus, arch):
     bound = 32**-0.5
     assert float(query.abs().max()) <= bound and abs(float(query.std()) - bound / math.sqrt(3)) < 0.01
     assert float(gpt2.trf_blocks[0].att.W_query.weight.detach().std()) < 0.025
-    first_ff = (lambda net: net.trf_blocks[0].ff.layers[0]) if arch == "gpt" else (lambda net: net.trf_blocks[0].att.W_query)
-    assert float(first_ff(gpt2).bias.detach().abs().max()) == 0  # GPT-2's init zeroes biases
-    assert 0 < float(first_ff(torch_init).bias.detach().abs().max()) <= bound  # PyTorch's draws them like the weight
+    biased = (lambda net: net.trf_blocks[0].ff.layers[0]) if arch == "gpt" else (lambda net: net.trf_blocks[0].att.W_query)
+    assert float(biased(gpt2).bias.detach().abs().max()) == 0  # GPT-2's init zeroes biases
+    assert 0 < float(biased(torch_init).bias.detach().abs().max()) <= bound  # PyTorch's draws them like the weight
 
 
 def test_llama_learns_and_saves_a_hugging_face_llama_folder(corpus, tmp_path):

@@ -28,6 +28,9 @@ class Served:
     default: bool
 
 
+HEAD_FINDER_WARM_UP = "The head finder warms up."
+
+
 def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
     """One forward at the longest input that keeps whole weights: pays one-time costs now and
     proves the shapes. Not beyond dense_max_tokens: at 8,192 positions the weights alone of a
@@ -43,8 +46,9 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
-    # The head finder's one-time costs: the model's induction probe and the compiled row pass.
-    head_table(model, result)
+    # The head finder's one-time costs, off the first request: the model's induction probe and the
+    # compiled row pass. On a short text: the compile costs the same at any length, the pass T².
+    head_table(model, model.run([model.encode(HEAD_FINDER_WARM_UP, truncate=True)])[0])
 
 
 class Registry:

@@ -474,7 +474,7 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
 
 def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     """An 8k-position model warmed up at its full length would make 19 GB of weights."""
-    from manyeyes.app.services.registry import warm_up
+    from manyeyes.app.services.registry import HEAD_FINDER_WARM_UP, warm_up
     from manyeyes.model.measures import PROBE_LENGTH
 
     model = model_of(tiles_api, "tiny-gpt")  # 256 positions, one token a byte
@@ -489,5 +489,6 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     warm_up(model, 40)
     first = list(lengths)
     warm_up(model, 4096)
-    assert 30 <= first[0] <= 40 and first[1:] == [2 * PROBE_LENGTH]  # random bytes twice, no [CLS]
-    assert lengths[len(first):] == [model.info.max_tokens]
+    # then the head finder's warm-up: a short text, and the probe (random bytes twice, no [CLS])
+    assert 30 <= first[0] <= 40 and first[1:] == [len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
+    assert lengths[len(first):] == [model.info.max_tokens, len(model.encode(HEAD_FINDER_WARM_UP))]  # probe kept
