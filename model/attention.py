@@ -49,10 +49,15 @@ class Capture:
     # False: the trace carries no (b, T, vocab_size) logits, which at long T can outweigh everything
     # else; the caller applies the network's `lm_head` to the hidden state a few rows at a time.
     logits: bool = True
+    # False: the caller reads the weights (and queries and keys) only, never the residual stream
+    # after the last softmax. The network then stops there: the last block computes no values,
+    # no mixing, no out_proj and no feed-forward (a seventh of MiniLM's forward), and the trace
+    # has neither hidden state nor logits.
+    hidden: bool = True
 
 
 class AttentionOutput(NamedTuple):
-    context: torch.Tensor  # (b, num_tokens, d_out)
+    context: torch.Tensor | None  # (b, num_tokens, d_out); None from attend(mix=False)
     weights: torch.Tensor | None  # (b, num_heads, num_tokens, num_tokens)
     # As the softmax saw them: after rotary, before the 1/sqrt(head_dim) scaling.
     queries: torch.Tensor | None  # (b, num_heads, num_tokens, head_dim)
@@ -239,6 +244,7 @@ class MultiHeadAttention(nn.Module):
         capture: Capture = Capture(),
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         past: KVCache | None = None,
+        mix: bool = True,
     ) -> AttentionOutput:
         """Attention with its internals.
 
@@ -251,6 +257,9 @@ class MultiHeadAttention(nn.Module):
         `present`), for generation. x then holds only the new positions, rope covers only them,
         key_padding_mask (if any) covers past and new keys, and the weights are
         (b, num_heads, num_new, T_past + num_new): each new query's whole row.
+
+        mix=False stops after the softmax, for a network's last block when nobody reads what
+        follows (`Capture.hidden`): no values unless captured, no context, no `present`.
         """
         b, num_tokens, _ = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -260,7 +269,9 @@ class MultiHeadAttention(nn.Module):
         queries = self.W_query(x).view(b, num_tokens, heads, head_dim).transpose(1, 2)
         # (b, num_tokens, kv_heads * head_dim) -> (b, kv_heads, num_tokens, head_dim)
         keys = self.W_key(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
-        values = self.W_value(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
+        values = None
+        if mix or capture.qkv or capture.keep or past is not None:
+            values = self.W_value(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
         if self.rotary_dim:
             if rope is None:
                 raise ValueError("this attention rotates queries and keys: pass rope=(cos, sin)")
@@ -312,6 +323,14 @@ class MultiHeadAttention(nn.Module):
             attn_weights = torch.softmax(attn_scores.float(), dim=-1, out=capture.weights_out)
         else:
             attn_weights = torch.softmax(attn_scores.float(), dim=-1)
+        if not mix:
+            return AttentionOutput(
+                context=None,
+                weights=attn_weights if capture.weights else None,
+                queries=queries if capture.qkv else None,
+                keys=keys if capture.qkv else None,
+                values=values if capture.qkv else None,
+            )
         attn_weights = attn_weights.to(values.dtype)
         dropped = self.dropout(attn_weights)
 

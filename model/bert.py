@@ -74,6 +74,10 @@ class EncoderBlock(nn.Module):
         x = self.norm2(x + self.ff(x))
         return x, att
 
+    def weights_only(self, x, key_padding_mask=None, capture: Capture = Capture()):
+        """The block up to its softmax, for a last block whose output nobody reads."""
+        return self.att.attend(x, key_padding_mask, capture, mix=False)
+
 
 class BertEncoder(ShapeInfo, nn.Module):
     causal = False
@@ -120,6 +124,9 @@ class BertEncoder(ShapeInfo, nn.Module):
         layers = []
         for i, block in enumerate(self.trf_blocks):
             layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
+            if not capture.hidden and i == len(self.trf_blocks) - 1:
+                layers.append(block.weights_only(x, key_padding_mask, layer_capture))
+                return Trace(hidden=None, logits=None, layers=layers)
             x, att = block(x, key_padding_mask, layer_capture)
             layers.append(att)
         logits = self.mlm_head(x) if self.mlm_head is not None and capture.logits else None

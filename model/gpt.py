@@ -75,6 +75,10 @@ class TransformerBlock(nn.Module):
         x = x + self.drop_shortcut(self.ff(self.norm2(x)))
         return x, att
 
+    def weights_only(self, x, key_padding_mask=None, capture: Capture = Capture()):
+        """The block up to its softmax, for a last block whose output nobody reads."""
+        return self.att.attend(self.norm1(x), key_padding_mask, capture, mix=False)
+
 
 class GPTModel(ShapeInfo, nn.Module):
     causal = True
@@ -116,6 +120,9 @@ class GPTModel(ShapeInfo, nn.Module):
         layers = []
         for i, block in enumerate(self.trf_blocks):
             layer_capture = capture if weights_out is None else replace(capture, weights_out=weights_out[i])
+            if not capture.hidden and i == len(self.trf_blocks) - 1 and not past:
+                layers.append(block.weights_only(x, key_padding_mask, layer_capture))
+                return Trace(hidden=None, logits=None, layers=layers)
             x, att = block(x, key_padding_mask, layer_capture, past=past[i] if past else None)
             layers.append(att)
         hidden = self.final_norm(x)

@@ -87,7 +87,7 @@ class SwiGLU(nn.Module):
 class Trace(NamedTuple):
     """Everything one inspecting forward pass yields."""
 
-    hidden: torch.Tensor  # (b, num_tokens, emb_dim), the last hidden state
+    hidden: torch.Tensor | None  # (b, num_tokens, emb_dim), the last hidden state; None under Capture(hidden=False)
     logits: torch.Tensor | None  # (b, num_tokens, vocab_size) for language models, else None
     layers: list[AttentionOutput]  # one per transformer block, in order
 

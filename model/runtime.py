@@ -44,7 +44,7 @@ class AttentionResult:
     tokens: list[Token]
     truncated: bool
     attention: torch.Tensor | None  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax; None when kept
-    hidden: torch.Tensor  # (T, d_model) float32, the last hidden state
+    hidden: torch.Tensor | None  # (T, d_model) float32, the last hidden state; None under Capture(hidden=False)
     logits: torch.Tensor | None  # (T, vocab_size) for language models
     # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
     top_ids: torch.Tensor | None = None  # (T, MAX_TOP_K) int64
@@ -142,7 +142,8 @@ class AttentionModel:
             types[row, : len(enc)] = torch.tensor(enc.type_ids, dtype=torch.long)
             real[row, : len(enc)] = True
         padded = min(lengths) != width
-        capture = Capture(weights=True, qkv=capture.qkv)
+        # A model with a language-model head needs the hidden state for its predictions.
+        capture = Capture(weights=True, qkv=capture.qkv, hidden=capture.hidden or self.info.predictions)
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
         # (n_layers, b, n_heads, width, width)
         # Read through the network's ShapeInfo: families name their config fields differently.
@@ -157,7 +158,7 @@ class AttentionModel:
             )
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
             attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
-            hidden = trace.hidden.float().cpu()
+            hidden = trace.hidden.float().cpu() if trace.hidden is not None else None
             logits = top_ids = top_probs = None
             if trace.logits is not None:
                 logits = trace.logits.float()
@@ -176,7 +177,7 @@ class AttentionModel:
                 # Each item owns exactly its own storage (a copy unless b == 1), so whoever keeps
                 # a result (the service's run cache) never keeps the rest of the batch alive.
                 attention=attention[row, :, :, :n, :n].contiguous(),
-                hidden=hidden[row, :n],
+                hidden=hidden[row, :n] if hidden is not None else None,
                 logits=logits[row, :n] if logits is not None else None,
                 top_ids=top_ids[row, :n].clone() if top_ids is not None else None,
                 top_probs=top_probs[row, :n].clone() if top_probs is not None else None,

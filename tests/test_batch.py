@@ -41,3 +41,74 @@ def test_gpt2_batch_equals_single_runs(tmp_path, bytelevel_tokenizer):
         upper = torch.triu(torch.ones_like(item.attention[0, 0], dtype=torch.bool), diagonal=1)
         assert torch.count_nonzero(item.attention[..., upper]) == 0
         assert (item.attention.sum(-1) - 1).abs().max() <= 1e-6
+
+
+def calls_to(modules: dict[str, torch.nn.Module]):
+    """name -> how many times the module ran, counted by forward hooks (removed by the caller)."""
+    counts = dict.fromkeys(modules, 0)
+
+    def counter(name):
+        def hook(*_):
+            counts[name] += 1
+
+        return hook
+
+    handles = [module.register_forward_hook(counter(name)) for name, module in modules.items()]
+    return counts, handles
+
+
+def last_block_parts(net) -> dict[str, torch.nn.Module]:
+    last, first = net.trf_blocks[-1], net.trf_blocks[0]
+    return {"last W_value": last.att.W_value, "last out_proj": last.att.out_proj, "last ff": last.ff,
+            "first ff": first.ff, "last W_key": last.att.W_key}
+
+
+def test_a_weights_only_run_stops_at_the_last_softmax_and_changes_no_weight(minilm):
+    from manyeyes.model.attention import Capture
+
+    encoded = [minilm.encode(text) for text in TEXTS]  # a padded batch
+    full = minilm.run(encoded)
+    counts, handles = calls_to(last_block_parts(minilm.net))
+    try:
+        lean = minilm.run(encoded, Capture(hidden=False))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for a, b in zip(full, lean):
+        assert torch.equal(a.attention, b.attention)  # the same float ops up to every softmax
+        assert b.hidden is None
+    assert counts == {"last W_value": 0, "last out_proj": 0, "last ff": 0, "first ff": 1, "last W_key": 1}
+
+
+def test_a_model_with_predictions_keeps_its_whole_forward_when_asked_for_weights_only():
+    from manyeyes.model.attention import Capture
+
+    gpt = load("tiny-gpt", device="cpu")
+    encoded = [gpt.encode(text) for text in TEXTS]
+    full, lean = gpt.run(encoded), gpt.run(encoded, Capture(hidden=False))
+    for a, b in zip(full, lean):
+        assert torch.equal(a.attention, b.attention)
+        assert torch.equal(a.top_ids, b.top_ids) and torch.equal(a.top_probs, b.top_probs)
+        assert b.hidden is not None
+
+
+def test_every_family_network_stops_at_the_last_softmax_with_the_same_weights():
+    from manyeyes.model.attention import Capture
+
+    for name in ("tiny-gpt", "tiny-llama"):  # the book's GPTModel and the rotary decoder
+        net = load(name, device="cpu").net
+        ids = torch.randint(0, 200, (2, 23))
+        real = torch.ones(2, 23, dtype=torch.bool)
+        real[1, 17:] = False
+        with torch.inference_mode():
+            full = net.inspect(ids, real)
+            counts, handles = calls_to(last_block_parts(net))
+            try:
+                lean = net.inspect(ids, real, Capture(hidden=False))
+            finally:
+                for handle in handles:
+                    handle.remove()
+        assert lean.hidden is None and lean.logits is None and lean.layers[-1].context is None, name
+        for a, b in zip(full.layers, lean.layers):
+            assert torch.equal(a.weights, b.weights), name
+        assert counts == {"last W_value": 0, "last out_proj": 0, "last ff": 0, "first ff": 1, "last W_key": 1}, name

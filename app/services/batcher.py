@@ -401,11 +401,10 @@ class Batcher:
                 time.sleep(self.forward_delay_s)
             if live[0].keep:
                 results = model.run([job.encoded for job in live], Capture(keep=True))
-            elif self.device_quantise:
-                to_host = device_to_host(self.copier, most_precise(job.fmt for job in live))
-                results = model.run([job.encoded for job in live], to_host=to_host)
             else:
-                results = model.run([job.encoded for job in live])
+                to_host = device_to_host(self.copier, most_precise(job.fmt for job in live)) if self.device_quantise else None
+                # Answers and the run cache keep the weights only: the last block can stop at its softmax.
+                results = model.run([job.encoded for job in live], Capture(hidden=False), to_host=to_host)
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
                 self._settle(job, error=exc)
