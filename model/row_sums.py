@@ -14,8 +14,9 @@ atanh series, whose first dropped term is below 1e-9 there (float32 rounding dom
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from manyeyes.model.jit import compiled
 
 _LN2 = np.float32(0.6931471805599453)
 _MANTISSA_SCALE = np.float32(1.0 / (1 << 23))
@@ -24,17 +25,7 @@ _SQRT2 = np.float32(1.4142135623730951)
 # fastmath lets LLVM reorder the four running sums into vector lanes (partial sums: closer to the
 # exact sum than one sequential float32 accumulator); error_model="numpy" drops the zero-division
 # branch that would otherwise keep the loop scalar; nogil lets the server's other threads run.
-_JIT = dict(fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
-
-
-def _compiled(function):
-    """Compiled once per machine: numba keeps the machine code beside this file, or in the user's
-    cache directory when the install is read-only. With neither writable it compiles per process
-    (about a second, paid by the server's warm-up) instead of failing the import."""
-    try:
-        return numba.njit(cache=True, **_JIT)(function)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return numba.njit(**_JIT)(function)
+_compiled = compiled(fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
 @_compiled

@@ -395,12 +395,13 @@ def test_information_flow_proximity_by_hand(minilm):
     assert edge.weight == pytest.approx(expected, abs=1e-5)
 
 
-def test_row_pass_compiles_when_no_cache_directory_is_writable(monkeypatch):
+def test_numba_loops_compile_when_no_cache_directory_is_writable(monkeypatch):
     """numba's cache=True fails at decoration when neither the install nor $HOME can be written
-    (checked by hand on a read-only tmpfs); the row pass then compiles per process instead."""
+    (checked by hand on a read-only tmpfs); the row pass and the u8 quantiser then compile per
+    process instead."""
     import numba
 
-    from manyeyes.model import row_sums
+    from manyeyes.model import jit
 
     real = numba.njit
 
@@ -409,10 +410,10 @@ def test_row_pass_compiles_when_no_cache_directory_is_writable(monkeypatch):
             raise RuntimeError("cannot cache function 'add_one': no locator available for file 'row_sums.py'")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(row_sums.numba, "njit", without_a_cache_directory)
+    monkeypatch.setattr(jit.numba, "njit", without_a_cache_directory)
 
     def add_one(x):
         return x + 1
 
-    compiled = row_sums._compiled(add_one)
+    compiled = jit.compiled(nogil=True)(add_one)
     assert compiled(41) == 42 and hasattr(compiled, "py_func")  # a numba dispatcher, not the plain function

@@ -27,6 +27,13 @@ def test_device_quantisation_gives_the_host_paths_exact_bytes(fmt, host):
     assert quantise(weights, "json") is weights
 
 
+def test_u8_rounds_halves_to_even_like_torch():
+    # k / 510 * 255 lands on (or within a float32 ulp of) every half from 0 to 255.
+    halves = torch.arange(511, dtype=torch.float32) / 510
+    assert quantise(halves, "u8").numpy().tobytes() == to_u8(halves)
+    assert to_u8(torch.tensor([0.5 / 255, 1.5 / 255, 0.0, 1.0])) == bytes([0, 2, 0, 255])
+
+
 def test_staging_buffers_are_reused_and_results_are_independent_copies():
     copier = HostCopier(pin=False, always_stage=True)
     first = copier.to_host(quantise(softmaxed(2, 3, 20, 20), "u8"))
