@@ -179,7 +179,8 @@ class Soak:
 
 
 def compare_samples(sampled) -> int:
-    """Sampled answers against single unbatched runs in this process; returns how many differ."""
+    """Sampled answers against single unbatched runs in this process; returns how many differ,
+    and prints what differs in each."""
     from manyeyes.model import load
 
     model = load("minilm", device="cpu")
@@ -187,10 +188,16 @@ def compare_samples(sampled) -> int:
     for text, result, values in sampled:
         reference = model.attend(text, truncate=True)
         expected = reference.attention.numpy()
-        tol = TOLERANCE[result["attention"]["format"]]
-        if [t["id"] for t in result["tokens"]] != [t.id for t in reference.tokens] or values.shape != expected.shape \
-                or float(np.abs(values - expected).max()) > tol:
+        fmt = result["attention"]["format"]
+        if [t["id"] for t in result["tokens"]] != [t.id for t in reference.tokens] or values.shape != expected.shape:
             wrong += 1
+            print(f"  sample {result['run_id']}: tokens or shape differ ({values.shape} against {expected.shape})")
+            continue
+        worst = float(np.abs(values - expected).max())
+        if worst > TOLERANCE[fmt]:
+            wrong += 1
+            print(f"  sample {result['run_id']} ({fmt}, T={len(result['tokens'])}): off by {worst:.3g}, "
+                  f"over the tolerance of {TOLERANCE[fmt]:.3g}")
     return wrong
 
 
