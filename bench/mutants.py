@@ -84,7 +84,7 @@ MUTANTS = [
            ("tests/test_tiny_gpt.py", "-k", "previous_token")),
     # ---- app/
     Mutant("u8-scaled-by-256", "app/services/payload.py",
-           "torch.mul(attention[i], 255.0, out=buf)", "torch.mul(attention[i], 256.0, out=buf)",
+           "np.rint(weights[i] * np.float32(255.0))", "np.rint(weights[i] * np.float32(256.0))",
            ("tests/api/test_api_formats.py",)),
     Mutant("f16-column-major", "app/services/payload.py",
            "halves = attention.to(torch.float16).numpy()",
