@@ -116,6 +116,8 @@ def test_labels_are_the_models_pieces_with_the_original_span_on_hover(server, ap
     assert [t["piece"] for t in reply["tokens"]] == ["[CLS]", "un", "##bel", "##ie", "##va", "##bly", "naive", "[UNK]", "[SEP]"]
     open_page(page, server)
     run(page, text)
+    # The head view draws a pause (HEAD_VIEW_PAUSE_MS) after the heatmap: read it once it is there.
+    page.wait_for_function("() => document.querySelectorAll('.hv-left li').length === 9")
     left = page.locator(".hv-left li").all_text_contents()
     assert left == ["[CLS]", "un", "##bel", "##ie", "##va", "##bly", "naive", "[UNK]", "[SEP]"]
     assert tick_texts(page, "y") == left
