@@ -14,7 +14,7 @@ from manyeyes.app.services.device import AUTOCAST
 from manyeyes.app.services.errors import NotReady, UnknownModel
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import to_u8
-from manyeyes.model import ModelLoadError, load
+from manyeyes.model import Capture, ModelLoadError, load
 from manyeyes.model.measures import head_table
 from manyeyes.model.runtime import AttentionModel
 
@@ -43,14 +43,15 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
         words = max(1, words * dense_max_tokens // len(encoded) - 1)
         encoded = model.encode("hello " * words, truncate=True)
     n = len(encoded)
-    result = model.run([encoded])[0]
+    # The forward the batcher runs: weights only, so the warm-up pays no last feed-forward at full length.
+    result = model.run([encoded], Capture(hidden=False))[0]
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
     to_u8(result.attention[:1, :1])  # compiles the u8 quantiser, off the first u8 answer
     # The head finder's one-time costs, off the first request: the model's induction probe and the
     # compiled row pass. On a short text: the compile costs the same at any length, the pass T².
-    head_table(model, model.run([model.encode(HEAD_FINDER_WARM_UP, truncate=True)])[0])
+    head_table(model, model.run([model.encode(HEAD_FINDER_WARM_UP, truncate=True)], Capture(hidden=False))[0])
 
 
 class Registry:

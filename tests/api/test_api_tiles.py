@@ -20,6 +20,7 @@ import pytest
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame
+from manyeyes.model import Capture
 from tests.api.conftest import serve
 
 DENSE_MAX = 32
@@ -478,11 +479,12 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     from manyeyes.model.measures import PROBE_LENGTH
 
     model = model_of(tiles_api, "tiny-gpt")  # 256 positions, one token a byte
-    real, lengths = model.run, []
+    real, lengths, weights_only = model.run, [], []
 
-    def counting(batch, *args, **kwargs):
+    def counting(batch, capture=Capture(), *args, **kwargs):
         lengths.extend(len(e) for e in batch)
-        return real(batch, *args, **kwargs)
+        weights_only.append(not capture.hidden)
+        return real(batch, capture, *args, **kwargs)
 
     monkeypatch.setattr(model, "run", counting)
     model._induction_scores = None  # the head finder's probe runs once: in the first warm-up
@@ -492,3 +494,5 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     # then the head finder's warm-up: a short text, and the probe (random bytes twice, no [CLS])
     assert 30 <= first[0] <= 40 and first[1:] == [len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
     assert lengths[len(first):] == [model.info.max_tokens, len(model.encode(HEAD_FINDER_WARM_UP))]  # probe kept
+    # the warm-up's own forwards are the batcher's (weights only); the probe's is the head finder's own
+    assert weights_only == [True, True, False, True, True]
