@@ -124,7 +124,9 @@ def test_sentence_renders_every_head_and_a_titled_focus(server, api, page, artif
     tokens, _ = api_attention(api, SENTENCE, PAIR, layers=[0], heads=[0])
     assert len(plotted(page)) == len(tokens)
     assert page.locator("#busy").is_hidden()
-    # The model's own pieces by default (this sentence has no "##" pieces, bytes or [UNK]).
+    # The model's own pieces by default (this sentence has no "##" pieces, bytes or [UNK]). The
+    # head view draws HEAD_VIEW_PAUSE_MS after the heatmap, so its list is waited for.
+    page.wait_for_function("n => document.querySelectorAll('.hv-left li').length === n", arg=len(tokens))
     assert page.locator(".hv-left li").all_text_contents() == [t["piece"] for t in tokens]
     page.screenshot(path=str(artifacts / "main-view.png"), full_page=True)
 
@@ -174,6 +176,7 @@ def test_xss_input_is_inert_and_literal(server, page, watched):
     assert page.locator("img").count() == 0
     assert page.evaluate("() => document.querySelectorAll('[onerror]').length") == 0
     assert page.locator("#text").input_value() == XSS
+    page.wait_for_function("() => document.querySelectorAll('.hv-left li').length > 0")  # drawn after a pause
     left = "".join(page.locator(".hv-left li").all_text_contents())
     assert "[CLS]<imgsrc=xonerror=alert(1)>[SEP]" in left.replace("##", "")
     ticks = page.locator("#focus-plot .ytick text").all_text_contents()
