@@ -61,7 +61,7 @@ class Wire:
 
 @dataclass
 class Reply:
-    body: list[bytes]  # pieces of one answer, sent without joining
+    body: list[bytes]  # pieces of one answer (bytes-like: the weights may be a view), sent without joining
     media_type: str
     log: dict  # run ids and timings for the request's log line
     headers: dict = field(default_factory=dict)

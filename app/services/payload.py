@@ -51,31 +51,40 @@ def _quantise_u8(weights, out):
         out[i] = np.uint8(np.rint(weights[i] * np.float32(255.0)))
 
 
-def to_u8(attention: torch.Tensor) -> bytes:
-    """Weights in [0, 1] as round(w * 255), the same bytes services/device.quantise makes on a device."""
+def to_u8(attention: torch.Tensor) -> bytearray:
+    """Weights in [0, 1] as round(w * 255), the same bytes services/device.quantise makes on a device.
+
+    Written straight into the body's own buffer: an array plus its `tobytes()` copy were two fresh
+    1.2 MB mappings at T=128 under the server's mmap threshold, 0.6 ms of page faults against 0.1."""
     weights = attention.float().contiguous().numpy().reshape(-1)
-    out = np.empty(weights.size, dtype=np.uint8)
-    _quantise_u8(weights, out)
-    return out.tobytes()
+    out = bytearray(weights.size)
+    _quantise_u8(weights, np.frombuffer(out, dtype=np.uint8))
+    return out
 
 
-def to_f16(attention: torch.Tensor) -> bytes:
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's memory as a flat byte view: bodies are sent from it, never copied."""
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
+def to_f16(attention: torch.Tensor) -> memoryview:
     halves = attention.to(torch.float16).numpy()  # torch's conversion is vectorised; numpy's is not
     if sys.byteorder != "little":
         halves = halves.byteswap()
-    return halves.tobytes()
+    return as_bytes(halves)
 
 
-def raw_data(attention: torch.Tensor, fmt: str) -> bytes:
-    """The weights as little-endian row-major bytes: what base64 wraps, and what a frame carries."""
+def raw_data(attention: torch.Tensor, fmt: str) -> bytes | bytearray | memoryview:
+    """The weights as little-endian row-major bytes: what base64 wraps, and what a frame carries.
+    A view of the tensor where its memory already holds those bytes (it keeps the tensor alive)."""
     if attention.dtype == torch.uint8:  # quantised on the device already (see services/device.py)
-        return attention.numpy().tobytes()
+        return as_bytes(attention.numpy())
     if fmt == "u8":
         return to_u8(attention)
     if fmt == "f16":
         return to_f16(attention)
     floats = attention.float().numpy()
-    return (floats.byteswap() if sys.byteorder != "little" else floats).tobytes()
+    return as_bytes(floats.byteswap() if sys.byteorder != "little" else floats)
 
 
 def attention_meta(attention: torch.Tensor, fmt: str) -> dict:

@@ -107,9 +107,9 @@ def render(fields: dict, arrays: dict[str, torch.Tensor], fmt: str, as_frame: bo
             if meta["format"] == "json":  # raw float32 in a frame, as /attention sends it
                 meta["format"] = "i32" if meta["dtype"] == "int32" else "json"
             out[name] = {**meta, "offset": offset, "nbytes": len(raw)}
-            raw += b"\0" * (-len(raw) % ALIGN)
-            data.append(raw)
-            offset += len(raw)
+            padding = b"\0" * (-len(raw) % ALIGN)  # a piece of its own: raw may be a view
+            data += [raw, padding] if padding else [raw]
+            offset += len(raw) + len(padding)
         return frame(orjson.dumps(out), data), FRAME_MEDIA_TYPE
     for name, values in arrays.items():
         meta = array_meta(values, fmt)

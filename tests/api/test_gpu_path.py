@@ -9,7 +9,7 @@ import torch
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise, quantise, serves
-from manyeyes.app.services.payload import to_f16, to_u8
+from manyeyes.app.services.payload import raw_data, to_f16, to_u8
 from tests.api.conftest import decode, metric, serve
 
 TEXTS = ["The heron waited by the old stone mill.", "Boats went past under green trees in warm summer light, slowly."]
@@ -32,6 +32,18 @@ def test_u8_rounds_halves_to_even_like_torch():
     halves = torch.arange(511, dtype=torch.float32) / 510
     assert quantise(halves, "u8").numpy().tobytes() == to_u8(halves)
     assert to_u8(torch.tensor([0.5 / 255, 1.5 / 255, 0.0, 1.0])) == bytes([0, 2, 0, 255])
+
+
+def test_float32_and_device_quantised_bodies_are_the_tensors_own_memory():
+    # A T=128 answer is 4.7 MB as float32: sent from the run's tensor, it is never copied (a copy
+    # under the server's mmap threshold is a fresh mapping and a page fault every 4 KB).
+    weights = softmaxed(2, 3, 40, 40)
+    for tensor, fmt in ((weights, "json"), (quantise(weights, "u8"), "u8")):
+        raw = raw_data(tensor, fmt)
+        assert raw == tensor.numpy().astype(tensor.numpy().dtype.newbyteorder("<")).tobytes()
+        assert np.shares_memory(np.frombuffer(raw, dtype=np.uint8), tensor.numpy())
+    # u8 from float32 is made here: a buffer of its own, the same bytes as torch's rounding
+    assert raw_data(weights, "u8") == weights.mul(255).round().to(torch.uint8).numpy().tobytes()
 
 
 def test_staging_buffers_are_reused_and_results_are_independent_copies():
