@@ -2,8 +2,9 @@
 answers read by Content-Length, compressed bodies decoded. Nothing more.
 
 Why not httpx: a bench measures servers, and on a 2-core machine its client shares the cores with
-them. httpx spends 1-3 ms of Python per request (the same for both servers, so it squeezes every
-ratio towards 1), and 32 httpx clients took 45% of a core, which the server under test then lacked.
+them. httpx spends about 1 ms more per request than this (on both servers alike, so it squeezes
+every ratio towards 1), and 32 httpx clients took 45% of a core, which the server under test
+then lacked.
 serve_bench still times one form through httpx, so what a client library costs stays in view.
 """
 

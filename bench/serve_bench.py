@@ -11,20 +11,22 @@ compresses. Ours is `manyeyes serve`, asked in every form a client can ask for:
     f16 json / frame      base64 in JSON / raw frame              float16: within 1e-3
     u8 json / frame       base64 in JSON / raw frame              LOSSY: within 1/255
     u8 frame, zstd        the page's form                         LOSSY: within 1/255
+    u8 frame, httpx       the u8 frame through httpx (below)      LOSSY: within 1/255
 
 For each T every form gets its own new sentence (so our run cache never answers), in rounds that
 alternate with the reference request by request, so machine noise hits all alike. Time is from
 sending the request to holding the whole decoded body.
 
 Both servers are timed through the same lean client (bench/lean_http.py: one kept-alive socket,
-answers read by Content-Length), so the ratios compare servers, not client libraries. One more form,
-"u8 frame, httpx", goes through httpx with its own reference requests also through httpx, so what
-a common client library adds (1-3 ms a request here, on both sides) is printed beside it. Both servers' forward times are printed
-(ours from timing_ms, the reference's from its X-Forward-Ms header), and our server's own time
-per request from its access log. Then throughput: 32 clients against each server in turn, and our
-single-stream rate, to show what micro-batching adds.
+answers read by Content-Length), so the ratios compare servers, not client libraries. The form
+"u8 frame, httpx" goes through httpx, with its own reference requests also through httpx, so what
+a common client library adds (about 1 ms a request here up to T=128, on both sides) is printed
+beside it. Both servers' forward times are printed (ours from timing_ms, the reference's from its
+X-Forward-Ms header), and our server's own time per request from its access log. Then
+throughput: 32 clients against each server in turn, and our single-stream rate, to show what
+micro-batching adds.
 
-    python bench/serve_bench.py [--quick] [--lengths 16,64,128] [--repeat 3]
+    python bench/serve_bench.py [--quick] [--lengths 16,64,128] [--forms "u8 frame;u8 frame, zstd"]
 """
 
 from __future__ import annotations
