@@ -16,6 +16,8 @@ import select
 import socket
 from dataclasses import dataclass
 
+from urllib.parse import urlsplit
+
 import orjson
 import zstandard
 
@@ -30,10 +32,21 @@ class Answer:
     wire_bytes: int  # the body as it crossed the wire
 
 
+def split_url(url: str) -> tuple[str, int, str]:
+    """http://host:port/path -> (host, port, "/path")."""
+    parts = urlsplit(url)
+    return parts.hostname, parts.port, parts.path or "/"
+
+
 def request_bytes(host: str, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def json_post(host: str, path: str, payload: dict, headers: dict | None) -> bytes:
+    body = orjson.dumps(payload)
+    return request_bytes(host, "POST", path, body, {"Content-Type": "application/json", **(headers or {})})
 
 
 def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
@@ -63,8 +76,8 @@ class Connection:
     """Blocking: for latency, one request at a time."""
 
     def __init__(self, url: str, timeout: float = 300):
-        host, _, port = url.removeprefix("http://").rstrip("/").partition(":")
-        self.host, self.address, self.timeout = f"{host}:{port}", (host, int(port)), timeout
+        host, port, _ = split_url(url)
+        self.host, self.address, self.timeout = f"{host}:{port}", (host, port), timeout
         self._connect()
 
     def _connect(self) -> None:
@@ -75,14 +88,13 @@ class Connection:
         self.reader = self.sock.makefile("rb")
 
     def post_json(self, path: str, payload: dict, headers: dict | None = None) -> Answer:
-        body = orjson.dumps(payload)
         # A server closes a connection left idle past its keep-alive (uvicorn: 5 s, and the
         # reference takes 13 s at T=512): readable with nothing to read means closed. httpx's
         # pool makes the same check when it hands out a kept-alive connection.
         if select.select([self.sock], [], [], 0)[0] and not self.sock.recv(1, socket.MSG_PEEK):
             self.close()
             self._connect()
-        self.sock.sendall(request_bytes(self.host, "POST", path, body, {"Content-Type": "application/json", **(headers or {})}))
+        self.sock.sendall(json_post(self.host, path, payload, headers))
         lines = []
         while (line := self.reader.readline(65537)) not in (b"\r\n", b""):
             lines.append(line)
@@ -114,14 +126,13 @@ class AsyncConnection:
 
     @classmethod
     async def open(cls, url: str) -> "AsyncConnection":
-        host, _, port = url.removeprefix("http://").rstrip("/").partition(":")
-        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+        host, port, _ = split_url(url)
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer, f"{host}:{port}")
 
     async def post_json(self, path: str, payload: dict, headers: dict | None = None) -> Answer:
-        body = orjson.dumps(payload)
-        self.writer.write(request_bytes(self.host, "POST", path, body, {"Content-Type": "application/json", **(headers or {})}))
+        self.writer.write(json_post(self.host, path, payload, headers))
         head = await self.reader.readuntil(HEAD_END)
         status, response_headers = parse_head(head[: -len(HEAD_END)])
         length = int(response_headers["content-length"])

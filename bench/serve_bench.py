@@ -46,7 +46,7 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lean_http import AsyncConnection, Connection  # noqa: E402
+from lean_http import Answer, AsyncConnection, Connection, split_url  # noqa: E402
 from live_server import access_ms  # noqa: E402
 
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
@@ -142,39 +142,38 @@ def sentence(n_tokens: int, seed: int, encode) -> str:
         words.pop()
 
 
+def post(lean: Connection, client: httpx.Client, url: str, path: str, payload: dict, headers: dict | None,
+         through_httpx: bool) -> tuple[Answer, float]:
+    """One timed POST, through httpx or the lean client: the decoded answer and the ms it took,
+    from sending the request to holding the whole decoded body (nothing parsed yet, on either side)."""
+    t0 = time.perf_counter()
+    if through_httpx:
+        r = client.post(f"{url}{path}", json=payload, headers=headers)
+        answer = Answer(r.status_code, dict(r.headers), r.content, r.num_bytes_downloaded)
+    else:
+        answer = lean.post_json(path, payload, headers)
+    return answer, (time.perf_counter() - t0) * 1000
+
+
 def ours_request(lean: Connection, client: httpx.Client, url: str, text: str, form: str) -> dict:
     fmt, accept, encoding, _ = FORMS[form]
-    payload, headers = {"text": text, "format": fmt}, {"Accept": accept, "Accept-Encoding": encoding}
-    t0 = time.perf_counter()
-    if form in HTTPX_FORMS:
-        r = client.post(f"{url}/api/v1/attention", json=payload, headers=headers)
-        status, answer_headers, body, wire_bytes = r.status_code, r.headers, r.content, r.num_bytes_downloaded
-    else:
-        answer = lean.post_json("/api/v1/attention", payload, headers)
-        status, answer_headers, body, wire_bytes = answer.status, answer.headers, answer.body, answer.wire_bytes
-    header = read_frame(body)[0] if accept == FRAME and status == 200 else orjson.loads(body)
-    ms = (time.perf_counter() - t0) * 1000  # to the decoded body and its parsed header
-    assert status == 200, (form, status, body[:200])
+    answer, ms = post(lean, client, url, "/api/v1/attention", {"text": text, "format": fmt},
+                      {"Accept": accept, "Accept-Encoding": encoding}, form in HTTPX_FORMS)
+    assert answer.status == 200, (form, answer.status, answer.body[:200])
+    header = read_frame(answer.body)[0] if accept == FRAME else orjson.loads(answer.body)
     n = len(header["tokens"])
     assert header["attention"]["shape"] == [6, 12, n, n], header["attention"]["shape"]
     expected_encoding = {"identity": None, "gzip, deflate": "gzip"}.get(encoding, "zstd")
-    if expected_encoding == "zstd" and fmt != "json" and wire_bytes < 64 * 1024:
+    if expected_encoding == "zstd" and fmt != "json" and answer.wire_bytes < 64 * 1024:
         expected_encoding = None  # compact answers under 64 KiB are not worth compressing
-    assert answer_headers.get("content-encoding") == expected_encoding, (form, answer_headers.get("content-encoding"))
-    return {"ms": ms, "bytes": wire_bytes, "forward": header["timing_ms"]["forward"], "run_id": header["run_id"]}
+    assert answer.headers.get("content-encoding") == expected_encoding, (form, answer.headers.get("content-encoding"))
+    return {"ms": ms, "bytes": answer.wire_bytes, "forward": header["timing_ms"]["forward"], "run_id": header["run_id"]}
 
 
 def reference_request(lean: Connection, client: httpx.Client, url: str, text: str, through_httpx: bool) -> dict:
-    t0 = time.perf_counter()
-    if through_httpx:
-        r = client.post(f"{url}/attention", json={"text": text})
-        status, headers, body, wire_bytes = r.status_code, r.headers, r.content, r.num_bytes_downloaded
-    else:
-        answer = lean.post_json("/attention", {"text": text})
-        status, headers, body, wire_bytes = answer.status, answer.headers, answer.body, answer.wire_bytes
-    ms = (time.perf_counter() - t0) * 1000
-    assert status == 200 and len(body) > 0
-    return {"ms": ms, "bytes": wire_bytes, "forward": float(headers["x-forward-ms"])}
+    answer, ms = post(lean, client, url, "/attention", {"text": text}, None, through_httpx)
+    assert answer.status == 200 and len(answer.body) > 0
+    return {"ms": ms, "bytes": answer.wire_bytes, "forward": float(answer.headers["x-forward-ms"])}
 
 
 def latency_table(client: httpx.Client, ours: str, ref: str, encode, lengths, rounds, forms) -> dict:
@@ -209,8 +208,8 @@ async def throughput(url: str, body_for, clients: int, seconds: float, headers: 
     (the lean client: 32 httpx clients took 45% of a core from the server under test)."""
     done = errors = 0
     stop = time.perf_counter() + seconds
-    base, _, path = url.removeprefix("http://").partition("/")
-    base, path = f"http://{base}", f"/{path}"
+    host, port, path = split_url(url)
+    base = f"http://{host}:{port}"
 
     async def worker(w: int) -> None:
         nonlocal done, errors
@@ -359,14 +358,15 @@ def main() -> None:
         ref_ms, ref_bytes = p50(s["ms"] for s in t["reference"]), p50(s["bytes"] for s in t["reference"])
 
         def ratio(form, key):
-            return (ref_ms if key == "ms" else ref_bytes) / p50(s[key] for s in t[form]) if form in t else float("nan")
+            return (ref_ms if key == "ms" else ref_bytes) / p50(s[key] for s in t[form])
 
-        checks += [
-            ("T=128 json with gzip >= 5x faster like for like", ratio("json, gzip", "ms") >= 5),
-            ("T=128 u8 frame >= 30x faster", ratio("u8 frame", "ms") >= 30),
-            ("T=128 u8 frame >= 22x smaller", ratio("u8 frame", "bytes") >= 22),
-            ("T=128 u8 frame with zstd >= 40x smaller", ratio("u8 frame, zstd", "bytes") >= 40),
-        ]
+        # Only the forms this run measured: a form not asked for is no miss.
+        checks += [(name, ratio(form, key) >= goal) for name, form, key, goal in (
+            ("T=128 json with gzip >= 5x faster like for like", "json, gzip", "ms", 5),
+            ("T=128 u8 frame >= 30x faster", "u8 frame", "ms", 30),
+            ("T=128 u8 frame >= 22x smaller", "u8 frame", "bytes", 22),
+            ("T=128 u8 frame with zstd >= 40x smaller", "u8 frame, zstd", "bytes", 40),
+        ) if form in t]
     if any(form == "u8 frame" for _, form in overhead):
         checks.append(("server time beyond forward <= 30% at every T (u8 frame)",
                        all(b <= 0.3 * f for (n, form), (_, f, b) in overhead.items() if form == "u8 frame")))
@@ -375,9 +375,9 @@ def main() -> None:
     print("\nTargets: " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks))
     if 128 in table and "u8 frame, httpx" in table[128]:
         t = table[128]
-        ref = p50(s["ms"] for s in t["reference, httpx"])
-        print(f"(Both servers through httpx instead, T=128 u8 frame: reference {ref:.0f} ms, ours "
-              f"{p50(s['ms'] for s in t['u8 frame, httpx']):.1f} ms, {ref / p50(s['ms'] for s in t['u8 frame, httpx']):.1f}x)")
+        ref, ours_ms = p50(s["ms"] for s in reference_for(t, "u8 frame, httpx")), p50(s["ms"] for s in t["u8 frame, httpx"])
+        print(f"(Both servers through httpx instead, T=128 u8 frame: reference {ref:.0f} ms, ours {ours_ms:.1f} ms, "
+              f"{ref / ours_ms:.1f}x)")
 
 
 if __name__ == "__main__":
