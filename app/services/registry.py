@@ -78,7 +78,7 @@ class Registry:
             for model_id, spec in specs.items():
                 started = time.monotonic()
                 self.progress[model_id] = {"state": "loading"}
-                model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id,
+                model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id, pack=s.pack_weights,
                              progress=self._reporter(model_id), show_progress=sys.stderr.isatty())
                 if AUTOCAST[s.autocast] is not None:
                     model.autocast_dtype = AUTOCAST[s.autocast]

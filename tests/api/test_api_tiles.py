@@ -202,7 +202,10 @@ def test_overview_is_the_max_pooled_dense_weights(tiles_api, model_id):
     for layer in range(n_layers):
         for head in range(n_heads):
             want, _, _ = np_pool(weights[layer, head], 0, n, 0, n, len(re) - 1, len(ce) - 1, "max")
-            np.testing.assert_allclose(overview[layer, head], want, atol=1e-6, rtol=0)
+            # The kept path recomputes each softmax from float32 q and k; the dense forward's is
+            # another reduction order. This test reads every cell of every head, so it meets the far
+            # tail of that gap: 1.01e-6 once the linears moved to oneDNN (model/packed.py).
+            np.testing.assert_allclose(overview[layer, head], want, atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("model_id", MODELS)
