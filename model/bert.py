@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
-from manyeyes.model.layers import GELU, FeedForward, LayerNorm, ShapeInfo, Trace
+from manyeyes.model.layers import GELU, FeedForward, LayerNorm, ShapeInfo, Trace, real_tokens_only
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class EncoderBlock(nn.Module):
     def forward(self, x, key_padding_mask=None, capture: Capture = Capture(weights=False)):
         att = self.att.attend(x, key_padding_mask, capture)
         x = self.norm1(x + att.context)
-        x = self.norm2(x + self.ff(x))
+        x = self.norm2(x + real_tokens_only(self.ff, x, key_padding_mask))
         return x, att
 
     def weights_only(self, x, key_padding_mask=None, capture: Capture = Capture()):

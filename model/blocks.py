@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
-from manyeyes.model.layers import FeedForward, LayerNorm, RMSNorm, ShapeInfo, SwiGLU, Trace
+from manyeyes.model.layers import FeedForward, LayerNorm, RMSNorm, ShapeInfo, SwiGLU, Trace, real_tokens_only
 from manyeyes.model.rotary import RopeConfig, RotaryEmbedding
 
 
@@ -74,10 +74,11 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x, rope, key_padding_mask=None, capture: Capture = Capture(weights=False), past=None):
         att = self.att.attend(self.norm1(x), key_padding_mask, capture, rope=rope, past=past)
+        ff = lambda h: self.ff(self.norm2(h))  # noqa: E731
         if self.parallel_residual:
-            return x + att.context + self.ff(self.norm2(x)), att
+            return x + att.context + real_tokens_only(ff, x, key_padding_mask), att
         x = x + att.context
-        return x + self.ff(self.norm2(x)), att
+        return x + real_tokens_only(ff, x, key_padding_mask), att
 
     def weights_only(self, x, rope, key_padding_mask=None, capture: Capture = Capture()):
         """The block up to its softmax, for a last block whose output nobody reads."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
-from manyeyes.model.layers import FeedForward, LayerNorm, ShapeInfo, Trace
+from manyeyes.model.layers import FeedForward, LayerNorm, ShapeInfo, Trace, real_tokens_only
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x, key_padding_mask=None, capture: Capture = Capture(weights=False), past=None):
         att = self.att.attend(self.norm1(x), key_padding_mask, capture, past=past)
         x = x + self.drop_shortcut(att.context)
-        x = x + self.drop_shortcut(self.ff(self.norm2(x)))
+        x = x + self.drop_shortcut(real_tokens_only(lambda h: self.ff(self.norm2(h)), x, key_padding_mask))
         return x, att
 
     def weights_only(self, x, key_padding_mask=None, capture: Capture = Capture()):

@@ -112,3 +112,30 @@ def test_every_family_network_stops_at_the_last_softmax_with_the_same_weights():
         for a, b in zip(full.layers, lean.layers):
             assert torch.equal(a.weights, b.weights), name
         assert counts == {"last W_value": 0, "last out_proj": 0, "last ff": 0, "first ff": 1, "last W_key": 1}, name
+
+
+def rows_into_feed_forwards(model, texts: list[str]) -> tuple[list[int], list]:
+    """Rows each block's feed-forward received during one padded batch, and the batch's results."""
+    seen: list[int] = []
+    handles = [block.ff.register_forward_pre_hook(lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+               for block in model.net.trf_blocks]
+    try:
+        results = model.attend_batch(texts)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, results
+
+
+def test_feed_forwards_skip_the_padding(minilm):
+    """Each family's feed-forward runs on the real tokens only (model/layers.real_tokens_only),
+    and the batch still equals its single runs."""
+    for model in (minilm, load("tiny-gpt"), load("tiny-llama")):
+        seen, results = rows_into_feed_forwards(model, TEXTS)
+        lengths = [len(item.tokens) for item in results]
+        assert min(lengths) < max(lengths)  # the batch is padded
+        # BERT's last block stops at its softmax when the hidden state is not asked for; here it is.
+        assert seen and set(seen) == {sum(lengths)}, (seen, lengths)
+        for text, item in zip(TEXTS, results):
+            single = model.attend(text)
+            assert (item.attention - single.attention).abs().max() <= 1e-5
