@@ -1,7 +1,10 @@
 """The oneDNN-packed linears (model/packed.py): same numbers as F.linear, taken when they can be,
 following the weight when it changes, and out of the way of autograd and large models."""
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +133,27 @@ def test_packed_and_plain_models_agree():
     for got, want in zip(packed.run(encoded, Capture()), plain.run(encoded, Capture())):
         torch.testing.assert_close(got.attention, want.attention, rtol=0, atol=1e-5)
         torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+
+
+GROWTH = """
+import os, torch, torch.nn as nn
+from manyeyes.model.packed import pack_linears
+net = nn.Sequential(nn.Linear(384, 1536), nn.Linear(1536, 384)).requires_grad_(False)
+assert pack_linears(net) == 2
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+with torch.inference_mode():
+    for m in range(1, 101): net(torch.randn(m, 384))
+    before = rss()
+    for m in range(101, 401): net(torch.randn(m, 384))
+print(rss() - before)
+"""
+
+
+def test_new_lengths_do_not_grow_memory_without_bound():
+    """oneDNN keeps a compiled primitive per input shape; uncapped, 300 new token counts took
+    ~370 MB here, capped (packed.PRIMITIVE_CACHES) under 50 MB. A fresh process, since the caps
+    are read once, when oneDNN first runs. RSS comes from /proc (Linux, as CI)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", GROWTH], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 120, f"RSS grew {float(out.stdout):.0f} MB over 300 new lengths"
