@@ -144,3 +144,25 @@ def test_pinned_copy_from_cuda():
     host = copier.to_host(quantise(weights, "u8"))
     assert copier._staging[torch.uint8].is_pinned()
     assert host.device.type == "cpu" and host.numpy().tobytes() == to_u8(weights.cpu())
+
+
+@pytest.mark.slow
+def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
+    # No GPU in CI: this keeps bench/gpu_bench.py from rotting until one is at hand. On the CPU
+    # its goals are not expected to hold (exit 1 says MISSED), but every request must succeed.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-3000:]
+    assert re.search(r"T=128, batch 1, 3 sequential requests: server time p50 \d+\.\d ms", done.stdout), done.stdout
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+)% \| (\d+) \|$", done.stdout, re.M)
+    assert [row[0] for row in rows] == ["16", "64"], done.stdout
+    for _, served, bare, _, errors in rows:
+        assert int(served) > 0 and int(bare) > 0 and errors == "0", done.stdout
