@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_server import access_ms, serve  # noqa: E402
 from serve_bench import throughput  # noqa: E402
 
+from manyeyes.app.services.device import HostCopier, device_to_host, quantises_on_device  # noqa: E402
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
+from manyeyes.model.attention import Capture  # noqa: E402
 
 FRAME = {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "identity"}
 WORDS = "river bank heron mill stone boat path tree summer light water field".split()
@@ -43,11 +45,8 @@ def bare_rate(model, n_tokens: int, batch: int, repeats: int) -> float:
     """Inputs a second through the forward exactly as the server's batcher calls it for u8
     answers: the last block stops at its softmax, and off the CPU the weights are quantised on
     the device and copied through pinned memory (the server's default there)."""
-    from manyeyes.app.services.device import HostCopier, device_to_host
-    from manyeyes.model.attention import Capture
-
     encoded = [model.encode(text_of(n_tokens, 10_000 + i), truncate=True) for i in range(batch)]
-    to_host = device_to_host(HostCopier(), "u8") if model.device.type != "cpu" else None
+    to_host = device_to_host(HostCopier(), "u8") if quantises_on_device(model.device.type) else None
 
     def forward():
         model.run(encoded, Capture(hidden=False), to_host=to_host)

@@ -17,6 +17,12 @@ KEPT_DTYPE = {"json": torch.float32, "f16": torch.float16, "u8": torch.uint8}
 AUTOCAST = {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def quantises_on_device(device: str, setting: bool | None = None) -> bool:
+    """Whether batches on `device` leave it quantised: as set, else everywhere but the CPU (where
+    there is no copy to save, and the run cache keeps float32 for any later format)."""
+    return device != "cpu" if setting is None else setting
+
+
 def most_precise(formats) -> str:
     return min(formats, key=PRECISION.__getitem__)
 

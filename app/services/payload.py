@@ -62,7 +62,7 @@ def to_u8(attention: torch.Tensor) -> memoryview:
     weights = attention.float().contiguous().numpy().reshape(-1)
     out = np.empty(weights.size, dtype=np.uint8)
     _quantise_u8(weights, out)
-    return memoryview(out).cast("B")
+    return as_bytes(out)
 
 
 def as_bytes(array: np.ndarray) -> memoryview:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Batcher
-from manyeyes.app.services.device import AUTOCAST
+from manyeyes.app.services.device import AUTOCAST, quantises_on_device
 from manyeyes.app.services.errors import NotReady, UnknownModel
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import to_u8
@@ -99,7 +99,7 @@ class Registry:
                         max_client_queue=s.max_client_queue,
                         max_batch_cells=s.max_batch_cells,
                         work_fraction=s.work_budget_fraction,
-                        device_quantise=device != "cpu" if s.device_quantise is None else s.device_quantise,
+                        device_quantise=quantises_on_device(device, s.device_quantise),
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
                 self.progress[model_id] = {"state": "ready"}

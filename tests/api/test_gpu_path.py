@@ -3,12 +3,17 @@ the CPU: the same functions a GPU runs, checked against the host path they repla
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.device import HostCopier, device_to_host, most_precise, quantise, serves
+from manyeyes.app.services.device import HostCopier, device_to_host, most_precise, quantise, quantises_on_device, serves
 from manyeyes.app.services.payload import raw_data, to_f16, to_u8
 from tests.api.conftest import decode, metric, serve
 
@@ -65,6 +70,12 @@ def test_precision_order():
     assert most_precise(["u8", "json"]) == "json"
     assert serves(torch.float32, "u8") and serves(torch.float16, "u8") and serves(torch.uint8, "u8")
     assert not serves(torch.uint8, "f16") and not serves(torch.float16, "json")
+
+
+def test_batches_leave_every_device_but_the_cpu_quantised_unless_set():
+    # The server's default and the GPU bench's bare forward both follow this one rule.
+    assert not quantises_on_device("cpu") and quantises_on_device("cuda") and quantises_on_device("cuda:1")
+    assert quantises_on_device("cpu", True) and not quantises_on_device("cuda", False)
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +161,6 @@ def test_pinned_copy_from_cuda():
 def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     # No GPU in CI: this keeps bench/gpu_bench.py from rotting until one is at hand. On the CPU
     # its goals are not expected to hold (exit 1 says MISSED), but every request must succeed.
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
     done = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4"],
