@@ -384,3 +384,26 @@ def test_colour_scales_hide_first_token_and_theme_toggle(server, page, artifacts
     page.wait_for_selector("body[data-ready=true]")
     assert page.locator("#theme").input_value() == "dark"  # remembered
     page.select_option("#theme", "system")
+
+
+# ---- found since ------------------------------------------------------------------------------------
+
+
+def shown_though_hidden(page) -> list[str]:
+    """Elements with the `hidden` attribute that still take up room on screen."""
+    return page.evaluate("""() => [...document.querySelectorAll('[hidden]')]
+        .filter((e) => e.getClientRects().length > 0).map((e) => e.id || e.className || e.tagName)""")
+
+
+def test_a_model_without_predictions_leaves_no_strip_from_the_last_run(server, page, artifacts):
+    # `.predictions { display: flex }` beat the browser's own [hidden] rule: after a causal run, a
+    # MiniLM run kept the causal model's "Next token" strip, for other tokens, under its heatmap.
+    open_page(page, server)
+    run(page, "The cat sat on the mat.", model="tiny-causal")
+    page.wait_for_selector("#focus-predictions .pred")
+    assert page.locator("#focus-predictions").is_visible()
+    run(page, "The bank of the river was muddy.", model="minilm")
+    page.wait_for_function("() => document.getElementById('focus-predictions').hidden")
+    assert not page.locator("#focus-predictions").is_visible()
+    assert shown_though_hidden(page) == []
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "no-stale-predictions.png"))
