@@ -5,6 +5,7 @@ as their (L, H, T, T) weights, long ones as the queries and keys that regenerate
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,8 +54,10 @@ class Run:
 
 def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:
     """Everything that changes the forward pass, and nothing that only changes the view of it."""
-    key = "\x1f".join((model, text, "\x00" if text_pair is None else text_pair, "1" if truncate else "0"))
-    return hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
+    # JSON, not a separator: any character a separator could be may also be in a client's text, and
+    # ("x\x1fy", "z") must not share a run with ("x", "y\x1fz"). ASCII escapes keep lone surrogates hashable.
+    key = json.dumps([model, text, text_pair, truncate], ensure_ascii=True)
+    return hashlib.blake2b(key.encode("ascii"), digest_size=16).hexdigest()
 
 
 class RunCache:

@@ -77,6 +77,20 @@ def test_run_id_is_stable_and_depends_on_what_changes_the_forward(api):
     assert api.post("/api/v1/attention", json={"text": TEXT + " "}).json()["run_id"] != first
 
 
+def test_texts_that_join_alike_are_different_runs(api):
+    # The run id once joined its fields with \x1f and wrote "no pair" as \x00, both characters a
+    # client may send: these pairs shared one run, and the second was answered with the first's tokens.
+    for first, second in (
+        ({"text": "x\x1fy", "text_pair": "z"}, {"text": "x", "text_pair": "y\x1fz"}),
+        ({"text": "hi"}, {"text": "hi", "text_pair": "\x00"}),
+    ):
+        answers = [api.post("/api/v1/attention", json={**body, "format": "u8", "layers": [0], "heads": [0]}).json()
+                   for body in (first, second)]
+        assert answers[0]["run_id"] != answers[1]["run_id"]
+        pieces = [[(t["text"], t["segment"]) for t in a["tokens"]] for a in answers]
+        assert pieces[0] != pieces[1], pieces  # each answer is its own input's tokens
+
+
 def test_runs_serves_any_slice_of_a_recent_run(api, minilm):
     run_id = api.post("/api/v1/attention", json={"text": TEXT, "format": "u8", "layers": [0], "heads": [0]}).json()["run_id"]
     full = minilm.attend(TEXT).attention.numpy()
