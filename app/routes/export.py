@@ -8,13 +8,15 @@ from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import AttentionRequest
 from manyeyes.app.routes.views import UnknownView, ViewsDep
-from manyeyes.app.services.errors import InvalidInput
+from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 
 router = APIRouter(tags=["page"])
 
@@ -48,10 +50,20 @@ async def export_page(
 
     served = registry.get(model)
     try:
-        probe = AttentionRequest(text=text, text_pair=pair or None, model=served.id, layers=[0], heads=[0], format="u8", truncate=truncate)
-    except ValueError as exc:
-        raise InvalidInput(str(exc).splitlines()[-1]) from None
-    reply = await service.attend([(probe.text, probe.text_pair)], probe, batch=False, started=time.monotonic())
+        probe = AttentionRequest(text=text, text_pair=pair or None, model=served.id, layers=[0], heads=[0], format="u8",
+                                 truncate=truncate, keep="weights")
+    except ValidationError as exc:
+        # Reported as the query's own errors: the request model calls `pair` text_pair.
+        raise RequestValidationError(
+            [{**e, "loc": ("query", *("pair" if p == "text_pair" else p for p in e["loc"]))} for e in exc.errors()]
+        ) from None
+    try:
+        reply = await service.attend([(probe.text, probe.text_pair)], probe, batch=False, started=time.monotonic())
+    except NeedsTiles:
+        raise NeedsTiles(
+            f"an exported page holds every weight of its run, up to {service.settings.dense_max_tokens:,} tokens on this "
+            "server, and this text is longer: export a shorter one (the page reads longer runs from the server)"
+        ) from None
     n_tokens = orjson.loads(b"".join(reply.body))["attention"]["shape"][-1]
     info = served.model.info
     # The same run again, all of it: the run cache answers, no second forward pass.

@@ -384,6 +384,11 @@ def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):
     assert_error(r, 422, "experiments", "/tile")
     r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "keep": "everything"})
     assert_error(r, 422, "keep")
+    # The one-file export holds every weight: a long text was a 500 (the kept run has no "attention").
+    r = tiles_api.get("/export", params={"text": LONG, "model": "tiny-gpt"})
+    assert_error(r, 413, "export", f"{DENSE_MAX:,} tokens")
+    assert r.json()["error"]["code"] == "needs_tiles"
+    assert tiles_api.get("/export", params={"text": SHORT, "model": "tiny-gpt"}).status_code == 200
 
 
 def test_keep_qk_on_a_short_input_then_weights_again(tiles_api):

@@ -130,5 +130,9 @@ def test_export_button_downloads_the_same_viewer(browser, server, tiny_gpt, tmp_
 def test_export_route_errors_are_json(server):
     r = httpx.get(f"{server}/export", params={"text": "hi", "model": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model"
-    r = httpx.get(f"{server}/export", params={"text": "   "})
-    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    # Each names the query field and says what is wrong (the message was pydantic's URL line).
+    for params, field in (({"text": "   "}, "query.text"), ({"text": "hi", "pair": " "}, "query.pair")):
+        r = httpx.get(f"{server}/export", params=params)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{field}: ") and "whitespace" in message and "pydantic.dev" not in message, message
