@@ -257,7 +257,8 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int = Field(20, ge=1, description="Tokens to generate; bounded by the model's context and the server's max_new_tokens")
     temperature: float = Field(0.0, ge=0, le=10, description="0: greedy; above 0: sample at this temperature")
     top_k: int | None = Field(None, ge=1, description="Sample only among the k most likely tokens")
-    seed: int | None = Field(None, ge=0, description="A seeded sample repeats exactly")
+    # torch seeds a generator with an unsigned 64-bit integer; a bigger one failed after the 200 was sent.
+    seed: int | None = Field(None, ge=0, le=2**64 - 1, description="A seeded sample repeats exactly")
     alternatives: int = Field(5, ge=1, le=50, description="Most likely tokens reported with each step")
 
     _text = field_validator("text")(_not_blank)

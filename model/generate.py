@@ -50,9 +50,10 @@ def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: 
         raise ValueError("the prompt needs at least one token")
     limit = model.info.max_tokens
     if prompt_tokens + max_new_tokens > limit:
+        room = limit - prompt_tokens
+        advice = f"ask for at most {room} new tokens" if room >= 1 else f"shorten the prompt to at most {limit - 1} tokens"
         raise ValueError(
-            f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed {model.info.id}'s "
-            f"context of {limit}; ask for at most {max(limit - prompt_tokens, 0)} new tokens"
+            f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed {model.info.id}'s context of {limit}; {advice}"
         )
 
 

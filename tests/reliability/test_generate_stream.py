@@ -98,11 +98,23 @@ def test_a_client_that_hangs_up_stops_the_work(server):
         ({"text": "  ", "model": "tiny-gpt"}, 422, "invalid_request"),
         ({"text": PROMPT, "model": "tiny-gpt", "temperature": -1}, 422, "invalid_request"),
         ({"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": "5"}, 422, "invalid_request"),
+        # torch's seeds are unsigned 64-bit: 2**64 was a 200 whose stream then broke off
+        ({"text": PROMPT, "model": "tiny-gpt", "temperature": 1, "seed": 2**64}, 422, "invalid_request"),
     ],
 )
 def test_bad_requests_get_json_errors_before_any_stream(server, body, status, code):
     err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=30), status)
     assert err["code"] == code
+
+
+def test_the_largest_seed_samples_and_a_full_prompt_is_told_to_shrink(server):
+    body = {"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 2, "temperature": 1, "seed": 2**64 - 1}
+    with httpx.stream("POST", f"{server.url}/api/v1/generate", json=body, timeout=60) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1]["type"] == "end", lines[-1]
+    # A prompt that fills the context leaves no room: the advice was "ask for at most 0 new tokens".
+    err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json={"text": "x" * 256, "model": "tiny-gpt"}, timeout=30), 422)
+    assert "shorten the prompt" in err["message"] and "at most 0" not in err["message"], err["message"]
 
 
 def test_too_many_generations_at_once_get_429(server):
