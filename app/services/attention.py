@@ -89,10 +89,11 @@ def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
         part = part.strip()
         if not part:
             continue
-        try:
-            out.append(int(part))
-        except ValueError:
-            raise InvalidInput(f"{what}s must be integers, got {part!r}") from None
+        # ASCII digits only: int() would also read "+1", "1_0" and other scripts' digits.
+        if not (part.isascii() and part.isdigit()):
+            shown = part if len(part) <= 24 else f"{part[:20]}..."
+            raise InvalidInput(f"{what}s must be integers (0, 1, 2, ...), got {shown!r}")
+        out.append(int(part))
     return out or None
 
 

@@ -97,9 +97,13 @@ def test_unknown_model_run_and_route_are_404(api):
 
 def test_bad_slice_parameters_are_422(api):
     run_id = api.post("/api/v1/attention", json={"text": "Slices.", "format": "u8"}).json()["run_id"]
-    for query, needle in (("layers=a", "integers"), ("heads=99", "head 99"), ("format=bmp", "format")):
+    for query, needle in (("layers=a", "integers"), ("heads=99", "head 99"), ("format=bmp", "format"),
+                          # int() alone read these as 1, 10 and 1
+                          ("layers=%D9%A1", "integers"), ("layers=1_0", "integers"), ("heads=%2B1", "integers")):
         err = error_of(api.get(f"/api/v1/runs/{run_id}/attention?{query}"), 422)
-        assert needle in err["message"]
+        assert needle in err["message"], (query, err)
+    err = error_of(api.get(f"/api/v1/runs/{run_id}/attention?layers={'9' * 5000}x"), 422)
+    assert len(err["message"]) < 200, len(err["message"])  # the 5,000 digits are not echoed
 
 
 def test_batch_item_count_is_bounded(api):
