@@ -15,12 +15,12 @@ from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
+from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.memory import tune_malloc
-from manyeyes.app.middleware import AccessLog, BodyLimit, SecurityHeaders, ShutdownAnswer
+from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
@@ -125,7 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # Added innermost first: AccessLog sees everything, BodyLimit refuses before parsing.
     app.add_middleware(
-        GZipMiddleware,
+        Gzip,
         minimum_size=settings.gzip_min_bytes,
         compresslevel=settings.gzip_level,
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE, FRAME_MEDIA_TYPE),

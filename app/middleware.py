@@ -8,9 +8,12 @@ import logging
 import time
 
 import orjson
+from starlette.datastructures import Headers
+from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 
 from manyeyes.app.services.errors import NotReady, error_body
 from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.wire import accepts
 
 access_log = logging.getLogger("manyeyes.access")
 
@@ -186,3 +189,16 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+class Gzip(GZipMiddleware):
+    """Starlette's gzip for the answers the service does not compress itself, except that
+    `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not accepts(Headers(scope=scope).get("accept-encoding"), "gzip"):
+            # Starlette's own answer for such a client: uncompressed, with Vary where it matters.
+            responder = IdentityResponder(self.app, self.minimum_size, exclude_content_types=self.exclude_content_types)
+            await responder(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)

@@ -154,3 +154,11 @@ def test_json_text_is_gzipped_for_gzip_clients_and_decodes_to_the_same_numbers(a
 )
 def test_accepts(header, token, expected):
     assert accepts(header, token) is expected
+
+
+def test_other_routes_gzip_only_for_a_client_that_accepts_it(api):
+    # Starlette's GZipMiddleware looked for the substring "gzip": "gzip;q=0" got gzip anyway.
+    for header, expected in (("gzip", "gzip"), ("gzip;q=0", None), ("gzip;q=0, zstd", None), ("br;q=1, gzip;q=0.5", "gzip")):
+        r = api.get("/openapi.json", headers={"Accept-Encoding": header})
+        assert r.status_code == 200 and r.headers.get("content-encoding") == expected, header
+        assert r.json()["info"]["title"]  # httpx decoded what was sent, compressed or not
