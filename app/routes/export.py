@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import AttentionRequest
-from manyeyes.app.routes.views import UnknownView, ViewsDep
+from manyeyes.app.routes.views import UnknownView, ViewsDep, check_focus
 from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 
 router = APIRouter(tags=["page"])
@@ -49,6 +49,7 @@ async def export_page(
         raise InvalidInput("name the run to export: ?view=<id> or ?text=...")
 
     served = registry.get(model)
+    check_focus(served.model.info, layer, head)
     try:
         probe = AttentionRequest(text=text, text_pair=pair or None, model=served.id, layers=[0], heads=[0], format="u8",
                                  truncate=truncate, keep="weights")

@@ -6,9 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
 
+from manyeyes.app.deps import RegistryDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
-from manyeyes.app.services.errors import ApiError
+from manyeyes.app.services.errors import ApiError, InvalidInput
 from manyeyes.app.services.views import ViewStore
 
 router = APIRouter(prefix="/api/v1", tags=["views"])
@@ -30,9 +31,17 @@ def get_views(request: Request) -> ViewStore:
 ViewsDep = Annotated[ViewStore, Depends(get_views)]
 
 
-@router.post("/views", response_model=ViewSaved, responses=errors(413, 422))
-def save_view(body: ViewState, views: ViewsDep) -> ViewSaved:
+def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
+    """A view can only focus heads its model has: a link to layer 99 would open on nothing."""
+    for name, value, count in (("layer", layer, info.n_layers), ("head", head, info.n_heads), *(("heads", h, info.n_heads) for h in heads)):
+        if value >= count:
+            raise InvalidInput(f"{name} {value} is out of range: {info.id} has {count} {'layers' if name == 'layer' else 'heads'}")
+
+
+@router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 422))
+def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
+    check_focus(registry.get(body.model).model.info, body.layer, body.head, body.heads)  # 404: a model it does not serve
     return ViewSaved(id=views.put(body.model_dump()))
 
 
