@@ -255,7 +255,10 @@ class AttentionService:
         finally:
             batcher.release(len(missing) - submitted, client)
         try:
-            done: list[Done] = await asyncio.wait_for(asyncio.gather(*futures), deadline - time.monotonic())
+            # Not asyncio.wait_for: when the client hung up, it left the gather's CancelledError
+            # unretrieved, and the collector logged "exception was never retrieved" for each.
+            async with asyncio.timeout(deadline - time.monotonic()):
+                done: list[Done] = await asyncio.gather(*futures)
         except TimeoutError:
             raise OverBudget(
                 f"the request did not finish within its {self.settings.request_timeout_s:g} s budget; "
