@@ -8,8 +8,10 @@ page as it is now (templates/index.html, static/css, static/js), so it follows t
   bare specifiers ("manyeyes/grid.js") that an import map resolves to data: URLs;
 - api.js is mapped to offline_api.js, which exports the same functions answered from the run
   embedded as JSON; the original api.js still loads behind it for everything it does not redefine;
-- a small classic script puts the run's text, model, layer and head in the address bar before the
-  modules run, so the page's own permalink code restores and draws that run.
+- a small classic script puts `?view=<EXPORT_VIEW_ID>` in the address bar before the modules run,
+  and offline_api.js answers that view (text, model, focus and every view option) from the file,
+  so the page's own permalink code restores and draws the view as it was exported;
+- the measures and experiments panels, which need a model, give way to a note.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ STATIC_DIR = TEMPLATES_DIR.parent / "static"
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 OFFLINE_API = PACKAGE_DIR / "offline_api.js"
 F16_BUDGET_BYTES = 16 * 2**20  # above this, u8: half the size, values within 1/510
-
+EXPORT_VIEW_ID = "0" * 18  # the one saved view a file holds (the page's view ids are 18 hex digits)
+SERVER_PANELS = re.compile(r"""<section id="measures"[^>]*>""")
+OFFLINE_NOTE = (
+    "<style>#measures, #experiments { display: none !important; }</style>\n"
+    '<p class="hint export-note" id="export-note">This file holds one run. The measures and experiments '
+    "need a model: open the text in <code>manyeyes serve</code> for them.</p>\n"
+)
 RELATIVE_IMPORT = re.compile(r"""(\bfrom\s*|\bimport\s*\(?\s*)(["'])\./([\w./-]+\.js)\2""")
 STYLESHEET = re.compile(r"""<link\b[^>]*\brel="stylesheet"[^>]*\bhref="/static/([^"?]+)"[^>]*>""")
 PLOTLY_TAG = re.compile(r"""<script\b[^>]*\bsrc="/vendor/plotly\.min\.js[^"]*"[^>]*>\s*</script>""")
@@ -89,20 +97,19 @@ def build_html(page_html: str, embedded: dict) -> str:
     main = MAIN_MODULE.search(html)
     if not n or not main:
         raise RuntimeError("templates/index.html no longer loads plotly.js and a main module the way the export expects")
-    focus = embedded["focus"]
-    query = {"text": embedded["text"], "model": embedded["model"]["id"], "layer": focus["layer"], "head": focus["head"]}
-    if embedded["text_pair"]:
-        query["pair"] = embedded["text_pair"]
     boot = (
         '<script type="application/json" id="manyeyes-export">' + json_script(embedded) + "</script>\n"
-        # The page restores a run from the address bar: start it there unless a view is already in it.
-        "<script>(() => { const q = " + json_script(query) + ";"
-        " if (new URLSearchParams(location.search).get('text') !== q.text)"
-        " history.replaceState(null, '', location.pathname + '?' + new URLSearchParams(q)); })();</script>\n"
+        # The page restores a view from the address bar: the file's own, which offline_api.js answers.
+        "<script>(() => { const id = " + json_script(EXPORT_VIEW_ID) + ";"
+        " if (new URLSearchParams(location.search).get('view') !== id)"
+        " history.replaceState(null, '', location.pathname + '?view=' + id); })();</script>\n"
         '<script type="importmap">' + json_script({"imports": import_map(main[1])}) + "</script>\n"
         f'<script type="module">import "manyeyes/{main[1]}";</script>'
     )
     html = html[: main.start()] + boot + html[main.end():]
+    html, n = SERVER_PANELS.subn(lambda m: OFFLINE_NOTE + m[0], html, count=1)
+    if not n:
+        raise RuntimeError("templates/index.html no longer has the measures panel the export hides")
     # Buttons that need a server have nothing to do in a file.
     return re.sub(r'(<(?:button|a)\b[^>]*\bid="export-page")', r"\1 hidden", html)
 
@@ -113,13 +120,19 @@ def render_page() -> str:
     return templates.env.get_template("index.html").render(plotly_version=plotly.__version__, request=None)
 
 
-def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int, head: int) -> dict:
+def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int, head: int, view: dict | None = None) -> dict:
+    """The file's run and its one saved view: `view` is a saved view's state (POST /api/v1/views),
+    whose options (aggregate, extra heads, segments, threshold, scale, labels...) the file keeps."""
+    focus = {"layer": min(max(layer, 0), body["n_layers"] - 1), "head": min(max(head, 0), body["n_heads"] - 1)}
     return {
         "text": text,
         "text_pair": text_pair,
         "model": model,
         "run": body,
-        "focus": {"layer": min(max(layer, 0), body["n_layers"] - 1), "head": min(max(head, 0), body["n_heads"] - 1)},
+        "focus": focus,
+        "view_id": EXPORT_VIEW_ID,
+        "view": {**(view or {}), "text": text, "text_pair": text_pair, "model": model["id"],
+                 "truncate": body["truncated"] or bool((view or {}).get("truncate")), **focus},
     }
 
 

@@ -47,7 +47,13 @@ function answer(layers, heads, format) {
 // with setTimeout after it asks, and an answer that resolved at once would overtake it.
 const later = () => new Promise((resolve) => setTimeout(resolve, 0));
 
-export async function request(url) {
+// The file's one saved view (export.py puts ?view=<its id> in the address bar): the page restores
+// the text, focus and every view option from it. Anything else needs a server.
+export async function request(url, init = {}) {
+  if (url === `/api/v1/views/${embedded.view_id}` && (init.method ?? "GET") === "GET") {
+    await later();
+    return structuredClone(embedded.view);
+  }
   throw offline(`No server to ask for ${url}.`);
 }
 

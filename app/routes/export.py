@@ -39,6 +39,7 @@ async def export_page(
     `model`, `layer`, `head`."""
     from manyeyes.export import build_html, embed, model_entry, pick_format, render_page
 
+    state = None
     if view is not None:
         state = views.get(view)
         if state is None:
@@ -74,7 +75,8 @@ async def export_page(
     def build() -> bytes:
         body = orjson.loads(b"".join(reply.body))
         entry = model_entry(info, default=served.default)
-        return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head)).encode("utf-8")
+        # A saved view keeps its options (extra heads, segments, threshold, scale...) in the file.
+        return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head, view=state)).encode("utf-8")
 
     html = await run_in_threadpool(build)
     name = re.sub(r"[^\w.-]", "_", served.id)

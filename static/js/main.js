@@ -687,6 +687,20 @@ async function copyLink() {
   }
 }
 
+// /export turns the saved view into one downloadable file. Saved now: the address bar lags a
+// quarter second behind the controls, and the file should hold what the page shows.
+async function exportPage() {
+  if (!state.run) return;
+  clearTimeout(saveTimer);
+  try {
+    const id = await saveView(viewState());
+    writePermalink(id);
+    window.location.assign(`/export?view=${id}`);
+  } catch (err) {
+    showError(`Cannot export this view: ${explain(err)}`);
+  }
+}
+
 // Until the first run the focus view shows a made-up example: the plot then exists and Plotly's
 // heatmap code is warm, so the first real heatmap is only an update.
 function renderExample() {
@@ -722,8 +736,7 @@ async function init() {
   $("download-csv").addEventListener("click", () => download("csv"));
   $("download-json").addEventListener("click", () => download("json"));
   $("copy-link").addEventListener("click", copyLink);
-  // The address bar is the permalink; /export turns the same view into one downloadable file.
-  $("export-page").addEventListener("click", () => window.location.assign("/export" + window.location.search));
+  $("export-page").addEventListener("click", exportPage);
   document.addEventListener("keydown", onKey);
   window.addEventListener("popstate", () => restoreFromUrl(false));
   onThemeChange(() => {
