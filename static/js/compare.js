@@ -3,7 +3,8 @@
 
 import { describeError } from "./api.js";
 import { el } from "./dom.js";
-import { currentInput, decodeTensor, headRows, heatmap, postJson, rankingTable, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
+import { pieceLabel } from "./tokens.js";
 
 export function mountCompare(box) {
   const a = el("input", { attrs: { id: "compare-a", type: "text", "aria-label": "Sentence A", placeholder: "The bank of the river." } });
@@ -30,10 +31,13 @@ export function mountCompare(box) {
     try {
       const [ra, rb] = await Promise.all([run(input.text_a), run(input.text_b)]);
       if (token !== state.token) return;
-      const pieces = (tokens) => tokens.map((t) => t.piece);
+      const pieces = (tokens) => tokens.map(pieceLabel);
       heatmap(plots[0], ra.attention.data[0][0], { x: pieces(ra.tokens), y: pieces(ra.tokens), title: `A · L${layer} H${head}` });
       heatmap(plots[1], rb.attention.data[0][0], { x: pieces(rb.tokens), y: pieces(rb.tokens), title: `B · L${layer} H${head}` });
-      const aligned = reply.pairs.map(([i, j]) => (reply.tokens_a[i].piece === reply.tokens_b[j].piece ? reply.tokens_a[i].piece : `${reply.tokens_a[i].piece}|${reply.tokens_b[j].piece}`));
+      const aligned = reply.pairs.map(([i, j]) => {
+        const [ta, tb] = [pieceLabel(reply.tokens_a[i]), pieceLabel(reply.tokens_b[j])];
+        return ta === tb ? ta : `${ta}|${tb}`;
+      });
       const z = headRows(state.difference, layer, head);
       heatmap(plots[2], z, { x: aligned, y: aligned, signed: true, title: `A − B on aligned cells · L${layer} H${head}` });
       Object.assign(plots[2].dataset, { layer, head, ready: "true" });
@@ -43,8 +47,9 @@ export function mountCompare(box) {
   }
 
   async function compare() {
-    const base = currentInput();
-    const input = { text_a: a.value || base.text, text_b: b.value, model: base.model, truncate: base.truncate };
+    const { model, truncate } = currentModel();
+    const token = ++state.token;
+    const input = { text_a: a.value || currentInput()?.text || "", text_b: b.value, model, truncate };
     if (!input.text_a.trim() || !input.text_b.trim()) return status(note, "Write two sentences to compare.", "error");
     plots[2].dataset.ready = "false";
     status(note, "Comparing…", "busy");
@@ -56,15 +61,26 @@ export function mountCompare(box) {
         if (err.status !== 413) throw err; // over the json budget: float16 is plenty for a picture
         reply = await postJson("/api/v1/experiments/compare", { ...input, difference: { format: "f16" } });
       }
+      if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
       ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show }));
       status(note, `${reply.pairs.length} aligned tokens of ${reply.tokens_a.length} and ${reply.tokens_b.length}.`);
       const top = reply.ranking[0];
       await show(top.layer, top.head);
     } catch (err) {
-      status(note, describeError(err), "error");
+      if (token === state.token) status(note, describeError(err), "error");
     }
   }
+
+  // Another run on screen, perhaps of another model: the last comparison no longer applies.
+  onRun(() => {
+    state.token += 1;
+    Object.assign(state, { reply: null, difference: null, input: null, shown: null });
+    plots.forEach(clearPlot);
+    plots[2].dataset.ready = "false";
+    ranking.replaceChildren();
+    status(note, "");
+  });
 
   go.addEventListener("click", compare);
   for (const input of [a, b]) input.addEventListener("keydown", (e) => e.key === "Enter" && compare());

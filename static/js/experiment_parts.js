@@ -2,20 +2,37 @@
 
 import { request } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
+import { onThemeChange, palette } from "./theme.js";
 
 export function postJson(url, body, signal) {
   return request(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
 }
 
-// What the main form holds: the experiments run on the sentence and model the page shows.
+// The run on screen, as main.js announces it ("manyeyes:run"): the experiments act on what the
+// page shows, never on what the form holds now (a model picked but not run, a failed run's text).
+let shown = null;
+const runListeners = [];
+
+document.addEventListener("manyeyes:run", (event) => {
+  const { text, text_pair: pair, model, truncate } = event.detail.request;
+  shown = { text, ...(pair ? { text_pair: pair } : {}), model, truncate };
+  runListeners.forEach((fn) => fn(shown));
+});
+
+// The input of the run on screen, or null before the first run.
 export function currentInput() {
-  const pair = $("pair")?.value.trim();
-  return {
-    text: $("text").value,
-    ...(pair ? { text_pair: pair } : {}),
-    model: $("model").value || undefined,
-    truncate: $("truncate").checked,
-  };
+  return shown;
+}
+
+// The model (and truncate setting) for the panels with their own texts (compare, generation):
+// the run on screen's, or before any run the one picked in the form.
+export function currentModel() {
+  return shown ? { model: shown.model, truncate: shown.truncate } : { model: $("model").value || undefined, truncate: $("truncate").checked };
+}
+
+// Called with the new run's input whenever the page shows another run.
+export function onRun(callback) {
+  runListeners.push(callback);
 }
 
 // A (layers, heads, R, C) tensor of the experiments API as Float32Array and shape.
@@ -76,15 +93,32 @@ export function rankingTable(ranking, { limit = 12, onPick, caption } = {}) {
 }
 
 const DIVERGING = [[0, "#2166ac"], [0.5, "#f7f7f7"], [1, "#b2182b"]];
-const SEQUENTIAL = [[0, "#f7fbff"], [1, "#08306b"]];
+
+// Every drawn experiment heatmap, so a theme change redraws it in the new theme's text colour.
+const drawn = new Map();
+onThemeChange(() => {
+  for (const [div, args] of drawn) {
+    if (div.isConnected && div.data) heatmap(div, ...args);
+    else drawn.delete(div);
+  }
+});
+
+// Leaves the plot empty (a new run on screen: the last run's picture would mislead).
+export function clearPlot(div) {
+  drawn.delete(div);
+  window.Plotly.purge(div);
+  div.replaceChildren();
+}
 
 // A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
-export function heatmap(div, z, { x, y, title, signed = false, zmax } = {}) {
+export function heatmap(div, z, options = {}) {
+  drawn.set(div, [z, options]);
+  const { x, y, title, signed = false, zmax } = options;
   const limit = zmax ?? (signed ? Math.max(1e-6, ...z.flat().map(Math.abs)) : 1);
   const names = (labels, n) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${i}: ${plotlyText(s)}`);
   const trace = {
     type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),
-    colorscale: signed ? DIVERGING : SEQUENTIAL, zmin: signed ? -limit : 0, zmax: limit,
+    colorscale: signed ? DIVERGING : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
     hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>",
   };
   const layout = {
@@ -92,6 +126,7 @@ export function heatmap(div, z, { x, y, title, signed = false, zmax } = {}) {
     margin: { l: 90, r: 10, t: title ? 30 : 8, b: 80 }, height: 320,
     yaxis: { autorange: "reversed", automargin: true }, xaxis: { automargin: true, tickangle: -45 },
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+    font: { color: palette().text }, // Plotly's default dark grey is unreadable on the dark theme
   };
   return window.Plotly.react(div, [trace], layout, { displaylogo: false, responsive: true });
 }

@@ -4,8 +4,9 @@
 import { describeError } from "./api.js";
 import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
-import { currentInput, decodeTensor, headRows, heatmap, postJson, rankingTable, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, decodeTensor, headRows, heatmap, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
 import { mountGeneration } from "./generate_view.js";
+import { pieceLabel, visibleSpaces } from "./tokens.js";
 
 // ---------------------------------------------------------------------------- ablation
 const ablation = {
@@ -17,23 +18,31 @@ const ablation = {
   busy: false,
 };
 
+// Counts the runs shown: an answer that arrives after another run came on screen is dropped.
+let epoch = 0;
+
 function sameInput(a, b) {
   return a && b && JSON.stringify(a) === JSON.stringify(b);
 }
 
 function pieceLabels(tokens) {
-  return tokens.map((t) => t.piece);
+  return tokens.map(pieceLabel);
 }
+
+const sameAblation = (a, b) => a.length === b.length && a.every((x, i) => x.layer === b[i].layer && x.head === b[i].head && x.mode === b[i].mode);
 
 async function ablateHead(layer, head) {
   if (ablation.busy) return;
   const input = currentInput();
-  if (!input.text.trim()) return status($("ablate-status"), "Run a sentence first.", "error");
+  if (!input) return status($("ablate-status"), "Run a sentence first.", "error");
   if (!sameInput(input, ablation.input)) Object.assign(ablation, { input, clean: null, stack: [], shown: null });
   const mode = $("ablate-mode").value;
   const previous = ablation.stack.at(-1)?.ablate || [];
   const list = [...previous.filter((a) => a.layer !== layer || a.head !== head), { layer, head, mode }];
+  // The same list again would be an undo step that undoes nothing.
+  if (sameAblation(list, previous)) return status($("ablate-status"), `L${layer} H${head} is already ablated (${mode}).`);
   ablation.busy = true;
+  const asked = epoch;
   status($("ablate-status"), `Ablating L${layer} H${head} (${mode})…`, "busy");
   try {
     if (!ablation.clean) {
@@ -45,6 +54,7 @@ async function ablateHead(layer, head) {
         if (err.status !== 413) throw err;
         clean = await postJson("/api/v1/attention", { ...input, format: "f16" });
       }
+      if (asked !== epoch) return;
       ablation.tokens = clean.tokens;
       ablation.format = clean.attention.format;
       ablation.clean = decodeTensor(clean.attention);
@@ -52,11 +62,13 @@ async function ablateHead(layer, head) {
     const reply = await postJson("/api/v1/experiments/ablate", {
       ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
     });
+    if (asked !== epoch) return;
     ablation.stack.push({ ablate: list, reply, attention: decodeTensor(reply.attention) });
     const top = reply.ranking[0];
     if (!ablation.shown && top) ablation.shown = { layer: top.layer, head: top.head };
     status($("ablate-status"), "", "");
   } catch (err) {
+    if (asked !== epoch) return;
     status($("ablate-status"), describeError(err), "error");
   } finally {
     ablation.busy = false;
@@ -84,6 +96,7 @@ function renderAblation() {
   const plot = $("ablate-plot");
   plot.dataset.depth = String(ablation.stack.length);
   if (!ablation.clean || !ablation.shown) {
+    clearPlot(plot);
     $("ablate-ranking").replaceChildren();
     $("ablate-predictions").replaceChildren();
     return;
@@ -114,16 +127,17 @@ function predictionTable(reply) {
   const mean = reply.logprob_change.reduce((s, c) => s + c.change, 0) / reply.logprob_change.length;
   const rows = changes.map((c) => {
     const i = top.get(c.position);
-    const guess = (g) => (g ? `${g.token} (${g.prob.toFixed(2)})` : "");
+    const guess = (g) => (g ? `${visibleSpaces(g.token)} (${g.prob.toFixed(2)})` : "");
     return el("tr", { attrs: { "data-position": c.position } }, [
-      el("td", { text: `${c.position}: ${reply.tokens[c.position].piece}` }),
-      el("td", { text: c.token }),
+      el("td", { text: `${c.position}: ${pieceLabel(reply.tokens[c.position])}` }),
+      el("td", { text: visibleSpaces(c.token) }),
       el("td", { text: c.change.toFixed(3), className: "num" }),
       el("td", { text: `${guess(reply.predictions.before[i]?.[0])} → ${guess(reply.predictions.after[i]?.[0])}` }),
     ]);
   });
   const what = reply.causal ? "the actual next token" : "the clean top guess at the mask";
-  return el("table", { className: "exp-table predictions" }, [
+  // Not the class "predictions": that is the strip under the heatmap, laid out as a flex row.
+  return el("table", { className: "exp-table logprob-changes" }, [
     el("caption", { text: `Δ log p of ${what}: mean ${mean.toFixed(3)}; largest changes` }),
     el("thead", {}, [el("tr", {}, ["At", "Target", "Δ log p", "Top guess before → after"].map((t) => el("th", { text: t })))]),
     el("tbody", {}, rows),
@@ -133,11 +147,13 @@ function predictionTable(reply) {
 // ---------------------------------------------------------------------------- token change
 async function loadTokens() {
   const input = currentInput();
-  if (!input.text.trim()) return;
+  if (!input) return status($("token-status"), "Run a sentence first.", "error");
+  const asked = epoch;
   try {
     const reply = await postJson("/api/v1/attention", { ...input, layers: [0], heads: [0], format: "u8" });
+    if (asked !== epoch) return;
     const chips = reply.tokens.map((t, i) => {
-      const chip = el("button", { className: `chip token${t.special ? " special" : ""}`, text: t.piece,
+      const chip = el("button", { className: `chip token${t.special ? " special" : ""}`, text: pieceLabel(t),
         attrs: { type: "button", "data-index": i, title: t.special ? "Special tokens stay" : `Change token ${i}` } });
       chip.disabled = t.special;
       chip.addEventListener("click", () => changeToken(input, i));
@@ -145,20 +161,22 @@ async function loadTokens() {
     });
     $("token-chips").replaceChildren(...chips);
   } catch (err) {
-    status($("token-status"), describeError(err), "error");
+    if (asked === epoch) status($("token-status"), describeError(err), "error");
   }
 }
 
 async function changeToken(input, index) {
   const change = $("token-change").value;
+  const asked = epoch;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
     const reply = await postJson("/api/v1/experiments/change-token", { ...input, index, change });
+    if (asked !== epoch) return;
     const inA = new Set(reply.pairs.map((p) => p[0]));
     const inB = new Set(reply.pairs.map((p) => p[1]));
     const line = (tokens, kept, name) => el("div", { className: "aligned-line" }, [
       el("span", { className: "line-name", text: name }),
-      ...tokens.map((t, i) => el("span", { className: `chip${kept.has(i) ? "" : " unaligned"}`, text: t.piece })),
+      ...tokens.map((t, i) => el("span", { className: `chip${kept.has(i) ? "" : " unaligned"}`, text: pieceLabel(t) })),
     ]);
     $("token-result").replaceChildren(
       line(reply.tokens_a, inA, "Before"), line(reply.tokens_b, inB, "After"),
@@ -167,7 +185,7 @@ async function changeToken(input, index) {
     $("token-result").dataset.index = String(index);
     status($("token-status"), "", "");
   } catch (err) {
-    status($("token-status"), describeError(err), "error");
+    if (asked === epoch) status($("token-status"), describeError(err), "error");
   }
 }
 
@@ -219,10 +237,23 @@ function buildTokenChange() {
   );
 }
 
+// Another run on screen: what the panels showed belonged to the last one.
+function forgetLastRun() {
+  epoch += 1;
+  Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null });
+  status($("ablate-status"), "");
+  renderAblation();
+  $("token-chips").replaceChildren();
+  $("token-result").replaceChildren();
+  delete $("token-result").dataset.index;
+  status($("token-status"), "");
+}
+
 function mount() {
   if (!$("experiments")) return;
   buildAblation();
   buildTokenChange();
+  onRun(forgetLastRun);
   mountCompare($("compare-box"));
   mountGeneration($("generate-box"));
   // Read by the browser tests: what the panels hold, never written to from outside.

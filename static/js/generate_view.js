@@ -4,7 +4,8 @@
 
 import { ApiError, describeError } from "./api.js";
 import { el, fillSelect } from "./dom.js";
-import { currentInput, decodeTensor, headRows, heatmap, postJson, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, status } from "./experiment_parts.js";
+import { pieceLabel } from "./tokens.js";
 
 const PLAY_MS = 350;
 
@@ -61,7 +62,8 @@ export function mountGeneration(box) {
     note, tokens,
     el("div", { className: "exp-columns" }, [rowPlot, growPlot]),
   );
-  const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "" };
+  // epoch: bumped when another run comes on screen, so a stream it stopped leaves no trace.
+  const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "", epoch: 0 };
   window.manyeyesGeneration = state;
 
   function setButtons() {
@@ -74,7 +76,7 @@ export function mountGeneration(box) {
   }
 
   function pieces() {
-    return [...state.start.prompt.map((t) => t.piece), ...state.steps.map((s) => s.token.text)];
+    return [...state.start.prompt.map(pieceLabel), ...state.steps.map((s) => pieceLabel(s.token))];
   }
 
   function render() {
@@ -87,13 +89,14 @@ export function mountGeneration(box) {
       className: `chip${i >= promptLength ? " generated" : ""}${i === step.position ? " current" : ""}${i > step.position ? " later" : ""}`,
       text, attrs: i === step.position ? { "aria-current": "true" } : {},
     })));
-    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${step.token.text}” (p ${step.token.prob.toFixed(3)})`;
+    const label = pieceLabel(step.token);
+    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${label}” (p ${step.token.prob.toFixed(3)})`;
     const { n_layers: L, n_heads: H } = state.start;
     const names = [];
     const z = [];
     for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) { names.push(`L${l} H${h}`); z.push(step.attention[l][h]); }
     const keys = all.slice(0, step.position + 1);
-    heatmap(rowPlot, z, { x: keys, y: names, title: `Row of “${step.token.text}” in every head` });
+    heatmap(rowPlot, z, { x: keys, y: names, title: `Row of “${label}” in every head` });
     rowPlot.dataset.index = String(state.current);
     // The full heatmap so far: the prompt's rows (a causal prompt's rows never change as tokens
     // are added) over the generated tokens' rows, each padded to the current width.
@@ -103,7 +106,7 @@ export function mountGeneration(box) {
     const promptRows = state.prompt ? headRows(state.prompt, l, h).map(pad) : [];
     const generated = state.steps.slice(0, state.current + 1);
     const grown = [...promptRows, ...generated.map((s) => pad(Array.from(s.attention[l][h])))];
-    const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => s.token.text)];
+    const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => pieceLabel(s.token))];
     heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, title: `L${l} H${h}: the heatmap so far` });
     growPlot.dataset.rows = String(grown.length);
   }
@@ -145,10 +148,14 @@ export function mountGeneration(box) {
   }
 
   async function generate() {
+    // Enter in the prompt while a stream runs: a second stream would interleave its steps with the first's.
+    if (state.running) return;
+    const text = prompt.value.trim() ? prompt.value : currentInput()?.text;
+    if (!text) return status(note, "Write a prompt, or run a sentence: its text is the default prompt.", "error");
     pause();
-    const base = currentInput();
-    const body = { text: prompt.value || base.text, model: base.model, max_new_tokens: Number(count.value) || 20, temperature: Number(temperature.value) || 0 };
+    const body = { text, model: currentModel().model, max_new_tokens: Number(count.value) || 20, temperature: Number(temperature.value) || 0 };
     if (seed.value !== "") body.seed = Number(seed.value);
+    const mine = ++state.epoch;
     Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
     tokens.replaceChildren();
     status(note, "Generating…", "busy");
@@ -157,11 +164,14 @@ export function mountGeneration(box) {
       const response = await fetch("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: state.controller.signal });
       if (!response.ok) throw await errorOf(response);
       for await (const event of ndjson(response)) {
+        if (mine !== state.epoch) break;
         if (event.type === "start") {
           state.start = event;
           loadPrompt(body);
-          fillSelect(layer, [...Array(event.n_layers).keys()].map((i) => ({ value: i, label: `L${i}` })), Number(layer.value) || 0);
-          fillSelect(head, [...Array(event.n_heads).keys()].map((i) => ({ value: i, label: `H${i}` })), Number(head.value) || 0);
+          // Kept where they were, within this model's layers and heads.
+          const within = (select, n) => Math.min(Number(select.value) || 0, n - 1);
+          fillSelect(layer, [...Array(event.n_layers).keys()].map((i) => ({ value: i, label: `L${i}` })), within(layer, event.n_layers));
+          fillSelect(head, [...Array(event.n_heads).keys()].map((i) => ({ value: i, label: `H${i}` })), within(head, event.n_heads));
         } else if (event.type === "step") {
           state.steps.push(event);
           if (state.follow && !state.timer) followSoon();
@@ -170,17 +180,18 @@ export function mountGeneration(box) {
           state.outcome = "finished";
         }
       }
-      status(note, `Finished: ${state.steps.length} new tokens.`);
+      if (mine === state.epoch) status(note, `Finished: ${state.steps.length} new tokens.`);
     } catch (err) {
-      if (err.name === "AbortError") {
+      // A stream stopped because another run came on screen says nothing: its panel is cleared.
+      if (mine === state.epoch && err.name === "AbortError") {
         state.outcome = "stopped";
         status(note, `Stopped after ${state.steps.length} tokens.`);
-      } else {
+      } else if (mine === state.epoch) {
         state.outcome = "failed";
         status(note, describeError(err), "error");
       }
     } finally {
-      const following = state.follow && !state.timer && state.steps.length > 0;
+      const following = mine === state.epoch && state.follow && !state.timer && state.steps.length > 0;
       state.running = false;
       if (following) go(state.steps.length - 1); // the last step, even if its frame has not come yet
       state.follow = false;
@@ -188,6 +199,19 @@ export function mountGeneration(box) {
       setButtons();
     }
   }
+
+  // Another run on screen, perhaps of another model: stop and forget this generation.
+  onRun(() => {
+    state.epoch += 1;
+    state.controller?.abort();
+    pause();
+    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: false, outcome: "" });
+    tokens.replaceChildren();
+    where.textContent = "";
+    [rowPlot, growPlot].forEach(clearPlot);
+    status(note, "");
+    setButtons();
+  });
 
   start.addEventListener("click", generate);
   prompt.addEventListener("keydown", (e) => e.key === "Enter" && generate());

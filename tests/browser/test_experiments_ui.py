@@ -232,3 +232,70 @@ def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
     # The server may be a few steps ahead of what a busy page has drawn, never near the 55 asked for.
     assert metric(slow_server, "manyeyes_generation_steps_total") == made < min(shown_steps + 15, 55)
     assert "Stopped after" in page.inner_text("#gen-status")
+
+
+# ---- found by trying the page as a user ----------------------------------------------------------
+
+
+def test_the_panels_follow_the_run_on_screen_not_the_form(server, api, page):
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    page.click("#grid .thumb[data-layer='0'][data-head='2']", modifiers=["Alt"])
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    # The Δ log p table is a table (it shared the prediction strip's class and was laid out as a flex row).
+    assert page.evaluate("getComputedStyle(document.querySelector('#ablate-predictions table')).display") == "table"
+    page.click("#token-load")
+    page.wait_for_selector("#token-chips button[data-index='1']")
+
+    # Another run: nothing of the causal model's experiments stays on screen.
+    run(page, SENTENCE, "minilm")
+    page.wait_for_selector("#ablate-plot[data-depth='0']")
+    assert page.locator("#ablate-plot .main-svg").count() == 0
+    assert page.inner_text("#ablate-list") == "" and page.locator("#token-chips button").count() == 0
+    assert page.inner_text("#ablate-predictions") == "" and page.inner_text("#ablate-ranking") == ""
+
+    # A model picked in the form but not run: the panels still act on the run shown (MiniLM, L5 H11).
+    page.select_option("#layer", "5")
+    page.select_option("#head", "11")
+    page.select_option("#model", "tiny-causal")
+    page.click("#ablate-add")
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    assert page.inner_text("#ablate-list") == "L5 H11 · zero"
+    assert page.evaluate("window.manyeyesExperiments.ablation.input.model") == "minilm"
+    # The same head again is no new undo step (it was one that undid nothing).
+    page.click("#ablate-add")
+    page.wait_for_function("() => document.getElementById('ablate-status').textContent.includes('already ablated')")
+    assert page.get_attribute("#ablate-plot", "data-depth") == "1"
+    page.click("#token-load")
+    page.wait_for_selector("#token-chips button[data-index='1']")
+    reply = api.post("/api/v1/attention", json={"text": SENTENCE, "model": "minilm", "layers": [0], "heads": [0], "format": "u8"}).json()
+    assert page.locator("#token-chips button").count() == len(reply["tokens"])
+
+
+def test_experiment_heatmaps_read_in_the_dark_theme(server, page, artifacts):
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    page.click("#grid .thumb[data-layer='1'][data-head='4']", modifiers=["Alt"])
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    font = "() => document.getElementById('ablate-plot').layout.font.color"
+    light = page.evaluate(font)
+    page.select_option("#theme", "dark")
+    # Redrawn in the dark theme's text colour (Plotly's default dark grey was unreadable there).
+    page.wait_for_function(f"() => ({font})() !== {json.dumps(light)}")
+    assert page.evaluate(font) == "#e6edf3"
+    page.locator("#ablate-box").screenshot(path=str(artifacts / "experiments-dark.png"))
+
+
+def test_enter_twice_in_the_prompt_runs_one_generation(slow_server, page):
+    # 0.2 s a step: the second Enter lands while the first stream runs (a fast model may finish between them).
+    open_page(page, slow_server)
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "8")
+    asked = []
+    page.on("request", lambda r: r.url.endswith("/api/v1/generate") and asked.append(r.url))
+    page.press("#gen-text", "Enter")
+    page.press("#gen-text", "Enter")  # a second stream once interleaved its steps with the first's
+    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    positions = page.evaluate("window.manyeyesGeneration.steps.map((s) => s.position)")
+    assert len(positions) == 8 and positions == sorted(positions) and len(set(positions)) == 8, positions
+    assert page.inner_text("#gen-status") == "Finished: 8 new tokens." and len(asked) == 1
