@@ -407,3 +407,17 @@ def test_a_model_without_predictions_leaves_no_strip_from_the_last_run(server, p
     assert not page.locator("#focus-predictions").is_visible()
     assert shown_though_hidden(page) == []
     page.locator(".focus-panel").screenshot(path=str(artifacts / "no-stale-predictions.png"))
+
+
+def test_head_view_chips_keep_their_own_layout(server, page, artifacts):
+    # experiments.css styled every .chip as a bordered inline block, the head view's too: the
+    # checkbox sat above its swatch and touched it.
+    open_page(page, server)
+    run(page, SENTENCE)
+    chip = page.locator("#headview-heads .chip").nth(1)
+    chip.wait_for()
+    assert chip.evaluate("(e) => getComputedStyle(e).display") in ("flex", "inline-flex")  # a flex item is blockified
+    box, swatch = chip.locator("input").bounding_box(), chip.locator(".swatch").bounding_box()
+    centre = lambda b: b["y"] + b["height"] / 2  # noqa: E731
+    assert abs(centre(box) - centre(swatch)) <= 1.5 and swatch["x"] >= box["x"] + box["width"] + 2
+    page.locator("#headview-heads").screenshot(path=str(artifacts / "head-chips.png"))
