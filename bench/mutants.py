@@ -99,7 +99,7 @@ MUTANTS = [
            "attention.index_select(0, torch.tensor(sorted(layers)))",
            ("tests/api/test_api_contract.py", "-k", "order")),
     Mutant("run-id-ignores-truncate", "app/services/cache.py",
-           '"1" if truncate else "0"', '"0"',
+           "[model, text, text_pair, truncate]", "[model, text, text_pair, False]",
            ("tests/api/test_api_contract.py", "-k", "run_id")),
     Mutant("body-limit-doubled-while-reading", "app/middleware.py",
            "if size > self.max_bytes:", "if size > 2 * self.max_bytes:",
