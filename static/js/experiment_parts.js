@@ -16,7 +16,7 @@ const runListeners = [];
 document.addEventListener("manyeyes:run", (event) => {
   const { text, text_pair: pair, model, truncate } = event.detail.request;
   shown = { text, ...(pair ? { text_pair: pair } : {}), model, truncate };
-  runListeners.forEach((fn) => fn(shown));
+  runListeners.forEach((fn) => fn(shown, event.detail));
 });
 
 // The input of the run on screen, or null before the first run.
@@ -30,7 +30,7 @@ export function currentModel() {
   return shown ? { model: shown.model, truncate: shown.truncate } : { model: $("model").value || undefined, truncate: $("truncate").checked };
 }
 
-// Called with the new run's input whenever the page shows another run.
+// Called with the new run's input (and { long, causal }) whenever the page shows another run.
 export function onRun(callback) {
   runListeners.push(callback);
 }

@@ -237,9 +237,16 @@ function buildTokenChange() {
   );
 }
 
+// Causal models (GPT-2, tiny-gpt) have no mask token: "mask" would only fail there, so their
+// runs start the token change at "delete", and a later encoder run goes back to "mask".
+let deleteChosenForCausal = false;
+
 // Another run on screen: what the panels showed belonged to the last one.
-function forgetLastRun() {
+function forgetLastRun(input, { causal }) {
   epoch += 1;
+  const change = $("token-change");
+  if (causal && change.value === "mask") [change.value, deleteChosenForCausal] = ["delete", true];
+  else if (!causal && deleteChosenForCausal && change.value === "delete") [change.value, deleteChosenForCausal] = ["mask", false];
   Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null });
   status($("ablate-status"), "");
   renderAblation();

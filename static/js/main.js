@@ -568,7 +568,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     $("views").scrollIntoView({ block: "start" });
   }
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
-  document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long } }));
+  document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));
   await renderViews();
   if (!run.long) measures.onRun(run, request, state.layer, state.head);
   else measures.onLongRun();

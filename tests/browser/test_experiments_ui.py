@@ -246,9 +246,11 @@ def test_the_panels_follow_the_run_on_screen_not_the_form(server, api, page):
     assert page.evaluate("getComputedStyle(document.querySelector('#ablate-predictions table')).display") == "table"
     page.click("#token-load")
     page.wait_for_selector("#token-chips button[data-index='1']")
+    assert page.input_value("#token-change") == "delete"  # a causal model has no mask token
 
     # Another run: nothing of the causal model's experiments stays on screen.
     run(page, SENTENCE, "minilm")
+    assert page.input_value("#token-change") == "mask"
     page.wait_for_selector("#ablate-plot[data-depth='0']")
     assert page.locator("#ablate-plot .main-svg").count() == 0
     assert page.inner_text("#ablate-list") == "" and page.locator("#token-chips button").count() == 0
