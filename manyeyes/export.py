@@ -120,19 +120,18 @@ def render_page() -> str:
     return templates.env.get_template("index.html").render(plotly_version=plotly.__version__, request=None)
 
 
-def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int, head: int, view: dict | None = None) -> dict:
+def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int, head: int, truncate: bool = False,
+          view: dict | None = None) -> dict:
     """The file's run and its one saved view: `view` is a saved view's state (POST /api/v1/views),
     whose options (aggregate, extra heads, segments, threshold, scale, labels...) the file keeps."""
-    focus = {"layer": min(max(layer, 0), body["n_layers"] - 1), "head": min(max(head, 0), body["n_heads"] - 1)}
     return {
         "text": text,
         "text_pair": text_pair,
         "model": model,
         "run": body,
-        "focus": focus,
         "view_id": EXPORT_VIEW_ID,
-        "view": {**(view or {}), "text": text, "text_pair": text_pair, "model": model["id"],
-                 "truncate": body["truncated"] or bool((view or {}).get("truncate")), **focus},
+        "view": {**(view or {}), "text": text, "text_pair": text_pair, "model": model["id"], "truncate": truncate,
+                 "layer": min(max(layer, 0), body["n_layers"] - 1), "head": min(max(head, 0), body["n_heads"] - 1)},
     }
 
 
@@ -155,4 +154,4 @@ def export_html(
     run = Run(run_id_for(model.info.id, text, text_pair, truncate), model.info.id, result.tokens, result.truncated, result.attention)
     timing = {"tokenize": 0.0, "queue": 0.0, "forward": 0.0}
     body = orjson.loads(b"".join(render_result(run, model.info, view, timing)))
-    return build_html(render_page(), embed(body, model_entry(model.info), text, text_pair, layer, head))
+    return build_html(render_page(), embed(body, model_entry(model.info), text, text_pair, layer, head, truncate))

@@ -76,7 +76,7 @@ async def export_page(
         body = orjson.loads(b"".join(reply.body))
         entry = model_entry(info, default=served.default)
         # A saved view keeps its options (extra heads, segments, threshold, scale...) in the file.
-        return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head, view=state)).encode("utf-8")
+        return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head, full.truncate, view=state)).encode("utf-8")
 
     html = await run_in_threadpool(build)
     name = re.sub(r"[^\w.-]", "_", served.id)

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Path, Request
 from manyeyes.app.deps import RegistryDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
-from manyeyes.app.services.errors import ApiError, InvalidInput
+from manyeyes.app.services.attention import resolve_indices
+from manyeyes.app.services.errors import ApiError
 from manyeyes.app.services.views import ViewStore
 
 router = APIRouter(prefix="/api/v1", tags=["views"])
@@ -33,9 +34,8 @@ ViewsDep = Annotated[ViewStore, Depends(get_views)]
 
 def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
     """A view can only focus heads its model has: a link to layer 99 would open on nothing."""
-    for name, value, count in (("layer", layer, info.n_layers), ("head", head, info.n_heads), *(("heads", h, info.n_heads) for h in heads)):
-        if value >= count:
-            raise InvalidInput(f"{name} {value} is out of range: {info.id} has {count} {'layers' if name == 'layer' else 'heads'}")
+    resolve_indices([layer], info.n_layers, "layer", info.id)
+    resolve_indices(sorted({head, *heads}), info.n_heads, "head", info.id)
 
 
 @router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 422))

@@ -67,13 +67,18 @@ class Reply:
     headers: dict = field(default_factory=dict)
 
 
+def brief(value) -> str:
+    """A client's value as an error message may quote it: never 4,000 digits."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:20]}..."
+
+
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
     if asked is None:
         return list(range(count))
     bad = [i for i in asked if not 0 <= i < count]
     if bad:
-        shown = str(bad[0]) if len(str(bad[0])) <= 24 else f"{str(bad[0])[:20]}..."  # never echo 4,000 digits
-        raise InvalidInput(f"{what} {shown} does not exist: model {model_id} has {what}s 0..{count - 1}")
+        raise InvalidInput(f"{what} {brief(bad[0])} does not exist: model {model_id} has {what}s 0..{count - 1}")
     # Repeats would let a small request ask for an unbounded response (layers=[0]*100000 in u8).
     if len(set(asked)) != len(asked):
         raise InvalidInput(f"each {what} may be asked for once; {what}s {asked[:16]}{'...' if len(asked) > 16 else ''} repeat some")
@@ -91,8 +96,7 @@ def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
             continue
         # ASCII digits only: int() would also read "+1", "1_0" and other scripts' digits.
         if not (part.isascii() and part.isdigit()):
-            shown = part if len(part) <= 24 else f"{part[:20]}..."
-            raise InvalidInput(f"{what}s must be integers (0, 1, 2, ...), got {shown!r}")
+            raise InvalidInput(f"{what}s must be integers (0, 1, 2, ...), got {brief(part)!r}")
         out.append(int(part))
     return out or None
 

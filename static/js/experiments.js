@@ -18,12 +18,8 @@ const ablation = {
   busy: false,
 };
 
-// Counts the runs shown: an answer that arrives after another run came on screen is dropped.
-let epoch = 0;
-
-function sameInput(a, b) {
-  return a && b && JSON.stringify(a) === JSON.stringify(b);
-}
+// currentInput() is a new object for each run shown: an answer asked for another one is dropped.
+const stillShown = (input) => currentInput() === input;
 
 function pieceLabels(tokens) {
   return tokens.map(pieceLabel);
@@ -35,14 +31,13 @@ async function ablateHead(layer, head) {
   if (ablation.busy) return;
   const input = currentInput();
   if (!input) return status($("ablate-status"), "Run a sentence first.", "error");
-  if (!sameInput(input, ablation.input)) Object.assign(ablation, { input, clean: null, stack: [], shown: null });
+  ablation.input = input; // each new run cleared the stack (forgetLastRun)
   const mode = $("ablate-mode").value;
   const previous = ablation.stack.at(-1)?.ablate || [];
   const list = [...previous.filter((a) => a.layer !== layer || a.head !== head), { layer, head, mode }];
   // The same list again would be an undo step that undoes nothing.
   if (sameAblation(list, previous)) return status($("ablate-status"), `L${layer} H${head} is already ablated (${mode}).`);
   ablation.busy = true;
-  const asked = epoch;
   status($("ablate-status"), `Ablating L${layer} H${head} (${mode})…`, "busy");
   try {
     if (!ablation.clean) {
@@ -54,7 +49,7 @@ async function ablateHead(layer, head) {
         if (err.status !== 413) throw err;
         clean = await postJson("/api/v1/attention", { ...input, format: "f16" });
       }
-      if (asked !== epoch) return;
+      if (!stillShown(input)) return;
       ablation.tokens = clean.tokens;
       ablation.format = clean.attention.format;
       ablation.clean = decodeTensor(clean.attention);
@@ -62,13 +57,13 @@ async function ablateHead(layer, head) {
     const reply = await postJson("/api/v1/experiments/ablate", {
       ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
     });
-    if (asked !== epoch) return;
+    if (!stillShown(input)) return;
     ablation.stack.push({ ablate: list, reply, attention: decodeTensor(reply.attention) });
     const top = reply.ranking[0];
     if (!ablation.shown && top) ablation.shown = { layer: top.layer, head: top.head };
     status($("ablate-status"), "", "");
   } catch (err) {
-    if (asked !== epoch) return;
+    if (!stillShown(input)) return;
     status($("ablate-status"), describeError(err), "error");
   } finally {
     ablation.busy = false;
@@ -148,10 +143,9 @@ function predictionTable(reply) {
 async function loadTokens() {
   const input = currentInput();
   if (!input) return status($("token-status"), "Run a sentence first.", "error");
-  const asked = epoch;
   try {
     const reply = await postJson("/api/v1/attention", { ...input, layers: [0], heads: [0], format: "u8" });
-    if (asked !== epoch) return;
+    if (!stillShown(input)) return;
     const chips = reply.tokens.map((t, i) => {
       const chip = el("button", { className: `chip token${t.special ? " special" : ""}`, text: pieceLabel(t),
         attrs: { type: "button", "data-index": i, title: t.special ? "Special tokens stay" : `Change token ${i}` } });
@@ -161,17 +155,16 @@ async function loadTokens() {
     });
     $("token-chips").replaceChildren(...chips);
   } catch (err) {
-    if (asked === epoch) status($("token-status"), describeError(err), "error");
+    if (stillShown(input)) status($("token-status"), describeError(err), "error");
   }
 }
 
 async function changeToken(input, index) {
   const change = $("token-change").value;
-  const asked = epoch;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
     const reply = await postJson("/api/v1/experiments/change-token", { ...input, index, change });
-    if (asked !== epoch) return;
+    if (!stillShown(input)) return;
     const inA = new Set(reply.pairs.map((p) => p[0]));
     const inB = new Set(reply.pairs.map((p) => p[1]));
     const line = (tokens, kept, name) => el("div", { className: "aligned-line" }, [
@@ -185,7 +178,7 @@ async function changeToken(input, index) {
     $("token-result").dataset.index = String(index);
     status($("token-status"), "", "");
   } catch (err) {
-    if (asked === epoch) status($("token-status"), describeError(err), "error");
+    if (stillShown(input)) status($("token-status"), describeError(err), "error");
   }
 }
 
@@ -243,7 +236,6 @@ let deleteChosenForCausal = false;
 
 // Another run on screen: what the panels showed belonged to the last one.
 function forgetLastRun(input, { causal }) {
-  epoch += 1;
   const change = $("token-change");
   if (causal && change.value === "mask") [change.value, deleteChosenForCausal] = ["delete", true];
   else if (!causal && deleteChosenForCausal && change.value === "delete") [change.value, deleteChosenForCausal] = ["mask", false];

@@ -675,13 +675,19 @@ async function download(kind) {
   }
 }
 
+// The view saved at once, not a moment later as updatePermalink does; resolves to its id.
+async function saveNow() {
+  clearTimeout(saveTimer);
+  const id = await saveView(viewState());
+  writePermalink(id);
+  return id;
+}
+
 async function copyLink() {
   const status = $("link-status");
   if (!state.run) return;
-  clearTimeout(saveTimer); // saved now, not in a moment
   try {
-    const id = await saveView(viewState());
-    writePermalink(id);
+    await saveNow();
     await navigator.clipboard.writeText(window.location.href);
     status.textContent = "Link copied.";
   } catch {
@@ -693,11 +699,8 @@ async function copyLink() {
 // quarter second behind the controls, and the file should hold what the page shows.
 async function exportPage() {
   if (!state.run) return;
-  clearTimeout(saveTimer);
   try {
-    const id = await saveView(viewState());
-    writePermalink(id);
-    window.location.assign(`/export?view=${id}`);
+    window.location.assign(`/export?view=${await saveNow()}`);
   } catch (err) {
     showError(`Cannot export this view: ${explain(err)}`);
   }

@@ -25,11 +25,12 @@ def test_bad_views_are_4xx_never_500(api):
     # A link that could never open: a model this server lacks, a layer or head MiniLM (6 x 12) lacks.
     r = api.post("/api/v1/views", json={**VIEW, "model": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model", r.text
-    for bad, needle in (({"layer": 6}, "layer 6"), ({"head": 12}, "head 12"), ({"heads": [1, 12]}, "heads 12")):
+    for bad, needle in (({"layer": 6}, "layer 6 does not exist"), ({"head": 12}, "head 12 does not exist"),
+                        ({"heads": [1, 12]}, "head 12 does not exist")):
         r = api.post("/api/v1/views", json={**VIEW, **bad})
         assert r.status_code == 422 and needle in r.json()["error"]["message"], r.text
     r = api.get("/export", params={"text": "Hi.", "layer": 99})
-    assert r.status_code == 422 and "layer 99" in r.json()["error"]["message"], r.text
+    assert r.status_code == 422 and "layer 99 does not exist" in r.json()["error"]["message"], r.text
 
 
 def test_the_store_forgets_by_count_and_by_age():
