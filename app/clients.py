@@ -68,6 +68,8 @@ class TrustedProxies:
         self.networks = [ipaddress.ip_network(e.strip(), strict=False) for e in entries if e.strip()]
 
     def __contains__(self, address: str) -> bool:
+        if not self.networks:  # the usual case: no proxies to believe, no address to parse
+            return False
         try:
             ip = ipaddress.ip_address(address)
         except ValueError:
