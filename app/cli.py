@@ -105,18 +105,23 @@ def cmd_serve(args) -> int:
     if args.dtype:
         updates["dtype"] = args.dtype
     settings = settings.model_copy(update=updates)
+    from manyeyes.app.clients import KeyRing, exposure_warning
+
+    try:  # a key file that cannot be used stops start-up with one line, not a traceback
+        keys = KeyRing(settings.api_keys, settings.api_keys_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # serve: a server others can reach that asks nobody for a key says so, loudly, at start-up.
+    warning = exposure_warning(args.host, bool(keys))
+    if warning:
+        print(warning, file=sys.stderr)
     if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
         from manyeyes.scale import serve_replicas
 
         return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
-    # serve: a server others can reach that asks nobody for a key says so, loudly, at start-up.
-    from manyeyes.app.clients import exposure_warning
-
-    warning = exposure_warning(args.host, bool(settings.api_keys or settings.api_keys_file))
-    if warning:
-        print(warning, file=sys.stderr)
     # Our own middleware writes one structured line per request, so uvicorn's access log is off.
     # On SIGTERM uvicorn stops accepting at once and lets in-flight requests finish, then cancels
     # what is left and runs the lifespan's shutdown. The grace period bounds the whole exit, so

@@ -28,7 +28,12 @@ class KeyRing:
     def __init__(self, keys: list[str] = (), key_file: Path | None = None) -> None:
         digests = [key_digest(k) for k in keys if k]
         if key_file is not None:
-            for number, line in enumerate(Path(key_file).read_text().splitlines(), 1):
+            try:
+                lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"MANYEYES_API_KEYS_FILE {key_file}: cannot be read ({exc.__class__.__name__}: {exc})") from None
+            before = len(digests)
+            for number, line in enumerate(lines, 1):
                 line = line.split("#", 1)[0].strip()
                 if not line:
                     continue
@@ -39,6 +44,9 @@ class KeyRing:
                 if len(digest) != 32:
                     raise ValueError(f"{key_file}:{number}: expected a 64-digit SHA-256 hex digest")
                 digests.append(digest)
+            # An operator who names a key file wants keys: an empty one must not leave the API open.
+            if len(digests) == before:
+                raise ValueError(f"MANYEYES_API_KEYS_FILE {key_file}: holds no key digests (one SHA-256 hex digest a line)")
         self.digests = digests
 
     def __bool__(self) -> bool:
@@ -58,7 +66,8 @@ class KeyRing:
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            # UTF-8, as configured keys are hashed: bytes that are not UTF-8 match no key.
+            scheme, _, token = value.decode("utf-8", errors="replace").strip().partition(" ")
             return token.strip() if scheme.lower() == "bearer" and token.strip() else None
     return None
 
@@ -92,8 +101,8 @@ class TrustedProxies:
 
 
 class ClientIdentity:
-    """Pure ASGI: refuses /api (and /metrics when closed) without a valid key when keys are
-    configured, and records the client's identity in scope["state"]["client"]."""
+    """Pure ASGI: refuses /api and /export (and /metrics when closed) without a valid key when keys
+    are configured, and records the client's identity in scope["state"]["client"]."""
 
     def __init__(self, app, keys: KeyRing, proxies: TrustedProxies, close_metrics: bool) -> None:
         self.app = app
@@ -102,7 +111,8 @@ class ClientIdentity:
         self.close_metrics = close_metrics
 
     def guarded(self, path: str) -> bool:
-        return path.startswith("/api/") or (self.close_metrics and path == "/metrics")
+        # /export runs the model like the API does, so it needs the key as well.
+        return path.startswith("/api/") or path == "/export" or (self.close_metrics and path == "/metrics")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -110,11 +120,18 @@ class ClientIdentity:
             return
         peer = (scope.get("client") or ("", 0))[0]
         client = "addr:" + self.proxies.client_address(peer, scope["headers"])
-        if self.keys and self.guarded(scope["path"]):
+        path = scope["path"]
+        # Closed metrics stay closed on a server with no keys to open them with.
+        if (self.keys or path == "/metrics") and self.guarded(path):
             token = bearer(scope["headers"])
-            key_id = self.keys.match(token) if token else None
+            key_id = self.keys.match(token) if token and self.keys else None
             if key_id is None:
-                message = "this server needs an API key: send Authorization: Bearer <key>" if token is None else "the API key is not valid"
+                if not self.keys:
+                    message = "/metrics is closed (MANYEYES_CLOSE_METRICS) and this server has no API keys to open it"
+                elif token is None:
+                    message = "this server needs an API key: send Authorization: Bearer <key>"
+                else:
+                    message = "the API key is not valid"
                 await send_error(send, 401, "unauthorized", message, [(b"www-authenticate", b'Bearer realm="manyeyes"')])
                 return
             client = "key:" + key_id

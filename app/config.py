@@ -123,8 +123,9 @@ class Settings(BaseSettings):
     gzip_level: int = Field(5, ge=1, le=6)  # small JSON (models, errors, docs) through GZipMiddleware
     gzip_min_bytes: int = Field(1024, ge=0)
     # Attention answers are compressed by the service, off the event loop (see services/wire.py):
-    # `json` text with ISA-L gzip at this level (0-3) when the client accepts gzip, any answer of
-    # at least zstd_min_bytes with zstd when the client accepts zstd (0: never zstd).
+    # when the client accepts zstd: `json` text of gzip_min_bytes or more, compact answers (u8,
+    # f16, frames) of zstd_min_bytes or more (0: never for compact ones); else `json` text with
+    # ISA-L gzip at this level (0-3) when the client accepts gzip.
     attention_gzip_level: int = Field(1, ge=0, le=3)
     zstd_level: int = Field(1, ge=1, le=22)
     zstd_min_bytes: int = Field(64 * 1024, ge=0)
@@ -144,6 +145,12 @@ class Settings(BaseSettings):
     @classmethod
     def _split_list(cls, value):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("api_keys_file", mode="before")
+    @classmethod
+    def _no_empty_path(cls, value):
+        # MANYEYES_API_KEYS_FILE= (set, but empty) means no file, not the current directory.
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("extra_models", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from manyeyes.app.clients import client_of
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import AttentionRequest
@@ -21,8 +22,9 @@ from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 router = APIRouter(tags=["page"])
 
 
-@router.get("/export", response_class=Response, responses={200: {"content": {"text/html": {}}}, **errors(404, 413, 422, 429, 503, 504)})
+@router.get("/export", response_class=Response, responses={200: {"content": {"text/html": {}}}, **errors(401, 404, 413, 422, 429, 503, 504)})
 async def export_page(
+    request: Request,
     service: ServiceDep,
     registry: RegistryDep,
     views: ViewsDep,
@@ -49,6 +51,7 @@ async def export_page(
     if text is None:
         raise InvalidInput("name the run to export: ?view=<id> or ?text=...")
 
+    client = client_of(request)  # its fair share, as for the API's own requests
     served = registry.get(model)
     check_focus(served.model.info, layer, head)
     try:
@@ -60,7 +63,8 @@ async def export_page(
             [{**e, "loc": ("query", *("pair" if p == "text_pair" else p for p in e["loc"]))} for e in exc.errors()]
         ) from None
     try:
-        reply = await service.attend([(probe.text, probe.text_pair)], probe, batch=False, started=time.monotonic())
+        reply = await service.attend([(probe.text, probe.text_pair)], probe, batch=False, started=time.monotonic(),
+                                     client=client)
     except NeedsTiles:
         raise NeedsTiles(
             f"an exported page holds every weight of its run, up to {service.settings.dense_max_tokens:,} tokens on this "
@@ -70,7 +74,7 @@ async def export_page(
     info = served.model.info
     # The same run again, all of it: the run cache answers, no second forward pass.
     full = probe.model_copy(update={"layers": None, "heads": None, "format": pick_format(info.n_layers, info.n_heads, n_tokens)})
-    reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic())
+    reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic(), client=client)
 
     def build() -> bytes:
         body = orjson.loads(b"".join(reply.body))

@@ -12,6 +12,13 @@ export class ApiError extends Error {
 // Shared with fetch-worker.js, which runs the same request off the main thread. binary: a frame
 // answer comes back as its ArrayBuffer (JSON answers and errors are parsed either way).
 export async function request(url, options = {}, binary = false) {
+  const response = await answered(url, options);
+  const type = response.headers.get("Content-Type") || "";
+  return binary && type.startsWith("application/vnd.manyeyes.frame") ? response.arrayBuffer() : response.json();
+}
+
+// The fetch itself: the answer when it is a success, else an ApiError.
+async function answered(url, options) {
   let response;
   try {
     response = await fetch(url, options);
@@ -19,10 +26,7 @@ export async function request(url, options = {}, binary = false) {
     if (err.name === "AbortError") throw err;
     throw new ApiError(0, "network", "The server could not be reached. Is `manyeyes serve` still running?");
   }
-  if (response.ok) {
-    const type = response.headers.get("Content-Type") || "";
-    return binary && type.startsWith("application/vnd.manyeyes.frame") ? response.arrayBuffer() : response.json();
-  }
+  if (response.ok) return response;
   let code = "http_" + response.status;
   let message = response.statusText || "request failed";
   try {
@@ -73,6 +77,19 @@ async function authorised(call, init) {
 // Plain JSON calls (the measures, static/js/measures.js) with the tab's API key, asked for on a 401.
 export function requestJson(url, init = {}) {
   return authorised((withAuth) => request(url, withAuth), init);
+}
+
+// The answer itself, for a body read as it streams (generation's NDJSON), with the tab's API key.
+export function requestResponse(url, init = {}) {
+  return authorised((withAuth) => answered(url, withAuth), init);
+}
+
+// A file the server names for saving (the exported page), fetched with the tab's API key, which
+// a plain navigation to its address could not send.
+export async function requestFile(url) {
+  const response = await requestResponse(url);
+  const named = /filename="([^"]+)"/.exec(response.headers.get("Content-Disposition") || "");
+  return { blob: await response.blob(), filename: named ? named[1] : "manyeyes.html" };
 }
 
 export function listModels() {

@@ -1,6 +1,7 @@
 // "Download data": the focused matrix as CSV or JSON, with the tokens that label it.
 
-function saveFile(name, type, content) {
+// content: a string, or a Blob (a file the server made).
+export function saveFile(name, type, content) {
   const url = URL.createObjectURL(new Blob([content], { type }));
   const link = document.createElement("a");
   link.href = url;

@@ -1,11 +1,11 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
-import { request } from "./api.js";
+import { requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
 import { onThemeChange, palette } from "./theme.js";
 
 export function postJson(url, body, signal) {
-  return request(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
+  return requestJson(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
 }
 
 // The run on screen, as main.js announces it ("manyeyes:run"): the experiments act on what the

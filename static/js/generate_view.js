@@ -2,7 +2,7 @@
 // and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
 // stream, and the server stops within one step of the hang-up.
 
-import { ApiError, describeError } from "./api.js";
+import { describeError, requestResponse } from "./api.js";
 import { el, fillSelect } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
@@ -23,15 +23,6 @@ async function* ndjson(response) {
       if (line) yield JSON.parse(line);
     }
     if (done) return;
-  }
-}
-
-async function errorOf(response) {
-  try {
-    const { error } = await response.json();
-    return new ApiError(response.status, error.code, error.message, response.headers.get("Retry-After"));
-  } catch {
-    return new ApiError(response.status, `http_${response.status}`, response.statusText || "request failed");
   }
 }
 
@@ -161,8 +152,7 @@ export function mountGeneration(box) {
     status(note, "Generating…", "busy");
     setButtons();
     try {
-      const response = await fetch("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: state.controller.signal });
-      if (!response.ok) throw await errorOf(response);
+      const response = await requestResponse("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: state.controller.signal });
       for await (const event of ndjson(response)) {
         if (mine !== state.epoch) break;
         if (event.type === "start") {

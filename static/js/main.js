@@ -2,9 +2,9 @@
 // Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention } from "./api.js";
+import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention, requestFile } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
-import { downloadCsv, downloadJson } from "./download.js";
+import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
 import { TiledFocusView } from "./long_focus.js";
@@ -696,11 +696,13 @@ async function copyLink() {
 }
 
 // /export turns the saved view into one downloadable file. Saved now: the address bar lags a
-// quarter second behind the controls, and the file should hold what the page shows.
+// quarter second behind the controls, and the file should hold what the page shows. Fetched,
+// not navigated to, so that a server with API keys gets the tab's key.
 async function exportPage() {
   if (!state.run) return;
   try {
-    window.location.assign(`/export?view=${await saveNow()}`);
+    const { blob, filename } = await requestFile(`/export?view=${await saveNow()}`);
+    saveFile(filename, "text/html", blob);
   } catch (err) {
     showError(`Cannot export this view: ${explain(err)}`);
   }

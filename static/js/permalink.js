@@ -2,7 +2,7 @@
 // content id, so the address bar holds only `?view=<id>` however long the text. Links in the old
 // form (?text=…&model=…&layer=…&head=…) still open.
 
-import { request } from "./api.js";
+import { requestJson } from "./api.js";
 
 const VIEW_ID = /^[0-9a-f]{18}$/;
 
@@ -28,11 +28,11 @@ export function readPermalink() {
 }
 
 export function loadView(id) {
-  return request(`/api/v1/views/${id}`);
+  return requestJson(`/api/v1/views/${id}`);
 }
 
 export async function saveView(state) {
-  const { id } = await request("/api/v1/views", {
+  const { id } = await requestJson("/api/v1/views", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(state),

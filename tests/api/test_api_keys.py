@@ -61,6 +61,60 @@ def test_health_and_page_stay_open_and_metrics_can_be_closed(locked):
     assert locked.get("/metrics", headers=auth(KEYS[1])).status_code == 200
 
 
+def test_export_runs_the_model_so_it_needs_the_key_too(locked):
+    params = {"text": "The bank.", "model": "minilm"}
+    r = locked.get("/export", params=params)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    r = locked.get("/export", params=params, headers=auth(KEYS[0]))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+
+
+def test_closed_metrics_stay_closed_on_a_server_without_keys():
+    client = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, close_metrics=True))
+    try:
+        r = client.get("/metrics")
+        assert r.status_code == 401 and "no API keys" in r.json()["error"]["message"]
+        assert client.get("/api/v1/models").status_code == 200  # no keys: the API itself is open
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_keys_are_utf8_on_both_sides():
+    """Configured keys (and `sha256sum` of them) hash their UTF-8 bytes; so must the header."""
+    ring = KeyRing(["kéy"])
+    assert ring.match(clients.bearer([(b"authorization", "Bearer kéy".encode("utf-8"))]))
+    assert ring.match(clients.bearer([(b"authorization", "Bearer kéy".encode("latin-1"))])) is None
+
+
+@pytest.mark.parametrize("content, message", [
+    ("# nothing but a comment\n\n", "holds no key digests"),
+    (b"\xff\xfe not text", "cannot be read"),
+])
+def test_a_key_file_that_gives_no_keys_fails_instead_of_opening_the_api(tmp_path, content, message):
+    key_file = tmp_path / "keys.txt"
+    key_file.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=message):
+        KeyRing([], key_file)
+    with pytest.raises(ValueError, match="cannot be read"):
+        KeyRing([], tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="cannot be read"):
+        KeyRing([], tmp_path)  # a directory
+
+
+def test_serve_stops_with_one_line_on_an_unusable_key_file(monkeypatch, tmp_path, capsys):
+    import uvicorn
+
+    from manyeyes.app.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("the server started"))
+    monkeypatch.setenv("MANYEYES_API_KEYS_FILE", str(tmp_path / "missing.txt"))
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: MANYEYES_API_KEYS_FILE") and "Traceback" not in err
+    monkeypatch.setenv("MANYEYES_API_KEYS_FILE", "")  # set but empty: no file, not the directory "."
+    assert Settings().api_keys_file is None
+
+
 def test_an_unauthorised_body_is_refused_before_it_is_read(locked):
     r = locked.post("/api/v1/attention", content=b"x" * 5_000_000, headers={"content-type": "application/json"})
     assert r.status_code == 401

@@ -110,3 +110,27 @@ def test_the_page_fetches_frames_and_decodes_the_same_numbers(browser, served):
     else:
         assert prompts == []
     page.close()
+
+
+def test_the_export_button_downloads_the_page_with_the_tabs_key(browser, served, tmp_path):
+    """/export runs the model, so a server with keys guards it; the button fetches it with the
+    key the tab was given (a plain navigation could not send one) and saves what comes back."""
+    mode, url = served
+    context = browser.new_context(accept_downloads=True)
+    try:
+        page = context.new_page()
+        page.on("dialog", lambda dialog: dialog.accept(KEY))
+        page.goto(url + "/?text=The+heron+waited.")
+        page.wait_for_selector("#grid canvas", timeout=60_000)
+        page.wait_for_function("() => document.body.dataset.view && !document.body.dataset.viewPending")
+        with page.expect_download() as download:
+            page.locator("#export-page").click()
+        path = tmp_path / download.value.suggested_filename
+        download.value.save_as(path)
+    finally:
+        context.close()
+    assert path.name == "manyeyes-minilm.html"
+    html = path.read_text()
+    assert "The heron waited." in html and len(html) > 100_000  # the viewer, plotly and the run
+    without_key = httpx.get(f"{url}/export", params={"text": "The heron waited."}, timeout=60)
+    assert without_key.status_code == (401 if mode == "keys" else 200)
