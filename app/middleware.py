@@ -196,7 +196,7 @@ class Gzip(GZipMiddleware):
     `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding."""
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and not accepts(Headers(scope=scope).get("accept-encoding"), "gzip"):
+        if scope["type"] == "http" and not accepts(", ".join(Headers(scope=scope).getlist("accept-encoding")), "gzip"):
             # Starlette's own answer for such a client: uncompressed, with Vary where it matters.
             responder = IdentityResponder(self.app, self.minimum_size, exclude_content_types=self.exclude_content_types)
             await responder(scope, receive, send)

@@ -18,7 +18,9 @@ ERRORS = errors(401, 404, 413, 422, 429, 503, 504)
 
 
 def wire_of(request: Request) -> Wire:
-    return Wire.from_headers(request.headers.get("accept"), request.headers.get("accept-encoding"))
+    # A header sent on several lines is one comma-separated list (RFC 9110, 5.3).
+    headers = request.headers
+    return Wire.from_headers(", ".join(headers.getlist("accept")), ", ".join(headers.getlist("accept-encoding")))
 
 
 @router.post("/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **ERRORS})

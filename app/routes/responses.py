@@ -39,8 +39,8 @@ def errors(*statuses: int) -> dict:
 # JSON header followed by the raw weights (layout in app/services/wire.py and README).
 ANSWER_CONTENT = {
     "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), "
-    "or the binary frame when Accept asks for it. With Accept-Encoding: zstd (any answer of 64 KiB or more) "
-    "or gzip (json text), the body is compressed.",
+    "or the binary frame when Accept ranks it at least as high as JSON. With Accept-Encoding: zstd (json text "
+    "of 1 KiB or more, compact answers of 64 KiB or more) or gzip (json text), the body is compressed.",
     "content": {
         "application/vnd.manyeyes.frame": {
             "schema": {"type": "string", "format": "binary"},

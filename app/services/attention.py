@@ -15,7 +15,7 @@ from manyeyes.app.services.device import dequantised, serves
 from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
-from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, accepts
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, prefers_frame
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.kept import DenseAttention
@@ -56,7 +56,7 @@ class Wire:
 
     @classmethod
     def from_headers(cls, accept: str | None, accept_encoding: str | None) -> Wire:
-        return cls(accepts(accept, FRAME_MEDIA_TYPE), accept_encoding)
+        return cls(prefers_frame(accept), accept_encoding)
 
 
 @dataclass

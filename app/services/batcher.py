@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
-from manyeyes.app.services.errors import NotReady, OverBudget, QueueFull
+from manyeyes.app.services.errors import InvalidInput, NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
@@ -141,6 +141,12 @@ class Batcher:
     # ------------------------------------------------------------------ event-loop side
     def admit(self, n: int = 1, client: str = "") -> None:
         """Reserve room for n inputs or refuse with 429; pair with submit() or release()."""
+        # More inputs than a client may ever have in the queue: no retry would fit, so not a 429.
+        if n > min(self.max_client_queue, self.max_queue):
+            raise InvalidInput(
+                f"this request holds {n} inputs, and this server queues at most "
+                f"{min(self.max_client_queue, self.max_queue)} for one client; send them in smaller batches"
+            )
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")

@@ -16,6 +16,7 @@ can view the bytes as a Float32Array/Uint16Array without copying.
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 
@@ -31,21 +32,38 @@ MAGIC = b"MEF1"
 ALIGN = 8
 
 
-def accepts(header: str | None, token: str) -> bool:
-    """True when a comma-separated Accept/Accept-Encoding header lists `token` with q > 0."""
+# RFC 9110's qvalue: 0 to 1, at most three decimals. Anything else ("inf", "1e999") is malformed.
+QVALUE = re.compile(r"(0(\.[0-9]{0,3})?|1(\.0{0,3})?)")
+
+
+def listed(header: str | None, token: str) -> float | None:
+    """The q a comma-separated Accept/Accept-Encoding header gives `token` by name: 1 when listed
+    without one, 0 when its q is malformed, None when it is not listed."""
     for part in (header or "").lower().split(","):
         name, _, params = part.strip().partition(";")
         if name.strip() != token:
             continue
         for param in params.split(";"):
             key, _, value = param.strip().partition("=")
-            if key == "q":
-                try:
-                    return float(value) > 0
-                except ValueError:
-                    return False
-        return True
-    return False
+            if key.strip() == "q":
+                value = value.strip()
+                return float(value) if QVALUE.fullmatch(value) else 0.0
+        return 1.0
+    return None
+
+
+def accepts(header: str | None, token: str) -> bool:
+    """True when a comma-separated Accept/Accept-Encoding header lists `token` with q > 0."""
+    return (listed(header, token) or 0.0) > 0
+
+
+def prefers_frame(accept: str | None) -> bool:
+    """The frame when Accept names it, unless JSON ranks higher: `frame;q=0.1, application/json`
+    asks for JSON. The most specific range that covers JSON gives its q (RFC 9110, 12.5.1)."""
+    frame_q = listed(accept, FRAME_MEDIA_TYPE) or 0.0
+    covering = (listed(accept, name) for name in ("application/json", "application/*", "*/*"))
+    json_q = next((q for q in covering if q is not None), 0.0)
+    return frame_q > 0 and frame_q >= json_q
 
 
 def frame(header: bytes, data: list[bytes]) -> list[bytes]:

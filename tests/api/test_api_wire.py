@@ -11,7 +11,7 @@ import orjson
 import pytest
 import zstandard
 
-from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, MAGIC, accepts, read_frame
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, MAGIC, accepts, prefers_frame, read_frame
 from tests.api.conftest import decode
 
 FRAME = {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "identity"}
@@ -150,10 +150,44 @@ def test_json_text_is_gzipped_for_gzip_clients_and_decodes_to_the_same_numbers(a
         (None, "gzip", False),
         ("application/json, application/vnd.manyeyes.frame;q=0.9", FRAME_MEDIA_TYPE, True),
         ("*/*", FRAME_MEDIA_TYPE, False),  # only a client that names the frame gets one
+        # RFC 9110's qvalue is 0 to 1 with at most three decimals; float() read these as q > 0.
+        ("zstd;q=inf", "zstd", False),
+        ("zstd;q=1e999", "zstd", False),
+        ("zstd;q=2", "zstd", False),
+        ("zstd;q=0.001", "zstd", True),
+        ("zstd; q = 0.5", "zstd", True),
     ],
 )
 def test_accepts(header, token, expected):
     assert accepts(header, token) is expected
+
+
+@pytest.mark.parametrize(
+    "accept, frame",
+    [
+        (FRAME_MEDIA_TYPE, True),
+        (f"{FRAME_MEDIA_TYPE}, application/json;q=0.5", True),  # what the page and the Python client send
+        (f"{FRAME_MEDIA_TYPE};q=0.1, application/json;q=1", False),  # JSON preferred
+        (f"application/json;q=0.5, {FRAME_MEDIA_TYPE};q=0.5", True),  # a tie goes to the one named
+        (f"{FRAME_MEDIA_TYPE};q=0.5, */*", False),  # anything else, at 1, covers JSON
+        (f"{FRAME_MEDIA_TYPE};q=0.5, application/*;q=0.4, */*", True),  # the most specific range counts
+        (f"{FRAME_MEDIA_TYPE};q=0", False),
+        ("*/*", False),
+        (None, False),
+    ],
+)
+def test_the_frame_only_when_the_client_does_not_rank_json_higher(accept, frame):
+    assert prefers_frame(accept) is frame
+
+
+def test_a_header_sent_on_two_lines_is_read_as_one_list(api):
+    body = {"text": "The bank.", "format": "u8"}
+    r = api.post("/api/v1/attention", json=body,
+                 headers=[("Accept", "application/json;q=0.1"), ("Accept", FRAME_MEDIA_TYPE)])
+    assert r.headers["content-type"] == FRAME_MEDIA_TYPE
+    r = api.post("/api/v1/attention", json={"text": "The bank.", "format": "json"},
+                 headers=[("Accept-Encoding", "gzip;q=0"), ("Accept-Encoding", "zstd")])
+    assert r.headers["content-encoding"] == "zstd"  # read from the second line
 
 
 def test_other_routes_gzip_only_for_a_client_that_accepts_it(api):

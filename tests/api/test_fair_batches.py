@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from manyeyes.app.services.batcher import Batcher, Job
-from manyeyes.app.services.errors import QueueFull
+from manyeyes.app.services.errors import InvalidInput, QueueFull
 from manyeyes.app.services.metrics import Metrics
 
 MODEL = SimpleNamespace(info=SimpleNamespace(n_layers=6, n_heads=12, id="fake"))
@@ -69,3 +69,13 @@ def test_share_is_per_client_and_released(batcher):
     assert not batcher._per_client
     batcher.admit(10, "flood")
     batcher.release(10, "flood")
+
+
+def test_more_inputs_than_a_client_may_ever_queue_is_no_429(batcher):
+    """A 429 says "retry"; a batch bigger than the client's share would be refused for ever."""
+    with pytest.raises(InvalidInput) as refused:
+        batcher.admit(11, "big")
+    assert refused.value.status == 422 and "at most 10" in refused.value.message
+    assert not batcher._per_client and batcher._admitted == 0
+    batcher.admit(10, "big")  # the share itself still fits
+    batcher.release(10, "big")
