@@ -111,8 +111,11 @@ class ClientIdentity:
         self.close_metrics = close_metrics
 
     def guarded(self, path: str) -> bool:
-        # /export runs the model like the API does, so it needs the key as well.
-        return path.startswith("/api/") or path == "/export" or (self.close_metrics and path == "/metrics")
+        """Whether the request needs a key. Closed metrics do even on a server without keys (none
+        can open them); /export runs the model like the API does."""
+        if self.close_metrics and path == "/metrics":
+            return True
+        return bool(self.keys) and (path.startswith("/api/") or path == "/export")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -120,11 +123,9 @@ class ClientIdentity:
             return
         peer = (scope.get("client") or ("", 0))[0]
         client = "addr:" + self.proxies.client_address(peer, scope["headers"])
-        path = scope["path"]
-        # Closed metrics stay closed on a server with no keys to open them with.
-        if (self.keys or path == "/metrics") and self.guarded(path):
+        if self.guarded(scope["path"]):
             token = bearer(scope["headers"])
-            key_id = self.keys.match(token) if token and self.keys else None
+            key_id = self.keys.match(token) if token else None  # no keys: nothing matches
             if key_id is None:
                 if not self.keys:
                     message = "/metrics is closed (MANYEYES_CLOSE_METRICS) and this server has no API keys to open it"

@@ -13,7 +13,7 @@ from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 
 from manyeyes.app.services.errors import NotReady, error_body
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.wire import accepts
+from manyeyes.app.services.wire import accepts, header_list
 
 access_log = logging.getLogger("manyeyes.access")
 
@@ -196,7 +196,7 @@ class Gzip(GZipMiddleware):
     `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding."""
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and not accepts(", ".join(Headers(scope=scope).getlist("accept-encoding")), "gzip"):
+        if scope["type"] == "http" and not accepts(header_list(Headers(scope=scope), "accept-encoding"), "gzip"):
             # Starlette's own answer for such a client: uncompressed, with Vary where it matters.
             responder = IdentityResponder(self.app, self.minimum_size, exclude_content_types=self.exclude_content_types)
             await responder(scope, receive, send)

@@ -48,21 +48,13 @@ function answer(layers, heads, format) {
 const later = () => new Promise((resolve) => setTimeout(resolve, 0));
 
 // The file's one saved view (export.py puts ?view=<its id> in the address bar): the page restores
-// the text, focus and every view option from it. Anything else needs a server.
-// The measures, experiments and generation panels ask the server for what only a model can compute.
+// the text, focus and every view option from it. Anything else (the measures panel's questions)
+// needs a server.
 export async function requestJson(url, init = {}) {
   if (url === `/api/v1/views/${embedded.view_id}` && (init.method ?? "GET") === "GET") {
     await later();
     return structuredClone(embedded.view);
   }
-  throw offline(`No server to ask for ${url}.`);
-}
-
-export async function requestResponse(url) {
-  throw offline(`No server to ask for ${url}.`);
-}
-
-export async function requestFile(url) {
   throw offline(`No server to ask for ${url}.`);
 }
 

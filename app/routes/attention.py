@@ -12,15 +12,14 @@ from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from manyeyes.app.services.attention import Wire
 from manyeyes.app.services.errors import InvalidInput
+from manyeyes.app.services.wire import header_list
 
 router = APIRouter(prefix="/api/v1", tags=["attention"])
 ERRORS = errors(401, 404, 413, 422, 429, 503, 504)
 
 
 def wire_of(request: Request) -> Wire:
-    # A header sent on several lines is one comma-separated list (RFC 9110, 5.3).
-    headers = request.headers
-    return Wire.from_headers(", ".join(headers.getlist("accept")), ", ".join(headers.getlist("accept-encoding")))
+    return Wire.from_headers(header_list(request.headers, "accept"), header_list(request.headers, "accept-encoding"))
 
 
 @router.post("/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **ERRORS})

@@ -142,10 +142,11 @@ class Batcher:
     def admit(self, n: int = 1, client: str = "") -> None:
         """Reserve room for n inputs or refuse with 429; pair with submit() or release()."""
         # More inputs than a client may ever have in the queue: no retry would fit, so not a 429.
-        if n > min(self.max_client_queue, self.max_queue):
+        ceiling = min(self.max_client_queue, self.max_queue)
+        if n > ceiling:
             raise InvalidInput(
-                f"this request holds {n} inputs, and this server queues at most "
-                f"{min(self.max_client_queue, self.max_queue)} for one client; send them in smaller batches"
+                f"this request holds {n} inputs, and this server queues at most {ceiling} for one client; "
+                "send them in smaller batches"
             )
         with self._cond:
             if self._closed:

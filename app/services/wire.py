@@ -52,6 +52,11 @@ def listed(header: str | None, token: str) -> float | None:
     return None
 
 
+def header_list(headers, name: str) -> str:
+    """A request header as one comma-separated list, however many lines it came on (RFC 9110, 5.3)."""
+    return ", ".join(headers.getlist(name))
+
+
 def accepts(header: str | None, token: str) -> bool:
     """True when a comma-separated Accept/Accept-Encoding header lists `token` with q > 0."""
     return (listed(header, token) or 0.0) > 0

@@ -95,10 +95,12 @@ def test_a_key_file_that_gives_no_keys_fails_instead_of_opening_the_api(tmp_path
     key_file.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError, match=message):
         KeyRing([], key_file)
-    with pytest.raises(ValueError, match="cannot be read"):
-        KeyRing([], tmp_path / "missing.txt")
-    with pytest.raises(ValueError, match="cannot be read"):
-        KeyRing([], tmp_path)  # a directory
+
+
+@pytest.mark.parametrize("name", ["missing.txt", "."])  # no such file; a directory
+def test_a_key_file_that_cannot_be_opened_is_named_in_the_error(tmp_path, name):
+    with pytest.raises(ValueError, match=r"MANYEYES_API_KEYS_FILE .* cannot be read"):
+        KeyRing([], tmp_path / name)
 
 
 def test_serve_stops_with_one_line_on_an_unusable_key_file(monkeypatch, tmp_path, capsys):
