@@ -315,6 +315,10 @@ class ViewState(BaseModel):
     segments: Literal["all", "AA", "AB", "BA", "BB"] = "all"
     scale: Literal["head", "fixed", "log"] = "head"
     labels: Literal["pieces", "text"] = "pieces"
+    measure: Literal["raw", "rollout", "value_norms", "contributions"] = Field(
+        "raw", description="What the measures section draws for the focused head"
+    )
+    word_view: bool = Field(False, description="The measures section merges pieces into words")
 
     model_config = ConfigDict(
         extra="forbid",

@@ -441,6 +441,7 @@ function viewState() {
     truncate: state.request.truncate, layer: state.layer, head: state.head, aggregate: state.aggregate,
     heads: [...state.extraHeads].sort((a, b) => a - b), hide_special: state.hideSpecial, hide_first: state.hideFirst,
     threshold: state.threshold, segments: state.segments, scale: state.scale, labels: state.labels,
+    measure: $("measure").value, word_view: $("word-view").checked,
   };
 }
 
@@ -479,6 +480,8 @@ function applyViewState(v) {
   $("text").value = v.text;
   $("pair").value = v.text_pair ?? "";
   $("truncate").checked = Boolean(v.truncate);
+  $("measure").value = v.measure ?? "raw";
+  $("word-view").checked = Boolean(v.word_view);
   if (v.model && state.models.some((m) => m.id === v.model)) $("model").value = v.model;
   syncControls();
 }
@@ -739,6 +742,7 @@ async function init() {
     renderViews();
   });
   for (const id of ["hide-special", "hide-first", "threshold", "segments", "scale", "labels"]) $(id).addEventListener("input", optionsChanged);
+  for (const id of ["measure", "word-view"]) $(id).addEventListener("change", () => updatePermalink());
   $("theme").addEventListener("change", () => setTheme($("theme").value));
   $("download-csv").addEventListener("click", () => download("csv"));
   $("download-json").addEventListener("click", () => download("json"));

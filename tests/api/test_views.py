@@ -13,6 +13,17 @@ def test_a_view_round_trips_under_a_content_id(api):
     assert api.post("/api/v1/views", json={**VIEW, "head": 4}).json()["id"] != view_id
     back = api.get(f"/api/v1/views/{view_id}").json()
     assert {k: back[k] for k in VIEW} == VIEW and back["aggregate"] == "head"
+    assert back["measure"] == "raw" and back["word_view"] is False
+
+
+def test_a_view_keeps_the_measure_it_showed(api):
+    chosen = {**VIEW, "measure": "value_norms", "word_view": True}
+    view_id = api.post("/api/v1/views", json=chosen).json()["id"]
+    assert view_id != api.post("/api/v1/views", json=VIEW).json()["id"]
+    back = api.get(f"/api/v1/views/{view_id}").json()
+    assert back["measure"] == "value_norms" and back["word_view"] is True
+    r = api.post("/api/v1/views", json={**VIEW, "measure": "logits"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
 
 
 def test_bad_views_are_4xx_never_500(api):

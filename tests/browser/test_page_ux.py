@@ -218,12 +218,15 @@ def test_a_short_link_restores_every_control(server, make_page, artifacts):
     first.select_option("#segments", "AB")
     first.select_option("#scale", "log")
     first.select_option("#labels", "text")
+    first.select_option("#measure", "rollout")
+    first.check("#word-view")
     first.select_option("#aggregate", "layer")
     first.wait_for_selector("#focus-plot[data-aggregate=layer]")
     wait_saved(first)
     assert len(first.url) < 100, first.url
-    controls = ["#text", "#pair", "#model", "#layer", "#head", "#aggregate", "#segments", "#scale", "#labels", "#threshold"]
-    checks = ["#truncate", "#hide-special", "#hide-first"]
+    controls = ["#text", "#pair", "#model", "#layer", "#head", "#aggregate", "#segments", "#scale", "#labels",
+                "#threshold", "#measure"]
+    checks = ["#truncate", "#hide-special", "#hide-first", "#word-view"]
     before = {c: first.locator(c).input_value() for c in controls} | {c: first.locator(c).is_checked() for c in checks}
     z = plotted(first)
 
@@ -236,6 +239,8 @@ def test_a_short_link_restores_every_control(server, make_page, artifacts):
     assert second.locator("#hv-head-6").is_checked() and second.locator("#hv-head-3").is_checked()
     assert plotted(second) == z
     assert "(cut to fit)" in second.locator("#focus-caption").text_content()
+    second.locator("#measures").scroll_into_view_if_needed()
+    second.wait_for_selector("#measure-plot[data-measure='rollout'][data-words='true']", timeout=30_000)
 
 
 def test_an_expired_link_says_so(server, page):
