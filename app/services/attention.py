@@ -143,6 +143,11 @@ class AttentionService:
                 "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
             )
         kind = "qk" if keep == "qk" or (keep == "auto" and n_tokens > limit) else "weights"
+        if kind == "qk" and measures and keep == "qk":
+            raise KeptQK(
+                'measures need a run\'s whole weights, and "keep": "qk" keeps only its queries and keys; '
+                'drop `measures`, or ask for "keep": "auto" or "weights"'
+            )
         if kind == "qk" and measures:
             raise KeptQK(
                 f"{label}measures need a run's whole weights, and this input ({n_tokens:,} tokens) keeps queries and keys "
@@ -231,8 +236,10 @@ class AttentionService:
             item.run = self.cache.get(item.run_id)
             if item.run is not None:
                 item.kind = self.kind_for(keep, item.run.n_tokens, item.label, measures)
-                if item.run.kind != item.kind:
-                    item.run = None  # kept the other way (weights vs queries and keys): run it again
+                # Weights serve every route queries and keys do (tiles, topk, overview), so a run
+                # is only ever replaced by one that serves more: another client may be reading it.
+                if item.run.kind == "qk" and item.kind == "weights":
+                    item.run = None  # kept queries and keys only: run it again for its weights
                 elif item.kind == "weights" and not serves(item.run.attention.dtype, view.format):
                     item.run = None  # kept at less precision than this format needs: run it again
             self.metrics.cache.labels("hit" if item.run else "miss").inc()

@@ -378,6 +378,10 @@ def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):
     assert_error(r, 413, "keep", "/tile")
     r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "measures": ["rollout"]})
     assert_error(r, 422, "measures", "/tile")
+    # A short input that asked for queries and keys is told so, not that it is over the limit.
+    r = tiles_api.post("/api/v1/attention", json={"text": SHORT, "model": "tiny-gpt", "keep": "qk", "measures": ["rollout"]})
+    assert_error(r, 422, '"keep": "qk"')
+    assert "dense_max_tokens" not in r.json()["error"]["message"]
     r = tiles_api.post("/api/v1/attention/batch", json={"texts": [SHORT, LONG], "model": "tiny-gpt"})
     assert_error(r, 413, "texts[1]")
     r = tiles_api.post("/api/v1/experiments/ablate", json={"text": LONG, "model": "tiny-gpt", "ablate": [{"layer": 0, "head": 0}]})
@@ -392,13 +396,22 @@ def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):
 
 
 def test_keep_qk_on_a_short_input_then_weights_again(tiles_api):
-    """A run id names the text; what its run keeps follows the request that made it."""
+    """A run id names the text. A run kept with queries and keys gives way to one with weights,
+    never the other way round: another client may be reading its slices."""
     qk = post_qk(tiles_api, "tiny-gpt", SHORT, keep="qk")
     assert qk["kept"] == "qk" and qk["attention"] is None
     assert get(tiles_api, qk["run_id"], "attention").status_code == 422
     again = post_qk(tiles_api, "tiny-gpt", SHORT, format="json")
     assert again["run_id"] == qk["run_id"] and again["kept"] == "weights"
     assert get(tiles_api, qk["run_id"], "attention").status_code == 200
+    cache = tiles_api.app.state.service.cache
+    weights_run = cache.get(qk["run_id"])
+    # Asked for queries and keys now, the run with weights answers: the short form, no new forward.
+    later = post_qk(tiles_api, "tiny-gpt", SHORT, keep="qk")
+    assert later["run_id"] == qk["run_id"] and later["kept"] == "weights" and later["attention"] is None
+    assert later["timing_ms"]["forward"] == 0 and cache.get(qk["run_id"]) is weights_run
+    assert get(tiles_api, qk["run_id"], "attention").status_code == 200
+    assert get(tiles_api, qk["run_id"], "tile", layer=0, head=0, rows=4, cols=4).status_code == 200
 
 
 # ---------------------------------------------------------------------------- memory
