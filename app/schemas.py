@@ -289,8 +289,9 @@ class GenerateStep(BaseModel):
 
 class GenerateEnd(BaseModel):
     type: Literal["end"] = "end"
-    reason: Literal["length"] = "length"
+    reason: Literal["length", "error"] = Field("length", description="error: a step failed; `error` says why")
     tokens: int
+    error: str | None = Field(None, description="Only with reason error")
 
 
 # ---- page: saved views (issue 13) -----------------------------------------------------------

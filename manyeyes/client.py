@@ -73,6 +73,11 @@ class ConnectionFailed(ManyeyesError):
     """The server could not be reached."""
 
 
+class GenerationFailed(ManyeyesError):
+    """A generation's stream ended with an error line: a step failed on the server after its
+    200 and the steps before it (code generation_failed; the message says why)."""
+
+
 ERRORS_BY_STATUS = {422: InvalidRequest, 404: NotFound, 413: TooLarge, 429: Overloaded, 503: NotReady, 504: ServerTimeout}
 
 
@@ -532,6 +537,8 @@ class Client:
                 if not line:
                     continue
                 event = json.loads(line)
+                if event["type"] == "end" and event.get("reason") == "error":
+                    raise GenerationFailed(response.status_code, "generation_failed", event.get("error") or "a step failed")
                 if event["type"] != "step":
                     continue
                 yield GenerationStep(

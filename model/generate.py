@@ -60,7 +60,10 @@ def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     if sampling.temperature <= 0:
         return int(logits.argmax())
-    scaled = logits.double() / sampling.temperature
+    # Less the largest first: at a temperature near 0 (1e-308) the quotients overflow, and
+    # softmax of inf is NaN; this way the best token stays at 0 and the others go to -inf.
+    logits = logits.double()
+    scaled = (logits - logits.max()) / sampling.temperature
     if sampling.top_k:
         cutoff = scaled.topk(min(sampling.top_k, scaled.shape[-1])).values[-1]
         scaled = scaled.masked_fill(scaled < cutoff, -torch.inf)

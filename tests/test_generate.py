@@ -84,6 +84,14 @@ def test_top_k_sampling_stays_within_the_top_k(tiny):
         assert step.token.id in [a.id for a in step.alternatives]
 
 
+@pytest.mark.parametrize("temperature", [1e-308, 5e-324])
+def test_a_temperature_near_zero_samples_the_best_token(tiny, temperature):
+    """Dividing the logits by 1e-308 overflowed to inf, softmax made NaN, and the stream died
+    mid-answer; at such a temperature sampling is greedy."""
+    sampled = [s.token.id for s in generate(tiny, PROMPT, 4, Sampling(temperature=temperature, seed=3))]
+    assert sampled == [s.token.id for s in generate(tiny, PROMPT, 4, Sampling(temperature=0.0))]
+
+
 def test_bounds_are_refused(tiny, minilm):
     with pytest.raises(ValueError, match="exceed tiny-gpt's context of 256"):
         next(generate(tiny, PROMPT, 250))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 
@@ -16,6 +17,7 @@ from manyeyes.model.errors import TooLongError
 from manyeyes.model.generate import Sampling, Step, check_generation, generate
 
 _DONE = object()
+log = logging.getLogger(__name__)
 
 
 def _choice(c) -> dict:
@@ -83,7 +85,16 @@ class GenerationService:
             while True:
                 # One step per worker-thread hop: the loop stays free, and a client that hangs up
                 # cancels this coroutine between two steps, so at most one more step runs.
-                step = await anyio.to_thread.run_sync(lambda: next(steps, _DONE))
+                try:
+                    step = await anyio.to_thread.run_sync(lambda: next(steps, _DONE))
+                except Exception as exc:
+                    # The 200 and some lines are already sent: a last line says why it stopped,
+                    # where a dropped connection would leave the client a broken chunk.
+                    log.exception("generation failed after %d tokens", count)
+                    outcome = "failed"
+                    yield orjson.dumps({"type": "end", "reason": "error", "tokens": count,
+                                        "error": f"generation stopped: {exc}"}) + b"\n"
+                    return
                 if step is _DONE:
                     break
                 self.metrics.generation_steps.labels(model_id).inc()

@@ -31,5 +31,5 @@ class Metrics:
         self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run cache", registry=r)
         self.generation_steps = Counter("manyeyes_generation_steps", "Tokens generated, by model", ["model"], registry=r)
         self.generations = Counter(
-            "manyeyes_generations", "Generations by outcome: finished, or cancelled by a client that hung up", ["outcome"], registry=r
+            "manyeyes_generations", "Generations by outcome: finished, failed, or cancelled by a client that hung up", ["outcome"], registry=r
         )

@@ -151,6 +151,7 @@ export function mountGeneration(box) {
     tokens.replaceChildren();
     status(note, "Generating…", "busy");
     setButtons();
+    let failure = "";
     try {
       const response = await requestResponse("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: state.controller.signal });
       for await (const event of ndjson(response)) {
@@ -167,10 +168,13 @@ export function mountGeneration(box) {
           if (state.follow && !state.timer) followSoon();
           else setButtons();
         } else if (event.type === "end") {
-          state.outcome = "finished";
+          state.outcome = event.reason === "error" ? "failed" : "finished";
+          failure = event.error;
         }
       }
-      if (mine === state.epoch) status(note, `Finished: ${state.steps.length} new tokens.`);
+      if (mine !== state.epoch) return;
+      if (state.outcome === "failed") status(note, `The server stopped after ${state.steps.length} tokens: ${failure}`, "error");
+      else status(note, `Finished: ${state.steps.length} new tokens.`);
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.
       if (mine === state.epoch && err.name === "AbortError") {

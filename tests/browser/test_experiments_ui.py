@@ -234,6 +234,22 @@ def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
     assert "Stopped after" in page.inner_text("#gen-status")
 
 
+def test_a_stream_that_ends_in_error_says_so(server, page):
+    """The server's last line names a failed step: the page says so rather than 'Finished'."""
+    real = [json.dumps(line) for line in stream(server, {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 1})]
+    assert [line["type"] for line in map(json.loads, real)] == ["start", "step", "end"]
+    failed = json.dumps({"type": "end", "reason": "error", "tokens": 1, "error": "generation stopped: out of memory"})
+    page.route("**/api/v1/generate", lambda route: route.fulfill(
+        status=200, content_type="application/x-ndjson", body="\n".join([*real[:2], failed]) + "\n"))
+    page.goto(f"{server}/")
+    page.wait_for_selector("#gen-start")
+    page.fill("#gen-text", PROMPT)
+    page.click("#gen-start")
+    page.wait_for_selector("#generate-box[data-outcome='failed']", timeout=30_000)
+    assert page.inner_text("#gen-status") == "The server stopped after 1 tokens: generation stopped: out of memory"
+    assert page.get_attribute("#gen-status", "data-kind") == "error"
+
+
 # ---- found by trying the page as a user ----------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch
 import pytest
 
 from manyeyes import Client
-from manyeyes.client import ConnectionFailed, InvalidRequest, NotFound, Overloaded, RemoteModel, RemoteToken
+from manyeyes.client import ConnectionFailed, GenerationFailed, InvalidRequest, NotFound, Overloaded, RemoteModel, RemoteToken
 from tests.eco.conftest import free_port, live_server
 
 TEXT = "In the beginning was the Word."
@@ -172,6 +173,21 @@ def test_generate_yields_the_models_steps_and_hangs_up_when_dropped(client, tiny
     assert first.index == 0
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         next(iter(client.generate(TEXT, 10_000)))
+
+
+def test_a_generation_that_fails_mid_stream_raises_after_its_steps():
+    lines = [{"type": "start", "model": "tiny-gpt", "n_layers": 1, "n_heads": 1, "prompt": []},
+             {"type": "step", "index": 0, "position": 3, "token": {"text": " a", "id": 7, "prob": 0.5},
+              "alternatives": [], "attention": [[[0.25, 0.25, 0.25, 0.25]]]},
+             {"type": "end", "reason": "error", "tokens": 1, "error": "generation stopped: out of memory"}]
+    body = "".join(json.dumps(line) + "\n" for line in lines)
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body, headers={"content-type": "application/x-ndjson"}))
+    with Client("http://manyeyes.test", transport=transport) as mocked:
+        steps = mocked.generate("Hi", 3)
+        assert next(steps).token.id == 7
+        with pytest.raises(GenerationFailed, match="out of memory") as failed:
+            next(steps)
+    assert failed.value.code == "generation_failed"
 
 
 def test_measures_flow_neuron_and_attribution_come_typed(client, tiny_gpt):

@@ -139,3 +139,28 @@ def test_seeded_sampling_repeats_over_http(server):
             runs.append([e["token"]["id"] for e in lines(r) if e["type"] == "step"])
     assert runs[0] == runs[1] and len(runs[0]) == 6
 
+
+
+def test_a_step_that_fails_ends_the_stream_with_its_reason(server, monkeypatch):
+    """After the 200 a failing step used to drop the connection mid-chunk (a temperature of
+    1e-308 did); now a last line says why, the slot is freed and the next generation runs."""
+    import manyeyes.app.services.generation as generation
+
+    def two_steps_then_fail(model, *args, **kwargs):
+        steps = generate(model, *args, **kwargs)
+        yield next(steps)
+        yield next(steps)
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    before = server.metric("manyeyes_generations_total", outcome="failed")
+    monkeypatch.setattr(generation, "generate", two_steps_then_fail)
+    body = {"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 8}
+    with httpx.stream("POST", f"{server.url}/api/v1/generate", json=body, timeout=60) as r:
+        events = list(lines(r))
+    assert [e["type"] for e in events] == ["start", "step", "step", "end"]
+    assert events[-1]["reason"] == "error" and events[-1]["tokens"] == 2
+    assert "inf, nan" in events[-1]["error"]
+    assert server.metric("manyeyes_generations_total", outcome="failed") == before + 1
+    monkeypatch.undo()
+    with httpx.stream("POST", f"{server.url}/api/v1/generate", json={**body, "max_new_tokens": 2}, timeout=60) as r:
+        assert list(lines(r))[-1] == {"type": "end", "reason": "length", "tokens": 2}
