@@ -79,7 +79,11 @@ class AttentionRequest(Options):
 
 
 class BatchRequest(Options):
-    texts: list[str] = Field(..., min_length=1, description="Texts to run; at most the server's max_batch_texts")
+    # Each text constrained, as `text` is: a constrained str is checked for valid Unicode, so a
+    # lone surrogate is a 422 here rather than a TypeError in the tokenizer.
+    texts: list[Annotated[str, Field(min_length=1)]] = Field(
+        ..., min_length=1, description="Texts to run; at most the server's max_batch_texts"
+    )
 
     @field_validator("texts")
     @classmethod

@@ -85,6 +85,9 @@ def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: st
     return list(asked)
 
 
+MAX_INDEX_DIGITS = 9
+
+
 def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
     """Query lists as `layers=0,2` or `layers=0&layers=2`."""
     if not values:
@@ -92,13 +95,19 @@ def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
     out = []
     for part in ",".join(values).split(","):
         part = part.strip()
-        if not part:
-            continue
-        # ASCII digits only: int() would also read "+1", "1_0" and other scripts' digits.
-        if not (part.isascii() and part.isdigit()):
-            raise InvalidInput(f"{what}s must be integers (0, 1, 2, ...), got {brief(part)!r}")
-        out.append(int(part))
+        if part:
+            out.append(parse_index(part, what))
     return out or None
+
+
+def parse_index(part: str, what: str) -> int:
+    """One index from a query string. ASCII digits only: int() would also read "+1", "1_0" and
+    other scripts' digits, and refuses over 4,300 digits with a ValueError (a 500)."""
+    if not (part.isascii() and part.isdigit()):
+        raise InvalidInput(f"{what}s must be integers (0, 1, 2, ...), got {brief(part)!r}")
+    if len(part) > MAX_INDEX_DIGITS:
+        raise InvalidInput(f"{what} {brief(part)} does not exist: no model has that many")
+    return int(part)
 
 
 class AttentionService:

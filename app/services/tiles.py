@@ -18,7 +18,15 @@ import orjson
 import torch
 from starlette.concurrency import run_in_threadpool
 
-from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService, Reply, Wire, resolve_indices
+from manyeyes.app.services.attention import (
+    COMPACT_MEDIA_TYPE,
+    AttentionService,
+    Reply,
+    Wire,
+    brief,
+    parse_index,
+    resolve_indices,
+)
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
@@ -61,12 +69,9 @@ def parse_head(head: str, n_heads: int, model_id: str) -> int | None:
     """A query head index, or None for "mean" (the mean over the layer's heads)."""
     if head.strip().lower() == "mean":
         return None
-    try:
-        index = int(head)
-    except ValueError:
-        shown = head if len(head) <= 24 else f"{head[:20]}..."
-        raise InvalidInput(f"head must be a head index or 'mean', got {shown!r}") from None
-    return resolve_indices([index], n_heads, "head", model_id)[0]
+    if not (head.isascii() and head.isdigit()):
+        raise InvalidInput(f"head must be a head index or 'mean', got {brief(head)!r}")
+    return resolve_indices([parse_index(head, "head")], n_heads, "head", model_id)[0]
 
 
 def side(asked: int | None, extent: int, name: str, cap: int) -> int:

@@ -104,6 +104,10 @@ def test_bad_slice_parameters_are_422(api):
         assert needle in err["message"], (query, err)
     err = error_of(api.get(f"/api/v1/runs/{run_id}/attention?layers={'9' * 5000}x"), 422)
     assert len(err["message"]) < 200, len(err["message"])  # the 5,000 digits are not echoed
+    # Digits alone past Python's 4,300-digit int() limit were a 500, on every route that reads a list.
+    for path in ("attention?layers=", "mean?layers=", "measures?names=rollout&heads=", "attention?heads=0,"):
+        err = error_of(api.get(f"/api/v1/runs/{run_id}/{path}{'9' * 5000}"), 422)
+        assert "does not exist" in err["message"] and len(err["message"]) < 200, (path, err)
 
 
 def test_batch_item_count_is_bounded(api):

@@ -344,6 +344,10 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
     assert_error(tile(layer=2), 422, "layer 2")
     assert_error(tile(head=6), 422, "head 6")
     assert_error(tile(head="all"), 422, "head", "mean")
+    # As the list routes read them: int() alone took "+1", "1_0" and other scripts' digits, and
+    # 5,000 digits were a 500.
+    for head in ("+1", "1_0", "\u0663", " 1", "9" * 5000):
+        assert_error(tile(head=head), 422, "head")
     assert_error(tile(pool="median"), 422, "pool")
     assert_error(tile(format="png"), 422, "format")
     assert_error(get(tiles_api, run_id, "tile", head=0), 422, "layer")

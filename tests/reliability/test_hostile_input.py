@@ -211,6 +211,13 @@ def test_hostile_batch_is_a_4xx_json_error(client, body):
     assert_json_error(client.post(f"{ATTENTION}/batch", json=body), 422)
 
 
+def test_a_lone_surrogate_in_a_batch_is_a_422(client):
+    # `texts` items were plain str, which pydantic does not check for valid Unicode: a 500 from the tokenizer.
+    for body, where in ((b'{"texts": ["ok", "a\\ud800b"]}', "texts.1"), (b'{"texts": ["a\xed\xa0\x80b"]}', "texts.0")):
+        err = assert_json_error(client.post(f"{ATTENTION}/batch", content=body, headers=JSON), 422)
+        assert err["message"].startswith(where), err
+
+
 RUN_IDS = [
     "..%2F..%2F..%2Fetc%2Fpasswd",
     "..",
