@@ -107,7 +107,9 @@ class Settings(BaseSettings):
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
     shutdown_grace_s: float = Field(30.0, ge=0)
 
-    cache_bytes: int = Field(512 * 2**20, ge=0)  # LRU of recent runs (their weights, or queries and keys)
+    # Every cached run: 3/4 for recent runs (their weights, or queries and keys), 1/4 for the
+    # measures' captured forwards, each an LRU of its own.
+    cache_bytes: int = Field(512 * 2**20, ge=0)
 
     # Long inputs (issue 10, README "Long inputs"). Above dense_max_tokens a run keeps its queries
     # and keys instead of the (L, H, T, T) weights (`keep: "auto"`), and serves any window of any

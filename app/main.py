@@ -25,7 +25,7 @@ from manyeyes.app.routes import aggregates, attention, docs, experiments, export
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
-from manyeyes.app.services.measures import MeasuresService
+from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
 from manyeyes.app.services.errors import ApiError, error_body
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
@@ -88,7 +88,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # took seconds while 200 requests were being answered.
             sys.setswitchinterval(settings.switch_interval_ms / 1000)
         registry = Registry(settings, metrics)
-        cache = RunCache(settings.cache_bytes, on_size=metrics.cache_bytes.set)
+        # The captures' LRU (MeasuresService) takes its share out of the same budget, so that
+        # cache_bytes bounds all cached runs, as SECURITY.md's memory bound counts them.
+        run_bytes = settings.cache_bytes - settings.cache_bytes // CAPTURE_SHARE
+        cache = RunCache(run_bytes, on_size=metrics.cache_bytes.set)
         app.state.registry = registry
         app.state.service = AttentionService(settings, registry, cache, metrics)
         app.state.tiles = TileService(app.state.service)

@@ -325,6 +325,8 @@ class ViewState(BaseModel):
     )
     word_view: bool = Field(False, description="The measures section merges pieces into words")
 
+    _text = field_validator("text")(_not_blank)
+
     model_config = ConfigDict(
         extra="forbid",
         strict=True,

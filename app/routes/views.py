@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
 
-from manyeyes.app.deps import RegistryDep
+from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
 from manyeyes.app.services.attention import resolve_indices
@@ -39,9 +39,10 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
 
 
 @router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 422))
-def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep) -> ViewSaved:
+def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep, service: ServiceDep) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
     check_focus(registry.get(body.model).model.info, body.layer, body.head, body.heads)  # 404: a model it does not serve
+    service.check_chars([(body.text, body.text_pair)])  # a link to a text this server would refuse could never open
     return ViewSaved(id=views.put(body.model_dump()))
 
 

@@ -129,7 +129,7 @@ class AttentionService:
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
         top_k = self._top_k(served, options.predictions)
-        self._check_chars(texts, batch)
+        self.check_chars(texts, batch)
         deadline = started + self.settings.request_timeout_s
         items = [
             Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
@@ -215,7 +215,7 @@ class AttentionService:
             )
         return asked.top_k
 
-    def _check_chars(self, texts: list[tuple[str, str | None]], batch: bool) -> None:
+    def check_chars(self, texts: list[tuple[str, str | None]], batch: bool = False) -> None:
         """Refuses long pastes before the tokenizer sees them (truncate=true tokenizes all of it)."""
         limit = self.settings.max_text_chars
         for i, (text, pair) in enumerate(texts):

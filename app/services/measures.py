@@ -32,7 +32,7 @@ from manyeyes.model.tokenizer import Encoded
 
 MATRIX_MEASURES = ("rollout", "value_norms", "contributions", "words", "heads")
 NEEDS_CAPTURE = {"value_norms", "contributions"}
-CAPTURE_SHARE = 4  # captures get 1/4 of the run cache's byte budget, in their own LRU
+CAPTURE_SHARE = 4  # captures get 1/4 of MANYEYES_CACHE_BYTES in their own LRU, the runs the rest
 CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
 # Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, beyond 429.
 FLOW_SLOTS = 1

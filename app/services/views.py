@@ -1,4 +1,4 @@
-"""Saved page views: a small LRU of view states under content ids, bounded in count and age.
+"""Saved page views: a small LRU of view states under content ids, bounded in count, bytes and age.
 
 A permalink then holds only the id, however long the text; like the run cache it forgets, and the
 page says so when a link has expired."""
@@ -12,27 +12,45 @@ from collections import OrderedDict
 
 import orjson
 
+MAX_VIEWS = 10_000
+# Each view is kept as its JSON bytes, counted as such: a view may carry two texts of 200,000
+# characters, and 10,000 of those would be gigabytes. SECURITY.md counts this inside its 100 MB.
+MAX_VIEW_BYTES = 16 * 2**20
+TTL_S = 30 * 24 * 3600
+
 
 class ViewStore:
-    def __init__(self, max_views: int = 10_000, ttl_s: float = 30 * 24 * 3600, clock=time.monotonic) -> None:
+    def __init__(self, max_views: int = MAX_VIEWS, ttl_s: float = TTL_S, max_bytes: int = MAX_VIEW_BYTES,
+                 clock=time.monotonic) -> None:
         self.max_views = max_views
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.clock = clock
-        self._views: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self._views: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
-    def id_for(state: dict) -> str:
+    def _encoded(state: dict) -> bytes:
         # Sorted keys: the same view always gets the same id, so re-saving a view costs nothing.
-        return hashlib.blake2b(orjson.dumps(state, option=orjson.OPT_SORT_KEYS), digest_size=9).hexdigest()
+        return orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
+
+    @staticmethod
+    def _id_of(encoded: bytes) -> str:
+        return hashlib.blake2b(encoded, digest_size=9).hexdigest()
 
     def put(self, state: dict) -> str:
-        view_id = self.id_for(state)
+        """The view's id; a view larger than the whole store is refused (ValueError)."""
+        encoded = self._encoded(state)
+        if len(encoded) > self.max_bytes:
+            raise ValueError(f"a view of {len(encoded):,} bytes is larger than the store's {self.max_bytes:,}")
+        view_id = self._id_of(encoded)
         with self._lock:
-            self._views.pop(view_id, None)
-            self._views[view_id] = (self.clock(), state)
-            while len(self._views) > self.max_views:
-                self._views.popitem(last=False)
+            self._drop(view_id)
+            self._views[view_id] = (self.clock(), encoded)
+            self.nbytes += len(encoded)
+            while len(self._views) > self.max_views or self.nbytes > self.max_bytes:
+                self._drop(next(iter(self._views)))
         return view_id
 
     def get(self, view_id: str) -> dict | None:
@@ -40,12 +58,17 @@ class ViewStore:
             entry = self._views.get(view_id)
             if entry is None:
                 return None
-            saved, state = entry
+            saved, encoded = entry
             if self.clock() - saved > self.ttl_s:
-                del self._views[view_id]
+                self._drop(view_id)
                 return None
             self._views.move_to_end(view_id)
-            return state
+        return orjson.loads(encoded)
+
+    def _drop(self, view_id: str) -> None:
+        entry = self._views.pop(view_id, None)
+        if entry is not None:
+            self.nbytes -= len(entry[1])
 
     def __len__(self) -> int:
         return len(self._views)

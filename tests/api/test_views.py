@@ -1,5 +1,7 @@
 """Saved views (the page's permalinks): content ids, round trips, bounds and expiry."""
 
+import pytest
+
 from manyeyes.app.services.views import ViewStore
 
 VIEW = {"text": "The bank of the river.", "model": "minilm", "layer": 2, "head": 3, "heads": [1, 4]}
@@ -54,3 +56,26 @@ def test_the_store_forgets_by_count_and_by_age():
     last = store.put({"n": 4})
     now[0] = 11.0
     assert store.get(last) is None  # past its age
+    assert len(store) == 1 and store.nbytes == len(b'{"n":3}')
+
+
+def test_the_store_forgets_by_bytes():
+    """Counted in views alone, 10,000 views of two 200,000-character texts were gigabytes."""
+    store = ViewStore(max_bytes=1_000)
+    ids = [store.put({"text": f"{i}" + "x" * 300}) for i in range(5)]
+    assert store.nbytes <= 1_000 and len(store) == 3
+    assert [store.get(i) is not None for i in ids] == [False, False, True, True, True]
+    assert store.get(ids[-1]) == {"text": "4" + "x" * 300}  # given back as saved
+    store.put({"text": "2" + "x" * 300})  # saved again: counted once
+    assert store.nbytes <= 1_000 and len(store) == 3
+    with pytest.raises(ValueError, match="larger than"):
+        store.put({"text": "y" * 2_000})
+    assert len(store) == 3
+
+
+def test_a_view_that_could_never_open_is_refused(api):
+    r = api.post("/api/v1/views", json={**VIEW, "text": " \n "})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+    limit = api.app.state.settings.max_text_chars
+    r = api.post("/api/v1/views", json={**VIEW, "text": "x" * (limit - 10), "text_pair": "y" * 20})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "too_long", r.text
