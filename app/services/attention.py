@@ -67,10 +67,10 @@ class Reply:
     headers: dict = field(default_factory=dict)
 
 
-def brief(value) -> str:
+def brief(value, limit: int = 24) -> str:
     """A client's value as an error message may quote it: never 4,000 digits."""
     text = str(value)
-    return text if len(text) <= 24 else f"{text[:20]}..."
+    return text if len(text) <= limit else f"{text[:limit - 4]}..."
 
 
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
@@ -184,7 +184,7 @@ class AttentionService:
         self.metrics.cache.labels("hit" if run else "miss").inc()
         if run is None:
             raise UnknownRun(
-                f"run {run_id} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
+                f"run {brief(run_id, 64)} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
             )
         if needs_weights and run.kind == "qk":
             raise KeptQK(

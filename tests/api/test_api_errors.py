@@ -89,6 +89,9 @@ def test_unknown_model_run_and_route_are_404(api):
     assert err["code"] == "unknown_model" and "gpt-9" in err["message"] and "minilm" in err["message"]
     err = error_of(api.get("/api/v1/runs/0123abcd/attention"), 404)
     assert err["code"] == "unknown_run" and "POST /api/v1/attention" in err["message"]
+    assert "run 0123abcd is unknown" in err["message"]
+    err = error_of(api.get(f"/api/v1/runs/{'f' * 5000}/attention"), 404)  # named, not echoed whole
+    assert err["code"] == "unknown_run" and len(err["message"]) < 200, len(err["message"])
     err = error_of(api.get("/api/v1/nothing"), 404)
     assert err["code"] == "not_found"
     err = error_of(api.delete("/api/v1/attention"), 405)
