@@ -110,8 +110,9 @@ def build_html(page_html: str, embedded: dict) -> str:
     html, n = SERVER_PANELS.subn(lambda m: OFFLINE_NOTE + m[0], html, count=1)
     if not n:
         raise RuntimeError("templates/index.html no longer has the measures panel the export hides")
-    # Buttons that need a server have nothing to do in a file.
-    return re.sub(r'(<(?:button|a)\b[^>]*\bid="export-page")', r"\1 hidden", html)
+    # Controls that need a server have nothing to do in a file: a copied link would name the
+    # file's own view id, and the API docs are the server's.
+    return re.sub(r'(<(?:button|a)\b[^>]*\bid="(?:export-page|copy-link|docs-link)")', r"\1 hidden", html)
 
 
 def render_page() -> str:

@@ -73,3 +73,22 @@ export async function fetchSlice(runId, layers, heads, format) {
   await later();
   return answer(layers, heads, format);
 }
+
+// GET /mean's answer: one (1, 1, T, T) matrix, the mean over every head of `layers`, made from the
+// file's weights (the page asks for it on "Mean of all heads"; api.js would start a fetch worker,
+// which a file:// page cannot).
+export async function fetchMean(runId, layers) {
+  await later();
+  const source = allValues();
+  const sum = new Float64Array(cells);
+  for (const l of layers) {
+    for (let h = 0; h < nHeads; h++) {
+      const from = (l * nHeads + h) * cells;
+      for (let i = 0; i < cells; i++) sum[i] += source[from + i];
+    }
+  }
+  const count = layers.length * nHeads;
+  const shape = [1, 1, T, T];
+  const decoded = { shape, values: Float32Array.from(sum, (v) => v / count) };
+  return { ...run, n_layers: 1, n_heads: 1, layers: [0], heads: [0], attention: { format: "f16", dtype: "float16", shape, data: null, decoded } };
+}

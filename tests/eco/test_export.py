@@ -85,7 +85,16 @@ def test_cli_export_opens_from_disk_with_grid_focus_and_head_view(browser, tiny_
         page.keyboard.press("ArrowRight")
         page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '4'")
         assert page.locator("#headview .hv-left li").count() == len(tiny_gpt.attend(TEXT).tokens)
-        assert page.locator("#export-page").is_hidden()
+        assert page.locator("#export-page").is_hidden() and page.locator("#copy-link").is_hidden()
+        assert page.locator("#docs-link").is_hidden()
+        # The mean of all heads comes from the server's /mean on a live page: here from the file.
+        page.select_option("#aggregate", "all")
+        page.wait_for_selector("#focus-plot[data-aggregate=all]", timeout=10_000)
+        page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'")
+        expected = tiny_gpt.attend(TEXT).attention.mean(dim=(0, 1)).numpy()
+        shown = focus_z(page)
+        known = ~np.isnan(shown)
+        np.testing.assert_allclose(shown[known], expected[known], atol=1e-3)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "export-offline.png"), full_page=True)
         assert not problems, problems
