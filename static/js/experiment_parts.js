@@ -4,6 +4,9 @@ import { requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
 import { onThemeChange, palette } from "./theme.js";
 
+const NARROW_PX = 520; // plots narrower than this keep the modebar over their top, as focus.js's
+const MODEBAR_PX = 34;
+
 export function postJson(url, body, signal) {
   return requestJson(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
 }
@@ -111,19 +114,30 @@ export function clearPlot(div) {
 }
 
 // A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
+// The largest |value|: a loop, as Math.max(...cells) spread T² arguments and overflowed the stack
+// at a few hundred tokens.
+function peakOf(z) {
+  let peak = 1e-6;
+  for (const row of z) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
+  return peak;
+}
+
 export function heatmap(div, z, options = {}) {
   drawn.set(div, [z, options]);
   const { x, y, title, signed = false, zmax } = options;
-  const limit = zmax ?? (signed ? Math.max(1e-6, ...z.flat().map(Math.abs)) : 1);
+  const limit = zmax ?? (signed ? peakOf(z) : 1);
   const names = (labels, n) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${i}: ${plotlyText(s)}`);
   const trace = {
     type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),
     colorscale: signed ? DIVERGING : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
     hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>",
   };
+  // On a narrow screen Plotly's modebar stays on show over the top of the plot: the title goes
+  // under it, as the focused heatmap's does.
+  const under = title && div.clientWidth < NARROW_PX ? MODEBAR_PX : 0;
   const layout = {
-    title: title ? { text: plotlyText(title), font: { size: 13 } } : undefined,
-    margin: { l: 90, r: 10, t: title ? 30 : 8, b: 80 }, height: 320,
+    title: title ? { text: plotlyText(title), font: { size: 13 }, yref: "container", y: 1, yanchor: "top", pad: { t: 8 + under } } : undefined,
+    margin: { l: 90, r: 10, t: title ? 30 + under : 8, b: 80 }, height: 320 + under,
     yaxis: { autorange: "reversed", automargin: true }, xaxis: { automargin: true, tickangle: -45 },
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
     font: { color: palette().text }, // Plotly's default dark grey is unreadable on the dark theme

@@ -142,6 +142,38 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
 
 
+def test_compare_at_hundreds_of_tokens_draws(server, page):
+    """Math.max(...cells) over the difference's T² cells overflowed the stack at 403 tokens."""
+    open_page(page, server)
+    page.select_option("#model", "minilm")
+    a = " ".join(f"word{i % 50} river bank" for i in range(110))  # about 440 tokens
+    page.fill("#compare-a", a)
+    page.fill("#compare-b", a.replace("word7 river", "word7 stream", 1))
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=60_000)
+    z = shown(page, "compare-plot-diff")
+    assert z.shape[0] > 400 and z.shape[0] == z.shape[1], z.shape
+    zmax = page.evaluate("document.getElementById('compare-plot-diff').data[0].zmax")
+    assert zmax == pytest.approx(float(np.abs(z).max()), rel=1e-6)
+
+
+def test_experiment_titles_sit_under_the_modebar_on_a_phone(server, browser):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True, device_scale_factor=2)
+    try:
+        page = context.new_page()
+        open_page(page, server)
+        page.select_option("#model", "minilm")
+        page.fill("#compare-a", "The bank of the river.")
+        page.fill("#compare-b", "The bank of the old river.")
+        page.click("#compare-run")
+        page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+        for plot in page.locator("#compare-box .js-plotly-plot").all():
+            title, modebar = plot.locator(".gtitle").bounding_box(), plot.locator(".modebar").bounding_box()
+            assert title["y"] >= modebar["y"] + modebar["height"] - 1, (title, modebar)
+    finally:
+        context.close()
+
+
 def stream(base, body):
     with httpx.stream("POST", f"{base}/api/v1/generate", json=body, timeout=60) as r:
         return [json.loads(line) for line in r.iter_lines() if line]
