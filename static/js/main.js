@@ -641,11 +641,16 @@ function onKey(event) {
   if (!step) return;
   event.preventDefault();
   const { nLayers, nHeads } = state.run;
+  // On a thumbnail the arrows step from that thumbnail, and keyboard focus goes along: a grid
+  // walked with Tab and arrows, where Enter keeps the head reached.
+  const thumb = event.target.closest(".thumb");
+  const [layer, head] = thumb ? [Number(thumb.dataset.layer), Number(thumb.dataset.head)] : [state.layer, state.head];
   // Heads wrap into the neighbouring layer, so the arrows walk through every head in order.
-  const flat = (state.layer + step[0]) * nHeads + state.head + step[1];
+  const flat = (layer + step[0]) * nHeads + head + step[1];
   const wrapped = (flat + nLayers * nHeads) % (nLayers * nHeads);
   state.aggregate = "head";
   setFocus(Math.floor(wrapped / nHeads), wrapped % nHeads, "arrow");
+  if (thumb) $("grid").querySelector(`.thumb[data-layer="${state.layer}"][data-head="${state.head}"]`)?.focus();
 }
 
 async function download(kind) {

@@ -165,6 +165,14 @@ def test_clicking_a_thumbnail_and_arrow_keys_move_the_focus(server, page):
     assert focus_title(page) == "Layer 5, head 7"
     page.select_option("#layer", "1")
     wait_focus(page, layer=1, head=7)
+    # From a thumbnail, keyboard focus moves with the head: Enter then keeps the new head.
+    page.focus(".thumb[data-layer='2'][data-head='3']")
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=2, head=4)
+    assert page.evaluate("() => document.activeElement.getAttribute('aria-label')") == "Layer 2, head 4"
+    page.keyboard.press("Enter")
+    wait_focus(page, layer=2, head=4)
+    assert focus_title(page) == "Layer 2, head 4"
 
 
 def test_xss_input_is_inert_and_literal(server, page, watched):
