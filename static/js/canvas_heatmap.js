@@ -7,9 +7,8 @@
 // holds every cell. Long runs (issue 10, long_focus.js) fill `tiles` from the server's tiles per
 // zoom level: draw() maps each tile's cell rectangle to pixels through the axes' ranges.
 
-import { colorTable, scaled } from "./theme.js";
+import { MASKED, colorTable, scaled } from "./theme.js";
 
-const MASKED = 256; // index of the masked colour in colorTable()
 
 // Each cell's colour from the 256-entry table (the masked colour where the model could not look),
 // packed RGBA into out (one Uint32 per cell, row-major).

@@ -12,7 +12,7 @@ import { HeadFinder } from "./finder.js";
 import { cellColours, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
-import { onThemeChange } from "./theme.js";
+import { MASKED, colorTable, onThemeChange } from "./theme.js";
 import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
@@ -30,8 +30,10 @@ function axisTicks(labels, range) {
   return { values, texts, font: TICK_FONT, room: 8 + TICK_FONT * 0.62 * longest };
 }
 
-// The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads.
-function cellImage(matrix, signed, peak) {
+// The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads; with `causal`,
+// the cells above the diagonal (keys after their query) in the masked colour, as the focused
+// heatmap draws them: a causal model never looks there, which a weight of 0 would not say.
+function cellImage(matrix, signed, peak, causal = false) {
   const nRows = matrix.length;
   const nCols = matrix[0]?.length ?? 0;
   const canvas = document.createElement("canvas");
@@ -41,9 +43,14 @@ function cellImage(matrix, signed, peak) {
   const image = context.createImageData(canvas.width, canvas.height);
   const pixels = new Uint32Array(image.data.buffer);
   const colours = cellColours(signed);
+  const masked = colorTable()[MASKED];
   for (let i = 0; i < nRows; i++) {
     const row = matrix[i];
     for (let j = 0; j < nCols; j++) {
+      if (causal && j > i) {
+        pixels[i * nCols + j] = masked;
+        continue;
+      }
       const x = signed ? 0.5 + row[j] / (2 * peak) : row[j] / peak; // 0 … 1 along the colorbar
       pixels[i * nCols + j] = colours[Math.round(255 * Math.min(1, Math.max(0, x)))];
     }
@@ -279,7 +286,7 @@ class Measures {
       colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
     };
     const cells = {
-      source: cellImage(matrix, signed, peak), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
+      source: cellImage(matrix, signed, peak, this.run.causal && kind !== "contributions"), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
       xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
     const ink = getComputedStyle(document.body).color;

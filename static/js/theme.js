@@ -104,12 +104,15 @@ export function hexToRgb(hex) {
 // One opaque colour as canvas ImageData reads it from a Uint32Array (RGBA bytes, little-endian).
 export const packRgb = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
 
-// 256 packed RGBA colours (little-endian, as canvas ImageData reads a Uint32Array) along the scale.
+export const MASKED = 256; // index of the masked colour in colorTable()
+
+// 256 packed RGBA colours (little-endian, as canvas ImageData reads a Uint32Array) along the scale,
+// then the masked colour.
 export function colorTable() {
   const name = themeName();
   if (lutCache[name]) return lutCache[name];
   const { stops, masked } = PALETTES[name];
-  const table = new Uint32Array(257); // index 256 is the masked colour
+  const table = new Uint32Array(MASKED + 1);
   for (let i = 0; i < 256; i++) {
     const x = i / 255;
     let s = 1;
@@ -121,7 +124,7 @@ export function colorTable() {
     const b = hexToRgb(c1);
     table[i] = packRgb(a.map((v, k) => Math.round(v + (b[k] - v) * t)));
   }
-  table[256] = packRgb(hexToRgb(masked));
+  table[MASKED] = packRgb(hexToRgb(masked));
   lutCache[name] = table;
   return table;
 }

@@ -182,6 +182,31 @@ def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tin
     page.locator(".focus-panel").screenshot(path=str(artifacts / "focus-predictions.png"))
 
 
+def test_a_causal_models_measure_draws_later_keys_masked(ran):
+    """Keys after their query are masked, as the focused heatmap draws them, not a weight of 0;
+    the values (what hover and exports read) stay the numbers."""
+    page, _ = ran
+    for kind in ("raw", "rollout"):
+        page.select_option("#measure", kind)
+        page.wait_for_selector(f"#measure-plot[data-measure='{kind}']")
+        corners = page.evaluate("""async () => {
+            const plot = document.getElementById('measure-plot');
+            const image = new Image();
+            image.src = plot.layout.images[0].source;
+            await image.decode();
+            const canvas = document.createElement('canvas');
+            canvas.width = image.width; canvas.height = image.height;
+            const ctx = canvas.getContext('2d');
+            ctx.drawImage(image, 0, 0);
+            const rgb = (x, y) => [...ctx.getImageData(x, y, 1, 1).data.slice(0, 3)];
+            const n = image.width;
+            return [rgb(n - 1, 0), rgb(1, 0), rgb(0, n - 1), plot.measured.matrix[0][n - 1]];
+        }""")
+        above, next_key, lower_left, value = corners
+        assert above == next_key == [0xD6, 0xD2, 0xCB], corners  # the light theme's masked colour
+        assert lower_left != above and value == 0, corners
+
+
 def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
     page, _ = ran
     page.wait_for_selector("#measure-plot[data-measure='raw']")
