@@ -182,6 +182,23 @@ def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tin
     page.locator(".focus-panel").screenshot(path=str(artifacts / "focus-predictions.png"))
 
 
+def measure_pixels(page, cells) -> tuple[list, list[list[int]], tuple[int, int]]:
+    """What the measure plot shows: its values, the RGB painted for each (row, col) of `cells`, and
+    the image's (width, height)."""
+    return page.evaluate("""async (cells) => {
+        const plot = document.getElementById('measure-plot');
+        const image = new Image();
+        image.src = plot.layout.images[0].source;
+        await image.decode();
+        const canvas = document.createElement('canvas');
+        canvas.width = image.width; canvas.height = image.height;
+        const ctx = canvas.getContext('2d');
+        ctx.drawImage(image, 0, 0);
+        const rgb = ([i, j]) => [...ctx.getImageData(j, i, 1, 1).data.slice(0, 3)];
+        return [plot.measured.matrix, cells.map(rgb), [image.width, image.height]];
+    }""", cells)
+
+
 def test_a_causal_models_measure_draws_later_keys_masked(ran):
     """Keys after their query are masked, as the focused heatmap draws them, not a weight of 0;
     the values (what hover and exports read) stay the numbers."""
@@ -189,22 +206,10 @@ def test_a_causal_models_measure_draws_later_keys_masked(ran):
     for kind in ("raw", "rollout"):
         page.select_option("#measure", kind)
         page.wait_for_selector(f"#measure-plot[data-measure='{kind}']")
-        corners = page.evaluate("""async () => {
-            const plot = document.getElementById('measure-plot');
-            const image = new Image();
-            image.src = plot.layout.images[0].source;
-            await image.decode();
-            const canvas = document.createElement('canvas');
-            canvas.width = image.width; canvas.height = image.height;
-            const ctx = canvas.getContext('2d');
-            ctx.drawImage(image, 0, 0);
-            const rgb = (x, y) => [...ctx.getImageData(x, y, 1, 1).data.slice(0, 3)];
-            const n = image.width;
-            return [rgb(n - 1, 0), rgb(1, 0), rgb(0, n - 1), plot.measured.matrix[0][n - 1]];
-        }""")
-        above, next_key, lower_left, value = corners
-        assert above == next_key == [0xD6, 0xD2, 0xCB], corners  # the light theme's masked colour
-        assert lower_left != above and value == 0, corners
+        n = page.evaluate("() => document.getElementById('measure-plot').measured.matrix.length")
+        matrix, (above, next_key, lower_left), _ = measure_pixels(page, [(0, n - 1), (0, 1), (n - 1, 0)])
+        assert above == next_key == [0xD6, 0xD2, 0xCB], kind  # the light theme's masked colour
+        assert lower_left != above and matrix[0][n - 1] == 0, kind
 
 
 def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
@@ -221,25 +226,14 @@ def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
     assert signed[0][1] != signed[-1][1]  # negative and positive shares read apart
     # The painted cells read as the colorbar does: the largest share in the positive end's colour,
     # the most negative one towards red.
-    painted = page.evaluate("""async () => {
-        const plot = document.getElementById('measure-plot');
-        const { matrix } = plot.measured;
-        const image = new Image();
-        image.src = plot.layout.images[0].source;
-        await image.decode();
-        const canvas = document.createElement('canvas');
-        canvas.width = image.width; canvas.height = image.height;
-        const ctx = canvas.getContext('2d');
-        ctx.drawImage(image, 0, 0);
-        const cells = matrix.flatMap((row, i) => row.map((v, j) => [v, i, j]));
-        const pick = (better) => cells.reduce((a, b) => (better(b[0], a[0]) ? b : a));
-        const at = ([v, i, j]) => [v, [...ctx.getImageData(j, i, 1, 1).data.slice(0, 3)]];
-        return [at(pick((a, b) => a > b)), at(pick((a, b) => a < b)), [image.width, image.height, matrix[0].length, matrix.length]];
-    }""")
-    (top, top_rgb), (low, low_rgb), (width, height, cols, rows) = painted
-    assert (width, height) == (cols, rows)  # one pixel per cell
-    assert "rgb({},{},{})".format(*top_rgb) == signed[-1][1] and top > 0
-    assert low < 0 and low_rgb[0] > low_rgb[2], (low, low_rgb)  # the most negative share: red side
+    matrix = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
+    cells = [(i, j) for i, row in enumerate(matrix) for j in range(len(row))]
+    top = max(cells, key=lambda c: matrix[c[0]][c[1]])
+    low = min(cells, key=lambda c: matrix[c[0]][c[1]])
+    _, (top_rgb, low_rgb), size = measure_pixels(page, [top, low])
+    assert size == [len(matrix[0]), len(matrix)]  # one pixel per cell
+    assert "rgb({},{},{})".format(*top_rgb) == signed[-1][1] and matrix[top[0]][top[1]] > 0
+    assert matrix[low[0]][low[1]] < 0 and low_rgb[0] > low_rgb[2], low_rgb  # the most negative share: red side
     page.locator("#measure-plot").screenshot(path=str(artifacts / "measures-signed-colours.png"))
 
 
