@@ -222,6 +222,9 @@ export class GridView {
     this.cells.forEach((row, l) => row.forEach((cell, h) => {
       cell.setAttribute("aria-pressed", String(aggregate === "head" && l === layer && h === head));
       cell.classList.toggle("in-mean", aggregate === "all" || (aggregate === "layer" && l === layer));
+      // One Tab stop for the whole grid (the focused head's thumbnail), the arrows move within it
+      // (main.js): 72 stops, or 1,024 on a larger model, stood between the controls and the head view.
+      cell.tabIndex = l === layer && h === head ? 0 : -1;
     }));
   }
 }

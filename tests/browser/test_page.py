@@ -173,6 +173,11 @@ def test_clicking_a_thumbnail_and_arrow_keys_move_the_focus(server, page):
     page.keyboard.press("Enter")
     wait_focus(page, layer=2, head=4)
     assert focus_title(page) == "Layer 2, head 4"
+    # The grid is one Tab stop, the focused head's thumbnail: Tab leaves it for what follows.
+    tabbable = page.locator(".thumb:not([tabindex='-1'])")
+    assert tabbable.count() == 1 and tabbable.get_attribute("aria-label") == "Layer 2, head 4"
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => !document.activeElement.classList.contains('thumb')")
 
 
 def test_xss_input_is_inert_and_literal(server, page, watched):
