@@ -196,9 +196,37 @@ class Gzip(GZipMiddleware):
     `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding."""
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and not accepts(header_list(Headers(scope=scope), "accept-encoding"), "gzip"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_one_vary(message) -> None:
+            # Starlette appends "Accept-Encoding" to a Vary that the attention answers already
+            # give as "Accept, Accept-Encoding": each name once is enough.
+            if message["type"] == "http.response.start":
+                message["headers"] = unique_vary(message.get("headers", []))
+            await send(message)
+
+        if not accepts(header_list(Headers(scope=scope), "accept-encoding"), "gzip"):
             # Starlette's own answer for such a client: uncompressed, with Vary where it matters.
             responder = IdentityResponder(self.app, self.minimum_size, exclude_content_types=self.exclude_content_types)
-            await responder(scope, receive, send)
+            await responder(scope, receive, send_one_vary)
             return
-        await super().__call__(scope, receive, send)
+        await super().__call__(scope, receive, send_one_vary)
+
+
+def unique_vary(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The raw headers with each name in Vary once (first spelling kept, order kept)."""
+    out, seen = [], set()
+    for name, value in headers:
+        if name.lower() == b"vary":
+            names = []
+            for part in (v.strip() for v in value.split(b",")):
+                if part and part.lower() not in seen:
+                    seen.add(part.lower())
+                    names.append(part)
+            if not names:
+                continue
+            value = b", ".join(names)
+        out.append((name, value))
+    return out

@@ -196,3 +196,23 @@ def test_other_routes_gzip_only_for_a_client_that_accepts_it(api):
         r = api.get("/openapi.json", headers={"Accept-Encoding": header})
         assert r.status_code == 200 and r.headers.get("content-encoding") == expected, header
         assert r.json()["info"]["title"]  # httpx decoded what was sent, compressed or not
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip", "br", "zstd"])
+def test_vary_names_each_header_once(api, encoding):
+    """Starlette's gzip added Accept-Encoding to the answers' own "Accept, Accept-Encoding"."""
+    long_text = "The bank of the river was full of fish. " * 5  # answers past every compression threshold
+    for body in ({"text": long_text}, {"text": long_text, "format": "u8"}):
+        r = api.post("/api/v1/attention", json=body, headers={"Accept-Encoding": encoding})
+        assert r.status_code == 200 and r.headers.get_list("vary") == ["Accept, Accept-Encoding"], r.headers
+    r = api.get("/openapi.json", headers={"Accept-Encoding": encoding})
+    assert r.headers.get_list("vary") in ([], ["Accept-Encoding"]), r.headers
+
+
+def test_unique_vary_keeps_order_and_other_headers():
+    from manyeyes.app.middleware import unique_vary
+
+    raw = [(b"content-type", b"application/json"), (b"vary", b"Accept, accept-encoding, Accept-Encoding"),
+           (b"Vary", b"Accept , Origin"), (b"x-other", b"a, a")]
+    assert unique_vary(raw) == [(b"content-type", b"application/json"), (b"vary", b"Accept, accept-encoding"),
+                                (b"Vary", b"Origin"), (b"x-other", b"a, a")]
