@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
-from manyeyes.app.services.device import dequantised, serves
+from manyeyes.app.services.device import KEPT_FORMAT, dequantised, serves
 from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
@@ -86,6 +86,14 @@ def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: st
 
 
 MAX_INDEX_DIGITS = 9
+
+
+def covers(run: Run, other: Run) -> bool:
+    """Whether `run` serves every route and format `other` does: weights serve all that queries
+    and keys do (tiles, topk, overview), and weights kept more precisely serve more formats."""
+    if other.kind == "qk":
+        return True
+    return run.kind == "weights" and serves(run.attention.dtype, KEPT_FORMAT[other.attention.dtype])
 
 
 def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
@@ -292,7 +300,9 @@ class AttentionService:
             item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
                            done_result.top_ids, done_result.top_probs, kept)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
-            self.cache.put(item.run)
+            # Another request may have cached this id meanwhile (same text, another `keep` or
+            # format): a run that serves more stays, as on a cache hit above.
+            self.cache.put(item.run, replaces=lambda cached, new=item.run: not covers(cached, new))
 
     def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
         for item in items:

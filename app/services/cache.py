@@ -79,12 +79,18 @@ class RunCache:
                 self._runs.move_to_end(run_id)
             return run
 
-    def put(self, run: Run) -> bool:
-        """False when the run alone is larger than the whole cache (it is then not kept)."""
+    def put(self, run: Run, replaces=lambda cached: True) -> bool:
+        """False when the run is not kept: alone it is larger than the whole cache, or a run is
+        cached under its id and `replaces(that run)` says no (checked under the lock, so two
+        requests that raced to compute one id cannot both decide from a stale look)."""
         size = run.nbytes
         if size > self.max_bytes:
             return False
         with self._lock:
+            cached = self._runs.get(run.run_id)
+            if cached is not None and not replaces(cached):
+                self._runs.move_to_end(run.run_id)
+                return False
             if self._runs.pop(run.run_id, None) is not None:
                 self.nbytes -= self._sizes.pop(run.run_id)
             self._evict(self.max_bytes - size)

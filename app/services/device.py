@@ -14,6 +14,7 @@ import torch
 # Most precise first: a batch is kept at the precision its most demanding request needs.
 PRECISION = {"json": 0, "f16": 1, "u8": 2}
 KEPT_DTYPE = {"json": torch.float32, "f16": torch.float16, "u8": torch.uint8}
+KEPT_FORMAT = {dtype: fmt for fmt, dtype in KEPT_DTYPE.items()}  # the most precise format a dtype serves
 AUTOCAST = {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -29,7 +30,7 @@ def most_precise(formats) -> str:
 
 def serves(kept: torch.dtype, fmt: str) -> bool:
     """Whether attention kept in `kept` can answer `fmt` without losing what the format promises."""
-    return PRECISION[{torch.float32: "json", torch.float16: "f16", torch.uint8: "u8"}[kept]] <= PRECISION[fmt]
+    return PRECISION[KEPT_FORMAT[kept]] <= PRECISION[fmt]
 
 
 def quantise(weights: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -419,6 +419,22 @@ def test_keep_qk_on_a_short_input_then_weights_again(tiles_api):
     assert get(tiles_api, qk["run_id"], "tile", layer=0, head=0, rows=4, cols=4).status_code == 200
 
 
+def test_two_requests_that_raced_on_one_text_leave_the_run_that_serves_more(tiles_api, monkeypatch):
+    """Both missed the cache, the weights request finished first: the queries-and-keys run that
+    came after replaced it, and the first client's slices answered 422 kept_qk."""
+    text = "The red fox ran."
+    first = post_qk(tiles_api, "tiny-gpt", text, keep="weights", format="u8")
+    cache = tiles_api.app.state.service.cache
+    weights_run = cache.get(first["run_id"])
+    real_get = cache.get
+    monkeypatch.setattr(cache, "get", lambda run_id: None)  # the second request saw the miss too
+    raced = post_qk(tiles_api, "tiny-gpt", text, keep="qk")
+    monkeypatch.setattr(cache, "get", real_get)
+    assert raced["run_id"] == first["run_id"] and raced["kept"] == "qk" and raced["timing_ms"]["forward"] > 0
+    assert cache.get(first["run_id"]) is weights_run
+    assert get(tiles_api, first["run_id"], "attention", format="u8").status_code == 200
+
+
 # ---------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("model_id", MODELS)
 def test_the_kept_forward_never_scores_a_whole_layer(tiles_api, model_id, monkeypatch):
