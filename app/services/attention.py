@@ -243,6 +243,21 @@ class AttentionService:
                 "(GET /api/v1/runs/{run_id}/attention serves slices of a run)"
             )
 
+    def _check_held(self, served: Served, lengths: list[int]) -> None:
+        """A batch's runs are all held at once, as float32 weights and again as its answer: at
+        most as many weights as one forward pass may make (one text alone always runs). 32 texts
+        cut to 512 tokens were 2.4 GB of weights and an 807 MB answer."""
+        if len(lengths) < 2:
+            return
+        info = served.model.info
+        cells = info.n_layers * info.n_heads * sum(n * n for n in lengths)
+        limit = self.settings.max_batch_cells
+        if cells > limit:
+            raise TooManyCells(
+                f"this batch's weights are {cells:,} cells ({4 * cells / 2**20:,.0f} MiB as float32), over this "
+                f"server's limit of {limit:,} for one request; send fewer or shorter texts in each batch"
+            )
+
     async def _compute(
         self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str,
         keep: str = "weights", measures: bool = False,
@@ -263,7 +278,9 @@ class AttentionService:
             if item.run is None:
                 missing.append(item)
         if not missing:
-            self._check_cells([item.run.n_tokens for item in items if item.kind == "weights"], view)
+            lengths = [item.run.n_tokens for item in items if item.kind == "weights"]
+            self._check_cells(lengths, view)
+            self._check_held(served, lengths)
             return
         batcher = served.batcher
         batcher.admit(len(missing), client)
@@ -273,9 +290,9 @@ class AttentionService:
             await off_loop_unless_small(chars <= INLINE_CHARS, self._tokenize, served, missing, truncate)
             for item in missing:
                 item.kind = self.kind_for(keep, len(item.encoded), item.label, measures)
-            self._check_cells(
-                [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"], view
-            )
+            lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
+            self._check_cells(lengths, view)
+            self._check_held(served, lengths)
             queued = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                     [i.kind == "qk" for i in missing])
             submitted = len(missing)

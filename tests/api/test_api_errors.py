@@ -121,6 +121,18 @@ def test_batch_item_count_is_bounded(api):
     assert err["code"] == "invalid_request"
 
 
+def test_a_batch_holds_at_most_one_forward_passs_weights(api):
+    """32 texts cut to 512 tokens took 2.4 GB of weights and an 807 MB u8 answer; now a batch
+    over max_batch_cells is refused after tokenizing, before any forward pass."""
+    texts = [f"{i} " + "word " * 600 for i in range(3)]  # 512 tokens each once cut: 3 x 18.9 M cells
+    body = {"texts": texts, "format": "u8", "truncate": True}
+    forwards = api.app.state.service.metrics.forward.labels("minilm")._sum.get()
+    err = error_of(api.post("/api/v1/attention/batch", json=body), 413)
+    assert err["code"] == "too_many_cells" and "fewer or shorter texts" in err["message"], err
+    assert "56,623,104 cells" in err["message"], err
+    assert api.app.state.service.metrics.forward.labels("minilm")._sum.get() == forwards
+
+
 def test_evicted_run_is_404_and_cache_stays_within_its_bytes(api, monkeypatch):
     cache = api.app.state.service.cache
     monkeypatch.setattr(cache, "max_bytes", 6 * 12 * 40 * 40 * 4 * 2)  # room for about two 40-token runs
