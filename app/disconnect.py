@@ -8,14 +8,9 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from manyeyes.app.services.errors import ApiError
+from manyeyes.app.services.errors import ClientClosed
 
 T = TypeVar("T")
-
-
-class ClientClosed(ApiError):
-    status = 499  # nginx's "client closed request": nobody reads it, but logs and metrics show it
-    code = "client_closed_request"
 
 
 async def _disconnected(request: Request) -> None:

@@ -11,7 +11,7 @@ import orjson
 from starlette.datastructures import Headers
 from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 
-from manyeyes.app.services.errors import NotReady, error_body
+from manyeyes.app.services.errors import ClientClosed, NotReady, error_body
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.wire import accepts, header_list
 
@@ -57,6 +57,9 @@ class BodyLimit:
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
+                # Nobody reads it (uvicorn drops writes to a closed connection), but the access
+                # log and metrics then say what happened, not a 500.
+                await send_error(send, ClientClosed.status, ClientClosed.code, "the client closed the connection mid-body")
                 return
             chunk = msg.get("body", b"")
             size += len(chunk)

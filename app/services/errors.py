@@ -77,3 +77,8 @@ class NotReady(ApiError):
 
 def error_body(code: str, message: str) -> dict:
     return {"error": {"code": code, "message": message}}
+
+
+class ClientClosed(ApiError):
+    status = 499  # nginx's "client closed request": nobody reads it, but logs and metrics show it
+    code = "client_closed_request"

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from manyeyes.app.disconnect import ClientClosed, unless_disconnected
+from manyeyes.app.disconnect import unless_disconnected
+from manyeyes.app.services.errors import ClientClosed
 
 
 class FakeRequest:
@@ -80,3 +81,30 @@ def test_a_cancel_from_elsewhere_stays_a_cancel():
 
     asyncio.run(main())
 
+
+
+def test_a_client_gone_mid_body_is_logged_as_499_not_500():
+    """BodyLimit returned without an answer, and the access log counted a 500: an alert for a
+    client that only hung up."""
+    from manyeyes.app.middleware import AccessLog, BodyLimit
+    from manyeyes.app.services.metrics import Metrics
+
+    async def never_called(scope, receive, send):
+        raise AssertionError("the route ran on half a body")
+
+    metrics = Metrics()
+    app = AccessLog(BodyLimit(never_called, max_bytes=1_000), metrics)
+    messages = [{"type": "http.request", "body": b'{"text": ', "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/api/v1/attention", "headers": [(b"content-length", b"100")]}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert metrics.requests.labels("other", "POST", "499")._value.get() == 1
+    assert metrics.requests.labels("other", "POST", "500")._value.get() == 0
