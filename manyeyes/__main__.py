@@ -1,3 +1,3 @@
 from manyeyes.app.cli import main
 
-main()
+raise SystemExit(main())

@@ -23,3 +23,12 @@ def test_attend_errors_are_words_not_tracebacks(capsys):
     assert "602 tokens" in capsys.readouterr().err
     assert main(["attend", "hi", "--model", "/no/such/model"]) == 2
     assert "no such model file or folder" in capsys.readouterr().err
+
+
+def test_python_dash_m_exits_with_the_commands_status():
+    """`python -m manyeyes` dropped main()'s return value: every error exited 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "manyeyes", "attend", "hi", "--layer", "9"], capture_output=True, text=True)
+    assert done.returncode == 2 and "layer must be in 0..5" in done.stderr, (done.returncode, done.stderr)
