@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
+from manyeyes.app.clients import client_of
 from manyeyes.app.deps import ServiceDep, TilesDep
 from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
@@ -42,7 +43,8 @@ async def run_slice(
 ) -> Response:
     """A 404 means the run was evicted (or never existed): POST the text again. A run that kept
     queries and keys (a long input) has no whole weights to slice: 422, use /tile."""
-    reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request))
+    reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request),
+                                client_of(request))
     return answered(request, reply)
 
 
@@ -75,7 +77,8 @@ async def run_tile(
     to rows x cols (bins of width ceil(n / size), the last one narrower, edges in the answer).
     Values are computed from the float32 weights, exactly; the answer says which pooling it used
     (`none` at full resolution)."""
-    return answered(request, await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request)))
+    return answered(request, await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request),
+                                               client_of(request)))
 
 
 @router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
@@ -92,7 +95,7 @@ async def run_topk(
 ) -> Response:
     """For each query row in [q0, q1): its k largest weights, their key positions, and `rest`,
     the mass the k leave over (1 - their sum). A whole long head, cheaply."""
-    return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request)))
+    return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
 
 
 @router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
@@ -104,4 +107,4 @@ async def run_overview(
 ) -> Response:
     """Every head's thumbnail, (layers, heads, rows, cols), max-pooled over the whole run: made
     during a long run's forward, and on first use for a short one."""
-    return answered(request, await tiles.overview(run_id, format, wire_of(request)))
+    return answered(request, await tiles.overview(run_id, format, wire_of(request), client_of(request)))

@@ -14,6 +14,7 @@ from manyeyes.app.services.cache import Run, RunCache, run_id_for
 from manyeyes.app.services.device import KEPT_FORMAT, dequantised, serves
 from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun
 from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.slots import FairSlots
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, prefers_frame
 from manyeyes.app.services.registry import Registry, Served
@@ -125,7 +126,7 @@ class AttentionService:
         self.cache = cache
         self.metrics = metrics
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
-        self.renders = asyncio.Semaphore(settings.max_concurrent_renders)
+        self.renders = FairSlots(settings.max_concurrent_renders)
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )
@@ -147,7 +148,7 @@ class AttentionService:
         keep = getattr(options, "keep", "weights")
         measures = getattr(options, "measures", None)
         await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures))
-        return await self._reply(served, items, view, batch, wire, top_k)
+        return await self._reply(served, items, view, batch, wire, top_k, client)
 
     def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False) -> str:
         """What a run of n_tokens keeps: auto keeps weights up to dense_max_tokens, as always,
@@ -173,7 +174,8 @@ class AttentionService:
             )
         return kind
 
-    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire()) -> Reply:
+    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire(),
+                    client: str = "") -> Reply:
         run = self.cached(run_id, "GET /api/v1/runs/{run_id}/attention")
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
@@ -183,7 +185,7 @@ class AttentionService:
                 f"run {run_id} was kept as {str(run.attention.dtype).removeprefix('torch.')} (quantised on the device); "
                 f"format={fmt} needs more precision: POST the text again with format={fmt}"
             )
-        return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire)
+        return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire, client=client)
 
     def cached(self, run_id: str, needs_weights: str | None = None) -> Run:
         """The cached run, else 404. needs_weights names a route that reads the whole weights:
@@ -331,12 +333,12 @@ class AttentionService:
             item.timing["tokenize"] = time.perf_counter() - started
 
     async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
-                     top_k: int | None = None) -> Reply:
+                     top_k: int | None = None, client: str = "") -> Reply:
         cells = sum(view.cells(item.run.n_tokens) for item in items if item.kind == "weights")
         if cells <= INLINE_CELLS:
             body, encoding = self._render(served, items, view, batch, wire, top_k)
         else:
-            async with self.renders:
+            async with self.renders.hold(client):
                 body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire, top_k)
         if any(item.kind == "qk" for item in items):  # metadata and links only: JSON, whatever Accept asks
             media_type = "application/json"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import orjson
@@ -136,6 +137,7 @@ class TileService:
         self.settings = attention.settings
         self.block_cells = attention.settings.tile_block_bytes // 4  # float32 weights
         self.in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
+        self.in_flight_of: Counter[str] = Counter()  # the same, per client (its share, as in the batcher)
 
     def _run(self, run_id: str) -> tuple[Run, object]:
         run = self.attention.cached(run_id)
@@ -146,8 +148,9 @@ class TileService:
             raise TooManyCells(f"format=json would return {cells:,} numbers for {what}, over this server's limit of "
                                f"{self.settings.max_json_cells:,}; ask for format=f16 or u8")
 
-    async def _answer(self, work, wire: Wire, fmt: str, log: dict) -> Reply:
-        """Runs `work` (-> (fields, arrays)) on a worker thread, bounded like the renders are."""
+    async def _answer(self, work, wire: Wire, fmt: str, log: dict, client: str = "") -> Reply:
+        """Runs `work` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
+        sharing their slots, which go round-robin across clients."""
 
         def build() -> tuple[list[bytes], str, str | None]:
             fields, arrays = work()
@@ -156,16 +159,23 @@ class TileService:
             encoding = self.attention.compression.choose(wire.accept_encoding, sum(map(len, pieces)), text)
             return self.attention.compression.apply(encoding, pieces), media, encoding
 
-        # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, 429.
+        # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, or a
+        # client's share of those, 429.
         if self.in_flight >= self.settings.max_queue:
             raise QueueFull(f"{self.in_flight} tile requests are already waiting; retry shortly", 1)
+        if self.in_flight_of[client] >= (self.settings.max_client_queue or self.settings.max_queue):
+            raise QueueFull(f"this client has {self.in_flight_of[client]} tile requests waiting, its share; retry shortly", 1)
         started = time.perf_counter()
         self.in_flight += 1
+        self.in_flight_of[client] += 1
         try:
-            async with self.attention.renders:
+            async with self.attention.renders.hold(client):
                 body, media, encoding = await run_in_threadpool(build)
         finally:
             self.in_flight -= 1
+            self.in_flight_of[client] -= 1
+            if not self.in_flight_of[client]:
+                del self.in_flight_of[client]
         headers = {"Vary": "Accept, Accept-Encoding"}
         if encoding:
             headers["Content-Encoding"] = encoding
@@ -189,7 +199,7 @@ class TileService:
 
     # -- GET /runs/{run_id}/tile
     async def tile(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, pool: str, fmt: str,
-                   wire: Wire) -> Reply:
+                   wire: Wire, client: str = "") -> Reply:
         run, info = self._run(run_id)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head_index = parse_head(head, info.n_heads, info.id)
@@ -217,10 +227,10 @@ class TileService:
             }
             return fields, {"attention": found.values.float().cpu()}
 
-        return await self._answer(work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]})
+        return await self._answer(work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]}, client)
 
     # -- GET /runs/{run_id}/topk
-    async def topk(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str, wire: Wire) -> Reply:
+    async def topk(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str, wire: Wire, client: str = "") -> Reply:
         run, info = self._run(run_id)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head = resolve_indices([head], info.n_heads, "head", info.id)[0]
@@ -237,10 +247,10 @@ class TileService:
             return fields, {"values": found.values.float().cpu(), "indices": found.indices.cpu(),
                             "rest": found.rest.float().cpu()}
 
-        return await self._answer(work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]})
+        return await self._answer(work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]}, client)
 
     # -- GET /runs/{run_id}/overview
-    async def overview(self, run_id: str, fmt: str, wire: Wire) -> Reply:
+    async def overview(self, run_id: str, fmt: str, wire: Wire, client: str = "") -> Reply:
         run, info = self._run(run_id)
 
         def work():
@@ -251,7 +261,7 @@ class TileService:
                       "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(), "pool": "max"}
             return fields, {"attention": found.values.float().cpu()}
 
-        return await self._answer(work, wire, fmt, {"run_id": run_id, "overview": True})
+        return await self._answer(work, wire, fmt, {"run_id": run_id, "overview": True}, client)
 
     def _grew(self, run: Run) -> None:
         """A dense run makes its overview on first use: the cache counts those bytes too."""
