@@ -12,55 +12,41 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_a_late_client_is_served_before_a_flooding_clients_backlog():
-    """One slot, a client with ten waiting, then another client: the other goes next, not
-    eleventh (a plain FIFO semaphore kept it behind all ten)."""
+def served_order(n: int, holders: list[str], waves: list[list[str]]) -> tuple[list[str], int]:
+    """Clients in the order they got one of `n` slots: `holders` take them first, then each wave
+    queues up in turn; everyone holds until all have queued. Also the free slots at the end."""
 
     async def main():
-        slots = FairSlots(1)
+        slots = FairSlots(n)
         order: list[str] = []
         release = asyncio.Event()
 
-        async def job(client: str, name: str):
+        async def job(client: str):
             async with slots.hold(client):
-                order.append(name)
+                order.append(client)
                 await release.wait()
 
-        first = asyncio.create_task(job("flood", "flood-0"))
-        await settle()
-        flood = [asyncio.create_task(job("flood", f"flood-{i}")) for i in range(1, 11)]
-        await settle()
-        other = asyncio.create_task(job("other", "other"))
+        tasks = [asyncio.create_task(job(c)) for c in holders]
+        for wave in waves:
+            await settle()
+            tasks += [asyncio.create_task(job(c)) for c in wave]
         await settle()
         release.set()
-        await asyncio.gather(first, *flood, other)
-        return order
+        await asyncio.gather(*tasks)
+        return order, slots.free
 
-    order = asyncio.run(main())
-    assert order[:3] == ["flood-0", "flood-1", "other"], order
-    assert sorted(order) == sorted(["other", *(f"flood-{i}" for i in range(11))])
+    return asyncio.run(main())
+
+
+def test_a_late_client_is_served_before_a_flooding_clients_backlog():
+    """One slot, a client with ten waiting, then another client: the other goes next, not
+    eleventh (a plain FIFO semaphore kept it behind all ten)."""
+    order, free = served_order(1, ["flood"], [["flood"] * 10, ["other"]])
+    assert order[:3] == ["flood", "flood", "other"] and len(order) == 12 and free == 1, order
 
 
 def test_clients_take_turns_and_every_slot_comes_back():
-    async def main():
-        slots = FairSlots(2)
-        order: list[str] = []
-        gate = asyncio.Event()
-
-        async def job(client: str, i: int):
-            async with slots.hold(client):
-                order.append(client)
-                await gate.wait()
-
-        holders = [asyncio.create_task(job("x", -1)), asyncio.create_task(job("x", -2))]
-        await settle()
-        waiting = [asyncio.create_task(job(c, i)) for i in range(3) for c in ("a", "a", "b", "c")]
-        await settle()
-        gate.set()
-        await asyncio.gather(*holders, *waiting)
-        return order, slots.free
-
-    order, free = asyncio.run(main())
+    order, free = served_order(2, ["x", "x"], [[c for _ in range(3) for c in ("a", "a", "b", "c")]])
     # After the two holders, one of each client per turn while each has some waiting.
     assert order[2:5] == ["a", "b", "c"] and order[5:8] == ["a", "b", "c"], order
     assert free == 2
