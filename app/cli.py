@@ -22,9 +22,20 @@ def _format_head(tokens: list[str], weights, width: int = 12) -> str:
     return "\n".join(lines)
 
 
+def _blank(args) -> bool:
+    """Says so (one line) when the text or pair holds only whitespace, as the API's 422 does."""
+    for name, value in (("text", args.text), ("pair", args.pair)):
+        if value is not None and not value.strip():
+            print(f"error: {name} must contain something other than whitespace", file=sys.stderr)
+            return True
+    return False
+
+
 def cmd_attend(args) -> int:
     from manyeyes.model import load
 
+    if _blank(args):
+        return 2
     model = load(args.model, device=args.device, dtype=args.dtype, show_progress=True)
     info = model.info
     if args.top_k and not info.predictions:
@@ -62,7 +73,7 @@ def _print_json(model, args) -> int:
     """The exact body POST /api/v1/attention returns for the same text and options."""
     import time
 
-    from manyeyes.app.services.attention import parse_index_list, resolve_indices
+    from manyeyes.app.services.attention import parse_index_list, predictions_body, resolve_indices
     from manyeyes.app.services.cache import Run, run_id_for
     from manyeyes.app.services.errors import ApiError
     from manyeyes.app.services.payload import View, render_result
@@ -83,8 +94,9 @@ def _print_json(model, args) -> int:
     result = model.run([encoded])[0]
     timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized}
     run_id = run_id_for(info.id, args.text, args.pair, args.truncate)
-    run = Run(run_id, info.id, result.tokens, result.truncated, result.attention)
-    sys.stdout.buffer.write(b"".join(render_result(run, info, view, timing)) + b"\n")
+    run = Run(run_id, info.id, result.tokens, result.truncated, result.attention, result.top_ids, result.top_probs)
+    predictions = predictions_body(model, run, args.top_k or None)
+    sys.stdout.buffer.write(b"".join(render_result(run, info, view, timing, predictions)) + b"\n")
     sys.stdout.flush()
     return 0
 
@@ -136,9 +148,18 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _port(value: str) -> int:
+    port = int(value) if value.isascii() and value.isdigit() else -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {value!r}")
+    return port
+
+
 def _model_flag(value: str) -> dict[str, str]:
     from manyeyes.app.config import parse_model_specs
 
+    if not value.strip():
+        raise argparse.ArgumentTypeError("name a model: NAME=SPEC or SPEC (a built-in name, HF folder or .pth)")
     try:
         return parse_model_specs([value])
     except ValueError as exc:
@@ -215,9 +236,19 @@ def cmd_export(args) -> int:
     from manyeyes.export import export_html
     from manyeyes.model import load
 
+    if _blank(args):
+        return 2
     model = load(args.model, device=args.device)
+    info = model.info
+    if not 0 <= args.layer < info.n_layers or not 0 <= args.head < info.n_heads:
+        print(f"error: layer must be in 0..{info.n_layers - 1} and head in 0..{info.n_heads - 1}", file=sys.stderr)
+        return 2
     html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate, format=args.format)
-    Path(args.output).write_text(html, encoding="utf-8")
+    try:
+        Path(args.output).write_text(html, encoding="utf-8")
+    except OSError as exc:
+        print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output} ({len(html.encode('utf-8')) / 2**20:.1f} MiB): opens from disk, no server needed", file=sys.stderr)
     return 0
 
@@ -277,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the attention API and the browser visualizer")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument(
         "--model", action="append", type=_model_flag, default=[], metavar="ID=PATH_OR_SPEC",
         help="serve another model (repeatable): a Hugging Face id (gpt2, org/name@revision), a folder or a "

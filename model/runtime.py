@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from manyeyes.model.attention import Capture, MultiHeadAttention
+from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
 
@@ -59,9 +60,22 @@ class AttentionResult:
 
 
 def pick_device(preference: str | None = None) -> torch.device:
-    """CUDA if available, else MPS, else CPU; an explicit preference wins."""
+    """CUDA if available, else MPS, else CPU; an explicit preference wins, if this machine has it
+    (else ModelLoadError, a message naming what was asked)."""
     if preference and preference != "auto":
-        return torch.device(preference)
+        try:
+            device = torch.device(preference)
+        except RuntimeError:
+            raise ModelLoadError(f"unknown device {preference!r}: use cpu, cuda, cuda:N, mps or auto") from None
+        mps = getattr(torch.backends, "mps", None)
+        present = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps is not None and mps.is_available()}
+        if not present.get(device.type, True):
+            raise ModelLoadError(f"device {preference!r} was asked for, but this machine's torch has none: "
+                                 "use cpu or auto")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {preference!r} was asked for, but this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     mps = getattr(torch.backends, "mps", None)

@@ -32,3 +32,36 @@ def test_python_dash_m_exits_with_the_commands_status():
 
     done = subprocess.run([sys.executable, "-m", "manyeyes", "attend", "hi", "--layer", "9"], capture_output=True, text=True)
     assert done.returncode == 2 and "layer must be in 0..5" in done.stderr, (done.returncode, done.stderr)
+
+
+def test_cli_mistakes_are_one_line_and_status_2(capsys, tmp_path):
+    """Each of these was a traceback (or, for the export's head, a silently different file)."""
+    import pytest
+
+    cases = [
+        (["attend", "hi", "--device", "bogus"], "unknown device 'bogus'"),
+        (["attend", "hi", "--device", "cuda:7"], "'cuda:7' was asked for"),
+        (["attend", " ", "--model", "tiny-gpt"], "text must contain something other than whitespace"),
+        (["attend", "hi", "--pair", "  "], "pair must contain something other than whitespace"),
+        (["export", "", "--model", "tiny-gpt", "-o", str(tmp_path / "v.html")], "text must contain"),
+        (["export", "hi", "--model", "tiny-gpt", "-o", str(tmp_path / "no" / "v.html")], "cannot write"),
+        (["export", "hi", "--model", "tiny-gpt", "-o", str(tmp_path)], "cannot write"),
+        (["export", "hi", "--model", "tiny-gpt", "-o", str(tmp_path / "v.html"), "--head", "99"], "head in 0..7"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "v.html").exists()
+    for argv in (["serve", "--port", "99999"], ["serve", "--port", "-1"], ["serve", "--model", ""]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and "error: argument" in capsys.readouterr().err, argv
+
+
+def test_attend_json_carries_the_predictions_asked_for(capsys):
+    import json
+
+    assert main(["attend", "In the", "--model", "tiny-gpt", "--top-k", "2", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert len(body["predictions"]) == len(body["tokens"]) and all(len(p) == 2 for p in body["predictions"].values())

@@ -89,6 +89,14 @@ def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: st
 MAX_INDEX_DIGITS = 9
 
 
+def predictions_body(model, run: Run, top_k: int | None) -> dict | None:
+    """The answer's `predictions`: position -> the model's top_k, best first (None: not asked)."""
+    if top_k is None:
+        return None
+    found = model.predictions_from(run.tokens, run.top_ids, run.top_probs, top_k)
+    return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob} for p in preds] for pos, preds in found.items()}
+
+
 def covers(run: Run, other: Run) -> bool:
     """Whether `run` serves every route and format `other` does: weights serve all that queries
     and keys do (tiles, topk, overview), and weights kept more precisely serve more formats."""
@@ -353,7 +361,7 @@ class AttentionService:
     def _render(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
                 top_k: int | None = None) -> tuple[list[bytes], str | None]:
         info = served.model.info
-        found = [self._predictions(served, item.run, top_k) for item in items]
+        found = [predictions_body(served.model, item.run, top_k) for item in items]
         if items[0].kind == "qk":  # never in a batch (kind_for); always JSON
             body, text = render_kept(items[0].run, info, view, items[0].timing, found[0]), True
         elif wire.frame:
@@ -363,13 +371,6 @@ class AttentionService:
             text = view.format == "json"
         encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
         return self.compression.apply(encoding, body), encoding
-
-    @staticmethod
-    def _predictions(served: Served, run: Run, top_k: int | None) -> dict | None:
-        if top_k is None:
-            return None
-        found = served.model.predictions_from(run.tokens, run.top_ids, run.top_probs, top_k)
-        return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob} for p in preds] for pos, preds in found.items()}
 
     @staticmethod
     def _log(items: list[Item]) -> dict:
