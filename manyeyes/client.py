@@ -244,6 +244,14 @@ def frame_parts(body: bytes) -> tuple[dict, memoryview]:
     return json.loads(body[8 : 8 + size]), memoryview(body)[8 + size :]
 
 
+def _lines(response: httpx.Response) -> Iterator[str]:
+    """A streamed body's lines; a connection cut mid-stream is ConnectionFailed, like any other."""
+    try:
+        yield from response.iter_lines()
+    except httpx.TransportError as exc:
+        raise ConnectionFailed(0, "network", f"the stream broke off: {exc}") from None
+
+
 def json_body(response: httpx.Response) -> dict:
     try:
         return response.json()
@@ -406,10 +414,14 @@ class Client:
     def close(self) -> None:
         self.http.close()
 
-    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def _send(self, method: str, path: str, stream: bool = False, **kwargs) -> httpx.Response:
+        """The response, after retrying a 429 (its Retry-After, capped) up to max_retries times;
+        errors raised typed. stream=True leaves the body unread (the caller closes it)."""
         for attempt in range(self.max_retries + 1):
             try:
-                response = self.http.request(method, path, **kwargs)
+                response = self.http.send(self.http.build_request(method, path, **kwargs), stream=stream)
+                if response.is_error and stream:
+                    response.read()
             except httpx.TransportError as exc:
                 raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
             if response.status_code == 429 and attempt < self.max_retries:
@@ -439,7 +451,7 @@ class Client:
             time.sleep(poll_s)
 
     def models(self) -> list[RemoteModel]:
-        return [RemoteModel(**_known(RemoteModel, m)) for m in self._send("GET", "/api/v1/models").json()["models"]]
+        return [RemoteModel(**_known(RemoteModel, m)) for m in json_body(self._send("GET", "/api/v1/models"))["models"]]
 
     def attention(
         self,
@@ -524,16 +536,10 @@ class Client:
         body = {"text": text, "max_new_tokens": max_new_tokens, "model": model, "temperature": temperature,
                 "top_k": top_k, "seed": seed, "alternatives": alternatives}
         body = {k: v for k, v in body.items() if v is not None}
-        request = self.http.build_request("POST", "/api/v1/generate", json=body, headers={"Accept": "application/x-ndjson"})
+        # A 429 (all generation slots busy) is retried as any request's is, before any step.
+        response = self._send("POST", "/api/v1/generate", stream=True, json=body, headers={"Accept": "application/x-ndjson"})
         try:
-            response = self.http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
-        try:
-            if response.is_error:
-                response.read()
-                raise error_from_response(response)
-            for line in response.iter_lines():
+            for line in _lines(response):
                 if not line:
                     continue
                 event = json.loads(line)
@@ -555,7 +561,7 @@ class Client:
 
     def _run_get(self, run: RemoteResult | str, path: str, params: dict) -> dict:
         """GET one of a run's routes; a run the server evicted is posted again (given a result)."""
-        return self._run_response(run, path, params).json()
+        return json_body(self._run_response(run, path, params))
 
     def _run_response(self, run: RemoteResult | str, path: str, params: dict) -> httpx.Response:
         run_id = run if isinstance(run, str) else run.run_id

@@ -62,6 +62,11 @@ class Weights:
 
 def weights_of(result) -> Weights:
     attention = result.attention
+    if attention is None or getattr(attention, "ndim", 4) != 4:
+        raise ValueError(
+            "this result kept queries and keys (a long input), not its weights: there is nothing whole to "
+            "draw; read its heads with Client.tile / topk / overview, or run a shorter text"
+        )
     if hasattr(attention, "detach"):  # a torch tensor: a local AttentionResult holds every head
         attention = attention.detach().float().cpu().numpy()
     attention = np.asarray(attention, dtype=np.float32)

@@ -13,7 +13,7 @@ import torch
 import pytest
 
 from manyeyes import Client
-from manyeyes.client import ConnectionFailed, GenerationFailed, InvalidRequest, NotFound, Overloaded, RemoteModel, RemoteToken
+from manyeyes.client import ConnectionFailed, GenerationFailed, InvalidRequest, ManyeyesError, NotFound, Overloaded, RemoteModel, RemoteToken
 from tests.eco.conftest import free_port, live_server
 
 TEXT = "In the beginning was the Word."
@@ -211,3 +211,41 @@ def test_measures_flow_neuron_and_attribution_come_typed(client, tiny_gpt):
     gone = dataclasses.replace(r, run_id="e" * 32)
     with pytest.raises(NotFound):
         client.measures(gone.run_id, ["rollout"])
+
+
+def test_generate_retries_a_429_and_a_broken_stream_or_body_is_a_typed_error():
+    """generate() sent its request past the retry loop (a 429 raised at once), a stream cut off
+    raised httpx's own error, and a 200 that was not JSON raised json's."""
+    start = {"type": "start", "model": "tiny-gpt", "n_layers": 1, "n_heads": 1, "prompt": []}
+    asked = []
+
+    def answer(request):
+        asked.append(request.url.path)
+        if request.url.path == "/api/v1/generate" and len(asked) == 1:
+            return httpx.Response(429, json={"error": {"code": "queue_full", "message": "busy"}}, headers={"Retry-After": "0"})
+        if request.url.path == "/api/v1/generate":
+            return httpx.Response(200, text=json.dumps(start) + "\n" + json.dumps({"type": "end", "reason": "length", "tokens": 0}) + "\n")
+        return httpx.Response(200, text="<html>not an API</html>")
+
+    with Client("http://manyeyes.test", transport=httpx.MockTransport(answer)) as mocked:
+        assert list(mocked.generate("Hi", 1)) == [] and mocked.retries == 1
+        with pytest.raises(ManyeyesError, match="not JSON") as unreadable:
+            mocked.models()
+        assert unreadable.value.code == "unreadable"
+
+    class CutOff(httpx.SyncByteStream):
+        def __iter__(self):
+            yield (json.dumps(start) + "\n").encode()
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    cut = httpx.MockTransport(lambda request: httpx.Response(200, stream=CutOff()))
+    with Client("http://manyeyes.test", transport=cut) as mocked, pytest.raises(ConnectionFailed, match="broke off"):
+        list(mocked.generate("Hi", 3))
+
+
+def test_figures_say_a_kept_result_has_no_weights_to_draw(client):
+    from manyeyes import figures
+
+    result = client.attention("In the beginning", keep="qk")
+    with pytest.raises(ValueError, match="kept queries and keys"):
+        figures.heatmap(result, layer=0, head=0)
