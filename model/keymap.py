@@ -28,14 +28,23 @@ def rows_for(top: Iterable[Row], per_layer: Iterable[Row], n_layers: int) -> lis
     return list(top) + [(src.format(i=i), dst.format(i=i), fn) for i in range(n_layers) for src, dst, fn in per_layer]
 
 
-def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -> dict[str, torch.Tensor]:
+class Mapped(dict):
+    """Our names -> tensors, remembering each one's key in the checkpoint for error messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: dict[str, str] = {}
+
+
+def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -> Mapped:
     """Pop each row's tensor from `state` (float32) into our names; a missing key names itself."""
-    mapped = {}
+    mapped = Mapped()
     for src, dst, fn in rows:
         if src not in state:
             raise ModelLoadError(f"{path}: missing key '{src}' (for '{dst}')")
         tensor = state.pop(src).float()
         mapped[dst] = fn(tensor) if fn else tensor
+        mapped.sources[dst] = src
     return mapped
 
 
@@ -66,8 +75,10 @@ def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Pat
         if key not in mapped:
             raise ModelLoadError(f"{path}: missing key '{key}'")
         if tuple(mapped[key].shape) != tuple(own[key].shape):
+            source = getattr(mapped, "sources", {}).get(key)
+            theirs = f" (the checkpoint's '{source}')" if source and source != key else ""
             raise ModelLoadError(
-                f"{path}: shape mismatch for '{key}': checkpoint has {tuple(mapped[key].shape)}, "
+                f"{path}: shape mismatch for '{key}'{theirs}: checkpoint has {tuple(mapped[key].shape)}, "
                 f"model expects {tuple(own[key].shape)}"
             )
     for key in mapped:

@@ -67,12 +67,17 @@ def load(
         raise ModelLoadError(f"half precision needs a CUDA device, not {dev.type}")
 
     path = _local_path(spec, progress, show_progress)
-    if path.is_dir() and (path / "model.pth").exists():
-        net, tok, family, stored = _load_book(path / "model.pth", config, tokenizer)
-    elif path.is_dir():
-        net, tok, family, stored = _load_hf(path)
-    else:
-        net, tok, family, stored = _load_book(path, config, tokenizer)
+    try:
+        if path.is_dir() and (path / "model.pth").exists():
+            net, tok, family, stored = _load_book(path / "model.pth", config, tokenizer)
+        elif path.is_dir():
+            net, tok, family, stored = _load_hf(path)
+        else:
+            net, tok, family, stored = _load_book(path, config, tokenizer)
+    except (ZeroDivisionError, TypeError, ValueError) as exc:
+        # A config whose numbers cannot make the model ("n_head": 0 or "4", "sliding_window": 0)
+        # fails inside the model's constructor: say which model, not only what broke.
+        raise ModelLoadError(f"{path}: its configuration does not make a model: {exc}") from exc
 
     weight_dtype = torch.float32 if half else compute_dtype(dtype, dev, stored)
     # Narrowed before the move, so a bfloat16 model never sits on the GPU in float32. Parameters
