@@ -405,6 +405,10 @@ def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head
     if result.queries is None or result.keys is None or result.values is None:
         raise ValueError("the neuron view needs queries, keys and values: run with Capture(qkv=True)")
     info = model.info
+    n_tokens = result.keys[layer].shape[1]
+    if not -n_tokens <= query_index < n_tokens:
+        raise IndexError(f"query_index {query_index} is outside this run's {n_tokens} tokens")
+    query_index %= n_tokens  # -1: the last token, as Python counts (the causal mask needs it positive)
     n_kv = result.keys[layer].shape[0]
     kv_head = head // (info.n_heads // n_kv)
     query = result.queries[layer][head, query_index]  # (head_dim,)

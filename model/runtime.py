@@ -212,14 +212,16 @@ class AttentionModel:
         ids = torch.tensor([encoded.ids], dtype=torch.long, device=self.device)
         types = torch.tensor([encoded.type_ids], dtype=torch.long, device=self.device)
         with torch.inference_mode(), self._autocast():
-            trace = self.net.inspect(ids, None, replace(capture, logits=False), token_type_ids=types)
+            # The hidden state even when not asked for: the top predictions are read from it.
+            trace = self.net.inspect(ids, None, replace(capture, logits=False, hidden=True), token_type_ids=types)
             kept = kept_from_layers(trace.layers, len(encoded), self.info.causal, self.sliding_windows, capture)
             top_ids = top_probs = None
             if self.info.predictions and self.net.lm_head is not None:
                 top_ids, top_probs = self._top_predictions(trace.hidden[0])
         # No logits: (T, vocab_size) float32 is 1.6 GB for a 49k vocabulary at T = 8,192.
         return AttentionResult(
-            tokens=encoded.tokens, truncated=encoded.truncated, attention=None, hidden=trace.hidden[0].float().cpu(),
+            tokens=encoded.tokens, truncated=encoded.truncated, attention=None,
+            hidden=trace.hidden[0].float().cpu() if capture.hidden else None,
             logits=None, top_ids=top_ids, top_probs=top_probs, kept=kept,
             queries=[layer.queries[0].float().cpu() for layer in trace.layers] if capture.qkv else None,
             keys=[layer.keys[0].float().cpu() for layer in trace.layers] if capture.qkv else None,

@@ -212,3 +212,13 @@ def test_the_masked_band_holds_every_blocked_key(causal, window):
         if blocked is not None:
             columns = blocked.any(0).nonzero().flatten() + k0
             assert lo <= int(columns.min()) and int(columns.max()) < hi
+
+
+def test_a_kept_run_without_the_hidden_state_still_predicts():
+    """Capture(keep=True, hidden=False) indexed a hidden state it had not asked for."""
+    model = load("tiny-gpt", device="cpu")
+    encoded = model.encode("In the beginning")
+    without = model.run([encoded], Capture(keep=True, hidden=False))[0]
+    full = model.run([encoded], Capture(keep=True))[0]
+    assert without.hidden is None and full.hidden is not None
+    assert torch.equal(without.top_ids, full.top_ids)

@@ -311,6 +311,12 @@ def test_neuron_view_reproduces_the_row(minilm, tiny):
         assert torch.allclose(torch.softmax(view.scores, -1), view.weights, atol=1e-5)
         if model.info.causal:
             assert math.isinf(view.scores[6].item()) and view.weights[6] == 0
+        # -1 is the last token, as Python counts: its row, not every score masked.
+        last = neuron_view(model, r, layer=1, head=2, query_index=-1)
+        assert last.query_index == len(r.tokens) - 1
+        assert torch.allclose(torch.softmax(last.scores, -1), last.weights, atol=1e-5)
+        with pytest.raises(IndexError, match="outside"):
+            neuron_view(model, r, layer=1, head=2, query_index=len(r.tokens))
 
 
 def test_logit_attribution_adds_up_to_the_logit(tiny):
