@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -503,12 +504,13 @@ class Client:
         run id), a run the server no longer holds is recomputed from the request that made it."""
         run_id = run if isinstance(run, str) else run.run_id
         params = {"format": format or self.format}
-        if layers is not None:
-            params["layers"] = ",".join(map(str, layers))
-        if heads is not None:
-            params["heads"] = ",".join(map(str, heads))
+        for name, chosen in (("layers", layers), ("heads", heads)):
+            if chosen is not None:
+                if not chosen:  # the server reads an empty list as "all": say so instead
+                    raise ValueError(f"{name} is empty: pass None for all of them")
+                params[name] = ",".join(map(str, chosen))
         try:
-            [(fields, array)] = decode_body(self._send("GET", f"/api/v1/runs/{run_id}/attention", params=params))
+            [(fields, array)] = decode_body(self._send("GET", f"/api/v1/runs/{quote(run_id, safe='')}/attention", params=params))
         except NotFound as exc:
             if exc.code != "unknown_run" or isinstance(run, str) or run.request is None:
                 raise
@@ -565,7 +567,7 @@ class Client:
 
     def _run_response(self, run: RemoteResult | str, path: str, params: dict) -> httpx.Response:
         run_id = run if isinstance(run, str) else run.run_id
-        url = f"/api/v1/runs/{run_id}/{path}".rstrip("/")
+        url = f"/api/v1/runs/{quote(run_id, safe='')}/{path}".rstrip("/")
         try:
             return self._send("GET", url, params=params)
         except NotFound as exc:
@@ -584,10 +586,11 @@ class Client:
     ) -> RemoteMeasures:
         """Any of rollout, value_norms, contributions, words, heads for a run."""
         params = {"names": ",".join(names), "format": format}
-        if layers is not None:
-            params["layers"] = ",".join(map(str, layers))
-        if heads is not None:
-            params["heads"] = ",".join(map(str, heads))
+        for name, chosen in (("layers", layers), ("heads", heads)):
+            if chosen is not None:
+                if not chosen:  # the server reads an empty list as "all": say so instead
+                    raise ValueError(f"{name} is empty: pass None for all of them")
+                params[name] = ",".join(map(str, chosen))
         body = self._run_get(run, "measures", params)
         found = body["measures"]
         out = RemoteMeasures(run_id=body["run_id"], layers=body["layers"], heads=body["heads"])

@@ -249,3 +249,19 @@ def test_figures_say_a_kept_result_has_no_weights_to_draw(client):
     result = client.attention("In the beginning", keep="qk")
     with pytest.raises(ValueError, match="kept queries and keys"):
         figures.heatmap(result, layer=0, head=0)
+
+
+def test_a_run_id_stays_one_path_segment_and_an_empty_selection_is_refused():
+    """slice("../../etc") asked for GET /api/etc/attention; layers=[] came back as every layer."""
+    asked = []
+
+    def answer(request):
+        asked.append(request.url.raw_path.decode())
+        return httpx.Response(404, json={"error": {"code": "unknown_run", "message": "unknown"}})
+
+    with Client("http://manyeyes.test", transport=httpx.MockTransport(answer)) as mocked:
+        with pytest.raises(NotFound):
+            mocked.slice("../../etc", layers=[0])
+        assert asked[0].startswith("/api/v1/runs/..%2F..%2Fetc/attention"), asked
+        with pytest.raises(ValueError, match="layers is empty"):
+            mocked.slice("abc", layers=[])
