@@ -31,6 +31,14 @@ def _blank(args) -> bool:
     return False
 
 
+def _outside(info, layer: int, head: int) -> bool:
+    """Says so (one line) when the model has no such layer or head."""
+    if 0 <= layer < info.n_layers and 0 <= head < info.n_heads:
+        return False
+    print(f"error: layer must be in 0..{info.n_layers - 1} and head in 0..{info.n_heads - 1}", file=sys.stderr)
+    return True
+
+
 def cmd_attend(args) -> int:
     from manyeyes.model import load
 
@@ -41,8 +49,7 @@ def cmd_attend(args) -> int:
     if args.top_k and not info.predictions:
         print(f"error: model {info.id} has no language-model head, so --top-k has nothing to show", file=sys.stderr)
         return 2
-    if not 0 <= args.layer < info.n_layers or not 0 <= args.head < info.n_heads:
-        print(f"error: layer must be in 0..{info.n_layers - 1} and head in 0..{info.n_heads - 1}", file=sys.stderr)
+    if _outside(info, args.layer, args.head):
         return 2
     if args.json:
         return _print_json(model, args)
@@ -240,8 +247,7 @@ def cmd_export(args) -> int:
         return 2
     model = load(args.model, device=args.device)
     info = model.info
-    if not 0 <= args.layer < info.n_layers or not 0 <= args.head < info.n_heads:
-        print(f"error: layer must be in 0..{info.n_layers - 1} and head in 0..{info.n_heads - 1}", file=sys.stderr)
+    if _outside(info, args.layer, args.head):
         return 2
     html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate, format=args.format)
     try:

@@ -245,6 +245,17 @@ def frame_parts(body: bytes) -> tuple[dict, memoryview]:
     return json.loads(body[8 : 8 + size]), memoryview(body)[8 + size :]
 
 
+def selection(layers: list[int] | None, heads: list[int] | None) -> dict[str, str]:
+    """Query parameters for a choice of layers and heads (None: all of them)."""
+    params = {}
+    for name, chosen in (("layers", layers), ("heads", heads)):
+        if chosen is not None:
+            if not chosen:  # the server reads an empty list as "all": say so instead
+                raise ValueError(f"{name} is empty: pass None for all of them")
+            params[name] = ",".join(map(str, chosen))
+    return params
+
+
 def _lines(response: httpx.Response) -> Iterator[str]:
     """A streamed body's lines; a connection cut mid-stream is ConnectionFailed, like any other."""
     try:
@@ -503,12 +514,7 @@ class Client:
         """Other layers/heads of a run from the server's run cache. Given a result (not a bare
         run id), a run the server no longer holds is recomputed from the request that made it."""
         run_id = run if isinstance(run, str) else run.run_id
-        params = {"format": format or self.format}
-        for name, chosen in (("layers", layers), ("heads", heads)):
-            if chosen is not None:
-                if not chosen:  # the server reads an empty list as "all": say so instead
-                    raise ValueError(f"{name} is empty: pass None for all of them")
-                params[name] = ",".join(map(str, chosen))
+        params = {"format": format or self.format, **selection(layers, heads)}
         try:
             [(fields, array)] = decode_body(self._send("GET", f"/api/v1/runs/{quote(run_id, safe='')}/attention", params=params))
         except NotFound as exc:
@@ -585,12 +591,7 @@ class Client:
         format: str = "json",
     ) -> RemoteMeasures:
         """Any of rollout, value_norms, contributions, words, heads for a run."""
-        params = {"names": ",".join(names), "format": format}
-        for name, chosen in (("layers", layers), ("heads", heads)):
-            if chosen is not None:
-                if not chosen:  # the server reads an empty list as "all": say so instead
-                    raise ValueError(f"{name} is empty: pass None for all of them")
-                params[name] = ",".join(map(str, chosen))
+        params = {"names": ",".join(names), "format": format, **selection(layers, heads)}
         body = self._run_get(run, "measures", params)
         found = body["measures"]
         out = RemoteMeasures(run_id=body["run_id"], layers=body["layers"], heads=body["heads"])

@@ -67,21 +67,25 @@ def pick_device(preference: str | None = None) -> torch.device:
             device = torch.device(preference)
         except RuntimeError:
             raise ModelLoadError(f"unknown device {preference!r}: use cpu, cuda, cuda:N, mps or auto") from None
-        mps = getattr(torch.backends, "mps", None)
-        present = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps is not None and mps.is_available()}
-        if not present.get(device.type, True):
+        if device.type in ("cuda", "mps") and not _has(device.type):
             raise ModelLoadError(f"device {preference!r} was asked for, but this machine's torch has none: "
                                  "use cpu or auto")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ModelLoadError(f"device {preference!r} was asked for, but this machine has "
                                  f"{torch.cuda.device_count()} CUDA device(s)")
         return device
-    if torch.cuda.is_available():
+    if _has("cuda"):
         return torch.device("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
+    if _has("mps"):
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _has(accelerator: str) -> bool:
+    if accelerator == "cuda":
+        return torch.cuda.is_available()
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available()
 
 
 class AttentionModel:

@@ -30,21 +30,13 @@ class ViewStore:
         self._views: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _encoded(state: dict) -> bytes:
-        # Sorted keys: the same view always gets the same id, so re-saving a view costs nothing.
-        return orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
-
-    @staticmethod
-    def _id_of(encoded: bytes) -> str:
-        return hashlib.blake2b(encoded, digest_size=9).hexdigest()
-
     def put(self, state: dict) -> str:
         """The view's id; a view larger than the whole store is refused (ValueError)."""
-        encoded = self._encoded(state)
+        # Sorted keys: the same view always gets the same id, so re-saving a view costs nothing.
+        encoded = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
         if len(encoded) > self.max_bytes:
             raise ValueError(f"a view of {len(encoded):,} bytes is larger than the store's {self.max_bytes:,}")
-        view_id = self._id_of(encoded)
+        view_id = hashlib.blake2b(encoded, digest_size=9).hexdigest()
         with self._lock:
             self._drop(view_id)
             self._views[view_id] = (self.clock(), encoded)
