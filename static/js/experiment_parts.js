@@ -2,6 +2,7 @@
 
 import { requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
+import { peakOf } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 
 const NARROW_PX = 520; // plots narrower than this keep the modebar over their top, as focus.js's
@@ -114,18 +115,10 @@ export function clearPlot(div) {
 }
 
 // A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
-// The largest |value|: a loop, as Math.max(...cells) spread T² arguments and overflowed the stack
-// at a few hundred tokens.
-function peakOf(z) {
-  let peak = 1e-6;
-  for (const row of z) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
-  return peak;
-}
-
 export function heatmap(div, z, options = {}) {
   drawn.set(div, [z, options]);
   const { x, y, title, signed = false, zmax } = options;
-  const limit = zmax ?? (signed ? peakOf(z) : 1);
+  const limit = zmax ?? (signed ? peakOf(z, 1e-6) : 1);
   const names = (labels, n) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${i}: ${plotlyText(s)}`);
   const trace = {
     type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),

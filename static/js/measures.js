@@ -9,7 +9,7 @@ import { $, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { localConfig, placementOf, shortLabel, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
-import { cellColours, sequentialStops, signedStops } from "./measures_colours.js";
+import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
 import { MASKED, colorTable, onThemeChange } from "./theme.js";
@@ -273,9 +273,7 @@ class Measures {
   // heatmap of 128 × 128 cells took 150-250 ms of main thread to draw, the image a few ms.
   async plot(matrix, rows, cols, signed, kind, wordView) {
     const plot = $("measure-plot");
-    // A loop, not Math.max(...cells): spreading T × T arguments overflows the stack at T=512.
-    let peak = 1e-12;
-    for (const row of matrix) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
+    const peak = peakOf(matrix, 1e-12);
     this.cells = { matrix, rows, cols, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.

@@ -20,6 +20,14 @@ function positive() {
   return positives.get(theme);
 }
 
+// The largest |value| of a matrix (rows of numbers), at least `floor`, for a colour range. A loop:
+// Math.max(...cells) spreads T × T arguments and overflows the stack at a few hundred tokens.
+export function peakOf(matrix, floor) {
+  let peak = floor;
+  for (const row of matrix) for (const v of row) if (Math.abs(v) > peak) peak = Math.abs(v);
+  return peak;
+}
+
 // A Plotly colorscale for values in [-peak, peak] (zmin -peak, zmax peak).
 export function signedStops() {
   return [[0, `rgb(${NEGATIVE.join(",")})`], [0.5, palette().paper], [1, `rgb(${positive().join(",")})`]];
