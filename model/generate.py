@@ -8,6 +8,7 @@ it; the caller can stop between any two steps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,6 +39,19 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy (the most likely token every time)
     top_k: int | None = None  # sample only among the k most likely (sampling only)
     seed: int | None = None  # a seeded sample repeats exactly
+
+    def __post_init__(self):
+        # Checked here, where the caller made the mistake, not as a NaN or a torch error steps later.
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+        # torch seeds a generator with an unsigned 64-bit integer
+        for name, least, most in (("top_k", 1, None), ("seed", 0, 2**64 - 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least
+                                      or (most is not None and value > most)):
+                span = f">= {least}" if most is None else f"in {least}..{most}"
+                raise ValueError(f"{name} must be None or an integer {span}, got {value!r}")
 
 
 def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: int) -> None:

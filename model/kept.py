@@ -24,6 +24,19 @@ BLOCK_CELLS = 1 << 21  # weights one row block of a view may hold: 8 MB as float
 MAX_TOPK = 64
 
 
+def check_window(att, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int) -> None:
+    """Refuse, naming it, a window that does not lie inside the run (torch would index past it or
+    answer with a tensor of the wrong shape)."""
+    n = att.n_tokens
+    if not 0 <= layer < att.n_layers:
+        raise ValueError(f"layer must be in 0..{att.n_layers - 1}, got {layer}")
+    if not heads or any(not 0 <= h < att.n_heads for h in heads):
+        raise ValueError(f"heads must be a non-empty list of indices in 0..{att.n_heads - 1}, got {list(heads)}")
+    if not (0 <= q0 < q1 <= n and 0 <= k0 < k1 <= n):
+        raise ValueError(f"the window must satisfy 0 <= q0 < q1 <= {n} and 0 <= k0 < k1 <= {n}, "
+                         f"got queries [{q0}, {q1}) and keys [{k0}, {k1})")
+
+
 class Pooled(NamedTuple):
     values: torch.Tensor  # (r, c) float32
     row_edges: torch.Tensor  # (r + 1,) int64: bin i covers queries [row_edges[i], row_edges[i + 1])
@@ -82,6 +95,7 @@ class KeptAttention:
 
         Scores are computed a few rows at a time over the keys the forward scored for those rows,
         so besides the answer this holds at most about block_cells scores (or one row of them)."""
+        check_window(self, layer, heads, q0, q1, k0, k1)
         queries, keys = self.queries[layer], self.keys[layer]
         n, head_dim = self.n_tokens, queries.shape[-1]
         window = self.sliding_windows[layer]
@@ -139,6 +153,7 @@ class DenseAttention:
         return 0 if self._overview is None else self._overview.values.numel() * self._overview.values.element_size()
 
     def block(self, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        check_window(self, layer, heads, q0, q1, k0, k1)
         window = self.attention[layer, heads, q0:q1, k0:k1]  # (len(heads), rows, cols)
         return self.to_float(window) if self.to_float is not None else window.float()
 
@@ -175,6 +190,9 @@ def pooled(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, 
     if how not in ("max", "mean"):
         raise ValueError(f"pooling is max or mean, not {how!r}")
     head_list = list(range(att.n_heads)) if heads is None else list(heads)
+    check_window(att, layer, head_list, q0, q1, k0, k1)
+    if rows < 1 or cols < 1:
+        raise ValueError(f"rows and cols must be at least 1, got {rows} x {cols}")
     row_edges, col_edges = bin_edges(q1 - q0, rows) + q0, bin_edges(k1 - k0, cols) + k0
     row_width, col_width = int(row_edges[1] - row_edges[0]), int(col_edges[1] - col_edges[0])
     out = torch.empty(len(row_edges) - 1, len(col_edges) - 1)
@@ -227,6 +245,7 @@ def topk_rows(att, layer: int, head: int, k: int, q0: int, q1: int, block_cells:
     n_keys = att.n_tokens
     if not 1 <= k <= min(MAX_TOPK, n_keys):
         raise ValueError(f"k must be in 1..{min(MAX_TOPK, n_keys)}, got {k}")
+    check_window(att, layer, [head], q0, q1, 0, n_keys)
     values = torch.empty(q1 - q0, k)
     indices = torch.empty(q1 - q0, k, dtype=torch.long)
     step = rows_per_block(1, n_keys, block_cells)

@@ -100,12 +100,18 @@ class AttentionModel:
         self.device = next(net.parameters()).device
 
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
+        # The tokenizers' own errors for a non-string say nothing a caller can act on.
+        for name, value in (("text", text), ("text_pair", text_pair)):
+            if not isinstance(value, str) and not (name == "text_pair" and value is None):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         return self.tokenizer.encode(text, text_pair, truncate)
 
     def attend(self, text: str, text_pair: str | None = None, truncate: bool = False, capture: Capture = Capture()):
         return self.run([self.encode(text, text_pair, truncate)], capture)[0]
 
     def attend_batch(self, texts: list[str], truncate: bool = False, capture: Capture = Capture()):
+        if isinstance(texts, str):  # else each character would run as its own text
+            raise TypeError("texts must be a list of str; for one text call attend")
         return self.run([self.encode(t, None, truncate) for t in texts], capture)
 
     def predict(self, text: str, top_k: int = 5, text_pair: str | None = None, truncate: bool = False):

@@ -99,3 +99,18 @@ def test_bounds_are_refused(tiny, minilm):
         next(generate(tiny, PROMPT, 0))
     with pytest.raises(ValueError, match="not a causal language model"):
         next(generate(minilm, "hello", 3))
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": -0.5}, {"temperature": "1"},
+    {"top_k": 0}, {"top_k": -1}, {"top_k": 2.5}, {"top_k": True}, {"seed": -1}, {"seed": 2**64}, {"seed": "7"},
+])
+def test_bad_sampling_is_refused_where_it_is_made(sampling):
+    """A NaN temperature sampled garbage and top_k=-1 raised torch's own topk error steps later."""
+    name = next(iter(sampling))
+    with pytest.raises(ValueError, match=name):
+        Sampling(**sampling)
+
+
+def test_good_sampling_is_accepted():
+    assert Sampling(temperature=0, top_k=1, seed=0) and Sampling(temperature=2.0, seed=2**64 - 1)

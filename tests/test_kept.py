@@ -222,3 +222,25 @@ def test_a_kept_run_without_the_hidden_state_still_predicts():
     full = model.run([encoded], Capture(keep=True))[0]
     assert without.hidden is None and full.hidden is not None
     assert torch.equal(without.top_ids, full.top_ids)
+
+
+@pytest.mark.parametrize("window, message", [
+    ((6, [0], 0, 4, 0, 4), "layer must be in 0..5"),
+    ((-1, [0], 0, 4, 0, 4), "layer must be in"),
+    ((0, [], 0, 4, 0, 4), "heads must be"),
+    ((0, [12], 0, 4, 0, 4), "heads must be"),
+    ((0, [0], 3, 3, 0, 4), "the window"),
+    ((0, [0], 0, 10_000, 0, 4), "the window"),
+    ((0, [0], 0, 4, -2, 4), "the window"),
+])
+def test_a_window_outside_the_run_is_refused_by_both_kinds(minilm, window, message):
+    """An out-of-range layer was torch's IndexError, a window past the end a tensor of the wrong shape."""
+    dense, result = both(minilm)
+    for att in (DenseAttention(dense.attention), result.kept):
+        with pytest.raises(ValueError, match=message):
+            att.block(*window)
+    layer, heads, q0, q1, k0, k1 = window
+    with pytest.raises(ValueError, match=message):
+        pooled(result.kept, layer, heads, q0, q1, k0, k1, 4, 4)
+    with pytest.raises(ValueError, match="rows and cols"):
+        pooled(result.kept, 0, [0], 0, 4, 0, 4, 0, 4)

@@ -68,3 +68,16 @@ def test_bytelevel_offsets(bytelevel_tokenizer):
         assert t.text  # a bare-space token still shows something readable
         if t.end > t.start:
             assert t.text == text[t.start : t.end]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.attend(None), "text must be a str, got NoneType"),
+    (lambda m: m.attend(b"bytes"), "text must be a str, got bytes"),
+    (lambda m: m.attend("A", text_pair=3), "text_pair must be a str, got int"),
+    (lambda m: m.attend_batch(["A", None]), "text must be a str"),
+    (lambda m: m.attend_batch("one text"), "list of str; for one text call attend"),
+])
+def test_what_is_not_text_is_refused_by_name(minilm, call, message):
+    """attend(None) raised the tokenizer's own TypeError; attend_batch("abc") ran each character."""
+    with pytest.raises(TypeError, match=message):
+        call(minilm)
