@@ -220,3 +220,18 @@ def test_book_models_match_the_book_at_every_position(book_folder):
         ids = torch.tensor([[t.id for t in r.tokens]])
         with torch.no_grad():
             assert (reference(ids)[0] - r.logits).abs().max() <= 1e-4
+
+
+def test_a_gpt2_shape_mismatch_names_the_fused_c_attn_it_came_from(tmp_path, bytelevel_tokenizer):
+    """c_attn is split three ways into our W_query/W_key/W_value; the error named only ours."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import save_random_gpt2
+
+    save_random_gpt2(tmp_path, bytelevel_tokenizer, 0, n_embd=24, n_layer=2, n_head=3)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(24, 3 * 20)  # divisible in three, but 20 wide, not 24
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"shape mismatch for 'trf_blocks.1.att.W_query.weight' "
+                                             r"\(the checkpoint's 'h.1.attn.c_attn.weight'\)"):
+        load(tmp_path)

@@ -76,7 +76,9 @@ def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict
                 raise ModelLoadError(f"{path}: '{key}' has shape {tuple(fused.shape)}, not divisible in three")
             # weight (emb, 3*emb) -> three (emb, emb), each transposed to Linear's (out, in); bias (3*emb,)
             for name, part in zip(QKV, fused.chunk(3, dim=-1)):
-                mapped[f"trf_blocks.{i}.att.{name}.{kind}"] = transpose(part) if kind == "weight" else part
+                ours = f"trf_blocks.{i}.att.{name}.{kind}"
+                mapped[ours] = transpose(part) if kind == "weight" else part
+                mapped.sources[ours] = key
     mapped["out_head.weight"] = lm_head.float() if lm_head is not None else mapped["tok_emb.weight"]
     refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES), "gpt2", path)
     return mapped

@@ -108,7 +108,8 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
             if fused.shape[0] != 3 * cfg.emb_dim:
                 raise ModelLoadError(f"{path}: '{key}' has shape {tuple(fused.shape)}, expected {3 * cfg.emb_dim} rows")
             for name, part in zip(QKV, split_per_head_qkv(fused, cfg.n_heads)):
-                mapped[f"trf_blocks.{i}.att.{name}.{kind}"] = part
+                ours = f"trf_blocks.{i}.att.{name}.{kind}"
+                mapped[ours], mapped.sources[ours] = part, key
     if cfg.tie_embeddings:
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
     elif heads:
