@@ -12,7 +12,7 @@ from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
 from manyeyes.app.services.device import KEPT_FORMAT, dequantised, serves
-from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun
+from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun, brief
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.slots import FairSlots
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
@@ -66,12 +66,6 @@ class Reply:
     media_type: str
     log: dict  # run ids and timings for the request's log line
     headers: dict = field(default_factory=dict)
-
-
-def brief(value, limit: int = 24) -> str:
-    """A client's value as an error message may quote it: never 4,000 digits."""
-    text = str(value)
-    return text if len(text) <= limit else f"{text[:limit - 4]}..."
 
 
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def brief(value, limit: int = 24) -> str:
+    """A client's value as an error message may quote it: never 4,000 digits."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit - 4]}..."
+
+
 class ApiError(Exception):
     status = 400
     code = "bad_request"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Batcher
 from manyeyes.app.services.device import AUTOCAST, quantises_on_device
-from manyeyes.app.services.errors import NotReady, UnknownModel
+from manyeyes.app.services.errors import NotReady, UnknownModel, brief
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import to_u8
 from manyeyes.model import Capture, ModelLoadError, load
@@ -122,9 +122,12 @@ class Registry:
     def get(self, model_id: str | None) -> Served:
         if not self.ready.is_set():
             raise NotReady(self.not_ready_reason())
+        if model_id == "":  # not a way to say "the default": a client that sends it has lost a value
+            raise UnknownModel(f"model is empty; omit it for the default ({self.default_id}), or name one of "
+                               f"{', '.join(self._served)}")
         served = self._served.get(model_id or self.default_id)
         if served is None:
-            raise UnknownModel(f"unknown model {model_id!r}; this server has {', '.join(self._served)}")
+            raise UnknownModel(f"unknown model {brief(model_id, 64)!r}; this server has {', '.join(self._served)}")
         return served
 
     def not_ready_reason(self) -> str:

@@ -24,12 +24,11 @@ from manyeyes.app.services.attention import (
     AttentionService,
     Reply,
     Wire,
-    brief,
     parse_index,
     resolve_indices,
 )
 from manyeyes.app.services.cache import Run
-from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, brief
 from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows

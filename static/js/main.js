@@ -513,6 +513,10 @@ async function restoreFromUrl(push) {
   if (!saved) return;
   applyViewState(saved);
   await submit({ layer: saved.layer ?? 0, head: saved.head ?? 0, push, restoring: true });
+  // An old link may name a model this server does not serve: say so rather than quietly swap it.
+  if (saved.model && !state.models.some((m) => m.id === saved.model)) {
+    $("link-status").textContent = `This link named the model “${saved.model}”, which this server does not serve; it ran on ${$("model").value}.`;
+  }
 }
 
 // ---- running ----------------------------------------------------------------------------------

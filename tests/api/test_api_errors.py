@@ -205,3 +205,13 @@ def test_full_queue_is_429_with_retry_after_and_slow_work_is_504(slow):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert r.status_code == 200
+
+
+def test_an_empty_model_is_refused_not_taken_for_the_default(api):
+    """"model": "" quietly ran the default model: a client that lost its value never learned it."""
+    for method, url, body in (("post", "/api/v1/attention", {"text": "hi", "model": ""}),
+                              ("get", "/export?text=hi&model=", None)):
+        err = error_of(api.request(method.upper(), url, json=body), 404)
+        assert err["code"] == "unknown_model" and "model is empty; omit it for the default (minilm)" in err["message"]
+    err = error_of(api.post("/api/v1/attention", json={"text": "hi", "model": "m" * 5000}), 404)
+    assert len(err["message"]) < 200, len(err["message"])  # named, not echoed whole

@@ -219,6 +219,10 @@ def test_permalink_with_unknown_model_and_indices_falls_back(server, page):
     open_page(page, server, "?text=Hello+there.&model=nope&layer=99&head=99")
     wait_focus(page)
     assert page.locator("#model").input_value() == "minilm"
+    # Not silently: the user learns that the run is not of the model the link named.
+    page.wait_for_function("document.getElementById('link-status').textContent.length > 0")
+    assert page.locator("#link-status").text_content() == (
+        "This link named the model “nope”, which this server does not serve; it ran on minilm.")
     # Out-of-range indices are clamped to the model's last layer and head.
     assert focus_title(page) == "Layer 5, head 11"
 
