@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 
 from manyeyes.app.services.attention import AttentionService
 from manyeyes.app.services.generation import GenerationService
+from manyeyes.app.services.measures import MeasuresService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.tiles import TileService
@@ -29,6 +30,10 @@ async def get_tiles(request: Request) -> TileService:
     return request.app.state.tiles
 
 
+async def get_measures(request: Request) -> MeasuresService:
+    return request.app.state.measures
+
+
 async def get_registry(request: Request) -> Registry:
     return request.app.state.registry
 
@@ -42,3 +47,4 @@ RegistryDep = Annotated[Registry, Depends(get_registry)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 GenerationDep = Annotated[GenerationService, Depends(get_generation)]
 TilesDep = Annotated[TileService, Depends(get_tiles)]
+MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]

@@ -2,7 +2,8 @@
 
 The page's "mean of a layer" and "mean of all heads" used to average 8-bit weights in the browser;
 at T≈500 most cells round to 0 there and rows lost up to 18% of their mass. The server holds the
-float32 run, so it averages once and sends a single T×T matrix (f16: 0.5 MB at T=512)."""
+float32 run (for a run quantised on the device, its measures' captured forward does), so it
+averages once and sends a single T×T matrix (f16: 0.5 MB at T=512)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from manyeyes.app.deps import ServiceDep
+from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionResponse, Format
 from manyeyes.app.services.attention import parse_index_list, resolve_indices
@@ -22,10 +23,11 @@ from manyeyes.app.services.payload import View, render_result
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 
 
-@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 422, 503))
+@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 422, 429, 503))
 async def run_mean(
     run_id: str,
     service: ServiceDep,
+    measures: MeasuresDep,
     request: Request,
     layers: Annotated[list[str] | None, Query(description="Comma-separated layers to average over; default all")] = None,
     format: Annotated[Format, Query()] = "f16",
@@ -34,12 +36,14 @@ async def run_mean(
     n_layers, n_heads, layers and heads describe that one matrix). A 404 means the run was
     evicted: POST the text again."""
     run = service.cached(run_id, "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)")
-    info = service.registry.get(run.model).model.info
+    served = service.registry.get(run.model)
+    info = served.model.info
     chosen = resolve_indices(parse_index_list(layers, "layer"), info.n_layers, "layer", info.id)
     started = time.perf_counter()
 
     def render() -> list[bytes]:
-        mean = run.attention[chosen].mean(dim=(0, 1), keepdim=True)  # (1, 1, T, T) float32
+        weights = measures.weights(run, served)[chosen]  # (len(chosen), n_heads, T, T) float32
+        mean = weights.mean(dim=(0, 1), keepdim=True)  # (1, 1, T, T)
         averaged = Run(run.run_id, run.model, run.tokens, run.truncated, mean)
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
         return render_result(averaged, info, View([0], [0], format), timing)

@@ -5,9 +5,8 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from manyeyes.app.clients import client_of
-from manyeyes.app.deps import ServiceDep
+from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
-from manyeyes.app.routes.measures import MeasuresDep
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from manyeyes.app.services.attention import Wire

@@ -4,23 +4,19 @@ also on POST /api/v1/attention as `measures`), /flow, /neuron and /logit-attribu
 from typing import Annotated
 
 import orjson
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import StringConstraints
 
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
-from manyeyes.app.services.measures import MATRIX_MEASURES, MeasuresService
+from manyeyes.app.deps import MeasuresDep
+from manyeyes.app.services.measures import MATRIX_MEASURES
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
 ERRORS = errors(404, 413, 422, 429, 503)
 
 
-async def get_measures(request: Request) -> MeasuresService:  # async: no thread-pool hop (app/deps.py)
-    return request.app.state.measures
-
-
-MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]
 Index = Annotated[int, Query(ge=0, le=1_000_000)]
 _ONE = "(" + "|".join(MATRIX_MEASURES) + ")"
 NAMES = f"^{_ONE}(,{_ONE})*$"  # in the schema too, so clients (and fuzzers) know the names

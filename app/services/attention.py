@@ -12,7 +12,7 @@ from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_id_for
 from manyeyes.app.services.device import KEPT_FORMAT, dequantised, serves
-from manyeyes.app.services.errors import InvalidInput, KeptQK, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun, brief
+from manyeyes.app.services.errors import InvalidInput, KeptQK, KeptQuantised, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun, brief
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.slots import FairSlots
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
@@ -183,7 +183,7 @@ class AttentionService:
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
         if not serves(run.attention.dtype, fmt):
-            raise InvalidInput(
+            raise KeptQuantised(
                 f"run {run_id} was kept as {str(run.attention.dtype).removeprefix('torch.')} (quantised on the device); "
                 f"format={fmt} needs more precision: POST the text again with format={fmt}"
             )

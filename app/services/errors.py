@@ -53,6 +53,13 @@ class KeptQK(ApiError):
     code = "kept_qk"
 
 
+class KeptQuantised(ApiError):
+    """A slice more precise than the run's weights crossed from the device (u8 or f16)."""
+
+    status = 422
+    code = "kept_quantised"
+
+
 class UnknownModel(ApiError):
     status = 404
     code = "unknown_model"

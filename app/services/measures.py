@@ -50,16 +50,18 @@ class Captured:
     # read them instead of mixing the values again.
     mixed: list[torch.Tensor]
     outputs: list[torch.Tensor]
+    # The capture's own float32 weights, kept only when the cached run's are quantised (u8 or f16,
+    # as a GPU server keeps them): measures read the model's weights, not a transport format's.
+    attention: torch.Tensor | None = None
 
     def with_weights(self, run: Run) -> AttentionResult:
-        return replace(self.result, attention=run.attention)
+        return replace(self.result, attention=self.attention if self.attention is not None else run.attention)
 
     @property
     def nbytes(self) -> int:
         r = self.result
         tensors = [r.hidden, *r.queries, *r.keys, *r.values, *self.inputs, *self.mixed, *self.outputs]
-        if self.final is not None:
-            tensors.append(self.final)
+        tensors += [t for t in (self.final, self.attention) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -80,6 +82,10 @@ def encode_matrix(values: torch.Tensor, fmt: str) -> dict:
     raw = ((values - low) / scale).round_().clamp_(0, 255).to(torch.uint8)
     out.update(data=base64.b64encode(raw.numpy().tobytes()).decode("ascii"), scale=scale, offset=low)
     return out
+
+
+def full_precision(run: Run) -> bool:
+    return run.attention.dtype == torch.float32
 
 
 def pick(tensor: torch.Tensor, layers: list[int], heads: list[int]) -> torch.Tensor:
@@ -106,7 +112,7 @@ class MeasuresService:
         """The run's captured forward, from the LRU or made now (on a worker thread). Requests
         for one run wait for one forward and hold no slot while they wait: the page asks for a
         run's flow, neuron view and value norms at once."""
-        found = self.captures.get(run.run_id)
+        found = self._usable(self.captures.get(run.run_id), run)
         if found is not None:
             return found
         with self._guard:
@@ -114,7 +120,7 @@ class MeasuresService:
             entry[1] += 1
         try:
             with entry[0]:
-                found = self.captures.get(run.run_id)
+                found = self._usable(self.captures.get(run.run_id), run)
                 if found is not None:
                     return found
                 if not self._slots.acquire(blocking=False):
@@ -125,8 +131,9 @@ class MeasuresService:
                     n_types = type_emb.num_embeddings if type_emb is not None else 1
                     encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
                     stream = m.capture_stream(model, encoded)
+                    own = None if full_precision(run) else stream.result.attention
                     captured = Captured(run.run_id, replace(stream.result, logits=None, attention=None),
-                                        stream.inputs, stream.final, stream.mixed, stream.outputs)
+                                        stream.inputs, stream.final, stream.mixed, stream.outputs, own)
                     self.captures.put(captured)
                     return captured
                 finally:
@@ -136,6 +143,18 @@ class MeasuresService:
                 entry[1] -= 1
                 if entry[1] == 0:
                     self._capturing.pop(run.run_id, None)
+
+    def weights(self, run: Run, served: Served) -> torch.Tensor:
+        """The run's (L, H, T, T) weights as the model made them, float32: its own, or for a run
+        quantised on the device (u8/f16, as a GPU server keeps them) its capture's, made once.
+        Measures and means of u8 bytes lose every weight under 1/510 (most of a long row)."""
+        return run.attention if full_precision(run) else self._capture(run, served).attention
+
+    @staticmethod
+    def _usable(found: Captured | None, run: Run) -> Captured | None:
+        """A capture that can stand in for this run: one without weights of its own serves only a
+        run whose cached weights are float32."""
+        return found if found is not None and (found.attention is not None or full_precision(run)) else None
 
     def _cells_check(self, cells: int, fmt: str) -> None:
         if fmt == "json" and cells > self.settings.max_json_cells:
@@ -164,10 +183,11 @@ class MeasuresService:
         model = served.model
         raw = self._capture(run, served) if NEEDS_CAPTURE & set(names) else None
         captured = raw.with_weights(run) if raw is not None else None
+        weights = self.weights(run, served)
         out = {}
         for name in names:
             if name == "rollout":
-                out[name] = encode_matrix(m.rollout(run.attention), fmt)
+                out[name] = encode_matrix(m.rollout(weights), fmt)
             elif name == "value_norms":
                 out[name] = encode_matrix(value_weighted_norms(model, captured, layers, heads), fmt)
             elif name == "contributions":
@@ -178,26 +198,25 @@ class MeasuresService:
                     "bias_shares": encode_matrix(found.bias_shares.index_select(0, torch.tensor(layers)), fmt),
                 }
             elif name == "words":
-                words, merged = m.merge_words(run.tokens, pick(run.attention, layers, heads))  # per head: pick first
+                words, merged = m.merge_words(run.tokens, pick(weights, layers, heads))  # per head: pick first
                 out[name] = {
                     "words": [{"text": w.text, "start": w.start, "end": w.end, "segment": w.segment,
                                "special": w.special, "pieces": list(w.pieces)} for w in words],
                     "attention": encode_matrix(merged, fmt),
                 }
             else:
-                out[name] = self._heads(run, served)
+                out[name] = self._heads(replace(run, attention=weights), served, layers, heads)
         return out
 
     @staticmethod
-    def _heads(run: Run, served: Served) -> dict:
-        stats, tags = m.head_table(served.model, run)
-        n_layers, n_heads = run.attention.shape[:2]
+    def _heads(run: Run, served: Served, layers: list[int], heads: list[int]) -> dict:
+        stats, tags = m.head_table(served.model, run)  # every head's; the rows follow the request's choice
         return {
             "stats": list(m.STAT_NAMES) + ["induction"],
             "rows": [
                 {"layer": layer, "head": head, "tags": tags[layer][head],
                  "stats": {name: round(float(value[layer, head]), 6) for name, value in stats.items()}}
-                for layer in range(n_layers) for head in range(n_heads)
+                for layer in layers for head in heads
             ],
             "thresholds": {tag: {"stat": stat, "at_least": value} for tag, (stat, value) in m.TAG_THRESHOLDS.items()},
             "positional_share": m.POSITIONAL_SHARE,

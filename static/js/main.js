@@ -123,8 +123,10 @@ function labels() {
 // ---- data -------------------------------------------------------------------------------------
 
 // One request for this run; if the server's cache dropped the run, the same text is posted again
-// (cheaply: one head of one layer) and the request repeated.
-async function fromRun(run, key, fetcher) {
+// (cheaply: one head of one layer) and the request repeated. A GPU server keeps a u8 run as the
+// bytes that crossed from the device and refuses more precise slices of it (422 kept_quantised):
+// then `reposted` asks the same again by posting the text at the precision it needs.
+async function fromRun(run, key, fetcher, reposted = null) {
   const pending = state.pending; // this run's own: a newer run gets a fresh set
   if (pending.has(key)) return null;
   pending.add(key);
@@ -132,6 +134,7 @@ async function fromRun(run, key, fetcher) {
     try {
       return await fetcher(run.runId);
     } catch (err) {
+      if (reposted && err.code === "kept_quantised") return await reposted();
       if (err.status !== 404) throw err;
       const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "u8" }, state.controller.signal);
       run.runId = again.run_id;
@@ -168,7 +171,8 @@ function u8Pending() {
 // and hide-special, hide-first and the threshold work on exact weights.
 async function loadExact(layer) {
   const run = state.run;
-  const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal));
+  const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal),
+    () => postAttention({ ...state.request, layers: [layer], format: "f16" }, state.controller.signal));
   if (!slice || state.run !== run) return;
   run.ingest(slice);
   if (state.aggregate !== "all" && state.layer === layer) renderViews();

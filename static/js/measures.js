@@ -113,6 +113,17 @@ class Measures {
   }
 
   // GET a run's measure; a run the server evicted is posted again (same id) and asked once more.
+  // A GPU server keeps the page's u8 run as the bytes that crossed from the device and will not
+  // slice float32 from them (422 kept_quantised): posting the text again at float32 recomputes it.
+  async rawWeights(layer, head) {
+    try {
+      return matrixOf((await this.get(`attention?layers=${layer}&heads=${head}&format=json`)).attention);
+    } catch (err) {
+      if (!(err instanceof ApiError && err.code === "kept_quantised")) throw err;
+    }
+    return matrixOf((await this.post({ layers: [layer], heads: [head], format: "json" })).attention);
+  }
+
   async get(path) {
     const url = `/api/v1/runs/${encodeURIComponent(this.run.runId)}/${path}`;
     try {
@@ -247,7 +258,7 @@ class Measures {
         matrix = matrixOf(body.measures.words.attention);
         this.words = body.measures.words.words;
       } else if (kind === "raw") {
-        matrix = matrixOf((await this.get(`attention?layers=${layer}&heads=${head}&format=json`)).attention);
+        matrix = await this.rawWeights(layer, head);
       } else if (kind === "rollout") {
         matrix = matrixOf((await this.get("measures?names=rollout")).measures.rollout);
       } else if (kind === "value_norms") {

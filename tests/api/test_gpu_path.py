@@ -115,6 +115,44 @@ def test_a_batch_is_kept_at_its_most_demanding_requests_precision(on_device_quan
     assert np.abs(decode(again["attention"]) - expected).max() <= 1 / 255
 
 
+@pytest.mark.parametrize("kept", ["u8", "f16"])
+def test_measures_and_means_of_a_run_quantised_on_the_device_are_the_models(api, on_device_quantised, kept):
+    """The measures read a u8 run's bytes as weights: value norms 255x too big, every head tagged
+    previous-token, and flow / the neuron view a 500; /mean of a u8 run was a 500 too."""
+    text = f"The heron waited by the old stone mill while boats went past ({kept})."
+    quantised = on_device_quantised.post("/api/v1/attention", json={"text": text, "format": kept}).json()
+    float_run = api.post("/api/v1/attention", json={"text": text, "format": "json"}).json()
+    run = on_device_quantised.app.state.service.cache.get(quantised["run_id"])
+    assert run.attention.dtype == {"u8": torch.uint8, "f16": torch.float16}[kept]
+
+    def both(path):
+        answers = [c.get(f"/api/v1/runs/{r['run_id']}/{path}") for c, r in ((on_device_quantised, quantised), (api, float_run))]
+        assert [a.status_code for a in answers] == [200, 200], answers[0].text
+        return [a.json() for a in answers]
+
+    got, want = both("measures?names=rollout,value_norms,words,heads&format=json")
+    for name in ("rollout", "value_norms"):
+        np.testing.assert_allclose(np.array(got["measures"][name]["data"]), np.array(want["measures"][name]["data"]), atol=1e-5)
+    np.testing.assert_allclose(np.array(got["measures"]["words"]["attention"]["data"]),
+                               np.array(want["measures"]["words"]["attention"]["data"]), atol=1e-5)
+    assert got["measures"]["heads"] == want["measures"]["heads"]
+    got, want = both("neuron?layer=1&head=2&query=3")
+    np.testing.assert_allclose(got["weights"], want["weights"], atol=1e-5)
+    got, want = both("flow?threshold=0.1")
+    assert [(e["layer"], e["source"], e["target"], e["head"]) for e in got["edges"]] == \
+           [(e["layer"], e["source"], e["target"], e["head"]) for e in want["edges"]]
+    got, want = both("mean?layers=0,3&format=json")
+    np.testing.assert_allclose(decode(got["attention"]), decode(want["attention"]), atol=1e-6)
+
+
+def test_the_head_table_follows_the_requests_layers_and_heads(api):
+    run_id = api.post("/api/v1/attention", json={"text": "The bank of the river.", "format": "u8"}).json()["run_id"]
+    rows = api.get(f"/api/v1/runs/{run_id}/measures?names=heads&layers=1,4&heads=0,11").json()["measures"]["heads"]["rows"]
+    assert [(r["layer"], r["head"]) for r in rows] == [(1, 0), (1, 11), (4, 0), (4, 11)]
+    every = api.get(f"/api/v1/runs/{run_id}/measures?names=heads").json()["measures"]["heads"]["rows"]
+    assert len(every) == 6 * 12 and [r for r in every if (r["layer"], r["head"]) in {(1, 0), (4, 11)}] == [rows[0], rows[3]]
+
+
 def test_a_batch_sent_with_the_device_to_host_hook_matches_single_runs(minilm_model):
     to_host = device_to_host(HostCopier(pin=False, always_stage=True), "f16")
     encoded = [minilm_model.encode(t) for t in TEXTS]

@@ -55,11 +55,13 @@ def causal_model_spec(tmp_path_factory) -> str:
 
 
 @contextlib.contextmanager
-def serving(models: dict[str, str]):
-    """`create_app` under uvicorn in a subprocess, as `manyeyes serve` runs it; yields its base URL."""
+def serving(models: dict[str, str], env: dict[str, str] | None = None):
+    """`create_app` under uvicorn in a subprocess, as `manyeyes serve` runs it; yields its base URL.
+    env: MANYEYES_* settings beyond the models."""
     port = free_port()
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root,
+                            env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:

@@ -286,3 +286,33 @@ def test_measure_export_carries_its_labels_cells_and_caption(ran):
     ticks = re.findall(r'class="xtick"[^>]*>.*?<text[^>]*>([^<]*)</text>', svg)
     assert len(ticks) == len(TEXT) and "".join(ticks).replace("␣", " ").replace("\u00a0", " ") == TEXT, ticks[:12]
     assert "data:image/png;base64," in svg  # the cells, as painted on the page
+
+
+def test_measures_on_a_server_that_quantises_on_the_device(page, tiny_api):
+    """A GPU server keeps the page's u8 runs as bytes: the exact (f16) focus and the raw measure
+    (float32) were refused with 422s shown as errors, and the other measures read bytes as weights."""
+    with serving({"tiny-gpt": "tiny-gpt"}, env={"MANYEYES_DEVICE_QUANTISE": "true"}) as base:
+        open_page(page, base)
+        with httpx.Client(base_url=base, timeout=60) as quantised:
+            first = quantised.post("/api/v1/attention", json={"text": "Kept as bytes.", "model": "tiny-gpt", "format": "u8"})
+            refused = quantised.get(f"/api/v1/runs/{first.json()['run_id']}/attention", params={"format": "f16"})
+            assert refused.status_code == 422 and refused.json()["error"]["code"] == "kept_quantised"
+        run(page, TEXT, model="tiny-gpt")  # waits for the exact (f16) focus
+        page.wait_for_selector("#finder tbody tr", timeout=30_000)
+        page.locator("#measures").scroll_into_view_if_needed()
+        page.wait_for_selector("#measure-plot[data-measure='raw']")
+        float_run = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "json",
+                                                             "layers": [0], "heads": [0]}).json()
+        z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
+        want = float_run["attention"]["data"][0][0]
+        assert max(abs(a - b) for zr, wr in zip(z, want) for a, b in zip(zr, wr)) < 1e-6
+        page.select_option("#measure", "rollout")
+        page.wait_for_selector("#measure-plot[data-measure='rollout']")
+        z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
+        # The float32 server's rollout of the same text: the model's weights, not the bytes'.
+        float_run = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "json"}).json()
+        want = tiny_api.get(f"/api/v1/runs/{float_run['run_id']}/measures", params={"names": "rollout"}).json()
+        want = want["measures"]["rollout"]["data"]
+        assert max(abs(a - b) for zr, wr in zip(z, want) for a, b in zip(zr, wr)) < 1e-5
+        assert page.locator("#measure-status").text_content() == ""
+        assert page.locator("#error").is_hidden()
