@@ -58,6 +58,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        broken = next((e for e in exc.errors() if e.get("type") == "json_invalid"), None)
+        if broken is not None:  # a body that does not parse is a 400, as invalid bytes are
+            where = broken.get("loc", ())[-1]
+            reason = (broken.get("ctx") or {}).get("error", "JSON decode error")
+            return error_response(400, "bad_request", f"the body is not valid JSON: {reason} (at character {where})")
         return error_response(422, "invalid_request", describe_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)

@@ -215,3 +215,11 @@ def test_an_empty_model_is_refused_not_taken_for_the_default(api):
         assert err["code"] == "unknown_model" and "model is empty; omit it for the default (minilm)" in err["message"]
     err = error_of(api.post("/api/v1/attention", json={"text": "hi", "model": "m" * 5000}), 404)
     assert len(err["message"]) < 200, len(err["message"])  # named, not echoed whole
+
+
+def test_a_body_that_is_not_json_is_a_400_that_says_where(api):
+    """It was a 422 whose whole message was "9: JSON decode error"."""
+    r = api.post("/api/v1/attention", content=b'{"text": "hi",}', headers={"content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["code"] == "bad_request"
+    assert err["message"] == "the body is not valid JSON: Expecting property name enclosed in double quotes (at character 14)"

@@ -159,7 +159,8 @@ HOSTILE_BODIES = {
     "utf-8 encoded surrogate": (b'{"text": "a\xed\xa0\x80b"}', JSON, 422),
     "lone surrogate escape": (b'{"text": "a\\ud800b"}', JSON, 422),
     "lone low surrogate in a pair": (b'{"text": "ok", "text_pair": "\\udc00"}', JSON, 422),
-    "broken json": (b'{"text": "The bank', JSON, 422),
+    "broken json": (b'{"text": "The bank', JSON, 400),  # as the README's table says: unparseable is 400
+    "trailing comma": (b'{"text": "The bank",}', JSON, 400),
     "not an object": (b'["The bank"]', JSON, 422),
     "empty body": (b"", JSON, 422),
     "wrong content type": (b'{"text": "The bank"}', {"content-type": "text/plain"}, 422),
