@@ -22,11 +22,20 @@ def _format_head(tokens: list[str], weights, width: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _blank(args) -> bool:
-    """Says so (one line) when the text or pair holds only whitespace, as the API's 422 does."""
+def _bad_text(args) -> bool:
+    """Says so (one line) when the text or pair holds only whitespace, or bytes that were not
+    UTF-8 (Python keeps them as lone surrogates, which no tokenizer takes), as the API's 422 does."""
     for name, value in (("text", args.text), ("pair", args.pair)):
-        if value is not None and not value.strip():
+        if value is None:
+            continue
+        if not value.strip():
             print(f"error: {name} must contain something other than whitespace", file=sys.stderr)
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            print(f"error: {name} is not UTF-8 text (character {exc.start} came from bytes that are not); "
+                  "check the terminal's encoding", file=sys.stderr)
             return True
     return False
 
@@ -42,7 +51,7 @@ def _outside(info, layer: int, head: int) -> bool:
 def cmd_attend(args) -> int:
     from manyeyes.model import load
 
-    if _blank(args):
+    if _bad_text(args):
         return 2
     model = load(args.model, device=args.device, dtype=args.dtype, show_progress=True)
     info = model.info
@@ -243,7 +252,7 @@ def cmd_export(args) -> int:
     from manyeyes.export import export_html
     from manyeyes.model import load
 
-    if _blank(args):
+    if _bad_text(args):
         return 2
     model = load(args.model, device=args.device)
     info = model.info

@@ -40,6 +40,7 @@ class DecoderConfig:
     parallel_residual: bool = False  # gpt_neox: x + att(norm1(x)) + ff(norm2(x)) in one step
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () means no window anywhere
     tie_embeddings: bool = False  # out_head shares tok_emb's weight
+    head_required: bool = True  # False: a base or task checkpoint, which may come without an LM head
 
 
 def _norm(cfg: DecoderConfig) -> nn.Module:
@@ -87,7 +88,6 @@ class DecoderBlock(nn.Module):
 
 class RotaryDecoder(ShapeInfo, nn.Module):
     causal = True
-    has_lm_head = True
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -99,6 +99,14 @@ class RotaryDecoder(ShapeInfo, nn.Module):
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.out_head.weight = self.tok_emb.weight  # one tensor, not a copy of a 100M-row table
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self.out_head is not None
+
+    def drop_lm_head(self) -> None:
+        """For a checkpoint with no LM head: no logits, no predictions, and no untrained head to load."""
+        self.out_head = None
 
     @property
     def n_kv_heads(self) -> int:
@@ -134,4 +142,5 @@ class RotaryDecoder(ShapeInfo, nn.Module):
             x, att = block(x, rope, key_padding_mask, layer_capture, past=past[i] if past else None)
             layers.append(att)
         hidden = self.final_norm(x)
-        return Trace(hidden=hidden, logits=self.out_head(hidden) if capture.logits else None, layers=layers)
+        logits = self.out_head(hidden) if capture.logits and self.out_head is not None else None
+        return Trace(hidden=hidden, logits=logits, layers=layers)

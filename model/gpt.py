@@ -11,6 +11,18 @@ from manyeyes.model.attention import Capture, MultiHeadAttention
 from manyeyes.model.layers import FeedForward, LayerNorm, ShapeInfo, Trace, real_tokens_only
 
 
+def check_kind(name: str, value, kind: type) -> None:
+    """A config value of its field's type: JSON's "1e-5" or true where a number belongs is refused."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{name} must be {'a number' if kind is float else kind.__name__}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """The book's config keys, so its JSON dicts round-trip unchanged."""
@@ -34,7 +46,17 @@ class GPTConfig:
         missing = sorted(k for k in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers") if k not in d)
         if missing:
             raise ValueError(f"missing config keys: {', '.join(missing)}")
+        for f in fields(cls):
+            if f.name in d:
+                check_kind(f.name, d[f.name], type(f.default))
         cfg = cls(**d)
+        for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+        if not cfg.ln_eps > 0 or not 0 <= cfg.drop_rate < 1:
+            raise ValueError(f"ln_eps must be > 0 and drop_rate in [0, 1), got {cfg.ln_eps} and {cfg.drop_rate}")
+        if cfg.gelu not in ("tanh", "erf"):
+            raise ValueError(f"gelu must be 'tanh' or 'erf', got {cfg.gelu!r}")
         if cfg.emb_dim % cfg.n_heads != 0:
             raise ValueError(f"emb_dim ({cfg.emb_dim}) is not divisible by n_heads ({cfg.n_heads})")
         return cfg

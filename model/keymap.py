@@ -18,6 +18,19 @@ Transform = Callable[[torch.Tensor], torch.Tensor] | None
 Row = tuple[str, str, Transform]
 
 
+# What fine-tuning adds on top of a base model (sequence, token and span classifiers): no part of
+# the attention, so such checkpoints load for it, their extra tensors unread.
+TASK_HEADS = ("score.", "classifier.", "qa_outputs.")
+
+
+def head_required(config: dict) -> bool:
+    """Whether a decoder checkpoint must carry its language-model head: yes for a *ForCausalLM /
+    *LMHeadModel (or when config.json does not say), no for a base or task model, which then
+    loads with no head and makes no predictions."""
+    architectures = config.get("architectures") or []
+    return not architectures or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+
+
 def transpose(t: torch.Tensor) -> torch.Tensor:
     """GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in)."""
     return t.t().contiguous()

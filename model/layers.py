@@ -31,6 +31,8 @@ class GELU(nn.Module):
 
     def __init__(self, approximate: str = "tanh"):
         super().__init__()
+        if approximate not in ("tanh", "erf"):  # else any other name silently ran erf
+            raise ValueError(f"gelu must be 'tanh' or 'erf', got {approximate!r}")
         self.approximate = approximate
 
     def forward(self, x):

@@ -8,6 +8,7 @@ missing, misshapen or unreadable raises `ModelLoadError` with the file and the k
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from urllib.parse import parse_qsl
 
@@ -178,7 +179,13 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle, zip and unpickler errors all mean the same to a user
-        raise ModelLoadError(f"corrupt or unreadable checkpoint {path}: {exc}") from exc
+        # torch's weights_only refusal advises weights_only=False and filing an issue: wrong
+        # advice for a corrupt file, and code execution for a hostile one. Keep only its reason.
+        text = str(exc)
+        reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
+        reason = " ".join(reason.split("Check the documentation", 1)[0].split())
+        raise ModelLoadError(f"corrupt or unreadable checkpoint {path} (not a plain state_dict of tensors: "
+                             f"{reason}); manyeyes never unpickles code") from exc
 
 
 def _load_hf(folder: Path):
@@ -186,6 +193,7 @@ def _load_hf(folder: Path):
     config = read_json(config_path)
     model_type = config.get("model_type")
     family = family_for(model_type, config_path)
+    check_numbers(config, config_path)
     net = family.build(config, config_path)
     weights, weights_path = _read_weights(folder)
     stored = stored_dtype(weights)
@@ -193,6 +201,42 @@ def _load_hf(folder: Path):
     tok = TextTokenizer.from_file(_need(folder / "tokenizer.json"), max_tokens=net.max_positions)
     _check_vocab(tok, net, folder / "tokenizer.json")
     return net, tok, model_type, stored
+
+
+# Keys the families read as numbers, checked once here: a string ("1e-6") or a zero used to pass
+# the constructors and fail at the first forward pass, or blame tokenizer.json.
+COUNTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+          "max_position_embeddings", "num_key_value_heads", "head_dim", "n_embd", "n_head", "n_layer",
+          "n_positions", "n_inner", "dim", "n_heads", "n_layers", "hidden_dim", "type_vocab_size")
+INDICES = ("pad_token_id",)
+POSITIVE = ("layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rotary_emb_base")
+FRACTIONS = ("rotary_pct", "partial_rotary_factor")
+
+
+def check_numbers(config: dict, path: Path) -> None:
+    def bad(key: str, want: str):
+        raise ModelLoadError(f"{path}: {key} must be {want}, got {config[key]!r}")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for key in COUNTS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            bad(key, "a whole number >= 1")
+    for key in INDICES:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            bad(key, "a whole number >= 0")
+        vocab = config.get("vocab_size")
+        if value is not None and vocab is not None and value >= vocab:
+            bad(key, f"a token id below vocab_size ({vocab})")
+    for key in POSITIVE:
+        if key in config and not (number(config[key]) and config[key] > 0):
+            bad(key, "a number > 0")
+    for key in FRACTIONS:
+        if key in config and not (number(config[key]) and 0 < config[key] <= 1):
+            bad(key, "a number in (0, 1]")
 
 
 def _need(path: Path) -> Path:
@@ -252,7 +296,7 @@ def _load_book(pth: Path, config, tokenizer):
     # narrowed again by `load` only where the dtype asks for it.
     state = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v for k, v in raw.items()}
     net = GPTModel(cfg)
-    load_strict(net, state, pth, derived=())
+    load_strict(net, state, pth)  # a checkpoint saved without the causal masks gets the model's own
     tok, tok_path = _book_tokenizer(tokenizer, pth, cfg)
     _check_vocab(tok, net, tok_path)
     return net, tok, "gpt", stored

@@ -538,7 +538,7 @@ def logit_attribution(model: AttentionModel, text: str, position: int, target: i
 
 def check_attributable(model: AttentionModel) -> None:
     net = model.net
-    if not model.info.causal or not hasattr(net, "final_norm") or not hasattr(net, "out_head"):
+    if not model.info.causal or not hasattr(net, "final_norm") or not getattr(net, "has_lm_head", False):
         raise ValueError("logit attribution needs a pre-norm language model with a final norm and an output head")
 
 

@@ -233,12 +233,16 @@ def rope_config(params: dict, head_dim: int, max_positions: int) -> RopeConfig:
         value = params.get(key)
         return None if value is None else tuple(float(v) for v in value)
 
+    theta, factor = float(params["rope_theta"]), optional("factor")
+    # Either at 0 makes every angle NaN: a model that "runs" and answers null weights.
+    if not theta > 0 or (factor is not None and not factor > 0):
+        raise ValueError(f"rope_theta and rope_scaling's factor must be > 0, got {theta} and {factor}")
     return RopeConfig(
         head_dim=head_dim,
         rotary_dim=rotary_dim,
-        theta=float(params["rope_theta"]),
+        theta=theta,
         rope_type=params.get("rope_type", "default"),
-        factor=optional("factor"),
+        factor=factor,
         max_positions=max_positions,
         original_max_positions=optional("original_max_position_embeddings", int),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),

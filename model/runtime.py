@@ -66,6 +66,9 @@ def pick_device(preference: str | None = None) -> torch.device:
         try:
             device = torch.device(preference)
         except RuntimeError:
+            device = None
+        # torch also names meta, xpu, hpu...: none runs these models here, so each is refused alike.
+        if device is None or device.type not in ("cpu", "cuda", "mps"):
             raise ModelLoadError(f"unknown device {preference!r}: use cpu, cuda, cuda:N, mps or auto") from None
         if device.type in ("cuda", "mps") and not _has(device.type):
             raise ModelLoadError(f"device {preference!r} was asked for, but this machine's torch has none: "

@@ -41,6 +41,10 @@ def test_cli_mistakes_are_one_line_and_status_2(capsys, tmp_path):
     cases = [
         (["attend", "hi", "--device", "bogus"], "unknown device 'bogus'"),
         (["attend", "hi", "--device", "cuda:7"], "'cuda:7' was asked for"),
+        (["attend", "hi", "--device", "meta"], "unknown device 'meta'"),  # torch knows it; it cannot run a model
+        (["attend", "hi", "--device", "xpu"], "unknown device 'xpu'"),
+        (["attend", "caf\udce9", "--model", "tiny-gpt"], "text is not UTF-8 text (character 3"),  # argv of b"caf\xe9"
+        (["attend", "hi", "--pair", "\udcff"], "pair is not UTF-8 text"),
         (["attend", " ", "--model", "tiny-gpt"], "text must contain something other than whitespace"),
         (["attend", "hi", "--pair", "  "], "pair must contain something other than whitespace"),
         (["export", "", "--model", "tiny-gpt", "-o", str(tmp_path / "v.html")], "text must contain"),

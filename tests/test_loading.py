@@ -1,6 +1,7 @@
 """Book checkpoints load strictly; every way a checkpoint can be wrong gives one clear error."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -69,11 +70,11 @@ def test_presets_are_known_and_checked(tmp_path, bytelevel_tokenizer):
         (None, "needs its config"),
         ("gpt2-tiny", "gpt2-tiny"),
         ({"vocab_size": 10}, "missing config keys: context_length, emb_dim, n_heads, n_layers"),
-        ({**BOOK_CFG, "n_heads": 7}, "not divisible by n_heads"),
+        ({**BOOK_CFG, "vocab_size": 50, "n_heads": 7}, "not divisible by n_heads"),
         ({**BOOK_CFG, "heads": 5}, "unknown config keys: heads"),
         # These reached the model's constructor: a ZeroDivisionError and a TypeError, unnamed.
-        ({**BOOK_CFG, "n_heads": 0}, "x.pth: its configuration does not make a model"),
-        ({**BOOK_CFG, "n_layers": "2"}, "x.pth: its configuration does not make a model"),
+        ({**BOOK_CFG, "vocab_size": 50, "n_heads": 0}, "x.pth .*n_heads must be at least 1, got 0"),
+        ({**BOOK_CFG, "vocab_size": 50, "n_layers": "2"}, "x.pth .*n_layers must be int, got '2'"),
     ],
 )
 def test_book_config_errors(tmp_path, config, message):
@@ -234,4 +235,78 @@ def test_a_gpt2_shape_mismatch_names_the_fused_c_attn_it_came_from(tmp_path, byt
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"shape mismatch for 'trf_blocks.1.att.W_query.weight' "
                                              r"\(the checkpoint's 'h.1.attn.c_attn.weight'\)"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_norm_eps": "1e-12"}, "layer_norm_eps must be a number > 0, got '1e-12'"),
+    ({"layer_norm_eps": 0}, "layer_norm_eps must be a number > 0"),
+    ({"max_position_embeddings": "96"}, "max_position_embeddings must be a whole number >= 1"),  # blamed tokenizer.json
+    ({"num_attention_heads": True}, "num_attention_heads must be a whole number >= 1"),
+    ({"pad_token_id": 40000}, "pad_token_id must be a token id below vocab_size"),  # nn.Embedding's AssertionError
+    ({"pad_token_id": -1}, "pad_token_id must be a whole number >= 0"),
+])
+def test_config_numbers_are_checked_by_name_before_the_model_is_built(hf_copy, change, message):
+    """Each of these passed the constructor and failed at the first forward pass (TypeError,
+    AssertionError) or was blamed on tokenizer.json."""
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    (hf_copy / "config.json").write_text(json.dumps(cfg | change))
+    with pytest.raises(ModelLoadError, match=re.escape(f"config.json: {message}")):
+        load(hf_copy)
+
+
+@pytest.mark.parametrize("rope", [{"rope_theta": 0.0}, {"rope_scaling": {"rope_type": "linear", "factor": 0.0}}])
+def test_a_rope_that_makes_nan_angles_is_refused(tmp_path, bytelevel_tokenizer, rope):
+    """A factor of 0 loaded, warmed up and answered every request with null weights."""
+    from tests.test_parity_decoders import save_random
+
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 0)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"rope_theta": 10000.0} | rope))
+    with pytest.raises(ModelLoadError, match="must be (a number )?> 0"):
+        load(tmp_path)
+
+
+def test_book_config_types_and_gelu_are_checked(tmp_path):
+    """gelu "gelu_new" or "relu" silently ran erf; ln_eps "1e-5" failed at the first forward."""
+    torch.save({"tok_emb.weight": torch.zeros(2, 2)}, tmp_path / "x.pth")
+    for change, message in (({"gelu": "relu"}, "gelu must be 'tanh' or 'erf', got 'relu'"),
+                            ({"ln_eps": "1e-5"}, "ln_eps must be a number, got '1e-5'"),
+                            ({"qkv_bias": 1}, "qkv_bias must be bool"),
+                            ({"drop_rate": 1.5}, "drop_rate in [0, 1)")):
+        with pytest.raises(ModelLoadError, match=re.escape(message)):
+            load(tmp_path / "x.pth", config={**BOOK_CFG, "vocab_size": 50, **change})
+
+
+def test_a_book_checkpoint_without_its_masks_gets_the_models_own(book_folder):
+    folder, book, cfg = book_folder
+    state = {k: v for k, v in book.state_dict().items() if not k.endswith(".att.mask")}
+    torch.save(state, folder / "model.pth")
+    ours = load(folder)
+    assert torch.equal(ours.net.trf_blocks[0].att.mask, book.trf_blocks[0].att.mask.bool())
+
+
+def test_a_corrupt_checkpoint_is_named_without_torchs_advice(book_folder):
+    folder, _, _ = book_folder
+    (folder / "model.pth").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ModelLoadError) as raised:
+        load(folder)
+    message = str(raised.value)
+    assert "corrupt or unreadable checkpoint" in message and "never unpickles code" in message
+    assert "weights_only set to False" not in message and "file an issue" not in message and "\n" not in message
+
+
+def test_a_neox_fused_bias_of_the_wrong_rank_is_named(tmp_path, bytelevel_tokenizer):
+    """A 0-dim query_key_value.bias was an IndexError inside the split."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_parity_decoders import save_random
+
+    save_random(tmp_path, bytelevel_tokenizer, "gpt_neox", 0)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    key = next(k for k in state if k.endswith("layers.1.attention.query_key_value.bias"))
+    state[key] = torch.tensor(0.5)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"'layers.1.attention.query_key_value.bias' has shape \(\)"):
         load(tmp_path)

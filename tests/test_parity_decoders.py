@@ -345,3 +345,66 @@ def test_transformers4_configs_load_the_same(tmp_path, bytelevel_tokenizer, case
     _as_transformers4(tmp_path, family)
     assert "rope_parameters" not in json.loads((tmp_path / "config.json").read_text())
     assert_parity(load(tmp_path, device="cpu"), ref_model)
+
+
+@pytest.mark.parametrize("family, model_class, head_class", [
+    ("llama", "LlamaModel", None),
+    ("llama", "LlamaForSequenceClassification", "LlamaModel"),
+    ("qwen2", "Qwen2ForTokenClassification", "Qwen2Model"),
+    ("gpt_neox", "GPTNeoXModel", None),
+    ("gpt_neox", "GPTNeoXForSequenceClassification", "GPTNeoXModel"),
+])
+def test_base_and_task_checkpoints_load_without_an_lm_head(tmp_path, bytelevel_tokenizer, family, model_class, head_class):
+    """A base or classifier checkpoint has no LM head: it was refused ("missing key 'lm_head.weight'",
+    "unexpected key 'score.weight'") though the attention needs none. It loads, predicting nothing."""
+    import transformers as tf
+
+    config_cls, _ = _classes(family)
+    tok_path, vocab = bytelevel_tokenizer
+    torch.manual_seed(4)
+    config = config_cls(vocab_size=vocab, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80,
+                        max_position_embeddings=96, initializer_range=0.2, tie_word_embeddings=False, num_labels=3,
+                        pad_token_id=0, **({} if family == "gpt_neox" else {"num_key_value_heads": 2}))
+    getattr(tf, model_class)(config).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    ours = load(tmp_path, device="cpu")
+    assert not ours.info.predictions and ours.attend(SHORT).logits is None
+    with pytest.raises(ValueError, match="no language-model head"):
+        ours.predict(SHORT)
+    reference_model = getattr(tf, model_class).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    base = reference_model if head_class is None else getattr(reference_model, "model", None) or reference_model.gpt_neox
+    r = ours.attend(TEXT, truncate=True)
+    with torch.no_grad():
+        out = base(torch.tensor([[t.id for t in r.tokens]]), output_attentions=True)
+    assert (r.attention - torch.stack([a[0] for a in out.attentions])).abs().max() <= 1e-5
+
+
+def test_a_causal_lm_checkpoint_still_needs_its_head(tmp_path, bytelevel_tokenizer):
+    """architectures says *ForCausalLM: a missing untied head is a broken file, not a base model."""
+    save_random(tmp_path, bytelevel_tokenizer, "gpt_neox", 15, tie_word_embeddings=False)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    for key in [k for k in weights if k.endswith(("embed_out.weight", "lm_head.weight"))]:
+        del weights[key]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing key 'embed_out.weight'"):
+        load(tmp_path, device="cpu")
+
+
+def test_a_gpt2_classifier_loads_its_attention(tmp_path, bytelevel_tokenizer):
+    """GPT2ForSequenceClassification was refused: "unexpected key 'score.weight'"."""
+    import transformers as tf
+
+    tok_path, vocab = bytelevel_tokenizer
+    torch.manual_seed(5)
+    config = tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=48, n_layer=2, n_head=6, initializer_range=0.2,
+                           num_labels=2, pad_token_id=0)
+    tf.GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    ours = load(tmp_path, device="cpu")
+    reference_model = tf.GPT2ForSequenceClassification.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    r = ours.attend(SHORT)
+    with torch.no_grad():
+        out = reference_model.transformer(torch.tensor([[t.id for t in r.tokens]]), output_attentions=True)
+    assert (r.attention - torch.stack([a[0] for a in out.attentions])).abs().max() <= 1e-5

@@ -8,7 +8,7 @@ import torch
 
 from manyeyes.model.bert import BertConfig, BertEncoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import Row, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import TASK_HEADS, Row, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
 
 MODEL_TYPES = ("bert",)
 
@@ -49,7 +49,7 @@ MLM_HEAD = [
 MLM_DECODER = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 # Task heads and derived buffers that carry nothing attention needs. A masked-LM head is mapped
 # above when its first key is there; what is left under `cls.` (next-sentence head) is ignored.
-IGNORED_PREFIXES = ("pooler.", "cls.", "classifier.", "qa_outputs.")
+IGNORED_PREFIXES = ("pooler.", "cls.", *TASK_HEADS)
 IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 

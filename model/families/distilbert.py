@@ -10,7 +10,7 @@ import torch
 from manyeyes.model.bert import BertConfig, BertEncoder
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.families.bert import map_mlm_head
-from manyeyes.model.keymap import gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import TASK_HEADS, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
 
 MODEL_TYPES = ("distilbert",)
 
@@ -47,7 +47,7 @@ MLM_HEAD = [
     ("vocab_projector.bias", "mlm_head.out_head.bias", None),
 ]
 MLM_DECODER = ("vocab_projector.weight", None)  # its bias is the head's own, mapped above
-IGNORED_PREFIXES = ("pre_classifier.", "classifier.", "qa_outputs.")
+IGNORED_PREFIXES = ("pre_classifier.", *TASK_HEADS)
 IGNORED = ("embeddings.position_ids",)
 
 

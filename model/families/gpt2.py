@@ -8,7 +8,17 @@ import torch
 
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.gpt import GPTConfig, GPTModel
-from manyeyes.model.keymap import gelu_form, map_state, need, pop_required, refuse_leftovers, rows_for, strip_prefix, transpose
+from manyeyes.model.keymap import (
+    TASK_HEADS,
+    gelu_form,
+    map_state,
+    need,
+    pop_required,
+    refuse_leftovers,
+    rows_for,
+    strip_prefix,
+    transpose,
+)
 
 MODEL_TYPES = ("gpt2",)
 
@@ -80,5 +90,5 @@ def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict
                 mapped[ours] = transpose(part) if kind == "weight" else part
                 mapped.sources[ours] = key
     mapped["out_head.weight"] = lm_head.float() if lm_head is not None else mapped["tok_emb.weight"]
-    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES), "gpt2", path)
+    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES) or k.startswith(TASK_HEADS), "gpt2", path)
     return mapped

@@ -14,7 +14,17 @@ import torch
 
 from manyeyes.model.blocks import DecoderConfig, RotaryDecoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import gelu_form, map_state, need, pop_required, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import (
+    TASK_HEADS,
+    gelu_form,
+    head_required,
+    map_state,
+    need,
+    pop_required,
+    refuse_leftovers,
+    rows_for,
+    strip_prefix,
+)
 from manyeyes.model.rotary import rope_config, rope_parameters
 
 MODEL_TYPES = ("gpt_neox",)
@@ -92,6 +102,7 @@ def build(config: dict, path: Path) -> RotaryDecoder:
             out_bias=attention_bias,
             parallel_residual=bool(config.get("use_parallel_residual", True)),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_required=head_required(config),
         )
     )
 
@@ -105,7 +116,7 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             key = FUSED_QKV.format(i=i, kind=kind)
             fused = pop_required(state, key, path)
-            if fused.shape[0] != 3 * cfg.emb_dim:
+            if fused.dim() != (2 if kind == "weight" else 1) or fused.shape[0] != 3 * cfg.emb_dim:
                 raise ModelLoadError(f"{path}: '{key}' has shape {tuple(fused.shape)}, expected {3 * cfg.emb_dim} rows")
             for name, part in zip(QKV, split_per_head_qkv(fused, cfg.n_heads)):
                 ours = f"trf_blocks.{i}.att.{name}.{kind}"
@@ -114,7 +125,9 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
     elif heads:
         mapped["out_head.weight"] = heads[0].float()
-    else:
+    elif cfg.head_required:
         raise ModelLoadError(f"{path}: missing key 'embed_out.weight' (tie_word_embeddings is false)")
-    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES), "gpt_neox", path)
+    else:
+        net.drop_lm_head()
+    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES) or k.startswith(TASK_HEADS), "gpt_neox", path)
     return mapped

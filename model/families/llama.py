@@ -14,7 +14,15 @@ import torch
 
 from manyeyes.model.blocks import DecoderConfig, RotaryDecoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import map_state, need, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import (
+    TASK_HEADS,
+    head_required,
+    map_state,
+    need,
+    refuse_leftovers,
+    rows_for,
+    strip_prefix,
+)
 from manyeyes.model.rotary import rope_config, rope_parameters
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -122,6 +130,7 @@ def build(config: dict, path: Path) -> RotaryDecoder:
             out_bias=out_bias,
             sliding_windows=_sliding_windows(config, model_type, n_layers, path),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head_required=head_required(config),
         )
     )
 
@@ -140,7 +149,9 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
     elif lm_head is not None:
         mapped["out_head.weight"] = lm_head.float()
-    else:
+    elif cfg.head_required:
         raise ModelLoadError(f"{path}: missing key '{LM_HEAD}' (tie_word_embeddings is false)")
-    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES), "llama/mistral/qwen2", path)
+    else:
+        net.drop_lm_head()
+    refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES) or k.startswith(TASK_HEADS), "llama/mistral/qwen2", path)
     return mapped
