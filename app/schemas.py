@@ -53,7 +53,8 @@ class AttentionRequest(Options):
         description="What the run keeps. weights: the (layers, heads, T, T) weights, sent in the answer. "
         "qk: the queries and keys, from which /runs/{run_id}/tile, /topk and /overview compute any head "
         "exactly; the answer is then metadata with `attention: null` and `links`. auto: qk above the "
-        "server's dense_max_tokens (GET /api/v1/runs/{run_id} tells), weights below",
+        "server's dense_max_tokens (GET /api/v1/runs/{run_id} tells) or when the weights would not fit "
+        "the run cache, weights otherwise",
     )
 
     _text = field_validator("text")(_not_blank)

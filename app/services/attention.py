@@ -6,13 +6,25 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
-from manyeyes.app.services.cache import Run, RunCache, run_id_for
-from manyeyes.app.services.device import KEPT_FORMAT, dequantised, serves
-from manyeyes.app.services.errors import InvalidInput, KeptQK, KeptQuantised, NeedsTiles, OverBudget, TooLong, TooManyCells, UnknownRun, brief
+from manyeyes.app.services.cache import Run, RunCache, run_bytes, run_id_for
+from manyeyes.app.services.device import KEPT_DTYPE, KEPT_FORMAT, dequantised, serves
+from manyeyes.app.services.errors import (
+    InvalidInput,
+    KeptQK,
+    KeptQuantised,
+    NeedsTiles,
+    OverBudget,
+    RunTooLarge,
+    TooLong,
+    TooManyCells,
+    UnknownRun,
+    brief,
+)
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.slots import FairSlots
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
@@ -262,6 +274,37 @@ class AttentionService:
                 f"server's limit of {limit:,} for one request; send fewer or shorter texts in each batch"
             )
 
+    def _fit_cache(self, served: Served, item: Item, keep: str, measures: bool, fmt: str) -> None:
+        """A run the cache could never hold was answered 200 with links that all 404 (a 4,399-token
+        input of SmolLM2's shape: 187 s of forward pass, then nothing to read). "auto" keeps queries
+        and keys when the weights would not fit; what still does not fit is refused now, before the
+        forward pass. A cache of 0 bytes means caching is off: runs are answered, never kept."""
+        cap = self.cache.max_bytes
+        if cap == 0:
+            return
+        model, n = served.model, len(item.encoded)
+        weight_bytes = KEPT_DTYPE[fmt].itemsize if served.batcher.device_quantise else 4
+        qk_bytes = 2 if model.autocast_dtype is not None else getattr(torch, model.info.dtype).itemsize
+
+        def need(kind: str, tokens: int = n) -> int:
+            return run_bytes(model.info, tokens, kind, weight_bytes, qk_bytes)
+
+        if item.kind == "weights" and keep == "auto" and not measures and need("weights") > cap >= need("qk"):
+            item.kind = "qk"
+        if need(item.kind) <= cap:
+            return
+        low, high = 0, n  # the longest input whose run fits: need() grows with the tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if need(item.kind, mid) <= cap else (low, mid - 1)
+        held = "weights" if item.kind == "weights" else "queries and keys"
+        other = ', or ask for "keep": "auto" (its queries and keys fit)' if item.kind == "weights" and need("qk") <= cap else ""
+        raise RunTooLarge(
+            f"{item.label}this input's run ({n:,} tokens) would hold at least {need(item.kind) / 2**20:,.0f} MiB of "
+            f"{held}, more than this server's run cache ({cap / 2**20:,.0f} MiB, 3/4 of MANYEYES_CACHE_BYTES), so "
+            f"none of its routes could read it; send at most {low:,} tokens{other}, or raise MANYEYES_CACHE_BYTES"
+        )
+
     async def _compute(
         self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str,
         keep: str = "weights", measures: bool = False,
@@ -294,6 +337,7 @@ class AttentionService:
             await off_loop_unless_small(chars <= INLINE_CHARS, self._tokenize, served, missing, truncate)
             for item in missing:
                 item.kind = self.kind_for(keep, len(item.encoded), item.label, measures)
+                self._fit_cache(served, item, keep, measures, view.format)
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
@@ -323,7 +367,13 @@ class AttentionService:
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
             # Another request may have cached this id meanwhile (same text, another `keep` or
             # format): a run that serves more stays, as on a cache hit above.
-            self.cache.put(item.run, replaces=lambda cached, new=item.run: not covers(cached, new))
+            stored = self.cache.put(item.run, replaces=lambda cached, new=item.run: not covers(cached, new))
+            if not stored and 0 < self.cache.max_bytes < item.run.nbytes:  # _fit_cache's reckoning fell short
+                raise RunTooLarge(
+                    f"{item.label}this input's run holds {item.run.nbytes / 2**20:,.0f} MiB, more than this server's run "
+                    f"cache ({self.cache.max_bytes / 2**20:,.0f} MiB), so none of its routes could read it; send a "
+                    "shorter text, or raise MANYEYES_CACHE_BYTES"
+                )
 
     def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
         for item in items:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from manyeyes.model.attention import Capture, bin_edges
+from manyeyes.model.runtime import MAX_TOP_K
 from manyeyes.model.tokenizer import Token
 
 TOKEN_BYTES = 160  # rough per-token overhead of the Token objects, so token lists count too
@@ -50,6 +52,22 @@ class Run:
         held += self.attention.numel() * self.attention.element_size()
         # A short run's DenseAttention shares that tensor and adds its overview, once made.
         return held + self.kept.overview_nbytes
+
+
+def run_bytes(info, n_tokens: int, kind: str, weight_bytes: int, qk_bytes: int) -> int:
+    """`Run.nbytes` of a run of n_tokens as it is put in the cache, known before the forward pass
+    that makes it. weight_bytes: per weight as kept (4, or 1/2 quantised on the device);
+    qk_bytes: per query/key element (the model's dtype)."""
+    tops = n_tokens * MAX_TOP_K * (8 + 4) if info.predictions else 0  # int64 ids, float32 probabilities
+    held = TOKEN_BYTES * n_tokens + tops
+    rows = info.n_layers * info.n_heads * n_tokens
+    if kind == "weights":
+        return held + rows * n_tokens * weight_bytes  # a dense run's overview comes later, on first use
+    kv_heads = info.n_kv_heads or info.n_heads
+    queries_keys = info.n_layers * (info.n_heads + kv_heads) * n_tokens * info.head_dim * qk_bytes
+    bins = len(bin_edges(n_tokens, Capture().overview)) - 1
+    overview = info.n_layers * info.n_heads * bins * bins * 4
+    return held + queries_keys + 2 * rows * 4 + overview  # row max and sum, float32
 
 
 def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:

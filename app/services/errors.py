@@ -53,6 +53,13 @@ class KeptQK(ApiError):
     code = "kept_qk"
 
 
+class RunTooLarge(ApiError):
+    """An input whose run the cache could never hold, refused before its forward pass."""
+
+    status = 413
+    code = "run_too_large"
+
+
 class KeptQuantised(ApiError):
     """A slice more precise than the run's weights crossed from the device (u8 or f16)."""
 

@@ -538,3 +538,41 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     assert lengths[len(first):] == [model.info.max_tokens, len(model.encode(HEAD_FINDER_WARM_UP))]  # probe kept
     # the warm-up's own forwards are the batcher's (weights only); the probe's is the head finder's own
     assert weights_only == [True, True, False, True, True]
+
+
+def test_a_run_the_cache_could_never_hold_is_refused_before_its_forward_pass():
+    """A long run bigger than the run cache was answered 200 with links that all 404, and posting
+    again never helped (a 4,399-token SmolLM2-shaped input: 187 s of forward, then nothing)."""
+    from manyeyes.app.services.cache import run_bytes
+    from tests.api.conftest import metric
+
+    api = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, max_wait_ms=5, cache_bytes=8_000_000))
+    try:
+        info = model_of(api, "minilm").info
+        cap = api.app.state.service.cache.max_bytes  # 3/4 of the cache's bytes: 6 MB
+
+        def post(n: int, keep: str):  # n tokens: [CLS] + n - 2 words + [SEP]
+            return api.post("/api/v1/attention", json={"text": " ".join(["a"] * (n - 2)), "format": "u8", "keep": keep})
+
+        # The reckoning made before the forward is what the cached run then counts, to the byte.
+        for n, keep in ((20, "weights"), (60, "qk"), (130, "auto")):
+            body = post(n, keep).json()
+            run = api.app.state.service.cache.get(body["run_id"])
+            assert run.n_tokens == n and run.nbytes == run_bytes(info, n, run.kind, 4, 4), (n, keep)
+        assert run_bytes(info, 200, "weights", 4, 4) > cap >= run_bytes(info, 200, "qk", 4, 4)
+        # auto keeps queries and keys when the weights would not fit, and its routes answer.
+        body = post(200, "auto").json()
+        assert body["kept"] == "qk"
+        assert api.get(f"/api/v1/runs/{body['run_id']}/tile", params={"layer": 0, "head": 0}).status_code == 200
+        forwards = metric(api, "manyeyes_forward_seconds_count", model="minilm")
+        err = post(200, "weights").json()["error"]
+        assert err["code"] == "run_too_large" and '"keep": "auto"' in err["message"] and "MANYEYES_CACHE_BYTES" in err["message"]
+        r = post(400, "qk")
+        assert r.status_code == 413 and r.json()["error"]["code"] == "run_too_large"
+        assert metric(api, "manyeyes_forward_seconds_count", model="minilm") == forwards  # refused before the forward
+        most = int(r.json()["error"]["message"].split("send at most ")[1].split(" tokens")[0].replace(",", ""))
+        assert run_bytes(info, most, "qk", 4, 4) <= cap < run_bytes(info, most + 1, "qk", 4, 4)
+        body = post(most, "qk").json()
+        assert api.get(f"/api/v1/runs/{body['run_id']}").status_code == 200
+    finally:
+        api.__exit__(None, None, None)
