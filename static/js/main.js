@@ -24,6 +24,7 @@ const EAGER_BYTES = 4e6;
 const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
 const NARROW = window.matchMedia("(max-width: 700px)");
 const HEAD_VIEW_PAUSE_MS = 120;
+const REVIVE_GAP_MS = 5000; // a run lost again this soon after it was posted again is shown as an error
 
 const state = {
   models: [],
@@ -58,7 +59,7 @@ const grid = new GridView($("grid"), {
 });
 const headView = new HeadView($("headview"));
 const longHeadView = new LongHeadView($("headview"));
-focus.onTileError = (err) => state.run?.long && showError(explain(err));
+focus.onTileError = (err) => state.run?.long && longRunError(state.run, err);
 // The head view of a long run follows the rows in view on the heatmap.
 focus.onWindow = () => {
   if (!state.run?.long) return;
@@ -294,7 +295,7 @@ async function renderLongViews(token, withHeadView) {
     try {
       base = await run.base(state.layer, head);
     } catch (err) {
-      if (state.run === run && err.name !== "AbortError") showError(explain(err));
+      longRunError(run, err);
       return;
     }
   }
@@ -391,7 +392,31 @@ function renderLongHeadView() {
     $("headview").dataset.layer = state.layer;
     $("headview").dataset.heads = drawnHeads().join(",");
     renderHeadChips();
-  }).catch((err) => state.run === run && showError(explain(err)));
+  }).catch((err) => longRunError(run, err));
+}
+
+// A long run's tiles and top-k are read from the server's run cache. If the cache dropped the run
+// while it is on screen (404 unknown_run), its text is posted again (the same run id) and the
+// views drawn again, as short runs' slices do through fromRun; only a loss that recurs at once
+// (or any other error) is shown.
+function longRunError(run, err) {
+  if (state.run !== run || err.name === "AbortError") return;
+  const lost = err.status === 404 && err.code === "unknown_run";
+  if (!lost || performance.now() - (run.revivedAt ?? -Infinity) < REVIVE_GAP_MS) {
+    showError(explain(err));
+    return;
+  }
+  if (run.reviving) return; // the tiles in flight fail together: one post answers them all
+  run.reviving = postAttention({ ...state.request }, state.controller.signal)
+    .then(() => {
+      run.revivedAt = performance.now();
+      if (state.run !== run) return;
+      openLongRun(run, state.controller.signal);
+      paintOverview(grid, run, state.scale).catch(() => {});
+      renderViews();
+    })
+    .catch((again) => state.run === run && again.name !== "AbortError" && showError(explain(again)))
+    .finally(() => { run.reviving = null; });
 }
 
 function renderHeadChips() {

@@ -55,6 +55,10 @@ class KeptMock:
         self.text = text
         self.prompt = text[:200]  # what the tests type: its POST is answered with this run
         self.requests: list[str] = []
+        self.posts = 0
+        self.lost = False  # as if the server's cache dropped the run: its routes answer 404 ...
+        self.stays_lost = False  # ... until the text is posted again, unless it never fits again
+        self.refused: list[tuple[int, str]] = []  # (index in requests, url) of each 404
 
     def head(self, layer: int, head) -> np.ndarray:
         key = (layer, head)
@@ -122,6 +126,8 @@ class KeptMock:
             if route.request.method != "POST" or (route.request.post_data_json or {}).get("text") != self.prompt:
                 route.continue_()  # another text: the real server's (short) run
                 return
+            self.posts += 1
+            self.lost = self.stays_lost
             reply(route, self.answer())
 
         def on_run(route):
@@ -129,6 +135,11 @@ class KeptMock:
             self.requests.append(route.request.url)
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
             what = url.path.rsplit("/", 1)[-1]
+            if self.lost:
+                self.refused.append((len(self.requests) - 1, route.request.url))
+                message = "run long-mock is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
+                reply(route, {"error": {"code": "unknown_run", "message": message}}, 404)
+                return
             handlers = {"tile": self.tile, "overview": lambda _q: self.overview(), "topk": self.topk}
             if what not in handlers:
                 reply(route, {"error": {"code": "dense_only", "message": f"{what} needs the dense weights"}}, 422)
@@ -262,6 +273,33 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
     keys = [int(i) for i in page.locator("#headview .hv-right li[data-index]").evaluate_all("els => els.map(e => e.dataset.index)")]
     assert keys == sorted(keys) and 0 in keys
     assert_never_whole(watched.requests, T)
+
+
+def test_a_long_run_the_server_dropped_is_posted_again_and_redrawn(server, page, mock):
+    """Tiles and top-k of an evicted long run 404'd and the page only showed the API's message
+    over a stale, stretched tile; a short run's slices already recovered by posting again."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    assert mock.posts == 1
+    mock.lost = True
+    before = len(mock.requests)
+    zoom(page, 1000, 1040, 980, 1028)
+    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
+    wait_settled(page)
+    page.wait_for_function("() => document.querySelector('#headview canvas') !== null")
+    assert mock.posts == 2 and not mock.lost
+    assert page.locator("#error").is_hidden()
+    refused_tiles = [(i, url) for i, url in mock.refused if i >= before and "/tile?" in url]
+    assert refused_tiles and any(url in mock.requests[i + 1:] for i, url in refused_tiles)  # asked for again
+    plotted = page.evaluate("() => document.getElementById('focus-plot').plotted()")
+    assert plotted["window"] == {"q0": 1000, "q1": 1040, "k0": 980, "k1": 1028} and plotted["tiles"]
+    # A run that is lost again at once (the server cannot keep it) is shown, not posted forever.
+    mock.lost = mock.stays_lost = True
+    zoom(page, 1500, 1540, 1480, 1528)
+    page.wait_for_selector("#error:not([hidden])")
+    assert "POST /api/v1/attention again" in page.locator("#error").text_content() and mock.posts == 2
 
 
 def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
