@@ -272,7 +272,7 @@ def add_export_command(sub) -> None:
     export = sub.add_parser("export", help="write one self-contained HTML file with the viewer and one run")
     export.add_argument("text")
     export.add_argument("--pair", default=None, help="optional second sentence (pair models)")
-    export.add_argument("--model", default="minilm", help="built-in name, HF folder or book .pth (default: minilm)")
+    export.add_argument("--model", default="minilm", help="built-in name, Hugging Face id, HF folder or book .pth (default: minilm)")
     export.add_argument("-o", "--output", default="manyeyes-view.html", help="file to write (default: manyeyes-view.html)")
     export.add_argument("--layer", type=int, default=0, help="layer focused when the file opens")
     export.add_argument("--head", type=int, default=0, help="head focused when the file opens")
