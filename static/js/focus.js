@@ -32,9 +32,9 @@ function visibleRange(range, n) {
 
 // Index-based axes: the same word can occur twice, so labels are ticks, never categories. Every
 // label in view is shown when ALL_LABELS or fewer are; beyond that every k-th.
-export function ticks(indices, labels, range) {
+export function ticks(indices, labels, range, most = ALL_LABELS) {
   const [lo, hi] = visibleRange(range, indices.length);
-  const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
+  const step = Math.max(1, Math.ceil((hi - lo + 1) / most));
   const values = [];
   const texts = [];
   for (let i = lo; i <= hi; i += step) {
@@ -44,9 +44,16 @@ export function ticks(indices, labels, range) {
   return { values, texts, shown: values.length };
 }
 
+const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
+
 // Pixels per label decide the font: a label never gets more room than its row.
 function fontFor(axisPx, shown) {
-  return Math.max(7, Math.min(MAX_FONT, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
+  return Math.max(MIN_FONT, Math.min(MAX_FONT, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
+}
+
+// The labels an axis of axisPx pixels holds at the smallest font, a row of pixels each at least.
+function labelsFit(axisPx) {
+  return Math.max(1, Math.min(ALL_LABELS, Math.floor(axisPx / MIN_FONT)));
 }
 
 // A Plotly config for the page's plots. Nothing may leave this machine: no "Share chart" (Plotly 7
@@ -235,8 +242,8 @@ export class FocusView {
   }
 
   // Which tokens of an axis are labelled for a range (long_focus.js counts them from token 0).
-  ticks(indices, labels, range) {
-    return ticks(indices, labels, range);
+  ticks(indices, labels, range, most) {
+    return ticks(indices, labels, range, most);
   }
 
   // The room labels need, sized from the longest one, not measured: measuring made Plotly slow.
@@ -249,11 +256,21 @@ export class FocusView {
     const pal = palette();
     const { view, labels } = this.current;
     const narrow = this.plot.clientWidth < 520;
-    const xTicks = this.ticks(view.cols, labels, this.ranges.x);
-    const yTicks = this.ticks(view.rows, labels, this.ranges.y);
     const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
-    const xFont = fontFor(side, xTicks.shown);
-    const yFont = fontFor(side, yTicks.shown);
+    // Square cells (scaleanchor, see layout): a zoom to 40 queries × 140 keys leaves the query axis
+    // 40/140 of the side, where 40 labels at the smallest font overprinted one another.
+    const span = (range, n) => { const [lo, hi] = visibleRange(range, n); return hi - lo + 1; };
+    const spanX = span(this.ranges.x, view.cols.length);
+    const spanY = span(this.ranges.y, view.rows.length);
+    const square = view.rows.length === view.cols.length;
+    // Plotly's own axis lengths once it has laid the plot out (a zoom); before, the estimate.
+    const laid = this.plot._fullLayout;
+    const xPx = laid?.xaxis?._length ?? (square ? (side * spanX) / Math.max(spanX, spanY) : side);
+    const yPx = laid?.yaxis?._length ?? (square ? (side * spanY) / Math.max(spanX, spanY) : side);
+    const xTicks = this.ticks(view.cols, labels, this.ranges.x, labelsFit(xPx));
+    const yTicks = this.ticks(view.rows, labels, this.ranges.y, labelsFit(yPx));
+    const xFont = fontFor(xPx, xTicks.shown);
+    const yFont = fontFor(yPx, yTicks.shown);
     const xLabels = this.labelPx(xTicks.texts, xFont);
     const yLabels = this.labelPx(yTicks.texts, yFont);
     const keysSpace = xLabels + (narrow ? 8 : 30);

@@ -285,13 +285,13 @@ export class TiledFocusView extends FocusView {
 
   // Beyond ALL_LABELS tokens in view a long run labels every k-th token counted from 0, not from
   // the window's edge: a pan then moves the labels with their rows instead of relabelling them all.
-  ticks(indices, labels, range) {
-    if (!this.long) return super.ticks(indices, labels, range);
+  ticks(indices, labels, range, most = ALL_LABELS) {
+    if (!this.long) return super.ticks(indices, labels, range, most);
     const n = indices.length;
     const [a, b] = range ? [Math.min(...range), Math.max(...range)] : [0, n - 1];
     const lo = Math.max(0, Math.ceil(a));
     const hi = Math.min(n - 1, Math.floor(b));
-    const step = Math.max(1, Math.ceil((hi - lo + 1) / ALL_LABELS));
+    const step = Math.max(1, Math.ceil((hi - lo + 1) / most));
     const values = [];
     for (let i = Math.ceil(lo / step) * step; i <= hi; i += step) values.push(i);
     return { values, texts: values.map((i) => shortLabel(labels[i])), shown: values.length };

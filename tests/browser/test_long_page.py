@@ -518,3 +518,22 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
     page.wait_for_function("() => Number(document.querySelector('#headview canvas')?.dataset.lines) > 0")
     assert any("/topk?" in url for url in watched.requests)
     assert_never_whole(watched.requests, T)
+
+
+def test_labels_of_a_wide_zoom_do_not_overprint(server, page, mock, artifacts):
+    """Zoomed to 40 queries × 140 keys the query axis is 40/140 of the side (square cells), and its
+    40 labels at the smallest font overprinted one another."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    zoom(page, 1000, 1040, 980, 1120)
+    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
+    wait_settled(page)
+    boxes = page.evaluate("""() => [...document.querySelectorAll('#focus-plot .ytick')]
+        .filter(g => g.style.display !== 'none')
+        .map(g => g.getBoundingClientRect()).map(r => [r.top, r.bottom]).sort((a, b) => a[0] - b[0])""")
+    assert 3 <= len(boxes) < 40
+    overlaps = [(a, b) for a, b in zip(boxes, boxes[1:]) if b[0] < a[1] - 1]  # a 7 px font's box is 8 px
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "long-wide-zoom-labels.png"))
+    assert not overlaps, overlaps
