@@ -135,7 +135,10 @@ class ExperimentService:
         if not self._slots.acquire(blocking=False):
             raise QueueFull(f"{self.settings.max_experiments} experiments are running; try again shortly", retry_after_s=1)
 
+        started = threading.Event()
+
         def work():
+            started.set()
             try:
                 return fn(*args)
             finally:
@@ -147,6 +150,12 @@ class ExperimentService:
             raise OverBudget(
                 f"the experiment did not finish within its {self.settings.request_timeout_s:g} s budget"
             ) from None
+        finally:
+            # Cancelled (a timeout, a hang-up) while waiting for a worker thread, work() never runs
+            # and would never release its slot: two such and every experiment was a 429 until a
+            # restart. Once a thread has it, anyio waits for it, so work() has run by now.
+            if not started.is_set():
+                self._slots.release()
 
     def _encode(self, served: Served, text: str, pair: str | None, truncate: bool, label: str = "") -> Encoded:
         try:

@@ -184,3 +184,29 @@ def test_openapi_documents_the_experiments_with_examples(client):
         assert {"200", "404", "422", "429"} <= set(op["responses"])
     schemas = spec["components"]["schemas"]
     assert schemas["AblateRequest"]["examples"] and schemas["CompareRequest"]["examples"]
+
+
+def test_an_experiment_abandoned_before_it_got_a_thread_frees_its_slot(monkeypatch):
+    """Cancelled (a 504, a hang-up) while waiting for a worker thread, the experiment never ran and
+    never released its slot: two such and every experiment was a 429 until a restart."""
+    import asyncio
+
+    import manyeyes.app.services.experiments as experiments
+
+    api = serve(Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False, max_experiments=1,
+                         request_timeout_s=0.3))
+    try:
+        real = experiments.run_in_threadpool
+
+        async def no_thread_free(fn, *args):  # every worker thread busy for longer than the budget
+            await asyncio.sleep(3600)
+
+        body = {"text": "In the beginning", "model": "tiny-gpt", "ablate": [{"layer": 0, "head": 0}]}
+        monkeypatch.setattr(experiments, "run_in_threadpool", no_thread_free)
+        for _ in range(2):
+            assert api.post("/api/v1/experiments/ablate", json=body).status_code == 504
+        monkeypatch.setattr(experiments, "run_in_threadpool", real)
+        r = api.post("/api/v1/experiments/ablate", json=body)
+        assert r.status_code == 200, r.text
+    finally:
+        api.__exit__(None, None, None)
