@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionResponse, Format
@@ -48,6 +49,7 @@ async def run_mean(
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
         return render_result(averaged, info, View([0], [0], format), timing)
 
-    pieces = await run_in_threadpool(render)
+    async with service.renders.hold(client_of(request)):  # a T×T float32 mean, like an answer's encoding
+        pieces = await run_in_threadpool(render)
     request.state.log = {"run_id": run_id, "mean_of_layers": len(chosen)}
     return PiecesResponse(pieces, "application/json" if format == "json" else "application/vnd.manyeyes+json")

@@ -34,7 +34,7 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     if body.measures:
-        reply.body = await measures.attach(reply.body, reply.log["run_id"], body.measures, body)
+        reply.body = await measures.attach(reply.body, reply.runs[0], body.measures, body, client_of(request))
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
     return PiecesResponse(reply.body, reply.media_type, reply.headers)
 

@@ -7,10 +7,11 @@ import orjson
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import StringConstraints
 
+from manyeyes.app.clients import client_of
+from manyeyes.app.deps import MeasuresDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
-from manyeyes.app.deps import MeasuresDep
 from manyeyes.app.services.measures import MATRIX_MEASURES
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
@@ -30,6 +31,7 @@ def json_response(body: dict) -> Response:
 async def run_measures(
     run_id: str,
     service: MeasuresDep,
+    request: Request,
     names: Annotated[list[Annotated[str, StringConstraints(pattern=NAMES)]],
                      Query(description=f"Comma-separated, any of {', '.join(MATRIX_MEASURES)}")],
     layers: Annotated[list[str] | None, Query(description="Comma-separated layer indices; default all")] = None,
@@ -41,8 +43,8 @@ async def run_measures(
     forward pass (kept); the rest come from the cached weights."""
     asked = ",".join(names).split(",")  # the schema's pattern has checked every name
     layer_list, head_list = parse_index_list(layers, "layer"), parse_index_list(heads, "head")
-    found = await service.matrices(run_id, asked, layer_list, head_list, format)
     run, served = service.run(run_id)
+    found = await service.matrices(run, served, asked, layer_list, head_list, format, client_of(request))
     info = served.model.info
     return json_response({
         "run_id": run_id, "model": run.model,

@@ -78,6 +78,7 @@ class Reply:
     media_type: str
     log: dict  # run ids and timings for the request's log line
     headers: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)  # the answer's runs, as computed (the cache may drop them)
 
 
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
@@ -162,7 +163,9 @@ class AttentionService:
         keep = getattr(options, "keep", "weights")
         measures = getattr(options, "measures", None)
         await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures))
-        return await self._reply(served, items, view, batch, wire, top_k, client)
+        reply = await self._reply(served, items, view, batch, wire, top_k, client)
+        reply.runs = [item.run for item in items]
+        return reply
 
     def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False) -> str:
         """What a run of n_tokens keeps: auto keeps weights up to dense_max_tokens, as always,

@@ -164,10 +164,10 @@ class MeasuresService:
             )
 
     # ------------------------------------------------------------------ the matrix measures
-    async def matrices(self, run_id: str, names: list[str], layers, heads, fmt: str) -> dict:
+    async def matrices(self, run: Run, served: Served, names: list[str], layers, heads, fmt: str, client: str = "") -> dict:
         """The `measures` object of a response: each asked name (one of MATRIX_MEASURES, as the
-        schemas check) -> its result."""
-        run, served = self.run(run_id)
+        schemas check) -> its result. Of the run itself, not looked up again by id: the cache
+        may have dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it."""
         names = list(dict.fromkeys(names))  # a repeated name is answered once, never twice
         info = served.model.info
         layers = resolve_indices(layers, info.n_layers, "layer", info.id)
@@ -177,7 +177,10 @@ class MeasuresService:
         cells = {"rollout": n * n, "value_norms": per_head * n * n, "contributions": 2 * per_head * n + len(layers) * n,
                  "words": per_head * n * n, "heads": 0}
         self._cells_check(sum(cells[name] for name in names), fmt)
-        return await run_in_threadpool(self._matrices, run, served, names, layers, heads, fmt)
+        # A render slot, as an answer's encoding takes: each of these builds tensors the size of
+        # the run's weights (value norms: 75 MB at T=512), and 16 at once tripled the memory bound.
+        async with self.attention.renders.hold(client):
+            return await run_in_threadpool(self._matrices, run, served, names, layers, heads, fmt)
 
     def _matrices(self, run: Run, served: Served, names, layers, heads, fmt) -> dict:
         model = served.model
@@ -222,9 +225,10 @@ class MeasuresService:
             "positional_share": m.POSITIONAL_SHARE,
         }
 
-    async def attach(self, pieces: list[bytes], run_id: str, names: list[str], options) -> list[bytes]:
+    async def attach(self, pieces: list[bytes], run: Run, names: list[str], options, client: str = "") -> list[bytes]:
         """POST /attention's pieces with a `measures` member added before the closing brace."""
-        found = await self.matrices(run_id, names, options.layers, options.heads, options.format)
+        served = self.attention.registry.get(run.model)
+        found = await self.matrices(run, served, names, options.layers, options.heads, options.format, client)
         return [*pieces[:-1], pieces[-1][:-1] + b',"measures":' + orjson.dumps(found, option=orjson.OPT_SERIALIZE_NUMPY) + b"}"]
 
     # ------------------------------------------------------------------ the parameterised ones
