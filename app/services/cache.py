@@ -55,18 +55,19 @@ class Run:
 
 
 def run_bytes(info, n_tokens: int, kind: str, weight_bytes: int, qk_bytes: int) -> int:
-    """`Run.nbytes` of a run of n_tokens as it is put in the cache, known before the forward pass
-    that makes it. weight_bytes: per weight as kept (4, or 1/2 quantised on the device);
-    qk_bytes: per query/key element (the model's dtype)."""
+    """The most `Run.nbytes` of a run of n_tokens will be, known before the forward pass that makes
+    it: a qk run's as it is put in the cache, a weights run's once its overview is made too (on
+    first use, after it was cached). weight_bytes: per weight as kept (4, or 1/2 quantised on the
+    device); qk_bytes: per query/key element (the model's dtype)."""
     tops = n_tokens * MAX_TOP_K * (8 + 4) if info.predictions else 0  # int64 ids, float32 probabilities
     held = TOKEN_BYTES * n_tokens + tops
     rows = info.n_layers * info.n_heads * n_tokens
+    bins = len(bin_edges(n_tokens, Capture().overview)) - 1
+    overview = info.n_layers * info.n_heads * bins * bins * 4  # max-pooled, float32
     if kind == "weights":
-        return held + rows * n_tokens * weight_bytes  # a dense run's overview comes later, on first use
+        return held + rows * n_tokens * weight_bytes + overview
     kv_heads = info.n_kv_heads or info.n_heads
     queries_keys = info.n_layers * (info.n_heads + kv_heads) * n_tokens * info.head_dim * qk_bytes
-    bins = len(bin_edges(n_tokens, Capture().overview)) - 1
-    overview = info.n_layers * info.n_heads * bins * bins * 4
     return held + queries_keys + 2 * rows * 4 + overview  # row max and sum, float32
 
 

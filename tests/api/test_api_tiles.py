@@ -554,11 +554,14 @@ def test_a_run_the_cache_could_never_hold_is_refused_before_its_forward_pass():
         def post(n: int, keep: str):  # n tokens: [CLS] + n - 2 words + [SEP]
             return api.post("/api/v1/attention", json={"text": " ".join(["a"] * (n - 2)), "format": "u8", "keep": keep})
 
-        # The reckoning made before the forward is what the cached run then counts, to the byte.
+        # The reckoning made before the forward is what the cached run then counts, to the byte
+        # (a weights run once its overview is made too: it grew past the cap by that much).
         for n, keep in ((20, "weights"), (60, "qk"), (130, "auto")):
             body = post(n, keep).json()
+            assert api.get(f"/api/v1/runs/{body['run_id']}/overview").status_code == 200
             run = api.app.state.service.cache.get(body["run_id"])
             assert run.n_tokens == n and run.nbytes == run_bytes(info, n, run.kind, 4, 4), (n, keep)
+            assert api.app.state.service.cache.nbytes <= cap
         assert run_bytes(info, 200, "weights", 4, 4) > cap >= run_bytes(info, 200, "qk", 4, 4)
         # auto keeps queries and keys when the weights would not fit, and its routes answer.
         body = post(200, "auto").json()
