@@ -106,9 +106,14 @@ class ShutdownAnswer:
                 started = True
             await send(message)
 
+        # The request runs as its own task: work awaited on a worker thread (an experiment, a
+        # measure) is shielded from cancellation until the thread ends, so the 503 waited for it,
+        # and the process exited first, leaving the client a dropped connection.
+        task = asyncio.ensure_future(self.app(scope, receive, watch))
         try:
-            await self.app(scope, receive, watch)
+            await asyncio.shield(task)
         except asyncio.CancelledError:
+            task.cancel()  # it unwinds when its thread returns; nothing waits for that
             if started:  # half an answer cannot be replaced: uvicorn closes the connection
                 raise
             # The task ends here, answered; uvicorn has stopped waiting for it and exits.

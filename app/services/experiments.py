@@ -12,6 +12,7 @@ import asyncio
 import base64
 import sys
 import threading
+import time
 
 import orjson
 import torch
@@ -140,6 +141,7 @@ class ExperimentService:
         def work():
             started.set()
             try:
+                time.sleep(self.settings.debug_forward_delay_s)  # the test hook, as for a batch's forward
                 return fn(*args)
             finally:
                 self._slots.release()  # only once the forwards have really ended

@@ -98,8 +98,17 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
             outcome["ended"] = time.monotonic()
             outcome["waited"] = outcome["ended"] - started
 
+        def ablate():  # its work runs on a worker thread, whose wait anyio shields from cancellation
+            try:
+                outcome["ablate"] = httpx.post(f"http://{HOST}:{port}/api/v1/experiments/ablate", timeout=client_timeout,
+                                               json={"text": "slow", "ablate": [{"layer": 0, "head": 0}]})
+            except httpx.TransportError as exc:
+                outcome["ablate_error"] = exc
+
         thread = threading.Thread(target=post, daemon=True)
         thread.start()
+        experiment = threading.Thread(target=ablate, daemon=True)
+        experiment.start()
         wait_until(
             lambda: "manyeyes_queue_depth 0.0" in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
             and 'result="miss"} 1.0' in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text,
@@ -121,6 +130,10 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
         err = assert_json_error(outcome["reply"], 503)
         assert err["code"] == "not_ready" and "shut down" in err["message"], err
         assert int(outcome["reply"].headers["Retry-After"]) >= 1
+        # The same for work on a worker thread: it was a dropped connection, with no answer at all.
+        experiment.join(10)
+        assert "ablate" in outcome, outcome
+        assert assert_json_error(outcome["ablate"], 503)["code"] == "not_ready"
         assert "Traceback" not in output, output[-2000:]
     finally:
         proc.kill()
