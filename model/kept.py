@@ -13,6 +13,7 @@ more than its answer plus one row block of weights (`block_cells`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -64,6 +65,9 @@ class KeptAttention:
     # a matmul's rounding can depend on its width, and then come out bit for bit as the forward's.
     block_rows: int
     key_align: int
+    # The forward's autocast dtype (None: none): its scores came out of a half-precision matmul,
+    # and its row max and sum with them, so a rebuild runs the same matmul or rows miss 1 by 10%.
+    autocast: torch.dtype | None = None
 
     @property
     def n_layers(self) -> int:
@@ -102,6 +106,8 @@ class KeptAttention:
         index = torch.tensor(heads, device=queries.device)
         key_index = index // (self.n_heads // keys.shape[0])  # query head h reads key head h // group
         out = torch.zeros(len(heads), q1 - q0, k1 - k0, device=queries.device)
+        as_forward = (torch.autocast(device_type=queries.device.type, dtype=self.autocast) if self.autocast is not None
+                      else contextlib.nullcontext())
         for first in range(q0 // self.block_rows * self.block_rows, q1, self.block_rows):
             f0, f1 = visible_keys(first, min(n, first + self.block_rows), n, causal=self.causal,
                                   sliding_window=window, align=self.key_align)
@@ -114,7 +120,8 @@ class KeptAttention:
                 # (heads, r1 - r0, head_dim), scaled as attention.py scales them before the matmul
                 scaled = queries[index, r0:r1] * head_dim**-0.5
                 # (heads, r1 - r0, head_dim) @ (heads, head_dim, f1 - f0) -> (heads, r1 - r0, f1 - f0)
-                scores = (scaled @ keys[key_index, f0:f1].transpose(1, 2)).float()
+                with as_forward:
+                    scores = (scaled @ keys[key_index, f0:f1].transpose(1, 2)).float()
                 blocked = blocked_rows(r0, r1, f0, f1, offset=0, causal=self.causal, sliding_window=window,
                                        device=scores.device)
                 if blocked is not None:
@@ -257,7 +264,8 @@ def topk_rows(att, layer: int, head: int, k: int, q0: int, q1: int, block_cells:
     return TopK(values, indices, rest)
 
 
-def kept_from_layers(layers, n: int, causal: bool, sliding_windows, capture: Capture) -> KeptAttention:
+def kept_from_layers(layers, n: int, causal: bool, sliding_windows, capture: Capture,
+                     autocast: torch.dtype | None = None) -> KeptAttention:
     """The KeptAttention of a one-input Capture(keep=True) trace, from its per-layer outputs."""
     row = 0
     n_heads = layers[0].queries.shape[1]
@@ -272,4 +280,5 @@ def kept_from_layers(layers, n: int, causal: bool, sliding_windows, capture: Cap
         sliding_windows=tuple(sliding_windows),
         block_rows=row_block(n, n_heads, bin_width, capture.block_cells),  # as attention.py chose them
         key_align=bin_width,
+        autocast=autocast,
     )

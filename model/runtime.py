@@ -227,7 +227,8 @@ class AttentionModel:
         with torch.inference_mode(), self._autocast():
             # The hidden state even when not asked for: the top predictions are read from it.
             trace = self.net.inspect(ids, None, replace(capture, logits=False, hidden=True), token_type_ids=types)
-            kept = kept_from_layers(trace.layers, len(encoded), self.info.causal, self.sliding_windows, capture)
+            kept = kept_from_layers(trace.layers, len(encoded), self.info.causal, self.sliding_windows, capture,
+                                    self.autocast_dtype)
             top_ids = top_probs = None
             if self.info.predictions and self.net.lm_head is not None:
                 top_ids, top_probs = self._top_predictions(trace.hidden[0])

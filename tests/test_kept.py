@@ -244,3 +244,23 @@ def test_a_window_outside_the_run_is_refused_by_both_kinds(minilm, window, messa
         pooled(result.kept, layer, heads, q0, q1, k0, k1, 4, 4)
     with pytest.raises(ValueError, match="rows and cols"):
         pooled(result.kept, 0, [0], 0, 4, 0, 4, 0, 4)
+
+
+def test_a_kept_run_made_under_autocast_rebuilds_rows_that_sum_to_one(tiny_gpt):
+    """Its row max and sum came from the forward's bfloat16 scores while the rebuild scored in
+    float32: an autocast server's long runs served rows summing to as much as 1.13."""
+    model = tiny_gpt
+    encoded = model.encode(TEXT, truncate=True)
+    before = model.autocast_dtype
+    model.autocast_dtype = torch.bfloat16
+    try:
+        kept = model.run([encoded], Capture(keep=True, block_cells=3_000))[0].kept
+        dense = model.run([encoded])[0].attention  # the dense forward under the same autocast
+    finally:
+        model.autocast_dtype = before
+    T = len(encoded)
+    assert kept.autocast == torch.bfloat16
+    for layer in range(kept.n_layers):
+        weights = kept.block(layer, list(range(kept.n_heads)), 0, T, 0, T)
+        assert (weights.sum(-1) - 1).abs().max() < 2e-3, layer
+        assert (weights - dense[layer]).abs().max() < 2e-2, layer  # bfloat16 scores, two row blockings
