@@ -6,13 +6,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Done
 from manyeyes.app.services.cache import Run, RunCache, run_bytes, run_id_for
-from manyeyes.app.services.device import KEPT_DTYPE, KEPT_FORMAT, dequantised, serves
+from manyeyes.app.services.device import KEPT_DTYPE, KEPT_FORMAT, dequantised, quantise, serves
 from manyeyes.app.services.errors import (
     InvalidInput,
     KeptQK,
@@ -287,10 +286,9 @@ class AttentionService:
             return
         model, n = served.model, len(item.encoded)
         weight_bytes = KEPT_DTYPE[fmt].itemsize if served.batcher.device_quantise else 4
-        qk_bytes = 2 if model.autocast_dtype is not None else getattr(torch, model.info.dtype).itemsize
 
         def need(kind: str, tokens: int = n) -> int:
-            return run_bytes(model.info, tokens, kind, weight_bytes, qk_bytes)
+            return run_bytes(model.info, tokens, kind, weight_bytes, served.qk_bytes)
 
         if item.kind == "weights" and keep == "auto" and not measures and need("weights") > cap >= need("qk"):
             item.kind = "qk"
@@ -364,9 +362,15 @@ class AttentionService:
             done_result = result.result
             # A weights run is read by the tile routes through a DenseAttention over its tensor.
             weights = done_result.attention
+            if weights is not None and served.batcher.device_quantise and weights.dtype != KEPT_DTYPE[view.format]:
+                # The batch kept a batch-mate's precision (json: float32); where that outgrows the
+                # cache, this run keeps its own request's, the precision _fit_cache reckoned with.
+                whole = run_bytes(served.model.info, len(done_result.tokens), "weights", weights.element_size(), served.qk_bytes)
+                if whole > self.cache.max_bytes > 0:
+                    weights = quantise(weights.float(), view.format)
             kept = done_result.kept if item.kind == "qk" else DenseAttention(weights, dequantised(weights.dtype))
-            item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated, done_result.attention,
-                           done_result.top_ids, done_result.top_probs, kept)
+            item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated,
+                           weights, done_result.top_ids, done_result.top_probs, kept)
             item.timing.update(queue=result.queue_s, forward=result.forward_s)
             # Another request may have cached this id meanwhile (same text, another `keep` or
             # format): a run that serves more stays, as on a cache hit above.

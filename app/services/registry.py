@@ -27,6 +27,14 @@ class Served:
     model: AttentionModel
     batcher: Batcher
     default: bool
+    qk_bytes: int = 4  # per query/key element of a kept run (kept_element_bytes)
+
+
+def kept_element_bytes(model: AttentionModel) -> int:
+    """Bytes per element of a kept run's queries and keys: the weights' dtype, except that under
+    autocast a rotary model's rotation returns them in float32 and a GPT-2's stay half. Probed
+    with a tiny run rather than derived, so the cache's reckoning before a forward is exact."""
+    return model.run([model.encode("a b")], Capture(keep=True))[0].kept.queries.element_size()
 
 
 HEAD_FINDER_WARM_UP = "The head finder warms up."
@@ -101,7 +109,8 @@ class Registry:
                         work_fraction=s.work_budget_fraction,
                         device_quantise=quantises_on_device(device, s.device_quantise),
                     )
-                self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id)
+                self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id,
+                                                kept_element_bytes(model))
                 self.progress[model_id] = {"state": "ready"}
                 log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
             self.ready.set()

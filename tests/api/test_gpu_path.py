@@ -210,3 +210,36 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     assert [row[0] for row in rows] == ["16", "64"], done.stdout
     for _, served, bare, _, errors in rows:
         assert int(served) > 0 and int(bare) > 0 and errors == "0", done.stdout
+
+
+def test_a_run_kept_at_a_batch_mates_precision_falls_back_to_its_own_when_the_cache_cannot_hold_it():
+    """A batch on a quantising server keeps its most demanding request's precision: a u8 run that
+    fits the cache as bytes, batched with another client's json request, was kept as float32,
+    outgrew the cache and answered 413 after its forward pass."""
+    import threading
+    import time
+
+    api = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, device_quantise=True,
+                         cache_bytes=4_000_000, max_wait_ms=300, debug_forward_delay_s=0.5, api_keys=["k1", "k2", "k3"]))
+    try:
+        def post(key, body, out):
+            out[key] = api.post("/api/v1/attention", json=body, headers={"Authorization": f"Bearer {key}"})
+
+        out = {}
+        long_u8 = {"text": " ".join(["a"] * 98), "format": "u8"}  # 100 tokens: 1.9 MB as u8, 4.1 MB as float32
+        threads = [threading.Thread(target=post, args=("k3", {"text": "the forward in flight", "format": "u8"}, out))]
+        threads[0].start()
+        time.sleep(0.2)  # the next two queue behind it and share the next batch
+        threads += [threading.Thread(target=post, args=("k1", long_u8, out)),
+                    threading.Thread(target=post, args=("k2", {"text": "short and exact", "format": "json"}, out))]
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [out[k].status_code for k in ("k1", "k2", "k3")] == [200, 200, 200], out["k1"].text
+        run = api.app.state.service.cache.get(out["k1"].json()["run_id"])
+        assert run.attention.dtype == torch.uint8
+        expected = api.app.state.registry.get(None).model.attend(long_u8["text"]).attention.numpy()
+        assert np.abs(decode(out["k1"].json()["attention"]) - expected).max() <= 1 / 255
+    finally:
+        api.__exit__(None, None, None)
