@@ -31,9 +31,9 @@ class Served:
 
 
 def kept_element_bytes(model: AttentionModel) -> int:
-    """Bytes per element of a kept run's queries and keys: the weights' dtype, except that under
-    autocast a rotary model's rotation returns them in float32 and a GPT-2's stay half. Probed
-    with a tiny run rather than derived, so the cache's reckoning before a forward is exact."""
+    """Bytes per element of a kept run's queries and keys: not always the weights' dtype (under
+    autocast they come out in float32). Probed with a tiny run rather than derived, so the
+    cache's reckoning before a forward pass is exact."""
     return model.run([model.encode("a b")], Capture(keep=True))[0].kept.queries.element_size()
 
 

@@ -243,3 +243,22 @@ def test_a_run_kept_at_a_batch_mates_precision_falls_back_to_its_own_when_the_ca
         assert np.abs(decode(out["k1"].json()["attention"]) - expected).max() <= 1 / 255
     finally:
         api.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("model_id", ["tiny-gpt", "tiny-llama"])
+def test_the_reckoning_of_a_kept_run_under_autocast_is_its_real_size(model_id):
+    """Under autocast the kept queries and keys come out in float32: the reckoning assumed 2 bytes
+    and refused a 2,000-token run after its forward pass instead of before."""
+    from manyeyes.app.services.cache import TOKEN_BYTES, run_bytes
+    from manyeyes.app.services.registry import kept_element_bytes
+    from manyeyes.model import Capture, load
+
+    model = load(model_id, device="cpu")
+    model.autocast_dtype = torch.bfloat16
+    element = kept_element_bytes(model)
+    encoded = model.encode("The heron waited by the old stone mill while the boats went past. " * 3)
+    result = model.run([encoded], Capture(keep=True))[0]
+    assert result.kept.queries.element_size() == element
+    n = len(encoded)
+    tops = sum(t.numel() * t.element_size() for t in (result.top_ids, result.top_probs) if t is not None)
+    assert run_bytes(model.info, n, "qk", 4, element) == TOKEN_BYTES * n + tops + result.kept.nbytes
