@@ -80,6 +80,16 @@ class Reply:
     runs: list = field(default_factory=list)  # the answer's runs, as computed (the cache may drop them)
 
 
+def check_precision(run: Run, fmt: str) -> None:
+    """A run kept quantised on the device (a GPU server's) holds only the bytes its answer had:
+    a view of it in a more precise format would dress those bytes up as that format's values."""
+    if run.attention is not None and not serves(run.attention.dtype, fmt):
+        raise KeptQuantised(
+            f"run {brief(run.run_id, 64)} was kept as {str(run.attention.dtype).removeprefix('torch.')} (quantised on "
+            f"the device); format={fmt} needs more precision: POST the text again with format={fmt}"
+        )
+
+
 def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
     if asked is None:
         return list(range(count))
@@ -196,11 +206,7 @@ class AttentionService:
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.attention.shape[-1]], view)
-        if not serves(run.attention.dtype, fmt):
-            raise KeptQuantised(
-                f"run {run_id} was kept as {str(run.attention.dtype).removeprefix('torch.')} (quantised on the device); "
-                f"format={fmt} needs more precision: POST the text again with format={fmt}"
-            )
+        check_precision(run, fmt)
         return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire, client=client)
 
     def cached(self, run_id: str, needs_weights: str | None = None) -> Run:

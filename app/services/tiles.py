@@ -24,6 +24,7 @@ from manyeyes.app.services.attention import (
     AttentionService,
     Reply,
     Wire,
+    check_precision,
     parse_index,
     resolve_indices,
 )
@@ -138,8 +139,10 @@ class TileService:
         self.in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
         self.in_flight_of: Counter[str] = Counter()  # the same, per client (its share, as in the batcher)
 
-    def _run(self, run_id: str) -> tuple[Run, object]:
+    def _run(self, run_id: str, fmt: str | None = None) -> tuple[Run, object]:
         run = self.attention.cached(run_id)
+        if fmt is not None:
+            check_precision(run, fmt)  # /topk's `rest` from u8 bytes was 4x the true remainder
         return run, self.attention.registry.get(run.model).model.info
 
     def _check_json(self, cells: int, fmt: str, what: str) -> None:
@@ -199,7 +202,7 @@ class TileService:
     # -- GET /runs/{run_id}/tile
     async def tile(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, pool: str, fmt: str,
                    wire: Wire, client: str = "") -> Reply:
-        run, info = self._run(run_id)
+        run, info = self._run(run_id, fmt)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head_index = parse_head(head, info.n_heads, info.id)
         window = Window(*span(run, q0, q1, "q0", "q1"), *span(run, k0, k1, "k0", "k1"))
@@ -230,7 +233,7 @@ class TileService:
 
     # -- GET /runs/{run_id}/topk
     async def topk(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str, wire: Wire, client: str = "") -> Reply:
-        run, info = self._run(run_id)
+        run, info = self._run(run_id, fmt)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head = resolve_indices([head], info.n_heads, "head", info.id)[0]
         limit = min(self.settings.max_topk, MAX_TOPK)
@@ -250,7 +253,7 @@ class TileService:
 
     # -- GET /runs/{run_id}/overview
     async def overview(self, run_id: str, fmt: str, wire: Wire, client: str = "") -> Reply:
-        run, info = self._run(run_id)
+        run, info = self._run(run_id, fmt)
 
         def work():
             found = run.kept.overview_pooled()  # a short run makes its overview now, once

@@ -262,3 +262,18 @@ def test_the_reckoning_of_a_kept_run_under_autocast_is_its_real_size(model_id):
     n = len(encoded)
     tops = sum(t.numel() * t.element_size() for t in (result.top_ids, result.top_probs) if t is not None)
     assert run_bytes(model.info, n, "qk", 4, element) == TOKEN_BYTES * n + tops + result.kept.nbytes
+
+
+def test_tiles_and_topk_of_a_quantised_run_are_refused_in_formats_its_bytes_cannot_fill(on_device_quantised):
+    """They read a u8 run's bytes as float32 weights: /topk's `rest` came out 4x the true remainder
+    and a json tile claimed float32 values good to 1/510, where the same slice is a 422."""
+    client = on_device_quantised
+    run_id = client.post("/api/v1/attention", json={"text": "The bank of the river was muddy.", "format": "u8"}).json()["run_id"]
+    for route, params in (("tile", {"layer": 0, "head": 0}), ("tile", {"layer": 0, "head": "mean"}),
+                          ("topk", {"layer": 0, "head": 0, "k": 4}), ("overview", {})):
+        for fmt, status in (("json", 422), ("f16", 422), ("u8", 200)):
+            r = client.get(f"/api/v1/runs/{run_id}/{route}", params={**params, "format": fmt})
+            assert r.status_code == status, (route, fmt, r.text)
+            if status == 422:
+                assert r.json()["error"]["code"] == "kept_quantised" and f"format={fmt}" in r.json()["error"]["message"]
+    assert client.get(f"/api/v1/runs/{run_id}").status_code == 200
