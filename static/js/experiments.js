@@ -59,8 +59,9 @@ async function ablateHead(layer, head) {
     });
     if (!stillShown(input)) return;
     ablation.stack.push({ ablate: list, reply, attention: decodeTensor(reply.attention) });
-    const top = reply.ranking[0];
-    if (!ablation.shown && top) ablation.shown = { layer: top.layer, head: top.head };
+    // A head of the last layer has no later heads to rank: the heatmap then shows that head.
+    const top = reply.ranking[0] ?? { layer, head };
+    if (!ablation.shown) ablation.shown = { layer: top.layer, head: top.head };
     status($("ablate-status"), "", "");
   } catch (err) {
     if (!stillShown(input)) return;
@@ -107,10 +108,12 @@ function renderAblation() {
     $("ablate-predictions").replaceChildren();
     return;
   }
-  $("ablate-ranking").replaceChildren(rankingTable(current.reply.ranking, {
-    caption: "Downstream heads, most changed first (click to show)",
-    onPick: (l, h) => { ablation.shown = { layer: l, head: h }; renderAblation(); },
-  }));
+  $("ablate-ranking").replaceChildren(current.reply.ranking.length
+    ? rankingTable(current.reply.ranking, {
+      caption: "Downstream heads, most changed first (click to show)",
+      onPick: (l, h) => { ablation.shown = { layer: l, head: h }; renderAblation(); },
+    })
+    : el("p", { className: "hint", text: "No later layer: an ablated head of the last layer changes no other head's weights, only the predictions below." }));
   $("ablate-predictions").replaceChildren(predictionTable(current.reply));
 }
 

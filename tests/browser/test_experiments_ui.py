@@ -108,6 +108,16 @@ def test_ablating_a_causal_model_shows_the_prediction_change(server, api, page):
     assert ranking_rows(page, "ablate-ranking") == api_ranking(reply["ranking"])
 
 
+def test_ablating_a_head_of_the_last_layer_shows_its_prediction_change(server, api, page):
+    """No later head to rank: the page drew nothing at all, though the answer held 53 changes."""
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    page.click("#grid .thumb[data-layer='1'][data-head='2']", modifiers=["Alt"])
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated'][data-layer='1'][data-head='2']", timeout=30_000)
+    assert "No later layer" in page.inner_text("#ablate-ranking")
+    assert page.locator("#ablate-predictions tbody tr").count() > 0
+
+
 def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     open_page(page, server)
     run(page, SENTENCE, "minilm")
