@@ -186,7 +186,9 @@ class MeasuresService:
         model = served.model
         raw = self._capture(run, served) if NEEDS_CAPTURE & set(names) else None
         captured = raw.with_weights(run) if raw is not None else None
-        weights = self.weights(run, served)
+        # The capture's float32 weights when it was made anyway: a capture that did not fit its LRU
+        # would otherwise be made a second time by weights().
+        weights = captured.attention if captured is not None else self.weights(run, served)
         out = {}
         for name in names:
             if name == "rollout":
