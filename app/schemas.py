@@ -7,6 +7,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Format = Literal["json", "f16", "u8"]
+PRECISION_DOC = (
+    "The most precise format the run's later views can take. json unless a GPU server kept the run as "
+    "the u8 or f16 bytes that crossed from its device; a more precise view then needs the text posted "
+    "again in that format (otherwise 422 kept_quantised)"
+)
 Keep = Literal["auto", "weights", "qk"]
 
 
@@ -145,6 +150,7 @@ class AttentionResponse(BaseModel):
         description="weights: `attention` holds them. qk: the run kept queries and keys; `attention` is null "
         "and `links` names the routes that serve its heads"
     )
+    precision: Format = Field(description=PRECISION_DOC)
     attention: AttentionData | None
     links: RunLinks | None = Field(None, description="qk runs only: URL templates of the run's routes")
     predictions: dict[str, list[PredictionOut]] | None = Field(
@@ -174,6 +180,7 @@ class AttentionResponse(BaseModel):
                     "layers": [0],
                     "heads": [0],
                     "kept": "weights",
+                    "precision": "json",
                     "attention": {
                         "format": "u8",
                         "dtype": "uint8",
@@ -720,6 +727,7 @@ class RunInfo(BaseModel):
     tokens: list[TokenOut]
     truncated: bool
     kept: Literal["weights", "qk"]
+    precision: Format = Field(description=PRECISION_DOC)
     shapes: dict[str, list[int]] = Field(description="What the run holds: attention [L, H, T, T] (weights), "
                                                      "or queries [L, H, T, d] and keys [L, KV, T, d] (qk)")
     nbytes: int = Field(description="Bytes the run holds in the server's run cache")
@@ -731,7 +739,7 @@ class RunInfo(BaseModel):
         "n_kv_heads": 2, "n_tokens": 2,
         "tokens": [{"text": "I", "id": 73, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"},
                    {"text": "n", "id": 110, "start": 1, "end": 2, "special": False, "segment": 0, "piece": "n"}],
-        "truncated": False, "kept": "qk", "shapes": {"queries": [2, 4, 2, 32], "keys": [2, 2, 2, 32]}, "nbytes": 4128,
+        "truncated": False, "kept": "qk", "precision": "json", "shapes": {"queries": [2, 4, 2, 32], "keys": [2, 2, 2, 32]}, "nbytes": 4128,
         "dense_max_tokens": 1024,
         "links": {"run": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f",
                   "tile": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f/tile?layer={layer}&head={head}&q0={q0}&q1={q1}"

@@ -208,6 +208,9 @@ class RemoteResult:
     predictions: dict[int, list[Prediction]] | None = None
     # "qk": a long input whose run kept queries and keys; read it with tile/topk/overview.
     kept: str = "weights"
+    # The most precise format the server's run can serve later views in ("json", "f16", "u8"): a
+    # GPU server keeps a u8 answer's run as its bytes; a more precise view means posting again.
+    precision: str = "json"
 
     def head(self, layer: int, head: int) -> np.ndarray:
         """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it."""
@@ -310,6 +313,7 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         attention=array,
         format=None if fields["attention"] is None else fields["attention"]["format"],
         kept=fields.get("kept", "weights"),
+        precision=fields.get("precision", "json"),
         device=fields["device"],
         timing_ms=fields["timing_ms"],
         request=request,
@@ -512,21 +516,26 @@ class Client:
         format: str | None = None,
     ) -> RemoteResult:
         """Other layers/heads of a run from the server's run cache. Given a result (not a bare
-        run id), a run the server no longer holds is recomputed from the request that made it."""
+        run id), a run the server no longer holds, or holds at less precision than `format` (a GPU
+        server keeps a u8 answer's run as its bytes: 422 kept_quantised), is recomputed from the
+        request that made it."""
         run_id = run if isinstance(run, str) else run.run_id
         params = {"format": format or self.format, **selection(layers, heads)}
+        again = not isinstance(run, str) and run.request is not None
+        # Asked even where `run.precision` is too coarse: another request may have made the run
+        # finer since, and a refusal costs less than a needless forward pass.
         try:
             [(fields, array)] = decode_body(self._send("GET", f"/api/v1/runs/{quote(run_id, safe='')}/attention", params=params))
-        except NotFound as exc:
-            if exc.code != "unknown_run" or isinstance(run, str) or run.request is None:
+            return to_result(fields, array, run.request if again else None)
+        except (NotFound, InvalidRequest) as exc:
+            if exc.code not in ("unknown_run", "kept_quantised") or not again:
                 raise
-            body = {**run.request, "format": params["format"]}
-            body.pop("layers", None)
-            body.pop("heads", None)
-            body.update({k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None})
-            [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
-            return to_result(fields, array, run.request)
-        return to_result(fields, array, None if isinstance(run, str) else run.request)
+        body = {**run.request, "format": params["format"]}
+        body.pop("layers", None)
+        body.pop("heads", None)
+        body.update({k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None})
+        [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
+        return to_result(fields, array, run.request)
 
     def generate(
         self,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from manyeyes.app.services.device import KEPT_FORMAT
 from manyeyes.model.attention import Capture, bin_edges
 from manyeyes.model.runtime import MAX_TOP_K
 from manyeyes.model.tokenizer import Token
@@ -42,6 +43,12 @@ class Run:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def precision(self) -> str:
+        """The most precise format this run's views can take: a GPU server keeps a u8 (f16) answer's
+        run as the bytes that crossed from the device; queries and keys rebuild any format."""
+        return "json" if self.attention is None else KEPT_FORMAT[self.attention.dtype]
 
     @property
     def nbytes(self) -> int:

@@ -132,6 +132,7 @@ def result_fields(run: Run, info, view: View, predictions: dict | None = None) -
         "layers": view.layers,
         "heads": view.heads,
         "kept": run.kind,
+        "precision": run.precision,
     }
     after = {"device": info.device}
     if predictions is not None:

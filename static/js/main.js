@@ -12,7 +12,7 @@ import { LongHeadView, QUERIES } from "./long_headview.js";
 import { LongRun, longCaption, longControls, openLongRun, paintOverview } from "./long_run.js";
 import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
-import { AttentionRun } from "./run.js";
+import { AttentionRun, holdsFor } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenLabels } from "./tokens.js";
 import { isIdentity, viewOf } from "./transform.js";
@@ -125,20 +125,30 @@ function labels() {
 
 // One request for this run; if the server's cache dropped the run, the same text is posted again
 // (cheaply: one head of one layer) and the request repeated. A GPU server keeps a u8 run as the
-// bytes that crossed from the device and refuses more precise slices of it (422 kept_quantised):
-// then `reposted` asks the same again by posting the text at the precision it needs.
+// bytes that crossed from the device (its answer's `precision` says so) and refuses more precise
+// slices of it (422 kept_quantised): then `reposted.post` asks for the same by posting the text in
+// the format it needs, `reposted.format`, and the run the server keeps from then on holds it.
 async function fromRun(run, key, fetcher, reposted = null) {
   const pending = state.pending; // this run's own: a newer run gets a fresh set
   if (pending.has(key)) return null;
   pending.add(key);
+  const repost = async () => {
+    const answer = await reposted.post();
+    run.precision = answer.precision;
+    return answer;
+  };
   try {
+    if (reposted && !holdsFor(run.precision, reposted.format)) return await repost();
     try {
       return await fetcher(run.runId);
     } catch (err) {
-      if (reposted && err.code === "kept_quantised") return await reposted();
+      // Evicted meanwhile, and posted again as u8 by another client of the same text.
+      if (reposted && err.code === "kept_quantised") return await repost();
       if (err.status !== 404) throw err;
       const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "u8" }, state.controller.signal);
       run.runId = again.run_id;
+      run.precision = again.precision;
+      if (reposted && !holdsFor(run.precision, reposted.format)) return await repost();
       return await fetcher(run.runId);
     }
   } catch (err) {
@@ -173,7 +183,7 @@ function u8Pending() {
 async function loadExact(layer) {
   const run = state.run;
   const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal),
-    () => postAttention({ ...state.request, layers: [layer], format: "f16" }, state.controller.signal));
+    { format: "f16", post: () => postAttention({ ...state.request, layers: [layer], format: "f16" }, state.controller.signal) });
   if (!slice || state.run !== run) return;
   run.ingest(slice);
   if (state.aggregate !== "all" && state.layer === layer) renderViews();

@@ -12,6 +12,7 @@ import { HeadFinder } from "./finder.js";
 import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
+import { holdsFor } from "./run.js";
 import { MASKED, colorTable, onThemeChange } from "./theme.js";
 import { tokenLabels } from "./tokens.js";
 
@@ -112,16 +113,20 @@ class Measures {
     }, { rootMargin: `${SEEN_MARGIN_PX}px 0px` }).observe($("measures"));
   }
 
-  // GET a run's measure; a run the server evicted is posted again (same id) and asked once more.
-  // A GPU server keeps the page's u8 run as the bytes that crossed from the device and will not
-  // slice float32 from them (422 kept_quantised): posting the text again at float32 recomputes it.
+  // A GPU server keeps the page's u8 run as the bytes that crossed from the device (the run's
+  // `precision` says so) and will not slice float32 from them (422 kept_quantised): posting the
+  // text again at float32 recomputes it, and the server keeps that run from then on.
   async rawWeights(layer, head) {
-    try {
-      return matrixOf((await this.get(`attention?layers=${layer}&heads=${head}&format=json`)).attention);
-    } catch (err) {
-      if (!(err instanceof ApiError && err.code === "kept_quantised")) throw err;
+    if (holdsFor(this.run.precision, "json")) {
+      try {
+        return matrixOf((await this.get(`attention?layers=${layer}&heads=${head}&format=json`)).attention);
+      } catch (err) {
+        if (!(err instanceof ApiError && err.code === "kept_quantised")) throw err;
+      }
     }
-    return matrixOf((await this.post({ layers: [layer], heads: [head], format: "json" })).attention);
+    const answer = await this.post({ layers: [layer], heads: [head], format: "json" });
+    this.run.precision = answer.precision;
+    return matrixOf(answer.attention);
   }
 
   async get(path) {

@@ -13,7 +13,14 @@ export function runHeader(response) {
     truncated: response.truncated,
     T: response.tokens.length,
     hasPair: response.tokens.some((t) => t.segment === 1),
+    precision: response.precision ?? "json",
   };
+}
+
+// Whether views of a run kept at `precision` (its answer's `precision`) can be had in `format`.
+const PRECISION = { json: 0, f16: 1, u8: 2 };
+export function holdsFor(precision, format) {
+  return PRECISION[precision] <= PRECISION[format];
 }
 
 export class AttentionRun {

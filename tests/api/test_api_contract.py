@@ -33,8 +33,9 @@ def test_attention_json_matches_the_model(api, minilm):
     body = r.json()
     assert set(body) == {
         "run_id", "model", "causal", "n_layers", "n_heads", "tokens", "truncated", "layers", "heads", "kept",
-        "attention", "device", "timing_ms",
+        "precision", "attention", "device", "timing_ms",
     }
+    assert body["kept"] == "weights" and body["precision"] == "json"
     expected = minilm.attend(TEXT)
     assert body["model"] == "minilm" and body["causal"] is False and body["truncated"] is False
     assert (body["n_layers"], body["n_heads"], body["device"]) == (6, 12, "cpu")

@@ -296,15 +296,15 @@ def test_the_python_client_reads_tiles_topk_and_overview(tiles_api):
 
 # ---------------------------------------------------------------------------- the short path is unchanged
 def test_short_answers_are_todays_bytes_plus_kept(tiles_api):
-    """keep absent, auto and weights give the same answer; removing `"kept":"weights",` leaves
-    the contract's fields in its order, with the model's weights."""
+    """keep absent, auto and weights give the same answer; removing `"kept":"weights",` and
+    `"precision":"json",` leaves the contract's fields in its order, with the model's weights."""
     answers = []
     for keep in (None, "auto", "weights"):
         body = {"text": SHORT, "model": "tiny-gpt", "format": "u8"} | ({"keep": keep} if keep else {})
         r = tiles_api.post("/api/v1/attention", json=body)
         assert r.status_code == 200 and r.headers["content-type"] == "application/vnd.manyeyes+json"
         answers.append(r.content)
-    strip = [a.replace(b'"kept":"weights",', b"", 1) for a in answers]
+    strip = [a.replace(b'"kept":"weights","precision":"json",', b"", 1) for a in answers]
     parsed = [orjson.loads(s) for s in strip]
     assert [list(p) for p in parsed] == [[
         "run_id", "model", "causal", "n_layers", "n_heads", "tokens", "truncated", "layers", "heads",
@@ -312,7 +312,7 @@ def test_short_answers_are_todays_bytes_plus_kept(tiles_api):
     ]] * 3
     without_timing = [s[:s.index(b'"timing_ms"')] for s in strip]
     assert without_timing[0] == without_timing[1] == without_timing[2]
-    assert b'"heads":[0,1,2,3,4,5,6,7],"kept":"weights","attention":{"format":"u8"' in answers[0]
+    assert b'"heads":[0,1,2,3,4,5,6,7],"kept":"weights","precision":"json","attention":{"format":"u8"' in answers[0]
     weights = model_of(tiles_api, "tiny-gpt").attend(SHORT).attention
     want = (weights * 255).round().to(dtype=__import__("torch").uint8).numpy().tobytes()
     assert base64.b64decode(parsed[0]["attention"]["data"]) == want

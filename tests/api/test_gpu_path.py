@@ -277,3 +277,22 @@ def test_tiles_and_topk_of_a_quantised_run_are_refused_in_formats_its_bytes_cann
             if status == 422:
                 assert r.json()["error"]["code"] == "kept_quantised" and f"format={fmt}" in r.json()["error"]["message"]
     assert client.get(f"/api/v1/runs/{run_id}").status_code == 200
+
+
+def test_answers_say_the_precision_their_run_is_kept_at(api, on_device_quantised):
+    """The page asked a quantised run for f16 and float32 slices first and was refused (422) every
+    time before posting the text again: the answer now says what its run can serve."""
+    text = "The heron stood still in the shallow water."
+    first = on_device_quantised.post("/api/v1/attention", json={"text": text, "format": "u8", "layers": [0]}).json()
+    run_id = first["run_id"]
+    assert first["precision"] == "u8" and on_device_quantised.get(f"/api/v1/runs/{run_id}").json()["precision"] == "u8"
+    for fmt in ("f16", "json"):  # each more precise post replaces the run, so its views can follow
+        again = on_device_quantised.post("/api/v1/attention", json={"text": text, "format": fmt, "layers": [0]}).json()
+        assert again["run_id"] == run_id and again["precision"] == fmt
+        assert on_device_quantised.get(f"/api/v1/runs/{run_id}").json()["precision"] == fmt
+        r = on_device_quantised.get(f"/api/v1/runs/{run_id}/attention", params={"format": fmt, "layers": "0"})
+        assert r.status_code == 200, r.text
+    # A less precise post is served by the more precise run, which stays.
+    assert on_device_quantised.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()["precision"] == "json"
+    # The CPU server keeps float32 for every format.
+    assert api.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()["precision"] == "json"

@@ -290,7 +290,11 @@ def test_measure_export_carries_its_labels_cells_and_caption(ran):
 
 def test_measures_on_a_server_that_quantises_on_the_device(page, tiny_api):
     """A GPU server keeps the page's u8 runs as bytes: the exact (f16) focus and the raw measure
-    (float32) were refused with 422s shown as errors, and the other measures read bytes as weights."""
+    (float32) were refused with 422s shown as errors, and the other measures read bytes as weights.
+    Then each was asked first and refused before the page posted the text again: the answer's
+    `precision` now says what the run can serve, and the page asks for nothing it cannot."""
+    failed = []
+    page.on("response", lambda r: failed.append((r.status, r.url)) if r.status >= 400 else None)
     with serving({"tiny-gpt": "tiny-gpt"}, env={"MANYEYES_DEVICE_QUANTISE": "true"}) as base:
         open_page(page, base)
         with httpx.Client(base_url=base, timeout=60) as quantised:
@@ -316,3 +320,4 @@ def test_measures_on_a_server_that_quantises_on_the_device(page, tiny_api):
         assert max(abs(a - b) for zr, wr in zip(z, want) for a, b in zip(zr, wr)) < 1e-5
         assert page.locator("#measure-status").text_content() == ""
         assert page.locator("#error").is_hidden()
+        assert failed == []

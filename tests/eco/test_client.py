@@ -265,3 +265,35 @@ def test_a_run_id_stays_one_path_segment_and_an_empty_selection_is_refused():
         assert asked[0].startswith("/api/v1/runs/..%2F..%2Fetc/attention"), asked
         with pytest.raises(ValueError, match="layers is empty"):
             mocked.slice("abc", layers=[])
+
+
+class Recording(httpx.HTTPTransport):
+    def __init__(self):
+        super().__init__()
+        self.sent = []
+
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        self.sent.append((request.method, request.url.path, response.status_code))
+        return response
+
+
+def test_a_slice_more_precise_than_a_quantised_run_is_posted_again(local):
+    """A GPU server keeps a u8 answer's run as its bytes and refuses a float32 slice of it (422
+    kept_quantised): slice() raised it; given the result, it now posts the text again."""
+    transport = Recording()
+    with live_server(device_quantise="true") as base, Client(base, transport=transport) as client:
+        coarse = client.attention(TEXT, format="u8")
+        assert coarse.precision == "u8"
+        fine = client.slice(coarse, layers=[1], heads=[2], format="json")
+        np.testing.assert_allclose(fine.head(1, 2), local[1, 2], atol=1e-6, rtol=0)
+        assert fine.precision == "json" and fine.run_id == coarse.run_id
+        assert [(method, status) for method, _, status in transport.sent] == [("POST", 200), ("GET", 422), ("POST", 200)]
+        # The run now held at float32 serves any format from the cache, asked through either result.
+        for result in (coarse, fine):
+            assert client.slice(result, layers=[0], format="f16").precision == "json"
+            assert transport.sent[-1] == ("GET", f"/api/v1/runs/{coarse.run_id}/attention", 200)
+        # A bare run id has no request to post again: the server's refusal is the caller's.
+        with pytest.raises(InvalidRequest) as refused:
+            client.slice(client.attention("Another text.", format="u8").run_id, format="f16")
+        assert refused.value.code == "kept_quantised"
