@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from manyeyes.app.services.attention import AttentionService
+from manyeyes.app.services.errors import InvalidInput, brief
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.measures import MeasuresService
 from manyeyes.app.services.metrics import Metrics
@@ -48,3 +49,29 @@ MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 GenerationDep = Annotated[GenerationService, Depends(get_generation)]
 TilesDep = Annotated[TileService, Depends(get_tiles)]
 MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]
+
+
+def _query_names(dependant) -> set[str]:
+    """The query parameters a route declares, its dependencies' included."""
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def known_query(request: Request) -> None:
+    """An API route refuses query parameters it does not take: `?layer=0` for `?layers=0` was
+    ignored, and the answer was every layer with nothing to say the filter had not applied."""
+    if not request.scope.get("query_string"):
+        return
+    route = request.scope["route"]
+    declared = getattr(route, "query_names", None)
+    if declared is None:
+        declared = route.query_names = frozenset(_query_names(route.dependant))
+    unknown = sorted({name for name in request.query_params if name not in declared})
+    if unknown:
+        takes = ", ".join(sorted(declared)) or "none"
+        raise InvalidInput(
+            f"unknown query parameter{'s' if len(unknown) > 1 else ''} {', '.join(repr(brief(n)) for n in unknown[:8])} "
+            f"for {request.method} {route.path}; it takes: {takes}"
+        )

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
@@ -19,6 +19,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
+from manyeyes.app.deps import known_query
 from manyeyes.app.memory import tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
@@ -127,7 +128,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     add_error_handlers(app)
     for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
-        app.include_router(module.router)
+        # /export is left out: it reads the page's permalink, whose other parameters are the page's.
+        api = module.router.prefix.startswith("/api/")
+        app.include_router(module.router, dependencies=[Depends(known_query)] if api else None)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -93,6 +93,25 @@ def test_unknown_model_run_and_route_are_404(api):
     assert err["code"] == "method_not_allowed"
 
 
+def test_query_parameters_an_api_route_does_not_take_are_422(api):
+    """`?layer=0` for `?layers=0` was ignored: the answer held every layer and did not say so."""
+    run_id = api.post("/api/v1/attention", json={"text": "Typos.", "format": "u8"}).json()["run_id"]
+    err = error_of(api.get(f"/api/v1/runs/{run_id}/attention", params={"layer": 0, "format": "u8"}), 422)
+    assert err["code"] == "invalid_request"
+    assert "'layer'" in err["message"] and "format, heads, layers" in err["message"], err["message"]
+    err = error_of(api.get(f"/api/v1/runs/{run_id}/tile", params={"layer": 0, "head": 0, "zoom": 2, "q": "x" * 500}), 422)
+    assert "'q'" in err["message"] and "'zoom'" in err["message"] and len(err["message"]) < 300
+    err = error_of(api.post("/api/v1/attention", params={"format": "u8"}, json={"text": "Typos."}), 422)
+    assert "'format'" in err["message"] and "takes: none" in err["message"]
+    error_of(api.get("/api/v1/models", params={"verbose": 1}), 422)
+    # What the routes declare still works, and routes outside /api (probes, the page) take anything.
+    every = {"layer": 0, "head": 0, "q0": 0, "q1": 3, "k0": 0, "k1": 3, "rows": 3, "cols": 3, "pool": "max", "format": "json"}
+    assert api.get(f"/api/v1/runs/{run_id}/tile", params=every).status_code == 200
+    assert api.get(f"/api/v1/runs/{run_id}/attention", params={"layers": "0", "heads": "1", "format": "f16"}).status_code == 200
+    assert api.get("/healthz", params={"probe": 1}).status_code == 200
+    assert api.get("/", params={"text": "hi", "utm_source": "x"}).status_code == 200
+
+
 def test_bad_slice_parameters_are_422(api):
     run_id = api.post("/api/v1/attention", json={"text": "Slices.", "format": "u8"}).json()["run_id"]
     for query, needle in (("layers=a", "integers"), ("heads=99", "head 99"), ("format=bmp", "format"),
