@@ -6,6 +6,7 @@ from typing import Annotated
 import orjson
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import StringConstraints
+from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep
@@ -46,12 +47,14 @@ async def run_measures(
     run, served = service.run(run_id)
     found = await service.matrices(run, served, asked, layer_list, head_list, format, client_of(request))
     info = served.model.info
-    return json_response({
+    body = {
         "run_id": run_id, "model": run.model,
         "layers": layer_list if layer_list is not None else list(range(info.n_layers)),
         "heads": head_list if head_list is not None else list(range(info.n_heads)),
         "measures": found,
-    })
+    }
+    # Off the event loop: at T=512 the matrices are tens of MB, and every other request waited.
+    return Response(await run_in_threadpool(orjson.dumps, body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 
 @router.get("/flow", response_model=FlowResponse, responses=ERRORS)
