@@ -201,7 +201,8 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     # its goals are not expected to hold (exit 1 says MISSED), but every request must succeed.
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4"],
+        [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4",
+         "--batch", "8"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-3000:]
