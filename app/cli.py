@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from manyeyes.model.errors import ModelLoadError, TooLongError
@@ -145,23 +146,48 @@ def cmd_serve(args) -> int:
     if warning:
         print(warning, file=sys.stderr)
     if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
-        from manyeyes.scale import serve_replicas
+        try:
+            from manyeyes.scale import serve_replicas
+        except ImportError as exc:  # without the scale extra: its one line, not a traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
         return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
+    # Bound before anything is said or loaded: a port in use was announced as served, then the
+    # interpreter aborted (exit 134) with the model loader's thread still inside torch.
+    try:
+        sock = _listening_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     # Our own middleware writes one structured line per request, so uvicorn's access log is off.
     # On SIGTERM uvicorn stops accepting at once and lets in-flight requests finish, then cancels
     # what is left and runs the lifespan's shutdown. The grace period bounds the whole exit, so
     # the drain gets all of it but a second kept for that shutdown and the interpreter's exit.
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings), host=args.host, port=args.port, access_log=False, log_level=args.log_level,
         # uvicorn would believe X-Forwarded-For from loopback by default; the app decides whom
         # to believe (MANYEYES_TRUSTED_PROXIES), so uvicorn must pass the real peer through.
         proxy_headers=False,
         timeout_graceful_shutdown=max(settings.shutdown_grace_s - 1.0, 0.0),
     )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts reuse the port
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _port(value: str) -> int:

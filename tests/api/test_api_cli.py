@@ -39,25 +39,50 @@ def test_serve_adds_model_flags_to_the_builtin_default(monkeypatch):
     import uvicorn
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+
+    def run(server, sockets):
+        seen.update(config=server.config, bound=[sock.getsockname() for sock in sockets])
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setenv("MANYEYES_EXTRA_MODELS", "env-one=/models/a")
-    assert main(["serve", "--port", "8123", "--model", "mine=/models/b.pth?config=gpt2-small", "--model", "minilm2=minilm"]) == 0
-    settings = seen["app"].state.settings
+    port = free_port()
+    assert main(["serve", "--port", str(port), "--model", "mine=/models/b.pth?config=gpt2-small", "--model", "minilm2=minilm"]) == 0
+    settings = seen["config"].app.state.settings
     assert settings.all_models() == {
         "minilm": "minilm", "tiny-gpt": "tiny-gpt", "tiny-llama": "tiny-llama",
         "env-one": "/models/a", "mine": "/models/b.pth?config=gpt2-small", "minilm2": "minilm",
     }
     assert settings.default_model_id() == "minilm"
-    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
+    assert seen["bound"] == [("127.0.0.1", port)] and not seen["config"].proxy_headers
     with pytest.raises(SystemExit):
         main(["serve", "--model", "=nothing"])
 
 
-@pytest.mark.slow
-def test_manyeyes_serve_answers_the_contract():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits_1():
+    """It announced the server, then aborted (exit 134, "terminate called without an active
+    exception") with the model loader's thread inside torch."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_DEVICE": "cpu"}
+        done = subprocess.run([sys.executable, "-m", "manyeyes", "serve", "--port", str(port)], env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", done.stderr
+
+
+@pytest.mark.slow
+def test_manyeyes_serve_answers_the_contract():
+    port = free_port()
     env = {**os.environ, "MANYEYES_MODELS": '{"minilm": "minilm"}', "MANYEYES_DEVICE": "cpu"}
     cmd = [sys.executable, "-c", "from manyeyes.app.cli import main; main()", "serve", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -82,3 +107,11 @@ def test_manyeyes_serve_answers_the_contract():
         proc.wait(timeout=20)
     log = proc.stdout.read().decode()
     assert '"route":"/api/v1/attention"' in log and body["run_id"] in log  # one structured line per request
+
+
+def test_serve_replicas_without_the_scale_extra_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "manyeyes.scale", raising=False)
+    assert main(["serve", "--replicas", "2", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: Ray Serve is not installed: pip install 'manyeyes[scale]'\n", err

@@ -108,7 +108,7 @@ def test_serve_stops_with_one_line_on_an_unusable_key_file(monkeypatch, tmp_path
 
     from manyeyes.app.cli import main
 
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("the server started"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("the server started"))
     monkeypatch.setenv("MANYEYES_API_KEYS_FILE", str(tmp_path / "missing.txt"))
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
