@@ -11,7 +11,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY manyeyes ./manyeyes
 COPY app ./app
 COPY model ./model
@@ -30,7 +30,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # torch first, from the chosen index, so pyproject's torch range is met and nothing else pulls a build.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/manyeyes-*.whl && rm -rf /wheels
+# The pin again, so that no dependency's range can swap that build for another one from PyPI.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" /wheels/manyeyes-*.whl && rm -rf /wheels
 
 # A numeric, unprivileged user: Kubernetes' runAsNonRoot can verify it without a passwd lookup.
 RUN groupadd --system --gid 10001 manyeyes \

@@ -27,6 +27,8 @@ def test_torch_is_pinned_to_the_readmes_version():
     assert f"ARG TORCH_VERSION={readme_pin}" in DOCKERFILE
     assert '"torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"' in DOCKERFILE
     assert "ARG TORCH_VARIANT=cpu" in DOCKERFILE and "TORCH_VARIANT=cu" in DOCKERFILE
+    # Pinned again beside the wheel: a dependency's range could otherwise swap in PyPI's build.
+    assert '"torch==${TORCH_VERSION}" /wheels/manyeyes-*.whl' in DOCKERFILE
 
 
 def test_healthcheck_user_and_ignore_file():
@@ -37,4 +39,4 @@ def test_healthcheck_user_and_ignore_file():
     assert {".git", "tests", "bench", ".venv", "test-artifacts"} <= set(ignored)
     copied = re.findall(r"^COPY (?!--from)(.+) \S+$", DOCKERFILE, re.M)
     sources = {s for line in copied for s in line.split()}
-    assert not sources & set(ignored) and {"manyeyes", "app", "model", "templates", "static"} <= sources
+    assert not sources & set(ignored) and {"manyeyes", "app", "model", "templates", "static", "LICENSE"} <= sources

@@ -135,3 +135,13 @@ def test_a_users_app_and_model_py_do_not_collide_installed(venv, tmp_path):
 def test_a_users_app_and_model_py_do_not_collide_from_the_checkout(tmp_path):
     env = {**clean_env(), "PYTHONPATH": str(ROOT)}
     check_from_user_dir(sys.executable, tmp_path, env, [sys.executable, "-m", "manyeyes"])
+
+
+def test_the_wheel_carries_its_license(dist):
+    """pyproject's license was a TOML table, which setuptools stops building on 2027-02-18, and no
+    LICENSE file shipped with the wheel."""
+    [wheel] = dist.glob("*.whl")
+    archive = zipfile.ZipFile(wheel)
+    [metadata] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    assert "License-Expression: MIT" in archive.read(metadata).decode().splitlines()
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in archive.namelist())
