@@ -190,6 +190,15 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("manyeyes")
+    except PackageNotFoundError:  # a checkout on sys.path, never installed
+        return "(not installed)"
+
+
 def _port(value: str) -> int:
     port = int(value) if value.isascii() and value.isdigit() else -1
     if not 1 <= port <= 65535:
@@ -314,6 +323,7 @@ def add_export_command(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="manyeyes", description="See what every attention head does.")
+    parser.add_argument("--version", action="version", version=f"manyeyes {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     attend = sub.add_parser("attend", help="print the attention of one head for a sentence")

@@ -13,15 +13,25 @@ _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "model" / "attention.py").is_file():
     __path__.append(str(_checkout))  # noqa: F821 (a package's __path__)
 
-from manyeyes.model import (  # noqa: E402
-    AttentionModel,
-    AttentionResult,
-    Capture,
-    ModelInfo,
-    ModelLoadError,
-    TooLongError,
-    load,
-)
-from manyeyes.client import Client  # noqa: E402
+# Imported on first use (PEP 562): `from manyeyes import Client` is a thin HTTP client and took
+# 3.4 s importing torch for the local model it never used.
+_LAZY = {
+    **dict.fromkeys(("AttentionModel", "AttentionResult", "Capture", "ModelInfo", "ModelLoadError", "TooLongError", "load"),
+                    "manyeyes.model"),
+    "Client": "manyeyes.client",
+}
+__all__ = sorted(_LAZY)
 
-__all__ = ["AttentionModel", "AttentionResult", "Capture", "Client", "ModelInfo", "ModelLoadError", "TooLongError", "load"]
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'manyeyes' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

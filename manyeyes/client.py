@@ -50,6 +50,10 @@ class InvalidRequest(ManyeyesError):
     """422: blank text, a layer or head the model lacks, too long without truncate (code too_long)."""
 
 
+class Unauthorized(ManyeyesError):
+    """401 unauthorized: the server asks for an API key (Client(api_key=...)) and got none, or a wrong one."""
+
+
 class NotFound(ManyeyesError):
     """404: unknown_model, unknown_run (evicted: post the text again) or not_found."""
 
@@ -79,7 +83,7 @@ class GenerationFailed(ManyeyesError):
     200 and the steps before it (code generation_failed; the message says why)."""
 
 
-ERRORS_BY_STATUS = {422: InvalidRequest, 404: NotFound, 413: TooLarge, 429: Overloaded, 503: NotReady, 504: ServerTimeout}
+ERRORS_BY_STATUS = {401: Unauthorized, 422: InvalidRequest, 404: NotFound, 413: TooLarge, 429: Overloaded, 503: NotReady, 504: ServerTimeout}
 
 
 def error_from_response(response: httpx.Response) -> ManyeyesError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -115,3 +116,9 @@ def test_serve_replicas_without_the_scale_extra_is_one_line(monkeypatch, capsys)
     assert main(["serve", "--replicas", "2", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert err == "error: Ray Serve is not installed: pip install 'manyeyes[scale]'\n", err
+
+
+def test_version_names_the_installed_package(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and re.fullmatch(r"manyeyes \d+\.\d+\.\d+\n", capsys.readouterr().out)

@@ -105,6 +105,16 @@ def test_the_api_key_is_sent_as_a_bearer_token():
     assert seen["auth"] == "Bearer s3cret"
 
 
+def test_a_401_is_its_own_error_type():
+    from manyeyes.client import Unauthorized
+
+    refuse = httpx.MockTransport(lambda request: httpx.Response(
+        401, json={"error": {"code": "unauthorized", "message": "this server needs an API key"}}))
+    with Client("http://locked", transport=refuse) as c, pytest.raises(Unauthorized) as err:
+        c.models()
+    assert (err.value.status, err.value.code) == (401, "unauthorized") and isinstance(err.value, ManyeyesError)
+
+
 def test_429_is_retried_after_retry_after_then_raised():
     # Room for one input and a slow forward: a second request at the same time gets 429.
     with live_server(max_queue=1, debug_forward_delay_s=1.5, warmup="false") as base:
@@ -297,3 +307,16 @@ def test_a_slice_more_precise_than_a_quantised_run_is_posted_again(local):
         with pytest.raises(InvalidRequest) as refused:
             client.slice(client.attention("Another text.", format="u8").run_id, format="f16")
         assert refused.value.code == "kept_quantised"
+
+
+def test_the_client_imports_without_torch(tmp_path):
+    """`from manyeyes import Client` imported torch (3.4 s) for a local model it never used."""
+    import subprocess
+    import sys
+
+    probe = "import sys; from manyeyes import Client; print(sorted(m for m in ('torch', 'tokenizers', 'fastapi') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    from manyeyes import load  # the rest of the package's names still come from it
+
+    assert load.__module__.startswith("manyeyes.model")
