@@ -333,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="minilm",
         help="built-in name, Hugging Face id (gpt2, org/name@revision), local folder or book .pth (default: minilm)",
     )
-    attend.add_argument("--layer", type=int, default=0)
-    attend.add_argument("--head", type=int, default=0)
+    attend.add_argument("--layer", type=int, default=0, help="layer of the head shown (default 0)")
+    attend.add_argument("--head", type=int, default=0, help="head shown (default 0)")
     attend.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
     attend.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     attend.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
@@ -358,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.set_defaults(func=cmd_train)
 
     serve = sub.add_parser("serve", help="run the attention API and the browser visualizer")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     serve.add_argument(
         "--model", action="append", type=_model_flag, default=[], metavar="ID=PATH_OR_SPEC",
         help="serve another model (repeatable): a Hugging Face id (gpt2, org/name@revision), a folder or a "

@@ -72,7 +72,16 @@ def weights_of(result) -> Weights:
     attention = np.asarray(attention, dtype=np.float32)
     layers = list(getattr(result, "layers", None) or range(attention.shape[0]))
     heads = list(getattr(result, "heads", None) or range(attention.shape[1]))
-    return Weights(attention, layers, heads, [t.text for t in result.tokens])
+    return Weights(attention, layers, heads, [visible_spaces(t.text) for t in result.tokens])
+
+
+VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
+
+
+def visible_spaces(text: str) -> str:
+    """As the page labels tokens (static/js/tokens.js): a space token was a blank tick label."""
+    return "".join(VISIBLE.get(ch) or (f"‹{ord(ch):02X}›" if ch.isspace() or ord(ch) < 32 or ord(ch) == 127 else ch)
+                   for ch in text)
 
 
 def _ticks(tokens: list[str], max_ticks: int = 48) -> dict:

@@ -32,7 +32,7 @@ def test_heatmap_shows_the_heads_weights_with_token_labels(request, local, kind)
     fig = figures.heatmap(result, layer=1, head=0)
     trace = fig.data[0]
     np.testing.assert_allclose(np.asarray(trace.z), local.attention[1, 0].numpy(), atol=1e-5)
-    texts = [t.text for t in local.tokens]
+    texts = [t.text.replace(" ", "␣") for t in local.tokens]  # spaces shown, as the page shows them
     assert list(fig.layout.xaxis.ticktext) == [texts[i] for i in fig.layout.xaxis.tickvals]
     assert len(fig.layout.xaxis.tickvals) <= 48
     assert trace.customdata[2][5].tolist() == [texts[2], texts[5]] and "→" in trace.hovertemplate
@@ -96,3 +96,14 @@ def test_example_notebook_runs_headless(server):
     html = "".join(str(o.get("data", {}).get("text/html", "")) for o in outputs)
     assert "window.Plotly = Plotly" in html and not re.search(r"""src=["']https?://""", html)
     assert not re.search(r"require\.config\([^)]*https?://", html)
+
+
+def test_whitespace_tokens_are_labelled_as_the_page_labels_them():
+    """A space token (tiny-gpt splits them off) was a blank tick label; the page shows ␣."""
+    from types import SimpleNamespace
+
+    from manyeyes.figures import weights_of
+
+    tokens = [SimpleNamespace(text=t) for t in ("a", " ", "\n", "b\tc", "\x00")]
+    result = SimpleNamespace(attention=np.full((1, 1, 5, 5), 0.2, dtype=np.float32), layers=[0], heads=[0], tokens=tokens)
+    assert weights_of(result).tokens == ["a", "␣", "↵", "b⇥c", "‹00›"]
