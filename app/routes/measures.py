@@ -54,7 +54,7 @@ async def run_measures(
         "measures": found,
     }
     # Off the event loop: at T=512 the matrices are tens of MB, and every other request waited.
-    return Response(await run_in_threadpool(orjson.dumps, body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+    return await run_in_threadpool(json_response, body)
 
 
 @router.get("/flow", response_model=FlowResponse, responses=ERRORS)
