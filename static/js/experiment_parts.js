@@ -84,7 +84,13 @@ export function rankingTable(ranking, { limit = 12, onPick, caption } = {}) {
     ]);
     if (onPick) {
       tr.addEventListener("click", () => onPick(c.layer, c.head));
-      tr.addEventListener("keydown", (e) => e.key === "Enter" && onPick(c.layer, c.head));
+      tr.setAttribute("role", "button");
+      tr.setAttribute("aria-label", `Focus layer ${c.layer} head ${c.head} (rank ${i + 1}, ${c.divergence.toFixed(4)} bits)`);
+      tr.addEventListener("keydown", (e) => {
+        if (e.key !== "Enter" && e.key !== " ") return;
+        e.preventDefault(); // Space would scroll the page
+        onPick(c.layer, c.head);
+      });
     }
     return tr;
   });

@@ -172,7 +172,9 @@ async function changeToken(input, index) {
     const inB = new Set(reply.pairs.map((p) => p[1]));
     const line = (tokens, kept, name) => el("div", { className: "aligned-line" }, [
       el("span", { className: "line-name", text: name }),
-      ...tokens.map((t, i) => el("span", { className: `chip${kept.has(i) ? "" : " unaligned"}`, text: pieceLabel(t) })),
+      // Unaligned tokens say so in words too, not only by their red border.
+      ...tokens.map((t, i) => el("span", { className: `chip${kept.has(i) ? "" : " unaligned"}`, text: pieceLabel(t) },
+        kept.has(i) ? [] : [el("span", { className: "visually-hidden", text: " (unaligned)" })])),
     ]);
     $("token-result").replaceChildren(
       line(reply.tokens_a, inA, "Before"), line(reply.tokens_b, inB, "After"),
@@ -199,7 +201,7 @@ function buildAblation() {
   clear.addEventListener("click", restoreAll);
   $("ablate-box").replaceChildren(
     el("h3", { text: "Ablate heads" }),
-    el("p", { className: "hint", text: "Alt-click a head in the grid, or ablate the focused one. The head's output is zeroed, or replaced by its mean, where it enters the output projection." }),
+    el("p", { className: "hint", text: "Alt-click a head in the grid (Alt+Enter on a focused thumbnail), or ablate the focused one. The head's output is zeroed, or replaced by its mean, where it enters the output projection." }),
     el("div", { className: "exp-row" }, [mode, add, undoButton, clear]),
     el("ul", { className: "chips", attrs: { id: "ablate-list", "aria-label": "Ablated heads" } }),
     el("p", { className: "exp-status", attrs: { id: "ablate-status", role: "status", "aria-live": "polite" } }),
@@ -208,10 +210,17 @@ function buildAblation() {
       el("div", {}, [el("div", { attrs: { id: "ablate-ranking" } }), el("div", { attrs: { id: "ablate-predictions" } })]),
     ]),
   );
-  // Alt-click on a grid thumbnail ablates it (a plain click still focuses it, as before).
+  // Alt-click on a grid thumbnail ablates it (a plain click still focuses it, as before); Alt+Enter
+  // is the keyboard's Alt-click (a button's keyboard click carries no Alt).
   $("grid").addEventListener("click", (e) => {
     const cell = e.target.closest?.(".thumb");
     if (cell && e.altKey) ablateHead(Number(cell.dataset.layer), Number(cell.dataset.head));
+  });
+  $("grid").addEventListener("keydown", (e) => {
+    const cell = e.target.closest?.(".thumb");
+    if (!cell || !e.altKey || e.key !== "Enter") return;
+    e.preventDefault();
+    ablateHead(Number(cell.dataset.layer), Number(cell.dataset.head));
   });
 }
 

@@ -49,8 +49,34 @@ export class HeadFinder {
     for (const node of this.root.querySelectorAll("[data-layer][data-head]")) {
       const on = Number(node.dataset.layer) === layer && Number(node.dataset.head) === head;
       node.classList.toggle("selected", on);
-      if (node.tagName === "TR") node.setAttribute("aria-selected", String(on));
+      if (node.tagName !== "TR") node.setAttribute("aria-pressed", String(on));
+      else if (on) node.setAttribute("aria-current", "true"); // an empty aria-current means false
+      else node.removeAttribute("aria-current");
     }
+    this.rove(this.grid.querySelectorAll(".finder-cell"));
+    this.rove(this.table.querySelectorAll("tbody tr"));
+  }
+
+  // One Tab stop per list (the selected head's, else the first): the grid's 72 cells and the
+  // table's 72 rows stood between the finder's filters and the rest of the page.
+  rove(nodes) {
+    const list = [...nodes];
+    const stop = list.find((n) => n.classList.contains("selected")) ?? list[0];
+    for (const node of list) node.tabIndex = node === stop ? 0 : -1;
+  }
+
+  // The arrows move keyboard focus within a list of nodes: by one, or by `across` (a grid's row).
+  static walk(event, nodes, across = 0) {
+    const list = [...nodes];
+    const at = list.indexOf(event.currentTarget);
+    const step = { ArrowRight: across ? 1 : 0, ArrowLeft: across ? -1 : 0, ArrowDown: across || 1, ArrowUp: -(across || 1),
+                   Home: -at, End: list.length - 1 - at }[event.key];
+    if (!step || at < 0) return;
+    event.preventDefault();
+    const next = list[Math.max(0, Math.min(list.length - 1, at + step))];
+    list[at].tabIndex = -1;
+    next.tabIndex = 0;
+    next.focus();
   }
 
   pick(row) {
@@ -65,16 +91,19 @@ export class HeadFinder {
     for (const row of this.rows) {
       if (row.head === 0) cells.push(el("span", { className: "finder-axis", text: `L${row.layer}` }));
       const letters = row.tags.map((t) => TAG_LETTER[t] ?? "?").join("");
+      const name = `Layer ${row.layer} head ${row.head}: ${row.tags.join(", ") || "no tag"}`;
       const cell = el("button", {
         className: "finder-cell", text: letters || "·",
         attrs: { type: "button", "data-layer": row.layer, "data-head": row.head, "data-tags": row.tags.join(" "),
-                 title: `Layer ${row.layer} head ${row.head}: ${row.tags.join(", ") || "no tag"}` },
+                 title: name, "aria-label": name, "aria-pressed": "false" },
       });
       if (row.tags.length) cell.classList.add(`tag-${row.tags[0]}`);
       cell.addEventListener("click", () => this.pick(row));
+      cell.addEventListener("keydown", (event) => HeadFinder.walk(event, this.grid.querySelectorAll(".finder-cell"), nHeads));
       cells.push(cell);
     }
     this.grid.replaceChildren(...cells);
+    this.rove(this.grid.querySelectorAll(".finder-cell"));
     if (this.selected) this.select(this.selected.layer, this.selected.head);
   }
 
@@ -117,11 +146,14 @@ export class HeadFinder {
           event.preventDefault();
           event.stopPropagation();
           this.pick(row);
+        } else {
+          HeadFinder.walk(event, this.table.querySelectorAll("tbody tr"));
         }
       });
       return tr;
     });
     this.table.replaceChildren(el("thead", {}, [header]), el("tbody", {}, body));
+    this.rove(this.table.querySelectorAll("tbody tr"));
     if (this.selected) this.select(this.selected.layer, this.selected.head);
   }
 }

@@ -7,6 +7,7 @@ import { el } from "./dom.js";
 const SVG = "http://www.w3.org/2000/svg";
 const ROW = 70; // px between layer rows
 const LABEL_ROOM = 70; // px under the bottom row for the token labels
+const ROUTES_LISTED = 20;
 
 function svg(tag, attrs = {}) {
   const node = document.createElementNS(SVG, tag);
@@ -67,6 +68,23 @@ export class FlowGraph {
       text.textContent = label; // textContent: a token is never markup
       drawing.append(text);
     });
-    this.root.replaceChildren(drawing);
+    this.root.replaceChildren(drawing, this.routeList(edges, labels));
+  }
+
+  // The strongest head routes as buttons: the graph's text equivalent for screen readers, and
+  // its keyboard way in (hundreds of focusable edges would be hundreds of Tab stops).
+  routeList(edges, labels) {
+    const strongest = edges.filter((e) => e.head !== null).sort((a, b) => b.weight - a.weight).slice(0, ROUTES_LISTED);
+    const items = strongest.map((edge) => {
+      const button = el("button", {
+        className: "flow-route",
+        text: `${labels[edge.source]} → ${labels[edge.target]}: ${(edge.weight * 100).toFixed(1)}% via layer ${edge.layer} head ${edge.head}`,
+        attrs: { type: "button", "data-layer": edge.layer, "data-head": edge.head },
+      });
+      button.addEventListener("click", () => this.onEdge(edge.layer, edge.head));
+      return el("li", {}, [button]);
+    });
+    const summary = el("summary", { text: `The ${strongest.length} strongest routes through heads, as a list` });
+    return el("details", { className: "flow-routes" }, [summary, el("ol", {}, items)]);
   }
 }

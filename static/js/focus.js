@@ -92,9 +92,11 @@ export function placementOf(plot) {
 const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
 
 export class FocusView {
-  constructor(plot, tooltip) {
+  constructor(plot, tooltip, reader) {
     this.plot = plot;
     this.tooltip = tooltip;
+    this.reader = reader; // a polite live region: what the keyboard's cell cursor reads
+    this.cursor = null; // { row, col } of the keyboard's cell cursor (view indices), while in use
     this.current = null;
     this.listening = false;
     this.filename = "manyeyes";
@@ -104,7 +106,9 @@ export class FocusView {
     this.heatmap = new CanvasHeatmap(plot);
     this.titleNode = el("div", { className: "gtitle" });
     this.titleNode.hidden = true;
-    plot.append(this.titleNode);
+    this.cursorBox = el("div", { className: "cell-cursor", attrs: { "aria-hidden": "true" } });
+    this.cursorBox.hidden = true;
+    plot.append(this.titleNode, this.cursorBox);
     this.colorbarView = new Colorbar(plot);
     this.labels = new AxisLabels(plot);
     this.labelsKey = "";
@@ -115,11 +119,12 @@ export class FocusView {
   }
 
   // The plot fills what is left of the viewport below its top (on open, scrolled to the top), so
-  // the whole matrix and its key labels fit a 1366 × 768 laptop screen.
+  // the whole matrix and its key labels fit a 1366 × 768 laptop screen. Narrow: about square, but
+  // never taller than the window (a phone held sideways, or a page zoomed to 200%).
   fitHeight() {
     const top = this.plot.getBoundingClientRect().top + window.scrollY;
     const narrow = window.innerWidth < 700;
-    const room = narrow ? window.innerWidth * 1.05 : window.innerHeight - top - 24;
+    const room = narrow ? Math.min(window.innerWidth * 1.05, window.innerHeight - 24) : window.innerHeight - top - 24;
     this.height = Math.round(Math.max(340, Math.min(720, room)));
     if (this.plot.style.height !== `${this.height}px`) this.plot.style.height = `${this.height}px`;
   }
@@ -134,6 +139,7 @@ export class FocusView {
     if (revision !== this.revision) {
       this.ranges = { x: null, y: null }; // a new text or a new shape: the zoom starts afresh
       this.revision = revision;
+      this.cursor = null;
     }
     const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
     this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
@@ -141,6 +147,8 @@ export class FocusView {
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
     await this.layOut();
+    // A step under the keyboard's cursor reads the same cell of the new head.
+    if (this.cursor && !this.tooltip.hidden) this.moveCursor(0, 0);
   }
 
   // Plotly's axes and labels for the current view: relaid only when they changed (a relayout is the
@@ -171,6 +179,7 @@ export class FocusView {
   // The page's part, placed on Plotly's axes as they are now: cells, labels, title and colorbar.
   decorate(axes = this.axes()) {
     if (!this.current) return;
+    this.cursorBox.hidden = true; // the axes may have moved under it; the next Shift+arrow draws it again
     this.heatmap.draw();
     const place = this.placement();
     if (!place) return;
@@ -228,6 +237,8 @@ export class FocusView {
     this.labels.clear();
     this.labelsKey = "";
     this.tooltip.hidden = true;
+    this.cursor = null;
+    this.cursorBox.hidden = true;
     this.plot.dataset.example = "false";
     this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
   }
@@ -397,23 +408,62 @@ export class FocusView {
     const k = view.cols[c];
     const reading = view.masked(r, c) ? "masked" : view.values[r * view.cols.length + c].toFixed(3);
     const spans = this.spans ? `\n${this.spans(q)} → ${this.spans(k)}` : "";
-    this.tooltip.textContent = `${labels[q]} → ${labels[k]}: ${reading}${spans}`;
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;
+    this.showTooltip(`${labels[q]} → ${labels[k]}: ${reading}${spans}`, clientX, clientY);
+  }
+
+  // The tooltip beside a client-space point; under the keyboard's cursor, its first line is read out.
+  showTooltip(text, clientX, clientY) {
+    this.tooltip.textContent = text;
     this.tooltip.hidden = false;
     const box = this.plot.getBoundingClientRect();
-    const x = clientX - box.left;
-    const y = clientY - box.top;
-    this.tooltip.style.left = `${Math.max(4, Math.min(x + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
-    this.tooltip.style.top = `${y + 16}px`;
+    this.tooltip.style.left = `${Math.max(4, Math.min(clientX - box.left + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
+    this.tooltip.style.top = `${clientY - box.top + 16}px`;
+    if (this.cursor && this.reader) this.reader.textContent = text.split("\n")[0];
+  }
+
+  // Shift+arrows (main.js): a cell cursor for those who cannot hover, kept inside the zoomed
+  // window; it starts at the window's top-left cell and reads each cell as hovering would.
+  moveCursor(dRow, dCol) {
+    const xa = this.plot._fullLayout?.xaxis;
+    const ya = this.plot._fullLayout?.yaxis;
+    if (!this.current || !xa || !ya) return;
+    // Cell i spans [i - 0.5, i + 0.5] on the axes: the cells wholly or partly in view.
+    const inView = (axis, n) => [Math.max(0, Math.round(Math.min(...axis.range) + 0.5)), Math.min(n - 1, Math.round(Math.max(...axis.range) - 0.5))];
+    const [r0, r1] = inView(ya, this.current.nRows);
+    const [c0, c1] = inView(xa, this.current.nCols);
+    const at = this.cursor ?? { row: r0 - dRow, col: c0 - dCol };
+    const row = Math.max(r0, Math.min(r1, at.row + dRow));
+    const col = Math.max(c0, Math.min(c1, at.col + dCol));
+    this.cursor = { row, col };
+    // The cell outlined, for those who read with their eyes rather than through the live region.
+    const span = (axis, i) => Math.abs(axis.l2p(i + 0.5) - axis.l2p(i - 0.5));
+    const [w, h] = [Math.max(4, span(xa, col)), Math.max(4, span(ya, row))];
+    Object.assign(this.cursorBox.style, {
+      left: `${xa._offset + xa.l2p(col) - w / 2}px`, top: `${ya._offset + ya.l2p(row) - h / 2}px`, width: `${w}px`, height: `${h}px`,
+    });
+    this.cursorBox.hidden = false;
+    const box = this.plot.getBoundingClientRect();
+    this.showReading(box.left + xa._offset + xa.l2p(col), box.top + ya._offset + ya.l2p(row));
   }
 
   listen() {
     this.listening = true;
     const plot = this.plot;
-    plot.addEventListener("mousemove", (event) => this.showReading(event.clientX, event.clientY));
+    plot.addEventListener("mousemove", (event) => {
+      this.cursor = null; // the pointer reads now; the live region stays quiet while it moves
+      this.cursorBox.hidden = true;
+      this.showReading(event.clientX, event.clientY);
+    });
     plot.addEventListener("mouseleave", () => {
       this.tooltip.hidden = true;
+    });
+    plot.addEventListener("blur", () => {
+      if (!this.cursor) return;
+      this.cursor = null;
+      this.tooltip.hidden = true;
+      this.cursorBox.hidden = true;
     });
     // A tap on a phone never hovers: a press released where it began shows the same reading.
     // Pointer events, because Plotly's drag layer cancels the touch's click.

@@ -38,6 +38,8 @@ export function mountGeneration(box) {
   const back = button("gen-back", "◀", "Step back");
   const play = button("gen-play", "Play");
   const forward = button("gen-forward", "▶", "Step forward");
+  back.setAttribute("aria-label", "Step back");
+  forward.setAttribute("aria-label", "Step forward");
   const layer = el("select", { attrs: { id: "gen-layer", "aria-label": "Layer of the growing heatmap" } });
   const head = el("select", { attrs: { id: "gen-head", "aria-label": "Head of the growing heatmap" } });
   const where = el("span", { className: "hint", attrs: { id: "gen-position", "aria-live": "polite" } });
@@ -57,13 +59,22 @@ export function mountGeneration(box) {
   const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "", epoch: 0 };
   window.manyeyesGeneration = state;
 
+  // A button that disables itself under keyboard focus drops the focus to the page: it moves on to
+  // the nearest control still enabled (Generate <-> Stop, ◀ -> ▶ at the first token).
+  const neighbours = new Map([[start, [stop, prompt]], [stop, [start, prompt]], [back, [forward, play, prompt]],
+                              [forward, [back, play, prompt]], [play, [back, forward, prompt]]]);
+
   function setButtons() {
+    const focused = document.activeElement;
     stop.disabled = !state.running;
     start.disabled = state.running;
     back.disabled = state.current <= 0;
     forward.disabled = state.current >= state.steps.length - 1;
     play.textContent = state.timer ? "Pause" : "Play";
     play.disabled = state.steps.length < 2;
+    if (focused?.disabled) neighbours.get(focused)?.find((b) => !b.disabled)?.focus();
+    // Playing moves a step every few hundred ms: announcing each would drown the reader.
+    where.setAttribute("aria-live", state.timer ? "off" : "polite");
   }
 
   function pieces() {

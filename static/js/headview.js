@@ -73,12 +73,34 @@ class TokenList {
       if (item) onHover(Number(item.dataset.index));
     });
     this.node.addEventListener("mouseleave", () => onHover(null));
+    // The keyboard's hover: one Tab stop per list (the last token focused), ↑ ↓ to walk it; a
+    // focused token isolates its lines as a hovered one does.
+    this.stop = 0;
+    this.node.addEventListener("focusin", (event) => {
+      const item = event.target.closest("li");
+      if (!item) return;
+      this.stop = Number(item.dataset.index);
+      onHover(this.stop);
+    });
+    this.node.addEventListener("focusout", (event) => {
+      if (!this.node.contains(event.relatedTarget)) onHover(null);
+    });
+    this.node.addEventListener("keydown", (event) => {
+      const item = event.target.closest("li");
+      const step = { ArrowDown: 1, ArrowUp: -1, PageDown: 10, PageUp: -10 }[event.key];
+      if (!item || !step) return;
+      event.preventDefault();
+      // Built items reach MARGIN_ROWS beyond the view, so a step of 10 always lands on one.
+      const next = Math.max(0, Math.min(this.indices.length - 1, Number(item.dataset.index) + step));
+      this.node.querySelector(`li[data-index="${next}"]`)?.focus();
+    });
     this.window = [0, 0];
   }
 
   setTokens(indices, labels, titles, special) {
     Object.assign(this, { indices, labels, titles, special });
     this.window = [0, 0];
+    this.stop = 0;
     this.node.replaceChildren();
     this.node.style.height = `${indices.length * ROW}px`;
     // A fixed width from the longest label: the built window changes while scrolling, the column must not.
@@ -98,7 +120,13 @@ class TokenList {
       this.node.replaceChildren(...items);
       this.window = [from, to];
     }
-    for (const item of this.node.children) item.classList.toggle("active", Number(item.dataset.index) === active);
+    // The Tab stop is the last token focused while it is built, else the first built one.
+    const stop = this.stop >= from && this.stop < to ? this.stop : from;
+    for (const item of this.node.children) {
+      const index = Number(item.dataset.index);
+      item.classList.toggle("active", index === active);
+      item.tabIndex = index === stop ? 0 : -1;
+    }
   }
 
   item(i) {

@@ -75,8 +75,8 @@ class TiledHeatmap extends CanvasHeatmap {
 }
 
 export class TiledFocusView extends FocusView {
-  constructor(plot, tooltip) {
-    super(plot, tooltip);
+  constructor(plot, tooltip, reader) {
+    super(plot, tooltip, reader);
     this.heatmap = new TiledHeatmap(plot);
     this.long = null;
     this.onTileError = null; // (err) => void, set by the page
@@ -346,11 +346,7 @@ export class TiledFocusView extends FocusView {
       delete this.tooltip.dataset.query;
       delete this.tooltip.dataset.key;
     }
-    this.tooltip.textContent = text;
-    this.tooltip.hidden = false;
-    const box = this.plot.getBoundingClientRect();
-    this.tooltip.style.left = `${Math.max(4, Math.min(clientX - box.left + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
-    this.tooltip.style.top = `${clientY - box.top + 16}px`;
+    this.showTooltip(text, clientX, clientY);
   }
 
   reading(q, k, clientX, clientY) {

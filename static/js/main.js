@@ -49,7 +49,7 @@ const state = {
   headViewTimer: 0,
 };
 
-const focus = new TiledFocusView($("focus-plot"), $("tooltip"));
+const focus = new TiledFocusView($("focus-plot"), $("tooltip"), $("cell-reading"));
 const grid = new GridView($("grid"), {
   onSelect: (l, h) => {
     state.aggregate = "head";
@@ -92,8 +92,11 @@ function showError(message) {
   if (message && !state.run) focus.clear("The example is hidden: the run above failed.");
 }
 
+// The spinner is for the eye; screen readers hear the always-present status line, which a region
+// that only appears as it speaks would not reliably be.
 function setBusy(busy) {
   $("busy").hidden = !busy;
+  if (busy) $("run-status").textContent = "Running…";
   $("run").disabled = busy;
   $("run-form").setAttribute("aria-busy", String(busy));
 }
@@ -565,9 +568,11 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   const pair = $("pair").value;
   if (!text.trim()) {
     showError("Type a sentence first.");
+    $("text").setAttribute("aria-invalid", "true");
     $("text").focus();
     return;
   }
+  $("text").removeAttribute("aria-invalid");
   const typedIn = document.activeElement === $("text") || document.activeElement === $("pair");
   state.controller?.abort();
   state.controller = new AbortController();
@@ -589,6 +594,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     if (err.name !== "AbortError") {
       showError(explain(err));
       setBusy(false);
+      $("run-status").textContent = "";
     }
     return;
   }
@@ -619,8 +625,11 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   if (!run.long) measures.onRun(run, request, state.layer, state.head);
   else measures.onLongRun();
   setBusy(false);
-  // After Enter the caret would keep the arrow keys in the text box: the heatmap takes them.
-  if (typedIn) $("focus-plot").focus({ preventScroll: true });
+  $("run-status").textContent = `Done: ${run.T} tokens, ${run.nLayers} layers × ${run.nHeads} heads.`;
+  // After Enter the caret would keep the arrow keys in the text box, and a Run button that was
+  // disabled while it worked has dropped keyboard focus to the page: the heatmap takes it.
+  const dropped = document.activeElement === document.body || document.activeElement === $("run");
+  if (typedIn || dropped) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
   if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(explain(err)));
@@ -676,17 +685,28 @@ async function redrawOptions() {
 
 // ---- wiring -----------------------------------------------------------------------------------
 
+const ARROW_STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
+
+// The arrows step through heads only on the heatmap and on the grid's thumbnails; anywhere else
+// they keep their own work (scrolling the page or a panel, moving in a list). On the heatmap,
+// Shift+arrows walk a cell cursor that reads each weight out, as hovering does for a mouse.
 function onKey(event) {
   if (!state.run || event.altKey || event.ctrlKey || event.metaKey) return;
-  if (event.target.closest("input, select, textarea")) return;
-  const steps = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
-  const step = steps[event.key];
+  const step = ARROW_STEPS[event.key];
   if (!step) return;
+  const onHeatmap = event.target.closest("#focus-plot");
+  const thumb = event.target.closest("#grid .thumb");
+  if (!onHeatmap && !thumb) return;
+  if (event.shiftKey) {
+    if (!onHeatmap) return;
+    event.preventDefault();
+    focus.moveCursor(...step);
+    return;
+  }
   event.preventDefault();
   const { nLayers, nHeads } = state.run;
   // On a thumbnail the arrows step from that thumbnail, and keyboard focus goes along: a grid
   // walked with Tab and arrows, where Enter keeps the head reached.
-  const thumb = event.target.closest(".thumb");
   const [layer, head] = thumb ? [Number(thumb.dataset.layer), Number(thumb.dataset.head)] : [state.layer, state.head];
   // Heads wrap into the neighbouring layer, so the arrows walk through every head in order.
   const flat = (layer + step[0]) * nHeads + head + step[1];

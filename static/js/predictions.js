@@ -27,14 +27,17 @@ function renderStrip(container, labels, predictions, causal) {
   const cells = shown.map((label, i) => {
     const top = predictions[String(i)];
     const title = top ? describeTop(top, label, causal) : label;
-    return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "data-position": i } }, [
-      el("span", { className: "pred-token", text: label }),
-      el("span", { className: "pred-guess", text: top ? top[0].token : "" }),
+    // A list item that a screen reader reads as its title: the bare token and guess ran together.
+    return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "aria-label": title, role: "listitem", "data-position": i } }, [
+      el("span", { className: "pred-token", text: label, attrs: { "aria-hidden": "true" } }),
+      el("span", { className: "pred-guess", text: top ? top[0].token : "", attrs: { "aria-hidden": "true" } }),
     ]);
   });
   const rest = labels.length - shown.length;
   const tail = rest > 0 ? [el("span", { className: "hint", text: `… and ${rest} more tokens: hover the heatmap to read them.` })] : [];
-  container.replaceChildren(el("span", { className: "hint", text: causal ? "Next token: " : "Masked token: " }), ...cells, ...tail);
+  const name = causal ? "Next token" : "Masked token";
+  container.replaceChildren(el("span", { className: "hint", text: `${name}: ` }),
+    el("span", { className: "pred-list", attrs: { role: "list", "aria-label": `${name} guesses` } }, cells), ...tail);
 }
 
 function hint(container, text) {

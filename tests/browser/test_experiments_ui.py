@@ -128,7 +128,8 @@ def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     reply = api.post("/api/v1/experiments/change-token", json={
         "text": SENTENCE, "model": "minilm", "truncate": False, "index": 2, "change": "mask"}).json()
     assert ranking_rows(page, "token-result") == api_ranking(reply["ranking"])
-    assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").inner_text() == "[MASK]"
+    # Said in words as well as by the red border (a hidden "(unaligned)" for screen readers).
+    assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").text_content() == "[MASK] (unaligned)"
 
 
 def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
@@ -149,6 +150,13 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     third = reply["ranking"][2]
     page.wait_for_selector(f"#compare-plot-diff[data-layer='{third['layer']}'][data-head='{third['head']}']")
     assert same(shown(page, "compare-plot-diff"), f32(reply["difference"]["data"][third["layer"]][third["head"]]))
+    # A ranking row is a button to the keyboard too: Space shows its head, as Enter and a click do.
+    second = reply["ranking"][1]
+    row = page.locator("#compare-ranking tbody tr:nth-child(2)")
+    assert row.get_attribute("role") == "button" and f"layer {second['layer']} head {second['head']}" in row.get_attribute("aria-label")
+    row.focus()
+    page.keyboard.press(" ")
+    page.wait_for_selector(f"#compare-plot-diff[data-layer='{second['layer']}'][data-head='{second['head']}']")
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
 
 
@@ -359,3 +367,21 @@ def test_enter_twice_in_the_prompt_runs_one_generation(slow_server, page):
     positions = page.evaluate("window.manyeyesGeneration.steps.map((s) => s.position)")
     assert len(positions) == 8 and positions == sorted(positions) and len(set(positions)) == 8, positions
     assert page.inner_text("#gen-status") == "Finished: 8 new tokens." and len(asked) == 1
+
+
+def test_generate_and_stop_hand_keyboard_focus_to_each_other(slow_server, page):
+    open_page(page, slow_server)
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "4")
+    page.focus("#gen-start")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => window.manyeyesGeneration.running")
+    assert page.evaluate("() => document.activeElement.id") == "gen-stop"
+    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    assert page.evaluate("() => document.activeElement.id") == "gen-start"
+    # At the first token ◀ disables itself: focus moves on to ▶.
+    page.focus("#gen-back")
+    while not page.locator("#gen-back").is_disabled():
+        page.keyboard.press("Enter")
+    assert page.evaluate("() => document.activeElement.id") == "gen-forward"
+    assert page.locator("#gen-back").get_attribute("aria-label") == "Step back"

@@ -537,3 +537,24 @@ def test_labels_of_a_wide_zoom_do_not_overprint(server, page, mock, artifacts):
     overlaps = [(a, b) for a, b in zip(boxes, boxes[1:]) if b[0] < a[1] - 1]  # a 7 px font's box is 8 px
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-wide-zoom-labels.png"))
     assert not overlaps, overlaps
+
+
+def test_shift_arrows_read_a_long_runs_cells_as_hovering_does(server, page, mock):
+    """The keyboard's cell cursor on a tiled heatmap: a cell under a pooled bin reads "reading…"
+    until its own weight arrives, and the live region then says the exact value."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    zoom(page, 1500, 1600, 1400, 1500)
+    wait_settled(page)
+    page.focus("#focus-plot")
+    for key in ("Shift+ArrowRight", "Shift+ArrowDown", "Shift+ArrowDown"):
+        page.keyboard.press(key)
+    page.wait_for_function("() => { const r = document.getElementById('cell-reading').textContent;"
+                           " return r.includes('→') && !r.includes('reading'); }")
+    tooltip = page.locator("#tooltip")
+    q, k = int(tooltip.get_attribute("data-query")), int(tooltip.get_attribute("data-key"))
+    assert (q, k) == (1502, 1400)  # the first press lands on the window's top-left cell, then two rows down
+    spoken = page.locator("#cell-reading").text_content()
+    assert float(spoken.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[q, k]), abs=6e-4)

@@ -85,6 +85,32 @@ def test_head_finder_names_the_known_heads_and_a_click_focuses(ran, tiny_api, ar
     page.locator("#measures").screenshot(path=str(artifacts / "measures-finder.png"))
 
 
+def test_head_finder_is_one_tab_stop_per_list_with_named_cells(ran):
+    """72 grid cells named "B" or "·" and 72 focusable rows once stood between the finder and the rest
+    of the page: each list is now one Tab stop, walked with the arrows, and each cell says its head."""
+    page, _ = ran
+    cells = page.locator(".finder-cell")
+    assert cells.count() == 16 and page.locator(".finder-cell[tabindex='0']").count() == 1
+    assert page.locator("#finder tbody tr[tabindex='0']").count() == 1
+    label = page.locator(".finder-cell[data-layer='1'][data-head='0']").get_attribute("aria-label")
+    assert label.startswith("Layer 1 head 0: ") and "induction" in label
+    page.focus(".finder-cell[tabindex='0']")
+    page.keyboard.press("ArrowDown")  # a layer down, in a grid 8 heads wide
+    page.keyboard.press("ArrowRight")
+    focused = page.evaluate("() => [document.activeElement.dataset.layer, document.activeElement.dataset.head]")
+    assert focused == ["1", "1"]
+    assert page.locator("#focus-plot").get_attribute("data-head") == "0"  # the arrows moved within the finder only
+    page.keyboard.press("Enter")
+    wait_focus(page, layer=1, head=1)
+    assert page.locator(".finder-cell[tabindex='0']").get_attribute("aria-pressed") == "true"
+    assert page.locator("#finder tbody tr[tabindex='0']").get_attribute("aria-current") == "true"
+    # The table: ↓ walks the rows, Space picks one.
+    page.focus("#finder tbody tr[tabindex='0']")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press(" ")
+    wait_focus(page, layer=1, head=2)
+
+
 def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, tiny_api, artifacts):
     page, run_id = ran
     page.wait_for_selector("#flow line.flow-edge", state="attached")
@@ -99,6 +125,18 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     line.click()
     wait_focus(page, layer=1, head=target["head"])
     assert "focused" in line.get_attribute("class")
+    # The strongest head routes as a list of buttons: the graph's words, and its keyboard way in.
+    strongest = sorted((e for e in edges if e["head"] is not None), key=lambda e: -e["weight"])[:20]
+    routes = page.locator("#flow .flow-route")
+    assert routes.count() == len(strongest)
+    assert [(int(r.get_attribute("data-layer")), int(r.get_attribute("data-head"))) for r in routes.all()] == \
+        [(e["layer"], e["head"]) for e in strongest]
+    assert routes.first.text_content().endswith(f"{strongest[0]['weight'] * 100:.1f}% via layer {strongest[0]['layer']} head {strongest[0]['head']}")
+    page.click("#flow .flow-routes summary")
+    other = next(i for i, e in enumerate(strongest) if (e["layer"], e["head"]) != (1, target["head"]))
+    routes.nth(other).focus()
+    page.keyboard.press("Enter")
+    wait_focus(page, layer=strongest[other]["layer"], head=strongest[other]["head"])
     # a higher threshold prunes edges, and the drawing follows
     page.fill("#flow-threshold", "0.4")  # a range input: fill fires input and change
     page.wait_for_selector("#flow[data-threshold='0.4']", state="attached")
@@ -167,6 +205,10 @@ def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tin
         top = body["predictions"][str(i)][0]
         assert cells.nth(i).locator(".pred-guess").text_content() == top["token"]
         assert f"{top['prob'] * 100:.1f}%" in cells.nth(i).get_attribute("title")
+        # A screen reader hears each token's guesses as one list item, not token and guess run together.
+        assert cells.nth(i).get_attribute("aria-label") == cells.nth(i).get_attribute("title")
+        assert cells.nth(i).get_attribute("role") == "listitem"
+    assert page.locator("#focus-predictions [role=list] > .pred").count() == n
     for row, col in ((3, 1), (n - 1, 2)):
         hover_cell(page, row, col)
         text = page.locator("#tooltip").text_content()

@@ -1,0 +1,137 @@
+"""The page with a keyboard and a screen reader, from an accessibility pass: the arrows step heads
+only on the heatmap and the grid (elsewhere they scroll), Shift+arrows read cells into a live
+region and a run started from the Run button leaves focus on the heatmap and says it is done
+(Generate and Stop handing focus to each other is in test_experiments_ui)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.browser.test_page import SENTENCE, api_attention, open_page, run, wait_focus, wait_grid
+
+pytestmark = pytest.mark.browser
+
+
+def active_id(page) -> str:
+    return page.evaluate("() => document.activeElement.id || document.activeElement.tagName")
+
+
+def test_arrows_step_heads_on_the_heatmap_and_scroll_elsewhere(server, page):
+    page.set_viewport_size({"width": 1280, "height": 600})
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    assert active_id(page) == "focus-plot"
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=0, head=1)
+    # Off the heatmap and the grid, the arrows are the page's: they scroll and leave the head alone.
+    page.evaluate("() => { document.activeElement.blur(); window.scrollTo(0, 0); }")
+    assert active_id(page) == "BODY"
+    for _ in range(3):
+        page.keyboard.press("ArrowDown")
+    page.wait_for_function("() => window.scrollY > 0")
+    page.wait_for_timeout(300)  # a step, had there been one, starts at once
+    plot = page.locator("#focus-plot")
+    assert (plot.get_attribute("data-layer"), plot.get_attribute("data-head")) == ("0", "1")
+    # In a text box they move the caret, not the head.
+    page.focus("#text")
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_timeout(200)
+    assert (plot.get_attribute("data-layer"), plot.get_attribute("data-head")) == ("0", "1")
+
+
+def reading(page, query: int, key: int) -> float:
+    page.wait_for_selector(f"#tooltip[data-query='{query}'][data-key='{key}']", state="visible")
+    spoken = page.locator("#cell-reading").text_content()
+    assert spoken == page.locator("#tooltip").text_content().split("\n")[0]
+    return float(spoken.rsplit(": ", 1)[1])
+
+
+def test_shift_arrows_read_the_weights_cell_by_cell(server, api, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    tokens, weights = api_attention(api, SENTENCE, layers=[0], heads=[0, 1])
+    T = len(tokens)
+    head = weights.reshape(2, T, T)
+    assert page.locator("#cell-reading").get_attribute("aria-live") == "polite"
+    # The first press lands on the top-left cell in view, the next ones walk from it.
+    page.keyboard.press("Shift+ArrowRight")
+    assert abs(reading(page, 0, 0) - head[0, 0, 0]) <= 1.1e-3
+    for key in ("Shift+ArrowRight", "Shift+ArrowRight", "Shift+ArrowDown", "Shift+ArrowDown"):
+        page.keyboard.press(key)
+    assert abs(reading(page, 2, 2) - head[0, 2, 2]) <= 1.1e-3
+    assert page.locator("#cell-reading").text_content().startswith(f"{tokens[2]['piece']} → {tokens[2]['piece']}: ")
+    # The cell is outlined on screen too, centred on it.
+    centre, cell = page.evaluate("""() => {
+        const gd = document.getElementById('focus-plot');
+        const b = gd.querySelector('.cell-cursor').getBoundingClientRect(), p = gd.getBoundingClientRect();
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        return [[b.left + b.width / 2 - p.left, b.top + b.height / 2 - p.top], [xa._offset + xa.l2p(2), ya._offset + ya.l2p(2)]];
+    }""")
+    assert page.locator("#focus-plot .cell-cursor").is_visible()
+    assert abs(centre[0] - cell[0]) < 1.5 and abs(centre[1] - cell[1]) < 1.5, (centre, cell)
+    # A step to the next head reads the same cell of it (one whose weight differs between the heads).
+    assert abs(head[0, 2, 2] - head[1, 2, 2]) > 0.005
+    spoken = page.locator("#cell-reading").text_content()
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=0, head=1)
+    page.wait_for_function("(before) => document.getElementById('cell-reading').textContent !== before", arg=spoken)
+    assert abs(reading(page, 2, 2) - head[1, 2, 2]) <= 1.1e-3
+    # The cursor stays inside the matrix.
+    for _ in range(T + 2):
+        page.keyboard.press("Shift+ArrowLeft")
+    assert abs(reading(page, 2, 0) - head[1, 2, 0]) <= 1.1e-3
+    # A mouse takes over the tooltip without the live region speaking for it.
+    spoken = page.locator("#cell-reading").text_content()
+    page.mouse.move(5, 5)
+    page.locator("#focus-plot").hover()
+    page.wait_for_function("() => !document.getElementById('tooltip').textContent.startsWith('[CLS] → [CLS]')")
+    page.locator("#tooltip").wait_for(state="visible")
+    assert page.locator("#cell-reading").text_content() == spoken
+    assert page.locator("#focus-plot .cell-cursor").is_hidden()
+
+
+def test_the_run_button_leaves_focus_on_the_heatmap_and_says_done(server, page):
+    open_page(page, server)
+    page.fill("#text", SENTENCE)
+    page.focus("#run")
+    page.keyboard.press("Space")
+    wait_focus(page)
+    page.wait_for_function("() => document.getElementById('run-status').textContent.startsWith('Done')")
+    assert re.fullmatch(r"Done: \d+ tokens, 6 layers × 12 heads\.", page.locator("#run-status").text_content())
+    # The Run button was disabled while it worked, which drops focus to the page: it is back on the heatmap.
+    assert active_id(page) == "focus-plot"
+    page.keyboard.press("ArrowDown")
+    wait_focus(page, layer=1, head=0)
+
+
+
+def test_the_head_view_isolates_a_token_from_the_keyboard(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.wait_for_function("() => document.querySelectorAll('.hv-left li').length > 0")
+    assert page.locator(".hv-left li[tabindex='0']").count() == 1 == page.locator(".hv-right li[tabindex='0']").count()
+    page.focus(".hv-left li[tabindex='0']")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("ArrowDown")
+    focused = page.evaluate("() => document.activeElement.dataset.index")
+    assert focused == "2" and page.locator(".hv-left li.active").get_attribute("data-index") == "2"
+    assert page.locator(".hv-left li[tabindex='0']").get_attribute("data-index") == "2"  # Tab comes back here
+    plot = page.locator("#focus-plot")
+    assert (plot.get_attribute("data-layer"), plot.get_attribute("data-head")) == ("0", "0")
+    # Leaving the list lets every token's lines back.
+    page.focus("#text")
+    page.wait_for_function("() => document.querySelectorAll('.hv-tokens li.active').length === 0")
+
+
+def test_alt_enter_on_a_thumbnail_ablates_it_as_alt_click_does(server, page):
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    page.focus("#grid .thumb[tabindex='0']")
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("Alt+Enter")
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    assert page.inner_text("#ablate-list") == "L0 H1 · zero"
