@@ -161,7 +161,9 @@ def test_hf_corrupt_weights(hf_copy):
 def test_hf_missing_key_and_shape_mismatch(hf_copy):
     from safetensors.torch import load_file, save_file
 
-    state = load_file(str(hf_copy / "model.safetensors"))
+    # Copies: load_file's tensors may read straight from the file that save_file is about to
+    # overwrite (a bus error on safetensors before 0.8).
+    state = {name: tensor.clone() for name, tensor in load_file(str(hf_copy / "model.safetensors")).items()}
     broken = dict(state)
     del broken["encoder.layer.3.attention.self.key.bias"]
     save_file(broken, str(hf_copy / "model.safetensors"))
@@ -185,7 +187,7 @@ def test_tokenizer_larger_than_model_vocab(hf_copy):
     cfg = json.loads((hf_copy / "config.json").read_text())
     from safetensors.torch import load_file, save_file
 
-    state = load_file(str(hf_copy / "model.safetensors"))
+    state = {name: tensor.clone() for name, tensor in load_file(str(hf_copy / "model.safetensors")).items()}
     state["embeddings.word_embeddings.weight"] = state["embeddings.word_embeddings.weight"][:1000]
     save_file(state, str(hf_copy / "model.safetensors"))
     (hf_copy / "config.json").write_text(json.dumps(cfg | {"vocab_size": 1000}))
