@@ -63,7 +63,7 @@ export function mountCompare(box) {
       }
       if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
-      ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show }));
+      ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show, shows: "the difference heatmap" }));
       status(note, `${reply.pairs.length} aligned tokens of ${reply.tokens_a.length} and ${reply.tokens_b.length}.`);
       const top = reply.ranking[0];
       await show(top.layer, top.head);

@@ -74,24 +74,21 @@ export function headRows({ values, shape }, layerIndex, headIndex) {
   return Array.from({ length: R }, (_, r) => Array.from(values.subarray(base + r * C, base + (r + 1) * C)));
 }
 
-// The ranking as a table; clicking a row calls onPick(layer, head). Text only, never HTML.
-export function rankingTable(ranking, { limit = 12, onPick, caption } = {}) {
+// The ranking as a table; clicking a row calls onPick(layer, head), and so does its head's button,
+// which is the keyboard's way in (one Tab stop a row, Enter or Space). `shows` says where the
+// picked head is shown, for the button's name. Text only, never HTML.
+export function rankingTable(ranking, { limit = 12, onPick, caption, shows = "" } = {}) {
   const rows = ranking.slice(0, limit).map((c, i) => {
-    const tr = el("tr", { attrs: { "data-layer": c.layer, "data-head": c.head, tabindex: 0 } }, [
+    const name = `L${c.layer} H${c.head}`;
+    const headCell = onPick
+      ? el("td", {}, [el("button", { className: "pick", text: name, attrs: { type: "button", "aria-label": `Show layer ${c.layer} head ${c.head}${shows ? ` in ${shows}` : ""}` } })])
+      : el("td", { text: name });
+    const tr = el("tr", { attrs: { "data-layer": c.layer, "data-head": c.head } }, [
       el("td", { text: String(i + 1) }),
-      el("td", { text: `L${c.layer} H${c.head}` }),
+      headCell,
       el("td", { text: c.divergence.toFixed(4), className: "num" }),
     ]);
-    if (onPick) {
-      tr.addEventListener("click", () => onPick(c.layer, c.head));
-      tr.setAttribute("role", "button");
-      tr.setAttribute("aria-label", `Focus layer ${c.layer} head ${c.head} (rank ${i + 1}, ${c.divergence.toFixed(4)} bits)`);
-      tr.addEventListener("keydown", (e) => {
-        if (e.key !== "Enter" && e.key !== " ") return;
-        e.preventDefault(); // Space would scroll the page
-        onPick(c.layer, c.head);
-      });
-    }
+    if (onPick) tr.addEventListener("click", () => onPick(c.layer, c.head));
     return tr;
   });
   const head = el("tr", {}, [el("th", { text: "#" }), el("th", { text: "Head" }), el("th", { text: "JS divergence (bits)" })]);

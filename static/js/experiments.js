@@ -111,7 +111,13 @@ function renderAblation() {
   $("ablate-ranking").replaceChildren(current.reply.ranking.length
     ? rankingTable(current.reply.ranking, {
       caption: "Downstream heads, most changed first (click to show)",
-      onPick: (l, h) => { ablation.shown = { layer: l, head: h }; renderAblation(); },
+      shows: "the ablation heatmap",
+      onPick: (l, h) => {
+        const hadFocus = $("ablate-ranking").contains(document.activeElement);
+        ablation.shown = { layer: l, head: h };
+        renderAblation(); // a new table: keyboard focus goes to the same head's button in it
+        if (hadFocus) $("ablate-ranking").querySelector(`tr[data-layer="${l}"][data-head="${h}"] button`)?.focus();
+      },
     })
     : el("p", { className: "hint", text: "No later layer: an ablated head of the last layer changes no other head's weights, only the predictions below." }));
   $("ablate-predictions").replaceChildren(predictionTable(current.reply));

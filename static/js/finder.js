@@ -65,18 +65,20 @@ export class HeadFinder {
     for (const node of list) node.tabIndex = node === stop ? 0 : -1;
   }
 
-  // The arrows move keyboard focus within a list of nodes: by one, or by `across` (a grid's row).
+  // The arrows move keyboard focus within a list of nodes: by one, or by `across` (a grid's row);
+  // Home and End to its ends. At an edge focus stays (the key still does not scroll the page).
   static walk(event, nodes, across = 0) {
     const list = [...nodes];
     const at = list.indexOf(event.currentTarget);
-    const step = { ArrowRight: across ? 1 : 0, ArrowLeft: across ? -1 : 0, ArrowDown: across || 1, ArrowUp: -(across || 1),
-                   Home: -at, End: list.length - 1 - at }[event.key];
-    if (!step || at < 0) return;
+    const row = across || 1;
+    const target = { ArrowRight: across ? at + 1 : undefined, ArrowLeft: across ? at - 1 : undefined,
+                     ArrowDown: at + row, ArrowUp: at - row, Home: 0, End: list.length - 1 }[event.key];
+    if (target === undefined || at < 0) return;
     event.preventDefault();
-    const next = list[Math.max(0, Math.min(list.length - 1, at + step))];
+    if (target < 0 || target >= list.length || target === at) return;
     list[at].tabIndex = -1;
-    next.tabIndex = 0;
-    next.focus();
+    list[target].tabIndex = 0;
+    list[target].focus();
   }
 
   pick(row) {

@@ -68,12 +68,24 @@ export class FlowGraph {
       text.textContent = label; // textContent: a token is never markup
       drawing.append(text);
     });
-    this.root.replaceChildren(drawing, this.routeList(edges, labels));
+    // A change of focused head redraws the graph only: the route list (maybe open, maybe holding
+    // keyboard focus) stays in place, with the focused head's routes marked.
+    const list = this.routeList(edges, labels);
+    const svgNow = this.root.querySelector(":scope > svg");
+    if (list.parentNode === this.root && svgNow) svgNow.replaceWith(drawing);
+    else this.root.replaceChildren(drawing, list);
+    for (const button of list.querySelectorAll(".flow-route")) {
+      const on = focused && Number(button.dataset.layer) === focused.layer && Number(button.dataset.head) === focused.head;
+      if (on) button.setAttribute("aria-current", "true");
+      else button.removeAttribute("aria-current");
+    }
   }
 
   // The strongest head routes as buttons: the graph's text equivalent for screen readers, and
-  // its keyboard way in (hundreds of focusable edges would be hundreds of Tab stops).
+  // its keyboard way in (hundreds of focusable edges would be hundreds of Tab stops). Built once
+  // per flow answer.
   routeList(edges, labels) {
+    if (this.routes?.edges === edges && this.routes.labels === labels) return this.routes.node;
     const strongest = edges.filter((e) => e.head !== null).sort((a, b) => b.weight - a.weight).slice(0, ROUTES_LISTED);
     const items = strongest.map((edge) => {
       const button = el("button", {
@@ -85,6 +97,8 @@ export class FlowGraph {
       return el("li", {}, [button]);
     });
     const summary = el("summary", { text: `The ${strongest.length} strongest routes through heads, as a list` });
-    return el("details", { className: "flow-routes" }, [summary, el("ol", {}, items)]);
+    const node = el("details", { className: "flow-routes" }, [summary, el("ol", {}, items)]);
+    this.routes = { edges, labels, node };
+    return node;
   }
 }

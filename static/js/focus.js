@@ -139,7 +139,7 @@ export class FocusView {
     if (revision !== this.revision) {
       this.ranges = { x: null, y: null }; // a new text or a new shape: the zoom starts afresh
       this.revision = revision;
-      this.cursor = null;
+      this.dropCursor();
     }
     const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
     this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
@@ -147,8 +147,15 @@ export class FocusView {
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
     await this.layOut();
-    // A step under the keyboard's cursor reads the same cell of the new head.
-    if (this.cursor && !this.tooltip.hidden) this.moveCursor(0, 0);
+  }
+
+  // A new text: the cursor's cell, its reading and what the live region last said are the old one's.
+  dropCursor() {
+    if (!this.cursor) return;
+    this.cursor = null;
+    this.cursorBox.hidden = true;
+    this.tooltip.hidden = true;
+    if (this.reader) this.reader.textContent = "";
   }
 
   // Plotly's axes and labels for the current view: relaid only when they changed (a relayout is the
@@ -179,7 +186,6 @@ export class FocusView {
   // The page's part, placed on Plotly's axes as they are now: cells, labels, title and colorbar.
   decorate(axes = this.axes()) {
     if (!this.current) return;
-    this.cursorBox.hidden = true; // the axes may have moved under it; the next Shift+arrow draws it again
     this.heatmap.draw();
     const place = this.placement();
     if (!place) return;
@@ -198,6 +204,9 @@ export class FocusView {
     this.titleNode.style.top = `${6 + (narrow ? 34 : 0)}px`;
     this.titleNode.hidden = false;
     this.colorbarView.render({ stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text, box: place.box });
+    // The axes may have moved (a zoom, a resize) or the head changed under the keyboard's cursor:
+    // it is placed again, inside what is now in view, and reads the cell as it is now.
+    if (this.cursor) this.moveCursor(0, 0);
   }
 
   // Where Plotly's axes put the cells now (placementOf).
@@ -236,9 +245,8 @@ export class FocusView {
     this.colorbarView.hide();
     this.labels.clear();
     this.labelsKey = "";
+    this.dropCursor();
     this.tooltip.hidden = true;
-    this.cursor = null;
-    this.cursorBox.hidden = true;
     this.plot.dataset.example = "false";
     this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
   }
@@ -429,8 +437,13 @@ export class FocusView {
     const xa = this.plot._fullLayout?.xaxis;
     const ya = this.plot._fullLayout?.yaxis;
     if (!this.current || !xa || !ya) return;
-    // Cell i spans [i - 0.5, i + 0.5] on the axes: the cells wholly or partly in view.
-    const inView = (axis, n) => [Math.max(0, Math.round(Math.min(...axis.range) + 0.5)), Math.min(n - 1, Math.round(Math.max(...axis.range) - 0.5))];
+    // Cell i spans [i - 0.5, i + 0.5] on the axes: the cells whose centres are in view (at least
+    // the one nearest the middle, when a zoom falls inside a single cell).
+    const inView = (axis, n) => {
+      const [lo, hi] = [Math.min(...axis.range), Math.max(...axis.range)];
+      const [first, last] = [Math.max(0, Math.ceil(lo)), Math.min(n - 1, Math.floor(hi))];
+      return first <= last ? [first, last] : Array(2).fill(Math.max(0, Math.min(n - 1, Math.round((lo + hi) / 2))));
+    };
     const [r0, r1] = inView(ya, this.current.nRows);
     const [c0, c1] = inView(xa, this.current.nCols);
     const at = this.cursor ?? { row: r0 - dRow, col: c0 - dCol };
@@ -459,12 +472,7 @@ export class FocusView {
     plot.addEventListener("mouseleave", () => {
       this.tooltip.hidden = true;
     });
-    plot.addEventListener("blur", () => {
-      if (!this.cursor) return;
-      this.cursor = null;
-      this.tooltip.hidden = true;
-      this.cursorBox.hidden = true;
-    });
+    plot.addEventListener("blur", () => this.dropCursor());
     // A tap on a phone never hovers: a press released where it began shows the same reading.
     // Pointer events, because Plotly's drag layer cancels the touch's click.
     let down = null;

@@ -73,8 +73,9 @@ export function mountGeneration(box) {
     play.textContent = state.timer ? "Pause" : "Play";
     play.disabled = state.steps.length < 2;
     if (focused?.disabled) neighbours.get(focused)?.find((b) => !b.disabled)?.focus();
-    // Playing moves a step every few hundred ms: announcing each would drown the reader.
-    where.setAttribute("aria-live", state.timer ? "off" : "polite");
+    // Playing or streaming moves a step every few hundred ms or faster: announcing each would
+    // drown the reader (the status line says when the stream ends).
+    where.setAttribute("aria-live", state.timer || state.running ? "off" : "polite");
   }
 
   function pieces() {

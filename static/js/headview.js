@@ -108,20 +108,25 @@ class TokenList {
     this.node.style.minWidth = `calc(${Math.min(MAX_LABEL_CH, longest) + 1}ch + 12px)`;
   }
 
-  // Builds items [from, to) (clamped), reusing those already built.
+  // Builds items [from, to) (clamped), reusing those already built; `from` is MARGIN_ROWS above
+  // the first row in view.
   show(from, to, active) {
+    const firstInView = from + MARGIN_ROWS;
     from = Math.max(0, from);
     to = Math.min(this.indices.length, to);
     if (from !== this.window[0] || to !== this.window[1]) {
+      // Re-inserting an item detaches it, which drops keyboard focus: it is given back below.
+      const focused = this.node.contains(document.activeElement) ? document.activeElement : null;
       const built = new Map([...this.node.children].map((item) => [Number(item.dataset.index), item]));
       const items = [];
       for (let i = from; i < to; i++) items.push(built.get(i) ?? this.item(i));
       this.node.style.paddingTop = `${from * ROW}px`;
       this.node.replaceChildren(...items);
       this.window = [from, to];
+      if (focused?.isConnected) focused.focus({ preventScroll: true });
     }
-    // The Tab stop is the last token focused while it is built, else the first built one.
-    const stop = this.stop >= from && this.stop < to ? this.stop : from;
+    // The Tab stop is the last token focused while it is built, else the first one in view.
+    const stop = this.stop >= from && this.stop < to ? this.stop : Math.max(from, Math.min(to - 1, firstInView));
     for (const item of this.node.children) {
       const index = Number(item.dataset.index);
       item.classList.toggle("active", index === active);

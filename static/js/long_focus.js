@@ -118,6 +118,7 @@ export class TiledFocusView extends FocusView {
     if (revision !== this.revision) {
       this.ranges = { x: null, y: null };
       this.revision = revision;
+      this.dropCursor();
     }
     const { T, causal } = run;
     if (this.long?.runId !== run.runId) {

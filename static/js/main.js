@@ -574,6 +574,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   }
   $("text").removeAttribute("aria-invalid");
   const typedIn = document.activeElement === $("text") || document.activeElement === $("pair");
+  const fromRunButton = document.activeElement === $("run");
   state.controller?.abort();
   state.controller = new AbortController();
   state.marks = new Set();
@@ -627,8 +628,9 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   setBusy(false);
   $("run-status").textContent = `Done: ${run.T} tokens, ${run.nLayers} layers × ${run.nHeads} heads.`;
   // After Enter the caret would keep the arrow keys in the text box, and a Run button that was
-  // disabled while it worked has dropped keyboard focus to the page: the heatmap takes it.
-  const dropped = document.activeElement === document.body || document.activeElement === $("run");
+  // disabled while it worked has dropped keyboard focus to the page: the heatmap takes it. Not
+  // when focus was elsewhere (an opened link, a restored view), nor when the user moved it since.
+  const dropped = fromRunButton && (document.activeElement === document.body || document.activeElement === $("run"));
   if (typedIn || dropped) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));

@@ -150,11 +150,11 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     third = reply["ranking"][2]
     page.wait_for_selector(f"#compare-plot-diff[data-layer='{third['layer']}'][data-head='{third['head']}']")
     assert same(shown(page, "compare-plot-diff"), f32(reply["difference"]["data"][third["layer"]][third["head"]]))
-    # A ranking row is a button to the keyboard too: Space shows its head, as Enter and a click do.
+    # Each ranked head is a button for the keyboard: Space shows it, as Enter and a click on the row do.
     second = reply["ranking"][1]
-    row = page.locator("#compare-ranking tbody tr:nth-child(2)")
-    assert row.get_attribute("role") == "button" and f"layer {second['layer']} head {second['head']}" in row.get_attribute("aria-label")
-    row.focus()
+    button = page.locator("#compare-ranking tbody tr:nth-child(2) button")
+    assert button.get_attribute("aria-label") == f"Show layer {second['layer']} head {second['head']} in the difference heatmap"
+    button.focus()
     page.keyboard.press(" ")
     page.wait_for_selector(f"#compare-plot-diff[data-layer='{second['layer']}'][data-head='{second['head']}']")
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.browser.test_page import SENTENCE, api_attention, open_page, run, wait_focus, wait_grid
+from tests.browser.test_page import SENTENCE, api_attention, open_page, run, wait_focus, wait_grid, wait_saved
 
 pytestmark = pytest.mark.browser
 
@@ -91,6 +91,21 @@ def test_shift_arrows_read_the_weights_cell_by_cell(server, api, page):
     page.locator("#tooltip").wait_for(state="visible")
     assert page.locator("#cell-reading").text_content() == spoken
     assert page.locator("#focus-plot .cell-cursor").is_hidden()
+    # A zoom that leaves the cursor's cell out of view brings the cursor into it, and reads there.
+    page.focus("#focus-plot")
+    page.keyboard.press("Shift+ArrowUp")  # the mouse took over: the cursor starts again at the top-left
+    assert abs(reading(page, 0, 0) - head[1, 0, 0]) <= 1.1e-3
+    page.evaluate("() => Plotly.relayout('focus-plot', {'xaxis.range': [3.5, 8.5], 'yaxis.range': [8.5, 3.5]})")
+    assert abs(reading(page, 4, 4) - head[1, 4, 4]) <= 1.1e-3
+    assert page.locator("#focus-plot .cell-cursor").is_visible()
+    # A new text: the old text's reading is gone from the screen and from the live region.
+    done = page.locator("#run-status").text_content()
+    page.fill("#text", "A different sentence entirely.")
+    page.focus("#run")
+    page.keyboard.press("Enter")
+    page.wait_for_function("(before) => { const s = document.getElementById('run-status').textContent;"
+                           " return s.startsWith('Done') && s !== before; }", arg=done)
+    assert page.locator("#tooltip").is_hidden() and page.locator("#cell-reading").text_content() == ""
 
 
 def test_the_run_button_leaves_focus_on_the_heatmap_and_says_done(server, page):
@@ -135,3 +150,37 @@ def test_alt_enter_on_a_thumbnail_ablates_it_as_alt_click_does(server, page):
     page.keyboard.press("Alt+Enter")
     page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
     assert page.inner_text("#ablate-list") == "L0 H1 · zero"
+    # A ranked head's button shows it in the ablation heatmap, and keeps keyboard focus on it.
+    button = page.locator("#ablate-ranking tbody tr:nth-child(2) button")
+    layer, head = (button.locator("xpath=ancestor::tr").get_attribute(f"data-{a}") for a in ("layer", "head"))
+    assert button.get_attribute("aria-label") == f"Show layer {layer} head {head} in the ablation heatmap"
+    button.focus()
+    page.keyboard.press("Enter")
+    page.wait_for_selector(f"#ablate-plot[data-layer='{layer}'][data-head='{head}']")
+    assert page.evaluate("() => { const tr = document.activeElement.closest('tr'); return [tr.dataset.layer, tr.dataset.head]; }") == [layer, head]
+
+
+def test_a_restored_link_leaves_keyboard_focus_where_it_was(server, make_page):
+    first = make_page()
+    open_page(first, server)
+    run(first, SENTENCE)
+    wait_saved(first)
+    other = make_page()
+    other.goto(first.url)
+    wait_focus(other)
+    other.wait_for_function("() => document.getElementById('run-status').textContent.startsWith('Done')")
+    # Not on the heatmap: the first Tab still reaches the skip link, not Plotly's modebar.
+    assert active_id(other) == "BODY"
+    other.keyboard.press("Tab")
+    assert other.evaluate("() => document.activeElement.className") == "skip-link"
+
+
+def test_the_head_view_keeps_keyboard_focus_while_it_scrolls(server, page):
+    open_page(page, server)
+    run(page, " ".join([SENTENCE] * 12))
+    page.wait_for_function("() => document.querySelectorAll('.hv-left li').length > 0")
+    page.focus(".hv-left li[tabindex='0']")
+    for _ in range(45):  # past the first rebuild of the token window (30 rows of margin)
+        page.keyboard.press("ArrowDown")
+    assert page.evaluate("() => document.activeElement.dataset.index") == "45"
+    assert page.locator(".hv-left li.active").get_attribute("data-index") == "45"

@@ -104,6 +104,13 @@ def test_head_finder_is_one_tab_stop_per_list_with_named_cells(ran):
     wait_focus(page, layer=1, head=1)
     assert page.locator(".finder-cell[tabindex='0']").get_attribute("aria-pressed") == "true"
     assert page.locator("#finder tbody tr[tabindex='0']").get_attribute("aria-current") == "true"
+    # At an edge the arrows keep focus where it is; Home and End go to the ends.
+    page.keyboard.press("ArrowDown")  # L1 is the last layer
+    assert page.evaluate("() => document.activeElement.dataset.head") == "1"
+    page.keyboard.press("End")
+    assert page.evaluate("() => [document.activeElement.dataset.layer, document.activeElement.dataset.head]") == ["1", "7"]
+    page.keyboard.press("Home")
+    assert page.evaluate("() => [document.activeElement.dataset.layer, document.activeElement.dataset.head]") == ["0", "0"]
     # The table: ↓ walks the rows, Space picks one.
     page.focus("#finder tbody tr[tabindex='0']")
     page.keyboard.press("ArrowDown")
@@ -137,6 +144,10 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     routes.nth(other).focus()
     page.keyboard.press("Enter")
     wait_focus(page, layer=strongest[other]["layer"], head=strongest[other]["head"])
+    # The list stays open, with focus on the route used, which is marked as the focused head's.
+    assert page.locator("#flow .flow-routes").get_attribute("open") is not None
+    assert page.evaluate("() => document.activeElement.classList.contains('flow-route')")
+    assert routes.nth(other).get_attribute("aria-current") == "true"
     # a higher threshold prunes edges, and the drawing follows
     page.fill("#flow-threshold", "0.4")  # a range input: fill fires input and change
     page.wait_for_selector("#flow[data-threshold='0.4']", state="attached")
