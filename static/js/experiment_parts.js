@@ -81,7 +81,7 @@ export function rankingTable(ranking, { limit = 12, onPick, caption, shows = "" 
   const rows = ranking.slice(0, limit).map((c, i) => {
     const name = `L${c.layer} H${c.head}`;
     const headCell = onPick
-      ? el("td", {}, [el("button", { className: "pick", text: name, attrs: { type: "button", "aria-label": `Show layer ${c.layer} head ${c.head}${shows ? ` in ${shows}` : ""}` } })])
+      ? el("td", {}, [el("button", { className: "pick plain-button", text: name, attrs: { type: "button", "aria-label": `Show layer ${c.layer} head ${c.head}${shows ? ` in ${shows}` : ""}` } })])
       : el("td", { text: name });
     const tr = el("tr", { attrs: { "data-layer": c.layer, "data-head": c.head } }, [
       el("td", { text: String(i + 1) }),

@@ -218,16 +218,14 @@ function buildAblation() {
   );
   // Alt-click on a grid thumbnail ablates it (a plain click still focuses it, as before); Alt+Enter
   // is the keyboard's Alt-click (a button's keyboard click carries no Alt).
-  $("grid").addEventListener("click", (e) => {
+  const ablateThumb = (e) => {
     const cell = e.target.closest?.(".thumb");
-    if (cell && e.altKey) ablateHead(Number(cell.dataset.layer), Number(cell.dataset.head));
-  });
-  $("grid").addEventListener("keydown", (e) => {
-    const cell = e.target.closest?.(".thumb");
-    if (!cell || !e.altKey || e.key !== "Enter") return;
+    if (!cell || !e.altKey || (e.type === "keydown" && e.key !== "Enter")) return;
     e.preventDefault();
     ablateHead(Number(cell.dataset.layer), Number(cell.dataset.head));
-  });
+  };
+  $("grid").addEventListener("click", ablateThumb);
+  $("grid").addEventListener("keydown", ablateThumb);
 }
 
 function buildTokenChange() {

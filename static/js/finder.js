@@ -105,8 +105,8 @@ export class HeadFinder {
       cells.push(cell);
     }
     this.grid.replaceChildren(...cells);
-    this.rove(this.grid.querySelectorAll(".finder-cell"));
-    if (this.selected) this.select(this.selected.layer, this.selected.head);
+    if (this.selected) this.select(this.selected.layer, this.selected.head); // marks it and roves both lists
+    else this.rove(this.grid.querySelectorAll(".finder-cell"));
   }
 
   visibleRows() {
@@ -128,7 +128,7 @@ export class HeadFinder {
     const columns = [["layer", "Head"], ["tags", "Tags"], ...this.stats.map((s) => [s, STAT_LABEL[s] ?? s])];
     const header = el("tr", {}, columns.map(([key, label]) => {
       const sorted = this.sort.key === key;
-      const button = el("button", { text: label + (sorted ? (this.sort.descending ? " ▼" : " ▲") : ""),
+      const button = el("button", { className: "plain-button", text: label + (sorted ? (this.sort.descending ? " ▼" : " ▲") : ""),
                                     attrs: { type: "button", "data-sort": key } });
       button.addEventListener("click", () => {
         this.sort = { key, descending: sorted ? !this.sort.descending : key !== "layer" && key !== "tags" };
@@ -155,7 +155,7 @@ export class HeadFinder {
       return tr;
     });
     this.table.replaceChildren(el("thead", {}, [header]), el("tbody", {}, body));
-    this.rove(this.table.querySelectorAll("tbody tr"));
     if (this.selected) this.select(this.selected.layer, this.selected.head);
+    else this.rove(this.table.querySelectorAll("tbody tr"));
   }
 }

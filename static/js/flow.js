@@ -89,7 +89,7 @@ export class FlowGraph {
     const strongest = edges.filter((e) => e.head !== null).sort((a, b) => b.weight - a.weight).slice(0, ROUTES_LISTED);
     const items = strongest.map((edge) => {
       const button = el("button", {
-        className: "flow-route",
+        className: "flow-route plain-button",
         text: `${labels[edge.source]} → ${labels[edge.target]}: ${(edge.weight * 100).toFixed(1)}% via layer ${edge.layer} head ${edge.head}`,
         attrs: { type: "button", "data-layer": edge.layer, "data-head": edge.head },
       });

@@ -296,7 +296,7 @@ function labelPlot(precision) {
   plot.dataset.aggregate = state.aggregate;
   plot.dataset.precision = precision;
   plot.dataset.scale = state.scale;
-  plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers.`);
+  plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers; Shift+arrow keys read the weights cell by cell.`);
 }
 
 // A long run's focus: the head's overview at once, then the server's tiles of what is in view.

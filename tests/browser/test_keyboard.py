@@ -56,6 +56,8 @@ def test_shift_arrows_read_the_weights_cell_by_cell(server, api, page):
     T = len(tokens)
     head = weights.reshape(2, T, T)
     assert page.locator("#cell-reading").get_attribute("aria-live") == "polite"
+    # The heatmap's name, rewritten for each head, still tells a screen reader how to read cells.
+    assert "Shift+arrow keys read the weights" in page.locator("#focus-plot").get_attribute("aria-label")
     # The first press lands on the top-left cell in view, the next ones walk from it.
     page.keyboard.press("Shift+ArrowRight")
     assert abs(reading(page, 0, 0) - head[0, 0, 0]) <= 1.1e-3
