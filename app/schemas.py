@@ -213,6 +213,10 @@ class ModelOut(BaseModel):
     device: str
     dtype: str = Field(description="Weights' dtype; softmax and returned weights are float32 regardless")
     predictions: bool = Field(description="Whether `predictions` may be asked for (the model has an LM head)")
+    sliding_windows: list[int | None] = Field(
+        description="Per layer: W when each query of that layer sees only its last W positions, itself included "
+        "(the keys further back are masked, as later keys are in a causal model); null: no window"
+    )
     default: bool
 
 

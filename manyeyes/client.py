@@ -139,6 +139,8 @@ class RemoteModel:
     n_kv_heads: int | None = None  # fewer than n_heads under grouped-query attention
     dtype: str = "float32"
     predictions: bool = False  # whether the model has an LM head to ask `predictions` of
+    # Per layer: W when a query sees only its last W positions (itself included); None: no window.
+    sliding_windows: list[int | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

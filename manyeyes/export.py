@@ -139,7 +139,8 @@ def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int,
 def model_entry(info, default: bool = True) -> dict:
     """The model as GET /api/v1/models lists it."""
     fields = ("family", "causal", "n_layers", "n_heads", "d_model", "head_dim", "max_tokens", "device")
-    return {"id": info.id, **{f: getattr(info, f) for f in fields}, "default": default}
+    return {"id": info.id, **{f: getattr(info, f) for f in fields}, "sliding_windows": list(info.sliding_windows),
+            "default": default}
 
 
 def export_html(

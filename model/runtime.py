@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from manyeyes.model.attention import Capture, MultiHeadAttention
+from manyeyes.model.attention import Capture
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
@@ -28,6 +28,8 @@ class ModelInfo:
     dtype: str  # weights' dtype ("float32", "bfloat16", "float16"), or "float16" under GPU autocast
     n_kv_heads: int | None = None  # key/value heads (fewer than n_heads under grouped-query attention)
     predictions: bool = False  # has a language-model head: next-token (causal) or masked-token top-k
+    # Per layer: each query sees only its last W positions, itself included (None: no window).
+    sliding_windows: tuple[int | None, ...] = ()
 
 
 MAX_TOP_K = 20  # predictions kept per position; a request asks for at most this many
@@ -254,5 +256,4 @@ class AttentionModel:
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: none), in layer order."""
-        return tuple(m.sliding_window for m in self.net.modules() if isinstance(m, MultiHeadAttention))
+        return self.info.sliding_windows

@@ -27,6 +27,7 @@ async def list_models(registry: RegistryDep) -> ModelsResponse:
                 device=s.model.info.device,
                 dtype=s.model.info.dtype,
                 predictions=s.model.info.predictions,
+                sliding_windows=list(s.model.info.sliding_windows),
                 default=s.default,
             )
             for s in registry.served()

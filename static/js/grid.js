@@ -2,6 +2,7 @@
 // Rows that scroll into view ask for their layers, so long inputs only fetch what is seen.
 
 import { el } from "./dom.js";
+import { layerMask } from "./run.js";
 import { inSlices } from "./slices.js";
 import { colorTable, scaled } from "./theme.js";
 import { isIdentity, selectionOf } from "./transform.js";
@@ -30,14 +31,17 @@ function layoutOf({ nRows, nCols, stride = nCols, rows = null, cols = null, keys
   };
 }
 
-// A run's layout for a selection (undefined: every token), causal runs masking each block whose
-// first key lies after its last query.
-function runLayout(T, causal, { rows = null, cols = null, visibleKeys = null } = {}) {
+// A run's layout for a selection (undefined: every token), masking each block whose every cell
+// `mask` (run.js maskRule) masks.
+function runLayout(T, mask, { rows = null, cols = null, visibleKeys = null } = {}) {
   const nRows = rows ? rows.length : T;
+  const nCols = cols ? cols.length : T;
   const rowAt = (r) => (rows ? rows[r] : r);
   const colAt = (c) => (cols ? cols[c] : c);
-  const maskedBlock = causal ? (br, bc, k) => colAt(bc * k) > rowAt(Math.min((br + 1) * k - 1, nRows - 1)) : null;
-  return layoutOf({ nRows, nCols: cols ? cols.length : T, stride: T, rows, cols, keys: visibleKeys, maskedBlock });
+  const last = (i, k, n) => Math.min((i + 1) * k - 1, n - 1);
+  const maskedBlock = mask.none ? null
+    : (br, bc, k) => mask.block(rowAt(br * k), rowAt(last(br, k, nRows)) + 1, colAt(bc * k), colAt(last(bc, k, nCols)) + 1);
+  return layoutOf({ nRows, nCols, stride: T, rows, cols, keys: visibleKeys, maskedBlock });
 }
 
 // The pooled maxima of one head's T × T weights (value × unit), rows renormalised over layout.keys,
@@ -164,14 +168,15 @@ export class GridView {
     this.painted.add(layer);
   }
 
-  // The thumbnail layout for these options (hidden tokens and pair block; threshold and colour
-  // scale only recolour).
-  layoutFor(options) {
-    const key = `${options.hideSpecial}|${options.hideFirst}|${options.segments}`;
+  // The thumbnail layout of a layer for these options (hidden tokens and pair block, and the
+  // layer's sliding window; threshold and colour scale only recolour).
+  layoutFor(options, layer) {
+    const mask = layerMask(this.run, layer);
+    const key = `${options.hideSpecial}|${options.hideFirst}|${options.segments}|${mask.window}`;
     let layout = this.layouts.get(key);
     if (!layout) {
       const selected = isIdentity({ ...options, threshold: 0 }, this.run.hasPair) ? undefined : selectionOf(this.run.tokens, options);
-      layout = runLayout(this.run.T, this.run.causal, selected);
+      layout = runLayout(this.run.T, mask, selected);
       layout.key = key;
       this.layouts.set(key, layout);
     }
@@ -180,7 +185,7 @@ export class GridView {
 
   paintHead(layer, h, options) {
     const run = this.run;
-    const layout = this.layoutFor(options);
+    const layout = this.layoutFor(options, layer);
     // The 8-bit bytes as they came, unless rows are renormalised or thresholded: then the head's
     // exact values once they are here.
     const exact = !isIdentity(options, run.hasPair) && run.isPrecise(layer, h);

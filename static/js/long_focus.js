@@ -6,6 +6,7 @@
 
 import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { ALL_LABELS, FocusView, MAX_FONT, shortLabel } from "./focus.js";
+import { layerMask } from "./run.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { colorTable, themeName } from "./theme.js";
 
@@ -110,7 +111,7 @@ export class TiledFocusView extends FocusView {
     delete this.plot.dataset.long;
   }
 
-  // run: { runId, T, causal }; head: a head's index or "mean" (the layer's mean); base: the
+  // run: { runId, T, causal, slidingWindows }; head: a head's index or "mean" (the layer's mean); base: the
   // overview tile of that head ({ q0: 0, q1: T, k0: 0, k1: T, nr, nc, values, rowEdges, colEdges })
   // and its peak, or null for a mean, whose coarsest tile is asked for first and gives the peak.
   async renderLong({ run, layer, head, base = null, peak = 0, labels, title, filename, exportCaption, scale = "head", revision }) {
@@ -120,15 +121,16 @@ export class TiledFocusView extends FocusView {
       this.revision = revision;
       this.dropCursor();
     }
-    const { T, causal } = run;
+    const { T } = run;
+    const mask = layerMask(run, layer);
     if (this.long?.runId !== run.runId) {
       this.loader.clear(); // another run's tiles: never drawn again
       this.exact.clear();
     }
     if (!this.identity || this.identity.length !== T) this.identity = Int32Array.from({ length: T }, (_, i) => i);
-    const view = { rows: this.identity, cols: this.identity, values: null, causal, masked: causal ? (r, c) => c > r : () => false };
+    const view = { rows: this.identity, cols: this.identity, values: null, masked: mask.none ? () => false : mask.cell };
     this.long = {
-      runId: run.runId, T, causal, layer, head, prefix: `${run.runId}|${layer}:${head}|`,
+      runId: run.runId, T, mask, layer, head, prefix: `${run.runId}|${layer}:${head}|`,
       base: base && placed(base, Infinity), peak, level: null, coarsest: levelFor(T, BLOCK),
     };
     this.heatmap.long = true;
@@ -185,7 +187,7 @@ export class TiledFocusView extends FocusView {
     const win = this.window();
     const { q0, q1, k0, k1 } = win;
     const colourKey = `${this.current.scale}|${L.peak}|${themeName()}`;
-    const own = blocksFor(win, this.levelOf(win), L.T, L.causal).map((b) => (b.masked ? this.maskedTile(b) : this.loader.cache.get(this.tileKey(b))));
+    const own = blocksFor(win, this.levelOf(win), L.T, L.mask).map((b) => (b.masked ? this.maskedTile(b) : this.loader.cache.get(this.tileKey(b))));
     let tiles = [];
     if (own.every(Boolean)) {
       tiles = own;
@@ -198,13 +200,13 @@ export class TiledFocusView extends FocusView {
     }
     for (const tile of tiles) {
       if (tile.masked || tile.colourKey === colourKey) continue;
-      tile.image = paintBins(tile.image ?? document.createElement("canvas"), tile, this.current.scale, L.peak, L.causal);
+      tile.image = paintBins(tile.image ?? document.createElement("canvas"), tile, this.current.scale, L.peak, L.mask);
       tile.colourKey = colourKey;
     }
     return tiles;
   }
 
-  // A block wholly above a causal diagonal, in the masked colour (under the tiles Plotly's own
+  // A block wholly masked (above a causal diagonal, or behind a sliding window), in the masked colour (under the tiles Plotly's own
   // background is the colour of weight 0).
   maskedTile(block) {
     const colour = colorTable()[256];
@@ -228,8 +230,8 @@ export class TiledFocusView extends FocusView {
     const spec = (block) => ({ ...block, key: this.tileKey(block), runId: L.runId, layer: L.layer, head: L.head });
     const specs = [];
     // A mean has no overview: its coarsest tile (the whole run in one) comes first and sets the peak.
-    if (!L.base) specs.push(...blocksFor({ q0: 0, q1: L.T, k0: 0, k1: L.T }, L.coarsest, L.T, false).map(spec));
-    for (const block of blocksFor(win, w, L.T, L.causal)) {
+    if (!L.base) specs.push(...blocksFor({ q0: 0, q1: L.T, k0: 0, k1: L.T }, L.coarsest, L.T).map(spec));
+    for (const block of blocksFor(win, w, L.T, L.mask)) {
       if (!block.masked && !specs.some((s) => s.key === this.tileKey(block))) specs.push(spec(block));
     }
     this.refineStart ??= performance.now(); // from the first of several refines before the tiles settle
@@ -352,7 +354,7 @@ export class TiledFocusView extends FocusView {
 
   reading(q, k, clientX, clientY) {
     const L = this.long;
-    if (L.causal && k > q) return "masked";
+    if (L.mask.cell(q, k)) return "masked";
     const key = `${L.prefix}${q}|${k}`;
     if (this.exact.has(key)) return this.exact.get(key).toFixed(3);
     const tiles = this.heatmap.tiles;

@@ -4,13 +4,13 @@
 // the dense weights says on screen why it is off.
 
 import { $, el } from "./dom.js";
-import { runHeader } from "./run.js";
+import { layerMask, maskWords, runHeader } from "./run.js";
 import { fetchOverview, paintBins } from "./tiles.js";
 
 // The run object main.js passes around, with no layers to fetch.
 export class LongRun {
-  constructor(response) {
-    Object.assign(this, runHeader(response));
+  constructor(response, slidingWindows = []) {
+    Object.assign(this, runHeader(response, slidingWindows));
     this.long = true;
     this.layerBytes = [];
     this.overview = null; // a promise of fetchOverview's answer
@@ -55,7 +55,7 @@ export async function paintOverview(grid, run, scale) {
       let peak = 0;
       for (const v of values) if (v > peak) peak = v;
       const button = grid.cells[l][h];
-      paintBins(button.firstChild, { ...o, values }, scale, peak, run.causal);
+      paintBins(button.firstChild, { ...o, values }, scale, peak, layerMask(run, l));
       button.classList.remove("loading");
     }
     grid.painted.add(l);
@@ -135,9 +135,9 @@ export function longControls(run, aggregate) {
   return long && aggregate === "all" ? "layer" : aggregate;
 }
 
-export function longCaption(run, scale) {
+export function longCaption(run, layer, scale) {
   const parts = [`${run.T} tokens${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
-  parts.push(run.causal ? "causal: grey cells are masked, a token cannot see ahead" : "bidirectional");
+  parts.push(maskWords(run, layerMask(run, layer)));
   parts.push("long run: the server computes the cells in view; zoomed out, a pixel shows the largest weight of the cells it covers");
   if (scale === "fixed") parts.push("colour: fixed 0–1");
   if (scale === "log") parts.push("colour: log scale");

@@ -12,7 +12,7 @@ import { LongHeadView, QUERIES } from "./long_headview.js";
 import { LongRun, longCaption, longControls, openLongRun, paintOverview } from "./long_run.js";
 import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
-import { AttentionRun, holdsFor } from "./run.js";
+import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenLabels } from "./tokens.js";
 import { isIdentity, viewOf } from "./transform.js";
@@ -104,8 +104,13 @@ function setBusy(busy) {
 function viewOptions() {
   return {
     hideSpecial: state.hideSpecial, hideFirst: state.hideFirst, threshold: state.threshold,
-    segments: state.segments, causal: state.run.causal, scale: state.scale,
+    segments: state.segments, mask: focusMask(), scale: state.scale,
   };
+}
+
+// What the focused heatmap masks: its layer's rule, or every layer's at once for the mean of all.
+function focusMask() {
+  return layerMask(state.run, state.aggregate === "all" ? null : state.layer);
 }
 
 function modelInfo(id) {
@@ -320,7 +325,7 @@ async function renderLongViews(token, withHeadView) {
   });
   if (token !== state.renderToken) return;
   labelPlot("tiles");
-  $("focus-caption").textContent = longCaption(run, state.scale);
+  $("focus-caption").textContent = longCaption(run, state.layer, state.scale);
   await focusShown(token, withHeadView);
 }
 
@@ -345,7 +350,7 @@ function caption(run, view) {
   const shown = Math.max(view.rows.length, view.cols.length);
   const count = shown === run.T ? `${run.T} tokens` : `${view.rows.length} × ${view.cols.length} of ${run.T} tokens shown`;
   const parts = [`${count}${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
-  parts.push(run.causal ? "causal: grey cells are masked, a token cannot see ahead" : "bidirectional");
+  parts.push(maskWords(run, focusMask()));
   if (state.hideSpecial) parts.push("special tokens hidden");
   if (state.hideFirst) parts.push("first token hidden");
   if (state.hideSpecial || state.hideFirst) parts.push("rows renormalised");
@@ -600,7 +605,9 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     return;
   }
   mark("response");
-  const run = response.kept === "qk" ? new LongRun(response) : new AttentionRun(response);
+  // The model's sliding windows (GET /models) mask keys too far back, as causality masks later ones.
+  const windows = state.models.find((m) => m.id === response.model)?.sliding_windows ?? [];
+  const run = response.kept === "qk" ? new LongRun(response, windows) : new AttentionRun(response, windows);
   if (run.long) openLongRun(run, state.controller.signal);
   state.run = run;
   state.request = request;
@@ -788,7 +795,7 @@ function renderExample() {
   const tokens = words.map((text) => ({ text, special: false, segment: 0 }));
   const n = words.length;
   const matrix = new Float32Array(n * n).map((_, i) => 1 / (1 + Math.abs(Math.floor(i / n) - (i % n)) * 3));
-  const view = viewOf(matrix, tokens, { hideSpecial: false, threshold: 0, segments: "all", causal: false });
+  const view = viewOf(matrix, tokens, { hideSpecial: false, threshold: 0, segments: "all" });
   $("focus-plot").dataset.example = "true";
   return focus.render({ view, labels: words, title: "Example: type a sentence above and press Enter", filename: "manyeyes-example", revision: "example" });
 }

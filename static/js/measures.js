@@ -12,7 +12,7 @@ import { HeadFinder } from "./finder.js";
 import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
-import { holdsFor } from "./run.js";
+import { holdsFor, layerMask, maskRule } from "./run.js";
 import { MASKED, colorTable, onThemeChange } from "./theme.js";
 import { tokenLabels } from "./tokens.js";
 
@@ -31,10 +31,10 @@ function axisTicks(labels, range) {
   return { values, texts, font: TICK_FONT, room: 8 + TICK_FONT * 0.62 * longest };
 }
 
-// The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads; with `causal`,
-// the cells above the diagonal (keys after their query) in the masked colour, as the focused
-// heatmap draws them: a causal model never looks there, which a weight of 0 would not say.
-function cellImage(matrix, signed, peak, causal = false) {
+// The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads; the cells
+// `mask` (run.js maskRule, or null) masks in the masked colour, as the focused heatmap draws them:
+// the model never looks there, which a weight of 0 would not say.
+function cellImage(matrix, signed, peak, mask = null) {
   const nRows = matrix.length;
   const nCols = matrix[0]?.length ?? 0;
   const canvas = document.createElement("canvas");
@@ -48,7 +48,7 @@ function cellImage(matrix, signed, peak, causal = false) {
   for (let i = 0; i < nRows; i++) {
     const row = matrix[i];
     for (let j = 0; j < nCols; j++) {
-      if (causal && j > i) {
+      if (mask?.cell(i, j)) {
         pixels[i * nCols + j] = masked;
         continue;
       }
@@ -290,7 +290,11 @@ class Measures {
   async plot(matrix, rows, cols, signed, kind, wordView) {
     const plot = $("measure-plot");
     const peak = peakOf(matrix, 1e-12);
-    this.cells = { matrix, rows, cols, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
+    // Rows and columns are tokens, but for contributions (heads × tokens). The rollout mixes every
+    // layer's reach and the word view merges tokens: only causality masks those.
+    const mask = kind === "contributions" ? null
+      : kind === "rollout" || wordView ? maskRule(this.run.causal) : layerMask(this.run, this.layer);
+    this.cells = { matrix, rows, cols, mask, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
@@ -300,7 +304,7 @@ class Measures {
       colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
     };
     const cells = {
-      source: cellImage(matrix, signed, peak, this.run.causal && kind !== "contributions"), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
+      source: cellImage(matrix, signed, peak, mask), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
       xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
     const ink = getComputedStyle(document.body).color;
@@ -327,14 +331,14 @@ class Measures {
   // the query where there is one, in the line under the plot.
   readCell(event) {
     if (!this.cells) return;
-    const { matrix, rows, cols, predictions } = this.cells;
+    const { matrix, rows, cols, mask, predictions } = this.cells;
     const cell = cellUnder($("measure-plot"), event.clientX, event.clientY, rows.length, cols.length);
     if (!cell) return;
     const { row: i, col: j } = cell;
     const top = predictions?.[String(i)]?.[0];
     const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
     const reading = $("measure-reading");
-    reading.textContent = `${rows[i]} → ${cols[j]}: ${matrix[i][j].toFixed(4)}${next}`;
+    reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : matrix[i][j].toFixed(4)}${next}`;
     Object.assign(reading.dataset, { row: i, col: j });
   }
 

@@ -1,12 +1,14 @@
 // One analysed text: its tokens and whichever layers have arrived so far.
 // Layers arrive as u8 (fast, for the grid); single heads can be refined to float16 for exact reading.
 
-// What every run the page holds knows of its answer, short (AttentionRun) or long (LongRun).
-export function runHeader(response) {
+// What every run the page holds knows of its answer, short (AttentionRun) or long (LongRun);
+// slidingWindows: the model's, per layer, from GET /models (the answer does not repeat them).
+export function runHeader(response, slidingWindows = []) {
   return {
     runId: response.run_id,
     model: response.model,
     causal: response.causal,
+    slidingWindows,
     nLayers: response.n_layers,
     nHeads: response.n_heads,
     tokens: response.tokens,
@@ -17,6 +19,38 @@ export function runHeader(response) {
   };
 }
 
+// Which keys a query cannot see, as the model masks them: later keys when `causal`, and with a
+// sliding window of W positions those W or more behind the query. cell(q, k); block(q0, q1, k0, k1)
+// says whether every cell of queries [q0, q1) × keys [k0, k1) is masked; none: nothing ever is.
+export function maskRule(causal, window = null) {
+  const far = window !== null;
+  return {
+    window,
+    none: !causal && !far,
+    cell: (q, k) => (causal && k > q) || (far && k <= q - window),
+    block: (q0, q1, k0, k1) => (causal && k0 > q1 - 1) || (far && k1 - 1 <= q0 - window),
+  };
+}
+
+// The rule of one layer, or (layer null) of the mean over every layer: a cell is masked there only
+// where every layer masks it, so the widest window counts and one layer without a window lifts it.
+export function layerMask(run, layer) {
+  const windows = run.slidingWindows.length ? run.slidingWindows : [null];
+  const window = layer === null
+    ? (windows.includes(null) ? null : Math.max(...windows))
+    : (windows[layer] ?? null);
+  return maskRule(run.causal, window);
+}
+
+// How a caption says what the grey cells are.
+export function maskWords(run, rule) {
+  if (!run.causal && rule.window === null) return "bidirectional";
+  const behind = rule.window === null ? "" : `, nor more than ${rule.window - 1} tokens back (sliding window)`;
+  return run.causal
+    ? `causal: grey cells are masked, a token cannot see ahead${behind}`
+    : `grey cells are masked: a token cannot see more than ${rule.window - 1} tokens back (sliding window)`;
+}
+
 // Whether views of a run kept at `precision` (its answer's `precision`) can be had in `format`.
 const PRECISION = { json: 0, f16: 1, u8: 2 };
 export function holdsFor(precision, format) {
@@ -24,8 +58,8 @@ export function holdsFor(precision, format) {
 }
 
 export class AttentionRun {
-  constructor(response) {
-    Object.assign(this, runHeader(response));
+  constructor(response, slidingWindows = []) {
+    Object.assign(this, runHeader(response, slidingWindows));
     this.layerBytes = new Array(this.nLayers).fill(null); // each Uint8Array [head][query][key]
     this.scale = 1 / 255;
     this.precise = new Map(); // "layer:head" -> Float32Array [query][key]

@@ -78,12 +78,12 @@ export async function fetchTopk(runId, { layer, head, k, q0, q1 }, signal) {
 }
 
 // Bins ({ nr, nc, values, rowEdges, colEdges }: a tile, or a head's overview) coloured into
-// canvas, one pixel a bin, on the page's scale; a bin wholly above a causal diagonal (its first key
-// after its last query) is masked.
-export function paintBins(canvas, { nr, nc, values, rowEdges: re, colEdges: ce }, scale, peak, causal) {
+// canvas, one pixel a bin, on the page's scale; a bin whose every cell `mask` (run.js maskRule)
+// masks is drawn masked.
+export function paintBins(canvas, { nr, nc, values, rowEdges: re, colEdges: ce }, scale, peak, mask) {
   const view = {
     rows: { length: nr }, cols: { length: nc }, values,
-    masked: causal ? (i, j) => ce[j] > re[i + 1] - 1 : () => false,
+    masked: mask.none ? () => false : (i, j) => mask.block(re[i], re[i + 1], ce[j], ce[j + 1]),
   };
   const pixels = paintCells(view, scale, peak, new Uint32Array(nr * nc));
   if (canvas.width !== nc || canvas.height !== nr) {
@@ -102,14 +102,15 @@ export function levelFor(cells, pixels) {
 }
 
 // The tiles of level w that cover the window, nearest the window's centre first (so they arrive in
-// that order); in a causal run those wholly above the diagonal are `masked` (never asked for).
-export function blocksFor({ q0, q1, k0, k1 }, w, T, causal) {
+// that order); those `mask` (run.js maskRule, or null) wholly masks are `masked`, never asked for:
+// above a causal diagonal, or wholly behind a sliding window.
+export function blocksFor({ q0, q1, k0, k1 }, w, T, mask = null) {
   const span = BLOCK * w;
   const blocks = [];
   for (let bi = Math.floor(q0 / span); bi * span < q1; bi++) {
     for (let bj = Math.floor(k0 / span); bj * span < k1; bj++) {
       const block = { w, q0: bi * span, q1: Math.min(T, (bi + 1) * span), k0: bj * span, k1: Math.min(T, (bj + 1) * span) };
-      if (causal && block.k0 > block.q1 - 1) block.masked = true;
+      if (mask?.block(block.q0, block.q1, block.k0, block.k1)) block.masked = true;
       else if (w > 1) Object.assign(block, { rows: Math.ceil((block.q1 - block.q0) / w), cols: Math.ceil((block.k1 - block.k0) / w) });
       blocks.push(block);
     }

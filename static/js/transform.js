@@ -28,10 +28,10 @@ export function selectionOf(tokens, { hideSpecial, hideFirst = false, segments }
   return { rows, cols, visibleKeys };
 }
 
-// Returns { rows, cols, values (rows.length × cols.length), masked(r, c), causal }; rows and cols hold
+// Returns { rows, cols, values (rows.length × cols.length), masked(r, c) }; rows and cols hold
 // token indices. Rows are renormalised over every key that is not hidden, so a pair block shows
-// each row's real share.
-export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, threshold, segments, causal }) {
+// each row's real share. mask: what the model cannot see (run.js maskRule), or none.
+export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, threshold, segments, mask = null }) {
   const T = tokens.length;
   const { rows, cols, visibleKeys } = selectionOf(tokens, { hideSpecial, hideFirst, segments });
   const nCols = cols.length;
@@ -50,6 +50,6 @@ export function viewOf(matrix, tokens, { hideSpecial, hideFirst = false, thresho
       values[out + c] = w < threshold ? 0 : w;
     }
   }
-  const masked = causal ? (r, c) => cols[c] > rows[r] : () => false;
-  return { rows, cols, values, masked, causal: Boolean(causal) };
+  const masked = !mask || mask.none ? () => false : (r, c) => mask.cell(rows[r], cols[c]);
+  return { rows, cols, values, masked };
 }

@@ -386,6 +386,7 @@ def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
     open_page(page, server)
     result = page.evaluate("""async () => {
         const { TileLoader, blocksFor, levelFor } = await import('/static/js/tiles.js');
+        const { maskRule } = await import('/static/js/run.js');
         const started = [], aborted = [], arrived = [];
         const loader = new TileLoader({
             concurrent: 2,
@@ -402,7 +403,8 @@ def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
         loader.want(['c', 'd'].map((key) => ({ key })));
         return { started, aborted, arrived, cached: [...loader.cache.keys()], requested: loader.requested,
                  level: [levelFor(8192, 700), levelFor(40, 700)],
-                 blocks: blocksFor({ q0: 0, q1: 2048, k0: 0, k1: 2048 }, 4, 2048, true).map((b) => [b.q0, b.k0, b.rows ?? null, Boolean(b.masked)]) };
+                 blocks: blocksFor({ q0: 0, q1: 2048, k0: 0, k1: 2048 }, 4, 2048, maskRule(true)).map((b) => [b.q0, b.k0, b.rows ?? null, Boolean(b.masked)]),
+                 windowed: blocksFor({ q0: 0, q1: 1024, k0: 0, k1: 1024 }, 1, 1024, maskRule(true, 300)).filter((b) => b.masked).map((b) => [b.q0, b.k0]) };
     }""")
     assert result["started"] == ["a", "b", "c", "d"]
     assert sorted(result["aborted"]) == ["a", "b"]
@@ -410,6 +412,9 @@ def test_tile_loader_aborts_what_the_screen_no_longer_needs(server, page):
     assert result["level"] == [16, 1]
     # Causal: the block above the diagonal is masked, never asked for (the page paints it masked).
     assert sorted(result["blocks"]) == [[0, 0, 256, False], [0, 1024, None, True], [1024, 0, 256, False], [1024, 1024, 256, False]]
+    # A sliding window of 300: also the block whose every key lies 300 or more behind its every query.
+    above = [[q, k] for q in range(0, 1024, 256) for k in range(0, 1024, 256) if k > q]
+    assert sorted(result["windowed"]) == sorted(above + [[768, 0]])
 
 
 # ---- against the real server: a random llama whose inputs above dense_max_tokens keep q and k ----
