@@ -89,6 +89,39 @@ export function placementOf(plot) {
   };
 }
 
+// Arrow key -> (rows, columns) of a step: heads and layers on the grid, a keyboard cell cursor.
+export const ARROW_STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
+
+// A keyboard cell cursor on a Plotly heatmap's axes, moved by (dRow, dCol) and kept inside the
+// cells whose centres are in view (at least the one nearest the middle, when a zoom falls inside
+// a single cell; cell i spans [i - 0.5, i + 0.5]); from nowhere (cursor null) it lands on the
+// top-left one. `outline`, an absolutely placed box in the plot, is moved over the cell, for
+// those who read with their eyes rather than through a live region. Returns the cell and its
+// centre in client space, or null before the plot has axes.
+export function stepCursor(plot, cursor, dRow, dCol, nRows, nCols, outline) {
+  const xa = plot._fullLayout?.xaxis;
+  const ya = plot._fullLayout?.yaxis;
+  if (!xa || !ya) return null;
+  const inView = (axis, n) => {
+    const [lo, hi] = [Math.min(...axis.range), Math.max(...axis.range)];
+    const [first, last] = [Math.max(0, Math.ceil(lo)), Math.min(n - 1, Math.floor(hi))];
+    return first <= last ? [first, last] : Array(2).fill(Math.max(0, Math.min(n - 1, Math.round((lo + hi) / 2))));
+  };
+  const [r0, r1] = inView(ya, nRows);
+  const [c0, c1] = inView(xa, nCols);
+  const at = cursor ?? { row: r0 - dRow, col: c0 - dCol };
+  const row = Math.max(r0, Math.min(r1, at.row + dRow));
+  const col = Math.max(c0, Math.min(c1, at.col + dCol));
+  const span = (axis, i) => Math.abs(axis.l2p(i + 0.5) - axis.l2p(i - 0.5));
+  const [w, h] = [Math.max(4, span(xa, col)), Math.max(4, span(ya, row))];
+  Object.assign(outline.style, {
+    left: `${xa._offset + xa.l2p(col) - w / 2}px`, top: `${ya._offset + ya.l2p(row) - h / 2}px`, width: `${w}px`, height: `${h}px`,
+  });
+  outline.hidden = false;
+  const box = plot.getBoundingClientRect();
+  return { cell: { row, col }, clientX: box.left + xa._offset + xa.l2p(col), clientY: box.top + ya._offset + ya.l2p(row) };
+}
+
 const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
 
 export class FocusView {
@@ -434,31 +467,10 @@ export class FocusView {
   // Shift+arrows (main.js): a cell cursor for those who cannot hover, kept inside the zoomed
   // window; it starts at the window's top-left cell and reads each cell as hovering would.
   moveCursor(dRow, dCol) {
-    const xa = this.plot._fullLayout?.xaxis;
-    const ya = this.plot._fullLayout?.yaxis;
-    if (!this.current || !xa || !ya) return;
-    // Cell i spans [i - 0.5, i + 0.5] on the axes: the cells whose centres are in view (at least
-    // the one nearest the middle, when a zoom falls inside a single cell).
-    const inView = (axis, n) => {
-      const [lo, hi] = [Math.min(...axis.range), Math.max(...axis.range)];
-      const [first, last] = [Math.max(0, Math.ceil(lo)), Math.min(n - 1, Math.floor(hi))];
-      return first <= last ? [first, last] : Array(2).fill(Math.max(0, Math.min(n - 1, Math.round((lo + hi) / 2))));
-    };
-    const [r0, r1] = inView(ya, this.current.nRows);
-    const [c0, c1] = inView(xa, this.current.nCols);
-    const at = this.cursor ?? { row: r0 - dRow, col: c0 - dCol };
-    const row = Math.max(r0, Math.min(r1, at.row + dRow));
-    const col = Math.max(c0, Math.min(c1, at.col + dCol));
-    this.cursor = { row, col };
-    // The cell outlined, for those who read with their eyes rather than through the live region.
-    const span = (axis, i) => Math.abs(axis.l2p(i + 0.5) - axis.l2p(i - 0.5));
-    const [w, h] = [Math.max(4, span(xa, col)), Math.max(4, span(ya, row))];
-    Object.assign(this.cursorBox.style, {
-      left: `${xa._offset + xa.l2p(col) - w / 2}px`, top: `${ya._offset + ya.l2p(row) - h / 2}px`, width: `${w}px`, height: `${h}px`,
-    });
-    this.cursorBox.hidden = false;
-    const box = this.plot.getBoundingClientRect();
-    this.showReading(box.left + xa._offset + xa.l2p(col), box.top + ya._offset + ya.l2p(row));
+    const step = this.current && stepCursor(this.plot, this.cursor, dRow, dCol, this.current.nRows, this.current.nCols, this.cursorBox);
+    if (!step) return;
+    this.cursor = step.cell;
+    this.showReading(step.clientX, step.clientY);
   }
 
   listen() {

@@ -5,6 +5,7 @@
 import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention, requestFile } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
+import { ARROW_STEPS } from "./focus.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
 import { TiledFocusView } from "./long_focus.js";
@@ -693,8 +694,6 @@ async function redrawOptions() {
 }
 
 // ---- wiring -----------------------------------------------------------------------------------
-
-const ARROW_STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
 
 // The arrows step through heads only on the heatmap and on the grid's thumbnails; anywhere else
 // they keep their own work (scrolling the page or a panel, moving in a list). On the heatmap,

@@ -5,9 +5,9 @@
 import { ApiError, describeError, postAttentionJson, requestJson } from "./api.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
-import { $, plotlyText } from "./dom.js";
+import { $, el, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
-import { localConfig, placementOf, shortLabel, ticks } from "./focus.js";
+import { ARROW_STEPS, localConfig, placementOf, shortLabel, stepCursor, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -89,6 +89,9 @@ class Measures {
   constructor(focusHead) {
     this.focusHead = focusHead;
     this.run = null;
+    this.cursor = null; // { row, col } of the keyboard's cell cursor, while in use
+    this.cursorBox = el("div", { className: "cell-cursor", attrs: { "aria-hidden": "true" } });
+    this.cursorBox.hidden = true;
     this.layer = 0;
     this.head = 0;
     this.queryIndex = 0;
@@ -296,6 +299,7 @@ class Measures {
       : kind === "rollout" || wordView ? maskRule(this.run.causal) : layerMask(this.run, this.layer);
     this.cells = { matrix, rows, cols, mask, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
+    this.dropCursor(); // its cell may not exist in the new matrix
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: [[0]], x: [-0.5, cols.length - 0.5], y: [-0.5, rows.length - 0.5], hoverinfo: "none",
@@ -327,19 +331,42 @@ class Measures {
     $("measure-caption").textContent = CAPTIONS[kind];
   }
 
-  // "query → key: value" for the cell under the pointer, and the model's next-token guess after
-  // the query where there is one, in the line under the plot.
-  readCell(event) {
-    if (!this.cells) return;
+  // "query → key: value" for a cell, and the model's next-token guess after the query where there
+  // is one, in the line under the plot.
+  readAt(i, j) {
     const { matrix, rows, cols, mask, predictions } = this.cells;
-    const cell = cellUnder($("measure-plot"), event.clientX, event.clientY, rows.length, cols.length);
-    if (!cell) return;
-    const { row: i, col: j } = cell;
     const top = predictions?.[String(i)]?.[0];
     const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
     const reading = $("measure-reading");
     reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : matrix[i][j].toFixed(4)}${next}`;
     Object.assign(reading.dataset, { row: i, col: j });
+    return reading.textContent;
+  }
+
+  // The cell under the pointer; the keyboard's cursor gives way to it.
+  readCell(event) {
+    if (!this.cells) return;
+    const cell = cellUnder($("measure-plot"), event.clientX, event.clientY, this.cells.rows.length, this.cells.cols.length);
+    if (!cell) return;
+    this.dropCursor();
+    this.readAt(cell.row, cell.col);
+  }
+
+  // Arrow keys on the focused heatmap: a cell cursor for those who cannot hover, outlined and
+  // read out through a polite live region (hovering updates only the line under the plot).
+  moveCursor(dRow, dCol) {
+    if (!this.cells) return;
+    const plot = $("measure-plot");
+    if (!this.cursorBox.isConnected) plot.append(this.cursorBox);
+    const step = stepCursor(plot, this.cursor, dRow, dCol, this.cells.rows.length, this.cells.cols.length, this.cursorBox);
+    if (!step) return;
+    this.cursor = step.cell;
+    $("measure-cell-reading").textContent = this.readAt(step.cell.row, step.cell.col);
+  }
+
+  dropCursor() {
+    this.cursor = null;
+    this.cursorBox.hidden = true;
   }
 
   // One config for the plot's life (a changed one redraws from scratch), as private as the
@@ -389,6 +416,13 @@ class Measures {
     this.listening = true;
     this.labelsView = new AxisLabels(plot);
     plot.addEventListener("mousemove", (event) => this.readCell(event));
+    plot.addEventListener("keydown", (event) => {
+      const step = ARROW_STEPS[event.key];
+      if (!step || event.altKey || event.ctrlKey || event.metaKey) return;
+      event.preventDefault(); // the arrows read cells here, they do not scroll the page
+      this.moveCursor(...step);
+    });
+    plot.addEventListener("blur", () => this.dropCursor());
     plot.on("plotly_relayout", () => this.placeLabels());
     plot.on("plotly_relayouting", () => {
       const place = placementOf(plot);

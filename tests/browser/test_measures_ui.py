@@ -265,6 +265,35 @@ def test_a_causal_models_measure_draws_later_keys_masked(ran):
         assert lower_left != above and matrix[0][n - 1] == 0, kind
 
 
+def test_the_measure_heatmap_reads_cell_by_cell_from_the_keyboard(ran, artifacts):
+    """No hover needed: arrows on the focused measure heatmap walk a cell cursor, outline the
+    cell and read "query → key: value" out through a polite live region; masked cells say so."""
+    page, _ = ran
+    page.wait_for_selector("#measure-plot[data-measure='raw']")
+    matrix = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
+    page.focus("#measure-plot")
+    scrolled = page.evaluate("() => window.scrollY")
+    spoken = page.locator("#measure-cell-reading")
+    assert spoken.get_attribute("aria-live") == "polite"
+    page.keyboard.press("ArrowDown")  # lands on the top-left cell
+    for key in ("ArrowDown", "ArrowDown", "ArrowRight"):
+        page.keyboard.press(key)
+    line = page.locator("#measure-reading")
+    assert (line.get_attribute("data-row"), line.get_attribute("data-col")) == ("2", "1")
+    assert spoken.text_content() == line.text_content()
+    assert f": {matrix[2][1]:.4f}" in spoken.text_content()
+    assert page.locator("#measure-plot .cell-cursor").is_visible()
+    assert page.evaluate("() => window.scrollY") == scrolled  # the arrows read cells, they did not scroll
+    page.locator("#measures").screenshot(path=str(artifacts / "measures-keyboard.png"))
+    # A causal model: the key after the query is masked, and is read so, not as 0.
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowRight")
+    assert line.get_attribute("data-col") == "3" and ": masked" in spoken.text_content()
+    # Leaving the heatmap drops the cursor.
+    page.locator("#measure-plot").blur()
+    assert not page.locator("#measure-plot .cell-cursor").is_visible()
+
+
 def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):
     page, _ = ran
     page.wait_for_selector("#measure-plot[data-measure='raw']")
