@@ -140,7 +140,7 @@ class RemoteModel:
     dtype: str = "float32"
     predictions: bool = False  # whether the model has an LM head to ask `predictions` of
     # Per layer: W when a query sees only its last W positions (itself included); None: no window.
-    sliding_windows: list[int | None] = field(default_factory=list)
+    sliding_windows: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -473,7 +473,9 @@ class Client:
             time.sleep(poll_s)
 
     def models(self) -> list[RemoteModel]:
-        return [RemoteModel(**_known(RemoteModel, m)) for m in json_body(self._send("GET", "/api/v1/models"))["models"]]
+        models = json_body(self._send("GET", "/api/v1/models"))["models"]
+        # Tuples, not the JSON's lists: a RemoteModel stays hashable.
+        return [RemoteModel(**{**_known(RemoteModel, m), "sliding_windows": tuple(m.get("sliding_windows", ()))}) for m in models]
 
     def attention(
         self,

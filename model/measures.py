@@ -418,6 +418,9 @@ def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head
     weights = result.attention[layer, head, query_index]
     if info.causal:
         scores[query_index + 1 :] = -math.inf  # later keys are masked, whatever their score
+    window = model.sliding_windows[layer] if model.sliding_windows else None
+    if window is not None:
+        scores[: max(0, query_index - window + 1)] = -math.inf  # and so are those behind the window
     return NeuronView(layer, head, kv_head, query_index, query, keys, products, scores, weights, result.values[layer][kv_head])
 
 

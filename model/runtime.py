@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from manyeyes.model.attention import Capture
+from manyeyes.model.attention import Capture, MultiHeadAttention
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
@@ -256,4 +256,8 @@ class AttentionModel:
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
-        return self.info.sliding_windows
+        """Each layer's sliding window (None: none), in layer order; read from the net when the
+        ModelInfo it was built with does not say (an AttentionModel made by hand)."""
+        if self.info.sliding_windows:
+            return self.info.sliding_windows
+        return tuple(m.sliding_window for m in self.net.modules() if isinstance(m, MultiHeadAttention))

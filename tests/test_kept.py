@@ -264,3 +264,20 @@ def test_a_kept_run_made_under_autocast_rebuilds_rows_that_sum_to_one(tiny_gpt):
         weights = kept.block(layer, list(range(kept.n_heads)), 0, T, 0, T)
         assert (weights.sum(-1) - 1).abs().max() < 2e-3, layer
         assert (weights - dense[layer]).abs().max() < 2e-2, layer  # bfloat16 scores, two row blockings
+
+
+def test_a_model_built_by_hand_still_knows_its_windows(gqa_window_llama):
+    """An AttentionModel made from a net and a ModelInfo that names no windows (both public) reads
+    them from the net's attention modules, so its kept runs still rebuild every layer."""
+    import dataclasses
+
+    from manyeyes import AttentionModel
+
+    by_hand = AttentionModel(gqa_window_llama.net, gqa_window_llama.tokenizer,
+                             dataclasses.replace(gqa_window_llama.info, sliding_windows=()))
+    assert gqa_window_llama.info.sliding_windows == by_hand.sliding_windows == (9,) * gqa_window_llama.info.n_layers
+    kept = by_hand.attend(TEXT, capture=Capture(keep=True)).kept
+    dense = gqa_window_llama.attend(TEXT).attention
+    n = dense.shape[-1]
+    assert n > 9  # the window cuts in
+    assert torch.allclose(kept.block(1, [0], 0, n, 0, n)[0], dense[1, 0], atol=1e-5)

@@ -60,6 +60,7 @@ function cellImage(matrix, signed, peak, mask = null) {
   return canvas.toDataURL("image/png");
 }
 
+const READING_HINT = "Hover a cell, or focus the heatmap and use the arrow keys, for its value.";
 const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
 const CAPTIONS = {
@@ -280,7 +281,7 @@ class Measures {
       if (wordView && kind !== "raw") matrix = mergeWords(matrix, await this.wordsOf());
       if (wordView) rows = cols = (await this.wordsOf()).map((w) => w.text);
       if (token !== this.drawToken) return;
-      await this.plot(matrix, rows, cols, signed, kind, wordView);
+      await this.plot(matrix, rows, cols, signed, kind, wordView, { layer, head });
       this.status("measure-status");
     } catch (err) {
       this.status("measure-status", err);
@@ -290,16 +291,20 @@ class Measures {
   // The cells are painted by the page into one image laid on Plotly's axes; Plotly draws only a
   // single brick under it (for the autorange and the colorbar), the labels and the zoom. A Plotly
   // heatmap of 128 × 128 cells took 150-250 ms of main thread to draw, the image a few ms.
-  async plot(matrix, rows, cols, signed, kind, wordView) {
+  // { layer, head }: the head the matrix was fetched for (the focus may have moved on since).
+  async plot(matrix, rows, cols, signed, kind, wordView, { layer, head }) {
     const plot = $("measure-plot");
     const peak = peakOf(matrix, 1e-12);
     // Rows and columns are tokens, but for contributions (heads × tokens). The rollout mixes every
     // layer's reach and the word view merges tokens: only causality masks those.
     const mask = kind === "contributions" ? null
-      : kind === "rollout" || wordView ? maskRule(this.run.causal) : layerMask(this.run, this.layer);
+      : kind === "rollout" || wordView ? maskRule(this.run.causal) : layerMask(this.run, layer);
     this.cells = { matrix, rows, cols, mask, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     this.dropCursor(); // its cell may not exist in the new matrix
+    $("measure-reading").textContent = READING_HINT;
+    delete $("measure-reading").dataset.row;
+    delete $("measure-reading").dataset.col;
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: [[0]], x: [-0.5, cols.length - 0.5], y: [-0.5, rows.length - 0.5], hoverinfo: "none",
@@ -315,7 +320,7 @@ class Measures {
     const x = axisTicks(cols, null);
     const y = axisTicks(rows, null);
     const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false };
-    const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${this.layer}${kind === "contributions" ? "" : ` head ${this.head}`}`;
+    const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${layer}${kind === "contributions" ? "" : ` head ${head}`}`;
     await window.Plotly.react(plot, [trace], {
       title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 } },
       xaxis: { ...bare, autorange: true }, yaxis: { ...bare, autorange: "reversed" },
@@ -324,10 +329,10 @@ class Measures {
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       height: Math.max(260, Math.min(640, 120 + 16 * rows.length)), images: [cells],
     }, this.config());
-    this.exportName = `manyeyes-${this.run.model}-${kind}${kind === "rollout" ? "" : `-L${this.layer}`}${kind === "contributions" || kind === "rollout" ? "" : `-H${this.head}`}`;
+    this.exportName = `manyeyes-${this.run.model}-${kind}${kind === "rollout" ? "" : `-L${layer}`}${kind === "contributions" || kind === "rollout" ? "" : `-H${head}`}`;
     if (!this.listening) this.listen(plot);
     this.placeLabels();
-    Object.assign(plot.dataset, { measure: kind, layer: this.layer, head: this.head, words: String(wordView) });
+    Object.assign(plot.dataset, { measure: kind, layer, head, words: String(wordView) });
     $("measure-caption").textContent = CAPTIONS[kind];
   }
 
@@ -367,6 +372,7 @@ class Measures {
   dropCursor() {
     this.cursor = null;
     this.cursorBox.hidden = true;
+    $("measure-cell-reading").textContent = "";
   }
 
   // One config for the plot's life (a changed one redraws from scratch), as private as the
@@ -423,7 +429,10 @@ class Measures {
       this.moveCursor(...step);
     });
     plot.addEventListener("blur", () => this.dropCursor());
-    plot.on("plotly_relayout", () => this.placeLabels());
+    plot.on("plotly_relayout", () => {
+      this.placeLabels();
+      if (this.cursor) this.moveCursor(0, 0); // the outline follows its cell through a zoom
+    });
     plot.on("plotly_relayouting", () => {
       const place = placementOf(plot);
       if (place) this.labelsView.move(place.box, place.ranges);

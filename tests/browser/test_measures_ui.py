@@ -289,9 +289,53 @@ def test_the_measure_heatmap_reads_cell_by_cell_from_the_keyboard(ran, artifacts
     page.keyboard.press("ArrowRight")
     page.keyboard.press("ArrowRight")
     assert line.get_attribute("data-col") == "3" and ": masked" in spoken.text_content()
+    # A zoom keeps the outline on its cell (placed again inside what is now in view).
+    centres = """() => {
+        const plot = document.getElementById('measure-plot');
+        const r = plot.querySelector('.cell-cursor').getBoundingClientRect();
+        const xa = plot._fullLayout.xaxis, ya = plot._fullLayout.yaxis, box = plot.getBoundingClientRect();
+        const line = document.getElementById('measure-reading').dataset;
+        return [[r.left + r.width / 2, r.top + r.height / 2],
+                [box.left + xa._offset + xa.l2p(Number(line.col)), box.top + ya._offset + ya.l2p(Number(line.row))]];
+    }"""
+    page.evaluate("() => Plotly.relayout('measure-plot', {'xaxis.range': [0.5, 6.5], 'yaxis.range': [6.5, 0.5]})")
+    outline, cell = page.evaluate(centres)
+    assert abs(outline[0] - cell[0]) <= 1 and abs(outline[1] - cell[1]) <= 1
+    # Another measure: the old reading is neither shown nor spoken.
+    page.select_option("#measure", "rollout")
+    page.wait_for_selector("#measure-plot[data-measure='rollout']")
+    assert spoken.text_content() == "" and line.get_attribute("data-row") is None
+    assert line.text_content().startswith("Hover a cell")
     # Leaving the heatmap drops the cursor.
+    page.focus("#measure-plot")
+    page.keyboard.press("ArrowDown")
+    assert page.locator("#measure-plot .cell-cursor").is_visible()
     page.locator("#measure-plot").blur()
-    assert not page.locator("#measure-plot .cell-cursor").is_visible()
+    assert not page.locator("#measure-plot .cell-cursor").is_visible() and spoken.text_content() == ""
+
+
+def test_a_measure_answered_after_the_focus_moved_is_labelled_with_its_own_layer(ran):
+    """The focus moves on while a measure is on its way (off screen, the panel only notes that it
+    is stale): what arrives is drawn as the head it was asked for, not as the new one."""
+    page, _ = ran
+    page.wait_for_selector("#measure-plot[data-measure='raw'][data-layer='0']")
+    held = []
+    page.route(re.compile(r".*/measures\?names=value_norms.*"), lambda route: held.append(route))
+    page.select_option("#measure", "value_norms")
+    for _ in range(100):
+        if held:
+            break
+        page.wait_for_timeout(50)
+    assert held and "layers=0" in held[0].request.url
+    page.evaluate("() => window.scrollTo(0, 0)")
+    page.select_option("#layer", "1")
+    page.wait_for_selector("#focus-plot[data-layer='1']")
+    held[0].continue_()
+    page.wait_for_selector("#measure-plot[data-measure='value_norms']")
+    plot = page.locator("#measure-plot")
+    assert plot.get_attribute("data-layer") == "0"
+    assert "layer 0 head 0" in page.evaluate("() => document.getElementById('measure-plot').layout.title.text")
+    page.unroute(re.compile(r".*/measures\?names=value_norms.*"))
 
 
 def test_measures_use_the_focused_heatmaps_colours(ran, artifacts):

@@ -87,7 +87,18 @@ def test_models_and_the_client_name_each_layers_window(window_server, window_api
     [listed] = window_api.get("/api/v1/models").json()["models"]
     assert listed["sliding_windows"] == [None, WINDOW]
     [model] = Client(window_server).models()
-    assert model.sliding_windows == [None, WINDOW]
+    assert model.sliding_windows == (None, WINDOW)
+    assert isinstance(hash(model), int)  # a frozen dataclass stays hashable
+
+
+def test_the_neuron_view_masks_the_keys_behind_a_layers_window(window_api):
+    run_id = window_api.post("/api/v1/attention", json={"text": TEXT, "model": MODEL, "format": "u8"}).json()["run_id"]
+    q = len(TEXT) - 1
+    for layer in (0, 1):
+        view = window_api.get(f"/api/v1/runs/{run_id}/neuron", params={"layer": layer, "head": 0, "query": q}).json()
+        masked = [k for k, score in enumerate(view["scores"]) if score is None]
+        assert masked == ([] if layer == 0 else list(range(q - WINDOW + 1))), layer
+        assert all(view["weights"][k] == 0 for k in masked)
 
 
 def test_a_short_run_masks_the_keys_behind_a_layers_window(window_server, window_api, page, artifacts):
