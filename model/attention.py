@@ -106,6 +106,11 @@ def blocked_positions(
     return blocked
 
 
+def layer_windows(net: torch.nn.Module) -> tuple[int | None, ...]:
+    """Each attention layer's sliding window (None: none), in layer order."""
+    return tuple(m.sliding_window for m in net.modules() if isinstance(m, MultiHeadAttention))
+
+
 def blocked_rows(
     q0: int, q1: int, k0: int, k1: int, *, offset: int, causal: bool, sliding_window: int | None, device
 ) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl
 
 import torch
 
-from manyeyes.model.attention import MultiHeadAttention
+from manyeyes.model.attention import layer_windows
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.families import family_for
 from manyeyes.model.gpt import PRESETS, GPTConfig, GPTModel
@@ -102,7 +102,7 @@ def load(
         device=str(dev),
         dtype="float16" if half else str(weight_dtype).removeprefix("torch."),
         predictions=net.has_lm_head,
-        sliding_windows=tuple(m.sliding_window for m in net.modules() if isinstance(m, MultiHeadAttention)),
+        sliding_windows=layer_windows(net),
     )
     return AttentionModel(net, tok, info, half=half)
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from manyeyes.model.attention import Capture
+from manyeyes.model.attention import Capture, blocked_rows
 from manyeyes.model.row_sums import row_sums
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
@@ -416,11 +416,11 @@ def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head
     products = query[None, :] * keys  # (T, head_dim)
     scores = products.sum(-1) / math.sqrt(query.shape[-1])
     weights = result.attention[layer, head, query_index]
-    if info.causal:
-        scores[query_index + 1 :] = -math.inf  # later keys are masked, whatever their score
-    window = model.sliding_windows[layer] if model.sliding_windows else None
-    if window is not None:
-        scores[: max(0, query_index - window + 1)] = -math.inf  # and so are those behind the window
+    # Masked keys (later ones, those behind the layer's sliding window) are -inf, whatever their score.
+    blocked = blocked_rows(query_index, query_index + 1, 0, n_tokens, offset=0, causal=info.causal,
+                           sliding_window=model.sliding_windows[layer], device=scores.device)
+    if blocked is not None:
+        scores[blocked[0]] = -math.inf
     return NeuronView(layer, head, kv_head, query_index, query, keys, products, scores, weights, result.values[layer][kv_head])
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from manyeyes.model.attention import Capture, MultiHeadAttention
+from manyeyes.model.attention import Capture, layer_windows
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
@@ -258,6 +258,4 @@ class AttentionModel:
     def sliding_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window (None: none), in layer order; read from the net when the
         ModelInfo it was built with does not say (an AttentionModel made by hand)."""
-        if self.info.sliding_windows:
-            return self.info.sliding_windows
-        return tuple(m.sliding_window for m in self.net.modules() if isinstance(m, MultiHeadAttention))
+        return self.info.sliding_windows or layer_windows(self.net)
