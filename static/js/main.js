@@ -302,6 +302,7 @@ function labelPlot(precision) {
   plot.dataset.aggregate = state.aggregate;
   plot.dataset.precision = precision;
   plot.dataset.scale = state.scale;
+  plot.dataset.example = "false";
   plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers; Shift+arrow keys read the weights cell by cell.`);
 }
 
@@ -702,7 +703,8 @@ function onKey(event) {
   if (!state.run || event.altKey || event.ctrlKey || event.metaKey) return;
   const step = ARROW_STEPS[event.key];
   if (!step) return;
-  const onHeatmap = event.target.closest("#focus-plot");
+  // The heatmap itself, not a modebar button inside it: there the arrows are the button's own.
+  const onHeatmap = event.target.id === "focus-plot";
   const thumb = event.target.closest("#grid .thumb");
   if (!onHeatmap && !thumb) return;
   if (event.shiftKey) {

@@ -60,7 +60,6 @@ function cellImage(matrix, signed, peak, mask = null) {
   return canvas.toDataURL("image/png");
 }
 
-const READING_HINT = "Hover a cell, or focus the heatmap and use the arrow keys, for its value.";
 const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
 const CAPTIONS = {
@@ -89,6 +88,7 @@ function mergeWords(matrix, words) {
 class Measures {
   constructor(focusHead) {
     this.focusHead = focusHead;
+    this.readingHint = $("measure-reading").textContent; // the template's words, put back on each new plot
     this.run = null;
     this.cursor = null; // { row, col } of the keyboard's cell cursor, while in use
     this.cursorBox = el("div", { className: "cell-cursor", attrs: { "aria-hidden": "true" } });
@@ -302,7 +302,7 @@ class Measures {
     this.cells = { matrix, rows, cols, mask, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     this.dropCursor(); // its cell may not exist in the new matrix
-    $("measure-reading").textContent = READING_HINT;
+    $("measure-reading").textContent = this.readingHint;
     delete $("measure-reading").dataset.row;
     delete $("measure-reading").dataset.col;
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
@@ -424,7 +424,8 @@ class Measures {
     plot.addEventListener("mousemove", (event) => this.readCell(event));
     plot.addEventListener("keydown", (event) => {
       const step = ARROW_STEPS[event.key];
-      if (!step || event.altKey || event.ctrlKey || event.metaKey) return;
+      // On a modebar button inside the plot the arrows are the button's, not the cursor's.
+      if (!step || event.target !== plot || event.altKey || event.ctrlKey || event.metaKey) return;
       event.preventDefault(); // the arrows read cells here, they do not scroll the page
       this.moveCursor(...step);
     });

@@ -40,6 +40,16 @@ def test_arrows_step_heads_on_the_heatmap_and_scroll_elsewhere(server, page):
     page.keyboard.press("ArrowLeft")
     page.wait_for_timeout(200)
     assert (plot.get_attribute("data-layer"), plot.get_attribute("data-head")) == ("0", "1")
+    # On a modebar button inside the heatmap they are the button's: no head step, no cell cursor.
+    for key in ("ArrowRight", "ArrowDown"):
+        for shift in (False, True):
+            page.evaluate("""([key, shift]) => document.querySelector('#focus-plot .modebar-btn').dispatchEvent(
+                new KeyboardEvent('keydown', {key, shiftKey: shift, bubbles: true}))""", [key, shift])
+    page.wait_for_timeout(200)
+    assert (plot.get_attribute("data-layer"), plot.get_attribute("data-head")) == ("0", "1")
+    assert not page.locator("#focus-plot .cell-cursor").is_visible()
+    # The made-up example is gone, and the plot says so (the theme switch reads it).
+    assert plot.get_attribute("data-example") == "false"
 
 
 def reading(page, query: int, key: int) -> float:

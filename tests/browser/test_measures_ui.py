@@ -312,6 +312,10 @@ def test_the_measure_heatmap_reads_cell_by_cell_from_the_keyboard(ran, artifacts
     assert page.locator("#measure-plot .cell-cursor").is_visible()
     page.locator("#measure-plot").blur()
     assert not page.locator("#measure-plot .cell-cursor").is_visible() and spoken.text_content() == ""
+    # An arrow on a modebar button inside the plot is the button's own: no cursor comes.
+    page.evaluate("""() => document.querySelector('#measure-plot .modebar-btn').dispatchEvent(
+        new KeyboardEvent('keydown', {key: 'ArrowDown', bubbles: true}))""")
+    assert not page.locator("#measure-plot .cell-cursor").is_visible() and spoken.text_content() == ""
 
 
 def test_a_measure_answered_after_the_focus_moved_is_labelled_with_its_own_layer(ran):
