@@ -120,6 +120,43 @@ def test_shift_arrows_read_the_weights_cell_by_cell(server, api, page):
     assert page.locator("#tooltip").is_hidden() and page.locator("#cell-reading").text_content() == ""
 
 
+def luminance(rgb) -> float:
+    """WCAG 2's relative luminance of an sRGB colour (0-255 channels)."""
+    linear = [c / 255 / 12.92 if c / 255 <= 0.04045 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast(a, b) -> float:
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_the_cell_cursor_stands_out_on_every_colour_of_both_scales(server, page):
+    """WCAG 1.4.11: the cursor's outline must reach 3:1 against the cell it sits on, whatever the
+    cell's colour. It is two rings, each at least 2 px; each colour of either theme's scale, and
+    the masked colour, must contrast 3:1 with at least one of them."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.keyboard.press("Shift+ArrowRight")
+    assert page.locator("#focus-plot .cell-cursor").is_visible()
+    for theme in ("light", "dark"):
+        border, border_width, shadow, table = page.evaluate("""async (name) => {
+            // A second instance of the page's theme module: its setTheme sets <html data-theme>,
+            // which the CSS follows, and its colour table is then that theme's.
+            const theme = await import('/static/js/theme.js');
+            theme.setTheme(name);
+            const style = getComputedStyle(document.querySelector('#focus-plot .cell-cursor'));
+            return [style.borderTopColor, style.borderTopWidth, style.boxShadow,
+                    Array.from(theme.colorTable(), (c) => [c & 255, (c >> 8) & 255, (c >> 16) & 255])];
+        }""", theme)
+        assert len({tuple(c) for c in table}) > 100, theme  # the scale itself, not one colour
+        shadow_rgb, shadow_px = re.fullmatch(r"(rgb\([^)]*\)) (.*)", shadow).groups()
+        assert float(border_width.removesuffix("px")) >= 2 and float(shadow_px.split()[-1].removesuffix("px")) >= 2
+        rings = [[int(v) for v in re.findall(r"\d+", colour)[:3]] for colour in (border, shadow_rgb)]
+        worst = min(max(contrast(cell, ring) for ring in rings) for cell in table)
+        assert worst >= 3, (theme, rings, worst)
+
+
 def test_the_run_button_leaves_focus_on_the_heatmap_and_says_done(server, page):
     open_page(page, server)
     page.fill("#text", SENTENCE)
