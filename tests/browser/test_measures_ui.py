@@ -116,6 +116,16 @@ def test_head_finder_is_one_tab_stop_per_list_with_named_cells(ran):
     page.keyboard.press("ArrowDown")
     page.keyboard.press(" ")
     wait_focus(page, layer=1, head=2)
+    # The focused row's ring lies inside the row, picked or not: the table's scroll box clipped a
+    # ring drawn outside the first and last rows.
+    ring = """() => { const s = getComputedStyle(document.activeElement);
+        return [document.activeElement.tagName, document.activeElement.matches(':focus-visible'),
+                parseFloat(s.outlineWidth), parseFloat(s.outlineOffset)]; }"""
+    for press in ("", "ArrowDown"):  # the picked row, then the next
+        if press:
+            page.keyboard.press(press)
+        tag, visible, width, offset = page.evaluate(ring)
+        assert (tag, visible) == ("TR", True) and width >= 2 and width + offset <= 0, (press, width, offset)
 
 
 def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, tiny_api, artifacts):
