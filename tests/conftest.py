@@ -2,8 +2,20 @@ import json
 import os
 from pathlib import Path
 
+# Under pytest-xdist (the README's command runs two workers on this machine's two cores) each
+# worker's torch would start an OpenMP thread per core: four threads on two cores, spinning at
+# barriers that wait for each other's time slices. tests/test_train.py run twice at once took
+# 326 s that way and 28 s with one thread each. Set before torch loads, so the servers and
+# subprocesses the tests start inherit it too; a value the caller set is kept.
+ONE_THREAD = bool(os.environ.get("PYTEST_XDIST_WORKER")) and "OMP_NUM_THREADS" not in os.environ
+if ONE_THREAD:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
+
+if ONE_THREAD:
+    torch.set_num_threads(1)  # in case a plugin loaded torch before this file
 
 
 @pytest.fixture(scope="session")
