@@ -39,3 +39,8 @@ def test_the_list_covers_the_issue_bugs_and_every_layer_of_the_project():
         assert m.old != m.new and m.tests, m.name
         paths = [a.split("::")[0] for a in m.tests if a.startswith("tests/")]
         assert paths and all((ROOT / p).is_file() for p in paths), m.name
+
+
+def test_the_readme_counts_the_mutants_there_are():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"It plants {len(load_harness().MUTANTS)} small bugs" in text
