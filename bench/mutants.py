@@ -266,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             print(base.detail)
             return 1
     print(f"{len(mutants)} mutants, {args.jobs} at a time", flush=True)
+    if args.jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Each subset's torch would start a thread per core, and the subsets' spinning OpenMP
+        # threads would wait on each other (six model mutants: 52-55 s wall, 47-49 s with this).
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = [pool.submit(run_mutant, m, files, args.timeout) for m in mutants]
         for future in futures:
