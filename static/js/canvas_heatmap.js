@@ -7,7 +7,7 @@
 // holds every cell. Long runs (issue 10, long_focus.js) fill `tiles` from the server's tiles per
 // zoom level: draw() maps each tile's cell rectangle to pixels through the axes' ranges.
 
-import { MASKED, colorTable, scaled } from "./theme.js";
+import { MASKED, colorTable, palette, scaled } from "./theme.js";
 
 
 // Each cell's colour from the 256-entry table (the masked colour where the model could not look),
@@ -30,6 +30,48 @@ export function paintCells(view, scale, peak, out) {
     }
   }
   return out;
+}
+
+// Which of an nRows × nCols view's cells are masked, row by row: a query's masked keys are a
+// prefix (behind a sliding window) and a suffix (later keys, when causal), never cells between.
+// at(r) gives [a, b): the row's cells before a and from b on are masked. Null: none is.
+export function maskRunsOf(masked, nRows, nCols) {
+  const runs = new Int32Array(2 * nRows);
+  let any = false;
+  for (let r = 0; r < nRows; r++) {
+    let a = 0;
+    while (a < nCols && masked(r, a)) a++;
+    let b = nCols;
+    while (b > a && masked(r, b - 1)) b--;
+    runs[2 * r] = a;
+    runs[2 * r + 1] = b;
+    any ||= a > 0 || b < nCols;
+  }
+  return any ? { at: (r) => [runs[2 * r], runs[2 * r + 1]] } : null;
+}
+
+// Diagonal lines in the theme's muted text colour, one pattern tile (6 CSS pixels) at a time; the
+// tile is kept while the colour and pixel ratio stay (a pan draws every frame).
+let hatchTile = { key: "", canvas: null };
+function hatchPattern(ctx, ratio) {
+  const colour = palette().muted;
+  const size = Math.max(4, Math.round(6 * ratio));
+  const key = `${colour}|${size}`;
+  if (hatchTile.key !== key) {
+    const canvas = document.createElement("canvas");
+    canvas.width = canvas.height = size;
+    const t = canvas.getContext("2d");
+    t.strokeStyle = colour;
+    t.lineWidth = Math.max(1, ratio);
+    t.beginPath();
+    for (const shift of [-size, 0, size]) { // the corners too, so neighbouring tiles join into lines
+      t.moveTo(shift, size);
+      t.lineTo(shift + size, 0);
+    }
+    t.stroke();
+    hatchTile = { key, canvas };
+  }
+  return ctx.createPattern(hatchTile.canvas, "repeat");
 }
 
 // One tile: cells [row0, row0 + rows) × [col0, col0 + cols) as an image, one pixel per cell; the
@@ -67,6 +109,12 @@ export class CanvasHeatmap {
     this.canvas = document.createElement("canvas");
     this.canvas.className = "heatmap-canvas";
     this.canvas.setAttribute("aria-hidden", "true");
+    // Masked cells are hatched on a canvas of their own, above the cells: their grey alone told
+    // them from zero weights by colour only (1.5:1 against the light scale's white).
+    this.hatch = document.createElement("canvas");
+    this.hatch.className = "heatmap-hatch";
+    this.hatch.setAttribute("aria-hidden", "true");
+    this.maskRuns = null; // maskRunsOf's answer for the cells drawn
     this.tiles = [];
     this.nRows = 0;
     this.nCols = 0;
@@ -78,8 +126,10 @@ export class CanvasHeatmap {
     const cells = this.nRows * this.nCols;
     if (!cells) {
       this.tiles = [];
+      this.maskRuns = null;
       return;
     }
+    this.maskRuns = maskRunsOf(view.masked, this.nRows, this.nCols);
     if (!this.pixels || this.pixels.length < cells) this.pixels = new Uint32Array(cells);
     paintCells(view, scale, peak, this.pixels);
     this.tiles = [tileOf(this.pixels, this.nRows, this.nCols, this.tiles[0])];
@@ -93,6 +143,7 @@ export class CanvasHeatmap {
     const lower = container?.querySelector(".main-svg");
     if (!lower) return false;
     if (this.canvas.previousSibling !== lower) lower.after(this.canvas);
+    if (this.hatch.previousSibling !== this.canvas) this.canvas.after(this.hatch);
     return true;
   }
 
@@ -106,14 +157,16 @@ export class CanvasHeatmap {
     const height = Math.max(1, Math.round(ya._length));
     const ratio = window.devicePixelRatio || 1;
     const canvas = this.canvas;
-    const style = canvas.style;
-    style.left = `${xa._offset}px`;
-    style.top = `${ya._offset}px`;
-    style.width = `${width}px`;
-    style.height = `${height}px`;
-    if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
-      canvas.width = Math.round(width * ratio);
-      canvas.height = Math.round(height * ratio);
+    for (const layer of [canvas, this.hatch]) {
+      const style = layer.style;
+      style.left = `${xa._offset}px`;
+      style.top = `${ya._offset}px`;
+      style.width = `${width}px`;
+      style.height = `${height}px`;
+      if (layer.width !== Math.round(width * ratio) || layer.height !== Math.round(height * ratio)) {
+        layer.width = Math.round(width * ratio);
+        layer.height = Math.round(height * ratio);
+      }
     }
     const ctx = canvas.getContext("2d");
     ctx.setTransform(1, 0, 0, 1, 0, 0);
@@ -125,6 +178,38 @@ export class CanvasHeatmap {
     const px = (v) => ((v - x0) / (x1 - x0)) * canvas.width;
     const py = (v) => ((y1 - v) / (y1 - y0)) * canvas.height;
     for (const tile of this.tiles) this.drawTile(ctx, tile, px, py);
+    this.drawHatch(px, py, [Math.min(y0, y1), Math.max(y0, y1)], ratio);
+  }
+
+  // The masked cells of the rows in view (yRange, in row units), hatched.
+  drawHatch(px, py, [yLow, yHigh], ratio) {
+    const ctx = this.hatch.getContext("2d");
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
+    ctx.clearRect(0, 0, this.hatch.width, this.hatch.height);
+    const first = Math.max(0, Math.floor(yLow + 0.5));
+    const last = Math.min(this.nRows - 1, Math.ceil(yHigh - 0.5));
+    this.hatchRows(ctx, px, py, first, last, ratio);
+  }
+
+  // Hatches the masked cells of rows [first, last] onto ctx, cells mapped to pixels by px and py.
+  hatchRows(ctx, px, py, first, last, ratio) {
+    if (!this.maskRuns) return;
+    const left = px(-0.5);
+    const right = px(this.nCols - 0.5);
+    // Zoomed out, rows thinner than a pixel go in pixel-high groups, each hatched as its first row:
+    // 8192 rows took 5-7 ms a frame one by one.
+    const step = Math.max(1, Math.floor(1 / Math.abs(py(1) - py(0))));
+    ctx.beginPath();
+    for (let r = first; r <= last; r += step) {
+      const [a, b] = this.maskRuns.at(r);
+      const end = Math.min(last, r + step - 1);
+      const top = Math.min(py(r - 0.5), py(end + 0.5));
+      const height = Math.abs(py(end + 0.5) - py(r - 0.5));
+      if (a > 0) ctx.rect(left, top, px(a - 0.5) - left, height);
+      if (b < this.nCols) ctx.rect(px(b - 0.5), top, right - px(b - 0.5), height);
+    }
+    ctx.fillStyle = hatchPattern(ctx, ratio);
+    ctx.fill();
   }
 
   // One tile, its cells mapped to canvas pixels by px (columns) and py (rows).
@@ -157,6 +242,8 @@ export class CanvasHeatmap {
     const ctx = out.getContext("2d");
     ctx.imageSmoothingEnabled = false;
     for (const tile of this.tiles) ctx.drawImage(tile.image, tile.col0 * k, tile.row0 * k, tile.cols * k, tile.rows * k);
+    const at = (v) => (v + 0.5) * k;
+    this.hatchRows(ctx, at, at, 0, this.nRows - 1, 1);
     return out.toDataURL("image/png");
   }
 }

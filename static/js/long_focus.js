@@ -70,7 +70,9 @@ class TiledHeatmap extends CanvasHeatmap {
     out.height = Math.round((q1 - q0) * k);
     const ctx = out.getContext("2d");
     ctx.imageSmoothingEnabled = false;
-    for (const tile of this.tiles) this.drawTile(ctx, tile, (v) => (v - k0 + 0.5) * k, (v) => (v - q0 + 0.5) * k);
+    const [px, py] = [(v) => (v - k0 + 0.5) * k, (v) => (v - q0 + 0.5) * k];
+    for (const tile of this.tiles) this.drawTile(ctx, tile, px, py);
+    this.hatchRows(ctx, px, py, q0, q1 - 1, 1);
     return { source: out.toDataURL("image/png"), x: k0 - 0.5, y: q0 - 0.5, sizex: k1 - k0, sizey: q1 - q0 };
   }
 }
@@ -135,6 +137,8 @@ export class TiledFocusView extends FocusView {
     };
     this.heatmap.long = true;
     this.heatmap.nRows = this.heatmap.nCols = T;
+    // The rule's own spans: scanning T × T cells for them (maskRunsOf) is what tiles avoid.
+    this.heatmap.maskRuns = mask.none ? null : { at: (q) => mask.span(q, T) };
     this.plot.dataset.long = "true";
     this.current = { view, labels, nRows: T, nCols: T, title, scale, peak, zmax: 1 };
     this.setPeak(base ? peak : this.peakOf(this.coarsestTile()));

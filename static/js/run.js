@@ -21,7 +21,8 @@ export function runHeader(response, slidingWindows = []) {
 
 // Which keys a query cannot see, as the model masks them: later keys when `causal`, and with a
 // sliding window of W positions those W or more behind the query. cell(q, k); block(q0, q1, k0, k1)
-// says whether every cell of queries [q0, q1) × keys [k0, k1) is masked; none: nothing ever is.
+// says whether every cell of queries [q0, q1) × keys [k0, k1) is masked; span(q, T): the keys
+// [from, to) of T that query q sees; none: nothing ever is.
 export function maskRule(causal, window = null) {
   const far = window !== null;
   return {
@@ -29,6 +30,7 @@ export function maskRule(causal, window = null) {
     none: !causal && !far,
     cell: (q, k) => (causal && k > q) || (far && k <= q - window),
     block: (q0, q1, k0, k1) => (causal && k0 > q1 - 1) || (far && k1 - 1 <= q0 - window),
+    span: (q, T) => [far ? Math.min(T, Math.max(0, q - window + 1)) : 0, causal ? Math.min(T, q + 1) : T],
   };
 }
 
@@ -42,13 +44,13 @@ export function layerMask(run, layer) {
   return maskRule(run.causal, window);
 }
 
-// How a caption says what the grey cells are.
+// How the focused heatmap's caption says what the grey, hatched cells are.
 export function maskWords(run, rule) {
   if (!run.causal && rule.window === null) return "bidirectional";
   const behind = rule.window === null ? "" : `, nor more than ${rule.window - 1} tokens back (sliding window)`;
   return run.causal
-    ? `causal: grey cells are masked, a token cannot see ahead${behind}`
-    : `grey cells are masked: a token cannot see more than ${rule.window - 1} tokens back (sliding window)`;
+    ? `causal: grey hatched cells are masked, a token cannot see ahead${behind}`
+    : `grey hatched cells are masked: a token cannot see more than ${rule.window - 1} tokens back (sliding window)`;
 }
 
 // Whether views of a run kept at `precision` (its answer's `precision`) can be had in `format`.

@@ -4,6 +4,8 @@ heads (issue 13, item 8); test_page_ux.py checks that exports embed them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.browser.test_page import SENTENCE, open_page, plotted, plotted_zmax, run, wait_focus
@@ -29,6 +31,33 @@ PIXEL_AND_EXPECTED = """async ([row, col]) => {
 }"""
 
 
+# How many pixels of the hatch canvas inside cell (row, col) are drawn (a pixel in from its edges,
+# where a neighbour's hatch may bleed); -1 for the whole canvas.
+HATCHED = """([row, col]) => {
+    const gd = document.getElementById('focus-plot');
+    const hatch = gd.querySelector('canvas.heatmap-hatch');
+    const box = hatch.getBoundingClientRect();
+    let x0 = 0, y0 = 0, x1 = hatch.width, y1 = hatch.height;
+    if (row >= 0) {
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const drag = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        const sx = hatch.width / box.width, sy = hatch.height / box.height;
+        const xs = [col - 0.5, col + 0.5].map((c) => (drag.left + xa.l2p(c) - box.left) * sx);
+        const ys = [row - 0.5, row + 0.5].map((r) => (drag.top + ya.l2p(r) - box.top) * sy);
+        [x0, x1] = [Math.ceil(Math.min(...xs)) + 1, Math.floor(Math.max(...xs)) - 1];
+        [y0, y1] = [Math.ceil(Math.min(...ys)) + 1, Math.floor(Math.max(...ys)) - 1];
+    }
+    const px = hatch.getContext('2d').getImageData(x0, y0, x1 - x0, y1 - y0).data;
+    let drawn = 0;
+    for (let i = 3; i < px.length; i += 4) drawn += px[i] > 0;
+    return drawn;
+}"""
+
+
+def hatched(page, row: int = -1, col: int = -1) -> int:
+    return page.evaluate(HATCHED, [row, col])
+
+
 def assert_cells_painted(page, cells):
     for row, col in cells:
         got, want, value = page.evaluate(PIXEL_AND_EXPECTED, [row, col])
@@ -44,6 +73,7 @@ def test_canvas_pixels_are_the_values_colours_zoomed_and_stepped(server, page, a
     assert plotted_zmax(page) == pytest.approx(peak[0], rel=1e-6)
     # The darkest cell is the head's peak, the rest spread over the table.
     assert_cells_painted(page, [(peak[1], peak[2]), (0, 0), (n - 1, n - 1), (3, 7), (7, 3)])
+    assert hatched(page) == 0  # a bidirectional model masks nothing
 
     page.evaluate("() => Plotly.relayout('focus-plot', {'xaxis.range': [3.5, 8.5], 'yaxis.range': [8.5, 3.5]})")
     page.wait_for_function("() => document.querySelectorAll('#focus-plot .ytick text').length === 5")
@@ -66,3 +96,30 @@ def test_causal_masked_cells_are_painted_masked(server, page):
     run(page, "The bank of the river.", model="tiny-causal")
     n = len(plotted(page))
     assert_cells_painted(page, [(0, n - 1), (1, 2), (n - 1, 0), (n - 1, n - 1)])
+    # Masked is told from a zero weight by more than colour: later keys are hatched, the rest not.
+    assert hatched(page, 0, n - 1) > 0 and hatched(page, 1, 2) > 0
+    assert hatched(page, n - 1, 0) == 0 and hatched(page, n - 1, n - 1) == 0 and hatched(page, 2, 1) == 0
+    # The exported image carries the hatch too: a masked cell holds two colours, a seen one one.
+    page.hover("#focus-plot")
+    with page.expect_download() as download:
+        page.click(".modebar-btn[data-title='Download plot as SVG']")
+    svg = open(download.value.path(), encoding="utf-8").read()
+    cells = max(re.findall(r'href="data:image/png;base64,([^"]+)"', svg), key=len)
+    colours = page.evaluate("""async ([source, n]) => {
+        const image = new Image();
+        image.src = 'data:image/png;base64,' + source;
+        await image.decode();
+        const canvas = document.createElement('canvas');
+        [canvas.width, canvas.height] = [image.width, image.height];
+        const ctx = canvas.getContext('2d');
+        ctx.drawImage(image, 0, 0);
+        const k = image.width / n;
+        const count = (row, col) => {
+            const px = ctx.getImageData(col * k + 1, row * k + 1, k - 2, k - 2).data;
+            const seen = new Set();
+            for (let i = 0; i < px.length; i += 4) seen.add((px[i] << 16) | (px[i + 1] << 8) | px[i + 2]);
+            return seen.size;
+        };
+        return [count(0, n - 1), count(n - 1, 0)];
+    }""", [cells, n])
+    assert colours[0] >= 2 and colours[1] == 1, colours

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.browser.conftest import serving
+from tests.browser.test_focus_canvas import hatched
 from tests.browser.test_long_page import MASKED_PIXEL, long_text, tile_windows, wait_settled, zoom
 from tests.browser.test_measures_ui import measure_pixels
 from tests.browser.test_page import hover_cell, plotted
@@ -117,6 +118,7 @@ def test_a_short_run_masks_the_keys_behind_a_layers_window(window_server, window
     assert np.abs(seen[~hidden] - weights[1, 0][~hidden]).max() <= 1e-3
     assert hover_cell(page, n - 1, 0).endswith(": masked")
     assert not hover_cell(page, n - 1, n - WINDOW).endswith(": masked")
+    assert hatched(page, n - 1, 0) > 0 and hatched(page, n - 1, n - WINDOW) == 0  # hatched as masked
     caption = page.locator("#focus-caption").text_content()
     assert f"nor more than {WINDOW - 1} tokens back (sliding window)" in caption
     page.locator(".focus-panel").screenshot(path=str(artifacts / "window-focus.png"))
@@ -132,6 +134,7 @@ def test_a_short_run_masks_the_keys_behind_a_layers_window(window_server, window
     wait_focus(page, 0, 0)
     z0 = plotted(page)
     assert z0[n - 1][0] is not None and z0[0][1] is None
+    assert hatched(page, n - 1, 0) == 0 and hatched(page, 0, n - 1) > 0
     assert "sliding window" not in page.locator("#focus-caption").text_content()
     # The mean of all heads: layer 0 reaches every earlier key, so only causality masks it.
     page.select_option("#aggregate", "all")
@@ -183,6 +186,7 @@ def test_a_long_run_never_asks_for_tiles_behind_the_window(window_server, qwen_s
     assert not any(a < q0 + 40 and b > q0 and c < k0 + 48 and d > k0 for a, b, c, d, _r in tile_windows(watched.requests[before:]))
     assert page.evaluate(MASKED_PIXEL, [q0 + 20, k0 + 20])
     assert hover_cell(page, q0 + 20, k0 + 20).endswith(": masked")
+    assert hatched(page, q0 + 20, k0 + 20) > 0
     page.locator(".focus-panel").screenshot(path=str(artifacts / "window-long-far.png"))
 
     # By the diagonal the tiles come, and a cell just behind the window reads masked, not 0.
@@ -190,6 +194,7 @@ def test_a_long_run_never_asks_for_tiles_behind_the_window(window_server, qwen_s
     wait_settled(page)
     q = q0 + 20
     assert hover_cell(page, q, q - WINDOW).endswith(": masked")
+    assert hatched(page, q, q - WINDOW) > 0 and hatched(page, q, q - 1) == 0 and hatched(page, q, q + 1) > 0
     reading = float(hover_cell(page, q, q - 1).rsplit(": ", 1)[1])
     assert reading == pytest.approx(float(dense[1, 0, q, q - 1]), abs=1e-3)
     page.locator(".focus-panel").screenshot(path=str(artifacts / "window-long-diagonal.png"))
