@@ -142,6 +142,10 @@ class RemoteModel:
     # Per layer: W when a query sees only its last W positions (itself included); None: no window.
     sliding_windows: tuple[int | None, ...] = ()
 
+    def __post_init__(self):
+        # A tuple whatever it was given (the JSON's list): a RemoteModel stays hashable.
+        object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -473,9 +477,7 @@ class Client:
             time.sleep(poll_s)
 
     def models(self) -> list[RemoteModel]:
-        models = json_body(self._send("GET", "/api/v1/models"))["models"]
-        # Tuples, not the JSON's lists: a RemoteModel stays hashable.
-        return [RemoteModel(**{**_known(RemoteModel, m), "sliding_windows": tuple(m.get("sliding_windows", ()))}) for m in models]
+        return [RemoteModel(**_known(RemoteModel, m)) for m in json_body(self._send("GET", "/api/v1/models"))["models"]]
 
     def attention(
         self,

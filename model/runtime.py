@@ -97,7 +97,9 @@ class AttentionModel:
     def __init__(self, net: torch.nn.Module, tokenizer, info: ModelInfo, half: bool = False):
         self.net = net
         self.tokenizer = tokenizer
-        self.info = info
+        # A ModelInfo built by hand may not name the windows; the net's attention modules know them,
+        # and everything that reads the info (kept runs, GET /models, exports) needs them.
+        self.info = info if info.sliding_windows else replace(info, sliding_windows=layer_windows(net))
         self.half = half
         # Matmuls under autocast in this dtype (float16 or bfloat16; None: none); the softmax and
         # the weights it writes stay float32 either way (see attention.py).
@@ -256,6 +258,5 @@ class AttentionModel:
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: none), in layer order; read from the net when the
-        ModelInfo it was built with does not say (an AttentionModel made by hand)."""
-        return self.info.sliding_windows or layer_windows(self.net)
+        """Each layer's sliding window (None: none), in layer order."""
+        return self.info.sliding_windows

@@ -275,7 +275,8 @@ def test_a_model_built_by_hand_still_knows_its_windows(gqa_window_llama):
 
     by_hand = AttentionModel(gqa_window_llama.net, gqa_window_llama.tokenizer,
                              dataclasses.replace(gqa_window_llama.info, sliding_windows=()))
-    assert gqa_window_llama.info.sliding_windows == by_hand.sliding_windows == (9,) * gqa_window_llama.info.n_layers
+    windows = (9,) * gqa_window_llama.info.n_layers
+    assert gqa_window_llama.info.sliding_windows == by_hand.sliding_windows == by_hand.info.sliding_windows == windows
     kept = by_hand.attend(TEXT, capture=Capture(keep=True)).kept
     dense = gqa_window_llama.attend(TEXT).attention
     n = dense.shape[-1]

@@ -34,6 +34,10 @@ def test_models_are_typed(client):
     [model] = client.models()
     assert isinstance(model, RemoteModel)
     assert (model.id, model.causal, model.n_layers, model.n_heads, model.default) == ("tiny-gpt", True, 2, 8, True)
+    assert model.sliding_windows == (None, None) and isinstance(hash(model), int)
+    # Built from a list (as JSON gives it), it keeps a tuple: still hashable.
+    built = dataclasses.replace(model, sliding_windows=[None, 5])
+    assert built.sliding_windows == (None, 5) and isinstance(hash(built), int)
 
 
 @pytest.mark.parametrize("fmt, tol", [("json", 1e-5), ("f16", 1e-3), ("u8", 0.5 / 255 + 1e-6)])

@@ -10,7 +10,7 @@ import asyncio
 import json
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import httpx
 import pytest
@@ -104,8 +104,9 @@ async def flood_and_probe(url: str, flood_headers: dict, probe_key: str):
             probed = json.loads(await asyncio.wait_for(answered, 120))
             flooded = await asyncio.gather(*flood)
     finally:
-        if probe.returncode is None:
-            probe.kill()
+        with suppress(ProcessLookupError):  # it may have exited since returncode was read
+            if probe.returncode is None:
+                probe.kill()
         await probe.wait()
     return unloaded["seconds"], probed, [r for _, r in flooded], max(depths)
 
