@@ -253,8 +253,7 @@ class AttentionService:
         for i, (text, pair) in enumerate(texts):
             size = len(text) + len(pair or "")
             if size > limit:
-                label = f"texts[{i}]: " if batch else ""
-                raise TooLong(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")
+                raise TooLong.chars(size, limit, f"texts[{i}]: " if batch else "")
 
     def _check_cells(self, lengths: list[int], view: View) -> None:
         if view.format != "json":

@@ -28,6 +28,11 @@ class TooLong(ApiError):
     status = 422
     code = "too_long"
 
+    @classmethod
+    def chars(cls, size: int, limit: int, label: str = "") -> "TooLong":
+        """A paste over the server's character limit, refused before the tokenizer sees it."""
+        return cls(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")
+
 
 class BodyTooLarge(ApiError):
     status = 413

@@ -10,7 +10,7 @@ import anyio
 import orjson
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.errors import InvalidInput, QueueFull
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooLong
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.model.errors import TooLongError
@@ -51,12 +51,15 @@ class GenerationService:
         if body.max_new_tokens > self.settings.max_new_tokens:
             raise InvalidInput(f"max_new_tokens is at most {self.settings.max_new_tokens} on this server")
         if len(body.text) > self.settings.max_text_chars:
-            raise InvalidInput(f"text is longer than {self.settings.max_text_chars} characters")
+            raise TooLong.chars(len(body.text), self.settings.max_text_chars)
         try:
             prompt = model.encode(body.text)
             check_generation(model, len(prompt), body.max_new_tokens)
         except TooLongError as exc:
-            raise InvalidInput(str(exc)) from exc
+            # Not the model's own hint: generation has no truncation to ask for.
+            raise TooLong(
+                f"the prompt is {exc.n_tokens:,} tokens long but {served.id} takes at most {exc.max_tokens:,}; shorten it"
+            ) from None
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
         if not self._slots.acquire(blocking=False):

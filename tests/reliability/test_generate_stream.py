@@ -117,6 +117,18 @@ def test_the_largest_seed_samples_and_a_full_prompt_is_told_to_shrink(server):
     assert "shorten the prompt" in err["message"] and "at most 0" not in err["message"], err["message"]
 
 
+def test_prompts_too_long_get_too_long_with_advice_that_can_be_followed(server):
+    """As on every other route: `too_long`, and no "ask for truncation" (generation has none)."""
+    over_positions = {"text": "x" * 300, "model": "tiny-gpt", "max_new_tokens": 1}
+    err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=over_positions, timeout=30), 422)
+    assert err["code"] == "too_long" and "truncat" not in err["message"], err
+    assert err["message"].startswith("the prompt is 300 tokens long but tiny-gpt takes at most 256"), err
+    limit = server.app.state.settings.max_text_chars
+    over_chars = {"text": "x" * (limit + 1), "model": "tiny-gpt", "max_new_tokens": 1}
+    err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=over_chars, timeout=30), 422)
+    assert err == {"code": "too_long", "message": f"text is {limit + 1:,} characters long, over this server's limit of {limit:,}"}
+
+
 def test_too_many_generations_at_once_get_429(server):
     service = server.app.state.generation
     taken = 0
