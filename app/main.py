@@ -27,7 +27,7 @@ from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
-from manyeyes.app.services.errors import ApiError, error_body
+from manyeyes.app.services.errors import ApiError, brief, error_body
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
@@ -64,6 +64,16 @@ def add_error_handlers(app: FastAPI) -> None:
             where = broken.get("loc", ())[-1]
             reason = (broken.get("ctx") or {}).get("error", "JSON decode error")
             return error_response(400, "bad_request", f"the body is not valid JSON: {reason} (at character {where})")
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if not (media == "application/json" or media.endswith("+json")) and any(
+            tuple(e.get("loc", ())) == ("body",) for e in exc.errors()
+        ):
+            # curl -d sends a form: pydantic's "a valid dictionary" did not say what to change.
+            said = f"was {brief(media, 40)!r}" if media else "was missing"
+            return error_response(
+                415, "unsupported_media_type",
+                f"the body must be JSON, sent with Content-Type: application/json (this request's Content-Type {said})",
+            )
         return error_response(422, "invalid_request", describe_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
@@ -123,6 +133,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # /docs is served by app.routes.docs from local assets; ReDoc would need a CDN.
         docs_url=None,
         redoc_url=None,
+        # "/api/v1/attention/" was a bare 307 to an address built from the Host header, which a
+        # POST through httpx or requests never follows; it is a 404 JSON error like any unknown path.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = metrics

@@ -91,6 +91,21 @@ def test_unknown_model_run_and_route_are_404(api):
     assert err["code"] == "not_found"
     err = error_of(api.delete("/api/v1/attention"), 405)
     assert err["code"] == "method_not_allowed"
+    # A trailing slash was a bare 307 to an address built from the Host header.
+    r = api.post("/api/v1/attention/", json={"text": "hi"}, headers={"host": "elsewhere.example"})
+    assert error_of(r, 404)["code"] == "not_found" and "location" not in r.headers
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_that_is_not_sent_as_json_is_415_saying_which_header_to_send(api, content_type):
+    """`curl -d '{...}'` sends a form: pydantic's "valid dictionary" message did not say what to change."""
+    headers = {"content-type": content_type} if content_type else {}
+    err = error_of(api.post("/api/v1/attention", content=b'{"text": "The bank."}', headers=headers), 415)
+    assert err["code"] == "unsupported_media_type" and "Content-Type: application/json" in err["message"], err
+    assert (repr(content_type) if content_type else "was missing") in err["message"], err
+    # JSON sent as JSON that is not an object stays a 422 about the body's shape
+    err = error_of(api.post("/api/v1/attention", json=["The bank."]), 422)
+    assert err["code"] == "invalid_request"
 
 
 def test_query_parameters_an_api_route_does_not_take_are_422(api):
