@@ -317,8 +317,8 @@ class ViewState(BaseModel):
     """Everything the page needs to draw one view again; stored under its content id."""
 
     text: str = Field(..., min_length=1, max_length=200_000)
-    text_pair: str | None = Field(None, max_length=200_000)
-    model: str = Field(..., min_length=1, max_length=200)
+    text_pair: str | None = Field(None, min_length=1, max_length=200_000)
+    model: str = Field(..., max_length=200)  # "" is a 404 unknown_model, as on every route
     truncate: bool = False
     layer: int = Field(0, ge=0, le=4096)
     head: int = Field(0, ge=0, le=4096)
@@ -338,6 +338,11 @@ class ViewState(BaseModel):
     word_view: bool = Field(False, description="The measures section merges pieces into words")
 
     _text = field_validator("text")(_not_blank)
+
+    @field_validator("text_pair")
+    @classmethod
+    def _pair(cls, value: str | None) -> str | None:
+        return None if value is None else _not_blank(value)
 
     model_config = ConfigDict(
         extra="forbid",

@@ -10,8 +10,9 @@ from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
 from manyeyes.app.services.attention import resolve_indices
-from manyeyes.app.services.errors import ApiError
+from manyeyes.app.services.errors import ApiError, TooLong
 from manyeyes.app.services.views import ViewStore
+from manyeyes.model.errors import TooLongError
 
 router = APIRouter(prefix="/api/v1", tags=["views"])
 
@@ -41,8 +42,14 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
 @router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 422))
 def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep, service: ServiceDep) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
-    check_focus(registry.get(body.model).model.info, body.layer, body.head, body.heads)  # 404: a model it does not serve
-    service.check_chars([(body.text, body.text_pair)])  # a link to a text this server would refuse could never open
+    model = registry.get(body.model).model  # 404: a model it does not serve
+    check_focus(model.info, body.layer, body.head, body.heads)
+    # A link to a text this server would refuse could never open.
+    service.check_chars([(body.text, body.text_pair)])
+    try:
+        model.encode(body.text, body.text_pair, body.truncate)
+    except TooLongError as exc:
+        raise TooLong(str(exc)) from None
     return ViewSaved(id=views.put(body.model_dump()))
 
 

@@ -36,8 +36,9 @@ def test_bad_views_are_4xx_never_500(api):
     assert api.get("/api/v1/views/0123456789abcdef01").status_code == 404
     assert api.get("/api/v1/views/not-an-id").status_code == 422
     # A link that could never open: a model this server lacks, a layer or head MiniLM (6 x 12) lacks.
-    r = api.post("/api/v1/views", json={**VIEW, "model": "nope"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model", r.text
+    for model in ("nope", ""):  # "" as on every other route
+        r = api.post("/api/v1/views", json={**VIEW, "model": model})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model", r.text
     for bad, needle in (({"layer": 6}, "layer 6 does not exist"), ({"head": 12}, "head 12 does not exist"),
                         ({"heads": [1, 12]}, "head 12 does not exist")):
         r = api.post("/api/v1/views", json={**VIEW, **bad})
@@ -79,3 +80,12 @@ def test_a_view_that_could_never_open_is_refused(api):
     limit = api.app.state.settings.max_text_chars
     r = api.post("/api/v1/views", json={**VIEW, "text": "x" * (limit - 10), "text_pair": "y" * 20})
     assert r.status_code == 422 and r.json()["error"]["code"] == "too_long", r.text
+    # A blank or empty pair, which /attention refuses (it was saved, then /export failed on a
+    # `pair` parameter the user never sent), and more tokens than MiniLM's 512 positions.
+    for pair in ("   ", ""):
+        r = api.post("/api/v1/views", json={**VIEW, "text_pair": pair})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+    r = api.post("/api/v1/views", json={**VIEW, "text": "a " * 2000})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "too_long", r.text
+    assert r.json()["error"]["message"].startswith("input is 2002 tokens long but the model takes at most 512"), r.text
+    assert api.post("/api/v1/views", json={**VIEW, "text": "a " * 2000, "truncate": True}).status_code == 200
