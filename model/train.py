@@ -24,7 +24,9 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -494,6 +496,37 @@ class Progress:
         self.stream.flush()
 
 
+class StopAfterStep:
+    """Ctrl-C while training: the step in progress finishes, and the run stops there, saved.
+
+    A KeyboardInterrupt raised where the signal lands is almost always inside a step (the backward,
+    the optimizer), where model, optimizer and step count disagree and nothing can be saved: the
+    run lost everything since its last evaluation. A second Ctrl-C stops at once, as before.
+    Signals reach only the main thread; elsewhere this does nothing."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.asked = False
+        self._installed = False
+        self._previous = None
+
+    def __enter__(self) -> "StopAfterStep":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._ask)
+            self._installed = True
+        return self
+
+    def _ask(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+        self.progress.note("stopping after this step (Ctrl-C again stops at once, without saving it)")
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:  # None: a handler set outside Python, which Python cannot put back
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -566,32 +599,38 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     start_step = step
     mid_step = False  # an interrupt inside a step leaves model, optimizer and step out of step
     try:
-        while step < cfg.steps:
-            mid_step = True
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            x, y = get_batch(train_ids, cfg.batch_size, cfg.context, batch_gen)
-            loss = lm_loss(model, x.to(device), y.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
-            step += 1
-            tokens_seen += x.numel()
-            mid_step = False
+        with StopAfterStep(progress) as stop:
+            while step < cfg.steps:
+                mid_step = True
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step, cfg)
+                x, y = get_batch(train_ids, cfg.batch_size, cfg.context, batch_gen)
+                loss = lm_loss(model, x.to(device), y.to(device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+                optimizer.step()
+                step += 1
+                tokens_seen += x.numel()
+                mid_step = False
 
-            elapsed = time.monotonic() - started
-            rate = (step - start_step) * x.numel() / max(elapsed, 1e-9)
-            progress.update(step, loss.item(), rate, (cfg.steps - step) * x.numel() / max(rate, 1e-9))
-            if step % cfg.eval_interval == 0 and step < cfg.steps:
-                val = estimate_loss(model, val_ids, cfg, device)
-                progress.note(f"step {step}: val loss {val:.3f}")
-                checkpoint(seconds_before + time.monotonic() - started)
+                elapsed = time.monotonic() - started
+                rate = (step - start_step) * x.numel() / max(elapsed, 1e-9)
+                progress.update(step, loss.item(), rate, (cfg.steps - step) * x.numel() / max(rate, 1e-9))
+                if step % cfg.eval_interval == 0 and step < cfg.steps:
+                    val = estimate_loss(model, val_ids, cfg, device)
+                    progress.note(f"step {step}: val loss {val:.3f}")
+                    checkpoint(seconds_before + time.monotonic() - started)
+                if stop.asked:
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         if not mid_step:
             checkpoint(seconds_before + time.monotonic() - started)
-        saved_step = _read_checkpoint(out)["step"] if (out / CHECKPOINT).exists() else 0
-        progress.note(f"interrupted; {out / CHECKPOINT} holds step {saved_step}; continue with --resume")
+        if (out / CHECKPOINT).exists():
+            saved_step = _read_checkpoint(out)["step"]
+            progress.note(f"interrupted; {out / CHECKPOINT} holds step {saved_step}; continue with --resume")
+        else:
+            progress.note("interrupted before any step was saved; there is nothing to resume")
         raise
 
     seconds = seconds_before + time.monotonic() - started

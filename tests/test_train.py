@@ -142,6 +142,33 @@ def test_resume_continues_from_the_same_step(corpus, tmp_path):
         assert resumed[key] == straight[key], key
 
 
+def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path):
+    """SIGINT lands where the process happens to be, nearly always inside a step (the backward, the
+    optimizer), where nothing consistent can be saved: the run lost every step since its last
+    evaluation, and before the first one said it held step 0 of a checkpoint that did not exist."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "cut"
+    argv = [sys.executable, "-m", "manyeyes", "train", "--text", str(corpus), "--out", str(out), "--layers", "2",
+            "--heads", "2", "--emb-dim", "32", "--context", "32", "--vocab-size", "300", "--batch-size", "4",
+            "--steps", "1000000", "--device", "cpu"]  # no evaluation, so no checkpoint, before the signal
+    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr.readline().startswith("training gpt"), "the run did not start"
+        time.sleep(2.0)  # some hundreds of steps
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "stopping after this step" in err, err
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    assert saved > 0 and f"checkpoint.pt holds step {saved}; continue with --resume" in err, (saved, err)
+
+
 def test_cli_trains_a_folder_that_loads_and_attends(corpus, tmp_path, capsys):
     out = tmp_path / "cli"
     argv = ["train", "--text", str(corpus), "--out", str(out), "--layers", "2", "--heads", "2", "--emb-dim", "32",
