@@ -401,8 +401,8 @@ def decode_arrays(response: httpx.Response) -> tuple[dict, dict[str, np.ndarray]
 
 
 class Client:
-    """A synchronous client for one server. `api_key` is sent as `Authorization: Bearer ...` for a
-    proxy in front of the server (manyeyes itself checks none). A 429 is retried after its
+    """A synchronous client for one server. `api_key` is sent as `Authorization: Bearer ...`, which a
+    server started with API keys requires (SECURITY.md), as may a proxy in front of it. A 429 is retried after its
     Retry-After (capped at `max_retry_wait_s`) up to `max_retries` times, then raised as Overloaded."""
 
     def __init__(
@@ -598,7 +598,11 @@ class Client:
         except NotFound as exc:
             if exc.code != "unknown_run" or isinstance(run, str) or run.request is None:
                 raise
-            self._send("POST", "/api/v1/attention", json={**run.request, "format": "u8", "layers": [0], "heads": [0]})
+            # At the precision the GET asks for (float32 where it names none): a server that
+            # quantises on the device keeps the run as the bytes it was posted at, and refuses a
+            # tile, top-k or overview more precise than them.
+            fmt = params.get("format") or "json"
+            self._send("POST", "/api/v1/attention", json={**run.request, "format": fmt, "layers": [0], "heads": [0]})
             return self._send("GET", url, params=params)
 
     def measures(

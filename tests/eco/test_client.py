@@ -313,6 +313,21 @@ def test_a_slice_more_precise_than_a_quantised_run_is_posted_again(local):
         assert refused.value.code == "kept_quantised"
 
 
+def test_an_evicted_run_is_posted_again_at_the_precision_its_tile_needs(local):
+    """On a server that quantises on the device the re-post was always u8, so the default f16
+    tile, top-k and overview of an evicted run were refused (422 kept_quantised)."""
+    with live_server(device_quantise="true", cache_bytes=200_000) as base, Client(base) as client:
+        result = client.attention(TEXT, format="f16")
+        for i in range(12):  # other runs push it out of the 150 kB the cache holds
+            client.attention(f"Run {i} pushes the first one out.", format="u8", layers=[0], heads=[0])
+        with pytest.raises(NotFound):
+            client.slice(result.run_id, layers=[0])
+        tile = client.tile(result, 1, 2)
+        np.testing.assert_allclose(tile.values, local[1, 2], atol=1e-3, rtol=0)
+        assert client.topk(result, 1, 2, k=3).values.shape[-1] == 3
+        assert client.overview(result).values.shape[:2] == local.shape[:2]
+
+
 def test_the_client_imports_without_torch(tmp_path):
     """`from manyeyes import Client` imported torch (3.4 s) for a local model it never used."""
     import subprocess
