@@ -13,6 +13,8 @@ import ctypes
 import ctypes.util
 import logging
 
+from manyeyes.model.buffers import allocations_mapped_from
+
 log = logging.getLogger("manyeyes")
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -33,4 +35,5 @@ def tune_malloc(mmap_threshold: int) -> bool:
     ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
     if ok:
         libc.malloc_trim(0)
+        allocations_mapped_from(mmap_threshold)  # so large buffers written whole go on huge pages
     return ok

@@ -304,9 +304,22 @@ class MultiHeadAttention(nn.Module):
         # the token axis gives one matmul per key head with no repeated copy of the keys:
         # (b, heads, T, head_dim) -> (b, kv_heads, group * T, head_dim)
         scaled = (queries * head_dim**-0.5).reshape(b, kv_heads, group * num_tokens, head_dim)
+        # The scores are made, masked and softmaxed in the caller's buffer, when their dtype allows:
+        # a fresh (b, heads, T, T) tensor a layer is fresh pages to fault in once it passes the
+        # server's mmap threshold (12.6 MB a layer for MiniLM at T=512), and one more pass over memory.
+        out = capture.weights_out
+        in_place = (
+            out is not None and out.dtype == scaled.dtype and out.is_contiguous()
+            and out.shape == (b, heads, num_tokens, num_keys) and not torch.is_autocast_enabled(x.device.type)
+            and not (torch.is_grad_enabled() and (scaled.requires_grad or keys.requires_grad))  # out= has no autograd
+        )
         # (b, kv_heads, group * T, head_dim) @ (b, kv_heads, head_dim, T_keys) -> (b, kv_heads, group * T, T_keys)
         #   -> (b, heads, T, T_keys), a free view since query head h = kv head * group + r
-        attn_scores = (scaled @ keys.transpose(2, 3)).view(b, heads, num_tokens, num_keys)
+        if in_place:
+            attn_scores = out
+            torch.matmul(scaled, keys.transpose(2, 3), out=out.view(b, kv_heads, group * num_tokens, num_keys))
+        else:
+            attn_scores = (scaled @ keys.transpose(2, 3)).view(b, heads, num_tokens, num_keys)
 
         blocked = self._blocked(num_tokens, num_keys, x.device)  # (num_tokens, num_keys) or None
         if key_padding_mask is not None:
@@ -325,6 +338,7 @@ class MultiHeadAttention(nn.Module):
 
         # Softmax in float32 even under half-precision autocast: the weights are the product.
         if capture.weights_out is not None:
+            # In place when the scores are already there: the same values, bit for bit.
             attn_weights = torch.softmax(attn_scores.float(), dim=-1, out=capture.weights_out)
         else:
             attn_weights = torch.softmax(attn_scores.float(), dim=-1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from manyeyes.model.attention import Capture, layer_windows
+from manyeyes.model.buffers import empty_written_whole, own_copy
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.model.tokenizer import Encoded, Token
@@ -178,7 +179,7 @@ class AttentionModel:
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
         # (n_layers, b, n_heads, width, width)
         # Read through the network's ShapeInfo: families name their config fields differently.
-        weights = torch.empty(self.net.n_layers, len(batch), self.net.n_heads, width, width, device=self.device)
+        weights = empty_written_whole((self.net.n_layers, len(batch), self.net.n_heads, width, width), self.device)
         with torch.inference_mode(), self._autocast():
             trace = self.net.inspect(
                 ids.to(self.device),
@@ -207,7 +208,7 @@ class AttentionModel:
                 truncated=enc.truncated,
                 # Each item owns exactly its own storage (a copy unless b == 1), so whoever keeps
                 # a result (the service's run cache) never keeps the rest of the batch alive.
-                attention=attention[row, :, :, :n, :n].contiguous(),
+                attention=own_copy(attention[row, :, :, :n, :n]) if len(batch) > 1 else attention[row].contiguous(),
                 hidden=hidden[row, :n] if hidden is not None else None,
                 logits=logits[row, :n] if logits is not None else None,
                 top_ids=top_ids[row, :n].clone() if top_ids is not None else None,

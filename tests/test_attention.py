@@ -122,6 +122,34 @@ def test_weights_out_receives_the_weights_in_place():
     assert torch.equal(buffer, mha.attend(x).weights)
 
 
+@pytest.mark.parametrize("kv_heads,causal,window,padded", [
+    (None, True, None, False), (None, False, None, True), (2, True, None, True), (2, True, 5, False), (None, False, 7, True),
+])
+def test_scores_are_made_in_weights_out_with_the_same_results_bit_for_bit(kv_heads, causal, window, padded):
+    """With a buffer for the weights, the scores are made, masked and softmaxed in it: the layer
+    allocates no (b, heads, T, T) tensor of its own (12.6 MB of fresh pages a layer for MiniLM at
+    T=512), and the weights and context are those of the plain call, bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(1)
+    b, heads, tokens = 2, 4, 48
+    mha = MultiHeadAttention(16, 16, 64, 0.0, heads, causal=causal, num_kv_heads=kv_heads, sliding_window=window).eval()
+    x = torch.randn(b, tokens, 16)
+    real = torch.ones(b, tokens, dtype=torch.bool)
+    if padded:
+        real[0, 30:] = False
+    mask = real if padded else None
+    buffer = torch.full((b, heads, tokens, tokens), float("nan"))
+    with torch.inference_mode():
+        plain = mha.attend(x, mask)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            into = mha.attend(x, mask, Capture(weights_out=buffer))
+    assert into.weights.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer, plain.weights) and torch.equal(into.context, plain.context)
+    # each allocation on its own (masks are at most (b, 1, T, T)): none the size of the layer's scores
+    assert not [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage >= buffer.nbytes // 2]
+
+
 @pytest.mark.parametrize("kv_heads,causal", [(None, True), (2, True), (None, False)])
 def test_training_uses_the_fused_kernel_and_computes_the_same(kv_heads, causal, monkeypatch):
     """In training nothing is inspected: the fused kernel (no T x T weights kept for the backward)

@@ -14,6 +14,7 @@ import torch
 
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.wire import frame
+from manyeyes.model.buffers import empty_written_whole
 from manyeyes.model.jit import compiled
 
 U8_SCALE = 1 / 255
@@ -58,9 +59,10 @@ def to_u8(attention: torch.Tensor) -> memoryview:
     1.2 MB mappings at T=128 under the server's mmap threshold, 0.6 ms of page faults against 0.1.
     The buffer is not zero-filled first (a bytearray is): every byte is written by the quantiser,
     and the fill was a second pass over fresh pages, 0.9 against 0.7 ms at T=128 and 17 against
-    6 ms at T=512 in one process under the server's allocator setting."""
+    6 ms at T=512 in one process under the server's allocator setting. From 4 MiB (T=241 for
+    MiniLM) it is a mapping on huge pages (model/buffers.py): fewer faults still."""
     weights = attention.float().contiguous().numpy().reshape(-1)
-    out = np.empty(weights.size, dtype=np.uint8)
+    out = empty_written_whole((weights.size,), dtype=torch.uint8).numpy()
     _quantise_u8(weights, out)
     return as_bytes(out)
 
@@ -71,7 +73,8 @@ def as_bytes(array: np.ndarray) -> memoryview:
 
 
 def to_f16(attention: torch.Tensor) -> memoryview:
-    halves = attention.to(torch.float16).numpy()  # torch's conversion is vectorised; numpy's is not
+    # torch's conversion is vectorised (numpy's is not), into a buffer on huge pages as in to_u8
+    halves = empty_written_whole(tuple(attention.shape), dtype=torch.float16).copy_(attention).numpy()
     if sys.byteorder != "little":
         halves = halves.byteswap()
     return as_bytes(halves)
