@@ -61,7 +61,7 @@ async def run_measures(
 async def run_flow(
     run_id: str,
     service: MeasuresDep,
-    threshold: Annotated[float, Query(ge=0.01, le=1.0, description="Edges below this share are pruned; ≥ 0.01 bounds a target's edges per layer to 100")] = 0.05,
+    threshold: Annotated[float, Query(ge=0.01, le=1.0, allow_inf_nan=False, description="Edges below this share are pruned; ≥ 0.01 bounds a target's edges per layer to 100")] = 0.05,
 ) -> Response:
     """Information-flow routes (Ferrando & Voita, 2024): token → token edges through the layers,
     weighted by how much of the target's stream each source makes, pruned at `threshold`."""
