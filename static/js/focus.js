@@ -141,7 +141,10 @@ export class FocusView {
     this.titleNode.hidden = true;
     this.cursorBox = el("div", { className: "cell-cursor", attrs: { "aria-hidden": "true" } });
     this.cursorBox.hidden = true;
-    plot.append(this.titleNode, this.cursorBox);
+    // Said in the plot's own box when there is no plot (clear): an empty box read as a broken page.
+    this.emptyNode = el("p", { className: "empty plot-empty" });
+    this.emptyNode.hidden = true;
+    plot.append(this.titleNode, this.cursorBox, this.emptyNode);
     this.colorbarView = new Colorbar(plot);
     this.labels = new AxisLabels(plot);
     this.labelsKey = "";
@@ -176,6 +179,7 @@ export class FocusView {
     }
     const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
     this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
+    this.emptyNode.hidden = true;
     this.filename = filename;
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
@@ -268,7 +272,8 @@ export class FocusView {
     return out;
   }
 
-  // No plot at all, with a word in the caption: used when the first run fails.
+  // No plot at all, with a word in the caption and in the plot's box: used when the first run fails
+  // and when every token is hidden.
   clear(message) {
     window.Plotly.purge(this.plot);
     this.listening = false;
@@ -281,6 +286,8 @@ export class FocusView {
     this.dropCursor();
     this.tooltip.hidden = true;
     this.plot.dataset.example = "false";
+    this.emptyNode.textContent = message;
+    this.emptyNode.hidden = false;
     this.plot.closest(".focus-panel").querySelector(".caption").textContent = message;
   }
 
@@ -476,6 +483,11 @@ export class FocusView {
   listen() {
     this.listening = true;
     const plot = this.plot;
+    plot.on("plotly_relayout", (event) => this.onRelayout(event));
+    plot.on("plotly_relayouting", () => this.follow());
+    // A purge (clear) drops Plotly's listeners but not the element's: those are added once.
+    if (this.listeningToDom) return;
+    this.listeningToDom = true;
     plot.addEventListener("mousemove", (event) => {
       this.cursor = null; // the pointer reads now; the live region stays quiet while it moves
       this.cursorBox.hidden = true;
@@ -495,7 +507,5 @@ export class FocusView {
       if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) this.showReading(event.clientX, event.clientY);
       down = null;
     });
-    plot.on("plotly_relayout", (event) => this.onRelayout(event));
-    plot.on("plotly_relayouting", () => this.follow());
   }
 }

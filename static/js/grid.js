@@ -82,6 +82,11 @@ let pixelBuffer = null;
 // survives it exactly when some cell of the block does, so a threshold or scale change only recolours.
 function colour(canvas, pooled, layout, scale = "head", threshold = 0) {
   const { width, height, masked } = layout;
+  if (!width || !height) { // every token hidden: nothing to colour (GridView says so)
+    canvas.width = canvas.height = 1;
+    canvas.getContext("2d").clearRect(0, 0, 1, 1);
+    return;
+  }
   let peak = 0;
   for (let i = 0; i < pooled.length; i++) if (pooled[i] > peak) peak = pooled[i];
   if (peak < threshold) peak = 0;
@@ -110,6 +115,9 @@ export class GridView {
     this.painted = new Set();
     this.thumbs = []; // [layer][head]: Map of pooling key → pooled maxima, so recolouring needs no pooling
     this.layouts = new Map();
+    this.note = el("p", { className: "empty", text: "No token is left to show: the thumbnails are blank until one is." });
+    this.note.hidden = true;
+    container.after(this.note);
   }
 
   build(run) {
@@ -200,6 +208,7 @@ export class GridView {
     kept.delete(key);
     kept.set(key, pooled); // the most recent last
     colour(this.cells[layer][h].firstChild, pooled, layout, options.scale, options.threshold);
+    this.note.hidden = layout.width > 0 && layout.height > 0;
     this.cells[layer][h].classList.remove("loading");
   }
 

@@ -283,6 +283,10 @@ async function renderViews({ headView: withHeadView = true } = {}) {
     return;
   }
   const view = viewOf(focused.matrix, run.tokens, viewOptions());
+  if (!view.rows.length || !view.cols.length) {
+    nothingShown();
+    return;
+  }
   const names = labels();
   focus.spans = (i) => `“${run.tokens[i].text}”`;
   await focus.render({
@@ -293,6 +297,16 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   labelPlot(focused.precise ? "f16" : "u8");
   $("focus-caption").textContent = caption(run, view);
   await focusShown(token, withHeadView);
+}
+
+// Every token hidden (one token under “Hide first token”, or only special ones): no heatmap or head
+// view to draw, and a word on what brings them back.
+function nothingShown() {
+  const by = [state.hideSpecial && "“Hide special tokens”", state.hideFirst && "“Hide first token”"].filter(Boolean);
+  const message = `No token is left to show: untick ${by.join(" or ")} to see them.`;
+  clearTimeout(state.headViewTimer);
+  focus.clear(message);
+  $("headview").replaceChildren(el("p", { className: "empty", text: message }));
 }
 
 function labelPlot(precision) {

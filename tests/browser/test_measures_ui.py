@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.browser.conftest import serving
-from tests.browser.test_page import hover_cell, open_page, run, wait_focus
+from tests.browser.test_page import hover_cell, open_page, run, wait_focus, wait_grid, wait_plotted_shape
 
 pytestmark = pytest.mark.browser
 
@@ -410,6 +410,29 @@ def test_measure_labels_are_thinned_and_a_zoom_labels_every_token_in_view(page, 
     reading.wait_for()
     z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix[20][12]")
     assert reading.text_content().startswith(f"{text[20]} → {text[12]}: {z:.4f}"), reading.text_content()
+
+
+def test_hiding_the_only_token_says_so_and_unticking_brings_it_back(page, tiny_server):
+    """tiny-gpt's `a` is one token and no special one: "Hide first token" leaves none. The grid threw
+    building a 0-wide image and the focus drew a grey box captioned "0 × 0 of 1 tokens shown"."""
+    open_page(page, tiny_server)
+    run(page, "a", model="tiny-gpt")
+    wait_grid(page)
+    page.check("#hide-first")
+    said = "No token is left to show: untick “Hide first token” to see them."
+    page.locator("#focus-plot .plot-empty").wait_for(state="visible")
+    assert page.locator("#focus-plot .plot-empty").text_content() == said
+    assert page.locator("#focus-caption").text_content() == said
+    assert page.locator("#focus-plot canvas.heatmap-canvas").count() == 0
+    page.wait_for_function("() => document.getElementById('grid').nextElementSibling.matches('p.empty:not([hidden])')")
+    assert page.locator("#headview").text_content() == said
+    page.uncheck("#hide-first")
+    wait_plotted_shape(page, 1, 1)
+    page.wait_for_function("() => document.getElementById('grid').nextElementSibling.hidden")
+    assert page.locator("#focus-plot .plot-empty").is_hidden()
+    assert page.locator("#focus-caption").text_content().startswith("1 token")
+    page.wait_for_selector("#headview .hv-left li")
+    # The make_page fixture holds the page to a clean console: no uncaught ImageData error.
 
 
 def test_measure_export_carries_its_labels_cells_and_caption(ran):
