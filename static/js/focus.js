@@ -172,11 +172,7 @@ export class FocusView {
     let peak = 0;
     for (let i = 0; i < view.values.length; i++) if (view.values[i] > peak) peak = view.values[i];
     const log = scale === "log";
-    if (revision !== this.revision) {
-      this.ranges = { x: null, y: null }; // a new text or a new shape: the zoom starts afresh
-      this.revision = revision;
-      this.dropCursor();
-    }
+    this.startRevision(revision);
     const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
     this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
     this.emptyNode.hidden = true;
@@ -184,6 +180,18 @@ export class FocusView {
     this.exportCaption = exportCaption || title;
     this.heatmap.setMatrix(view, scale, peak);
     await this.layOut();
+  }
+
+  // A new text or a new shape: the zoom starts afresh, and the cursor goes.
+  startRevision(revision) {
+    if (revision === this.revision) return;
+    this.ranges = { x: null, y: null };
+    this.revision = revision;
+    this.dropCursor();
+    // Plotly.react keeps the last figure's ranges as the reference of the square-cells constraint
+    // (only a relayout forgets them): a text shorter than the last got ranges wider than its cells,
+    // and the extra room read as bands of masked keys.
+    for (const axis of [this.plot._fullLayout?.xaxis, this.plot._fullLayout?.yaxis]) if (axis) axis._inputRange = null;
   }
 
   // A new text: the cursor's cell, its reading and what the live region last said are the old one's.
@@ -361,7 +369,7 @@ export class FocusView {
       // Given, not measured: Plotly.react keeps its old size when only the container changed.
       height: this.height,
       paper_bgcolor: pal.paper,
-      plot_bgcolor: pal.masked,
+      plot_bgcolor: pal.paper, // past the cells (a pan) is no key at all, not a masked one
       hovermode: false, // the page reads cells itself (showReading)
       font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
       margin: axes.margin,

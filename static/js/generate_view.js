@@ -5,7 +5,7 @@
 import { describeError, requestResponse } from "./api.js";
 import { el, fillSelect } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, status } from "./experiment_parts.js";
-import { pieceLabel } from "./tokens.js";
+import { pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
 
@@ -185,13 +185,13 @@ export function mountGeneration(box) {
         }
       }
       if (mine !== state.epoch) return;
-      if (state.outcome === "failed") status(note, `The server stopped after ${state.steps.length} tokens: ${failure}`, "error");
+      if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
       else status(note, `Finished: ${state.steps.length} new tokens.`);
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.
       if (mine === state.epoch && err.name === "AbortError") {
         state.outcome = "stopped";
-        status(note, `Stopped after ${state.steps.length} tokens.`);
+        status(note, `Stopped after ${tokenCount(state.steps.length)}.`);
       } else if (mine === state.epoch) {
         state.outcome = "failed";
         status(note, describeError(err), "error");

@@ -118,11 +118,7 @@ export class TiledFocusView extends FocusView {
   // and its peak, or null for a mean, whose coarsest tile is asked for first and gives the peak.
   async renderLong({ run, layer, head, base = null, peak = 0, labels, title, filename, exportCaption, scale = "head", revision }) {
     this.fitHeight();
-    if (revision !== this.revision) {
-      this.ranges = { x: null, y: null };
-      this.revision = revision;
-      this.dropCursor();
-    }
+    this.startRevision(revision);
     const { T } = run;
     const mask = layerMask(run, layer);
     if (this.long?.runId !== run.runId) {

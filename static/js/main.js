@@ -15,7 +15,7 @@ import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
-import { describeToken, tokenLabels } from "./tokens.js";
+import { describeToken, tokenCount, tokenLabels } from "./tokens.js";
 import { isIdentity, viewOf } from "./transform.js";
 import "./experiments.js";
 
@@ -364,7 +364,7 @@ async function focusShown(token, withHeadView) {
 
 function caption(run, view) {
   const shown = Math.max(view.rows.length, view.cols.length);
-  const count = shown === run.T ? `${run.T} tokens` : `${view.rows.length} × ${view.cols.length} of ${run.T} tokens shown`;
+  const count = shown === run.T ? tokenCount(run.T) : `${view.rows.length} × ${view.cols.length} of ${tokenCount(run.T)} shown`;
   const parts = [`${count}${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
   parts.push(maskWords(run, focusMask()));
   if (state.hideSpecial) parts.push("special tokens hidden");
@@ -649,7 +649,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   if (!run.long) measures.onRun(run, request, state.layer, state.head);
   else measures.onLongRun();
   setBusy(false);
-  $("run-status").textContent = `Done: ${run.T} tokens, ${run.nLayers} layers × ${run.nHeads} heads.`;
+  $("run-status").textContent = `Done: ${tokenCount(run.T)}, ${run.nLayers} layers × ${run.nHeads} heads.`;
   // After Enter the caret would keep the arrow keys in the text box, and a Run button that was
   // disabled while it worked has dropped keyboard focus to the page: the heatmap takes it. Not
   // when focus was elsewhere (an opened link, a restored view), nor when the user moved it since.

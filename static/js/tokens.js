@@ -17,6 +17,11 @@ const BYTE_OF_CHAR = (() => {
   return map;
 })();
 
+// "1 token", "12 tokens": a one-token text is a case the page meets (a word, a character).
+export function tokenCount(n) {
+  return `${n} token${n === 1 ? "" : "s"}`;
+}
+
 const VISIBLE = { " ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍" };
 const encoder = new TextEncoder();
 

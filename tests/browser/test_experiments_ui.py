@@ -296,7 +296,7 @@ def test_a_stream_that_ends_in_error_says_so(server, page):
     page.fill("#gen-text", PROMPT)
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='failed']", timeout=30_000)
-    assert page.inner_text("#gen-status") == "The server stopped after 1 tokens: generation stopped: out of memory"
+    assert page.inner_text("#gen-status") == "The server stopped after 1 token: generation stopped: out of memory"
     assert page.get_attribute("#gen-status", "data-kind") == "error"
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.browser.test_page import SENTENCE, open_page, plotted, plotted_zmax, run, wait_focus
+from tests.browser.test_page import SENTENCE, open_page, plotted, plotted_zmax, run, submit, wait_focus, wait_plotted_shape
 
 pytestmark = pytest.mark.browser
 
@@ -89,6 +89,26 @@ def test_canvas_pixels_are_the_values_colours_zoomed_and_stepped(server, page, a
     page.evaluate("() => Plotly.relayout('focus-plot', {'xaxis.range': [5.5, 10.5]})")
     page.wait_for_function("() => [...document.querySelectorAll('#focus-plot .xtick text')].some(t => t.textContent === 'muddy')")
     assert_cells_painted(page, [(4, 6), (5, 10), (8, 9)])
+
+
+def test_a_short_text_after_a_longer_one_is_cells_edge_to_edge(server, page, artifacts):
+    """Plotly.react kept the longer text's ranges as its square constraint's reference: "Hi" (3
+    tokens) got keys from -0.97 to 2.97, and the room beside the cells was painted masked grey."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    submit(page, "Hi")
+    wait_plotted_shape(page, 3, 3)
+    ranges = page.evaluate("() => { const l = document.getElementById('focus-plot')._fullLayout; return [l.xaxis.range, l.yaxis.range]; }")
+    assert ranges[0] == pytest.approx([-0.5, 2.5]) and ranges[1] == pytest.approx([2.5, -0.5])
+    # The plot area's left and right edges, half-way down, are cells (1, 0) and (1, 2), not background.
+    edges = page.evaluate("""() => {
+        const canvas = document.querySelector('#focus-plot canvas.heatmap-canvas');
+        const px = (x) => [...canvas.getContext('2d').getImageData(x, canvas.height >> 1, 1, 1).data];
+        return [px(1), px(canvas.width - 2)];
+    }""")
+    want = [page.evaluate(PIXEL_AND_EXPECTED, [1, col])[1] for col in (0, 2)]
+    assert [e[:3] for e in edges] == want and all(e[3] == 255 for e in edges), (edges, want)
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "canvas-short-text.png"))
 
 
 def test_causal_masked_cells_are_painted_masked(server, page):

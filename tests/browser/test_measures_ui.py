@@ -430,7 +430,7 @@ def test_hiding_the_only_token_says_so_and_unticking_brings_it_back(page, tiny_s
     wait_plotted_shape(page, 1, 1)
     page.wait_for_function("() => document.getElementById('grid').nextElementSibling.hidden")
     assert page.locator("#focus-plot .plot-empty").is_hidden()
-    assert page.locator("#focus-caption").text_content().startswith("1 token")
+    assert page.locator("#focus-caption").text_content().startswith("1 token · model tiny-gpt")
     page.wait_for_selector("#headview .hv-left li")
     # The make_page fixture holds the page to a clean console: no uncaught ImageData error.
 
