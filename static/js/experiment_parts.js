@@ -2,7 +2,7 @@
 
 import { requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
-import { peakOf } from "./measures_colours.js";
+import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 
 const NARROW_PX = 520; // plots narrower than this keep the modebar over their top, as focus.js's
@@ -99,8 +99,6 @@ export function rankingTable(ranking, { limit = 12, onPick, caption, shows = "" 
   ]);
 }
 
-const DIVERGING = [[0, "#2166ac"], [0.5, "#f7f7f7"], [1, "#b2182b"]];
-
 // Every drawn experiment heatmap, so a theme change redraws it in the new theme's text colour.
 const drawn = new Map();
 onThemeChange(() => {
@@ -125,7 +123,8 @@ export function heatmap(div, z, options = {}) {
   const names = (labels, n) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${i}: ${plotlyText(s)}`);
   const trace = {
     type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),
-    colorscale: signed ? DIVERGING : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
+    // Signed: the measures' diverging scale (paper colour at 0), one colour language for the page.
+    colorscale: signed ? signedStops() : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
     hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>",
   };
   // On a narrow screen Plotly's modebar stays on show over the top of the plot: the title goes

@@ -132,14 +132,19 @@ def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").text_content() == "[MASK] (unaligned)"
 
 
-def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
+def compare(page, server, a, b, timeout=30_000):
+    """Opens the page and compares a with b on minilm, waiting for the difference heatmap."""
     open_page(page, server)
     page.select_option("#model", "minilm")
-    a, b = "The bank of the river.", "The bank of the old river."
     page.fill("#compare-a", a)
     page.fill("#compare-b", b)
     page.click("#compare-run")
-    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=timeout)
+
+
+def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
+    a, b = "The bank of the river.", "The bank of the old river."
+    compare(page, server, a, b)
     reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm", "truncate": False,
                                                          "difference": {"format": "json"}}).json()
     assert ranking_rows(page, "compare-ranking") == api_ranking(reply["ranking"])
@@ -160,15 +165,24 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
 
 
+def test_compare_difference_speaks_the_pages_diverging_colours(server, page):
+    """A − B had its own red-positive scale with #f7f7f7 at 0 in either theme (a glare on the dark
+    one): it is the measures' scale, the theme's paper colour at 0, its strongest colour for
+    positive values and red for negative ones."""
+    compare(page, server, "The bank of the river.", "The bank of the old river.")
+    scale = "() => { const t = document.getElementById('compare-plot-diff').data[0]; return [t.colorscale, t.zmin, t.zmax]; }"
+    stops, zmin, zmax = page.evaluate(scale)
+    assert zmin == -zmax
+    assert stops == [[0, "rgb(203,45,62)"], [0.5, "#ffffff"], [1, "rgb(8,48,107)"]]  # red, white paper, the heatmap's darkest blue
+    page.select_option("#theme", "dark")
+    page.wait_for_function(f"() => ({scale})()[0][1][1] !== '#ffffff'")
+    assert page.evaluate(scale)[0] == [[0, "rgb(203,45,62)"], [0.5, "#161b22"], [1, "rgb(255,243,176)"]]
+
+
 def test_compare_at_hundreds_of_tokens_draws(server, page):
     """Math.max(...cells) over the difference's T² cells overflowed the stack at 403 tokens."""
-    open_page(page, server)
-    page.select_option("#model", "minilm")
     a = " ".join(f"word{i % 50} river bank" for i in range(110))  # about 440 tokens
-    page.fill("#compare-a", a)
-    page.fill("#compare-b", a.replace("word7 river", "word7 stream", 1))
-    page.click("#compare-run")
-    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=60_000)
+    compare(page, server, a, a.replace("word7 river", "word7 stream", 1), timeout=60_000)
     z = shown(page, "compare-plot-diff")
     assert z.shape[0] > 400 and z.shape[0] == z.shape[1], z.shape
     zmax = page.evaluate("document.getElementById('compare-plot-diff').data[0].zmax")
@@ -179,12 +193,7 @@ def test_experiment_titles_sit_under_the_modebar_on_a_phone(server, browser):
     context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True, device_scale_factor=2)
     try:
         page = context.new_page()
-        open_page(page, server)
-        page.select_option("#model", "minilm")
-        page.fill("#compare-a", "The bank of the river.")
-        page.fill("#compare-b", "The bank of the old river.")
-        page.click("#compare-run")
-        page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+        compare(page, server, "The bank of the river.", "The bank of the old river.")
         for plot in page.locator("#compare-box .js-plotly-plot").all():
             title, modebar = plot.locator(".gtitle").bounding_box(), plot.locator(".modebar").bounding_box()
             assert title["y"] >= modebar["y"] + modebar["height"] - 1, (title, modebar)
