@@ -125,7 +125,7 @@ export function heatmap(div, z, options = {}) {
     type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),
     // Signed: the measures' diverging scale (paper colour at 0), one colour language for the page.
     colorscale: signed ? signedStops() : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
-    hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>",
+    hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>", hoverongaps: false,
   };
   // On a narrow screen Plotly's modebar stays on show over the top of the plot: the title goes
   // under it, as the focused heatmap's does.
@@ -133,8 +133,11 @@ export function heatmap(div, z, options = {}) {
   const layout = {
     title: title ? { text: plotlyText(title), font: { size: 13 }, yref: "container", y: 1, yanchor: "top", pad: { t: 8 + under } } : undefined,
     margin: { l: 90, r: 10, t: title ? 30 + under : 8, b: 80 }, height: 320 + under,
-    yaxis: { autorange: "reversed", automargin: true }, xaxis: { automargin: true, tickangle: -45 },
-    paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+    // No gridlines: over the cells they drew white lines through the dark theme's heatmaps.
+    yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false },
+    xaxis: { automargin: true, tickangle: -45, showgrid: false, zeroline: false },
+    // A null cell is a key the model could not see, in the focused heatmap's masked colour.
+    paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: palette().masked,
     font: { color: palette().text }, // Plotly's default dark grey is unreadable on the dark theme
   };
   return window.Plotly.react(div, [trace], layout, { displaylogo: false, responsive: true });

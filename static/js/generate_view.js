@@ -102,13 +102,14 @@ export function mountGeneration(box) {
     heatmap(rowPlot, z, { x: keys, y: names, title: `Row of “${label}” in every head` });
     rowPlot.dataset.index = String(state.current);
     // The full heatmap so far: the prompt's rows (a causal prompt's rows never change as tokens
-    // are added) over the generated tokens' rows, each padded to the current width.
+    // are added) over the generated tokens' rows. The keys after a row's own token are null, drawn
+    // masked: the prompt's rows carry zeros there, which drew the same mask as weights of 0.
     const l = Number(layer.value), h = Number(head.value);
     const width = step.position + 1;
-    const pad = (row) => [...row, ...Array(width - row.length).fill(null)];
-    const promptRows = state.prompt ? headRows(state.prompt, l, h).map(pad) : [];
+    const seen = (row, position) => [...row.slice(0, position + 1), ...Array(width - position - 1).fill(null)];
+    const promptRows = state.prompt ? headRows(state.prompt, l, h).map(seen) : [];
     const generated = state.steps.slice(0, state.current + 1);
-    const grown = [...promptRows, ...generated.map((s) => pad(Array.from(s.attention[l][h])))];
+    const grown = [...promptRows, ...generated.map((s) => seen(Array.from(s.attention[l][h]), s.position))];
     const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => pieceLabel(s.token))];
     heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, title: `L${l} H${h}: the heatmap so far` });
     growPlot.dataset.rows = String(grown.length);

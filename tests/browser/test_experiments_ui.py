@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -206,6 +207,25 @@ def stream(base, body):
         return [json.loads(line) for line in r.iter_lines() if line]
 
 
+def cell_pixel(page, plot_id, row, col) -> list[int]:
+    """The colour on screen at the centre of a Plotly heatmap's cell (row, col), as [r, g, b]."""
+    x, y = page.evaluate("""([id, row, col]) => {
+        const gd = document.getElementById(id);
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        return [box.left + gd._fullLayout.xaxis.l2p(col), box.top + gd._fullLayout.yaxis.l2p(row)];
+    }""", [plot_id, row, col])
+    png = page.screenshot(clip={"x": int(x), "y": int(y), "width": 1, "height": 1})
+    return page.evaluate("""async (source) => {
+        const image = new Image();
+        image.src = 'data:image/png;base64,' + source;
+        await image.decode();
+        const canvas = document.createElement('canvas');
+        canvas.width = canvas.height = 1;
+        canvas.getContext('2d').drawImage(image, 0, 0);
+        return [...canvas.getContext('2d').getImageData(0, 0, 1, 1).data].slice(0, 3);
+    }""", base64.b64encode(png).decode())
+
+
 def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):
     open_page(page, server)
     page.select_option("#model", "tiny-causal")
@@ -228,9 +248,21 @@ def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artif
     grown = page.evaluate("document.getElementById('gen-grow-plot').data[0].z")
     width = steps[8]["position"] + 1
     assert len(grown) == len(prompt) + 9 and all(len(row) == width for row in grown)
-    for got, want in zip(grown, prompt):
-        assert same(f32(got[: len(want)]), f32(want)) and got[len(want):] == [None] * (width - len(want))
+    # Each row's keys after its own token are null: masked, one way, for the prompt's rows (whose
+    # zeros there drew as weights of 0) as for the generated ones.
+    for r, (got, want) in enumerate(zip(grown, prompt)):
+        assert same(f32(got[: r + 1]), f32(want[: r + 1])) and got[r + 1:] == [None] * (width - r - 1)
+    for k, row in enumerate(grown[len(prompt):]):
+        position = len(prompt) + k
+        assert None not in row[: position + 1] and row[position + 1:] == [None] * (width - position - 1)
     assert same(f32(grown[-1]), f32(steps[8]["attention"][0][0]))
+    # Drawn as the focused heatmap draws masked cells, in the theme's masked colour, with no gridlines.
+    masked = page.evaluate("async () => (await import('/static/js/theme.js')).palette().masked")
+    want = [int(masked[i:i + 2], 16) for i in (1, 3, 5)]
+    assert cell_pixel(page, "gen-grow-plot", 0, 1) == want  # a prompt row's later key
+    assert cell_pixel(page, "gen-grow-plot", 0, width - 1) == want  # a generated token's column
+    assert page.evaluate("() => { const l = document.getElementById('gen-grow-plot')._fullLayout;"
+                         " return [l.xaxis.showgrid, l.yaxis.showgrid]; }") == [False, False]
     assert page.inner_text("#gen-tokens .chip.current") == steps[8]["token"]["text"]
     page.locator("#generate-box").screenshot(path=str(artifacts / "experiments-generate.png"))
     page.click("#gen-play")
