@@ -646,7 +646,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));
   await renderViews();
-  if (!run.long) measures.onRun(run, request, state.layer, state.head);
+  if (!run.long) measures.onRun(run, request, state.layer, state.head, labels().labels);
   else measures.onLongRun();
   setBusy(false);
   $("run-status").textContent = `Done: ${tokenCount(run.T)}, ${run.nLayers} layers × ${run.nHeads} heads.`;
@@ -696,6 +696,7 @@ async function redrawOptions() {
   optionsBusy = true;
   try {
     await renderViews();
+    if (!state.run.long) measures.setLabels(labels().labels);
     grid.paintAllSoon(viewOptions());
     if (state.run.long) paintOverview(grid, state.run, state.scale).catch(() => {});
     updatePermalink();

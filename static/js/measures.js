@@ -14,7 +14,6 @@ import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
 import { holdsFor, layerMask, maskRule } from "./run.js";
 import { MASKED, colorTable, onThemeChange } from "./theme.js";
-import { tokenLabels } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
 const SEEN_MARGIN_PX = 200;
@@ -152,12 +151,13 @@ class Measures {
     $(id).textContent = err ? describeError(err) : "";
   }
 
-  onRun(run, requestBody, layer, head) {
+  // labels: what each token is called, as the page's Labels control says (setLabels when it changes).
+  onRun(run, requestBody, layer, head, labels) {
     this.run = run;
     this.layer = layer;
     this.head = head;
     this.request = requestBody;
-    this.labels = tokenLabels(run.tokens, "text");
+    this.labels = labels;
     this.flow = this.words = this.predictions = null;
     this.queryIndex = run.tokens.length - 1;
     this.neuron.setTokens(this.labels, this.queryIndex);
@@ -174,6 +174,15 @@ class Measures {
     // once, its heatmap, neuron view and graph landed in frames of 150-330 ms at T=128, just as the
     // user starts stepping through heads above it.
     this.loadPredictions().then(() => this.drawFocusWhenSeen());
+  }
+
+  // The Labels control changed: the same tokens, named as the focused heatmap names them.
+  setLabels(labels) {
+    if (!this.run || labels === this.labels) return;
+    this.labels = labels;
+    this.neuron.setTokens(labels, this.queryIndex);
+    this.predictionsView.relabel(labels);
+    this.drawFocusWhenSeen();
   }
 
   // A long run gets no measures (main.js): forget the last short run's predictions.

@@ -68,7 +68,7 @@ export class Predictions {
   // under the focused heatmap and into `others` (the measures' strip). Resolves to the predictions
   // or null (no language-model head, or an error, which the strips say).
   async load(run, request, labels, others = []) {
-    const strips = [this.strip, ...others];
+    const strips = (this.strips = [this.strip, ...others]);
     this.byPosition = null;
     this.labels = labels;
     const token = (this.token = {});
@@ -93,6 +93,12 @@ export class Predictions {
       if (token === this.token) for (const strip of strips) hint(strip, describeError(err));
       return null;
     }
+  }
+
+  // The same run's tokens under other labels: the strips drawn again, nothing asked for.
+  relabel(labels) {
+    this.labels = labels;
+    if (this.byPosition) for (const strip of this.strips) renderStrip(strip, labels, this.byPosition, this.causal);
   }
 
   // A run this view is not told about (a long run, which the measures skip): nothing shown, and

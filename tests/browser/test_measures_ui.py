@@ -435,6 +435,26 @@ def test_hiding_the_only_token_says_so_and_unticking_brings_it_back(page, tiny_s
     # The make_page fixture holds the page to a clean console: no uncaught ImageData error.
 
 
+def test_measures_name_tokens_as_the_labels_control_says(page, server):
+    """The measures named tokens by their text whatever the Labels control said: with "Model
+    pieces" the heatmap above said `the` where the measure, neuron view and flow graph said `The`."""
+    open_page(page, server)
+    run(page, "The bank of the river.", model="tiny-causal")  # a GPT on MiniLM's lowercasing pieces
+    page.locator("#measures").scroll_into_view_if_needed()
+    shown = """() => [
+        [...document.querySelectorAll('#measure-plot .axis-labels .xtick')].map((g) => g.textContent)[1],
+        document.querySelector('#neuron-query option[value="1"]')?.textContent,
+        [...document.querySelectorAll('#flow .flow-token')].map((t) => t.textContent)[1],
+        [...document.querySelectorAll('#predictions .pred-token')].map((t) => t.textContent)[1],
+    ]"""
+    page.wait_for_function(f"() => ({shown})().every((label) => label !== undefined)", timeout=30_000)
+    page.wait_for_function(f"() => ({shown})().join('|') === 'the|1: the|the|the'", timeout=30_000)
+    page.select_option("#labels", "text")
+    page.wait_for_function(f"() => ({shown})().join('|') === 'The|1: The|The|The'", timeout=30_000)
+    page.select_option("#labels", "pieces")
+    page.wait_for_function(f"() => ({shown})().join('|') === 'the|1: the|the|the'", timeout=30_000)
+
+
 def test_measure_export_carries_its_labels_cells_and_caption(ran):
     """The page draws the measure's labels, which Plotly's own export would drop: the modebar's
     camera and disk export with Plotly-drawn labels, the painted cells and a caption."""
