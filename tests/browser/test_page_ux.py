@@ -428,3 +428,36 @@ def test_head_view_chips_keep_their_own_layout(server, page, artifacts):
     centre = lambda b: b["y"] + b["height"] / 2  # noqa: E731
     assert abs(centre(box) - centre(swatch)) <= 1.5 and swatch["x"] >= box["x"] + box["width"] + 2
     page.locator("#headview-heads").screenshot(path=str(artifacts / "head-chips.png"))
+
+
+def contrast(a: list[float], b: list[float]) -> float:
+    """WCAG contrast ratio of two sRGB colours given as [r, g, b] in 0-255."""
+    def luminance(rgb):
+        c = [v / 255 for v in rgb]
+        c = [v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4 for v in c]
+        return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]
+    hi, lo = sorted([luminance(a), luminance(b)], reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_number_and_search_boxes_look_like_the_text_boxes(server, make_page, scheme):
+    """Only input[type=text] was styled: in the dark theme the number and search boxes were grey
+    boxes in a smaller font, their placeholders at 2.43:1."""
+    page = make_page(color_scheme=scheme)
+    open_page(page, server)
+    looks = """(id) => {
+        const s = getComputedStyle(document.getElementById(id));
+        return [s.fontSize, s.fontFamily, s.color, s.backgroundColor, s.borderTopColor, s.borderTopLeftRadius];
+    }"""
+    text = page.evaluate(looks, "text")
+    for box in ["gen-n", "gen-temp", "gen-seed", "finder-filter"]:
+        assert page.evaluate(looks, box) == text, box
+    rgb = "(c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number)"
+    for box in ["text", "gen-seed", "finder-filter"]:
+        ink, ground = page.evaluate(f"""(id) => {{
+            const node = document.getElementById(id);
+            const rgb = {rgb};
+            return [rgb(getComputedStyle(node, '::placeholder').color), rgb(getComputedStyle(node).backgroundColor)];
+        }}""", box)
+        assert contrast(ink, ground) >= 4.5, (box, ink, ground)
