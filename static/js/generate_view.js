@@ -2,8 +2,8 @@
 // and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
 // stream, and the server stops within one step of the hang-up.
 
-import { describeError, requestResponse } from "./api.js";
-import { el, fillSelect } from "./dom.js";
+import { describeError, listModels, requestResponse } from "./api.js";
+import { $, el, fillSelect } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, status } from "./experiment_parts.js";
 import { pieceLabel, tokenCount } from "./tokens.js";
 
@@ -44,6 +44,9 @@ export function mountGeneration(box) {
   const head = el("select", { attrs: { id: "gen-head", "aria-label": "Head of the growing heatmap" } });
   const where = el("span", { className: "hint", attrs: { id: "gen-position", "aria-live": "polite" } });
   const note = el("p", { className: "exp-status", attrs: { id: "gen-status", role: "status", "aria-live": "polite" } });
+  const why = el("p", { className: "hint", attrs: { id: "gen-why" } }); // why Generate is off, when it is
+  why.hidden = true;
+  start.setAttribute("aria-describedby", "gen-why");
   const tokens = el("div", { className: "gen-tokens", attrs: { id: "gen-tokens" } });
   const rowPlot = el("div", { className: "exp-plot", attrs: { id: "gen-row-plot" } });
   const growPlot = el("div", { className: "exp-plot", attrs: { id: "gen-grow-plot" } });
@@ -51,6 +54,7 @@ export function mountGeneration(box) {
     el("h3", { text: "Step through generation" }),
     el("p", { className: "hint", text: "Causal models only. Greedy at temperature 0; a seed makes a sample repeat." }),
     el("div", { className: "exp-row" }, [prompt, field("tokens", count), field("temperature", temperature), field("seed", seed), start, stop]),
+    why,
     el("div", { className: "exp-row" }, [back, play, forward, where, field("layer", layer), field("head", head)]),
     note, tokens,
     el("div", { className: "exp-columns" }, [rowPlot, growPlot]),
@@ -67,7 +71,7 @@ export function mountGeneration(box) {
   function setButtons() {
     const focused = document.activeElement;
     stop.disabled = !state.running;
-    start.disabled = state.running;
+    start.disabled = state.running || Boolean(why.textContent);
     back.disabled = state.current <= 0;
     forward.disabled = state.current >= state.steps.length - 1;
     play.textContent = state.timer ? "Pause" : "Play";
@@ -154,6 +158,7 @@ export function mountGeneration(box) {
   async function generate() {
     // Enter in the prompt while a stream runs: a second stream would interleave its steps with the first's.
     if (state.running) return;
+    if (why.textContent) return status(note, why.textContent, "error"); // Enter in the prompt, with Generate off
     const text = prompt.value.trim() ? prompt.value : currentInput()?.text;
     if (!text) return status(note, "Write a prompt, or run a sentence: its text is the default prompt.", "error");
     pause();
@@ -207,8 +212,27 @@ export function mountGeneration(box) {
     }
   }
 
+  // The server refuses to generate from a model that reads both ways (422): Generate is off, and
+  // says why, while such a model is the one it would use (currentModel).
+  const models = listModels().catch(() => []);
+  async function checkModel(causal = null) {
+    const list = causal === null ? await models : [];
+    const model = currentModel().model;
+    // Before main.js has filled the form's list its value is empty: the server's default then.
+    const info = list.find((m) => m.id === model) ?? list.find((m) => m.default) ?? list[0];
+    causal ??= info?.causal ?? true;
+    const name = model ?? info?.id;
+    why.textContent = causal ? "" : `Off: ${name} is not a causal model (it reads both ways), so it does not generate. ${currentInput() ? "Run" : "Pick"} a causal model to use it.`;
+    why.hidden = causal;
+    start.title = causal ? "Generate" : why.textContent;
+    setButtons();
+  }
+  $("model").addEventListener("change", () => checkModel());
+  checkModel();
+
   // Another run on screen, perhaps of another model: stop and forget this generation.
-  onRun(() => {
+  onRun((input, { causal }) => {
+    checkModel(causal);
     state.epoch += 1;
     state.controller?.abort();
     pause();

@@ -270,6 +270,31 @@ def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artif
     assert page.inner_text("#gen-play") == "Play"  # it paused itself at the last token
 
 
+def test_generate_is_off_with_the_reason_while_the_model_reads_both_ways(server, page, watched):
+    """With MiniLM shown, Generate stayed enabled: a click cost a 422 and a console error."""
+    refused = []
+    page.on("response", lambda r: r.status >= 400 and refused.append(r.url))
+    open_page(page, server)
+    page.select_option("#model", "minilm")
+    start, why = page.locator("#gen-start"), page.locator("#gen-why")
+    page.wait_for_function("() => document.getElementById('gen-start').disabled")
+    assert why.inner_text() == "Off: minilm is not a causal model (it reads both ways), so it does not generate. Pick a causal model to use it."
+    assert start.get_attribute("title") == why.inner_text() and start.get_attribute("aria-describedby") == "gen-why"
+    page.select_option("#model", "tiny-causal")
+    page.wait_for_function("() => !document.getElementById('gen-start').disabled")
+    assert why.is_hidden()
+    # A shown run decides, not the form: MiniLM on screen keeps it off whatever the form holds now.
+    run(page, SENTENCE, "minilm")
+    page.select_option("#model", "tiny-causal")
+    page.wait_for_function("() => document.getElementById('gen-start').disabled")
+    assert why.inner_text().startswith("Off: minilm is not a causal model") and why.inner_text().endswith("Run a causal model to use it.")
+    page.fill("#gen-text", PROMPT)
+    page.press("#gen-text", "Enter")  # Enter in the prompt is refused too
+    run(page, PROMPT, "tiny-causal")
+    page.wait_for_function("() => !document.getElementById('gen-start').disabled")
+    assert not any("/generate" in url for url in refused) and watched.errors == []
+
+
 @pytest.fixture(scope="module")
 def slow_server(causal_model_spec):
     """A server whose generation waits 0.2 s after each step, so that Stop lands mid-stream."""
@@ -332,8 +357,8 @@ def test_a_stream_that_ends_in_error_says_so(server, page):
     failed = json.dumps({"type": "end", "reason": "error", "tokens": 1, "error": "generation stopped: out of memory"})
     page.route("**/api/v1/generate", lambda route: route.fulfill(
         status=200, content_type="application/x-ndjson", body="\n".join([*real[:2], failed]) + "\n"))
-    page.goto(f"{server}/")
-    page.wait_for_selector("#gen-start")
+    open_page(page, server)
+    page.select_option("#model", "tiny-causal")  # the default, MiniLM, does not generate
     page.fill("#gen-text", PROMPT)
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='failed']", timeout=30_000)
