@@ -163,8 +163,8 @@ HOSTILE_BODIES = {
     "trailing comma": (b'{"text": "The bank",}', JSON, 400),
     "not an object": (b'["The bank"]', JSON, 422),
     "empty body": (b"", JSON, 422),
-    "wrong content type": (b'{"text": "The bank"}', {"content-type": "text/plain"}, 422),
-    "form post": (b"text=The+bank", {"content-type": "application/x-www-form-urlencoded"}, 422),
+    "wrong content type": (b'{"text": "The bank"}', {"content-type": "text/plain"}, 415),  # names the header to send
+    "form post": (b"text=The+bank", {"content-type": "application/x-www-form-urlencoded"}, 415),
     "NaN text": (b'{"text": NaN}', JSON, 422),
     "NaN layer": (b'{"text": "hi", "layers": [NaN]}', JSON, 422),
     "Infinity head": (b'{"text": "hi", "heads": [Infinity]}', JSON, 422),
