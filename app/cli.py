@@ -15,11 +15,12 @@ def _format_head(tokens: list[str], weights, width: int = 12) -> str:
     """A readable matrix: rows are queries, columns keys, values to 2 decimals plus a shade."""
     labels = [t if len(t) <= width else t[: width - 1] + "…" for t in tokens]
     pad = max(len(lab) for lab in labels)
-    lines = [" " * (pad + 2) + " ".join(f"{i:>5}" for i in range(len(tokens)))]
+    index = len(str(len(tokens) - 1))  # row numbers as wide as the largest: row 10 had pushed its cells right
+    lines = [" " * (pad + index + 2) + " ".join(f"{i:>5}" for i in range(len(tokens)))]
     for i, (lab, row) in enumerate(zip(labels, weights.tolist())):
         cells = " ".join(f"{v:5.2f}" for v in row)
         shade = "".join(SHADES[min(int(v * len(SHADES)), len(SHADES) - 1)] for v in row)
-        lines.append(f"{lab:>{pad}} {i:>1} {cells}  |{shade}|")
+        lines.append(f"{lab:>{pad}} {i:>{index}} {cells}  |{shade}|")
     return "\n".join(lines)
 
 

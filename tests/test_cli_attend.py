@@ -16,6 +16,20 @@ def test_attend_prints_tokens_and_the_chosen_head(capsys, minilm):
     assert first == [round(v, 2) for v in expected[1].tolist()]
 
 
+def test_every_row_of_a_long_head_lines_up_under_the_key_numbers():
+    """Rows 10 and up were shifted one column right of the header and of rows 0-9."""
+    import torch
+
+    from manyeyes.app.cli import _format_head
+
+    tokens = [f"t{i}" for i in range(12)]
+    lines = _format_head(tokens, torch.full((12, 12), 0.25)).splitlines()
+    header, rows = lines[0], lines[1:]
+    last_key = header.rindex("11") + 2  # where the header's last column ends
+    assert {row.index("  |") for row in rows} == {last_key}, lines
+    assert rows[9].split()[1] == "9" and rows[11].split()[1] == "11"
+
+
 def test_attend_errors_are_words_not_tracebacks(capsys):
     assert main(["attend", "hi", "--layer", "9"]) == 2
     assert "layer must be in 0..5" in capsys.readouterr().err
