@@ -65,7 +65,7 @@ async def run_flow(
 ) -> Response:
     """Information-flow routes (Ferrando & Voita, 2024): token → token edges through the layers,
     weighted by how much of the target's stream each source makes, pruned at `threshold`."""
-    return json_response(await service.flow(run_id, threshold))
+    return Response(await service.flow(run_id, threshold), media_type="application/json")
 
 
 @router.get("/neuron", response_model=NeuronResponse, responses=ERRORS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import orjson
@@ -36,6 +37,11 @@ CAPTURE_SHARE = 4  # captures get 1/4 of MANYEYES_CACHE_BYTES in their own LRU, 
 CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
 # Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, beyond 429.
 FLOW_SLOTS = 1
+# Graphs kept as their JSON, the most recent within this many bytes: MiniLM's at T=507 took 4-14 s
+# to make, and the page asks for the same one each time its flow view opens. One is 0.7 MB at T=507
+# and threshold 0.01 (10,885 edges), at most 20 MB (100 edges a target and layer); a run the cache
+# evicted is a 404 first, graph or no graph.
+FLOW_CACHE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class MeasuresService:
         self._flow_slots = threading.BoundedSemaphore(FLOW_SLOTS)
         self._capturing: dict[str, list] = {}
         self._guard = threading.Lock()
+        self._flows: OrderedDict[tuple[str, float], bytes] = OrderedDict()
 
     # ------------------------------------------------------------------ lookups
     def run(self, run_id: str) -> tuple[Run, Served]:
@@ -238,11 +245,17 @@ class MeasuresService:
         return [*pieces[:-1], pieces[-1][:-1], b',"measures":', measures, b"}"]
 
     # ------------------------------------------------------------------ the parameterised ones
-    async def flow(self, run_id: str, threshold: float) -> dict:
+    async def flow(self, run_id: str, threshold: float) -> bytes:
+        """The graph as JSON: serialised on the worker thread (20 MB at most), and kept so."""
         run, served = self.run(run_id)
         return await run_in_threadpool(self._flow, run, served, threshold)
 
-    def _flow(self, run: Run, served: Served, threshold: float) -> dict:
+    def _flow(self, run: Run, served: Served, threshold: float) -> bytes:
+        key = (run.run_id, threshold)
+        with self._guard:
+            if key in self._flows:
+                self._flows.move_to_end(key)
+                return self._flows[key]
         captured = self._capture(run, served)
         if not self._flow_slots.acquire(blocking=False):
             raise QueueFull("an information-flow graph is already being computed; retry shortly", 2)
@@ -250,14 +263,19 @@ class MeasuresService:
             edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)
         finally:
             self._flow_slots.release()
-        return {
+        graph = orjson.dumps({
             "run_id": run.run_id,
             "threshold": threshold,
             "n_layers": run.attention.shape[0],
             "n_tokens": len(run.tokens),
             "edges": [{"layer": e.layer, "source": e.source, "target": e.target, "weight": round(e.weight, 6),
                        "head": e.head} for e in edges],
-        }
+        })
+        with self._guard:
+            self._flows[key] = graph
+            while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
+                self._flows.popitem(last=False)
+        return graph
 
     async def neuron(self, run_id: str, layer: int, head: int, query: int) -> dict:
         run, served = self.run(run_id)
