@@ -28,10 +28,17 @@ def open_page(page, base):
 
 
 def run(page, text, model=None):
+    # The run's own announcement: the plot and thumbnails of the run before match the selectors
+    # below too, so a second run could be asserted on before the page had shown it.
+    page.evaluate("""() => {
+      window.announced = null;
+      document.addEventListener("manyeyes:run", (event) => { window.announced = event.detail.request.text; });
+    }""")
     page.fill("#text", text)
     if model is not None:
         page.select_option("#model", model)
     page.press("#text", "Enter")
+    page.wait_for_function("(text) => window.announced === text", arg=text, timeout=30_000)
     page.wait_for_selector("#focus-plot[data-precision=f16]", timeout=30_000)
     page.wait_for_selector("#grid .thumb[data-layer='0'][data-head='0']:not(.loading)", timeout=30_000)
 
