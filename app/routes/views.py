@@ -49,7 +49,7 @@ def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep, service: 
     try:
         model.encode(body.text, body.text_pair, body.truncate)
     except TooLongError as exc:
-        raise TooLong(str(exc)) from None
+        raise TooLong.tokens(exc) from None
     return ViewSaved(id=views.put(body.model_dump()))
 
 

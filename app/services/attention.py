@@ -393,7 +393,7 @@ class AttentionService:
             try:
                 item.encoded = served.model.encode(item.text, item.text_pair, truncate)
             except TooLongError as exc:
-                raise TooLong(item.label + str(exc)) from None
+                raise TooLong.tokens(exc, item.label) from None
             item.timing["tokenize"] = time.perf_counter() - started
 
     async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,

@@ -29,6 +29,11 @@ class TooLong(ApiError):
     code = "too_long"
 
     @classmethod
+    def tokens(cls, exc: Exception, label: str = "") -> "TooLong":
+        """The model's TooLongError as the API says it, prefixed with which input (a batch's `texts[i]: `)."""
+        return cls(label + str(exc))
+
+    @classmethod
     def chars(cls, size: int, limit: int, label: str = "") -> "TooLong":
         """A paste over the server's character limit, refused before the tokenizer sees it."""
         return cls(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")

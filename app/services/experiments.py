@@ -163,7 +163,7 @@ class ExperimentService:
         try:
             encoded = served.model.encode(text, pair, truncate)
         except TooLongError as exc:
-            raise TooLong(label + str(exc)) from None
+            raise TooLong.tokens(exc, label) from None
         # Experiments compare whole weights of two forwards; long inputs keep queries and keys instead.
         limit = self.settings.dense_max_tokens
         if len(encoded) > limit:
