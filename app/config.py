@@ -102,6 +102,17 @@ class Settings(BaseSettings):
     # run cache's bound (see SECURITY.md, "Memory"). 1 MiB keeps a forward's activations up to
     # T=128 on the heap, where they are reused without page faults. 0 leaves the allocator as it is.
     malloc_mmap_threshold: int = Field(1024 * 1024, ge=0)
+    # glibc malloc: a heap's free top is given back to the OS only past this size, so that the
+    # blocks under the mmap threshold a forward frees and takes again layer after layer keep their
+    # pages (see app/memory.py). Counted once per malloc arena at most, and taken during warm-up.
+    malloc_trim_threshold: int = Field(64 * 1024 * 1024, ge=0)
+    # Buffers from the mmap threshold up (a forward's weights, an answer's bytes) are written into
+    # the mappings of finished ones, up to this many bytes of them kept: a fresh mapping's pages
+    # cost 1 to 8 ms per 4.5 MiB on a virtual machine (model/buffers.py). 0: a fresh one each time.
+    buffer_pool_bytes: int = Field(96 * 1024 * 1024, ge=0)
+    # Fresh buffers from 4 MiB advised for transparent huge pages: faster where the host keeps the
+    # memory backed, up to 5x slower where it takes freed memory back (model/buffers.py).
+    huge_pages: bool = False
     switch_interval_ms: float = Field(0.5, ge=0)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
 
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.

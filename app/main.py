@@ -32,6 +32,7 @@ from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
+from manyeyes.model.buffers import advise_huge_pages, keep_free_mappings
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 log = logging.getLogger("manyeyes")
@@ -97,7 +98,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tune_malloc(settings.malloc_mmap_threshold)
+        tune_malloc(settings.malloc_mmap_threshold, settings.malloc_trim_threshold)
+        keep_free_mappings(settings.buffer_pool_bytes)
+        advise_huge_pages(settings.huge_pages)
         if settings.switch_interval_ms:
             # The forward thread takes the GIL back after every torch op; with the default 5 ms
             # interval a busy event loop made each re-take wait, and a batch of 8 short inputs

@@ -33,7 +33,16 @@ from manyeyes.model.attention import Capture
 if sys.argv[1] == "server":  # the allocator setting the server starts with (app/memory.py)
     from manyeyes.app.config import Settings
     from manyeyes.app.memory import tune_malloc
-    tune_malloc(Settings().malloc_mmap_threshold)
+    from manyeyes.model import buffers
+    settings = Settings()
+    # A base checkout older than the trim threshold and the buffer pool runs as it was.
+    if hasattr(settings, "malloc_trim_threshold"):
+        tune_malloc(settings.malloc_mmap_threshold, settings.malloc_trim_threshold)
+    else:
+        tune_malloc(settings.malloc_mmap_threshold)
+    if hasattr(buffers, "keep_free_mappings"):
+        buffers.keep_free_mappings(settings.buffer_pool_bytes)
+        buffers.advise_huge_pages(settings.huge_pages)
 model = load("minilm", device="cpu")
 capture = Capture(hidden=False)
 print("ready", flush=True)

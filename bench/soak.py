@@ -10,7 +10,7 @@ the moment the process starts. The bound (SECURITY.md, "Memory"):
 Every answer is checked (status, shape against its tokens, every row of weights summing to 1);
 every 50th fresh text is also compared, after the load, with a single run in this process.
 
-    python bench/soak.py [--requests 10000] [--clients 100] [--warmup 300] [--malloc-mmap-threshold 0]
+    python bench/soak.py [--requests 10000] [--clients 100] [--warmup 300] [--malloc-mmap-threshold 0] [--malloc-trim-threshold N]
 
 --malloc-mmap-threshold 0 runs the server with glibc's allocator defaults, to see the problem
 the start-up setting fixes.
@@ -208,6 +208,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=300, help="requests before the baseline RSS is taken")
     parser.add_argument("--cache-mb", type=int, default=512, help="the run cache's bound (default: the server's default)")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None, help="0: glibc defaults (the server's own setting otherwise)")
+    parser.add_argument("--malloc-trim-threshold", type=int, default=None, help="the heap top kept (the server's own setting otherwise)")
+    parser.add_argument("--buffer-pool-bytes", type=int, default=None, help="finished buffers kept (the server's own setting otherwise)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
 
@@ -216,6 +218,10 @@ def main() -> int:
                 "request_timeout_s": 300}
     if args.malloc_mmap_threshold is not None:
         settings["malloc_mmap_threshold"] = args.malloc_mmap_threshold
+    if args.malloc_trim_threshold is not None:
+        settings["malloc_trim_threshold"] = args.malloc_trim_threshold
+    if args.buffer_pool_bytes is not None:
+        settings["buffer_pool_bytes"] = args.buffer_pool_bytes
     cpus = os.cpu_count()
     print(f"soak: {args.requests} requests ({args.warmup} warm-up), {args.clients} clients, 16-512 tokens, "
           f"run cache {args.cache_mb} MB, minilm on {cpus} CPUs, load {os.getloadavg()[0]:.1f}")

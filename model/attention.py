@@ -154,8 +154,16 @@ def row_block(num_keys: int, heads: int, row_width: int, block_cells: int) -> in
 
 def bin_edges(n: int, size: int) -> torch.Tensor:
     """Edges of at most `size` bins over range(n): equal width ceil(n / size), the last one may be narrower."""
-    width = -(-n // max(1, min(size, n)))
-    return torch.tensor([*range(0, n, width), n], dtype=torch.long)
+    return torch.tensor([*range(0, n, bin_width(n, size)), n], dtype=torch.long)
+
+
+def bin_width(n: int, size: int) -> int:
+    return -(-n // max(1, min(size, n)))
+
+
+def bin_count(n: int, size: int) -> int:
+    """len(bin_edges(n, size)) - 1, without making the tensor (the server reckons it per request)."""
+    return -(-n // bin_width(n, size)) if n > 0 else 0
 
 
 def max_pool(weights: torch.Tensor, row_width: int, col_width: int) -> torch.Tensor:

@@ -2,6 +2,9 @@
 alive exactly as long as a tensor views them."""
 
 import gc
+import mmap
+import platform
+import subprocess
 import sys
 
 import pytest
@@ -15,8 +18,34 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 @pytest.fixture
 def server_allocator(monkeypatch):
-    """What the server's start-up reports (app/memory.py): every block from 1 MiB is a fresh mapping."""
+    """What the server's start-up reports (app/memory.py): every block from 1 MiB is a fresh mapping.
+    No mappings kept (a server started in this process may have turned that on)."""
     monkeypatch.setattr(buffers, "_mapped_from_bytes", 1 << 20)
+    monkeypatch.setattr(buffers, "_pool", buffers.MappingPool())
+    monkeypatch.setattr(buffers, "_huge_pages", False)
+
+
+@pytest.fixture
+def huge_pages(server_allocator, monkeypatch):
+    """A server started with MANYEYES_HUGE_PAGES=true."""
+    monkeypatch.setattr(buffers, "_huge_pages", True)
+
+
+@pytest.fixture
+def pool(server_allocator):
+    """The server's setting: finished buffers' mappings kept for the next ones, up to 16 MiB here."""
+    buffers.keep_free_mappings(16 << 20)
+    return buffers._pool
+
+
+def resident_pages(address: int, nbytes: int) -> int:
+    """Pages of [address, address + nbytes) in memory, from /proc/self/pagemap (bit 63: present).
+    Not smaps: the kernel merges a mapping with like neighbours into one entry."""
+    first, count = address // mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE)
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read(count * 8)
+    return sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
 
 
 def mapping_of(address: int) -> dict | None:
@@ -37,7 +66,7 @@ def mapping_of(address: int) -> dict | None:
     return entry
 
 
-def test_a_large_buffer_is_its_own_advised_mapping_and_outlives_its_base_while_a_view_reads_it(server_allocator):
+def test_a_large_buffer_is_its_own_advised_mapping_and_outlives_its_base_while_a_view_reads_it(huge_pages):
     shape = (6, 1, 12, 256, 256)  # MiniLM's weights at T=256: 18.9 MB
     weights = empty_written_whole(shape)
     assert weights.shape == shape and weights.dtype == torch.float32 and weights.is_contiguous()
@@ -58,7 +87,73 @@ def test_a_large_buffer_is_its_own_advised_mapping_and_outlives_its_base_while_a
     assert left is None or "hg" not in left.get("VmFlags", [])  # unmapped (a new neighbour is not ours)
 
 
-def test_small_buffers_and_other_devices_are_plain_torch_empty(server_allocator):
+def test_a_finished_buffers_mapping_takes_the_next_buffer_that_fits(pool):
+    first = empty_written_whole((6, 12, 128, 128))  # MiniLM's weights at T=128, 4.7 MB
+    first.fill_(0.5)
+    address = first.data_ptr()
+    held = first[2, 3]  # a view keeps the mapping in use
+    del first
+    second = empty_written_whole((6, 12, 128, 128))
+    assert second.data_ptr() != address  # never a mapping something still reads
+    assert float(held[0, 0]) == 0.5
+    del held, second
+    gc.collect()
+    assert pool.kept_bytes() >= 2 * 6 * 12 * 128 * 128 * 4
+
+    # Both finished: the next one of that size, or up to 1/16 smaller, is written into one of them.
+    again = empty_written_whole((6, 12, 128, 128))
+    assert mapping_of(again.data_ptr()) is not None and again.data_ptr() in (address, again.data_ptr())
+    smaller = empty_written_whole((6, 12, 125, 125), dtype=torch.float32)  # 4.5 MB, within 1/16
+    assert abs(smaller.data_ptr() - again.data_ptr()) >= 6 * 12 * 128 * 128 * 4  # the other kept one
+    much_smaller = empty_written_whole((6, 12, 100, 100))  # 2.9 MB: not worth a 4.7 MB mapping
+    kept = {again.data_ptr(), smaller.data_ptr()}
+    assert much_smaller.data_ptr() not in kept
+
+
+def test_a_kept_mapping_holds_no_more_pages_than_its_new_buffer_needs(pool):
+    big = empty_written_whole((8 << 20,), dtype=torch.uint8)
+    big.fill_(7)
+    address = big.data_ptr()
+    del big
+    smaller = empty_written_whole(((8 << 20) - (400 << 10),), dtype=torch.uint8)  # 400 KiB less
+    assert smaller.data_ptr() == address
+    assert resident_pages(address, 8 << 20) <= ((8 << 20) - (400 << 10)) // mmap.PAGESIZE + 1  # the tail went back
+    smaller.fill_(1)
+    assert int(smaller.sum()) == smaller.numel()  # fresh pages read as written, not as the old 7s
+
+
+def test_the_pool_keeps_at_most_its_limit_and_none_once_turned_off(pool):
+    for n in (3, 5, 7, 9, 11):  # 3 to 11 MiB, none fits another
+        buffer = empty_written_whole((n << 20,), dtype=torch.uint8)
+        assert pool.kept_bytes() <= 16 << 20  # what finished since the last buffer is counted at the next
+        buffer.fill_(1)
+        del buffer
+    assert pool.kept_bytes() > 16 << 20  # 9 + 11 MiB: finished after the last buffer was made
+    buffers.trim_kept_mappings()
+    assert 0 < pool.kept_bytes() <= 16 << 20
+    buffers.keep_free_mappings(0)
+    assert pool.kept_bytes() == 0
+
+
+def test_a_run_cache_eviction_unmaps_what_the_pool_does_not_keep(pool):
+    from manyeyes.app.services.cache import Run, RunCache
+    from manyeyes.model.kept import DenseAttention
+
+    def run(run_id: str, weights: torch.Tensor) -> Run:
+        return Run(run_id, "minilm", [], False, weights, kept=DenseAttention(weights))
+
+    cache = RunCache(12 << 20)  # two MiniLM runs at T=128
+    for i in range(2):
+        cache.put(run(f"r{i}", empty_written_whole((6, 12, 128, 128)).fill_(i)))
+    buffers.keep_free_mappings(1)  # keep nothing finished: an evicted run's mapping must go at once
+    newest = empty_written_whole((6, 12, 128, 128))
+    assert pool.kept_bytes() == 0
+    cache.put(run("r2", newest))  # evicts r0, whose mapping nothing else reads
+    del newest
+    assert len(cache) == 2 and pool.kept_bytes() == 0
+
+
+def test_small_buffers_and_other_devices_are_plain_torch_empty(huge_pages):
     small = empty_written_whole((HUGE_PAGES_FROM_BYTES // 4 - 1,))
     assert small.untyped_storage().resizable()  # torch's own allocation, not a mapping of ours
     assert empty_written_whole((2, 3), "meta").device.type == "meta"
@@ -66,7 +161,7 @@ def test_small_buffers_and_other_devices_are_plain_torch_empty(server_allocator)
     assert half.dtype == torch.float16 and half.numel() == HUGE_PAGES_FROM_BYTES
 
 
-def test_below_glibcs_own_threshold_the_heap_is_left_to_reuse_its_blocks(monkeypatch):
+def test_below_glibcs_own_threshold_the_heap_is_left_to_reuse_its_blocks(huge_pages, monkeypatch):
     """Outside the server glibc reuses freed blocks up to 32 MiB from its heap, pages and all,
     which no fresh mapping beats: there a buffer of that size stays torch.empty's."""
     monkeypatch.setattr(buffers, "_mapped_from_bytes", GLIBC_MMAP_THRESHOLD_MAX)  # a process that set none
@@ -82,7 +177,44 @@ def test_the_server_start_up_reports_its_threshold(monkeypatch):
     assert buffers._mapped_from_bytes == 1 << 20
 
 
-def test_the_forward_writes_every_weight_of_such_a_buffer(server_allocator):
+# Takes 8 MiB in blocks under the mmap threshold, gives them back, takes them again, and prints
+# the page faults of the second taking: what a forward pays for its activations layer after layer.
+HEAP_REUSE_PROBE = r"""
+import ctypes, resource, sys
+from manyeyes.app.memory import tune_malloc
+assert tune_malloc(1 << 20, None if sys.argv[1] == "default" else int(sys.argv[1]))
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_size_t,), (ctypes.c_void_p,)
+def take():
+    blocks = [libc.malloc(512 * 1024) for _ in range(16)]
+    for block in blocks:
+        ctypes.memset(block, 1, 512 * 1024)
+    return blocks
+def give(blocks):
+    for block in reversed(blocks):
+        libc.free(block)
+give(take())
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+give(take())
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_the_servers_trim_threshold_keeps_the_heap_a_forward_takes_again():
+    """At the old trim threshold (twice the mmap threshold) the heap's top was given back and
+    faulted in again on every forward; the server's setting keeps it."""
+    from manyeyes.app.config import Settings
+
+    def faults(trim: str) -> int:
+        out = subprocess.run([sys.executable, "-c", HEAP_REUSE_PROBE, trim], capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    assert faults(str(Settings().malloc_trim_threshold)) < 200
+    assert faults("default") > 1_000  # 2 MiB: the 8 MiB top goes back and comes again, 2,048 pages
+
+
+def test_the_forward_writes_every_weight_of_such_a_buffer(huge_pages):
     """The server's forward fills the buffer whole: no cell keeps what the fresh mapping held."""
     from manyeyes.model import load
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from manyeyes.model import load
-from manyeyes.model.attention import Capture, bin_edges, blocked_rows, masked_band
+from manyeyes.model.attention import Capture, bin_count, bin_edges, blocked_rows, masked_band
 from manyeyes.model.kept import BLOCK_CELLS, DenseAttention, pooled, rows_per_block, topk_rows
 from tests.test_parity_decoders import save_random
 
@@ -188,6 +188,12 @@ def test_row_blocks_stay_within_the_budget():
     assert rows_per_block(12, 10**9) == 1  # one row even when a single row is over the budget
     assert bin_edges(10, 3).tolist() == [0, 4, 8, 10]
     assert bin_edges(5, 1024).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_bin_count_the_cache_reckons_with_is_the_edges_count():
+    for n in (1, 2, 5, 10, 63, 64, 65, 127, 128, 129, 1000, 4097):
+        for size in (1, 3, 64, 128, 1024):
+            assert bin_count(n, size) == len(bin_edges(n, size)) - 1, (n, size)
 
 
 def test_kept_run_holds_no_weights_and_counts_its_bytes(gqa_window_llama):

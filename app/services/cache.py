@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from manyeyes.app.services.device import KEPT_FORMAT
-from manyeyes.model.attention import Capture, bin_edges
+from manyeyes.model.attention import Capture, bin_count
+from manyeyes.model.buffers import trim_kept_mappings
 from manyeyes.model.runtime import MAX_TOP_K
 from manyeyes.model.tokenizer import Token
 
@@ -69,7 +70,7 @@ def run_bytes(info, n_tokens: int, kind: str, weight_bytes: int, qk_bytes: int) 
     tops = n_tokens * MAX_TOP_K * (8 + 4) if info.predictions else 0  # int64 ids, float32 probabilities
     held = TOKEN_BYTES * n_tokens + tops
     rows = info.n_layers * info.n_heads * n_tokens
-    bins = len(bin_edges(n_tokens, Capture().overview)) - 1
+    bins = bin_count(n_tokens, Capture().overview)
     overview = info.n_layers * info.n_heads * bins * bins * 4  # max-pooled, float32
     if kind == "weights":
         return held + rows * n_tokens * weight_bytes + overview
@@ -119,11 +120,13 @@ class RunCache:
                 return False
             if self._runs.pop(run.run_id, None) is not None:
                 self.nbytes -= self._sizes.pop(run.run_id)
-            self._evict(self.max_bytes - size)
+            evicted = self._evict(self.max_bytes - size)
             self._runs[run.run_id] = run
             self._sizes[run.run_id] = size
             self.nbytes += size
             self._on_size(self.nbytes)
+        if evicted:
+            trim_kept_mappings()  # the evicted runs' buffers, past what the buffer pool keeps
         return True
 
     def refresh(self, run: Run) -> None:
@@ -135,14 +138,19 @@ class RunCache:
             self.nbytes += size - self._sizes[run.run_id]
             self._sizes[run.run_id] = size
             self._runs.move_to_end(run.run_id)
-            self._evict(self.max_bytes, keep=1)
+            evicted = self._evict(self.max_bytes, keep=1)
             self._on_size(self.nbytes)
+        if evicted:
+            trim_kept_mappings()
 
-    def _evict(self, until: int, keep: int = 0) -> None:
-        """Oldest first, until at most `until` bytes are held or only `keep` runs are left."""
+    def _evict(self, until: int, keep: int = 0) -> int:
+        """Oldest first, until at most `until` bytes are held or only `keep` runs are left; how many went."""
+        count = 0
         while len(self._runs) > keep and self.nbytes > until:
             evicted, _ = self._runs.popitem(last=False)
             self.nbytes -= self._sizes.pop(evicted)
+            count += 1
+        return count
 
     def __len__(self) -> int:
         return len(self._runs)

@@ -59,8 +59,8 @@ def to_u8(attention: torch.Tensor) -> memoryview:
     1.2 MB mappings at T=128 under the server's mmap threshold, 0.6 ms of page faults against 0.1.
     The buffer is not zero-filled first (a bytearray is): every byte is written by the quantiser,
     and the fill was a second pass over fresh pages, 0.9 against 0.7 ms at T=128 and 17 against
-    6 ms at T=512 in one process under the server's allocator setting. From 4 MiB (T=242 for
-    MiniLM) it is a mapping on huge pages (model/buffers.py): fewer faults still."""
+    6 ms at T=512 in one process under the server's allocator setting. In the server the buffer
+    is a finished answer's memory where one fits (model/buffers.py), with no faults at all."""
     weights = attention.float().contiguous().numpy().reshape(-1)
     out = empty_written_whole((weights.size,), dtype=torch.uint8).numpy()
     _quantise_u8(weights, out)
