@@ -43,5 +43,5 @@ def tune_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> bool:
     ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(M_TRIM_THRESHOLD, trim) == 1
     if ok:
         libc.malloc_trim(0)
-        allocations_mapped_from(mmap_threshold)  # so large buffers written whole go on huge pages
+        allocations_mapped_from(mmap_threshold)  # where buffers written whole may take mappings of their own
     return ok

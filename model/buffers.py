@@ -71,7 +71,7 @@ class MappingPool:
         self._mappings: list[mmap.mmap] = []  # oldest first
         # A finished mapping's count, read the way _finished reads it: the list's reference, the
         # comprehension's and getrefcount's own.
-        self._base_refs = next(iter(self._counts([mmap.mmap(-1, mmap.PAGESIZE)])))
+        self._base_refs = self._counts([mmap.mmap(-1, mmap.PAGESIZE)])[0]
 
     @staticmethod
     def _counts(mappings: list[mmap.mmap]) -> list[int]:
@@ -86,7 +86,8 @@ class MappingPool:
         Finished mappings beyond the limit are unmapped first, so that at each new buffer at most
         the limit is kept."""
         with self._lock:
-            fits = [m for m in self._finished() if nbytes <= len(m) <= nbytes * (1 + REUSE_SLACK)]
+            finished = self._finished()
+            fits = [m for m in finished if nbytes <= len(m) <= nbytes * (1 + REUSE_SLACK)]
             if fits:
                 mapping = min(fits, key=len)
                 self._mappings.remove(mapping)
@@ -94,7 +95,7 @@ class MappingPool:
                 if tail < len(mapping):  # what a larger buffer wrote there goes back, as it would in a fresh one
                     mapping.madvise(mmap.MADV_DONTNEED, tail, len(mapping) - tail)
             else:
-                self._drop_beyond_limit()
+                self._drop_beyond_limit(finished)
                 try:
                     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                     if huge:
@@ -106,8 +107,9 @@ class MappingPool:
                 self._mappings.append(mapping)  # the most recently used last
             return out
 
-    def _drop_beyond_limit(self) -> None:
-        finished = self._finished()
+    def _drop_beyond_limit(self, finished: list[mmap.mmap] | None = None) -> None:
+        """Unmap the oldest finished mappings until at most the limit of them is kept."""
+        finished = self._finished() if finished is None else finished
         kept = sum(len(m) for m in finished)
         for mapping in finished:  # oldest first
             if kept <= self.limit_bytes:
@@ -151,15 +153,16 @@ def keep_free_mappings(limit_bytes: int) -> None:
 def empty_written_whole(shape: tuple[int, ...], device: torch.device | str = "cpu", dtype=torch.float32) -> torch.Tensor:
     """`torch.empty(shape)` for a buffer the caller writes every element of at once.
 
-    A large one is a private anonymous mapping of its own, unmapped when the last tensor that views
-    it is freed: nothing of it outlives the data, unlike a heap block, whose pages would stay
-    advised for whatever the heap put there next."""
+    From the mmap threshold, with the pool on or huge pages advised, it is a private anonymous
+    mapping of its own: a kept one it fits, or a new one. It is unmapped when the last tensor that
+    views it is freed, unless the pool keeps it for the next buffer; a heap block's pages would
+    instead stay advised for whatever the heap put there next. Zero bytes cannot be mapped."""
     nbytes = math.prod(shape) * dtype.itemsize
     # Only where torch.empty would be a fresh mapping too (from the mmap threshold): a kept one to
     # write again, or one advised for huge pages.
     huge = _huge_pages and nbytes >= HUGE_PAGES_FROM_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
     pooled = _pool.limit_bytes > 0 and hasattr(mmap, "MADV_DONTNEED")
-    if torch.device(device).type != "cpu" or nbytes < max(_mapped_from_bytes, 1) or not (huge or pooled):
+    if torch.device(device).type != "cpu" or nbytes == 0 or nbytes < _mapped_from_bytes or not (huge or pooled):
         return torch.empty(shape, dtype=dtype, device=device)
     # The tensor holds the mapping open: unmapped when its storage is freed, unless the pool keeps it.
     flat = _pool.tensor(nbytes, dtype, huge)
