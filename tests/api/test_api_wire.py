@@ -216,3 +216,36 @@ def test_unique_vary_keeps_order_and_other_headers():
            (b"Vary", b"Accept , Origin"), (b"x-other", b"a, a")]
     assert unique_vary(raw) == [(b"content-type", b"application/json"), (b"vary", b"Accept, accept-encoding"),
                                 (b"Vary", b"Origin"), (b"x-other", b"a, a")]
+
+
+def test_a_raw_frame_renders_on_the_event_loop_and_slower_forms_on_a_worker_thread(api, monkeypatch):
+    """A raw frame only quantises or views the weights, cheaper than a hop to a worker thread
+    and back; base64, compression and frames past MiniLM's T=128 go to the worker thread."""
+    import asyncio
+
+    service = api.app.state.service
+    real_render = service._render
+    where = []
+
+    def render(*args):
+        try:
+            asyncio.get_running_loop()
+            where.append("loop")
+        except RuntimeError:
+            where.append("worker")
+        return real_render(*args)
+
+    monkeypatch.setattr(service, "_render", render)
+
+    def thread_for(words: int, fmt: str, headers: dict) -> str:
+        text = " ".join(f"w{i}" for i in range(words))  # each "w<i>" is two tokens, plus [CLS] and [SEP]
+        raw_post(api, {"text": text, "format": fmt}, headers)
+        return where.pop()
+
+    assert thread_for(30, "u8", FRAME) == "loop"  # T=62: 277K cells, over the 100K of other forms
+    assert thread_for(30, "f16", FRAME) == "loop"
+    assert thread_for(30, "json", FRAME) == "loop"  # float32 frames are a view of the weights
+    assert thread_for(30, "u8", {**FRAME, "Accept-Encoding": "zstd"}) == "worker"  # 277 KB to compress
+    assert thread_for(30, "u8", PLAIN) == "worker"  # base64 in JSON
+    assert thread_for(80, "u8", FRAME) == "worker"  # T=162: 1.9M cells
+    assert thread_for(4, "u8", PLAIN) == "loop"  # T=10: small in any form
