@@ -362,7 +362,8 @@ class AttentionService:
             # Not asyncio.wait_for: when the client hung up, it left the gather's CancelledError
             # unretrieved, and the collector logged "exception was never retrieved" for each.
             async with asyncio.timeout(deadline - time.monotonic()):
-                done: list[Done] = await asyncio.gather(*futures)
+                # One future is awaited as it is: gather's own future cost a loop turn more.
+                done: list[Done] = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
         except TimeoutError:
             raise OverBudget(
                 f"the request did not finish within its {self.settings.request_timeout_s:g} s budget; "
