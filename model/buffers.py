@@ -83,8 +83,9 @@ class MappingPool:
 
     def tensor(self, nbytes: int, dtype: torch.dtype, huge: bool) -> torch.Tensor | None:
         """A flat tensor of nbytes in a kept mapping or a new one (None: no memory to map).
-        Finished mappings beyond the limit are unmapped first, so that at each new buffer at most
+        Finished mappings beyond the limit are let go of first, so that at each new buffer at most
         the limit is kept."""
+        dropped: list[mmap.mmap] = []
         with self._lock:
             finished = self._finished()
             fits = [m for m in finished if nbytes <= len(m) <= nbytes * (1 + REUSE_SLACK)]
@@ -95,44 +96,85 @@ class MappingPool:
                 if tail < len(mapping):  # what a larger buffer wrote there goes back, as it would in a fresh one
                     mapping.madvise(mmap.MADV_DONTNEED, tail, len(mapping) - tail)
             else:
-                self._drop_beyond_limit(finished)
-                try:
-                    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                    if huge:
-                        mapping.madvise(mmap.MADV_HUGEPAGE)
-                except (OSError, ValueError):  # no such advice on this kernel, or no memory to map
-                    return None
-            out = torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize)
-            if self.limit_bytes > 0:
+                dropped = self._drop_beyond_limit(finished)
+                mapping = new_mapping(nbytes, huge)
+            if mapping is not None and self.limit_bytes > 0:
                 self._mappings.append(mapping)  # the most recently used last
-            return out
+            out = None if mapping is None else torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize)
+        unmap(dropped)
+        return out
 
-    def _drop_beyond_limit(self, finished: list[mmap.mmap] | None = None) -> None:
-        """Unmap the oldest finished mappings until at most the limit of them is kept."""
+    def _drop_beyond_limit(self, finished: list[mmap.mmap] | None = None) -> list[mmap.mmap]:
+        """Take the oldest finished mappings out of the pool until at most the limit of them is
+        kept; the caller unmaps them once it has let go of the lock (0.12 ms per MB here)."""
         finished = self._finished() if finished is None else finished
         kept = sum(len(m) for m in finished)
+        dropped = []
         for mapping in finished:  # oldest first
             if kept <= self.limit_bytes:
                 break
             kept -= len(mapping)
             self._mappings.remove(mapping)
-            mapping.close()
+            dropped.append(mapping)
+        return dropped
 
     def keep(self, limit_bytes: int) -> None:
         with self._lock:
             self.limit_bytes = limit_bytes
-            self._drop_beyond_limit()
+            dropped = self._drop_beyond_limit()
             if limit_bytes <= 0:  # those still in use are unmapped when their tensors go, as before
                 self._mappings.clear()
+        unmap(dropped)
 
     def trim(self) -> None:
         with self._lock:
-            self._drop_beyond_limit()
+            dropped = self._drop_beyond_limit()
+        unmap(dropped)
 
     def kept_bytes(self) -> int:
         """Bytes of finished mappings held for reuse."""
         with self._lock:
             return sum(len(m) for m in self._finished())
+
+
+def new_mapping(nbytes: int, huge: bool) -> mmap.mmap | None:
+    """A private anonymous mapping (None: no such advice on this kernel, or no memory to map)."""
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return None
+    return mapping
+
+
+def unmap(mappings: list[mmap.mmap]) -> None:
+    for mapping in mappings:
+        mapping.close()  # munmap, with the GIL let go
+
+
+class Trimmer:
+    """Runs `trim` on a thread of its own when asked. munmap takes about 0.12 ms per MB here: a
+    75 MB run evicted from the run cache kept the request that evicted it waiting 9 ms."""
+
+    def __init__(self, trim) -> None:
+        self.trim = trim
+        self._wanted = threading.Event()
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        with self._start:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="manyeyes-unmap", daemon=True)
+                self._thread.start()
+        self._wanted.set()
+
+    def _serve(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            self.trim()
 
 
 _pool = MappingPool()
@@ -143,6 +185,15 @@ def trim_kept_mappings() -> None:
     than at the next large buffer."""
     if _pool.limit_bytes > 0:
         _pool.trim()
+
+
+def trim_kept_mappings_soon() -> None:
+    """The same on the pool's own thread, so that the caller (a request) does not wait for it."""
+    if _pool.limit_bytes > 0:
+        _trimmer.request()
+
+
+_trimmer = Trimmer(trim_kept_mappings)
 
 
 def keep_free_mappings(limit_bytes: int) -> None:

@@ -6,6 +6,7 @@ import mmap
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -143,14 +144,46 @@ def test_a_run_cache_eviction_unmaps_what_the_pool_does_not_keep(pool):
         return Run(run_id, "minilm", [], False, weights, kept=DenseAttention(weights))
 
     cache = RunCache(12 << 20)  # two MiniLM runs at T=128
-    for i in range(2):
-        cache.put(run(f"r{i}", empty_written_whole((6, 12, 128, 128)).fill_(i)))
+    oldest = empty_written_whole((6, 12, 128, 128)).fill_(0)
+    evicted = oldest.data_ptr()
+    cache.put(run("r0", oldest))
+    cache.put(run("r1", empty_written_whole((6, 12, 128, 128)).fill_(1)))
+    del oldest
     buffers.keep_free_mappings(1)  # keep nothing finished: an evicted run's mapping must go at once
     newest = empty_written_whole((6, 12, 128, 128))
-    assert pool.kept_bytes() == 0
+    assert pool.kept_bytes() == 0 and mapping_of(evicted) is not None
     cache.put(run("r2", newest))  # evicts r0, whose mapping nothing else reads
     del newest
-    assert len(cache) == 2 and pool.kept_bytes() == 0
+    assert len(cache) == 2
+    deadline = time.monotonic() + 10
+    while mapping_of(evicted) is not None and time.monotonic() < deadline:  # unmapped on the pool's thread
+        time.sleep(0.01)
+    assert mapping_of(evicted) is None and pool.kept_bytes() == 0
+
+
+def test_an_eviction_does_not_wait_for_the_unmapping(pool, monkeypatch):
+    """munmap takes about 0.12 ms per MB: the request that evicted a 75 MB run waited 9 ms."""
+    import threading
+
+    from manyeyes.app.services.cache import Run, RunCache
+    from manyeyes.model.kept import DenseAttention
+
+    trimming, release = threading.Event(), threading.Event()
+
+    def slow_trim():
+        trimming.set()
+        release.wait(10)
+
+    monkeypatch.setattr(buffers, "_trimmer", buffers.Trimmer(slow_trim))
+    cache = RunCache(6 << 20)  # one MiniLM run at T=128
+    for i in range(2):
+        weights = empty_written_whole((6, 12, 128, 128))
+        cache.put(Run(f"r{i}", "minilm", [], False, weights, kept=DenseAttention(weights)))
+    try:
+        assert trimming.wait(5), "the eviction asked for no trim"
+        assert len(cache) == 1  # put() returned while the trim still runs
+    finally:
+        release.set()
 
 
 def test_small_buffers_and_other_devices_are_plain_torch_empty(huge_pages):

@@ -14,7 +14,7 @@ import torch
 
 from manyeyes.app.services.device import KEPT_FORMAT
 from manyeyes.model.attention import Capture, bin_count
-from manyeyes.model.buffers import trim_kept_mappings
+from manyeyes.model.buffers import trim_kept_mappings_soon
 from manyeyes.model.runtime import MAX_TOP_K
 from manyeyes.model.tokenizer import Token
 
@@ -126,7 +126,7 @@ class RunCache:
             self.nbytes += size
             self._on_size(self.nbytes)
         if evicted:
-            trim_kept_mappings()  # the evicted runs' buffers, past what the buffer pool keeps
+            trim_kept_mappings_soon()  # the evicted runs' buffers, past what the buffer pool keeps
         return True
 
     def refresh(self, run: Run) -> None:
@@ -141,7 +141,7 @@ class RunCache:
             evicted = self._evict(self.max_bytes, keep=1)
             self._on_size(self.nbytes)
         if evicted:
-            trim_kept_mappings()
+            trim_kept_mappings_soon()
 
     def _evict(self, until: int, keep: int = 0) -> int:
         """Oldest first, until at most `until` bytes are held or only `keep` runs are left; how many went."""
