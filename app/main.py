@@ -21,7 +21,7 @@ from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query
 from manyeyes.app.memory import tune_malloc
-from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, SecurityHeaders, ShutdownAnswer
+from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
@@ -165,6 +165,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
             allow_headers=["Content-Type", "Authorization"], expose_headers=["Retry-After"], max_age=600,
         )
+    # Inside AccessLog, which logs the method as sent and the bytes as sent (none for HEAD).
+    app.add_middleware(HeadAsGet)
     # Inside AccessLog, so the 503s it writes at shutdown are logged and counted.
     app.add_middleware(ShutdownAnswer)
     app.add_middleware(AccessLog, metrics=metrics)

@@ -1,5 +1,5 @@
 """Pure ASGI middleware: the request body limit, one log line plus metrics per request, the
-answer to requests cut off by shutdown, and the security headers."""
+answer to requests cut off by shutdown, HEAD as GET, and the security headers."""
 
 from __future__ import annotations
 
@@ -121,6 +121,35 @@ class ShutdownAnswer:
                 send, 503, NotReady.code, "the server shut down before this request finished; retry shortly",
                 [(b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()), (b"connection", b"close")],
             )
+
+
+class HeadAsGet:
+    """Answers HEAD as the same GET without its body (RFC 9110, 9.3.2). FastAPI's GET routes
+    answered HEAD with 405, so `curl -I` and health checks that send HEAD took the page, /healthz
+    and the API for broken."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_body(message):
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b""}
+            await send(message)
+
+        # A copy: the server reads the method from its own scope, and sends no body for HEAD.
+        as_get = {**scope, "method": "GET"}
+        try:
+            await self.app(as_get, receive, without_body)
+        finally:
+            if "route" in as_get:  # for AccessLog's label
+                scope["route"] = as_get["route"]
 
 
 class AccessLog:

@@ -67,8 +67,5 @@ class PiecesResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        if scope.get("method") == "HEAD":
-            await send({"type": "http.response.body", "body": b""})
-            return
         for i, piece in enumerate(self.pieces):
             await send({"type": "http.response.body", "body": piece, "more_body": i < len(self.pieces) - 1})

@@ -130,6 +130,28 @@ def test_health_ready_and_metrics(api):
     assert metric(api, "manyeyes_requests_total", route="/api/v1/attention", method="POST", status="200") >= 1
 
 
+@pytest.mark.parametrize("path", ["/", "/healthz", "/readyz", "/api/v1/models", "/static/js/api.js", "/api/v1/runs/" + "0" * 32])
+def test_head_answers_as_get_without_the_body(api, path):
+    """`curl -I` and health checks that send HEAD got 405 from every GET route."""
+    plain = {"Accept-Encoding": "identity"}
+    got, head = api.get(path, headers=plain), api.head(path, headers=plain)
+    assert head.status_code == got.status_code and head.content == b""
+    for name in ("content-type", "content-length", "x-content-type-options"):
+        assert head.headers.get(name) == got.headers.get(name), name
+    assert int(head.headers["content-length"]) == len(got.content) > 0
+
+
+def test_head_is_counted_under_its_route(api):
+    before = metric(api, "manyeyes_requests_total", route="/healthz", method="HEAD", status="200")
+    api.head("/healthz")
+    assert metric(api, "manyeyes_requests_total", route="/healthz", method="HEAD", status="200") == before + 1
+
+
+def test_head_on_a_post_route_is_405_naming_post(api):
+    r = api.head("/api/v1/attention")
+    assert r.status_code == 405 and "POST" in r.headers["allow"] and r.content == b""
+
+
 def test_large_json_is_gzipped_at_level_6_or_less_but_compact_formats_are_not(api):
     from starlette.middleware.gzip import GZipMiddleware
 
