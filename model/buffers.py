@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import sys
 import threading
 
@@ -162,6 +163,13 @@ class Trimmer:
         self._wanted = threading.Event()
         self._start = threading.Lock()
         self._thread: threading.Thread | None = None
+        # A forked child has none of its parent's threads: it starts its own when first asked.
+        os.register_at_fork(after_in_child=self._forget_thread)
+
+    def _forget_thread(self) -> None:
+        self._thread = None
+        self._start = threading.Lock()
+        self._wanted = threading.Event()
 
     def request(self) -> None:
         with self._start:

@@ -186,6 +186,27 @@ def test_an_eviction_does_not_wait_for_the_unmapping(pool, monkeypatch):
         release.set()
 
 
+def test_a_forked_child_trims_on_a_thread_of_its_own():
+    """A child has none of its parent's threads: asked to trim, it must start one, not wait forever."""
+    script = """
+import os, sys, threading
+from manyeyes.model.buffers import Trimmer
+done = threading.Event()
+trimmer = Trimmer(done.set)
+trimmer.request()
+assert done.wait(5)
+done.clear()
+pid = os.fork()
+if pid == 0:
+    trimmer.request()
+    os._exit(0 if done.wait(5) else 1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 def test_small_buffers_and_other_devices_are_plain_torch_empty(huge_pages):
     small = empty_written_whole((HUGE_PAGES_FROM_BYTES // 4 - 1,))
     assert small.untyped_storage().resizable()  # torch's own allocation, not a mapping of ours

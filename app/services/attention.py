@@ -53,9 +53,10 @@ class Item:
 # so it runs on the event loop; anything bigger goes to a worker thread.
 INLINE_CHARS = 2_000
 INLINE_CELLS = 100_000
-# A raw frame sent as it is only quantises (u8, f16) or views (float32) the weights: about 0.1 ms
-# per million cells here, 0.2-0.5 ms in the server, where the hop to a worker thread and back
-# cost 0.5 ms more at T=64. So frames up to MiniLM's whole T=128 answer render on the loop.
+# A raw frame sent as it is only quantises (u8, f16) or views (float32; a subset of layers or
+# heads is a copy) the weights: about 0.1 ms per million cells here, 0.2-0.5 ms in the server,
+# where the hop to a worker thread and back cost 0.5 ms more at T=64. So frames up to MiniLM's
+# whole T=128 answer render on the loop.
 INLINE_FRAME_CELLS = 1_200_000
 BYTES_PER_CELL = {"json": 4, "f16": 2, "u8": 1}
 

@@ -417,9 +417,6 @@ class Batcher:
                 self._settle(job, error=exc)
             return
         forward_s = time.monotonic() - started
-        # The answers first: the bookkeeping below then runs while their requests render.
-        for job, result in zip(live, results):
-            self._settle(job, Done(result, started - job.enqueued, forward_s, len(live)))
         self._forward_ewma_s = 0.8 * self._forward_ewma_s + 0.2 * forward_s
         with self._cond:
             self._rates.setdefault(model.info.id, WorkRate()).observe(sum(job.units for job in live), forward_s)
@@ -428,3 +425,6 @@ class Batcher:
         self.metrics.forward.labels(name).observe(forward_s)
         self.metrics.batch_size.labels(name).observe(len(live))
         self.metrics.batch_tokens.labels(name).observe(len(live) * max(len(j.encoded) for j in live))
+        # After the bookkeeping: a client that reads /metrics once answered sees its forward there.
+        for job, result in zip(live, results):
+            self._settle(job, Done(result, started - job.enqueued, forward_s, len(live)))
