@@ -176,12 +176,15 @@ def test_an_eviction_does_not_wait_for_the_unmapping(pool, monkeypatch):
 
     monkeypatch.setattr(buffers, "_trimmer", buffers.Trimmer(slow_trim))
     cache = RunCache(6 << 20)  # one MiniLM run at T=128
-    for i in range(2):
-        weights = empty_written_whole((6, 12, 128, 128))
-        cache.put(Run(f"r{i}", "minilm", [], False, weights, kept=DenseAttention(weights)))
     try:
+        started = time.monotonic()
+        for i in range(2):
+            weights = empty_written_whole((6, 12, 128, 128))
+            cache.put(Run(f"r{i}", "minilm", [], False, weights, kept=DenseAttention(weights)))
+        returned_after = time.monotonic() - started
         assert trimming.wait(5), "the eviction asked for no trim"
-        assert len(cache) == 1  # put() returned while the trim still runs
+        # put() returned while the trim still runs: a trim in put() itself would have held it 10 s.
+        assert len(cache) == 1 and returned_after < 5 and not release.is_set()
     finally:
         release.set()
 

@@ -58,7 +58,6 @@ INLINE_CELLS = 100_000
 # where the hop to a worker thread and back cost 0.5 ms more at T=64. So frames up to MiniLM's
 # whole T=128 answer render on the loop.
 INLINE_FRAME_CELLS = 1_200_000
-BYTES_PER_CELL = {"json": 4, "f16": 2, "u8": 1}
 
 
 async def off_loop_unless_small(small: bool, fn, *args):
@@ -426,7 +425,7 @@ class AttentionService:
         as long a cell)."""
         if cells <= INLINE_CELLS:
             return True
-        nbytes = cells * BYTES_PER_CELL[view.format]
+        nbytes = cells * KEPT_DTYPE[view.format].itemsize
         return wire.frame and cells <= INLINE_FRAME_CELLS and not self.compression.choose(wire.accept_encoding, nbytes, False)
 
     def _render(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
