@@ -7,13 +7,14 @@ from fastapi import APIRouter, Request, Response
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
+from manyeyes.app.routes.lean import LeanRoute
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from manyeyes.app.services.attention import Wire
 from manyeyes.app.services.errors import InvalidInput
 from manyeyes.app.services.wire import header_list
 
-router = APIRouter(prefix="/api/v1", tags=["attention"])
+router = APIRouter(prefix="/api/v1", tags=["attention"], route_class=LeanRoute)
 ERRORS = errors(401, 404, 413, 422, 429, 503, 504)
 
 
