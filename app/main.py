@@ -143,7 +143,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     add_error_handlers(app)
-    for module in (models, attention, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
+    # The hot route first: routing tries the routers in this order.
+    for module in (attention, models, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
         # /export is left out: it reads the page's permalink, whose other parameters are the page's.
         api = module.router.prefix.startswith("/api/")
         app.include_router(module.router, dependencies=[Depends(known_query)] if api else None)
@@ -153,6 +154,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added innermost first: AccessLog sees everything, BodyLimit refuses before parsing.
     app.add_middleware(
         Gzip,
+        encodes_itself=frozenset(route.path for route in attention.router.routes),
         minimum_size=settings.gzip_min_bytes,
         compresslevel=settings.gzip_level,
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE, FRAME_MEDIA_TYPE),

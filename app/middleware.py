@@ -236,10 +236,17 @@ class SecurityHeaders:
 
 class Gzip(GZipMiddleware):
     """Starlette's gzip for the answers the service does not compress itself, except that
-    `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding."""
+    `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding.
+    Paths in `encodes_itself` (the attention routes, which choose zstd or gzip per answer) pass
+    straight through: the responder that waits to see each answer's type and size before
+    sending it was ~0.1 ms of a T=16 answer for nothing."""
+
+    def __init__(self, app, encodes_itself: frozenset[str] = frozenset(), **options) -> None:
+        super().__init__(app, **options)
+        self.encodes_itself = encodes_itself
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.encodes_itself:
             await self.app(scope, receive, send)
             return
 

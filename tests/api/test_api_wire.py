@@ -209,6 +209,34 @@ def test_vary_names_each_header_once(api, encoding):
     assert r.headers.get_list("vary") in ([], ["Accept-Encoding"]), r.headers
 
 
+def test_gzip_middleware_passes_the_answers_of_routes_that_encode_themselves_as_they_are():
+    import asyncio
+
+    from manyeyes.app.middleware import Gzip
+
+    body = b'{"text": "' + b"a" * 4000 + b'"}'
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+
+    async def app(scope, receive, send):
+        await send(dict(start))
+        await send({"type": "http.response.body", "body": body})
+
+    def answer(path: str) -> list[dict]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"accept-encoding", b"gzip")]}
+        asyncio.run(Gzip(app, encodes_itself=frozenset({"/own"}), minimum_size=1024)(scope, None, send))
+        return sent
+
+    assert answer("/own") == [start, {"type": "http.response.body", "body": body}]
+    other = answer("/other")
+    assert (b"content-encoding", b"gzip") in other[0]["headers"]
+    assert gzip.decompress(b"".join(m.get("body", b"") for m in other[1:])) == body
+
+
 def test_unique_vary_keeps_order_and_other_headers():
     from manyeyes.app.middleware import unique_vary
 
