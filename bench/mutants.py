@@ -111,6 +111,10 @@ MUTANTS = [
     Mutant("queue-admits-one-more", "app/services/batcher.py",
            "if waiting + n > self.max_queue:", "if waiting + n > self.max_queue + 1:",
            ("tests/api/test_api_errors.py", "-k", "full_queue")),
+    Mutant("lean-route-skips-the-routers-own-dependencies", "app/routes/lean.py",
+           "value = await call(request)\n                if name:\n                    arguments[name] = value",
+           "if name:\n                    arguments[name] = await call(request)",
+           ("tests/api/test_lean_route.py", "-k", "skips_dependency_solving")),
     # ---- static/
     Mutant("thumbnail-colour-scale-fixed-not-per-head", "static/js/grid.js",
            "Math.min(1, scaled(v, scale, peak))", "Math.min(1, scaled(v, scale, 1))",
