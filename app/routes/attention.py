@@ -37,7 +37,7 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     request.state.log = reply.log
     if body.measures:
         joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client_of(request))
-        reply.body, encoding = await service.compress_text(joined, wire.accept_encoding)
+        reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client_of(request))
         if encoding:
             reply.headers["Content-Encoding"] = encoding
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.

@@ -442,13 +442,16 @@ class AttentionService:
         encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
         return self.compression.apply(encoding, body), encoding
 
-    async def compress_text(self, pieces: list[bytes], accept_encoding: str | None) -> tuple[list[bytes], str | None]:
+    async def compress_text(self, pieces: list[bytes], accept_encoding: str | None,
+                            client: str = "") -> tuple[list[bytes], str | None]:
         """JSON text a route finished itself, compressed by the rules `_render` follows (the
-        attention routes' answers skip GZipMiddleware); off the loop, as it can be tens of MB."""
+        attention routes' answers skip GZipMiddleware): off the loop, as it can be tens of MB,
+        and in a render slot, as `_reply` compresses."""
         encoding = self.compression.choose(accept_encoding, sum(len(p) for p in pieces), True)
         if encoding is None:
             return pieces, None
-        return await run_in_threadpool(self.compression.apply, encoding, pieces), encoding
+        async with self.renders.hold(client):
+            return await run_in_threadpool(self.compression.apply, encoding, pieces), encoding
 
     @staticmethod
     def _log(items: list[Item]) -> dict:
