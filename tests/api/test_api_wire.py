@@ -163,6 +163,26 @@ def test_accepts(header, token, expected):
 
 
 @pytest.mark.parametrize(
+    "accept_encoding, nbytes, text, expected",
+    [
+        ("gzip, deflate, br, zstd", 2000, True, "zstd"),  # a tie goes to zstd
+        ("gzip;q=1, zstd;q=0.5", 2000, True, "gzip"),  # the client's ranking wins
+        ("gzip;q=0.5, zstd;q=1", 2000, True, "zstd"),
+        ("gzip;q=1, zstd;q=0.5", 100_000, False, "zstd"),  # compact bodies are never gzipped
+        ("gzip", 100_000, False, None),
+        ("zstd", 1000, False, None),  # compact, under zstd_min_bytes
+        ("zstd, gzip", 500, True, None),  # text under gzip_min_bytes
+        ("zstd;q=0, gzip;q=0.1", 2000, True, "gzip"),
+    ],
+)
+def test_compression_follows_the_clients_ranking(accept_encoding, nbytes, text, expected):
+    from manyeyes.app.services.wire import Compression
+
+    assert Compression(1, 65536, 1, 1024).choose(accept_encoding, nbytes, text) == expected
+    assert Compression(1, 0, 1, 1024).choose("zstd", 10**6, False) is None  # zstd_min_bytes=0: off for compact
+
+
+@pytest.mark.parametrize(
     "accept, frame",
     [
         (FRAME_MEDIA_TYPE, True),
