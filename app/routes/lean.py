@@ -53,7 +53,10 @@ def _request_only(dependant: Dependant) -> bool:
 
 
 def _returns_response(call) -> bool:
-    returns = typing.get_type_hints(call).get("return")
+    try:
+        returns = typing.get_type_hints(call).get("return")
+    except Exception:  # an annotation that does not resolve: leave the route to FastAPI
+        return False
     return isinstance(returns, type) and issubclass(returns, Response)
 
 

@@ -144,8 +144,11 @@ def test_routes_it_cannot_serve_itself_keep_fastapis_handler(solved):
     def blocking(thing: Thing) -> Response:
         return Response(thing.name)
 
+    async def unresolved(thing: Thing) -> "NotImportedHere":  # noqa: F821
+        return Response(thing.name)
+
     assert plan_for(get_dependant(path="/", call=plain), False).dependencies == (("value", state),)
-    for endpoint in (with_header, nested, twice, model_out, blocking):
+    for endpoint in (with_header, nested, twice, model_out, blocking, unresolved):
         assert plan_for(get_dependant(path="/", call=endpoint), False) is None, endpoint.__name__
 
     app = FastAPI()
