@@ -98,10 +98,18 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
             outcome["ended"] = time.monotonic()
             outcome["waited"] = outcome["ended"] - started
 
+        ablate_sent = threading.Event()
+
+        def sent(event: str, info: dict) -> None:  # httpcore's trace: the whole request is on the socket
+            if event == "http11.send_request_body.complete":
+                ablate_sent.set()
+
         def ablate():  # its work runs on a worker thread, whose wait anyio shields from cancellation
             try:
-                outcome["ablate"] = httpx.post(f"http://{HOST}:{port}/api/v1/experiments/ablate", timeout=client_timeout,
-                                               json={"text": "slow", "ablate": [{"layer": 0, "head": 0}]})
+                with httpx.Client(timeout=client_timeout) as client:
+                    outcome["ablate"] = client.post(f"http://{HOST}:{port}/api/v1/experiments/ablate",
+                                                    json={"text": "slow", "ablate": [{"layer": 0, "head": 0}]},
+                                                    extensions={"trace": sent})
             except httpx.TransportError as exc:
                 outcome["ablate_error"] = exc
 
@@ -115,6 +123,10 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
             30,
             "the slow request to start",
         )
+        # The metrics above say nothing of the experiment: on a busy machine its thread had not
+        # even connected when the signal went (a refused connection, not the 503 under test).
+        assert ablate_sent.wait(30), "the experiment was never sent"
+        time.sleep(0.5)  # for the server to take it off the socket
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         proc.wait(grace + 30)
