@@ -29,15 +29,14 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     Repeating a request is served from the run cache. Large inputs: use `format=u8`, and
     `Accept: application/vnd.manyeyes.frame` for raw bytes instead of base64."""
     started = time.monotonic()
-    wire = wire_of(request)
+    wire, client = wire_of(request), client_of(request)
     # With measures the answer is JSON text (no frame) that they join, and compressed once they have.
-    work = service.attend([(body.text, body.text_pair)], body, False, started, Wire() if body.measures else wire,
-                          client_of(request))
+    work = service.attend([(body.text, body.text_pair)], body, False, started, Wire() if body.measures else wire, client)
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     if body.measures:
-        joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client_of(request))
-        reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client_of(request))
+        joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
+        reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client)
         if encoding:
             reply.headers["Content-Encoding"] = encoding
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.

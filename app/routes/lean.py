@@ -38,16 +38,23 @@ class Plan:
     dependencies: tuple[tuple[str | None, object], ...]
 
 
+def _wants_more(dependant: Dependant) -> bool:
+    """Whether a callable takes something only solve_dependencies supplies: parameters from the
+    path, query, headers or cookies, or the response, background tasks, a websocket or scopes."""
+    return bool(
+        dependant.path_params or dependant.query_params or dependant.header_params or dependant.cookie_params
+        or dependant.response_param_name or dependant.background_tasks_param_name or dependant.websocket_param_name
+        or dependant.http_connection_param_name or dependant.security_scopes_param_name
+    )
+
+
 def _request_only(dependant: Dependant) -> bool:
     """A dependency this route class can call itself: an `async def` of the request alone."""
     return (
         not dependant.dependencies
-        and not (dependant.path_params or dependant.query_params or dependant.header_params)
-        and not (dependant.cookie_params or dependant.body_params)
+        and not dependant.body_params
+        and not _wants_more(dependant)
         and dependant.request_param_name is not None
-        and not (dependant.websocket_param_name or dependant.http_connection_param_name)
-        and not (dependant.response_param_name or dependant.background_tasks_param_name)
-        and dependant.security_scopes_param_name is None
         and inspect.iscoroutinefunction(dependant.call)
         and len(inspect.signature(dependant.call).parameters) == 1
     )
@@ -68,9 +75,7 @@ def plan_for(dependant: Dependant, embed_body_fields: bool) -> Plan | None:
         len(body) != 1
         or embed_body_fields
         or not (isinstance(body[0].field_info.annotation, type) and issubclass(body[0].field_info.annotation, BaseModel))
-        or dependant.path_params or dependant.query_params or dependant.header_params or dependant.cookie_params
-        or dependant.response_param_name or dependant.background_tasks_param_name or dependant.websocket_param_name
-        or dependant.http_connection_param_name or dependant.security_scopes_param_name
+        or _wants_more(dependant)
         or not inspect.iscoroutinefunction(dependant.call)
         # FastAPI would validate and serialise anything else; a Response it passes through as is.
         or not _returns_response(dependant.call)

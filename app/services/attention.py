@@ -439,19 +439,17 @@ class AttentionService:
         else:
             body = join_results([render_result(item.run, info, view, item.timing, p) for item, p in zip(items, found)], batch)
             text = view.format == "json"
-        encoding = self.compression.choose(wire.accept_encoding, sum(len(p) for p in body), text)
-        return self.compression.apply(encoding, body), encoding
+        return self.compression.encode(wire.accept_encoding, body, text)
 
     async def compress_text(self, pieces: list[bytes], accept_encoding: str | None,
                             client: str = "") -> tuple[list[bytes], str | None]:
         """JSON text a route finished itself, compressed by the rules `_render` follows (the
         attention routes' answers skip GZipMiddleware): off the loop, as it can be tens of MB,
         and in a render slot, as `_reply` compresses."""
-        encoding = self.compression.choose(accept_encoding, sum(len(p) for p in pieces), True)
-        if encoding is None:
-            return pieces, None
+        if self.compression.choose(accept_encoding, sum(len(p) for p in pieces), True) is None:
+            return pieces, None  # no slot, no hop for what goes out as it is
         async with self.renders.hold(client):
-            return await run_in_threadpool(self.compression.apply, encoding, pieces), encoding
+            return await run_in_threadpool(self.compression.encode, accept_encoding, pieces, True)
 
     @staticmethod
     def _log(items: list[Item]) -> dict:

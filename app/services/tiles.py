@@ -158,8 +158,8 @@ class TileService:
             fields, arrays = work()
             pieces, media = render(fields, arrays, fmt, wire.frame)
             text = media == "application/json"
-            encoding = self.attention.compression.choose(wire.accept_encoding, sum(map(len, pieces)), text)
-            return self.attention.compression.apply(encoding, pieces), media, encoding
+            sent, encoding = self.attention.compression.encode(wire.accept_encoding, pieces, text)
+            return sent, media, encoding
 
         # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, or a
         # client's share of those, 429.

@@ -115,6 +115,11 @@ class Compression:
             return "zstd"
         return "gzip" if gzip_q > 0 else None
 
+    def encode(self, accept_encoding: str | None, pieces: list[bytes], text: bool) -> tuple[list[bytes], str | None]:
+        """The pieces as sent, and their Content-Encoding (None: as they are)."""
+        encoding = self.choose(accept_encoding, sum(len(p) for p in pieces), text)
+        return self.apply(encoding, pieces), encoding
+
     def apply(self, encoding: str | None, pieces: list[bytes]) -> list[bytes]:
         if encoding == "zstd":
             compressor = zstandard.ZstdCompressor(level=self.zstd_level).compressobj()

@@ -179,7 +179,14 @@ def test_compression_follows_the_clients_ranking(accept_encoding, nbytes, text, 
     from manyeyes.app.services.wire import Compression
 
     assert Compression(1, 65536, 1, 1024).choose(accept_encoding, nbytes, text) == expected
-    assert Compression(1, 0, 1, 1024).choose("zstd", 10**6, False) is None  # zstd_min_bytes=0: off for compact
+
+
+def test_zstd_min_bytes_0_turns_zstd_off_for_compact_bodies_only():
+    from manyeyes.app.services.wire import Compression
+
+    off = Compression(1, 0, 1, 1024)
+    assert off.choose("zstd", 10**6, False) is None
+    assert off.choose("zstd", 10**6, True) == "zstd"
 
 
 @pytest.mark.parametrize(
