@@ -14,7 +14,8 @@ compresses. Ours is `manyeyes serve`, asked in every form a client can ask for:
     u8 frame, httpx       the u8 frame through httpx (below)      LOSSY: within 1/255
 
 For each T every form gets its own new sentence (so our run cache never answers), in rounds that
-alternate with the reference request by request, so machine noise hits all alike. Time is from
+alternate with the reference request by request, so machine noise hits all alike, with 1 ms of quiet
+after every answer (settle(), below). Time is from
 sending the request to holding the whole decoded body.
 
 Both servers are timed through the same lean client (bench/lean_http.py: one kept-alive socket,
@@ -176,6 +177,22 @@ def reference_request(lean: Connection, client: httpx.Client, url: str, text: st
     return {"ms": ms, "bytes": answer.wire_bytes, "forward": float(answer.headers["x-forward-ms"])}
 
 
+SETTLE_S = 0.001
+
+
+def settle() -> None:
+    """A pause after each answer (either server's), before the client does anything else.
+
+    The client holds the whole answer while the server's last write is still returning: loopback
+    delivers the bytes inside that syscall. When the client's next step (the reference's forward,
+    its two threads on both cores) ran at once, it preempted our server there, and our access
+    log's last-byte stamp came 1.5-2.8 ms late in a quarter of the T=64 answers, at 0.07 ms of CPU
+    in the write (traced: the server's stamp then fell 1.5 ms after the client's; normally 0.5-1
+    ms before it). 1 ms of quiet took those from 7 of 30 to 0 of 30, and it is too short for the
+    cores to go cold (libgomp's threads still spin for ~8 ms after a forward)."""
+    time.sleep(SETTLE_S)
+
+
 def latency_table(client: httpx.Client, ours: str, ref: str, encode, lengths, rounds, forms) -> dict:
     table = {}
     with Connection(ours) as ours_lean, Connection(ref) as ref_lean:
@@ -183,15 +200,17 @@ def latency_table(client: httpx.Client, ours: str, ref: str, encode, lengths, ro
             samples = {form: [] for form in forms}
             samples["reference"], samples["reference, httpx"] = [], []
             for i in range(rounds[n] + 1):  # the first round warms both up and is not counted
+                # Made before the round: the client's tokenizer must not run in the gaps (below).
+                texts = {(k, side): sentence(n, 1000 * n + 50 * i + side + k, encode) for k in range(len(forms)) for side in (0, 40)}
                 for k, form in enumerate(forms):
-                    text = sentence(n, 1000 * n + 50 * i + k, encode)
-                    result = ours_request(ours_lean, client, ours, text, form)
+                    result = ours_request(ours_lean, client, ours, texts[k, 0], form)
+                    settle()
                     through_httpx = form in HTTPX_FORMS
                     # The reference between every third of ours, so noise hits both alike; each
                     # httpx form gets its own reference request through httpx.
                     if k % 3 == 0 or through_httpx:
-                        text = sentence(n, 1000 * n + 50 * i + 40 + k, encode)
-                        ref_result = reference_request(ref_lean, client, ref, text, through_httpx)
+                        ref_result = reference_request(ref_lean, client, ref, texts[k, 40], through_httpx)
+                        settle()
                         if i:
                             samples["reference, httpx" if through_httpx else "reference"].append(ref_result)
                     if i:
