@@ -139,6 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # "/api/v1/attention/" was a bare 307 to an address built from the Host header, which a
         # POST through httpx or requests never follows; it is a 404 JSON error like any unknown path.
         redirect_slashes=False,
+        telemetry={"tracing": settings.opentelemetry, "metrics": settings.opentelemetry, "logs": settings.opentelemetry},
     )
     app.state.settings = settings
     app.state.metrics = metrics
