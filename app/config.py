@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     # memory backed, up to 5x slower where it takes freed memory back (model/buffers.py).
     huge_pages: bool = False
     switch_interval_ms: float = Field(0.5, ge=0)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
+    # Once the models have loaded, what is alive (models, libraries, the app) leaves the garbage
+    # collector's reach (app/memory.py, freeze_long_lived): full collections under load then
+    # take ~30 ms instead of ~220. The test suite turns it off (tests/conftest.py): its apps come
+    # and go within one process, and a frozen app's reference cycles would never be collected.
+    gc_freeze: bool = True
     # FastAPI's own OpenTelemetry (a span, metrics and logs per request, through the global
     # providers that an OpenTelemetry SDK in the deployment sets up). Off unless asked for: with no
     # SDK configured it exports nothing, yet looked the providers up on every request (0.04 ms of

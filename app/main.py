@@ -20,7 +20,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query
-from manyeyes.app.memory import tune_malloc
+from manyeyes.app.memory import freeze_long_lived, tune_malloc
 from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
@@ -116,8 +116,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.tiles = TileService(app.state.service)
         app.state.generation = GenerationService(settings, registry, metrics)
         app.state.measures = MeasuresService(app.state.service)
+        def freeze() -> None:
+            log.info("moved %d start-up objects out of the garbage collector's reach", freeze_long_lived())
+
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
-        loader = threading.Thread(target=registry.load_all, name="manyeyes-load", daemon=True)
+        loader = threading.Thread(target=registry.load_all, args=(freeze if settings.gc_freeze else None,),
+                                  name="manyeyes-load", daemon=True)
         loader.start()
         try:
             yield

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 
 from manyeyes.model.buffers import allocations_mapped_from
@@ -45,3 +46,19 @@ def tune_malloc(mmap_threshold: int, trim_threshold: int | None = None) -> bool:
         libc.malloc_trim(0)
         allocations_mapped_from(mmap_threshold)  # where buffers written whole may take mappings of their own
     return ok
+
+
+def freeze_long_lived() -> int:
+    """Moves every object alive now out of the cyclic garbage collector's reach (`gc.freeze`);
+    returns how many. Run once, when the models have loaded.
+
+    A full collection walks every tracked object: after start-up that is ~310,000 of them (the
+    models, torch, pydantic, FastAPI), which live as long as the process. Under 32 clients of
+    short texts a full collection came every 2-3 s and held the GIL for ~220 ms, stalling the event
+    loop and the forward thread's Python alike; with them frozen, ~30 ms. Frozen objects are still
+    freed by reference counting; only a reference cycle among them would never be collected, and
+    what is alive at that moment is the process's own furniture, kept to the end (models are
+    loaded once and never dropped). Collecting first leaves no garbage behind to freeze."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -11,6 +11,10 @@ ONE_THREAD = bool(os.environ.get("PYTEST_XDIST_WORKER")) and "OMP_NUM_THREADS" n
 if ONE_THREAD:
     os.environ["OMP_NUM_THREADS"] = "1"
 
+# The apps the tests build come and go within one process: a frozen app's reference cycles would
+# never be collected (app/memory.py). The test of the freeze itself asks for it in a server of its own.
+os.environ.setdefault("MANYEYES_GC_FREEZE", "false")
+
 import pytest
 import torch
 

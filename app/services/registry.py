@@ -6,6 +6,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from manyeyes.app.config import Settings
@@ -75,8 +76,9 @@ class Registry:
         # ready, failed) and, while a Hub id downloads, bytes_done / bytes_total.
         self.progress: dict[str, dict] = {model_id: {"state": "queued"} for model_id in settings.all_models()}
 
-    def load_all(self) -> None:
-        """Blocking; the app runs it in a thread so /healthz answers while models load."""
+    def load_all(self, before_ready: Callable[[], None] | None = None) -> None:
+        """Blocking; the app runs it in a thread so /healthz answers while models load.
+        before_ready runs once every model has loaded, before /readyz says so."""
         s = self.settings
         try:
             time.sleep(s.debug_load_delay_s)
@@ -113,6 +115,8 @@ class Registry:
                                                 kept_element_bytes(model))
                 self.progress[model_id] = {"state": "ready"}
                 log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
+            if before_ready is not None:
+                before_ready()
             self.ready.set()
         except Exception as exc:  # reported by /readyz; the process stays up for diagnosis
             self.failure = f"{type(exc).__name__}: {exc}"
