@@ -604,12 +604,21 @@ class FlowEdge:
     head: int | None  # the head that carries most of it; None for the residual (source == target)
 
 
-def _proximity(parts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+def _proximity(through: torch.Tensor, residual: torch.Tensor, total: torch.Tensor, silent: torch.Tensor) -> torch.Tensor:
     """Ferrando & Voita's importance: max(0, ‖y‖₁ - ‖y - z‖₁), normalised over the parts.
 
-    parts: (..., K, d) summing (with whatever else) to total: (..., d). Returns (..., K).
+    through: (T_source, chunk, d), what each source token moved into each target, which this
+    overwrites; residual and total (y): (chunk, d); silent: (chunk, T_source), True where no head
+    attends from the target to the source (a later token under a causal mask): it moved nothing
+    and scores 0 exactly, whatever the rounding of two sums of the same numbers.
+    Returns (chunk, T_source + 1): every source, then the residual.
     """
-    raw = (total.abs().sum(-1, keepdim=True) - (total.unsqueeze(-2) - parts).abs().sum(-1)).clamp_min(0)
+    # In place: the (chunk, T, d) differences, their absolute values and the parts joined to the
+    # residual were three fresh tensors of 25 MB a chunk at T=512.
+    apart = through.sub_(total).abs_().sum(-1).T  # ‖z - y‖₁ = ‖y - z‖₁: (chunk, T_source)
+    apart = torch.cat([apart, (total - residual).abs().sum(-1, keepdim=True)], dim=-1)  # (chunk, T_source + 1)
+    raw = (total.abs().sum(-1, keepdim=True) - apart).clamp_min(0)
+    raw[:, :-1].masked_fill_(silent, 0)
     return raw / raw.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
@@ -643,22 +652,28 @@ def flow_edges(model: AttentionModel, result: AttentionResult, inputs: list[torc
         bias = block.att.out_proj.bias
         bias = bias.detach().float().cpu() if bias is not None else torch.zeros(residual.shape[-1])
         # α ≥ 0, so ‖α_h,ij · m_h,j‖ = α_h,ij ‖m_h,j‖: the carrier needs no (T, T, d_model) tensor.
-        carrier = (weights_l * moved.norm(dim=-1).unsqueeze(1)).argmax(0)  # (T, T_source)
-        weights = torch.empty(residual.shape[0], residual.shape[0] + 1)
-        for start in range(0, residual.shape[0], FLOW_CHUNK):
-            stop = min(start + FLOW_CHUNK, residual.shape[0])
-            # (n_heads, chunk, T_source) x (n_heads, T_source, d_model) -> (chunk, T_source, d_model)
-            through = torch.einsum("hij,hjd->ijd", weights_l[:, start:stop], moved)
-            total = residual[start:stop] + through.sum(1) + bias  # (chunk, d_model)
-            # parts per target: every source token, then the residual: (chunk, T_source + 1, d_model)
-            parts = torch.cat([through, residual[start:stop].unsqueeze(1)], dim=1)
-            weights[start:stop] = _proximity(parts, total)
-        kept = (weights > 0) & (weights >= threshold)  # (T, T_source + 1); the last column is the residual
+        # max(0).indices, not argmax(0): the same first maximum, 6x faster across the heads' dimension.
+        carrier = (weights_l * moved.norm(dim=-1).unsqueeze(1)).max(0).indices  # (T, T_source)
         n_tokens = residual.shape[0]
-        for target, source in kept.nonzero().tolist():
-            weight = float(weights[target, source])
-            if source == n_tokens:
-                edges.append(FlowEdge(layer, target, target, weight, None))
-            else:
-                edges.append(FlowEdge(layer, source, target, weight, int(carrier[target, source])))
+        weights = torch.empty(n_tokens, n_tokens + 1)
+        # One contiguous copy a layer, batched by source: einsum made one a chunk, and its batched
+        # matmuls over strided operands took twice as long.
+        moved_by_source = moved.transpose(0, 1).contiguous()  # (T_source, n_heads, d_model)
+        for start in range(0, n_tokens, FLOW_CHUNK):
+            stop = min(start + FLOW_CHUNK, n_tokens)
+            by_source = weights_l[:, start:stop].permute(2, 1, 0).contiguous()  # (T_source, chunk, n_heads)
+            # (T_source, chunk, n_heads) x (T_source, n_heads, d_model) -> (T_source, chunk, d_model)
+            through = torch.bmm(by_source, moved_by_source)
+            total = residual[start:stop] + through.sum(0) + bias  # (chunk, d_model)
+            silent = (weights_l[:, start:stop] == 0).all(0)  # (chunk, T_source)
+            weights[start:stop] = _proximity(through, residual[start:stop], total, silent)
+        kept = (weights > 0) & (weights >= threshold)  # (T, T_source + 1); the last column is the residual
+        targets, sources = kept.nonzero(as_tuple=True)  # row-major: by target, then source
+        # Read out in one go: a tensor index per edge was 0.1-0.2 s of a 500-token run's 10,000 edges.
+        found = zip(targets.tolist(), sources.tolist(), weights[targets, sources].tolist(),
+                    carrier[targets, sources.clamp_max(n_tokens - 1)].tolist())
+        edges += [
+            FlowEdge(layer, target, target, weight, None) if source == n_tokens else FlowEdge(layer, source, target, weight, head)
+            for target, source, weight, head in found
+        ]
     return edges
