@@ -305,7 +305,7 @@ def report(table: dict, served_ms: dict, forms, rounds) -> list[dict]:
             beyond = [served_ms[s["run_id"]] - s["forward"] for s in samples[form] if s["run_id"] in served_ms]
             overhead[(n, form)] = (p50(server), p50(forward), p50(beyond))
             print(f"| {n} | {form} | {p50(server):.1f} | {p50(forward):.1f} | {p50(beyond):.1f} ms "
-                  f"({100 * p50(beyond) / p50(forward):.0f}%) |")
+                  f"({100 * p50(beyond) / p50(forward):.1f}%) |")
     return overhead
 
 
