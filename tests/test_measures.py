@@ -401,6 +401,30 @@ def test_information_flow_proximity_by_hand(minilm):
     assert edge.weight == pytest.approx(expected, abs=1e-5)
 
 
+def test_flow_proximity_by_definition_and_silent_sources_score_zero():
+    """_proximity against max(0, ‖y‖₁ - ‖y - z‖₁) normalised, in float64; a source marked
+    silent (no head attends to it) scores 0 whatever its part holds, and the rest still share 1."""
+    from manyeyes.model.measures import _proximity
+
+    generator = torch.Generator().manual_seed(0)
+    through = torch.randn(6, 3, 16, generator=generator)  # (T_source, chunk, d)
+    residual = torch.randn(3, 16, generator=generator)
+    through[4, 1] = 3 * residual[1]  # most of that target's stream: a large share, unless silent
+    total = residual + through.sum(0)
+    silent = torch.zeros(3, 6, dtype=torch.bool)
+    silent[1, 4] = True
+    got = _proximity(through.clone(), residual, total, silent)  # (chunk, T_source + 1)
+
+    y = total.double()
+    parts = torch.cat([through.double().transpose(0, 1), residual.double().unsqueeze(1)], dim=1)  # (chunk, T+1, d)
+    raw = (y.abs().sum(-1, keepdim=True) - (y.unsqueeze(1) - parts).abs().sum(-1)).clamp_min(0)
+    raw[1, 4] = 0
+    expected = raw / raw.sum(-1, keepdim=True)
+    assert got[1, 4] == 0
+    assert torch.allclose(got.double(), expected, atol=1e-6)
+    assert torch.allclose(got.sum(-1), torch.ones(3), atol=1e-6)
+
+
 def test_numba_loops_compile_when_no_cache_directory_is_writable(monkeypatch):
     """numba's cache=True fails at decoration when neither the install nor $HOME can be written
     (checked by hand on a read-only tmpfs); the row pass and the u8 quantiser then compile per
