@@ -7,6 +7,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from tokenizers import Tokenizer
@@ -26,6 +27,42 @@ class Token(NamedTuple):
     segment: int  # 0 for the first text, 1 for text_pair
     piece: str  # the vocabulary string, e.g. "##ing" or "Ġthe"
 
+
+
+class TokenRows(Sequence[Token]):
+    """Tokens kept for a long time (a cached run's), as rows the garbage collector stops walking.
+
+    A list of `Token`s is one tracked object per token, for good: the collector untracks a tuple
+    whose items are all atomic only when it is a plain tuple, never a NamedTuple. A run cache of
+    short texts held 42,000 of them, most of what each full collection walked. Plain tuples of
+    strings and ints are untracked at the first collection they see, so a run's tokens here cost
+    one tracked object. Reads give `Token`s, made on the way out."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, tokens: Iterable[Token]) -> None:
+        self.rows = tuple(map(tuple, tokens))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [Token._make(row) for row in self.rows[index]]
+        return Token._make(self.rows[index])
+
+    def __iter__(self) -> Iterator[Token]:
+        return map(Token._make, self.rows)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TokenRows):
+            return self.rows == other.rows
+        return isinstance(other, Sequence) and len(other) == len(self.rows) and all(map(tuple.__eq__, self.rows, other))
+
+    __hash__ = None  # mutable-looking like the list it stands for
+
+    def __repr__(self) -> str:
+        return f"TokenRows({list(self)!r})"
 
 @dataclass(frozen=True)
 class Encoded:

@@ -81,3 +81,27 @@ def test_what_is_not_text_is_refused_by_name(minilm, call, message):
     """attend(None) raised the tokenizer's own TypeError; attend_batch("abc") ran each character."""
     with pytest.raises(TypeError, match=message):
         call(minilm)
+
+
+def test_token_rows_read_as_the_tokens_and_leave_the_garbage_collector_nothing_to_walk(minilm):
+    """A cached run keeps its tokens as TokenRows: the same tokens to every reader, and, once a
+    collection has seen them, no object per token for the collector's full passes to walk."""
+    import gc
+
+    from manyeyes.app.services.cache import Run
+    from manyeyes.model.tokenizer import Token, TokenRows
+
+    tokens = minilm.encode("The heron waited by the old mill.").tokens
+    run = Run("r", "minilm", tokens, False, None)
+    kept = run.tokens
+    assert isinstance(kept, TokenRows)
+    assert kept == tokens and tokens == list(kept) and len(kept) == len(tokens)
+    assert kept[3] == tokens[3] and isinstance(kept[3], Token) and kept[3].text == tokens[3].text
+    assert kept[-2:] == tokens[-2:] and list(kept)[1:4] == tokens[1:4]
+    assert Run("r", "minilm", kept, False, None).tokens is kept  # a run made from a run's tokens shares them
+    assert kept != tokens[:-1] and kept != [tokens[0]._replace(id=-1), *tokens[1:]]
+    # A list of Tokens stays tracked forever (a NamedTuple is never untracked); the rows do not.
+    gc.collect()
+    gc.collect()
+    assert all(gc.is_tracked(t) for t in tokens)
+    assert not gc.is_tracked(kept.rows) and not any(gc.is_tracked(row) for row in kept.rows)

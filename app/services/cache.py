@@ -8,6 +8,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from manyeyes.app.services.device import KEPT_FORMAT
 from manyeyes.model.attention import Capture, bin_count
 from manyeyes.model.buffers import trim_kept_mappings_soon
 from manyeyes.model.runtime import MAX_TOP_K
-from manyeyes.model.tokenizer import Token
+from manyeyes.model.tokenizer import Token, TokenRows
 
 TOKEN_BYTES = 160  # rough per-token overhead of the Token objects, so token lists count too
 
@@ -25,7 +26,7 @@ TOKEN_BYTES = 160  # rough per-token overhead of the Token objects, so token lis
 class Run:
     run_id: str
     model: str
-    tokens: list[Token]
+    tokens: Sequence[Token]  # kept as TokenRows, which the garbage collector does not walk
     truncated: bool
     # (n_layers, n_heads, T, T) float32 (or f16/u8 when quantised on the device), CPU; None for a
     # run that kept queries and keys instead (kept is then its KeptAttention).
@@ -36,6 +37,10 @@ class Run:
     # KeptAttention (queries, keys, lse, overview) of a qk run; for a cached weights run, the
     # DenseAttention over `attention` that the tile routes read (services/tiles.py).
     kept: object | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, TokenRows):
+            object.__setattr__(self, "tokens", TokenRows(self.tokens))
 
     @property
     def kind(self) -> str:

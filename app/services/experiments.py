@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, QueueFull, TooLong, TooManyCells
+from manyeyes.app.services.payload import token_dicts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results
@@ -27,13 +28,6 @@ from manyeyes.model.tokenizer import Encoded
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 DTYPES = {"json": "float32", "f16": "float16", "u8": "uint8"}
-
-
-def token_dicts(tokens) -> list[dict]:
-    return [
-        {"text": t.text, "id": t.id, "start": t.start, "end": t.end, "special": t.special, "segment": t.segment, "piece": t.piece}
-        for t in tokens
-    ]
 
 
 def ranking_dicts(ranking) -> list[dict]:

@@ -195,7 +195,7 @@ class TileService:
         return {
             "run_id": run.run_id, "model": run.model, "causal": info.causal, "n_layers": info.n_layers,
             "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads or info.n_heads, "n_tokens": run.n_tokens,
-            "tokens": token_dicts(run), "truncated": run.truncated, "kept": run.kind,
+            "tokens": token_dicts(run.tokens), "truncated": run.truncated, "kept": run.kind,
             "precision": run.precision, "shapes": shapes,
             "nbytes": run.nbytes, "dense_max_tokens": self.settings.dense_max_tokens, "links": links_for(run.run_id),
         }
