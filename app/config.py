@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     switch_interval_ms: float = Field(0.5, ge=0)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
     # Once the models have loaded, what is alive (models, libraries, the app) leaves the garbage
     # collector's reach (app/memory.py, freeze_long_lived): full collections under load then
-    # take ~30 ms instead of ~220. The test suite turns it off (tests/conftest.py): its apps come
+    # take 11-16 ms instead of 200-260. The test suite turns it off (tests/conftest.py): its apps come
     # and go within one process, and a frozen app's reference cycles would never be collected.
     gc_freeze: bool = True
     # FastAPI's own OpenTelemetry (a span, metrics and logs per request, through the global

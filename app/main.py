@@ -116,11 +116,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.tiles = TileService(app.state.service)
         app.state.generation = GenerationService(settings, registry, metrics)
         app.state.measures = MeasuresService(app.state.service)
-        def freeze() -> None:
-            log.info("moved %d start-up objects out of the garbage collector's reach", freeze_long_lived())
-
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
-        loader = threading.Thread(target=registry.load_all, args=(freeze if settings.gc_freeze else None,),
+        loader = threading.Thread(target=registry.load_all, args=(freeze_long_lived if settings.gc_freeze else None,),
                                   name="manyeyes-load", daemon=True)
         loader.start()
         try:

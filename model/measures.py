@@ -670,6 +670,7 @@ def flow_edges(model: AttentionModel, result: AttentionResult, inputs: list[torc
         kept = (weights > 0) & (weights >= threshold)  # (T, T_source + 1); the last column is the residual
         targets, sources = kept.nonzero(as_tuple=True)  # row-major: by target, then source
         # Read out in one go: a tensor index per edge was 0.1-0.2 s of a 500-token run's 10,000 edges.
+        # (the residual column has no head: its index is clamped into range and the head dropped)
         found = zip(targets.tolist(), sources.tolist(), weights[targets, sources].tolist(),
                     carrier[targets, sources.clamp_max(n_tokens - 1)].tolist())
         edges += [

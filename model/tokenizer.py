@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from tokenizers import Tokenizer
@@ -26,7 +26,6 @@ class Token(NamedTuple):
     special: bool
     segment: int  # 0 for the first text, 1 for text_pair
     piece: str  # the vocabulary string, e.g. "##ing" or "Ġthe"
-
 
 
 class TokenRows(Sequence[Token]):
@@ -57,12 +56,15 @@ class TokenRows(Sequence[Token]):
     def __eq__(self, other) -> bool:
         if isinstance(other, TokenRows):
             return self.rows == other.rows
-        return isinstance(other, Sequence) and len(other) == len(self.rows) and all(map(tuple.__eq__, self.rows, other))
-
-    __hash__ = None  # mutable-looking like the list it stands for
+        # A row equals its Token (the same fields, as a tuple) and nothing that is not a tuple:
+        # tuple.__eq__ against a string gave NotImplemented, which all() counted as equal.
+        return isinstance(other, Sequence) and len(other) == len(self.rows) and all(
+            isinstance(token, tuple) and row == token for row, token in zip(self.rows, other)
+        )
 
     def __repr__(self) -> str:
         return f"TokenRows({list(self)!r})"
+
 
 @dataclass(frozen=True)
 class Encoded:

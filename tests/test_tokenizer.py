@@ -100,6 +100,7 @@ def test_token_rows_read_as_the_tokens_and_leave_the_garbage_collector_nothing_t
     assert kept[-2:] == tokens[-2:] and list(kept)[1:4] == tokens[1:4]
     assert Run("r", "minilm", kept, False, None).tokens is kept  # a run made from a run's tokens shares them
     assert kept != tokens[:-1] and kept != [tokens[0]._replace(id=-1), *tokens[1:]]
+    assert kept != [t.text for t in tokens] and kept != "x" * len(tokens)  # same length, not tokens
     # A list of Tokens stays tracked forever (a NamedTuple is never untracked); the rows do not.
     gc.collect()
     gc.collect()

@@ -19,7 +19,7 @@ from manyeyes.model.buffers import trim_kept_mappings_soon
 from manyeyes.model.runtime import MAX_TOP_K
 from manyeyes.model.tokenizer import Token, TokenRows
 
-TOKEN_BYTES = 160  # rough per-token overhead of the Token objects, so token lists count too
+TOKEN_BYTES = 160  # rough per-token overhead of a run's token rows (their strings included), so they count too
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 SCRIPT = """
-import json, sys, time
+import json, time
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
