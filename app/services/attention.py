@@ -352,10 +352,9 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            queued = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
-                                    [i.kind == "qk" for i in missing])
+            futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
+                                     [i.kind == "qk" for i in missing])
             submitted = len(missing)
-            futures = [asyncio.wrap_future(f) for f in queued]
         finally:
             batcher.release(len(missing) - submitted, client)
         try:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections import deque
 from types import SimpleNamespace
 
 import pytest
 
-from manyeyes.app.services.batcher import Batcher, Job
+from manyeyes.app.services.batcher import Batcher, Job, _deliver
 from manyeyes.app.services.errors import InvalidInput, QueueFull
 from manyeyes.app.services.metrics import Metrics
 
@@ -79,3 +81,31 @@ def test_more_inputs_than_a_client_may_ever_queue_is_no_429(batcher):
     assert not batcher._per_client and batcher._admitted == 0
     batcher.admit(10, "big")  # the share itself still fits
     batcher.release(10, "big")
+
+
+def test_answers_are_resolved_on_their_own_loop_and_a_request_that_left_is_left_alone():
+    """The worker hands results back with call_soon_threadsafe: set from the worker's thread, an
+    asyncio future would wake nobody; set after its request was cancelled, it would raise."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ok, failed, gone = loop.create_future(), loop.create_future(), loop.create_future()
+        gone.cancel()
+        where = []
+        ok.add_done_callback(lambda f: where.append(threading.current_thread()))
+        worker = threading.Thread(target=lambda: [_deliver(ok, "done"), _deliver(failed, error=QueueFull("full", 1)),
+                                                  _deliver(gone, "late")])
+        worker.start()
+        worker.join()
+        assert await ok == "done" and where == [threading.main_thread()]
+        with pytest.raises(QueueFull):
+            await failed
+        await asyncio.sleep(0)
+        assert gone.cancelled()
+
+    asyncio.run(main())
+    closed = asyncio.new_event_loop()
+    orphan = closed.create_future()
+    closed.close()
+    _deliver(orphan, "after shutdown")  # nobody waits: no error either
+    assert not orphan.done()
