@@ -143,9 +143,10 @@ export function fetchSlice(runId, layers, heads, format, signal) {
   return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, withAuth, signal), {});
 }
 
-// The float32 mean over every head of `layers`, computed by the server, sent as float16.
-export function fetchMean(runId, layers, signal) {
-  const query = new URLSearchParams({ format: "f16", layers: layers.join(",") });
+// The float32 mean over every head of `layers`, computed by the server, sent as float16 (or as
+// float32, format "json").
+export function fetchMean(runId, layers, signal, format = "f16") {
+  const query = new URLSearchParams({ format, layers: layers.join(",") });
   return viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, {}, signal);
 }
 

@@ -23,11 +23,24 @@ export function shortLabel(text) {
   return text.length > MAX_LABEL ? text.slice(0, MAX_LABEL - 1) + "…" : text;
 }
 
+// A weight as a reading gives it: three decimals, or two significant digits where three decimals
+// would read 0 (2e-5 is not none). A 0 reads as under `floor`, the largest weight the values shown
+// hold as 0 (a threshold's, or the precision's rounding), when that is above 0.
+export function weightText(value, floor = 0) {
+  if (value === 0 && floor > 0) return `< ${floor.toPrecision(2)}`;
+  return value === 0 || Math.abs(value) >= 5e-4 ? value.toFixed(3) : value.toPrecision(2);
+}
+
 // The index range [lo, hi] an axis shows (the whole axis unless zoomed).
 function visibleRange(range, n) {
   if (!range) return [0, n - 1];
   const [a, b] = range[0] <= range[1] ? range : [range[1], range[0]];
   return [Math.max(0, Math.ceil(a)), Math.min(n - 1, Math.floor(b))];
+}
+
+// How many cells an axis spans: its range's length, or all n cells unless zoomed.
+function rangeLength(range, n) {
+  return range ? Math.max(1e-9, Math.abs(range[1] - range[0])) : n;
 }
 
 // Index-based axes: the same word can occur twice, so labels are ticks, never categories. Every
@@ -47,12 +60,12 @@ export function ticks(indices, labels, range, most = ALL_LABELS) {
 const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
 
 // Pixels per label decide the font: a label never gets more room than its row.
-function fontFor(axisPx, shown) {
+export function fontFor(axisPx, shown) {
   return Math.max(MIN_FONT, Math.min(MAX_FONT, Math.floor((axisPx / Math.max(1, shown)) * 0.85)));
 }
 
 // The labels an axis of axisPx pixels holds at the smallest font, a row of pixels each at least.
-function labelsFit(axisPx) {
+export function labelsFit(axisPx) {
   return Math.max(1, Math.min(ALL_LABELS, Math.floor(axisPx / MIN_FONT)));
 }
 
@@ -152,6 +165,19 @@ export class FocusView {
     plot.plotted = (options) => this.plotted(options);
     // One config object for the plot's whole life: a changed config makes Plotly.react redraw from scratch.
     this.config = localConfig((format) => this.download(format));
+    // Plotly's own resize (config.responsive) stretches the axes it has: the height, the margins
+    // and, across the phone width, the side the keys are labelled on would wait for the next step.
+    this.refitFrame = 0;
+    window.addEventListener("resize", () => {
+      cancelAnimationFrame(this.refitFrame);
+      this.refitFrame = requestAnimationFrame(() => this.refit());
+    });
+  }
+
+  refit() {
+    if (!this.current || !this.plot._fullLayout) return;
+    this.fitHeight();
+    this.layOut();
   }
 
   // The plot fills what is left of the viewport below its top (on open, scrolled to the top), so
@@ -165,7 +191,8 @@ export class FocusView {
     if (this.plot.style.height !== `${this.height}px`) this.plot.style.height = `${this.height}px`;
   }
 
-  async render({ view, labels, title, filename, exportCaption, scale = "head", revision }) {
+  // floor: the largest weight the view's values hold as 0 (weightText).
+  async render({ view, labels, title, filename, exportCaption, scale = "head", revision, floor = 0 }) {
     this.fitHeight();
     const nRows = view.rows.length;
     const nCols = view.cols.length;
@@ -174,7 +201,7 @@ export class FocusView {
     const log = scale === "log";
     this.startRevision(revision);
     const zmax = log ? 1 : scale === "fixed" ? 1 : peak > 0 ? peak : 1;
-    this.current = { view, labels, nRows, nCols, title, scale, peak, zmax };
+    this.current = { view, labels, nRows, nCols, title, scale, peak, zmax, floor };
     this.emptyNode.hidden = true;
     this.filename = filename;
     this.exportCaption = exportCaption || title;
@@ -318,31 +345,56 @@ export class FocusView {
     return 8 + font * 0.62 * Math.max(1, ...texts.map((s) => s.length));
   }
 
-  // The labels for the ranges in view: which ticks, their fonts and angles, and the margins they need.
+  // The labels for the ranges in view: which ticks, their fonts and angles, and the margins they
+  // need, sized for the figure being drawn (Plotly's axis lengths are the last figure's: after a
+  // pair's block, the whole pair's keys were sized for the block's full-width axis and overprinted).
+  // The axes' lengths follow from the margins, which follow from the labels: sized first for the
+  // longest axes the plot could give, the labels take the widest margins they could need; sized
+  // again for the axes those margins leave, they need no more room, so they get at least as much.
   axes() {
-    const pal = palette();
-    const { view, labels } = this.current;
+    const widest = this.labelsFor(this.axisLengths(this.margins(0, 0)));
+    return this.labelsFor(this.axisLengths(widest.margin));
+  }
+
+  // The axes' lengths in pixels inside `margin`: with square cells (scaleanchor, see layout) both
+  // keep the ranges' ratio, so a zoom to 40 queries × 140 keys leaves the query axis 40/140 of the
+  // keys' length.
+  axisLengths(margin) {
+    const { view } = this.current;
+    const width = this.plot.clientWidth - margin.l - margin.r;
+    const height = (this.height || this.plot.clientHeight) - margin.t - margin.b;
+    if (view.rows.length !== view.cols.length) return { x: width, y: height };
+    const spanX = rangeLength(this.ranges.x, view.cols.length);
+    const spanY = rangeLength(this.ranges.y, view.rows.length);
+    const unit = Math.max(0, Math.min(width / spanX, height / spanY));
+    return { x: unit * spanX, y: unit * spanY };
+  }
+
+  // The plot's margins around labels that need xLabels and yLabels pixels.
+  margins(xLabels, yLabels) {
     const narrow = this.plot.clientWidth < 520;
-    const side = Math.min(this.plot.clientWidth, this.height || this.plot.clientHeight) * 0.75;
-    // Square cells (scaleanchor, see layout): a zoom to 40 queries × 140 keys leaves the query axis
-    // 40/140 of the side, where 40 labels at the smallest font overprinted one another.
-    const span = (range, n) => { const [lo, hi] = visibleRange(range, n); return hi - lo + 1; };
-    const spanX = span(this.ranges.x, view.cols.length);
-    const spanY = span(this.ranges.y, view.rows.length);
-    const square = view.rows.length === view.cols.length;
-    // Plotly's own axis lengths once it has laid the plot out (a zoom); before, the estimate.
-    const laid = this.plot._fullLayout;
-    const xPx = laid?.xaxis?._length ?? (square ? (side * spanX) / Math.max(spanX, spanY) : side);
-    const yPx = laid?.yaxis?._length ?? (square ? (side * spanY) / Math.max(spanX, spanY) : side);
-    const xTicks = this.ticks(view.cols, labels, this.ranges.x, labelsFit(xPx));
-    const yTicks = this.ticks(view.rows, labels, this.ranges.y, labelsFit(yPx));
-    const xFont = fontFor(xPx, xTicks.shown);
-    const yFont = fontFor(yPx, yTicks.shown);
-    const xLabels = this.labelPx(xTicks.texts, xFont);
-    const yLabels = this.labelPx(yTicks.texts, yFont);
     const keysSpace = xLabels + (narrow ? 8 : 30);
     // On a phone the modebar takes the top line: the title (see decorate) goes on the next one.
     const titleTop = narrow ? 34 : 0;
+    return {
+      t: narrow ? 30 + titleTop + keysSpace : 40,
+      r: narrow ? 10 : 90, // the page's colorbar goes there
+      b: narrow ? 60 : keysSpace,
+      l: yLabels + (narrow ? 4 : 30),
+    };
+  }
+
+  // The labels for axes of the given lengths (px).
+  labelsFor(lengths) {
+    const pal = palette();
+    const { view, labels } = this.current;
+    const narrow = this.plot.clientWidth < 520;
+    const xTicks = this.ticks(view.cols, labels, this.ranges.x, labelsFit(lengths.x));
+    const yTicks = this.ticks(view.rows, labels, this.ranges.y, labelsFit(lengths.y));
+    const xFont = fontFor(lengths.x, xTicks.shown);
+    const yFont = fontFor(lengths.y, yTicks.shown);
+    const xLabels = this.labelPx(xTicks.texts, xFont);
+    const yLabels = this.labelPx(yTicks.texts, yFont);
     return {
       x: { values: xTicks.values, texts: xTicks.texts, font: xFont, angle: xTicks.shown > 24 ? -90 : -60, top: narrow },
       y: { values: yTicks.values, texts: yTicks.texts, font: yFont },
@@ -351,12 +403,7 @@ export class FocusView {
         y: { text: narrow ? "" : "query (attending)", offset: yLabels + 12 },
       },
       colors: { text: pal.text, muted: pal.muted },
-      margin: {
-        t: narrow ? 30 + titleTop + keysSpace : 40,
-        r: narrow ? 10 : 90, // the page's colorbar goes there
-        b: narrow ? 60 : keysSpace,
-        l: yLabels + (narrow ? 4 : 30),
-      },
+      margin: this.margins(xLabels, yLabels),
     };
   }
 
@@ -458,11 +505,11 @@ export class FocusView {
       this.tooltip.hidden = true;
       return;
     }
-    const { view, labels } = this.current;
+    const { view, labels, floor } = this.current;
     const { row: r, col: c } = cell;
     const q = view.rows[r];
     const k = view.cols[c];
-    const reading = view.masked(r, c) ? "masked" : view.values[r * view.cols.length + c].toFixed(3);
+    const reading = view.masked(r, c) ? "masked" : weightText(view.values[r * view.cols.length + c], floor);
     const spans = this.spans ? `\n${this.spans(q)} → ${this.spans(k)}` : "";
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;

@@ -5,7 +5,7 @@
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
 import { CanvasHeatmap } from "./canvas_heatmap.js";
-import { ALL_LABELS, FocusView, MAX_FONT, shortLabel } from "./focus.js";
+import { ALL_LABELS, FocusView, MAX_FONT, shortLabel, weightText } from "./focus.js";
 import { layerMask } from "./run.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { colorTable, themeName } from "./theme.js";
@@ -356,13 +356,13 @@ export class TiledFocusView extends FocusView {
     const L = this.long;
     if (L.mask.cell(q, k)) return "masked";
     const key = `${L.prefix}${q}|${k}`;
-    if (this.exact.has(key)) return this.exact.get(key).toFixed(3);
+    if (this.exact.has(key)) return weightText(this.exact.get(key));
     const tiles = this.heatmap.tiles;
     for (let i = tiles.length - 1; i >= 0; i--) {
       const tile = tiles[i];
       if (!covers(tile, q, k)) continue;
       const value = valueIn(tile, q, k);
-      if (tile.rowStep === 1 && tile.colStep === 1) return value.toFixed(3);
+      if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value);
       this.askExact(q, k, key, clientX, clientY);
       return `≤ ${value.toFixed(3)} (max of ${tile.rowStep} × ${tile.colStep} cells; reading this one…)`;
     }

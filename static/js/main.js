@@ -16,7 +16,7 @@ import { loadView, readPermalink, saveView, writePermalink } from "./permalink.j
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenCount, tokenLabels } from "./tokens.js";
-import { isIdentity, viewOf } from "./transform.js";
+import { isIdentity, renormalises, viewOf } from "./transform.js";
 import "./experiments.js";
 
 // Above this many bytes of u8 attention, the first request asks only for the focused layer and the
@@ -206,6 +206,37 @@ async function loadMean(key, layers) {
   if (meanKey() === key) renderViews();
 }
 
+// A renormalised row is divided by the share its shown tokens got, and float16's rounding with it:
+// weights under 2^-25 are 0 in float16 and those under 2^-14 coarse, so a row that gave the hidden
+// tokens nearly all of its attention (a sink) lost what it gave the rest, up to whole rows of 0.
+// Renormalised views read float32: the focused head alone, or the server's mean.
+async function loadFloat32() {
+  const run = state.run;
+  const key = float32Key();
+  const { layer, head } = state;
+  const signal = state.controller.signal;
+  const mean = meanKey();
+  let matrix = null;
+  if (mean) {
+    const layers = mean === "all" ? [...Array(run.nLayers).keys()] : [layer];
+    const reply = await fromRun(run, `f32:${key}`, (id) => fetchMean(id, layers, signal, "json"));
+    matrix = reply?.attention.decoded.values;
+  } else {
+    const reply = await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], "json", signal),
+      { format: "json", post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format: "json" }, signal) });
+    matrix = reply?.attention.decoded.values;
+  }
+  if (!matrix || state.run !== run) return;
+  run.float32.set(key, matrix);
+  if (float32Key() === key) renderViews();
+}
+
+// Where run.float32 keeps what the focused view reads when it renormalises.
+function float32Key() {
+  const mean = meanKey();
+  return mean ? `mean:${mean}` : `${state.layer}:${state.head}`;
+}
+
 function meanKey() {
   if (state.aggregate === "all") return "all";
   if (state.aggregate === "layer") return `layer:${state.layer}`;
@@ -214,13 +245,20 @@ function meanKey() {
 
 // ---- rendering --------------------------------------------------------------------------------
 
-// The focused matrix and whether it is exact; null while what it needs is on its way (and asked for).
+// The focused matrix and its precision ("f32", "f16" or "u8"); null while what it needs is on its
+// way (and asked for).
 function focusMatrix() {
   const run = state.run;
+  if (renormalises(viewOptions())) {
+    const matrix = run.float32.get(float32Key());
+    if (matrix) return { matrix, precision: "f32" };
+    loadFloat32();
+    return null;
+  }
   const key = meanKey();
   if (key) {
     const mean = run.exactMean(key);
-    if (mean) return { matrix: mean, precise: true };
+    if (mean) return { matrix: mean, precision: "f16" };
     // A layer's mean is averaged from its float16 heads (run.js), so it reads the same whichever
     // way the page got there; the mean of all heads is the server's.
     if (key === "all") loadMean(key, [...Array(run.nLayers).keys()]);
@@ -230,7 +268,7 @@ function focusMatrix() {
   const precise = run.isPrecise(state.layer, state.head);
   // The grid's layers go first; the exact layer follows once none is on its way (see loadU8).
   if (!precise && !u8Pending()) loadExact(state.layer);
-  if (precise) return { matrix: run.head(state.layer, state.head), precise: true };
+  if (precise) return { matrix: run.head(state.layer, state.head), precision: "f16" };
   // Until the exact values arrive the 8-bit ones are as good to look at, but renormalised rows or
   // a threshold would carry their rounding: those wait.
   if (!run.hasLayer(state.layer)) {
@@ -238,7 +276,7 @@ function focusMatrix() {
     return null;
   }
   if (!isIdentity(viewOptions(), run.hasPair)) return null;
-  return { matrix: run.head(state.layer, state.head), precise: false };
+  return { matrix: run.head(state.layer, state.head), precision: "u8" };
 }
 
 function focusTitle() {
@@ -291,12 +329,20 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   focus.spans = (i) => `“${run.tokens[i].text}”`;
   await focus.render({
     view, labels: names.labels, title: focusTitle(), filename: fileStem(), exportCaption: exportCaption(),
-    scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`,
+    scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`, floor: zeroFloor(focused.precision),
   });
   if (token !== state.renderToken) return;
-  labelPlot(focused.precise ? "f16" : "u8");
+  measures.setFocusShown(true);
+  labelPlot(focused.precision);
   $("focus-caption").textContent = caption(run, view);
   await focusShown(token, withHeadView);
+}
+
+// The largest weight the focused view shows as 0: one under the threshold, or under what the
+// precision holds (float16 rounds those under 2^-25 to 0, the 8-bit bytes those under half a step).
+function zeroFloor(precision) {
+  const rounding = { f32: 0, f16: 2 ** -25, u8: state.run.scale / 2 }[precision];
+  return Math.max(rounding, state.threshold);
 }
 
 // Every token hidden (one token under “Hide first token”, or only special ones): no heatmap or head
@@ -306,6 +352,7 @@ function nothingShown() {
   const message = `No token is left to show: untick ${by.join(" or ")} to see them.`;
   clearTimeout(state.headViewTimer);
   focus.clear(message);
+  measures.setFocusShown(false);
   $("headview").replaceChildren(el("p", { className: "empty", text: message }));
 }
 
@@ -746,7 +793,7 @@ async function download(kind) {
   if (!run || run.long) return; // off for long runs (long_run.js says why)
   const focused = focusMatrix();
   let matrix = focused?.matrix;
-  let precision = focused?.precise ? "float16" : "uint8";
+  let precision = { f32: "float32", f16: "float16", u8: "uint8" }[focused?.precision];
   if (state.aggregate === "head") {
     // A single head is worth its exact float32 values: the cached run serves them without a new forward.
     try {
@@ -842,7 +889,13 @@ async function init() {
   $("copy-link").addEventListener("click", copyLink);
   $("export-page").addEventListener("click", exportPage);
   document.addEventListener("keydown", onKey);
-  window.addEventListener("popstate", () => restoreFromUrl(false));
+  window.addEventListener("popstate", () => {
+    // Back to the bare page: the start state is a fresh visit's, every panel as before any run (the
+    // experiments' too, which keep what they did with the last one): a reload is exactly that.
+    const link = readPermalink();
+    if (state.run && !link.view && !link.legacy) window.location.reload();
+    else restoreFromUrl(false);
+  });
   onThemeChange(() => {
     if (!state.run) {
       if ($("focus-plot").dataset.example === "true") renderExample();

@@ -7,7 +7,7 @@ import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
 import { $, el, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
-import { ARROW_STEPS, localConfig, placementOf, shortLabel, stepCursor, ticks } from "./focus.js";
+import { ARROW_STEPS, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -17,18 +17,22 @@ import { MASKED, colorTable, onThemeChange } from "./theme.js";
 
 const FLOW_AUTO_TOKENS = 128;
 const SEEN_MARGIN_PX = 200;
-const TICK_FONT = 10; // px
+const TICK_FONT = 10; // px, the largest
 
-// The labels for a range, thinned as the focused heatmap's are (every label once ALL_LABELS or
-// fewer are in view), and the room any of them needs once zoomed. The page draws them
-// (axis_labels.js) over bare Plotly axes: with Plotly's own tick labels, even thinned and without
-// automargin, each draw relaid and measured them, 180-210 ms of main thread at T=128.
-function axisTicks(labels, range) {
-  const { values, texts } = ticks(labels.map((_, i) => i), labels, range);
+// The labels for a range, thinned and sized as the focused heatmap's are for an axis of axisPx
+// pixels (every label once ALL_LABELS or fewer are in view and fit), and the room any of them
+// needs at the largest font, once zoomed. The page draws them (axis_labels.js) over bare Plotly
+// axes: with Plotly's own tick labels, even thinned and without automargin, each draw relaid and
+// measured them, 180-210 ms of main thread at T=128.
+function axisTicks(labels, range, axisPx = Infinity) {
+  const { values, texts, shown } = ticks(labels.map((_, i) => i), labels, range, labelsFit(axisPx));
   let longest = 1;
   for (const label of labels) longest = Math.max(longest, shortLabel(label).length);
-  return { values, texts, font: TICK_FONT, room: 8 + TICK_FONT * 0.62 * longest };
+  return { values, texts, font: Math.min(TICK_FONT, fontFor(axisPx, shown)), room: 8 + TICK_FONT * 0.62 * longest };
 }
+
+// The keys' labels slant at -45°: neighbours stand √½ of their spacing apart across the slant.
+const KEYS_SLANT = Math.SQRT1_2;
 
 // The matrix as a PNG data URL, one pixel per cell, coloured as the colorbar reads; the cells
 // `mask` (run.js maskRule, or null) masks in the masked colour, as the focused heatmap draws them:
@@ -192,6 +196,11 @@ class Measures {
     this.flow = null;
     this.predictions = null;
     this.predictionsView.clear();
+  }
+
+  // Whether the focused heatmap is drawn (main.js), which the predictions' strip under it follows.
+  setFocusShown(shown) {
+    this.predictionsView.setHeatmapShown(shown);
   }
 
   onFocus(layer, head) {
@@ -394,18 +403,18 @@ class Measures {
   // The plot as on screen, labelled by Plotly, captioned with the model and the text.
   download(format) {
     const plot = $("measure-plot");
-    const { ranges } = placementOf(plot);
+    const { ranges, box } = placementOf(plot);
     const { rows, cols } = this.cells;
-    const labelled = (labels, range) => {
-      const { values, texts } = axisTicks(labels, range);
-      return { showticklabels: true, ticks: "outside", tickmode: "array", tickvals: values, ticktext: texts.map(plotlyText), tickfont: { size: TICK_FONT } };
+    const labelled = (labels, range, axisPx) => {
+      const { values, texts, font } = axisTicks(labels, range, axisPx);
+      return { showticklabels: true, ticks: "outside", tickmode: "array", tickvals: values, ticktext: texts.map(plotlyText), tickfont: { size: font } };
     };
     const text = this.request.text + (this.request.text_pair ? ` | ${this.request.text_pair}` : "");
     const short = text.length > 80 ? `${text.slice(0, 79)}…` : text;
     const layout = {
       ...plot.layout,
-      xaxis: { ...plot.layout.xaxis, ...labelled(cols, ranges.x), range: ranges.x, autorange: false, tickangle: -45 },
-      yaxis: { ...plot.layout.yaxis, ...labelled(rows, ranges.y), range: ranges.y, autorange: false },
+      xaxis: { ...plot.layout.xaxis, ...labelled(cols, ranges.x, box.width * KEYS_SLANT), range: ranges.x, autorange: false, tickangle: -45 },
+      yaxis: { ...plot.layout.yaxis, ...labelled(rows, ranges.y, box.height), range: ranges.y, autorange: false },
       title: { ...plot.layout.title, text: `${plot.layout.title.text} · ${plotlyText(`${this.run.model} · “${short}”`)}` },
     };
     return window.Plotly.downloadImage({ data: plot.data, layout }, {
@@ -413,16 +422,18 @@ class Measures {
     });
   }
 
-  // The labels of the tokens (or heads) now in view, at the axes' current ranges.
+  // The labels of the tokens (or heads) now in view, at the axes' current ranges and lengths: a
+  // phone's axes hold fewer of them, smaller.
   placeLabels() {
     const place = placementOf($("measure-plot"));
     if (!place || !this.cells) return;
     const { rows, cols } = this.cells;
+    const { box, ranges } = place;
     const colour = getComputedStyle(document.body).color;
     this.labelsView.render({
-      x: { ...axisTicks(cols, place.ranges.x), angle: -45, top: false }, y: axisTicks(rows, place.ranges.y),
+      x: { ...axisTicks(cols, ranges.x, box.width * KEYS_SLANT), angle: -45, top: false }, y: axisTicks(rows, ranges.y, box.height),
       titles: { x: { text: "" }, y: { text: "" } }, colors: { text: colour, muted: colour },
-    }, place.box, place.ranges);
+    }, box, ranges);
   }
 
   // Once per plot: hover readings, and labels that follow a pan and are redrawn after a zoom

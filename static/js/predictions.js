@@ -53,6 +53,8 @@ export class Predictions {
     this.causal = true;
     this.labels = [];
     this.models = null;
+    this.available = false; // the run on screen has predictions to strip
+    this.heatmapShown = true; // false while every token is hidden: no heatmap to sit under
     this.strip = el("div", { className: "predictions focus-predictions", attrs: { id: "focus-predictions", "aria-label": "The model's predictions per token" } });
     this.strip.hidden = true;
     const wrap = plot.parentElement;
@@ -76,7 +78,8 @@ export class Predictions {
     const info = (await this.models).find((m) => m.id === run.model);
     if (token !== this.token) return null;
     // Under the focused heatmap only when there is something to show; the measures' strip says why not.
-    this.strip.hidden = !info?.predictions;
+    this.available = Boolean(info?.predictions);
+    this.showStrip();
     if (!info?.predictions) {
       for (const strip of others) hint(strip, "This model has no language-model head: no predictions.");
       return null;
@@ -106,7 +109,19 @@ export class Predictions {
   clear() {
     this.token = {};
     this.byPosition = null;
-    this.strip.hidden = true;
+    this.available = false;
+    this.showStrip();
+  }
+
+  // Whether the focused heatmap is drawn: with every token hidden it gives way to the word that no
+  // token is left, which a strip of every token's guess under it contradicted.
+  setHeatmapShown(shown) {
+    this.heatmapShown = shown;
+    this.showStrip();
+  }
+
+  showStrip() {
+    this.strip.hidden = !(this.available && this.heatmapShown);
   }
 
   // The query row's top-k under the reading focus.js has just put in the tooltip.

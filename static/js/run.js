@@ -66,6 +66,7 @@ export class AttentionRun {
     this.scale = 1 / 255;
     this.precise = new Map(); // "layer:head" -> Float32Array [query][key]
     this.means = new Map(); // "all" or "layer:N" -> Float32Array, the server's float32 mean
+    this.float32 = new Map(); // "layer:head" or "mean:all", "mean:layer:N" -> float32 weights, for renormalised views
     this.ingest(response);
   }
 

@@ -6,6 +6,11 @@ export function isIdentity(options, hasPair) {
   return !options.hideSpecial && !options.hideFirst && options.threshold <= 0 && (!hasPair || options.segments === "all");
 }
 
+// Whether a view renormalises its rows: hiding tokens leaves each row the share the rest got.
+export function renormalises({ hideSpecial, hideFirst = false }) {
+  return hideSpecial || hideFirst;
+}
+
 // Hidden tokens: special ones, and/or the first token (the "attention sink" of causal models).
 function hiddenOf(tokens, { hideSpecial, hideFirst }) {
   return tokens.map((t, i) => (hideSpecial && t.special) || (hideFirst && i === 0));
@@ -23,8 +28,7 @@ export function selectionOf(tokens, { hideSpecial, hideFirst = false, segments }
     if (keep(t, i, rowSegment)) rows.push(i);
     if (keep(t, i, colSegment)) cols.push(i);
   });
-  const renormalise = hideSpecial || hideFirst;
-  const visibleKeys = renormalise ? hidden.map((h, i) => (h ? -1 : i)).filter((i) => i >= 0) : null;
+  const visibleKeys = renormalises({ hideSpecial, hideFirst }) ? hidden.map((h, i) => (h ? -1 : i)).filter((i) => i >= 0) : null;
   return { rows, cols, visibleKeys };
 }
 

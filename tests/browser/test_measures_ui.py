@@ -13,6 +13,7 @@ import pytest
 
 from tests.browser.conftest import serving
 from tests.browser.test_page import hover_cell, open_page, run, wait_focus, wait_grid, wait_plotted_shape
+from tests.browser.test_page_ux import label_spacing
 
 pytestmark = pytest.mark.browser
 
@@ -433,6 +434,58 @@ def test_hiding_the_only_token_says_so_and_unticking_brings_it_back(page, tiny_s
     assert page.locator("#focus-caption").text_content().startswith("1 token · model tiny-gpt")
     page.wait_for_selector("#headview .hv-left li")
     # The make_page fixture holds the page to a clean console: no uncaught ImageData error.
+
+
+def test_the_predictions_strip_goes_with_the_heatmap_while_every_token_is_hidden(page, tiny_server):
+    """With every token hidden the heatmap gave way to "No token is left to show", and the strip of
+    every token's guess stayed under that line."""
+    open_page(page, tiny_server)
+    run(page, "a", model="tiny-gpt")
+    strip = page.locator("#focus-predictions")
+    page.wait_for_selector("#focus-predictions .pred")
+    assert strip.is_visible()
+    page.check("#hide-first")
+    page.locator("#focus-plot .plot-empty").wait_for(state="visible")
+    assert strip.is_hidden()
+    page.uncheck("#hide-first")
+    wait_plotted_shape(page, 1, 1)
+    strip.wait_for(state="visible")
+    assert strip.locator(".pred-token").all_text_contents() == ["a"]
+
+
+def measures_at(make_page, base, width, height=900):
+    page = make_page(viewport=(width, height))
+    open_page(page, base)
+    run(page, TEXT, model="tiny-gpt")
+    page.wait_for_selector("#finder tbody tr", timeout=30_000)
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_selector("#measure-plot[data-measure='raw']", timeout=30_000)
+    return page
+
+
+def test_measure_labels_fit_a_phones_axes(make_page, tiny_server, artifacts):
+    """The measure's labels were every token at 10 px whatever the axis: at 400 px wide the 38 keys
+    stood 5.7 px apart and printed over one another."""
+    page = measures_at(make_page, tiny_server, 400, 800)
+    page.wait_for_function("() => document.querySelectorAll('#measure-plot .axis-labels .xtick').length > 0")
+    gap, font = label_spacing(page, "#measure-plot", "x")
+    assert gap * 0.5 ** 0.5 >= font, (gap, font)  # at -45°, neighbours stand √½ of their gap apart across the slant
+    gap, font = label_spacing(page, "#measure-plot", "y")
+    assert gap >= font, (gap, font)
+    page.locator("#measure-plot").screenshot(path=str(artifacts / "measure-labels-400.png"))
+
+
+def test_the_measures_grid_gives_each_view_its_width_at_1280(make_page, tiny_server, artifacts):
+    """Three columns of 383 px at 1280 px wide cut the head finder's table (544 px) and the neuron
+    view's (411 px) off behind scroll bars."""
+    page = measures_at(make_page, tiny_server, 1280)
+    page.wait_for_selector("#neuron table", timeout=30_000)
+    room = page.evaluate("""() => ['finder', 'neuron'].map((id) => {
+        const section = document.getElementById(id).closest('section');
+        return [id, Math.round(document.getElementById(id).querySelector('table').getBoundingClientRect().width), section.clientWidth];
+    })""")
+    assert all(table <= width for _, table, width in room), room
+    page.locator("#measures").screenshot(path=str(artifacts / "measures-1280.png"))
 
 
 def test_measures_name_tokens_as_the_labels_control_says(page, server):

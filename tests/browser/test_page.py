@@ -82,7 +82,9 @@ def wait_plotted_shape(page, rows: int, cols: int | None = None, timeout: int = 
     )
 
 
-def hover_cell(page, row, col) -> str:
+def hover_cell(page, row, col, query=None, key=None) -> str:
+    """The reading of view cell (row, col), which shows tokens (query, key): (row, col) unless
+    tokens are hidden."""
     point = page.evaluate(
         """([row, col]) => {
             const gd = document.getElementById('focus-plot');
@@ -94,8 +96,9 @@ def hover_cell(page, row, col) -> str:
     )
     page.mouse.move(point[0] - 30, point[1] - 30)
     page.mouse.move(*point, steps=3)
-    # Plotly throttles hover events: wait for the reading of this very cell (token indices, no filters).
-    tooltip = page.locator(f"#tooltip[data-query='{row}'][data-key='{col}']")
+    # Plotly throttles hover events: wait for the reading of this very cell (by its tokens' indices).
+    query, key = (row if query is None else query), (col if key is None else key)
+    tooltip = page.locator(f"#tooltip[data-query='{query}'][data-key='{key}']")
     tooltip.wait_for(state="visible")
     return tooltip.text_content().split("\n")[0]  # the second line gives the original spans
 

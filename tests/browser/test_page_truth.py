@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import numpy as np
 import pytest
 
-from tests.browser.test_page import open_page, plotted, submit, wait_plotted_shape
+from tests.browser.test_page import hover_cell, open_page, plotted, submit, wait_plotted_shape
 
 pytestmark = pytest.mark.browser
 
@@ -174,6 +174,34 @@ def test_pair_block_a_to_b_shows_each_rows_share_of_all_its_words(server, api, p
     shares = head[rows][:, cols] / head[rows][:, ~special].sum(axis=1, keepdims=True)
     assert np.abs(z - shares).max() <= 2e-3
     assert np.all(z.sum(axis=1) < 0.999)  # a share, never a whole
+
+
+# ---------------------------------------------------------------------------- renormalised rows
+def test_a_sink_row_renormalised_holds_the_weights_float16_lost(server, api, page):
+    """MiniLM's L0 H2 gives [CLS] and [SEP] all but 5e-6 of the first word's attention: in float16
+    the rest of that row was 0 or coarse, and renormalised it read 0 where the model's weights run
+    up to 0.003. Weights under float16's range read 0.000 too, though none of them is 0."""
+    open_view(page, server, text=SENTENCE, model="minilm", layer=0, head=2)
+    wait_focus(page, 0, 2)
+    tokens, weights = api_json(api, SENTENCE, layers=[0], heads=[2])
+    head = weights[0, 0]
+    # A weight float16 rounds to 0 reads as under that, not as 0.
+    q, k = (int(i) for i in np.unravel_index(np.argmin(head), head.shape))
+    assert head[q, k] < 2 ** -25
+    assert hover_cell(page, q, k).endswith(": < 3.0e-8")
+
+    words = np.flatnonzero(~np.array([t["special"] for t in tokens]))
+    kept = head[np.ix_(words, words)]
+    assert kept.sum(axis=1).min() < 1e-5  # the sink row
+    shares = kept / kept.sum(axis=1, keepdims=True)
+    page.check("#hide-special")
+    wait_plotted_shape(page, len(words), len(words))
+    z = np.asarray(plotted(page), dtype=np.float64)
+    assert np.abs(z - shares).max() <= 1e-6
+    # The smallest renormalised weight (1e-19) reads as itself.
+    r, c = (int(i) for i in np.unravel_index(np.argmin(shares), shares.shape))
+    reading = float(hover_cell(page, r, c, int(words[r]), int(words[c])).rsplit(": ", 1)[1])
+    assert reading == pytest.approx(shares[r, c], rel=0.05)
 
 
 # ---------------------------------------------------------------------------- causal models

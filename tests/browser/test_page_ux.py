@@ -49,6 +49,21 @@ def tick_texts(page, axis="y"):
     return page.locator(f"#focus-plot .{axis}tick text").all_text_contents()
 
 
+def label_spacing(page, plot: str, axis: str) -> tuple[float, float]:
+    """The closest two neighbouring labels of an axis (px between their anchors) and the largest
+    label font (px) of the page-drawn labels (axis_labels.js) in `plot`."""
+    return tuple(page.evaluate(
+        """([plot, axis]) => {
+            const groups = [...document.querySelectorAll(`${plot} .axis-labels .${axis}tick`)].filter((g) => g.style.display !== 'none');
+            const at = groups.map((g) => Number(g.getAttribute('transform').match(/translate\\(([-\\d.e]+) ([-\\d.e]+)\\)/)[axis === 'x' ? 1 : 2]))
+                .sort((a, b) => a - b);
+            const gaps = at.slice(1).map((v, i) => v - at[i]);
+            return [Math.min(...gaps), Math.max(...groups.map((g) => parseFloat(g.querySelector('text').style.fontSize)))];
+        }""",
+        [plot, axis],
+    ))
+
+
 # ---- 1. privacy ---------------------------------------------------------------------------------
 
 
@@ -107,6 +122,23 @@ def test_every_label_is_shown_up_to_64_tokens_and_zoom_survives_arrow_keys(serve
     heights = max(b["height"] for b in boxes)
     assert all(b - a >= heights * 0.9 for a, b in zip(tops, tops[1:])), "labels overlap"
     page.locator(".focus-panel").screenshot(path=str(artifacts / "zoomed-labels.png"))
+
+
+def test_labels_are_sized_for_the_axes_drawn_not_the_last_ones(server, page, artifacts):
+    """The labels' fonts came from Plotly's axis lengths, which are the last figure's: after a
+    pair's A → B block (its 93 keys' axis the plot's full width) the whole pair's square keys' axis
+    was 2/3 of that, and its 47 labels at 10 px stood 8.4 px apart."""
+    open_page(page, server)
+    run(page, " ".join(["alpha"] * 30), " ".join(["be"] * 60))
+    page.select_option("#segments", "AB")
+    wait_plotted_shape(page, 32, 61)
+    page.select_option("#segments", "all")
+    wait_plotted_shape(page, 93, 93)
+    page.wait_for_timeout(100)  # the labels are placed once Plotly has laid the new axes out
+    for axis in "xy":  # the keys' labels stand upright (-90°) beyond 24: across them too, a font's height apart at least
+        gap, font = label_spacing(page, "#focus-plot", axis)
+        assert gap >= font, (axis, gap, font)
+    page.locator("#focus-plot").screenshot(path=str(artifacts / "labels-after-a-block.png"))
 
 
 # ---- 3. tokens as the model saw them ------------------------------------------------------------
@@ -245,6 +277,29 @@ def test_a_short_link_restores_every_control(server, make_page, artifacts):
     second.wait_for_selector("#measure-plot[data-measure='rollout'][data-words='true']", timeout=30_000)
 
 
+def test_back_to_the_bare_page_is_the_start_state_and_forward_the_run(server, page):
+    """Back to `/` from a run kept the run on screen (popstate found no view to restore and did
+    nothing): the start state is what a fresh visit shows."""
+    start = """() => ({
+        example: document.getElementById('focus-plot').dataset.example, text: document.getElementById('text').value,
+        controls: document.getElementById('controls').hidden, measures: document.getElementById('measures').hidden,
+        grid: document.getElementById('grid').textContent, headview: document.getElementById('headview').textContent,
+        title: document.getElementById('focus-title').textContent, search: location.search,
+    })"""
+    open_page(page, server)
+    fresh = page.evaluate(start)
+    assert fresh["example"] == "true" and fresh["controls"] and fresh["search"] == ""
+    run(page, SENTENCE)
+    wait_saved(page)
+    page.go_back()
+    page.wait_for_function("() => document.body.dataset.ready === 'true' && !location.search"
+                           " && document.getElementById('focus-plot').dataset.example === 'true'", timeout=10_000)
+    assert page.evaluate(start) == fresh
+    page.go_forward()
+    wait_focus(page, layer=0, head=0)
+    assert page.locator("#text").input_value() == SENTENCE
+
+
 def test_an_expired_link_says_so(server, page):
     open_page(page, server, "?view=" + "0" * 18)
     page.locator("#error").wait_for(state="visible")
@@ -265,6 +320,26 @@ def test_the_focused_heatmap_fits_a_laptop_screen(server, make_page, artifacts):
     assert plot["y"] + plot["height"] <= 768
     assert max(b["y"] + b["height"] for b in keys) <= 768
     page.screenshot(path=str(artifacts / "laptop-1366x768.png"))
+
+
+def test_a_window_resized_to_a_phone_lays_the_heatmap_out_as_a_phone_does(server, make_page, artifacts):
+    """Plotly's own resize kept the desktop margins (the keys' 40 px at the top, 90 px kept for the
+    colorbar beside the cells, now under them) until the next arrow key or option."""
+    layout = """() => { const gd = document.getElementById('focus-plot'); const m = gd._fullLayout.margin;
+        return { margin: [m.t, m.r, m.b, m.l].map(Math.round), height: gd._fullLayout.height, side: gd._fullLayout.xaxis.side }; }"""
+    phone = make_page(viewport=(400, 800))
+    open_page(phone, server)
+    run(phone, SENTENCE)
+    want = phone.evaluate(layout)
+    assert want["side"] == "top"
+
+    page = make_page(viewport=(1440, 900))
+    open_page(page, server)
+    run(page, SENTENCE)
+    assert page.evaluate(layout)["side"] == "bottom"
+    page.set_viewport_size({"width": 400, "height": 800})
+    page.wait_for_function(f"(want) => JSON.stringify(({layout})()) === JSON.stringify(want)", arg=want, timeout=5_000)
+    page.locator("#focus-plot").screenshot(path=str(artifacts / "resized-to-400.png"))
 
 
 def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artifacts):
