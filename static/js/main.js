@@ -216,18 +216,12 @@ async function loadFloat32() {
   const { layer, head } = state;
   const signal = state.controller.signal;
   const mean = meanKey();
-  let matrix = null;
-  if (mean) {
-    const layers = mean === "all" ? [...Array(run.nLayers).keys()] : [layer];
-    const reply = await fromRun(run, `f32:${key}`, (id) => fetchMean(id, layers, signal, "json"));
-    matrix = reply?.attention.decoded.values;
-  } else {
-    const reply = await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], "json", signal),
+  const reply = mean
+    ? await fromRun(run, `f32:${key}`, (id) => fetchMean(id, mean === "all" ? [...Array(run.nLayers).keys()] : [layer], signal, "json"))
+    : await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], "json", signal),
       { format: "json", post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format: "json" }, signal) });
-    matrix = reply?.attention.decoded.values;
-  }
-  if (!matrix || state.run !== run) return;
-  run.float32.set(key, matrix);
+  if (!reply || state.run !== run) return;
+  run.float32.set(key, reply.attention.decoded.values);
   if (float32Key() === key) renderViews();
 }
 
@@ -794,7 +788,7 @@ async function download(kind) {
   const focused = focusMatrix();
   let matrix = focused?.matrix;
   let precision = { f32: "float32", f16: "float16", u8: "uint8" }[focused?.precision];
-  if (state.aggregate === "head") {
+  if (state.aggregate === "head" && focused?.precision !== "f32") {
     // A single head is worth its exact float32 values: the cached run serves them without a new forward.
     try {
       const slice = await fetchSlice(run.runId, [state.layer], [state.head], "json", state.controller.signal);

@@ -3,7 +3,7 @@
 const SEGMENT_FILTERS = { all: [null, null], AA: [0, 0], AB: [0, 1], BA: [1, 0], BB: [1, 1] };
 
 export function isIdentity(options, hasPair) {
-  return !options.hideSpecial && !options.hideFirst && options.threshold <= 0 && (!hasPair || options.segments === "all");
+  return !renormalises(options) && options.threshold <= 0 && (!hasPair || options.segments === "all");
 }
 
 // Whether a view renormalises its rows: hiding tokens leaves each row the share the rest got.
