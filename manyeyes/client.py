@@ -75,7 +75,8 @@ class ServerTimeout(ManyeyesError):
 
 
 class ConnectionFailed(ManyeyesError):
-    """The server could not be reached."""
+    """The server could not be reached (code network), or did not answer within the client's
+    timeout_s (code timeout)."""
 
 
 class GenerationFailed(ManyeyesError):
@@ -448,6 +449,12 @@ class Client:
                 response = self.http.send(self.http.build_request(method, path, **kwargs), stream=stream)
                 if response.is_error and stream:
                     response.read()
+            except (httpx.ReadTimeout, httpx.WriteTimeout):
+                # Reached, but slower than the client allows: not a server to go looking for.
+                raise ConnectionFailed(
+                    0, "timeout", f"{self.http.base_url} took longer than this client's timeout_s "
+                    f"({self.http.timeout.read} s) to answer {method} {path}; raise Client(timeout_s=...) for slow requests",
+                ) from None
             except httpx.TransportError as exc:
                 raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
             if response.status_code == 429 and attempt < self.max_retries:

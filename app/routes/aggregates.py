@@ -24,7 +24,7 @@ from manyeyes.app.services.payload import View, render_result
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 
 
-@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 422, 429, 503))
+@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 429, 503))
 async def run_mean(
     run_id: str,
     service: ServiceDep,

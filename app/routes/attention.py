@@ -15,7 +15,7 @@ from manyeyes.app.services.errors import InvalidInput
 from manyeyes.app.services.wire import header_list
 
 router = APIRouter(prefix="/api/v1", tags=["attention"], route_class=LeanRoute)
-ERRORS = errors(401, 404, 413, 422, 429, 503, 504)
+ERRORS = errors(404, 413, 429, 503, 504)
 
 
 def wire_of(request: Request) -> Wire:

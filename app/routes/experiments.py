@@ -12,7 +12,7 @@ from manyeyes.app.schemas import AblateRequest, AblateResponse, ChangeTokenReque
 from manyeyes.app.services.experiments import ExperimentService
 
 router = APIRouter(prefix="/api/v1/experiments", tags=["experiments"])
-ERRORS = errors(404, 413, 422, 429, 503, 504)
+ERRORS = errors(404, 413, 429, 503, 504)
 
 
 async def get_experiments(request: Request) -> ExperimentService:  # async: no thread-pool hop (app/deps.py)

@@ -22,7 +22,7 @@ from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 router = APIRouter(tags=["page"])
 
 
-@router.get("/export", response_class=Response, responses={200: {"content": {"text/html": {}}}, **errors(401, 404, 413, 422, 429, 503, 504)})
+@router.get("/export", response_class=Response, responses={200: {"content": {"text/html": {}}}, **errors(404, 413, 429, 503, 504)})
 async def export_page(
     request: Request,
     service: ServiceDep,

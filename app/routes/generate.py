@@ -46,7 +46,7 @@ def inline_schema(model) -> dict:
                 }
             },
         },
-        **errors(404, 422, 429, 503),
+        **errors(404, 429, 503),
     },
 )
 async def generate(body: GenerateRequest, service: GenerationDep) -> StreamingResponse:

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import StringConstraints
+from pydantic import WithJsonSchema
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.clients import client_of
@@ -13,10 +13,11 @@ from manyeyes.app.deps import MeasuresDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
+from manyeyes.app.services.errors import InvalidInput, brief
 from manyeyes.app.services.measures import MATRIX_MEASURES
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
-ERRORS = errors(404, 413, 422, 429, 503)
+ERRORS = errors(404, 413, 429, 503)
 
 
 Index = Annotated[int, Query(ge=0, le=1_000_000)]
@@ -33,7 +34,9 @@ async def run_measures(
     run_id: str,
     service: MeasuresDep,
     request: Request,
-    names: Annotated[list[Annotated[str, StringConstraints(pattern=NAMES)]],
+    # The pattern is only in the schema: pydantic's own refusal quoted the regular expression
+    # and not the name that failed it.
+    names: Annotated[list[Annotated[str, WithJsonSchema({"type": "string", "pattern": NAMES})]],
                      Query(description=f"Comma-separated, any of {', '.join(MATRIX_MEASURES)}")],
     layers: Annotated[list[str] | None, Query(description="Comma-separated layer indices; default all")] = None,
     heads: Annotated[list[str] | None, Query(description="Comma-separated head indices; default all")] = None,
@@ -42,7 +45,10 @@ async def run_measures(
     """Rollout (T, T), value-weighted norms (L, H, T, T), head contributions (L, H, T), the word
     view and the head table of a run. The first value-based measure of a run costs one captured
     forward pass (kept); the rest come from the cached weights."""
-    asked = ",".join(names).split(",")  # the schema's pattern has checked every name
+    asked = ",".join(names).split(",")
+    unknown = next((name for name in asked if name not in MATRIX_MEASURES), None)
+    if unknown is not None:
+        raise InvalidInput(f"names: {brief(unknown)!r} is not a measure; the measures are {', '.join(MATRIX_MEASURES)}")
     layer_list, head_list = parse_index_list(layers, "layer"), parse_index_list(heads, "head")
     run, served = service.run(run_id)
     found = await service.matrices(run, served, asked, layer_list, head_list, format, client_of(request))

@@ -6,6 +6,8 @@ from manyeyes.app.schemas import ErrorResponse
 
 
 def errors(*statuses: int) -> dict:
+    """The error statuses of an /api route (or /export): the ones named, plus the 401 of a server
+    with API keys and the 422 of an unknown query parameter, which every such route can give."""
     descriptions = {
         401: "An API key is required (Authorization: Bearer <key>) and was missing or wrong",
         404: "Unknown model or run",
@@ -31,7 +33,7 @@ def errors(*statuses: int) -> dict:
             "description": descriptions[s],
             "content": {"application/json": {"example": {"error": {"code": examples[s][0], "message": examples[s][1]}}}},
         }
-        for s in statuses
+        for s in sorted({401, 422, *statuses})
     }
 
 

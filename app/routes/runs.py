@@ -32,7 +32,7 @@ Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
 End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length")]
 
 
-@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(401, 404, 413, 422, 503)})
+@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 503)})
 async def run_slice(
     run_id: str,
     service: ServiceDep,
@@ -48,14 +48,14 @@ async def run_slice(
     return answered(request, reply)
 
 
-@router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(401, 404))
+@router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(404))
 async def run_info(run_id: str, tiles: TilesDep) -> dict:
     """What a cached run is: its tokens, what it keeps (weights, or queries and keys), the bytes
     it holds, and the URL templates of the routes that serve it. (response_model validates it once.)"""
     return tiles.info(run_id)
 
 
-@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
+@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
 async def run_tile(
     run_id: str,
     tiles: TilesDep,
@@ -81,7 +81,7 @@ async def run_tile(
                                                client_of(request)))
 
 
-@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
+@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
 async def run_topk(
     run_id: str,
     tiles: TilesDep,
@@ -98,7 +98,7 @@ async def run_topk(
     return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
 
 
-@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(401, 404, 413, 422, 429)})
+@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
 async def run_overview(
     run_id: str,
     tiles: TilesDep,

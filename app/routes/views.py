@@ -39,7 +39,7 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
     resolve_indices(sorted({head, *heads}), info.n_heads, "head", info.id)
 
 
-@router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 422))
+@router.post("/views", response_model=ViewSaved, responses=errors(404, 413))
 def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep, service: ServiceDep) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
     model = registry.get(body.model).model  # 404: a model it does not serve

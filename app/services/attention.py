@@ -258,7 +258,7 @@ class AttentionService:
         for i, (text, pair) in enumerate(texts):
             size = len(text) + len(pair or "")
             if size > limit:
-                raise TooLong.chars(size, limit, f"texts[{i}]: " if batch else "")
+                raise TooLong.chars(size, limit, f"texts[{i}]: " if batch else "", pair=bool(pair))
 
     def _check_cells(self, lengths: list[int], view: View) -> None:
         if view.format != "json":

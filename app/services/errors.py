@@ -34,9 +34,11 @@ class TooLong(ApiError):
         return cls(label + str(exc))
 
     @classmethod
-    def chars(cls, size: int, limit: int, label: str = "") -> "TooLong":
-        """A paste over the server's character limit, refused before the tokenizer sees it."""
-        return cls(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")
+    def chars(cls, size: int, limit: int, label: str = "", pair: bool = False) -> "TooLong":
+        """A paste over the server's character limit, refused before the tokenizer sees it. The
+        limit counts text and text_pair together; a pair's message says so, or a short text looks blamed."""
+        what = f"text and text_pair are {size:,} characters long together" if pair else f"text is {size:,} characters long"
+        return cls(f"{label}{what}, over this server's limit of {limit:,}")
 
 
 class BodyTooLarge(ApiError):

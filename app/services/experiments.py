@@ -79,7 +79,7 @@ class ExperimentService:
     async def ablate(self, body) -> bytes:
         served = self.registry.get(body.model)
         info = served.model.info
-        self._check_chars(len(body.text) + len(body.text_pair or ""))
+        self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
         seen = set()
         for a in body.ablate:
             if not (a.layer < info.n_layers and a.head < info.n_heads):
@@ -92,7 +92,7 @@ class ExperimentService:
 
     async def change_token(self, body) -> bytes:
         served = self.registry.get(body.model)
-        self._check_chars(len(body.text) + len(body.text_pair or ""))
+        self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
         view = self._view(served, body.difference)
         return await self._run(self._change_token, served, body, view)
 
@@ -104,10 +104,10 @@ class ExperimentService:
         return await self._run(self._compare, served, body, view)
 
     # ------------------------------------------------------------------ bounds
-    def _check_chars(self, size: int, label: str = "") -> None:
+    def _check_chars(self, size: int, label: str = "", pair: bool = False) -> None:
         limit = self.settings.max_text_chars
         if size > limit:
-            raise TooLong(f"{label}text is {size:,} characters long, over this server's limit of {limit:,}")
+            raise TooLong.chars(size, limit, label, pair)
 
     @staticmethod
     def _view(served: Served, asked) -> tuple[list[int], list[int], str] | None:

@@ -64,6 +64,19 @@ def test_too_long_without_truncate_names_both_lengths(api):
     assert err["message"].startswith("texts[1]: ") and "602" in err["message"]
 
 
+def test_a_pair_over_the_character_limit_is_not_blamed_on_its_text_alone(api, monkeypatch):
+    # The limit counts text + text_pair; a 6-character text was refused as "text is 12 characters long".
+    monkeypatch.setattr(api.app.state.settings, "max_text_chars", 10)
+    expected = "text and text_pair are 12 characters long together, over this server's limit of 10"
+    err = error_of(api.post("/api/v1/attention", json={"text": "aaaaaa", "text_pair": "bbbbbb"}), 422)
+    assert err == {"code": "too_long", "message": expected}
+    err = error_of(api.post("/api/v1/experiments/change-token",
+                            json={"text": "aaaaaa", "text_pair": "bbbbbb", "index": 1, "change": "unk"}), 422)
+    assert err == {"code": "too_long", "message": expected}
+    err = error_of(api.post("/api/v1/attention", json={"text": "a" * 11}), 422)
+    assert err["message"] == "text is 11 characters long, over this server's limit of 10"
+
+
 def test_json_over_the_cell_budget_is_413_with_a_hint(api, monkeypatch):
     settings = api.app.state.settings
     monkeypatch.setattr(settings, "max_json_cells", 1000)  # 6*12*8*8 = 4608 cells

@@ -197,6 +197,22 @@ def test_bad_input_is_a_clear_4xx(client):
     assert refused.status_code == 422 and "language model" in refused.json()["error"]["message"]
 
 
+def test_an_unknown_measure_name_is_named_in_the_422_not_shown_as_a_regex(client):
+    # README: "an unknown measure ... is a 422 that names it"; the GET route answered with its
+    # schema's regular expression, which named neither the bad name nor the good ones plainly.
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    for names, bad in (("rollout,bogus", "'bogus'"), ("Rollout", "'Rollout'"), ("rollout,", "''")):
+        r = client.get(f"/api/v1/runs/{run_id}/measures", params={"names": names})
+        assert r.status_code == 422, r.text
+        message = r.json()["error"]["message"]
+        assert message == (f"names: {bad} is not a measure; the measures are rollout, value_norms, contributions, "
+                           "words, heads"), message
+    pattern = client.get("/openapi.json").json()["paths"]["/api/v1/runs/{run_id}/measures"]["get"]["parameters"]
+    assert any("rollout|value_norms" in str(p) for p in pattern)  # the schema still tells clients and fuzzers
+    r = client.get(f"/api/v1/runs/{run_id}/measures", params={"names": "rollout,words"})
+    assert r.status_code == 200 and set(r.json()["measures"]) == {"rollout", "words"}
+
+
 def test_json_over_the_cell_budget_is_a_413():
     small = serve(Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", max_json_cells=JSON_CELLS))
     try:

@@ -97,6 +97,20 @@ def test_an_unreachable_server_is_a_typed_error():
     assert not Client(f"http://127.0.0.1:{free_port()}", timeout_s=2).ready()
 
 
+def test_a_server_slower_than_timeout_s_is_not_reported_unreachable():
+    # A read timeout (a long flow graph, a busy server) said "could not be reached", which sends a
+    # user looking for a server that is up, instead of at the client's own timeout_s.
+    def slow(request):
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with Client("http://manyeyes.test", timeout_s=7.5, transport=httpx.MockTransport(slow)) as c, \
+            pytest.raises(ConnectionFailed) as err:
+        c.models()
+    assert err.value.status == 0 and err.value.code == "timeout"
+    assert err.value.message == ("http://manyeyes.test took longer than this client's timeout_s (7.5 s) to answer "
+                                 "GET /api/v1/models; raise Client(timeout_s=...) for slow requests")
+
+
 def test_the_api_key_is_sent_as_a_bearer_token():
     seen = {}
 
