@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -100,9 +101,11 @@ def error_from_response(response: httpx.Response) -> ManyeyesError:
 
 def retry_after(response: httpx.Response) -> float | None:
     try:
-        return max(float(response.headers["Retry-After"]), 0.0)
+        seconds = float(response.headers["Retry-After"])
     except (KeyError, ValueError):
         return None  # absent, or an HTTP date, which our server never sends
+    # "nan" (from a proxy, not from us) parses, and time.sleep(nan) raises: treat it as absent.
+    return max(seconds, 0.0) if not math.isnan(seconds) else None
 
 
 # ---- results ------------------------------------------------------------------------------------

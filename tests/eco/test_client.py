@@ -271,6 +271,23 @@ def test_generate_retries_a_429_and_a_broken_stream_or_body_is_a_typed_error():
         list(mocked.generate("Hi", 3))
 
 
+def test_a_retry_after_that_is_not_a_number_of_seconds_waits_the_default_instead_of_crashing(monkeypatch):
+    # "nan" parses as a float, and time.sleep(nan) raised ValueError out of the retry loop.
+    slept = []
+    monkeypatch.setattr("manyeyes.client.time.sleep", slept.append)
+    answers = iter(["nan", "inf", "-3", "Wed, 21 Oct 2026 07:28:00 GMT", None])
+
+    def answer(request):
+        value = next(answers)
+        if value is None:
+            return httpx.Response(200, json={"models": []})
+        return httpx.Response(429, json={"error": {"code": "queue_full", "message": "busy"}}, headers={"Retry-After": value})
+
+    with Client("http://manyeyes.test", max_retry_wait_s=12.0, transport=httpx.MockTransport(answer)) as mocked:
+        assert mocked.models() == []
+    assert slept == [1.0, 12.0, 1.0, 1.0]  # the default, capped, 0 (as "0" always has) is the default, the default
+
+
 def test_figures_say_a_kept_result_has_no_weights_to_draw(client):
     from manyeyes import figures
 
