@@ -3,7 +3,7 @@
 
 import { describeError } from "./api.js";
 import { el } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
 
 export function mountCompare(box) {
@@ -32,13 +32,14 @@ export function mountCompare(box) {
       const [ra, rb] = await Promise.all([run(input.text_a), run(input.text_b)]);
       if (token !== state.token) return;
       const pieces = (tokens) => tokens.map(pieceLabel);
-      heatmap(plots[0], ra.attention.data[0][0], { x: pieces(ra.tokens), y: pieces(ra.tokens), title: `A · L${layer} H${head}` });
-      heatmap(plots[1], rb.attention.data[0][0], { x: pieces(rb.tokens), y: pieces(rb.tokens), title: `B · L${layer} H${head}` });
+      heatmap(plots[0], maskLater(ra.attention.data[0][0], ra.causal), { x: pieces(ra.tokens), y: pieces(ra.tokens), title: `A · L${layer} H${head}` });
+      heatmap(plots[1], maskLater(rb.attention.data[0][0], rb.causal), { x: pieces(rb.tokens), y: pieces(rb.tokens), title: `B · L${layer} H${head}` });
       const aligned = reply.pairs.map(([i, j]) => {
         const [ta, tb] = [pieceLabel(reply.tokens_a[i]), pieceLabel(reply.tokens_b[j])];
         return ta === tb ? ta : `${ta}|${tb}`;
       });
-      const z = headRows(state.difference, layer, head);
+      // Aligned pairs keep their order, so a later aligned key is later in A and in B alike.
+      const z = maskLater(headRows(state.difference, layer, head), ra.causal);
       heatmap(plots[2], z, { x: aligned, y: aligned, signed: true, title: `A − B on aligned cells · L${layer} H${head}` });
       Object.assign(plots[2].dataset, { layer, head, ready: "true" });
     } catch (err) {

@@ -74,6 +74,12 @@ export function headRows({ values, shape }, layerIndex, headIndex) {
   return Array.from({ length: R }, (_, r) => Array.from(values.subarray(base + r * C, base + (r + 1) * C)));
 }
 
+// A causal row's later keys as null: the API sends 0 there, which would colour and read as a weight
+// of 0; null draws them in the masked grey, as the focused heatmap and the thumbnails do.
+export function maskLater(rows, causal) {
+  return causal ? rows.map((row, r) => row.map((v, c) => (c > r ? null : v))) : rows;
+}
+
 // The ranking as a table; clicking a row calls onPick(layer, head), and so does its head's button,
 // which is the keyboard's way in (one Tab stop a row, Enter or Space). `shows` says where the
 // picked head is shown, for the button's name. Text only, never HTML.

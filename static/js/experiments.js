@@ -4,7 +4,7 @@
 import { describeError } from "./api.js";
 import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
-import { clearPlot, currentInput, decodeTensor, headRows, heatmap, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
 import { mountGeneration } from "./generate_view.js";
 import { pieceLabel, visibleSpaces } from "./tokens.js";
 
@@ -12,6 +12,7 @@ import { pieceLabel, visibleSpaces } from "./tokens.js";
 const ablation = {
   input: null, // the form's input the stack belongs to
   clean: null, // decoded clean attention of that input
+  causal: false, // ...and whether its model reads only backwards
   tokens: [],
   stack: [], // [{ ablate: [...], reply, attention }], newest last
   shown: null, // { layer, head } drawn in the heatmap
@@ -51,6 +52,7 @@ async function ablateHead(layer, head) {
       }
       if (!stillShown(input)) return;
       ablation.tokens = clean.tokens;
+      ablation.causal = clean.causal;
       ablation.format = clean.attention.format;
       ablation.clean = decodeTensor(clean.attention);
     }
@@ -101,7 +103,7 @@ function renderAblation() {
   const tensor = current ? current.attention : ablation.clean;
   const labels = pieceLabels(ablation.tokens);
   const what = current ? `after ablating ${current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ")}` : "clean (nothing ablated)";
-  heatmap(plot, headRows(tensor, layer, head), { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
+  heatmap(plot, maskLater(headRows(tensor, layer, head), ablation.causal), { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
   Object.assign(plot.dataset, { layer, head, state: current ? "ablated" : "clean" });
   if (!current) {
     $("ablate-ranking").replaceChildren(el("p", { className: "hint", text: "Nothing ablated: the heatmap shows the clean run." }));

@@ -23,12 +23,12 @@ export function shortLabel(text) {
   return text.length > MAX_LABEL ? text.slice(0, MAX_LABEL - 1) + "…" : text;
 }
 
-// A weight as a reading gives it: three decimals, or two significant digits where three decimals
-// would read 0 (2e-5 is not none). A 0 reads as under `floor`, the largest weight the values shown
-// hold as 0 (a threshold's, or the precision's rounding), when that is above 0.
-export function weightText(value, floor = 0) {
+// A weight as a reading gives it: `digits` decimals, or two significant digits where those would
+// read 0 (2e-5 is not none). A 0 reads as under `floor`, the largest weight the values shown hold
+// as 0 (a threshold's, or the precision's rounding), when that is above 0.
+export function weightText(value, floor = 0, digits = 3) {
   if (value === 0 && floor > 0) return `< ${floor.toPrecision(2)}`;
-  return value === 0 || Math.abs(value) >= 5e-4 ? value.toFixed(3) : value.toPrecision(2);
+  return value === 0 || Math.abs(value) >= 0.5 * 10 ** -digits ? value.toFixed(digits) : value.toPrecision(2);
 }
 
 // The index range [lo, hi] an axis shows (the whole axis unless zoomed).

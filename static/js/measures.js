@@ -7,7 +7,7 @@ import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
 import { $, el, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
-import { ARROW_STEPS, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks } from "./focus.js";
+import { ARROW_STEPS, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks, weightText } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -361,7 +361,7 @@ class Measures {
     const top = predictions?.[String(i)]?.[0];
     const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
     const reading = $("measure-reading");
-    reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : matrix[i][j].toFixed(4)}${next}`;
+    reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : weightText(matrix[i][j], 0, 4)}${next}`;
     Object.assign(reading.dataset, { row: i, col: j });
     return reading.textContent;
   }

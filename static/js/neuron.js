@@ -4,6 +4,7 @@
 // scale); numbers are text.
 
 import { el } from "./dom.js";
+import { weightText } from "./focus.js";
 import { signedFill } from "./measures_colours.js";
 
 const CELL = 3; // px per vector component
@@ -61,7 +62,7 @@ export class NeuronPanel {
         el("td", {}, [strip(key, `key ${j}, norm ${norm(key).toFixed(3)}`)]),
         el("td", {}, [strip(view.products[j], `q ⊙ k, sum ${view.products[j].reduce((s, x) => s + x, 0).toFixed(4)}`)]),
         el("td", { className: "num score", text: masked ? "masked" : view.scores[j].toFixed(4) }),
-        el("td", { className: "num weight", text: view.weights[j].toFixed(4) }, []),
+        el("td", { className: "num weight", text: weightText(view.weights[j], 0, 4) }, []),
         el("td", {}, [strip(view.values[j], `value ${j}, norm ${norm(view.values[j]).toFixed(3)}`)]),
       ]);
     });

@@ -66,14 +66,20 @@ def api_ranking(ranking, limit=12):
     return [(c["layer"], c["head"], f"{c['divergence']:.4f}") for c in ranking[:limit]]
 
 
+def alt_ablate(page, api, text, model, layer, head):
+    """Alt-clicks a head's thumbnail (ablate it, zero) and waits for the page's ablated heatmap;
+    returns the API's answer to the same ablation, float32 attention included."""
+    page.click(f"#grid .thumb[data-layer='{layer}'][data-head='{head}']", modifiers=["Alt"])
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    return api.post("/api/v1/experiments/ablate", json={
+        "text": text, "model": model, "truncate": False, "ablate": [{"layer": layer, "head": head, "mode": "zero"}],
+        "top_k": 5, "attention": {"format": "json"}}).json()
+
+
 def test_ablate_from_the_grid_then_undo_restores_exactly(server, api, page, artifacts):
     open_page(page, server)
     run(page, SENTENCE, "minilm")
-    page.click("#grid .thumb[data-layer='1'][data-head='4']", modifiers=["Alt"])
-    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
-    first = api.post("/api/v1/experiments/ablate", json={
-        "text": SENTENCE, "model": "minilm", "truncate": False, "ablate": [{"layer": 1, "head": 4, "mode": "zero"}],
-        "top_k": 5, "attention": {"format": "json"}}).json()
+    first = alt_ablate(page, api, SENTENCE, "minilm", 1, 4)
     assert ranking_rows(page, "ablate-ranking") == api_ranking(first["ranking"])
     layer, head = first["ranking"][0]["layer"], first["ranking"][0]["head"]
     plot = page.locator("#ablate-plot")
@@ -458,3 +464,28 @@ def test_generate_and_stop_hand_keyboard_focus_to_each_other(slow_server, page):
         page.keyboard.press("Enter")
     assert page.evaluate("() => document.activeElement.id") == "gen-forward"
     assert page.locator("#gen-back").get_attribute("aria-label") == "Step back"
+
+
+def test_causal_experiment_heatmaps_draw_later_keys_masked_not_as_zeros(server, api, page, artifacts):
+    """The ablation and compare heatmaps of a causal model drew the keys after each row's token
+    (the API's zeros) as weights of 0, white in the light theme, and read them as 0.0000 on hover;
+    every other view of the page (the focus, the thumbnails, the generation heatmap) greys them."""
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    reply = alt_ablate(page, api, PROMPT, "tiny-causal", 0, 2)
+    layer, head = int(page.get_attribute("#ablate-plot", "data-layer")), int(page.get_attribute("#ablate-plot", "data-head"))
+    z = shown(page, "ablate-plot")
+    later = np.triu(np.ones(z.shape, dtype=bool), k=1)
+    assert np.isnan(z[later]).all(), "keys after the query's token are drawn as weights"
+    assert same(z[~later], f32(reply["attention"]["data"][layer][head])[~later])
+
+    page.fill("#compare-a", PROMPT)
+    page.fill("#compare-b", "the river bend")
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+    for plot in ("compare-plot-a", "compare-plot-b", "compare-plot-diff"):
+        z = shown(page, plot)
+        later = np.triu(np.ones(z.shape, dtype=bool), k=1)
+        assert np.isnan(z[later]).all(), plot
+        assert not np.isnan(z[~later]).any(), plot
+    page.locator("#experiments").screenshot(path=str(artifacts / "experiments-causal-masked.png"))

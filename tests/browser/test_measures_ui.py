@@ -557,3 +557,31 @@ def test_measures_on_a_server_that_quantises_on_the_device(page, tiny_api):
         assert page.locator("#measure-status").text_content() == ""
         assert page.locator("#error").is_hidden()
         assert failed == []
+
+
+def test_measure_and_neuron_readings_never_say_zero_for_a_weight_that_is_not(ran, tiny_api):
+    """The line under the measure heatmap and the neuron view's softmax gave four decimals: a weight
+    of 3e-6 read 0.0000 there while the focused heatmap's hover read it as 3.0e-6."""
+    page, run_id = ran
+    page.wait_for_selector("#measure-plot[data-measure='raw'][data-layer='0'][data-head='0']")
+    matrix = page.evaluate("() => document.getElementById('measure-plot').measured.matrix")
+    tiny = [(i, j) for i, row in enumerate(matrix) for j, v in enumerate(row[: i + 1]) if 0 < v < 5e-5]
+    assert tiny, "the head has no weight under 5e-5 to read"
+    row, col = tiny[0]
+    page.focus("#measure-plot")
+    page.keyboard.press("ArrowDown")  # the cursor lands on the top-left cell
+    for _ in range(row):
+        page.keyboard.press("ArrowDown")
+    for _ in range(col):
+        page.keyboard.press("ArrowRight")
+    line = page.locator("#measure-reading")
+    assert (line.get_attribute("data-row"), line.get_attribute("data-col")) == (str(row), str(col))
+    value = line.text_content().split(": ", 1)[1].split(" ·")[0]
+    assert float(value) == pytest.approx(matrix[row][col], rel=0.05), line.text_content()
+
+    page.select_option("#neuron-query", str(row))
+    page.wait_for_selector(f"#neuron[data-layer='0'][data-head='0'][data-query='{row}']")
+    view = tiny_api.get(f"/api/v1/runs/{run_id}/neuron", params={"layer": 0, "head": 0, "query": row}).json()
+    weights = page.locator("#neuron-table td.weight").all_text_contents()
+    for shown, want in zip(weights, view["weights"]):
+        assert shown != "0.0000" or want == 0, (shown, want)
