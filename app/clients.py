@@ -100,15 +100,27 @@ class TrustedProxies:
         return peer
 
 
+def on_loopback(address: str) -> bool:
+    """Whether a client address (as the server reads it, or from a trusted X-Forwarded-For) is
+    this machine: 127.0.0.0/8, ::1, IPv4-mapped loopback, or none at all (a Unix socket)."""
+    return not address or address.startswith(("127.", "::ffff:127.")) or address == "::1"
+
+
 class ClientIdentity:
     """Pure ASGI: refuses /api and /export (and /metrics when closed) without a valid key when keys
-    are configured, and records the client's identity in scope["state"]["client"]."""
+    are configured, and records the client's identity in scope["state"]["client"].
 
-    def __init__(self, app, keys: KeyRing, proxies: TrustedProxies, close_metrics: bool) -> None:
+    It also drops Accept-Encoding from a client on loopback (unless compress_loopback): there an
+    answer crosses no link that compression could speed up, and compressing it only costs time
+    (a T=128 u8 frame: 21 ms as it is, 32 ms with zstd). Everything after this middleware (the
+    attention service, GZipMiddleware) then answers that client uncompressed."""
+
+    def __init__(self, app, keys: KeyRing, proxies: TrustedProxies, close_metrics: bool, compress_loopback: bool = False) -> None:
         self.app = app
         self.keys = keys
         self.proxies = proxies
         self.close_metrics = close_metrics
+        self.compress_loopback = compress_loopback
 
     def guarded(self, path: str) -> bool:
         """Whether the request needs a key. Closed metrics do even on a server without keys (none
@@ -122,7 +134,10 @@ class ClientIdentity:
             await self.app(scope, receive, send)
             return
         peer = (scope.get("client") or ("", 0))[0]
-        client = "addr:" + self.proxies.client_address(peer, scope["headers"])
+        address = self.proxies.client_address(peer, scope["headers"])
+        client = "addr:" + address
+        if not self.compress_loopback and on_loopback(address):
+            scope["headers"] = [h for h in scope["headers"] if h[0] != b"accept-encoding"]
         if self.guarded(scope["path"]):
             token = bearer(scope["headers"])
             key_id = self.keys.match(token) if token else None  # no keys: nothing matches

@@ -152,6 +152,9 @@ class Settings(BaseSettings):
     attention_gzip_level: int = Field(1, ge=0, le=3)
     zstd_level: int = Field(1, ge=1, le=22)
     zstd_min_bytes: int = Field(64 * 1024, ge=0)
+    # A client on loopback (or a Unix socket) gets answers as they are, whatever Accept-Encoding
+    # says: there compressing only adds time (bench/link_bench.py). True compresses for it too.
+    compress_loopback: bool = False
     warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
 
     # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.

@@ -163,7 +163,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # Outside BodyLimit: a request without a valid key is refused before its body is read.
-    app.add_middleware(ClientIdentity, keys=keys, proxies=TrustedProxies(settings.trusted_proxies), close_metrics=settings.close_metrics)
+    app.add_middleware(
+        ClientIdentity, keys=keys, proxies=TrustedProxies(settings.trusted_proxies), close_metrics=settings.close_metrics,
+        compress_loopback=settings.compress_loopback,
+    )
     if settings.cors_origins:  # off by default: only the page this server serves may call the API
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],

@@ -164,3 +164,40 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies():
     assert proxies.client_address("192.0.2.1", headers) == "192.0.2.1"  # not a proxy: its own address
     assert proxies.client_address("127.0.0.1", []) == "127.0.0.1"
     assert TrustedProxies([]).client_address("127.0.0.1", headers) == "127.0.0.1"
+
+
+def test_loopback_addresses_are_told_from_others():
+    for local in ("127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1", ""):  # "": a Unix socket
+        assert clients.on_loopback(local), local
+    for remote in ("10.0.0.1", "192.0.2.1", "::2", "2001:db8::1", "::ffff:10.0.0.1", "1127.0.0.1", "testclient"):
+        assert not clients.on_loopback(remote), remote
+
+
+@pytest.mark.parametrize("peer, forwarded, compress_loopback, kept", [
+    ("127.0.0.1", None, False, False),
+    ("::1", None, False, False),
+    (None, None, False, False),  # a Unix socket: no client address
+    ("127.0.0.1", None, True, True),
+    ("192.0.2.1", None, False, True),
+    ("127.0.0.1", b"203.0.113.7", False, True),  # a trusted proxy on loopback, a remote client
+    ("192.0.2.9", b"127.0.0.1", False, True),  # not a trusted proxy: its own (remote) address counts
+])
+def test_accept_encoding_is_dropped_only_for_a_client_on_loopback(peer, forwarded, compress_loopback, kept):
+    import asyncio
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["headers"] = scope["headers"]
+        seen["client"] = scope["state"]["client"]
+
+    identity = clients.ClientIdentity(app, KeyRing([]), TrustedProxies(["127.0.0.1"]), close_metrics=False,
+                                      compress_loopback=compress_loopback)
+    headers = [(b"accept", b"*/*"), (b"accept-encoding", b"zstd, gzip")]
+    if forwarded:
+        headers.append((b"x-forwarded-for", forwarded))
+    scope = {"type": "http", "path": "/api/v1/attention", "headers": headers, "client": (peer, 5000) if peer else None}
+    asyncio.run(identity(scope, None, None))
+    assert ((b"accept-encoding", b"zstd, gzip") in seen["headers"]) is kept
+    assert (b"accept", b"*/*") in seen["headers"]  # nothing else is touched
+    assert seen["client"] == "addr:" + (forwarded.decode() if forwarded and peer == "127.0.0.1" else peer or "")

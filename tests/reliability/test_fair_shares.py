@@ -167,7 +167,7 @@ def test_forwarded_for_separates_clients_only_behind_a_trusted_proxy():
 
 
 def test_a_live_httpx_client_gets_and_decodes_zstd_frames():
-    with live_server() as server:
+    with live_server(compress_loopback=True) as server:
         text = "The heron waited by the old stone mill while the boats went past. " * 4
         with httpx.Client(base_url=server.url, timeout=60) as client:
             plain = client.post("/api/v1/attention", json={"text": text, "format": "u8"}, headers={"Accept-Encoding": "identity"})
@@ -179,3 +179,32 @@ def test_a_live_httpx_client_gets_and_decodes_zstd_frames():
             header, data = read_frame(r.content)
             assert header["run_id"] == plain.json()["run_id"]
             assert len(data) == header["attention"]["nbytes"]
+
+
+def test_a_live_loopback_client_is_answered_uncompressed_unless_it_speaks_for_a_remote_one():
+    """By default a client on loopback gets the bytes as they are: compressing only adds time
+    there. A trusted proxy on loopback forwarding a remote client's request gets zstd."""
+    text = "The heron waited by the old stone mill while the boats went past. " * 4
+    body = {"text": text, "format": "u8"}
+    with live_server(trusted_proxies="127.0.0.1") as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            local = client.post("/api/v1/attention", json=body, headers={"Accept": FRAME_MEDIA_TYPE})
+            assert "zstd" in local.request.headers["accept-encoding"]
+            assert "content-encoding" not in local.headers
+            assert int(local.headers["content-length"]) == len(local.content)
+            assert local.headers["vary"] == "Accept, Accept-Encoding"  # other clients may get zstd
+            forwarded = client.post("/api/v1/attention", json=body,
+                                    headers={"Accept": FRAME_MEDIA_TYPE, "X-Forwarded-For": "203.0.113.7"})
+            assert forwarded.headers["content-encoding"] == "zstd"
+            # Decoded by httpx: the same run's same bytes (the header's timings differ: a cache hit).
+            (local_header, local_data), (header, data) = read_frame(local.content), read_frame(forwarded.content)
+            assert header["run_id"] == local_header["run_id"] and bytes(data) == bytes(local_data)
+            # A forwarded address that is itself loopback is a local client too.
+            relayed = client.post("/api/v1/attention", json=body,
+                                  headers={"Accept": FRAME_MEDIA_TYPE, "X-Forwarded-For": "127.0.0.5"})
+            assert "content-encoding" not in relayed.headers
+            # The other routes' JSON (GZipMiddleware) follows the same rule.
+            docs = client.get("/openapi.json", headers={"Accept-Encoding": "gzip"})
+            assert docs.status_code == 200 and len(docs.content) > 1024 and "content-encoding" not in docs.headers
+            docs = client.get("/openapi.json", headers={"Accept-Encoding": "gzip", "X-Forwarded-For": "203.0.113.7"})
+            assert docs.headers["content-encoding"] == "gzip"
