@@ -126,6 +126,7 @@ def cmd_serve(args) -> int:
 
     from manyeyes.app.config import Settings
     from manyeyes.app.main import create_app
+    from manyeyes.app.server import server_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = Settings()
@@ -163,17 +164,7 @@ def cmd_serve(args) -> int:
         return 1
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
-    # Our own middleware writes one structured line per request, so uvicorn's access log is off.
-    # On SIGTERM uvicorn stops accepting at once and lets in-flight requests finish, then cancels
-    # what is left and runs the lifespan's shutdown. The grace period bounds the whole exit, so
-    # the drain gets all of it but a second kept for that shutdown and the interpreter's exit.
-    config = uvicorn.Config(
-        create_app(settings), host=args.host, port=args.port, access_log=False, log_level=args.log_level,
-        # uvicorn would believe X-Forwarded-For from loopback by default; the app decides whom
-        # to believe (MANYEYES_TRUSTED_PROXIES), so uvicorn must pass the real peer through.
-        proxy_headers=False,
-        timeout_graceful_shutdown=max(settings.shutdown_grace_s - 1.0, 0.0),
-    )
+    config = server_config(create_app(settings), settings, host=args.host, port=args.port, log_level=args.log_level)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

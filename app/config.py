@@ -127,6 +127,9 @@ class Settings(BaseSettings):
 
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
     shutdown_grace_s: float = Field(30.0, ge=0)
+    # A connection must deliver each whole request (head and body) within this many seconds of its
+    # first byte; slower ones are cut off (app/protocol.py). Idling between requests is uvicorn's keep-alive.
+    request_read_timeout_s: float = Field(30.0, gt=0)
 
     # Every cached run: 3/4 for recent runs (their weights, or queries and keys), 1/4 for the
     # measures' captured forwards, each an LRU of its own.

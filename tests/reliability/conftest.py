@@ -13,6 +13,7 @@ import uvicorn
 
 from manyeyes.app.config import Settings
 from manyeyes.app.main import create_app
+from manyeyes.app.server import server_config
 from tests.api.conftest import decode  # noqa: F401  (one decoder for every suite)
 
 HOST = "127.0.0.1"  # the only address these tests ever send traffic to
@@ -77,7 +78,7 @@ def live_server(wait: bool = True, **overrides):
     settings = Settings(**{"models": {"minilm": "minilm"}, "device": "cpu", "warmup": False, **overrides})
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(server_config(app, settings, host=HOST, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="live-server", daemon=True)
     thread.start()
     try:
