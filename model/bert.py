@@ -119,7 +119,11 @@ class BertEncoder(ShapeInfo, nn.Module):
         # (b, num_tokens, emb_dim)
         x = self.tok_emb(in_idx) + self.pos_emb(self.positions(in_idx))
         if self.type_emb is not None:
-            x = x + self.type_emb(token_type_ids if token_type_ids is not None else torch.zeros_like(in_idx))
+            # One segment embedding (RoBERTa, and BERTs trained without pairs): a pair's second text
+            # has no row of its own (transformers raises an IndexError), so every token reads row 0,
+            # the only one the model has; Token.segment still tells the two texts apart.
+            one_segment = token_type_ids is None or self.cfg.type_vocab_size == 1
+            x = x + self.type_emb(torch.zeros_like(in_idx) if one_segment else token_type_ids)
         x = self.emb_norm(x)
         layers = []
         for i, block in enumerate(self.trf_blocks):

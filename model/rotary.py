@@ -199,7 +199,9 @@ def rope_parameters(config: dict, theta_key: str = "rope_theta") -> dict:
     transformers 5 writes one `rope_parameters` dict (with rope_theta inside); 4.x wrote a
     top-level `rope_theta` and a `rope_scaling` dict (or null) whose kind was `type` or `rope_type`.
     """
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    # Both present (a transformers-5 config given a `rope_scaling` by hand): transformers reads
+    # rope_scaling and drops rope_parameters (`rope_scaling or rope_parameters`), and so do we.
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     params.setdefault("rope_theta", config.get(theta_key, 10000.0))
     if "partial_rotary_factor" in config:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])

@@ -136,6 +136,25 @@ def test_distilbert_matches_transformers(tmp_path, minilm_dir, heads, sinusoidal
     assert (torch.stack([a[0] for a in out.attentions]) - pair.attention).abs().max().item() <= 1e-5
 
 
+def test_a_pair_on_a_one_segment_bert_reads_segment_row_0(tmp_path, minilm_dir):
+    """type_vocab_size 1 has no row for a pair's second text: an IndexError traceback ("index out of
+    range in self") from `manyeyes attend A --pair B`. Every token reads row 0, as RoBERTa's pairs do."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(4)
+    config = BertConfig(vocab_size=30522, hidden_size=15, num_hidden_layers=2, num_attention_heads=3,
+                        intermediate_size=30, max_position_embeddings=40, type_vocab_size=1)
+    ref = save(BertModel(config), tmp_path, minilm_dir / "tokenizer.json", BertModel)
+    pair = load(tmp_path, device="cpu").attend("Where is it?", "On the bank.")
+    assert [t.segment for t in pair.tokens] == [0] * 6 + [1] * 5  # [CLS] where is it ? [SEP] | on the bank . [SEP]
+    ids = torch.tensor([[t.id for t in pair.tokens]])
+    with torch.no_grad():
+        out = ref(ids, token_type_ids=torch.zeros_like(ids), output_attentions=True, output_hidden_states=True)
+    assert peakedness(out.attentions) > 0.6
+    assert (torch.stack([a[0] for a in out.attentions]) - pair.attention).abs().max().item() <= 1e-5
+    assert (out.hidden_states[-1][0] - pair.hidden).abs().max().item() <= 1e-4
+
+
 def test_distilbert_sinusoidal_table_is_derived_when_not_saved(tmp_path, minilm_dir):
     from safetensors.torch import load_file, save_file
     from transformers import DistilBertConfig, DistilBertModel

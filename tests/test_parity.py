@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from manyeyes.model import load
+from manyeyes.model import ModelLoadError, load
 
 SENTENCES = [
     "The bank of the river.",
@@ -209,6 +209,19 @@ def test_gpt2_untied_head_and_pytorch_bin(tmp_path, bytelevel_tokenizer):
     with torch.no_grad():
         ref = ref_model(ids)
     assert (ref.logits[0] - r.logits).abs().max().item() <= 1e-4
+
+
+def test_gpt2_untied_checkpoint_without_its_head_is_refused(tmp_path, bytelevel_tokenizer):
+    """tie_word_embeddings false and no lm_head.weight: the head used to be wte, predicting silently
+    wrong; the llama family already names the missing key."""
+    from safetensors.torch import load_file, save_file
+
+    _save_gpt2(tmp_path, bytelevel_tokenizer, 1, 3, 24, tie=False)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: missing key 'lm_head\.weight' \(tie_word_embeddings is false\)"):
+        load(tmp_path, device="cpu")
 
 
 def test_legacy_bert_keys(tmp_path, minilm_dir, minilm):

@@ -347,6 +347,22 @@ def test_transformers4_configs_load_the_same(tmp_path, bytelevel_tokenizer, case
     assert_parity(load(tmp_path, device="cpu"), ref_model)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_rope_scaling_added_to_a_transformers5_config_wins_as_in_transformers(tmp_path, bytelevel_tokenizer, family):
+    """A config with both spellings (rope_scaling written by hand into a saved rope_parameters config):
+    transformers reads rope_scaling; ours ran the saved default RoPE (attention 0.92 off)."""
+    overrides = dict(num_key_value_heads=2) if family == "llama" else dict(hidden_size=64, num_attention_heads=4)
+    save_random(tmp_path, bytelevel_tokenizer, family, 12, **overrides)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    assert config["rope_parameters"]["rope_type"] == "default"
+    path.write_text(json.dumps(config | {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    config_cls, model_cls = _classes(family)
+    ref_model = model_cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert ref_model.config.rope_parameters["rope_type"] == "linear"
+    assert_parity(load(tmp_path, device="cpu"), ref_model)
+
+
 @pytest.mark.parametrize("family, model_class, head_class", [
     ("llama", "LlamaModel", None),
     ("llama", "LlamaForSequenceClassification", "LlamaModel"),

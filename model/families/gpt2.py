@@ -11,6 +11,7 @@ from manyeyes.model.gpt import GPTConfig, GPTModel
 from manyeyes.model.keymap import (
     TASK_HEADS,
     gelu_form,
+    head_required,
     map_state,
     need,
     pop_required,
@@ -70,7 +71,10 @@ def build(config: dict, path: Path) -> GPTModel:
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    return GPTModel(cfg)
+    net = GPTModel(cfg)
+    # An untied LM checkpoint's head is its own tensor: wte in its place predicts silently wrong.
+    net.needs_untied_head = config.get("tie_word_embeddings", True) is False and head_required(config)
+    return net
 
 
 def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict[str, torch.Tensor]:
@@ -89,6 +93,8 @@ def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict
                 ours = f"trf_blocks.{i}.att.{name}.{kind}"
                 mapped[ours] = transpose(part) if kind == "weight" else part
                 mapped.sources[ours] = key
+    if lm_head is None and getattr(net, "needs_untied_head", False):
+        raise ModelLoadError(f"{path}: missing key 'lm_head.weight' (tie_word_embeddings is false)")
     mapped["out_head.weight"] = lm_head.float() if lm_head is not None else mapped["tok_emb.weight"]
     refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES) or k.startswith(TASK_HEADS), "gpt2", path)
     return mapped
