@@ -147,9 +147,15 @@ def export_html(
     model, text: str, text_pair: str | None = None, *, layer: int = 0, head: int = 0, truncate: bool = False,
     format: str | None = None,
 ) -> str:
-    """One run of a loaded model (manyeyes.load) as a one-file HTML viewer."""
+    """One run of a loaded model (manyeyes.load) as a one-file HTML viewer, focused on `layer`
+    and `head` when it opens. ValueError for a layer or head the model does not have."""
     from manyeyes.app.services.cache import Run, run_id_for
 
+    info = model.info
+    if not (0 <= layer < info.n_layers and 0 <= head < info.n_heads):
+        # The page would open on a head that is not there (it fell back to a clamped one unasked).
+        raise ValueError(f"model {info.id} has layers 0..{info.n_layers - 1} and heads 0..{info.n_heads - 1}; "
+                         f"got layer {layer}, head {head}")
     result = model.run([model.encode(text, text_pair, truncate=truncate)])[0]
     n_layers, n_heads, n_tokens = result.attention.shape[:3]
     view = View(list(range(n_layers)), list(range(n_heads)), format or pick_format(n_layers, n_heads, n_tokens))

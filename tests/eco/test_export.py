@@ -102,6 +102,16 @@ def test_cli_export_opens_from_disk_with_grid_focus_and_head_view(browser, tiny_
         context.close()
 
 
+def test_export_html_refuses_a_layer_or_head_the_model_lacks(tiny_gpt):
+    # The CLI checked them; the Python function wrote a file that opened on some other head.
+    from manyeyes.export import export_html
+
+    for layer, head in ((2, 0), (0, 8), (-1, 0)):
+        with pytest.raises(ValueError, match=r"model tiny-gpt has layers 0\.\.1 and heads 0\.\.7"):
+            export_html(tiny_gpt, "The bank.", layer=layer, head=head)
+    assert "<html" in export_html(tiny_gpt, "The bank.", layer=1, head=7).lower()
+
+
 def test_hostile_text_stays_text_in_the_file(browser, tiny_gpt, tmp_path):
     text = "</script><script>alert(1)</script><!-- <img src=x onerror=alert(2)>"
     out = tmp_path / "hostile.html"
