@@ -527,12 +527,37 @@ export class FocusView {
   }
 
   // Shift+arrows (main.js): a cell cursor for those who cannot hover, kept inside the zoomed
-  // window; it starts at the window's top-left cell and reads each cell as hovering would.
+  // window (a step past its edge pans it, panTo); it starts at the window's top-left cell and
+  // reads each cell as hovering would.
   moveCursor(dRow, dCol) {
+    // A step, not a re-placing (dRow = dCol = 0 after a zoom, which brings the cursor into view instead).
+    if ((dRow || dCol) && this.current && this.cursor && this.panTo(this.cursor.row + dRow, this.cursor.col + dCol)) return;
     const step = this.current && stepCursor(this.plot, this.cursor, dRow, dCol, this.current.nRows, this.current.nCols, this.cursorBox);
     if (!step) return;
     this.cursor = step.cell;
     this.showReading(step.clientX, step.clientY);
+  }
+
+  // A cursor stepped past the edge of a zoomed window pans the window along, as a map does: the
+  // modebar's + and − zoom only around the centre, so a keyboard could not reach the rest of a
+  // long run. Returns whether it panned; the relayout's decorate() then places and reads the cursor.
+  panTo(row, col) {
+    const xa = this.plot._fullLayout?.xaxis;
+    const ya = this.plot._fullLayout?.yaxis;
+    if (!xa || !ya) return false;
+    const { nRows, nCols } = this.current;
+    // Cells whose centres are in view are ceil(lo)..floor(hi) (stepCursor); a whole-cell shift keeps that.
+    const shift = (axis, i, n) => {
+      if (i < 0 || i >= n) return 0;
+      const [lo, hi] = [Math.min(...axis.range), Math.max(...axis.range)];
+      return i < Math.ceil(lo) ? i - Math.ceil(lo) : i > Math.floor(hi) ? i - Math.floor(hi) : 0;
+    };
+    const dx = shift(xa, col, nCols);
+    const dy = shift(ya, row, nRows);
+    if (!dx && !dy) return false;
+    this.cursor = { row: Math.max(0, Math.min(nRows - 1, row)), col: Math.max(0, Math.min(nCols - 1, col)) };
+    window.Plotly.relayout(this.plot, { "xaxis.range": xa.range.map((v) => v + dx), "yaxis.range": ya.range.map((v) => v + dy) });
+    return true;
   }
 
   listen() {

@@ -93,6 +93,26 @@ export class LongHeadView {
       if (item) this.draw({ axis, index: Number(item.dataset.index) });
     });
     list.addEventListener("mouseleave", () => this.draw(null));
+    // The keyboard's hover, as the short head view's (headview.js): one Tab stop a list (the last
+    // token focused), ↑ ↓ (PageUp, PageDown by 10) to walk its tokens, not its gap markers.
+    const tokens = [...list.querySelectorAll("li[data-index]")];
+    tokens.forEach((item, i) => { item.tabIndex = i ? -1 : 0; });
+    list.addEventListener("focusin", (event) => {
+      const item = event.target.closest("li[data-index]");
+      if (!item) return;
+      for (const other of tokens) other.tabIndex = other === item ? 0 : -1;
+      this.draw({ axis, index: Number(item.dataset.index) });
+    });
+    list.addEventListener("focusout", (event) => {
+      if (!list.contains(event.relatedTarget)) this.draw(null);
+    });
+    list.addEventListener("keydown", (event) => {
+      const at = tokens.indexOf(event.target.closest("li[data-index]"));
+      const step = { ArrowDown: 1, ArrowUp: -1, PageDown: 10, PageUp: -10 }[event.key];
+      if (at < 0 || !step) return;
+      event.preventDefault();
+      tokens[Math.max(0, Math.min(tokens.length - 1, at + step))].focus();
+    });
   }
 
   draw(focus) {
