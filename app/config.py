@@ -130,6 +130,8 @@ class Settings(BaseSettings):
     # A connection must deliver each whole request (head and body) within this many seconds of its
     # first byte; slower ones are cut off (app/protocol.py). Idling between requests is uvicorn's keep-alive.
     request_read_timeout_s: float = Field(30.0, gt=0)
+    # The request line and headers of one request, at most (431 beyond; app/server.py).
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
 
     # Every cached run: 3/4 for recent runs (their weights, or queries and keys), 1/4 for the
     # measures' captured forwards, each an LRU of its own.
