@@ -298,7 +298,9 @@ class MeasuresService:
             "query": rows(view.query), "keys": rows(view.keys), "products": rows(view.products),
             # -inf (a masked key) is not JSON: null says "masked" instead.
             "scores": [None if s == float("-inf") else round(s, 6) for s in view.scores.tolist()],
-            "weights": rows(view.weights), "values": rows(view.values),
+            # Six significant digits, not decimals: a weight of 4.6e-7 read 0 (and the page's
+            # softmax column 0.0000) where its score said otherwise.
+            "weights": [float(f"{w:.6g}") for w in view.weights.tolist()], "values": rows(view.values),
         }
 
     async def logits(self, run_id: str, position: int, target: int | None, top: int) -> dict:

@@ -146,6 +146,8 @@ def test_neuron_view_equals_the_python_function(client, tiny):
     assert got["scores"][10:] == [None] * (len(scores) - 10)  # later keys are masked: null, not -inf
     np.testing.assert_allclose(got["scores"][:10], scores[:10], atol=1e-5)
     assert math.isclose(sum(got["weights"]), 1.0, abs_tol=1e-5)
+    # Weights keep six significant digits, however small: six decimals read 4.6e-7 as 0.
+    np.testing.assert_allclose(got["weights"], view.weights.numpy(), rtol=5e-6, atol=0)
 
 
 def test_logit_attribution_equals_the_python_function_and_adds_up(client, tiny):
