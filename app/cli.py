@@ -55,6 +55,12 @@ def cmd_attend(args) -> int:
 
     if _bad_text(args):
         return 2
+    json_only = [name for name, given in (("--layers", args.layers), ("--heads", args.heads),
+                                          ("--format", args.format != "json")) if given]
+    if json_only and not args.json:  # the table shows one head, and would drop them without a word
+        print(f"error: {', '.join(json_only)} shape the --json answer; add --json, or choose the table's head with "
+              "--layer and --head", file=sys.stderr)
+        return 2
     model = load(args.model, device=args.device, dtype=args.dtype, show_progress=True)
     info = model.info
     if args.top_k and not info.predictions:

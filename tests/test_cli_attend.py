@@ -39,6 +39,14 @@ def test_attend_errors_are_words_not_tracebacks(capsys):
     assert "no such model file or folder" in capsys.readouterr().err
 
 
+def test_json_only_options_without_json_are_refused_not_ignored(capsys):
+    # `--layers 0` without --json printed layer 0 head 0's table as if the option had been read.
+    for extra in (["--layers", "2"], ["--heads", "1,3"], ["--format", "u8"]):
+        assert main(["attend", "The bank.", *extra]) == 2
+        assert capsys.readouterr().err == (f"error: {extra[0]} shape the --json answer; add --json, or choose the table's "
+                                           "head with --layer and --head\n")
+
+
 def test_python_dash_m_exits_with_the_commands_status():
     """`python -m manyeyes` dropped main()'s return value: every error exited 0."""
     import subprocess
