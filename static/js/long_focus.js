@@ -335,7 +335,9 @@ export class TiledFocusView extends FocusView {
     let text;
     if (cell) {
       const { row: q, col: k } = cell;
-      text = `${labels[q]} → ${labels[k]}: ${this.reading(q, k, clientX, clientY)}`;
+      // Positions too: past 64 tokens in view not every row is labelled, and a keyboard user
+      // panning with the cell cursor could not tell where it was.
+      text = `#${q} ${labels[q]} → #${k} ${labels[k]}: ${this.reading(q, k, clientX, clientY)}`;
       if (this.spans) text += `\n${this.spans(q)} → ${this.spans(k)}`;
       this.tooltip.dataset.query = q;
       this.tooltip.dataset.key = k;

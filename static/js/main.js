@@ -358,7 +358,7 @@ function labelPlot(precision) {
   plot.dataset.precision = precision;
   plot.dataset.scale = state.scale;
   plot.dataset.example = "false";
-  plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers; Shift+arrow keys read the weights cell by cell.`);
+  plot.setAttribute("aria-label", `${focusTitle()}: attention heatmap, queries on rows, keys on columns. Arrow keys step through heads and layers; Shift+arrow keys read the weights cell by cell, and pan a zoomed view past its edge.`);
 }
 
 // A long run's focus: the head's overview at once, then the server's tiles of what is in view.

@@ -245,7 +245,7 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
     weights = mock.head(0, 0)
     for q, k in [(1020, 1000), (1039, 1027), (1005, 1004), (1030, 985)]:
         text = hover_cell(page, q, k)
-        assert text.startswith(f"{mock.tokens[q]['piece']} → {mock.tokens[k]['piece']}: ")
+        assert text.startswith(f"#{q} {mock.tokens[q]['piece']} → #{k} {mock.tokens[k]['piece']}: ")
         assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=6e-4)
     assert hover_cell(page, 1001, 1020).endswith(": masked")
     # (1010, 1026) lies in a tile wholly above the diagonal, never fetched: painted masked all the same.
