@@ -83,6 +83,11 @@ def add_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code in (404, 405):
             message = f"{message}: {request.method} {request.url.path}"
+        elif exc.status_code == 400 and exc.__cause__ is not None:
+            # FastAPI's "There was an error parsing the body" says nothing of why (a 5,000-digit
+            # number, JSON nested past Python's recursion limit); the exception it wraps does.
+            cause = exc.__cause__
+            message = f"{message}: {brief(str(cause) or type(cause).__name__, 200)}"
         return error_response(exc.status_code, code, message, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -195,6 +195,17 @@ def test_hostile_body_is_a_4xx_json_error(client, body, headers, status):
     assert len(err["message"]) < 2000
 
 
+@pytest.mark.parametrize("name, why", [
+    ("integer too long to parse", "Exceeds the limit (4300 digits) for integer string conversion"),
+    ("deeply nested", "maximum recursion depth exceeded"),
+])
+def test_a_body_that_cannot_be_parsed_says_why(client, name, why):
+    # FastAPI's own words were "There was an error parsing the body", and no more.
+    body, headers, _ = HOSTILE_BODIES[name]
+    message = assert_json_error(client.post(ATTENTION, content=body, headers=headers), 400)["message"]
+    assert message.startswith("There was an error parsing the body: ") and why in message, message
+
+
 @pytest.mark.parametrize(
     "body",
     [
