@@ -227,7 +227,13 @@ class RemoteResult:
     precision: str = "json"
 
     def head(self, layer: int, head: int) -> np.ndarray:
-        """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it."""
+        """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it, ValueError
+        for a long run that kept queries and keys (read it with Client.tile / topk / overview)."""
+        if self.attention is None:
+            raise ValueError(
+                f"run {self.run_id} kept queries and keys (kept={self.kept!r}), not whole weights: read a head "
+                f"with Client.tile(result, {layer}, {head}) (any window, pooled or exact), topk or overview"
+            )
         try:
             return self.attention[self.layers.index(layer), self.heads.index(head)]
         except ValueError:
@@ -480,9 +486,18 @@ class Client:
         return True
 
     def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        """Until the server is ready: NotReady if it still answered 503 after timeout_s,
+        ConnectionFailed if it could not be reached (a wrong URL, no server started)."""
         deadline = time.monotonic() + timeout_s
-        while not self.ready():
+        while True:
+            try:
+                self._send("GET", "/readyz")
+                return
+            except (NotReady, ConnectionFailed) as exc:
+                last = exc
             if time.monotonic() > deadline:
+                if isinstance(last, ConnectionFailed):
+                    raise ConnectionFailed(0, last.code, f"not ready after {timeout_s:g} s: {last.message}") from None
                 raise NotReady(503, "not_ready", f"not ready after {timeout_s:g} s")
             time.sleep(poll_s)
 

@@ -7,6 +7,7 @@ plotly package (no CDN), and `to_html` writes standalone files the same way.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,23 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 COLORSCALE = "Blues"
+
+
+def _hsl(h: float, s: float, l: float) -> str:
+    """static/js/theme.js's hsl(), to the same hex (JS Math.round: halves up)."""
+    a = s * min(l, 1 - l)
+
+    def f(n: int) -> int:
+        k = (n + h / 30) % 12
+        return math.floor(255 * (l - a * max(-1, min(k - 3, 9 - k, 1))) + 0.5)
+
+    return f"#{f(0):02x}{f(8):02x}{f(4):02x}"
+
+
+# The page's head colours (theme.js, light theme): Tableau 10, then 22 more spread in hue and
+# alternating in lightness, so that heads 10..31 never repeat the first ten.
 HEAD_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+HEAD_COLORS += [_hsl(i * 360 / 11 + 18, 0.9, (0.28, 0.6)[i % 2]) for i in range(32 - len(HEAD_COLORS))]
 MIN_DRAWN = 0.02  # head view: fainter lines only add noise
 BUCKETS = 10
 
@@ -65,7 +82,8 @@ def weights_of(result) -> Weights:
     if attention is None or getattr(attention, "ndim", 4) != 4:
         raise ValueError(
             "this result kept queries and keys (a long input), not its weights: there is nothing whole to "
-            "draw; read its heads with Client.tile / topk / overview, or run a shorter text"
+            "draw; read its heads with Client.tile / topk / overview (a client's result), result.kept.block or "
+            "manyeyes.model.kept.pooled / topk_rows (a local one), or run a shorter text"
         )
     if hasattr(attention, "detach"):  # a torch tensor: a local AttentionResult holds every head
         attention = attention.detach().float().cpu().numpy()

@@ -370,3 +370,23 @@ def test_the_client_imports_without_torch(tmp_path):
     from manyeyes import load  # the rest of the package's names still come from it
 
     assert load.__module__.startswith("manyeyes.model")
+
+
+def test_head_of_a_kept_result_says_to_read_tiles_not_a_none_subscript():
+    """r.head(1, 3) on a long run (kept queries and keys, attention None) raised TypeError:
+    'NoneType' object is not subscriptable."""
+    from manyeyes.client import RemoteResult
+
+    kept = RemoteResult(run_id="9f1c", model="tiny-llama", causal=True, n_layers=2, n_heads=4, tokens=[], truncated=False,
+                        layers=[0, 1], heads=[0, 1, 2, 3], attention=None, format=None, device="cpu", timing_ms={}, kept="qk")
+    with pytest.raises(ValueError, match=r"run 9f1c kept queries and keys.*Client\.tile\(result, 1, 3"):
+        kept.head(1, 3)
+
+
+def test_wait_ready_on_an_unreachable_server_says_it_could_not_be_reached():
+    """A wrong URL (or no server started) waited out timeout_s, then raised NotReady 503
+    "not_ready", as if a server had answered that its models were loading."""
+    with Client(f"http://127.0.0.1:{free_port()}", timeout_s=2) as c, pytest.raises(ConnectionFailed) as err:
+        c.wait_ready(timeout_s=0.3, poll_s=0.05)
+    assert (err.value.status, err.value.code) == (0, "network")
+    assert err.value.message.startswith("not ready after 0.3 s: http://127.0.0.1:") and "could not be reached" in err.value.message

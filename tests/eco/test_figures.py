@@ -107,3 +107,29 @@ def test_whitespace_tokens_are_labelled_as_the_page_labels_them():
     tokens = [SimpleNamespace(text=t) for t in ("a", " ", "\n", "b\tc", "\x00")]
     result = SimpleNamespace(attention=np.full((1, 1, 5, 5), 0.2, dtype=np.float32), layers=[0], heads=[0], tokens=tokens)
     assert weights_of(result).tokens == ["a", "␣", "↵", "b⇥c", "‹00›"]
+
+
+def test_head_view_gives_each_of_up_to_32_heads_its_own_colour_as_the_page_does():
+    """Heads 10 and 11 of a 12-head model (MiniLM) were drawn in the colours of heads 0 and 1;
+    the page (static/js/theme.js) extends the ten Tableau colours to 32 distinct ones."""
+    from types import SimpleNamespace
+
+    tokens = [SimpleNamespace(text=t) for t in "abc"]
+    result = SimpleNamespace(attention=np.full((1, 12, 3, 3), 1 / 3, dtype=np.float32), layers=[0], heads=list(range(12)),
+                             tokens=tokens)
+    fig = figures.head_view(result, layer=0)
+    legend = {t.name: t.line.color for t in fig.data if t.name}
+    assert len(set(legend.values())) == 12, legend
+    # The page's own colours (theme.js extendHeads, light theme): Tableau 10, then hsl(18 + 360 i / 11, 0.9, 0.28 / 0.6).
+    assert (legend["head 0"], legend["head 9"], legend["head 10"], legend["head 11"]) == ("#1f77b4", "#17becf", "#882e07", "#f5d83d")
+    assert len(set(figures.HEAD_COLORS)) == 32
+
+
+def test_a_local_kept_result_is_pointed_at_its_own_kept_views(tiny_gpt):
+    """A local run kept with Capture(keep=True) was told to use Client.tile / topk / overview,
+    which need a server; the local views are result.kept.block and manyeyes.model.kept."""
+    from manyeyes import Capture
+
+    kept = tiny_gpt.run([tiny_gpt.encode("In the beginning")], Capture(keep=True))[0]
+    with pytest.raises(ValueError, match=r"kept queries and keys.*result\.kept\.block.*manyeyes\.model\.kept\.pooled"):
+        figures.grid(kept)
