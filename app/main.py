@@ -166,7 +166,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         compresslevel=settings.gzip_level,
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE, FRAME_MEDIA_TYPE),
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.request_read_timeout_s)
     # Outside BodyLimit: a request without a valid key is refused before its body is read.
     app.add_middleware(
         ClientIdentity, keys=keys, proxies=TrustedProxies(settings.trusted_proxies), close_metrics=settings.close_metrics,

@@ -33,11 +33,14 @@ async def send_error(send, status: int, code: str, message: str, headers: list |
 
 class BodyLimit:
     """Refuses bodies over `max_bytes` with 413 before any of it is parsed: by Content-Length when
-    given, else while reading. The body is buffered (the routes need it whole anyway) and replayed."""
+    given, else while reading; and bodies not whole within `read_timeout_s` of the head with 408
+    (a client that sent half a body and stopped held its connection and handler for ever). The
+    body is buffered (the routes need it whole anyway) and replayed."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
@@ -54,21 +57,30 @@ class BodyLimit:
                     await send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
                     return
         chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                # Nobody reads it (uvicorn drops writes to a closed connection), but the access
-                # log and metrics then say what happened, not a 500.
-                await send_error(send, ClientClosed.status, ClientClosed.code, "the client closed the connection mid-body")
-                return
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
-                return
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
+        try:
+            # One deadline for the whole body, not each read: a byte every few seconds would
+            # otherwise hold the connection and its handler for ever.
+            async with asyncio.timeout(self.read_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        # Nobody reads it (uvicorn drops writes to a closed connection), but the
+                        # access log and metrics then say what happened, not a 500.
+                        await send_error(send, ClientClosed.status, ClientClosed.code, "the client closed the connection mid-body")
+                        return
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        await send_error(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                        return
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            await send_error(send, 408, "request_timeout",
+                             f"the request body was not sent within {self.read_timeout_s:g} s (MANYEYES_REQUEST_READ_TIMEOUT_S)",
+                             [(b"connection", b"close")])
+            return
         replayed = False
 
         async def replay():

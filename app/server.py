@@ -5,16 +5,25 @@ uvicorn closes a connection that idles between requests (its keep-alive timeout)
 that opens and sends nothing, or sends a request's head or body a byte at a time: each such
 connection was held for as long as the client liked (measured: still open after minutes), and
 enough of them exhaust the process's file descriptors, after which nobody is served. Here a
-connection must deliver each whole request, head and body, within `read_timeout_s` of its first
-byte (of the connection's opening, for the first request). Past it, a request whose head never
-arrived gets a 408 and the connection is closed; one whose body is still arriving is cut off,
-which its handler sees as the client going away (and the access log as a 499). Idling between
-requests stays uvicorn's keep-alive timeout.
+connection must deliver each request's head within `read_timeout_s` of its first byte (of the
+connection's opening, for the first request), or it gets a 408 and the connection is closed; the
+body then has as long again (BodyLimit, app/middleware.py, which reads it, answers the 408 there).
+Idling between requests stays uvicorn's keep-alive timeout.
 
 Nor does uvicorn bound a request's head (the request line and headers): the parser gathers a
 header of any length, and 200 MB of one took the server's RSS up by 207 MB (bodies are bounded by
 MANYEYES_MAX_BODY_BYTES, but only once the head is through). Here a head over `max_head_bytes`
 gets a 431 and the connection is closed, having held at most that plus one read's worth of bytes.
+
+Nor does uvicorn bound how long an answer may wait for its client to take it: a whole answer is
+handed to the transport at once, which keeps what the socket will not take, so a client that
+sends requests and never reads held each answer in the server's memory for as long as it kept the
+connection (measured: 20 such clients of a 25 MB u8 answer held 500 MB for minutes). Here a
+connection whose pending answer makes no progress (not one byte taken) for `read_timeout_s` is
+aborted, which frees it; a slow reader that keeps taking bytes is served, as nginx's send_timeout.
+
+Requests that httptools cannot parse (a bad chunk size, Content-Length twice or with
+Transfer-Encoding, a NUL in a header) get the JSON 400 every refusal gives, not uvicorn's plain text.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_done = False  # of the request being read
         self._head_bytes = 0  # of that request's head, counted a read at a time
         self._refused = False
+        self._write_deadline: asyncio.TimerHandle | None = None
+        self._write_left = 0  # bytes the transport held at the last check
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -70,16 +81,50 @@ class GuardedProtocol(HttpToolsProtocol):
         self._arm()
 
     def on_headers_complete(self) -> None:
+        # The head is in: from here the app has the request, and BodyLimit times its body (the
+        # parser may not report a pipelined request's end until the answers before it are out).
         self._head_done = True
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
         self._disarm()
-        super().on_message_complete()
+        super().on_headers_complete()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._stop_write_deadline()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to bytes its parser refuses, as text/plain; msg is always its generic one.
+        self._refuse(400, "Bad Request", "bad_request",
+                     "the request is not valid HTTP/1.1 (malformed request line, header, Content-Length, "
+                     "Transfer-Encoding or chunk)")
+
+    # The transport calls these when what it holds for the client crosses its high-water mark
+    # (the client is not taking the answer as fast as it is written), and falls back below the low.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_left = self.transport.get_write_buffer_size()
+            self._write_deadline = self.loop.call_later(self.read_timeout_s, self._write_check)
+
+    def resume_writing(self) -> None:
+        self._stop_write_deadline()
+        super().resume_writing()
+
+    def _stop_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_check(self) -> None:
+        left = self.transport.get_write_buffer_size()
+        if left and left >= self._write_left:
+            # Nothing taken in a whole period: abort() drops the buffer (close() would wait for it
+            # to drain, for ever); connection_lost then tells a handler still sending.
+            self._write_deadline = None
+            self.transport.abort()
+            return
+        self._write_left = left
+        self._write_deadline = self.loop.call_later(self.read_timeout_s, self._write_check)
 
     def _arm(self) -> None:
         if self._read_deadline is None:
@@ -97,12 +142,17 @@ class GuardedProtocol(HttpToolsProtocol):
                          f"the request was not sent within {self.read_timeout_s:g} s (MANYEYES_REQUEST_READ_TIMEOUT_S)")
 
     def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
-        """Closes the connection, first answering the request being read if nothing else will:
-        not one whose handler is running (its body was cut off), nor while an earlier (pipelined)
-        request's answer is still going out on the same connection."""
+        """Reads no more from the connection and closes it, first answering the request being read
+        (unless its handler has begun an answer). Behind earlier (pipelined) requests still being
+        answered, it closes once their answers are out instead: closing at once cut them off, and
+        their handlers' next write raised."""
         self._refused = True
-        idle = self.cycle is None or self.cycle.response_complete
-        if not self._head_done and idle:
+        cycle = self.cycle  # the request being read once its head is in; else the one before it
+        earlier_in_flight = bool(self.pipeline) or (not self._head_done and cycle is not None and not cycle.response_complete)
+        if earlier_in_flight:
+            cycle.keep_alive = False  # uvicorn closes the connection after that answer
+            return
+        if not (self._head_done and cycle.response_started):
             self.transport.write(error_answer(status, reason, code, message))
         self.transport.close()
 
