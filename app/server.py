@@ -35,11 +35,12 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from manyeyes.app.config import Settings
+from manyeyes.app.services.errors import error_body
 
 
 def error_answer(status: int, reason: str, code: str, message: str) -> bytes:
     """A whole HTTP/1.1 answer that closes the connection: the JSON error every refusal gives."""
-    body = orjson.dumps({"error": {"code": code, "message": message}})
+    body = orjson.dumps(error_body(code, message))
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("latin-1") + body

@@ -92,6 +92,21 @@ def live_server(wait: bool = True, **overrides):
         thread.join(30)
 
 
+def read_all(sock: socket.socket, pause_every: int = 0, pause_s: float = 0.0) -> bytes:
+    """Everything until the server closes, or resets, the connection."""
+    said, since_pause = b"", 0
+    try:
+        while chunk := sock.recv(2**20):
+            said += chunk
+            since_pause += len(chunk)
+            if pause_every and since_pause >= pause_every:
+                time.sleep(pause_s)
+                since_pause = 0
+    except ConnectionResetError:
+        pass
+    return said
+
+
 def assert_json_error(response: httpx.Response, status: int) -> dict:
     """A 4xx of ours: the stated status and a JSON body {"error": {"code", "message"}}."""
     assert response.status_code == status, (response.status_code, response.text[:300])

@@ -10,7 +10,7 @@ import time
 import httpx
 import orjson
 
-from tests.reliability.conftest import HOST, live_server
+from tests.reliability.conftest import HOST, live_server, read_all
 
 TIMEOUT_S = 1.0
 # A MiniLM run of 512 tokens as u8: 6 x 12 x 512² bytes, base64 in JSON, about 25 MB: far more
@@ -22,21 +22,6 @@ def attention_request() -> bytes:
     body = orjson.dumps({"text": TEXT, "format": "u8", "truncate": True})
     return (b"POST /api/v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Accept-Encoding: identity\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-
-
-def read_all(sock: socket.socket, pause_every: int = 0, pause_s: float = 0.0) -> bytes:
-    """Everything until the server closes, or resets, the connection."""
-    said, since_pause = b"", 0
-    try:
-        while chunk := sock.recv(2**20):
-            said += chunk
-            since_pause += len(chunk)
-            if pause_every and since_pause >= pause_every:
-                time.sleep(pause_s)
-                since_pause = 0
-    except ConnectionResetError:
-        pass
-    return said
 
 
 def answer_size(said: bytes) -> tuple[bytes, int, int]:
