@@ -2,6 +2,7 @@
 
 import { requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
+import { weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 
@@ -92,7 +93,8 @@ export function rankingTable(ranking, { limit = 12, onPick, caption, shows = "" 
     const tr = el("tr", { attrs: { "data-layer": c.layer, "data-head": c.head } }, [
       el("td", { text: String(i + 1) }),
       headCell,
-      el("td", { text: c.divergence.toFixed(4), className: "num" }),
+      // Significant digits under 5e-5: a random model's heads differ by less, and all read 0.0000.
+      el("td", { text: weightText(c.divergence, 0, 4), className: "num" }),
     ]);
     if (onPick) tr.addEventListener("click", () => onPick(c.layer, c.head));
     return tr;

@@ -177,10 +177,7 @@ export function mountGeneration(box) {
         if (event.type === "start") {
           state.start = event;
           loadPrompt(body);
-          // Kept where they were, within this model's layers and heads.
-          const within = (select, n) => Math.min(Number(select.value) || 0, n - 1);
-          fillSelect(layer, [...Array(event.n_layers).keys()].map((i) => ({ value: i, label: `L${i}` })), within(layer, event.n_layers));
-          fillSelect(head, [...Array(event.n_heads).keys()].map((i) => ({ value: i, label: `H${i}` })), within(head, event.n_heads));
+          fitMenus(event.n_layers, event.n_heads);
         } else if (event.type === "step") {
           state.steps.push(event);
           if (state.follow && !state.timer) followSoon();
@@ -212,14 +209,25 @@ export function mountGeneration(box) {
     }
   }
 
+  // The menus hold the layers and heads of the model the panel uses; a chosen one stays while that
+  // model has it. Only a changed count refills a menu, so an unchanged one keeps keyboard focus.
+  function fitMenus(nLayers, nHeads) {
+    for (const [select, n, name] of [[layer, nLayers, "L"], [head, nHeads, "H"]]) {
+      if (select.options.length === n) continue;
+      const kept = Number(select.value) < n ? Number(select.value) : 0;
+      fillSelect(select, [...Array(n).keys()].map((i) => ({ value: i, label: `${name}${i}` })), kept);
+    }
+  }
+
   // The server refuses to generate from a model that reads both ways (422): Generate is off, and
-  // says why, while such a model is the one it would use (currentModel).
+  // says why, while such a model is the one it would use (currentModel). causal: a new run's own answer.
   const models = listModels().catch(() => []);
   async function checkModel(causal = null) {
-    const list = causal === null ? await models : [];
+    const list = await models;
     const model = currentModel().model;
     // Before main.js has filled the form's list its value is empty: the server's default then.
     const info = list.find((m) => m.id === model) ?? list.find((m) => m.default) ?? list[0];
+    if (info) fitMenus(info.n_layers, info.n_heads);
     causal ??= info?.causal ?? true;
     const name = model ?? info?.id;
     why.textContent = causal ? "" : `Off: ${name} is not a causal model (it reads both ways), so it does not generate. ${currentInput() ? "Run" : "Pick"} a causal model to use it.`;
@@ -227,12 +235,8 @@ export function mountGeneration(box) {
     start.title = causal ? "Generate" : why.textContent;
     setButtons();
   }
-  $("model").addEventListener("change", () => checkModel());
-  checkModel();
-
-  // Another run on screen, perhaps of another model: stop and forget this generation.
-  onRun((input, { causal }) => {
-    checkModel(causal);
+  // Stops and clears the generation on show: it belongs to the last run, or to the model picked before.
+  function forget() {
     state.epoch += 1;
     state.controller?.abort();
     pause();
@@ -242,6 +246,19 @@ export function mountGeneration(box) {
     [rowPlot, growPlot].forEach(clearPlot);
     status(note, "");
     setButtons();
+  }
+
+  $("model").addEventListener("change", () => {
+    // With no run on screen the form's model is the one the panel uses (currentModel).
+    if (!currentInput()) forget();
+    checkModel();
+  });
+  checkModel();
+
+  // Another run on screen, perhaps of another model.
+  onRun((input, { causal }) => {
+    checkModel(causal);
+    forget();
   });
 
   start.addEventListener("click", generate);

@@ -16,7 +16,7 @@ import { loadView, readPermalink, saveView, writePermalink } from "./permalink.j
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenCount, tokenLabels } from "./tokens.js";
-import { isIdentity, renormalises, viewOf } from "./transform.js";
+import { hidingOptions, isIdentity, renormalises, viewOf } from "./transform.js";
 import "./experiments.js";
 
 // Above this many bytes of u8 attention, the first request asks only for the focused layer and the
@@ -342,8 +342,7 @@ function zeroFloor(precision) {
 // Every token hidden (one token under “Hide first token”, or only special ones): no heatmap or head
 // view to draw, and a word on what brings them back.
 function nothingShown() {
-  const by = [state.hideSpecial && "“Hide special tokens”", state.hideFirst && "“Hide first token”"].filter(Boolean);
-  const message = `No token is left to show: untick ${by.join(" or ")} to see them.`;
+  const message = `No token is left to show: untick ${hidingOptions(state).join(" or ")} to see them.`;
   clearTimeout(state.headViewTimer);
   focus.clear(message);
   measures.setFocusShown(false);
@@ -687,7 +686,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));
   await renderViews();
-  if (!run.long) measures.onRun(run, request, state.layer, state.head, labels().labels);
+  if (!run.long) measures.onRun(run, request, state.layer, state.head, labels().labels, viewOptions());
   else measures.onLongRun();
   setBusy(false);
   $("run-status").textContent = `Done: ${tokenCount(run.T)}, ${run.nLayers} layers × ${run.nHeads} heads.`;
@@ -737,7 +736,7 @@ async function redrawOptions() {
   optionsBusy = true;
   try {
     await renderViews();
-    if (!state.run.long) measures.setLabels(labels().labels);
+    if (!state.run.long) measures.setView(labels().labels, viewOptions());
     grid.paintAllSoon(viewOptions());
     if (state.run.long) paintOverview(grid, state.run, state.scale).catch(() => {});
     updatePermalink();

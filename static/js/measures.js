@@ -14,6 +14,7 @@ import { NeuronPanel } from "./neuron.js";
 import { Predictions } from "./predictions.js";
 import { holdsFor, layerMask, maskRule } from "./run.js";
 import { MASKED, colorTable, onThemeChange } from "./theme.js";
+import { hidingOptions, renormalises, viewOf } from "./transform.js";
 
 const FLOW_AUTO_TOKENS = 128;
 const SEEN_MARGIN_PX = 200;
@@ -63,6 +64,18 @@ function cellImage(matrix, signed, peak, mask = null) {
   return canvas.toDataURL("image/png");
 }
 
+// The view options that hide tokens, the only ones the raw weights follow: the threshold and pair
+// blocks are ways of looking at the focused heatmap, and the other measures are not one head's
+// softmax rows, which is what hiding renormalises.
+const hidingOf = ({ hideSpecial, hideFirst }) => ({ hideSpecial, hideFirst });
+
+// What the raw weights leave out under the view options, said under them; shown: how many rows are left.
+function hidingWords(hiding, shown) {
+  const by = hidingOptions(hiding);
+  return shown ? `Tokens hidden by ${by.join(" and ")} are left out, each row renormalised over the rest, as in the focused heatmap.`
+    : `No token is left to show: untick ${by.join(" or ")} to see them.`;
+}
+
 const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
 const CAPTIONS = {
@@ -77,6 +90,23 @@ function matrixOf(measure) {
   let data = measure.data;
   while (Array.isArray(data[0]?.[0])) data = data[0];
   return data;
+}
+
+// The raw weights as the focused heatmap shows them (transform.js viewOf): the tokens it hides
+// (special ones, the first) left out, each row renormalised over the keys that stay. tokens: the
+// run's, or the word view's words (a special token is a word of its own). Returns the kept rows as
+// plain arrays, their labels, the mask in the kept cells' terms and each kept row's token index.
+function hiddenOut(matrix, tokens, labels, { hideSpecial, hideFirst }, mask) {
+  const T = tokens.length;
+  const flat = new Float32Array(T * T);
+  matrix.forEach((row, i) => flat.set(row, i * T));
+  const view = viewOf(flat, tokens, { hideSpecial, hideFirst, threshold: 0, segments: "all", mask });
+  const n = view.cols.length;
+  return {
+    matrix: view.rows.map((_, r) => Array.from(view.values.subarray(r * n, (r + 1) * n))),
+    rows: view.rows.map((i) => labels[i]), cols: view.cols.map((j) => labels[j]),
+    mask: { cell: view.masked }, positions: view.rows,
+  };
 }
 
 // Sum over a word's key pieces, mean over its query pieces: the same rule as the API's word view.
@@ -155,13 +185,15 @@ class Measures {
     $(id).textContent = err ? describeError(err) : "";
   }
 
-  // labels: what each token is called, as the page's Labels control says (setLabels when it changes).
-  onRun(run, requestBody, layer, head, labels) {
+  // labels: what each token is called, as the page's Labels control says; options: the view options
+  // (main.js viewOptions), whose hidden tokens the raw weights leave out too (setView when they change).
+  onRun(run, requestBody, layer, head, labels, options) {
     this.run = run;
     this.layer = layer;
     this.head = head;
     this.request = requestBody;
     this.labels = labels;
+    this.hiding = hidingOf(options);
     this.flow = this.words = this.predictions = null;
     this.queryIndex = run.tokens.length - 1;
     this.neuron.setTokens(this.labels, this.queryIndex);
@@ -180,12 +212,16 @@ class Measures {
     this.loadPredictions().then(() => this.drawFocusWhenSeen());
   }
 
-  // The Labels control changed: the same tokens, named as the focused heatmap names them.
-  setLabels(labels) {
-    if (!this.run || labels === this.labels) return;
-    this.labels = labels;
-    this.neuron.setTokens(labels, this.queryIndex);
-    this.predictionsView.relabel(labels);
+  // The view options changed: the same tokens, named and hidden as the focused heatmap names and hides them.
+  setView(labels, options) {
+    const hiding = hidingOf(options);
+    if (!this.run || (labels === this.labels && hiding.hideSpecial === this.hiding.hideSpecial && hiding.hideFirst === this.hiding.hideFirst)) return;
+    this.hiding = hiding;
+    if (labels !== this.labels) {
+      this.labels = labels;
+      this.neuron.setTokens(labels, this.queryIndex);
+      this.predictionsView.relabel(labels);
+    }
     this.drawFocusWhenSeen();
   }
 
@@ -312,17 +348,23 @@ class Measures {
   // { layer, head }: the head the matrix was fetched for (the focus may have moved on since).
   async plot(matrix, rows, cols, signed, kind, wordView, { layer, head }) {
     const plot = $("measure-plot");
-    const peak = peakOf(matrix, 1e-12);
     // Rows and columns are tokens, but for contributions (heads × tokens). The rollout mixes every
     // layer's reach and the word view merges tokens: only causality masks those.
-    const mask = kind === "contributions" ? null
+    let mask = kind === "contributions" ? null
       : kind === "rollout" || wordView ? maskRule(this.run.causal) : layerMask(this.run, layer);
-    this.cells = { matrix, rows, cols, mask, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
+    let positions = null; // each row's token, where hidden tokens leave rows out
+    const hidden = kind === "raw" && renormalises(this.hiding);
+    if (hidden) ({ matrix, rows, cols, mask, positions } = hiddenOut(matrix, wordView ? this.words : this.run.tokens, rows, this.hiding, mask));
+    const peak = peakOf(matrix, 1e-12);
+    this.cells = { matrix, rows, cols, mask, positions, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     this.dropCursor(); // its cell may not exist in the new matrix
     $("measure-reading").textContent = this.readingHint;
     delete $("measure-reading").dataset.row;
     delete $("measure-reading").dataset.col;
+    // Every token hidden: no cells to draw, and the caption says what brings them back.
+    plot.hidden = $("measure-reading").hidden = !matrix.length;
+    if (!matrix.length) return this.drawn(kind, { layer, head }, wordView, hidden);
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: [[0]], x: [-0.5, cols.length - 0.5], y: [-0.5, rows.length - 0.5], hoverinfo: "none",
@@ -350,15 +392,21 @@ class Measures {
     this.exportName = `manyeyes-${this.run.model}-${kind}${kind === "rollout" ? "" : `-L${layer}`}${kind === "contributions" || kind === "rollout" ? "" : `-H${head}`}`;
     if (!this.listening) this.listen(plot);
     this.placeLabels();
-    Object.assign(plot.dataset, { measure: kind, layer, head, words: String(wordView) });
-    $("measure-caption").textContent = CAPTIONS[kind];
+    this.drawn(kind, { layer, head }, wordView, hidden);
+  }
+
+  // What the plot shows now, in its data attributes (which tests wait for) and its caption; hidden:
+  // whether the view options left tokens out.
+  drawn(kind, { layer, head }, wordView, hidden) {
+    Object.assign($("measure-plot").dataset, { measure: kind, layer, head, words: String(wordView) });
+    $("measure-caption").textContent = hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind];
   }
 
   // "query → key: value" for a cell, and the model's next-token guess after the query where there
   // is one, in the line under the plot.
   readAt(i, j) {
-    const { matrix, rows, cols, mask, predictions } = this.cells;
-    const top = predictions?.[String(i)]?.[0];
+    const { matrix, rows, cols, mask, positions, predictions } = this.cells;
+    const top = predictions?.[String(positions ? positions[i] : i)]?.[0];
     const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
     const reading = $("measure-reading");
     reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : weightText(matrix[i][j], 0, 4)}${next}`;

@@ -11,6 +11,11 @@ export function renormalises({ hideSpecial, hideFirst = false }) {
   return hideSpecial || hideFirst;
 }
 
+// The options that hide tokens, as the page labels them, for the words that say what is hidden.
+export function hidingOptions({ hideSpecial, hideFirst = false }) {
+  return [hideSpecial && "“Hide special tokens”", hideFirst && "“Hide first token”"].filter(Boolean);
+}
+
 // Hidden tokens: special ones, and/or the first token (the "attention sink" of causal models).
 function hiddenOf(tokens, { hideSpecial, hideFirst }) {
   return tokens.map((t, i) => (hideSpecial && t.special) || (hideFirst && i === 0));

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import SERVER_SCRIPT, free_port
+from tests.browser.conftest import SERVER_SCRIPT, free_port, serving
 
 pytestmark = pytest.mark.browser
 
@@ -62,8 +62,18 @@ def ranking_rows(page, container):
             for r in rows.all()]
 
 
+def weight_text(value: float, digits: int = 4) -> str:
+    """focus.js weightText(value, 0, digits): `digits` decimals, or two significant digits for a
+    value those would print as 0 (JavaScript's toPrecision(2): fixed from 1e-6 up, else 3.0e-7)."""
+    if value == 0 or abs(value) >= 0.5 * 10 ** -digits:
+        return f"{value:.{digits}f}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    exponent = int(exponent)
+    return f"{mantissa}e{exponent}" if exponent < -6 else f"{value:.{1 - exponent}f}"
+
+
 def api_ranking(ranking, limit=12):
-    return [(c["layer"], c["head"], f"{c['divergence']:.4f}") for c in ranking[:limit]]
+    return [(c["layer"], c["head"], weight_text(c["divergence"])) for c in ranking[:limit]]
 
 
 def alt_ablate(page, api, text, model, layer, head):
@@ -177,6 +187,26 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     page.keyboard.press(" ")
     page.wait_for_selector(f"#compare-plot-diff[data-layer='{second['layer']}'][data-head='{second['head']}']")
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
+
+
+def test_compare_ranks_a_random_models_tiny_differences_without_printing_zeros(server, api, page):
+    """tiny-causal's random weights barely tell two sentences apart: every head's divergence is
+    under 5e-5, and each printed as 0.0000, a ranking of equal zeros."""
+    a, b = "the river bank", "the river bend"
+    open_page(page, server)
+    page.select_option("#model", "tiny-causal")
+    page.fill("#compare-a", a)
+    page.fill("#compare-b", b)
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+    reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "tiny-causal", "truncate": False,
+                                                         "difference": {"format": "json"}}).json()
+    shown = ranking_rows(page, "compare-ranking")
+    assert shown and all(0 < c["divergence"] < 5e-5 for c in reply["ranking"][:len(shown)])
+    assert all(text != "0.0000" for *_head, text in shown), shown
+    assert shown == api_ranking(reply["ranking"])
+    for (_l, _h, text), c in zip(shown, reply["ranking"]):
+        assert float(text) == pytest.approx(c["divergence"], rel=0.05)
 
 
 def test_compare_difference_speaks_the_pages_diverging_colours(server, page):
@@ -489,3 +519,62 @@ def test_causal_experiment_heatmaps_draw_later_keys_masked_not_as_zeros(server, 
         assert np.isnan(z[later]).all(), plot
         assert not np.isnan(z[~later]).any(), plot
     page.locator("#experiments").screenshot(path=str(artifacts / "experiments-causal-masked.png"))
+
+
+@pytest.fixture(scope="module")
+def two_causal_server(causal_model_spec):
+    """Two causal models of different widths: tiny-causal (2 layers × 4 heads), tiny-gpt (2 × 8)."""
+    with serving({"tiny-causal": causal_model_spec, "tiny-gpt": "tiny-gpt"}) as base:
+        yield base
+
+
+def gen_menus(page, heads=None) -> tuple[int, int, str, str]:
+    """Generate's layer and head menus: (layers, heads, chosen layer, chosen head), once the head
+    menu has `heads` entries if given (or as they stayed after 5 s)."""
+    if heads is not None:
+        try:
+            page.wait_for_function("(n) => document.getElementById('gen-head').options.length === n", arg=heads, timeout=5_000)
+        except Exception:
+            pass  # the caller's assertion says what the menus held
+    return tuple(page.evaluate("""() => { const [l, h] = ['gen-layer', 'gen-head'].map((id) => document.getElementById(id));
+        return [l.options.length, h.options.length, l.value, h.value]; }"""))
+
+
+def test_generate_menus_hold_the_layers_and_heads_of_the_model_in_use(two_causal_server, make_page, artifacts):
+    """The menus kept the last generation's model: switched from tiny-gpt (8 heads) to tiny-causal
+    (4), they offered H4-H7 until Generate was pressed again, and before any generation they were empty."""
+    page = make_page()
+    open_page(page, two_causal_server)
+    page.select_option("#model", "tiny-gpt")
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "3")
+    page.click("#gen-start")
+    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    page.select_option("#gen-layer", "1")
+    page.select_option("#gen-head", "6")
+    assert gen_menus(page) == (2, 8, "1", "6")
+
+    # No run on screen: the form's model is the one Generate uses. H6 is gone, L1 stays.
+    page.select_option("#model", "tiny-causal")
+    assert gen_menus(page, heads=4) == (2, 4, "1", "0"), "the menus kept tiny-gpt's heads"
+    # The last model's generation went with it (its rows were 8 heads wide).
+    assert page.locator("#gen-grow-plot .main-svg").count() == 0 and page.inner_text("#gen-tokens") == ""
+    page.select_option("#gen-head", "3")
+    page.select_option("#model", "tiny-gpt")
+    assert gen_menus(page, heads=8) == (2, 8, "1", "3")
+    page.locator("#generate-box").screenshot(path=str(artifacts / "generate-menus.png"))
+
+    # A run on screen decides, not the form (currentModel).
+    run(page, PROMPT, "tiny-causal")
+    assert gen_menus(page, heads=4) == (2, 4, "1", "3")
+    page.select_option("#model", "tiny-gpt")
+    page.wait_for_timeout(300)
+    assert gen_menus(page) == (2, 4, "1", "3")
+    run(page, PROMPT, "tiny-gpt")
+    assert gen_menus(page, heads=8) == (2, 8, "1", "3")
+
+    # Before any generation: the model's menus, not empty ones.
+    fresh = make_page()
+    open_page(fresh, two_causal_server)
+    fresh.select_option("#model", "tiny-gpt")
+    assert gen_menus(fresh, heads=8) == (2, 8, "0", "0")

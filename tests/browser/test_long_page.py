@@ -572,3 +572,25 @@ def test_shift_arrows_read_a_long_runs_cells_as_hovering_does(server, page, mock
                            " return r !== before && r.includes('→') && !r.includes('reading'); }", arg=spoken)
     spoken = page.locator("#cell-reading").text_content()
     assert float(spoken.rsplit(": ", 1)[1]) == pytest.approx(float(h1[q, k]), abs=6e-4)
+
+
+def test_a_long_runs_heatmap_takes_the_width_of_an_800_px_window(server, make_page, mock, artifacts):
+    """At 800 px the page is one column, and the options (with the long run's note) stand 250 px
+    tall above the heatmap: fitted to what was left of the window, the plot was 340 px tall and its
+    square cells 195 px wide, a quarter of the window. At 1280 px (two columns) the plot is still
+    fitted to the window beside the thumbnails, not made square."""
+    layout = """() => { const box = (s) => document.querySelector(s).getBoundingClientRect();
+        return [box('#focus-plot').height, box('.focus-panel').right, box('.grid-panel').left]; }"""
+    for width in (800, 1280):
+        page = make_page(viewport=(width, 900))
+        mock.serve(page)
+        open_page(page, server)
+        submit(page, mock.prompt)
+        wait_settled(page)
+        cells = page.locator("#focus-plot canvas.heatmap-canvas").bounding_box()
+        page.locator(".focus-panel").screenshot(path=str(artifacts / f"long-{width}.png"))
+        if width == 800:
+            assert cells["width"] >= 0.6 * width, cells
+        else:
+            height, focus_right, grid_left = page.evaluate(layout)
+            assert grid_left > focus_right and height < 720, (height, focus_right, grid_left)

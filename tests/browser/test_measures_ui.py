@@ -9,10 +9,11 @@ import re
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.browser.conftest import serving
-from tests.browser.test_page import hover_cell, open_page, run, wait_focus, wait_grid, wait_plotted_shape
+from tests.browser.test_page import api_attention, hover_cell, open_page, plotted, run, wait_focus, wait_grid, wait_plotted_shape
 from tests.browser.test_page_ux import label_spacing
 
 pytestmark = pytest.mark.browser
@@ -585,3 +586,61 @@ def test_measure_and_neuron_readings_never_say_zero_for_a_weight_that_is_not(ran
     weights = page.locator("#neuron-table td.weight").all_text_contents()
     for shown, want in zip(weights, view["weights"]):
         assert shown != "0.0000" or want == 0, (shown, want)
+
+
+def test_raw_weights_hide_special_tokens_as_the_focused_heatmap_does(page, server, api, artifacts):
+    """Under "Hide special tokens" the focused heatmap, the thumbnails and the head view left [CLS]
+    and [SEP] out and renormalised each row over the rest; the raw weights below kept them all."""
+    text = "The bank of the river."
+    open_page(page, server)
+    run(page, text, model="minilm")
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_selector("#measure-plot[data-measure='raw'][data-layer='0'][data-head='0']", timeout=30_000)
+    tokens, attention = api_attention(api, text, layers=[0], heads=[0])
+    keep = [i for i, t in enumerate(tokens) if not t["special"]]
+    assert 0 < len(keep) < len(tokens)
+    shape = "() => document.getElementById('measure-plot').measured.matrix.length"
+    measured = "() => document.getElementById('measure-plot').measured.matrix"
+    labels = "() => [...document.querySelectorAll('#measure-plot .axis-labels .xtick')].map((g) => g.textContent)"
+    assert page.evaluate(shape) == len(tokens)
+
+    page.check("#hide-special")
+    wait_plotted_shape(page, len(keep), len(keep))
+    try:
+        page.wait_for_function(f"(n) => ({shape})() === n", arg=len(keep), timeout=10_000)
+    except Exception:
+        pass  # the assertion below says what stayed
+    assert page.evaluate(shape) == len(keep), "the raw weights kept the special tokens"
+    want = attention[0, 0][np.ix_(keep, keep)]
+    want /= want.sum(axis=1, keepdims=True)
+    matrix = np.asarray(page.evaluate(measured))
+    assert np.abs(matrix - want).max() < 1e-6
+    assert np.abs(matrix - np.asarray(plotted(page), dtype=np.float64)).max() < 1e-6  # the focused heatmap's cells
+    shown = page.evaluate(labels)
+    assert shown == page.locator("#focus-plot .xtick text").all_text_contents() and "[CLS]" not in shown
+    assert "hidden by “Hide special tokens”" in page.locator("#measure-caption").text_content()
+    page.locator("#measures").screenshot(path=str(artifacts / "measures-hide-special.png"))
+    # The word view's special tokens are words of their own, and go the same way.
+    page.check("#word-view")
+    page.wait_for_selector("#measure-plot[data-words='true']")
+    assert page.evaluate(shape) == len(keep) and "[CLS]" not in page.evaluate(labels)
+    page.uncheck("#word-view")
+
+    page.uncheck("#hide-special")
+    page.wait_for_function(f"(n) => ({shape})() === n", arg=len(tokens), timeout=10_000)
+    assert np.abs(np.asarray(page.evaluate(measured)) - attention[0, 0]).max() < 1e-6
+
+
+def test_raw_weights_say_so_when_every_token_is_hidden(page, tiny_server):
+    """tiny-gpt's `a` is one token: under "Hide first token" the raw weights have no cell left."""
+    open_page(page, tiny_server)
+    run(page, "a", model="tiny-gpt")
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_selector("#measure-plot[data-measure='raw']", timeout=30_000)
+    page.check("#hide-first")
+    said = "No token is left to show: untick “Hide first token” to see them."
+    page.wait_for_function("(said) => document.getElementById('measure-caption').textContent.endsWith(said)", arg=said)
+    assert page.locator("#measure-plot").is_hidden() and page.locator("#measure-reading").is_hidden()
+    page.uncheck("#hide-first")
+    page.wait_for_function("() => document.getElementById('measure-plot').measured.matrix.length === 1")
+    assert page.locator("#measure-plot").is_visible() and page.locator("#measure-reading").is_visible()
