@@ -17,6 +17,10 @@ from manyeyes.app.services.wire import accepts, header_list
 
 access_log = logging.getLogger("manyeyes.access")
 
+# The scope extension through which the server's protocol (app/server.py, Delivery) says whether an
+# answer left the server whole; absent under other servers, where every answer counts as whole.
+DELIVERY = "manyeyes.delivery"
+
 
 async def send_error(send, status: int, code: str, message: str, headers: list | None = None) -> None:
     body = orjson.dumps(error_body(code, message))
@@ -167,7 +171,13 @@ class HeadAsGet:
 class AccessLog:
     """Counts and times every request (from its start to its answer's last byte handed to the server)
     by route template (not raw path, which clients control)
-    and writes one JSON log line with whatever the route put in scope["state"]["log"]."""
+    and writes one JSON log line with whatever the route put in scope["state"]["log"].
+
+    The line says whether the answer left the server whole ("complete"): one the client stopped
+    taking (the write deadline dropped it) or cut off by closing or resetting the connection is
+    not, and counts in the metrics under status 499, as a client gone before its answer does.
+    An answer the transport still holds part of when the handler ends (a large one, to a client
+    slower than the server) is logged once that part is out, or the connection lost."""
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app = app
@@ -178,12 +188,14 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500
+        status = None
         sent = 0
         last_byte_out = None
+        delivery = scope.get("extensions", {}).get(DELIVERY)
+        ticket = 0
 
         async def watch(message):
-            nonlocal status, sent, last_byte_out
+            nonlocal status, sent, last_byte_out, ticket
             if message["type"] == "http.response.start":
                 status = message["status"]
             elif message["type"] == "http.response.body":
@@ -191,6 +203,8 @@ class AccessLog:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 last_byte_out = time.perf_counter()
+                if delivery is not None:
+                    ticket = delivery.ticket()
 
         try:
             await self.app(scope, receive, watch)
@@ -198,20 +212,29 @@ class AccessLog:
             # What the client waited for ends at the answer's last byte; the tasks and middleware
             # that wind down after it (0.2 ms at T=16) are not part of it.
             elapsed = (last_byte_out or time.perf_counter()) - started
-            route = getattr(scope.get("route"), "path", None) or "other"  # docs, static files, 404s: not worth a label each
-            method = scope["method"]
-            self.metrics.requests.labels(route, method, str(status)).inc()
-            self.metrics.latency.labels(route, method, str(status)).observe(elapsed)
             line = {
-                "method": method,
+                "method": scope["method"],
                 "path": scope["path"],
-                "route": route,
-                "status": status,
+                "route": getattr(scope.get("route"), "path", None) or "other",  # docs, static files, 404s: not worth a label each
+                "status": status or 500,  # none sent: the server answers 500
                 "ms": round(elapsed * 1000, 2),
                 "bytes": sent,
                 **scope.get("state", {}).get("log", {}),
             }
-            access_log.info(orjson.dumps(line).decode())
+            if delivery is None or status is None:
+                self.record(line, elapsed, True, False)
+            elif last_byte_out is None:  # the handler stopped mid-answer: the server closes the connection
+                self.record(line, elapsed, False, delivery.lost)
+            else:
+                delivery.settle(ticket, lambda whole: self.record(line, elapsed, whole, not whole))
+
+    def record(self, line: dict, elapsed: float, complete: bool, client_gone: bool) -> None:
+        line["complete"] = complete
+        route, method = line["route"], line["method"]
+        status = "499" if client_gone else str(line["status"])
+        self.metrics.requests.labels(route, method, status).inc()
+        self.metrics.latency.labels(route, method, status).observe(elapsed)
+        access_log.info(orjson.dumps(line).decode())
 
 
 # Everything the page loads comes from this server: its own scripts (ES modules and the vendored

@@ -23,7 +23,24 @@ connection whose pending answer makes no progress (not one byte taken) for `read
 aborted, which frees it; a slow reader that keeps taking bytes is served, as nginx's send_timeout.
 
 Requests that httptools cannot parse (a bad chunk size, Content-Length twice or with
-Transfer-Encoding, a NUL in a header) get the JSON 400 every refusal gives, not uvicorn's plain text.
+Transfer-Encoding, a NUL in a header, a URL it cannot split) get the JSON 400 every refusal gives,
+not uvicorn's plain text.
+
+The service speaks HTTP/1.1 only and has no WebSocket routes, but uvicorn handed WebSocket
+handshakes to its WebSocket protocol, which answered 403 or a plain-text 400; and after any request
+asking to switch protocols (Upgrade, CONNECT) llhttp parses nothing more on the connection, so a
+body sent with it never reached the handler (which answered as if none had been sent), and the
+requests after it were never answered. Here such a request is answered as plain HTTP (RFC 9110
+7.8 lets a server ignore Upgrade) and its connection closed after it; with a body, which cannot be
+read, it gets the JSON 400.
+
+Pipelined requests are answered in order, as uvicorn does; here a head's deadline does not expire
+while uvicorn has stopped reading (behind an answer still going out): it starts over. And a client
+that goes away is made known to the request being answered, not only to the newest one.
+
+AccessLog (app/middleware.py) needs to know whether an answer left the server whole: uvicorn tells
+a handler nothing of what happens to its bytes once handed to the transport, which keeps what the
+socket will not take yet. Each request's scope carries the connection's Delivery, which says so.
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from manyeyes.app.config import Settings
+from manyeyes.app.middleware import DELIVERY
 from manyeyes.app.services.errors import error_body
 
 
@@ -46,6 +64,55 @@ def error_answer(status: int, reason: str, code: str, message: str) -> bytes:
     return head.encode("latin-1") + body
 
 
+class Delivery:
+    """Whether each answer on a connection left the server whole, for AccessLog. The protocol keeps
+    the transport's write buffer limits at zero, so it is paused for writing exactly while the
+    transport holds bytes the socket has not taken, and resumed exactly when it holds none; and
+    uvicorn writes nothing of an answer while paused, so the first drain after an answer's last
+    byte was handed over sees that answer out."""
+
+    __slots__ = ("held", "drains", "lost", "waiting")
+
+    def __init__(self) -> None:
+        self.held = False  # the transport holds bytes the socket has not taken
+        self.drains = 0
+        self.lost = False
+        self.waiting: list = []
+
+    def ticket(self) -> int:
+        """Taken just after an answer's last byte was handed over: the drain that sees it out."""
+        return self.drains + 1 if self.held or self.lost else self.drains
+
+    def settle(self, ticket: int, then) -> None:
+        """then(True) once that answer is out whole, then(False) if the connection is lost first
+        (uvicorn drops what is sent after that, and the transport what it still held)."""
+        if self.drains >= ticket:
+            then(True)
+        elif self.lost:
+            then(False)
+        else:
+            self.waiting.append((ticket, then))
+
+    def drained(self) -> None:
+        self.held = False
+        self.drains += 1
+        self._settle_waiting()
+
+    def lose(self) -> None:
+        self.lost = True
+        self._settle_waiting()
+
+    def _settle_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for ticket, then in waiting:
+            self.settle(ticket, then)
+
+
+def has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    # llhttp has checked the framing: Content-Length is digits, and never with Transfer-Encoding.
+    return any(name == b"transfer-encoding" or (name == b"content-length" and int(value) > 0) for name, value in headers)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     read_timeout_s: float = 30.0  # both set by guarded_protocol()
     max_head_bytes: int = 64 * 1024
@@ -55,16 +122,22 @@ class GuardedProtocol(HttpToolsProtocol):
         self._read_deadline: asyncio.TimerHandle | None = None
         self._head_done = False  # of the request being read
         self._head_bytes = 0  # of that request's head, counted a read at a time
-        self._refused = False
+        self._read_no_more = False
+        self._bad_request = ""  # the 400's message where the request is well formed but cannot be read
         self._write_deadline: asyncio.TimerHandle | None = None
         self._write_left = 0  # bytes the transport held at the last check
+        self._answering = None  # the cycle whose handler runs: behind it, pipelined ones wait
+        self.delivery = Delivery()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        # Paused for writing whenever the transport holds a byte, resumed once it holds none: what
+        # Delivery reads. An answer the socket takes at once (any small one) never pauses.
+        transport.set_write_buffer_limits(high=0)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._read_no_more:
             return
         super().data_received(data)
         # Still inside a head after this read: all of it counts as head (a read that ended one
@@ -77,32 +150,58 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {DELIVERY: self.delivery}
         self._head_done = False
         self._head_bytes = 0
         self._arm()
 
     def on_headers_complete(self) -> None:
-        # The head is in: from here the app has the request, and BodyLimit times its body (the
-        # parser may not report a pipelined request's end until the answers before it are out).
-        self._head_done = True
+        # The head is in: from here BodyLimit times the body (the parser may not report a
+        # pipelined request's end until the answers before it are out).
         self._disarm()
-        super().on_headers_complete()
+        upgrade = self.parser.should_upgrade()
+        if upgrade and has_body(self.headers):
+            # Refused as bytes the parser cannot take are (send_400_response).
+            self._bad_request = ("this server speaks HTTP/1.1 only: a request asking to switch protocols (Upgrade) "
+                                 "is answered as plain HTTP when it has no body, but a body sent with it cannot be read")
+            raise ValueError(self._bad_request)
+        super().on_headers_complete()  # raises on a URL httptools cannot split: a 400, as no cycle has the request
+        self._head_done = True  # and self.cycle is this request's
+        if upgrade:
+            self._read_no_more = True
+            self.cycle.keep_alive = False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """Not uvicorn's two warnings for each request asking to switch protocols, one of them
+        telling the operator to install a WebSocket library: on_headers_complete has answered it."""
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc) -> None:
         self._disarm()
         self._stop_write_deadline()
+        self.delivery.lose()
+        answering = self._answering
+        if answering is not None and answering is not self.cycle and not answering.response_complete:
+            # uvicorn tells only the newest request (self.cycle), which waits, unstarted, behind
+            # this one: its handler's work went on, and its next write raised (a 500 logged).
+            answering.disconnected = True
+            answering.message_event.set()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to bytes its parser refuses, as text/plain; msg is always its generic one.
-        self._refuse(400, "Bad Request", "bad_request",
+        self._refuse(400, "Bad Request", "bad_request", self._bad_request or
                      "the request is not valid HTTP/1.1 (malformed request line, header, Content-Length, "
                      "Transfer-Encoding or chunk)")
 
-    # The transport calls these when what it holds for the client crosses its high-water mark
-    # (the client is not taking the answer as fast as it is written), and falls back below the low.
+    # The transport calls these when it begins to hold bytes the socket will not take yet (the
+    # client is not taking the answer as fast as it is written), and when it holds none again.
     def pause_writing(self) -> None:
         super().pause_writing()
+        self.delivery.held = True
         if self._write_deadline is None:
             self._write_left = self.transport.get_write_buffer_size()
             self._write_deadline = self.loop.call_later(self.read_timeout_s, self._write_check)
@@ -110,6 +209,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def resume_writing(self) -> None:
         self._stop_write_deadline()
         super().resume_writing()
+        self.delivery.drained()
 
     def _stop_write_deadline(self) -> None:
         if self._write_deadline is not None:
@@ -138,7 +238,12 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _read_timed_out(self) -> None:
         self._read_deadline = None
-        if not self.transport.is_closing():
+        if self.flow.read_paused:
+            # uvicorn has stopped reading until the answers before this request are out: the
+            # wait is the server's (refusing here dropped a pipelined request whose head straddled
+            # two reads), and those answers are bounded by the request and write deadlines.
+            self._arm()
+        elif not self.transport.is_closing():
             self._refuse(408, "Request Timeout", "request_timeout",
                          f"the request was not sent within {self.read_timeout_s:g} s (MANYEYES_REQUEST_READ_TIMEOUT_S)")
 
@@ -147,7 +252,7 @@ class GuardedProtocol(HttpToolsProtocol):
         (unless its handler has begun an answer). Behind earlier (pipelined) requests still being
         answered, it closes once their answers are out instead: closing at once cut them off, and
         their handlers' next write raised."""
-        self._refused = True
+        self._read_no_more = True
         cycle = self.cycle  # the request being read once its head is in; else the one before it
         earlier_in_flight = bool(self.pipeline) or (not self._head_done and cycle is not None and not cycle.response_complete)
         if earlier_in_flight:
@@ -169,6 +274,9 @@ def server_config(app, settings: Settings, **options) -> uvicorn.Config:
         app,
         # Our own middleware writes one structured line per request.
         access_log=False,
+        # No WebSocket routes: GuardedProtocol answers a handshake as plain HTTP (uvicorn's
+        # WebSocket protocol answered it 403, or a plain-text 400).
+        ws="none",
         # uvicorn would believe X-Forwarded-For from loopback by default; the app decides whom
         # to believe (MANYEYES_TRUSTED_PROXIES), so uvicorn must pass the real peer through.
         proxy_headers=False,
