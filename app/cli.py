@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import sys
 
@@ -382,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, TooLongError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`manyeyes attend ... | head -1`): stop as Unix tools do, without a
+        # traceback, and without another at exit, when Python flushes stdout into the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -91,3 +91,16 @@ def test_attend_json_carries_the_predictions_asked_for(capsys):
     assert main(["attend", "In the", "--model", "tiny-gpt", "--top-k", "2", "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert len(body["predictions"]) == len(body["tokens"]) and all(len(p) == 2 for p in body["predictions"].values())
+
+
+def test_a_reader_that_goes_away_stops_attend_quietly():
+    """`manyeyes attend ... | head -1` ended in a BrokenPipeError traceback and status 1. The pipe's
+    reading end is closed before the model has loaded, so the first print meets it every time."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "manyeyes", "attend", "The bank of the river.", "--model", "tiny-gpt"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and stderr.strip() == "", (proc.returncode, stderr)
