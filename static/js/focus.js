@@ -17,7 +17,7 @@ import { palette, scaled } from "./theme.js";
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
 export const ALL_LABELS = 64;
 const MAX_LABEL = 14;
-const ONE_COLUMN = window.matchMedia("(max-width: 900px)"); // app.css's one-column layout
+const ONE_COLUMN = window.matchMedia("(max-width: 1199px)"); // app.css's one-column layout
 export const MAX_FONT = 11; // px, the largest label font (fontFor)
 
 export function shortLabel(text) {
@@ -182,10 +182,10 @@ export class FocusView {
   }
 
   // The plot fills what is left of the viewport below its top (on open, scrolled to the top), so
-  // the whole matrix and its key labels fit a 1366 × 768 laptop screen. In one column (app.css, up
-  // to 900 px): about square, but never taller than the window (a phone held sideways, or a page
-  // zoomed to 200%); what was left below the options there (two or three rows of them, more with a
-  // long run's note) left square cells a third of the plot's width.
+  // the whole matrix and its key labels fit a 1366 × 768 laptop screen. In one column (app.css,
+  // under 1200 px): about square, but never taller than the window (a phone held sideways, or a
+  // page zoomed to 200%); what was left below the options there (two to four rows of them, more
+  // with a long run's note) left square cells a third of the plot's width.
   fitHeight() {
     const top = this.plot.getBoundingClientRect().top + window.scrollY;
     const narrow = ONE_COLUMN.matches;

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import pytest
 
-from tests.browser.test_page import hover_cell, open_page, submit
+from tests.browser.test_page import PAIR, SENTENCE, hover_cell, open_page, submit, wait_focus
 
 pytestmark = pytest.mark.browser
 
@@ -594,3 +594,34 @@ def test_a_long_runs_heatmap_takes_the_width_of_an_800_px_window(server, make_pa
         else:
             height, focus_right, grid_left = page.evaluate(layout)
             assert grid_left > focus_right and height < 720, (height, focus_right, grid_left)
+
+
+def test_the_heatmap_keeps_a_column_of_its_own_until_two_leave_it_room(server, make_page, mock, artifacts):
+    """From 901 px the page went to two columns, and the heatmap, fitted beside the thumbnails under
+    three or four rows of options, drew a 2048-token run's cells 118 px wide at 901 px (215 at
+    1100) and a 22-token pair's 199. Under 1200 px they now take at least 45% of the window; at
+    1280 px, two columns still, no less than before (282 and 366 px)."""
+    layout = """() => { const box = (s) => document.querySelector(s).getBoundingClientRect();
+        return [box('.focus-panel').right, box('.grid-panel').left, document.documentElement.scrollWidth]; }"""
+    at_1280 = {"long": 282, "short": 366}
+    for width in (901, 1100, 1199, 1280):
+        for run_kind in ("long", "short"):
+            page = make_page(viewport=(width, 900))
+            mock.serve(page)
+            open_page(page, server)
+            if run_kind == "long":
+                submit(page, mock.prompt)
+                wait_settled(page)
+            else:
+                submit(page, SENTENCE, PAIR)
+                wait_focus(page)
+            cells = page.locator("#focus-plot canvas.heatmap-canvas").bounding_box()
+            focus_right, grid_left, scroll_width = page.evaluate(layout)
+            page.screenshot(path=str(artifacts / f"heatmap-{run_kind}-{width}.png"))
+            seen = (run_kind, width, cells, focus_right, grid_left)
+            assert scroll_width == width, seen
+            if width < 1200:
+                assert cells["width"] >= 0.45 * width and grid_left < focus_right, seen
+            else:
+                assert grid_left > focus_right and cells["width"] >= at_1280[run_kind], seen
+            page.context.close()
