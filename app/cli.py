@@ -284,7 +284,7 @@ DTYPE_HELP = "weights' dtype (default auto: as stored on CUDA, float32 elsewhere
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from manyeyes.export import export_html
+    from manyeyes.export import TooLongToExport, export_html
     from manyeyes.model import load
 
     if _bad_text(args):
@@ -293,7 +293,12 @@ def cmd_export(args) -> int:
     info = model.info
     if _outside(info, args.layer, args.head):
         return 2
-    html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate, format=args.format)
+    try:
+        html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate,
+                           format=args.format)
+    except TooLongToExport as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         Path(args.output).write_text(html, encoding="utf-8")
     except OSError as exc:

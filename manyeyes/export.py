@@ -44,6 +44,11 @@ PLOTLY_TAG = re.compile(r"""<script\b[^>]*\bsrc="/vendor/plotly\.min\.js[^"]*"[^
 MAIN_MODULE = re.compile(r"""<script\b[^>]*\btype="module"[^>]*\bsrc="/static/js/([\w.-]+\.js)"[^>]*>\s*</script>""")
 
 
+class TooLongToExport(ValueError):
+    """A text over the server's dense bound (MANYEYES_DENSE_MAX_TOKENS): the file would hold every
+    weight of a run the live page reads in tiles, and the file has no server to ask for tiles."""
+
+
 def pick_format(n_layers: int, n_heads: int, n_tokens: int) -> str:
     return "f16" if n_layers * n_heads * n_tokens * n_tokens * 2 <= F16_BUDGET_BYTES else "u8"
 
@@ -148,7 +153,9 @@ def export_html(
     format: str | None = None,
 ) -> str:
     """One run of a loaded model (manyeyes.load) as a one-file HTML viewer, focused on `layer`
-    and `head` when it opens. ValueError for a layer or head the model does not have."""
+    and `head` when it opens. ValueError for a layer or head the model does not have;
+    TooLongToExport for a text over MANYEYES_DENSE_MAX_TOKENS (1024 unless set), as GET /export."""
+    from manyeyes.app.config import Settings
     from manyeyes.app.services.cache import Run, run_id_for
 
     info = model.info
@@ -156,7 +163,19 @@ def export_html(
         # The page would open on a head that is not there (it fell back to a clamped one unasked).
         raise ValueError(f"model {info.id} has layers 0..{info.n_layers - 1} and heads 0..{info.n_heads - 1}; "
                          f"got layer {layer}, head {head}")
-    result = model.run([model.encode(text, text_pair, truncate=truncate)])[0]
+    encoded = model.encode(text, text_pair, truncate=truncate)
+    limit = Settings().dense_max_tokens
+    if len(encoded) > limit:
+        # Said before the forward pass; the size is what the file would have been (base64 weights).
+        n = len(encoded)
+        cell_bytes = {"f16": 2, "u8": 1}[format or pick_format(info.n_layers, info.n_heads, n)]
+        size = info.n_layers * info.n_heads * n * n * cell_bytes * 4 / 3 / 2**20
+        raise TooLongToExport(
+            f"this text is {n:,} tokens; an exported page holds every weight of its run ({size:,.1f} MiB of them here) "
+            f"and has no long-run mode, so it takes up to {limit:,} tokens (MANYEYES_DENSE_MAX_TOKENS, the bound of the "
+            "server's /export; raise it for a bigger file): export a shorter text, or open this one in "
+            "`manyeyes serve`, whose page reads long runs")
+    result = model.run([encoded])[0]
     n_layers, n_heads, n_tokens = result.attention.shape[:3]
     view = View(list(range(n_layers)), list(range(n_heads)), format or pick_format(n_layers, n_heads, n_tokens))
     run = Run(run_id_for(model.info.id, text, text_pair, truncate), model.info.id, result.tokens, result.truncated, result.attention)

@@ -10,13 +10,24 @@ const embedded = JSON.parse(document.getElementById("manyeyes-export").textConte
 const run = embedded.run;
 const [nLayers, nHeads, T] = run.attention.shape;
 const cells = T * T;
-let values = null; // Float32Array [layer][head][query][key], decoded on first use
+let source = null; // the file's weights as stored: u8 `bytes` (times `scale`) or float `values`
 
-function allValues() {
-  if (values) return values;
-  const decoded = decodeAttention(run.attention);
-  values = decoded.values || Float32Array.from(decoded.bytes, (b) => b * decoded.scale);
-  return values;
+// Decoded once, kept as stored: widening a u8 run to float32 up front took 4x its bytes and,
+// with per-element callbacks, most of the seconds a long export took to open.
+function stored() {
+  if (source) return source;
+  source = decodeAttention(run.attention);
+  run.attention = { ...run.attention, data: null }; // the base64 text is no longer needed
+  return source;
+}
+
+// Weights [from, from + count) as float32: a view for a float file, a u8 file's bytes times its scale.
+function weightsOf(from, count) {
+  const { bytes, values, scale } = stored();
+  if (values) return values.subarray(from, from + count);
+  const out = new Float32Array(count);
+  for (let i = 0; i < count; i++) out[i] = bytes[from + i] * scale;
+  return out;
 }
 
 function offline(message) {
@@ -29,16 +40,19 @@ function answer(layers, heads, format) {
   layers = layers ?? [...Array(nLayers).keys()];
   heads = heads ?? [...Array(nHeads).keys()];
   if (format === "json") throw offline("Exact float32 values are not in this file.");
-  const source = allValues();
-  const out = new Float32Array(layers.length * heads.length * cells);
-  layers.forEach((l, li) => heads.forEach((h, hi) => {
-    const from = (l * nHeads + h) * cells;
-    out.set(source.subarray(from, from + cells), (li * heads.length + hi) * cells);
-  }));
+  const { bytes, values, scale } = stored();
+  const size = layers.length * heads.length * cells;
   const shape = [layers.length, heads.length, T, T];
   const decoded = format === "u8"
-    ? { shape, bytes: Uint8Array.from(out, (v) => Math.round(v * 255)), scale: 1 / 255 }
-    : { shape, values: out };
+    ? { shape, bytes: new Uint8Array(size), scale: bytes ? scale : 1 / 255 }
+    : { shape, values: new Float32Array(size) };
+  layers.forEach((l, li) => heads.forEach((h, hi) => {
+    const from = (l * nHeads + h) * cells;
+    const to = (li * heads.length + hi) * cells;
+    if (decoded.values) decoded.values.set(weightsOf(from, cells), to);
+    else if (bytes) decoded.bytes.set(bytes.subarray(from, from + cells), to);
+    else for (let i = 0; i < cells; i++) decoded.bytes[to + i] = Math.round(values[from + i] * 255);
+  }));
   const dtype = format === "u8" ? "uint8" : "float16";
   return { ...run, layers, heads, attention: { format, dtype, shape, data: null, decoded } };
 }
@@ -79,12 +93,11 @@ export async function fetchSlice(runId, layers, heads, format) {
 // which a file:// page cannot).
 export async function fetchMean(runId, layers) {
   await later();
-  const source = allValues();
   const sum = new Float64Array(cells);
   for (const l of layers) {
     for (let h = 0; h < nHeads; h++) {
-      const from = (l * nHeads + h) * cells;
-      for (let i = 0; i < cells; i++) sum[i] += source[from + i];
+      const head = weightsOf((l * nHeads + h) * cells, cells);
+      for (let i = 0; i < cells; i++) sum[i] += head[i];
     }
   }
   const count = layers.length * nHeads;

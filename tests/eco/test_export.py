@@ -164,3 +164,44 @@ def test_export_route_errors_are_json(server):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
         message = r.json()["error"]["message"]
         assert message.startswith(f"{field}: ") and "whitespace" in message and "pydantic.dev" not in message, message
+
+
+def test_cli_export_refuses_a_text_over_the_dense_bound_as_the_server_does(tiny_gpt, tmp_path, capsys, monkeypatch):
+    # The file holds every weight (L x H x T x T) and the offline page has no long-run mode: a 6 x 12
+    # llama at 2,000 tokens wrote 371 MiB whose tab crashed. /export answers 413 needs_tiles there.
+    monkeypatch.setenv("MANYEYES_DENSE_MAX_TOKENS", "40")
+    out = tmp_path / "view.html"
+    long = "In the beginning God created the heaven and the earth."  # 54 tokens: tiny-gpt reads bytes
+    assert cli(["export", long, "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: this text is 54 tokens") and err.count("\n") == 1, err
+    for says in ("up to 40 tokens", "MANYEYES_DENSE_MAX_TOKENS", "manyeyes serve", "MiB"):
+        assert says in err, err
+    assert cli(["export", long[:39], "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 0 and out.exists()
+
+
+def test_u8_export_shows_the_file_weights(browser, tiny_gpt, tmp_path):
+    # A u8 file is answered from its bytes as stored (no float32 copy of every head): the focus,
+    # the next head and the mean of all heads still read the run's weights, within u8's 1/510.
+    out = tmp_path / "u8.html"
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(out), "--format", "u8", "--layer", "1", "--head", "6",
+                "--device", "cpu"]) == 0
+    context, page, seen, refused, problems = open_offline(browser, out)
+    try:
+        attention = tiny_gpt.attend(TEXT).attention.numpy()
+        for expected, step in ((attention[1, 6], None), (attention[1, 7], "ArrowRight"), (attention.mean(axis=(0, 1)), "all")):
+            if step == "ArrowRight":
+                page.locator("#focus-plot").focus()
+                page.keyboard.press(step)
+                page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '7'")
+            elif step == "all":
+                page.select_option("#aggregate", "all")
+                page.wait_for_selector("#focus-plot[data-aggregate=all]", timeout=10_000)
+            page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'")
+            shown = focus_z(page)
+            known = ~np.isnan(shown)
+            np.testing.assert_allclose(shown[known], expected[known], atol=1 / 510 + 1e-3)
+        assert not refused and not problems, (refused, problems)
+    finally:
+        context.close()
