@@ -269,13 +269,18 @@ def cell_pixel(page, plot_id, row, col) -> list[int]:
     }""", base64.b64encode(png).decode())
 
 
-def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):
-    open_page(page, server)
-    page.select_option("#model", "tiny-causal")
+def generate_on(page, base: str, model: str, n: int) -> None:
+    """Opens the page, picks `model` and generates n tokens from PROMPT, to the end of the stream."""
+    open_page(page, base)
+    page.select_option("#model", model)
     page.fill("#gen-text", PROMPT)
-    page.fill("#gen-n", "12")
+    page.fill("#gen-n", str(n))
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+
+
+def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):
+    generate_on(page, server, "tiny-causal", 12)
     steps = [e for e in stream(server, {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 12}) if e["type"] == "step"]
     assert len(steps) == 12
     assert page.get_attribute("#gen-row-plot", "data-index") == "11"
@@ -544,12 +549,7 @@ def test_generate_menus_hold_the_layers_and_heads_of_the_model_in_use(two_causal
     """The menus kept the last generation's model: switched from tiny-gpt (8 heads) to tiny-causal
     (4), they offered H4-H7 until Generate was pressed again, and before any generation they were empty."""
     page = make_page()
-    open_page(page, two_causal_server)
-    page.select_option("#model", "tiny-gpt")
-    page.fill("#gen-text", PROMPT)
-    page.fill("#gen-n", "3")
-    page.click("#gen-start")
-    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    generate_on(page, two_causal_server, "tiny-gpt", 3)
     page.select_option("#gen-layer", "1")
     page.select_option("#gen-head", "6")
     assert gen_menus(page) == (2, 8, "1", "6")
