@@ -101,15 +101,30 @@ def generate(
     ids = list(encoded.ids)
     device = model.device
 
-    def forward(new_ids: list[int], past):
+    def forward(new_ids: list[int], past, capture: Capture = Capture(weights=True)):
         # Entered per forward, never held across a yield: inference mode is per thread, and a
         # server may run each step on a different worker thread.
         with torch.inference_mode(), model._autocast():
-            return model.net.inspect(torch.tensor([new_ids], device=device), capture=Capture(weights=True), past=past)
+            return model.net.inspect(torch.tensor([new_ids], device=device), capture=capture, past=past)
 
-    trace = forward(ids, None)
-    logits = trace.logits[0, -1].float().cpu()
+    def last_logits(trace) -> torch.Tensor:
+        if trace.logits is not None:
+            return trace.logits[0, -1].float().cpu()
+        with torch.inference_mode(), model._autocast():
+            # (1, d_model) -> (1, vocab): the head on the last position only
+            return model.net.out_head(trace.hidden[:, -1]).float()[0].cpu()
+
+    # The prompt's own weights are never streamed (each step's row comes from that step's
+    # forward), yet they were made and held, every layer's (heads, T, T) at once, until the first
+    # step: L x H x T^2 floats, tiny-llama's 2,040-token prompt grew the process by 237 MB. Under
+    # the cache the prompt runs as a long input does (`keep`: row blocks, no T x T tensor, and the
+    # same keys and values for the cache), and its (T, vocab) logits are read at the last position
+    # only: 38 MB. The recompute path is the reference and reads each row from its whole forward.
+    prompt_capture = Capture(weights=False, logits=False, keep=True) if use_cache else Capture(weights=True)
+    trace = forward(ids, None, prompt_capture)
+    logits = last_logits(trace)
     past = [layer.present for layer in trace.layers]
+    del trace  # nothing of the prompt's forward but its keys and values outlives this line
     for index in range(max_new_tokens):
         probs = torch.softmax(logits.double(), -1)
         chosen = _choose(logits, sampling, generator)

@@ -114,3 +114,34 @@ def test_bad_sampling_is_refused_where_it_is_made(sampling):
 
 def test_good_sampling_is_accepted():
     assert Sampling(temperature=0, top_k=1, seed=0) and Sampling(temperature=2.0, seed=2**64 - 1)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
+def test_the_prompts_forward_holds_no_weights_and_the_steps_are_unchanged(name, monkeypatch):
+    """Each streamed row comes from its step's own forward: the prompt's (layers, heads, T, T)
+    weights and (T, vocab) logits were made and held for nothing (L x H x T^2 floats until the
+    first step; tiny-llama's 2,040-token prompt grew the process by 237 MB)."""
+    model = load(name, device="cpu")
+    prompt = ("In the beginning God created the heaven and the earth. " * 40)[: model.info.max_tokens - 8]
+    n = len(model.encode(prompt))
+    real = model.net.inspect
+    traces = []
+
+    def recording(*args, **kwargs):
+        trace = real(*args, **kwargs)
+        traces.append(trace)
+        return trace
+
+    monkeypatch.setattr(model.net, "inspect", recording)
+    cached = list(generate(model, prompt, 3))
+    prompt_trace = traces[0]
+    big = [t for layer in prompt_trace.layers for t in (layer.weights,) if t is not None and t.numel() >= n * n]
+    assert not big and prompt_trace.logits is None
+    monkeypatch.setattr(model.net, "inspect", real)
+    recomputed = list(generate(model, prompt, 3, use_cache=False))
+    assert [s.token.id for s in cached] == [s.token.id for s in recomputed]
+    for a, b in zip(cached, recomputed):
+        assert a.position == b.position and a.attention.shape == (model.info.n_layers, model.info.n_heads, a.position + 1)
+        assert (a.attention - b.attention).abs().max().item() <= 1e-5
+        assert a.token.prob == pytest.approx(b.token.prob, abs=1e-5)
+        assert [c.id for c in a.alternatives] == [c.id for c in b.alternatives]

@@ -10,7 +10,21 @@ from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import GenerateEnd, GenerateRequest, GenerateStart, GenerateStep
 
 router = APIRouter(prefix="/api/v1", tags=["generation"])
+
 NDJSON = "application/x-ndjson"
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed answer that closes its body however the sending ended: Starlette abandons the
+    body iterator of a client that hung up, and a generation's slot is freed only when it closes."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def inline_schema(model) -> dict:
@@ -49,9 +63,9 @@ def inline_schema(model) -> dict:
         **errors(404, 429, 503),
     },
 )
-async def generate(body: GenerateRequest, service: GenerationDep) -> StreamingResponse:
+async def generate(body: GenerateRequest, service: GenerationDep) -> ClosingStream:
     """Generate up to `max_new_tokens` tokens (greedy, or sampled with a temperature, top-k and seed),
     each with its probability, the alternatives and its attention row in every head."""
     stream = service.start(body)
     # No buffering proxies: each line should reach the client as it is made.
-    return StreamingResponse(stream, media_type=NDJSON, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return ClosingStream(stream, media_type=NDJSON, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})

@@ -44,7 +44,7 @@ class GenerationService:
         # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
         self._slots = threading.BoundedSemaphore(settings.max_generations)
 
-    def start(self, body) -> AsyncIterator[bytes]:
+    def start(self, body) -> Generation:
         """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
         served = self.registry.get(body.model)
         model = served.model
@@ -77,9 +77,10 @@ class GenerationService:
                 for t in prompt.tokens
             ],
         }
-        return self._stream(served.id, start, steps)
+        return Generation(self, served.id, start, steps)
 
-    async def _stream(self, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
+    async def _stream(self, generation: Generation, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
+        generation.started = True
         outcome = "cancelled"  # unless the loop below runs to its end
         count = 0
         delay = self.settings.debug_forward_delay_s
@@ -110,4 +111,42 @@ class GenerationService:
         finally:
             self.metrics.generations.labels(outcome).inc()
             steps.close()
-            self._slots.release()
+            generation.release()
+
+
+class Generation:
+    """One generation's NDJSON lines and the slot it holds, released exactly once.
+
+    The slot is taken before the 200 (so that a full server answers 429), but the lines may never
+    be read to their end: a client that hangs up while a line is being sent leaves the stream
+    suspended at a `yield`, and one that hangs up before the first line leaves it never started.
+    Starlette closes neither, so the slot came back only when the garbage collector happened to
+    finalise the stream: four such hang-ups and every generation was a 429 meanwhile. The route
+    calls `aclose` whatever happened, which ends the steps and frees the slot at once.
+    """
+
+    def __init__(self, service: GenerationService, model_id: str, start: dict, steps) -> None:
+        self._slots = service._slots
+        self._metrics = service.metrics
+        self._released = False
+        self._guard = threading.Lock()
+        self._steps = steps
+        self.started = False
+        self._lines = service._stream(self, model_id, start, steps)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._lines
+
+    async def aclose(self) -> None:
+        await self._lines.aclose()  # a suspended stream runs its `finally`; an unstarted one does not
+        if not self.started:
+            self._metrics.generations.labels("cancelled").inc()
+            self._steps.close()
+        self.release()
+
+    def release(self) -> None:
+        with self._guard:
+            if self._released:
+                return
+            self._released = True
+        self._slots.release()

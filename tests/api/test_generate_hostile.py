@@ -1,0 +1,82 @@
+"""POST /api/v1/generate as a hostile or unlucky client uses it: bad input is a clear 4xx before
+any byte, and a client that hangs up never keeps a generation slot."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+
+import pytest
+
+from manyeyes.app.config import Settings
+from tests.api.conftest import metric, serve
+
+BODY = {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 5}
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = serve(Settings(models={"tiny-gpt": "tiny-gpt", "tiny-llama": "tiny-llama", "minilm": "minilm"}, device="cpu",
+                       warmup=False, max_generations=2))
+    yield c
+    c.__exit__(None, None, None)
+
+
+def hang_up(client, body: dict, spec_version: str) -> list[tuple]:
+    """One request straight into the ASGI app from a client that is gone as soon as its body is sent;
+    returns what the app managed to send (type, status)."""
+    raw = json.dumps(body).encode()
+
+    async def once():
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        sent = []
+
+        async def send(message):
+            sent.append((message["type"], message.get("status")))
+            if spec_version >= "2.4" and message["type"] == "http.response.body":
+                raise OSError("connection reset by peer")  # what an ASGI 2.4 server raises on a closed socket
+            await asyncio.sleep(0)  # the point at which a real socket write lets the disconnect in
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/api/v1/generate", "raw_path": b"/api/v1/generate",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 4321), "server": ("test", 80),
+            "headers": [(b"content-type", b"application/json"), (b"host", b"test"),
+                        (b"content-length", str(len(raw)).encode())],
+        }
+        try:
+            await client.app(scope, receive, send)
+        except Exception:  # a 2.4 server's ClientDisconnect: the server's to handle
+            pass
+        return sent
+
+    return client.portal.call(once)
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_clients_that_hang_up_at_once_leave_no_generation_slot_behind(client, spec_version):
+    """Starlette abandons a streamed body when the client goes: the generation's stream sat at a
+    `yield` with its slot held until the garbage collector happened to finalise it, and with
+    MANYEYES_MAX_GENERATIONS such hang-ups every generation was a 429 meanwhile."""
+    service = client.app.state.generation
+    slots = client.app.state.settings.max_generations
+    cancelled = metric(client, "manyeyes_generations_total", outcome="cancelled")
+    gc.disable()  # the collector is what used to hide the leak, now and then
+    try:
+        for _ in range(slots + 2):
+            sent = hang_up(client, BODY, spec_version)
+            assert sent and sent[0] == ("http.response.start", 200), sent
+            assert service._slots._value == slots  # free again the moment the request ended
+        r = client.post("/api/v1/generate", json=BODY)
+        assert r.status_code == 200, r.text
+        lines = [json.loads(line) for line in r.text.strip().split("\n")]
+        assert lines[-1] == {"type": "end", "reason": "length", "tokens": 5}
+    finally:
+        gc.enable()
+    assert service._slots._value == slots
+    assert metric(client, "manyeyes_generations_total", outcome="cancelled") >= cancelled + slots + 2
