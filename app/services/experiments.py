@@ -79,6 +79,7 @@ class ExperimentService:
     async def ablate(self, body) -> bytes:
         served = self.registry.get(body.model)
         info = served.model.info
+        self._check_pair(body.text_pair)
         self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
         seen = set()
         for a in body.ablate:
@@ -92,6 +93,7 @@ class ExperimentService:
 
     async def change_token(self, body) -> bytes:
         served = self.registry.get(body.model)
+        self._check_pair(body.text_pair)
         self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
         view = self._view(served, body.difference)
         return await self._run(self._change_token, served, body, view)
@@ -104,6 +106,13 @@ class ExperimentService:
         return await self._run(self._compare, served, body, view)
 
     # ------------------------------------------------------------------ bounds
+    @staticmethod
+    def _check_pair(pair: str | None) -> None:
+        # As POST /attention refuses it: a blank second text ran as a pair with an empty segment
+        # ([CLS] text [SEP] [SEP]) and answered 200, an experiment on an input nobody meant.
+        if pair is not None and not pair.strip():
+            raise InvalidInput("text_pair: text must contain something other than whitespace")
+
     def _check_chars(self, size: int, label: str = "", pair: bool = False) -> None:
         limit = self.settings.max_text_chars
         if size > limit:
