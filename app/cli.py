@@ -132,12 +132,13 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    from manyeyes.app.config import Settings
     from manyeyes.app.main import create_app
     from manyeyes.app.server import server_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = Settings()
+    settings = _settings()  # a malformed MANYEYES_* variable: one line naming it, not pydantic's traceback
+    if settings is None:
+        return 2
     updates = {"extra_models": {**settings.extra_models, **_merge(args.model)}}
     if args.device:
         updates["device"] = args.device
@@ -281,6 +282,23 @@ DTYPE_HELP = "weights' dtype (default auto: as stored on CUDA, float32 elsewhere
 # ---- export (issue 15): one self-contained HTML file of one run --------------------------------
 
 
+def _settings():
+    """The MANYEYES_* settings, or None after one line naming each variable that is malformed
+    (pydantic's own report is a dozen lines and a documentation URL)."""
+    from pydantic import ValidationError
+
+    from manyeyes.app.config import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"MANYEYES_{'_'.join(str(part) for part in error['loc'][:1]).upper()}={error.get('input')!r}: {error['msg']}"
+            if error["loc"] else error["msg"] for error in exc.errors())
+        print(f"error: a MANYEYES_* setting in the environment is malformed: {problems}", file=sys.stderr)
+        return None
+
+
 def cmd_export(args) -> int:
     from pathlib import Path
 
@@ -289,13 +307,16 @@ def cmd_export(args) -> int:
 
     if _bad_text(args):
         return 2
+    settings = _settings()  # before the model loads: the bound of the server's /export, here too
+    if settings is None:
+        return 2
     model = load(args.model, device=args.device)
     info = model.info
     if _outside(info, args.layer, args.head):
         return 2
     try:
         html = export_html(model, args.text, args.pair, layer=args.layer, head=args.head, truncate=args.truncate,
-                           format=args.format)
+                           format=args.format, dense_max_tokens=settings.dense_max_tokens)
     except TooLongToExport as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -310,12 +331,12 @@ def cmd_export(args) -> int:
 
 def add_export_command(sub) -> None:
     export = sub.add_parser("export", help="write one self-contained HTML file with the viewer and one run")
-    export.add_argument("text")
+    export.add_argument("text", help="the sentence to run (quote it); up to MANYEYES_DENSE_MAX_TOKENS tokens (default 1024)")
     export.add_argument("--pair", default=None, help="optional second sentence (pair models)")
     export.add_argument("--model", default="minilm", help="built-in name, Hugging Face id, HF folder or book .pth (default: minilm)")
     export.add_argument("-o", "--output", default="manyeyes-view.html", help="file to write (default: manyeyes-view.html)")
-    export.add_argument("--layer", type=int, default=0, help="layer focused when the file opens")
-    export.add_argument("--head", type=int, default=0, help="head focused when the file opens")
+    export.add_argument("--layer", type=int, default=0, help="layer focused when the file opens (default 0)")
+    export.add_argument("--head", type=int, default=0, help="head focused when the file opens (default 0)")
     export.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
     export.add_argument("--format", choices=("f16", "u8"), default=None,
                         help="stored precision (default: f16 up to 16 MiB of weights, else u8)")
@@ -332,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     attend = sub.add_parser("attend", help="print the attention of one head for a sentence")
-    attend.add_argument("text")
+    attend.add_argument("text", help="the sentence to run (quote it)")
     attend.add_argument("--pair", default=None, help="optional second sentence (pair models)")
     attend.add_argument(
         "--model", default="minilm",

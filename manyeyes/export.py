@@ -44,9 +44,16 @@ PLOTLY_TAG = re.compile(r"""<script\b[^>]*\bsrc="/vendor/plotly\.min\.js[^"]*"[^
 MAIN_MODULE = re.compile(r"""<script\b[^>]*\btype="module"[^>]*\bsrc="/static/js/([\w.-]+\.js)"[^>]*>\s*</script>""")
 
 
+# The server's dense bound as shipped (app/config.py, MANYEYES_DENSE_MAX_TOKENS unset; a test keeps
+# the two equal). The library never parses the environment, so an unrelated malformed MANYEYES_*
+# variable cannot fail an export; `manyeyes export` passes the configured bound.
+DENSE_MAX_TOKENS = 1024
+
+
 class TooLongToExport(ValueError):
-    """A text over the server's dense bound (MANYEYES_DENSE_MAX_TOKENS): the file would hold every
-    weight of a run the live page reads in tiles, and the file has no server to ask for tiles."""
+    """A text over the dense bound (export_html's dense_max_tokens; the CLI and the server's /export
+    use MANYEYES_DENSE_MAX_TOKENS): the file would hold every weight of a run the live page reads
+    in tiles, and the file has no server to ask for tiles."""
 
 
 def pick_format(n_layers: int, n_heads: int, n_tokens: int) -> str:
@@ -150,12 +157,13 @@ def model_entry(info, default: bool = True) -> dict:
 
 def export_html(
     model, text: str, text_pair: str | None = None, *, layer: int = 0, head: int = 0, truncate: bool = False,
-    format: str | None = None,
+    format: str | None = None, dense_max_tokens: int = DENSE_MAX_TOKENS,
 ) -> str:
     """One run of a loaded model (manyeyes.load) as a one-file HTML viewer, focused on `layer`
-    and `head` when it opens. ValueError for a layer or head the model does not have;
-    TooLongToExport for a text over MANYEYES_DENSE_MAX_TOKENS (1024 unless set), as GET /export."""
-    from manyeyes.app.config import Settings
+    and `head` when it opens. ValueError for a layer or head the model does not have, or a
+    dense_max_tokens under 1; TooLongToExport for a text over `dense_max_tokens` tokens (default
+    1024, the server's default bound; the file holds every weight, L x H x T x T of them). The
+    environment is not read: `manyeyes export` passes MANYEYES_DENSE_MAX_TOKENS here."""
     from manyeyes.app.services.cache import Run, run_id_for
 
     info = model.info
@@ -163,8 +171,10 @@ def export_html(
         # The page would open on a head that is not there (it fell back to a clamped one unasked).
         raise ValueError(f"model {info.id} has layers 0..{info.n_layers - 1} and heads 0..{info.n_heads - 1}; "
                          f"got layer {layer}, head {head}")
+    if isinstance(dense_max_tokens, bool) or not isinstance(dense_max_tokens, int) or dense_max_tokens < 1:
+        raise ValueError(f"dense_max_tokens must be a whole number of tokens, at least 1; got {dense_max_tokens!r}")
     encoded = model.encode(text, text_pair, truncate=truncate)
-    limit = Settings().dense_max_tokens
+    limit = dense_max_tokens
     if len(encoded) > limit:
         # Said before the forward pass; the size is what the file would have been (base64 weights).
         n = len(encoded)
@@ -172,8 +182,8 @@ def export_html(
         size = info.n_layers * info.n_heads * n * n * cell_bytes * 4 / 3 / 2**20
         raise TooLongToExport(
             f"this text is {n:,} tokens; an exported page holds every weight of its run ({size:,.1f} MiB of them here) "
-            f"and has no long-run mode, so it takes up to {limit:,} tokens (MANYEYES_DENSE_MAX_TOKENS, the bound of the "
-            "server's /export; raise it for a bigger file): export a shorter text, or open this one in "
+            f"and has no long-run mode, so it takes up to {limit:,} tokens (dense_max_tokens; `manyeyes export` and the "
+            "server's /export read MANYEYES_DENSE_MAX_TOKENS: raise it for a bigger file): export a shorter text, or open this one in "
             "`manyeyes serve`, whose page reads long runs")
     result = model.run([encoded])[0]
     n_layers, n_heads, n_tokens = result.attention.shape[:3]

@@ -104,3 +104,16 @@ def test_a_reader_that_goes_away_stops_attend_quietly():
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and stderr.strip() == "", (proc.returncode, stderr)
+
+
+def test_every_argument_of_attend_and_export_says_what_it_is(capsys):
+    """`manyeyes export --help` listed the positional `text` with no word about it (nor did attend)."""
+    import pytest
+
+    for command in ("attend", "export"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--help"])
+        assert exited.value.code == 0
+        out = capsys.readouterr().out
+        positional = out.split("positional arguments:")[1].split("options:")[0]
+        assert positional.split() [:6] == ["text", "the", "sentence", "to", "run", "(quote"], out

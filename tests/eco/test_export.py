@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -205,3 +207,40 @@ def test_u8_export_shows_the_file_weights(browser, tiny_gpt, tmp_path):
         assert not refused and not problems, (refused, problems)
     finally:
         context.close()
+
+
+def test_export_html_takes_its_bound_as_an_argument_and_never_reads_the_environment(tiny_gpt, monkeypatch):
+    """export_html read the bound through Settings(), which parses every MANYEYES_* variable: an
+    unrelated malformed one (MANYEYES_MAX_QUEUE=lots) failed a notebook's export with pydantic's
+    ValidationError, and MANYEYES_DENSE_MAX_TOKENS changed a library call behind its back."""
+    from manyeyes.export import DENSE_MAX_TOKENS, TooLongToExport, export_html
+
+    from manyeyes.app.config import Settings
+
+    assert DENSE_MAX_TOKENS == Settings.model_fields["dense_max_tokens"].default == 1024
+    monkeypatch.setenv("MANYEYES_MAX_QUEUE", "lots")
+    monkeypatch.setenv("MANYEYES_DENSE_MAX_TOKENS", "3")
+    text = "In the beginning"  # 16 tokens: tiny-gpt reads bytes
+    html = export_html(tiny_gpt, text)  # the default bound, 1024, whatever the environment says
+    embedded = json.loads(re.search(r'<script type="application/json" id="manyeyes-export">(.*?)</script>', html, re.S)[1])
+    assert "".join(t["text"] for t in embedded["run"]["tokens"]) == text and len(embedded["run"]["tokens"]) == 16
+    with pytest.raises(TooLongToExport, match=r"this text is 16 tokens.*up to 15 tokens \(dense_max_tokens"):
+        export_html(tiny_gpt, text, dense_max_tokens=15)
+    assert "<html" in export_html(tiny_gpt, text, dense_max_tokens=16).lower()
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="dense_max_tokens must be a whole number"):
+            export_html(tiny_gpt, text, dense_max_tokens=bad)
+
+
+def test_cli_export_says_in_one_line_which_setting_is_malformed(tmp_path, capsys, monkeypatch):
+    """With the bound read inside the library, a malformed MANYEYES_* variable ended `manyeyes
+    export` (and `manyeyes serve`) in pydantic's multi-line ValidationError traceback."""
+    monkeypatch.setenv("MANYEYES_MAX_QUEUE", "lots")
+    out = tmp_path / "view.html"
+    assert cli(["export", "In the beginning", "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_MAX_QUEUE='lots': "
+                   "Input should be a valid integer, unable to parse string as an integer\n"), err
+    assert not out.exists()
+    assert cli(["serve", "--port", "1"]) == 2  # before it binds or loads anything
+    assert capsys.readouterr().err.startswith("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_MAX_QUEUE=")
