@@ -68,7 +68,8 @@ class Overloaded(ManyeyesError):
 
 
 class NotReady(ManyeyesError):
-    """503 not_ready: models still loading."""
+    """503 not_ready: models still loading (raised at once: see Client.wait_ready), or a 503 with
+    Retry-After (a server shutting down) still so after the client's retries."""
 
 
 class ServerTimeout(ManyeyesError):
@@ -279,6 +280,15 @@ def selection(layers: list[int] | None, heads: list[int] | None) -> dict[str, st
     return params
 
 
+def _plain(value):
+    """json.dumps's fallback: numpy integers, floats, booleans and arrays, and ranges, as plain JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (np.ndarray, range)):
+        return list(value.tolist() if isinstance(value, np.ndarray) else value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _lines(response: httpx.Response) -> Iterator[str]:
     """A streamed body's lines; a connection cut mid-stream is ConnectionFailed, like any other."""
     try:
@@ -427,6 +437,8 @@ class Client:
         frames: bool = True,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        if not isinstance(base_url, str) or not base_url.lower().startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, as in 'http://127.0.0.1:8000'; got {base_url!r}")
         headers = {"User-Agent": f"manyeyes-client python/{sys.version_info.major}.{sys.version_info.minor}"}
         if frames:
             # The fastest form the server offers: raw bytes in a small frame, no base64 and no
@@ -451,8 +463,14 @@ class Client:
         self.http.close()
 
     def _send(self, method: str, path: str, stream: bool = False, **kwargs) -> httpx.Response:
-        """The response, after retrying a 429 (its Retry-After, capped) up to max_retries times;
-        errors raised typed. stream=True leaves the body unread (the caller closes it)."""
+        """The response, after retrying a 429, or a 503 that says when to come back (Retry-After:
+        a server shutting down, a proxy in front of a restarting one), after its Retry-After
+        (capped) up to max_retries times; errors raised typed. A 503 without Retry-After (models
+        still loading) is NotReady at once: wait_ready waits for that. stream=True leaves the body
+        unread (the caller closes it). A JSON body may hold numpy integers and arrays."""
+        if "json" in kwargs:  # numpy scalars (np.argmax's) and arrays, which json.dumps refuses
+            kwargs["content"] = json.dumps(kwargs.pop("json"), default=_plain).encode("utf-8")
+            kwargs["headers"] = {"Content-Type": "application/json", **(kwargs.get("headers") or {})}
         for attempt in range(self.max_retries + 1):
             try:
                 response = self.http.send(self.http.build_request(method, path, **kwargs), stream=stream)
@@ -464,11 +482,22 @@ class Client:
                     0, "timeout", f"{self.http.base_url} took longer than this client's timeout_s "
                     f"({self.http.timeout.read} s) to answer {method} {path}; raise Client(timeout_s=...) for slow requests",
                 ) from None
-            except httpx.TransportError as exc:
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol) as exc:
                 raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
-            if response.status_code == 429 and attempt < self.max_retries:
+            except httpx.TransportError as exc:
+                # Connected, then the connection ended before a whole answer: the server went away
+                # (stopped, restarted, killed for memory) or a proxy cut it. Not retried: the same
+                # request may be what brought it down.
+                raise ConnectionFailed(
+                    0, "network", f"{self.http.base_url} closed the connection before it had answered {method} {path} "
+                    f"(the server stopped, restarted or crashed mid-request, or a proxy cut it off): {exc}",
+                ) from None
+            wait = retry_after(response)
+            retryable = response.status_code == 429 or (response.status_code == 503 and wait is not None)
+            if retryable and attempt < self.max_retries:
                 self.retries += 1
-                time.sleep(min(retry_after(response) or 1.0, self.max_retry_wait_s))
+                response.close()
+                time.sleep(min(wait or 1.0, self.max_retry_wait_s))
                 continue
             if response.is_error:
                 raise error_from_response(response)
@@ -537,11 +566,29 @@ class Client:
         heads: list[int] | None = None,
         format: str | None = None,
         truncate: bool = False,
+        predictions: int | None = None,
+        batch_size: int = 32,
     ) -> list[RemoteResult]:
-        options = {"model": model, "layers": layers, "heads": heads, "format": format or self.format, "truncate": truncate}
+        """One result per text, in order. The texts go `batch_size` at a time (the server's
+        max_batch_texts, 32 by default: lower it for a server configured lower), each request one
+        padded forward, so any number of texts can be passed. Each text must fit the server's
+        dense bound (else TooLarge needs_tiles: post it alone with attention())."""
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a list of texts; for one text, call attention(text) or pass [text]")
+        texts = list(texts)
+        if not texts:
+            raise ValueError("texts is empty: pass at least one text")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number, at least 1; got {batch_size!r}")
+        options = {"model": model, "layers": layers, "heads": heads, "format": format or self.format, "truncate": truncate,
+                   "predictions": None if predictions is None else {"top_k": predictions}}
         options = {k: v for k, v in options.items() if v is not None}
-        pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": texts, **options}))
-        return [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(texts, pieces)]
+        results = []
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start : start + batch_size]
+            pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": chunk, **options}))
+            results += [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(chunk, pieces)]
+        return results
 
     def slice(
         self,

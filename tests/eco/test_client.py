@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import re
 import time
 
 import httpx
@@ -390,3 +391,113 @@ def test_wait_ready_on_an_unreachable_server_says_it_could_not_be_reached():
         c.wait_ready(timeout_s=0.3, poll_s=0.05)
     assert (err.value.status, err.value.code) == (0, "network")
     assert err.value.message.startswith("not ready after 0.3 s: http://127.0.0.1:") and "could not be reached" in err.value.message
+
+
+def test_numpy_indices_and_counts_go_into_request_bodies_as_plain_json(client, local):
+    """np.argmax and friends give numpy integers: attention(layers=[np.int64(1)]),
+    predictions=np.int64(2) or generate(text, np.int64(3)) raised "TypeError: Object of type int64
+    is not JSON serializable" from inside httpx, while the GET routes took the same values."""
+    layer, head = np.unravel_index(np.argmax(local[:, :, 3, 0]), local.shape[:2])  # np.int64s
+    r = client.attention(TEXT, layers=[layer], heads=np.array([head]), format="json", predictions=np.int64(2))
+    assert (r.layers, r.heads) == ([int(layer)], [int(head)])
+    np.testing.assert_allclose(r.head(layer, head), local[layer, head], atol=1e-5)
+    assert all(len(p) == 2 for p in r.predictions.values())
+    [b] = client.attention_batch([TEXT], layers=range(1, 2), heads=[np.int32(4)], format="json")
+    np.testing.assert_allclose(b.head(1, 4), local[1, 4], atol=1e-5)
+    steps = list(client.generate(TEXT, np.int64(2), temperature=np.float32(0.0), alternatives=np.int8(1)))
+    assert [s.index for s in steps] == [0, 1] and all(len(s.alternatives) == 1 for s in steps)
+
+
+def test_batch_takes_any_number_of_texts_in_order_and_refuses_a_bare_string(client, tiny_gpt):
+    """Forty texts were one request the server refuses (a batch holds at most 32: 422), and
+    attention_batch("one text") went off as a 422 "texts: Input should be a valid list"."""
+    texts = [f"Verse {i}: and it was so." for i in range(40)]
+    sent = []
+    client.http.event_hooks = {"request": [lambda request: sent.append(json.loads(request.content)["texts"])]}
+    try:
+        results = client.attention_batch(texts, layers=[0], heads=[3], format="json", predictions=1)
+    finally:
+        client.http.event_hooks = {"request": [], "response": []}
+    assert [len(chunk) for chunk in sent] == [32, 8]
+    assert len(results) == 40 and len({r.run_id for r in results}) == 40
+    for i in (0, 31, 32, 39):
+        assert "".join(t.text for t in results[i].tokens) == texts[i] and results[i].request["text"] == texts[i]
+        np.testing.assert_allclose(results[i].head(0, 3), tiny_gpt.attend(texts[i]).attention[0, 3].numpy(), atol=1e-5)
+        assert set(results[i].predictions) == set(range(len(texts[i])))
+    assert [len(r.tokens) for r in client.attention_batch(texts[:5], batch_size=2)] == [len(t) for t in texts[:5]]
+    with pytest.raises(TypeError, match="list of texts"):
+        client.attention_batch("And God said.")
+    for bad in ({"texts": []}, {"texts": ["a"], "batch_size": 0}):
+        with pytest.raises(ValueError):
+            client.attention_batch(**bad)
+
+
+def test_a_503_with_retry_after_is_retried_and_one_without_is_not(monkeypatch):
+    """A server shutting down (or a proxy before a restarting one) answers 503 with Retry-After;
+    the client raised it at once, like the 503 of models still loading, which has none."""
+    slept = []
+    monkeypatch.setattr("manyeyes.client.time.sleep", slept.append)
+    answers = []
+
+    def answer(request):
+        answers.append(request.url.path)
+        if len(answers) <= 2:
+            return httpx.Response(503, json={"error": {"code": "not_ready", "message": "the server shut down before this "
+                                  "request finished; retry shortly"}}, headers={"Retry-After": "5"})
+        return httpx.Response(200, json={"models": []})
+
+    with Client("http://manyeyes.test", transport=httpx.MockTransport(answer)) as mocked:
+        assert mocked.models() == [] and mocked.retries == 2
+    assert slept == [5.0, 5.0] and len(answers) == 3
+
+    from manyeyes.client import NotReady
+
+    loading = httpx.MockTransport(lambda request: (answers.append(1), httpx.Response(
+        503, json={"error": {"code": "not_ready", "message": "models are still loading"}}))[1])
+    answers.clear()
+    with Client("http://manyeyes.test", transport=loading) as mocked, pytest.raises(NotReady) as err:
+        mocked.models()
+    assert len(answers) == 1 and err.value.retry_after_s is None and mocked.retries == 0
+    shutting = httpx.MockTransport(lambda request: httpx.Response(
+        503, json={"error": {"code": "not_ready", "message": "shut down"}}, headers={"Retry-After": "1"}))
+    with Client("http://manyeyes.test", max_retries=2, transport=shutting) as mocked, pytest.raises(NotReady) as err:
+        mocked.models()
+    assert mocked.retries == 2 and err.value.retry_after_s == 1.0
+
+
+def test_a_server_that_dies_mid_request_is_not_reported_unreachable(tmp_path):
+    """The server was killed during the forward (an OOM kill, a crash): the client said it "could
+    not be reached", which sends a user checking the URL of a server that answered a moment ago."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.eco.conftest import ROOT, wait_ready
+
+    port = free_port()
+    env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_DEBUG_FORWARD_DELAY_S": "30",
+           "MANYEYES_WARMUP": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu",
+                             "--log-level", "warning"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, proc)
+        threading.Timer(1.0, proc.kill).start()
+        with Client(base, timeout_s=60) as c, pytest.raises(ConnectionFailed) as err:
+            c.attention(TEXT)
+    finally:
+        proc.kill()
+        proc.wait(timeout=15)
+    assert (err.value.status, err.value.code) == (0, "network")
+    assert err.value.message.startswith(f"{base} closed the connection before it had answered POST /api/v1/attention "
+                                        "(the server stopped, restarted or crashed mid-request"), err.value.message
+    assert "could not be reached" not in err.value.message
+
+
+def test_a_base_url_without_a_scheme_is_refused_when_the_client_is_made():
+    """Client("127.0.0.1:8000") was made, then every call said the server "could not be reached:
+    Request URL is missing an 'http://' or 'https://' protocol"."""
+    for bad in ("127.0.0.1:8000", "localhost", "ftp://host"):
+        with pytest.raises(ValueError, match=r"base_url must start with http:// or https://.*" + re.escape(repr(bad))):
+            Client(bad)
+    assert Client("HTTPS://example.test/").http.base_url.host == "example.test"
