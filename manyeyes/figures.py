@@ -63,18 +63,44 @@ def to_html(fig: go.Figure, path: str | None = None) -> str:
 
 @dataclass
 class Weights:
-    """Either kind of result as numpy: attention[i, j] is layer layers[i], head heads[j]."""
+    """Either kind of result as numpy: attention[i, j] is layer layers[i], head heads[j].
+    positions[t]: the token's index in the run (hiding special tokens drops some)."""
 
     attention: np.ndarray  # (len(layers), len(heads), T, T) float32
     layers: list[int]
     heads: list[int]
     tokens: list[str]
+    positions: list[int] | None = None
+    special: list[bool] | None = None
+    hidden: str = ""  # what a view left out, for titles: "" when nothing
+
+    def __post_init__(self):
+        n = self.attention.shape[-1]
+        self.positions = list(range(n)) if self.positions is None else self.positions
+        self.special = [False] * n if self.special is None else self.special
 
     def head(self, layer: int, head: int) -> np.ndarray:
         try:
             return self.attention[self.layers.index(layer), self.heads.index(head)]
         except ValueError:
             raise KeyError(f"layer {layer}, head {head} is not in this result (layers {self.layers}, heads {self.heads})") from None
+
+    def without(self, hide_special: bool = False, hide_first: bool = False) -> Weights:
+        """As the page's "Hide special tokens" / "Hide first token": those tokens leave the rows
+        and the columns, and each row is renormalised over the keys left, so it shows the share
+        of the visible keys (a row whose weight all went to hidden keys is 0)."""
+        if not (hide_special or hide_first):
+            return self
+        keep = [i for i, special in enumerate(self.special) if not ((hide_special and special) or (hide_first and i == 0))]
+        if not keep:
+            raise ValueError("hiding special tokens and the first token leaves no token to draw")
+        a = self.attention[..., keep, :][..., keep].astype(np.float64)
+        total = a.sum(-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            a = np.where(total > 0, a / total, 0.0).astype(np.float32)
+        what = [w for w, on in (("special tokens", hide_special), ("first token", hide_first)) if on]
+        return Weights(a, self.layers, self.heads, [self.tokens[i] for i in keep], [self.positions[i] for i in keep],
+                       [self.special[i] for i in keep], " and ".join(what) + " hidden, rows renormalised")
 
 
 def weights_of(result) -> Weights:
@@ -90,7 +116,8 @@ def weights_of(result) -> Weights:
     attention = np.asarray(attention, dtype=np.float32)
     layers = list(getattr(result, "layers", None) or range(attention.shape[0]))
     heads = list(getattr(result, "heads", None) or range(attention.shape[1]))
-    return Weights(attention, layers, heads, [visible_spaces(t.text) for t in result.tokens])
+    return Weights(attention, layers, heads, [visible_spaces(t.text) for t in result.tokens],
+                   special=[bool(getattr(t, "special", False)) for t in result.tokens])
 
 
 VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
@@ -102,60 +129,113 @@ def visible_spaces(text: str) -> str:
                    for ch in text)
 
 
-def _ticks(tokens: list[str], max_ticks: int = 48) -> dict:
-    # Index axes with token text as tick labels: the same word may occur twice.
-    step = max(1, -(-len(tokens) // max_ticks))
-    values = list(range(0, len(tokens), step))
-    return {"tickmode": "array", "tickvals": values, "ticktext": [tokens[i] for i in values]}
+TICK_PX = 12  # a tick label needs about a line of 10-11 px text; below this, every k-th token
+MAX_SIDE = 600  # heatmap: cells a side before max-pooling (about one pixel a cell at 900 px)
+GRID_SIDE = 120  # grid: cells a side of each small panel before max-pooling
 
 
-def heatmap(result, layer: int, head: int, *, title: str | None = None) -> go.Figure:
-    """One head: queries on rows, keys on columns, token labels, hover `query → key: weight`."""
-    w = weights_of(result)
+def _ticks(tokens: list[str], positions: list[int], side_px: float, step: int = 1) -> dict:
+    """Tick labels at the cells' indices (the same word may occur twice): every token when each
+    has TICK_PX pixels, else every k-th, then labelled with its position in the run (a byte-level
+    model's every other character read as noise). step: tokens per cell of a pooled heatmap."""
+    n = len(tokens)
+    cells = -(-n // step)
+    every = max(1, math.ceil(cells * TICK_PX / max(side_px, 1)))
+    if every > 1 or step > 1:  # "1197 t" labels need more room than one token's
+        every = max(1, math.ceil(cells * TICK_PX * 1.75 / max(side_px, 1)))
+    values = list(range(0, cells, every))
+    if every == 1 and step == 1:
+        text = [tokens[i] for i in values]
+    else:
+        text = [f"{positions[i * step]} {tokens[i * step]}" for i in values]
+    return {"tickmode": "array", "tickvals": values, "ticktext": text}
+
+
+def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
+    """Max over step x step blocks (the last ones ragged): a lone sharp weight stays visible,
+    where a picture of more cells than pixels drops it. The page's overview pools the same way."""
+    if step == 1:
+        return matrix
+    n_rows, n_cols = matrix.shape[-2:]
+    rows, cols = -(-n_rows // step), -(-n_cols // step)
+    padded = np.full(matrix.shape[:-2] + (rows * step, cols * step), -np.inf, dtype=matrix.dtype)
+    padded[..., :n_rows, :n_cols] = matrix
+    return padded.reshape(matrix.shape[:-2] + (rows, step, cols, step)).max(axis=(-3, -1))
+
+
+def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_special: bool = False,
+            hide_first: bool = False, max_side: int = MAX_SIDE) -> go.Figure:
+    """One head: queries on rows, keys on columns, token labels, hover `query → key: weight`.
+    hide_special / hide_first: as the page's options (rows renormalised over the keys left).
+    Over max_side tokens the cells are max-pooled, k x k tokens each (the title says k)."""
+    w = weights_of(result).without(hide_special, hide_first)
     matrix = w.head(layer, head)
     n = len(w.tokens)
-    labels = np.array(w.tokens, dtype=object)
-    custom = np.stack(np.broadcast_arrays(labels[:, None], labels[None, :]), axis=-1)
+    step = max(1, math.ceil(n / max_side))
+    size = min(900, 260 + 14 * -(-n // step))
+    # With tokens hidden a cell's index is no longer its position in the run: the label says it.
+    labels = np.array([f"{p} {t}" for p, t in zip(w.positions, w.tokens)] if w.hidden else w.tokens, dtype=object)
+    if step == 1:
+        custom = np.stack(np.broadcast_arrays(labels[:, None], labels[None, :]), axis=-1)
+        hover = "%{customdata[0]} → %{customdata[1]}: %{z:.4f}<extra>query %{y}, key %{x}</extra>"
+    else:
+        spans = np.array([f"{w.positions[i]}–{w.positions[min(i + step, n) - 1]}" for i in range(0, n, step)], dtype=object)
+        custom = np.stack(np.broadcast_arrays(spans[:, None], spans[None, :]), axis=-1)
+        hover = f"queries %{{customdata[0]}} → keys %{{customdata[1]}}: max %{{z:.4f}}<extra>{step}×{step} tokens a cell</extra>"
+    pooled = _pool(matrix, step)
     fig = go.Figure(
         go.Heatmap(
-            z=matrix, customdata=custom, colorscale=COLORSCALE, zmin=0, zmax=float(max(matrix.max(), 1e-9)),
-            colorbar={"title": {"text": "weight"}},
-            hovertemplate="%{customdata[0]} → %{customdata[1]}: %{z:.4f}<extra>query %{y}, key %{x}</extra>",
+            z=pooled, customdata=custom, colorscale=COLORSCALE, zmin=0, zmax=float(max(pooled.max(), 1e-9)),
+            colorbar={"title": {"text": "weight" if step == 1 else "max weight"}}, hovertemplate=hover,
         )
     )
-    size = min(900, 260 + 14 * n)
+    notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell") if note]
+    heading = title or f"Layer {layer}, head {head}"
     fig.update_layout(
-        title=title or f"Layer {layer}, head {head}", width=size + 80, height=size,
-        xaxis={**_ticks(w.tokens), "title": "key (attended to)", "tickangle": -60},
-        yaxis={**_ticks(w.tokens), "title": "query (attending)", "autorange": "reversed", "scaleanchor": "x"},
+        title=heading + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""), width=size + 80, height=size,
+        # constrain="domain": a square plot shrinks its box, rather than padding the axis range
+        # (grey bands beside the matrix that read as cells).
+        xaxis={**_ticks(w.tokens, w.positions, size - 180, step), "title": "key (attended to)", "tickangle": -60,
+               "constrain": "domain"},
+        yaxis={**_ticks(w.tokens, w.positions, size - 180, step), "title": "query (attending)", "autorange": "reversed",
+               "scaleanchor": "x", "constrain": "domain"},
     )
     return fig
 
 
-def grid(result, *, cell_px: int = 90) -> go.Figure:
-    """Every layer × head of the result as small heatmaps: rows are layers, columns heads."""
-    w = weights_of(result)
+def grid(result, *, cell_px: int = 90, hide_special: bool = False, hide_first: bool = False,
+         max_side: int = GRID_SIDE) -> go.Figure:
+    """Every layer × head of the result as small heatmaps: rows are layers, columns heads. Over
+    max_side tokens each panel is max-pooled (a 90-pixel panel shows no more anyway)."""
+    w = weights_of(result).without(hide_special, hide_first)
     rows, cols = len(w.layers), len(w.heads)
+    n = len(w.tokens)
+    step = max(1, math.ceil(n / max_side))
+    starts = [w.positions[i] for i in range(0, n, step)]
+    pooled = _pool(w.attention, step)
     fig = make_subplots(rows=rows, cols=cols, horizontal_spacing=0.01, vertical_spacing=0.01,
                         row_titles=[f"L{l}" for l in w.layers], column_titles=[f"H{h}" for h in w.heads])
     for i, layer in enumerate(w.layers):
         for j, head in enumerate(w.heads):
-            fig.add_trace(
-                go.Heatmap(z=w.attention[i, j], coloraxis="coloraxis",
-                           hovertemplate=f"layer {layer}, head {head}<br>query %{{y}} → key %{{x}}: %{{z:.3f}}<extra></extra>"),
-                row=i + 1, col=j + 1,
-            )
+            hover = (f"layer {layer}, head {head}<br>query %{{y}} → key %{{x}}: %{{z:.3f}}<extra></extra>" if step == 1 else
+                     f"layer {layer}, head {head}<br>queries from %{{y}} → keys from %{{x}}: max %{{z:.3f}}"
+                     f"<extra>{step}×{step} tokens a cell</extra>")
+            fig.add_trace(go.Heatmap(z=pooled[i, j], x=starts, y=starts, coloraxis="coloraxis", hovertemplate=hover),
+                          row=i + 1, col=j + 1)
     fig.update_xaxes(showticklabels=False)
     fig.update_yaxes(showticklabels=False, autorange="reversed")
-    fig.update_layout(coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1}, title="All heads",
+    notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell") if note]
+    fig.update_layout(coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1},
+                      title="All heads" + (f" <sup>({'; '.join(notes)})</sup>" if notes else ""),
                       width=80 + cell_px * cols, height=80 + cell_px * rows, margin={"l": 40, "r": 40, "t": 60, "b": 20})
     return fig
 
 
-def head_view(result, layer: int, heads: list[int] | None = None) -> go.Figure:
+def head_view(result, layer: int, heads: list[int] | None = None, *, hide_special: bool = False,
+              hide_first: bool = False) -> go.Figure:
     """Lines from each query token (left) to the keys it attends to (right), one colour per head,
     width and opacity by weight."""
-    w = weights_of(result)
+    w = weights_of(result).without(hide_special, hide_first)
     heads = list(w.heads if heads is None else heads)
     n = len(w.tokens)
     fig = go.Figure()
@@ -176,13 +256,15 @@ def head_view(result, layer: int, heads: list[int] | None = None) -> go.Figure:
             ))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"color": color, "width": 3},
                                  name=f"head {head}", legendgroup=f"h{head}"))
-    for x, anchor in ((0.0, "right"), (1.0, "left")):
+    # Queries' labels end where their lines begin (left of x=0), keys' start where theirs end:
+    # "middle right" at x=0 had put every query's label over its own lines.
+    for x, side in ((0.0, "left"), (1.0, "right")):
         fig.add_trace(go.Scatter(
-            x=[x] * n, y=list(range(n)), mode="text", text=w.tokens, textposition=f"middle {anchor}",
-            hovertext=[f"{i}: {t}" for i, t in enumerate(w.tokens)], hoverinfo="text", showlegend=False,
+            x=[x] * n, y=list(range(n)), mode="text", text=w.tokens, textposition=f"middle {side}",
+            hovertext=[f"{p}: {t}" for p, t in zip(w.positions, w.tokens)], hoverinfo="text", showlegend=False,
         ))
     fig.update_layout(
-        title=f"Head view, layer {layer}", width=520, height=120 + 18 * n,
+        title=f"Head view, layer {layer}" + (f"<br><sup>{w.hidden}</sup>" if w.hidden else ""), width=520, height=120 + 18 * n,
         xaxis={"visible": False, "range": [-0.6, 1.6]}, yaxis={"visible": False, "autorange": "reversed"},
     )
     return fig

@@ -34,7 +34,7 @@ def test_heatmap_shows_the_heads_weights_with_token_labels(request, local, kind)
     np.testing.assert_allclose(np.asarray(trace.z), local.attention[1, 0].numpy(), atol=1e-5)
     texts = [t.text.replace(" ", "␣") for t in local.tokens]  # spaces shown, as the page shows them
     assert list(fig.layout.xaxis.ticktext) == [texts[i] for i in fig.layout.xaxis.tickvals]
-    assert len(fig.layout.xaxis.tickvals) <= 48
+    assert list(fig.layout.xaxis.tickvals) == list(range(len(texts)))  # 57 tokens in 720 px: room for each label
     assert trace.customdata[2][5].tolist() == [texts[2], texts[5]] and "→" in trace.hovertemplate
 
 
@@ -133,3 +133,78 @@ def test_a_local_kept_result_is_pointed_at_its_own_kept_views(tiny_gpt):
     kept = tiny_gpt.run([tiny_gpt.encode("In the beginning")], Capture(keep=True))[0]
     with pytest.raises(ValueError, match=r"kept queries and keys.*result\.kept\.block.*manyeyes\.model\.kept\.pooled"):
         figures.grid(kept)
+
+
+def _result(attention: np.ndarray, texts: list[str], special: list[bool] | None = None):
+    from types import SimpleNamespace
+
+    special = special or [False] * len(texts)
+    return SimpleNamespace(attention=attention, layers=list(range(attention.shape[0])), heads=list(range(attention.shape[1])),
+                           tokens=[SimpleNamespace(text=t, special=s) for t, s in zip(texts, special)])
+
+
+def test_head_view_labels_sit_outside_the_lines_they_name(local):
+    """The query labels (x=0) were drawn to the right of x=0 and the key labels (x=1) to the left
+    of x=1: every label lay across the lines between the columns."""
+    fig = figures.head_view(local, layer=0, heads=[3])
+    columns = {t.x[0]: t for t in fig.data if t.mode == "text"}
+    assert columns[0.0].textposition == "middle left" and columns[1.0].textposition == "middle right"
+    assert list(columns[0.0].text) == list(columns[1.0].text) == [t.text.replace(" ", "␣") for t in local.tokens]
+
+
+def test_a_byte_level_sentence_gets_every_token_labelled_and_a_long_one_positions(local):
+    """At 57 tokens (tiny-gpt reads bytes) every other character was a tick label, so the axis
+    read "F u ␣ c r ..."; and the square plot padded its axes with grey bands that read as cells."""
+    fig = figures.heatmap(local, 0, 3)
+    texts = [t.text.replace(" ", "␣") for t in local.tokens]
+    assert list(fig.layout.xaxis.ticktext) == list(fig.layout.yaxis.ticktext) == texts
+    assert fig.layout.xaxis.constrain == fig.layout.yaxis.constrain == "domain"
+    n = 300
+    fig = figures.heatmap(_result(np.full((1, 1, n, n), 1 / n, dtype=np.float32), [chr(97 + i % 26) for i in range(n)]), 0, 0)
+    values, text = list(fig.layout.xaxis.tickvals), list(fig.layout.xaxis.ticktext)
+    assert 10 <= len(values) < n and values[0] == 0 and len(set(np.diff(values))) == 1
+    assert text == [f"{i} {chr(97 + i % 26)}" for i in values]  # a label every k tokens says which token it is
+
+
+def test_a_thousand_token_head_is_max_pooled_so_sharp_weights_stay_visible():
+    """At 1,201 tokens heatmap() sent 1.44M cells (22 MB of figure, most of it hover strings) into a
+    720-pixel square, where the weights of a sharp head fell between pixels; grid() sent 63 MB."""
+    n = 1201
+    a = np.zeros((2, 3, n, n), dtype=np.float32)
+    a[..., np.arange(n), np.arange(n)] = 0.5  # a diagonal
+    a[1, 2, 1000, 7] = 0.9  # one sharp weight far from it
+    result = _result(a, [chr(97 + i % 26) for i in range(n)])
+    fig = figures.heatmap(result, 1, 2)
+    z = np.asarray(fig.data[0].z)
+    assert z.shape == (401, 401)  # 3 x 3 tokens a cell
+    assert z[1000 // 3, 7 // 3] == np.float32(0.9) and np.all(np.diag(z) == np.float32(0.5)) and z[0, 5] == 0
+    assert "1,201 tokens, max over 3×3 a cell" in fig.layout.title.text
+    assert fig.data[0].customdata[333][2].tolist() == ["999–1001", "6–8"]
+    assert len(fig.to_json()) < 8e6
+    grid = figures.grid(result)
+    assert all(np.asarray(t.z).shape == (110, 110) for t in grid.data) and len(grid.to_json()) < 2e6
+    assert np.asarray(grid.data[5].z)[1000 // 11, 0] == np.float32(0.9) and list(grid.data[5].x[:2]) == [0, 11]
+    short = figures.heatmap(_result(a[:, :, :40, :40], [chr(97 + i) for i in range(26)] * 2), 0, 0)
+    np.testing.assert_array_equal(np.asarray(short.data[0].z), a[0, 0, :40, :40])  # whole below max_side
+
+
+def test_special_tokens_can_be_hidden_as_on_the_page():
+    """MiniLM's [CLS] and [SEP] take most of many heads' weight and wash the rest of the colour
+    scale out; the page has "Hide special tokens" (rows renormalised), the figures had no way."""
+    a = np.array([[[[0.7, 0.1, 0.1, 0.1],
+                    [0.5, 0.3, 0.1, 0.1],
+                    [0.6, 0.1, 0.1, 0.2],
+                    [0.4, 0.2, 0.2, 0.2]]]], dtype=np.float32)
+    result = _result(a, ["[CLS]", "bank", "river", "[SEP]"], [True, False, False, True])
+    fig = figures.heatmap(result, 0, 0, hide_special=True)
+    np.testing.assert_allclose(np.asarray(fig.data[0].z), [[0.75, 0.25], [0.5, 0.5]], rtol=1e-6)
+    assert list(fig.layout.xaxis.ticktext) == ["bank", "river"]
+    assert fig.data[0].customdata[1][0].tolist() == ["2 river", "1 bank"]  # positions in the run, not in the view
+    assert "special tokens hidden, rows renormalised" in fig.layout.title.text
+    first = figures.heatmap(result, 0, 0, hide_first=True)
+    np.testing.assert_allclose(np.asarray(first.data[0].z)[0], [0.6, 0.2, 0.2], rtol=1e-6)
+    grid = figures.grid(result, hide_special=True)
+    np.testing.assert_allclose(np.asarray(grid.data[0].z), [[0.75, 0.25], [0.5, 0.5]], rtol=1e-6)
+    hv = figures.head_view(result, 0, hide_special=True)
+    assert [list(t.text) for t in hv.data if t.mode == "text"] == [["bank", "river"]] * 2
+    np.testing.assert_allclose(np.asarray(figures.heatmap(result, 0, 0).data[0].z), a[0, 0])  # off by default
