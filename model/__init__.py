@@ -1,7 +1,7 @@
 """manyeyes' model core: our own multi-head attention, GPT and BERT stacks, loaders and tokenizer."""
 
 from manyeyes.model.attention import AttentionOutput, Capture, MultiHeadAttention
-from manyeyes.model.errors import ModelLoadError, TooLongError
+from manyeyes.model.errors import CorruptFileError, ModelLoadError, TooLongError
 from manyeyes.model.loading import load
 from manyeyes.model.runtime import AttentionModel, AttentionResult, ModelInfo, Prediction, pick_device
 
@@ -10,6 +10,7 @@ __all__ = [
     "AttentionOutput",
     "AttentionResult",
     "Capture",
+    "CorruptFileError",
     "ModelInfo",
     "ModelLoadError",
     "MultiHeadAttention",

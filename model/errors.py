@@ -5,6 +5,11 @@ class ModelLoadError(Exception):
     """A model could not be loaded. The message names the file and, where relevant, the key."""
 
 
+class CorruptFileError(ModelLoadError):
+    """A file is there but cannot be read (truncated, not JSON, not a tokenizer): fetching or
+    copying it again is the fix, which `load` says for a file from the Hugging Face cache."""
+
+
 class TooLongError(ValueError):
     """The input has more tokens than the model has positions, and truncation was not asked for."""
 

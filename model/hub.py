@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.errors import CorruptFileError, ModelLoadError
 
 # (bytes_done, bytes_total) while files download; the CLI draws a bar, the service fills /readyz.
 Progress = Callable[[int, int], None]
@@ -45,7 +45,7 @@ def parse_hub_id(spec: str) -> HubId | None:
     """A HubId when `spec` can only be one; paths (with a suffix, ~, ./, or absolute) never are."""
     if spec.endswith((".pth", ".pt", ".bin", ".safetensors", ".json")) or spec.startswith(("/", ".", "~")):
         return None
-    match = HUB_ID.match(spec)
+    match = HUB_ID.fullmatch(spec)  # not .match: its `$` also matches before a trailing newline
     if match is None or ".." in spec:
         return None
     return HubId(match["repo"], match["revision"])
@@ -69,17 +69,85 @@ def shard_names(index: Path) -> list[str]:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         names = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(f"cannot read the shard index {index}: {exc}") from exc
+        raise CorruptFileError(f"cannot read the shard index {index}: {exc}") from exc
     if not names or not all(isinstance(n, str) and "/" not in n and ".." not in n for n in names):
         raise ModelLoadError(f"{index}: weight_map must name shard files in the same folder")
     return names
 
 
+def _absent(path: Path, why: str = "") -> str:
+    """How to name a file that is not there: a cache snapshot's link whose blob is gone says so."""
+    notes = [why] if why else []
+    if path.is_symlink():
+        notes.append(f"a link to the missing blob {path.resolve()}")
+    return path.name + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def missing_files(folder: Path) -> list[str]:
-    missing = [name for name in NEEDED if not (folder / name).exists()]
+    """What the folder lacks, each named (a shard with the index that names it, a dangling link
+    with the blob it points at), so a user knows which file to fetch again."""
+    missing = [_absent(folder / name) for name in NEEDED if not (folder / name).exists()]
     if weight_files(folder) is None:
-        missing.append("weights (model.safetensors, its index and shards, or pytorch_model.bin)")
+        for single, index in WEIGHT_LAYOUTS:
+            if (folder / index).exists():
+                missing += [_absent(folder / s, f"named by {index}") for s in shard_names(folder / index)
+                            if not (folder / s).exists()]
+                break
+            if (folder / single).is_symlink() or (folder / index).is_symlink():
+                missing.append(_absent(folder / (single if (folder / single).is_symlink() else index)))
+                break
+        else:
+            missing.append("weights (model.safetensors, its index and shards, or pytorch_model.bin)")
     return missing
+
+
+def repo_folder(cache: Path, repo: str) -> Path:
+    return cache / f"models--{repo.replace('/', '--')}"
+
+
+def _cache_entry_problem(cache: Path, hub_id: HubId) -> str:
+    """Why a repo whose snapshot could not be found is "not in the cache", when its folder is there
+    (a ref to a deleted snapshot, no ref at all), or the cached spelling of a mistyped id."""
+    root = repo_folder(cache, hub_id.repo)
+    if not root.is_dir():
+        wanted = root.name.lower()
+        try:
+            near = sorted(p.name for p in cache.iterdir() if p.name.lower() == wanted and p.name != root.name)
+        except OSError:
+            near = []
+        return f"; did you mean {near[0].removeprefix('models--').replace('--', '/')}?" if near else ""
+    revision = hub_id.revision or "main"
+    ref = root / "refs" / revision
+    try:
+        snapshots = sorted(p.name for p in (root / "snapshots").iterdir() if p.is_dir())
+    except OSError:
+        snapshots = []
+    if ref.is_file():
+        try:
+            commit = ref.read_text(encoding="utf-8").strip()
+        except (OSError, ValueError):
+            commit = "?"
+        if not commit or "/" in commit or commit in (".", ".."):
+            return f"; its refs/{revision} holds {commit!r}, not a commit hash"
+        return (f"; refs/{revision} points at commit {commit}, but its snapshot folder "
+                f"{root / 'snapshots' / commit} is missing")
+    if hub_id.revision is None and snapshots:
+        return (f"; its folder has no refs/main, only the snapshot(s) {', '.join(snapshots)}: load one as "
+                f"{hub_id.repo}@{snapshots[0]}")
+    return ""
+
+
+def check_repo_id(spec: str, hub_id: HubId) -> None:
+    """huggingface_hub's own rules for a repo id, as one line that says the name is at fault."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(hub_id.repo)
+    except HFValidationError as exc:
+        raise ModelLoadError(
+            f"{spec!r} is neither a local file or folder nor a valid Hugging Face id ({exc}). "
+            "Hub ids look like name, org/name or org/name@revision; check the spelling or the path."
+        ) from exc
 
 
 def choose_files(repo_files: list[str]) -> tuple[list[str], str | None]:
@@ -115,6 +183,7 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = cache_dir()
+    check_repo_id(str(hub_id), hub_id)
     folder = None
     try:
         folder = Path(snapshot_download(hub_id.repo, revision=hub_id.revision, cache_dir=cache, local_files_only=True))
@@ -122,14 +191,17 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
         pass
     except Exception as exc:  # a malformed id or a broken cache entry
         raise ModelLoadError(f"{hub_id}: cannot read the Hugging Face cache at {cache}: {exc}") from exc
+    if folder is not None and folder.parent != repo_folder(cache, hub_id.repo) / "snapshots":
+        folder = None  # an empty or odd ref ("", "../..") resolved to some other folder than a snapshot
     lacking = missing_files(folder) if folder is not None else ["everything"]
     if not lacking:
         return folder
     if offline():
-        where = f"{cache}/models--{hub_id.repo.replace('/', '--')}"
+        where = repo_folder(cache, hub_id.repo)
         held = "is not in" if folder is None else f"is incomplete (lacks {', '.join(lacking)}) in"
+        problem = _cache_entry_problem(cache, hub_id) if folder is None else ""
         raise ModelLoadError(
-            f"model {hub_id} {held} the Hugging Face cache ({where}, revision {hub_id.revision or 'main'}) and "
+            f"model {hub_id} {held} the Hugging Face cache ({where}, revision {hub_id.revision or 'main'}{problem}) and "
             f"HF_HUB_OFFLINE is set, so nothing is downloaded. Fetch it on a connected machine with "
             f"`hf download {hub_id.repo}{f' --revision {hub_id.revision}' if hub_id.revision else ''}` "
             "(into the same HF_HUB_CACHE), or unset HF_HUB_OFFLINE to let manyeyes download it."

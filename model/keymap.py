@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.errors import CorruptFileError, ModelLoadError
 
 Transform = Callable[[torch.Tensor], torch.Tensor] | None
 Row = tuple[str, str, Transform]
@@ -106,9 +106,9 @@ def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read JSON {path}: {exc}") from exc
+        raise CorruptFileError(f"cannot read JSON {path}: {exc}") from exc
     if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
+        raise CorruptFileError(f"{path} must hold a JSON object")
     return data
 
 

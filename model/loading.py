@@ -15,10 +15,10 @@ from urllib.parse import parse_qsl
 import torch
 
 from manyeyes.model.attention import layer_windows
-from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.errors import CorruptFileError, ModelLoadError
 from manyeyes.model.families import family_for
 from manyeyes.model.gpt import PRESETS, GPTConfig, GPTModel
-from manyeyes.model.hub import Progress, parse_hub_id, resolve, shard_names, weight_files
+from manyeyes.model.hub import HubId, Progress, parse_hub_id, resolve, shard_names, weight_files
 from manyeyes.model.keymap import load_strict, read_json
 from manyeyes.model.packed import pack_linears
 from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
@@ -68,7 +68,7 @@ def load(
     if half and dev.type != "cuda":
         raise ModelLoadError(f"half precision needs a CUDA device, not {dev.type}")
 
-    path = _local_path(spec, progress, show_progress)
+    path, hub_id = _local_path(spec, progress, show_progress)
     try:
         if path.is_dir() and (path / "model.pth").exists():
             net, tok, family, stored = _load_book(path / "model.pth", config, tokenizer)
@@ -76,6 +76,15 @@ def load(
             net, tok, family, stored = _load_hf(path)
         else:
             net, tok, family, stored = _load_book(path, config, tokenizer)
+    except CorruptFileError as exc:
+        if hub_id is None:
+            raise
+        # A damaged file in the cache (an interrupted download, a bad copy): the fix is to fetch it again.
+        revision = f" --revision {hub_id.revision}" if hub_id.revision else ""
+        raise CorruptFileError(
+            f"{exc}. It is model {hub_id}'s file in the Hugging Face cache: fetch it again with "
+            f"`hf download {hub_id.repo}{revision} --force-download` (on a connected machine, into the same HF_HUB_CACHE)"
+        ) from exc
     except (ZeroDivisionError, TypeError, ValueError) as exc:
         # A config whose numbers cannot make the model ("n_head": 0 or "4", "sliding_window": 0)
         # fails inside the model's constructor: say which model, not only what broke.
@@ -128,17 +137,27 @@ def stored_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> Path:
-    """Built-in name, then an existing path, then a Hub id; anything else is a missing path."""
+def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> tuple[Path, HubId | None]:
+    """Built-in name, then an existing path, then a Hub id; anything else is a missing path.
+    Returns the folder or file, and the Hub id it was resolved from (None for the others)."""
+    if not spec.strip():
+        # Path("") is ".": an empty spec would load whatever folder the process runs in.
+        raise ModelLoadError(
+            f"empty model spec {spec!r}: give a built-in name ({', '.join(BUILTINS)}), a model folder, "
+            "a .pth checkpoint or a Hugging Face id (org/name)"
+        )
     if spec in BUILTINS:
-        return builtin_path(spec)
+        return builtin_path(spec), None
     path = Path(spec).expanduser()
     if path.exists():
-        return path
+        return path, None
     hub_id = parse_hub_id(spec)
     if hub_id is None:
-        raise ModelLoadError(f"no such model file or folder: {path}")
-    return resolve(hub_id, progress, show_progress)
+        # repr where the name has whitespace around it or control characters, so the line shows them.
+        plain = spec == spec.strip() and spec.isprintable()
+        padded = "" if spec == spec.strip() else " (note its leading or trailing whitespace)"
+        raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}")
+    return resolve(hub_id, progress, show_progress), hub_id
 
 
 def builtin_path(name: str) -> Path:
@@ -174,7 +193,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types on a bad header
-        raise ModelLoadError(f"corrupt weights file {path}: {exc}") from exc
+        raise CorruptFileError(f"corrupt weights file {path}: {exc}") from exc
 
 
 def _torch_load(path: Path):
@@ -186,7 +205,7 @@ def _torch_load(path: Path):
         text = str(exc)
         reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
         reason = " ".join(reason.split("Check the documentation", 1)[0].split())
-        raise ModelLoadError(f"corrupt or unreadable checkpoint {path} (not a plain state_dict of tensors: "
+        raise CorruptFileError(f"corrupt or unreadable checkpoint {path} (not a plain state_dict of tensors: "
                              f"{reason}); manyeyes never unpickles code") from exc
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
-from manyeyes.model.errors import ModelLoadError, TooLongError
+from manyeyes.model.errors import CorruptFileError, TooLongError
 
 
 class Token(NamedTuple):
@@ -100,7 +100,7 @@ class TextTokenizer:
         try:
             return cls(Tokenizer.from_file(str(path)), max_tokens)
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-            raise ModelLoadError(f"cannot read tokenizer {path}: {exc}") from exc
+            raise CorruptFileError(f"cannot read tokenizer {path}: {exc}") from exc
 
     @property
     def vocab_size(self) -> int:

@@ -24,6 +24,11 @@ FAMILIES: dict[str, ModuleType] = {t: m for m in FAMILY_MODULES for t in m.MODEL
 
 
 def family_for(model_type, path: Path) -> ModuleType:
+    if model_type is None:
+        raise ModelLoadError(
+            f"{path} has no model_type, so its family is unknown; add the one it was saved as "
+            f"(\"model_type\": ...), one of {', '.join(sorted(FAMILIES))}"
+        )
     if model_type not in FAMILIES:
         raise ModelLoadError(
             f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
