@@ -18,6 +18,14 @@ import { palette, scaled } from "./theme.js";
 export const ALL_LABELS = 64;
 const MAX_LABEL = 14;
 const ONE_COLUMN = window.matchMedia("(max-width: 1199px)"); // app.css's one-column layout
+const PHONE = window.matchMedia("(max-width: 700px)"); // main.js's NARROW: the page scrolls to the views after each run
+const SCROLL_MARGIN = 6; // px: app.css's scroll-margin-top of .views
+const WINDOW_GAP = 24; // px left under the plot, at the window's foot
+// A token given 12 px has its label at 10 px (fontFor) and a cell a pointer hits at a glance: a
+// sentence (up to 18 tokens at 1366 x 768, 30 at 1440 x 900) then stays under the form, whose text
+// box stays in view for the next try. The plot's title and key labels take about 140 px besides.
+const READABLE_PX = 12;
+const LABEL_ROOM = 140;
 export const MAX_FONT = 11; // px, the largest label font (fontFor)
 
 export function shortLabel(text) {
@@ -150,6 +158,8 @@ export class FocusView {
     this.exportCaption = "";
     this.ranges = { x: null, y: null };
     this.revision = null;
+    this.revealed = false; // whether a run has been brought into view (reveal) yet
+    this.fitTokens = 0; // the tokens of that run (fitHeight)
     this.heatmap = new CanvasHeatmap(plot);
     this.titleNode = el("div", { className: "gtitle" });
     this.titleNode.hidden = true;
@@ -181,17 +191,48 @@ export class FocusView {
     this.layOut();
   }
 
-  // The plot fills what is left of the viewport below its top (on open, scrolled to the top), so
-  // the whole matrix and its key labels fit a 1366 × 768 laptop screen. In one column (app.css,
-  // under 1200 px): about square, but never taller than the window (a phone held sideways, or a
-  // page zoomed to 200%); what was left below the options there (two to four rows of them, more
-  // with a long run's note) left square cells a third of the plot's width.
+  // The plot's height: as tall as the window holds with the panel's title, caption and hint above
+  // it (the page scrolls there after a run, reveal), as tall as square cells across its width can
+  // use, and 720 px at most. Fitted instead to what was left of the window under the form and the
+  // options (two rows of them at 1280-1440 px, three with a long run's note), a laptop's plot was
+  // 340-505 px beside the thumbnails: at 1280 × 800 its cells were 273 px of a 651 px wide box, a
+  // 92-token run's labels 7 px, and a long run's keys fell below a 1366 × 768 window. Where the room
+  // under the form is nearly that (90%), the plot takes it and the page stays put. In one column:
+  // about square, never taller than the window (a phone held sideways, or a page zoomed to 200%).
   fitHeight() {
-    const top = this.plot.getBoundingClientRect().top + window.scrollY;
-    const narrow = ONE_COLUMN.matches;
-    const room = narrow ? Math.min(window.innerWidth * 1.05, window.innerHeight - 24) : window.innerHeight - top - 24;
-    this.height = Math.round(Math.max(340, Math.min(720, room)));
+    const box = this.plot.getBoundingClientRect();
+    const views = this.plot.closest(".views");
+    const head = views ? box.top - views.getBoundingClientRect().top + SCROLL_MARGIN : 0;
+    // Square cells across the plot's width need that width less the colour bar's 90 px, plus the
+    // title's 40 (the key labels take as much room below as the query labels take beside).
+    const wide = ONE_COLUMN.matches ? window.innerWidth * 1.05 : this.plot.clientWidth - 50;
+    const tall = window.innerHeight - (PHONE.matches ? 0 : head) - WINDOW_GAP;
+    const best = Math.min(720, wide, tall);
+    const below = window.innerHeight - (box.top + window.scrollY) - WINDOW_GAP;
+    // Beside the thumbnails, before the first run (the example) nothing scrolls to the plot: it stays
+    // under the form; so it does where that room gives each token of the run READABLE_PX (a short
+    // sentence, whose text box then stays in view for the next try). In one column the plot keeps
+    // its square, as wide as the window (test_long_page.py), and the page scrolls to it.
+    const readable = (below - LABEL_ROOM) / Math.max(1, this.fitTokens) >= READABLE_PX;
+    const stay = !ONE_COLUMN.matches && (!this.revealed || readable || below >= 0.9 * best);
+    const room = stay ? Math.min(best, below) : best;
+    this.height = Math.round(Math.max(340, room));
     if (this.plot.style.height !== `${this.height}px`) this.plot.style.height = `${this.height}px`;
+  }
+
+  // After a run of `tokens` tokens: the whole plot on screen, with its panel's title when the window
+  // holds both. The page scrolls only when the plot is not whole where it is (the run form is then
+  // above the window, a scroll away); the height it is fitted to is the window's (fitHeight).
+  reveal(tokens) {
+    this.revealed = true;
+    this.fitTokens = tokens;
+    this.fitHeight();
+    const box = this.plot.getBoundingClientRect();
+    if (box.top >= 0 && box.bottom <= window.innerHeight) return;
+    const views = this.plot.closest(".views");
+    const head = views ? box.top - views.getBoundingClientRect().top + SCROLL_MARGIN : 0;
+    const target = views && head + box.height <= window.innerHeight ? views : this.plot;
+    target.scrollIntoView({ block: "start" });
   }
 
   // floor: the largest weight the view's values hold as 0 (weightText).

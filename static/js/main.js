@@ -682,6 +682,8 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   if (NARROW.matches) {
     $("controls").open = false;
     $("views").scrollIntoView({ block: "start" });
+  } else {
+    focus.reveal(run.T); // the whole heatmap on screen, fitted to the window (focus.js)
   }
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));

@@ -313,11 +313,13 @@ def test_the_focused_heatmap_fits_a_laptop_screen(server, make_page, artifacts):
     page = make_page(viewport=(1366, 768))
     open_page(page, server)
     run(page, SENTENCE, PAIR)
-    assert page.evaluate("() => window.scrollY") == 0
+    # A pair's 21 tokens are more than the room under the form shows readably: the page brings the
+    # views to the top of the window (test_laptop_windows.py), the panel's title included.
+    assert page.locator("#focus-title").bounding_box()["y"] >= 0
     plot = page.locator("#focus-plot .nsewdrag").bounding_box()
     keys = [b for b in (t.bounding_box() for t in page.locator("#focus-plot .xtick text").all()) if b]
     page.screenshot(path=str(artifacts / "laptop-1366x768.png"))
-    assert plot["y"] + plot["height"] <= 768
+    assert plot["y"] >= 0 and plot["y"] + plot["height"] <= 768
     assert max(b["y"] + b["height"] for b in keys) <= 768
     page.screenshot(path=str(artifacts / "laptop-1366x768.png"))
 
