@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import ServiceDep, TilesDep
+from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
 from manyeyes.app.schemas import AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
@@ -23,6 +24,12 @@ ARRAYS_CONTENT = {
     "(8-byte aligned) instead of data. Indices are int32.",
     "content": {"application/vnd.manyeyes.frame": {"schema": {"type": "string", "format": "binary"}}},
 }
+
+
+# The tile routes run their work under unless_disconnected: a client that hangs up while its request
+# waits for a render slot takes the request out of the queue (and of `in_flight`, the 429 count), as
+# the POST routes do. Abandoned tiles were computed anyway: 40 of them, left by a client that gave up
+# after a second, kept the next request of that client waiting 50 s.
 def answered(request: Request, reply: Reply) -> Response:
     request.state.log = reply.log
     return PiecesResponse(reply.body, reply.media_type, reply.headers)
@@ -77,8 +84,8 @@ async def run_tile(
     to rows x cols (bins of width ceil(n / size), the last one narrower, edges in the answer).
     Values are computed from the float32 weights, exactly; the answer says which pooling it used
     (`none` at full resolution)."""
-    return answered(request, await tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request),
-                                               client_of(request)))
+    work = tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request), client_of(request))
+    return answered(request, await unless_disconnected(request, work))
 
 
 @router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
@@ -95,7 +102,8 @@ async def run_topk(
 ) -> Response:
     """For each query row in [q0, q1): its k largest weights, their key positions, and `rest`,
     the mass the k leave over (1 - their sum). A whole long head, cheaply."""
-    return answered(request, await tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
+    work = tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request))
+    return answered(request, await unless_disconnected(request, work))
 
 
 @router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
@@ -107,4 +115,5 @@ async def run_overview(
 ) -> Response:
     """Every head's thumbnail, (layers, heads, rows, cols), max-pooled over the whole run: made
     during a long run's forward, and on first use for a short one."""
-    return answered(request, await tiles.overview(run_id, format, wire_of(request), client_of(request)))
+    work = tiles.overview(run_id, format, wire_of(request), client_of(request))
+    return answered(request, await unless_disconnected(request, work))

@@ -9,6 +9,7 @@ holds at most its answer plus one block of weights, however long the run.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import sys
 import time
@@ -29,7 +30,7 @@ from manyeyes.app.services.attention import (
     resolve_indices,
 )
 from manyeyes.app.services.cache import Run
-from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, brief
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, UnknownRun, brief
 from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows
@@ -150,12 +151,28 @@ class TileService:
             raise TooManyCells(f"format=json would return {cells:,} numbers for {what}, over this server's limit of "
                                f"{self.settings.max_json_cells:,}; ask for format=f16 or u8")
 
-    async def _answer(self, work, wire: Wire, fmt: str, log: dict, client: str = "") -> Reply:
-        """Runs `work` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
-        sharing their slots, which go round-robin across clients."""
+    def _still_cached(self, run_id: str, fmt: str) -> Run:
+        """The run again, once a slot is free. A request waiting for a slot holds only the run's id:
+        holding the run itself kept every evicted run with a tile request queued on it alive, outside
+        the cache's byte bound (150 queued tiles on 150 evicted 2,048-token tiny-llama runs: 1 GB of
+        resident memory under a 40 MB cache). The same id is the same text, so a run recomputed
+        meanwhile has the same tokens and serves the window that was checked."""
+        run = self.attention.cache.get(run_id)
+        if run is None:
+            raise UnknownRun(
+                f"run {brief(run_id, 64)} was evicted from the cache while this request waited for its turn; "
+                "POST /api/v1/attention again to recompute it"
+            )
+        check_precision(run, fmt)  # a run that replaced it may have been kept quantised (a GPU server's)
+        return run
 
-        def build() -> tuple[list[bytes], str, str | None]:
-            fields, arrays = work()
+    async def _answer(self, run_id: str, work, wire: Wire, fmt: str, log: dict, client: str = "") -> Reply:
+        """Runs `work(run)` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
+        sharing their slots, which go round-robin across clients. The run is read from the cache
+        once the slot is held (see _still_cached)."""
+
+        def build(run: Run) -> tuple[list[bytes], str, str | None]:
+            fields, arrays = work(run)
             pieces, media = render(fields, arrays, fmt, wire.frame)
             text = media == "application/json"
             sent, encoding = self.attention.compression.encode(wire.accept_encoding, pieces, text)
@@ -172,7 +189,17 @@ class TileService:
         self.in_flight_of[client] += 1
         try:
             async with self.attention.renders.hold(client):
-                body, media, encoding = await run_in_threadpool(build)
+                working = asyncio.ensure_future(run_in_threadpool(build, self._still_cached(run_id, fmt)))
+                try:
+                    body, media, encoding = await asyncio.shield(working)
+                except asyncio.CancelledError:
+                    # The client left (the route cancels on a disconnect) or the server is stopping. A
+                    # worker thread cannot be stopped, so the slot stays taken until it ends: released
+                    # now, hang-ups would start more tiles at once than max_concurrent_renders.
+                    await asyncio.wait([working])
+                    if not working.cancelled():
+                        working.exception()  # retrieved: nobody is left to answer
+                    raise
         finally:
             self.in_flight -= 1
             self.in_flight_of[client] -= 1
@@ -201,8 +228,9 @@ class TileService:
         }
 
     # -- GET /runs/{run_id}/tile
-    async def tile(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, pool: str, fmt: str,
-                   wire: Wire, client: str = "") -> Reply:
+    def _tile_plan(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, fmt: str):
+        """The request checked against its run: (layer, head index or None, window, rows, cols).
+        A plain function, so the awaiting route never holds the run (see _still_cached)."""
         run, info = self._run(run_id, fmt)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head_index = parse_head(head, info.n_heads, info.id)
@@ -216,10 +244,15 @@ class TileService:
                 f"a side: ask for {over} (at most {cap:,}) to get it pooled (pool=max or mean), or a smaller window"
             )
         self._check_json(n_rows * n_cols, fmt, "this tile")
+        return layer, head_index, window, n_rows, n_cols
+
+    async def tile(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, pool: str, fmt: str,
+                   wire: Wire, client: str = "") -> Reply:
+        layer, head_index, window, n_rows, n_cols = self._tile_plan(run_id, layer, head, q0, q1, k0, k1, rows, cols, fmt)
         full = n_rows == window.n_rows and n_cols == window.n_cols
         heads = None if head_index is None else [head_index]
 
-        def work():
+        def work(run: Run):
             found = pooled(run.kept, layer, heads, window.q0, window.q1, window.k0, window.k1, n_rows, n_cols,
                                   pool, self.block_cells)
             fields = {
@@ -230,10 +263,11 @@ class TileService:
             }
             return fields, {"attention": found.values.float().cpu()}
 
-        return await self._answer(work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]}, client)
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]}, client)
 
     # -- GET /runs/{run_id}/topk
-    async def topk(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str, wire: Wire, client: str = "") -> Reply:
+    def _topk_plan(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str):
+        """(layer, head, k, q0, q1) checked against the run, which it does not return (see _tile_plan)."""
         run, info = self._run(run_id, fmt)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head = resolve_indices([head], info.n_heads, "head", info.id)[0]
@@ -243,20 +277,24 @@ class TileService:
         k = min(k, run.n_tokens)
         q0, q1 = span(run, q0, q1, "q0", "q1")
         self._check_json((q1 - q0) * k, fmt, "these rows")
+        return layer, head, k, q0, q1
 
-        def work():
+    async def topk(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str, wire: Wire, client: str = "") -> Reply:
+        layer, head, k, q0, q1 = self._topk_plan(run_id, layer, head, k, q0, q1, fmt)
+
+        def work(run: Run):
             found = topk_rows(run.kept, layer, head, k, q0, q1, self.block_cells)
             fields = {"run_id": run.run_id, "layer": layer, "head": head, "k": k, "q0": q0, "q1": q1}
             return fields, {"values": found.values.float().cpu(), "indices": found.indices.cpu(),
                             "rest": found.rest.float().cpu()}
 
-        return await self._answer(work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]}, client)
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]}, client)
 
     # -- GET /runs/{run_id}/overview
     async def overview(self, run_id: str, fmt: str, wire: Wire, client: str = "") -> Reply:
-        run, info = self._run(run_id, fmt)
+        info = self._run(run_id, fmt)[1]  # 404 / kept_quantised now; the run itself is read in its slot
 
-        def work():
+        def work(run: Run):
             found = run.kept.overview_pooled()  # a short run makes its overview now, once
             self._grew(run)
             self._check_json(found.values.numel(), fmt, "the overview")
@@ -264,7 +302,7 @@ class TileService:
                       "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(), "pool": "max"}
             return fields, {"attention": found.values.float().cpu()}
 
-        return await self._answer(work, wire, fmt, {"run_id": run_id, "overview": True}, client)
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "overview": True}, client)
 
     def _grew(self, run: Run) -> None:
         """A dense run makes its overview on first use: the cache counts those bytes too."""
