@@ -406,8 +406,11 @@ class Measures {
   // is one, in the line under the plot.
   readAt(i, j) {
     const { matrix, rows, cols, mask, positions, predictions } = this.cells;
-    const top = predictions?.[String(positions ? positions[i] : i)]?.[0];
+    const position = positions ? positions[i] : i;
+    const top = predictions?.[String(position)]?.[0];
     const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
+    // The row's token outlined in the strip under the plot (its own scroll box) and scrolled to.
+    this.predictionsView.mark($("predictions"), predictions ? position : null);
     const reading = $("measure-reading");
     reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : weightText(matrix[i][j], 0, 4)}${next}`;
     Object.assign(reading.dataset, { row: i, col: j });

@@ -1,12 +1,18 @@
 // The model's own top-k beside each token (the next token for causal LMs, the masked token for MLM
 // heads): a strip under the focused heatmap (each token with its top guess, the whole top-k on
-// hover), a line in that heatmap's hover for the query row's token, and the same strip under the
-// measures' heatmap. Asked for once per run; the heatmap's own code is untouched: the hover line is
-// added by a listener on the plot's wrapper, which hears a mousemove after the plot's own listener
-// (focus.js) has written the reading and set the tooltip's data-query.
+// hover), a line in that heatmap's reading for the query row's token, and the same strip under the
+// measures' heatmap. Asked for once per run; the heatmap's own code is untouched: the reading line
+// is added whenever focus.js writes the tooltip (hover, tap, or the keyboard's cell cursor).
+//
+// The strip is a box of a few rows with its own scroll: at 1,000 tokens the whole list was about
+// 1,400 px of single letters under a 600 px heatmap (and 700 px more in the measures panel). The
+// row read on the heatmap is outlined in it and scrolled into its view, so the guess of the token
+// under the pointer or the cursor is always on screen; the rest are a scroll (or, by keyboard, a
+// Tab stop and the arrow keys) away, and a screen reader still walks every item of the list.
 
 import { describeError, listModels, postAttentionJson } from "./api.js";
 import { el } from "./dom.js";
+import { visibleSpaces } from "./tokens.js";
 
 const TOP_K = 5;
 // Spans per strip: beyond this many tokens the strip stops (the hover line still has every token).
@@ -16,17 +22,20 @@ function percent(prob) {
   return `${(prob * 100).toFixed(1)}%`;
 }
 
-// "next after “cat”: sat 41.2%, is 9.0%, …" (causal) or "at “[MASK]”: …" (masked LM).
-function describeTop(top, label, causal) {
-  return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${p.token} ${percent(p.prob)}`).join(", ");
+// "next after “cat”: sat 41.2%, is 9.0%, …" (causal) or "at “[MASK]”: …" (masked LM). name: how a
+// guessed token is written (the strip's items write a space as ␣: a bare space read as nothing).
+function describeTop(top, label, causal, name = (token) => token) {
+  return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${name(p.token)} ${percent(p.prob)}`).join(", ");
 }
 
-// One span per token: the token, its top guess under it, the whole top-k in its title.
+// One span per token: the token, its top guess under it, the whole top-k in its title. The list is
+// the strip's scroll box (app's measures.css caps its height); `fitted` says, once it is laid out,
+// whether it scrolls (see fitStrip).
 function renderStrip(container, labels, predictions, causal) {
   const shown = labels.slice(0, STRIP_TOKENS);
   const cells = shown.map((label, i) => {
     const top = predictions[String(i)];
-    const title = top ? describeTop(top, label, causal) : label;
+    const title = top ? describeTop(top, label, causal, visibleSpaces) : label;
     // A list item that a screen reader reads as its title: the bare token and guess ran together.
     return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "aria-label": title, role: "listitem", "data-position": i } }, [
       el("span", { className: "pred-token", text: label, attrs: { "aria-hidden": "true" } }),
@@ -36,8 +45,40 @@ function renderStrip(container, labels, predictions, causal) {
   const rest = labels.length - shown.length;
   const tail = rest > 0 ? [el("span", { className: "hint", text: `… and ${rest} more tokens: hover the heatmap to read them.` })] : [];
   const name = causal ? "Next token" : "Masked token";
-  container.replaceChildren(el("span", { className: "hint", text: `${name}: ` }),
-    el("span", { className: "pred-list", attrs: { role: "list", "aria-label": `${name} guesses` } }, cells), ...tail);
+  const list = el("div", { className: "pred-list", attrs: { role: "list", "aria-label": `${name} guesses, ${shown.length} tokens` } }, cells);
+  container.replaceChildren(el("span", { className: "hint pred-name", text: `${name}:` }),
+    el("span", { className: "hint pred-more", attrs: { "aria-hidden": "true" } }), list, ...tail);
+  fitStrip(container);
+}
+
+// Whether the list scrolls, as laid out now: then it is a Tab stop (the arrow keys and Page Up/Down
+// scroll it, as they do any scroll box) and the line above it says how many tokens it holds. A
+// short run's list fits and stays out of the Tab order. A strip not laid out (hidden) is left as it is.
+function fitStrip(container) {
+  const list = container.querySelector(".pred-list");
+  if (!list || !list.clientHeight) return;
+  const scrolls = list.scrollHeight > list.clientHeight + 1;
+  if (scrolls) list.setAttribute("tabindex", "0");
+  else list.removeAttribute("tabindex");
+  container.querySelector(".pred-more").textContent = scrolls
+    ? `${list.children.length} tokens, scroll for the rest; the heatmap row read is outlined.` : "";
+}
+
+// Outlines position's item (null: none) and scrolls the list, not the page, to bring it into view.
+function markIn(container, position) {
+  const list = container.querySelector(".pred-list");
+  if (!list) return;
+  list.querySelector(".pred.current")?.classList.remove("current");
+  const item = position === null ? null : list.children[position];
+  if (!item) return;
+  item.classList.add("current");
+  if (!list.clientHeight) return;
+  // offsetTop is the item's top inside the list: the list is its offsetParent (position: relative).
+  const top = item.offsetTop;
+  const bottom = top + item.offsetHeight;
+  if (top < list.scrollTop || bottom > list.scrollTop + list.clientHeight) {
+    list.scrollTop = Math.max(0, top - (list.clientHeight - item.offsetHeight) / 2);
+  }
 }
 
 function hint(container, text) {
@@ -57,13 +98,14 @@ export class Predictions {
     this.heatmapShown = true; // false while every token is hidden: no heatmap to sit under
     this.strip = el("div", { className: "predictions focus-predictions", attrs: { id: "focus-predictions", "aria-label": "The model's predictions per token" } });
     this.strip.hidden = true;
-    const wrap = plot.parentElement;
-    wrap.after(this.strip);
-    const annotate = (event) => {
-      if (plot.contains(event.target)) this.annotate();
-    };
-    wrap.addEventListener("mousemove", annotate);
-    wrap.addEventListener("pointerup", annotate);
+    plot.parentElement.after(this.strip);
+    // Each time focus.js writes a reading into the tooltip (a hover, a tap, a Shift+arrow step of
+    // the cell cursor, the cursor read again after a pan), its query's guesses go under it. Pointer
+    // listeners missed the keyboard's cursor, whose reading came without a pointer event.
+    new MutationObserver(() => this.annotate()).observe(tooltip, { childList: true, characterData: true, subtree: true });
+    // A strip laid out anew (shown, or the window resized) may start or stop scrolling.
+    this.resized = new ResizeObserver((entries) => entries.forEach((entry) => fitStrip(entry.target)));
+    this.resized.observe(this.strip);
   }
 
   // A new run: its predictions (one POST from the run cache, no forward pass), drawn into the strip
@@ -71,6 +113,7 @@ export class Predictions {
   // or null (no language-model head, or an error, which the strips say).
   async load(run, request, labels, others = []) {
     const strips = (this.strips = [this.strip, ...others]);
+    for (const strip of others) this.resized.observe(strip); // observing one twice is a no-op
     this.byPosition = null;
     this.labels = labels;
     const token = (this.token = {});
@@ -124,17 +167,27 @@ export class Predictions {
     this.strip.hidden = !(this.available && this.heatmapShown);
   }
 
-  // The query row's top-k under the reading focus.js has just put in the tooltip.
+  // The query row's top-k under the reading focus.js has just put in the tooltip, once (this
+  // line's own write is heard too), and that row's item outlined in the strip and scrolled to.
   annotate() {
     const tip = this.tooltip;
     if (tip.hidden || !this.byPosition || tip.dataset.query === undefined) return;
     const query = Number(tip.dataset.query);
     const top = this.byPosition[String(query)];
     if (!top) return;
-    tip.textContent += `\n${describeTop(top, this.labels[query] ?? "", this.causal)}`;
+    const line = `\n${describeTop(top, this.labels[query] ?? "", this.causal)}`;
+    if (tip.textContent.endsWith(line)) return;
+    tip.textContent += line;
     // Wider now: keep it inside the plot, as focus.js does.
     const width = this.plot.getBoundingClientRect().width;
     const left = parseFloat(tip.style.left) || 0;
     tip.style.left = `${Math.max(4, Math.min(left, width - tip.offsetWidth - 4))}px`;
+    markIn(this.strip, query);
+  }
+
+  // The measures' heatmap read at a token's row (null: at none of the strip's): its item outlined
+  // in the measures' strip, as the focused heatmap's reading does in its own.
+  mark(container, position) {
+    if (this.byPosition) markIn(container, position);
   }
 }
