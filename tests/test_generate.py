@@ -135,7 +135,7 @@ def test_the_prompts_forward_holds_no_weights_and_the_steps_are_unchanged(name, 
     monkeypatch.setattr(model.net, "inspect", recording)
     cached = list(generate(model, prompt, 3))
     prompt_trace = traces[0]
-    big = [t for layer in prompt_trace.layers for t in (layer.weights,) if t is not None and t.numel() >= n * n]
+    big = [layer.weights for layer in prompt_trace.layers if layer.weights is not None and layer.weights.numel() >= n * n]
     assert not big and prompt_trace.logits is None
     monkeypatch.setattr(model.net, "inspect", real)
     recomputed = list(generate(model, prompt, 3, use_cache=False))

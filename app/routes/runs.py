@@ -2,6 +2,7 @@
 run's whole weights; the run itself, /tile, /topk and /overview serve any run, long ones
 (which keep queries and keys, issue 10) included."""
 
+from collections.abc import Awaitable
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -26,13 +27,17 @@ ARRAYS_CONTENT = {
 }
 
 
-# The tile routes run their work under unless_disconnected: a client that hangs up while its request
-# waits for a render slot takes the request out of the queue (and of `in_flight`, the 429 count), as
-# the POST routes do. Abandoned tiles were computed anyway: 40 of them, left by a client that gave up
-# after a second, kept the next request of that client waiting 50 s.
 def answered(request: Request, reply: Reply) -> Response:
     request.state.log = reply.log
     return PiecesResponse(reply.body, reply.media_type, reply.headers)
+
+
+async def answered_while_connected(request: Request, work: Awaitable[Reply]) -> Response:
+    """The tile routes' answer: a client that hangs up while its request waits for a render slot
+    takes the request out of the queue (and of `in_flight`, the 429 count), as the POST routes do.
+    Abandoned tiles were computed anyway: 40 of them, left by a client that gave up after a
+    second, kept the next request of that client waiting 50 s."""
+    return answered(request, await unless_disconnected(request, work))
 
 
 Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
@@ -84,8 +89,9 @@ async def run_tile(
     to rows x cols (bins of width ceil(n / size), the last one narrower, edges in the answer).
     Values are computed from the float32 weights, exactly; the answer says which pooling it used
     (`none` at full resolution)."""
-    work = tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request), client_of(request))
-    return answered(request, await unless_disconnected(request, work))
+    return await answered_while_connected(
+        request, tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request), client_of(request))
+    )
 
 
 @router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
@@ -102,8 +108,7 @@ async def run_topk(
 ) -> Response:
     """For each query row in [q0, q1): its k largest weights, their key positions, and `rest`,
     the mass the k leave over (1 - their sum). A whole long head, cheaply."""
-    work = tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request))
-    return answered(request, await unless_disconnected(request, work))
+    return await answered_while_connected(request, tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
 
 
 @router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
@@ -115,5 +120,4 @@ async def run_overview(
 ) -> Response:
     """Every head's thumbnail, (layers, heads, rows, cols), max-pooled over the whole run: made
     during a long run's forward, and on first use for a short one."""
-    work = tiles.overview(run_id, format, wire_of(request), client_of(request))
-    return answered(request, await unless_disconnected(request, work))
+    return await answered_while_connected(request, tiles.overview(run_id, format, wire_of(request), client_of(request)))
