@@ -310,7 +310,7 @@ def cmd_export(args) -> int:
     settings = _settings()  # before the model loads: the bound of the server's /export, here too
     if settings is None:
         return 2
-    model = load(args.model, device=args.device)
+    model = load(args.model, device=args.device, dtype=args.dtype)
     info = model.info
     if _outside(info, args.layer, args.head):
         return 2
@@ -341,6 +341,7 @@ def add_export_command(sub) -> None:
     export.add_argument("--format", choices=("f16", "u8"), default=None,
                         help="stored precision (default: f16 up to 16 MiB of weights, else u8)")
     export.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    export.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     export.set_defaults(func=cmd_export)
 
 

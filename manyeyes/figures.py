@@ -231,16 +231,50 @@ def grid(result, *, cell_px: int = 90, hide_special: bool = False, hide_first: b
     return fig
 
 
+HEAD_VIEW_TOKENS = 64  # head view: tokens drawn by default, 18 px each (a 1,272-px figure)
+
+
+def _window(w: Weights, n_run: int, start: int, max_tokens: int | None) -> tuple[int, int]:
+    """The indices [lo, hi) into w's tokens of the head view's window: up to max_tokens visible
+    tokens from the first one at or after run position `start` (n_run: the run's tokens)."""
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+        raise TypeError(f"start must be a token position (an int), got {start!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a whole number of tokens, at least 1 (or None for all), got {max_tokens!r}")
+    if not 0 <= start < n_run:
+        raise ValueError(f"start={start} is outside the run: it has {n_run:,} tokens, so start must be in 0..{n_run - 1}")
+    lo = next((i for i, p in enumerate(w.positions) if p >= start), None)
+    if lo is None:
+        raise ValueError(f"start={start}: every token from there on is hidden ({w.hidden.split(' hidden')[0]}); "
+                         f"the last one drawn is at position {w.positions[-1]}")
+    hi = len(w.tokens) if max_tokens is None else min(len(w.tokens), lo + int(max_tokens))
+    return lo, hi
+
+
 def head_view(result, layer: int, heads: list[int] | None = None, *, hide_special: bool = False,
-              hide_first: bool = False) -> go.Figure:
+              hide_first: bool = False, start: int = 0, max_tokens: int | None = HEAD_VIEW_TOKENS) -> go.Figure:
     """Lines from each query token (left) to the keys it attends to (right), one colour per head,
-    width and opacity by weight."""
-    w = weights_of(result).without(hide_special, hide_first)
+    width and opacity by weight (weights under MIN_DRAWN are not drawn).
+
+    A line needs its two labels to be read, so a long run is not squeezed: the view is a window of
+    up to `max_tokens` tokens (default 64, 18 px a token) from run position `start` (default 0),
+    queries and keys alike, with each line the weight in the run (not renormalised over the window:
+    what a query gives to keys outside it is simply not drawn). Over a longer run the title says
+    which tokens are shown and the labels carry their positions; move `start` to see the rest, or
+    pass max_tokens=None to draw every token. A `start` outside the run is a ValueError naming the
+    positions there are. With hide_special / hide_first, `start` is still a position in the run
+    (the window begins at the first visible token from there)."""
+    full = weights_of(result)
+    w = full.without(hide_special, hide_first)
     heads = list(w.heads if heads is None else heads)
-    n = len(w.tokens)
+    lo, hi = _window(w, len(full.tokens), start, max_tokens)
+    windowed = (lo, hi) != (0, len(w.tokens))
+    rows = list(range(lo, hi))
+    n = len(rows)
     fig = go.Figure()
     for k, head in enumerate(heads):
-        matrix = w.head(layer, head)
+        matrix = w.head(layer, head)[lo:hi, lo:hi]
         color = HEAD_COLORS[head % len(HEAD_COLORS)]
         # One trace per weight bucket: a few traces, not one per line.
         bucket = np.minimum((matrix * BUCKETS).astype(int), BUCKETS - 1)
@@ -249,22 +283,30 @@ def head_view(result, layer: int, heads: list[int] | None = None, *, hide_specia
             if not len(qs):
                 continue
             xs = np.tile([0.0, 1.0, np.nan], len(qs))
-            ys = np.column_stack([qs, ks, np.full(len(qs), np.nan)]).ravel()
+            ys = np.column_stack([qs + lo, ks + lo, np.full(len(qs), np.nan)]).ravel()
             fig.add_trace(go.Scatter(
                 x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False, legendgroup=f"h{head}",
                 line={"color": color, "width": 0.5 + 3.5 * (b + 1) / BUCKETS}, opacity=0.15 + 0.85 * (b + 1) / BUCKETS,
             ))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line={"color": color, "width": 3},
                                  name=f"head {head}", legendgroup=f"h{head}"))
+    # A window's labels say where in the run they are, as a long heatmap's ticks do.
+    labels = [f"{w.positions[i]} {w.tokens[i]}" if windowed else w.tokens[i] for i in rows]
     # Queries' labels end where their lines begin (left of x=0), keys' start where theirs end:
     # "middle right" at x=0 had put every query's label over its own lines.
     for x, side in ((0.0, "left"), (1.0, "right")):
         fig.add_trace(go.Scatter(
-            x=[x] * n, y=list(range(n)), mode="text", text=w.tokens, textposition=f"middle {side}",
-            hovertext=[f"{p}: {t}" for p, t in zip(w.positions, w.tokens)], hoverinfo="text", showlegend=False,
+            x=[x] * n, y=rows, mode="text", text=labels, textposition=f"middle {side}",
+            hovertext=[f"{w.positions[i]}: {w.tokens[i]}" for i in rows], hoverinfo="text", showlegend=False,
         ))
+    notes = [w.hidden] if w.hidden else []
+    if windowed:
+        notes.append(f"tokens {w.positions[lo]:,}–{w.positions[hi - 1]:,} ({n:,} of {len(w.tokens):,}"
+                     f"{' visible' if w.hidden else ''}; start={start}, max_tokens={max_tokens}): "
+                     "weights to keys outside them are not drawn")
     fig.update_layout(
-        title=f"Head view, layer {layer}" + (f"<br><sup>{w.hidden}</sup>" if w.hidden else ""), width=520, height=120 + 18 * n,
+        title=f"Head view, layer {layer}" + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
+        width=520 + (80 if windowed else 0), height=120 + 18 * n,
         xaxis={"visible": False, "range": [-0.6, 1.6]}, yaxis={"visible": False, "autorange": "reversed"},
     )
     return fig

@@ -24,6 +24,11 @@ Progress = Callable[[int, int], None]
 # A repo id as the Hub spells them (an optional namespace), then an optional @revision.
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?)(?:@(?P<revision>[\w./-]+))?$")
 
+# A commit written short, as `git log --oneline` and the Hub's pages show it: 7 hex digits or more,
+# fewer than a full SHA's 40. huggingface_hub resolves only full SHAs (and refs) in the cache.
+SHORT_COMMIT = re.compile(r"[0-9a-fA-F]{7,39}")
+FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
+
 NEEDED = ("config.json", "tokenizer.json")
 # Weight layouts in order of preference: one file or an index naming its shards.
 WEIGHT_LAYOUTS = (
@@ -137,6 +142,42 @@ def _cache_entry_problem(cache: Path, hub_id: HubId) -> str:
     return ""
 
 
+def short_commit(revision: str | None) -> bool:
+    return revision is not None and SHORT_COMMIT.fullmatch(revision) is not None
+
+
+def expand_short_commit(cache: Path, hub_id: HubId) -> HubId:
+    """`org/x@dfc58f4` as the one cached snapshot whose commit starts with dfc58f4 (case aside),
+    as git reads a short SHA. A ref of that name wins (git's order too); no match leaves the id
+    as it was, for the not-cached error or a download; several are an error that lists them."""
+    revision = hub_id.revision
+    if not short_commit(revision):
+        return hub_id
+    root = repo_folder(cache, hub_id.repo)
+    if (root / "refs" / revision).is_file():
+        return hub_id
+    try:
+        matches = sorted(p.name for p in (root / "snapshots").iterdir()
+                         if FULL_COMMIT.fullmatch(p.name) and p.name.startswith(revision.lower()) and p.is_dir())
+    except OSError:
+        matches = []
+    if len(matches) > 1:
+        raise ModelLoadError(
+            f"model {hub_id}: the short commit {revision} matches {len(matches)} snapshots in the Hugging Face cache "
+            f"({root / 'snapshots'}): {', '.join(matches)}; give more of the SHA to choose one "
+            f"(e.g. {hub_id.repo}@{matches[0]})"
+        )
+    return HubId(hub_id.repo, matches[0]) if matches else hub_id
+
+
+def pinned(hub_id: HubId, folder: Path) -> HubId:
+    """The id with a short commit written in full, from the snapshot folder it resolved to (so that
+    advice such as `hf download --revision` names a commit the Hub and the cache both know)."""
+    if short_commit(hub_id.revision) and FULL_COMMIT.fullmatch(folder.name) and folder.name.startswith(hub_id.revision.lower()):
+        return HubId(hub_id.repo, folder.name)
+    return hub_id
+
+
 def check_repo_id(spec: str, hub_id: HubId) -> None:
     """huggingface_hub's own rules for a repo id, as one line that says the name is at fault."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -184,6 +225,11 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
 
     cache = cache_dir()
     check_repo_id(str(hub_id), hub_id)
+    asked = hub_id
+    hub_id = expand_short_commit(cache, hub_id)
+    # A short SHA that is no ref's name and that no cached snapshot's commit starts with.
+    unmatched = (short_commit(asked.revision) and hub_id == asked
+                 and not (repo_folder(cache, asked.repo) / "refs" / asked.revision).is_file())
     folder = None
     try:
         folder = Path(snapshot_download(hub_id.repo, revision=hub_id.revision, cache_dir=cache, local_files_only=True))
@@ -200,6 +246,8 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
         where = repo_folder(cache, hub_id.repo)
         held = "is not in" if folder is None else f"is incomplete (lacks {', '.join(lacking)}) in"
         problem = _cache_entry_problem(cache, hub_id) if folder is None else ""
+        if folder is None and unmatched:
+            problem += f"; no cached snapshot's commit starts with {hub_id.revision}"
         raise ModelLoadError(
             f"model {hub_id} {held} the Hugging Face cache ({where}, revision {hub_id.revision or 'main'}{problem}) and "
             f"HF_HUB_OFFLINE is set, so nothing is downloaded. Fetch it on a connected machine with "
@@ -273,6 +321,13 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
     except RepositoryNotFoundError as exc:
         raise ModelLoadError(f"no model {hub_id.repo!r} on the Hugging Face Hub (or it is private: `hf auth login`)") from exc
     except RevisionNotFoundError as exc:
+        if short_commit(hub_id.revision):
+            raise ModelLoadError(
+                f"model {hub_id.repo} has no revision {hub_id.revision!r}: no snapshot in the Hugging Face cache at "
+                f"{cache} has a commit that starts with it, and the Hub knows no branch, tag or commit by that name; "
+                f"give the full 40-character SHA ({hub_id.repo}@<sha>; the repo's commit history on huggingface.co "
+                "lists them)"
+            ) from exc
         raise ModelLoadError(f"model {hub_id.repo} has no revision {hub_id.revision!r}") from exc
     except (HfHubHTTPError, OSError) as exc:
         raise ModelLoadError(

@@ -18,7 +18,7 @@ from manyeyes.model.attention import layer_windows
 from manyeyes.model.errors import CorruptFileError, ModelLoadError
 from manyeyes.model.families import family_for
 from manyeyes.model.gpt import PRESETS, GPTConfig, GPTModel
-from manyeyes.model.hub import HubId, Progress, parse_hub_id, resolve, shard_names, weight_files
+from manyeyes.model.hub import HubId, Progress, parse_hub_id, pinned, resolve, shard_names, weight_files
 from manyeyes.model.keymap import load_strict, read_json
 from manyeyes.model.packed import pack_linears
 from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
@@ -157,7 +157,8 @@ def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> tu
         plain = spec == spec.strip() and spec.isprintable()
         padded = "" if spec == spec.strip() else " (note its leading or trailing whitespace)"
         raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}")
-    return resolve(hub_id, progress, show_progress), hub_id
+    folder = resolve(hub_id, progress, show_progress)
+    return folder, pinned(hub_id, folder)  # org/x@dfc58f4 as the commit it matched, for advice on a corrupt file
 
 
 def builtin_path(name: str) -> Path:
