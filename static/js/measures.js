@@ -15,10 +15,12 @@ import { Predictions } from "./predictions.js";
 import { holdsFor, layerMask, maskRule } from "./run.js";
 import { MASKED, colorTable, onThemeChange } from "./theme.js";
 import { hidingOptions, renormalises, viewOf } from "./transform.js";
+import { visibleSpaces } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
 const SEEN_MARGIN_PX = 200;
 const TICK_FONT = 10; // px, the largest
+const COLORBAR_PX = 85; // what Plotly's colour bar, its labels and its title take right of the cells
 
 // The labels for a range, thinned and sized as the focused heatmap's are for an axis of axisPx
 // pixels (every label once ALL_LABELS or fewer are in view and fit), and the room any of them
@@ -198,6 +200,7 @@ class Measures {
     this.queryIndex = run.tokens.length - 1;
     this.neuron.setTokens(this.labels, this.queryIndex);
     $("measures").hidden = false;
+    this.forgetPlot();
     const token = (this.token = {});
     this.loadHeads(token);
     // The flow graph costs several forward passes at T=512 (README): long inputs draw it on request.
@@ -232,6 +235,21 @@ class Measures {
     this.flow = null;
     this.predictions = null;
     this.predictionsView.clear();
+    this.forgetPlot();
+  }
+
+  // A new run: the last run's heatmap goes at once. It was drawn again only once the panel was
+  // scrolled to (drawFocusWhenSeen), and until then showed another text's cells under this run's views.
+  forgetPlot() {
+    this.drawToken = {}; // a measure still loading for the last run is not drawn either
+    this.cells = null;
+    this.dropCursor();
+    const plot = $("measure-plot");
+    plot.hidden = $("measure-reading").hidden = true; // plot() shows them with the new cells
+    plot.measured = null;
+    for (const key of ["measure", "layer", "head", "words"]) delete plot.dataset[key];
+    $("measure-caption").textContent = "";
+    this.status("measure-status");
   }
 
   // Whether the focused heatmap is drawn (main.js), which the predictions' strip under it follows.
@@ -365,29 +383,40 @@ class Measures {
     // Every token hidden: no cells to draw, and the caption says what brings them back.
     plot.hidden = $("measure-reading").hidden = !matrix.length;
     if (!matrix.length) return this.drawn(kind, { layer, head }, wordView, hidden);
+    const x = axisTicks(cols, null);
+    const y = axisTicks(rows, null);
+    // a label at -45° needs about 0.75 of its length below the axis
+    const margin = { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) };
+    // Tokens × tokens (words × words) keep square cells, as the focused heatmap's do (scaleanchor):
+    // as wide as the plot's width leaves beside the labels and colour bar, as tall as before at
+    // most. At 1,000 tokens the cells were stretched to the panel's width, 1148 × 581 px at 1366 px.
+    // The cells stand at the left, their colour bar beside them, not across the box from them. The
+    // contributions (heads × tokens) keep the whole box.
+    const square = rows.length === cols.length;
+    let height = Math.max(260, Math.min(640, 120 + 16 * rows.length));
+    const across = plot.clientWidth - margin.l - margin.r; // Plotly's paper: the box inside the margins
+    const side = Math.min(height - margin.t - margin.b, across - COLORBAR_PX);
+    if (square) height = Math.max(260, margin.t + margin.b + side);
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: [[0]], x: [-0.5, cols.length - 0.5], y: [-0.5, rows.length - 0.5], hoverinfo: "none",
       colorscale: signed ? signedStops() : sequentialStops(),
       zmin: signed ? -peak : 0, zmax: peak,
-      colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12 },
+      colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12, ...(square && across > 0 ? { x: (side + 10) / across } : {}) },
     };
     const cells = {
       source: cellImage(matrix, signed, peak, mask), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
       xanchor: "left", yanchor: "top", sizing: "stretch", layer: "above",
     };
     const ink = getComputedStyle(document.body).color;
-    const x = axisTicks(cols, null);
-    const y = axisTicks(rows, null);
-    const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false };
+    const bare = { showticklabels: false, ticks: "", showgrid: false, zeroline: false, constrain: "domain" };
     const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${layer}${kind === "contributions" ? "" : ` head ${head}`}`;
     await window.Plotly.react(plot, [trace], {
-      title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 } },
-      xaxis: { ...bare, autorange: true }, yaxis: { ...bare, autorange: "reversed" },
-      // a label at -45° needs about 0.75 of its length below the axis
-      margin: { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) },
-      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
-      height: Math.max(260, Math.min(640, 120 + 16 * rows.length)), images: [cells],
+      // Over the cells' left edge, as the focused heatmap's: square cells leave the box's middle empty.
+      title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 }, x: 0, xref: "paper", xanchor: "left" },
+      xaxis: { ...bare, autorange: true, constraintoward: "left" }, yaxis: { ...bare, autorange: "reversed", scaleanchor: square ? "x" : undefined },
+      margin, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
+      height, images: [cells],
     }, this.config());
     this.exportName = `manyeyes-${this.run.model}-${kind}${kind === "rollout" ? "" : `-L${layer}`}${kind === "contributions" || kind === "rollout" ? "" : `-H${head}`}`;
     if (!this.listening) this.listen(plot);
@@ -408,7 +437,7 @@ class Measures {
     const { matrix, rows, cols, mask, positions, predictions } = this.cells;
     const position = positions ? positions[i] : i;
     const top = predictions?.[String(position)]?.[0];
-    const next = top ? ` · next: ${top.token} ${(top.prob * 100).toFixed(0)}%` : "";
+    const next = top ? ` · next: ${visibleSpaces(top.token)} ${(top.prob * 100).toFixed(0)}%` : "";
     // The row's token outlined in the strip under the plot (its own scroll box) and scrolled to.
     this.predictionsView.mark($("predictions"), predictions ? position : null);
     const reading = $("measure-reading");

@@ -22,10 +22,10 @@ function percent(prob) {
   return `${(prob * 100).toFixed(1)}%`;
 }
 
-// "next after “cat”: sat 41.2%, is 9.0%, …" (causal) or "at “[MASK]”: …" (masked LM). name: how a
-// guessed token is written (the strip's items write a space as ␣: a bare space read as nothing).
-function describeTop(top, label, causal, name = (token) => token) {
-  return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${name(p.token)} ${percent(p.prob)}`).join(", ");
+// "next after “cat”: sat 41.2%, is 9.0%, …" (causal) or "at “[MASK]”: …" (masked LM). A guessed
+// token's spaces are written as the labels write them ("␣the", "␣"): a bare space read as nothing.
+function describeTop(top, label, causal) {
+  return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${visibleSpaces(p.token)} ${percent(p.prob)}`).join(", ");
 }
 
 // One span per token: the token, its top guess under it, the whole top-k in its title. The list is
@@ -35,19 +35,23 @@ function renderStrip(container, labels, predictions, causal) {
   const shown = labels.slice(0, STRIP_TOKENS);
   const cells = shown.map((label, i) => {
     const top = predictions[String(i)];
-    const title = top ? describeTop(top, label, causal, visibleSpaces) : label;
+    const title = top ? describeTop(top, label, causal) : label;
     // A list item that a screen reader reads as its title: the bare token and guess ran together.
     return el("span", { className: `pred${top ? "" : " none"}`, attrs: { title, "aria-label": title, role: "listitem", "data-position": i } }, [
       el("span", { className: "pred-token", text: label, attrs: { "aria-hidden": "true" } }),
-      el("span", { className: "pred-guess", text: top ? top[0].token : "", attrs: { "aria-hidden": "true" } }),
+      // A guess that is or starts with a space (" the", a bare " ") written as the labels write
+      // spaces (␣, ↵; tokens.js), which printed as nothing; data-token keeps the real text.
+      el("span", { className: "pred-guess", text: top ? visibleSpaces(top[0].token) : "", attrs: { "aria-hidden": "true", ...(top ? { "data-token": top[0].token } : {}) } }),
     ]);
   });
   const rest = labels.length - shown.length;
   const tail = rest > 0 ? [el("span", { className: "hint", text: `… and ${rest} more tokens: hover the heatmap to read them.` })] : [];
-  const name = causal ? "Next token" : "Masked token";
-  const list = el("div", { className: "pred-list", attrs: { role: "list", "aria-label": `${name} guesses, ${shown.length} tokens` } }, cells);
-  container.replaceChildren(el("span", { className: "hint pred-name", text: `${name}:` }),
-    el("span", { className: "hint pred-more", attrs: { "aria-hidden": "true" } }), list, ...tail);
+  const name = causal ? "Next-token guesses" : "Masked-token guesses";
+  const list = el("div", { className: "pred-list", attrs: { role: "list", "aria-label": `${name}, ${shown.length} tokens` } }, cells);
+  // One line of text, the count after one space: two flex items stood a .5rem gap apart, which
+  // read as "Next token:  1000 tokens" on screen and as "Next token:1000 tokens" as text.
+  const heading = el("span", { className: "hint pred-name" }, [`${name}: `, el("span", { className: "pred-more", attrs: { "aria-hidden": "true" } })]);
+  container.replaceChildren(heading, list, ...tail);
   fitStrip(container);
 }
 

@@ -15,6 +15,7 @@ import pytest
 from tests.browser.conftest import serving
 from tests.browser.test_page import api_attention, hover_cell, open_page, plotted, run, wait_focus, wait_grid, wait_plotted_shape
 from tests.browser.test_page_ux import label_spacing
+from tests.browser.test_strip_and_measures_view import visible
 
 pytestmark = pytest.mark.browser
 
@@ -210,7 +211,9 @@ def test_measures_redraw_the_heatmap_and_predictions_line_up(ran, tiny_api, arti
     assert cells.count() == len(body["tokens"])
     for i in (0, 5, len(body["tokens"]) - 1):
         top = body["predictions"][str(i)][0]
-        assert cells.nth(i).locator(".pred-guess").text_content() == top["token"]
+        # The real token (tiny-gpt's last guess is " "), its spaces written as the labels write them (␣).
+        guess = cells.nth(i).locator(".pred-guess")
+        assert guess.get_attribute("data-token") == top["token"] and guess.text_content() == visible(top["token"])
         assert f"{top['prob'] * 100:.1f}%" in cells.nth(i).get_attribute("title")
     page.locator("#measures").screenshot(path=str(artifacts / "measures-contributions.png"))
 
@@ -226,7 +229,9 @@ def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tin
     assert cells.count() == n
     for i in (0, 5, n - 1):
         top = body["predictions"][str(i)][0]
-        assert cells.nth(i).locator(".pred-guess").text_content() == top["token"]
+        # The real token (tiny-gpt's last guess is " "), its spaces written as the labels write them (␣).
+        guess = cells.nth(i).locator(".pred-guess")
+        assert guess.get_attribute("data-token") == top["token"] and guess.text_content() == visible(top["token"])
         assert f"{top['prob'] * 100:.1f}%" in cells.nth(i).get_attribute("title")
         # A screen reader hears each token's guesses as one list item, not token and guess run together.
         assert cells.nth(i).get_attribute("aria-label") == cells.nth(i).get_attribute("title")
@@ -239,11 +244,11 @@ def test_predictions_beside_the_focused_heatmap_on_hover_and_in_a_strip(ran, tin
         assert "→" in reading  # focus.js's own reading stays first
         assert line.startswith("next after"), text
         for guess in body["predictions"][str(row)]:
-            assert f"{guess['token']} {guess['prob'] * 100:.1f}%" in line
+            assert f"{visible(guess['token'])} {guess['prob'] * 100:.1f}%" in line
     # Another row's reading never keeps this row's predictions: one line per hover, not appended twice.
     hover_cell(page, 4, 0)
     text = page.locator("#tooltip").text_content()
-    assert text.count("next after") == 1 and f"{body['predictions']['4'][0]['token']} " in text
+    assert text.count("next after") == 1 and f"{visible(body['predictions']['4'][0]['token'])} " in text
     page.locator(".focus-panel").screenshot(path=str(artifacts / "focus-predictions.png"))
 
 
