@@ -163,6 +163,7 @@ export class HeadView {
   render({ key, tokens, options, heads, labels, titles, special }) {
     if (key === this.key && this.container.contains(this.body)) return Promise.resolve(false);
     this.key = key;
+    this.container.style.minHeight = "";
     const { rows, cols } = selectionOf(tokens, options);
     const same = (a, b) => a && a.length === b.length && a.every((v, i) => v === b[i]);
     if (!this.container.contains(this.body) || this.labels !== labels || !same(this.left.indices, rows) || !same(this.right.indices, cols)) {
@@ -184,6 +185,18 @@ export class HeadView {
       this.draw();
       return true;
     });
+  }
+
+  // A new run's room, held from the moment it is shown: the view is drawn after a pause
+  // (main.js), and growing then from its last size (a one-line placeholder, a short run) pushed
+  // everything under it down by up to 510 px, the measures panel too, which had already judged
+  // from the old layout whether it was on screen. Given back by render().
+  reserve(tokens, options) {
+    const { rows, cols } = selectionOf(tokens, options);
+    const style = getComputedStyle(this.container);
+    const frame = this.container.offsetHeight - this.container.clientHeight + parseFloat(style.paddingTop);
+    const cap = parseFloat(style.maxHeight) || Infinity; // min-height would win over max-height
+    this.container.style.minHeight = `${Math.min(cap, Math.max(rows.length, cols.length) * ROW + frame)}px`;
   }
 
   // The rows (in content pixels) the scroll box shows now.

@@ -687,6 +687,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   }
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));
+  if (!run.long) headView.reserve(run.tokens, viewOptions());
   await renderViews();
   if (!run.long) measures.onRun(run, request, state.layer, state.head, labels().labels, viewOptions());
   else measures.onLongRun();

@@ -136,3 +136,24 @@ def test_the_measures_panel_holds_no_empty_box_before_it_draws(llama_server, mak
     assert plot["height"] >= 600 and after["reading"] > 0, (plot, after)
     reading = page.locator("#measure-reading").bounding_box()
     assert 0 <= reading["y"] - (plot["y"] + plot["height"]) <= 10, (plot, reading)
+
+
+def test_the_head_view_holds_its_room_before_it_draws(llama_server, make_page):
+    """The head view draws after a pause; it grew then from its one-line placeholder to 560 px and
+    pushed the measures panel down by 510 px, after the panel had judged from the old layout that
+    it was on screen and drawn itself (a flaky test, under load). Its room is held from the moment
+    the run is shown: what it measures when the page says "Done" is what it measures drawn."""
+    page = make_page(viewport=(1280, 800))
+    open_page(page, llama_server)
+    page.evaluate("""() => { window.heightAtDone = null;
+      new MutationObserver(() => {
+        if (window.heightAtDone === null && document.getElementById('run-status').textContent.startsWith('Done'))
+          window.heightAtDone = { view: document.getElementById('headview').getBoundingClientRect().height,
+                                  drawn: !!document.querySelector('.hv-canvas[data-lines]') };
+      }).observe(document.getElementById('run-status'), { childList: true, characterData: true, subtree: true }); }""")
+    run(page, long_text(), model="tiny-llama")
+    page.wait_for_selector(".hv-canvas[data-lines]", timeout=60_000)
+    at_done = page.evaluate("window.heightAtDone")
+    drawn = page.locator("#headview").bounding_box()["height"]
+    assert at_done is not None and not at_done["drawn"], at_done  # measured before the lines were drawn
+    assert drawn >= 500 and abs(at_done["view"] - drawn) <= 1, (at_done, drawn)
