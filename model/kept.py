@@ -7,8 +7,9 @@ and sum; any head's weights, any window of them and any aggregate are then rebui
 weight = exp(q · k / sqrt(head_dim) - row_max) / row_sum, the forward's own float ops.
 
 `DenseAttention` serves the same views from a kept weights tensor (short runs), so callers never
-ask which kind of run they hold. Every view works a block of query rows at a time: it never holds
-more than its answer plus one row block of weights (`block_cells`).
+ask which kind of run they hold. Every view works a block of query rows at a time: `block` holds
+its answer plus one row block of scores (`block_cells`), and a pooled window or top-k about two
+blocks besides its answer (the block of weights it reads, and the scores that block is made in).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from manyeyes.model.attention import Capture, bin_edges, blocked_rows, max_pool, row_block, visible_keys
+from manyeyes.model.attention import Capture, bin_edges, max_pool, row_block, visible_keys
 
 BLOCK_CELLS = 1 << 21  # weights one row block of a view may hold: 8 MB as float32
 MAX_TOPK = 64
@@ -98,38 +99,58 @@ class KeptAttention:
         """(len(heads), q1 - q0, k1 - k0) float32: the weights of those heads in that window.
 
         Scores are computed a few rows at a time over the keys the forward scored for those rows,
-        so besides the answer this holds at most about block_cells scores (or one row of them)."""
+        so besides the answer this holds one buffer of at most block_cells scores (or one row of
+        them), in which each block is masked and softmaxed in place: no gathered copy of the keys,
+        no mask tensor, no second block."""
         check_window(self, layer, heads, q0, q1, k0, k1)
         queries, keys = self.queries[layer], self.keys[layer]
         n, head_dim = self.n_tokens, queries.shape[-1]
         window = self.sliding_windows[layer]
+        group = self.n_heads // keys.shape[0]  # query head h reads key head h // group
         index = torch.tensor(heads, device=queries.device)
-        key_index = index // (self.n_heads // keys.shape[0])  # query head h reads key head h // group
         out = torch.zeros(len(heads), q1 - q0, k1 - k0, device=queries.device)
         as_forward = (torch.autocast(device_type=queries.device.type, dtype=self.autocast) if self.autocast is not None
                       else contextlib.nullcontext())
+        # float32 matmuls write straight into the buffer; half-precision ones (a half model, or the
+        # forward's autocast) are converted into it, as .float() converted them.
+        direct = queries.dtype == torch.float32 and self.autocast is None
+        scratch = scores = weights = None
         for first in range(q0 // self.block_rows * self.block_rows, q1, self.block_rows):
             f0, f1 = visible_keys(first, min(n, first + self.block_rows), n, causal=self.causal,
                                   sliding_window=window, align=self.key_align)
             c0, c1 = max(k0, f0), min(k1, f1)
             if c0 >= c1:
                 continue  # no query of this block sees any key of the window
+            lo, hi = max(q0, first), min(q1, first + self.block_rows)  # the window's rows in this forward block
             step = rows_per_block(len(heads), f1 - f0, block_cells)
-            for r0 in range(max(q0, first), min(q1, first + self.block_rows), step):
-                r1 = min(q1, first + self.block_rows, r0 + step)
-                # (heads, r1 - r0, head_dim), scaled as attention.py scales them before the matmul
-                scaled = queries[index, r0:r1] * head_dim**-0.5
-                # (heads, r1 - r0, head_dim) @ (heads, head_dim, f1 - f0) -> (heads, r1 - r0, f1 - f0)
-                with as_forward:
-                    scores = (scaled @ keys[key_index, f0:f1].transpose(1, 2)).float()
-                blocked = blocked_rows(r0, r1, f0, f1, offset=0, causal=self.causal, sliding_window=window,
-                                       device=scores.device)
-                if blocked is not None:
-                    scores += torch.zeros(blocked.shape, device=scores.device).masked_fill_(blocked, -torch.inf)
+            need = len(heads) * min(step, hi - lo) * (f1 - f0)
+            if scratch is None or scratch.numel() < need:
+                scratch = scores = weights = None  # the smaller one goes before the bigger one is made
+                scratch = torch.empty(need, device=queries.device)
+            for r0 in range(lo, hi, step):
+                r1 = min(hi, r0 + step)
+                scores = scratch[: len(heads) * (r1 - r0) * (f1 - f0)].view(len(heads), r1 - r0, f1 - f0)
+                for i, h in enumerate(heads):
+                    # (1, r1 - r0, head_dim) @ (1, head_dim, f1 - f0), one head at a time, so its keys are
+                    # a view: a gathered copy of every asked head's keys outweighed the scores (3 to 1
+                    # for a 12-head layer mean at T = 8,192, head_dim 64).
+                    scaled = queries[h : h + 1, r0:r1] * head_dim**-0.5  # scaled as attention.py scales them
+                    paired = keys[h // group : h // group + 1, f0:f1].transpose(1, 2)
+                    if direct:
+                        torch.bmm(scaled, paired, out=scores[i : i + 1])
+                    else:
+                        with as_forward:
+                            scores[i : i + 1] = torch.bmm(scaled, paired)
                 # (heads, r1 - r0) -> (heads, r1 - r0, 1), broadcast over the keys
                 top = self.row_max[layer, index, r0:r1].unsqueeze(-1)
                 total = self.row_sum[layer, index, r0:r1].unsqueeze(-1)
                 weights = scores.sub_(top).exp_().div_(total)
+                # Blocked keys get weight 0, as a -inf score would: query r0 + i may not see key f0 + j
+                # beyond it (causal: j - i > r0 - f0) or at or before its reach minus the window.
+                if self.causal and f1 - 1 > r0:
+                    weights.tril_(r0 - f0)
+                if window is not None and f0 <= r1 - 1 - window:
+                    weights.triu_(r0 - f0 - window + 1)
                 out[:, r0 - q0 : r1 - q0, c0 - k0 : c1 - k0] = weights[:, :, c0 - f0 : c1 - f0]
         return out
 
@@ -159,7 +180,9 @@ class DenseAttention:
         """What it holds beyond the weights it shares with its run: the overview, once made."""
         return 0 if self._overview is None else self._overview.values.numel() * self._overview.values.element_size()
 
-    def block(self, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    def block(self, layer: int, heads: list[int], q0: int, q1: int, k0: int, k1: int,
+              block_cells: int = BLOCK_CELLS) -> torch.Tensor:
+        """As KeptAttention.block, cut from the weights (block_cells: nothing is computed)."""
         check_window(self, layer, heads, q0, q1, k0, k1)
         window = self.attention[layer, heads, q0:q1, k0:k1]  # (len(heads), rows, cols)
         return self.to_float(window) if self.to_float is not None else window.float()
@@ -191,9 +214,10 @@ def pooled(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, 
     """The window [q0, q1) x [k0, k1) of one head (heads=[h]) or of the layer's mean over heads
     (heads=None) as at most rows x cols bins, each the max or mean of its float32 weights.
 
-    rows/cols at least the window's size give it at full resolution. Holds at most block_cells
-    weights besides the answer, however tall a row bin is (rows=64 of an 8,192-token layer mean
-    is 128 rows x 12 heads x 8,192 keys, 50 MB): such a bin is pooled a slab of rows at a time."""
+    rows/cols at least the window's size give it at full resolution. Reads at most block_cells
+    weights at once (and holds about two blocks besides the answer), however tall a row bin is
+    (rows=64 of an 8,192-token layer mean is 128 rows x 12 heads x 8,192 keys, 50 MB): such a bin
+    is pooled a slab of rows at a time."""
     if how not in ("max", "mean"):
         raise ValueError(f"pooling is max or mean, not {how!r}")
     head_list = list(range(att.n_heads)) if heads is None else list(heads)
@@ -205,7 +229,7 @@ def pooled(att, layer: int, heads: list[int] | None, q0: int, q1: int, k0: int, 
     out = torch.empty(len(row_edges) - 1, len(col_edges) - 1)
 
     def weights_of(r0: int, r1: int) -> torch.Tensor:  # (r1 - r0, k1 - k0): the head, or the heads' mean
-        weights = att.block(layer, head_list, r0, r1, k0, k1)  # (heads, r1 - r0, k1 - k0)
+        weights = att.block(layer, head_list, r0, r1, k0, k1, block_cells)  # (heads, r1 - r0, k1 - k0)
         return (weights.mean(0) if heads is None else weights[0])
 
     block_rows = rows_per_block(len(head_list), k1 - k0, block_cells)
@@ -258,7 +282,7 @@ def topk_rows(att, layer: int, head: int, k: int, q0: int, q1: int, block_cells:
     step = rows_per_block(1, n_keys, block_cells)
     for r0 in range(q0, q1, step):
         r1 = min(q1, r0 + step)
-        top = att.block(layer, [head], r0, r1, 0, n_keys)[0].topk(k, dim=-1)  # (r1 - r0, k) each
+        top = att.block(layer, [head], r0, r1, 0, n_keys, block_cells)[0].topk(k, dim=-1)  # (r1 - r0, k) each
         values[r0 - q0 : r1 - q0], indices[r0 - q0 : r1 - q0] = top.values.cpu(), top.indices.cpu()
     rest = (1 - values.sum(-1)).clamp_(min=0)
     return TopK(values, indices, rest)

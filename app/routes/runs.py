@@ -33,8 +33,9 @@ def answered(request: Request, reply: Reply) -> Response:
 
 
 async def answered_while_connected(request: Request, work: Awaitable[Reply]) -> Response:
-    """The tile routes' answer: a client that hangs up while its request waits for a render slot
-    takes the request out of the queue (and of `in_flight`, the 429 count), as the POST routes do.
+    """The tile routes' answer, and a slice's that waits for a render slot: a client that hangs up
+    while its request waits for a slot takes the request out of the queue (and of `in_flight`, the
+    429 count), as the POST routes do.
     Abandoned tiles were computed anyway: 40 of them, left by a client that gave up after a
     second, kept the next request of that client waiting 50 s."""
     return answered(request, await unless_disconnected(request, work))
@@ -55,9 +56,11 @@ async def run_slice(
 ) -> Response:
     """A 404 means the run was evicted (or never existed): POST the text again. A run that kept
     queries and keys (a long input) has no whole weights to slice: 422, use /tile."""
-    reply = await service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request),
-                                client_of(request))
-    return answered(request, reply)
+    reply = service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request),
+                          client_of(request))
+    if isinstance(reply, Reply):  # small: rendered already, on the loop
+        return answered(request, reply)
+    return await answered_while_connected(request, reply)  # waits for a render slot, as a tile does
 
 
 @router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(404))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +36,7 @@ from manyeyes.model.tokenizer import Encoded
 
 # Compact formats are already ~10x smaller than JSON text; gzip would cost more than the forward.
 COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
+SLICE_ROUTE = "GET /api/v1/runs/{run_id}/attention"
 
 
 @dataclass
@@ -62,6 +64,21 @@ INLINE_FRAME_CELLS = 1_200_000
 
 async def off_loop_unless_small(small: bool, fn, *args):
     return fn(*args) if small else await run_in_threadpool(fn, *args)
+
+
+async def finished_off_loop(fn, *args):
+    """fn(*args) on a worker thread, called in a render slot: if the request is cancelled meanwhile
+    (its client hung up, or the server stops), the worker thread cannot be stopped, so this waits
+    for it to end before the cancel goes on and the slot is released. Released at once, hang-ups
+    would start more renders at once than max_concurrent_renders (as tiles do, services/tiles.py)."""
+    working = asyncio.ensure_future(run_in_threadpool(fn, *args))
+    try:
+        return await asyncio.shield(working)
+    except asyncio.CancelledError:
+        await asyncio.wait([working])
+        if not working.cancelled():
+            working.exception()  # retrieved: nobody is left to answer
+        raise
 
 
 @dataclass(frozen=True)
@@ -205,14 +222,28 @@ class AttentionService:
             )
         return kind
 
-    async def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire(),
-                    client: str = "") -> Reply:
-        run = self.cached(run_id, "GET /api/v1/runs/{run_id}/attention")
+    def slice(self, run_id: str, layers: list[int] | None, heads: list[int] | None, fmt: str, wire: Wire = Wire(),
+              client: str = "") -> Reply | Coroutine[None, None, Reply]:
+        """A slice of a cached run's weights: the Reply itself when it is small enough to render on
+        the loop (_renders_inline), else a coroutine that waits for a render slot and renders it
+        there, which the route awaits (unless_disconnected: a client that hangs up leaves the queue).
+        That coroutine holds the run's id, not the run (see _slice_in_slot)."""
+        run = self.cached(run_id, SLICE_ROUTE)
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
-        self._check_cells([run.attention.shape[-1]], view)
+        self._check_cells([run.n_tokens], view)
         check_precision(run, fmt)
-        return await self._reply(served, [Item("", None, "", run_id, run)], view, False, wire, client=client)
+        if self._renders_inline(view.cells(run.n_tokens), view, wire):
+            items = [Item("", None, "", run_id, run)]
+            return self._replied(items, view, wire, *self._render(served, items, view, False, wire))
+        return self._slice_in_slot(run_id, served, view, wire, client)
+
+    async def _slice_in_slot(self, run_id: str, served: Served, view: View, wire: Wire, client: str) -> Reply:
+        """The run is read again once a render slot is held (still_cached), as tiles' are."""
+        async with self.renders.hold(client):
+            items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
+            body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
+        return self._replied(items, view, wire, body, encoding)
 
     def cached(self, run_id: str, needs_weights: str | None = None) -> Run:
         """The cached run, else 404. needs_weights names a route that reads the whole weights:
@@ -224,13 +255,34 @@ class AttentionService:
                 f"run {brief(run_id, 64)} is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
             )
         if needs_weights and run.kind == "qk":
-            raise KeptQK(
-                f"run {run_id} is {run.n_tokens:,} tokens long and kept its queries and keys, not whole weights, "
-                f"so {needs_weights} cannot serve it; GET /api/v1/runs/{run_id}/tile, /topk and /overview do "
-                f"(any head, window, pooling), or POST it again with \"keep\": \"weights\" if it is at most "
-                f"{self.settings.dense_max_tokens:,} tokens"
-            )
+            self._refuse_qk(run, needs_weights)
         return run
+
+    def still_cached(self, run_id: str, fmt: str, needs_weights: str | None = None) -> Run:
+        """The run again, once a render slot is held. A request waiting for a slot holds only the
+        run's id: holding the run itself kept every evicted run with a request queued on it alive,
+        outside the cache's byte bound (150 queued tiles on 150 evicted 2,048-token tiny-llama runs:
+        1 GB of resident memory under a 40 MB cache). The same id is the same model, text and
+        truncation, so a run recomputed meanwhile has the tokens the request was checked against."""
+        run = self.cache.get(run_id)
+        if run is None:
+            raise UnknownRun(
+                f"run {brief(run_id, 64)} was evicted from the cache while this request waited for its turn; "
+                "POST /api/v1/attention again to recompute it"
+            )
+        if needs_weights and run.kind == "qk":  # evicted, then recomputed by a request that kept queries and keys
+            self._refuse_qk(run, needs_weights)
+        check_precision(run, fmt)  # a run that replaced it may have been kept quantised (a GPU server's)
+        return run
+
+    def _refuse_qk(self, run: Run, needs_weights: str) -> None:
+        """A run that kept queries and keys, read by a route that needs whole weights: 422."""
+        raise KeptQK(
+            f"run {run.run_id} is {run.n_tokens:,} tokens long and kept its queries and keys, not whole weights, "
+            f"so {needs_weights} cannot serve it; GET /api/v1/runs/{run.run_id}/tile, /topk and /overview do "
+            f"(any head, window, pooling), or POST it again with \"keep\": \"weights\" if it is at most "
+            f"{self.settings.dense_max_tokens:,} tokens"
+        )
 
     # ------------------------------------------------------------------ steps
     def _view(self, served: Served, layers, heads, fmt: str) -> View:
@@ -408,7 +460,10 @@ class AttentionService:
             body, encoding = self._render(served, items, view, batch, wire, top_k)
         else:
             async with self.renders.hold(client):
-                body, encoding = await run_in_threadpool(self._render, served, items, view, batch, wire, top_k)
+                body, encoding = await finished_off_loop(self._render, served, items, view, batch, wire, top_k)
+        return self._replied(items, view, wire, body, encoding)
+
+    def _replied(self, items: list[Item], view: View, wire: Wire, body: list[bytes], encoding: str | None) -> Reply:
         if any(item.kind == "qk" for item in items):  # metadata and links only: JSON, whatever Accept asks
             media_type = "application/json"
         else:

@@ -9,7 +9,6 @@ holds at most its answer plus one block of weights, however long the run.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import sys
 import time
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 
 import orjson
 import torch
-from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.services.attention import (
     COMPACT_MEDIA_TYPE,
@@ -26,11 +24,12 @@ from manyeyes.app.services.attention import (
     Reply,
     Wire,
     check_precision,
+    finished_off_loop,
     parse_index,
     resolve_indices,
 )
 from manyeyes.app.services.cache import Run
-from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, UnknownRun, brief
+from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, brief
 from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows
@@ -151,25 +150,10 @@ class TileService:
             raise TooManyCells(f"format=json would return {cells:,} numbers for {what}, over this server's limit of "
                                f"{self.settings.max_json_cells:,}; ask for format=f16 or u8")
 
-    def _still_cached(self, run_id: str, fmt: str) -> Run:
-        """The run again, once a slot is free. A request waiting for a slot holds only the run's id:
-        holding the run itself kept every evicted run with a tile request queued on it alive, outside
-        the cache's byte bound (150 queued tiles on 150 evicted 2,048-token tiny-llama runs: 1 GB of
-        resident memory under a 40 MB cache). The same id is the same text, so a run recomputed
-        meanwhile has the same tokens and serves the window that was checked."""
-        run = self.attention.cache.get(run_id)
-        if run is None:
-            raise UnknownRun(
-                f"run {brief(run_id, 64)} was evicted from the cache while this request waited for its turn; "
-                "POST /api/v1/attention again to recompute it"
-            )
-        check_precision(run, fmt)  # a run that replaced it may have been kept quantised (a GPU server's)
-        return run
-
     async def _answer(self, run_id: str, work, wire: Wire, fmt: str, log: dict, client: str = "") -> Reply:
         """Runs `work(run)` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
         sharing their slots, which go round-robin across clients. The run is read from the cache
-        once the slot is held (see _still_cached)."""
+        once the slot is held (see AttentionService.still_cached)."""
 
         def build(run: Run) -> tuple[list[bytes], str, str | None]:
             fields, arrays = work(run)
@@ -189,17 +173,7 @@ class TileService:
         self.in_flight_of[client] += 1
         try:
             async with self.attention.renders.hold(client):
-                working = asyncio.ensure_future(run_in_threadpool(build, self._still_cached(run_id, fmt)))
-                try:
-                    body, media, encoding = await asyncio.shield(working)
-                except asyncio.CancelledError:
-                    # The client left (the route cancels on a disconnect) or the server is stopping. A
-                    # worker thread cannot be stopped, so the slot stays taken until it ends: released
-                    # now, hang-ups would start more tiles at once than max_concurrent_renders.
-                    await asyncio.wait([working])
-                    if not working.cancelled():
-                        working.exception()  # retrieved: nobody is left to answer
-                    raise
+                body, media, encoding = await finished_off_loop(build, self.attention.still_cached(run_id, fmt))
         finally:
             self.in_flight -= 1
             self.in_flight_of[client] -= 1
@@ -230,7 +204,7 @@ class TileService:
     # -- GET /runs/{run_id}/tile
     def _tile_plan(self, run_id: str, layer: int, head: str, q0, q1, k0, k1, rows, cols, fmt: str):
         """The request checked against its run: (layer, head index or None, window, rows, cols).
-        A plain function, so the awaiting route never holds the run (see _still_cached)."""
+        A plain function, so the awaiting route never holds the run (see AttentionService.still_cached)."""
         run, info = self._run(run_id, fmt)
         layer = resolve_indices([layer], info.n_layers, "layer", info.id)[0]
         head_index = parse_head(head, info.n_heads, info.id)
