@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Batcher
@@ -16,6 +18,7 @@ from manyeyes.app.services.errors import NotReady, UnknownModel, brief
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import to_u8
 from manyeyes.model import Capture, ModelLoadError, load
+from manyeyes.model.loading import BUILTINS
 from manyeyes.model.measures import head_table
 from manyeyes.model.runtime import AttentionModel
 
@@ -36,6 +39,29 @@ def kept_element_bytes(model: AttentionModel) -> int:
     autocast they come out in float32). Probed with a tiny run rather than derived, so the
     cache's reckoning before a forward pass is exact."""
     return model.run([model.encode("a b")], Capture(keep=True))[0].kept.queries.element_size()
+
+
+def weights_key(spec: str) -> str:
+    """What two names' specs share when they load the same weights: a built-in name or a Hub id as
+    written, a local path resolved (`./m`, `m/` and `/srv/m` are one folder), options kept. Settings
+    such as the device and dtype are the server's, the same for every model."""
+    where, mark, options = str(spec).partition("?")
+    if where not in BUILTINS and where.strip():
+        try:
+            if Path(where).expanduser().exists():
+                where = str(Path(where).expanduser().resolve())
+        except (OSError, RuntimeError):  # a name too long for a path, a symlink loop: load() says what is wrong
+            pass
+    return where + mark + options
+
+
+def named(model: AttentionModel, model_id: str) -> AttentionModel:
+    """The same loaded model under another name: its network, tokenizer and what was computed
+    on it are shared, and only its info (the id every answer, run id, batch and metric goes by)
+    is its own. The batcher groups a forward by model object, so each name batches on its own."""
+    alias = copy.copy(model)
+    alias.info = replace(model.info, id=model_id)
+    return alias
 
 
 HEAD_FINDER_WARM_UP = "The head finder warms up."
@@ -85,17 +111,24 @@ class Registry:
             specs = s.all_models()
             if self.default_id not in specs:
                 raise ModelLoadError(f"default model {self.default_id!r} is not among the configured models {sorted(specs)}")
+            loaded: dict[str, Served] = {}  # weights_key -> the first name that loaded those weights
             for model_id, spec in specs.items():
                 started = time.monotonic()
                 self.progress[model_id] = {"state": "loading"}
-                model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id, pack=s.pack_weights,
-                             progress=self._reporter(model_id), show_progress=sys.stderr.isatty())
-                if AUTOCAST[s.autocast] is not None:
-                    model.autocast_dtype = AUTOCAST[s.autocast]
-                    model.info = replace(model.info, dtype=s.autocast)
-                if s.warmup:
-                    self.progress[model_id] = {"state": "warming"}
-                    warm_up(model, s.dense_max_tokens)
+                first = loaded.get(weights_key(spec))
+                if first is not None:
+                    # Two names for one model (a=org/gpt2,b=org/gpt2) loaded two copies of its weights.
+                    model, qk_bytes = named(first.model, model_id), first.qk_bytes
+                else:
+                    model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id, pack=s.pack_weights,
+                                 progress=self._reporter(model_id), show_progress=sys.stderr.isatty())
+                    if AUTOCAST[s.autocast] is not None:
+                        model.autocast_dtype = AUTOCAST[s.autocast]
+                        model.info = replace(model.info, dtype=s.autocast)
+                    if s.warmup:
+                        self.progress[model_id] = {"state": "warming"}
+                        warm_up(model, s.dense_max_tokens)
+                    qk_bytes = kept_element_bytes(model)
                 device = model.info.device
                 if device not in self._batchers:
                     self._batchers[device] = Batcher(
@@ -112,9 +145,13 @@ class Registry:
                         device_quantise=quantises_on_device(device, s.device_quantise),
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id,
-                                                kept_element_bytes(model))
+                                                qk_bytes)
+                loaded.setdefault(weights_key(spec), self._served[model_id])
                 self.progress[model_id] = {"state": "ready"}
-                log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
+                if first is not None:
+                    log.info("model %s (%s) shares the weights model %s loaded", model_id, spec, first.id)
+                else:
+                    log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
             if before_ready is not None:
                 before_ready()
             self.ready.set()
