@@ -34,8 +34,8 @@ def answered(request: Request, reply: Reply) -> Response:
 
 async def answered_while_connected(request: Request, work: Awaitable[Reply]) -> Response:
     """The tile routes' answer, and a slice's that waits for a render slot: a client that hangs up
-    while its request waits for a slot takes the request out of the queue (and of `in_flight`, the
-    429 count), as the POST routes do.
+    while its request waits for a slot takes the request out of the queue (and of the 429 count,
+    AttentionService.queued), as the POST routes do.
     Abandoned tiles were computed anyway: 40 of them, left by a client that gave up after a
     second, kept the next request of that client waiting 50 s."""
     return answered(request, await unless_disconnected(request, work))
@@ -45,7 +45,7 @@ Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
 End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length")]
 
 
-@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 503)})
+@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 429, 503)})
 async def run_slice(
     run_id: str,
     service: ServiceDep,
@@ -55,7 +55,9 @@ async def run_slice(
     format: Annotated[Format, Query()] = "json",
 ) -> Response:
     """A 404 means the run was evicted (or never existed): POST the text again. A run that kept
-    queries and keys (a long input) has no whole weights to slice: 422, use /tile."""
+    queries and keys (a long input) has no whole weights to slice: 422, use /tile. A slice too large
+    to render at once waits for a render slot, counted with the tile requests: 429 beyond
+    MANYEYES_MAX_QUEUE of them waiting, or beyond this client's share (MANYEYES_MAX_CLIENT_QUEUE)."""
     reply = service.slice(run_id, parse_index_list(layers, "layer"), parse_index_list(heads, "head"), format, wire_of(request),
                           client_of(request))
     if isinstance(reply, Reply):  # small: rendered already, on the loop

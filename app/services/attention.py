@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -19,6 +21,7 @@ from manyeyes.app.services.errors import (
     KeptQuantised,
     NeedsTiles,
     OverBudget,
+    QueueFull,
     RunTooLarge,
     TooLong,
     TooManyCells,
@@ -79,6 +82,54 @@ async def finished_off_loop(fn, *args):
         if not working.cancelled():
             working.exception()  # retrieved: nobody is left to answer
         raise
+
+
+class RenderQueue:
+    """Admission for the work that waits for a render slot (FairSlots) and runs in it: tile, top-k
+    and overview requests (services/tiles.py) and slices too large to render on the loop
+    (AttentionService.slice). One count for all of them, from admission until the work ends (or
+    its client hangs up): beyond `max_queue` of them, or beyond a client's share
+    (`max_client_queue`, else `max_queue`), the next is answered 429 queue_full with Retry-After
+    at once. The slots go round-robin across clients, so others are not starved either way; this
+    bounds how many one client can leave waiting. Event loop only (no lock)."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, slots: FairSlots, max_queue: int, max_client_queue: int | None = None) -> None:
+        self.slots = slots
+        self.max_queue = max_queue
+        self.max_client_queue = max_client_queue or max_queue
+        self.waiting = 0  # admitted and not yet finished: waiting for a slot, or rendering in one
+        self.waiting_of: Counter[str] = Counter()  # the same, per client (its share, as in the batcher)
+
+    def admit(self, client: str = "") -> None:
+        """Counts one more request of `client`, or raises QueueFull (429)."""
+        if self.waiting >= self.max_queue:
+            raise QueueFull(f"{self.waiting} tile requests and slices are already waiting for a render slot: this "
+                            "server's queue of them is full; retry shortly", self.RETRY_AFTER_S)
+        if self.waiting_of[client] >= self.max_client_queue:
+            raise QueueFull(f"this client already has {self.waiting_of[client]} tile requests and slices waiting for a "
+                            "render slot: its share of this server's queue is full; retry shortly", self.RETRY_AFTER_S)
+        self.waiting += 1
+        self.waiting_of[client] += 1
+
+    def release(self, client: str = "") -> None:
+        self.waiting -= 1
+        self.waiting_of[client] -= 1
+        if self.waiting_of[client] <= 0:
+            del self.waiting_of[client]
+
+    @asynccontextmanager
+    async def hold(self, client: str = ""):
+        """`async with queue.hold(client):` admitted (else 429), then a render slot held until the
+        block ends. Counted from the admission, released however the block ends (an answer, an
+        error such as a 404 for a run evicted meanwhile, or a cancel when the client hangs up)."""
+        self.admit(client)
+        try:
+            async with self.slots.hold(client):
+                yield
+        finally:
+            self.release(client)
 
 
 @dataclass(frozen=True)
@@ -173,6 +224,8 @@ class AttentionService:
         self.metrics = metrics
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
         self.renders = FairSlots(settings.max_concurrent_renders)
+        # Tiles and large slices waiting for one of those slots: bounded, 429 beyond (RenderQueue).
+        self.queued = RenderQueue(self.renders, settings.max_queue, settings.max_client_queue)
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )
@@ -227,7 +280,9 @@ class AttentionService:
         """A slice of a cached run's weights: the Reply itself when it is small enough to render on
         the loop (_renders_inline), else a coroutine that waits for a render slot and renders it
         there, which the route awaits (unless_disconnected: a client that hangs up leaves the queue).
-        That coroutine holds the run's id, not the run (see _slice_in_slot)."""
+        That coroutine holds the run's id, not the run (see _slice_in_slot), and is admitted to the
+        render queue when awaited, as tiles are (RenderQueue: 429 beyond its bound); an inline slice
+        is not counted."""
         run = self.cached(run_id, SLICE_ROUTE)
         served = self.registry.get(run.model)
         view = self._view(served, layers, heads, fmt)
@@ -239,8 +294,9 @@ class AttentionService:
         return self._slice_in_slot(run_id, served, view, wire, client)
 
     async def _slice_in_slot(self, run_id: str, served: Served, view: View, wire: Wire, client: str) -> Reply:
-        """The run is read again once a render slot is held (still_cached), as tiles' are."""
-        async with self.renders.hold(client):
+        """The run is read again once a render slot is held (still_cached), as tiles' are. Admitted
+        here, not in `slice`: a coroutine cancelled before it starts would never release its count."""
+        async with self.queued.hold(client):
             items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
             body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
         return self._replied(items, view, wire, body, encoding)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import orjson
@@ -29,7 +28,7 @@ from manyeyes.app.services.attention import (
     resolve_indices,
 )
 from manyeyes.app.services.cache import Run
-from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells, brief
+from manyeyes.app.services.errors import InvalidInput, TooManyCells, brief
 from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
 from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows
@@ -136,8 +135,6 @@ class TileService:
         self.attention = attention
         self.settings = attention.settings
         self.block_cells = attention.settings.tile_block_bytes // 4  # float32 weights
-        self.in_flight = 0  # tile/topk/overview requests computing or waiting for a render slot
-        self.in_flight_of: Counter[str] = Counter()  # the same, per client (its share, as in the batcher)
 
     def _run(self, run_id: str, fmt: str | None = None) -> tuple[Run, object]:
         run = self.attention.cached(run_id)
@@ -152,8 +149,9 @@ class TileService:
 
     async def _answer(self, run_id: str, work, wire: Wire, fmt: str, log: dict, client: str = "") -> Reply:
         """Runs `work(run)` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
-        sharing their slots, which go round-robin across clients. The run is read from the cache
-        once the slot is held (see AttentionService.still_cached)."""
+        sharing their slots, which go round-robin across clients, and their queue's 429 bound
+        (RenderQueue). The run is read from the cache once the slot is held (see
+        AttentionService.still_cached)."""
 
         def build(run: Run) -> tuple[list[bytes], str, str | None]:
             fields, arrays = work(run)
@@ -162,23 +160,11 @@ class TileService:
             sent, encoding = self.attention.compression.encode(wire.accept_encoding, pieces, text)
             return sent, media, encoding
 
-        # A long run's tile is seconds of work on a CPU: beyond max_queue of them waiting, or a
-        # client's share of those, 429.
-        if self.in_flight >= self.settings.max_queue:
-            raise QueueFull(f"{self.in_flight} tile requests are already waiting; retry shortly", 1)
-        if self.in_flight_of[client] >= (self.settings.max_client_queue or self.settings.max_queue):
-            raise QueueFull(f"this client has {self.in_flight_of[client]} tile requests waiting, its share; retry shortly", 1)
+        # A long run's tile is seconds of work on a CPU: beyond max_queue of them (and of large
+        # slices) waiting, or a client's share of those, 429 (RenderQueue).
         started = time.perf_counter()
-        self.in_flight += 1
-        self.in_flight_of[client] += 1
-        try:
-            async with self.attention.renders.hold(client):
-                body, media, encoding = await finished_off_loop(build, self.attention.still_cached(run_id, fmt))
-        finally:
-            self.in_flight -= 1
-            self.in_flight_of[client] -= 1
-            if not self.in_flight_of[client]:
-                del self.in_flight_of[client]
+        async with self.attention.queued.hold(client):
+            body, media, encoding = await finished_off_loop(build, self.attention.still_cached(run_id, fmt))
         headers = {"Vary": "Accept, Accept-Encoding"}
         if encoding:
             headers["Content-Encoding"] = encoding

@@ -362,14 +362,14 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
 
 def test_tile_work_waiting_is_bounded(tiles_api, monkeypatch):
     run_id = post_qk(tiles_api, "tiny-gpt", LONG)["run_id"]
-    service = tiles_api.app.state.tiles
-    monkeypatch.setattr(service, "in_flight", service.settings.max_queue)
+    queued = tiles_api.app.state.tiles.attention.queued  # tiles and large slices waiting for a render slot
+    monkeypatch.setattr(queued, "waiting", queued.max_queue)
     r = get(tiles_api, run_id, "tile", layer=0, head=0, rows=4, cols=4)
     assert_error(r, 429, "tile requests")
     assert r.headers["retry-after"] == "1"
-    monkeypatch.setattr(service, "in_flight", 0)
+    monkeypatch.setattr(queued, "waiting", 0)
     assert get(tiles_api, run_id, "tile", layer=0, head=0, rows=4, cols=4).status_code == 200
-    assert service.in_flight == 0  # released after the answer
+    assert queued.waiting == 0  # released after the answer
 
 
 def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):

@@ -80,7 +80,7 @@ def test_a_tile_request_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(
         wait_until(lambda: len(entered) == 1, 30, "the first tile to take the render slot")
         victim = post(server.url, text_of(1))
         waiting = pool.submit(get_tile, server.url, victim)
-        wait_until(lambda: tiles.in_flight == 2, 30, "the second tile to wait for the slot")
+        wait_until(lambda: tiles.attention.queued.waiting == 2, 30, "the second tile to wait for the slot")
         kept = weakref.ref(cache.get(victim).kept)
         nbytes = httpx.get(f"{server.url}/api/v1/runs/{victim}").json()["nbytes"]
         for seed in range(2, 3 + cache.max_bytes // nbytes):  # push it out of the LRU
@@ -93,7 +93,7 @@ def test_a_tile_request_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(
         r = waiting.result()
         assert r.status_code == 404 and r.headers["content-type"] == "application/json", r.text
         assert r.json()["error"]["code"] == "unknown_run" and "evicted" in r.json()["error"]["message"]
-        assert tiles.in_flight == 0 and len(entered) == 1  # the evicted run's tile was never computed
+        assert tiles.attention.queued.waiting == 0 and len(entered) == 1  # the evicted run's tile was never computed
 
 
 def test_tiles_whose_clients_hung_up_leave_the_queue_and_are_not_computed(gate):
@@ -106,11 +106,11 @@ def test_tiles_whose_clients_hung_up_leave_the_queue_and_are_not_computed(gate):
         running = pool.submit(get_tile, server.url, run_id)
         wait_until(lambda: len(entered) == 1, 30, "the first tile to take the render slot")
         abandoned = [open_tile(server.port, run_id) for _ in range(5)]
-        wait_until(lambda: tiles.in_flight == 6, 30, "five tiles to wait for the slot")
+        wait_until(lambda: tiles.attention.queued.waiting == 6, 30, "five tiles to wait for the slot")
         for sock in abandoned:
             hang_up(sock)
         # Out of the queue (and of the 429 count) as soon as the server notices, not when the slot frees.
-        wait_until(lambda: tiles.in_flight == 1, 30, "the abandoned tiles to leave the queue")
+        wait_until(lambda: tiles.attention.queued.waiting == 1, 30, "the abandoned tiles to leave the queue")
         opened.set()
         assert running.result().status_code == 200
         assert get_tile(server.url, run_id).status_code == 200
@@ -130,10 +130,10 @@ def test_a_client_that_hangs_up_mid_tile_keeps_its_slot_until_the_work_ends(gate
         hang_up(sock)
         time.sleep(0.3)  # the server notices at once; its 499 is logged once the work has ended
         later = pool.submit(get_tile, server.url, run_id)
-        wait_until(lambda: tiles.in_flight == 2 or len(entered) == 2, 30, "the next tile to wait, or start")
+        wait_until(lambda: tiles.attention.queued.waiting == 2 or len(entered) == 2, 30, "the next tile to wait, or start")
         time.sleep(0.3)
         assert len(entered) == 1, "a second tile started while the abandoned one still computed"
         opened.set()
         assert later.result().status_code == 200
-        assert len(entered) == 2 and tiles.in_flight == 0
+        assert len(entered) == 2 and tiles.attention.queued.waiting == 0
         assert server.metric("manyeyes_requests_total", route="/api/v1/runs/{run_id}/tile", status="499") == 1

@@ -16,6 +16,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import orjson
 import pytest
 
 from manyeyes.app.config import Settings
@@ -46,6 +47,10 @@ def app():
 def gate(app, monkeypatch):
     """Renders on a worker thread (never the inline ones, on the loop) wait at the gate until it
     opens; `entered` counts those that started."""
+    yield from gated(app, monkeypatch)
+
+
+def gated(app, monkeypatch):
     service = app.app.state.service
     opened, entered = threading.Event(), []
     real = service._render
@@ -97,19 +102,21 @@ def settle(client, turns: int = 20) -> None:
 
 
 class RawSlice:
-    """A slice request sent straight to the app, which hangs up when told to."""
+    """A slice request sent straight to the app, which hangs up when told to. `peer` is the
+    client's address (its identity for fair shares); `route` and `query` ask for another route."""
 
-    def __init__(self, client, run_id: str) -> None:
+    def __init__(self, client, run_id: str, peer: str = "127.0.0.1", route: str = "attention",
+                 query: bytes = b"format=json") -> None:
         self.client, self.messages = client, []
         self.gone = client.portal.call(asyncio.Event)
-        self.done = client.portal.start_task_soon(self._run, run_id)
+        self.done = client.portal.start_task_soon(self._run, run_id, peer, route, query)
 
-    async def _run(self, run_id: str) -> None:
+    async def _run(self, run_id: str, peer: str, route: str, query: bytes) -> None:
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-            "path": f"/api/v1/runs/{run_id}/attention", "raw_path": f"/api/v1/runs/{run_id}/attention".encode(),
-            "query_string": b"format=json", "root_path": "", "headers": [(b"host", b"testserver")],
-            "client": ("127.0.0.1", 50000), "server": ("testserver", 80), "state": {},
+            "path": f"/api/v1/runs/{run_id}/{route}", "raw_path": f"/api/v1/runs/{run_id}/{route}".encode(),
+            "query_string": query, "root_path": "", "headers": [(b"host", b"testserver")],
+            "client": (peer, 50000), "server": ("testserver", 80), "state": {},
         }
         asked = False
 
@@ -133,6 +140,14 @@ class RawSlice:
     def status(self) -> int | None:
         starts = [m["status"] for m in self.messages if m["type"] == "http.response.start"]
         return starts[0] if starts else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        starts = [m for m in self.messages if m["type"] == "http.response.start"]
+        return {k.decode().lower(): v.decode() for k, v in starts[0]["headers"]} if starts else {}
+
+    def json(self) -> dict:
+        return orjson.loads(b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body"))
 
 
 def test_a_slice_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(app, gate):
@@ -243,3 +258,122 @@ def test_a_client_that_hangs_up_mid_render_keeps_its_slot_until_the_render_ends(
         assert abandoned.status == 499
         assert later.result().status_code == 200
     assert len(entered) == 2 and in_loop(app, lambda: app.app.state.service.renders.free) == 1
+
+
+# ---------------------------------------------------------------------------- the render queue's bound
+# Tiles, top-k and overviews waiting for a render slot were bounded (429 beyond MANYEYES_MAX_QUEUE, or
+# a client's share MANYEYES_MAX_CLIENT_QUEUE); slices too large to render on the loop were not: one
+# client could leave any number of them waiting. Both now go through one count (RenderQueue).
+SHARE, QUEUE = 2, 4
+A, B = "127.0.0.1", "127.0.0.2"  # two clients, told apart by address
+
+
+@pytest.fixture
+def tight():
+    client = serve(Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False, max_concurrent_renders=1,
+                            cache_bytes=4_000_000, max_wait_ms=1, max_queue=QUEUE, max_client_queue=SHARE))
+    yield client
+    client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def tight_gate(tight, monkeypatch):
+    yield from gated(tight, monkeypatch)
+
+
+def counts(client) -> tuple[int, dict[str, int]]:
+    """The render queue's count, in all and per client (read on the server's loop)."""
+    queue = client.app.state.service.queued
+    return in_loop(client, lambda: (queue.waiting, dict(queue.waiting_of)))
+
+
+def admitted(client, n: int, what: str) -> None:
+    """Waits until n slices wait for the render slot (the slot's own queue, not the count under test)."""
+    wait_until(lambda: in_loop(client, waiting, client) == n, 30, what)
+
+
+def refused(request: RawSlice, queued: int, *words: str) -> None:
+    """`request` answered 429 at once (naming `words`), not queued behind the `queued` slices waiting."""
+    client = request.client
+    wait_until(lambda: request.done.done() or in_loop(client, waiting, client) > queued, 30,
+               "the request to be answered or queued")
+    assert request.done.done(), "admitted to wait for a render slot beyond the bound, not answered 429"
+    assert request.status == 429, request.messages
+    assert request.headers["retry-after"] == "1" and request.headers["content-type"] == "application/json"
+    error = request.json()["error"]
+    assert error["code"] == "queue_full", error
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+
+
+def test_large_slices_beyond_a_clients_share_get_429_while_another_clients_are_admitted(tight, tight_gate):
+    opened, entered = tight_gate
+    run_id = post(tight, text_of(0))
+    first = RawSlice(tight, run_id, A)  # renders (held at the gate)
+    wait_until(lambda: len(entered) == 1, 30, "the first slice to take the render slot")
+    second = RawSlice(tight, run_id, A)  # waits for the slot
+    admitted(tight, 1, "client A's second slice to wait")
+    over = RawSlice(tight, run_id, A)
+    refused(over, 1, "this client", "2 tile requests and slices", "waiting for a render slot", "its share", "full")
+    assert counts(tight) == (2, {f"addr:{A}": 2})
+    # A small slice renders on the loop: neither counted nor refused, even with the client's share full.
+    small = RawSlice(tight, run_id, A, query=b"layers=0&heads=0&format=json")
+    small.done.result(30)
+    assert small.status == 200 and np.array_equal(np.asarray(small.json()["attention"]["data"], dtype=np.float32)[0, 0],
+                                                   answers[run_id])
+    # Another client is still admitted, up to the server's queue.
+    others = [RawSlice(tight, run_id, B) for _ in range(QUEUE - SHARE)]
+    admitted(tight, QUEUE - 1, "client B's slices to wait")
+    assert counts(tight) == (QUEUE, {f"addr:{A}": 2, f"addr:{B}": 2}) and waiting(tight) == QUEUE - 1
+    # Now the server's queue is full: a third client's slice, and its tile (the same count), get 429.
+    full = tight.get(f"/api/v1/runs/{run_id}/attention", params=WHOLE)
+    assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
+    assert full.json()["error"]["code"] == "queue_full"
+    assert f"{QUEUE} tile requests and slices are already waiting for a render slot" in full.json()["error"]["message"]
+    assert "server's queue" in full.json()["error"]["message"]
+    tile = tight.get(f"/api/v1/runs/{run_id}/tile", params={"layer": 0, "head": 0, "rows": 4, "cols": 4})
+    assert tile.status_code == 429 and tile.headers["retry-after"] == "1", tile.text
+    assert tight.get(f"/api/v1/runs/{run_id}/attention", params=SMALL).status_code == 200  # inline: still answered
+    # A client that hangs up leaves the count at once, and its share has room again.
+    second.hang_up()
+    second.done.result(30)
+    assert second.status == 499
+    assert counts(tight) == (QUEUE - 1, {f"addr:{A}": 1, f"addr:{B}": 2})
+    again = RawSlice(tight, run_id, A)
+    admitted(tight, QUEUE - 1, "client A's next slice to wait")
+    opened.set()
+    for request in (first, *others, again):
+        request.done.result(30)
+        assert request.status == 200, request.messages
+    assert counts(tight) == (0, {})
+    assert len(entered) == 1 + len(others) + 1  # the refused and abandoned slices were never rendered
+    assert in_loop(tight, lambda: tight.app.state.service.renders.free) == 1
+
+
+def test_a_queued_slice_whose_run_is_evicted_answers_404_and_leaves_the_count(tight, tight_gate):
+    opened, entered = tight_gate
+    cache = tight.app.state.service.cache
+    holder = post(tight, text_of(0))
+    first = RawSlice(tight, holder, A)
+    wait_until(lambda: len(entered) == 1, 30, "the first slice to take the render slot")
+    victim = post(tight, text_of(1))
+    queued = RawSlice(tight, victim, A)
+    admitted(tight, 1, "the victim's slice to wait")
+    refused(RawSlice(tight, victim, A), 1, "its share")
+    seed = 2
+    while victim in cache._runs:
+        post(tight, text_of(seed))
+        seed += 1
+        assert seed < 50, "the victim's run was never evicted"
+    opened.set()
+    first.done.result(30)
+    queued.done.result(30)
+    assert first.status == 200 and queued.status == 404, queued.messages
+    assert queued.json()["error"]["code"] == "unknown_run"
+    assert counts(tight) == (0, {}) and entered == [holder]
+    # The share is whole again: two more large slices of this client are admitted and answered.
+    latest = post(tight, text_of(seed))
+    for r in [RawSlice(tight, latest, A) for _ in range(SHARE)]:
+        r.done.result(30)
+        assert r.status == 200, r.messages
+    assert counts(tight) == (0, {})
