@@ -34,6 +34,16 @@ function axisTicks(labels, range, axisPx = Infinity) {
   return { values, texts, font: Math.min(TICK_FONT, fontFor(axisPx, shown)), room: 8 + TICK_FONT * 0.62 * longest };
 }
 
+// Square cells of a tokens × tokens measure in a plot `width` px wide with these margins, as tall
+// as `tallest` at most: as wide as the width leaves beside the colour bar. Returns the plot's height
+// and the colour bar's x (a fraction of Plotly's paper, the box inside the margins; null when the
+// plot has no room) that sets the bar beside the cells, which stand at the paper's left.
+function squareFit(width, margin, tallest) {
+  const across = width - margin.l - margin.r;
+  const side = Math.min(tallest - margin.t - margin.b, across - COLORBAR_PX);
+  return { height: Math.max(260, margin.t + margin.b + side), colorbarX: across > 0 ? (side + 10) / across : null };
+}
+
 // The keys' labels slant at -45°: neighbours stand √½ of their spacing apart across the slant.
 const KEYS_SLANT = Math.SQRT1_2;
 
@@ -201,6 +211,7 @@ class Measures {
     this.neuron.setTokens(this.labels, this.queryIndex);
     $("measures").hidden = false;
     this.forgetPlot();
+    this.forgetNeuron("This run's neuron view is drawn when this panel is in view.");
     const token = (this.token = {});
     this.loadHeads(token);
     // The flow graph costs several forward passes at T=512 (README): long inputs draw it on request.
@@ -236,6 +247,14 @@ class Measures {
     this.predictions = null;
     this.predictionsView.clear();
     this.forgetPlot();
+    this.forgetNeuron("");
+  }
+
+  // As forgetPlot for the neuron view: the last run's table goes at once (it stayed, under this
+  // run's query tokens, until the panel was scrolled to); note: what the view says meanwhile.
+  forgetNeuron(note) {
+    this.neuron.clear(note);
+    this.status("neuron-status");
   }
 
   // A new run: the last run's heatmap goes at once. It was drawn again only once the panel was
@@ -243,6 +262,7 @@ class Measures {
   forgetPlot() {
     this.drawToken = {}; // a measure still loading for the last run is not drawn either
     this.cells = null;
+    this.fit = null;
     this.dropCursor();
     const plot = $("measure-plot");
     plot.hidden = $("measure-reading").hidden = true; // plot() shows them with the new cells
@@ -393,16 +413,17 @@ class Measures {
     // The cells stand at the left, their colour bar beside them, not across the box from them. The
     // contributions (heads × tokens) keep the whole box.
     const square = rows.length === cols.length;
-    let height = Math.max(260, Math.min(640, 120 + 16 * rows.length));
-    const across = plot.clientWidth - margin.l - margin.r; // Plotly's paper: the box inside the margins
-    const side = Math.min(height - margin.t - margin.b, across - COLORBAR_PX);
-    if (square) height = Math.max(260, margin.t + margin.b + side);
+    const tallest = Math.max(260, Math.min(640, 120 + 16 * rows.length));
+    // Fitted again to the plot's width when the window resizes (refit): the colour bar was placed
+    // once, at a fraction of the width drawn for, and drifted away from the cells after a resize.
+    this.fit = square ? { margin, tallest, width: plot.clientWidth } : null;
+    const { height, colorbarX } = square ? squareFit(plot.clientWidth, margin, tallest) : { height: tallest, colorbarX: null };
     // The focused heatmap's colours (measures_colours.js); the colorbar is the legend.
     const trace = {
       type: "heatmap", z: [[0]], x: [-0.5, cols.length - 0.5], y: [-0.5, rows.length - 0.5], hoverinfo: "none",
       colorscale: signed ? signedStops() : sequentialStops(),
       zmin: signed ? -peak : 0, zmax: peak,
-      colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12, ...(square && across > 0 ? { x: (side + 10) / across } : {}) },
+      colorbar: { title: { text: LEGENDS[kind], side: "right" }, thickness: 12, ...(colorbarX === null ? {} : { x: colorbarX }) },
     };
     const cells = {
       source: cellImage(matrix, signed, peak, mask), xref: "x", yref: "y", x: -0.5, y: -0.5, sizex: cols.length, sizey: rows.length,
@@ -530,7 +551,9 @@ class Measures {
       this.moveCursor(...step);
     });
     plot.addEventListener("blur", () => this.dropCursor());
-    plot.on("plotly_relayout", () => {
+    plot.on("plotly_relayout", (update) => {
+      // Plotly's own resize (responsive config) relays out the width alone, after the window's.
+      if (update?.autosize) this.refit(plot);
       this.placeLabels();
       if (this.cursor) this.moveCursor(0, 0); // the outline follows its cell through a zoom
     });
@@ -540,16 +563,31 @@ class Measures {
     });
   }
 
+  // Square cells fitted again to the plot's new width, the colour bar beside them: the height and
+  // the bar's place as plot() would choose them now, without drawing the cells again.
+  async refit(plot) {
+    const fit = this.fit;
+    if (!fit || !this.cells || plot.hidden || plot.clientWidth === fit.width) return;
+    fit.width = plot.clientWidth;
+    const { height, colorbarX } = squareFit(fit.width, fit.margin, fit.tallest);
+    if (colorbarX === null) return;
+    await window.Plotly.update(plot, { "colorbar.x": [colorbarX] }, { height });
+    if (fit !== this.fit) return; // drawn anew, or forgotten, meanwhile
+    this.placeLabels(); // plotly_update, not plotly_relayout: the labels and cursor follow here
+    if (this.cursor) this.moveCursor(0, 0);
+  }
+
   async drawNeuron() {
     if (!this.run) return;
-    const { layer, head, queryIndex } = this;
+    const { run, layer, head, queryIndex } = this;
     try {
       const view = await this.get(`neuron?layer=${layer}&head=${head}&query=${queryIndex}`);
-      if (layer !== this.layer || head !== this.head || queryIndex !== this.queryIndex) return;
+      // Not the last run's view either, answered after this run cleared it (same head and query).
+      if (run !== this.run || layer !== this.layer || head !== this.head || queryIndex !== this.queryIndex) return;
       this.neuron.render(view, this.labels);
       this.status("neuron-status");
     } catch (err) {
-      this.status("neuron-status", err);
+      if (run === this.run) this.status("neuron-status", err);
     }
   }
 }

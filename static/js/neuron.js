@@ -41,6 +41,15 @@ export class NeuronPanel {
     this.query.value = String(chosen);
   }
 
+  // A new run (or none, a long run's): nothing of the last run's table stays, and the note says
+  // what comes (note: "" for nothing). The table was kept until the panel was scrolled to and this
+  // run's view drawn, under this run's query tokens.
+  clear(note = "") {
+    this.note.textContent = note;
+    this.table.replaceChildren();
+    for (const key of ["layer", "head", "query"]) delete this.root.dataset[key];
+  }
+
   render(view, labels) {
     const group = view.n_heads / view.n_kv_heads;
     this.note.textContent = group > 1

@@ -121,6 +121,10 @@ export class Predictions {
     this.byPosition = null;
     this.labels = labels;
     const token = (this.token = {});
+    // The last run's tokens and guesses go at once: they stayed, under this run's heatmaps, until
+    // this run's answer came.
+    for (const strip of strips) hint(strip, "Loading this run's predictions…");
+    delete this.strip.dataset.runId;
     this.models ??= listModels().catch(() => []);
     const info = (await this.models).find((m) => m.id === run.model);
     if (token !== this.token) return null;
@@ -158,6 +162,9 @@ export class Predictions {
     this.byPosition = null;
     this.available = false;
     this.showStrip();
+    // The measures' strip too: the last run's guesses do not stay on screen under another run.
+    for (const strip of this.strips ?? []) strip.replaceChildren();
+    delete this.strip.dataset.runId;
   }
 
   // Whether the focused heatmap is drawn: with every token hidden it gives way to the word that no
