@@ -44,6 +44,14 @@ export class HeadFinder {
     this.drawTable();
   }
 
+  // A new run (or a long one, which gets no measures): the last run's heads go at once, not when
+  // this run's answer comes; until then the grid and the table showed another text's tags and statistics.
+  clear() {
+    this.rows = [];
+    this.grid.replaceChildren();
+    this.table.replaceChildren();
+  }
+
   select(layer, head) {
     this.selected = { layer, head };
     for (const node of this.root.querySelectorAll("[data-layer][data-head]")) {

@@ -212,13 +212,18 @@ class Measures {
     $("measures").hidden = false;
     this.forgetPlot();
     this.forgetNeuron("This run's neuron view is drawn when this panel is in view.");
+    this.forgetHeads();
     const token = (this.token = {});
     this.loadHeads(token);
     // The flow graph costs several forward passes at T=512 (README): long inputs draw it on request.
     const auto = run.tokens.length <= FLOW_AUTO_TOKENS;
     $("flow-draw").hidden = auto;
-    if (auto) this.loadFlow(token);
-    else this.flowGraph.clear(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
+    if (auto) {
+      this.forgetFlow("");
+      this.loadFlow(token);
+    } else {
+      this.forgetFlow(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
+    }
     this.finder.select(layer, head);
     // The panel is drawn when it is seen (see drawFocusWhenSeen), a run's first draw too: drawn at
     // once, its heatmap, neuron view and graph landed in frames of 150-330 ms at T=128, just as the
@@ -239,7 +244,8 @@ class Measures {
     this.drawFocusWhenSeen();
   }
 
-  // A long run gets no measures (main.js): forget the last short run's predictions.
+  // A long run gets no measures (main.js; long_run.js hides the panel's views and says why):
+  // forget everything the last short run drew in them, so none of it is kept under this run.
   onLongRun() {
     this.token = {}; // loads still in flight for the last run drop their answers
     this.run = null;
@@ -248,6 +254,23 @@ class Measures {
     this.predictionsView.clear();
     this.forgetPlot();
     this.forgetNeuron("");
+    this.forgetHeads();
+    this.forgetFlow("");
+  }
+
+  // As forgetPlot for the head finder and the flow graph: the last run's heads and routes go at
+  // once. They stayed until this run's answers came (or, after a long run, until the next short
+  // run's did): another text's tags, statistics and tokens under this run's views.
+  forgetHeads() {
+    this.finder.clear();
+    delete $("finder").dataset.runId;
+    this.status("finder-status");
+  }
+
+  forgetFlow(note) {
+    this.flowGraph.clear(note);
+    delete $("flow").dataset.threshold;
+    this.status("flow-status");
   }
 
   // As forgetPlot for the neuron view: the last run's table goes at once (it stayed, under this
