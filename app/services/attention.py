@@ -95,19 +95,27 @@ class RenderQueue:
 
     RETRY_AFTER_S = 1
 
-    def __init__(self, slots: FairSlots, max_queue: int, max_client_queue: int | None = None) -> None:
+    def __init__(self, slots: FairSlots, max_queue: int, max_client_queue: int | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.slots = slots
         self.max_queue = max_queue
         self.max_client_queue = max_client_queue or max_queue
+        self.metrics = metrics  # refusals counted by reason, as the batcher's are (render_queue_full, render_client_share)
         self.waiting = 0  # admitted and not yet finished: waiting for a slot, or rendering in one
         self.waiting_of: Counter[str] = Counter()  # the same, per client (its share, as in the batcher)
+
+    def _refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.dropped.labels(reason).inc()
 
     def admit(self, client: str = "") -> None:
         """Counts one more request of `client`, or raises QueueFull (429)."""
         if self.waiting >= self.max_queue:
+            self._refused("render_queue_full")
             raise QueueFull(f"{self.waiting} tile requests and slices are already waiting for a render slot: this "
                             "server's queue of them is full; retry shortly", self.RETRY_AFTER_S)
         if self.waiting_of[client] >= self.max_client_queue:
+            self._refused("render_client_share")
             raise QueueFull(f"this client already has {self.waiting_of[client]} tile requests and slices waiting for a "
                             "render slot: its share of this server's queue is full; retry shortly", self.RETRY_AFTER_S)
         self.waiting += 1
@@ -225,7 +233,7 @@ class AttentionService:
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
         self.renders = FairSlots(settings.max_concurrent_renders)
         # Tiles and large slices waiting for one of those slots: bounded, 429 beyond (RenderQueue).
-        self.queued = RenderQueue(self.renders, settings.max_queue, settings.max_client_queue)
+        self.queued = RenderQueue(self.renders, settings.max_queue, settings.max_client_queue, metrics)
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )

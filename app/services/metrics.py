@@ -25,7 +25,8 @@ class Metrics:
         )
         self.forward = Histogram("manyeyes_forward_seconds", "Forward pass time", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.dropped = Counter(
-            "manyeyes_dropped", "Work refused or abandoned: queue_full, expired, cancelled, shutdown", ["reason"], registry=r
+            "manyeyes_dropped", "Work refused or abandoned: queue_full, client_share, work, expired, cancelled, shutdown, "
+            "render_queue_full, render_client_share", ["reason"], registry=r
         )
         self.cache = Counter("manyeyes_cache_lookups", "Run cache lookups", ["result"], registry=r)
         self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run cache", registry=r)

@@ -334,6 +334,10 @@ def test_large_slices_beyond_a_clients_share_get_429_while_another_clients_are_a
     tile = tight.get(f"/api/v1/runs/{run_id}/tile", params={"layer": 0, "head": 0, "rows": 4, "cols": 4})
     assert tile.status_code == 429 and tile.headers["retry-after"] == "1", tile.text
     assert tight.get(f"/api/v1/runs/{run_id}/attention", params=SMALL).status_code == 200  # inline: still answered
+    # Counted by reason for the operator, as the batcher's refusals are.
+    registry = tight.app.state.service.metrics.registry
+    assert registry.get_sample_value("manyeyes_dropped_total", {"reason": "render_client_share"}) == 1
+    assert registry.get_sample_value("manyeyes_dropped_total", {"reason": "render_queue_full"}) == 2
     # A client that hangs up leaves the count at once, and its share has room again.
     second.hang_up()
     second.done.result(30)
