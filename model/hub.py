@@ -146,10 +146,11 @@ def short_commit(revision: str | None) -> bool:
     return revision is not None and SHORT_COMMIT.fullmatch(revision) is not None
 
 
-def expand_short_commit(cache: Path, hub_id: HubId) -> HubId:
+def expand_short_commit(cache: Path, hub_id: HubId) -> HubId | None:
     """`org/x@dfc58f4` as the one cached snapshot whose commit starts with dfc58f4 (case aside),
-    as git reads a short SHA. A ref of that name wins (git's order too); no match leaves the id
-    as it was, for the not-cached error or a download; several are an error that lists them."""
+    as git reads a short SHA. A ref of that name wins (git's order too), and any other revision is
+    returned as it is; None for a short SHA that no cached snapshot matches (the not-cached error,
+    or a download, follows); several matches are an error that lists them."""
     revision = hub_id.revision
     if not short_commit(revision):
         return hub_id
@@ -167,7 +168,7 @@ def expand_short_commit(cache: Path, hub_id: HubId) -> HubId:
             f"({root / 'snapshots'}): {', '.join(matches)}; give more of the SHA to choose one "
             f"(e.g. {hub_id.repo}@{matches[0]})"
         )
-    return HubId(hub_id.repo, matches[0]) if matches else hub_id
+    return HubId(hub_id.repo, matches[0]) if matches else None
 
 
 def pinned(hub_id: HubId, folder: Path) -> HubId:
@@ -225,11 +226,9 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
 
     cache = cache_dir()
     check_repo_id(str(hub_id), hub_id)
-    asked = hub_id
-    hub_id = expand_short_commit(cache, hub_id)
-    # A short SHA that is no ref's name and that no cached snapshot's commit starts with.
-    unmatched = (short_commit(asked.revision) and hub_id == asked
-                 and not (repo_folder(cache, asked.repo) / "refs" / asked.revision).is_file())
+    expanded = expand_short_commit(cache, hub_id)
+    unmatched = expanded is None  # a short SHA that no ref is named and no cached snapshot starts with
+    hub_id = expanded or hub_id
     folder = None
     try:
         folder = Path(snapshot_download(hub_id.repo, revision=hub_id.revision, cache_dir=cache, local_files_only=True))

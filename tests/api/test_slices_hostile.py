@@ -150,6 +150,29 @@ class RawSlice:
         return orjson.loads(b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body"))
 
 
+def evict(client, run_id: str, seed: int = 2) -> int:
+    """Posts new texts until run_id leaves the LRU (cache.get would keep it the newest); returns
+    the next unused seed."""
+    cache = client.app.state.service.cache
+    while run_id in cache._runs:
+        post(client, text_of(seed))
+        seed += 1
+        assert seed < 50, "the run was never evicted"
+    return seed
+
+
+def queue_behind_a_held_slice(app, pool, entered):
+    """One slice rendering (held at the gate), then another, on a second run, waiting for the slot.
+    Returns the two run ids and the two requests' futures."""
+    holder = post(app, text_of(0))
+    running = pool.submit(app.get, f"/api/v1/runs/{holder}/attention", params=WHOLE)
+    wait_until(lambda: len(entered) == 1, 30, "the first slice to take the render slot")
+    victim = post(app, text_of(1))
+    queued = pool.submit(app.get, f"/api/v1/runs/{victim}/attention", params=WHOLE)
+    wait_until(lambda: waiting(app) == 1, 30, "the victim's slice to wait for the slot")
+    return holder, running, victim, queued
+
+
 def test_a_slice_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(app, gate):
     """A slice that waited for a render slot held its run (through the Item it would render), so
     every evicted run with a slice queued on it stayed alive outside the cache's byte bound. It now
@@ -157,18 +180,9 @@ def test_a_slice_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(app, ga
     opened, entered = gate
     cache = app.app.state.service.cache
     with ThreadPoolExecutor(2) as pool:
-        holder = post(app, text_of(0))
-        running = pool.submit(app.get, f"/api/v1/runs/{holder}/attention", params=WHOLE)
-        wait_until(lambda: len(entered) == 1, 30, "the first slice to take the render slot")
-        victim = post(app, text_of(1))
-        queued = pool.submit(app.get, f"/api/v1/runs/{victim}/attention", params=WHOLE)
-        wait_until(lambda: waiting(app) == 1, 30, "the victim's slice to wait for the slot")
+        holder, running, victim, queued = queue_behind_a_held_slice(app, pool, entered)
         kept = weakref.ref(cache.get(victim).attention)
-        seed = 2
-        while victim in cache._runs:  # push it out of the LRU (cache.get would keep it the newest)
-            post(app, text_of(seed))
-            seed += 1
-            assert seed < 50, "the victim's run was never evicted"
+        seed = evict(app, victim)
         gc.collect()
         assert kept() is None, "an evicted run stayed alive for the slice waiting on it"
         # While the slot is taken, a small slice still answers at once: it renders on the loop.
@@ -193,19 +207,9 @@ def test_a_slice_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(app, ga
 def test_a_run_recomputed_while_its_slice_waited_is_the_one_answered(app, gate):
     """The same id is the same text: a run evicted and posted again meanwhile serves the slice."""
     opened, entered = gate
-    cache = app.app.state.service.cache
     with ThreadPoolExecutor(2) as pool:
-        holder = post(app, text_of(0))
-        running = pool.submit(app.get, f"/api/v1/runs/{holder}/attention", params=WHOLE)
-        wait_until(lambda: len(entered) == 1, 30, "the first slice to take the render slot")
-        victim = post(app, text_of(1))
-        queued = pool.submit(app.get, f"/api/v1/runs/{victim}/attention", params=WHOLE)
-        wait_until(lambda: waiting(app) == 1, 30, "the victim's slice to wait for the slot")
-        seed = 2
-        while victim in cache._runs:
-            post(app, text_of(seed))
-            seed += 1
-            assert seed < 50, "the victim's run was never evicted"
+        holder, running, victim, queued = queue_behind_a_held_slice(app, pool, entered)
+        evict(app, victim)
         again = app.post("/api/v1/attention", json={"text": text_of(1), "model": "tiny-gpt", "layers": [1], "heads": [5]})
         assert again.status_code == 200 and again.json()["run_id"] == victim
         opened.set()
@@ -356,7 +360,6 @@ def test_large_slices_beyond_a_clients_share_get_429_while_another_clients_are_a
 
 def test_a_queued_slice_whose_run_is_evicted_answers_404_and_leaves_the_count(tight, tight_gate):
     opened, entered = tight_gate
-    cache = tight.app.state.service.cache
     holder = post(tight, text_of(0))
     first = RawSlice(tight, holder, A)
     wait_until(lambda: len(entered) == 1, 30, "the first slice to take the render slot")
@@ -364,11 +367,7 @@ def test_a_queued_slice_whose_run_is_evicted_answers_404_and_leaves_the_count(ti
     queued = RawSlice(tight, victim, A)
     admitted(tight, 1, "the victim's slice to wait")
     refused(RawSlice(tight, victim, A), 1, "its share")
-    seed = 2
-    while victim in cache._runs:
-        post(tight, text_of(seed))
-        seed += 1
-        assert seed < 50, "the victim's run was never evicted"
+    seed = evict(tight, victim)
     opened.set()
     first.done.result(30)
     queued.done.result(30)
