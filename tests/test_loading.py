@@ -51,7 +51,7 @@ def test_load_book_folder_and_file_forms(book_folder, tmp_path_factory):
     other = tmp_path_factory.mktemp("ckpt")
     torch.save({"model_state_dict": book.state_dict(), "optimizer_state_dict": {}}, other / "ckpt.pth")
     (other / "my.json").write_text(json.dumps(cfg))
-    m2 = load(f"{other / 'ckpt.pth'}?config={other / 'my.json'}&tokenizer={folder / 'tokenizer.json'}")
+    m2 = load(f"{other / 'ckpt.pth'}?config={other / 'my.json'}&tokenizer={folder / 'tokenizer.json'}", device="cpu")
     assert torch.equal(m2.attend("The quick brown fox.").attention, r.attention)
 
 
@@ -285,7 +285,7 @@ def test_a_book_checkpoint_without_its_masks_gets_the_models_own(book_folder):
     folder, book, cfg = book_folder
     state = {k: v for k, v in book.state_dict().items() if not k.endswith(".att.mask")}
     torch.save(state, folder / "model.pth")
-    ours = load(folder)
+    ours = load(folder, device="cpu")  # the default is CUDA where there is one; the book's mask is on the CPU
     assert torch.equal(ours.net.trf_blocks[0].att.mask, book.trf_blocks[0].att.mask.bool())
 
 
