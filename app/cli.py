@@ -156,6 +156,9 @@ def cmd_serve(args) -> int:
     warning = exposure_warning(args.host, bool(keys))
     if warning:
         print(warning, file=sys.stderr)
+    if args.replicas and args.workers > 1:
+        print("error: --workers and --replicas are two ways to run copies of the app: choose one", file=sys.stderr)
+        return 2
     if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
         try:
             from manyeyes.scale import serve_replicas
@@ -163,7 +166,7 @@ def cmd_serve(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
-        return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads)
+        return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads or 1)
     # Bound before anything is said or loaded: a port in use was announced as served, then the
     # interpreter aborted (exit 134) with the model loader's thread still inside torch.
     try:
@@ -171,6 +174,13 @@ def cmd_serve(args) -> int:
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    if args.workers > 1:
+        from manyeyes.app.workers import default_threads, serve_workers
+
+        threads = args.threads or default_threads(args.workers)
+        print(f"manyeyes: {args.workers} workers ({threads} CPU threads each) serving {', '.join(settings.all_models())} "
+              f"on http://{args.host}:{args.port} (GET /readyz says when the worker it reaches is ready)", file=sys.stderr)
+        return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     config = server_config(create_app(settings), settings, host=args.host, port=args.port, log_level=args.log_level)
@@ -205,6 +215,13 @@ def _port(value: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {value!r}")
     return port
+
+
+def _positive(value: str) -> int:
+    number = int(value) if value.isascii() and value.isdigit() else 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of 1 or more, not {value!r}")
+    return number
 
 
 def _model_flag(value: str) -> dict[str, str]:
@@ -398,7 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.add_argument("--replicas", type=int, default=0, metavar="N",
                        help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
-    serve.add_argument("--threads", type=int, default=1, help="CPU threads per Ray Serve replica (default 1)")
+    serve.add_argument("--workers", type=_positive, default=1, metavar="N",
+                       help="serve from N processes on this machine, each with its own copy of the models (default 1)")
+    serve.add_argument("--threads", type=_positive, default=None,
+                       help="CPU threads per worker (default: the cores shared out) or per Ray Serve replica (default 1)")
     serve.set_defaults(func=cmd_serve)
     add_export_command(sub)
     return parser

@@ -14,23 +14,19 @@ What Ray adds, and how each promise of the single server is kept behind it:
   admits (max_ongoing_requests > MANYEYES_MAX_QUEUE), so the app's admission control answers first.
 - Threads are set per replica: torch's intra-op pool and OMP/MKL get `threads`, and Ray reserves
   as many CPUs for the replica, so replicas on one machine do not oversubscribe its cores.
-- No sticky sessions. A run id is a hash of (model, text, pair, truncate). Every replica records
-  the request behind each run id it computes in one small shared actor (texts only, an LRU); a
-  replica asked for a slice of a run it does not hold looks the request up and recomputes the run
-  (one forward pass) before answering. Answers so made carry `X-Manyeyes-Recomputed: 1`.
+- No sticky sessions (manyeyes.app.shared_runs): every replica records the request behind each run
+  id it computes in one small shared actor (texts only, an LRU); a replica asked for a slice of a
+  run it does not hold recomputes it from there. Answers so made carry `X-Manyeyes-Recomputed: 1`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import re
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 
-import orjson
 
 try:
     import ray
@@ -39,15 +35,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
 
 from manyeyes.app.config import Settings
-
-log = logging.getLogger("manyeyes.scale")
+from manyeyes.app.shared_runs import SharedRuns
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
 DIRECTORY_BYTES = 64 * 2**20  # of request texts: ~650,000 short sentences
 LOAD_TIMEOUT_S = 600.0
-RUN_PATH = re.compile(r"^/api/v1/runs/([^/]+)/")
-POST_PATHS = ("/api/v1/attention", "/api/v1/attention/batch")
 
 
 @ray.remote(num_cpus=0)
@@ -79,97 +72,17 @@ def run_directory():
     return RunDirectory.options(name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote()
 
 
-def requests_in(path: str, body: bytes, default_model: str) -> list[tuple[str, tuple]]:
-    """(run id, request) for every text a successful POST ran; nothing for a body the app refused."""
-    from manyeyes.app.services.cache import run_id_for
+class RayDirectory:
+    """SharedRuns' directory over the RunDirectory actor."""
 
-    try:
-        data = orjson.loads(body)
-        model = data.get("model") or default_model
-        truncate = bool(data.get("truncate", False))
-        pairs = [(data["text"], data.get("text_pair"))] if path == POST_PATHS[0] else [(t, None) for t in data["texts"]]
-    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
-        return []
-    return [(run_id_for(model, text, pair, truncate), (model, text, pair, truncate)) for text, pair in pairs]
+    def __init__(self, actor) -> None:
+        self.actor = actor
 
+    def remember(self, entries: list[tuple[str, tuple]]) -> None:
+        self.actor.remember.remote(entries)  # fire and forget
 
-class SharedRuns:
-    """ASGI wrapper: records the requests behind runs, and recomputes a run this replica lacks."""
-
-    def __init__(self, app, directory) -> None:
-        self.app = app
-        self.directory = directory
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        if scope["method"] == "POST" and path in POST_PATHS:
-            return await self._remembering(scope, receive, send)
-        match = RUN_PATH.match(path)
-        if scope["method"] == "GET" and match and await self._recompute(match[1], send):
-            send = with_header(send, b"x-manyeyes-recomputed", b"1")
-        return await self.app(scope, receive, send)
-
-    async def _remembering(self, scope, receive, send) -> None:
-        state = self.app.state
-        limit = state.settings.max_body_bytes
-        chunks, size, more = [], 0, True
-        while more and size <= limit:  # a body over the limit streams on and the app refuses it
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunks.append(message)
-            size += len(message.get("body", b""))
-            more = message.get("more_body", False)
-        buffered = list(chunks)
-
-        async def replay():
-            return buffered.pop(0) if buffered else await receive()
-
-        status = {}
-
-        async def watch(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        await self.app(scope, replay, watch)
-        if status.get("code") == 200 and not more:
-            body = b"".join(m.get("body", b"") for m in chunks)
-            entries = requests_in(scope["path"], body, state.settings.default_model_id())
-            if entries:
-                self.directory.remember.remote(entries)  # fire and forget: the answer is already sent
-
-    async def _recompute(self, run_id: str, send) -> bool:
-        """True when this replica lacked the run and has now computed it from its recorded request."""
-        from manyeyes.app.main import error_response
-        from manyeyes.app.schemas import AttentionRequest
-        from manyeyes.app.services.errors import ApiError
-
-        service = getattr(self.app.state, "service", None)
-        if service is None or service.cache.get(run_id) is not None:
-            return False
-        request = await self.directory.recall.remote(run_id)
-        if request is None:
-            return False  # never seen anywhere: the app answers its 404 unknown_run
-        model, text, pair, truncate = request
-        probe = AttentionRequest(text=text, text_pair=pair, model=model, truncate=truncate, layers=[0], heads=[0], format="u8")
-        try:
-            await service.attend([(text, pair)], probe, batch=False, started=time.monotonic())
-        except ApiError as exc:
-            log.warning("recomputing run %s failed: %s %s", run_id, exc.code, exc.message)
-            return False  # the app then answers for itself (404 unknown_run)
-        return True
-
-
-def with_header(send, name: bytes, value: bytes):
-    async def sending(message):
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), (name, value)]}
-        await send(message)
-
-    return sending
+    async def recall(self, run_id: str) -> tuple | None:
+        return await self.actor.recall.remote(run_id)
 
 
 def build_app(settings: Settings, threads: int):
@@ -194,7 +107,7 @@ def build_app(settings: Settings, threads: int):
             yield
 
     app.router.lifespan_context = loaded_lifespan
-    return SharedRuns(app, run_directory())
+    return SharedRuns(app, RayDirectory(run_directory()))
 
 
 def deployment(settings: Settings | None = None, *, replicas: int = 1, threads: int = 1):

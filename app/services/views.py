@@ -21,7 +21,9 @@ TTL_S = 30 * 24 * 3600
 
 class ViewStore:
     def __init__(self, max_views: int = MAX_VIEWS, ttl_s: float = TTL_S, max_bytes: int = MAX_VIEW_BYTES,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, shared=None) -> None:
+        """shared: a SharedFiles (app/shared_runs.py) that worker processes share, so a link saved
+        through one worker opens through any other."""
         self.max_views = max_views
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
@@ -29,6 +31,7 @@ class ViewStore:
         self.clock = clock
         self._views: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._lock = threading.Lock()
+        self.shared = shared
 
     def put(self, state: dict) -> str:
         """The view's id; a view larger than the whole store is refused (ValueError)."""
@@ -43,18 +46,29 @@ class ViewStore:
             self.nbytes += len(encoded)
             while len(self._views) > self.max_views or self.nbytes > self.max_bytes:
                 self._drop(next(iter(self._views)))
+        if self.shared is not None:
+            self.shared.put(f"view-{view_id}", encoded)
         return view_id
 
     def get(self, view_id: str) -> dict | None:
         with self._lock:
             entry = self._views.get(view_id)
             if entry is None:
-                return None
+                return self._from_shared(view_id)
             saved, encoded = entry
             if self.clock() - saved > self.ttl_s:
                 self._drop(view_id)
                 return None
             self._views.move_to_end(view_id)
+        return orjson.loads(encoded)
+
+    def _from_shared(self, view_id: str) -> dict | None:
+        # Saved through another worker. Its age is the file's: the 30 days hold across workers.
+        if self.shared is None:
+            return None
+        encoded = self.shared.get(f"view-{view_id}")
+        if encoded is None or time.time() - self.shared.saved_at(f"view-{view_id}") > self.ttl_s:
+            return None
         return orjson.loads(encoded)
 
     def _drop(self, view_id: str) -> None:

@@ -1,0 +1,132 @@
+"""`manyeyes serve --workers N`: copies of the app in processes on one socket, sharing the requests
+behind run ids and saved views through a folder, and stopping together on one SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from manyeyes.app.cli import main as cli_main
+from manyeyes.app.shared_runs import SharedFiles
+from tests.eco.conftest import ROOT, free_port, wait_ready
+
+TEXT = "The heron waited by the old stone mill."
+
+
+def shared_folders() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("manyeyes-shared-")}
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    port = free_port()
+    before = shared_folders()
+    log = tmp_path_factory.mktemp("workers") / "server.log"
+    env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_WARMUP": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu", "--workers", "2", "--log-level", "info"],
+        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        # /readyz answers from whichever worker took the connection: wait for both.
+        deadline = time.monotonic() + 120
+        while sum(httpx.get(f"{base}/readyz").status_code == 200 for _ in range(20)) < 20:
+            assert time.monotonic() < deadline, "a worker never became ready"
+            time.sleep(0.2)
+        (folder,) = shared_folders() - before
+        yield base, proc, log, folder
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def worker_pids(parent: int) -> set[int]:
+    children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(parent)], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in children.splitlines() if "spawn_main" in line}
+
+
+def test_a_run_computed_by_one_worker_is_served_by_every_worker_with_the_same_numbers(workers):
+    base, *_ = workers
+    posted = httpx.post(f"{base}/api/v1/attention", json={"text": TEXT, "format": "json"}).json()
+    want = np.asarray(posted["attention"]["data"], dtype=np.float32)
+    run_id, recomputed = posted["run_id"], 0
+    # Each call opens a connection of its own, and the kernel hands connections to either worker.
+    for _ in range(40):
+        r = httpx.get(f"{base}/api/v1/runs/{run_id}/attention", params={"format": "json"})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(np.asarray(r.json()["attention"]["data"], dtype=np.float32), want, atol=1e-6, rtol=0)
+        recomputed += r.headers.get("x-manyeyes-recomputed") == "1"
+    # The worker that did not compute it recomputed it once, then served it from its own cache.
+    assert recomputed == 1
+
+
+def test_a_run_no_worker_has_seen_is_a_404(workers):
+    base, *_ = workers
+    for _ in range(6):
+        r = httpx.get(f"{base}/api/v1/runs/{'0' * 32}/attention")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_run"
+
+
+def test_a_view_saved_through_one_worker_opens_through_every_worker(workers):
+    base, *_ = workers
+    state = {"text": TEXT, "model": "tiny-gpt", "layer": 1, "head": 2}
+    view_id = httpx.post(f"{base}/api/v1/views", json=state).json()["id"]
+    for _ in range(20):
+        r = httpx.get(f"{base}/api/v1/views/{view_id}")
+        assert r.status_code == 200, r.text
+        assert {k: r.json()[k] for k in state} == state
+
+
+def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
+    base, proc, log, folder = workers
+    pids = worker_pids(proc.pid)
+    assert len(pids) == 2 and os.path.isdir(f"/dev/shm/{folder}")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)  # reaped by the parent, not left running
+    assert log.read_text().count("Application shutdown complete") == 2  # each drained as a single server does
+    assert not os.path.exists(f"/dev/shm/{folder}")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/readyz", timeout=2)
+
+
+def test_shared_files_evict_only_their_own_writes_oldest_first(tmp_path):
+    mine, theirs = SharedFiles(tmp_path, max_bytes=10), SharedFiles(tmp_path, max_bytes=10)
+    theirs.put("t", b"1234")
+    for key in "abc":
+        mine.put(key, b"1234")
+    assert sorted(os.listdir(tmp_path)) == ["b", "c", "t"]  # a went to keep mine within 10 bytes
+    assert mine.get("a") is None and mine.get("t") == b"1234" and mine.nbytes == 8
+    mine.put("b", b"12")  # rewriting an entry counts its new size, not both
+    assert mine.nbytes == 6 and mine.get("b") == b"12"
+
+
+@pytest.mark.parametrize("key", ["../escape", "a/b", "", ".hidden", "x" * 200, "run-é"])
+def test_shared_files_never_turn_a_strange_key_into_a_path(tmp_path, key):
+    files = SharedFiles(tmp_path / "shared", max_bytes=100)
+    (tmp_path / "shared").mkdir()
+    files.put(key, b"data")
+    assert files.get(key) is None and os.listdir(tmp_path / "shared") == [] and sorted(os.listdir(tmp_path)) == ["shared"]
+
+
+def test_workers_and_replicas_together_are_refused(capsys):
+    assert cli_main(["serve", "--workers", "2", "--replicas", "2", "--port", str(free_port())]) == 2
+    assert "choose one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_worker_count_below_one_is_refused(capsys, value):
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--workers", value])
+    assert "a whole number of 1 or more" in capsys.readouterr().err
