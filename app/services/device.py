@@ -59,6 +59,7 @@ class HostCopier:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.always_stage = always_stage
         self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._landed: dict[torch.device, torch.cuda.Event] = {}
         self._lock = threading.Lock()
 
     def _stage(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -75,9 +76,18 @@ class HostCopier:
             staged = self._stage(tensor.dtype, tensor.numel()).view(tensor.shape)
             staged.copy_(tensor, non_blocking=True)
             if tensor.device.type == "cuda":
-                torch.cuda.current_stream(tensor.device).synchronize()
+                self._wait_for_copy(tensor.device)
             # Out of the staging buffer into memory the run cache may keep (a host memcpy).
             return staged.clone()
+
+    def _wait_for_copy(self, device: torch.device) -> None:
+        # Asleep until the copy lands, not spinning: a stream's synchronize() held a core for the
+        # whole forward, and on an H200 with --workers 8 those cores were what the workers lacked.
+        event = self._landed.get(device)
+        if event is None:
+            event = self._landed[device] = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
 
 
 def device_to_host(copier: HostCopier, fmt: str):

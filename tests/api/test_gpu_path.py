@@ -207,7 +207,7 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     )
     assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-3000:]
     assert re.search(r"T=128, batch 1, 3 sequential requests: server time p50 \d+\.\d ms", done.stdout), done.stdout
-    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+)% \| (\d+) \|$", done.stdout, re.M)
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+)% \| (\d+) \| \d+\.\d\d \| \d+\.\d\d \|$", done.stdout, re.M)
     assert [row[0] for row in rows] == ["16", "64"], done.stdout
     for _, served, bare, _, errors in rows:
         assert int(served) > 0 and int(bare) > 0 and errors == "0", done.stdout
