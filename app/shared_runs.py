@@ -18,6 +18,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import orjson
@@ -45,12 +46,16 @@ def requests_in(path: str, body: bytes, default_model: str) -> list[tuple[str, t
 
 
 class SharedFiles:
-    """Small entries as files in one folder that several processes share. Each process evicts only
-    what it wrote, oldest first, within its own share of the bytes, so no process needs a lock on
-    another's bookkeeping; writes are atomic (a temporary file, then a rename)."""
+    """Small entries as files that several processes share: each writes into a folder of its own
+    inside `folder` and evicts only what it wrote, oldest first, within its own share of the bytes,
+    so no process needs a lock on another's bookkeeping; a reader looks in every process's folder.
+    Writes are atomic (a temporary file, then a rename). A process started in a dead one's place
+    gets its folder emptied first (the parent does that), so the bytes stay bounded across restarts."""
 
-    def __init__(self, folder: Path, max_bytes: int) -> None:
+    def __init__(self, folder: Path, own: str, max_bytes: int) -> None:
         self.folder = Path(folder)
+        self.own = self.folder / own
+        self.own.mkdir(exist_ok=True)
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._mine: OrderedDict[str, int] = OrderedDict()
@@ -58,28 +63,36 @@ class SharedFiles:
     def put(self, key: str, data: bytes) -> None:
         if not KEY.match(key) or len(data) > self.max_bytes:
             return
-        temporary = self.folder / f".{key}.{os.getpid()}"
+        temporary = self.own / f".{key}"
         temporary.write_bytes(data)
-        os.replace(temporary, self.folder / key)
+        os.replace(temporary, self.own / key)
         self.nbytes += len(data) - self._mine.pop(key, 0)
         self._mine[key] = len(data)
         while self.nbytes > self.max_bytes:
             old, size = self._mine.popitem(last=False)
             self.nbytes -= size
-            (self.folder / old).unlink(missing_ok=True)
+            (self.own / old).unlink(missing_ok=True)
 
-    def get(self, key: str) -> bytes | None:
+    def _path(self, key: str) -> Path | None:
         if not KEY.match(key):
             return None
+        for entry in [self.own, *(p for p in self.folder.iterdir() if p != self.own)]:
+            if (entry / key).is_file():
+                return entry / key
+        return None
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
         try:
-            return (self.folder / key).read_bytes()
-        except FileNotFoundError:
+            return path.read_bytes() if path is not None else None
+        except FileNotFoundError:  # evicted between the look and the read
             return None
 
     def saved_at(self, key: str) -> float:
         """When the entry was last written (seconds since the epoch); 0 if it is gone."""
+        path = self._path(key)
         try:
-            return (self.folder / key).stat().st_mtime
+            return path.stat().st_mtime if path is not None else 0.0
         except FileNotFoundError:
             return 0.0
 
@@ -172,6 +185,25 @@ class SharedRuns:
             log.warning("recomputing run %s failed: %s %s", run_id, exc.code, exc.message)
             return False  # the app then answers for itself (404 unknown_run)
         return True
+
+
+def serve_once_loaded(app, timeout_s: float = 600.0) -> None:
+    """Hold the app's start-up (its ASGI lifespan) until every model is loaded, so that a copy
+    takes no requests it would answer 503 while others are ready; a failed load fails the start."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def loaded_lifespan(a):
+        async with inner(a):
+            registry = a.state.registry
+            deadline = time.monotonic() + timeout_s
+            while not registry.ready.is_set():
+                if registry.failure or time.monotonic() > deadline:
+                    raise RuntimeError(f"manyeyes: not ready: {registry.not_ready_reason()}")
+                await asyncio.sleep(0.05)
+            yield
+
+    app.router.lifespan_context = loaded_lifespan
 
 
 def with_header(send, name: bytes, value: bytes):

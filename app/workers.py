@@ -1,17 +1,16 @@
 """`manyeyes serve --workers N`: N copies of the app in N processes on one listening socket.
 
-One process answers at most about 1,200 fresh requests a second whatever the device, because its
-HTTP handling, tokenizer and forward launches share one interpreter lock (measured on an H200,
-where the forward itself would take 14,500 inputs a second at T=16; README, "GPU"). More processes
-multiply that. The kernel spreads connections over the workers; every worker loads the models
+On an H200 one process answered about 1,200 fresh T=16 requests a second, where the forward
+itself would take 14,500 inputs a second: its HTTP handling, tokenizer and forward launches share
+one interpreter lock (README, "GPU"). More processes multiply that. The kernel spreads connections over the workers; every worker loads the models
 (each its own copy on the GPU) and keeps its own run cache, fair shares and limits, and they share
 two things through files in one folder (/dev/shm where there is one): the requests behind run ids,
 so a slice of a run another worker computed is recomputed here (app/shared_runs.py), and saved
 views, so a permalink opens through any worker.
 
 The parent binds the socket, starts the workers with the spawn method (nothing of torch or CUDA is
-inherited), restarts one that dies, and on SIGTERM or SIGINT passes the signal on, so that each
-worker drains its requests as a single server does.
+inherited), starts another in place of one that dies, and on SIGTERM or SIGINT sends each worker
+one SIGTERM, so that it drains its requests as a single server does.
 """
 
 from __future__ import annotations
@@ -31,7 +30,11 @@ log = logging.getLogger("manyeyes.workers")
 
 # Each worker's share of the shared folder: request texts for run ids, and saved views.
 RUN_DIRECTORY_BYTES = 64 * 2**20
+# A worker that dies soon after its start is started again after a pause that doubles each time
+# (a model that cannot load must not become a process a second); one that lived long, after one.
 RESTART_PAUSE_S = 1.0
+MAX_RESTART_PAUSE_S = 60.0
+LIVED_LONG_S = 60.0
 
 
 def default_threads(workers: int) -> int:
@@ -39,15 +42,20 @@ def default_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def worker_app(settings: Settings, folder: Path, workers: int):
-    """One worker's ASGI app: create_app's, sharing runs and views with the other workers."""
+def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replacement: bool = False):
+    """One worker's ASGI app: create_app's, sharing runs and views with the other workers; what
+    it writes goes in folder/<slot>. A replacement for a dead worker takes connections only once
+    its models are loaded (the others are serving); the first workers take them at once, so that
+    /healthz answers while the models load, as a single server's does."""
     from manyeyes.app.main import create_app
     from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
-    from manyeyes.app.shared_runs import FileDirectory, SharedFiles, SharedRuns
+    from manyeyes.app.shared_runs import FileDirectory, SharedFiles, SharedRuns, serve_once_loaded
 
     app = create_app(settings)
-    app.state.views = ViewStore(shared=SharedFiles(folder, MAX_VIEW_BYTES // workers))
-    return SharedRuns(app, FileDirectory(SharedFiles(folder, RUN_DIRECTORY_BYTES // workers)))
+    if replacement:
+        serve_once_loaded(app)
+    app.state.views = ViewStore(shared=SharedFiles(folder / "views", str(slot), MAX_VIEW_BYTES // workers))
+    return SharedRuns(app, FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers)))
 
 
 def _detach_from_terminal() -> None:
@@ -63,7 +71,7 @@ def _detach_from_terminal() -> None:
         pass
 
 
-def _work(settings: Settings, sock, folder: str, workers: int, threads: int, log_level: str) -> None:
+def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replacement: bool, threads: int, log_level: str) -> None:
     _detach_from_terminal()
     import torch
     import uvicorn
@@ -72,7 +80,7 @@ def _work(settings: Settings, sock, folder: str, workers: int, threads: int, log
 
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s worker-{os.getpid()} %(name)s %(message)s")
     torch.set_num_threads(threads)
-    config = server_config(worker_app(settings, Path(folder), workers), settings, log_level=log_level)
+    config = server_config(worker_app(settings, Path(folder), slot, workers, replacement), settings, log_level=log_level)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -83,8 +91,11 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     folder = Path(tempfile.mkdtemp(prefix="manyeyes-shared-", dir=shm if shm.is_dir() else None))
     stopping = []
 
-    def start():
-        process = spawn.Process(target=_work, args=(settings, sock, str(folder), workers, threads, log_level),
+    def start(slot: int, replacement: bool = False):
+        for kind in ("runs", "views"):  # what a dead worker in this slot wrote goes with it
+            shutil.rmtree(folder / kind / str(slot), ignore_errors=True)
+            (folder / kind / str(slot)).mkdir(parents=True)
+        process = spawn.Process(target=_work, args=(settings, sock, str(folder), slot, workers, replacement, threads, log_level),
                                 name="manyeyes-worker", daemon=False)
         process.start()
         return process
@@ -93,14 +104,22 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
         stopping.append(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    processes = [start() for _ in range(workers)]
+    processes = [start(slot) for slot in range(workers)]
+    started = [time.monotonic()] * workers
+    pauses = [RESTART_PAUSE_S] * workers
+    due: dict[int, float] = {}  # slot -> when its replacement starts
     try:
         while not stopping:
+            now = time.monotonic()
             for i, process in enumerate(processes):
-                if process.exitcode is not None:
-                    log.warning("worker %d exited with %s; starting another", process.pid, process.exitcode)
-                    time.sleep(RESTART_PAUSE_S)  # a worker that dies at once must not spin the parent
-                    processes[i] = start()
+                if process.exitcode is not None and i not in due:
+                    pauses[i] = RESTART_PAUSE_S if now - started[i] > LIVED_LONG_S else min(2 * pauses[i], MAX_RESTART_PAUSE_S)
+                    log.warning("worker %d exited with %s; another starts in %.0f s", process.pid, process.exitcode, pauses[i])
+                    due[i] = now + pauses[i]
+            for i, when in list(due.items()):
+                if now >= when:
+                    del due[i]
+                    processes[i], started[i] = start(i, replacement=True), now
             time.sleep(0.2)
         for process in processes:
             if process.exitcode is None:

@@ -21,12 +21,9 @@ What Ray adds, and how each promise of the single server is kept behind it:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections import OrderedDict
-from contextlib import asynccontextmanager
-
 
 try:
     import ray
@@ -35,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
 
 from manyeyes.app.config import Settings
-from manyeyes.app.shared_runs import SharedRuns
+from manyeyes.app.shared_runs import SharedRuns, serve_once_loaded
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
@@ -93,20 +90,7 @@ def build_app(settings: Settings, threads: int):
 
     torch.set_num_threads(threads)
     app = create_app(settings)
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def loaded_lifespan(a):
-        async with inner(a):
-            registry = a.state.registry
-            deadline = time.monotonic() + LOAD_TIMEOUT_S
-            while not registry.ready.is_set():
-                if registry.failure or time.monotonic() > deadline:
-                    raise RuntimeError(f"manyeyes replica not ready: {registry.not_ready_reason()}")
-                await asyncio.sleep(0.05)
-            yield
-
-    app.router.lifespan_context = loaded_lifespan
+    serve_once_loaded(app, LOAD_TIMEOUT_S)
     return SharedRuns(app, RayDirectory(run_directory()))
 
 

@@ -88,6 +88,23 @@ def test_a_view_saved_through_one_worker_opens_through_every_worker(workers):
         assert {k: r.json()[k] for k in state} == state
 
 
+def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
+    base, proc, log, folder = workers
+    before = worker_pids(proc.pid)
+    os.kill(min(before), signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while not (len(after := worker_pids(proc.pid)) == 2 and after != before):
+        assert time.monotonic() < deadline, "the dead worker was never replaced"
+        time.sleep(0.2)
+    (new,) = after - before
+    # Until the new worker has answered: the kernel hands connections to whichever worker accepts.
+    while f"worker-{new} manyeyes.access" not in log.read_text():
+        assert time.monotonic() < deadline, "the new worker never answered"
+        httpx.post(f"{base}/api/v1/attention", json={"text": f"Again {time.monotonic()}.", "format": "u8"}).raise_for_status()
+    # Two slots, as before: the new worker writes where the dead one did.
+    assert sorted(os.listdir(f"/dev/shm/{folder}/runs")) == ["0", "1"]
+
+
 def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
     base, proc, log, folder = workers
     pids = worker_pids(proc.pid)
@@ -102,22 +119,23 @@ def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
 
 
 def test_shared_files_evict_only_their_own_writes_oldest_first(tmp_path):
-    mine, theirs = SharedFiles(tmp_path, max_bytes=10), SharedFiles(tmp_path, max_bytes=10)
+    mine, theirs = SharedFiles(tmp_path, "0", max_bytes=10), SharedFiles(tmp_path, "1", max_bytes=10)
     theirs.put("t", b"1234")
     for key in "abc":
         mine.put(key, b"1234")
-    assert sorted(os.listdir(tmp_path)) == ["b", "c", "t"]  # a went to keep mine within 10 bytes
-    assert mine.get("a") is None and mine.get("t") == b"1234" and mine.nbytes == 8
+    assert sorted(os.listdir(tmp_path / "0")) == ["b", "c"] and os.listdir(tmp_path / "1") == ["t"]  # a went: mine stay within 10 bytes
+    assert mine.get("a") is None and mine.get("t") == b"1234" and theirs.get("b") == b"1234" and mine.nbytes == 8
+    assert mine.saved_at("t") > 0 and mine.saved_at("a") == 0
     mine.put("b", b"12")  # rewriting an entry counts its new size, not both
-    assert mine.nbytes == 6 and mine.get("b") == b"12"
+    assert mine.nbytes == 6 and theirs.get("b") == b"12"
 
 
 @pytest.mark.parametrize("key", ["../escape", "a/b", "", ".hidden", "x" * 200, "run-é"])
 def test_shared_files_never_turn_a_strange_key_into_a_path(tmp_path, key):
-    files = SharedFiles(tmp_path / "shared", max_bytes=100)
     (tmp_path / "shared").mkdir()
+    files = SharedFiles(tmp_path / "shared", "0", max_bytes=100)
     files.put(key, b"data")
-    assert files.get(key) is None and os.listdir(tmp_path / "shared") == [] and sorted(os.listdir(tmp_path)) == ["shared"]
+    assert files.get(key) is None and os.listdir(tmp_path / "shared" / "0") == [] and sorted(os.listdir(tmp_path)) == ["shared"]
 
 
 def test_workers_and_replicas_together_are_refused(capsys):
