@@ -88,7 +88,8 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     """Run `workers` processes on the bound `sock` until SIGTERM or SIGINT; the exit status."""
     spawn = multiprocessing.get_context("spawn")
     shm = Path("/dev/shm")
-    folder = Path(tempfile.mkdtemp(prefix="manyeyes-shared-", dir=shm if shm.is_dir() else None))
+    # The parent's pid in the name: a folder left by a parent that was killed outright says whose it was.
+    folder = Path(tempfile.mkdtemp(prefix=f"manyeyes-shared-{os.getpid()}-", dir=shm if shm.is_dir() else None))
     stopping = []
 
     def start(slot: int, replacement: bool = False):

@@ -21,14 +21,9 @@ from tests.eco.conftest import ROOT, free_port, wait_ready
 TEXT = "The heron waited by the old stone mill."
 
 
-def shared_folders() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("manyeyes-shared-")}
-
-
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     port = free_port()
-    before = shared_folders()
     log = tmp_path_factory.mktemp("workers") / "server.log"
     env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_WARMUP": "false"}
     proc = subprocess.Popen(
@@ -43,17 +38,31 @@ def workers(tmp_path_factory):
         while sum(httpx.get(f"{base}/readyz").status_code == 200 for _ in range(20)) < 20:
             assert time.monotonic() < deadline, "a worker never became ready"
             time.sleep(0.2)
-        (folder,) = shared_folders() - before
+        (folder,) = [name for name in os.listdir("/dev/shm") if name.startswith(f"manyeyes-shared-{proc.pid}-")]
         yield base, proc, log, folder
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a test failed before the SIGTERM test: stop it as that test does
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def worker_pids(parent: int) -> set[int]:
-    children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(parent)], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in children.splitlines() if "spawn_main" in line}
+    """The parent's spawned workers (its other child is multiprocessing's resource tracker)."""
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    pids = set()
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    pids.add(pid)
+        except FileNotFoundError:  # exited since
+            pass
+    return pids
 
 
 def test_a_run_computed_by_one_worker_is_served_by_every_worker_with_the_same_numbers(workers):
