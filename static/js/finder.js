@@ -46,10 +46,16 @@ export class HeadFinder {
 
   // A new run (or a long one, which gets no measures): the last run's heads go at once, not when
   // this run's answer comes; until then the grid and the table showed another text's tags and statistics.
-  clear() {
+  // The tag list goes too (it offered the last run's tags), but not the tag chosen: render()
+  // keeps it if this run's heads have it. note: what the grid says meanwhile.
+  clear(note = "") {
     this.rows = [];
-    this.grid.replaceChildren();
+    this.grid.replaceChildren(...(note ? [el("p", { className: "empty", text: note })] : []));
     this.table.replaceChildren();
+    const chosen = this.tagFilter.value;
+    this.tagFilter.replaceChildren(el("option", { text: "any tag", attrs: { value: "" } }),
+      ...(chosen ? [el("option", { text: chosen, attrs: { value: chosen } })] : []));
+    this.tagFilter.value = chosen;
   }
 
   select(layer, head) {

@@ -18,6 +18,8 @@ import { hidingOptions, renormalises, viewOf } from "./transform.js";
 import { visibleSpaces } from "./tokens.js";
 
 const FLOW_AUTO_TOKENS = 128;
+// Shown where the graph will be while its routes are fetched (a few forward passes): it was blank.
+const FLOW_COMPUTING = "Computing the routes through the layers…";
 const SEEN_MARGIN_PX = 200;
 const TICK_FONT = 10; // px, the largest
 const COLORBAR_PX = 85; // what Plotly's colour bar, its labels and its title take right of the cells
@@ -154,7 +156,10 @@ class Measures {
     onThemeChange(() => this.drawMeasure()); // the colours follow the theme, as the heatmap's do
     const threshold = $("flow-threshold");
     threshold.addEventListener("change", () => this.loadFlow());
-    $("flow-draw").addEventListener("click", () => this.loadFlow());
+    $("flow-draw").addEventListener("click", () => {
+      this.forgetFlow(FLOW_COMPUTING);
+      this.loadFlow();
+    });
     threshold.addEventListener("input", () => { $("flow-threshold-value").textContent = Number(threshold.value).toFixed(2); });
     this.stale = false; // a focus change not drawn yet (see drawFocusWhenSeen)
     new IntersectionObserver(([entry]) => {
@@ -212,14 +217,14 @@ class Measures {
     $("measures").hidden = false;
     this.forgetPlot();
     this.forgetNeuron("This run's neuron view is drawn when this panel is in view.");
-    this.forgetHeads();
+    this.forgetHeads("Finding this run's heads…");
     const token = (this.token = {});
     this.loadHeads(token);
     // The flow graph costs several forward passes at T=512 (README): long inputs draw it on request.
     const auto = run.tokens.length <= FLOW_AUTO_TOKENS;
     $("flow-draw").hidden = auto;
     if (auto) {
-      this.forgetFlow("");
+      this.forgetFlow(FLOW_COMPUTING);
       this.loadFlow(token);
     } else {
       this.forgetFlow(`${run.tokens.length} tokens: press “Draw the graph” (it takes a while at this length).`);
@@ -261,8 +266,8 @@ class Measures {
   // As forgetPlot for the head finder and the flow graph: the last run's heads and routes go at
   // once. They stayed until this run's answers came (or, after a long run, until the next short
   // run's did): another text's tags, statistics and tokens under this run's views.
-  forgetHeads() {
-    this.finder.clear();
+  forgetHeads(note = "") {
+    this.finder.clear(note);
     delete $("finder").dataset.runId;
     this.status("finder-status");
   }
@@ -335,6 +340,8 @@ class Measures {
       $("finder").dataset.runId = this.run.runId;
       this.status("finder-status");
     } catch (err) {
+      if (token !== this.token) return;
+      this.finder.clear(""); // not "Finding…" for ever: the status says why
       this.status("finder-status", err);
     }
   }
@@ -350,6 +357,8 @@ class Measures {
       $("flow").dataset.threshold = String(threshold);
       this.status("flow-status");
     } catch (err) {
+      if (token !== this.token) return;
+      if (!this.flow) this.flowGraph.clear(""); // not "Computing…" for ever: the status says why
       this.status("flow-status", err);
     }
   }

@@ -47,6 +47,27 @@ NEURON = """() => {
 }"""
 
 
+def run_other_holding(page, held_urls):
+    """Runs OTHER with the requests `held_urls` matches held; returns what lets them go. Returns
+    once the panel has been told of the new run (its query tokens are OTHER's): that happens in the
+    same task as the panel forgets the last run, and nothing held can have come by then."""
+    held = []
+
+    def hold(route):
+        held.append(route)
+
+    page.route(held_urls, hold)
+    run(page, OTHER, model="tiny-gpt")
+    page.wait_for_function(f"() => document.querySelectorAll('#neuron-query option').length === {len(OTHER)}", timeout=30_000)
+
+    def release():
+        for route in held:
+            route.continue_()
+        page.unroute(held_urls, hold)
+
+    return release
+
+
 def neuron_view(url: str) -> bool:
     """GET …/runs/{id}/neuron?layer=…&head=…&query=…: the neuron view's one request."""
     return "/neuron?" in url
@@ -57,24 +78,13 @@ def test_a_new_run_never_shows_the_last_runs_neuron_table(base, page, artifacts)
     page.wait_for_selector(f"#neuron[data-query='{len(TEXT) - 1}'] #neuron-table tbody tr", timeout=30_000)
     assert page.evaluate(NEURON)["rows"] == len(TEXT) + 1  # the query's row and one per key
     page.evaluate("() => window.scrollTo(0, 0)")
-    held = []
-
-    def hold(route):
-        held.append(route)
-
-    page.route(neuron_view, hold)
-    run(page, OTHER, model="tiny-gpt")
-    # The panel has been told of the new run (its query tokens are OTHER's): that happens in the
-    # same task as the neuron view is cleared, and this run's view cannot come while it is held.
-    page.wait_for_function(f"() => document.querySelectorAll('#neuron-query option').length === {len(OTHER)}", timeout=30_000)
+    release = run_other_holding(page, neuron_view)
     seen = page.evaluate(NEURON)
     # It showed TEXT's 39 rows, query "n", under OTHER's query tokens.
     assert seen["rows"] == 0 and seen["query"] is None and seen["queryRow"] is None, seen
     assert seen["note"] == "This run's neuron view is drawn when this panel is in view.", seen
     page.locator("#neuron").screenshot(path=str(artifacts / "neuron-after-new-run.png"))
-    for route in held:
-        route.continue_()
-    page.unroute(neuron_view, hold)
+    release()
     # Scrolled to, it draws this run's.
     page.locator("#measures").scroll_into_view_if_needed()
     page.wait_for_selector(f"#neuron[data-query='{len(OTHER) - 1}'] #neuron-table tbody tr", timeout=30_000)
@@ -173,3 +183,52 @@ def test_the_colour_bar_follows_square_cells_through_a_resize(base, make_page, a
     # Beside the cells, as drawn: a few px right of them, inside the plot.
     assert 0 <= seen["gap"] <= 20 and abs(seen["gap"] - start["gap"]) <= 3, (start, seen)
     assert seen["barRight"] <= seen["plotRight"] + 1, seen
+
+
+FLOW_AND_FINDER = """() => ({
+  flow: document.getElementById('flow').innerText.trim(), drawn: !!document.querySelector('#flow svg'),
+  tags: [...document.querySelectorAll('#finder-tag option')].map((o) => o.value), chosen: document.getElementById('finder-tag').value,
+  heads: document.querySelectorAll('#finder [data-layer][data-head]').length,
+  finderNote: document.querySelector('#finder .empty')?.textContent ?? null,
+})"""
+
+
+def flow_or_heads(url: str) -> bool:
+    """GET …/flow?threshold=… and …/measures?names=heads: the graph's and the finder's requests."""
+    return "/flow?" in url or "names=heads" in url
+
+
+def test_while_a_new_runs_routes_and_heads_load_the_panel_says_so_and_offers_none_of_the_last_runs_tags(base, page, artifacts):
+    first_run(page, base)
+    page.wait_for_selector("#flow svg", timeout=30_000)
+    page.wait_for_function("() => document.querySelectorAll('#finder-tag option').length > 2", timeout=30_000)
+    first = page.evaluate(FLOW_AND_FINDER)
+    chosen = first["tags"][1]
+    page.select_option("#finder-tag", chosen)
+    release = run_other_holding(page, flow_or_heads)
+    seen = page.evaluate(FLOW_AND_FINDER)
+    # The graph's box was blank while its routes came; the tag list offered TEXT's tags.
+    assert seen["flow"] == "Computing the routes through the layers…" and not seen["drawn"], seen
+    assert seen["tags"] == ["", chosen] and seen["chosen"] == chosen and seen["heads"] == 0, seen
+    assert seen["finderNote"] == "Finding this run's heads…", seen
+    page.locator(".measures-grid").screenshot(path=str(artifacts / "flow-and-finder-loading.png"))
+    release()
+    page.wait_for_selector("#flow svg", timeout=30_000)
+    page.wait_for_function("() => document.querySelectorAll('#finder [data-layer][data-head]').length > 0", timeout=30_000)
+    after = page.evaluate(FLOW_AND_FINDER)
+    assert after["flow"] != seen["flow"] and after["tags"][0] == "" and len(after["tags"]) >= 2, after
+    assert after["finderNote"] is None, after
+
+
+def test_failed_routes_and_heads_requests_leave_no_loading_note_behind(base, page):
+    first_run(page, base)
+
+    def fail(route):
+        route.fulfill(status=500, content_type="application/json", body='{"error":{"code":"internal","message":"boom"}}')
+
+    page.route(flow_or_heads, fail)
+    run(page, OTHER, model="tiny-gpt")
+    page.wait_for_function("() => document.getElementById('flow-status').textContent.length > 0"
+                           " && document.getElementById('finder-status').textContent.length > 0", timeout=30_000)
+    assert page.locator("#flow").inner_text().strip() == "" and page.locator("#finder .empty").count() == 0
+    assert "boom" in page.locator("#flow-status").text_content() and "boom" in page.locator("#finder-status").text_content()
