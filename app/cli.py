@@ -327,7 +327,8 @@ def cmd_export(args) -> int:
     settings = _settings()  # before the model loads: the bound of the server's /export, here too
     if settings is None:
         return 2
-    model = load(args.model, device=args.device, dtype=args.dtype)
+    # As the server would: MANYEYES_DEVICE and MANYEYES_DTYPE where no flag says otherwise.
+    model = load(args.model, device=args.device or settings.device, dtype=args.dtype or settings.dtype)
     info = model.info
     if _outside(info, args.layer, args.head):
         return 2

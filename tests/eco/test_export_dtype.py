@@ -61,3 +61,26 @@ def test_export_dtype_refuses_what_attend_refuses(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "argument --dtype: invalid choice: 'int8'" in err and all(c in err for c in DTYPE_CHOICES), err
     assert "Traceback" not in err
+
+
+def test_export_reads_the_servers_device_and_dtype_settings_unless_flags_say_otherwise(tmp_path, monkeypatch, capsys):
+    """export read MANYEYES_DENSE_MAX_TOKENS but not MANYEYES_DEVICE or MANYEYES_DTYPE."""
+    import manyeyes.model as model_pkg
+
+    real_load, loaded = model_pkg.load, []
+
+    def spy(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        loaded.append(model)
+        return model
+
+    monkeypatch.setattr(model_pkg, "load", spy)
+    monkeypatch.setenv("MANYEYES_DTYPE", "float16")
+    monkeypatch.setenv("MANYEYES_DEVICE", "cpu")
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(tmp_path / "env.html")]) == 0
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(tmp_path / "flag.html"), "--dtype", "float32"]) == 0
+    assert [m.info.dtype for m in loaded] == ["float16", "float32"]
+    # A device this machine lacks, from the setting alone: refused by name, no file written.
+    monkeypatch.setenv("MANYEYES_DEVICE", "cuda:7")
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(tmp_path / "never.html")]) == 2
+    assert "'cuda:7' was asked for" in capsys.readouterr().err and not (tmp_path / "never.html").exists()
