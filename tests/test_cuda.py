@@ -1,13 +1,13 @@
 """Parity sweep: the same requests to a CPU app (the reference) and to an app on an accelerator,
 every answer compared number by number.
 
-The accelerator is MANYEYES_TEST_ACCEL (default cuda; the module is skipped where CUDA is absent).
-MANYEYES_TEST_ACCEL=cpu runs the sweep on the CPU, which proves the harness where no GPU is at
-hand. The accelerator app always quantises on the device (device_quantise=True), as a GPU server
-does by default (services/device.py quantises_on_device), so the CPU mode compares the GPU's
-default path too, and runs kept as u8 bytes meet the documented 422 kept_quantised.
+The accelerator is MANYEYES_TEST_ACCEL: by default CUDA where there is one, else the CPU, so CI
+(which has no GPU) runs the sweep too, proving the harness and the GPU's own path: the accelerator
+app always quantises on the device (device_quantise=True), as a GPU server does by default
+(services/device.py quantises_on_device), and runs kept as u8 bytes meet the documented 422
+kept_quantised. MANYEYES_TEST_ACCEL=cuda where CUDA is absent skips the module.
 
-    MANYEYES_TEST_ACCEL=cpu python -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    python -m pytest -q -p no:cacheprovider tests/test_cuda.py
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from manyeyes.app.config import Settings
 from manyeyes.app.schemas import MeasureName
 from tests.api.conftest import serve
 
-ACCEL = os.environ.get("MANYEYES_TEST_ACCEL", "cuda")
+ACCEL = os.environ.get("MANYEYES_TEST_ACCEL", "cuda" if torch.cuda.is_available() else "cpu")
 
 pytestmark = pytest.mark.skipif(
     ACCEL.startswith("cuda") and not torch.cuda.is_available(),
-    reason=f"MANYEYES_TEST_ACCEL={ACCEL} needs CUDA; MANYEYES_TEST_ACCEL=cpu runs this sweep on the CPU",
+    reason=f"MANYEYES_TEST_ACCEL={ACCEL} needs CUDA",
 )
 
 MODELS = ("minilm", "tiny-gpt", "tiny-llama")
