@@ -62,7 +62,8 @@ def _detach_from_terminal() -> None:
     """A terminal's Ctrl-C reaches the parent alone, which passes one SIGTERM on (a worker given
     SIGINT and SIGTERM both would stop at once instead of draining); and a worker whose parent is
     killed outright is told to stop (Linux), instead of serving on unsupervised."""
-    os.setpgrp()
+    if hasattr(os, "setpgrp"):  # POSIX; elsewhere a Ctrl-C reaches the workers too, and they stop at once
+        os.setpgrp()
     try:
         import ctypes
 
