@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -59,19 +60,22 @@ class SharedFiles:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._mine: OrderedDict[str, int] = OrderedDict()
+        # Writers are threads (the executor's, the sync routes'): one at a time per process.
+        self._lock = threading.Lock()
 
     def put(self, key: str, data: bytes) -> None:
         if not KEY.match(key) or len(data) > self.max_bytes:
             return
-        temporary = self.own / f".{key}"
-        temporary.write_bytes(data)
-        os.replace(temporary, self.own / key)
-        self.nbytes += len(data) - self._mine.pop(key, 0)
-        self._mine[key] = len(data)
-        while self.nbytes > self.max_bytes:
-            old, size = self._mine.popitem(last=False)
-            self.nbytes -= size
-            (self.own / old).unlink(missing_ok=True)
+        with self._lock:
+            temporary = self.own / f".{key}"
+            temporary.write_bytes(data)
+            os.replace(temporary, self.own / key)
+            self.nbytes += len(data) - self._mine.pop(key, 0)
+            self._mine[key] = len(data)
+            while self.nbytes > self.max_bytes:
+                old, size = self._mine.popitem(last=False)
+                self.nbytes -= size
+                (self.own / old).unlink(missing_ok=True)
 
     def _path(self, key: str) -> Path | None:
         if not KEY.match(key):
@@ -106,8 +110,11 @@ class FileDirectory:
     def remember(self, entries: list[tuple[str, tuple]]) -> None:
         # Off the event loop: the folder is memory (/dev/shm) where there is one, but need not be.
         def write() -> None:
-            for run_id, request in entries:
-                self.files.put(f"run-{run_id}", orjson.dumps(request))
+            try:
+                for run_id, request in entries:
+                    self.files.put(f"run-{run_id}", orjson.dumps(request))
+            except OSError as exc:  # a full folder: other workers recompute nothing, they answer 404
+                log.warning("could not record runs for the other workers: %s", exc)
 
         asyncio.get_running_loop().run_in_executor(None, write)
 

@@ -157,3 +157,13 @@ def test_a_worker_count_below_one_is_refused(capsys, value):
     with pytest.raises(SystemExit):
         cli_main(["serve", "--workers", value])
     assert "a whole number of 1 or more" in capsys.readouterr().err
+
+
+def test_shared_files_stay_within_their_share_under_concurrent_writers(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = SharedFiles(tmp_path, "0", max_bytes=1000)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: files.put(f"k{i % 300}", b"x" * 10), range(3000)))
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "0").iterdir())
+    assert files.nbytes == on_disk <= 1000 and len(list((tmp_path / "0").iterdir())) == 100
