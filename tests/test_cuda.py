@@ -421,3 +421,40 @@ def test_long_context_views(acc, ref, long_run, view):
     got = assert_parity(*get_run(acc, ref, run_id, route, **params), view)
     if view == "run":
         assert got["kept"] == "qk" and got["n_tokens"] == n
+
+
+# ---------------------------------------------------------------------------- the comparer itself
+# On the CPU both apps answer alike, so these are what shows the sweep can fail at all.
+def u8_node(values: list[int], scale: float = 1 / 255) -> dict:
+    return {"format": "u8", "dtype": "uint8", "shape": [len(values)], "scale": scale,
+            "data": base64.b64encode(bytes(values)).decode()}
+
+
+def test_the_comparer_names_the_cell_that_differs():
+    want = {"attention": {"format": "json", "dtype": "float32", "shape": [2, 2], "data": [[0.5, 0.5], [0.25, 0.75]]}}
+    got = json.loads(json.dumps(want))
+    compare(got, want)
+    got["attention"]["data"][1][0] += 0.01
+    with pytest.raises(AssertionError, match=r"attention\.data\[1\]\[0\]: accelerator 0\.26 != cpu 0\.25"):
+        compare(got, want)
+
+
+def test_the_comparer_allows_one_u8_count_and_no_more():
+    compare(u8_node([10, 200]), u8_node([11, 199]))
+    with pytest.raises(AssertionError, match=r"data\[1\]"):
+        compare(u8_node([10, 202]), u8_node([10, 200]))
+
+
+def test_the_comparer_lets_ranked_items_swap_only_on_a_tie():
+    want = [{"id": 1, "prob": 0.5}, {"id": 2, "prob": 0.5}, {"id": 3, "prob": 0.1}]
+    compare([want[1], want[0], want[2]], want, "predictions")
+    with pytest.raises(AssertionError, match="predictions"):
+        compare([want[0], {"id": 4, "prob": 0.1}, {"id": 3, "prob": 0.1}], want, "predictions")
+
+
+def test_the_comparer_refuses_extra_keys_and_other_types():
+    with pytest.raises(AssertionError, match="keys differ"):
+        compare({"a": 1, "b": 2}, {"a": 1})
+    with pytest.raises(AssertionError, match="accelerator '1' != cpu 1"):
+        compare({"a": "1"}, {"a": 1})
+    compare({"a": 1, "run_id": "x", "timing_ms": {}}, {"a": 1, "run_id": "y"})  # volatile keys are skipped
