@@ -107,8 +107,10 @@ def loaded(url: str, pid: int, n_tokens: int, clients: int, seconds: float, proc
     server_before = cpu_seconds(pid)
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+        # Seeds 10^8 apart: a process's clients use fewer (throughput() gives each 100,000), so no
+        # two processes ever send the same text.
         parts = list(pool.map(generate_load, [url] * procs, [n_tokens] * procs, shares, [seconds] * procs,
-                              [1_000_000 * (n_tokens + i) for i in range(procs)]))
+                              [10**8 * (i + 1) for i in range(procs)]))
     # Over the load's seconds: the server idles while the pool starts.
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), (cpu_seconds(pid) - server_before) / seconds,
             sum(p[2] for p in parts) / seconds)
