@@ -11,6 +11,10 @@ Every answer is checked (status, shape against its tokens, every row of weights 
 every 50th fresh text is also compared, after the load, with a single run in this process.
 
     python bench/soak.py [--requests 10000] [--clients 100] [--warmup 300] [--malloc-mmap-threshold 0] [--malloc-trim-threshold N]
+                         [--workers N]
+
+With --workers N the RSS is the parent's and its workers' together, and the bound N times the
+per-worker terms: each worker keeps its own cache.
 
 --malloc-mmap-threshold 0 runs the server with glibc's allocator defaults, to see the problem
 the start-up setting fixes.
@@ -61,7 +65,7 @@ class RssPoller(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                self.samples.append((time.monotonic(), rss_mb(self.pid)))
+                self.samples.append((time.monotonic(), rss_of_tree(self.pid)))
             except (OSError, RuntimeError):
                 return  # the process has gone
             time.sleep(self.interval_s)
@@ -71,6 +75,22 @@ class RssPoller(threading.Thread):
 
     def now(self) -> float:
         return self.samples[-1][1] if self.samples else float("nan")
+
+
+def rss_of_tree(pid: int) -> float:
+    """The server's resident memory: its process's, and with --workers its workers' too."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        children = []
+    total = rss_mb(pid)
+    for child in children:
+        try:
+            total += rss_mb(child)
+        except (OSError, RuntimeError):  # exited between the listing and the read
+            pass
+    return total
 
 
 def text_of(rng: random.Random, i: int) -> str:
@@ -211,6 +231,7 @@ def main() -> int:
     parser.add_argument("--malloc-trim-threshold", type=int, default=None, help="the heap top kept (the server's own setting otherwise)")
     parser.add_argument("--buffer-pool-bytes", type=int, default=None, help="finished buffers kept (the server's own setting otherwise)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--workers", type=int, default=1, help="manyeyes serve --workers N: the bound is per worker, summed")
     args = parser.parse_args()
 
     poller = RssPoller()
@@ -223,21 +244,22 @@ def main() -> int:
     if args.buffer_pool_bytes is not None:
         settings["buffer_pool_bytes"] = args.buffer_pool_bytes
     cpus = os.cpu_count()
-    print(f"soak: {args.requests} requests ({args.warmup} warm-up), {args.clients} clients, 16-512 tokens, "
+    print(f"soak: {args.requests} requests ({args.warmup} warm-up), {args.clients} clients, 16-512 tokens, {args.workers} worker(s), "
           f"run cache {args.cache_mb} MB, minilm on {cpus} CPUs, load {os.getloadavg()[0]:.1f}")
-    with serve(on_spawn=poller.watch, **settings) as (url, pid):
+    with serve(on_spawn=poller.watch, args=("--workers", str(args.workers)), **settings) as (url, pid):
         ready_rss = poller.now()
         warm = Soak(url, args.warmup, args.clients, args.seed)
         asyncio.run(warm.run(poller, max(args.warmup, 1)))
-        baseline = rss_mb(pid)
+        baseline = rss_of_tree(pid)
         baseline_at = time.monotonic()
         soak = Soak(url, args.requests, args.clients, args.seed + 1)
         soak.recent, soak.run_ids = warm.recent, warm.run_ids
         elapsed = asyncio.run(soak.run(poller, max(args.requests // 20, 1)))
-        end_rss = rss_mb(pid)
+        end_rss = rss_of_tree(pid)
     poller.stop.set()
     peak = poller.peak(baseline_at)
-    bound = baseline + args.cache_mb * 1.048576 * 1.1 + 100
+    # Each worker has its own cache and its own 100 MB (SECURITY.md, "Memory").
+    bound = baseline + args.workers * (args.cache_mb * 1.048576 * 1.1 + 100)
     sample_wrong = compare_samples(soak.sampled)
     server_errors = sum(n for s, n in soak.statuses.items() if s >= 500)
     failures = sum(soak.failures.values()) + server_errors
@@ -247,7 +269,8 @@ def main() -> int:
           "sampled texts differ from a single run")
     print(f"  RSS           ready {ready_rss:.0f} MB, after warm-up {baseline:.0f} MB, end {end_rss:.0f} MB, "
           f"peak {peak:.0f} MB (polled every 50 ms, {len(poller.samples)} samples, p50 {statistics.median(mb for _, mb in poller.samples):.0f} MB)")
-    print(f"  bound         {baseline:.0f} + {args.cache_mb} MiB x 1.1 + 100 = {bound:.0f} MB; peak is {peak - baseline:.0f} MB over warm-up")
+    per_worker = f"{args.workers} x ({args.cache_mb} MiB x 1.1 + 100)" if args.workers > 1 else f"{args.cache_mb} MiB x 1.1 + 100"
+    print(f"  bound         {baseline:.0f} + {per_worker} = {bound:.0f} MB; peak is {peak - baseline:.0f} MB over warm-up")
     for problem in soak.wrong[:5]:
         print("   ", problem)
     ok = peak <= bound and failures == 0 and not soak.wrong and sample_wrong == 0
