@@ -3,12 +3,14 @@ behind run ids and saved views through a folder, and stopping together on one SI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -21,14 +23,15 @@ from tests.eco.conftest import ROOT, free_port, wait_ready
 TEXT = "The heron waited by the old stone mill."
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory):
+@contextlib.contextmanager
+def workers_serving(log: Path):
+    """`manyeyes serve --workers 2` (tiny-gpt), in a session of its own as a terminal would start
+    it; yields (base URL, parent process, shared folder's name) once both workers answer ready."""
     port = free_port()
-    log = tmp_path_factory.mktemp("workers") / "server.log"
     env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_WARMUP": "false"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu", "--workers", "2", "--log-level", "info"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -39,15 +42,22 @@ def workers(tmp_path_factory):
             assert time.monotonic() < deadline, "a worker never became ready"
             time.sleep(0.2)
         (folder,) = [name for name in os.listdir("/dev/shm") if name.startswith(f"manyeyes-shared-{proc.pid}-")]
-        yield base, proc, log, folder
+        yield base, proc, folder
     finally:
-        if proc.poll() is None:  # a test failed before the SIGTERM test: stop it as that test does
+        if proc.poll() is None:  # a test failed before it stopped the server: stop it as SIGTERM does
             proc.terminate()
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    log = tmp_path_factory.mktemp("workers") / "server.log"
+    with workers_serving(log) as (base, proc, folder):
+        yield base, proc, log, folder
 
 
 def worker_pids(parent: int) -> set[int]:
@@ -125,6 +135,39 @@ def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
     assert not os.path.exists(f"/dev/shm/{folder}")
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/readyz", timeout=2)
+
+
+def test_a_terminals_ctrl_c_drains_every_worker_once(tmp_path):
+    """Ctrl-C sends SIGINT to the terminal's whole process group. Workers in it would get SIGINT
+    and then the parent's SIGTERM, a second signal, which stops uvicorn at once instead of draining."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    log = tmp_path / "server.log"
+    started = threading.Event()
+
+    def generate(base: str) -> list[dict]:
+        body = {"text": "The cat sat", "model": "tiny-gpt", "max_new_tokens": 240}
+        lines = []
+        with httpx.stream("POST", f"{base}/api/v1/generate", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.strip():
+                    lines.append(json.loads(line))
+                    started.set()
+        return lines
+
+    with workers_serving(log) as (base, proc, folder), ThreadPoolExecutor(1) as pool:
+        # A generation streams for a while: drained, it ends with its "end" line; stopped at
+        # once, it is cut off mid-stream.
+        streamed = pool.submit(generate, base)
+        assert started.wait(30)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        lines = streamed.result()
+    assert lines[-1]["type"] == "end" and lines[-1]["tokens"] == 240, lines[-1]
+    text = log.read_text()
+    assert text.count("Application shutdown complete") == 2 and "Traceback" not in text, text[-3000:]
+    assert not os.path.exists(f"/dev/shm/{folder}")
 
 
 def test_shared_files_evict_only_their_own_writes_oldest_first(tmp_path):
