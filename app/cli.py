@@ -210,18 +210,19 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _whole(value: str, low: int, high: int, what: str) -> int:
+    number = int(value) if value.isascii() and value.isdigit() else -1
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"{what}, not {value!r}")
+    return number
+
+
 def _port(value: str) -> int:
-    port = int(value) if value.isascii() and value.isdigit() else -1
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {value!r}")
-    return port
+    return _whole(value, 1, 65535, "a port is a number from 1 to 65535")
 
 
 def _positive(value: str) -> int:
-    number = int(value) if value.isascii() and value.isdigit() else 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of 1 or more, not {value!r}")
-    return number
+    return _whole(value, 1, sys.maxsize, "a whole number of 1 or more")
 
 
 def _model_flag(value: str) -> dict[str, str]:

@@ -77,28 +77,18 @@ class SharedFiles:
                 self.nbytes -= size
                 (self.own / old).unlink(missing_ok=True)
 
-    def _path(self, key: str) -> Path | None:
+    def read(self, key: str) -> tuple[bytes, float] | None:
+        """The entry and when it was last written (seconds since the epoch), from whichever
+        process's folder holds it; None if none does."""
         if not KEY.match(key):
             return None
         for entry in [self.own, *(p for p in self.folder.iterdir() if p != self.own)]:
-            if (entry / key).is_file():
-                return entry / key
+            try:
+                with open(entry / key, "rb") as f:
+                    return f.read(), os.fstat(f.fileno()).st_mtime
+            except FileNotFoundError:  # not there, or evicted between the listing and the open
+                continue
         return None
-
-    def get(self, key: str) -> bytes | None:
-        path = self._path(key)
-        try:
-            return path.read_bytes() if path is not None else None
-        except FileNotFoundError:  # evicted between the look and the read
-            return None
-
-    def saved_at(self, key: str) -> float:
-        """When the entry was last written (seconds since the epoch); 0 if it is gone."""
-        path = self._path(key)
-        try:
-            return path.stat().st_mtime if path is not None else 0.0
-        except FileNotFoundError:
-            return 0.0
 
 
 class FileDirectory:
@@ -119,8 +109,8 @@ class FileDirectory:
         asyncio.get_running_loop().run_in_executor(None, write)
 
     async def recall(self, run_id: str) -> tuple | None:
-        data = await asyncio.get_running_loop().run_in_executor(None, self.files.get, f"run-{run_id}")
-        return tuple(orjson.loads(data)) if data is not None else None
+        found = await asyncio.get_running_loop().run_in_executor(None, self.files.read, f"run-{run_id}")
+        return tuple(orjson.loads(found[0])) if found is not None else None
 
 
 class SharedRuns:

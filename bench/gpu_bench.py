@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_server import access_ms, serve  # noqa: E402
+from live_server import access_ms, children, serve  # noqa: E402
 from serve_bench import throughput  # noqa: E402
 
 from manyeyes.app.services.device import HostCopier, device_to_host, quantises_on_device  # noqa: E402
@@ -82,14 +82,6 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except FileNotFoundError:
-        return []
 
 
 def generate_load(url: str, n_tokens: int, clients: int, seconds: float, offset: int) -> tuple[float, int, float]:

@@ -69,6 +69,15 @@ def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeou
                 proc.wait()
 
 
+def children(pid: int) -> list[int]:
+    """A process's children (with --workers: the workers, and multiprocessing's resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
 def rss_mb(pid: int, field: str = "VmRSS") -> float:
     """Resident memory now (VmRSS) or at its peak so far (VmHWM), from /proc."""
     with open(f"/proc/{pid}/status") as f:

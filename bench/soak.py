@@ -38,7 +38,7 @@ import numpy as np
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_server import TOLERANCE, decode, rss_mb, serve  # noqa: E402
+from live_server import TOLERANCE, children, decode, rss_mb, serve  # noqa: E402
 
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
 
@@ -79,13 +79,8 @@ class RssPoller(threading.Thread):
 
 def rss_of_tree(pid: int) -> float:
     """The server's resident memory: its process's, and with --workers its workers' too."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-    except FileNotFoundError:
-        children = []
     total = rss_mb(pid)
-    for child in children:
+    for child in children(pid):
         try:
             total += rss_mb(child)
         except (OSError, RuntimeError):  # exited between the listing and the read

@@ -53,23 +53,22 @@ class ViewStore:
     def get(self, view_id: str) -> dict | None:
         with self._lock:
             entry = self._views.get(view_id)
-            if entry is None:
-                return self._from_shared(view_id)
-            saved, encoded = entry
-            if self.clock() - saved > self.ttl_s:
-                self._drop(view_id)
-                return None
-            self._views.move_to_end(view_id)
+            if entry is not None:
+                saved, encoded = entry
+                if self.clock() - saved > self.ttl_s:
+                    self._drop(view_id)
+                    return None
+                self._views.move_to_end(view_id)
+        if entry is None:
+            return self._from_shared(view_id)  # outside the lock: it reads a file
         return orjson.loads(encoded)
 
     def _from_shared(self, view_id: str) -> dict | None:
         # Saved through another worker. Its age is the file's: the 30 days hold across workers.
-        if self.shared is None:
+        found = self.shared.read(f"view-{view_id}") if self.shared is not None else None
+        if found is None or time.time() - found[1] > self.ttl_s:
             return None
-        encoded = self.shared.get(f"view-{view_id}")
-        if encoded is None or time.time() - self.shared.saved_at(f"view-{view_id}") > self.ttl_s:
-            return None
-        return orjson.loads(encoded)
+        return orjson.loads(found[0])
 
     def _drop(self, view_id: str) -> None:
         entry = self._views.pop(view_id, None)

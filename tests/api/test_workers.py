@@ -176,10 +176,10 @@ def test_shared_files_evict_only_their_own_writes_oldest_first(tmp_path):
     for key in "abc":
         mine.put(key, b"1234")
     assert sorted(os.listdir(tmp_path / "0")) == ["b", "c"] and os.listdir(tmp_path / "1") == ["t"]  # a went: mine stay within 10 bytes
-    assert mine.get("a") is None and mine.get("t") == b"1234" and theirs.get("b") == b"1234" and mine.nbytes == 8
-    assert mine.saved_at("t") > 0 and mine.saved_at("a") == 0
+    assert mine.read("a") is None and mine.read("t")[0] == b"1234" and theirs.read("b")[0] == b"1234" and mine.nbytes == 8
+    assert abs(mine.read("t")[1] - time.time()) < 60  # when it was written: a shared view's age
     mine.put("b", b"12")  # rewriting an entry counts its new size, not both
-    assert mine.nbytes == 6 and theirs.get("b") == b"12"
+    assert mine.nbytes == 6 and theirs.read("b")[0] == b"12"
 
 
 @pytest.mark.parametrize("key", ["../escape", "a/b", "", ".hidden", "x" * 200, "run-é"])
@@ -187,7 +187,7 @@ def test_shared_files_never_turn_a_strange_key_into_a_path(tmp_path, key):
     (tmp_path / "shared").mkdir()
     files = SharedFiles(tmp_path / "shared", "0", max_bytes=100)
     files.put(key, b"data")
-    assert files.get(key) is None and os.listdir(tmp_path / "shared" / "0") == [] and sorted(os.listdir(tmp_path)) == ["shared"]
+    assert files.read(key) is None and os.listdir(tmp_path / "shared" / "0") == [] and sorted(os.listdir(tmp_path)) == ["shared"]
 
 
 def test_workers_and_replicas_together_are_refused(capsys):
@@ -210,3 +210,14 @@ def test_shared_files_stay_within_their_share_under_concurrent_writers(tmp_path)
         list(pool.map(lambda i: files.put(f"k{i % 300}", b"x" * 10), range(3000)))
     on_disk = sum(p.stat().st_size for p in (tmp_path / "0").iterdir())
     assert files.nbytes == on_disk <= 1000 and len(list((tmp_path / "0").iterdir())) == 100
+
+
+def test_a_view_from_another_worker_keeps_its_age(tmp_path):
+    from manyeyes.app.services.views import TTL_S, ViewStore
+
+    saving, opening = (ViewStore(shared=SharedFiles(tmp_path, slot, max_bytes=10_000)) for slot in ("0", "1"))
+    view_id = saving.put({"text": TEXT, "model": "tiny-gpt"})
+    assert len(opening) == 0 and opening.get(view_id) == {"text": TEXT, "model": "tiny-gpt"}
+    aged = time.time() - TTL_S - 60
+    os.utime(tmp_path / "0" / f"view-{view_id}", (aged, aged))
+    assert opening.get(view_id) is None  # expired for every worker, not only the one that saved it
