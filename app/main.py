@@ -96,7 +96,9 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal", "internal server error; the server log has the details")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, run_directory=None) -> FastAPI:
+    """The app. `run_directory` is given where several copies of it serve together (workers,
+    Ray replicas): each records there the request behind every run it computes (shared_runs.py)."""
     settings = settings or Settings()
     metrics = Metrics()
     keys = KeyRing(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
@@ -117,7 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         run_bytes = settings.cache_bytes - settings.cache_bytes // CAPTURE_SHARE
         cache = RunCache(run_bytes, on_size=metrics.cache_bytes.set)
         app.state.registry = registry
-        app.state.service = AttentionService(settings, registry, cache, metrics)
+        app.state.service = AttentionService(settings, registry, cache, metrics, run_directory)
         app.state.tiles = TileService(app.state.service)
         app.state.generation = GenerationService(settings, registry, metrics)
         app.state.measures = MeasuresService(app.state.service)

@@ -1,8 +1,8 @@
 """Runs and views shared between copies of the app (worker processes, Ray Serve replicas).
 
 Each copy keeps its own run cache, and a client's requests may reach any copy. So every copy
-records the request behind each run id it computes (texts only, small) in a directory the copies
-share; a copy asked for a slice of a run it does not hold looks the request up and recomputes the
+records the request behind each run id it computes (model, texts and truncation; small) in a
+directory the copies share; a copy asked for a slice of a run it does not hold looks the request up and recomputes the
 run (one forward pass) before answering, and says so with `X-Manyeyes-Recomputed: 1`. A run id is
 a hash of (model, text, pair, truncate), so the recomputed run is the same run.
 
@@ -27,23 +27,8 @@ import orjson
 log = logging.getLogger("manyeyes.shared")
 
 RUN_PATH = re.compile(r"^/api/v1/runs/([^/]+)/")
-POST_PATHS = ("/api/v1/attention", "/api/v1/attention/batch")
 # Run and view ids are short hex digests; nothing else ever becomes a file name.
 KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-
-
-def requests_in(path: str, body: bytes, default_model: str) -> list[tuple[str, tuple]]:
-    """(run id, request) for every text a successful POST ran; nothing for a body the app refused."""
-    from manyeyes.app.services.cache import run_id_for
-
-    try:
-        data = orjson.loads(body)
-        model = data.get("model") or default_model
-        truncate = bool(data.get("truncate", False))
-        pairs = [(data["text"], data.get("text_pair"))] if path == POST_PATHS[0] else [(t, None) for t in data["texts"]]
-    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
-        return []
-    return [(run_id_for(model, text, pair, truncate), (model, text, pair, truncate)) for text, pair in pairs]
 
 
 class SharedFiles:
@@ -114,8 +99,10 @@ class FileDirectory:
 
 
 class SharedRuns:
-    """ASGI wrapper: records the requests behind runs, and recomputes a run this copy lacks.
+    """ASGI wrapper: recomputes a run this copy lacks from the request another copy recorded.
 
+    The recording itself is done by the app's AttentionService, for each run it computes
+    (create_app's `run_directory`), so a POST is neither buffered nor parsed twice here.
     `directory` has remember(entries) (fire and forget) and async recall(run_id)."""
 
     def __init__(self, app, directory) -> None:
@@ -123,45 +110,11 @@ class SharedRuns:
         self.directory = directory
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        if scope["method"] == "POST" and path in POST_PATHS:
-            return await self._remembering(scope, receive, send)
-        match = RUN_PATH.match(path)
-        if scope["method"] == "GET" and match and await self._recompute(match[1]):
-            send = with_header(send, b"x-manyeyes-recomputed", b"1")
+        if scope["type"] == "http" and scope["method"] == "GET":
+            match = RUN_PATH.match(scope["path"])
+            if match and await self._recompute(match[1]):
+                send = with_header(send, b"x-manyeyes-recomputed", b"1")
         return await self.app(scope, receive, send)
-
-    async def _remembering(self, scope, receive, send) -> None:
-        state = self.app.state
-        limit = state.settings.max_body_bytes
-        chunks, size, more = [], 0, True
-        while more and size <= limit:  # a body over the limit streams on and the app refuses it
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunks.append(message)
-            size += len(message.get("body", b""))
-            more = message.get("more_body", False)
-        buffered = list(chunks)
-
-        async def replay():
-            return buffered.pop(0) if buffered else await receive()
-
-        status = {}
-
-        async def watch(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        await self.app(scope, replay, watch)
-        if status.get("code") == 200 and not more:
-            body = b"".join(m.get("body", b"") for m in chunks)
-            entries = requests_in(scope["path"], body, state.settings.default_model_id())
-            if entries:
-                self.directory.remember(entries)  # the answer is already sent
 
     async def _recompute(self, run_id: str) -> bool:
         """True when this copy lacked the run and has now computed it from its recorded request."""

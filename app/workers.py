@@ -52,11 +52,12 @@ def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replac
     from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
     from manyeyes.app.shared_runs import FileDirectory, SharedFiles, SharedRuns, serve_once_loaded
 
-    app = create_app(settings)
+    directory = FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers))
+    app = create_app(settings, run_directory=directory)
     if replacement:
         serve_once_loaded(app)
     app.state.views = ViewStore(shared=SharedFiles(folder / "views", str(slot), MAX_VIEW_BYTES // workers))
-    return SharedRuns(app, FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers)))
+    return SharedRuns(app, directory)
 
 
 def _detach_from_terminal() -> None:

@@ -89,9 +89,10 @@ def build_app(settings: Settings, threads: int):
     from manyeyes.app.main import create_app
 
     torch.set_num_threads(threads)
-    app = create_app(settings)
+    directory = RayDirectory(run_directory())
+    app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
-    return SharedRuns(app, RayDirectory(run_directory()))
+    return SharedRuns(app, directory)
 
 
 def deployment(settings: Settings | None = None, *, replicas: int = 1, threads: int = 1):

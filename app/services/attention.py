@@ -225,11 +225,15 @@ def parse_index(part: str, what: str) -> int:
 
 
 class AttentionService:
-    def __init__(self, settings: Settings, registry: Registry, cache: RunCache, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, registry: Registry, cache: RunCache, metrics: Metrics,
+                 run_directory=None) -> None:
         self.settings = settings
         self.registry = registry
         self.cache = cache
         self.metrics = metrics
+        # Where copies of the app (workers, replicas) record the request behind each run they
+        # compute, so another copy asked for a slice of it can compute it again (app/shared_runs.py).
+        self.run_directory = run_directory
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
         self.renders = FairSlots(settings.max_concurrent_renders)
         # Tiles and large slices waiting for one of those slots: bounded, 429 beyond (RenderQueue).
@@ -507,6 +511,8 @@ class AttentionService:
                     f"cache ({self.cache.max_bytes / 2**20:,.0f} MiB), so none of its routes could read it; send a "
                     "shorter text, or raise MANYEYES_CACHE_BYTES"
                 )
+        if self.run_directory is not None:
+            self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate)) for i in missing])
 
     def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
         for item in items:

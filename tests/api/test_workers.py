@@ -221,3 +221,55 @@ def test_a_view_from_another_worker_keeps_its_age(tmp_path):
     aged = time.time() - TTL_S - 60
     os.utime(tmp_path / "0" / f"view-{view_id}", (aged, aged))
     assert opening.get(view_id) is None  # expired for every worker, not only the one that saved it
+
+
+class CountingDirectory:
+    """A FileDirectory that also keeps what it was asked to remember."""
+
+    def __init__(self, folder: Path, slot: str) -> None:
+        from manyeyes.app.shared_runs import FileDirectory
+
+        self.files = FileDirectory(SharedFiles(folder, slot, max_bytes=1 << 20))
+        self.remembered: list[list[str]] = []
+
+    def remember(self, entries):
+        self.remembered.append([run_id for run_id, _ in entries])
+        self.files.remember(entries)
+
+    async def recall(self, run_id):
+        return await self.files.recall(run_id)
+
+
+def test_copies_record_each_run_they_compute_once_and_recompute_the_others_runs(tmp_path):
+    """Two copies of the app in one process, sharing a folder as workers do: the service records
+    each run it computes (a single text, every text of a batch), never a cache hit or a refused
+    request, and the other copy answers a slice of that run by computing it again."""
+    from fastapi.testclient import TestClient
+
+    from manyeyes.app.config import Settings
+    from manyeyes.app.main import create_app
+    from manyeyes.app.shared_runs import SharedRuns
+    from tests.api.conftest import wait_ready
+
+    settings = Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False)
+    directories = [CountingDirectory(tmp_path, slot) for slot in ("0", "1")]
+    first, second = (TestClient(SharedRuns(create_app(settings, run_directory=d), d)) for d in directories)
+    with first, second:
+        wait_ready(first), wait_ready(second)
+        single = first.post("/api/v1/attention", json={"text": TEXT, "format": "json"}).json()
+        batch = first.post("/api/v1/attention/batch", json={"texts": ["One more line.", "And a last one."]}).json()
+        assert first.post("/api/v1/attention", json={"text": TEXT, "format": "json"}).status_code == 200  # a hit
+        assert first.post("/api/v1/attention", json={"text": TEXT, "layers": [99]}).status_code == 422
+        assert directories[0].remembered == [[single["run_id"]], [r["run_id"] for r in batch["results"]]]
+        deadline = time.monotonic() + 10  # the files are written off the event loop
+        while len(list((tmp_path / "0").iterdir())) < 3:
+            assert time.monotonic() < deadline, "the runs were never written"
+            time.sleep(0.01)
+
+        r = second.get(f"/api/v1/runs/{single['run_id']}/attention", params={"format": "json"})
+        assert r.status_code == 200 and r.headers["x-manyeyes-recomputed"] == "1"
+        np.testing.assert_allclose(r.json()["attention"]["data"], single["attention"]["data"], atol=1e-6, rtol=0)
+        again = second.get(f"/api/v1/runs/{single['run_id']}/attention", params={"format": "json"})
+        assert again.status_code == 200 and "x-manyeyes-recomputed" not in again.headers
+        # The recomputed run is recorded by the copy that recomputed it, so it outlives the first's record.
+        assert directories[1].remembered == [[single["run_id"]]]
