@@ -17,10 +17,13 @@ What Ray adds, and how each promise of the single server is kept behind it:
 - No sticky sessions (manyeyes.app.shared_runs): every replica records the request behind each run
   id it computes in one small shared actor (texts only, an LRU); a replica asked for a slice of a
   run it does not hold recomputes it from there. Answers so made carry `X-Manyeyes-Recomputed: 1`.
+  Saved views (the page's permalinks) are kept in another small actor, so a link saved through
+  one replica opens through any.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -36,8 +39,11 @@ from manyeyes.app.shared_runs import SharedRuns, serve_once_loaded
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
+VIEWS = "manyeyes-views"
+SHELF_TIMEOUT_S = 10.0
 DIRECTORY_BYTES = 64 * 2**20  # of request texts: ~650,000 short sentences
 LOAD_TIMEOUT_S = 600.0
+log = logging.getLogger("manyeyes.scale")
 
 
 @ray.remote(num_cpus=0)
@@ -65,6 +71,56 @@ class RunDirectory:
         return self.requests.get(run_id)
 
 
+@ray.remote(num_cpus=0)
+class ViewShelf:
+    """Saved views' bytes under their ids, with when each was saved, bounded in bytes (oldest
+    out first): what SharedFiles is to worker processes, for replicas anywhere."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.entries: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+
+    def put(self, key: str, data: bytes) -> None:
+        old = self.entries.pop(key, None)
+        self.nbytes += len(data) - (len(old[0]) if old else 0)
+        self.entries[key] = (data, time.time())
+        while self.nbytes > self.max_bytes and self.entries:
+            _, (dropped, _) = self.entries.popitem(last=False)
+            self.nbytes -= len(dropped)
+
+    def read(self, key: str) -> tuple[bytes, float] | None:
+        return self.entries.get(key)
+
+
+class RayShelf:
+    """ViewStore's shared store over the ViewShelf actor. Both calls wait for the actor (the view
+    routes run on the thread pool, not the event loop): a saved view's id is handed out only once
+    every replica can open it. An actor that cannot be reached keeps views per replica, as before."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def put(self, key: str, data: bytes) -> None:
+        try:
+            ray.get(self.actor.put.remote(key, data), timeout=SHELF_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:  # a timeout too (GetTimeoutError)
+            log.warning("could not share view %s with the other replicas: %s", key, exc)
+
+    def read(self, key: str) -> tuple[bytes, float] | None:
+        try:
+            return ray.get(self.actor.read.remote(key), timeout=SHELF_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:  # a timeout too (GetTimeoutError)
+            log.warning("could not look view %s up among the other replicas: %s", key, exc)
+            return None
+
+
+def view_shelf():
+    from manyeyes.app.services.views import MAX_VIEW_BYTES
+
+    return ViewShelf.options(name=VIEWS, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(MAX_VIEW_BYTES)
+
+
 def run_directory():
     return RunDirectory.options(name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote()
 
@@ -89,9 +145,12 @@ def build_app(settings: Settings, threads: int):
     from manyeyes.app.main import create_app
 
     torch.set_num_threads(threads)
+    from manyeyes.app.services.views import ViewStore
+
     directory = RayDirectory(run_directory())
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
+    app.state.views = ViewStore(shared=RayShelf(view_shelf()))
     return SharedRuns(app, directory)
 
 

@@ -93,3 +93,28 @@ def test_overload_is_the_apps_json_429_never_rays_503(cluster):
     for a in busy:
         assert a.headers["content-type"] == "application/json" and int(a.headers["retry-after"]) >= 1
         assert a.json()["error"]["code"] == "queue_full"
+
+
+def test_a_view_saved_through_one_replica_opens_through_every_replica(cluster):
+    state = {"text": "And the light was good.", "model": "tiny-gpt", "layer": 1, "head": 2}
+    with httpx.Client(base_url=cluster, timeout=60) as http:
+        saved = http.post("/api/v1/views", json=state)
+        assert saved.status_code == 200, saved.text
+        view_id = saved.json()["id"]
+        # Ray spreads these over both replicas; without the shared shelf the other one said 404.
+        opened = [http.get(f"/api/v1/views/{view_id}") for _ in range(20)]
+    assert [r.status_code for r in opened] == [200] * 20, [r.text for r in opened if r.status_code != 200]
+    assert all(r.json()["text"] == state["text"] and r.json()["head"] == 2 for r in opened)
+
+
+def test_the_view_shelf_keeps_its_bytes_bound_oldest_out_first(cluster):
+    from manyeyes.scale import ViewShelf
+
+    shelf = ViewShelf.remote(100)
+    for key in ("a", "b", "c"):
+        ray.get(shelf.put.remote(key, key.encode() * 40))
+    ray.get(shelf.put.remote("b", b"b" * 40))  # saved again: now the newest, its bytes counted once
+    assert ray.get(shelf.read.remote("a")) is None
+    assert ray.get(shelf.read.remote("c"))[0] == b"c" * 40 and ray.get(shelf.read.remote("b"))[0] == b"b" * 40
+    ray.get(shelf.put.remote("d", b"d" * 40))
+    assert ray.get(shelf.read.remote("c")) is None and ray.get(shelf.read.remote("b")) is not None
