@@ -17,6 +17,7 @@ from manyeyes.app.services.measures import MeasuresService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.tiles import TileService
+from manyeyes.app.shared_runs import ReadyMarks
 
 
 async def get_service(request: Request) -> AttentionService:
@@ -43,9 +44,15 @@ async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
+async def get_ready_marks(request: Request) -> ReadyMarks | None:
+    """Which workers have loaded (manyeyes serve --workers); None for a single server."""
+    return getattr(request.app.state, "ready_marks", None)
+
+
 ServiceDep = Annotated[AttentionService, Depends(get_service)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+ReadyMarksDep = Annotated[ReadyMarks | None, Depends(get_ready_marks)]
 GenerationDep = Annotated[GenerationService, Depends(get_generation)]
 TilesDep = Annotated[TileService, Depends(get_tiles)]
 MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]

@@ -137,6 +137,44 @@ class SharedRuns:
         return True
 
 
+class ReadyMarks:
+    """Which workers have loaded their models: one empty file per worker slot, so that any
+    worker's /readyz can say whether all have (a load balancer that took one worker's 200 for the
+    server's sent requests to workers still loading, which answered 503). A slot's mark stays when
+    its worker is replaced, since a replacement takes connections only once loaded."""
+
+    def __init__(self, folder: Path, slot: int, workers: int) -> None:
+        self.folder = Path(folder)
+        self.slot = slot
+        self.workers = workers
+
+    def mark(self) -> None:
+        (self.folder / str(self.slot)).touch()
+
+    def waiting(self) -> list[int]:
+        return [slot for slot in range(self.workers) if not (self.folder / str(slot)).exists()]
+
+    def marking_once_loaded(self, app) -> None:
+        """Mark this worker's slot once the app's models are loaded (a failed load never marks it)."""
+        inner = app.router.lifespan_context
+
+        async def mark_when_loaded(registry) -> None:
+            while not registry.ready.is_set():
+                await asyncio.sleep(0.05)
+            await asyncio.get_running_loop().run_in_executor(None, self.mark)
+
+        @asynccontextmanager
+        async def marking_lifespan(a):
+            async with inner(a):
+                waiter = asyncio.create_task(mark_when_loaded(a.state.registry))
+                try:
+                    yield
+                finally:
+                    waiter.cancel()
+
+        app.router.lifespan_context = marking_lifespan
+
+
 def serve_once_loaded(app, timeout_s: float = 600.0) -> None:
     """Hold the app's start-up (its ASGI lifespan) until every model is loaded, so that a copy
     takes no requests it would answer 503 while others are ready; a failed load fails the start."""

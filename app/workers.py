@@ -6,8 +6,9 @@ one interpreter lock (README, "GPU"). More processes multiply that. The kernel s
 connections over the workers; every worker loads the models (each its own copy on the GPU) and
 keeps its own run cache, fair shares and limits, and they share two things through files in one
 folder (/dev/shm where there is one): the requests behind run ids, so a slice of a run another
-worker computed is recomputed here (app/shared_runs.py), and saved views, so a permalink opens
-through any worker.
+worker computed is recomputed here (app/shared_runs.py), saved views, so a permalink opens
+through any worker, which workers have loaded, so /readyz says 200 only once all have, and
+Prometheus values, so /metrics adds up every worker's.
 
 The parent binds the socket, starts the workers with the spawn method (nothing of torch or CUDA is
 inherited), starts another in place of one that dies, and on SIGTERM or SIGINT sends each worker
@@ -24,6 +25,8 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from manyeyes.app.config import Settings
 
@@ -50,12 +53,14 @@ def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replac
     /healthz answers while the models load, as a single server's does."""
     from manyeyes.app.main import create_app
     from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
-    from manyeyes.app.shared_runs import FileDirectory, SharedFiles, SharedRuns, serve_once_loaded
+    from manyeyes.app.shared_runs import FileDirectory, ReadyMarks, SharedFiles, SharedRuns, serve_once_loaded
 
     directory = FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers))
     app = create_app(settings, run_directory=directory)
     if replacement:
         serve_once_loaded(app)
+    app.state.ready_marks = ReadyMarks(folder / "ready", slot, workers)
+    app.state.ready_marks.marking_once_loaded(app)
     app.state.views = ViewStore(shared=SharedFiles(folder / "views", str(slot), MAX_VIEW_BYTES // workers))
     return SharedRuns(app, directory)
 
@@ -93,6 +98,12 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     shm = Path("/dev/shm")
     # The parent's pid in the name: a folder left by a parent that was killed outright says whose it was.
     folder = Path(tempfile.mkdtemp(prefix=f"manyeyes-shared-{os.getpid()}-", dir=shm if shm.is_dir() else None))
+    (folder / "ready").mkdir()
+    # Set before any worker starts, so each one's prometheus_client keeps its values in files
+    # there and every worker's /metrics adds them all up (services/metrics.py).
+    (folder / "metrics").mkdir()
+    own_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder / "metrics")
     stopping = []
 
     def start(slot: int, replacement: bool = False):
@@ -119,6 +130,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
                 if process.exitcode is not None and i not in due:
                     pauses[i] = RESTART_PAUSE_S if now - started[i] > LIVED_LONG_S else min(2 * pauses[i], MAX_RESTART_PAUSE_S)
                     log.warning("worker %d exited with %s; another starts in %.0f s", process.pid, process.exitcode, pauses[i])
+                    mark_process_dead(process.pid, str(folder / "metrics"))  # its gauges stop counting; its counters stay
                     due[i] = now + pauses[i]
             for i, when in list(due.items()):
                 if now >= when:
@@ -137,5 +149,9 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if own_metrics_dir is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_metrics_dir
         shutil.rmtree(folder, ignore_errors=True)
     return 0

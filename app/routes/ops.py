@@ -2,9 +2,9 @@
 
 import orjson
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from manyeyes.app.deps import MetricsDep, RegistryDep
+from manyeyes.app.deps import MetricsDep, ReadyMarksDep, RegistryDep
 from manyeyes.app.schemas import Health, Loading, Ready
 from manyeyes.app.services.errors import NotReady, error_body
 
@@ -18,11 +18,14 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Ready, responses={503: {"model": Loading, "description": "Models still loading, or failed"}})
-async def readyz(registry: RegistryDep) -> Ready:
-    """Ready once every configured model is loaded and warmed up; 503 until then, with each model's
-    state and, while a Hugging Face id downloads, its bytes_done / bytes_total."""
-    if not registry.ready.is_set():
-        body = error_body(NotReady.code, registry.not_ready_reason())
+async def readyz(registry: RegistryDep, marks: ReadyMarksDep) -> Ready:
+    """Ready once every configured model is loaded and warmed up (with workers: in every worker);
+    503 until then, with each model's state and, while a Hugging Face id downloads, its
+    bytes_done / bytes_total."""
+    waiting = marks.waiting() if marks is not None and registry.ready.is_set() else []
+    if not registry.ready.is_set() or waiting:
+        reason = registry.not_ready_reason() if not waiting else f"workers {waiting} are still loading their models"
+        body = error_body(NotReady.code, reason)
         body |= {"status": "failed" if registry.failure else "loading", "models": dict(registry.progress)}
         return Response(orjson.dumps(body), status_code=503, media_type="application/json")
     return Ready(status="ready", models=[s.id for s in registry.served()])
@@ -30,4 +33,4 @@ async def readyz(registry: RegistryDep) -> Ready:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(m: MetricsDep) -> Response:
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -1,8 +1,16 @@
-"""Prometheus metrics, one registry per app so several apps (tests) never share counters."""
+"""Prometheus metrics, one registry per app so several apps (tests) never share counters.
+
+Worker processes (`manyeyes serve --workers N`) are started with PROMETHEUS_MULTIPROC_DIR set, so
+prometheus_client keeps each value in a file there; any worker's /metrics then adds up every
+worker's, instead of answering for whichever took the scrape (counters that jumped back and forth
+between scrapes)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -18,7 +26,10 @@ class Metrics:
         self.latency = Histogram(
             "manyeyes_request_seconds", "HTTP request latency", ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.queue_depth = Gauge("manyeyes_queue_depth", "Requests waiting for a forward pass", registry=r)
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # Summed over the workers that are alive (a dead one's share leaves with it).
+        self.queue_depth = Gauge("manyeyes_queue_depth", "Requests waiting for a forward pass", registry=r,
+                                 multiprocess_mode="livesum")
         self.batch_size = Histogram("manyeyes_batch_size", "Inputs per forward pass", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_tokens = Histogram(
             "manyeyes_batch_tokens", "Padded tokens per forward pass", ["model"], buckets=(16, 64, 256, 1024, 4096, 16384), registry=r
@@ -29,8 +40,16 @@ class Metrics:
             "render_queue_full, render_client_share", ["reason"], registry=r
         )
         self.cache = Counter("manyeyes_cache_lookups", "Run cache lookups", ["result"], registry=r)
-        self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run cache", registry=r)
+        self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run caches", registry=r, multiprocess_mode="livesum")
         self.generation_steps = Counter("manyeyes_generation_steps", "Tokens generated, by model", ["model"], registry=r)
         self.generations = Counter(
             "manyeyes_generations", "Generations by outcome: finished, failed, or cancelled by a client that hung up", ["outcome"], registry=r
         )
+
+    def exposition(self) -> bytes:
+        """The text format: this app's metrics, or every worker's added up."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        gathered = CollectorRegistry()
+        MultiProcessCollector(gathered, self.multiprocess_dir)
+        return generate_latest(gathered)

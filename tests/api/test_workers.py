@@ -97,6 +97,23 @@ def test_a_run_no_worker_has_seen_is_a_404(workers):
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_run"
 
 
+def test_metrics_add_up_every_workers_requests(workers):
+    base, *_ = workers
+
+    def attention_posts(text: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "manyeyes_requests_total" and sample.labels["route"] == "/api/v1/attention")
+
+    before = attention_posts(httpx.get(f"{base}/metrics").text)
+    for i in range(20):  # a fresh connection each: both workers take some
+        assert httpx.post(f"{base}/api/v1/attention", json={"text": f"Count me, number {i}.", "format": "u8"}).status_code == 200
+    # Whichever worker takes the scrape, it counts all 20, not its own share of them.
+    scrapes = [attention_posts(httpx.get(f"{base}/metrics").text) for _ in range(10)]
+    assert scrapes == [before + 20] * 10, (before, scrapes)
+
+
 def test_a_view_saved_through_one_worker_opens_through_every_worker(workers):
     base, *_ = workers
     state = {"text": TEXT, "model": "tiny-gpt", "layer": 1, "head": 2}
@@ -273,3 +290,25 @@ def test_copies_record_each_run_they_compute_once_and_recompute_the_others_runs(
         assert again.status_code == 200 and "x-manyeyes-recomputed" not in again.headers
         # The recomputed run is recorded by the copy that recomputed it, so it outlives the first's record.
         assert directories[1].remembered == [[single["run_id"]]]
+
+
+def test_readyz_waits_for_every_worker(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from manyeyes.app.config import Settings
+    from manyeyes.app.main import create_app
+    from manyeyes.app.shared_runs import ReadyMarks
+
+    app = create_app(Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False))
+    app.state.ready_marks = ReadyMarks(tmp_path, slot=0, workers=2)
+    app.state.ready_marks.marking_once_loaded(app)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "0").exists():  # this worker marks itself once loaded
+            assert time.monotonic() < deadline, "the worker never marked itself ready"
+            time.sleep(0.02)
+        waiting = client.get("/readyz")
+        assert waiting.status_code == 503 and waiting.json()["status"] == "loading"
+        assert waiting.json()["error"]["message"] == "workers [1] are still loading their models"
+        (tmp_path / "1").touch()  # the other worker has loaded
+        assert client.get("/readyz").json() == {"status": "ready", "models": ["tiny-gpt"]}
