@@ -15,20 +15,36 @@ function svg(tag, attrs = {}) {
   return node;
 }
 
+const MIN_STEP = 28; // px between tokens: below this the labels collide, so the panel scrolls
+const MAX_STEP = 60;
+const SIDE_ROOM = 56; // px for the level names on the left and the last label's slant on the right
+
 export class FlowGraph {
   constructor(root, { onEdge }) {
     this.root = root;
     this.onEdge = onEdge;
+    this.drawn = null; // the last render's arguments, to draw again at a new width
+    this.drawnWidth = 0;
+    // The spacing follows the panel's width (a 16-token graph 952 px wide was cut off in a
+    // 660 px panel, its scroll bar hidden by overlay scroll bars); a resized panel redraws it.
+    new ResizeObserver(() => {
+      const width = this.root.clientWidth;
+      if (this.drawn && width && Math.abs(width - this.drawnWidth) > 8) this.render(...this.drawn);
+    }).observe(root);
   }
 
   clear(message) {
+    this.drawn = null;
     this.root.replaceChildren(el("p", { className: "empty", text: message }));
   }
 
   render(flow, labels, focused) {
+    this.drawn = [flow, labels, focused];
+    this.drawnWidth = this.root.clientWidth;
     const { n_layers: nLayers, n_tokens: nTokens, edges } = flow;
-    const step = Math.max(28, Math.min(60, 900 / Math.max(nTokens, 1)));
-    const width = step * nTokens + 56;
+    const room = (this.drawnWidth || 956) - SIDE_ROOM;
+    const step = Math.max(MIN_STEP, Math.min(MAX_STEP, room / Math.max(nTokens, 1)));
+    const width = step * nTokens + SIDE_ROOM;
     const height = ROW * nLayers + LABEL_ROOM + 34;
     const x = (token) => 36 + step * (token + 0.5); // room on the left for the level names
     const y = (level) => 24 + ROW * (nLayers - level); // level 0: the embeddings, at the bottom

@@ -169,6 +169,35 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     page.locator("#flow").screenshot(path=str(artifacts / "measures-flow.png"))
 
 
+
+def flow_fit(page) -> dict:
+    return page.evaluate("""() => {
+        const panel = document.getElementById('flow');
+        const drawing = panel.querySelector(':scope > svg');
+        return { panel: panel.clientWidth, drawing: drawing.getBoundingClientRect().width,
+                 labels: drawing.querySelectorAll('text.flow-token').length };
+    }""")
+
+
+def test_flow_graph_fits_its_panel_and_follows_its_width(page, tiny_server):
+    """A graph of 14 tokens was drawn 896 px wide whatever its panel, and cut off in a narrower one."""
+    open_page(page, tiny_server)
+    run(page, "A cat sat here", model="tiny-gpt")  # 14 tokens: tiny-gpt's are characters
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_selector("#flow > svg", state="attached", timeout=30_000)
+    wide = flow_fit(page)
+    assert wide["labels"] == 14 and wide["drawing"] <= wide["panel"], wide
+    # One column of panels at 1000 px (wider than two at 1440), a narrow one at 640: the graph
+    # follows, filling its panel up to 60 px a token (896 px for 14).
+    for width in (1000, 640):
+        page.set_viewport_size({"width": width, "height": 900})
+        page.wait_for_function("""() => {
+            const panel = document.getElementById('flow').clientWidth;
+            const drawing = document.querySelector('#flow > svg').getBoundingClientRect().width;
+            return drawing <= panel && drawing >= Math.min(panel, 896) - 2;
+        }""", timeout=10_000)
+    assert flow_fit(page)["panel"] < wide["panel"]
+
 def test_neuron_view_shows_the_apis_numbers(ran, tiny_api, artifacts):
     page, run_id = ran
     page.click("#finder tr[data-layer='1'][data-head='0']")
