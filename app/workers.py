@@ -39,6 +39,8 @@ RUN_DIRECTORY_BYTES = 64 * 2**20
 RESTART_PAUSE_S = 1.0
 MAX_RESTART_PAUSE_S = 60.0
 LIVED_LONG_S = 60.0
+# The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
+FOLDER_PREFIX = "manyeyes-shared-"
 
 
 def default_threads(workers: int) -> int:
@@ -92,12 +94,29 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
     uvicorn.Server(config).run(sockets=[sock])
 
 
+def remove_orphaned_folders(home: Path) -> None:
+    """Remove shared folders whose parent is gone: one killed outright (SIGKILL, the OOM killer)
+    never removed its own, and /dev/shm is memory. The parent's pid is in each folder's name."""
+    for folder in home.glob(f"{FOLDER_PREFIX}*"):
+        pid = folder.name.removeprefix(FOLDER_PREFIX).partition("-")[0]
+        if not pid.isdigit() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.warning("removing %s, left by a server that is gone", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_level: str) -> int:
     """Run `workers` processes on the bound `sock` until SIGTERM or SIGINT; the exit status."""
     spawn = multiprocessing.get_context("spawn")
     shm = Path("/dev/shm")
-    # The parent's pid in the name: a folder left by a parent that was killed outright says whose it was.
-    folder = Path(tempfile.mkdtemp(prefix=f"manyeyes-shared-{os.getpid()}-", dir=shm if shm.is_dir() else None))
+    home = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    remove_orphaned_folders(home)
+    folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=home))
     (folder / "ready").mkdir()
     # Set before any worker starts, so each one's prometheus_client keeps its values in files
     # there and every worker's /metrics adds them all up (services/metrics.py).

@@ -312,3 +312,19 @@ def test_readyz_waits_for_every_worker(tmp_path):
         assert waiting.json()["error"]["message"] == "workers [1] are still loading their models"
         (tmp_path / "1").touch()  # the other worker has loaded
         assert client.get("/readyz").json() == {"status": "ready", "models": ["tiny-gpt"]}
+
+
+def test_a_folder_left_by_a_parent_that_is_gone_is_removed_at_the_next_start(tmp_path):
+    from manyeyes.app.workers import remove_orphaned_folders
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"manyeyes-shared-{gone.pid}-abc"
+    (orphan / "runs" / "0").mkdir(parents=True)
+    (orphan / "runs" / "0" / "run-x").write_bytes(b"{}")
+    alive = tmp_path / f"manyeyes-shared-{os.getpid()}-def"
+    alive.mkdir()
+    unrelated = tmp_path / "manyeyes-shared-notapid"
+    unrelated.mkdir()
+    remove_orphaned_folders(tmp_path)
+    assert not orphan.exists() and alive.is_dir() and unrelated.is_dir()
