@@ -181,6 +181,10 @@ def cmd_serve(args) -> int:
         print(f"manyeyes: {args.workers} workers ({threads} CPU threads each) serving {', '.join(settings.all_models())} "
               f"on http://{args.host}:{args.port} (GET /readyz says when the worker it reaches is ready)", file=sys.stderr)
         return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level)
+    if args.threads:  # one process: torch's CPU threads as asked (on a GPU few are needed)
+        import torch
+
+        torch.set_num_threads(args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     config = server_config(create_app(settings), settings, host=args.host, port=args.port, log_level=args.log_level)
@@ -420,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=_positive, default=1, metavar="N",
                        help="serve from N processes on this machine, each with its own copy of the models (default 1)")
     serve.add_argument("--threads", type=_positive, default=None,
-                       help="CPU threads per worker (default: the cores shared out) or per Ray Serve replica (default 1)")
+                       help="torch's CPU threads: of the one process (default: torch's own choice), per worker "
+                            "(default: the cores shared out) or per Ray Serve replica (default 1)")
     serve.set_defaults(func=cmd_serve)
     add_export_command(sub)
     return parser

@@ -118,6 +118,8 @@ def main() -> int:
     parser.add_argument("--single", type=int, default=30, help="sequential requests at T=128")
     parser.add_argument("--batch", type=int, default=64, help="the bare forward's batch, and the server's largest")
     parser.add_argument("--workers", type=int, default=1, help="manyeyes serve --workers N")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="manyeyes serve --threads T: torch's CPU threads per process (default: the server's own)")
     parser.add_argument("--load-procs", type=int, default=1, help="processes the load generator's clients are spread over")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -135,7 +137,8 @@ def main() -> int:
     log = Path(tempfile.mkdtemp(prefix="gpu-bench-")) / "server.log"
     settings = {"device": args.device, "autocast": args.autocast, "max_batch_items": args.batch, "max_batch_tokens": args.batch * 512,
                 "max_queue": 4 * args.clients, "max_client_queue": 4 * args.clients, "cache_bytes": 0}
-    with serve(log_level="info", log_path=log, args=("--workers", str(args.workers)), **settings) as (url, pid):
+    serve_args = ("--workers", str(args.workers), *(("--threads", str(args.threads)) if args.threads else ()))
+    with serve(log_level="info", log_path=log, args=serve_args, **settings) as (url, pid):
         with httpx.Client(base_url=url, timeout=60) as client:
             run_ids, steps = [], []
             for i in range(args.single + 3):
@@ -148,7 +151,8 @@ def main() -> int:
         time.sleep(0.5)
         server_ms = [access_ms(log)[r] for r in run_ids]
 
-    print(f"\nMiniLM on {args.device}, autocast {args.autocast}, {args.workers} server worker(s), format=u8 as raw frames, "
+    threads = f"{args.threads} CPU thread(s) each" if args.threads else "default CPU threads"
+    print(f"\nMiniLM on {args.device}, autocast {args.autocast}, {args.workers} server worker(s), {threads}, format=u8 as raw frames, "
           f"fresh texts\n")
     # Where the server's time went, so that one run on a borrowed GPU says what to fix.
     parts = ", ".join(f"{name} {statistics.median(s[name] for s in steps):.2f}" for name in steps[0])
