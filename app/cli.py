@@ -179,7 +179,7 @@ def cmd_serve(args) -> int:
 
         threads = args.threads or default_threads(args.workers)
         print(f"manyeyes: {args.workers} workers ({threads} CPU threads each) serving {', '.join(settings.all_models())} "
-              f"on http://{args.host}:{args.port} (GET /readyz says when the worker it reaches is ready)", file=sys.stderr)
+              f"on http://{args.host}:{args.port} (GET /readyz says when every worker is ready)", file=sys.stderr)
         return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level)
     if args.threads:  # one process: torch's CPU threads as asked (on a GPU few are needed)
         import torch

@@ -2,9 +2,10 @@
 
 Each copy keeps its own run cache, and a client's requests may reach any copy. So every copy
 records the request behind each run id it computes (model, texts and truncation; small) in a
-directory the copies share; a copy asked for a slice of a run it does not hold looks the request up and recomputes the
-run (one forward pass) before answering, and says so with `X-Manyeyes-Recomputed: 1`. A run id is
-a hash of (model, text, pair, truncate), so the recomputed run is the same run.
+directory the copies share; a copy asked for a slice of a run it does not hold looks the request
+up and recomputes the run (one forward pass) before answering, and says so with
+`X-Manyeyes-Recomputed: 1`. A run id is a hash of (model, text, pair, truncate), so the
+recomputed run is the same run.
 
 Two directories: `FileDirectory`, files in one folder, for worker processes on one machine
 (`manyeyes serve --workers N`), and the Ray actor of manyeyes.scale for replicas anywhere.
@@ -139,9 +140,9 @@ class SharedRuns:
 
 class ReadyMarks:
     """Which workers have loaded their models: one empty file per worker slot, so that any
-    worker's /readyz can say whether all have (a load balancer that took one worker's 200 for the
-    server's sent requests to workers still loading, which answered 503). A slot's mark stays when
-    its worker is replaced, since a replacement takes connections only once loaded."""
+    worker's /readyz can say whether all have. Each answered for itself before, so a load balancer
+    that saw one worker's 200 sent requests to workers still loading, which answered 503. A
+    slot's mark stays when its worker is replaced: a replacement takes connections only once loaded."""
 
     def __init__(self, folder: Path, slot: int, workers: int) -> None:
         self.folder = Path(folder)

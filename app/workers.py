@@ -4,10 +4,10 @@ On an H200 one process answered about 1,200 fresh T=16 requests a second, where 
 itself would take 14,500 inputs a second: its HTTP handling, tokenizer and forward launches share
 one interpreter lock (README, "GPU"). More processes multiply that. The kernel spreads
 connections over the workers; every worker loads the models (each its own copy on the GPU) and
-keeps its own run cache, fair shares and limits, and they share two things through files in one
+keeps its own run cache, fair shares and limits. They share four things through files in one
 folder (/dev/shm where there is one): the requests behind run ids, so a slice of a run another
-worker computed is recomputed here (app/shared_runs.py), saved views, so a permalink opens
-through any worker, which workers have loaded, so /readyz says 200 only once all have, and
+worker computed is recomputed here (app/shared_runs.py); saved views, so a permalink opens
+through any worker; which workers have loaded, so /readyz says 200 only once all have; and
 Prometheus values, so /metrics adds up every worker's.
 
 The parent binds the socket, starts the workers with the spawn method (nothing of torch or CUDA is

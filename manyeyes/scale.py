@@ -143,10 +143,9 @@ def build_app(settings: Settings, threads: int):
     import torch
 
     from manyeyes.app.main import create_app
-
-    torch.set_num_threads(threads)
     from manyeyes.app.services.views import ViewStore
 
+    torch.set_num_threads(threads)
     directory = RayDirectory(run_directory())
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
