@@ -10,6 +10,7 @@ Every text is new, so the run cache never answers. Runs on the CPU too (--device
 figures only prove the script; the goals are for a GPU.
 
     python bench/gpu_bench.py [--device cuda] [--autocast off|float16|bfloat16] [--seconds 10]
+                              [--workers N] [--threads T] [--configs "1;8;8x1"] [--load-procs P]
 """
 
 from __future__ import annotations
@@ -108,36 +109,23 @@ def loaded(url: str, pid: int, n_tokens: int, clients: int, seconds: float, proc
             sum(p[2] for p in parts) / seconds)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--autocast", default="off", choices=("off", "float16", "bfloat16"))
-    parser.add_argument("--seconds", type=float, default=10.0, help="load per length")
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--lengths", default="16,128,512")
-    parser.add_argument("--single", type=int, default=30, help="sequential requests at T=128")
-    parser.add_argument("--batch", type=int, default=64, help="the bare forward's batch, and the server's largest")
-    parser.add_argument("--workers", type=int, default=1, help="manyeyes serve --workers N")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="manyeyes serve --threads T: torch's CPU threads per process (default: the server's own)")
-    parser.add_argument("--load-procs", type=int, default=1, help="processes the load generator's clients are spread over")
-    args = parser.parse_args()
-    lengths = [int(n) for n in args.lengths.split(",")]
+def parse_configs(text: str) -> list[tuple[int, int | None]]:
+    """"1;8;8x1" -> [(1, None), (8, None), (8, 1)]: server processes, and torch threads in each."""
+    configs = []
+    for entry in filter(None, (part.strip() for part in text.split(";"))):
+        workers, _, threads = entry.partition("x")
+        configs.append((int(workers), int(threads) if threads else None))
+    if not configs or any(w < 1 or (t is not None and t < 1) for w, t in configs):
+        raise SystemExit(f"--configs: expected entries like 1;8;8x1 (workers, optionally x threads), got {text!r}")
+    return configs
 
-    from manyeyes.model import load
 
-    model = load("minilm", device=args.device)
-    if args.autocast != "off":
-        from manyeyes.app.services.device import AUTOCAST
-
-        model.autocast_dtype = AUTOCAST[args.autocast]
-    bare = {n: bare_rate(model, n, args.batch, 5) for n in lengths}
-    del model
-
+def measure(args, lengths: list[int], workers: int, threads: int | None) -> tuple[list[float], list[dict], dict]:
+    """One server configuration: (server ms of the sequential T=128 requests, their steps, served rates per T)."""
     log = Path(tempfile.mkdtemp(prefix="gpu-bench-")) / "server.log"
     settings = {"device": args.device, "autocast": args.autocast, "max_batch_items": args.batch, "max_batch_tokens": args.batch * 512,
                 "max_queue": 4 * args.clients, "max_client_queue": 4 * args.clients, "cache_bytes": 0}
-    serve_args = ("--workers", str(args.workers), *(("--threads", str(args.threads)) if args.threads else ()))
+    serve_args = ("--workers", str(workers), *(("--threads", str(threads)) if threads else ()))
     with serve(log_level="info", log_path=log, args=serve_args, **settings) as (url, pid):
         with httpx.Client(base_url=url, timeout=60) as client:
             run_ids, steps = [], []
@@ -150,9 +138,13 @@ def main() -> int:
         served = {n: loaded(url, pid, n, args.clients, args.seconds, args.load_procs) for n in lengths}
         time.sleep(0.5)
         server_ms = [access_ms(log)[r] for r in run_ids]
+    return server_ms, steps, served
 
-    threads = f"{args.threads} CPU thread(s) each" if args.threads else "default CPU threads"
-    print(f"\nMiniLM on {args.device}, autocast {args.autocast}, {args.workers} server worker(s), {threads}, format=u8 as raw frames, "
+
+def report(args, lengths: list[int], bare: dict, workers: int, threads: int | None, server_ms, steps, served) -> bool:
+    """Prints one configuration's figures; True when it met both goals."""
+    threads_said = f"{threads} CPU thread(s) each" if threads else "default CPU threads"
+    print(f"\nMiniLM on {args.device}, autocast {args.autocast}, {workers} server worker(s), {threads_said}, format=u8 as raw frames, "
           f"fresh texts\n")
     # Where the server's time went, so that one run on a borrowed GPU says what to fix.
     parts = ", ".join(f"{name} {statistics.median(s[name] for s in steps):.2f}" for name in steps[0])
@@ -167,7 +159,41 @@ def main() -> int:
         print(f"| {n} | {rate:.0f} | {bare[n]:.0f} | {100 * rate / bare[n]:.0f}% | {errors} | {server_cores:.2f} | {client_cores:.2f} |")
     ok = statistics.median(server_ms) <= 10 and all(served[n][0] >= 0.5 * bare[n] for n in lengths)
     print("\ngoals (<= 10 ms; >= 50% of bare):", "MET" if ok else "MISSED")
-    return 0 if ok else 1
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--autocast", default="off", choices=("off", "float16", "bfloat16"))
+    parser.add_argument("--seconds", type=float, default=10.0, help="load per length")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--lengths", default="16,128,512")
+    parser.add_argument("--single", type=int, default=30, help="sequential requests at T=128")
+    parser.add_argument("--batch", type=int, default=64, help="the bare forward's batch, and the server's largest")
+    parser.add_argument("--workers", type=int, default=1, help="manyeyes serve --workers N")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="manyeyes serve --threads T: torch's CPU threads per process (default: the server's own)")
+    parser.add_argument("--configs", default=None,
+                        help='several server configurations in one run, against one bare measurement: "1;8;8x1" is one '
+                             "process, 8 workers, then 8 workers of 1 thread each (overrides --workers and --threads)")
+    parser.add_argument("--load-procs", type=int, default=1, help="processes the load generator's clients are spread over")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    configs = parse_configs(args.configs) if args.configs else [(args.workers, args.threads)]
+
+    from manyeyes.model import load
+
+    model = load("minilm", device=args.device)
+    if args.autocast != "off":
+        from manyeyes.app.services.device import AUTOCAST
+
+        model.autocast_dtype = AUTOCAST[args.autocast]
+    bare = {n: bare_rate(model, n, args.batch, 5) for n in lengths}
+    del model
+
+    met = [report(args, lengths, bare, workers, threads, *measure(args, lengths, workers, threads)) for workers, threads in configs]
+    return 0 if any(met) else 1
 
 
 if __name__ == "__main__":

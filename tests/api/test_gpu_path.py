@@ -202,14 +202,15 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
     done = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4",
-         "--batch", "8", "--threads", "1"],
+         "--batch", "8", "--configs", "1x1;2"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-3000:]
-    assert re.search(r"T=128, batch 1, 3 sequential requests: server time p50 \d+\.\d ms", done.stdout), done.stdout
-    assert "1 server worker(s), 1 CPU thread(s) each" in done.stdout, done.stdout
+    # Two server configurations in one run: one process of 1 thread, then 2 workers.
+    assert len(re.findall(r"T=128, batch 1, 3 sequential requests: server time p50 \d+\.\d ms", done.stdout)) == 2, done.stdout
+    assert "1 server worker(s), 1 CPU thread(s) each" in done.stdout and "2 server worker(s), default CPU threads" in done.stdout
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+)% \| (\d+) \| \d+\.\d\d \| \d+\.\d\d \|$", done.stdout, re.M)
-    assert [row[0] for row in rows] == ["16", "64"], done.stdout
+    assert [row[0] for row in rows] == ["16", "64", "16", "64"], done.stdout
     for _, served, bare, _, errors in rows:
         assert int(served) > 0 and int(bare) > 0 and errors == "0", done.stdout
 
