@@ -142,6 +142,44 @@ def test_a_flood_from_one_key_neither_starves_another_nor_gets_past_its_share():
         assert metric(url, "manyeyes_dropped_total", reason="client_share") == len(refused)
 
 
+
+@pytest.mark.slow
+def test_with_two_workers_a_flood_still_neither_starves_another_nor_gets_past_its_shares():
+    """`--workers 2`: each worker keeps its own per-client queues and shares, and the kernel spreads
+    the flood's connections over both, so the flood may queue up to a share in each; the quiet
+    client's kept-alive connection reaches one worker, where it still rides the next batch."""
+    import os
+    import subprocess
+
+    from tests.reliability.test_lifecycle import serve_command
+
+    keys = {"flooder": "flood-key-0123456789", "quiet": "quiet-key-0123456789"}
+    settings = {"models": '{"tiny-gpt": "tiny-gpt"}', "warmup": "false", "api_keys": ",".join(keys.values()),
+                "debug_forward_delay_s": DELAY_S, "max_batch_items": BATCH, "max_client_queue": SHARE, "max_queue": 256,
+                "max_wait_ms": 5, "cache_bytes": 0, "request_timeout_s": 300}
+    port = free_port()
+    env = {**os.environ, **{f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()}}
+    proc = subprocess.Popen([*serve_command(port), "--workers", "2"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://{HOST}:{port}"
+        wait_ready(url)  # every worker: /readyz waits for both
+        unloaded, probe, flooded, deepest = asyncio.run(flood_and_probe(url, bearer(keys["flooder"]), keys["quiet"]))
+        assert probe["status"] == 200, probe
+        timing = probe["body"]["timing_ms"]
+        assert probe["seconds"] <= 2 * unloaded + timing["forward"] / 1000, (probe["seconds"], unloaded, timing)
+        assert timing["queue"] <= 1.5 * timing["forward"], timing
+        refused = [r for r in flooded if r.status_code == 429]
+        assert {r.status_code for r in flooded} <= {200, 429}
+        # A share in each worker (the queue depth is summed over them), and the rest refused.
+        assert deepest <= 2 * SHARE + 1, deepest
+        assert len(refused) >= 50, len(refused)
+        assert all(int(r.headers["retry-after"]) >= 1 and "this client" in r.json()["error"]["message"] for r in refused)
+        assert metric(url, "manyeyes_dropped_total", reason="client_share") == len(refused)  # both workers' counts
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
 @pytest.mark.slow
 def test_forwarded_for_separates_clients_only_behind_a_trusted_proxy():
     async def two_addresses(url: str) -> tuple[int, int]:
