@@ -139,30 +139,45 @@ class SharedRuns:
 
 
 class ReadyMarks:
-    """Which workers have loaded their models: one empty file per worker slot, so that any
-    worker's /readyz can say whether all have. Each answered for itself before, so a load balancer
-    that saw one worker's 200 sent requests to workers still loading, which answered 503. A
-    slot's mark stays when its worker is replaced: a replacement takes connections only once loaded."""
+    """Which workers have loaded their models: one empty file per worker slot (and one holding the
+    reason where a worker's load failed), so that any worker's /readyz can say whether all have.
+    Each answered for itself before, so a load balancer that saw one worker's 200 sent requests
+    to workers still loading, which answered 503. A slot's mark stays when its worker is replaced:
+    a replacement takes connections only once loaded."""
 
     def __init__(self, folder: Path, slot: int, workers: int) -> None:
         self.folder = Path(folder)
         self.slot = slot
         self.workers = workers
 
-    def mark(self) -> None:
-        (self.folder / str(self.slot)).touch()
+    def mark(self, failure: str | None = None) -> None:
+        if failure is None:
+            (self.folder / str(self.slot)).touch()
+            (self.folder / f"{self.slot}.failed").unlink(missing_ok=True)  # a replacement that loaded
+        else:
+            (self.folder / f"{self.slot}.failed").write_text(failure)
 
     def waiting(self) -> list[int]:
         return [slot for slot in range(self.workers) if not (self.folder / str(slot)).exists()]
 
+    def failed(self) -> dict[int, str]:
+        """Slot -> why its worker could not load (a GPU out of memory for the eighth copy, say)."""
+        found = {}
+        for slot in self.waiting():
+            try:
+                found[slot] = (self.folder / f"{slot}.failed").read_text()
+            except FileNotFoundError:
+                pass
+        return found
+
     def marking_once_loaded(self, app) -> None:
-        """Mark this worker's slot once the app's models are loaded (a failed load never marks it)."""
+        """Mark this worker's slot once the app's models are loaded, or say why they could not be."""
         inner = app.router.lifespan_context
 
         async def mark_when_loaded(registry) -> None:
-            while not registry.ready.is_set():
+            while not registry.ready.is_set() and not registry.failure:
                 await asyncio.sleep(0.05)
-            await asyncio.get_running_loop().run_in_executor(None, self.mark)
+            await asyncio.get_running_loop().run_in_executor(None, self.mark, registry.failure)
 
         @asynccontextmanager
         async def marking_lifespan(a):

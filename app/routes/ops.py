@@ -23,10 +23,16 @@ async def readyz(registry: RegistryDep, marks: ReadyMarksDep) -> Ready:
     503 until then, with each model's state and, while a Hugging Face id downloads, its
     bytes_done / bytes_total."""
     waiting = marks.waiting() if marks is not None and registry.ready.is_set() else []
+    failed = marks.failed() if waiting else {}
     if not registry.ready.is_set() or waiting:
-        reason = registry.not_ready_reason() if not waiting else f"workers {waiting} are still loading their models"
+        if not waiting:
+            reason = registry.not_ready_reason()
+        elif failed:
+            reason = "; ".join(f"worker {slot} could not load its models: {why}" for slot, why in failed.items())
+        else:
+            reason = f"workers {waiting} are still loading their models"
         body = error_body(NotReady.code, reason)
-        body |= {"status": "failed" if registry.failure else "loading", "models": dict(registry.progress)}
+        body |= {"status": "failed" if registry.failure or failed else "loading", "models": dict(registry.progress)}
         return Response(orjson.dumps(body), status_code=503, media_type="application/json")
     return Ready(status="ready", models=[s.id for s in registry.served()])
 

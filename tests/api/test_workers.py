@@ -310,8 +310,14 @@ def test_readyz_waits_for_every_worker(tmp_path):
         waiting = client.get("/readyz")
         assert waiting.status_code == 503 and waiting.json()["status"] == "loading"
         assert waiting.json()["error"]["message"] == "workers [1] are still loading their models"
-        (tmp_path / "1").touch()  # the other worker has loaded
+        # The other worker could not load (its copy of the model did not fit, say): said, not "loading".
+        ReadyMarks(tmp_path, slot=1, workers=2).mark("OutOfMemoryError: CUDA out of memory")
+        failed = client.get("/readyz")
+        assert failed.status_code == 503 and failed.json()["status"] == "failed"
+        assert failed.json()["error"]["message"] == "worker 1 could not load its models: OutOfMemoryError: CUDA out of memory"
+        ReadyMarks(tmp_path, slot=1, workers=2).mark()  # its replacement has loaded
         assert client.get("/readyz").json() == {"status": "ready", "models": ["tiny-gpt"]}
+        assert not (tmp_path / "1.failed").exists()
 
 
 def test_a_folder_left_by_a_parent_that_is_gone_is_removed_at_the_next_start(tmp_path):
@@ -328,3 +334,23 @@ def test_a_folder_left_by_a_parent_that_is_gone_is_removed_at_the_next_start(tmp
     unrelated.mkdir()
     remove_orphaned_folders(tmp_path)
     assert not orphan.exists() and alive.is_dir() and unrelated.is_dir()
+
+
+def test_a_worker_whose_models_fail_to_load_says_why_to_the_others(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from manyeyes.app.config import Settings
+    from manyeyes.app.main import create_app
+    from manyeyes.app.shared_runs import ReadyMarks
+
+    app = create_app(Settings(models={"broken": str(tmp_path / "missing.pth")}, device="cpu", warmup=False))
+    app.state.ready_marks = ReadyMarks(tmp_path / "ready", slot=1, workers=2)
+    (tmp_path / "ready").mkdir()
+    app.state.ready_marks.marking_once_loaded(app)
+    with TestClient(app):
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready" / "1.failed").exists():
+            assert time.monotonic() < deadline, "the failed load was never marked"
+            time.sleep(0.02)
+    assert "missing.pth" in (tmp_path / "ready" / "1.failed").read_text()
+    assert ReadyMarks(tmp_path / "ready", slot=0, workers=2).failed().keys() == {1}
