@@ -112,11 +112,14 @@ def loaded(url: str, pid: int, n_tokens: int, clients: int, seconds: float, proc
 def parse_configs(text: str) -> list[tuple[int, int | None]]:
     """"1;8;8x1" -> [(1, None), (8, None), (8, 1)]: server processes, and torch threads in each."""
     configs = []
-    for entry in filter(None, (part.strip() for part in text.split(";"))):
-        workers, _, threads = entry.partition("x")
-        configs.append((int(workers), int(threads) if threads else None))
+    try:
+        for entry in filter(None, (part.strip() for part in text.split(";"))):
+            workers, _, threads = entry.partition("x")
+            configs.append((int(workers), int(threads) if threads else None))
+    except ValueError:
+        configs = []
     if not configs or any(w < 1 or (t is not None and t < 1) for w, t in configs):
-        raise SystemExit(f"--configs: expected entries like 1;8;8x1 (workers, optionally x threads), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected entries like 1;8;8x1 (workers, optionally x threads), got {text!r}")
     return configs
 
 
@@ -174,13 +177,13 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, help="manyeyes serve --workers N")
     parser.add_argument("--threads", type=int, default=None,
                         help="manyeyes serve --threads T: torch's CPU threads per process (default: the server's own)")
-    parser.add_argument("--configs", default=None,
+    parser.add_argument("--configs", type=parse_configs, default=None,
                         help='several server configurations in one run, against one bare measurement: "1;8;8x1" is one '
                              "process, 8 workers, then 8 workers of 1 thread each (overrides --workers and --threads)")
     parser.add_argument("--load-procs", type=int, default=1, help="processes the load generator's clients are spread over")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    configs = parse_configs(args.configs) if args.configs else [(args.workers, args.threads)]
+    configs = args.configs or [(args.workers, args.threads)]
 
     from manyeyes.model import load
 

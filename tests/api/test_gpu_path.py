@@ -215,6 +215,13 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
         assert int(served) > 0 and int(bare) > 0 and errors == "0", done.stdout
 
 
+@pytest.mark.parametrize("configs", ["", "0", "8x0", "eight"])
+def test_the_gpu_bench_refuses_a_configuration_it_cannot_read(configs):
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--configs", configs],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--configs" in done.stderr, done.stderr[-2000:]
+
 def test_a_run_kept_at_a_batch_mates_precision_falls_back_to_its_own_when_the_cache_cannot_hold_it():
     """A batch on a quantising server keeps its most demanding request's precision: a u8 run that
     fits the cache as bytes, batched with another client's json request, was kept as float32,
