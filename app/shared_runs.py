@@ -160,10 +160,11 @@ class ReadyMarks:
     def waiting(self) -> list[int]:
         return [slot for slot in range(self.workers) if not (self.folder / str(slot)).exists()]
 
-    def failed(self) -> dict[int, str]:
-        """Slot -> why its worker could not load (a GPU out of memory for the eighth copy, say)."""
+    def failed(self, waiting: list[int]) -> dict[int, str]:
+        """Of the slots `waiting()` named: slot -> why its worker could not load (a GPU out of
+        memory for the eighth copy, say)."""
         found = {}
-        for slot in self.waiting():
+        for slot in waiting:
             try:
                 found[slot] = (self.folder / f"{slot}.failed").read_text()
             except FileNotFoundError:
@@ -175,8 +176,7 @@ class ReadyMarks:
         inner = app.router.lifespan_context
 
         async def mark_when_loaded(registry) -> None:
-            while not registry.ready.is_set() and not registry.failure:
-                await asyncio.sleep(0.05)
+            await loaded_or_failed(registry)
             await asyncio.get_running_loop().run_in_executor(None, self.mark, registry.failure)
 
         @asynccontextmanager
@@ -191,6 +191,17 @@ class ReadyMarks:
         app.router.lifespan_context = marking_lifespan
 
 
+async def loaded_or_failed(registry, timeout_s: float | None = None) -> bool:
+    """Wait until the registry's models are loaded (True), or their load failed or `timeout_s`
+    passed (False). The load runs on a thread of its own, so this looks every 50 ms."""
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+    while not registry.ready.is_set():
+        if registry.failure or (deadline is not None and time.monotonic() > deadline):
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 def serve_once_loaded(app, timeout_s: float = 600.0) -> None:
     """Hold the app's start-up (its ASGI lifespan) until every model is loaded, so that a copy
     takes no requests it would answer 503 while others are ready; a failed load fails the start."""
@@ -200,11 +211,8 @@ def serve_once_loaded(app, timeout_s: float = 600.0) -> None:
     async def loaded_lifespan(a):
         async with inner(a):
             registry = a.state.registry
-            deadline = time.monotonic() + timeout_s
-            while not registry.ready.is_set():
-                if registry.failure or time.monotonic() > deadline:
-                    raise RuntimeError(f"manyeyes: not ready: {registry.not_ready_reason()}")
-                await asyncio.sleep(0.05)
+            if not await loaded_or_failed(registry, timeout_s):
+                raise RuntimeError(f"manyeyes: not ready: {registry.not_ready_reason()}")
             yield
 
     app.router.lifespan_context = loaded_lifespan

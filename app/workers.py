@@ -99,10 +99,12 @@ def remove_orphaned_folders(home: Path) -> None:
     never removed its own, and /dev/shm is memory. The parent's pid is in each folder's name."""
     for folder in home.glob(f"{FOLDER_PREFIX}*"):
         pid = folder.name.removeprefix(FOLDER_PREFIX).partition("-")[0]
-        if not pid.isdigit() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
-            continue
         try:
+            if not pid.isdigit() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
             os.kill(int(pid), 0)
+        except FileNotFoundError:  # another server starting at the same moment removed it first
+            continue
         except ProcessLookupError:
             log.warning("removing %s, left by a server that is gone", folder)
             shutil.rmtree(folder, ignore_errors=True)

@@ -23,7 +23,7 @@ async def readyz(registry: RegistryDep, marks: ReadyMarksDep) -> Ready:
     503 until then, with each model's state and, while a Hugging Face id downloads, its
     bytes_done / bytes_total."""
     waiting = marks.waiting() if marks is not None and registry.ready.is_set() else []
-    failed = marks.failed() if waiting else {}
+    failed = marks.failed(waiting) if waiting else {}
     if not registry.ready.is_set() or waiting:
         if not waiting:
             reason = registry.not_ready_reason()

@@ -18,6 +18,7 @@ function svg(tag, attrs = {}) {
 const MIN_STEP = 28; // px between tokens: below this the labels collide, so the panel scrolls
 const MAX_STEP = 60;
 const SIDE_ROOM = 56; // px for the level names on the left and the last label's slant on the right
+const UNLAID_WIDTH = 956; // px to fit into while the panel is not laid out (hidden)
 
 export class FlowGraph {
   constructor(root, { onEdge }) {
@@ -42,7 +43,7 @@ export class FlowGraph {
     this.drawn = [flow, labels, focused];
     this.drawnWidth = this.root.clientWidth;
     const { n_layers: nLayers, n_tokens: nTokens, edges } = flow;
-    const room = (this.drawnWidth || 956) - SIDE_ROOM;
+    const room = (this.drawnWidth || UNLAID_WIDTH) - SIDE_ROOM;
     const step = Math.max(MIN_STEP, Math.min(MAX_STEP, room / Math.max(nTokens, 1)));
     const width = step * nTokens + SIDE_ROOM;
     const height = ROW * nLayers + LABEL_ROOM + 34;

@@ -353,4 +353,5 @@ def test_a_worker_whose_models_fail_to_load_says_why_to_the_others(tmp_path):
             assert time.monotonic() < deadline, "the failed load was never marked"
             time.sleep(0.02)
     assert "missing.pth" in (tmp_path / "ready" / "1.failed").read_text()
-    assert ReadyMarks(tmp_path / "ready", slot=0, workers=2).failed().keys() == {1}
+    marks = ReadyMarks(tmp_path / "ready", slot=0, workers=2)
+    assert marks.waiting() == [0, 1] and marks.failed(marks.waiting()).keys() == {1}
