@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     # Quantise attention to the request's format on the device, before the copy to the host
     # (services/device.py). None: on for accelerators, off on the CPU (no copy to save there).
     device_quantise: bool | None = None
+    # How the server's threads wait for a CUDA GPU (services/device.py, set_cuda_wait): "block"
+    # sleeps, where CUDA's default ("auto") spins a core for as long as the GPU is busy.
+    cuda_wait: Literal["block", "spin", "yield", "auto"] = "block"
     # Weights' dtype; None/auto: as stored on CUDA (bf16/fp16 checkpoints stay so), float32 elsewhere.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     # CPU, float32: lay each linear's weight out for oneDNN once (model/packed.py). 1.3x faster at

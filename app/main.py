@@ -26,6 +26,7 @@ from manyeyes.app.routes import aggregates, attention, docs, experiments, export
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
+from manyeyes.app.services.device import set_cuda_wait
 from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
 from manyeyes.app.services.errors import ApiError, brief, error_body
 from manyeyes.app.services.generation import GenerationService
@@ -113,6 +114,9 @@ def create_app(settings: Settings | None = None, run_directory=None) -> FastAPI:
             # interval a busy event loop made each re-take wait, and a batch of 8 short inputs
             # took seconds while 200 requests were being answered.
             sys.setswitchinterval(settings.switch_interval_ms / 1000)
+        if settings.device is None or settings.device in ("auto", "cuda") or settings.device.startswith("cuda:"):
+            # Before the models load: the policy is fixed when torch makes its CUDA context.
+            log.info("CUDA waits: %s", set_cuda_wait(settings.cuda_wait))
         registry = Registry(settings, metrics)
         # The captures' LRU (MeasuresService) takes its share out of the same budget, so that
         # cache_bytes bounds all cached runs, as SECURITY.md's memory bound counts them.

@@ -7,6 +7,7 @@ the server keeps float32 there by default, but tests run this path on the CPU to
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -16,12 +17,45 @@ PRECISION = {"json": 0, "f16": 1, "u8": 2}
 KEPT_DTYPE = {"json": torch.float32, "f16": torch.float16, "u8": torch.uint8}
 KEPT_FORMAT = {dtype: fmt for fmt, dtype in KEPT_DTYPE.items()}  # the most precise format a dtype serves
 AUTOCAST = {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CUDA's CU_CTX_SCHED_* flags: how a host thread waits for the GPU in a synchronising call.
+CUDA_WAIT_FLAGS = {"auto": 0x0, "spin": 0x1, "yield": 0x2, "block": 0x4}
 
 
 def quantises_on_device(device: str, setting: bool | None = None) -> bool:
     """Whether batches on `device` leave it quantised: as set, else everywhere but the CPU (where
     there is no copy to save, and the run cache keeps float32 for any later format)."""
     return device != "cpu" if setting is None else setting
+
+
+def set_cuda_wait(policy: str, driver: ctypes.CDLL | None = None) -> str:
+    """How this process's threads wait for its GPUs: "block" sleeps until the GPU signals, "spin"
+    polls, "auto" is CUDA's own choice (spin while the process has fewer contexts than cores, so
+    every server process spins). Set on each device's primary context, the one torch uses, so it
+    must come before torch's first CUDA call that makes a context. Returns what was done, for the
+    start-up log; no driver (a CPU machine) is not an error.
+
+    Why: a spinning wait holds a core for as long as the GPU is busy, and with --workers the GPU
+    is busy with every worker's forwards, so each wait spins through the others' too."""
+    flags = CUDA_WAIT_FLAGS[policy]
+    if policy == "auto":
+        return "auto (CUDA's default)"
+    try:
+        driver = driver or ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no CUDA driver"
+    count = ctypes.c_int()
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return "no CUDA device"
+    # The _v2 entry point is what cuda.h names cuDevicePrimaryCtxSetFlags since CUDA 11.
+    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    for index in range(count.value):
+        device = ctypes.c_int()
+        if driver.cuDeviceGet(ctypes.byref(device), index) != 0:
+            return f"cuDeviceGet({index}) failed"
+        status = set_flags(device, flags)
+        if status != 0:
+            return f"cuDevicePrimaryCtxSetFlags on device {index} failed with CUDA error {status}"
+    return f"{policy} on {count.value} device(s)"
 
 
 def most_precise(formats) -> str:
