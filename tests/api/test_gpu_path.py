@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,12 @@ import pytest
 import torch
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.device import HostCopier, device_to_host, most_precise, quantise, quantises_on_device, serves
+from manyeyes.app.services import device as device_module
+from manyeyes.app.services.batcher import Batcher
+from manyeyes.app.services.device import (
+    HostCopier, device_to_host, most_precise, quantise, quantises_on_device, serves, set_cuda_wait,
+)
+from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import raw_data, to_f16, to_u8
 from tests.api.conftest import decode, metric, serve
 
@@ -202,17 +208,33 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
     done = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4",
-         "--batch", "8", "--configs", "1x1;2"],
+         "--batch", "8", "--bare-seconds", "0.3", "--configs", "1x1;2"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-3000:]
     # Two server configurations in one run: one process of 1 thread, then 2 workers.
     assert len(re.findall(r"T=128, batch 1, 3 sequential requests: server time p50 \d+\.\d ms", done.stdout)) == 2, done.stdout
     assert "1 server worker(s), 1 CPU thread(s) each" in done.stdout and "2 server worker(s), default CPU threads" in done.stdout
-    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+)% \| (\d+) \| \d+\.\d\d \| \d+\.\d\d \|$", done.stdout, re.M)
+    bare = r"(\d+) \((\d+)-(\d+)\)"
+    rows = re.findall(rf"^\| (\d+) \| (\d+) \| {bare}, {bare} \| (\d+)% \| (\d+) \| (\d+\.\d\d) \| (\d+\.\d\d) \| \d+\.\d\d \|$",
+                      done.stdout, re.M)
     assert [row[0] for row in rows] == ["16", "64", "16", "64"], done.stdout
-    for _, served, bare, _, errors in rows:
-        assert int(served) > 0 and int(bare) > 0 and errors == "0", done.stdout
+    bare_after_first = {}
+    for n, served, *bares, percent, errors, cores, cpu_ms in rows:
+        before, after = (int(b) for b in bares[0::3])
+        assert int(served) > 0 and errors == "0", done.stdout
+        for median, low, high in (bares[0:3], bares[3:6]):
+            assert 0 < int(low) <= int(median) <= int(high), done.stdout
+        # against the faster bare measurement, beside the configuration
+        assert int(percent) == pytest.approx(100 * int(served) / max(before, after), abs=1), done.stdout
+        # the second configuration's "before" is the first's "after": one measurement between them
+        if n in bare_after_first:
+            assert before == bare_after_first[n], done.stdout
+        bare_after_first[n] = after
+        # CPU a request is the cores over the rate (rounding of both allowed for)
+        assert float(cpu_ms) == pytest.approx(1000 * float(cores) / int(served), rel=0.05, abs=0.02), done.stdout
+    # Where the server's CPU went, by thread: the forward threads carry their own name.
+    assert len(re.findall(r"^T=16, the server's threads by name: .*me-forward-cpu x\d+: \d+\.\d\d cores", done.stdout, re.M)) == 2
 
 
 @pytest.mark.parametrize("configs", ["", "0", "8x0", "eight"])
@@ -306,3 +328,93 @@ def test_answers_say_the_precision_their_run_is_kept_at(api, on_device_quantised
     assert on_device_quantised.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()["precision"] == "json"
     # The CPU server keeps float32 for every format.
     assert api.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()["precision"] == "json"
+
+
+class FakeDriver:
+    """libcuda's four entry points that set_cuda_wait calls, on a machine of `devices` GPUs."""
+
+    def __init__(self, devices: int, status: int = 0):
+        self.devices, self.status, self.flags = devices, status, {}
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuDeviceGetCount(self, count):
+        count._obj.value = self.devices
+        return 0
+
+    def cuDeviceGet(self, device, index):
+        device._obj.value = 100 + index  # a CUdevice is a handle, not the index
+        return 0
+
+    def cuDevicePrimaryCtxSetFlags_v2(self, device, flags):
+        self.flags[device.value] = flags
+        return self.status
+
+
+@pytest.mark.parametrize("policy, flags", [("block", 0x4), ("spin", 0x1), ("yield", 0x2)])
+def test_cuda_wait_sets_every_devices_primary_context(policy, flags):
+    driver = FakeDriver(devices=2)
+    assert set_cuda_wait(policy, driver) == f"{policy} on 2 device(s)"
+    assert driver.flags == {100: flags, 101: flags}
+
+
+def test_cuda_wait_auto_leaves_cuda_alone_and_failures_are_said():
+    driver = FakeDriver(devices=1)
+    assert set_cuda_wait("auto", driver).startswith("auto") and driver.flags == {}
+    # e.g. CUDA_ERROR_INVALID_VALUE (1): the server still starts, its log says why waits spin
+    assert set_cuda_wait("block", FakeDriver(devices=1, status=1)) == \
+        "cuDevicePrimaryCtxSetFlags on device 0 failed with CUDA error 1"
+    assert set_cuda_wait("block", FakeDriver(devices=0)) == "block on 0 device(s)"
+
+
+def test_cuda_wait_without_a_driver_is_not_an_error(monkeypatch):
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(device_module.ctypes, "CDLL", no_library)
+    assert set_cuda_wait("block") == "no CUDA driver"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_wait_reaches_the_context_torch_uses():
+    # In a fresh process, as a server starts: the policy first, then torch's first allocation.
+    # CU_CTX_SCHED_MASK is 0x7 of the primary context's flags.
+    probe = """
+import ctypes, torch
+from manyeyes.app.services.device import set_cuda_wait
+said = set_cuda_wait("block")
+torch.zeros(1, device="cuda").add_(1)
+driver, device, flags, active = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+driver.cuDeviceGet(ctypes.byref(device), 0)
+driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
+print(said, "|", flags.value & 7, active.value)
+# Once the context is active: can the policy still change? (The server sets it before loading.)
+print(set_cuda_wait("spin"))
+driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
+print(flags.value & 7)
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    print(done.stdout)
+    lines = done.stdout.split("\n")
+    assert done.returncode == 0 and lines[0].startswith("block on ") and lines[0].endswith("| 4 1"), done.stdout + done.stderr
+
+
+def test_the_forward_thread_is_named_for_the_os():
+    def names() -> set[str]:
+        found = set()
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                found.add((task / "comm").read_text().strip())
+            except FileNotFoundError:
+                pass
+        return found
+
+    batcher = Batcher("cpu", Metrics(), 8192, 64, 0, 100)
+    try:
+        deadline = time.monotonic() + 5  # the thread names itself as it starts
+        while "me-forward-cpu" not in names() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "me-forward-cpu" in names()
+    finally:
+        batcher.close()
