@@ -139,3 +139,20 @@ def test_feed_forwards_skip_the_padding(minilm):
         for text, item in zip(TEXTS, results):
             single = model.attend(text)
             assert (item.attention - single.attention).abs().max() <= 1e-5
+
+
+def test_off_the_cpu_feed_forwards_take_every_row(minilm, monkeypatch):
+    """Where picking the real rows out would wait for the device (a GPU: layers.skips_padding),
+    the feed-forwards run on the padding too, and the batch still equals its single runs: the
+    GPU's branch, run on the CPU."""
+    from manyeyes.model import layers
+
+    monkeypatch.setattr(layers, "skips_padding", lambda device: False)
+    for model in (minilm, load("tiny-gpt"), load("tiny-llama")):
+        seen, results = rows_into_feed_forwards(model, TEXTS)
+        lengths = [len(item.tokens) for item in results]
+        assert min(lengths) < max(lengths)
+        assert seen and set(seen) == {len(TEXTS) * max(lengths)}, (seen, lengths)
+        for text, item in zip(TEXTS, results):
+            single = model.attend(text)
+            assert (item.attention - single.attention).abs().max() <= 1e-5
