@@ -116,8 +116,13 @@ def blocked_rows(
 ) -> torch.Tensor | None:
     """(q1 - q0, k1 - k0) bool: `blocked_positions` cut to one window, without building all of it.
 
-    Query i sits at position offset + i, as there. None when nothing in the window is blocked."""
-    if not causal and sliding_window is None:
+    Query i sits at position offset + i, as there. None when nothing in the window is blocked:
+    decided from the positions, since asking the device (blocked.any()) waits for it (on a GPU, for
+    every kernel queued so far), once per row block of every layer of a long run."""
+    first_query, last_query = offset + q0, offset + q1 - 1
+    later_keys = causal and k1 - 1 > first_query  # some key after some query
+    keys_behind = sliding_window is not None and k0 <= last_query - sliding_window  # some key out of reach
+    if q1 <= q0 or k1 <= k0 or not (later_keys or keys_behind):
         return None
     # (q1 - q0, 1) and (1, k1 - k0): where each query may look, against each key's position
     query_pos = torch.arange(offset + q0, offset + q1, device=device).unsqueeze(1)
@@ -125,7 +130,7 @@ def blocked_rows(
     blocked = key_pos > query_pos if causal else torch.zeros(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
     if sliding_window is not None:
         blocked |= key_pos <= query_pos - sliding_window
-    return blocked if bool(blocked.any()) else None
+    return blocked
 
 
 def visible_keys(q0: int, q1: int, num_keys: int, *, causal: bool, sliding_window: int | None, align: int) -> tuple[int, int]:

@@ -6,6 +6,8 @@ Three references, from strictest to loosest:
 - transformers' eager attention: covered through the dense path by test_parity*.py.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -206,6 +208,24 @@ def test_kept_run_holds_no_weights_and_counts_its_bytes(gqa_window_llama):
     cells = info.n_layers * info.n_heads
     # (the overview's 64 x 64 per head is small beside the queries and keys only at long T: the bench checks 2x there)
     assert kept.nbytes == kept.qk_bytes + cells * T * 8 + cells * kept.overview.shape[-1] * kept.overview.shape[-2] * 4
+
+
+def test_blocked_rows_says_none_exactly_when_nothing_is_blocked():
+    """blocked_rows decides "nothing blocked" from the positions, without asking the device: over
+    every small window, offset and mask it agrees cell for cell with the masks spelled out."""
+    for causal, window in [(True, None), (True, 3), (False, 3), (False, None), (True, 1)]:
+        for offset in (0, 2, 7):
+            for q0, q1, k0, k1 in itertools.product(range(6), range(7), range(10), range(11)):
+                if q1 < q0 or k1 < k0:
+                    continue
+                query = torch.arange(offset + q0, offset + q1).unsqueeze(1)
+                key = torch.arange(k0, k1).unsqueeze(0)
+                spelled = (key > query) & causal | ((key <= query - window) if window else torch.zeros_like(key > query))
+                blocked = blocked_rows(q0, q1, k0, k1, offset=offset, causal=causal, sliding_window=window, device="cpu")
+                if bool(spelled.any()):
+                    assert blocked is not None and torch.equal(blocked, spelled), (causal, window, offset, q0, q1, k0, k1)
+                else:
+                    assert blocked is None, (causal, window, offset, q0, q1, k0, k1)
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 5), (False, 5), (False, None)])
