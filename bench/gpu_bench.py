@@ -71,9 +71,10 @@ class Bare:
 def bare_rate(model, n_tokens: int, batch: int, seconds: float) -> Bare:
     """The forward exactly as the server's batcher calls it for u8 answers: the last block stops
     at its softmax, and off the CPU the weights are quantised on the device and copied through
-    pinned memory (the server's default there). Half of `seconds` warms up first: an idle H200
-    clocks down to 345 MHz, and five passes straight after loading read 7,400 to 13,200 inputs/s
-    at T=16 in one session's calls."""
+    pinned memory (the server's default there). Half of `seconds` warms up first (an idle H200
+    clocks down to 345 MHz). Five passes straight after loading read 7,400 to 13,200 inputs/s at
+    T=16 in one session's calls, and two seconds of passes spread about as wide (at T=16 the
+    forward is the CPU launching small kernels): hence a median over many, beside each server."""
     encoded = [model.encode(text_of(n_tokens, 10_000 + i), truncate=True) for i in range(batch)]
     to_host = device_to_host(HostCopier(), "u8") if quantises_on_device(model.device.type) else None
 

@@ -418,3 +418,17 @@ def test_the_forward_thread_is_named_for_the_os():
         assert "me-forward-cpu" in names()
     finally:
         batcher.close()
+
+
+@pytest.mark.parametrize("device, asked", [(None, True), ("cuda:0", True), ("cpu", False), ("mps", False)])
+def test_the_server_sets_the_cuda_wait_before_loading_where_it_may_use_cuda(monkeypatch, device, asked):
+    from fastapi.testclient import TestClient
+
+    from manyeyes.app import main
+
+    calls = []
+    monkeypatch.setattr(main, "set_cuda_wait", lambda policy: calls.append(policy) or "recorded")
+    # Where this machine lacks the device, the model's load fails beside the server, after the policy.
+    with TestClient(main.create_app(Settings(models={"tiny-gpt": "tiny-gpt"}, device=device, cuda_wait="spin"))):
+        pass
+    assert calls == (["spin"] if asked else [])
