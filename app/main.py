@@ -116,7 +116,9 @@ def create_app(settings: Settings | None = None, run_directory=None) -> FastAPI:
             sys.setswitchinterval(settings.switch_interval_ms / 1000)
         if settings.device is None or settings.device in ("auto", "cuda") or settings.device.startswith("cuda:"):
             # Before the models load: the policy is fixed when torch makes its CUDA context.
-            log.info("CUDA waits: %s", set_cuda_wait(settings.cuda_wait))
+            said = set_cuda_wait(settings.cuda_wait)
+            if said is not None:
+                log.info("CUDA waits: %s", said)
         registry = Registry(settings, metrics)
         # The captures' LRU (MeasuresService) takes its share out of the same budget, so that
         # cache_bytes bounds all cached runs, as SECURITY.md's memory bound counts them.

@@ -27,12 +27,12 @@ def quantises_on_device(device: str, setting: bool | None = None) -> bool:
     return device != "cpu" if setting is None else setting
 
 
-def set_cuda_wait(policy: str, driver: ctypes.CDLL | None = None) -> str:
+def set_cuda_wait(policy: str, driver: ctypes.CDLL | None = None) -> str | None:
     """How this process's threads wait for its GPUs: "block" sleeps until the GPU signals, "spin"
     polls, "auto" is CUDA's own choice (spin while the process has fewer contexts than cores, so
     every server process spins). Set on each device's primary context, the one torch uses, so it
     must come before torch's first CUDA call that makes a context. Returns what was done, for the
-    start-up log; no driver (a CPU machine) is not an error.
+    start-up log, or None where there is no CUDA driver or device (a CPU machine: nothing to say).
 
     Why: a spinning wait holds a core for as long as the GPU is busy, and with --workers the GPU
     is busy with every worker's forwards, so each wait spins through the others' too."""
@@ -42,10 +42,10 @@ def set_cuda_wait(policy: str, driver: ctypes.CDLL | None = None) -> str:
     try:
         driver = driver or ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return "no CUDA driver"
+        return None
     count = ctypes.c_int()
-    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return "no CUDA device"
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return None
     # The _v2 entry point is what cuda.h names cuDevicePrimaryCtxSetFlags since CUDA 11.
     set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
     for index in range(count.value):
