@@ -96,17 +96,19 @@ def bare_rate(model, n_tokens: int, batch: int, seconds: float) -> Bare:
     return Bare(statistics.median(rates), rates[tenth], rates[-1 - tenth])
 
 
+def stat_cpu(stat_path: str) -> float | None:
+    """User plus system CPU seconds from a /proc .../stat file (None: the process or thread is gone)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time a process and its children (workers) have used so far."""
-    total = 0.0
-    for task in [pid, *children(pid)]:
-        try:
-            with open(f"/proc/{task}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(filter(None, (stat_cpu(f"/proc/{task}/stat") for task in [pid, *children(pid)])))
 
 
 def thread_cpu(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
@@ -121,11 +123,11 @@ def thread_cpu(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
             try:
                 with open(f"/proc/{process}/task/{tid}/comm") as f:
                     name = f.read().strip()
-                with open(f"/proc/{process}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
             except FileNotFoundError:
                 continue
-            threads[process, int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+            cpu = stat_cpu(f"/proc/{process}/task/{tid}/stat")
+            if cpu is not None:
+                threads[process, int(tid)] = (name, cpu)
     return threads
 
 

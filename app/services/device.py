@@ -36,7 +36,6 @@ def set_cuda_wait(policy: str, driver: ctypes.CDLL | None = None) -> str | None:
 
     Why: a spinning wait holds a core for as long as the GPU is busy, and with --workers the GPU
     is busy with every worker's forwards, so each wait spins through the others' too."""
-    flags = CUDA_WAIT_FLAGS[policy]
     if policy == "auto":
         return "auto (CUDA's default)"
     try:
@@ -52,7 +51,7 @@ def set_cuda_wait(policy: str, driver: ctypes.CDLL | None = None) -> str | None:
         device = ctypes.c_int()
         if driver.cuDeviceGet(ctypes.byref(device), index) != 0:
             return f"cuDeviceGet({index}) failed"
-        status = set_flags(device, flags)
+        status = set_flags(device, CUDA_WAIT_FLAGS[policy])
         if status != 0:
             return f"cuDevicePrimaryCtxSetFlags on device {index} failed with CUDA error {status}"
     return f"{policy} on {count.value} device(s)"

@@ -61,7 +61,6 @@ def test_serve_adds_model_flags_to_the_builtin_default(monkeypatch):
         main(["serve", "--model", "=nothing"])
 
 
-
 def test_serve_threads_sets_torchs_threads_in_one_process(monkeypatch):
     """--threads was read by workers and Ray replicas only; one process ignored it without a word."""
     import torch
@@ -73,6 +72,7 @@ def test_serve_threads_sets_torchs_threads_in_one_process(monkeypatch):
     assert main(["serve", "--port", str(free_port()), "--threads", "3"]) == 0
     assert main(["serve", "--port", str(free_port())]) == 0
     assert asked == [3]  # and without the flag, torch keeps its own choice
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -3,6 +3,7 @@ the CPU: the same functions a GPU runs, checked against the host path they repla
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from manyeyes.app.services.device import (
 )
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import raw_data, to_f16, to_u8
+from manyeyes.app.shared_runs import loaded_or_failed
 from tests.api.conftest import decode, metric, serve
 
 TEXTS = ["The heron waited by the old stone mill.", "Boats went past under green trees in warm summer light, slowly."]
@@ -244,6 +246,7 @@ def test_the_gpu_bench_refuses_a_configuration_it_cannot_read(configs):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--configs" in done.stderr, done.stderr[-2000:]
 
+
 def test_a_run_kept_at_a_batch_mates_precision_falls_back_to_its_own_when_the_cache_cannot_hold_it():
     """A batch on a quantising server keeps its most demanding request's precision: a u8 run that
     fits the cache as bytes, batched with another client's json request, was kept as float32,
@@ -389,15 +392,10 @@ driver, device, flags, active = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), cty
 driver.cuDeviceGet(ctypes.byref(device), 0)
 driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
 print(said, "|", flags.value & 7, active.value)
-# Once the context is active: can the policy still change? (The server sets it before loading.)
-print(set_cuda_wait("spin"))
-driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
-print(flags.value & 7)
 """
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    print(done.stdout)
-    lines = done.stdout.split("\n")
-    assert done.returncode == 0 and lines[0].startswith("block on ") and lines[0].endswith("| 4 1"), done.stdout + done.stderr
+    said = done.stdout.strip()
+    assert done.returncode == 0 and said.startswith("block on ") and said.endswith("| 4 1"), done.stdout + done.stderr
 
 
 def test_the_forward_thread_is_named_for_the_os():
@@ -433,8 +431,7 @@ def test_the_server_sets_the_cuda_wait_before_loading_where_it_may_use_cuda(monk
     with TestClient(app):
         # The load's thread must be done before the test is: one still inside torch when the
         # interpreter exits aborts it.
-        registry, deadline = app.state.registry, time.monotonic() + 60
-        while not (registry.ready.is_set() or registry.failure) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        registry = app.state.registry
+        asyncio.run(loaded_or_failed(registry, timeout_s=60))
         assert registry.ready.is_set() or registry.failure
     assert calls == (["spin"] if asked else [])

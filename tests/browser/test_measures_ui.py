@@ -169,7 +169,6 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     page.locator("#flow").screenshot(path=str(artifacts / "measures-flow.png"))
 
 
-
 def flow_fit(page) -> dict:
     return page.evaluate("""() => {
         const panel = document.getElementById('flow');
@@ -197,6 +196,7 @@ def test_flow_graph_fits_its_panel_and_follows_its_width(page, tiny_server):
             return drawing <= panel && drawing >= Math.min(panel, 896) - 2;
         }""", timeout=10_000)
     assert flow_fit(page)["panel"] < wide["panel"]
+
 
 def test_neuron_view_shows_the_apis_numbers(ran, tiny_api, artifacts):
     page, run_id = ran

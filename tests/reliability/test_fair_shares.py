@@ -42,9 +42,9 @@ def metric(url: str, name: str, **labels) -> float:
 
 
 @contextmanager
-def spawned(**settings):
+def spawned(args: tuple[str, ...] = (), **settings):
     port = free_port()
-    proc = start_server(port, device="cpu", warmup="false", **settings)
+    proc = start_server(port, args, device="cpu", warmup="false", **settings)
     try:
         url = f"http://{HOST}:{port}"
         wait_ready(url)
@@ -111,74 +111,55 @@ async def flood_and_probe(url: str, flood_headers: dict, probe_key: str):
     return unloaded["seconds"], probed, [r for _, r in flooded], max(depths)
 
 
+KEYS = {"flooder": "flood-key-0123456789", "quiet": "quiet-key-0123456789"}
+FLOOD_SETTINGS = {"api_keys": ",".join(KEYS.values()), "debug_forward_delay_s": DELAY_S, "max_batch_items": BATCH,
+                  "max_client_queue": SHARE, "max_queue": 256, "max_wait_ms": 5, "cache_bytes": 0, "request_timeout_s": 300}
+
+
+def assert_fair(url: str, workers: int, min_refused: int) -> None:
+    """A flood of 200 from one key against a quiet client's single request, on a server of
+    `workers` processes (each keeps its own per-client queues and shares)."""
+    unloaded, probe, flooded, deepest = asyncio.run(flood_and_probe(url, bearer(KEYS["flooder"]), KEYS["quiet"]))
+    statuses = [r.status_code for r in flooded]
+    assert probe["status"] == 200, probe
+    probe_s = probe["seconds"]
+    # The probe waits for the batch already running, then rides in the next: far from the
+    # 64 / 8 = 8 batches it would wait behind the flood in one shared FIFO. "One batch" is
+    # the forward of the probe's own (full) batch, as the server timed it: on this shared
+    # machine a batch takes 1 s (the delay) plus whatever the other jobs leave of the CPU.
+    timing = probe["body"]["timing_ms"]
+    one_batch = timing["forward"] / 1000
+    assert probe_s <= 2 * unloaded + one_batch, (probe_s, unloaded, timing)
+    print(f"probe {probe_s:.2f} s, unloaded {unloaded:.2f} s, server timing {timing}")
+    # In batches rather than seconds: the probe queued for at most the batch that was running.
+    assert timing["queue"] <= 1.5 * timing["forward"], timing
+    # The flood got its share (one in each worker: the queue depth is summed over them) and 429s
+    # for the rest, each with Retry-After; nothing else.
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    refused = [r for r in flooded if r.status_code == 429]
+    assert deepest <= workers * SHARE + 1, deepest
+    # Batches finish while the 200 requests arrive and free room; most are refused all the same.
+    assert len(refused) >= min_refused, len(refused)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert {r.json()["error"]["code"] for r in refused} == {"queue_full"}
+    assert all("this client" in r.json()["error"]["message"] for r in refused)
+    assert metric(url, "manyeyes_dropped_total", reason="client_share") == len(refused)  # every worker's count
+
+
 @pytest.mark.slow
 def test_a_flood_from_one_key_neither_starves_another_nor_gets_past_its_share():
-    keys = {"flooder": "flood-key-0123456789", "quiet": "quiet-key-0123456789"}
-    with spawned(api_keys=",".join(keys.values()), debug_forward_delay_s=DELAY_S, max_batch_items=BATCH,
-                 max_client_queue=SHARE, max_queue=256, max_wait_ms=5, cache_bytes=0, request_timeout_s=300) as url:
-        unloaded, probe, flooded, deepest = asyncio.run(flood_and_probe(url, bearer(keys["flooder"]), keys["quiet"]))
-        statuses = [r.status_code for r in flooded]
-        assert probe["status"] == 200, probe
-        probe_s = probe["seconds"]
-        # The probe waits for the batch already running, then rides in the next: far from the
-        # 64 / 8 = 8 batches it would wait behind the flood in one shared FIFO. "One batch" is
-        # the forward of the probe's own (full) batch, as the server timed it: on this shared
-        # machine a batch takes 1 s (the delay) plus whatever the other jobs leave of the CPU.
-        timing = probe["body"]["timing_ms"]
-        one_batch = timing["forward"] / 1000
-        assert probe_s <= 2 * unloaded + one_batch, (probe_s, unloaded, timing)
-        print(f"probe {probe_s:.2f} s, unloaded {unloaded:.2f} s, server timing {timing}")
-        # In batches rather than seconds: the probe queued for at most the batch that was running.
-        assert timing["queue"] <= 1.5 * timing["forward"], timing
-        # The flood got its share and 429s for the rest, each with Retry-After; nothing else.
-        assert set(statuses) <= {200, 429}, sorted(set(statuses))
-        refused = [r for r in flooded if r.status_code == 429]
-        assert deepest <= SHARE + 1, deepest
-        # Batches finish while the 200 requests arrive and free room; most are refused all the same.
-        assert len(refused) >= 100, len(refused)
-        assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
-        assert {r.json()["error"]["code"] for r in refused} == {"queue_full"}
-        assert all("this client" in r.json()["error"]["message"] for r in refused)
-        assert metric(url, "manyeyes_dropped_total", reason="client_share") == len(refused)
-
+    with spawned(**FLOOD_SETTINGS) as url:
+        assert_fair(url, workers=1, min_refused=100)
 
 
 @pytest.mark.slow
 def test_with_two_workers_a_flood_still_neither_starves_another_nor_gets_past_its_shares():
-    """`--workers 2`: each worker keeps its own per-client queues and shares, and the kernel spreads
-    the flood's connections over both, so the flood may queue up to a share in each; the quiet
-    client's kept-alive connection reaches one worker, where it still rides the next batch."""
-    import os
-    import subprocess
+    """`--workers 2`: the kernel spreads the flood's connections over both workers, so the flood may
+    queue up to a share in each; the quiet client's kept-alive connection reaches one worker,
+    where it still rides the next batch."""
+    with spawned(("--workers", "2"), models='{"tiny-gpt": "tiny-gpt"}', **FLOOD_SETTINGS) as url:  # /readyz: both loaded
+        assert_fair(url, workers=2, min_refused=50)
 
-    from tests.reliability.test_lifecycle import serve_command
-
-    keys = {"flooder": "flood-key-0123456789", "quiet": "quiet-key-0123456789"}
-    settings = {"models": '{"tiny-gpt": "tiny-gpt"}', "warmup": "false", "api_keys": ",".join(keys.values()),
-                "debug_forward_delay_s": DELAY_S, "max_batch_items": BATCH, "max_client_queue": SHARE, "max_queue": 256,
-                "max_wait_ms": 5, "cache_bytes": 0, "request_timeout_s": 300}
-    port = free_port()
-    env = {**os.environ, **{f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()}}
-    proc = subprocess.Popen([*serve_command(port), "--workers", "2"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        url = f"http://{HOST}:{port}"
-        wait_ready(url)  # every worker: /readyz waits for both
-        unloaded, probe, flooded, deepest = asyncio.run(flood_and_probe(url, bearer(keys["flooder"]), keys["quiet"]))
-        assert probe["status"] == 200, probe
-        timing = probe["body"]["timing_ms"]
-        assert probe["seconds"] <= 2 * unloaded + timing["forward"] / 1000, (probe["seconds"], unloaded, timing)
-        assert timing["queue"] <= 1.5 * timing["forward"], timing
-        refused = [r for r in flooded if r.status_code == 429]
-        assert {r.status_code for r in flooded} <= {200, 429}
-        # A share in each worker (the queue depth is summed over them), and the rest refused.
-        assert deepest <= 2 * SHARE + 1, deepest
-        assert len(refused) >= 50, len(refused)
-        assert all(int(r.headers["retry-after"]) >= 1 and "this client" in r.json()["error"]["message"] for r in refused)
-        assert metric(url, "manyeyes_dropped_total", reason="client_share") == len(refused)  # both workers' counts
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 @pytest.mark.slow
 def test_forwarded_for_separates_clients_only_behind_a_trusted_proxy():

@@ -25,9 +25,11 @@ def serve_command(port: int) -> list[str]:
     return [*base, "serve", "--host", HOST, "--port", str(port), "--device", "cpu", "--log-level", "warning"]
 
 
-def start_server(port: int, **env) -> subprocess.Popen:
+def start_server(port: int, args: tuple[str, ...] = (), **env) -> subprocess.Popen:
+    """`manyeyes serve` with MANYEYES_* settings `env` and more command-line `args` (--workers 2)."""
     environment = {**os.environ, "MANYEYES_MODELS": '{"minilm": "minilm"}', **{f"MANYEYES_{k.upper()}": str(v) for k, v in env.items()}}
-    return subprocess.Popen(serve_command(port), env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([*serve_command(port), *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def refuses_connections(port: int) -> bool:
