@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from manyeyes.model.attention import Capture, layer_windows
@@ -94,6 +95,20 @@ def _has(accelerator: str) -> bool:
     return mps is not None and mps.is_available()
 
 
+def padded_inputs(batch: list[Encoded], lengths: list[int], width: int) -> torch.Tensor:
+    """(3, b, width) int64: each input's token ids, segment ids and 1 for each real token, right-padded with 0.
+
+    Filled on the host in numpy: per-row torch copies were six torch calls an input (a batch of 64
+    at T=16 spent 1.1-1.5 ms here, against 0.25-0.45 ms), and off the CPU the host's time is what
+    bounds a forward of small inputs."""
+    table = np.zeros((3, len(batch), width), dtype=np.int64)
+    for row, (enc, n) in enumerate(zip(batch, lengths)):
+        table[0, row, :n] = enc.ids
+        table[1, row, :n] = enc.type_ids
+        table[2, row, :n] = 1
+    return torch.from_numpy(table)
+
+
 class AttentionModel:
     def __init__(self, net: torch.nn.Module, tokenizer, info: ModelInfo, half: bool = False):
         self.net = net
@@ -166,14 +181,10 @@ class AttentionModel:
             return [self._run_kept(encoded, capture) for encoded in batch]
         lengths = [len(e) for e in batch]
         width = max(lengths)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        types = torch.zeros(len(batch), width, dtype=torch.long)
-        real = torch.zeros(len(batch), width, dtype=torch.bool)
-        for row, enc in enumerate(batch):
-            ids[row, : len(enc)] = torch.tensor(enc.ids, dtype=torch.long)
-            types[row, : len(enc)] = torch.tensor(enc.type_ids, dtype=torch.long)
-            real[row, : len(enc)] = True
         padded = min(lengths) != width
+        # (3, b, width): token ids, segment ids, real tokens; one copy to the device for all three
+        inputs = padded_inputs(batch, lengths, width).to(self.device)
+        ids, types, real = inputs[0], inputs[1], inputs[2].bool() if padded else None
         # A model with a language-model head needs the hidden state for its predictions.
         capture = Capture(weights=True, qkv=capture.qkv, hidden=capture.hidden or self.info.predictions)
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
@@ -181,13 +192,7 @@ class AttentionModel:
         # Read through the network's ShapeInfo: families name their config fields differently.
         weights = empty_written_whole((self.net.n_layers, len(batch), self.net.n_heads, width, width), self.device)
         with torch.inference_mode(), self._autocast():
-            trace = self.net.inspect(
-                ids.to(self.device),
-                real.to(self.device) if padded else None,
-                capture,
-                token_type_ids=types.to(self.device),
-                weights_out=weights,
-            )
+            trace = self.net.inspect(ids, real, capture, token_type_ids=types, weights_out=weights)
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
             attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
             hidden = trace.hidden.float().cpu() if trace.hidden is not None else None

@@ -3,6 +3,7 @@
 import torch
 
 from manyeyes.model import load
+from manyeyes.model.runtime import padded_inputs
 
 TEXTS = [
     "Short.",
@@ -22,6 +23,22 @@ def test_minilm_batch_equals_single_runs(minilm):
         assert (item.hidden - single.hidden).abs().max() <= 1e-4
         # An item's weights hold no more memory than themselves, never the whole batch's tensor.
         assert item.attention.untyped_storage().nbytes() == item.attention.nbytes
+
+
+def test_a_batch_carries_each_inputs_ids_segments_and_padding(minilm):
+    pair = minilm.encode("The bank.", "The river bank is muddy today.")
+    short = minilm.encode("x")
+    assert 1 in pair.type_ids  # the pair's second text is segment 1
+    width, pad = len(pair), len(pair) - len(short)
+    table = padded_inputs([pair, short], [len(pair), len(short)], width)
+    assert table.dtype == torch.int64 and table.shape == (3, 2, width)
+    assert table[0].tolist() == [pair.ids, short.ids + [0] * pad]
+    assert table[1].tolist() == [pair.type_ids, short.type_ids + [0] * pad]
+    assert table[2].tolist() == [[1] * width, [1] * len(short) + [0] * pad]
+    # and the forward reads them: each item of the batch is its own run, segments included
+    for item, encoded in zip(minilm.run([pair, short]), (pair, short)):
+        (single,) = minilm.run([encoded])
+        assert (item.attention - single.attention).abs().max() <= 1e-5
 
 
 def test_gpt2_batch_equals_single_runs(tmp_path, bytelevel_tokenizer):
