@@ -688,6 +688,9 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));
   if (!run.long) headView.reserve(run.tokens, viewOptions());
+  // The head chips above the head view as well: drawn with the lines after a pause, they pushed
+  // everything under them (the measures panel) down by their height, once the page had laid it out.
+  renderHeadChips();
   await renderViews();
   if (!run.long) measures.onRun(run, request, state.layer, state.head, labels().labels, viewOptions());
   else measures.onLongRun();

@@ -110,6 +110,17 @@ export class Predictions {
     // A strip laid out anew (shown, or the window resized) may start or stop scrolling.
     this.resized = new ResizeObserver((entries) => entries.forEach((entry) => fitStrip(entry.target)));
     this.resized.observe(this.strip);
+    // main.js announces a new run before it draws its heatmaps, and asks for its predictions only
+    // after them: the last run's guesses go now, not one drawn frame (or more) later.
+    document.addEventListener("manyeyes:run", () => this.forgetRun());
+  }
+
+  // The run on screen is about to change: no strip or hover line of the last run's guesses.
+  forgetRun() {
+    this.token = {}; // a load still in flight for the last run is not drawn
+    this.byPosition = null;
+    for (const strip of this.strips ?? [this.strip]) hint(strip, "Loading this run's predictions…");
+    delete this.strip.dataset.runId;
   }
 
   // A new run: its predictions (one POST from the run cache, no forward pass), drawn into the strip
@@ -121,8 +132,7 @@ export class Predictions {
     this.byPosition = null;
     this.labels = labels;
     const token = (this.token = {});
-    // The last run's tokens and guesses go at once: they stayed, under this run's heatmaps, until
-    // this run's answer came.
+    // The measures' strip too, which forgetRun may not have known of yet.
     for (const strip of strips) hint(strip, "Loading this run's predictions…");
     delete this.strip.dataset.runId;
     this.models ??= listModels().catch(() => []);

@@ -232,3 +232,51 @@ def test_failed_routes_and_heads_requests_leave_no_loading_note_behind(base, pag
                            " && document.getElementById('finder-status').textContent.length > 0", timeout=30_000)
     assert page.locator("#flow").inner_text().strip() == "" and page.locator("#finder .empty").count() == 0
     assert "boom" in page.locator("#flow-status").text_content() and "boom" in page.locator("#finder-status").text_content()
+
+
+def test_the_focus_strip_drops_the_last_runs_guesses_when_the_new_run_is_announced(base, page):
+    """main.js announces a new run (manyeyes:run), draws its heatmaps, and only then asks for its
+    predictions: the strip under the new heatmap kept the last run's guesses in between, for a drawn
+    frame or more. Read as the run is announced and at the next frame."""
+    first_run(page, base)
+    page.wait_for_function(f"() => document.querySelectorAll('#focus-predictions .pred').length === {len(TEXT)}", timeout=30_000)
+    page.evaluate("""() => {
+      const read = () => { const strip = document.getElementById('focus-predictions');
+        return { items: strip.querySelectorAll('.pred').length, text: strip.innerText, runId: strip.dataset.runId ?? null }; };
+      window.stripSeen = null;
+      document.addEventListener('manyeyes:run', () => {
+        const announced = read();
+        requestAnimationFrame(() => { window.stripSeen = { announced, nextFrame: read() }; });
+      }, { once: true });
+    }""")
+    submit(page, OTHER, model="tiny-gpt")
+    page.wait_for_function("() => window.stripSeen !== null", timeout=30_000)
+    seen = page.evaluate("window.stripSeen")
+    for moment in ("announced", "nextFrame"):
+        strip = seen[moment]
+        # TEXT's 38 tokens and guesses under OTHER's heatmap, or OTHER's own once they came
+        assert strip["items"] in (0, len(OTHER)) and "cat" not in strip["text"], seen
+    assert seen["announced"] == {"items": 0, "text": "Loading this run's predictions…", "runId": None}, seen
+
+
+def test_the_head_chips_hold_their_room_before_the_head_view_draws(base, make_page):
+    """The head view's chips (which heads it draws) came with its lines, after a pause: they pushed
+    the measures panel down by their height once the page had laid it out. The panel's place when
+    the page says "Done" is its place with the head view drawn."""
+    page = make_page(viewport=(1280, 800))
+    open_page(page, base)
+    page.evaluate("""() => { window.atDone = null;
+      new MutationObserver(() => {
+        if (window.atDone === null && document.getElementById('run-status').textContent.startsWith('Done'))
+          window.atDone = { measuresTop: document.getElementById('measures').getBoundingClientRect().top + window.scrollY,
+                            drawn: !!document.querySelector('#headview .hv-canvas[data-lines]') };
+      }).observe(document.getElementById('run-status'), { childList: true, characterData: true, subtree: true }); }""")
+    run(page, TEXT, model="tiny-gpt")
+    page.wait_for_selector("#headview .hv-canvas[data-lines]", timeout=30_000)
+    at_done = page.evaluate("window.atDone")
+    drawn = page.evaluate("""() => ({ measuresTop: document.getElementById('measures').getBoundingClientRect().top + window.scrollY,
+                                      chips: document.querySelectorAll('#headview-heads .chip').length,
+                                      chipsHeight: document.getElementById('headview-heads').getBoundingClientRect().height })""")
+    assert at_done is not None and not at_done["drawn"], at_done  # read before the lines were drawn
+    assert drawn["chips"] > 0 and drawn["chipsHeight"] > 10, drawn
+    assert abs(at_done["measuresTop"] - drawn["measuresTop"]) <= 1, (at_done, drawn)
