@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from prometheus_client import values
 from prometheus_client.multiprocess import mark_process_dead
 
 from manyeyes.app.config import Settings
@@ -81,6 +82,13 @@ def _detach_from_terminal() -> None:
         pass
 
 
+def metrics_identity(slot: int) -> str:
+    """What names the metric files of the worker in `slot` (prometheus_client's process identifier).
+    One worker runs in a slot at a time, which is all prometheus_client asks of it; no underscore,
+    which its file names use as the separator."""
+    return f"w{slot}"
+
+
 def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replacement: bool, threads: int, log_level: str) -> None:
     _detach_from_terminal()
     import torch
@@ -88,6 +96,10 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
 
     from manyeyes.app.server import server_config
 
+    # The slot, not the pid, names this worker's metric files: a replacement goes on adding to the
+    # counts its dead predecessor left (the totals stay right), and the folder holds one set of
+    # files a slot, where a crash loop had left a set for every process it ever started.
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: metrics_identity(slot))
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s worker-{os.getpid()} %(name)s %(message)s")
     torch.set_num_threads(threads)
     config = server_config(worker_app(settings, Path(folder), slot, workers, replacement), settings, log_level=log_level)
@@ -151,7 +163,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
                 if process.exitcode is not None and i not in due:
                     pauses[i] = RESTART_PAUSE_S if now - started[i] > LIVED_LONG_S else min(2 * pauses[i], MAX_RESTART_PAUSE_S)
                     log.warning("worker %d exited with %s; another starts in %.0f s", process.pid, process.exitcode, pauses[i])
-                    mark_process_dead(process.pid, str(folder / "metrics"))  # its gauges stop counting; its counters stay
+                    mark_process_dead(metrics_identity(i), str(folder / "metrics"))  # its gauges stop counting; its counters stay
                     due[i] = now + pauses[i]
             for i, when in list(due.items()):
                 if now >= when:

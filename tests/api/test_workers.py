@@ -97,20 +97,22 @@ def test_a_run_no_worker_has_seen_is_a_404(workers):
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_run"
 
 
+def attention_posts(base: str) -> float:
+    """POSTs to /api/v1/attention that /metrics counts, every worker's added up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "manyeyes_requests_total" and sample.labels["route"] == "/api/v1/attention")
+
+
 def test_metrics_add_up_every_workers_requests(workers):
     base, *_ = workers
-
-    def attention_posts(text: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-                   if sample.name == "manyeyes_requests_total" and sample.labels["route"] == "/api/v1/attention")
-
-    before = attention_posts(httpx.get(f"{base}/metrics").text)
+    before = attention_posts(base)
     for i in range(20):  # a fresh connection each: both workers take some
         assert httpx.post(f"{base}/api/v1/attention", json={"text": f"Count me, number {i}.", "format": "u8"}).status_code == 200
     # Whichever worker takes the scrape, it counts all 20, not its own share of them.
-    scrapes = [attention_posts(httpx.get(f"{base}/metrics").text) for _ in range(10)]
+    scrapes = [attention_posts(base) for _ in range(10)]
     assert scrapes == [before + 20] * 10, (before, scrapes)
 
 
@@ -127,6 +129,9 @@ def test_a_view_saved_through_one_worker_opens_through_every_worker(workers):
 def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
     base, proc, log, folder = workers
     before = worker_pids(proc.pid)
+    for i in range(6):  # fresh connections: both workers count some
+        httpx.post(f"{base}/api/v1/attention", json={"text": f"Before the crash, {i}.", "format": "u8"}).raise_for_status()
+    counted = attention_posts(base)
     os.kill(min(before), signal.SIGKILL)
     deadline = time.monotonic() + 90
     while not (len(after := worker_pids(proc.pid)) == 2 and after != before):
@@ -137,8 +142,14 @@ def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
     while f"worker-{new} manyeyes.access" not in log.read_text():
         assert time.monotonic() < deadline, "the new worker never answered"
         httpx.post(f"{base}/api/v1/attention", json={"text": f"Again {time.monotonic()}.", "format": "u8"}).raise_for_status()
+        counted += 1
     # Two slots, as before: the new worker writes where the dead one did.
     assert sorted(os.listdir(f"/dev/shm/{folder}/runs")) == ["0", "1"]
+    # The dead worker's counts stay in the totals, and its metric files are its slot's, which the new
+    # worker writes on: a crash loop no longer leaves a set of files for every process it started.
+    assert [attention_posts(base) for _ in range(6)] == [counted] * 6
+    metric_files = os.listdir(f"/dev/shm/{folder}/metrics")
+    assert {name.rpartition("_")[2] for name in metric_files} == {"w0.db", "w1.db"}, metric_files
 
 
 def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
