@@ -435,3 +435,20 @@ def test_the_server_sets_the_cuda_wait_before_loading_where_it_may_use_cuda(monk
         asyncio.run(loaded_or_failed(registry, timeout_s=60))
         assert registry.ready.is_set() or registry.failure
     assert calls == (["spin"] if asked else [])
+
+
+def test_the_gpu_kit_carries_whatever_the_image_lacks(tmp_path):
+    """bench/gpu_kit.py builds the one call a lent GPU runs (bench/gpu_call.sh). A dependency added to
+    pyproject.toml that neither the image holds nor the kit carries would fail that call on the
+    machine, minutes into its fifteen: it fails here instead. So does a kit wheel's own need."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_kit", Path(__file__).resolve().parents[2] / "bench" / "gpu_kit.py")
+    kit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kit)
+    assert kit.unmet(tmp_path, "3.12") == []  # manyeyes' own dependencies
+    with zipfile.ZipFile(tmp_path / "somepkg-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("somepkg-1.0.dist-info/METADATA", "Name: somepkg\nRequires-Dist: pydantic>=2\nRequires-Dist: left-behind>=1\n"
+                       "Requires-Dist: old-backport; python_version < '3.9'\nRequires-Dist: docs-only; extra == 'docs'\n")
+    assert kit.unmet(tmp_path, "3.12") == ["somepkg: left-behind"]
