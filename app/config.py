@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     # Answers encoded (u8/f16/json bytes, base64, compression) at once; more than the cores gains
     # nothing and each holds a copy of its answer (19 MB for u8 at T=512) while it works.
     max_concurrent_renders: int = Field(2, ge=1)
+    # Bytes of answers on their way out at once (services/slots.py FairBytes): each request's runs
+    # and its encoded answer, reckoned before its forward pass and held until the answer is sent.
+    # A request waits its turn for them (round-robin across clients, half the budget a client at
+    # most, one larger than all of it alone); 0: no budget. SECURITY.md, "Memory".
+    answer_bytes: int = Field(256 * 2**20, ge=0)
     max_wait_ms: float = Field(5.0, ge=0)
     # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)

@@ -115,6 +115,9 @@ MUTANTS = [
            "value = await call(request)\n                if name:\n                    arguments[name] = value",
            "if name:\n                    arguments[name] = await call(request)",
            ("tests/api/test_lean_route.py", "-k", "skips_dependency_solving")),
+    Mutant("answer-budget-lets-a-client-take-it-all", "app/services/slots.py",
+           "and self.held_by.get(client, 0) + nbytes <= self.limit // 2", "",
+           ("tests/api/test_slots.py", "-k", "bytes")),
     # ---- static/
     Mutant("thumbnail-colour-scale-fixed-not-per-head", "static/js/grid.js",
            "Math.min(1, scaled(v, scale, peak))", "Math.min(1, scaled(v, scale, 1))",

@@ -1,8 +1,11 @@
 """Error responses shared by the API routes, so /docs lists every status a route can give."""
 
+import weakref
+
 from fastapi import Response
 
 from manyeyes.app.schemas import ErrorResponse
+from manyeyes.app.services.slots import Grant
 
 
 def errors(*statuses: int) -> dict:
@@ -59,15 +62,25 @@ class PiecesResponse(Response):
     """A body sent as the pieces it was built from (a 25 MB base64 string stays one piece):
     one Content-Length, several writes, no join, unless the answer is small."""
 
-    def __init__(self, pieces: list[bytes], media_type: str, headers: dict | None = None) -> None:
+    def __init__(self, pieces: list[bytes], media_type: str, headers: dict | None = None, grant: Grant | None = None) -> None:
         super().__init__(b"", media_type=media_type, headers=headers)
         size = sum(len(p) for p in pieces)
         # Small answers go in one write: each piece is a trip through every middleware's send
         # and a socket write of its own, which costs more than copying a few hundred KB.
         self.pieces = [b"".join(pieces)] if size <= JOIN_BELOW_BYTES and len(pieces) > 1 else pieces
         self.headers["content-length"] = str(size)
+        # The answer's bytes in the service's budget go back once it is sent (or its client hung
+        # up), and in any case once this response, which holds them, is freed unsent.
+        self.grant = grant
+        if grant is not None:
+            weakref.finalize(self, grant.release)
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for i, piece in enumerate(self.pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": i < len(self.pieces) - 1})
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            for i, piece in enumerate(self.pieces):
+                await send({"type": "http.response.body", "body": piece, "more_body": i < len(self.pieces) - 1})
+        finally:
+            self.pieces = []
+            if self.grant is not None:
+                self.grant.release()

@@ -29,7 +29,7 @@ from manyeyes.app.services.errors import (
     brief,
 )
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.slots import FairSlots
+from manyeyes.app.services.slots import FairBytes, FairSlots, Grant
 from manyeyes.app.services.payload import View, join_results, render_frame, render_kept, render_result
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, prefers_frame
 from manyeyes.app.services.registry import Registry, Served
@@ -159,6 +159,21 @@ class Reply:
     log: dict  # run ids and timings for the request's log line
     headers: dict = field(default_factory=dict)
     runs: list = field(default_factory=list)  # the answer's runs, as computed (the cache may drop them)
+    # The answer's bytes in the service's budget (AttentionService.answers): given back once it is
+    # sent (PiecesResponse), or once nothing holds it any more.
+    grant: Grant | None = None
+
+
+# An answer's bytes a weight while it is encoded and sent: raw in a frame, base64 (4/3) in JSON,
+# and json's text about 15 characters a weight (format=json's 2 M cells: ~30 MB).
+JSON_TEXT_BYTES = 15
+
+
+def answer_bytes(cells: int, fmt: str, frame: bool) -> int:
+    raw = KEPT_DTYPE[fmt].itemsize
+    if frame:
+        return cells * raw
+    return cells * JSON_TEXT_BYTES if fmt == "json" else -(-cells * raw * 4 // 3)
 
 
 def check_precision(run: Run, fmt: str) -> None:
@@ -238,6 +253,11 @@ class AttentionService:
         self.renders = FairSlots(settings.max_concurrent_renders)
         # Tiles and large slices waiting for one of those slots: bounded, 429 beyond (RenderQueue).
         self.queued = RenderQueue(self.renders, settings.max_queue, settings.max_client_queue, metrics)
+        # Bytes held by answers on their way out: their runs and their encoded bytes, from before
+        # the forward pass until sent. Without it a crowd of clients asking for large answers
+        # piled up runs waiting for a render slot and answers waiting for their readers (300
+        # connections asking for 2 M cells of json: 3.5 GB against a bound of 1.3 GB).
+        self.answers = FairBytes(settings.answer_bytes, metrics.answer_bytes)
         self.compression = Compression(
             settings.zstd_level, settings.zstd_min_bytes, settings.attention_gzip_level, settings.gzip_min_bytes
         )
@@ -258,9 +278,14 @@ class AttentionService:
         # A batch answers with weights only; one text may keep queries and keys (see kind_for).
         keep = getattr(options, "keep", "weights")
         measures = getattr(options, "measures", None)
-        await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures))
-        reply = await self._reply(served, items, view, batch, wire, top_k, client)
+        grant = await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures), wire)
+        try:
+            reply = await self._reply(served, items, view, batch, wire, top_k, client)
+        except BaseException:
+            grant.release()
+            raise
         reply.runs = [item.run for item in items]
+        reply.grant = grant
         return reply
 
     def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False) -> str:
@@ -300,18 +325,48 @@ class AttentionService:
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.n_tokens], view)
         check_precision(run, fmt)
+        items = [Item("", None, "", run_id, run)]
+        nbytes = self._held_bytes(served, items, view, wire)
         if self._renders_inline(view.cells(run.n_tokens), view, wire):
-            items = [Item("", None, "", run_id, run)]
-            return self._replied(items, view, wire, *self._render(served, items, view, False, wire))
-        return self._slice_in_slot(run_id, served, view, wire, client)
+            grant = self.answers.try_take(nbytes, client)
+            if grant is not None:
+                try:
+                    reply = self._replied(items, view, wire, *self._render(served, items, view, False, wire))
+                except BaseException:
+                    grant.release()
+                    raise
+                reply.grant = grant
+                return reply
+        return self._slice_in_slot(run_id, served, view, wire, client, nbytes)
 
-    async def _slice_in_slot(self, run_id: str, served: Served, view: View, wire: Wire, client: str) -> Reply:
+    async def _slice_in_slot(self, run_id: str, served: Served, view: View, wire: Wire, client: str, nbytes: int) -> Reply:
         """The run is read again once a render slot is held (still_cached), as tiles' are. Admitted
-        here, not in `slice`: a coroutine cancelled before it starts would never release its count."""
-        async with self.queued.hold(client):
-            items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
-            body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
-        return self._replied(items, view, wire, body, encoding)
+        here, not in `slice`: a coroutine cancelled before it starts would never release its count.
+        Its answer's bytes are granted first (FairBytes), within the request's time budget, and only
+        then a render slot: a request holding a slot while it waited for bytes would stand in the way
+        of the answers holding them, which wait for a slot to be encoded."""
+        self.queued.admit(client)
+        try:
+            try:
+                async with asyncio.timeout(self.settings.request_timeout_s):
+                    grant = await self.answers.take(nbytes, client)
+            except TimeoutError:
+                raise OverBudget(
+                    f"the slice waited {self.settings.request_timeout_s:g} s for the memory this server keeps for the "
+                    "answers it is sending; retry shortly"
+                ) from None
+            try:
+                async with self.renders.hold(client):
+                    items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
+                    body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
+                reply = self._replied(items, view, wire, body, encoding)
+            except BaseException:
+                grant.release()
+                raise
+        finally:
+            self.queued.release(client)
+        reply.grant = grant
+        return reply
 
     def cached(self, run_id: str, needs_weights: str | None = None) -> Run:
         """The cached run, else 404. needs_weights names a route that reads the whole weights:
@@ -438,9 +493,10 @@ class AttentionService:
 
     async def _compute(
         self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str,
-        keep: str = "weights", measures: bool = False,
-    ) -> None:
-        """Fill each item's run: from the cache, else through one place each in the batcher."""
+        keep: str = "weights", measures: bool = False, wire: Wire = Wire(),
+    ) -> Grant:
+        """Fill each item's run: from the cache, else through one place each in the batcher. The
+        bytes its answer will hold are granted first (a run computed is held until it is answered)."""
         missing = []
         for item in items:
             item.run = self.cache.get(item.run_id)
@@ -459,7 +515,7 @@ class AttentionService:
             lengths = [item.run.n_tokens for item in items if item.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            return
+            return await self._reserve(served, items, view, wire, deadline, client)
         batcher = served.batcher
         batcher.admit(len(missing), client)
         submitted = 0
@@ -472,11 +528,57 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
-                                     [i.kind == "qk" for i in missing])
+            grant = await self._reserve(served, items, view, wire, deadline, client)
+            try:
+                futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
+                                         [i.kind == "qk" for i in missing])
+            except BaseException:
+                grant.release()
+                raise
             submitted = len(missing)
         finally:
             batcher.release(len(missing) - submitted, client)
+        try:
+            await self._collect(served, items, missing, futures, view, truncate, deadline)
+        except BaseException:
+            grant.release()
+            raise
+        return grant
+
+    async def _reserve(self, served: Served, items: list[Item], view: View, wire: Wire, deadline: float,
+                       client: str) -> Grant:
+        """The bytes answering `items` holds (FairBytes), waited for until the request's deadline."""
+        nbytes = self._held_bytes(served, items, view, wire)
+        grant = self.answers.try_take(nbytes, client)
+        if grant is not None:
+            return grant
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                return await self.answers.take(nbytes, client)
+        except TimeoutError:
+            raise OverBudget(
+                f"the request did not finish within its {self.settings.request_timeout_s:g} s budget: the answers "
+                "this server is sending already hold the memory it keeps for them; retry shortly"
+            ) from None
+
+    def _held_bytes(self, served: Served, items: list[Item], view: View, wire: Wire) -> int:
+        """Each item's run (a cached one may be dropped from the cache meanwhile, and is held all
+        the same) and its answer, reckoned before the forward pass as the cache reckons runs."""
+        weight_bytes = KEPT_DTYPE[view.format].itemsize if served.batcher.device_quantise else 4
+        total = 0
+        for item in items:
+            if item.run is not None:
+                n, total = item.run.n_tokens, total + item.run.nbytes
+            else:
+                n = len(item.encoded)
+                total += run_bytes(served.model.info, n, item.kind, weight_bytes, served.qk_bytes)
+            if item.kind == "weights":
+                total += answer_bytes(view.cells(n), view.format, wire.frame)
+        return total
+
+    async def _collect(self, served: Served, items: list[Item], missing: list[Item], futures, view: View,
+                       truncate: bool, deadline: float) -> None:
+        """The forward passes' results, as the items' runs, cached."""
         try:
             # Not asyncio.wait_for: when the client hung up, it left the gather's CancelledError
             # unretrieved, and the collector logged "exception was never retrieved" for each.

@@ -41,6 +41,8 @@ class Metrics:
         )
         self.cache = Counter("manyeyes_cache_lookups", "Run cache lookups", ["result"], registry=r)
         self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run caches", registry=r, multiprocess_mode="livesum")
+        self.answer_bytes = Gauge("manyeyes_answer_bytes", "Bytes held by answers on their way out: their runs and encoded "
+                                  "bytes, as reckoned for MANYEYES_ANSWER_BYTES", registry=r, multiprocess_mode="livesum")
         self.generation_steps = Counter("manyeyes_generation_steps", "Tokens generated, by model", ["model"], registry=r)
         self.generations = Counter(
             "manyeyes_generations", "Generations by outcome: finished, failed, or cancelled by a client that hung up", ["outcome"], registry=r

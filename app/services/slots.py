@@ -13,6 +13,20 @@ from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 
 
+def forget(waiting: OrderedDict[str, deque], client: str, entry) -> None:
+    """Takes a cancelled waiter's entry out of its client's queue, and the client out of the rotation
+    once it has none left."""
+    queue = waiting.get(client)
+    if queue is None:
+        return
+    try:
+        queue.remove(entry)
+    except ValueError:
+        return
+    if not queue:
+        del waiting[client]
+
+
 class FairSlots:
     """`async with slots.hold(client):` at most `n` holders at once. Event loop only (no lock)."""
 
@@ -38,7 +52,7 @@ class FairSlots:
             await future
         except asyncio.CancelledError:
             if future.cancelled():
-                self._forget(client, future)
+                forget(self._waiting, client, future)
             else:
                 self._release()  # handed a slot just as this waiter was cancelled: pass it on
             raise
@@ -57,13 +71,97 @@ class FairSlots:
                 return
         self.free += 1
 
-    def _forget(self, client: str, future: asyncio.Future) -> None:
-        queue = self._waiting.get(client)
-        if queue is None:
-            return
+
+
+class Grant:
+    """Bytes taken from a FairBytes, given back once by `release()` (any later call does nothing)."""
+
+    __slots__ = ("budget", "nbytes", "client")
+
+    def __init__(self, budget: FairBytes | None, nbytes: int, client: str) -> None:
+        self.budget, self.nbytes, self.client = budget, nbytes, client
+
+    def release(self) -> None:
+        budget, self.budget = self.budget, None
+        if budget is not None:
+            budget._give_back(self)
+
+
+class FairBytes:
+    """Bytes of answers held at once (runs being answered, answers being encoded and sent), handed
+    out in the same rotation across clients as FairSlots. Event loop only (no lock).
+
+    `grant = await budget.take(nbytes, client)`, then `grant.release()`. The head of the rotation
+    waits until its bytes are free, and those behind it wait too, so a large answer is never passed
+    over forever; one larger than the whole budget goes alone, once nothing else is held. A client
+    holds at most half the budget (but for that one): answers a client reads slowly, or never, hold
+    their bytes until sent, and one client must not hold them all. limit 0: no budget."""
+
+    def __init__(self, limit: int, gauge=None) -> None:
+        self.limit = limit
+        self.gauge = gauge  # told the bytes held at each change (a Prometheus Gauge), if given
+        self.held = 0
+        self.held_by: dict[str, int] = {}
+        self._waiting: OrderedDict[str, deque[tuple[int, asyncio.Future]]] = OrderedDict()
+
+    def _fits(self, nbytes: int, client: str) -> bool:
+        if self.held == 0:
+            return True
+        return self.held + nbytes <= self.limit and self.held_by.get(client, 0) + nbytes <= self.limit // 2
+
+    def _hold(self, nbytes: int, client: str) -> Grant:
+        self.held += nbytes
+        self.held_by[client] = self.held_by.get(client, 0) + nbytes
+        if self.gauge is not None:
+            self.gauge.set(self.held)
+        return Grant(self, nbytes, client)
+
+    def try_take(self, nbytes: int, client: str = "") -> Grant | None:
+        """The bytes at once, or None where `take` would wait."""
+        if self.limit == 0:
+            return Grant(None, nbytes, client)
+        if not self._waiting and self._fits(nbytes, client):
+            return self._hold(nbytes, client)
+        return None
+
+    async def take(self, nbytes: int, client: str = "") -> Grant:
+        grant = self.try_take(nbytes, client)
+        if grant is not None:
+            return grant
+        future = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        self._waiting.setdefault(client, deque()).append(entry)
         try:
-            queue.remove(future)
-        except ValueError:
-            return
-        if not queue:
-            del self._waiting[client]
+            return await future
+        except asyncio.CancelledError:
+            if future.cancelled():
+                forget(self._waiting, client, entry)
+                self._grant_waiting()  # it may have been the head that held the others back
+            else:
+                future.result().release()  # granted just as this waiter was cancelled: give it back
+            raise
+
+    def _give_back(self, grant: Grant) -> None:
+        self.held -= grant.nbytes
+        left = self.held_by[grant.client] - grant.nbytes
+        if left:
+            self.held_by[grant.client] = left
+        else:
+            del self.held_by[grant.client]
+        if self.gauge is not None:
+            self.gauge.set(self.held)
+        self._grant_waiting()
+
+    def _grant_waiting(self) -> None:
+        while self._waiting:
+            client, queue = next(iter(self._waiting.items()))
+            nbytes, future = queue[0]
+            if not future.done() and not self._fits(nbytes, client):
+                return
+            queue.popleft()
+            if queue:
+                self._waiting.move_to_end(client)
+            else:
+                del self._waiting[client]
+            if not future.done():
+                future.set_result(self._hold(nbytes, client))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from manyeyes.app.services.slots import FairSlots
+from manyeyes.app.services.slots import FairBytes, FairSlots
 
 
 async def settle() -> None:
@@ -82,3 +82,86 @@ def test_a_cancelled_waiter_leaves_the_queue_and_a_granted_one_passes_its_slot_o
         return slots.free
 
     assert asyncio.run(main()) == 1  # every slot back
+
+
+# ---- FairBytes: the bytes of answers on their way out
+
+def test_bytes_are_granted_in_turns_across_clients_and_never_past_the_budget():
+    async def main():
+        budget = FairBytes(100)
+        order: list[str] = []
+        peak = 0
+        grants = []
+
+        async def job(client: str, nbytes: int):
+            nonlocal peak
+            grant = await budget.take(nbytes, client)
+            order.append(client)
+            peak = max(peak, budget.held)
+            grants.append(grant)
+
+        first = await budget.take(50, "flood")  # half the budget: the most one client holds
+        tasks = [asyncio.create_task(job("flood", 30)) for _ in range(4)]
+        await settle()
+        assert order == [] and budget.held == 50  # a second 30 would pass the flood's half
+        tasks.append(asyncio.create_task(job("other", 30)))
+        await settle()
+        assert order == [], order  # the flood's first waiter is the head: the other waits behind it
+        first.release()  # 0 held: the flood's head (30), then the other (30); the next 30 of the flood would pass its half
+        await settle()
+        assert order == ["flood", "other"] and budget.held == 60, (order, budget.held)
+        while grants:
+            grants.pop(0).release()
+            await settle()
+        await asyncio.gather(*tasks)
+        assert order.count("flood") == 4 and peak <= 100 and budget.held == 0 and not budget.held_by
+        return True
+
+    assert asyncio.run(main())
+
+
+def test_an_answer_larger_than_the_budget_goes_alone_and_a_grant_goes_back_once():
+    async def main():
+        budget = FairBytes(100)
+        small = await budget.take(10, "a")
+        big = asyncio.create_task(budget.take(500, "b"))
+        await settle()
+        assert not big.done()  # only once nothing else is held
+        small.release()
+        small.release()  # twice: given back once
+        await settle()
+        grant = big.result()
+        assert budget.held == 500 and budget.held_by == {"b": 500}
+        grant.release()
+        return budget.held, budget.held_by
+
+    assert asyncio.run(main()) == (0, {})
+
+
+def test_a_waiter_cancelled_at_the_head_lets_the_others_through():
+    async def main():
+        budget = FairBytes(100)
+        holding = await budget.take(40, "a")
+        head = asyncio.create_task(budget.take(90, "b"))  # waits for 40 to come back
+        behind = asyncio.create_task(budget.take(20, "c"))  # would fit, but waits behind the head
+        await settle()
+        assert not behind.done()
+        head.cancel()
+        await settle()
+        assert head.cancelled() and behind.done() and budget.held == 60
+        behind.result().release()
+        holding.release()
+        return budget.held, budget._waiting
+
+    assert asyncio.run(main()) == (0, {})
+
+
+def test_no_budget_grants_everything_at_once():
+    async def main():
+        budget = FairBytes(0)
+        grants = [await budget.take(10**12, "a") for _ in range(3)]
+        for grant in grants:
+            grant.release()
+        return budget.held
+
+    assert asyncio.run(main()) == 0
