@@ -39,12 +39,12 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
             joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
             reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client)
         except BaseException:
-            reply.grant.release()
+            reply.release()
             raise
         if encoding:
             reply.headers["Content-Encoding"] = encoding
     # Returned as bytes: the body is already serialised by orjson, no re-validation of big data.
-    return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.grant)
+    return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.hand_over())
 
 
 @router.post("/attention/batch", response_model=BatchResponse, responses={200: ANSWER_CONTENT, **ERRORS})
@@ -57,4 +57,4 @@ async def attention_batch(body: BatchRequest, service: ServiceDep, request: Requ
     work = service.attend([(t, None) for t in body.texts], body, True, started, wire_of(request), client_of(request))
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.grant)
+    return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.hand_over())

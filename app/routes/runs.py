@@ -29,7 +29,7 @@ ARRAYS_CONTENT = {
 
 def answered(request: Request, reply: Reply) -> Response:
     request.state.log = reply.log
-    return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.grant)
+    return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.hand_over())
 
 
 async def answered_while_connected(request: Request, work: Awaitable[Reply]) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import Counter
 from collections.abc import Coroutine
 from contextlib import asynccontextmanager
@@ -159,9 +160,27 @@ class Reply:
     log: dict  # run ids and timings for the request's log line
     headers: dict = field(default_factory=dict)
     runs: list = field(default_factory=list)  # the answer's runs, as computed (the cache may drop them)
-    # The answer's bytes in the service's budget (AttentionService.answers): given back once it is
-    # sent (PiecesResponse), or once nothing holds it any more.
-    grant: Grant | None = None
+    # The answer's bytes in the service's budget (AttentionService.answers), while this reply owns
+    # them: a route hands them over to the response that sends the answer (PiecesResponse gives them
+    # back once it is sent); a caller that only reads the reply (export, another worker's recompute)
+    # gives them back by dropping it.
+    _grant: list[Grant] = field(default_factory=list, repr=False)
+
+    def own(self, grant: Grant) -> None:
+        self._grant.append(grant)
+        weakref.finalize(self, release_all, self._grant)
+
+    def hand_over(self) -> Grant | None:
+        return self._grant.pop() if self._grant else None
+
+    def release(self) -> None:
+        """Gives the bytes back now, not when a traceback lets the reply go."""
+        release_all(self._grant)
+
+
+def release_all(grants: list[Grant]) -> None:
+    while grants:
+        grants.pop().release()
 
 
 # An answer's bytes a weight while it is encoded and sent: raw in a frame, base64 (4/3) in JSON,
@@ -285,7 +304,7 @@ class AttentionService:
             grant.release()
             raise
         reply.runs = [item.run for item in items]
-        reply.grant = grant
+        reply.own(grant)
         return reply
 
     def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False) -> str:
@@ -335,7 +354,7 @@ class AttentionService:
                 except BaseException:
                     grant.release()
                     raise
-                reply.grant = grant
+                reply.own(grant)
                 return reply
         return self._slice_in_slot(run_id, served, view, wire, client, nbytes)
 
@@ -365,7 +384,7 @@ class AttentionService:
                 raise
         finally:
             self.queued.release(client)
-        reply.grant = grant
+        reply.own(grant)
         return reply
 
     def cached(self, run_id: str, needs_weights: str | None = None) -> Run:

@@ -165,3 +165,41 @@ def test_no_budget_grants_everything_at_once():
         return budget.held
 
     assert asyncio.run(main()) == 0
+
+
+def test_every_route_that_answers_with_weights_gives_its_bytes_back(api):
+    """A reply's bytes go back once its answer is sent, and where nothing sends it (export reads the
+    reply and builds a page) once the reply is dropped: a grant kept by mistake would shrink the
+    budget for good, until every request waited on it."""
+    from tests.api.conftest import metric
+
+    text = "The bytes of this answer come back."
+    answers = [
+        api.post("/api/v1/attention", json={"text": text, "format": "u8"}),
+        api.post("/api/v1/attention", json={"text": text, "format": "json", "measures": ["value_norms"]}),
+        api.post("/api/v1/attention/batch", json={"texts": [text, "And these."], "format": "f16"}),
+        api.get("/export", params={"text": text, "model": "minilm"}),
+    ]
+    run_id = answers[0].json()["run_id"]
+    answers.append(api.get(f"/api/v1/runs/{run_id}/attention", params={"format": "json"}))
+    answers.append(api.post("/api/v1/attention", json={"text": "x " * 600, "format": "json"}))  # too long: refused before any bytes
+    assert [r.status_code for r in answers] == [200, 200, 200, 200, 200, 422], [r.text[:200] for r in answers]
+    assert metric(api, "manyeyes_answer_bytes") == 0
+    assert api.app.state.service.answers.held == 0 and not api.app.state.service.answers.held_by
+
+
+def test_a_reply_dropped_unsent_gives_its_bytes_back_and_one_handed_over_keeps_them_until_sent():
+    from manyeyes.app.services.attention import Reply
+
+    budget = FairBytes(1000)
+    reply = Reply([b"{}"], "application/json", {})
+    reply.own(budget.try_take(30, "a"))
+    del reply
+    dropped = budget.held
+    reply = Reply([b"{}"], "application/json", {})
+    reply.own(budget.try_take(30, "b"))
+    grant = reply.hand_over()
+    del reply
+    handed = budget.held
+    grant.release()
+    assert (dropped, handed, budget.held) == (0, 30, 0)
