@@ -73,6 +73,13 @@ class FairSlots:
 
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class Grant:
     """Bytes taken from a FairBytes, given back once by `release()` (any later call does nothing)."""
 
@@ -84,7 +91,7 @@ class Grant:
     def release(self) -> None:
         budget, self.budget = self.budget, None
         if budget is not None:
-            budget._give_back(self)
+            budget.give_back(self)
 
 
 class FairBytes:
@@ -103,6 +110,7 @@ class FairBytes:
         self.held = 0
         self.held_by: dict[str, int] = {}
         self._waiting: OrderedDict[str, deque[tuple[int, asyncio.Future]]] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its grants were taken on
 
     def _fits(self, nbytes: int, client: str) -> bool:
         if self.held == 0:
@@ -121,6 +129,7 @@ class FairBytes:
         if self.limit == 0:
             return Grant(None, nbytes, client)
         if not self._waiting and self._fits(nbytes, client):
+            self._loop = self._loop or running_loop()
             return self._hold(nbytes, client)
         return None
 
@@ -128,7 +137,8 @@ class FairBytes:
         grant = self.try_take(nbytes, client)
         if grant is not None:
             return grant
-        future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        future = self._loop.create_future()
         entry = (nbytes, future)
         self._waiting.setdefault(client, deque()).append(entry)
         try:
@@ -140,6 +150,19 @@ class FairBytes:
             else:
                 future.result().release()  # granted just as this waiter was cancelled: give it back
             raise
+
+    def give_back(self, grant: Grant) -> None:
+        """From any thread: a grant whose holder was freed by the garbage collector is given back
+        on the thread the collector ran on (the forward thread, say), and the waiters' futures may
+        only be resolved on their loop."""
+        loop = self._loop
+        if loop is None or running_loop() is loop:
+            self._give_back(grant)
+            return
+        try:
+            loop.call_soon_threadsafe(self._give_back, grant)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
 
     def _give_back(self, grant: Grant) -> None:
         self.held -= grant.nbytes

@@ -203,3 +203,32 @@ def test_a_reply_dropped_unsent_gives_its_bytes_back_and_one_handed_over_keeps_t
     handed = budget.held
     grant.release()
     assert (dropped, handed, budget.held) == (0, 30, 0)
+
+
+def test_a_grant_given_back_from_another_thread_is_given_back_on_its_loop():
+    """A reply or response freed by the garbage collector gives its bytes back on whatever thread
+    the collector ran (the forward thread, a render thread): the waiter it lets through must still
+    be woken on its own loop, never from that thread."""
+    import threading
+
+    async def main():
+        budget = FairBytes(100)
+        held = await budget.take(50, "a")
+        waiter = asyncio.create_task(budget.take(50, "b"))  # 50 held + 50 fits, but waits behind nobody: ...
+        await settle()
+        assert waiter.done()  # ... it fits at once; now one that must wait
+        blocked = asyncio.create_task(budget.take(60, "c"))
+        await settle()
+        assert not blocked.done()
+        woken_on = []
+        loop_thread = threading.get_ident()
+        original = budget._give_back
+        budget._give_back = lambda grant: (woken_on.append(threading.get_ident()), original(grant))
+        releasing = threading.Thread(target=lambda: (held.release(), waiter.result().release()))
+        releasing.start()
+        releasing.join()
+        await asyncio.wait_for(blocked, 5)
+        blocked.result().release()
+        return woken_on == [loop_thread] * 3 and budget.held == 0
+
+    assert asyncio.run(main())
