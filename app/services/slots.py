@@ -72,7 +72,6 @@ class FairSlots:
         self.free += 1
 
 
-
 def running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -96,7 +95,8 @@ class Grant:
 
 class FairBytes:
     """Bytes of answers held at once (runs being answered, answers being encoded and sent), handed
-    out in the same rotation across clients as FairSlots. Event loop only (no lock).
+    out in the same rotation across clients as FairSlots. Event loop only (no lock), but for
+    `give_back`, which any thread may call.
 
     `grant = await budget.take(nbytes, client)`, then `grant.release()`. The head of the rotation
     waits until its bytes are free, and those behind it wait too, so a large answer is never passed
@@ -110,7 +110,7 @@ class FairBytes:
         self.held = 0
         self.held_by: dict[str, int] = {}
         self._waiting: OrderedDict[str, deque[tuple[int, asyncio.Future]]] = OrderedDict()
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its grants were taken on
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its grants are taken on
 
     def _fits(self, nbytes: int, client: str) -> bool:
         if self.held == 0:
@@ -129,7 +129,7 @@ class FairBytes:
         if self.limit == 0:
             return Grant(None, nbytes, client)
         if not self._waiting and self._fits(nbytes, client):
-            self._loop = self._loop or running_loop()
+            self._loop = running_loop() or self._loop  # the latest: an app started again runs a new loop
             return self._hold(nbytes, client)
         return None
 
