@@ -79,3 +79,22 @@ def test_answers_that_are_not_read_hold_no_more_than_a_clients_share_of_the_budg
         read.set()
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_flood_bench_runs_and_holds_its_bound():
+    """bench/flood.py, small: twenty connections for three seconds against a budget of about two
+    answers. Keeps the bench from rotting; its verdict (peak within the bound, the server alive,
+    no 5xx besides 504) must hold even so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    done = subprocess.run(
+        [sys.executable, str(bench / "flood.py"), "--connections", "20", "--seconds", "3", "--tokens", "120",
+         "--answer-bytes", str(40 * 2**20)],
+        cwd=bench, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0 and "target (peak within the bound" in done.stdout and ": MET" in done.stdout, (
+        done.stdout[-2000:] + done.stderr[-2000:])
+    assert "answers  {" in done.stdout and "200:" in done.stdout, done.stdout
