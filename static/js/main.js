@@ -497,6 +497,12 @@ function renderHeadChips() {
   const run = state.run;
   const fieldset = $("headview-heads");
   const pal = palette();
+  // Built again only when what they show changed: they are drawn with the run and again with the
+  // head view's lines, and a rebuild drops the keyboard focus of a chip being tabbed through.
+  const key = JSON.stringify([run.runId, run.nHeads, state.layer, state.head, [...state.extraHeads].sort(), state.aggregate, pal.heads]);
+  fieldset.hidden = false;
+  if (fieldset.dataset.key === key) return;
+  fieldset.dataset.key = key;
   const chips = [el("legend", { text: `Heads of layer ${state.layer} drawn (the focused one always)` })];
   for (let h = 0; h < run.nHeads; h++) {
     const box = el("input", { attrs: { type: "checkbox", id: `hv-head-${h}` } });
@@ -514,7 +520,6 @@ function renderHeadChips() {
     chips.push(el("label", { className: "chip", attrs: { for: `hv-head-${h}` } }, [box, swatch, el("span", { text: `H${h}` })]));
   }
   fieldset.replaceChildren(...chips);
-  fieldset.hidden = false;
 }
 
 function setFocus(layer, head, how = "select") {
