@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import threading
 import time
 from collections import Counter
 
 import httpx
 
 from gpu_bench import text_of
-from live_server import rss_mb, serve
+from live_server import serve
+from soak import RssPoller, rss_of_tree
 
-CACHE_BYTES = 512 * 2**20  # the server's default run cache
+from manyeyes.app.config import Settings
 
 
 async def client(http: httpx.AsyncClient, url: str, seed: int, tokens: int, fmt: str, slow: bool, stop: float,
@@ -66,27 +66,20 @@ def main() -> int:
     parser.add_argument("--answer-bytes", type=int, default=None, help="MANYEYES_ANSWER_BYTES (default: the server's, 256 MiB)")
     args = parser.parse_args()
     settings = {} if args.answer_bytes is None else {"answer_bytes": args.answer_bytes}
-    budget = 256 * 2**20 if args.answer_bytes is None else args.answer_bytes
-    with serve(**settings) as (url, pid):
-        warm = rss_mb(pid)
-        peak, done = warm, threading.Event()
-
-        def poll() -> None:
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, rss_mb(pid))
-                time.sleep(0.05)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
+    defaults = Settings()
+    budget = defaults.answer_bytes if args.answer_bytes is None else args.answer_bytes
+    poller = RssPoller()  # soak.py's: every 50 ms from the moment the server's process starts
+    with serve(on_spawn=poller.watch, **settings) as (url, pid):
+        warm = poller.now()
+        started = time.monotonic()
         try:
             answers = asyncio.run(flood(url, args))
         finally:
-            done.set()
+            poller.stop.set()
             poller.join()
-        end = rss_mb(pid)
+        peak, end = poller.peak(started), rss_of_tree(pid)
         alive = httpx.get(f"{url}/healthz", timeout=10).status_code == 200
-    bound = warm + CACHE_BYTES * 1.1 / 2**20 + budget / 2**20 + 100  # MiB, as rss_mb reads them
+    bound = warm + defaults.cache_bytes * 1.1 / 2**20 + budget / 2**20 + 100  # MiB, as rss_mb reads them
     server_errors = sum(n for status, n in answers.items() if isinstance(status, int) and status >= 500 and status != 504)
     broken = sum(n for status, n in answers.items() if not isinstance(status, int))
     print(f"flood: {args.connections} connections, {args.seconds:g} s, {args.tokens} tokens, format={args.format}"

@@ -366,14 +366,7 @@ class AttentionService:
         of the answers holding them, which wait for a slot to be encoded."""
         self.queued.admit(client)
         try:
-            try:
-                async with asyncio.timeout(self.settings.request_timeout_s):
-                    grant = await self.answers.take(nbytes, client)
-            except TimeoutError:
-                raise OverBudget(
-                    f"the slice waited {self.settings.request_timeout_s:g} s for the memory this server keeps for the "
-                    "answers it is sending; retry shortly"
-                ) from None
+            grant = await self._reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
             try:
                 async with self.renders.hold(client):
                     items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
@@ -534,7 +527,7 @@ class AttentionService:
             lengths = [item.run.n_tokens for item in items if item.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            return await self._reserve(served, items, view, wire, deadline, client)
+            return await self._reserve(self._held_bytes(served, items, view, wire), deadline, client)
         batcher = served.batcher
         batcher.admit(len(missing), client)
         submitted = 0
@@ -547,7 +540,7 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            grant = await self._reserve(served, items, view, wire, deadline, client)
+            grant = await self._reserve(self._held_bytes(served, items, view, wire), deadline, client)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing])
@@ -564,10 +557,8 @@ class AttentionService:
             raise
         return grant
 
-    async def _reserve(self, served: Served, items: list[Item], view: View, wire: Wire, deadline: float,
-                       client: str) -> Grant:
-        """The bytes answering `items` holds (FairBytes), waited for until the request's deadline."""
-        nbytes = self._held_bytes(served, items, view, wire)
+    async def _reserve(self, nbytes: int, deadline: float, client: str) -> Grant:
+        """`nbytes` of the answers' budget (FairBytes), waited for until the request's deadline."""
         grant = self.answers.try_take(nbytes, client)
         if grant is not None:
             return grant

@@ -129,12 +129,9 @@ export class Predictions {
   async load(run, request, labels, others = []) {
     const strips = (this.strips = [this.strip, ...others]);
     for (const strip of others) this.resized.observe(strip); // observing one twice is a no-op
-    this.byPosition = null;
+    this.forgetRun(); // again: the measures' strip may be new to it
     this.labels = labels;
-    const token = (this.token = {});
-    // The measures' strip too, which forgetRun may not have known of yet.
-    for (const strip of strips) hint(strip, "Loading this run's predictions…");
-    delete this.strip.dataset.runId;
+    const token = this.token;
     this.models ??= listModels().catch(() => []);
     const info = (await this.models).find((m) => m.id === run.model);
     if (token !== this.token) return null;
