@@ -11,20 +11,19 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionResponse, Format
-from manyeyes.app.services.attention import parse_index_list, resolve_indices
+from manyeyes.app.services.attention import answer_bytes, finished_off_loop, parse_index_list, resolve_indices
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.payload import View, render_result
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 
 
-@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 429, 503))
+@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 429, 503, 504))
 async def run_mean(
     run_id: str,
     service: ServiceDep,
@@ -49,7 +48,16 @@ async def run_mean(
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
         return render_result(averaged, info, View([0], [0], format), timing)
 
-    async with service.renders.hold(client_of(request)):  # a T×T float32 mean, like an answer's encoding
-        pieces = await run_in_threadpool(render)
+    client = client_of(request)
+    # The answer's bytes first (json at T=1,024: 15 MB, held until its reader takes it), then a
+    # render slot for the T×T float32 mean, like an answer's encoding.
+    deadline = time.monotonic() + service.settings.request_timeout_s
+    grant = await service.reserve(answer_bytes(run.n_tokens**2, format, False, run.tokens), deadline, client)
+    try:
+        async with service.renders.hold(client):
+            pieces = await finished_off_loop(render)
+    except BaseException:
+        grant.release()
+        raise
     request.state.log = {"run_id": run_id, "mean_of_layers": len(chosen)}
-    return PiecesResponse(pieces, "application/json" if format == "json" else "application/vnd.manyeyes+json")
+    return PiecesResponse(pieces, "application/json" if format == "json" else "application/vnd.manyeyes+json", grant=grant)

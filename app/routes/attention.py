@@ -36,7 +36,8 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     request.state.log = reply.log
     if body.measures:
         try:
-            joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
+            joined, grant = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
+            reply.own(grant)
             reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client)
         except BaseException:
             reply.release()

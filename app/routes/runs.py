@@ -45,7 +45,7 @@ Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
 End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length")]
 
 
-@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 429, 503)})
+@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 429, 503, 504)})
 async def run_slice(
     run_id: str,
     service: ServiceDep,
@@ -72,7 +72,7 @@ async def run_info(run_id: str, tiles: TilesDep) -> dict:
     return tiles.info(run_id)
 
 
-@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
+@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429, 504)})
 async def run_tile(
     run_id: str,
     tiles: TilesDep,
@@ -99,7 +99,7 @@ async def run_tile(
     )
 
 
-@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
+@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429, 504)})
 async def run_topk(
     run_id: str,
     tiles: TilesDep,
@@ -116,7 +116,7 @@ async def run_topk(
     return await answered_while_connected(request, tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
 
 
-@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429)})
+@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429, 504)})
 async def run_overview(
     run_id: str,
     tiles: TilesDep,

@@ -171,7 +171,13 @@ class Reply:
         weakref.finalize(self, release_all, self._grant)
 
     def hand_over(self) -> Grant | None:
-        return self._grant.pop() if self._grant else None
+        """All the reply's bytes as one grant, for the response that sends it."""
+        if not self._grant:
+            return None
+        whole = self._grant.pop()
+        while self._grant:
+            whole.absorb(self._grant.pop())
+        return whole
 
     def release(self) -> None:
         """Gives the bytes back now, not when a traceback lets the reply go."""
@@ -186,13 +192,23 @@ def release_all(grants: list[Grant]) -> None:
 # An answer's bytes a weight while it is encoded and sent: raw in a frame, base64 (4/3) in JSON,
 # and json's text about 15 characters a weight (format=json's 2 M cells: ~30 MB).
 JSON_TEXT_BYTES = 15
+# Beside its weights, an answer's JSON holds its fields and its tokens: each token's text and
+# vocabulary piece (a character escaped at worst as \u00XX: 6 bytes) and its own fields.
+ANSWER_FIELDS_BYTES = 4096
+TOKEN_FIELDS_BYTES = 128
 
 
-def answer_bytes(cells: int, fmt: str, frame: bool) -> int:
+def tokens_bytes(tokens) -> int:
+    return sum(6 * (len(t.text.encode()) + len(t.piece.encode())) + TOKEN_FIELDS_BYTES for t in tokens)
+
+
+def answer_bytes(cells: int, fmt: str, frame: bool, tokens=()) -> int:
+    """An answer of `cells` weights and these tokens, reckoned before it is made."""
     raw = KEPT_DTYPE[fmt].itemsize
+    head = ANSWER_FIELDS_BYTES + tokens_bytes(tokens)
     if frame:
-        return cells * raw
-    return cells * JSON_TEXT_BYTES if fmt == "json" else -(-cells * raw * 4 // 3)
+        return head + cells * raw
+    return head + (cells * JSON_TEXT_BYTES if fmt == "json" else -(-cells * raw * 4 // 3))
 
 
 def check_precision(run: Run, fmt: str) -> None:
@@ -360,25 +376,33 @@ class AttentionService:
 
     async def _slice_in_slot(self, run_id: str, served: Served, view: View, wire: Wire, client: str, nbytes: int) -> Reply:
         """The run is read again once a render slot is held (still_cached), as tiles' are. Admitted
-        here, not in `slice`: a coroutine cancelled before it starts would never release its count.
-        Its answer's bytes are granted first (FairBytes), within the request's time budget, and only
-        then a render slot: a request holding a slot while it waited for bytes would stand in the way
-        of the answers holding them, which wait for a slot to be encoded."""
+        here, not in `slice`: a coroutine cancelled before it starts would never release its count."""
+        async with self.queued_with_bytes(nbytes, client) as grant:
+            items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
+            body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
+            reply = self._replied(items, view, wire, body, encoding)
+        reply.own(grant)
+        return reply
+
+    @asynccontextmanager
+    async def queued_with_bytes(self, nbytes: int, client: str):
+        """`async with service.queued_with_bytes(nbytes, client) as grant:` admitted to the render
+        queue (else 429), then `nbytes` of the answers' budget granted within the request's time
+        budget (else 504), then a render slot, held while the block runs. Bytes before the slot: a
+        request holding a slot while it waited for bytes would stand in the way of the answers
+        holding them, which wait for a slot to be encoded. The grant is given back if the block
+        fails; else the caller's reply owns it."""
         self.queued.admit(client)
         try:
-            grant = await self._reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
+            grant = await self.reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
             try:
                 async with self.renders.hold(client):
-                    items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
-                    body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
-                reply = self._replied(items, view, wire, body, encoding)
+                    yield grant
             except BaseException:
                 grant.release()
                 raise
         finally:
             self.queued.release(client)
-        reply.own(grant)
-        return reply
 
     def cached(self, run_id: str, needs_weights: str | None = None) -> Run:
         """The cached run, else 404. needs_weights names a route that reads the whole weights:
@@ -527,7 +551,7 @@ class AttentionService:
             lengths = [item.run.n_tokens for item in items if item.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            return await self._reserve(self._held_bytes(served, items, view, wire), deadline, client)
+            return await self.reserve(self._held_bytes(served, items, view, wire), deadline, client)
         batcher = served.batcher
         batcher.admit(len(missing), client)
         submitted = 0
@@ -540,7 +564,7 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            grant = await self._reserve(self._held_bytes(served, items, view, wire), deadline, client)
+            grant = await self.reserve(self._held_bytes(served, items, view, wire), deadline, client)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing])
@@ -557,7 +581,7 @@ class AttentionService:
             raise
         return grant
 
-    async def _reserve(self, nbytes: int, deadline: float, client: str) -> Grant:
+    async def reserve(self, nbytes: int, deadline: float, client: str) -> Grant:
         """`nbytes` of the answers' budget (FairBytes), waited for until the request's deadline."""
         grant = self.answers.try_take(nbytes, client)
         if grant is not None:
@@ -578,12 +602,12 @@ class AttentionService:
         total = 0
         for item in items:
             if item.run is not None:
-                n, total = item.run.n_tokens, total + item.run.nbytes
+                tokens, total = item.run.tokens, total + item.run.nbytes
             else:
-                n = len(item.encoded)
-                total += run_bytes(served.model.info, n, item.kind, weight_bytes, served.qk_bytes)
+                tokens = item.encoded.tokens
+                total += run_bytes(served.model.info, len(tokens), item.kind, weight_bytes, served.qk_bytes)
             if item.kind == "weights":
-                total += answer_bytes(view.cells(n), view.format, wire.frame)
+                total += answer_bytes(view.cells(len(tokens)), view.format, wire.frame, tokens)
         return total
 
     async def _collect(self, served: Served, items: list[Item], missing: list[Item], futures, view: View,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -21,11 +22,18 @@ import orjson
 import torch
 from starlette.concurrency import run_in_threadpool
 
-from manyeyes.app.services.attention import AttentionService, resolve_indices
+from manyeyes.app.services.attention import (
+    JSON_TEXT_BYTES,
+    AttentionService,
+    finished_off_loop,
+    resolve_indices,
+    tokens_bytes,
+)
 from manyeyes.app.services.cache import Run, RunCache
 from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import as_bytes, to_f16
 from manyeyes.app.services.registry import Served
+from manyeyes.app.services.slots import Grant
 from manyeyes.model import measures as m
 from manyeyes.model.analysis import value_weighted_norms
 from manyeyes.model.runtime import AttentionResult
@@ -90,6 +98,25 @@ def encode_matrix(values: torch.Tensor, fmt: str) -> dict:
     raw = values.sub(low).div_(scale).round_().clamp_(0, 255).to(torch.uint8)
     out.update(data=base64.b64encode(as_bytes(raw.numpy())).decode("ascii"), scale=scale, offset=low)
     return out
+
+
+# Beside the matrices, a measures answer's JSON carries a word list (as long as the tokens'), the
+# head table's rows, and a little more.
+HEAD_ROW_BYTES = 320  # ~200: 8 stats, its tags, layer and head
+ANSWER_FRAME_BYTES = 16 * 1024
+
+
+def measures_bytes(cells: int, fmt: str, run: Run, names: list[str], rows: int) -> int:
+    """The `measures` object's JSON, reckoned before it is made, for the answers' budget: `cells`
+    values (base64 of their bytes in u8/f16, about 15 characters each in json), the word list,
+    `rows` head-table rows."""
+    per_cell = {"json": JSON_TEXT_BYTES, "f16": 8 / 3, "u8": 4 / 3}[fmt]
+    total = int(cells * per_cell) + ANSWER_FRAME_BYTES
+    if "words" in names:
+        total += tokens_bytes(run.tokens)
+    if "heads" in names:
+        total += HEAD_ROW_BYTES * rows
+    return total
 
 
 def full_precision(run: Run) -> bool:
@@ -173,10 +200,12 @@ class MeasuresService:
             )
 
     # ------------------------------------------------------------------ the matrix measures
-    async def matrices(self, run: Run, served: Served, names: list[str], layers, heads, fmt: str, client: str = "") -> dict:
-        """The `measures` object of a response: each asked name (one of MATRIX_MEASURES, as the
-        schemas check) -> its result. Of the run itself, not looked up again by id: the cache
-        may have dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it."""
+    async def matrices(self, run: Run, served: Served, names: list[str], layers, heads, fmt: str,
+                       client: str = "") -> tuple[bytes, Grant]:
+        """The `measures` object of a response (each asked name, one of MATRIX_MEASURES as the
+        schemas check, -> its result) as JSON, and its bytes in the answers' budget, which the
+        caller hands to the response that sends it. Of the run itself, not looked up again by id:
+        the cache may have dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it."""
         names = list(dict.fromkeys(names))  # a repeated name is answered once, never twice
         info = served.model.info
         layers = resolve_indices(layers, info.n_layers, "layer", info.id)
@@ -185,11 +214,24 @@ class MeasuresService:
         per_head = len(layers) * len(heads)
         cells = {"rollout": n * n, "value_norms": per_head * n * n, "contributions": 2 * per_head * n + len(layers) * n,
                  "words": per_head * n * n, "heads": 0}
-        self._cells_check(sum(cells[name] for name in names), fmt)
-        # A render slot, as an answer's encoding takes: each of these builds tensors the size of
-        # the run's weights (value norms: 75 MB at T=512), and 16 at once tripled the memory bound.
-        async with self.attention.renders.hold(client):
-            return await run_in_threadpool(self._matrices, run, served, names, layers, heads, fmt)
+        asked_cells = sum(cells[name] for name in names)
+        self._cells_check(asked_cells, fmt)
+        # The answer's bytes first (as for POST /attention), then a render slot: each of these
+        # builds tensors the size of the run's weights (value norms: 75 MB at T=512), and 16 at
+        # once tripled the memory bound. Encoded in the slot: the matrices and their text are
+        # twice the answer, and only the text leaves it, held by the grant until it is sent.
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        grant = await self.attention.reserve(measures_bytes(asked_cells, fmt, run, names, per_head), deadline, client)
+        try:
+            async with self.attention.renders.hold(client):
+                encoded = await finished_off_loop(self._encoded, run, served, names, layers, heads, fmt)
+        except BaseException:
+            grant.release()
+            raise
+        return encoded, grant
+
+    def _encoded(self, run: Run, served: Served, names, layers, heads, fmt) -> bytes:
+        return orjson.dumps(self._matrices(run, served, names, layers, heads, fmt), option=orjson.OPT_SERIALIZE_NUMPY)
 
     def _matrices(self, run: Run, served: Served, names, layers, heads, fmt) -> dict:
         model = served.model
@@ -236,13 +278,13 @@ class MeasuresService:
             "positional_share": m.POSITIONAL_SHARE,
         }
 
-    async def attach(self, pieces: list[bytes], run: Run, names: list[str], options, client: str = "") -> list[bytes]:
-        """POST /attention's pieces with a `measures` member added before the closing brace."""
+    async def attach(self, pieces: list[bytes], run: Run, names: list[str], options,
+                     client: str = "") -> tuple[list[bytes], Grant]:
+        """POST /attention's pieces with a `measures` member added before the closing brace (sent
+        as its own piece: no joined copy), and the measures' bytes in the answers' budget."""
         served = self.attention.registry.get(run.model)
-        found = await self.matrices(run, served, names, options.layers, options.heads, options.format, client)
-        # Off the event loop (tens of MB at T=512), and sent as its own piece: no joined copy.
-        measures = await run_in_threadpool(orjson.dumps, found, option=orjson.OPT_SERIALIZE_NUMPY)
-        return [*pieces[:-1], pieces[-1][:-1], b',"measures":', measures, b"}"]
+        measures, grant = await self.matrices(run, served, names, options.layers, options.heads, options.format, client)
+        return [*pieces[:-1], pieces[-1][:-1], b',"measures":', measures, b"}"], grant
 
     # ------------------------------------------------------------------ the parameterised ones
     async def flow(self, run_id: str, threshold: float) -> bytes:

@@ -22,6 +22,7 @@ from manyeyes.app.services.attention import (
     AttentionService,
     Reply,
     Wire,
+    answer_bytes,
     check_precision,
     finished_off_loop,
     parse_index,
@@ -31,6 +32,7 @@ from manyeyes.app.services.cache import Run
 from manyeyes.app.services.errors import InvalidInput, TooManyCells, brief
 from manyeyes.app.services.payload import attention_meta, links_for, raw_data, token_dicts
 from manyeyes.app.services.wire import ALIGN, FRAME_MEDIA_TYPE, frame
+from manyeyes.model.attention import Capture
 from manyeyes.model.kept import MAX_TOPK, pooled, topk_rows
 
 
@@ -127,6 +129,11 @@ def render(fields: dict, arrays: dict[str, torch.Tensor], fmt: str, as_frame: bo
     return [orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)], media
 
 
+OVERVIEW_SIDE = Capture.overview  # an overview's heads are pooled to this many rows and columns, at most
+# A tile's row and column edges (two lists of at most max_tile_side + 1 positions, as JSON) and its fields.
+EDGES_BYTES = 32 * 1024
+
+
 # ---------------------------------------------------------------------------- the service
 class TileService:
     """Reads runs from the attention service's cache; renders and compresses as it does."""
@@ -147,11 +154,13 @@ class TileService:
             raise TooManyCells(f"format=json would return {cells:,} numbers for {what}, over this server's limit of "
                                f"{self.settings.max_json_cells:,}; ask for format=f16 or u8")
 
-    async def _answer(self, run_id: str, work, wire: Wire, fmt: str, log: dict, client: str = "") -> Reply:
+    async def _answer(self, run_id: str, work, wire: Wire, fmt: str, log: dict, client: str, cells: int) -> Reply:
         """Runs `work(run)` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
         sharing their slots, which go round-robin across clients, and their queue's 429 bound
         (RenderQueue). The run is read from the cache once the slot is held (see
-        AttentionService.still_cached)."""
+        AttentionService.still_cached). First, the answer's bytes (at most `cells` values, and
+        the row and column edges) are granted from the answers' budget: a tile of json is up to
+        15 MB, held until its reader takes it."""
 
         def build(run: Run) -> tuple[list[bytes], str, str | None]:
             fields, arrays = work(run)
@@ -163,13 +172,15 @@ class TileService:
         # A long run's tile is seconds of work on a CPU: beyond max_queue of them (and of large
         # slices) waiting, or a client's share of those, 429 (RenderQueue).
         started = time.perf_counter()
-        async with self.attention.queued.hold(client):
+        async with self.attention.queued_with_bytes(answer_bytes(cells, fmt, wire.frame) + EDGES_BYTES, client) as grant:
             body, media, encoding = await finished_off_loop(build, self.attention.still_cached(run_id, fmt))
         headers = {"Vary": "Accept, Accept-Encoding"}
         if encoding:
             headers["Content-Encoding"] = encoding
         log["timing_ms"] = round((time.perf_counter() - started) * 1000, 2)
-        return Reply(body, media, log, headers)
+        reply = Reply(body, media, log, headers)
+        reply.own(grant)
+        return reply
 
     # -- GET /runs/{run_id}
     def info(self, run_id: str) -> dict:
@@ -223,7 +234,8 @@ class TileService:
             }
             return fields, {"attention": found.values.float().cpu()}
 
-        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]}, client)
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]}, client,
+                                  n_rows * n_cols)
 
     # -- GET /runs/{run_id}/topk
     def _topk_plan(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str):
@@ -248,7 +260,9 @@ class TileService:
             return fields, {"values": found.values.float().cpu(), "indices": found.indices.cpu(),
                             "rest": found.rest.float().cpu()}
 
-        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]}, client)
+        # values, indices and the rest of each row: reckoned as weights, which no index outgrows
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "topk": [q1 - q0, k]}, client,
+                                  (q1 - q0) * (2 * k + 1))
 
     # -- GET /runs/{run_id}/overview
     async def overview(self, run_id: str, fmt: str, wire: Wire, client: str = "") -> Reply:
@@ -262,7 +276,8 @@ class TileService:
                       "row_edges": found.row_edges.tolist(), "col_edges": found.col_edges.tolist(), "pool": "max"}
             return fields, {"attention": found.values.float().cpu()}
 
-        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "overview": True}, client)
+        cells = info.n_layers * info.n_heads * OVERVIEW_SIDE**2
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "overview": True}, client, cells)
 
     def _grew(self, run: Run) -> None:
         """A dense run makes its overview on first use: the cache counts those bytes too."""

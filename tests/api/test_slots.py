@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from manyeyes.app.services.slots import FairBytes, FairSlots
 
 
@@ -156,6 +158,19 @@ def test_a_waiter_cancelled_at_the_head_lets_the_others_through():
     assert asyncio.run(main()) == (0, {})
 
 
+def test_a_grant_absorbs_another_of_its_client_and_one_release_gives_both_back():
+    budget = FairBytes(1000)
+    whole, part, other = budget.try_take(300, "a"), budget.try_take(100, "a"), budget.try_take(50, "b")
+    whole.absorb(part)
+    part.release()  # absorbed: gives nothing back
+    assert (whole.nbytes, budget.held, budget.held_by) == (400, 450, {"a": 400, "b": 50})
+    with pytest.raises(ValueError):
+        whole.absorb(other)  # another client's: its share would be counted against the wrong one
+    whole.release()
+    other.release()
+    assert budget.held == 0 and not budget.held_by
+
+
 def test_no_budget_grants_everything_at_once():
     budget = FairBytes(0)
     grants = [budget.try_take(10**12, "a") for _ in range(3)]  # a client's three, each past any half
@@ -165,7 +180,7 @@ def test_no_budget_grants_everything_at_once():
     assert budget.held == 0
 
 
-def test_every_route_that_answers_with_weights_gives_its_bytes_back(api):
+def test_every_route_that_answers_with_weights_or_measures_gives_its_bytes_back(api):
     """A reply's bytes go back once its answer is sent, and where nothing sends it (export reads the
     reply and builds a page) once the reply is dropped: a grant kept by mistake would shrink the
     budget for good, until every request waited on it."""
@@ -180,8 +195,12 @@ def test_every_route_that_answers_with_weights_gives_its_bytes_back(api):
     ]
     run_id = answers[0].json()["run_id"]
     answers.append(api.get(f"/api/v1/runs/{run_id}/attention", params={"format": "json"}))
+    answers.append(api.get(f"/api/v1/runs/{run_id}/measures", params={"names": "rollout,words", "format": "u8"}))
+    answers.append(api.get(f"/api/v1/runs/{run_id}/mean", params={"format": "json"}))
+    for route, params in (("tile", {"layer": 1, "head": 2}), ("topk", {"layer": 1, "head": 2, "k": 3}), ("overview", {})):
+        answers.append(api.get(f"/api/v1/runs/{run_id}/{route}", params={"format": "f16", **params}))
     answers.append(api.post("/api/v1/attention", json={"text": "x " * 600, "format": "json"}))  # too long: refused before any bytes
-    assert [r.status_code for r in answers] == [200, 200, 200, 200, 200, 422], [r.text[:200] for r in answers]
+    assert [r.status_code for r in answers] == [200] * 10 + [422], [r.text[:200] for r in answers]
     assert metric(api, "manyeyes_answer_bytes") == 0
     assert api.app.state.service.answers.held == 0 and not api.app.state.service.answers.held_by
 

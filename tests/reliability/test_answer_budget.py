@@ -30,11 +30,11 @@ def held_bytes(base: str) -> float:
 
 def test_answers_that_are_not_read_hold_no_more_than_a_clients_share_of_the_budget(minilm):
     texts = [f"Reader {i} waits: " + "the heron stood by the quiet river bank " * 18 for i in range(5)]
-    lengths = [len(minilm.encode(t)) for t in texts]
+    tokens = [minilm.encode(t).tokens for t in texts]
     info = minilm.info
     # What the service reckons one such request holds: its float32 run and its json text.
-    reckoned = [run_bytes(info, n, "weights", 4, 4) + answer_bytes(info.n_layers * info.n_heads * n * n, "json", False)
-                for n in lengths]
+    reckoned = [run_bytes(info, len(t), "weights", 4, 4)
+                + answer_bytes(info.n_layers * info.n_heads * len(t) ** 2, "json", False, t) for t in tokens]
     assert min(reckoned) > 20 * 2**20  # each answer far larger than what loopback sockets buffer
     budget = 4 * max(reckoned) + max(reckoned) // 2  # one client holds half of it: two answers
     port = free_port()
@@ -81,10 +81,11 @@ def test_answers_that_are_not_read_hold_no_more_than_a_clients_share_of_the_budg
         proc.wait(30)
 
 
-def test_the_flood_bench_runs_and_holds_its_bound():
+@pytest.mark.parametrize("route, fmt", [("attention", "json"), ("measures", "f16")])
+def test_the_flood_bench_runs_and_holds_its_bound(route, fmt):
     """bench/flood.py, small: twenty connections for three seconds against a budget of about two
-    answers. Keeps the bench from rotting; its verdict (peak within the bound, the server alive,
-    no 5xx besides 504) must hold even so."""
+    answers, asking for fresh texts' attention or one run's measures. Keeps the bench from rotting;
+    its verdict (peak within the bound, the server alive, no 5xx besides 504) must hold even so."""
     import subprocess
     import sys
     from pathlib import Path
@@ -92,7 +93,7 @@ def test_the_flood_bench_runs_and_holds_its_bound():
     bench = Path(__file__).resolve().parents[2] / "bench"
     done = subprocess.run(
         [sys.executable, str(bench / "flood.py"), "--connections", "20", "--seconds", "3", "--tokens", "120",
-         "--answer-bytes", str(40 * 2**20)],
+         "--answer-bytes", str(40 * 2**20), "--route", route, "--format", fmt],
         cwd=bench, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0 and "target (peak within the bound" in done.stdout and ": MET" in done.stdout, (

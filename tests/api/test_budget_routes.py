@@ -1,0 +1,126 @@
+"""The GET routes' answers in the answers' budget (MANYEYES_ANSWER_BYTES), as POST /attention's are.
+
+GET /runs/{id}/measures answers tens of MB at T=512 (value norms and the word view in f16: 96 MB),
+encoded once a render slot let it compute, then held until its reader took it. Outside the
+budget, 300 slow readers of one run's measures took the server to 3,042 MiB against its bound of
+1,568 (bench/flood.py --route measures --format f16 --tokens 500 --slow). A mean, a tile, top-k
+rows and an overview are up to 15 MB each in json (T=1,024) and were outside it too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from manyeyes.app.services.measures import MATRIX_MEASURES
+from tests.api.conftest import metric
+
+IDENTITY = {"Accept-Encoding": "identity"}  # the bytes as encoded, not as compressed on the way
+
+TEXT = "Naïve readers — “quoted” — hold 12 answers: ça va?"
+
+
+@pytest.fixture
+def run_id(api) -> str:
+    r = api.post("/api/v1/attention", json={"text": TEXT, "format": "u8", "layers": [0], "heads": [0]})
+    assert r.status_code == 200, r.text
+    return r.json()["run_id"]
+
+
+@pytest.fixture
+def reserved(api, monkeypatch) -> list[int]:
+    """The bytes each request asks of the answers' budget, in order."""
+    service = api.app.state.service
+    asked: list[int] = []
+    reserve = service.reserve
+
+    async def recorded(nbytes, deadline, client):
+        asked.append(nbytes)
+        return await reserve(nbytes, deadline, client)
+
+    monkeypatch.setattr(service, "reserve", recorded)
+    return asked
+
+
+@pytest.mark.parametrize("fmt", ["json", "f16", "u8"])
+def test_the_bytes_reckoned_cover_the_measures_answer(api, run_id, reserved, fmt):
+    """Reckoned before the work, the bytes must cover what is then sent (else the budget bounds
+    less than it says), and not be wildly more (else it refuses answers it had room for)."""
+    service = api.app.state.service
+    for names, params in ((list(MATRIX_MEASURES), {}), (["value_norms"], {"layers": "1,2", "heads": "0,5,7"}),
+                          (["words"], {}), (["heads"], {})):
+        r = api.get(f"/api/v1/runs/{run_id}/measures", params={"names": ",".join(names), "format": fmt, **params},
+                    headers=IDENTITY)
+        assert r.status_code == 200, r.text
+        measures = r.content[r.content.index(b'"measures":') + len(b'"measures":'):-1]
+        reckoned = reserved.pop()
+        assert reckoned >= len(measures), (names, reckoned, len(measures))
+        assert reckoned <= 3 * len(measures) + 32 * 1024, (names, reckoned, len(measures))
+    assert service.answers.held == 0
+
+
+@pytest.mark.parametrize("path, params, accept", [
+    ("mean", {"format": "json"}, None),
+    ("mean", {"format": "f16", "layers": "0,3"}, None),
+    ("tile", {"layer": 2, "head": 3, "format": "json"}, None),
+    ("tile", {"layer": 2, "head": "mean", "rows": 5, "cols": 7, "pool": "max", "format": "u8"}, None),
+    ("tile", {"layer": 0, "head": 1, "format": "f16"}, "application/vnd.manyeyes.frame"),
+    ("topk", {"layer": 1, "head": 4, "k": 5, "format": "json"}, None),
+    ("topk", {"layer": 1, "head": 4, "k": 3, "format": "u8"}, "application/vnd.manyeyes.frame"),
+    ("overview", {"format": "json"}, None),
+    ("overview", {"format": "u8"}, "application/vnd.manyeyes.frame"),
+])
+def test_the_bytes_reckoned_cover_a_mean_tile_topk_or_overview(api, run_id, reserved, path, params, accept):
+    headers = {**IDENTITY, **({"Accept": accept} if accept else {})}
+    r = api.get(f"/api/v1/runs/{run_id}/{path}", params=params, headers=headers)
+    assert r.status_code == 200, r.text
+    assert len(reserved) == 1 and reserved[0] >= len(r.content), (reserved, len(r.content))
+    assert api.app.state.service.answers.held == 0
+
+
+def test_a_measures_answer_holds_its_bytes_until_sent_and_the_next_waits_for_them(api, run_id):
+    """One client's share of the budget fits one such answer: the second is computed only once the
+    first is given back."""
+    measures = api.app.state.measures
+    answers = measures.attention.answers
+    names = ["rollout", "words", "value_norms"]
+    limit = answers.limit
+
+    async def main():
+        run, served = measures.run(run_id)
+        answers.limit = 0  # no budget: what one answer reckons
+        encoded, grant = await measures.matrices(run, served, names, None, None, "f16", "reader")
+        one = grant.nbytes
+        answers.limit = 2 * one + 2  # a client holds at most half: one answer, not two
+        first, grant = await measures.matrices(run, served, names, None, None, "f16", "reader")
+        held = answers.held
+        second = asyncio.create_task(measures.matrices(run, served, names, None, None, "f16", "reader"))
+        await asyncio.sleep(0.5)
+        waited = not second.done()
+        grant.release()
+        again, last = await asyncio.wait_for(second, 60)
+        last.release()
+        return one, len(encoded), held, waited, again == first, answers.held
+
+    try:
+        one, size, held, waited, same, after = asyncio.run(main())
+    finally:
+        answers.limit = limit
+    assert one >= size and held == one, (one, size, held)
+    assert waited and same and after == 0
+
+
+def test_post_attention_with_measures_holds_both_parts_and_gives_both_back(api):
+    """The weights and the measures are granted apart and sent as one answer: the response gives
+    back both (Grant.absorb), or the budget would shrink by the measures' bytes each time."""
+    service = api.app.state.service
+    held = []
+    original = service.answers._give_back
+    service.answers._give_back = lambda grant: (held.append(grant.nbytes), original(grant))
+    try:
+        r = api.post("/api/v1/attention", json={"text": TEXT, "format": "u8", "measures": ["value_norms", "words"]})
+    finally:
+        service.answers._give_back = original
+    assert r.status_code == 200 and "measures" in r.json(), r.text[:300]
+    assert len(held) == 1 and held[0] >= len(r.content), (held, len(r.content))  # one grant, covering both
+    assert service.answers.held == 0 and metric(api, "manyeyes_answer_bytes") == 0
