@@ -119,7 +119,7 @@ MUTANTS = [
            "and self.held_by.get(client, 0) + nbytes <= self.limit // 2", "",
            ("tests/api/test_slots.py", "-k", "bytes")),
     Mutant("measures-outside-the-answer-budget", "app/services/measures.py",
-           "reserve(measures_bytes(asked_cells, fmt, run, names, per_head)", "reserve(0",
+           "measures_bytes(asked_cells, fmt, tokens, names, per_head)", "0",
            ("tests/api/test_budget_routes.py", "-k", "holds_its_bytes")),
     # ---- static/
     Mutant("thumbnail-colour-scale-fixed-not-per-head", "static/js/grid.js",

@@ -17,6 +17,7 @@ page as it is now (templates/index.html, static/css, static/js), so it follows t
 from __future__ import annotations
 
 import base64
+import functools
 import re
 from pathlib import Path
 
@@ -125,6 +126,14 @@ def build_html(page_html: str, embedded: dict) -> str:
     # Controls that need a server have nothing to do in a file: a copied link would name the
     # file's own view id, and the API docs are the server's.
     return re.sub(r'(<(?:button|a)\b[^>]*\bid="(?:export-page|copy-link|docs-link)")', r"\1 hidden", html)
+
+
+@functools.cache
+def page_bytes() -> int:
+    """An export's bytes beside its run, at most: plotly.js, the stylesheets and every module (the
+    modules as base64 data URLs, 4/3), and the page itself."""
+    static = sum(path.stat().st_size for path in STATIC_DIR.rglob("*") if path.is_file()) + OFFLINE_API.stat().st_size
+    return PLOTLY_JS.stat().st_size + static * 4 // 3 + len(render_page().encode()) + 64 * 1024
 
 
 def render_page() -> str:

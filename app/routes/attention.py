@@ -31,13 +31,14 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     started = time.monotonic()
     wire, client = wire_of(request), client_of(request)
     # With measures the answer is JSON text (no frame) that they join, and compressed once they have.
-    work = service.attend([(body.text, body.text_pair)], body, False, started, Wire() if body.measures else wire, client)
+    extra = measures.reckoner(body.model, body.measures, body.layers, body.heads, body.format) if body.measures else None
+    work = service.attend([(body.text, body.text_pair)], body, False, started, Wire() if body.measures else wire, client,
+                          extra)
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     if body.measures:
         try:
-            joined, grant = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
-            reply.own(grant)
+            joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
             reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client)
         except BaseException:
             reply.release()

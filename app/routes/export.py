@@ -10,13 +10,13 @@ import orjson
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import RegistryDep, ServiceDep
-from manyeyes.app.routes.responses import errors
+from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest
 from manyeyes.app.routes.views import UnknownView, ViewsDep, check_focus
+from manyeyes.app.services.attention import answer_bytes, finished_off_loop, tokens_bytes
 from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 
 router = APIRouter(tags=["page"])
@@ -39,7 +39,7 @@ async def export_page(
     """The viewer with this run's attention inside, as a download that opens from disk with no
     server and no network. The query is the page's permalink: a saved `view` id, or `text`, `pair`,
     `model`, `layer`, `head`."""
-    from manyeyes.export import build_html, embed, model_entry, pick_format, render_page
+    from manyeyes.export import build_html, embed, model_entry, page_bytes, pick_format, render_page
 
     state = None
     if view is not None:
@@ -74,7 +74,16 @@ async def export_page(
     info = served.model.info
     # The same run again, all of it: the run cache answers, no second forward pass.
     full = probe.model_copy(update={"layers": None, "heads": None, "format": pick_format(info.n_layers, info.n_heads, n_tokens)})
-    reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic(), client=client)
+
+    def page_around(tokens) -> int:
+        """The file's bytes, reckoned with the answer's own in its grant: the page, the answer
+        again inside it (each `<` escaped) and the text, twice, each character escaped at worst."""
+        cells = info.n_layers * info.n_heads * len(tokens) ** 2
+        chars = len(full.text) + len(full.text_pair or "")
+        return page_bytes() + answer_bytes(cells, full.format, False, tokens) + tokens_bytes(tokens) + 12 * chars
+
+    reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic(), client=client,
+                                 extra_bytes=page_around)
 
     def build() -> bytes:
         body = orjson.loads(b"".join(reply.body))
@@ -82,7 +91,9 @@ async def export_page(
         # A saved view keeps its options (extra heads, segments, threshold, scale...) in the file.
         return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head, full.truncate, view=state)).encode("utf-8")
 
-    html = await run_in_threadpool(build)
+    # In a render slot, as an answer's encoding: the page is built through several copies of itself.
+    async with service.renders.hold(client):
+        html = await finished_off_loop(build)
     name = re.sub(r"[^\w.-]", "_", served.id)
-    return Response(html, media_type="text/html; charset=utf-8",
-                    headers={"Content-Disposition": f'attachment; filename="manyeyes-{name}.html"'})
+    return PiecesResponse([html], "text/html; charset=utf-8",
+                          {"Content-Disposition": f'attachment; filename="manyeyes-{name}.html"'}, reply.hand_over())

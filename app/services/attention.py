@@ -6,7 +6,7 @@ import asyncio
 import time
 import weakref
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -36,7 +36,7 @@ from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, Compression, prefers_fr
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.kept import DenseAttention
-from manyeyes.model.tokenizer import Encoded
+from manyeyes.model.tokenizer import Encoded, Token
 
 # Compact formats are already ~10x smaller than JSON text; gzip would cost more than the forward.
 COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
@@ -171,13 +171,7 @@ class Reply:
         weakref.finalize(self, release_all, self._grant)
 
     def hand_over(self) -> Grant | None:
-        """All the reply's bytes as one grant, for the response that sends it."""
-        if not self._grant:
-            return None
-        whole = self._grant.pop()
-        while self._grant:
-            whole.absorb(self._grant.pop())
-        return whole
+        return self._grant.pop() if self._grant else None
 
     def release(self) -> None:
         """Gives the bytes back now, not when a traceback lets the reply go."""
@@ -299,8 +293,12 @@ class AttentionService:
 
     # ------------------------------------------------------------------ public
     async def attend(
-        self, texts: list[tuple[str, str | None]], options, batch: bool, started: float, wire: Wire = Wire(), client: str = ""
+        self, texts: list[tuple[str, str | None]], options, batch: bool, started: float, wire: Wire = Wire(), client: str = "",
+        extra_bytes: Callable[[Sequence[Token]], int] | None = None,
     ) -> Reply:
+        """extra_bytes(tokens): what the caller will add to one text's answer (measures, a page
+        around it), reckoned with the answer's own bytes in one grant: a request that held the
+        answer's bytes while it waited for more could hold them against every other such request."""
         served = self.registry.get(options.model)
         view = self._view(served, options.layers, options.heads, options.format)
         top_k = self._top_k(served, options.predictions)
@@ -313,7 +311,8 @@ class AttentionService:
         # A batch answers with weights only; one text may keep queries and keys (see kind_for).
         keep = getattr(options, "keep", "weights")
         measures = getattr(options, "measures", None)
-        grant = await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures), wire)
+        grant = await self._compute(served, items, view, options.truncate, deadline, client, keep, bool(measures), wire,
+                                    extra_bytes)
         try:
             reply = await self._reply(served, items, view, batch, wire, top_k, client)
         except BaseException:
@@ -530,6 +529,7 @@ class AttentionService:
     async def _compute(
         self, served: Served, items: list[Item], view: View, truncate: bool, deadline: float, client: str,
         keep: str = "weights", measures: bool = False, wire: Wire = Wire(),
+        extra_bytes: Callable[[Sequence[Token]], int] | None = None,
     ) -> Grant:
         """Fill each item's run: from the cache, else through one place each in the batcher. The
         bytes its answer will hold are granted first (a run computed is held until it is answered)."""
@@ -551,7 +551,7 @@ class AttentionService:
             lengths = [item.run.n_tokens for item in items if item.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            return await self.reserve(self._held_bytes(served, items, view, wire), deadline, client)
+            return await self.reserve(self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
         batcher = served.batcher
         batcher.admit(len(missing), client)
         submitted = 0
@@ -564,7 +564,7 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            grant = await self.reserve(self._held_bytes(served, items, view, wire), deadline, client)
+            grant = await self.reserve(self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing])
@@ -595,9 +595,11 @@ class AttentionService:
                 "this server is sending already hold the memory it keeps for them; retry shortly"
             ) from None
 
-    def _held_bytes(self, served: Served, items: list[Item], view: View, wire: Wire) -> int:
+    def _held_bytes(self, served: Served, items: list[Item], view: View, wire: Wire,
+                    extra_bytes: Callable[[Sequence[Token]], int] | None = None) -> int:
         """Each item's run (a cached one may be dropped from the cache meanwhile, and is held all
-        the same) and its answer, reckoned before the forward pass as the cache reckons runs."""
+        the same), its answer and what the caller adds to it, reckoned before the forward pass as
+        the cache reckons runs."""
         weight_bytes = KEPT_DTYPE[view.format].itemsize if served.batcher.device_quantise else 4
         total = 0
         for item in items:
@@ -608,6 +610,8 @@ class AttentionService:
                 total += run_bytes(served.model.info, len(tokens), item.kind, weight_bytes, served.qk_bytes)
             if item.kind == "weights":
                 total += answer_bytes(view.cells(len(tokens)), view.format, wire.frame, tokens)
+            if extra_bytes is not None:
+                total += extra_bytes(tokens)
         return total
 
     async def _collect(self, served: Served, items: list[Item], missing: list[Item], futures, view: View,

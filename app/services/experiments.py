@@ -3,7 +3,9 @@
 Each request runs two forwards plus its ranking on a worker thread, never on the event loop. At
 most `max_experiments` run at once (beyond it, 429), each within the request time budget (else
 504); a slot is held until its thread's work has really ended, so clients that hang up or time
-out cannot pile up work behind the server's back.
+out cannot pile up work behind the server's back. Before that, the answer's bytes are reckoned
+from the tokenized texts and granted from the answers' budget (MANYEYES_ANSWER_BYTES), held until
+the answer has been sent.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
+from manyeyes.app.services.attention import INLINE_CHARS, AttentionService, answer_bytes, off_loop_unless_small, tokens_bytes
 from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, QueueFull, TooLong, TooManyCells
 from manyeyes.app.services.payload import token_dicts
 from manyeyes.app.services.registry import Registry, Served
+from manyeyes.app.services.slots import Grant
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results
 from manyeyes.model.tokenizer import Encoded
@@ -69,14 +73,41 @@ def tensor_out(values: torch.Tensor, layers: list[int], heads: list[int], fmt: s
     return out
 
 
+# An answer's JSON beyond its tokens and tensor, at its worst: a ranked head ({"layer", "head",
+# "divergence"}), a guess of a prediction (its token's text escaped, id, probability), a position's
+# change in log-probability, an aligned pair.
+RANKED_HEAD_BYTES = 96
+GUESS_BYTES = 384
+LOGPROB_BYTES = 512
+PAIR_BYTES = 24
+CHANGED_TOKEN_BYTES = 1024  # the one token a change puts in (the model's mask or unknown piece)
+
+
+def experiment_bytes(served: Served, tokens: list, view, rows: int, guesses: int = 0) -> int:
+    """An experiment's answer, reckoned before its forwards for the answers' budget: `tokens` (one
+    list per text), every head ranked, `guesses` predictions and log-probability changes per
+    position (ablations on a model with an LM head), the aligned pairs, and the asked tensor of
+    `rows` x `rows` cells per head (as an answer's weights)."""
+    info = served.model.info
+    total = sum(tokens_bytes(t) for t in tokens) + info.n_layers * info.n_heads * RANKED_HEAD_BYTES
+    total += rows * (PAIR_BYTES + guesses * 2 * GUESS_BYTES + (LOGPROB_BYTES if guesses else 0))
+    if view is None:
+        return total + answer_bytes(0, "u8", False)
+    layers, heads, fmt = view
+    return total + answer_bytes(len(layers) * len(heads) * rows * rows, fmt, False)
+
+
 class ExperimentService:
-    def __init__(self, settings: Settings, registry: Registry) -> None:
+    def __init__(self, settings: Settings, registry: Registry, attention: AttentionService) -> None:
         self.settings = settings
         self.registry = registry
+        self.attention = attention  # its answers' budget: these answers hold their bytes there too
         self._slots = threading.BoundedSemaphore(settings.max_experiments)
 
     # ------------------------------------------------------------------ routes' entry points
-    async def ablate(self, body) -> bytes:
+    # Each returns the answer's JSON and its bytes in the answers' budget, for the response that
+    # sends it. The texts are tokenized first, so that the answer is reckoned before its forwards.
+    async def ablate(self, body, client: str = "") -> tuple[bytes, Grant]:
         served = self.registry.get(body.model)
         info = served.model.info
         self._check_pair(body.text_pair)
@@ -89,21 +120,37 @@ class ExperimentService:
                 raise InvalidInput(f"head L{a.layer} H{a.head} is named twice")
             seen.add((a.layer, a.head))
         view = self._view(served, body.attention)
-        return await self._run(self._ablate, served, body, view)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        encoded = await self._tokenized(deadline, served, body.text, body.text_pair, body.truncate)
+        self._check_cells(view, len(encoded))
+        guesses = body.top_k if info.predictions else 0
+        nbytes = experiment_bytes(served, [encoded.tokens], view, len(encoded), guesses)
+        return await self._run(nbytes, client, deadline, self._ablate, served, body, view, encoded)
 
-    async def change_token(self, body) -> bytes:
+    async def change_token(self, body, client: str = "") -> tuple[bytes, Grant]:
         served = self.registry.get(body.model)
         self._check_pair(body.text_pair)
         self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
         view = self._view(served, body.difference)
-        return await self._run(self._change_token, served, body, view)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        encoded = await self._tokenized(deadline, served, body.text, body.text_pair, body.truncate)
+        self._check_cells(view, len(encoded))
+        # The changed text's tokens are the same but one, now the mask or unknown token (or none).
+        nbytes = experiment_bytes(served, [encoded.tokens, encoded.tokens], view, len(encoded)) + CHANGED_TOKEN_BYTES
+        return await self._run(nbytes, client, deadline, self._change_token, served, body, view, encoded)
 
-    async def compare(self, body) -> bytes:
+    async def compare(self, body, client: str = "") -> tuple[bytes, Grant]:
         served = self.registry.get(body.model)
         self._check_chars(len(body.text_a), "text_a: ")
         self._check_chars(len(body.text_b), "text_b: ")
         view = self._view(served, body.difference)
-        return await self._run(self._compare, served, body, view)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        a = await self._tokenized(deadline, served, body.text_a, None, body.truncate, "text_a: ")
+        b = await self._tokenized(deadline, served, body.text_b, None, body.truncate, "text_b: ")
+        aligned = min(len(a), len(b))  # at most: each token is in one pair
+        self._check_cells(view, aligned)
+        nbytes = experiment_bytes(served, [a.tokens, b.tokens], view, aligned)
+        return await self._run(nbytes, client, deadline, self._compare, served, body, view, a, b)
 
     # ------------------------------------------------------------------ bounds
     @staticmethod
@@ -135,7 +182,32 @@ class ExperimentService:
                 f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads"
             )
 
-    async def _run(self, fn, *args) -> bytes:
+    def _over_budget(self) -> OverBudget:
+        return OverBudget(f"the experiment did not finish within its {self.settings.request_timeout_s:g} s budget")
+
+    async def _tokenized(self, deadline: float, served: Served, text: str, pair: str | None, truncate: bool,
+                         label: str = "") -> Encoded:
+        """`_encode` on the loop when the text is short (as POST /attention's), else on a worker
+        thread, within the request's time budget."""
+        small = len(text) + len(pair or "") <= INLINE_CHARS
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                return await off_loop_unless_small(small, self._encode, served, text, pair, truncate, label)
+        except TimeoutError:
+            raise self._over_budget() from None
+
+    async def _run(self, nbytes: int, client: str, deadline: float, fn, *args) -> tuple[bytes, Grant]:
+        """fn(*args) on a worker thread once the answer's `nbytes` are granted (bytes before the
+        slot, as for every answer: see AttentionService.queued_with_bytes) and a slot is free,
+        all by the request's deadline."""
+        grant = await self.attention.reserve(nbytes, deadline, client)
+        try:
+            return await self._in_slot(fn, args, deadline), grant
+        except BaseException:
+            grant.release()
+            raise
+
+    async def _in_slot(self, fn, args, deadline: float) -> bytes:
         if not self._slots.acquire(blocking=False):
             raise QueueFull(f"{self.settings.max_experiments} experiments are running; try again shortly", retry_after_s=1)
 
@@ -150,11 +222,9 @@ class ExperimentService:
                 self._slots.release()  # only once the forwards have really ended
 
         try:
-            return await asyncio.wait_for(run_in_threadpool(work), self.settings.request_timeout_s)
+            return await asyncio.wait_for(run_in_threadpool(work), deadline - time.monotonic())
         except TimeoutError:
-            raise OverBudget(
-                f"the experiment did not finish within its {self.settings.request_timeout_s:g} s budget"
-            ) from None
+            raise self._over_budget() from None
         finally:
             # Cancelled (a timeout, a hang-up) while waiting for a worker thread, work() never runs
             # and would never release its slot: two such and every experiment was a 429 until a
@@ -178,10 +248,8 @@ class ExperimentService:
         return encoded
 
     # ------------------------------------------------------------------ work, on a worker thread
-    def _ablate(self, served: Served, body, view) -> bytes:
+    def _ablate(self, served: Served, body, view, encoded: Encoded) -> bytes:
         model = served.model
-        encoded = self._encode(served, body.text, body.text_pair, body.truncate)
-        self._check_cells(view, len(encoded))
         ablations = [Ablation(a.layer, a.head, a.mode) for a in body.ablate]
         try:
             result = ablate(model, encoded, ablations, top=body.top_k)
@@ -216,9 +284,8 @@ class ExperimentService:
             out["attention"] = tensor_out(result.after.attention, *view, signed=False)
         return orjson.dumps(out, option=NUMPY)
 
-    def _change_token(self, served: Served, body, view) -> bytes:
+    def _change_token(self, served: Served, body, view, encoded: Encoded) -> bytes:
         model = served.model
-        encoded = self._encode(served, body.text, body.text_pair, body.truncate)
         try:
             changed = changed_tokens(model, encoded, body.index, body.change)
         except ValueError as exc:
@@ -226,9 +293,7 @@ class ExperimentService:
         before, after = model.run([encoded, changed])
         return self._comparison(served, compare_results(before, after), view)
 
-    def _compare(self, served: Served, body, view) -> bytes:
-        a = self._encode(served, body.text_a, None, body.truncate, "text_a: ")
-        b = self._encode(served, body.text_b, None, body.truncate, "text_b: ")
+    def _compare(self, served: Served, body, view, a: Encoded, b: Encoded) -> bytes:
         run_a, run_b = served.model.run([a, b])
         try:
             comparison = compare_results(run_a, run_b)

@@ -106,14 +106,14 @@ HEAD_ROW_BYTES = 320  # ~200: 8 stats, its tags, layer and head
 ANSWER_FRAME_BYTES = 16 * 1024
 
 
-def measures_bytes(cells: int, fmt: str, run: Run, names: list[str], rows: int) -> int:
+def measures_bytes(cells: int, fmt: str, tokens, names: list[str], rows: int) -> int:
     """The `measures` object's JSON, reckoned before it is made, for the answers' budget: `cells`
     values (base64 of their bytes in u8/f16, about 15 characters each in json), the word list,
     `rows` head-table rows."""
     per_cell = {"json": JSON_TEXT_BYTES, "f16": 8 / 3, "u8": 4 / 3}[fmt]
     total = int(cells * per_cell) + ANSWER_FRAME_BYTES
     if "words" in names:
-        total += tokens_bytes(run.tokens)
+        total += tokens_bytes(tokens)
     if "heads" in names:
         total += HEAD_ROW_BYTES * rows
     return total
@@ -200,33 +200,47 @@ class MeasuresService:
             )
 
     # ------------------------------------------------------------------ the matrix measures
-    async def matrices(self, run: Run, served: Served, names: list[str], layers, heads, fmt: str,
-                       client: str = "") -> tuple[bytes, Grant]:
-        """The `measures` object of a response (each asked name, one of MATRIX_MEASURES as the
-        schemas check, -> its result) as JSON, and its bytes in the answers' budget, which the
-        caller hands to the response that sends it. Of the run itself, not looked up again by id:
-        the cache may have dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it."""
+    def _planned(self, served: Served, names: list[str], layers, heads, fmt: str, tokens) -> tuple[list, list, list, int]:
+        """(names, each once; layers; heads; the answer's bytes) for a run of these tokens, or the
+        413 for json beyond max_json_cells."""
         names = list(dict.fromkeys(names))  # a repeated name is answered once, never twice
         info = served.model.info
         layers = resolve_indices(layers, info.n_layers, "layer", info.id)
         heads = resolve_indices(heads, info.n_heads, "head", info.id)
-        n = run.attention.shape[-1]
-        per_head = len(layers) * len(heads)
+        n, per_head = len(tokens), len(layers) * len(heads)
         cells = {"rollout": n * n, "value_norms": per_head * n * n, "contributions": 2 * per_head * n + len(layers) * n,
                  "words": per_head * n * n, "heads": 0}
         asked_cells = sum(cells[name] for name in names)
         self._cells_check(asked_cells, fmt)
+        return names, layers, heads, measures_bytes(asked_cells, fmt, tokens, names, per_head)
+
+    def reckoner(self, model: str, names: list[str], layers, heads, fmt: str):
+        """tokens -> the bytes of these measures of a run of those tokens: for POST /attention,
+        which reckons them with its answer's own (AttentionService.attend's extra_bytes)."""
+        served = self.attention.registry.get(model)
+        return lambda tokens: self._planned(served, names, layers, heads, fmt, tokens)[3]
+
+    async def matrices(self, run: Run, served: Served, names: list[str], layers, heads, fmt: str,
+                       client: str = "", reserve: bool = True) -> tuple[bytes, Grant | None]:
+        """The `measures` object of a response (each asked name, one of MATRIX_MEASURES as the
+        schemas check, -> its result) as JSON, and its bytes in the answers' budget, which the
+        caller hands to the response that sends it (none when `reserve` is false: the caller's
+        grant has them already). Of the run itself, not looked up again by id: the cache may have
+        dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it."""
+        names, layers, heads, nbytes = self._planned(served, names, layers, heads, fmt, run.tokens)
         # The answer's bytes first (as for POST /attention), then a render slot: each of these
         # builds tensors the size of the run's weights (value norms: 75 MB at T=512), and 16 at
         # once tripled the memory bound. Encoded in the slot: the matrices and their text are
         # twice the answer, and only the text leaves it, held by the grant until it is sent.
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        grant = await self.attention.reserve(measures_bytes(asked_cells, fmt, run, names, per_head), deadline, client)
+        grant = None
+        if reserve:
+            grant = await self.attention.reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
         try:
             async with self.attention.renders.hold(client):
                 encoded = await finished_off_loop(self._encoded, run, served, names, layers, heads, fmt)
         except BaseException:
-            grant.release()
+            if grant is not None:
+                grant.release()
             raise
         return encoded, grant
 
@@ -278,13 +292,13 @@ class MeasuresService:
             "positional_share": m.POSITIONAL_SHARE,
         }
 
-    async def attach(self, pieces: list[bytes], run: Run, names: list[str], options,
-                     client: str = "") -> tuple[list[bytes], Grant]:
+    async def attach(self, pieces: list[bytes], run: Run, names: list[str], options, client: str = "") -> list[bytes]:
         """POST /attention's pieces with a `measures` member added before the closing brace (sent
-        as its own piece: no joined copy), and the measures' bytes in the answers' budget."""
+        as its own piece: no joined copy). Their bytes were reckoned with the answer's (reckoner)."""
         served = self.attention.registry.get(run.model)
-        measures, grant = await self.matrices(run, served, names, options.layers, options.heads, options.format, client)
-        return [*pieces[:-1], pieces[-1][:-1], b',"measures":', measures, b"}"], grant
+        measures, _ = await self.matrices(run, served, names, options.layers, options.heads, options.format, client,
+                                          reserve=False)
+        return [*pieces[:-1], pieces[-1][:-1], b',"measures":', measures, b"}"]
 
     # ------------------------------------------------------------------ the parameterised ones
     async def flow(self, run_id: str, threshold: float) -> bytes:

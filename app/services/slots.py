@@ -92,13 +92,6 @@ class Grant:
         if budget is not None:
             budget.give_back(self)
 
-    def absorb(self, other: Grant) -> None:
-        """Takes over `other`'s bytes (of the same budget and client), so one release gives both
-        back: an answer whose parts were granted apart (weights, then measures) is sent as one."""
-        if other.budget is not self.budget or other.client != self.client:
-            raise ValueError("a grant can only absorb one of the same budget and client")
-        self.nbytes, other.nbytes, other.budget = self.nbytes + other.nbytes, 0, None
-
 
 class FairBytes:
     """Bytes of answers held at once (runs being answered, answers being encoded and sent), handed

@@ -110,17 +110,41 @@ def test_a_measures_answer_holds_its_bytes_until_sent_and_the_next_waits_for_the
     assert waited and same and after == 0
 
 
-def test_post_attention_with_measures_holds_both_parts_and_gives_both_back(api):
-    """The weights and the measures are granted apart and sent as one answer: the response gives
-    back both (Grant.absorb), or the budget would shrink by the measures' bytes each time."""
+def test_post_attention_with_measures_reckons_both_parts_in_one_grant(api, reserved):
+    """The weights and the measures are reckoned together before the forward pass, in one grant
+    given back once the answer is sent: a request holding its weights' bytes while it waited for
+    its measures' could hold them against every other such request until their time ran out."""
     service = api.app.state.service
-    held = []
-    original = service.answers._give_back
-    service.answers._give_back = lambda grant: (held.append(grant.nbytes), original(grant))
-    try:
-        r = api.post("/api/v1/attention", json={"text": TEXT, "format": "u8", "measures": ["value_norms", "words"]})
-    finally:
-        service.answers._give_back = original
-    assert r.status_code == 200 and "measures" in r.json(), r.text[:300]
-    assert len(held) == 1 and held[0] >= len(r.content), (held, len(r.content))  # one grant, covering both
+    body = {"text": TEXT, "format": "u8"}
+    plain = api.post("/api/v1/attention", json=body)
+    with_measures = api.post("/api/v1/attention", json={**body, "measures": ["value_norms", "words"]}, headers=IDENTITY)
+    assert plain.status_code == with_measures.status_code == 200, with_measures.text[:300]
+    content = with_measures.content
+    measures = content[content.index(b',"measures":'):]
+    assert len(reserved) == 2, reserved  # one grant each, the second covering the measures too
+    assert reserved[1] - reserved[0] >= len(measures), (reserved, len(measures))
     assert service.answers.held == 0 and metric(api, "manyeyes_answer_bytes") == 0
+
+
+def test_an_exported_page_is_reckoned_with_its_run_in_one_grant(api, reserved):
+    """The one-file page (plotly.js and the run inside: megabytes) is held until it is sent, like
+    any answer; reckoned with the run's own answer, so that an export never waits for bytes while
+    holding some."""
+    r = api.get("/export", params={"text": TEXT, "model": "minilm"}, headers=IDENTITY)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), r.text[:300]
+    probe, full = reserved  # the first attend reads the run's length from a one-head answer
+    assert full >= len(r.content) > probe, (reserved, len(r.content))
+    assert api.app.state.service.answers.held == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("ablate", {"text": TEXT, "ablate": [{"layer": 1, "head": 2}], "attention": {"format": "json"}}),
+    ("ablate", {"text": TEXT, "ablate": [{"layer": 0, "head": 0, "mode": "mean"}]}),
+    ("change-token", {"text": TEXT, "index": 3, "change": "mask", "difference": {"format": "f16"}}),
+    ("compare", {"text_a": TEXT, "text_b": TEXT.replace("readers", "writers <here>"), "difference": {"format": "json"}}),
+])
+def test_an_experiment_is_reckoned_before_its_forwards_and_gives_its_bytes_back(api, reserved, path, body):
+    r = api.post(f"/api/v1/experiments/{path}", json=body, headers=IDENTITY)
+    assert r.status_code == 200, r.text[:300]
+    assert len(reserved) == 1 and reserved[0] >= len(r.content), (reserved, len(r.content))
+    assert api.app.state.service.answers.held == 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from manyeyes.app.services.slots import FairBytes, FairSlots
 
 
@@ -156,19 +154,6 @@ def test_a_waiter_cancelled_at_the_head_lets_the_others_through():
         return budget.held, budget._waiting
 
     assert asyncio.run(main()) == (0, {})
-
-
-def test_a_grant_absorbs_another_of_its_client_and_one_release_gives_both_back():
-    budget = FairBytes(1000)
-    whole, part, other = budget.try_take(300, "a"), budget.try_take(100, "a"), budget.try_take(50, "b")
-    whole.absorb(part)
-    part.release()  # absorbed: gives nothing back
-    assert (whole.nbytes, budget.held, budget.held_by) == (400, 450, {"a": 400, "b": 50})
-    with pytest.raises(ValueError):
-        whole.absorb(other)  # another client's: its share would be counted against the wrong one
-    whole.release()
-    other.release()
-    assert budget.held == 0 and not budget.held_by
 
 
 def test_no_budget_grants_everything_at_once():
