@@ -1,10 +1,12 @@
-"""The GET routes' answers in the answers' budget (MANYEYES_ANSWER_BYTES), as POST /attention's are.
+"""Every large answer in the answers' budget (MANYEYES_ANSWER_BYTES), as POST /attention's is: the
+GET routes of a cached run, the experiments, exported pages, and the measures POST /attention adds.
 
 GET /runs/{id}/measures answers tens of MB at T=512 (value norms and the word view in f16: 96 MB),
 encoded once a render slot let it compute, then held until its reader took it. Outside the
 budget, 300 slow readers of one run's measures took the server to 3,042 MiB against its bound of
 1,568 (bench/flood.py --route measures --format f16 --tokens 500 --slow). A mean, a tile, top-k
-rows and an overview are up to 15 MB each in json (T=1,024) and were outside it too."""
+rows and an overview are up to 15 MB each in json (T=1,024), an experiment's difference or an
+exported page (plotly.js inside) megabytes, and all were outside it too."""
 
 from __future__ import annotations
 
