@@ -150,3 +150,22 @@ def test_an_experiment_is_reckoned_before_its_forwards_and_gives_its_bytes_back(
     assert r.status_code == 200, r.text[:300]
     assert len(reserved) == 1 and reserved[0] >= len(r.content), (reserved, len(r.content))
     assert api.app.state.service.answers.held == 0
+
+
+def test_measures_over_the_json_limit_are_refused_before_the_forward_pass():
+    """The measures are reckoned with the answer, so json measures beyond max_json_cells are a 413
+    before any work: no run computed, no bytes or queue places left held."""
+    from manyeyes.app.config import Settings
+    from tests.api.conftest import serve
+
+    api = serve(Settings(models={"minilm": "minilm"}, device="cpu", max_json_cells=50_000, warmup=False))
+    try:
+        text = "A sentence whose weights fit the json limit, and whose measures, twice as many, do not."
+        r = api.post("/api/v1/attention", json={"text": text, "format": "json", "measures": ["value_norms", "words"]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_cells", r.text[:300]
+        service = api.app.state.service
+        assert metric(api, "manyeyes_forward_seconds_count") == 0
+        assert service.answers.held == 0 and api.app.state.registry.get("minilm").batcher._admitted == 0
+        assert api.post("/api/v1/attention", json={"text": text, "format": "json"}).status_code == 200
+    finally:
+        api.__exit__(None, None, None)
