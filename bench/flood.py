@@ -39,7 +39,7 @@ from manyeyes.app.config import Settings
 # encodes an answer of its own. `names` for /measures: the largest (L, H, T, T) matrices.
 RUN_ROUTES = {
     "measures": "/api/v1/runs/{run}/measures?names=value_norms,words&format={fmt}",
-    "slice": "/api/v1/runs/{run}?format={fmt}",
+    "slice": "/api/v1/runs/{run}/attention?format={fmt}",
     "mean": "/api/v1/runs/{run}/mean?format={fmt}",
     "tile": "/api/v1/runs/{run}/tile?layer=0&head=mean&format={fmt}",
 }

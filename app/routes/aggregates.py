@@ -48,16 +48,9 @@ async def run_mean(
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
         return render_result(averaged, info, View([0], [0], format), timing)
 
-    client = client_of(request)
-    # The answer's bytes first (json at T=1,024: 15 MB, held until its reader takes it), then a
-    # render slot for the T×T float32 mean, like an answer's encoding.
-    deadline = time.monotonic() + service.settings.request_timeout_s
-    grant = await service.reserve(answer_bytes(run.n_tokens**2, format, False, run.tokens), deadline, client)
-    try:
-        async with service.renders.hold(client):
-            pieces = await finished_off_loop(render)
-    except BaseException:
-        grant.release()
-        raise
+    # The answer's bytes (json at T=1,024: 15 MB, held until its reader takes it), then a render
+    # slot for the T×T float32 mean, like an answer's encoding.
+    async with service.bytes_then_slot(answer_bytes(run.n_tokens**2, format, False, run.tokens), client_of(request)) as grant:
+        pieces = await finished_off_loop(render)
     request.state.log = {"run_id": run_id, "mean_of_layers": len(chosen)}
     return PiecesResponse(pieces, "application/json" if format == "json" else "application/vnd.manyeyes+json", grant=grant)

@@ -196,13 +196,17 @@ def tokens_bytes(tokens) -> int:
     return sum(6 * (len(t.text.encode()) + len(t.piece.encode())) + TOKEN_FIELDS_BYTES for t in tokens)
 
 
+def cells_bytes(cells: int, fmt: str, frame: bool = False) -> int:
+    """`cells` values of an answer in this format, as sent."""
+    raw = KEPT_DTYPE[fmt].itemsize
+    if frame:
+        return cells * raw
+    return cells * JSON_TEXT_BYTES if fmt == "json" else -(-cells * raw * 4 // 3)
+
+
 def answer_bytes(cells: int, fmt: str, frame: bool, tokens=()) -> int:
     """An answer of `cells` weights and these tokens, reckoned before it is made."""
-    raw = KEPT_DTYPE[fmt].itemsize
-    head = ANSWER_FIELDS_BYTES + tokens_bytes(tokens)
-    if frame:
-        return head + cells * raw
-    return head + (cells * JSON_TEXT_BYTES if fmt == "json" else -(-cells * raw * 4 // 3))
+    return ANSWER_FIELDS_BYTES + tokens_bytes(tokens) + cells_bytes(cells, fmt, frame)
 
 
 def check_precision(run: Run, fmt: str) -> None:
@@ -384,22 +388,27 @@ class AttentionService:
         return reply
 
     @asynccontextmanager
+    async def bytes_then_slot(self, nbytes: int, client: str):
+        """`async with service.bytes_then_slot(nbytes, client) as grant:` `nbytes` of the answers'
+        budget granted within the request's time budget (else 504), then a render slot, held while
+        the block runs. Bytes before the slot: a request holding a slot while it waited for bytes
+        would stand in the way of the answers holding them, which wait for a slot to be encoded.
+        The grant is given back if the block fails; else the caller hands it to its answer."""
+        grant = await self.reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
+        try:
+            async with self.renders.hold(client):
+                yield grant
+        except BaseException:
+            grant.release()
+            raise
+
+    @asynccontextmanager
     async def queued_with_bytes(self, nbytes: int, client: str):
-        """`async with service.queued_with_bytes(nbytes, client) as grant:` admitted to the render
-        queue (else 429), then `nbytes` of the answers' budget granted within the request's time
-        budget (else 504), then a render slot, held while the block runs. Bytes before the slot: a
-        request holding a slot while it waited for bytes would stand in the way of the answers
-        holding them, which wait for a slot to be encoded. The grant is given back if the block
-        fails; else the caller's reply owns it."""
+        """bytes_then_slot, admitted to the render queue first (else 429): tiles and large slices."""
         self.queued.admit(client)
         try:
-            grant = await self.reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
-            try:
-                async with self.renders.hold(client):
-                    yield grant
-            except BaseException:
-                grant.release()
-                raise
+            async with self.bytes_then_slot(nbytes, client) as grant:
+                yield grant
         finally:
             self.queued.release(client)
 

@@ -21,7 +21,14 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.attention import INLINE_CHARS, AttentionService, answer_bytes, off_loop_unless_small, tokens_bytes
+from manyeyes.app.services.attention import (
+    ANSWER_FIELDS_BYTES,
+    INLINE_CHARS,
+    AttentionService,
+    cells_bytes,
+    off_loop_unless_small,
+    tokens_bytes,
+)
 from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, QueueFull, TooLong, TooManyCells
 from manyeyes.app.services.payload import token_dicts
 from manyeyes.app.services.registry import Registry, Served
@@ -91,10 +98,10 @@ def experiment_bytes(served: Served, tokens: list, view, rows: int, guesses: int
     info = served.model.info
     total = sum(tokens_bytes(t) for t in tokens) + info.n_layers * info.n_heads * RANKED_HEAD_BYTES
     total += rows * (PAIR_BYTES + guesses * 2 * GUESS_BYTES + (LOGPROB_BYTES if guesses else 0))
-    if view is None:
-        return total + answer_bytes(0, "u8", False)
-    layers, heads, fmt = view
-    return total + answer_bytes(len(layers) * len(heads) * rows * rows, fmt, False)
+    if view is not None:
+        layers, heads, fmt = view
+        total += cells_bytes(len(layers) * len(heads) * rows * rows, fmt)
+    return total + ANSWER_FIELDS_BYTES
 
 
 class ExperimentService:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -23,8 +22,8 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.services.attention import (
-    JSON_TEXT_BYTES,
     AttentionService,
+    cells_bytes,
     finished_off_loop,
     resolve_indices,
     tokens_bytes,
@@ -110,8 +109,7 @@ def measures_bytes(cells: int, fmt: str, tokens, names: list[str], rows: int) ->
     """The `measures` object's JSON, reckoned before it is made, for the answers' budget: `cells`
     values (base64 of their bytes in u8/f16, about 15 characters each in json), the word list,
     `rows` head-table rows."""
-    per_cell = {"json": JSON_TEXT_BYTES, "f16": 8 / 3, "u8": 4 / 3}[fmt]
-    total = int(cells * per_cell) + ANSWER_FRAME_BYTES
+    total = cells_bytes(cells, fmt) + ANSWER_FRAME_BYTES
     if "words" in names:
         total += tokens_bytes(tokens)
     if "heads" in names:
@@ -232,17 +230,12 @@ class MeasuresService:
         # builds tensors the size of the run's weights (value norms: 75 MB at T=512), and 16 at
         # once tripled the memory bound. Encoded in the slot: the matrices and their text are
         # twice the answer, and only the text leaves it, held by the grant until it is sent.
-        grant = None
-        if reserve:
-            grant = await self.attention.reserve(nbytes, time.monotonic() + self.settings.request_timeout_s, client)
-        try:
+        work = (self._encoded, run, served, names, layers, heads, fmt)
+        if not reserve:
             async with self.attention.renders.hold(client):
-                encoded = await finished_off_loop(self._encoded, run, served, names, layers, heads, fmt)
-        except BaseException:
-            if grant is not None:
-                grant.release()
-            raise
-        return encoded, grant
+                return await finished_off_loop(*work), None
+        async with self.attention.bytes_then_slot(nbytes, client) as grant:
+            return await finished_off_loop(*work), grant
 
     def _encoded(self, run: Run, served: Served, names, layers, heads, fmt) -> bytes:
         return orjson.dumps(self._matrices(run, served, names, layers, heads, fmt), option=orjson.OPT_SERIALIZE_NUMPY)
