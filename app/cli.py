@@ -144,6 +144,8 @@ def cmd_serve(args) -> int:
         updates["device"] = args.device
     if args.dtype:
         updates["dtype"] = args.dtype
+    if args.shared_forward:
+        updates["shared_forward"] = True
     settings = settings.model_copy(update=updates)
     from manyeyes.app.clients import KeyRing, exposure_warning
 
@@ -156,6 +158,9 @@ def cmd_serve(args) -> int:
     warning = exposure_warning(args.host, bool(keys))
     if warning:
         print(warning, file=sys.stderr)
+    if settings.shared_forward and args.workers < 2:
+        print("manyeyes: --shared-forward (MANYEYES_SHARED_FORWARD) shares forwards between --workers on one machine; "
+              "without them each process runs its own", file=sys.stderr)
     if args.replicas and args.workers > 1:
         print("error: --workers and --replicas are two ways to run copies of the app: choose one", file=sys.stderr)
         return 2
@@ -178,8 +183,11 @@ def cmd_serve(args) -> int:
         from manyeyes.app.workers import default_threads, serve_workers
 
         threads = args.threads or default_threads(args.workers)
-        print(f"manyeyes: {args.workers} workers ({threads} CPU threads each) serving {', '.join(settings.all_models())} "
-              f"on http://{args.host}:{args.port} (GET /readyz says when every worker is ready)", file=sys.stderr)
+        shared = (f", and one process running their forwards of inputs up to {settings.shared_forward_max_tokens} tokens"
+                  if settings.shared_forward else "")
+        print(f"manyeyes: {args.workers} workers ({threads} CPU threads each){shared} serving "
+              f"{', '.join(settings.all_models())} on http://{args.host}:{args.port} (GET /readyz says when every worker "
+              "is ready)", file=sys.stderr)
         return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level)
     if args.threads:  # one process: torch's CPU threads as asked (on a GPU few are needed)
         import torch
@@ -426,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=_positive, default=None,
                        help="torch's CPU threads: of the one process (default: torch's own choice), per worker "
                             "(default: the cores shared out) or per Ray Serve replica (default 1)")
+    serve.add_argument("--shared-forward", action="store_true",
+                       help="with --workers: one more process runs every worker's forwards of short inputs (up to "
+                            "MANYEYES_SHARED_FORWARD_MAX_TOKENS, 128) as shared batches; for a GPU, where a short "
+                            "input's forward is mostly kernel launches (README, \"GPU\")")
     serve.set_defaults(func=cmd_serve)
     add_export_command(sub)
     return parser

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     # most, one larger than all of it alone); 0: no budget. SECURITY.md, "Memory".
     answer_bytes: int = Field(256 * 2**20, ge=0)
     max_wait_ms: float = Field(5.0, ge=0)
+    # `serve --workers N` only: one more process runs every worker's batches of inputs up to
+    # shared_forward_max_tokens as shared forwards (services/shared_forward.py; README, "GPU").
+    shared_forward: bool = False
+    shared_forward_max_tokens: int = Field(128, ge=1)
     # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)
     request_timeout_s: float = Field(30.0, gt=0)  # per-request budget: queue + forward, else 504

@@ -97,9 +97,10 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal", "internal server error; the server log has the details")
 
 
-def create_app(settings: Settings | None = None, run_directory=None) -> FastAPI:
+def create_app(settings: Settings | None = None, run_directory=None, forward_link=None) -> FastAPI:
     """The app. `run_directory` is given where several copies of it serve together (workers,
-    Ray replicas): each records there the request behind every run it computes (shared_runs.py)."""
+    Ray replicas): each records there the request behind every run it computes (shared_runs.py).
+    `forward_link`: where workers' shared forward process listens (services/shared_forward.py)."""
     settings = settings or Settings()
     metrics = Metrics()
     keys = KeyRing(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
@@ -119,7 +120,7 @@ def create_app(settings: Settings | None = None, run_directory=None) -> FastAPI:
             said = set_cuda_wait(settings.cuda_wait)
             if said is not None:
                 log.info("CUDA waits: %s", said)
-        registry = Registry(settings, metrics)
+        registry = Registry(settings, metrics, forward_link)
         # The captures' LRU (MeasuresService) takes its share out of the same budget, so that
         # cache_bytes bounds all cached runs, as SECURITY.md's memory bound counts them.
         run_bytes = settings.cache_bytes - settings.cache_bytes // CAPTURE_SHARE

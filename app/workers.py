@@ -17,9 +17,11 @@ one SIGTERM, so that it drains its requests as a single server does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -42,6 +44,7 @@ MAX_RESTART_PAUSE_S = 60.0
 LIVED_LONG_S = 60.0
 # The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
 FOLDER_PREFIX = "manyeyes-shared-"
+SHARED_FORWARD_SLOT = -1
 
 
 def default_threads(workers: int) -> int:
@@ -49,7 +52,7 @@ def default_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replacement: bool = False):
+def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replacement: bool = False, forward_link=None):
     """One worker's ASGI app: create_app's, sharing runs and views with the other workers; what
     it writes goes in folder/<slot>. A replacement for a dead worker takes connections only once
     its models are loaded (the others are serving); the first workers take them at once, so that
@@ -59,7 +62,7 @@ def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replac
     from manyeyes.app.shared_runs import FileDirectory, ReadyMarks, SharedFiles, SharedRuns, serve_once_loaded
 
     directory = FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers))
-    app = create_app(settings, run_directory=directory)
+    app = create_app(settings, run_directory=directory, forward_link=forward_link)
     if replacement:
         serve_once_loaded(app)
     app.state.ready_marks = ReadyMarks(folder / "ready", slot, workers)
@@ -89,7 +92,8 @@ def metrics_identity(slot: int) -> str:
     return f"w{slot}"
 
 
-def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replacement: bool, threads: int, log_level: str) -> None:
+def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replacement: bool, threads: int, log_level: str,
+          forward_link=None) -> None:
     _detach_from_terminal()
     import torch
     import uvicorn
@@ -102,8 +106,55 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: metrics_identity(slot))
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s worker-{os.getpid()} %(name)s %(message)s")
     torch.set_num_threads(threads)
-    config = server_config(worker_app(settings, Path(folder), slot, workers, replacement), settings, log_level=log_level)
+    config = server_config(worker_app(settings, Path(folder), slot, workers, replacement, forward_link), settings,
+                           log_level=log_level)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def shared_models(settings: Settings) -> dict:
+    """The configured models, loaded as a worker loads them (names that share weights share
+    them here too), warmed up by one forward at the longest input the shared process takes."""
+    from manyeyes.app.services.device import AUTOCAST
+    from manyeyes.app.services.registry import named, weights_key
+    from manyeyes.model import Capture, load
+
+    models, by_weights = {}, {}
+    for model_id, spec in settings.all_models().items():
+        first = by_weights.get(weights_key(spec))
+        if first is not None:
+            models[model_id] = named(first, model_id)
+            continue
+        model = load(spec, device=settings.device, half=settings.half, dtype=settings.dtype, name=model_id,
+                     pack=settings.pack_weights)
+        if AUTOCAST[settings.autocast] is not None:
+            model.autocast_dtype = AUTOCAST[settings.autocast]
+        model.run([model.encode("hello " * settings.shared_forward_max_tokens, truncate=True)], Capture(hidden=False))
+        models[model_id] = by_weights[weights_key(spec)] = model
+    return models
+
+
+def _share_forwards(settings: Settings, link, threads: int, log_level: str) -> None:
+    """The shared forward process: loads the models, then listens on link.address."""
+    _detach_from_terminal()
+    import torch
+    from multiprocessing.connection import Listener
+
+    from manyeyes.app.services.device import quantises_on_device, set_cuda_wait
+    from manyeyes.app.services.shared_forward import ForwardHost
+
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s forwards-{os.getpid()} %(name)s %(message)s")
+    torch.set_num_threads(threads)
+    if settings.device is None or settings.device in ("auto", "cuda") or settings.device.startswith("cuda:"):
+        set_cuda_wait(settings.cuda_wait)
+    models = shared_models(settings)
+    device = next(iter(models.values())).info.device
+    host = ForwardHost(models, settings, quantises_on_device(device, settings.device_quantise))
+    signal.signal(signal.SIGTERM, lambda *_: host.close())
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(link.address)  # a predecessor's, if it died
+    listener = Listener(link.address, family="AF_UNIX", authkey=link.authkey)
+    log.info("shared forward process: %s on %s, inputs of up to %d tokens", ", ".join(models), device, link.max_tokens)
+    host.serve(listener)
 
 
 def remove_orphaned_folders(home: Path) -> None:
@@ -138,12 +189,23 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     own_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder / "metrics")
     stopping = []
+    link = None
+    if settings.shared_forward:
+        from manyeyes.app.services.shared_forward import ForwardLink
+
+        link = ForwardLink(str(folder / "forward.sock"), secrets.token_bytes(32), settings.shared_forward_max_tokens)
 
     def start(slot: int, replacement: bool = False):
+        if slot == SHARED_FORWARD_SLOT:
+            process = spawn.Process(target=_share_forwards, args=(settings, link, threads, log_level),
+                                    name="manyeyes-forwards", daemon=False)
+            process.start()
+            return process
         for kind in ("runs", "views"):  # what a dead worker in this slot wrote goes with it
             shutil.rmtree(folder / kind / str(slot), ignore_errors=True)
             (folder / kind / str(slot)).mkdir(parents=True)
-        process = spawn.Process(target=_work, args=(settings, sock, str(folder), slot, workers, replacement, threads, log_level),
+        process = spawn.Process(target=_work, args=(settings, sock, str(folder), slot, workers, replacement, threads, log_level,
+                                                    link),
                                 name="manyeyes-worker", daemon=False)
         process.start()
         return process
@@ -152,9 +214,11 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
         stopping.append(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    processes = [start(slot) for slot in range(workers)]
-    started = [time.monotonic()] * workers
-    pauses = [RESTART_PAUSE_S] * workers
+    # The shared forward process, where there is one, is supervised as the last slot.
+    slots = workers + (1 if link else 0)
+    processes = [start(SHARED_FORWARD_SLOT if slot == workers else slot) for slot in range(slots)]
+    started = [time.monotonic()] * slots
+    pauses = [RESTART_PAUSE_S] * slots
     due: dict[int, float] = {}  # slot -> when its replacement starts
     try:
         while not stopping:
@@ -162,23 +226,27 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
             for i, process in enumerate(processes):
                 if process.exitcode is not None and i not in due:
                     pauses[i] = RESTART_PAUSE_S if now - started[i] > LIVED_LONG_S else min(2 * pauses[i], MAX_RESTART_PAUSE_S)
-                    log.warning("worker %d exited with %s; another starts in %.0f s", process.pid, process.exitcode, pauses[i])
-                    mark_process_dead(metrics_identity(i), str(folder / "metrics"))  # its gauges stop counting; its counters stay
+                    what = "the shared forward process" if i == workers else "worker"
+                    log.warning("%s %d exited with %s; another starts in %.0f s", what, process.pid, process.exitcode, pauses[i])
+                    if i < workers:
+                        mark_process_dead(metrics_identity(i), str(folder / "metrics"))  # its gauges stop counting; its counters stay
                     due[i] = now + pauses[i]
             for i, when in list(due.items()):
                 if now >= when:
                     del due[i]
-                    processes[i], started[i] = start(i, replacement=True), now
+                    processes[i], started[i] = start(SHARED_FORWARD_SLOT if i == workers else i, replacement=True), now
             time.sleep(0.2)
-        for process in processes:
-            if process.exitcode is None:
-                os.kill(process.pid, signal.SIGTERM)  # each worker drains as a single server does
-        deadline = time.monotonic() + settings.shutdown_grace_s + 5
-        for process in processes:
-            process.join(max(deadline - time.monotonic(), 0.1))
-            if process.exitcode is None:
-                process.kill()
-                process.join()
+        # The workers first: while they drain, their last batches may still go to the shared forwards.
+        for group in (processes[:workers], processes[workers:]):
+            for process in group:
+                if process.exitcode is None:
+                    os.kill(process.pid, signal.SIGTERM)  # each worker drains as a single server does
+            deadline = time.monotonic() + settings.shutdown_grace_s + 5
+            for process in group:
+                process.join(max(deadline - time.monotonic(), 0.1))
+                if process.exitcode is None:
+                    process.kill()
+                    process.join()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -11,7 +11,7 @@ Every text is new, so the run cache never answers. Runs on the CPU too (--device
 figures only prove the script; the goals are for a GPU.
 
     python bench/gpu_bench.py [--device cuda] [--autocast off|float16|bfloat16] [--seconds 10]
-                              [--workers N] [--threads T] [--configs "1;8;8x1"] [--load-procs P]
+                              [--workers N] [--threads T] [--configs "1;8;8x1;8x1s"] [--load-procs P]
                               [--cuda-wait block|spin|yield|auto] [--clients 64] [--lengths 16,128,512]
 """
 
@@ -169,27 +169,31 @@ def loaded(url: str, pid: int, n_tokens: int, clients: int, seconds: float, proc
             sum(p[2] for p in parts) / seconds, busiest_threads(threads_before, thread_cpu(pid), seconds))
 
 
-def parse_configs(text: str) -> list[tuple[int, int | None]]:
-    """"1;8;8x1" -> [(1, None), (8, None), (8, 1)]: server processes, and torch threads in each."""
+def parse_configs(text: str) -> list[tuple[int, int | None, bool]]:
+    """"1;8;8x1;8x1s" -> [(1, None, False), (8, None, False), (8, 1, False), (8, 1, True)]: server
+    processes, torch threads in each, and whether they share forwards (--shared-forward)."""
     configs = []
     try:
         for entry in filter(None, (part.strip() for part in text.split(";"))):
-            workers, _, threads = entry.partition("x")
-            configs.append((int(workers), int(threads) if threads else None))
+            shared = entry.endswith("s")
+            workers, _, threads = entry.removesuffix("s").partition("x")
+            configs.append((int(workers), int(threads) if threads else None, shared))
     except ValueError:
         configs = []
-    if not configs or any(w < 1 or (t is not None and t < 1) for w, t in configs):
-        raise argparse.ArgumentTypeError(f"expected entries like 1;8;8x1 (workers, optionally x threads), got {text!r}")
+    if not configs or any(w < 1 or (t is not None and t < 1) or (s and w < 2) for w, t, s in configs):
+        raise argparse.ArgumentTypeError(
+            f"expected entries like 1;8;8x1;8x1s (workers, optionally x threads, s: shared forwards, 2 workers or more), got {text!r}"
+        )
     return configs
 
 
-def measure(args, lengths: list[int], workers: int, threads: int | None) -> tuple[list[float], list[dict], dict]:
+def measure(args, lengths: list[int], workers: int, threads: int | None, shared: bool) -> tuple[list[float], list[dict], dict]:
     """One server configuration: (server ms of the sequential T=128 requests, their steps, served rates per T)."""
     log = Path(tempfile.mkdtemp(prefix="gpu-bench-")) / "server.log"
     settings = {"device": args.device, "autocast": args.autocast, "max_batch_items": args.batch, "max_batch_tokens": args.batch * 512,
                 "max_queue": 4 * args.clients, "max_client_queue": 4 * args.clients, "cache_bytes": 0,
                 "cuda_wait": args.cuda_wait}
-    serve_args = ("--workers", str(workers), *(("--threads", str(threads)) if threads else ()))
+    serve_args = ("--workers", str(workers), *(("--threads", str(threads)) if threads else ()), *(("--shared-forward",) if shared else ()))
     with serve(log_level="info", log_path=log, args=serve_args, **settings) as (url, pid):
         with httpx.Client(base_url=url, timeout=60) as client:
             run_ids, steps = [], []
@@ -205,11 +209,11 @@ def measure(args, lengths: list[int], workers: int, threads: int | None) -> tupl
     return server_ms, steps, served
 
 
-def report(args, lengths: list[int], bare: dict, workers: int, threads: int | None, server_ms, steps, served) -> bool:
+def report(args, lengths: list[int], bare: dict, workers: int, threads: int | None, shared: bool, server_ms, steps, served) -> bool:
     """Prints one configuration's figures; True when it met both goals. bare: T -> the bare
     forward measured just before and just after this configuration's load; its ratio is to the
     faster of the two, the harder goal."""
-    threads_said = f"{threads} CPU thread(s) each" if threads else "default CPU threads"
+    threads_said = (f"{threads} CPU thread(s) each" if threads else "default CPU threads") + (", shared forwards" if shared else "")
     print(f"\nMiniLM on {args.device}, autocast {args.autocast}, {workers} server worker(s), {threads_said}, CUDA waits "
           f"{args.cuda_wait}, format=u8 as raw frames, fresh texts\n")
     # Where the server's time went, so that one run on a borrowed GPU says what to fix.
@@ -245,8 +249,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="manyeyes serve --threads T: torch's CPU threads per process (default: the server's own)")
     parser.add_argument("--configs", type=parse_configs, default=None,
-                        help='several server configurations in one run: "1;8;8x1" is one '
-                             "process, 8 workers, then 8 workers of 1 thread each (overrides --workers and --threads)")
+                        help='several server configurations in one run: "1;8;8x1;8x1s" is one process, 8 workers, '
+                             "8 workers of 1 thread each, then those 8 sharing forwards (--shared-forward; overrides "
+                             "--workers and --threads)")
     parser.add_argument("--cuda-wait", default="block", choices=("block", "spin", "yield", "auto"),
                         help="how the server's threads wait for the GPU (MANYEYES_CUDA_WAIT; auto is CUDA's default, a spin)")
     parser.add_argument("--bare-seconds", type=float, default=2.0,
@@ -254,7 +259,7 @@ def main() -> int:
     parser.add_argument("--load-procs", type=int, default=1, help="processes the load generator's clients are spread over")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    configs = args.configs or [(args.workers, args.threads)]
+    configs = args.configs or [(args.workers, args.threads, False)]
 
     from manyeyes.model import load
 
@@ -267,11 +272,11 @@ def main() -> int:
     # between configurations, beside each one, rather than once at the start.
     bares = [{n: bare_rate(model, n, args.batch, args.bare_seconds) for n in lengths}]
     measured = []
-    for workers, threads in configs:
-        measured.append(measure(args, lengths, workers, threads))
+    for workers, threads, shared in configs:
+        measured.append(measure(args, lengths, workers, threads, shared))
         bares.append({n: bare_rate(model, n, args.batch, args.bare_seconds) for n in lengths})
-    met = [report(args, lengths, {n: (bares[i][n], bares[i + 1][n]) for n in lengths}, workers, threads, *figures)
-           for i, ((workers, threads), figures) in enumerate(zip(configs, measured))]
+    met = [report(args, lengths, {n: (bares[i][n], bares[i + 1][n]) for n in lengths}, *config, *figures)
+           for i, (config, figures) in enumerate(zip(configs, measured))]
     return 0 if any(met) else 1
 
 

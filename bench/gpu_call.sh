@@ -7,8 +7,8 @@
 # About five minutes with the defaults:
 #   python bench/gpu_kit.py
 #   run(command="bash bench/gpu_call.sh", carry=[".whl"], timeout_s=540)
-# Settings from the environment: CONFIGS ("8x1;8": 8 workers of 1 torch thread, then 8 of the
-# default), CLIENTS (128), PROCS (4 load-generator processes), SECS (4 s of load a length), BARE
+# Settings from the environment: CONFIGS ("8x1;8x1s": 8 workers of 1 torch thread, then the same
+# 8 sharing one process's forwards of short inputs, --shared-forward), CLIENTS (128), PROCS (4 load-generator processes), SECS (4 s of load a length), BARE
 # (2 s of bare forward a length, before and after each configuration), LENGTHS (16,128,512),
 # TESTS (1; 0 skips them), DEVICE (cuda), PY (python3), KIT (.whl), SITE (/tmp/site, where the kit goes).
 # A dry run on this machine's CPU: a kit for its Python (python bench/gpu_kit.py --python 3.11 --out /tmp/kit311) and
@@ -51,10 +51,10 @@ nproc
 
 if [ "${TESTS:-1}" = 1 ]; then
   log "CUDA tests"
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/api/test_gpu_path.py 2>&1 | tee "$OUT/tests.log"
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/api/test_gpu_path.py tests/api/test_shared_forward.py 2>&1 | tee "$OUT/tests.log"
 fi
 
 log "gpu_bench"
-"$PY" bench/gpu_bench.py --device "${DEVICE:-cuda}" --configs "${CONFIGS:-8x1;8}" --clients "${CLIENTS:-128}" \
+"$PY" bench/gpu_bench.py --device "${DEVICE:-cuda}" --configs "${CONFIGS:-8x1;8x1s}" --clients "${CLIENTS:-128}" \
   --load-procs "${PROCS:-4}" --seconds "${SECS:-4}" --bare-seconds "${BARE:-2}" --lengths "${LENGTHS:-16,128,512}" 2>&1 | tee "$OUT/bench.log"
 log "done"

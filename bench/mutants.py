@@ -121,6 +121,9 @@ MUTANTS = [
     Mutant("measures-outside-the-answer-budget", "app/services/measures.py",
            "measures_bytes(asked_cells, fmt, tokens, names, per_head)", "0",
            ("tests/api/test_budget_routes.py", "-k", "holds_its_bytes")),
+    Mutant("shared-forward-rows-of-another-worker", "app/services/shared_forward.py",
+           "table[:, row : row + b, :w] = request.table", "table[:, :b, :w] = request.table",
+           ("tests/api/test_shared_forward.py", "-k", "one_forward")),
     # ---- static/
     Mutant("thumbnail-colour-scale-fixed-not-per-head", "static/js/grid.js",
            "Math.min(1, scaled(v, scale, peak))", "Math.min(1, scaled(v, scale, 1))",

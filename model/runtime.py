@@ -63,6 +63,18 @@ class AttentionResult:
     kept: KeptAttention | None = None
 
 
+@dataclass
+class BatchOutput:
+    """One padded batch's outputs, on the CPU: row i's are [i, ..., :n_i] (its own tokens)."""
+
+    attention: torch.Tensor  # (b, n_layers, n_heads, width, width), as to_host made it
+    hidden: torch.Tensor | None  # (b, width, d_model) float32
+    logits: torch.Tensor | None  # (b, width, vocab_size) float32
+    top_ids: torch.Tensor | None  # (b, width, MAX_TOP_K) int64
+    top_probs: torch.Tensor | None  # (b, width, MAX_TOP_K) float32
+    layers: list  # each layer's captured queries, keys and values, on the device (Capture(qkv=True))
+
+
 def pick_device(preference: str | None = None) -> torch.device:
     """CUDA if available, else MPS, else CPU; an explicit preference wins, if this machine has it
     (else ModelLoadError, a message naming what was asked)."""
@@ -180,31 +192,9 @@ class AttentionModel:
         if capture.keep:
             return [self._run_kept(encoded, capture) for encoded in batch]
         lengths = [len(e) for e in batch]
-        width = max(lengths)
-        padded = min(lengths) != width
-        # (3, b, width): token ids, segment ids, real tokens; one copy to the device for all three
-        inputs = padded_inputs(batch, lengths, width).to(self.device)
-        ids, types, real = inputs[0], inputs[1], inputs[2].bool() if padded else None
-        # A model with a language-model head needs the hidden state for its predictions.
-        capture = Capture(weights=True, qkv=capture.qkv, hidden=capture.hidden or self.info.predictions)
-        # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
-        # (n_layers, b, n_heads, width, width)
-        # Read through the network's ShapeInfo: families name their config fields differently.
-        weights = empty_written_whole((self.net.n_layers, len(batch), self.net.n_heads, width, width), self.device)
-        with torch.inference_mode(), self._autocast():
-            trace = self.net.inspect(ids, real, capture, token_type_ids=types, weights_out=weights)
-            # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
-            attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
-            hidden = trace.hidden.float().cpu() if trace.hidden is not None else None
-            logits = top_ids = top_probs = None
-            if trace.logits is not None:
-                logits = trace.logits.float()
-                # Top-k on the device, and only (b, T, k) crosses to the CPU. p = exp(logit - logsumexp)
-                # for the k kept ids: two reads of the logits, no softmaxed (b, T, vocab) copy.
-                top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
-                top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
-                top_ids = top.indices.cpu()
-                logits = logits.cpu()
+        # (3, b, width): token ids, segment ids, real tokens
+        out = self.forward_table(padded_inputs(batch, lengths, max(lengths)), lengths, capture, to_host)
+        attention, hidden, logits, top_ids, top_probs = out.attention, out.hidden, out.logits, out.top_ids, out.top_probs
 
         results = []
         for row, (enc, n) in enumerate(zip(batch, lengths)):
@@ -221,11 +211,44 @@ class AttentionModel:
             )
             if capture.qkv:
                 # each layer: (b, heads, width, head_dim) -> (heads, n, head_dim); kv heads for keys/values
-                result.queries = [layer.queries[row, :, :n].float().cpu() for layer in trace.layers]
-                result.keys = [layer.keys[row, :, :n].float().cpu() for layer in trace.layers]
-                result.values = [layer.values[row, :, :n].float().cpu() for layer in trace.layers]
+                result.queries = [layer.queries[row, :, :n].float().cpu() for layer in out.layers]
+                result.keys = [layer.keys[row, :, :n].float().cpu() for layer in out.layers]
+                result.values = [layer.values[row, :, :n].float().cpu() for layer in out.layers]
             results.append(result)
         return results
+
+    def forward_table(
+        self, table: torch.Tensor, lengths: list[int], capture: Capture = Capture(),
+        to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> "BatchOutput":
+        """The forward pass of `run` over a padded (3, b, width) table (padded_inputs): the whole
+        batch's outputs, not yet cut into its rows. A shared forward process (app/services/
+        shared_forward.py) runs several workers' tables as one through this."""
+        width = table.shape[2]
+        padded = min(lengths) != width
+        inputs = table.to(self.device)  # one copy to the device for all three
+        ids, types, real = inputs[0], inputs[1], inputs[2].bool() if padded else None
+        # A model with a language-model head needs the hidden state for its predictions.
+        capture = Capture(weights=True, qkv=capture.qkv, hidden=capture.hidden or self.info.predictions)
+        # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
+        # (n_layers, b, n_heads, width, width)
+        # Read through the network's ShapeInfo: families name their config fields differently.
+        weights = empty_written_whole((self.net.n_layers, len(lengths), self.net.n_heads, width, width), self.device)
+        with torch.inference_mode(), self._autocast():
+            trace = self.net.inspect(ids, real, capture, token_type_ids=types, weights_out=weights)
+            # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
+            attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
+            hidden = trace.hidden.float().cpu() if trace.hidden is not None else None
+            logits = top_ids = top_probs = None
+            if trace.logits is not None:
+                logits = trace.logits.float()
+                # Top-k on the device, and only (b, T, k) crosses to the CPU. p = exp(logit - logsumexp)
+                # for the k kept ids: two reads of the logits, no softmaxed (b, T, vocab) copy.
+                top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
+                top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
+                top_ids = top.indices.cpu()
+                logits = logits.cpu()
+        return BatchOutput(attention, hidden, logits, top_ids, top_probs, trace.layers)
 
     def _run_kept(self, encoded: Encoded, capture: Capture) -> AttentionResult:
         """One input through the row-block softmax: no layer ever holds its (heads, T, T) weights.

@@ -15,6 +15,7 @@ from itertools import islice
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import InvalidInput, NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.shared_forward import ForwardClient
 from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
@@ -128,6 +129,7 @@ class Batcher:
         copier: HostCopier | None = None,
         max_batch_cells: int | None = None,
         work_fraction: float = 0.0,
+        shared: ForwardClient | None = None,
     ) -> None:
         self.device = device
         self.metrics = metrics
@@ -141,6 +143,7 @@ class Batcher:
         self.max_batch_cells = max_batch_cells
         self.work_fraction = work_fraction  # 0: admission by count only
         self.copier = copier or HostCopier()
+        self.shared = shared  # the shared forward process, for batches of short inputs (--shared-forward)
         # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
         self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
         self._n_pending = 0
@@ -295,6 +298,8 @@ class Batcher:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        if self.shared is not None:
+            self.shared.close()
 
     def _retry_after(self, waiting: int) -> int:
         # Seconds until the queue ahead would drain, at the recent forward rate of full batches.
@@ -431,9 +436,13 @@ class Batcher:
             if live[0].keep:
                 results = model.run([job.encoded for job in live], Capture(keep=True))
             else:
-                to_host = device_to_host(self.copier, most_precise(job.fmt for job in live)) if self.device_quantise else None
-                # Answers and the run cache keep the weights only: the last block can stop at its softmax.
-                results = model.run([job.encoded for job in live], Capture(hidden=False), to_host=to_host)
+                fmt, encoded, results = most_precise(job.fmt for job in live), [job.encoded for job in live], None
+                if self.shared is not None and self.shared.takes(encoded):
+                    results = self.shared.run(model, encoded, fmt, max(job.deadline for job in live))
+                if results is None:
+                    to_host = device_to_host(self.copier, fmt) if self.device_quantise else None
+                    # Answers and the run cache keep the weights only: the last block can stop at its softmax.
+                    results = model.run(encoded, Capture(hidden=False), to_host=to_host)
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
                 self._settle(job, error=exc)

@@ -43,6 +43,10 @@ class Metrics:
         self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run caches", registry=r, multiprocess_mode="livesum")
         self.answer_bytes = Gauge("manyeyes_answer_bytes", "Bytes held by answers on their way out: their runs and encoded "
                                   "bytes, as reckoned for MANYEYES_ANSWER_BYTES", registry=r, multiprocess_mode="livesum")
+        self.shared_forward = Counter(
+            "manyeyes_shared_forward_batches", "Batches of short inputs a worker sent to the shared forward process "
+            "(shared) or ran itself, not reaching it (own); --shared-forward", ["where"], registry=r
+        )
         self.generation_steps = Counter("manyeyes_generation_steps", "Tokens generated, by model", ["model"], registry=r)
         self.generations = Counter(
             "manyeyes_generations", "Generations by outcome: finished, failed, or cancelled by a client that hung up", ["outcome"], registry=r

@@ -17,6 +17,7 @@ from manyeyes.app.services.device import AUTOCAST, quantises_on_device
 from manyeyes.app.services.errors import NotReady, UnknownModel, brief
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import to_u8
+from manyeyes.app.services.shared_forward import ForwardClient, ForwardLink
 from manyeyes.model import Capture, ModelLoadError, load
 from manyeyes.model.loading import BUILTINS
 from manyeyes.model.measures import head_table
@@ -90,9 +91,10 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
 
 
 class Registry:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, forward_link: ForwardLink | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.forward_link = forward_link  # the shared forward process, where workers have one
         self.default_id = settings.default_model_id()
         self._served: dict[str, Served] = {}
         self._batchers: dict[str, Batcher] = {}
@@ -143,6 +145,7 @@ class Registry:
                         max_batch_cells=s.max_batch_cells,
                         work_fraction=s.work_budget_fraction,
                         device_quantise=quantises_on_device(device, s.device_quantise),
+                        shared=ForwardClient(self.forward_link, self.metrics) if self.forward_link else None,
                     )
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id,
                                                 qk_bytes)

@@ -210,13 +210,13 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
     done = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--seconds", "1", "--lengths", "16,64", "--single", "3", "--clients", "4",
-         "--batch", "8", "--bare-seconds", "0.3", "--configs", "1x1;2"],
+         "--batch", "8", "--bare-seconds", "0.3", "--configs", "1x1;2s"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-3000:]
-    # Two server configurations in one run: one process of 1 thread, then 2 workers.
+    # Two server configurations in one run: one process of 1 thread, then 2 workers sharing forwards.
     assert len(re.findall(r"T=128, batch 1, 3 sequential requests: server time p50 \d+\.\d ms", done.stdout)) == 2, done.stdout
-    assert "1 server worker(s), 1 CPU thread(s) each" in done.stdout and "2 server worker(s), default CPU threads" in done.stdout
+    assert "1 server worker(s), 1 CPU thread(s) each" in done.stdout and "2 server worker(s), default CPU threads, shared forwards" in done.stdout
     bare = r"(\d+) \((\d+)-(\d+)\)"
     rows = re.findall(rf"^\| (\d+) \| (\d+) \| {bare}, {bare} \| (\d+)% \| (\d+) \| (\d+\.\d\d) \| (\d+\.\d\d) \| \d+\.\d\d \|$",
                       done.stdout, re.M)
@@ -236,10 +236,13 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
         # CPU a request is the cores over the rate (rounding of both allowed for)
         assert float(cpu_ms) == pytest.approx(1000 * float(cores) / int(served), rel=0.05, abs=0.02), done.stdout
     # Where the server's CPU went, by thread: the forward threads carry their own name.
-    assert len(re.findall(r"^T=16, the server's threads by name: .*me-forward-cpu x\d+: \d+\.\d\d cores", done.stdout, re.M)) == 2
+    threads = re.findall(r"^T=16, the server's threads by name: (.*)$", done.stdout, re.M)
+    assert len(threads) == 2 and re.search(r"me-forward-cpu x1: \d+\.\d\d cores", threads[0]), done.stdout
+    # Sharing, the forwards of short inputs run on the shared process's forward thread.
+    assert re.search(r"me-shared-fwd x1: \d+\.\d\d cores", threads[1]), done.stdout
 
 
-@pytest.mark.parametrize("configs", ["", "0", "8x0", "eight"])
+@pytest.mark.parametrize("configs", ["", "0", "8x0", "eight", "1s"])
 def test_the_gpu_bench_refuses_a_configuration_it_cannot_read(configs):
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--configs", configs],

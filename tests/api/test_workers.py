@@ -24,13 +24,15 @@ TEXT = "The heron waited by the old stone mill."
 
 
 @contextlib.contextmanager
-def workers_serving(log: Path):
-    """`manyeyes serve --workers 2` (tiny-gpt), in a session of its own as a terminal would start
-    it; yields (base URL, parent process, shared folder's name) once both workers answer ready."""
+def workers_serving(log: Path, *args: str, **env_more: str):
+    """`manyeyes serve --workers 2` (tiny-gpt) with more `args` and MANYEYES_* settings, in a
+    session of its own as a terminal would start it; yields (base URL, parent process, shared
+    folder's name) once both workers answer ready."""
     port = free_port()
-    env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_WARMUP": "false"}
+    env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_WARMUP": "false", **env_more}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu", "--workers", "2", "--log-level", "info"],
+        [sys.executable, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu", "--workers", "2", "--log-level", "info",
+         *args],
         cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
