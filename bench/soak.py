@@ -11,7 +11,7 @@ Every answer is checked (status, shape against its tokens, every row of weights 
 every 50th fresh text is also compared, after the load, with a single run in this process.
 
     python bench/soak.py [--requests 10000] [--clients 100] [--warmup 300] [--malloc-mmap-threshold 0] [--malloc-trim-threshold N]
-                         [--workers N]
+                         [--workers N [--shared-forward]]
 
 With --workers N the RSS is the parent's and its workers' together, and the bound N times the
 per-worker terms: each worker keeps its own cache.
@@ -227,6 +227,7 @@ def main() -> int:
     parser.add_argument("--buffer-pool-bytes", type=int, default=None, help="finished buffers kept (the server's own setting otherwise)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workers", type=int, default=1, help="manyeyes serve --workers N: the bound is per worker, summed")
+    parser.add_argument("--shared-forward", action="store_true", help="with --workers: manyeyes serve --shared-forward")
     args = parser.parse_args()
 
     poller = RssPoller()
@@ -239,9 +240,11 @@ def main() -> int:
     if args.buffer_pool_bytes is not None:
         settings["buffer_pool_bytes"] = args.buffer_pool_bytes
     cpus = os.cpu_count()
-    print(f"soak: {args.requests} requests ({args.warmup} warm-up), {args.clients} clients, 16-512 tokens, {args.workers} worker(s), "
+    print(f"soak: {args.requests} requests ({args.warmup} warm-up), {args.clients} clients, 16-512 tokens, {args.workers} worker(s)"
+          f"{' sharing forwards' if args.shared_forward else ''}, "
           f"run cache {args.cache_mb} MB, minilm on {cpus} CPUs, load {os.getloadavg()[0]:.1f}")
-    with serve(on_spawn=poller.watch, args=("--workers", str(args.workers)), **settings) as (url, pid):
+    serve_args = ("--workers", str(args.workers), *(("--shared-forward",) if args.shared_forward else ()))
+    with serve(on_spawn=poller.watch, args=serve_args, **settings) as (url, pid):
         ready_rss = poller.now()
         warm = Soak(url, args.warmup, args.clients, args.seed)
         asyncio.run(warm.run(poller, max(args.warmup, 1)))
