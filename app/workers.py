@@ -8,7 +8,8 @@ keeps its own run cache, fair shares and limits. They share four things through 
 folder (/dev/shm where there is one): the requests behind run ids, so a slice of a run another
 worker computed is recomputed here (app/shared_runs.py); saved views, so a permalink opens
 through any worker; which workers have loaded, so /readyz says 200 only once all have; and
-Prometheus values, so /metrics adds up every worker's.
+Prometheus values, so /metrics adds up every worker's. With --shared-forward one more process runs
+their forwards of short inputs (services/shared_forward.py), supervised as they are.
 
 The parent binds the socket, starts the workers with the spawn method (nothing of torch or CUDA is
 inherited), starts another in place of one that dies, and on SIGTERM or SIGINT sends each worker
@@ -44,7 +45,6 @@ MAX_RESTART_PAUSE_S = 60.0
 LIVED_LONG_S = 60.0
 # The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
 FOLDER_PREFIX = "manyeyes-shared-"
-SHARED_FORWARD_SLOT = -1
 
 
 def default_threads(workers: int) -> int:
@@ -196,7 +196,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
         link = ForwardLink(str(folder / "forward.sock"), secrets.token_bytes(32), settings.shared_forward_max_tokens)
 
     def start(slot: int, replacement: bool = False):
-        if slot == SHARED_FORWARD_SLOT:
+        if slot == workers:  # the slot after the workers': the shared forward process
             process = spawn.Process(target=_share_forwards, args=(settings, link, threads, log_level),
                                     name="manyeyes-forwards", daemon=False)
             process.start()
@@ -214,9 +214,9 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
         stopping.append(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    # The shared forward process, where there is one, is supervised as the last slot.
+    # The shared forward process, where there is one, is supervised as the slot after the workers'.
     slots = workers + (1 if link else 0)
-    processes = [start(SHARED_FORWARD_SLOT if slot == workers else slot) for slot in range(slots)]
+    processes = [start(slot) for slot in range(slots)]
     started = [time.monotonic()] * slots
     pauses = [RESTART_PAUSE_S] * slots
     due: dict[int, float] = {}  # slot -> when its replacement starts
@@ -234,7 +234,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
             for i, when in list(due.items()):
                 if now >= when:
                     del due[i]
-                    processes[i], started[i] = start(SHARED_FORWARD_SLOT if i == workers else i, replacement=True), now
+                    processes[i], started[i] = start(i, replacement=True), now
             time.sleep(0.2)
         # The workers first: while they drain, their last batches may still go to the shared forwards.
         for group in (processes[:workers], processes[workers:]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.shared_forward import ForwardClient, ForwardHost, ForwardLink, Request
 from manyeyes.model import Capture, load
 from manyeyes.model.runtime import padded_inputs
-from tests.api.test_workers import workers_serving
+from tests.api.test_workers import worker_pids, workers_serving
 
 TEXTS = ["The heron waited by the old stone mill.", "Rain.", "A longer sentence, with a comma, and more words in it than the rest."]
 KEY = b"k" * 32
@@ -283,5 +284,29 @@ def test_workers_serve_through_the_shared_forward(tmp_path):
         long_text = " ".join(["word"] * 25)  # over 64 tokens (characters, for tiny-gpt): its worker's own forward
         assert httpx.post(f"{base}/api/v1/attention", json={"text": long_text, "format": "u8"}, timeout=30).status_code == 200
         assert counted("shared") + counted("own") == 12
+        # The shared process dies: the workers answer on their own forwards meanwhile, and the
+        # parent starts another, which they find.
+        (shared_pid,) = [pid for pid in worker_pids(proc.pid) if "me-shared-fwd" in thread_names(pid)]
+        os.kill(shared_pid, signal.SIGKILL)
+        for i in range(4):
+            assert httpx.post(f"{base}/api/v1/attention", json={"text": f"Alone {i}.", "format": "u8"}, timeout=30).status_code == 200
+        deadline = time.monotonic() + 120
+        while log.read_text().count("shared forward process: tiny-gpt") < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        before, deadline = counted("shared"), time.monotonic() + 30
+        while counted("shared") == before:  # each worker's link finds the new one within a second or so
+            assert time.monotonic() < deadline, log.read_text()
+            assert httpx.post(f"{base}/api/v1/attention", json={"text": f"Again {time.monotonic()}.", "format": "u8"},
+                              timeout=30).status_code == 200
         proc.terminate()
         assert proc.wait(60) == 0, log.read_text()
+
+
+def thread_names(pid: int) -> set[str]:
+    names = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                names.add(f.read().strip())
+    return names
