@@ -195,6 +195,13 @@ def measure(args, lengths: list[int], workers: int, threads: int | None, shared:
                 "cuda_wait": args.cuda_wait}
     serve_args = ("--workers", str(workers), *(("--threads", str(threads)) if threads else ()), *(("--shared-forward",) if shared else ()))
     with serve(log_level="info", log_path=log, args=serve_args, **settings) as (url, pid):
+        # /readyz waits for the workers, not for the shared process (they run their own forwards
+        # meanwhile): measure once it serves.
+        deadline = time.monotonic() + 300
+        while shared and "shared forward process:" not in log.read_text():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the shared forward process never started; the server's log: {log}")
+            time.sleep(0.2)
         with httpx.Client(base_url=url, timeout=60) as client:
             run_ids, steps = [], []
             for i in range(args.single + 3):

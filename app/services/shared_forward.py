@@ -27,6 +27,7 @@ worker, for each one's forward thread to read it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
 import os
@@ -70,8 +71,11 @@ class Buffer:
     """A file mapped into memory, grown as needed; the worker's names its generation, so that
     a buffer the shared process may still write (an answer that came too late) is never reused."""
 
+    _made = itertools.count()  # one file per Buffer, even for several clients in one process
+
     def __init__(self, folder: str) -> None:
         self.folder = folder
+        self.name = f"forward-{os.getpid()}-{next(Buffer._made)}"
         self.generation = 0
         self.path: str | None = None
         self.map: mmap.mmap | None = None
@@ -80,7 +84,7 @@ class Buffer:
         if self.map is None or len(self.map) < nbytes:
             size = max(nbytes, 2 * len(self.map) if self.map is not None else 0, 1 << 20)
             if self.path is None:
-                self.path = os.path.join(self.folder, f"forward-{os.getpid()}-{self.generation}.buf")
+                self.path = os.path.join(self.folder, f"{self.name}-{self.generation}.buf")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 os.ftruncate(fd, size)

@@ -135,6 +135,59 @@ def test_workers_batches_queued_together_run_as_one_forward(models):
             np.testing.assert_array_equal(top_ids, w.top_ids.numpy())
 
 
+def test_many_workers_at_once_each_get_their_own_rows(models, tmp_path):
+    """Four workers' forward threads sending batches at the same time, of both models and of mixed
+    lengths: the shared process merges what is queued together, and every row still comes back
+    to the worker that sent it, equal to that worker's own forward."""
+    texts = [f"{t} {i}" * (1 + i % 3) for i, t in enumerate(TEXTS * 4)]
+    errors, answered = [], []
+
+    def worker(n: int) -> None:
+        client = ForwardClient(ForwardLink(str(tmp_path / "f.sock"), KEY, 128), Metrics())
+        connected(client)
+        for k in range(8):
+            model = models["tiny-gpt" if (n + k) % 2 else "minilm"]
+            batch = [model.encode(t) for t in texts[(n + k) % 4::3][:1 + (n + k) % 4]]
+            got = client.run(model, batch, "json", time.monotonic() + 60)
+            want = model.run(batch, Capture(hidden=False))
+            try:
+                assert got is not None
+                for g, w in zip(got, want, strict=True):
+                    # Merged with other workers' rows, padded wider: equal to 1e-5, as any batch's
+                    # rows are to their own runs (README, "API").
+                    torch.testing.assert_close(g.attention, w.attention, atol=1e-5, rtol=0)
+                answered.append(len(batch))
+            except AssertionError as exc:
+                errors.append(exc)
+        client.close()
+
+    with hosting(models, tmp_path / "f.sock") as host:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert not errors and len(answered) == 32, errors[:1]
+    assert host.forwards <= 32  # some were merged, or at least none ran twice
+
+
+def test_a_batch_the_shared_process_fails_is_run_by_the_worker(models, tmp_path, monkeypatch):
+    model = models["tiny-gpt"]
+    metrics = Metrics()
+    client = ForwardClient(ForwardLink(str(tmp_path / "f.sock"), KEY, 128), metrics)
+    with hosting(models, tmp_path / "f.sock") as host:
+        connected(client)
+
+        def out_of_memory(chosen):
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+
+        monkeypatch.setattr(host, "forward", out_of_memory)
+        assert client.run(model, [model.encode(TEXTS[0])], "json", time.monotonic() + 30) is None
+        assert shared_count(metrics, "own") == 1 and client._conn is not None  # the link stays
+        monkeypatch.undo()
+        assert client.run(model, [model.encode(TEXTS[0])], "json", time.monotonic() + 30) is not None
+
+
 def test_the_batch_limits_hold_across_workers(models):
     model = models["tiny-gpt"]
     host = ForwardHost(models, Settings(max_batch_items=3), quantise=False)
