@@ -364,6 +364,8 @@ class ForwardHost:
             request.conn.close()
 
     def _mapped(self, request: Request) -> mmap.mmap:
+        if request.conn.closed:  # its worker went while it ran: nothing to write, nothing to keep mapped
+            raise OSError("the worker has gone")
         with self._cond:
             mapped = self._maps.get(request.conn)
         if mapped is None or mapped[0] != request.buffer_path or len(mapped[1]) != request.buffer_bytes:
@@ -376,6 +378,8 @@ class ForwardHost:
                 mapped[1].close()
             mapped = (request.buffer_path, buffer)
             with self._cond:
+                if request.conn.closed:  # closed before the reader let go of its map: not kept again
+                    raise OSError("the worker has gone")
                 self._maps[request.conn] = mapped
         return mapped[1]
 
