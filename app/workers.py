@@ -191,9 +191,13 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     stopping = []
     link = None
     if settings.shared_forward:
-        from manyeyes.app.services.shared_forward import ForwardLink
+        from manyeyes.app.services.shared_forward import ForwardLink, available
 
-        link = ForwardLink(str(folder / "forward.sock"), secrets.token_bytes(32), settings.shared_forward_max_tokens)
+        if available():
+            link = ForwardLink(str(folder / "forward.sock"), secrets.token_bytes(32), settings.shared_forward_max_tokens)
+        else:
+            log.warning("--shared-forward passes shared memory between processes as Linux does; here each worker "
+                        "runs its own forwards")
 
     def start(slot: int, replacement: bool = False):
         if slot == workers:  # the slot after the workers': the shared forward process

@@ -438,7 +438,7 @@ class Batcher:
             else:
                 fmt, encoded, results = most_precise(job.fmt for job in live), [job.encoded for job in live], None
                 if self.shared is not None and self.shared.takes(encoded):
-                    results = self.shared.run(model, encoded, fmt, max(job.deadline for job in live))
+                    results = self.shared.run(model, encoded, fmt, max(job.deadline for job in live), self.device_quantise)
                 if results is None:
                     to_host = device_to_host(self.copier, fmt) if self.device_quantise else None
                     # Answers and the run cache keep the weights only: the last block can stop at its softmax.

@@ -18,16 +18,17 @@ a worker on it but the wait for an answer it was promised, bounded by its reques
 Workers and the process speak small pickled messages over a Unix socket in the workers' private
 folder, with a key made at start-up (multiprocessing's challenge), and with send and receive
 timeouts so that a peer that stops reading cannot hold the other. The rows themselves go through
-a buffer file of the worker's in the same folder (memory, in /dev/shm), which the shared process
-writes and the worker copies its rows out of: through the socket, an answer of 64 rows was five
-copies (pickled, written, read, unpickled) and the shared process's send waited, worker by
-worker, for each one's forward thread to read it.
+a buffer of the worker's, anonymous shared memory (memfd) whose descriptor the worker passes over
+the socket with the first request that uses it; the shared process writes the rows there and the
+worker copies them out. Through the socket, an answer of 64 rows was five copies (pickled,
+written, read, unpickled) and the shared process's send waited, worker by worker, for each one's
+forward thread to read it. Not a file in /dev/shm: a container's is 64 MB by default, and a
+write past a full tmpfs is a SIGBUS, not an error. A connection's buffer is its own, so an answer
+that comes too late (its connection dropped) lands in memory nobody reads again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import mmap
 import os
@@ -38,12 +39,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 import torch
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
+from manyeyes.app.services.device import KEPT_DTYPE, HostCopier, device_to_host, most_precise, quantise
 from manyeyes.app.services.errors import OverBudget
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.model.attention import Capture
@@ -60,51 +62,48 @@ RECONNECT_S = 1.0
 ALIGN = 64
 
 
-def rows_bytes(n_layers: int, n_heads: int, lengths: list[int]) -> int:
-    """The most an answer for inputs of these lengths can take in the buffer: float32 weights and,
-    for a model with a head, its top-k ids and probabilities, each array aligned."""
-    per_row = [n_layers * n_heads * n * n * 4 + n * MAX_TOP_K * (8 + 4) + 3 * ALIGN for n in lengths]
-    return sum(per_row)
+def rows_bytes(n_layers: int, n_heads: int, lengths: list[int], weight_bytes: int = 4) -> int:
+    """The most an answer for inputs of these lengths can take in the buffer: their weights at
+    `weight_bytes` each and, for a model with a head, its top-k ids and probabilities, each array
+    aligned."""
+    return sum(n_layers * n_heads * n * n * weight_bytes + n * MAX_TOP_K * (8 + 4) + 3 * ALIGN for n in lengths)
+
+
+def available() -> bool:
+    """Shared forwards pass memory descriptors (memfd, SCM_RIGHTS): Linux only."""
+    return hasattr(os, "memfd_create")
 
 
 class Buffer:
-    """A file mapped into memory, grown as needed; the worker's names its generation, so that
-    a buffer the shared process may still write (an answer that came too late) is never reused."""
+    """A worker's anonymous shared memory, grown as needed; `fresh` until the shared process has
+    its descriptor."""
 
-    _made = itertools.count()  # one file per Buffer, even for several clients in one process
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.name = f"forward-{os.getpid()}-{next(Buffer._made)}"
-        self.generation = 0
-        self.path: str | None = None
+    def __init__(self) -> None:
+        self.fd: int | None = None
         self.map: mmap.mmap | None = None
+        self.fresh = False
 
     def at_least(self, nbytes: int) -> mmap.mmap:
         if self.map is None or len(self.map) < nbytes:
             size = max(nbytes, 2 * len(self.map) if self.map is not None else 0, 1 << 20)
-            if self.path is None:
-                self.path = os.path.join(self.folder, f"{self.name}-{self.generation}.buf")
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.memfd_create("manyeyes-forward", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
                 mapped = mmap.mmap(fd, size)
-            finally:
+            except BaseException:
                 os.close(fd)
-            if self.map is not None:
-                self.map.close()
-            self.map = mapped
+                raise
+            self.release()
+            self.fd, self.map, self.fresh = fd, mapped, True
         return self.map
 
-    def renew(self) -> None:
-        """Leave this file to whoever may still write it; the next answer goes to a new one."""
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+    def release(self) -> None:
+        """Gone from this side; the shared process's mapping, if any, goes with its connection."""
         if self.map is not None:
             self.map.close()
-        self.path, self.map = None, None
-        self.generation += 1
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd, self.map, self.fresh = None, None, False
 
 
 def read_array(buffer: mmap.mmap, spec) -> torch.Tensor | None:
@@ -150,15 +149,17 @@ class ForwardClient:
         self._retry_at = 0.0
         self._seq = 0
         self._lock = threading.Lock()
-        self._buffer = Buffer(os.path.dirname(link.address))
+        self._buffer = Buffer()
 
     def takes(self, encoded: list[Encoded]) -> bool:
         return max(map(len, encoded)) <= self.link.max_tokens
 
-    def run(self, model: AttentionModel, encoded: list[Encoded], fmt: str, deadline: float) -> list[AttentionResult] | None:
+    def run(self, model: AttentionModel, encoded: list[Encoded], fmt: str, deadline: float,
+            quantised: bool = False) -> list[AttentionResult] | None:
         """These inputs' results from the shared process, kept at `fmt` where the device
-        quantises; None when it cannot be reached (the caller runs them itself). OverBudget when
-        it took them and gave nothing back before `deadline`."""
+        quantises (`quantised`: the same setting on both sides); None when it cannot be reached
+        (the caller runs them itself). OverBudget when it took them and gave nothing back before
+        `deadline`."""
         conn = self._connected()
         if conn is None:
             self.metrics.shared_forward.labels("own").inc()
@@ -168,8 +169,12 @@ class ForwardClient:
         table = padded_inputs(encoded, lengths, max(lengths)).numpy()
         self._seq += 1
         try:
-            buffer = self._buffer.at_least(rows_bytes(model.info.n_layers, model.info.n_heads, lengths))
-            conn.send((self._seq, model.info.id, fmt, table, lengths, self._buffer.path, len(buffer)))
+            weight_bytes = KEPT_DTYPE[fmt].itemsize if quantised else 4
+            buffer = self._buffer.at_least(rows_bytes(model.info.n_layers, model.info.n_heads, lengths, weight_bytes))
+            conn.send((self._seq, model.info.id, fmt, table, lengths, self._buffer.fresh))
+            if self._buffer.fresh:  # its descriptor follows the request that first needs it
+                send_handle(conn, self._buffer.fd, 0)
+                self._buffer.fresh = False
             if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 self._drop("no answer before the requests' deadline")  # a late answer would answer the next batch
                 raise OverBudget("the request spent its time budget waiting for the shared forward process")
@@ -219,13 +224,13 @@ class ForwardClient:
         log.warning("lost the shared forward process (%s); running forwards here, trying again in %.0f s", why, RECONNECT_S)
         conn, self._conn = self._conn, None
         self._retry_at = time.monotonic() + RECONNECT_S
-        self._buffer.renew()  # the shared process may still write its answer into the old one
+        self._buffer.release()  # the shared process may still write a late answer into the old one
         if conn is not None:
             conn.close()
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
-        self._buffer.renew()
+        self._buffer.release()
         if conn is not None:
             conn.close()
 
@@ -239,8 +244,7 @@ class Request:
     fmt: str
     table: np.ndarray  # (3, b, width) int64, as padded_inputs made it
     lengths: list[int]
-    buffer_path: str = ""  # the worker's buffer file, where its rows go
-    buffer_bytes: int = 0
+    new_buffer: bool = False  # the worker's buffer's descriptor follows this request
 
 
 class ForwardHost:
@@ -260,12 +264,10 @@ class ForwardHost:
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = threading.Event()
-        self._maps: dict[Connection, tuple[str, mmap.mmap]] = {}  # each worker's buffer, mapped
-        self.address = ""
+        self._maps: dict[Connection, mmap.mmap] = {}  # each worker's buffer, mapped
 
     def serve(self, listener: Listener) -> None:
         """Accepts workers until close(); starts the forward thread."""
-        self.address = listener.address
         threading.Thread(target=self._forward_loop, name="me-shared-fwd", daemon=True).start()
         self._listener = listener
         while not self._closed.is_set():
@@ -284,6 +286,14 @@ class ForwardHost:
         try:
             while True:
                 request = Request(conn, *conn.recv())
+                if request.new_buffer:
+                    fd = recv_handle(conn)
+                    try:
+                        buffer = mmap.mmap(fd, 0)  # all of it, however large the worker says it is
+                    finally:
+                        os.close(fd)
+                    with self._cond:
+                        self._maps[conn] = buffer
                 problem = self._check(request)
                 if problem:
                     self._answer(request, problem)
@@ -291,15 +301,11 @@ class ForwardHost:
                 with self._cond:
                     self._pending.append(request)
                     self._cond.notify()
-        except (EOFError, OSError, ValueError, TypeError):  # the worker went away (or sent what no worker sends)
+        except (EOFError, OSError, ValueError, TypeError, RuntimeError):  # gone (or sent what no worker sends)
             conn.close()
             with self._cond:
-                mapped = self._maps.pop(conn, None)
-            if mapped is not None:
-                # A worker that died left its buffer: gone with it (a living one renews its own).
-                # Unmapped when the forward thread, which may be writing it, lets go of it too.
-                with contextlib.suppress(OSError):
-                    os.unlink(mapped[0])
+                # Unmapped once the forward thread, which may be writing it, lets go of it too.
+                self._maps.pop(conn, None)
 
     def _check(self, request: Request) -> str | None:
         table, lengths = request.table, request.lengths
@@ -313,11 +319,11 @@ class ForwardHost:
         if not (0 < width <= self.max_width and len(lengths) == table.shape[1] and all(0 < n <= width for n in lengths)):
             return "the inputs' lengths do not match their table"
         info = self.models[request.model_id].info
-        folder = os.path.dirname(self.address)
-        if os.path.dirname(request.buffer_path) != folder or not os.path.basename(request.buffer_path).startswith("forward-"):
-            return "the buffer is not a worker's"
-        if request.buffer_bytes < rows_bytes(info.n_layers, info.n_heads, lengths):
-            return "the buffer is too small for the answer"
+        with self._cond:
+            buffer = self._maps.get(request.conn)
+        weight_bytes = KEPT_DTYPE[request.fmt].itemsize if self.quantise else 4
+        if buffer is None or len(buffer) < rows_bytes(info.n_layers, info.n_heads, lengths, weight_bytes):
+            return "no buffer large enough for the answer"
         return None
 
     def _take(self) -> list[Request]:
@@ -353,7 +359,7 @@ class ForwardHost:
                 if not isinstance(answer, str):
                     try:
                         answer = self._written(request, answer)
-                    except (OSError, ValueError) as exc:  # its buffer is gone (the worker renewed it)
+                    except (OSError, ValueError) as exc:  # its worker has gone
                         answer = f"{type(exc).__name__}: {exc}"
                 self._answer(request, answer)
 
@@ -363,35 +369,25 @@ class ForwardHost:
         except (OSError, ValueError):  # gone, or not reading: its reader ends with it
             request.conn.close()
 
-    def _mapped(self, request: Request) -> mmap.mmap:
-        if request.conn.closed:  # its worker went while it ran: nothing to write, nothing to keep mapped
-            raise OSError("the worker has gone")
-        with self._cond:
-            mapped = self._maps.get(request.conn)
-        if mapped is None or mapped[0] != request.buffer_path or len(mapped[1]) != request.buffer_bytes:
-            fd = os.open(request.buffer_path, os.O_RDWR)
-            try:
-                buffer = mmap.mmap(fd, request.buffer_bytes)
-            finally:
-                os.close(fd)
-            if mapped is not None:
-                mapped[1].close()
-            mapped = (request.buffer_path, buffer)
-            with self._cond:
-                if request.conn.closed:  # closed before the reader let go of its map: not kept again
-                    raise OSError("the worker has gone")
-                self._maps[request.conn] = mapped
-        return mapped[1]
-
     def _written(self, request: Request, rows: list[tuple]) -> list[tuple]:
-        """The rows written into the worker's buffer; what says where each array lies."""
-        buffer, offset, specs = self._mapped(request), 0, []
+        """The rows written into the worker's buffer; what says where each array lies. Weights
+        kept more precisely than this request asked (a batch-mate asked for more) are quantised
+        to its own format here, as its buffer was sized for it: the arithmetic of the device's,
+        so from float32 the same bytes (u8 from a batch-mate's float16, within one step)."""
+        with self._cond:
+            buffer = self._maps.get(request.conn)
+        if buffer is None or request.conn.closed:  # its worker went while it ran: nothing to write
+            raise OSError("the worker has gone")
+        offset, specs = 0, []
+        own_dtype = KEPT_DTYPE[request.fmt] if self.quantise else None
         for arrays in rows:
             spec = []
-            for array in arrays:
+            for index, array in enumerate(arrays):
                 if array is None:
                     spec.append(None)
                     continue
+                if index == 0 and own_dtype is not None and array.dtype != own_dtype:
+                    array = quantise(array.float(), request.fmt)
                 offset = -(-offset // ALIGN) * ALIGN
                 source = array.numpy()
                 np.ndarray(source.shape, source.dtype, buffer=buffer, offset=offset)[...] = source

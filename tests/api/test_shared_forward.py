@@ -5,6 +5,7 @@ several workers' batches run as one forward, and a worker that cannot reach it r
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import signal
 import sys
@@ -22,7 +23,7 @@ from manyeyes.app.config import Settings
 from manyeyes.app.services.device import HostCopier, device_to_host
 from manyeyes.app.services.errors import OverBudget
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.shared_forward import ForwardClient, ForwardHost, ForwardLink, Request
+from manyeyes.app.services.shared_forward import ForwardClient, ForwardHost, ForwardLink, Request, read_array, rows_bytes
 from manyeyes.model import Capture, load
 from manyeyes.model.runtime import padded_inputs
 from tests.api.test_workers import worker_pids, workers_serving
@@ -200,20 +201,21 @@ def test_the_batch_limits_hold_across_workers(models):
     assert [r.seq for r in host._take()] == [1]
 
 
-def test_what_no_worker_sends_is_refused_not_run(models, tmp_path):
+def test_what_no_worker_sends_is_refused_not_run(models):
     host = ForwardHost(models, Settings(shared_forward_max_tokens=16), quantise=False)
-    host.address = str(tmp_path / "f.sock")
+    conn = object()  # a worker's connection, as the host keys its buffer
     table = np.zeros((3, 1, 17), dtype=np.int64)
-    buffer = (str(tmp_path / "forward-1-0.buf"), 1 << 20)
-    assert "lengths" in host._check(Request(None, 1, "tiny-gpt", "json", table, [17], *buffer))  # wider than it takes
-    assert "unknown model" in host._check(Request(None, 1, "nope", "json", table[:, :, :4], [4], *buffer))
-    assert "int64" in host._check(Request(None, 1, "tiny-gpt", "json", table.astype(np.int32)[:, :, :4], [4], *buffer))
-    assert "lengths" in host._check(Request(None, 1, "tiny-gpt", "json", table[:, :, :4], [4, 4], *buffer))
-    # Only a worker's buffer in the server's own folder is ever written, and only one large enough.
-    assert "buffer" in host._check(Request(None, 1, "tiny-gpt", "u8", table[:, :, :4], [4], "/etc/forward-1-0.buf", 1 << 20))
-    assert "buffer" in host._check(Request(None, 1, "tiny-gpt", "u8", table[:, :, :4], [4], str(tmp_path / "x.buf"), 1 << 20))
-    assert "too small" in host._check(Request(None, 1, "tiny-gpt", "u8", table[:, :, :4], [4], buffer[0], 100))
-    assert host._check(Request(None, 1, "tiny-gpt", "u8", table[:, :, :4], [4], *buffer)) is None
+    assert "lengths" in host._check(Request(conn, 1, "tiny-gpt", "json", table, [17]))  # wider than it takes
+    assert "unknown model" in host._check(Request(conn, 1, "nope", "json", table[:, :, :4], [4]))
+    assert "int64" in host._check(Request(conn, 1, "tiny-gpt", "json", table.astype(np.int32)[:, :, :4], [4]))
+    assert "lengths" in host._check(Request(conn, 1, "tiny-gpt", "json", table[:, :, :4], [4, 4]))
+    # Rows are written only into a buffer the worker passed, and only one large enough for them.
+    assert "buffer" in host._check(Request(conn, 1, "tiny-gpt", "json", table[:, :, :4], [4]))
+    host._maps[conn] = mmap.mmap(-1, 100)
+    assert "buffer" in host._check(Request(conn, 1, "tiny-gpt", "json", table[:, :, :4], [4]))
+    info = models["tiny-gpt"].info
+    host._maps[conn] = mmap.mmap(-1, rows_bytes(info.n_layers, info.n_heads, [4]))
+    assert host._check(Request(conn, 1, "tiny-gpt", "json", table[:, :, :4], [4])) is None
 
 
 def test_a_worker_that_cannot_reach_it_runs_its_own_then_finds_it_again(models, tmp_path):
@@ -261,7 +263,6 @@ def test_no_answer_before_the_deadline_is_over_budget_and_drops_the_link(models,
     with hosting(models, tmp_path / "f.sock") as host:
         connected(client)
         assert client.run(model, [model.encode(TEXTS[0])], "json", time.monotonic() + 30) is not None
-        old_buffer = client._buffer.path
         slow = host.forward
         monkeypatch.setattr(host, "forward", lambda chosen: (release.wait(10), slow(chosen))[1])
         started = time.monotonic()
@@ -269,12 +270,12 @@ def test_no_answer_before_the_deadline_is_over_budget_and_drops_the_link(models,
             client.run(model, [model.encode(TEXTS[0])], "json", time.monotonic() + 0.3)
         assert 0.25 < time.monotonic() - started < 2
         # The late answer must not be read as the next batch's, nor written over it: the link is
-        # dropped and the buffer file left to it, the next answer goes to a new one.
-        assert client._conn is None and client._buffer.generation == 1 and not os.path.exists(old_buffer)
+        # dropped with its buffer, and the next connection brings a new one.
+        assert client._conn is None and client._buffer.map is None
         release.set()
         connected(client)
         got = client.run(model, [model.encode(TEXTS[1])], "json", time.monotonic() + 30)
-        assert got is not None and client._buffer.path.endswith("-1.buf")
+        assert got is not None
         torch.testing.assert_close(got[0].attention, model.run([model.encode(TEXTS[1])], Capture(hidden=False))[0].attention,
                                    atol=1e-6, rtol=0)
 
@@ -283,7 +284,7 @@ def test_answers_larger_than_the_buffer_grow_it_and_a_dead_workers_buffer_goes(m
     model = models["minilm"]
     encoded = [model.encode(" ".join(["word"] * 120)) for _ in range(4)]  # 4 x 6 x 12 x 122^2 float32: 17 MB
     client = ForwardClient(ForwardLink(str(tmp_path / "f.sock"), KEY, 128), Metrics())
-    with hosting(models, tmp_path / "f.sock"):
+    with hosting(models, tmp_path / "f.sock") as host:
         connected(client)
         small = client.run(model, [model.encode("Rain.")], "json", time.monotonic() + 30)
         assert small is not None and len(client._buffer.map) == 1 << 20
@@ -292,12 +293,38 @@ def test_answers_larger_than_the_buffer_grow_it_and_a_dead_workers_buffer_goes(m
         want = model.run(encoded, Capture(hidden=False))
         for g, w in zip(got, want):
             torch.testing.assert_close(g.attention, w.attention, atol=1e-6, rtol=0)
-        path = client._buffer.path
-        client._conn.close()  # as a worker that dies: the shared process removes what it left
+        (mapped,) = host._maps.values()
+        assert len(mapped) == len(client._buffer.map)  # the grown buffer replaced the first
+        client._conn.close()  # as a worker that dies: the shared process lets go of its buffer
         deadline = time.monotonic() + 5
-        while os.path.exists(path):
-            assert time.monotonic() < deadline, "a dead worker's buffer stayed"
+        while host._maps:
+            assert time.monotonic() < deadline, "a dead worker's buffer stayed mapped"
             time.sleep(0.05)
+
+
+def test_a_request_for_less_precision_than_its_batch_mates_gets_its_own(models, tmp_path):
+    """On a device that quantises, a u8 request merged with a json one is answered in u8 (its
+    buffer was sized for bytes), equal to the worker's own u8."""
+    model = models["minilm"]
+    host = ForwardHost(models, Settings(), quantise=True)
+    copier = HostCopier(always_stage=True)
+    batches = {"json": [model.encode(TEXTS[0])], "u8": [model.encode(TEXTS[2])]}
+    requests = []
+    for seq, (fmt, batch) in enumerate(batches.items()):
+        ours, theirs = Pipe()
+        lengths = [len(e) for e in batch]
+        requests.append(Request(theirs, seq, "minilm", fmt, padded_inputs(batch, lengths, max(lengths)).numpy(), lengths))
+        info = model.info
+        host._maps[theirs] = mmap.mmap(-1, rows_bytes(info.n_layers, info.n_heads, lengths, 1 if fmt == "u8" else 4))
+    host._pending.extend(requests)
+    chosen = host._take()
+    assert len(chosen) == 2
+    for request, rows in zip(chosen, host.forward(chosen)):
+        specs = host._written(request, rows)
+        got = read_array(host._maps[request.conn], specs[0][0])
+        want = model.run(batches[request.fmt], Capture(hidden=False), to_host=device_to_host(copier, request.fmt))[0].attention
+        assert got.dtype == want.dtype == (torch.uint8 if request.fmt == "u8" else torch.float32)
+        torch.testing.assert_close(got.float(), want.float(), atol=1 if request.fmt == "u8" else 1e-5, rtol=0)
 
 
 def test_only_inputs_up_to_its_length_go_to_it(models):
