@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,20 +19,18 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query
-from manyeyes.app.memory import freeze_long_lived, tune_malloc
+from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
 from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
-from manyeyes.app.services.device import set_cuda_wait
 from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
 from manyeyes.app.services.errors import ApiError, brief, error_body
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
-from manyeyes.model.buffers import advise_huge_pages, keep_free_mappings
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 log = logging.getLogger("manyeyes")
@@ -107,19 +104,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tune_malloc(settings.malloc_mmap_threshold, settings.malloc_trim_threshold)
-        keep_free_mappings(settings.buffer_pool_bytes)
-        advise_huge_pages(settings.huge_pages)
-        if settings.switch_interval_ms:
-            # The forward thread takes the GIL back after every torch op; with the default 5 ms
-            # interval a busy event loop made each re-take wait, and a batch of 8 short inputs
-            # took seconds while 200 requests were being answered.
-            sys.setswitchinterval(settings.switch_interval_ms / 1000)
-        if settings.device is None or settings.device in ("auto", "cuda") or settings.device.startswith("cuda:"):
-            # Before the models load: the policy is fixed when torch makes its CUDA context.
-            said = set_cuda_wait(settings.cuda_wait)
-            if said is not None:
-                log.info("CUDA waits: %s", said)
+        prepare_serving_process(settings)
         registry = Registry(settings, metrics, forward_link)
         # The captures' LRU (MeasuresService) takes its share out of the same budget, so that
         # cache_bytes bounds all cached runs, as SECURITY.md's memory bound counts them.

@@ -114,9 +114,8 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
 def shared_models(settings: Settings) -> dict:
     """The configured models, loaded as a worker loads them (names that share weights share
     them here too), warmed up by one forward at the longest input the shared process takes."""
-    from manyeyes.app.services.device import AUTOCAST
-    from manyeyes.app.services.registry import named, weights_key
-    from manyeyes.model import Capture, load
+    from manyeyes.app.services.registry import load_configured, named, weights_key
+    from manyeyes.model import Capture
 
     models, by_weights = {}, {}
     for model_id, spec in settings.all_models().items():
@@ -124,10 +123,7 @@ def shared_models(settings: Settings) -> dict:
         if first is not None:
             models[model_id] = named(first, model_id)
             continue
-        model = load(spec, device=settings.device, half=settings.half, dtype=settings.dtype, name=model_id,
-                     pack=settings.pack_weights)
-        if AUTOCAST[settings.autocast] is not None:
-            model.autocast_dtype = AUTOCAST[settings.autocast]
+        model = load_configured(settings, model_id, spec)
         model.run([model.encode("hello " * settings.shared_forward_max_tokens, truncate=True)], Capture(hidden=False))
         models[model_id] = by_weights[weights_key(spec)] = model
     return models
@@ -139,13 +135,13 @@ def _share_forwards(settings: Settings, link, threads: int, log_level: str) -> N
     import torch
     from multiprocessing.connection import Listener
 
-    from manyeyes.app.services.device import quantises_on_device, set_cuda_wait
+    from manyeyes.app.memory import prepare_serving_process
+    from manyeyes.app.services.device import quantises_on_device
     from manyeyes.app.services.shared_forward import ForwardHost
 
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s forwards-{os.getpid()} %(name)s %(message)s")
     torch.set_num_threads(threads)
-    if settings.device is None or settings.device in ("auto", "cuda") or settings.device.startswith("cuda:"):
-        set_cuda_wait(settings.cuda_wait)
+    prepare_serving_process(settings)  # as a worker's: the same forwards, the same memory
     models = shared_models(settings)
     device = next(iter(models.values())).info.device
     host = ForwardHost(models, settings, quantises_on_device(device, settings.device_quantise))

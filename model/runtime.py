@@ -220,7 +220,7 @@ class AttentionModel:
     def forward_table(
         self, table: torch.Tensor, lengths: list[int], capture: Capture = Capture(),
         to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> "BatchOutput":
+    ) -> BatchOutput:
         """The forward pass of `run` over a padded (3, b, width) table (padded_inputs): the whole
         batch's outputs, not yet cut into its rows. A shared forward process (app/services/
         shared_forward.py) runs several workers' tables as one through this."""

@@ -65,6 +65,17 @@ def named(model: AttentionModel, model_id: str) -> AttentionModel:
     return alias
 
 
+def load_configured(settings: Settings, model_id: str, spec: str, progress=None) -> AttentionModel:
+    """A configured model as the server runs it: on its device, dtype and packing, under its
+    autocast (every process that serves it loads it so: workers and the shared forward process)."""
+    model = load(spec, device=settings.device, half=settings.half, dtype=settings.dtype, name=model_id,
+                 pack=settings.pack_weights, progress=progress, show_progress=sys.stderr.isatty())
+    if AUTOCAST[settings.autocast] is not None:
+        model.autocast_dtype = AUTOCAST[settings.autocast]
+        model.info = replace(model.info, dtype=settings.autocast)
+    return model
+
+
 HEAD_FINDER_WARM_UP = "The head finder warms up."
 
 
@@ -122,11 +133,7 @@ class Registry:
                     # Two names for one model (a=org/gpt2,b=org/gpt2) loaded two copies of its weights.
                     model, qk_bytes = named(first.model, model_id), first.qk_bytes
                 else:
-                    model = load(spec, device=s.device, half=s.half, dtype=s.dtype, name=model_id, pack=s.pack_weights,
-                                 progress=self._reporter(model_id), show_progress=sys.stderr.isatty())
-                    if AUTOCAST[s.autocast] is not None:
-                        model.autocast_dtype = AUTOCAST[s.autocast]
-                        model.info = replace(model.info, dtype=s.autocast)
+                    model = load_configured(s, model_id, spec, progress=self._reporter(model_id))
                     if s.warmup:
                         self.progress[model_id] = {"state": "warming"}
                         warm_up(model, s.dense_max_tokens)

@@ -143,7 +143,8 @@ class ForwardClient:
 
     def __init__(self, link: ForwardLink, metrics: Metrics) -> None:
         self.link = link
-        self.metrics = metrics
+        self._shared = metrics.shared_forward.labels("shared")
+        self._own = metrics.shared_forward.labels("own")
         self._conn: Connection | None = None
         self._connecting = False
         self._retry_at = 0.0
@@ -162,8 +163,7 @@ class ForwardClient:
         `deadline`."""
         conn = self._connected()
         if conn is None:
-            self.metrics.shared_forward.labels("own").inc()
-            return None
+            return self._ran_own()
         lengths = [len(e) for e in encoded]
         # (3, b, width) int64: token ids, segment ids, real tokens
         table = padded_inputs(encoded, lengths, max(lengths)).numpy()
@@ -181,16 +181,14 @@ class ForwardClient:
             seq, answer = conn.recv()
         except (OSError, EOFError) as exc:
             self._drop(f"{type(exc).__name__}: {exc}")
-            self.metrics.shared_forward.labels("own").inc()
-            return None
-        if seq != self._seq or isinstance(answer, str):
-            if seq != self._seq:
-                self._drop(f"answer {seq} to request {self._seq}")
-            else:
-                log.warning("the shared forward process failed a batch (%s); running it here", answer)
-            self.metrics.shared_forward.labels("own").inc()
-            return None
-        self.metrics.shared_forward.labels("shared").inc()
+            return self._ran_own()
+        if seq != self._seq:
+            self._drop(f"answer {seq} to request {self._seq}")
+            return self._ran_own()
+        if isinstance(answer, str):
+            log.warning("the shared forward process failed a batch (%s); running it here", answer)
+            return self._ran_own()
+        self._shared.inc()
         return [
             AttentionResult(
                 tokens=enc.tokens, truncated=enc.truncated, attention=read_array(buffer, weights), hidden=None, logits=None,
@@ -198,6 +196,10 @@ class ForwardClient:
             )
             for enc, (weights, top_ids, top_probs) in zip(encoded, answer)
         ]
+
+    def _ran_own(self) -> None:
+        """None: the caller runs the batch on its own model (and it is counted so)."""
+        self._own.inc()
 
     def _connected(self) -> Connection | None:
         conn = self._conn
@@ -260,7 +262,6 @@ class ForwardHost:
         self.max_width = settings.shared_forward_max_tokens
         self.quantise = quantise
         self.copier = HostCopier()
-        self.forwards = 0  # forward passes run, for tests and logs
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = threading.Event()
@@ -410,7 +411,6 @@ class ForwardHost:
             row += b
         to_host = device_to_host(self.copier, most_precise(r.fmt for r in chosen)) if self.quantise else None
         out = model.forward_table(torch.from_numpy(table), lengths, Capture(hidden=False), to_host)
-        self.forwards += 1
         answers, row = [], 0
         for request in chosen:
             rows = []

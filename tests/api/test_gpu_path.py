@@ -426,9 +426,11 @@ def test_the_server_sets_the_cuda_wait_before_loading_where_it_may_use_cuda(monk
     from fastapi.testclient import TestClient
 
     from manyeyes.app import main
+    from manyeyes.app.services import device as device_module
 
     calls = []
-    monkeypatch.setattr(main, "set_cuda_wait", lambda policy: calls.append(policy) or "recorded")
+    # Where every serving process sets it (app/memory.py prepare_serving_process).
+    monkeypatch.setattr(device_module, "set_cuda_wait", lambda policy: calls.append(policy) or "recorded")
     # Where this machine lacks the device, the model's load fails beside the server, after the policy.
     app = main.create_app(Settings(models={"tiny-gpt": "tiny-gpt"}, device=device, cuda_wait="spin"))
     with TestClient(app):
