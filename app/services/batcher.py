@@ -69,15 +69,42 @@ class Job:
     # and state copies cost 0.03 ms of every answer's hand-back (measured side by side).
     answer: asyncio.Future | None = None
     estimate_s: float | None = None  # uncalibrated wait for its answer, estimated when it was queued
+    units: int = field(init=False)  # its work, in work_units
+
+    def __post_init__(self) -> None:
+        self.units = work_units(len(self.encoded))
 
     @property
     def wanted(self) -> bool:
         """Whether a request still waits for it (it has not gone away, nor run out of time)."""
         return self.answer is not None and not self.answer.cancelled()
 
-    @property
-    def units(self) -> int:
-        return work_units(len(self.encoded))
+
+class ClientQueue:
+    """One client's waiting jobs, oldest first, with their work units summed by model: the
+    estimate made for every request then costs a step per client instead of one per queued job
+    (32 in flight from one client walked 15 jobs a request, 5% of the event loop's time)."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Job] = deque()
+        self.units: Counter[str] = Counter()  # model id -> work units of its jobs here
+
+    def append(self, job: Job) -> None:
+        self._jobs.append(job)
+        self.units[job.model.info.id] += job.units
+
+    def remove(self, job: Job) -> None:
+        self._jobs.remove(job)
+        self.units[job.model.info.id] -= job.units
+
+    def __iter__(self):
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __getitem__(self, i: int) -> Job:
+        return self._jobs[i]
 
 
 class WorkRate:
@@ -144,8 +171,8 @@ class Batcher:
         self.work_fraction = work_fraction  # 0: admission by count only
         self.copier = copier or HostCopier()
         self.shared = shared  # the shared forward process, for batches of short inputs (--shared-forward)
-        # client -> its waiting jobs, oldest first; the dict's order is the round-robin order.
-        self._pending: OrderedDict[str, deque[Job]] = OrderedDict()
+        # client -> its waiting jobs; the dict's order is the round-robin order.
+        self._pending: OrderedDict[str, ClientQueue] = OrderedDict()
         self._n_pending = 0
         self._per_client: Counter[str] = Counter()  # admitted + pending + running, by client
         self._admitted = 0  # accepted, not yet submitted (being tokenized)
@@ -221,8 +248,7 @@ class Batcher:
                 raise NotReady("the server is shutting down")
             self._check_work(jobs, deadline)
             self._admitted -= len(jobs)
-            self._pending.setdefault(client, deque()).extend(jobs)
-            self._n_pending += len(jobs)
+            self._enqueue(jobs)
             self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify_all()
         # A client that goes away cancels its future: free its place in the queue at once. The
@@ -244,13 +270,18 @@ class Batcher:
         turns = len(self._pending.get(client, ())) + len(jobs)
         seconds = own_rate.seconds_for(sum(job.units for job in jobs)) or 0.0
         for other, queue in self._pending.items():
-            for job in queue if other == client else islice(queue, turns):
-                rate = self._rates.get(job.model.info.id)
-                seconds += (rate.seconds_for(job.units) or 0.0) if rate else 0.0
+            if other == client or len(queue) <= turns:
+                seconds += sum(self._seconds_for(model_id, units) for model_id, units in queue.units.items())
+            else:
+                seconds += sum(self._seconds_for(job.model.info.id, job.units) for job in islice(queue, turns))
         if self._running_batch is not None:
             started, expected = self._running_batch
             seconds += max(0.0, expected - (time.monotonic() - started))
         return seconds
+
+    def _seconds_for(self, model_id: str, units: int) -> float:
+        rate = self._rates.get(model_id)
+        return (rate.seconds_for(units) or 0.0) if rate else 0.0
 
     def _check_work(self, jobs: list[Job], deadline: float) -> None:
         if not self.work_fraction:
@@ -304,6 +335,11 @@ class Batcher:
     def _retry_after(self, waiting: int) -> int:
         # Seconds until the queue ahead would drain, at the recent forward rate of full batches.
         return max(1, math.ceil(self._forward_ewma_s * (waiting / self.max_batch_items + 1)))
+
+    def _enqueue(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._pending.setdefault(job.client, ClientQueue()).append(job)
+        self._n_pending += len(jobs)
 
     # ------------------------------------------------------------------ worker side
     def _take(self, job: Job) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -36,9 +35,7 @@ def batcher():
 
 
 def queue(batcher: Batcher, jobs: list[Job]) -> None:
-    for j in jobs:
-        batcher._pending.setdefault(j.client, deque()).append(j)
-        batcher._n_pending += 1
+    batcher._enqueue(jobs)
 
 
 def test_one_job_per_client_in_turn(batcher):

@@ -5,8 +5,8 @@ the estimate keeps fair shares (only a client's own backlog counts in full again
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -36,9 +36,7 @@ def batcher():
 
 
 def backlog(batcher: Batcher, jobs: list[Job]) -> None:
-    for j in jobs:
-        batcher._pending.setdefault(j.client, deque()).append(j)
-        batcher._n_pending += 1
+    batcher._enqueue(jobs)
 
 
 def test_only_the_clients_own_backlog_counts_in_full(batcher):
@@ -146,3 +144,33 @@ def test_estimates_are_calibrated_by_how_long_answers_really_took(batcher):
         batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
     batcher._calibration = 1.0
     batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
+
+
+def test_the_summed_estimate_equals_a_walk_of_the_queues_as_jobs_come_and_go(batcher):
+    # Each client's queue keeps its work summed by model, so that an estimate does not walk every
+    # job: after any sequence of arrivals and departures it must say what a walk would.
+    other_model = SimpleNamespace(info=SimpleNamespace(n_layers=2, n_heads=4, id="other"))
+    batcher._rates["other"] = WorkRate()
+    batcher._rates["other"].observe(work_units(16), 0.25)
+    rng = random.Random(7)
+
+    def walked(new: list[Job]) -> float:
+        client = new[0].client
+        turns = len(batcher._pending.get(client, ())) + len(new)
+        ahead = [j for c, queue in batcher._pending.items() for j in (list(queue) if c == client else list(queue)[:turns])]
+        return sum(batcher._rates[j.model.info.id].seconds_for(j.units) for j in ahead + new)
+
+    checked = 0
+    for _ in range(400):
+        if batcher._n_pending and rng.random() < 0.45:
+            gone = rng.choice([j for queue in batcher._pending.values() for j in queue])
+            batcher._take(gone)
+        else:
+            j = job(rng.choice("abcd"), rng.choice((3, 16, 70, 300)))
+            j.model = rng.choice((MODEL, other_model))
+            batcher._enqueue([j])
+        for client in "abcde":
+            asked = [job(client, rng.choice((16, 200)))]
+            assert batcher.wait_ahead_s(asked) == pytest.approx(walked(asked), rel=1e-9)
+            checked += 1
+    assert checked == 2000 and max(len(q) for q in batcher._pending.values()) > 3
