@@ -74,13 +74,15 @@ async def export_page(
     info = served.model.info
     # The same run again, all of it: the run cache answers, no second forward pass.
     full = probe.model_copy(update={"layers": None, "heads": None, "format": pick_format(info.n_layers, info.n_heads, n_tokens)})
+    # Off the loop: its first call in a process walks static/ and renders the page.
+    page = await finished_off_loop(page_bytes)
 
     def page_around(tokens) -> int:
         """The file's bytes, reckoned with the answer's own in its grant: the page, the answer
         again inside it (each `<` escaped) and the text, twice, each character escaped at worst."""
         cells = info.n_layers * info.n_heads * len(tokens) ** 2
         chars = len(full.text) + len(full.text_pair or "")
-        return page_bytes() + answer_bytes(cells, full.format, False, tokens) + tokens_bytes(tokens) + 12 * chars
+        return page + answer_bytes(cells, full.format, False, tokens) + tokens_bytes(tokens) + 12 * chars
 
     reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic(), client=client,
                                  extra_bytes=page_around)
