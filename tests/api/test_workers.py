@@ -108,13 +108,33 @@ def attention_posts(base: str) -> float:
                if sample.name == "manyeyes_requests_total" and sample.labels["route"] == "/api/v1/attention")
 
 
+def steady_posts(base: str) -> float:
+    """attention_posts once two reads a fifth of a second apart agree (see settled_posts)."""
+    seen = attention_posts(base)
+    while True:
+        time.sleep(0.2)
+        if (again := attention_posts(base)) == seen:
+            return seen
+        seen = again
+
+
+def settled_posts(base: str, expected: float, scrapes: int) -> list[float]:
+    """`scrapes` reads of attention_posts once it has reached `expected`. A worker counts a request
+    once its answer is out, so a client that scrapes at once, through the other worker, can come
+    first: a few milliseconds on a loaded machine. A count past `expected` is read at once."""
+    deadline = time.monotonic() + 10
+    while (seen := attention_posts(base)) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [seen] + [attention_posts(base) for _ in range(scrapes - 1)]
+
+
 def test_metrics_add_up_every_workers_requests(workers):
     base, *_ = workers
     before = attention_posts(base)
     for i in range(20):  # a fresh connection each: both workers take some
         assert httpx.post(f"{base}/api/v1/attention", json={"text": f"Count me, number {i}.", "format": "u8"}).status_code == 200
     # Whichever worker takes the scrape, it counts all 20, not its own share of them.
-    scrapes = [attention_posts(base) for _ in range(10)]
+    scrapes = settled_posts(base, before + 20, 10)
     assert scrapes == [before + 20] * 10, (before, scrapes)
 
 
@@ -133,7 +153,7 @@ def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
     before = worker_pids(proc.pid)
     for i in range(6):  # fresh connections: both workers count some
         httpx.post(f"{base}/api/v1/attention", json={"text": f"Before the crash, {i}.", "format": "u8"}).raise_for_status()
-    counted = attention_posts(base)
+    counted = steady_posts(base)
     os.kill(min(before), signal.SIGKILL)
     deadline = time.monotonic() + 90
     while not (len(after := worker_pids(proc.pid)) == 2 and after != before):
@@ -149,7 +169,7 @@ def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
     assert sorted(os.listdir(f"/dev/shm/{folder}/runs")) == ["0", "1"]
     # The dead worker's counts stay in the totals, and its metric files are its slot's, which the new
     # worker writes on: a crash loop no longer leaves a set of files for every process it started.
-    assert [attention_posts(base) for _ in range(6)] == [counted] * 6
+    assert settled_posts(base, counted, 6) == [counted] * 6
     metric_files = os.listdir(f"/dev/shm/{folder}/metrics")
     assert {name.rpartition("_")[2] for name in metric_files} == {"w0.db", "w1.db"}, metric_files
 
