@@ -4,11 +4,13 @@
 #   tests.log  the CUDA tests: every route on the GPU against the CPU, the GPU path's own tests;
 #   bench.log  bench/gpu_bench.py: server time at T=128, batch 1, and the served rate at each length
 #              against the bare batch-64 forward timed beside it, for each configuration in CONFIGS.
-# About five minutes with the defaults:
+# About six minutes with the defaults:
 #   python bench/gpu_kit.py
 #   run(command="bash bench/gpu_call.sh", carry=[".whl"], timeout_s=540)
-# Settings from the environment: CONFIGS ("8x1;8x1s": 8 workers of 1 torch thread, then the same
-# 8 sharing one process's forwards of short inputs, --shared-forward), CLIENTS (128), PROCS (4 load-generator processes), SECS (4 s of load a length), BARE
+# Settings from the environment: CONFIGS ("8x1;8x1s;12x1s": 8 workers of 1 torch thread, then the
+# same 8 sharing one process's forwards of short inputs, --shared-forward, then 12 sharing: with
+# their short forwards gone to the shared process, each worker is its event loop, so more of them
+# may serve more where 16 workers of their own forwards served less than 8), CLIENTS (128), PROCS (4 load-generator processes), SECS (4 s of load a length), BARE
 # (2 s of bare forward a length, before and after each configuration), LENGTHS (16,128,512),
 # TESTS (1; 0 skips them), DEVICE (cuda), PY (python3), KIT (.whl), SITE (/tmp/site, where the kit goes).
 # A dry run on this machine's CPU: a kit for its Python (python bench/gpu_kit.py --python 3.11 --out /tmp/kit311) and
@@ -55,6 +57,6 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 
 log "gpu_bench"
-"$PY" bench/gpu_bench.py --device "${DEVICE:-cuda}" --configs "${CONFIGS:-8x1;8x1s}" --clients "${CLIENTS:-128}" \
+"$PY" bench/gpu_bench.py --device "${DEVICE:-cuda}" --configs "${CONFIGS:-8x1;8x1s;12x1s}" --clients "${CLIENTS:-128}" \
   --load-procs "${PROCS:-4}" --seconds "${SECS:-4}" --bare-seconds "${BARE:-2}" --lengths "${LENGTHS:-16,128,512}" 2>&1 | tee "$OUT/bench.log"
 log "done"
