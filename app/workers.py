@@ -1,17 +1,18 @@
-"""`manyeyes serve --workers N`: N copies of the app in N processes on one listening socket.
+"""`manyeyes serve --workers N`: N copies of the app in N processes on one port.
 
 On an H200 one process answered about 1,200 fresh T=16 requests a second, where the forward
 itself would take 14,500 inputs a second: its HTTP handling, tokenizer and forward launches share
 one interpreter lock (README, "GPU"). More processes multiply that. The kernel spreads
-connections over the workers; every worker loads the models (each its own copy on the GPU) and
-keeps its own run cache, fair shares and limits. They share four things through files in one
+connections over the workers (on Linux each listens on a socket of its own: spread_by_kernel);
+every worker loads the models (each its own copy on the GPU) and keeps its own run cache, fair
+shares and limits. They share four things through files in one
 folder (/dev/shm where there is one): the requests behind run ids, so a slice of a run another
 worker computed is recomputed here (app/shared_runs.py); saved views, so a permalink opens
 through any worker; which workers have loaded, so /readyz says 200 only once all have; and
 Prometheus values, so /metrics adds up every worker's. With --shared-forward one more process runs
 their forwards of short inputs (services/shared_forward.py), supervised as they are.
 
-The parent binds the socket, starts the workers with the spawn method (nothing of torch or CUDA is
+The parent holds the port, starts the workers with the spawn method (nothing of torch or CUDA is
 inherited), starts another in place of one that dies, and on SIGTERM or SIGINT sends each worker
 one SIGTERM, so that it drains its requests as a single server does.
 """
@@ -25,6 +26,8 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +48,31 @@ MAX_RESTART_PAUSE_S = 60.0
 LIVED_LONG_S = 60.0
 # The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
 FOLDER_PREFIX = "manyeyes-shared-"
+
+
+def spread_by_kernel() -> bool:
+    """Whether each worker listens on a socket of its own on the port (SO_REUSEPORT, as Linux
+    has it: the kernel hashes each new connection to one of the listening sockets), rather than
+    all of them accepting from one shared socket. From one socket, whichever worker woke first
+    took every connection queued: 128 connections opened at once went 64, 58, 5 and 1 to four
+    workers, and a worker holding one kept-alive client serves a fraction of what it can while
+    the others queue. Hashed, the same 128 went 38, 34, 30 and 26. Not on macOS or the BSDs, whose
+    SO_REUSEPORT hands every connection to the last socket bound."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def port_socket(family: int, address) -> socket.socket:
+    """A socket bound to `address` in the port's SO_REUSEPORT group, not yet listening: it takes
+    connections only once listen() is called on it (by uvicorn, after the app's start-up)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def default_threads(workers: int) -> int:
@@ -93,8 +121,12 @@ def metrics_identity(slot: int) -> str:
 
 
 def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replacement: bool, threads: int, log_level: str,
-          forward_link=None) -> None:
+          forward_link=None, own_socket: bool = False) -> None:
     _detach_from_terminal()
+    if own_socket:  # the parent's only holds the port: this worker listens on one of its own
+        own = port_socket(sock.family, sock.getsockname())
+        sock.close()
+        sock = own
     import torch
     import uvicorn
 
@@ -172,7 +204,16 @@ def remove_orphaned_folders(home: Path) -> None:
 
 
 def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_level: str) -> int:
-    """Run `workers` processes on the bound `sock` until SIGTERM or SIGINT; the exit status."""
+    """Run `workers` processes on the port of the bound `sock` until SIGTERM or SIGINT; the exit
+    status. `sock` is bound without SO_REUSEPORT, so a port another server listens on, even one
+    of ours, was refused; where the kernel spreads connections it is swapped for a socket of the
+    port's group, which the parent holds and never listens on: it keeps the port for the workers
+    (a replacement binds beside it) and no connection is ever queued on it."""
+    own_socket = spread_by_kernel()
+    if own_socket:
+        address, family = sock.getsockname(), sock.family
+        sock.close()
+        sock = port_socket(family, address)
     spawn = multiprocessing.get_context("spawn")
     shm = Path("/dev/shm")
     home = shm if shm.is_dir() else Path(tempfile.gettempdir())
@@ -205,7 +246,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
             shutil.rmtree(folder / kind / str(slot), ignore_errors=True)
             (folder / kind / str(slot)).mkdir(parents=True)
         process = spawn.Process(target=_work, args=(settings, sock, str(folder), slot, workers, replacement, threads, log_level,
-                                                    link),
+                                                    link, own_socket),
                                 name="manyeyes-worker", daemon=False)
         process.start()
         return process

@@ -124,6 +124,9 @@ MUTANTS = [
     Mutant("shared-forward-rows-of-another-worker", "app/services/shared_forward.py",
            "table[:, row : row + b, :w] = request.table", "table[:, :b, :w] = request.table",
            ("tests/api/test_shared_forward.py", "-k", "one_forward")),
+    Mutant("workers-accept-from-one-shared-socket", "app/workers.py",
+           "    own_socket = spread_by_kernel()\n", "    own_socket = False\n",
+           ("tests/api/test_workers.py", "-k", "spread")),
     # ---- static/
     Mutant("thumbnail-colour-scale-fixed-not-per-head", "static/js/grid.js",
            "Math.min(1, scaled(v, scale, peak))", "Math.min(1, scaled(v, scale, 1))",
