@@ -1,8 +1,12 @@
 """Soak: concurrent mixed-length load against a real `manyeyes serve`, with its memory bound checked.
 
 100 clients (default) send texts of 16 to 512 tokens, all layers and heads, in the forms real
-clients use (u8 and f16 as JSON and as raw frames, repeats the cache answers, slices of cached
-runs, batches), against the default 512 MB run cache. The server's RSS is polled every 50 ms from
+clients use (u8 and f16 as JSON and as raw frames, repeats the cache answers, slices of the
+client's last run, batches), against the default 512 MB run cache. A slice of a run the cache has
+evicted meanwhile is a 404 `unknown_run` (with --workers, recomputed), which the summary counts
+apart: the cache holds about twenty of this mix's runs, so at 100 clients (17 answers a second
+here) a run is evicted before its client's next request, while at 10 clients every slice is
+answered. The server's RSS is polled every 50 ms from
 the moment the process starts. The bound (SECURITY.md, "Memory"):
 
     peak RSS  <=  RSS after warm-up  +  cache_bytes x 1.1  +  100 MB
@@ -94,9 +98,17 @@ def text_of(rng: random.Random, i: int) -> str:
     return f"soak{i} " + " ".join(rng.choice(WORDS) for _ in range(n - 1))
 
 
-def check(attention: dict, values: np.ndarray, n_tokens: int) -> str | None:
-    """What is wrong with one answer's weights, or None."""
-    if attention["shape"] != [6, 12, n_tokens, n_tokens]:
+def error_code(r: httpx.Response) -> str:
+    """The JSON error's code ({"error": {"code": ...}}), else the start of the body."""
+    try:
+        return orjson.loads(r.content)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return repr(r.content[:60])
+
+
+def check(attention: dict, values: np.ndarray, n_tokens: int, n_layers: int) -> str | None:
+    """What is wrong with one answer's weights (all heads of `n_layers` layers), or None."""
+    if attention["shape"] != [n_layers, 12, n_tokens, n_tokens]:
         return f"shape {attention['shape']} for {n_tokens} tokens"
     rows = values.sum(-1)
     slack = {"u8": n_tokens * 0.5 / 255, "f16": n_tokens * 1e-3, "json": 1e-4}[attention["format"]]
@@ -114,13 +126,14 @@ class Soak:
         self.statuses: Counter = Counter()
         self.wrong: list[str] = []
         self.failures: Counter = Counter()  # exceptions: timeouts, resets, refused connections
+        self.refusals: Counter = Counter()  # (method, the path's last part, status, error code) of answers not 200
         self.sampled: list[tuple[str, dict, np.ndarray]] = []  # (text, header, weights) checked later
-        self.run_ids: list[str] = []
         self.recent: list[str] = []
         self.done = 0
 
-    def request_for(self, i: int) -> tuple[str, str, dict | None, dict, str | None]:
-        """(method, path, body, headers, fresh text or None) of the i-th request."""
+    def request_for(self, i: int, own_last: str | None = None) -> tuple[str, str, dict | None, dict, str | None]:
+        """(method, path, body, headers, fresh text or None) of the i-th request, from a client
+        whose last answer was of run `own_last`."""
         kind = i % 20
         if kind < 8:
             text = text_of(self.rng, i)
@@ -134,13 +147,17 @@ class Soak:
         if kind < 17 and self.recent:  # a repeat: the cache answers
             text = self.rng.choice(self.recent)
             return "POST", "/api/v1/attention", {"text": text, "format": "u8", "truncate": True}, FRAME, None
-        if kind < 19 and self.run_ids:
-            run_id = self.rng.choice(self.run_ids[-200:])
+        if kind < 19 and own_last:
+            # The run this client was last answered: the 512 MB cache holds about twenty of this
+            # mix's runs (its long ones are 40-75 MB), so with 100 clients in flight a run picked
+            # from all clients' recent answers had always been evicted (404 unknown_run).
+            run_id = own_last
             return "GET", f"/api/v1/runs/{run_id}/attention?format=f16&layers=0,5", None, FRAME, None
         texts = [text_of(self.rng, i), text_of(self.rng, i + 1)]
         return "POST", "/api/v1/attention/batch", {"texts": texts, "format": "u8", "truncate": True}, FRAME, None
 
-    def verify(self, r: httpx.Response, text: str | None, i: int) -> None:
+    def verify(self, r: httpx.Response, text: str | None, i: int) -> str:
+        """Checks one answer; the run id of its last result."""
         if r.headers["content-type"] == FRAME_MEDIA_TYPE:
             header, data = read_frame(r.content)
             results = header.get("results", [header])
@@ -155,15 +172,14 @@ class Soak:
             results = header.get("results", [header])
             arrays = [decode(res["attention"]) for res in results]
         for res, values in zip(results, arrays):
-            if res["layers"] == list(range(6)):
-                problem = check(res["attention"], values, len(res["tokens"]))
-                if problem:
-                    self.wrong.append(f"request {i}: {problem}")
-            self.run_ids.append(res["run_id"])
+            problem = check(res["attention"], values, len(res["tokens"]), len(res["layers"]))
+            if problem:
+                self.wrong.append(f"request {i}: {problem}")
         if text is not None:
             self.recent = (self.recent + [text])[-100:]
             if len(self.sampled) * 50 <= i:
                 self.sampled.append((text, results[0], arrays[0]))
+        return results[-1]["run_id"]
 
     async def run(self, poller: RssPoller, every: int) -> float:
         counter = iter(range(self.total))
@@ -172,8 +188,9 @@ class Soak:
         async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
 
             async def worker() -> None:
+                own_last = None
                 for i in counter:
-                    method, path, body, headers, text = self.request_for(i)
+                    method, path, body, headers, text = self.request_for(i, own_last)
                     try:
                         r = await client.request(method, path, json=body, headers=headers)
                     except httpx.HTTPError as exc:  # every exception is a failure, never a success
@@ -187,7 +204,9 @@ class Soak:
                                   f"{rate:5.1f} req/s  load {os.getloadavg()[0]:.1f}", flush=True)
                     self.statuses[r.status_code] += 1
                     if r.status_code == 200:
-                        self.verify(r, text, i)
+                        own_last = self.verify(r, text, i)
+                    else:
+                        self.refusals[(method, path.split("?")[0].rsplit("/", 1)[-1], r.status_code, error_code(r))] += 1
 
             await asyncio.gather(*(worker() for _ in range(self.clients)))
         return time.monotonic() - started
@@ -251,7 +270,7 @@ def main() -> int:
         baseline = rss_of_tree(pid)
         baseline_at = time.monotonic()
         soak = Soak(url, args.requests, args.clients, args.seed + 1)
-        soak.recent, soak.run_ids = warm.recent, warm.run_ids
+        soak.recent = warm.recent
         elapsed = asyncio.run(soak.run(poller, max(args.requests // 20, 1)))
         end_rss = rss_of_tree(pid)
     poller.stop.set()
@@ -262,6 +281,9 @@ def main() -> int:
     server_errors = sum(n for s, n in soak.statuses.items() if s >= 500)
     failures = sum(soak.failures.values()) + server_errors
     print(f"  statuses      {dict(sorted(soak.statuses.items()))}; exceptions {dict(soak.failures) or 0}")
+    if soak.refusals:
+        print("  not 200       " + "; ".join(f"{method} .../{last} {status} {code}: {n}"
+                                             for (method, last, status, code), n in soak.refusals.most_common()))
     print(f"  throughput    {args.requests / elapsed:.1f} req/s over {elapsed:.0f} s; load average {os.getloadavg()[0]:.1f} on {cpus} CPUs")
     print(f"  answers       {len(soak.wrong)} wrong of those checked in full; {sample_wrong} of {len(soak.sampled)} "
           "sampled texts differ from a single run")

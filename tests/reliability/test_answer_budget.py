@@ -99,3 +99,22 @@ def test_the_flood_bench_runs_and_holds_its_bound(route, fmt):
     assert done.returncode == 0 and "target (peak within the bound" in done.stdout and ": MET" in done.stdout, (
         done.stdout[-2000:] + done.stderr[-2000:])
     assert "answers  {" in done.stdout and "200:" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_the_soak_bench_runs_and_checks_every_answer():
+    """bench/soak.py, small: four clients, so that every slice finds its client's run still cached
+    (at 100 clients the cache turns over before a client comes back, and slices are 404s). Keeps
+    the issue's memory bench from rotting: its verdict must hold, and every kind of request it
+    sends, slices included, must have been answered."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    done = subprocess.run([sys.executable, str(bench / "soak.py"), "--requests", "60", "--warmup", "20", "--clients", "4"],
+                          cwd=bench, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0 and "every answer right): MET" in out, out[-2000:] + done.stderr[-2000:]
+    assert "statuses      {200: 60}; exceptions 0" in out and "not 200" not in out, out
+    assert "0 wrong of those checked in full" in out and "0 of 2 sampled texts differ" in out, out
