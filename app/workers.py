@@ -5,11 +5,11 @@ itself would take 14,500 inputs a second: its HTTP handling, tokenizer and forwa
 one interpreter lock (README, "GPU"). More processes multiply that. The kernel spreads
 connections over the workers (on Linux each listens on a socket of its own: spread_by_kernel);
 every worker loads the models (each its own copy on the GPU) and keeps its own run cache, fair
-shares and limits. They share four things through files in one
-folder (/dev/shm where there is one): the requests behind run ids, so a slice of a run another
-worker computed is recomputed here (app/shared_runs.py); saved views, so a permalink opens
-through any worker; which workers have loaded, so /readyz says 200 only once all have; and
-Prometheus values, so /metrics adds up every worker's. With --shared-forward one more process runs
+shares and limits. They share four things through files in one folder (/dev/shm where there is
+one): the requests behind run ids, so a slice of a run another worker computed is recomputed here
+(app/shared_runs.py); saved views, so a permalink opens through any worker; which workers have
+loaded, so /readyz says 200 only once all have; and Prometheus values, so /metrics adds up every
+worker's. With --shared-forward one more process runs
 their forwards of short inputs (services/shared_forward.py), supervised as they are.
 
 The parent holds the port, starts the workers with the spawn method (nothing of torch or CUDA is

@@ -82,8 +82,9 @@ class Job:
 
 class ClientQueue:
     """One client's waiting jobs, oldest first, with their work units summed by model: the
-    estimate made for every request then costs a step per client instead of one per queued job
-    (32 in flight from one client walked 15 jobs a request, 5% of the event loop's time)."""
+    estimate made for every request then costs a step per client instead of one per queued job,
+    however long one client's backlog grows (cProfile put the walk at 5% of the event loop with 32
+    requests in flight from one client; unprofiled, 4% at 128)."""
 
     def __init__(self) -> None:
         self._jobs: deque[Job] = deque()
