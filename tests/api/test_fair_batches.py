@@ -12,6 +12,7 @@ import pytest
 from manyeyes.app.services.batcher import Batcher, Job, _deliver
 from manyeyes.app.services.errors import InvalidInput, QueueFull
 from manyeyes.app.services.metrics import Metrics
+from tests.reliability.test_admission import without_its_thread
 
 MODEL = SimpleNamespace(info=SimpleNamespace(n_layers=6, n_heads=12, id="fake"))
 
@@ -28,8 +29,8 @@ def job(client: str, n_tokens: int, tag: str) -> Job:
 
 @pytest.fixture
 def batcher():
-    b = Batcher("cpu", Metrics(), max_batch_tokens=8192, max_batch_items=6, max_wait_s=0, max_queue=100,
-                max_client_queue=10, max_batch_cells=72 * 512 * 512 * 2)
+    b = without_its_thread(Batcher("cpu", Metrics(), max_batch_tokens=8192, max_batch_items=6, max_wait_s=0, max_queue=100,
+                                   max_client_queue=10, max_batch_cells=72 * 512 * 512 * 2))
     yield b
     b.close()
 
@@ -49,7 +50,7 @@ def test_the_cell_budget_limits_long_rows_but_one_always_fits(batcher):
     queue(batcher, [job("a", 512, f"a{i}") for i in range(4)])
     chosen, left_out = batcher._select(MODEL)
     assert len(chosen) == 2 and left_out  # 2 x 72 x 512^2 cells is the budget
-    tight = Batcher("cpu", Metrics(), 8192, 64, 0, 100, max_batch_cells=1)
+    tight = without_its_thread(Batcher("cpu", Metrics(), 8192, 64, 0, 100, max_batch_cells=1))
     try:
         queue(tight, [job("a", 512, "only")])
         assert [j.tag for j in tight._select(MODEL)[0]] == ["only"]
