@@ -201,14 +201,9 @@ def cmd_serve(args) -> int:
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts reuse the port
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
+    from manyeyes.app.server import bound_socket
+
+    sock = bound_socket(socket.AF_INET6 if ":" in host else socket.AF_INET, (host, port))
     sock.set_inheritable(True)
     return sock
 

@@ -46,6 +46,7 @@ socket will not take yet. Each request's scope carries the connection's Delivery
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import orjson
 import uvicorn
@@ -287,3 +288,19 @@ def server_config(app, settings: Settings, **options) -> uvicorn.Config:
         http=guarded_protocol(settings.request_read_timeout_s, settings.max_header_bytes),
         **options,
     )
+
+
+def bound_socket(family: int, address, share_port: bool = False) -> socket.socket:
+    """A socket bound to `address`, not yet listening: uvicorn calls listen() on it after the
+    app's start-up. SO_REUSEADDR as uvicorn binds (a restart reuses the port); `share_port` adds
+    SO_REUSEPORT, which puts it in the port's group with the other workers' (app/workers.py)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if share_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

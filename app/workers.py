@@ -9,8 +9,8 @@ shares and limits. They share four things through files in one folder (/dev/shm 
 one): the requests behind run ids, so a slice of a run another worker computed is recomputed here
 (app/shared_runs.py); saved views, so a permalink opens through any worker; which workers have
 loaded, so /readyz says 200 only once all have; and Prometheus values, so /metrics adds up every
-worker's. With --shared-forward one more process runs
-their forwards of short inputs (services/shared_forward.py), supervised as they are.
+worker's. With --shared-forward one more process runs their forwards of short inputs
+(services/shared_forward.py), supervised as they are.
 
 The parent holds the port, starts the workers with the spawn method (nothing of torch or CUDA is
 inherited), starts another in place of one that dies, and on SIGTERM or SIGINT sends each worker
@@ -59,20 +59,6 @@ def spread_by_kernel() -> bool:
     the others queue. Hashed, the same 128 went 38, 34, 30 and 26. Not on macOS or the BSDs, whose
     SO_REUSEPORT hands every connection to the last socket bound."""
     return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
-
-
-def port_socket(family: int, address) -> socket.socket:
-    """A socket bound to `address` in the port's SO_REUSEPORT group, not yet listening: it takes
-    connections only once listen() is called on it (by uvicorn, after the app's start-up)."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def default_threads(workers: int) -> int:
@@ -124,7 +110,9 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
           forward_link=None, own_socket: bool = False) -> None:
     _detach_from_terminal()
     if own_socket:  # the parent's only holds the port: this worker listens on one of its own
-        own = port_socket(sock.family, sock.getsockname())
+        from manyeyes.app.server import bound_socket
+
+        own = bound_socket(sock.family, sock.getsockname(), share_port=True)
         sock.close()
         sock = own
     import torch
@@ -211,9 +199,11 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     (a replacement binds beside it) and no connection is ever queued on it."""
     own_socket = spread_by_kernel()
     if own_socket:
+        from manyeyes.app.server import bound_socket
+
         address, family = sock.getsockname(), sock.family
         sock.close()
-        sock = port_socket(family, address)
+        sock = bound_socket(family, address, share_port=True)
     spawn = multiprocessing.get_context("spawn")
     shm = Path("/dev/shm")
     home = shm if shm.is_dir() else Path(tempfile.gettempdir())

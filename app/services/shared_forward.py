@@ -75,13 +75,12 @@ def available() -> bool:
 
 
 class Buffer:
-    """A worker's anonymous shared memory, grown as needed; `fresh` until the shared process has
-    its descriptor."""
+    """A worker's anonymous shared memory, grown as needed. Its descriptor (`fd`) is kept only
+    until it is passed to the shared process, which maps it itself."""
 
     def __init__(self) -> None:
         self.fd: int | None = None
         self.map: mmap.mmap | None = None
-        self.fresh = False
 
     def at_least(self, nbytes: int) -> mmap.mmap:
         if self.map is None or len(self.map) < nbytes:
@@ -94,7 +93,7 @@ class Buffer:
                 os.close(fd)
                 raise
             self.release()
-            self.fd, self.map, self.fresh = fd, mapped, True
+            self.fd, self.map = fd, mapped
         return self.map
 
     def release(self) -> None:
@@ -103,7 +102,12 @@ class Buffer:
             self.map.close()
         if self.fd is not None:
             os.close(self.fd)
-        self.fd, self.map, self.fresh = None, None, False
+        self.fd, self.map = None, None
+
+    def passed(self) -> None:
+        """The shared process has the descriptor: the mapping is all this side needs."""
+        os.close(self.fd)
+        self.fd = None
 
 
 def read_array(buffer: mmap.mmap, spec) -> torch.Tensor | None:
@@ -171,10 +175,11 @@ class ForwardClient:
         try:
             weight_bytes = KEPT_DTYPE[fmt].itemsize if quantised else 4
             buffer = self._buffer.at_least(rows_bytes(model.info.n_layers, model.info.n_heads, lengths, weight_bytes))
-            conn.send((self._seq, model.info.id, fmt, table, lengths, self._buffer.fresh))
-            if self._buffer.fresh:  # its descriptor follows the request that first needs it
+            new_buffer = self._buffer.fd is not None
+            conn.send((self._seq, model.info.id, fmt, table, lengths, new_buffer))
+            if new_buffer:  # its descriptor follows the request that first needs it
                 send_handle(conn, self._buffer.fd, 0)
-                self._buffer.fresh = False
+                self._buffer.passed()
             if not conn.poll(max(deadline - time.monotonic(), 0.0)):
                 self._drop("no answer before the requests' deadline")  # a late answer would answer the next batch
                 raise OverBudget("the request spent its time budget waiting for the shared forward process")

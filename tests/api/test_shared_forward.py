@@ -56,6 +56,15 @@ def connected(client: ForwardClient, timeout_s: float = 10) -> None:
         time.sleep(0.02)
 
 
+def open_links() -> list[str]:
+    """What this process's open descriptors point at."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return links
+
+
 def shared_count(metrics: Metrics, where: str) -> float:
     return metrics.registry.get_sample_value("manyeyes_shared_forward_batches_total", {"where": where}) or 0.0
 
@@ -279,6 +288,10 @@ def test_answers_larger_than_the_buffer_grow_it_and_a_dead_workers_buffer_goes(m
         assert small is not None and len(client._buffer.map) == 1 << 20
         got = client.run(model, encoded, "json", time.monotonic() + 30)
         assert len(client._buffer.map) >= 17_000_000
+        # Each buffer's descriptor went with the first request that used it and is closed on both
+        # sides: what stays open is the duplicate each mapping keeps (Python's mmap does), the
+        # worker's and the shared process's, and the first buffer's went with it.
+        assert len([link for link in open_links() if "memfd:manyeyes-forward" in link]) == 2
         want = model.run(encoded, Capture(hidden=False))
         for g, w in zip(got, want):
             torch.testing.assert_close(g.attention, w.attention, atol=1e-6, rtol=0)
