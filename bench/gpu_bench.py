@@ -106,13 +106,8 @@ def stat_cpu(stat_path: str) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process and its children (workers) have used so far."""
-    return sum(filter(None, (stat_cpu(f"/proc/{task}/stat") for task in [pid, *children(pid)])))
-
-
 def process_cpu(pid: int) -> dict[int, float]:
-    """process -> CPU seconds so far, for a server and each of its workers."""
+    """process -> user plus system CPU seconds so far, for a server and each of its workers."""
     return {process: cpu for process in [pid, *children(pid)] if (cpu := stat_cpu(f"/proc/{process}/stat")) is not None}
 
 
@@ -162,19 +157,19 @@ def loaded(url: str, pid: int, n_tokens: int, clients: int, seconds: float, proc
     threads) under `clients` at once, sent from `procs` processes (one reads ~0.6 GB/s of answers:
     T=512 needs several): the cores say whether the server's Python or the load generator, not the
     GPU, set the rate."""
-    server_before, threads_before, processes_before = cpu_seconds(pid), thread_cpu(pid), process_cpu(pid)
+    threads_before, processes_before = thread_cpu(pid), process_cpu(pid)
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
         # Seeds 10^8 apart: a process's clients use fewer (throughput() gives each 100,000), so no
         # two processes ever send the same text.
         parts = list(pool.map(generate_load, [url] * procs, [n_tokens] * procs, shares, [seconds] * procs,
                               [10**8 * (i + 1) for i in range(procs)]))
-    # Over the load's seconds: the server idles while the pool starts.
     # Each process's cores, busiest first: workers left idle by an uneven spread of connections
-    # show as a long tail.
-    by_process = sorted(((cpu - processes_before.get(p, 0.0)) / seconds for p, cpu in process_cpu(pid).items()), reverse=True)
+    # show as a long tail. Over the load's seconds: the server idles while the pool starts.
+    processes_after = process_cpu(pid)
+    by_process = sorted(((cpu - processes_before.get(p, 0.0)) / seconds for p, cpu in processes_after.items()), reverse=True)
     spread = "; cores by server process: " + " ".join(f"{busy:.2f}" for busy in by_process if busy >= 0.01)
-    return (sum(p[0] for p in parts), sum(p[1] for p in parts), (cpu_seconds(pid) - server_before) / seconds,
+    return (sum(p[0] for p in parts), sum(p[1] for p in parts), (sum(processes_after.values()) - sum(processes_before.values())) / seconds,
             sum(p[2] for p in parts) / seconds, busiest_threads(threads_before, thread_cpu(pid), seconds) + spread)
 
 
