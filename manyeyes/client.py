@@ -274,6 +274,8 @@ def selection(layers: list[int] | None, heads: list[int] | None) -> dict[str, st
     params = {}
     for name, chosen in (("layers", layers), ("heads", heads)):
         if chosen is not None:
+            # An array's truth is ambiguous ("if not chosen" raised on np.array([0, 1])): its list.
+            chosen = list(chosen.tolist() if isinstance(chosen, np.ndarray) else chosen)
             if not chosen:  # the server reads an empty list as "all": say so instead
                 raise ValueError(f"{name} is empty: pass None for all of them")
             params[name] = ",".join(map(str, chosen))

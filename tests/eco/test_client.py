@@ -408,6 +408,20 @@ def test_numpy_indices_and_counts_go_into_request_bodies_as_plain_json(client, l
     assert [s.index for s in steps] == [0, 1] and all(len(s.alternatives) == 1 for s in steps)
 
 
+def test_numpy_arrays_of_layers_and_heads_go_into_query_strings(client, local):
+    """slice(r, heads=np.array([0, 1])) and measures(..., layers=np.array(...)) raised "The truth
+    value of an array with more than one element is ambiguous" before sending, where README says
+    layers and heads may be numpy arrays and attention() took them."""
+    r = client.attention(TEXT, format="json")
+    part = client.slice(r, layers=np.array([0, 1]), heads=np.arange(0, 3), format="json")
+    assert (part.layers, part.heads) == ([0, 1], [0, 1, 2])
+    np.testing.assert_allclose(part.head(1, 2), local[1, 2], atol=1e-5)
+    found = client.measures(r, ["value_norms"], layers=np.array([1]), heads=np.array([5, 7]))
+    assert (found.layers, found.heads, found.value_norms.shape[:2]) == ([1], [5, 7], (1, 2))
+    with pytest.raises(ValueError, match="heads is empty"):
+        client.slice(r, heads=np.array([], dtype=int))
+
+
 def test_batch_takes_any_number_of_texts_in_order_and_refuses_a_bare_string(client, tiny_gpt):
     """Forty texts were one request the server refuses (a batch holds at most 32: 422), and
     attention_batch("one text") went off as a 422 "texts: Input should be a valid list"."""

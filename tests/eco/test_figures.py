@@ -208,3 +208,14 @@ def test_special_tokens_can_be_hidden_as_on_the_page():
     hv = figures.head_view(result, 0, hide_special=True)
     assert [list(t.text) for t in hv.data if t.mode == "text"] == [["bank", "river"]] * 2
     np.testing.assert_allclose(np.asarray(figures.heatmap(result, 0, 0).data[0].z), a[0, 0])  # off by default
+
+
+def test_the_readme_figures_example_runs_as_written(tmp_path, monkeypatch):
+    """README's "Notebook figures" block, executed as it stands: its last line drew layer 2 of
+    tiny-gpt, which has two layers (KeyError), while the text around it said it ran."""
+    readme = (ROOT / "README.md").read_text()
+    [block] = re.findall(r"### Notebook figures\n\n```python\n(.*?)```", readme, re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md (Notebook figures)", "exec"), {})
+    page = (tmp_path / "fig.html").read_text()
+    assert "Plotly.newPlot" in page and 'src="http' not in page  # standalone, as the comment says
