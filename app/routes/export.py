@@ -71,6 +71,10 @@ async def export_page(
             "server, and this text is longer: export a shorter one (the page reads longer runs from the server)"
         ) from None
     n_tokens = orjson.loads(b"".join(reply.body))["attention"]["shape"][-1]
+    # The probe's bytes (its run's among them: 75 MB at T=512) go back before the full answer asks
+    # for its own: held, they and the full answer passed a client's half of the answers' budget
+    # from about 420 MiniLM tokens, and the export waited for its own bytes until its 504.
+    reply.release()
     info = served.model.info
     # The same run again, all of it: the run cache answers, no second forward pass.
     full = probe.model_copy(update={"layers": None, "heads": None, "format": pick_format(info.n_layers, info.n_heads, n_tokens)})

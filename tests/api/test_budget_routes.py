@@ -139,6 +139,19 @@ def test_an_exported_page_is_reckoned_with_its_run_in_one_grant(api, reserved):
     assert api.app.state.service.answers.held == 0
 
 
+def test_an_export_gives_its_probes_bytes_back_before_it_asks_for_the_full_runs(api, reserved, monkeypatch):
+    """Held until the full answer was granted, the probe's bytes (its run's 75 MB at T=510) and
+    the full answer's passed the client's half of the answers' budget: every MiniLM export over
+    about 420 tokens waited for its own bytes until its 504 (30 s by default; 5 s here)."""
+    service = api.app.state.service
+    monkeypatch.setattr(service.settings, "request_timeout_s", 5.0)
+    r = api.get("/export", params={"text": "w " * 508, "model": "minilm"}, headers=IDENTITY)
+    assert r.status_code == 200, r.text[:300]
+    probe, full = reserved
+    assert probe + full > service.answers.limit // 2 >= full, (reserved, service.answers.limit)
+    assert service.answers.held == 0
+
+
 @pytest.mark.parametrize("path, body", [
     ("ablate", {"text": TEXT, "ablate": [{"layer": 1, "head": 2}], "attention": {"format": "json"}}),
     ("ablate", {"text": TEXT, "ablate": [{"layer": 0, "head": 0, "mode": "mean"}]}),
