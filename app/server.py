@@ -123,6 +123,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._read_deadline: asyncio.TimerHandle | None = None
         self._head_done = False  # of the request being read
         self._head_bytes = 0  # of that request's head, counted a read at a time
+        self._head_parsed = 0  # of that request's URL and headers, as the parser hands them over
+        self._head_too_large = False
         self._read_no_more = False
         self._bad_request = ""  # the 400's message where the request is well formed but cannot be read
         self._write_deadline: asyncio.TimerHandle | None = None
@@ -146,15 +148,35 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self._head_done and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > self.max_head_bytes:
-                self._refuse(431, "Request Header Fields Too Large", "header_too_large",
-                             f"the request line and headers are over {self.max_head_bytes:,} bytes (MANYEYES_MAX_HEADER_BYTES)")
+                self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        self._refuse(431, "Request Header Fields Too Large", "header_too_large",
+                     f"the request line and headers are over {self.max_head_bytes:,} bytes (MANYEYES_MAX_HEADER_BYTES)")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {DELIVERY: self.delivery}
         self._head_done = False
         self._head_bytes = 0
+        self._head_parsed = 0
         self._arm()
+
+    # A head that ends within the read it began in is never counted by data_received (70 or 100
+    # KB of headers in one read were answered 200): the parser's pieces of it are, each as it comes.
+    def on_url(self, url: bytes) -> None:
+        self._count_parsed(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_parsed(self, nbytes: int) -> None:
+        self._head_parsed += nbytes
+        if self._head_parsed > self.max_head_bytes:
+            self._head_too_large = True
+            raise ValueError("request head too large")  # the parser stops; send_400_response answers 431
 
     def on_headers_complete(self) -> None:
         # The head is in: from here BodyLimit times the body (the parser may not report a
@@ -194,6 +216,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to bytes its parser refuses, as text/plain; msg is always its generic one.
+        if self._head_too_large:
+            self._refuse_head()
+            return
         self._refuse(400, "Bad Request", "bad_request", self._bad_request or
                      "the request is not valid HTTP/1.1 (malformed request line, header, Content-Length, "
                      "Transfer-Encoding or chunk)")

@@ -99,6 +99,16 @@ def test_a_request_head_over_the_limit_is_refused_without_being_held():
             "message": "the request line and headers are over 16,384 bytes (MANYEYES_MAX_HEADER_BYTES)"}
         assert rss_bytes() - before < 32 * 2**20  # the server runs in this process
 
+        # A head over the limit that arrives whole in one read (as any up to a read's size does)
+        # was parsed, never counted, and answered 200.
+        for head in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (limit + 100) + b"\r\n\r\n",
+                     b"GET /healthz?" + b"q" * (limit + 100) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"p" * 200) for i in range(90))
+                     + b"\r\n"):
+            _, said = held_for(server.port, head)
+            status, _, payload = said.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 431 ") and b"header_too_large" in payload, said[:80]
+
         # Heads up to the limit are read as ever, a long URL and many headers included, and so is
         # a body of any size the body limit allows, sent in one write with its head.
         with httpx.Client(base_url=server.url, timeout=30) as client:
