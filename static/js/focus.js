@@ -152,6 +152,7 @@ export class FocusView {
     this.tooltip = tooltip;
     this.reader = reader; // a polite live region: what the keyboard's cell cursor reads
     this.cursor = null; // { row, col } of the keyboard's cell cursor (view indices), while in use
+    this.readingAt = null; // { x, y }: the client point whose cell the tooltip reads, while it does
     this.current = null;
     this.listening = false;
     this.filename = "manyeyes";
@@ -259,6 +260,10 @@ export class FocusView {
     this.ranges = { x: null, y: null };
     this.revision = revision;
     this.dropCursor();
+    // A pointer's (or a tap's) reading too: on a phone nothing moves away to hide it, and it read
+    // the last text's cell over the new one's.
+    this.tooltip.hidden = true;
+    this.readingAt = null;
     // Plotly.react keeps the last figure's ranges as the reference of the square-cells constraint
     // (only a relayout forgets them): a text shorter than the last got ranges wider than its cells,
     // and the extra room read as bands of masked keys.
@@ -323,6 +328,8 @@ export class FocusView {
     // The axes may have moved (a zoom, a resize) or the head changed under the keyboard's cursor:
     // it is placed again, inside what is now in view, and reads the cell as it is now.
     if (this.cursor) this.moveCursor(0, 0);
+    // A reading the pointer left on screen (a tap's, which no mouse moves on) reads the new head.
+    else if (this.readingAt && !this.tooltip.hidden) this.showReading(this.readingAt.x, this.readingAt.y);
   }
 
   // Where Plotly's axes put the cells now (placementOf).
@@ -544,6 +551,7 @@ export class FocusView {
 
   // The reading of the cell under a client-space point: "query → key: 0.123" and the original spans.
   showReading(clientX, clientY) {
+    this.readingAt = { x: clientX, y: clientY };
     const cell = this.current && this.heatmap.cellAt(clientX, clientY);
     if (!cell) {
       this.tooltip.hidden = true;

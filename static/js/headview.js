@@ -187,6 +187,13 @@ export class HeadView {
     });
   }
 
+  // A word in place of the lines (none to draw, or not yet); the next render builds the view again.
+  clear(message) {
+    this.key = null;
+    this.drawings = [];
+    this.container.replaceChildren(el("p", { className: "empty", text: message }));
+  }
+
   // A new run's room, held from the moment it is shown: the view is drawn after a pause
   // (main.js), and growing then from its last size (a one-line placeholder, a short run) pushed
   // everything under it down by up to 510 px, the measures panel too, which had already judged

@@ -346,7 +346,7 @@ function nothingShown() {
   clearTimeout(state.headViewTimer);
   focus.clear(message);
   measures.setFocusShown(false);
-  $("headview").replaceChildren(el("p", { className: "empty", text: message }));
+  headView.clear(message);
 }
 
 function labelPlot(precision) {
@@ -435,7 +435,12 @@ function renderHeadView() {
     const focused = focusMatrix();
     heads = focused ? [{ matrix: focused.matrix, color: pal.heads[0], id: meanKey() }] : [];
   }
-  if (!heads.length) return;
+  if (state.aggregate === "head" && heads.length < drawnHeads().length) loadExact(state.layer); // renders again once in
+  if (!heads.length) {
+    // Not the last run's lines (or its "no token is left") while this one's exact values load.
+    headView.clear("Loading exact values…");
+    return;
+  }
   const names = labels();
   // What the lines depend on; the colour scale is not part of it, so a scale change redraws nothing.
   const key = JSON.stringify([run.runId, state.layer, heads.map((d) => d.id), state.hideSpecial, state.hideFirst, state.threshold, state.segments, state.labels, pal.heads[0]]);

@@ -12,7 +12,8 @@ import pytest
 
 from tests.browser.conftest import CHROMIUM_ARGS, LOOPBACK
 from tests.browser.test_page import (
-    PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, plotted_zmax, run, wait_focus, wait_grid, wait_plotted_shape, wait_saved,
+    PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, plotted_zmax, run, submit, wait_focus, wait_grid, wait_plotted_shape,
+    wait_saved,
 )
 
 pytestmark = pytest.mark.browser
@@ -233,6 +234,29 @@ def test_head_view_draws_every_tokens_top_lines_at_long_t(server, api, page):
     page.wait_for_function("() => Number(document.querySelector('.hv-canvas')?.dataset.lines) >= 3 * 400", timeout=30_000)
 
 
+def test_head_view_draws_each_new_run_while_tokens_are_hidden(server, api, page, artifacts):
+    """Under "Hide special tokens" (or "Hide first token") the head view drew only heads with
+    exact values, and a new run's were asked for by nothing: the last run's tokens and lines
+    stayed on screen (and after a run with no token left, its "No token is left")."""
+    def shown(text):
+        tokens = api.post("/api/v1/attention", json={"text": text, "layers": [0], "heads": [0], "format": "u8"}).json()["tokens"]
+        return [t["piece"] for t in tokens if not t["special"]]  # the labels (no "##" pieces in these texts)
+
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.check("#hide-special")
+    for text in (SENTENCE, "Hi there.", "The dog ran to the old mill by the river."):
+        if text != SENTENCE:
+            submit(page, text)
+        expected = shown(text)
+        page.wait_for_function(
+            """(expected) => {
+                const items = [...document.querySelectorAll('#headview .hv-left li')].map((li) => li.textContent);
+                return JSON.stringify(items) === JSON.stringify(expected) && Number(document.querySelector('.hv-canvas').dataset.lines) > 0;
+            }""", arg=expected, timeout=30_000)
+    page.locator(".head-panel").screenshot(path=str(artifacts / "head-view-new-run-hidden.png"))
+
+
 # ---- 6. permalink -------------------------------------------------------------------------------
 
 
@@ -366,6 +390,9 @@ def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artif
         page.touchscreen.tap(*cell)
         page.locator("#tooltip[data-query='2'][data-key='3']").wait_for(state="visible", timeout=5000)
         page.screenshot(path=str(artifacts / "phone-tap.png"))
+        # No pointer moves away on a phone: the tapped reading stayed over the next text's heatmap.
+        submit(page, "A dog ran.")  # (wait_focus could match the last text's heatmap, still on screen)
+        page.locator("#tooltip").wait_for(state="hidden", timeout=30_000)
     finally:
         context.close()
     assert all(urlsplit(u).hostname in LOOPBACK for u in requests if u.startswith("http"))
