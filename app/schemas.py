@@ -271,7 +271,7 @@ class GenerateRequest(BaseModel):
     text: str = Field(..., min_length=1, description="The prompt")
     model: str | None = Field(None, description="A causal model id from GET /api/v1/models; default: the server's default")
     max_new_tokens: int = Field(20, ge=1, description="Tokens to generate; bounded by the model's context and the server's max_new_tokens")
-    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy; above 0: sample at this temperature")
+    temperature: float = Field(0.0, ge=0, le=10, allow_inf_nan=False, description="0: greedy; above 0: sample at this temperature")
     top_k: int | None = Field(None, ge=1, description="Sample only among the k most likely tokens")
     # torch seeds a generator with an unsigned 64-bit integer; a bigger one failed after the 200 was sent.
     seed: int | None = Field(None, ge=0, le=2**64 - 1, description="A seeded sample repeats exactly")
@@ -328,7 +328,7 @@ class ViewState(BaseModel):
     )
     hide_special: bool = False
     hide_first: bool = False
-    threshold: float = Field(0.0, ge=0.0, le=1.0)
+    threshold: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     segments: Literal["all", "AA", "AB", "BA", "BB"] = "all"
     scale: Literal["head", "fixed", "log"] = "head"
     labels: Literal["pieces", "text"] = "pieces"

@@ -80,3 +80,14 @@ def test_clients_that_hang_up_at_once_leave_no_generation_slot_behind(client, sp
         gc.enable()
     assert service._slots._value == slots
     assert metric(client, "manyeyes_generations_total", outcome="cancelled") >= cancelled + slots + 2
+
+
+@pytest.mark.parametrize("body", [
+    b'{"text": "In the beginning", "model": "tiny-gpt", "temperature": NaN}',
+    b'{"text": "In the beginning", "model": "tiny-gpt", "temperature": Infinity}',
+])
+def test_a_temperature_that_is_not_a_number_is_told_so(client, body):
+    """NaN failed the bounds check and was refused with "Input should be less than or equal to 10",
+    which says nothing a client could act on."""
+    r = client.post("/api/v1/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "finite number" in r.json()["error"]["message"], r.text
