@@ -390,6 +390,8 @@ def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artif
         page.touchscreen.tap(*cell)
         page.locator("#tooltip[data-query='2'][data-key='3']").wait_for(state="visible", timeout=5000)
         page.screenshot(path=str(artifacts / "phone-tap.png"))
+        # The hint says what a tap does, not which arrow keys to press or where to drag.
+        assert page.locator("#keys-hint .for-touch").is_visible() and page.locator("#keys-hint .for-keys").is_hidden()
         # No pointer moves away on a phone: the tapped reading stayed over the next text's heatmap.
         submit(page, "A dog ran.")  # (wait_focus could match the last text's heatmap, still on screen)
         page.locator("#tooltip").wait_for(state="hidden", timeout=30_000)
@@ -404,7 +406,8 @@ def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artif
 def test_arrow_keys_work_right_after_enter_and_say_so(server, page):
     open_page(page, server)
     run(page, SENTENCE)
-    assert "step through heads" in page.locator("#keys-hint").text_content()
+    assert "step through heads" in page.locator("#keys-hint .for-keys").text_content()
+    assert page.locator("#keys-hint .for-keys").is_visible() and page.locator("#keys-hint .for-touch").is_hidden()
     assert page.locator("#keys-hint").is_visible()
     page.keyboard.press("ArrowRight")
     wait_focus(page, layer=0, head=1)
