@@ -31,6 +31,7 @@ from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
+from manyeyes.app.shared_runs import SharedRuns
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 log = logging.getLogger("manyeyes")
@@ -161,6 +162,8 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE, FRAME_MEDIA_TYPE),
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.request_read_timeout_s)
+    if run_directory is not None:  # copies share runs: a run another copy computed is computed here when asked for
+        app.add_middleware(SharedRuns, directory=run_directory)
     # Outside BodyLimit: a request without a valid key is refused before its body is read.
     app.add_middleware(
         ClientIdentity, keys=keys, proxies=TrustedProxies(settings.trusted_proxies), close_metrics=settings.close_metrics,

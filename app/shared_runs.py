@@ -25,9 +25,12 @@ from pathlib import Path
 
 import orjson
 
+from manyeyes.app.middleware import send_error
+from manyeyes.app.services.errors import ApiError
+
 log = logging.getLogger("manyeyes.shared")
 
-RUN_PATH = re.compile(r"^/api/v1/runs/([^/]+)/")
+RUN_PATH = re.compile(r"^/api/v1/runs/([^/]+)(?:/|$)")  # the run itself and every route under it
 # Run and view ids are short hex digests; nothing else ever becomes a file name.
 KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -37,7 +40,8 @@ class SharedFiles:
     inside `folder` and evicts only what it wrote, oldest first, within its own share of the bytes,
     so no process needs a lock on another's bookkeeping; a reader looks in every process's folder.
     Writes are atomic (a temporary file, then a rename). A process started in a dead one's place
-    gets its folder emptied first (the parent does that), so the bytes stay bounded across restarts."""
+    adopts what it wrote, oldest first, within the same share: the saved views among it are
+    permalinks people hold, and emptying the folder lost them ("expired") on any worker crash."""
 
     def __init__(self, folder: Path, own: str, max_bytes: int) -> None:
         self.folder = Path(folder)
@@ -48,6 +52,26 @@ class SharedFiles:
         self._mine: OrderedDict[str, int] = OrderedDict()
         # Writers are threads (the executor's, the sync routes'): one at a time per process.
         self._lock = threading.Lock()
+        self._adopt()
+
+    def _adopt(self) -> None:
+        found = []
+        for path in self.own.iterdir():
+            if path.name.startswith("."):  # a write its writer died in the middle of
+                path.unlink(missing_ok=True)
+            elif KEY.match(path.name):
+                stat = path.stat()
+                found.append((stat.st_mtime, path.name, stat.st_size))
+        for _, key, size in sorted(found):
+            self._mine[key] = size
+            self.nbytes += size
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes:
+            old, size = self._mine.popitem(last=False)
+            self.nbytes -= size
+            (self.own / old).unlink(missing_ok=True)
 
     def put(self, key: str, data: bytes) -> None:
         if not KEY.match(key) or len(data) > self.max_bytes:
@@ -58,10 +82,7 @@ class SharedFiles:
             os.replace(temporary, self.own / key)
             self.nbytes += len(data) - self._mine.pop(key, 0)
             self._mine[key] = len(data)
-            while self.nbytes > self.max_bytes:
-                old, size = self._mine.popitem(last=False)
-                self.nbytes -= size
-                (self.own / old).unlink(missing_ok=True)
+            self._evict()
 
     def read(self, key: str) -> tuple[bytes, float] | None:
         """The entry and when it was last written (seconds since the epoch), from whichever
@@ -100,40 +121,75 @@ class FileDirectory:
 
 
 class SharedRuns:
-    """ASGI wrapper: recomputes a run this copy lacks from the request another copy recorded.
+    """ASGI middleware: recomputes a run this copy lacks from the request another copy recorded.
 
+    create_app adds it where copies share runs: inside ClientIdentity, so a request without a
+    valid key never starts a forward (nor learns whether a text was ever run: its id is a hash of
+    it), and its client's fair share pays for the forward; inside HeadAsGet, so HEAD is answered
+    as GET; inside AccessLog, so the request's logged time includes the recompute.
     The recording itself is done by the app's AttentionService, for each run it computes
     (create_app's `run_directory`), so a POST is neither buffered nor parsed twice here.
     `directory` has remember(entries) (fire and forget) and async recall(run_id)."""
 
+    # A recompute the service refused for now (busy, not ready, out of time) is answered as such,
+    # with its Retry-After: the 404 "POST it again" of a run never seen would send the client
+    # to repeat its POST into the same refusal.
+    TRANSIENT = frozenset({429, 503, 504})
+
     def __init__(self, app, directory) -> None:
         self.app = app
         self.directory = directory
+        # run id -> the one recompute of it under way: requests that need the same run at once
+        # (a page's tiles, a script's slices) wait for it rather than each running a forward.
+        self._under_way: dict[str, asyncio.Task] = {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
             match = RUN_PATH.match(scope["path"])
-            if match and await self._recompute(match[1]):
-                send = with_header(send, b"x-manyeyes-recomputed", b"1")
+            if match:
+                try:
+                    recomputed = await self._recomputed(scope, match[1])
+                except ApiError as exc:
+                    await send_error(send, exc.status, exc.code, exc.message,
+                                     [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()])
+                    return
+                if recomputed:
+                    send = with_header(send, b"x-manyeyes-recomputed", b"1")
         return await self.app(scope, receive, send)
 
-    async def _recompute(self, run_id: str) -> bool:
-        """True when this copy lacked the run and has now computed it from its recorded request."""
-        from manyeyes.app.schemas import AttentionRequest
-        from manyeyes.app.services.errors import ApiError
-
-        service = getattr(self.app.state, "service", None)
+    async def _recomputed(self, scope, run_id: str) -> bool:
+        """True when this copy lacked the run and has now computed it (or waited for the request
+        that did); raises the service's error where it refused for now."""
+        service = getattr(scope["app"].state, "service", None)
         if service is None or service.cache.get(run_id) is not None:
             return False
+        task = self._under_way.get(run_id)
+        if task is None:
+            client = scope.get("state", {}).get("client", "")
+            task = self._under_way[run_id] = asyncio.ensure_future(self._recompute(service, run_id, client))
+            task.add_done_callback(lambda done: self._finished(run_id, done))
+        # Shielded: a client that hangs up leaves the forward to those still waiting for it.
+        return await asyncio.shield(task)
+
+    def _finished(self, run_id: str, task: asyncio.Task) -> None:
+        self._under_way.pop(run_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved, though every waiter may have hung up: no "never retrieved" warning
+
+    async def _recompute(self, service, run_id: str, client: str) -> bool:
+        from manyeyes.app.schemas import AttentionRequest
+
         request = await self.directory.recall(run_id)
         if request is None:
             return False  # never seen anywhere: the app answers its 404 unknown_run
         model, text, pair, truncate = request
         probe = AttentionRequest(text=text, text_pair=pair, model=model, truncate=truncate, layers=[0], heads=[0], format="json")
         try:
-            await service.attend([(text, pair)], probe, batch=False, started=time.monotonic())
+            await service.attend([(text, pair)], probe, batch=False, started=time.monotonic(), client=client)
         except ApiError as exc:
             log.warning("recomputing run %s failed: %s %s", run_id, exc.code, exc.message)
+            if exc.status in self.TRANSIENT:
+                raise
             return False  # the app then answers for itself (404 unknown_run)
         return True
 

@@ -73,7 +73,7 @@ def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replac
     /healthz answers while the models load, as a single server's does."""
     from manyeyes.app.main import create_app
     from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
-    from manyeyes.app.shared_runs import FileDirectory, ReadyMarks, SharedFiles, SharedRuns, serve_once_loaded
+    from manyeyes.app.shared_runs import FileDirectory, ReadyMarks, SharedFiles, serve_once_loaded
 
     directory = FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers))
     app = create_app(settings, run_directory=directory, forward_link=forward_link)
@@ -82,7 +82,7 @@ def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replac
     app.state.ready_marks = ReadyMarks(folder / "ready", slot, workers)
     app.state.ready_marks.marking_once_loaded(app)
     app.state.views = ViewStore(shared=SharedFiles(folder / "views", str(slot), MAX_VIEW_BYTES // workers))
-    return SharedRuns(app, directory)
+    return app
 
 
 def _detach_from_terminal() -> None:
@@ -232,9 +232,8 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
                                     name="manyeyes-forwards", daemon=False)
             process.start()
             return process
-        for kind in ("runs", "views"):  # what a dead worker in this slot wrote goes with it
-            shutil.rmtree(folder / kind / str(slot), ignore_errors=True)
-            (folder / kind / str(slot)).mkdir(parents=True)
+        for kind in ("runs", "views"):  # a replacement adopts what the dead worker in its slot wrote (SharedFiles)
+            (folder / kind / str(slot)).mkdir(parents=True, exist_ok=True)
         process = spawn.Process(target=_work, args=(settings, sock, str(folder), slot, workers, replacement, threads, log_level,
                                                     link, own_socket),
                                 name="manyeyes-worker", daemon=False)

@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
 
 from manyeyes.app.config import Settings
-from manyeyes.app.shared_runs import SharedRuns, serve_once_loaded
+from manyeyes.app.shared_runs import serve_once_loaded
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
@@ -150,7 +150,7 @@ def build_app(settings: Settings, threads: int):
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
     app.state.views = ViewStore(shared=RayShelf(view_shelf()))
-    return SharedRuns(app, directory)
+    return app
 
 
 def deployment(settings: Settings | None = None, *, replicas: int = 1, threads: int = 1):
@@ -174,7 +174,7 @@ def deployment(settings: Settings | None = None, *, replicas: int = 1, threads: 
     @serve.ingress(build)
     class Manyeyes:
         def check_health(self) -> None:
-            registry = self.app.app.state.registry
+            registry = self.app.state.registry
             if not registry.ready.is_set():
                 raise RuntimeError(registry.not_ready_reason())
 

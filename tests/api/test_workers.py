@@ -208,6 +208,9 @@ def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
     before = worker_pids(proc.pid)
     for i in range(6):  # fresh connections: both workers count some
         httpx.post(f"{base}/api/v1/attention", json={"text": f"Before the crash, {i}.", "format": "u8"}).raise_for_status()
+    # Views saved through both workers (fresh connections again): each is a permalink someone holds.
+    view_ids = [httpx.post(f"{base}/api/v1/views", json={"text": f"Saved {i}.", "model": "tiny-gpt"}).json()["id"] for i in range(8)]
+    assert len(set(os.listdir(f"/dev/shm/{folder}/views/0"))) and len(set(os.listdir(f"/dev/shm/{folder}/views/1")))
     counted = steady_posts(base)
     os.kill(min(before), signal.SIGKILL)
     deadline = time.monotonic() + 90
@@ -227,6 +230,10 @@ def test_a_worker_that_dies_is_started_again_in_a_slot_of_its_own(workers):
     assert settled_posts(base, counted, 6) == [counted] * 6
     metric_files = os.listdir(f"/dev/shm/{folder}/metrics")
     assert {name.rpartition("_")[2] for name in metric_files} == {"w0.db", "w1.db"}, metric_files
+    # The replacement adopted the dead worker's files: its views opened nowhere ("expired") before.
+    for view_id in view_ids:
+        for _ in range(4):
+            assert httpx.get(f"{base}/api/v1/views/{view_id}").status_code == 200, view_id
 
 
 def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
@@ -285,6 +292,23 @@ def test_shared_files_evict_only_their_own_writes_oldest_first(tmp_path):
     assert abs(mine.read("t")[1] - time.time()) < 60  # when it was written: a shared view's age
     mine.put("b", b"12")  # rewriting an entry counts its new size, not both
     assert mine.nbytes == 6 and theirs.read("b")[0] == b"12"
+
+
+def test_shared_files_of_a_dead_process_are_adopted_by_its_replacement_within_its_share(tmp_path):
+    """The parent emptied a dead worker's folder for its replacement, and with it every view
+    saved through that worker: permalinks people hold answered "expired" after any crash."""
+    dead = SharedFiles(tmp_path, "0", max_bytes=12)
+    for key in "abc":
+        dead.put(key, b"1234")
+        time.sleep(0.01)  # distinct times: the order the replacement evicts in
+    (tmp_path / "0" / ".d").write_bytes(b"half")  # a write cut short by the death
+    replacement = SharedFiles(tmp_path, "0", max_bytes=12)
+    assert replacement.nbytes == 12 and sorted(os.listdir(tmp_path / "0")) == ["a", "b", "c"]
+    assert replacement.read("a")[0] == b"1234"
+    replacement.put("e", b"1234")  # the oldest adopted entry goes first
+    assert sorted(os.listdir(tmp_path / "0")) == ["b", "c", "e"] and replacement.nbytes == 12
+    smaller = SharedFiles(tmp_path, "0", max_bytes=5)  # fewer workers' worth of share: still bounded
+    assert sorted(os.listdir(tmp_path / "0")) == ["e"] and smaller.nbytes == 4
 
 
 @pytest.mark.parametrize("key", ["../escape", "a/b", "", ".hidden", "x" * 200, "run-é"])
@@ -353,12 +377,11 @@ def test_copies_record_each_run_they_compute_once_and_recompute_the_others_runs(
 
     from manyeyes.app.config import Settings
     from manyeyes.app.main import create_app
-    from manyeyes.app.shared_runs import SharedRuns
     from tests.api.conftest import wait_ready
 
     settings = Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False)
     directories = [CountingDirectory(tmp_path, slot) for slot in ("0", "1")]
-    first, second = (TestClient(SharedRuns(create_app(settings, run_directory=d), d)) for d in directories)
+    first, second = (TestClient(create_app(settings, run_directory=d)) for d in directories)
     with first, second:
         wait_ready(first), wait_ready(second)
         single = first.post("/api/v1/attention", json={"text": TEXT, "format": "json"}).json()
