@@ -13,6 +13,12 @@ from manyeyes.model.errors import ModelLoadError, TooLongError
 SHADES = " .:-=+*#%@"  # ten steps, light to dark
 
 
+def _shown(text: str) -> str:
+    """A token's text as the terminal should show it: control and format characters escaped
+    (a newline split its row in two; ESC and bidi overrides reached the terminal as commands)."""
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def _format_head(tokens: list[str], weights, width: int = 12) -> str:
     """A readable matrix: rows are queries, columns keys, values to 2 decimals plus a shade."""
     labels = [t if len(t) <= width else t[: width - 1] + "…" for t in tokens]
@@ -73,7 +79,7 @@ def cmd_attend(args) -> int:
     if args.json:
         return _print_json(model, args)
     result = model.attend(args.text, args.pair, truncate=args.truncate)
-    texts = [t.text for t in result.tokens]
+    texts = [_shown(t.text) for t in result.tokens]
     print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
           f"{info.n_layers} layers x {info.n_heads} heads) on {info.device}")
     print(f"{len(texts)} tokens{' (truncated)' if result.truncated else ''}:")
@@ -439,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A terminal that cannot show a token's character (an ASCII locale, a Windows code page) gets
+    # its escape, not a UnicodeEncodeError traceback half-way through the table.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -73,8 +73,14 @@ def load(
         if path.is_dir() and (path / "model.pth").exists():
             net, tok, family, stored = _load_book(path / "model.pth", config, tokenizer)
         elif path.is_dir():
+            if config is not None or tokenizer is not None:  # they were ignored without a word
+                raise ModelLoadError(
+                    f"{path} is a Hugging Face folder, which brings its own config.json and tokenizer.json: "
+                    "config and tokenizer options apply to a book .pth checkpoint only"
+                )
             net, tok, family, stored = _load_hf(path)
         else:
+            _refuse_a_file_of_a_folder(path)
             net, tok, family, stored = _load_book(path, config, tokenizer)
     except CorruptFileError as exc:
         if hub_id is None:
@@ -304,6 +310,23 @@ def _book_tokenizer(tokenizer, pth: Path, cfg: GPTConfig):
     raise ModelLoadError(
         f"{pth}: no tokenizer: put tokenizer.json beside it, pass tokenizer=PATH, or cache tiktoken's gpt2 files"
     )
+
+
+def _refuse_a_file_of_a_folder(path: Path) -> None:
+    """A file of a Hugging Face folder (its weights, config or tokenizer) was read as a book
+    checkpoint, and the error listed the folder's config keys as unknown book settings."""
+    if path.suffix in (".safetensors", ".json") or (path.suffix == ".bin" and _names_a_model_type(path.parent / "config.json")):
+        raise ModelLoadError(
+            f"{path} is one file of a model, not a checkpoint manyeyes loads alone: pass its folder "
+            f"({path.parent}, with config.json, the weights and tokenizer.json), or a book .pth checkpoint"
+        )
+
+
+def _names_a_model_type(config: Path) -> bool:
+    try:
+        return "model_type" in read_json(config)
+    except ModelLoadError:  # missing or unreadable: a book checkpoint's config is read (and judged) later
+        return False
 
 
 def _load_book(pth: Path, config, tokenizer):

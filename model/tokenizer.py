@@ -133,7 +133,11 @@ class TextTokenizer:
         # interpreter lock while it works (encode holds it), so the server's forward thread
         # runs meanwhile (200 µs at 120 tokens).
         source = (text, text_pair) if text_pair is not None else text
-        (enc,) = self._full.encode_batch([source])
+        try:
+            (enc,) = self._full.encode_batch([source])
+        except TypeError:
+            _check_encodable(text, text_pair)  # the tokenizer's own words name a type, not the character
+            raise
         truncated = False
         if len(enc.ids) > self.max_tokens:
             if not truncate:
@@ -201,3 +205,16 @@ class TiktokenTokenizer:
             raise TooLongError(len(tokens), self.max_tokens)
         tokens = tokens[: self.max_tokens]
         return Encoded(tokens, [t.segment for t in tokens], truncated)
+
+
+def _check_encodable(text, text_pair) -> None:
+    """ValueError naming the first character no tokenizer takes: a lone surrogate (what Python
+    makes of bytes that were not UTF-8), which the tokenizer refused as a TypeError about its types."""
+    for name, value in (("text", text), ("text_pair", text_pair)):
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name} holds {value[exc.start]!r} at character {exc.start}, a lone surrogate, "
+                             "which is not text (bytes that were not UTF-8, decoded with surrogateescape?)") from None

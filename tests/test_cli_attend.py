@@ -117,3 +117,27 @@ def test_every_argument_of_attend_and_export_says_what_it_is(capsys):
         out = capsys.readouterr().out
         positional = out.split("positional arguments:")[1].split("options:")[0]
         assert positional.split() [:6] == ["text", "the", "sentence", "to", "run", "(quote"], out
+
+
+def test_a_terminal_that_cannot_show_a_character_gets_its_escape_not_a_traceback():
+    """Under an ASCII locale `attend "naïve"` died in a UnicodeEncodeError half-way through."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "manyeyes", "attend", "a naïve 🏦 bank", "--model", "tiny-gpt"],
+                          capture_output=True, env={**os.environ, "PYTHONIOENCODING": "ascii"}, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-500:]
+    out = done.stdout.decode("ascii")
+    assert "layer 0, head 0" in out and "\\xef" in out  # tiny-gpt's byte-level pieces, escaped
+
+
+def test_control_characters_in_tokens_are_shown_escaped(capsys):
+    """A newline token split its row label over two lines; ESC and CR went to the terminal raw."""
+    assert main(["attend", "ab\r\ncd\x1b[31mred\u202eevil", "--model", "tiny-gpt"]) == 0
+    out = capsys.readouterr().out
+    assert not any(ch in out for ch in "\r\x1b\u202e")
+    assert "\\n" in out and "\\x1b" in out and "\\u202e" in out
+    table = out.split("(rows: queries, columns: keys)\n")[1].splitlines()
+    widths = {len(line) for line in table[1:]}
+    assert len(widths) == 1, table  # every row on one line, under the header's columns

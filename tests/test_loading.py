@@ -128,6 +128,32 @@ def test_hf_missing_files(hf_copy):
         load(hf_copy / "absent")
 
 
+def test_a_file_of_a_hugging_face_folder_is_told_to_pass_the_folder(hf_copy):
+    """load(".../model.safetensors") was read as a book checkpoint, and the error listed the
+    folder's config keys (architectures, attention_bias, ...) as unknown book settings."""
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        with pytest.raises(ModelLoadError, match=rf"{name} is one file of a model.*pass its folder \({re.escape(str(hf_copy))}"):
+            load(hf_copy / name)
+    torch.save({"x": torch.zeros(1)}, hf_copy / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin is one file of a model"):
+        load(hf_copy / "pytorch_model.bin")
+
+
+def test_a_book_checkpoint_saved_as_bin_beside_its_config_still_loads(book_folder):
+    folder, _, _ = book_folder  # its config.json names no model_type
+    shutil.copy(folder / "model.pth", folder / "weights.bin")
+    assert load(f"{folder / 'weights.bin'}?tokenizer={folder / 'tokenizer.json'}", device="cpu").info.family == "gpt"
+
+
+def test_config_and_tokenizer_options_on_a_hugging_face_folder_are_refused(hf_copy):
+    """They were ignored without a word: the folder's own config.json and tokenizer.json loaded."""
+    for options in ({"tokenizer": "/nonexistent.json"}, {"config": "gpt2-small"}):
+        with pytest.raises(ModelLoadError, match="Hugging Face folder.*apply to a book .pth checkpoint only"):
+            load(hf_copy, **options)
+    with pytest.raises(ModelLoadError, match="Hugging Face folder"):
+        load(f"{hf_copy}?tokenizer=/nonexistent.json")
+
+
 def test_hf_missing_tokenizer(hf_copy):
     (hf_copy / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match=r"missing file: .*tokenizer.json"):

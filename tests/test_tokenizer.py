@@ -106,3 +106,17 @@ def test_token_rows_read_as_the_tokens_and_leave_the_garbage_collector_nothing_t
     gc.collect()
     assert all(gc.is_tracked(t) for t in tokens)
     assert not gc.is_tracked(kept.rows) and not any(gc.is_tracked(row) for row in kept.rows)
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_it():
+    """load(...).attend("a\\ud800b") raised the tokenizer's "TypeError: TextEncodeInput must be
+    Union[...]", which names a type, not the character at fault."""
+    import pytest
+
+    from manyeyes import load
+
+    model = load("tiny-llama", device="cpu")
+    with pytest.raises(ValueError, match=r"text_pair holds '\\udcff' at character 2, a lone surrogate"):
+        model.attend("fine", "ok\udcff")
+    with pytest.raises(ValueError, match=r"text holds '\\ud800' at character 1"):
+        model.attend("a\ud800b")
