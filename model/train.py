@@ -137,7 +137,9 @@ class TrainConfig:
         else:
             if self.pos_init != "random":
                 raise TrainError("--pos-init applies to --arch gpt only: llama rotates queries and keys instead")
-            if self.n_kv_heads < 1 or self.heads % self.n_kv_heads:
+            if self.n_kv_heads < 1:
+                raise TrainError(f"--kv-heads must be at least 1, not {self.n_kv_heads}")
+            if self.heads % self.n_kv_heads:
                 raise TrainError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.n_kv_heads})")
             if self.ff_dim is not None and self.ff_dim < 1:
                 raise TrainError(f"--ff-dim must be at least 1, not {self.ff_dim}")

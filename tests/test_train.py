@@ -425,6 +425,8 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
         (["--kv-heads", "2"], "--kv-heads applies to --arch llama only"),
         (["--attention-bias"], "--attention-bias applies to --arch llama only"),
         (["--arch", "llama", "--heads", "4", "--emb-dim", "32", "--kv-heads", "3"], "must be a multiple of --kv-heads (3)"),
+        # Said "must be a multiple of --kv-heads (0)", as if 0 divided anything.
+        (["--arch", "llama", "--heads", "4", "--emb-dim", "32", "--kv-heads", "0"], "--kv-heads must be at least 1, not 0"),
         (["--arch", "llama", "--heads", "4", "--emb-dim", "12"], "must be even: RoPE rotates pairs"),
         (["--arch", "llama", "--pos-init", "sinusoidal"], "--pos-init applies to --arch gpt only"),
         (["--arch", "llama", "--rope-theta", "0"], "--rope-theta must be a positive number"),

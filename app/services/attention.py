@@ -251,15 +251,17 @@ def covers(run: Run, other: Run) -> bool:
 
 
 def parse_index_list(values: list[str] | None, what: str) -> list[int] | None:
-    """Query lists as `layers=0,2` or `layers=0&layers=2`."""
+    """Query lists as `layers=0,2` or `layers=0&layers=2`; None (all) when not given. An empty
+    list or entry is refused, as the JSON bodies refuse `"layers": []`: `layers=,` had meant all
+    of them and `layers=1,,0` had passed, either of which may be a client's bug."""
     if not values:
         return None
-    out = []
-    for part in ",".join(values).split(","):
-        part = part.strip()
-        if part:
-            out.append(parse_index(part, what))
-    return out or None
+    parts = [part.strip() for part in ",".join(values).split(",")]
+    if not any(parts):
+        raise InvalidInput(f"{what}s is empty: leave it out for all of them")
+    if not all(parts):
+        raise InvalidInput(f"{what}s has an empty entry ({brief(','.join(values))!r}): list indices as 0,2")
+    return [parse_index(part, what) for part in parts]
 
 
 def parse_index(part: str, what: str) -> int:

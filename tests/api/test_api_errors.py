@@ -144,7 +144,9 @@ def test_bad_slice_parameters_are_422(api):
     run_id = api.post("/api/v1/attention", json={"text": "Slices.", "format": "u8"}).json()["run_id"]
     for query, needle in (("layers=a", "integers"), ("heads=99", "head 99"), ("format=bmp", "format"),
                           # int() alone read these as 1, 10 and 1
-                          ("layers=%D9%A1", "integers"), ("layers=1_0", "integers"), ("heads=%2B1", "integers")):
+                          ("layers=%D9%A1", "integers"), ("layers=1_0", "integers"), ("heads=%2B1", "integers"),
+                          # read as every layer, and as layers 1 and 0: a client's bug passed for a choice
+                          ("layers=,", "layers is empty"), ("heads=", "heads is empty"), ("layers=1,,0", "empty entry")):
         err = error_of(api.get(f"/api/v1/runs/{run_id}/attention?{query}"), 422)
         assert needle in err["message"], (query, err)
     err = error_of(api.get(f"/api/v1/runs/{run_id}/attention?layers={'9' * 5000}x"), 422)
