@@ -147,7 +147,7 @@ export function fetchSlice(runId, layers, heads, format, signal) {
 // float32, format "json").
 export function fetchMean(runId, layers, signal, format = "f16") {
   const query = new URLSearchParams({ format, layers: layers.join(",") });
-  return viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, {}, signal);
+  return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, withAuth, signal), {});
 }
 
 export function isTooLong(err) {

@@ -112,6 +112,27 @@ def test_the_page_fetches_frames_and_decodes_the_same_numbers(browser, served):
     page.close()
 
 
+READ_RUN = """async ([text]) => {
+  const api = await import("/static/js/api.js");
+  const run = await api.postAttention({ text, format: "u8", layers: [0], heads: [0] });
+  const slice = await api.fetchSlice(run.run_id, [1], [2, 3], "f16");
+  const mean = await api.fetchMean(run.run_id, [0, 1]);
+  return [slice.attention.decoded.shape, mean.attention.decoded.shape];
+}"""
+
+
+def test_every_read_of_a_run_carries_the_tabs_key(browser, served):
+    """fetchMean alone went out without the key: "Mean of all heads" was a 401 whose banner said
+    to reload the page, under the old head's heatmap."""
+    mode, url = served
+    page = browser.new_page()
+    page.on("dialog", lambda dialog: dialog.accept(KEY))
+    page.goto(url + "/")
+    slice_shape, mean_shape = page.evaluate(READ_RUN, ["The heron waited by the mill."])
+    assert slice_shape[:2] == [1, 2] and mean_shape[:2] == [1, 1] and mean_shape[2:] == slice_shape[2:], (slice_shape, mean_shape)
+    page.close()
+
+
 def test_the_export_button_downloads_the_page_with_the_tabs_key(browser, served, tmp_path):
     """/export runs the model, so a server with keys guards it; the button fetches it with the
     key the tab was given (a plain navigation could not send one) and saves what comes back."""
