@@ -48,10 +48,12 @@ function withKey(init = {}) {
   return key ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${key}` } } : init;
 }
 
-function askForKey() {
+function askForKey(refused) {
   // Several requests refused at once share one question.
   asking ??= Promise.resolve().then(() => {
-    const key = window.prompt("This manyeyes server needs an API key. It is kept for this tab only.");
+    const key = window.prompt(refused
+      ? "This manyeyes server refused that API key. Enter the right one (kept for this tab only), or cancel."
+      : "This manyeyes server needs an API key. It is kept for this tab only.");
     if (key && key.trim()) sessionStorage.setItem(KEY_ITEM, key.trim());
     else sessionStorage.removeItem(KEY_ITEM);
     asking = null;
@@ -60,17 +62,20 @@ function askForKey() {
   return asking;
 }
 
+// Asks until a key is taken or the person cancels: a mistyped key had left the page with no
+// models and no way to enter the key again but a reload.
 async function authorised(call, init) {
-  const sent = sessionStorage.getItem(KEY_ITEM);
-  try {
-    return await call(withKey(init));
-  } catch (err) {
-    if (!(err instanceof ApiError) || err.status !== 401) throw err;
-    // A request that left before another one's question was answered retries with that answer.
-    const current = sessionStorage.getItem(KEY_ITEM);
-    if (current && current !== sent) return call(withKey(init));
-    if (!(await askForKey())) throw err;
-    return call(withKey(init));
+  let sent = sessionStorage.getItem(KEY_ITEM);
+  for (;;) {
+    try {
+      return await call(withKey(init));
+    } catch (err) {
+      if (!(err instanceof ApiError) || err.status !== 401) throw err;
+      // A request that left before another one's question was answered retries with that answer.
+      const current = sessionStorage.getItem(KEY_ITEM);
+      if (!(current && current !== sent) && !(await askForKey(Boolean(sent)))) throw err;
+      sent = sessionStorage.getItem(KEY_ITEM);
+    }
   }
 }
 

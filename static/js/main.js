@@ -635,6 +635,12 @@ async function restoreFromUrl(push) {
 // ---- running ----------------------------------------------------------------------------------
 
 async function submit({ layer = 0, head = 0, push = true, restoring = false } = {}) {
+  if (!state.models.length) {
+    // The model list never came (a refused key, a server gone): a run here crashed on no model
+    // and left the page busy for good.
+    showError("The page has no model list from the server: reload the page (and give the API key if it asks).");
+    return;
+  }
   const text = $("text").value;
   const pair = $("pair").value;
   if (!text.trim()) {

@@ -133,6 +133,33 @@ def test_every_read_of_a_run_carries_the_tabs_key(browser, served):
     page.close()
 
 
+def test_a_refused_key_is_asked_for_again_and_a_run_without_models_says_why(browser, served):
+    """A mistyped key at the first question left the page with no models and no second question:
+    a run then crashed on the missing model ("reading 'n_layers'") and spun for good."""
+    mode, url = served
+    if mode != "keys":
+        pytest.skip("keys only")
+    page = browser.new_page()
+    prompts, answers = [], iter(["mistyped", KEY])
+    page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept(next(answers))))
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-ready=true]", timeout=30_000)
+    assert len(prompts) == 2 and "refused that API key" in prompts[1], prompts
+    page.close()
+
+    page = browser.new_page()
+    page.on("dialog", lambda dialog: dialog.dismiss())  # no key given: no model list
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(url + "/")
+    page.wait_for_function("() => document.getElementById('error').textContent.includes('Cannot list the models')")
+    page.fill("#text", "The heron waited.")
+    page.press("#text", "Enter")
+    page.wait_for_function("() => document.getElementById('error').textContent.includes('no model list')")
+    assert page.locator("#run").is_enabled() and errors == [], errors
+    page.close()
+
+
 def test_the_export_button_downloads_the_page_with_the_tabs_key(browser, served, tmp_path):
     """/export runs the model, so a server with keys guards it; the button fetches it with the
     key the tab was given (a plain navigation could not send one) and saves what comes back."""
