@@ -48,6 +48,8 @@ const state = {
   interaction: null, // { name, start } of the input whose result is not on screen yet
   labelCache: null,
   headViewTimer: 0,
+  busy: false, // a run is under way (setBusy)
+  runAgain: false, // ...and Run was asked for again meanwhile
 };
 
 const focus = new TiledFocusView($("focus-plot"), $("tooltip"), $("cell-reading"));
@@ -95,11 +97,18 @@ function showError(message) {
 
 // The spinner is for the eye; screen readers hear the always-present status line, which a region
 // that only appears as it speaks would not reliably be.
+// Run stays enabled while a run is under way: disabled, it also blocked Enter in the text box,
+// and a new text typed meanwhile was dropped without a word while the old result came up under it.
+// A run asked for meanwhile goes next, with the text and options as they are then.
 function setBusy(busy) {
+  state.busy = busy;
   $("busy").hidden = !busy;
   if (busy) $("run-status").textContent = "Running…";
-  $("run").disabled = busy;
   $("run-form").setAttribute("aria-busy", String(busy));
+  if (!busy && state.runAgain) {
+    state.runAgain = false;
+    setTimeout(() => submit(), 0);
+  }
 }
 
 function viewOptions() {
@@ -885,6 +894,11 @@ async function init() {
   renderExample();
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();
+    if (state.busy) {
+      state.runAgain = true;
+      $("run-status").textContent = "Running… the text as it is now runs next.";
+      return;
+    }
     submit();
   });
   $("layer").addEventListener("change", () => setFocus(Number($("layer").value), state.head));

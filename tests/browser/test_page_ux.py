@@ -10,7 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import pytest
 
-from tests.browser.conftest import CHROMIUM_ARGS, LOOPBACK
+from tests.browser.conftest import CHROMIUM_ARGS, LOOPBACK, serving
 from tests.browser.test_page import (
     PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, plotted_zmax, run, submit, wait_focus, wait_grid, wait_plotted_shape,
     wait_saved,
@@ -568,3 +568,19 @@ def test_number_and_search_boxes_look_like_the_text_boxes(server, make_page, sch
             return [rgb(getComputedStyle(node, '::placeholder').color), rgb(getComputedStyle(node).backgroundColor)];
         }}""", box)
         assert contrast(ink, ground) >= 4.5, (box, ink, ground)
+
+
+def test_a_text_run_while_another_runs_goes_next_and_is_what_is_shown(make_page):
+    """Run was disabled while a run was under way, which also blocked Enter in the text box: the
+    second text was dropped without a word, and the first text's result came up under it."""
+    with serving({"minilm": "minilm"}, env={"MANYEYES_DEBUG_FORWARD_DELAY_S": "1.0"}) as base:
+        page = make_page()
+        open_page(page, base)
+        submit(page, "The bank of the river was muddy after the heavy rain fell all night.")
+        page.wait_for_selector("#busy:not([hidden])")
+        submit(page, "The dog ran.")
+        assert "runs next" in page.locator("#run-status").text_content()
+        page.wait_for_function("() => document.getElementById('run-status').textContent.startsWith('Done: 6 tokens')",
+                               timeout=60_000)
+        page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 6", timeout=30_000)
+
