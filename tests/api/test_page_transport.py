@@ -133,12 +133,11 @@ def test_every_read_of_a_run_carries_the_tabs_key(browser, served):
     page.close()
 
 
+@pytest.mark.parametrize("served", ["keys"], indirect=True)
 def test_a_refused_key_is_asked_for_again_and_a_run_without_models_says_why(browser, served):
     """A mistyped key at the first question left the page with no models and no second question:
     a run then crashed on the missing model ("reading 'n_layers'") and spun for good."""
-    mode, url = served
-    if mode != "keys":
-        pytest.skip("keys only")
+    _, url = served
     page = browser.new_page()
     prompts, answers = [], iter(["mistyped", KEY])
     page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept(next(answers))))
