@@ -36,6 +36,7 @@ from prometheus_client import values
 from prometheus_client.multiprocess import mark_process_dead
 
 from manyeyes.app.config import Settings
+from manyeyes.app.server import bound_socket
 
 log = logging.getLogger("manyeyes.workers")
 
@@ -110,8 +111,6 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
           forward_link=None, own_socket: bool = False) -> None:
     _detach_from_terminal()
     if own_socket:  # the parent's only holds the port: this worker listens on one of its own
-        from manyeyes.app.server import bound_socket
-
         own = bound_socket(sock.family, sock.getsockname(), share_port=True)
         sock.close()
         sock = own
@@ -199,8 +198,6 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     (a replacement binds beside it) and no connection is ever queued on it."""
     own_socket = spread_by_kernel()
     if own_socket:
-        from manyeyes.app.server import bound_socket
-
         address, family = sock.getsockname(), sock.family
         sock.close()
         sock = bound_socket(family, address, share_port=True)

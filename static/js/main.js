@@ -96,10 +96,9 @@ function showError(message) {
 }
 
 // The spinner is for the eye; screen readers hear the always-present status line, which a region
-// that only appears as it speaks would not reliably be.
-// Run stays enabled while a run is under way: disabled, it also blocked Enter in the text box,
-// and a new text typed meanwhile was dropped without a word while the old result came up under it.
-// A run asked for meanwhile goes next, with the text and options as they are then.
+// that only appears as it speaks would not reliably be. Run stays enabled meanwhile (disabled, it
+// also blocked Enter, and a text typed meanwhile was dropped without a word): a run asked for
+// meanwhile goes next, with the text and options as they are then.
 function setBusy(busy) {
   state.busy = busy;
   $("busy").hidden = !busy;
