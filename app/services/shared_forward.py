@@ -127,6 +127,20 @@ class ForwardLink:
     max_tokens: int
 
 
+def hang_up(conn: Connection) -> None:
+    """Shuts the connection's socket both ways, through a duplicate of its descriptor, without
+    closing it: a thread blocked reading it wakes with EOFError and closes it itself. Closing it
+    from here instead raced that thread's own close (the second one closed a descriptor number
+    that may already name another file), and on Linux a close does not wake a blocked read."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # the peer has gone already
+        pass
+    finally:
+        sock.close()
+
+
 def set_io_timeouts(conn: Connection, send_s: float | None, recv_s: float | None = None) -> None:
     """SO_SNDTIMEO / SO_RCVTIMEO on the connection's socket: a blocked read or write then fails
     (OSError) instead of waiting for ever. Set through a duplicate of its descriptor, which
@@ -308,10 +322,11 @@ class ForwardHost:
                     self._pending.append(request)
                     self._cond.notify()
         except (EOFError, OSError, ValueError, TypeError, RuntimeError):  # gone (or sent what no worker sends)
-            conn.close()
             with self._cond:
-                # Unmapped once the forward thread, which may be writing it, lets go of it too.
+                # This thread alone closes the connection (others hang it up, under this lock).
+                # Its buffer is unmapped once the forward thread, which may be writing it, lets go.
                 self._maps.pop(conn, None)
+                conn.close()
 
     def _check(self, request: Request) -> str | None:
         table, lengths = request.table, request.lengths
@@ -373,7 +388,9 @@ class ForwardHost:
         try:
             request.conn.send((request.seq, answer))
         except (OSError, ValueError):  # gone, or not reading: its reader ends with it
-            request.conn.close()
+            with self._cond:
+                if not request.conn.closed:
+                    hang_up(request.conn)
 
     def _written(self, request: Request, rows: list[tuple]) -> list[tuple]:
         """The rows written into the worker's buffer; what says where each array lies. Weights

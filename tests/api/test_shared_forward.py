@@ -56,13 +56,15 @@ def connected(client: ForwardClient, timeout_s: float = 10) -> None:
         time.sleep(0.02)
 
 
-def open_links() -> list[str]:
-    """What this process's open descriptors point at."""
-    links = []
+def open_buffers() -> set[tuple[int, int]]:
+    """This process's open descriptors of forward buffers, as (descriptor, inode): by inode, so
+    that a number another test's buffer left and this one took again counts as new."""
+    found = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
-            links.append(os.readlink(f"/proc/self/fd/{fd}"))
-    return links
+            if "memfd:manyeyes-forward" in os.readlink(f"/proc/self/fd/{fd}"):
+                found.add((int(fd), os.stat(f"/proc/self/fd/{fd}").st_ino))
+    return found
 
 
 def shared_count(metrics: Metrics, where: str) -> float:
@@ -278,10 +280,36 @@ def test_no_answer_before_the_deadline_is_over_budget_and_drops_the_link(models,
                                    atol=1e-6, rtol=0)
 
 
+def test_an_answer_the_host_cannot_send_hangs_up_at_once_and_its_buffer_goes(models, tmp_path):
+    """When the shared process cannot send an answer (the worker stopped reading past the send
+    timeout), the link goes at once on both sides: the worker runs the batch itself instead of
+    waiting out its deadline, and only the connection's reader closes it (a close from the
+    forward thread too raced the reader's own and could close a descriptor reused meanwhile)."""
+    model = models["tiny-gpt"]
+    client = ForwardClient(ForwardLink(str(tmp_path / "f.sock"), KEY, 128), Metrics())
+    with hosting(models, tmp_path / "f.sock") as host:
+        connected(client)
+        assert client.run(model, [model.encode(TEXTS[0])], "json", time.monotonic() + 30) is not None
+        (conn,) = host._maps
+
+        def send_times_out(message):
+            raise OSError("timed out (a stand-in)")
+
+        conn.send = send_times_out
+        started = time.monotonic()
+        assert client.run(model, [model.encode(TEXTS[1])], "json", time.monotonic() + 20) is None
+        assert time.monotonic() - started < 5 and client._conn is None
+        deadline = time.monotonic() + 5
+        while host._maps or not conn.closed:
+            assert time.monotonic() < deadline, "the host kept the connection or its buffer"
+            time.sleep(0.05)
+
+
 def test_answers_larger_than_the_buffer_grow_it_and_a_dead_workers_buffer_goes(models, tmp_path):
     model = models["minilm"]
     encoded = [model.encode(" ".join(["word"] * 120)) for _ in range(4)]  # 4 x 6 x 12 x 122^2 float32: 17 MB
     client = ForwardClient(ForwardLink(str(tmp_path / "f.sock"), KEY, 128), Metrics())
+    before = open_buffers()  # earlier tests' buffers, let go of as their links' readers end
     with hosting(models, tmp_path / "f.sock") as host:
         connected(client)
         small = client.run(model, [model.encode("Rain.")], "json", time.monotonic() + 30)
@@ -291,7 +319,7 @@ def test_answers_larger_than_the_buffer_grow_it_and_a_dead_workers_buffer_goes(m
         # Each buffer's descriptor went with the first request that used it and is closed on both
         # sides: what stays open is the duplicate each mapping keeps (Python's mmap does), the
         # worker's and the shared process's, and the first buffer's went with it.
-        assert len([link for link in open_links() if "memfd:manyeyes-forward" in link]) == 2
+        assert len(open_buffers() - before) == 2
         want = model.run(encoded, Capture(hidden=False))
         for g, w in zip(got, want):
             torch.testing.assert_close(g.attention, w.attention, atol=1e-6, rtol=0)
