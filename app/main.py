@@ -52,6 +52,19 @@ def describe_validation(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def compressed(request: Request) -> Response | None:
+    """The 415 for a body sent with a Content-Encoding, which is read as sent: gzip read as JSON
+    was "not valid JSON (at character 0)" or "'utf-8' codec can't decode byte 0x8b", which hid
+    what to change."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    return error_response(
+        415, "unsupported_media_type",
+        f"request bodies are read as sent: send it uncompressed, without Content-Encoding {brief(encoding, 40)!r}",
+    )
+
+
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -60,6 +73,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         broken = next((e for e in exc.errors() if e.get("type") == "json_invalid"), None)
+        if broken is not None and (refused := compressed(request)):
+            return refused
         if broken is not None:  # a body that does not parse is a 400, as invalid bytes are
             where = broken.get("loc", ())[-1]
             reason = (broken.get("ctx") or {}).get("error", "JSON decode error")
@@ -82,6 +97,8 @@ def add_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code in (404, 405):
             message = f"{message}: {request.method} {request.url.path}"
+        elif exc.status_code == 400 and exc.__cause__ is not None and (refused := compressed(request)):
+            return refused
         elif exc.status_code == 400 and exc.__cause__ is not None:
             # FastAPI's "There was an error parsing the body" says nothing of why (a 5,000-digit
             # number, JSON nested past Python's recursion limit); the exception it wraps does.

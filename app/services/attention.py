@@ -531,10 +531,15 @@ class AttentionService:
             low, high = (mid, high) if need(item.kind, mid) <= cap else (low, mid - 1)
         held = "weights" if item.kind == "weights" else "queries and keys"
         other = ', or ask for "keep": "auto" (its queries and keys fit)' if item.kind == "weights" and need("qk") <= cap else ""
+        # Advice to send "at most 0 tokens" (or only the special tokens every input has) sent
+        # people to shorten texts that no length would let through: the setting is the problem.
+        least = sum(token.special for token in item.encoded.tokens) + 1
+        advice = (f"send at most {low:,} tokens{other}, or raise MANYEYES_CACHE_BYTES" if low >= least or other
+                  else "no input of this model fits it: the server's MANYEYES_CACHE_BYTES must be raised")
         raise RunTooLarge(
             f"{item.label}this input's run ({n:,} tokens) would hold at least {need(item.kind) / 2**20:,.0f} MiB of "
             f"{held}, more than this server's run cache ({cap / 2**20:,.0f} MiB, 3/4 of MANYEYES_CACHE_BYTES), so "
-            f"none of its routes could read it; send at most {low:,} tokens{other}, or raise MANYEYES_CACHE_BYTES"
+            f"none of its routes could read it; {advice}"
         )
 
     async def _compute(

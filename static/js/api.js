@@ -97,8 +97,17 @@ export async function requestFile(url) {
   return { blob: await response.blob(), filename: named ? named[1] : "manyeyes.html" };
 }
 
+// One list for the page's views (the form, Generate, predictions asked for it each); a failure
+// is not kept, so that a later call asks again.
+let models = null;
 export function listModels() {
-  return authorised((init) => request("/api/v1/models", init), {}).then((body) => body.models);
+  models ??= authorised((init) => request("/api/v1/models", init), {})
+    .then((body) => body.models)
+    .catch((err) => {
+      models = null;
+      throw err;
+    });
+  return models;
 }
 
 // Attention payloads are fetched, parsed and decoded in a worker: tens of MB of base64 at T=512
@@ -170,7 +179,9 @@ export function describeError(err) {
     case 404:
       return `Not found: ${detail}`;
     case 413:
-      return `Too large: ${detail} Try a shorter text.`;
+      // A run the server's cache cannot hold comes with the server's own advice, which may be
+      // that no text is short enough.
+      return err.code === "run_too_large" ? `Too large: ${detail}` : `Too large: ${detail} Try a shorter text.`;
     case 422:
       return isTooLong(err)
         ? `Text too long: ${detail} Shorten it, or tick “Cut to fit” to keep the start.`

@@ -77,6 +77,10 @@ function mark(name) {
   performance.mark(`manyeyes:${name}`);
 }
 
+function viewsLoaded() {
+  if ($("error").dataset.source === "views") showError("");
+}
+
 function startInteraction(name) {
   state.interaction = { name, start: performance.now() };
 }
@@ -87,10 +91,14 @@ function explain(err) {
   return describeError(err);
 }
 
-function showError(message) {
+// `source` is what failed: "run" (the text's own request, cleared by the next run) or "views"
+// (a slice, tile or overview of the run on screen, cleared as soon as one such request succeeds:
+// a 429's "busy" stayed up over every view that loaded after it).
+function showError(message, source = "run") {
   const box = $("error");
   box.textContent = message;
   box.hidden = !message;
+  box.dataset.source = source;
   // With no run behind it, the made-up example must not look like a result of the failed input.
   if (message && !state.run) focus.clear("The example is hidden: the run above failed.");
 }
@@ -154,7 +162,7 @@ async function fromRun(run, key, fetcher, reposted = null) {
     run.precision = answer.precision;
     return answer;
   };
-  try {
+  const fetched = async () => {
     if (reposted && !holdsFor(run.precision, reposted.format)) return await repost();
     try {
       return await fetcher(run.runId);
@@ -168,8 +176,13 @@ async function fromRun(run, key, fetcher, reposted = null) {
       if (reposted && !holdsFor(run.precision, reposted.format)) return await repost();
       return await fetcher(run.runId);
     }
+  };
+  try {
+    const answer = await fetched();
+    if (state.run === run) viewsLoaded();
+    return answer;
   } catch (err) {
-    if (err.name !== "AbortError" && state.run === run) showError(explain(err));
+    if (err.name !== "AbortError" && state.run === run) showError(explain(err), "views");
     return null;
   } finally {
     pending.delete(key);
@@ -376,6 +389,7 @@ async function renderLongViews(token, withHeadView) {
   if (head !== "mean") {
     try {
       base = await run.base(state.layer, head);
+      if (state.run === run) viewsLoaded();
     } catch (err) {
       longRunError(run, err);
       return;
@@ -490,7 +504,7 @@ function longRunError(run, err) {
   if (state.run !== run || err.name === "AbortError") return;
   const lost = err.status === 404 && err.code === "unknown_run";
   if (!lost || performance.now() - (run.revivedAt ?? -Infinity) < REVIVE_GAP_MS) {
-    showError(explain(err));
+    showError(explain(err), "views");
     return;
   }
   if (run.reviving) return; // the tiles in flight fail together: one post answers them all
@@ -502,7 +516,7 @@ function longRunError(run, err) {
       paintOverview(grid, run, state.scale).catch(() => {});
       renderViews();
     })
-    .catch((again) => state.run === run && again.name !== "AbortError" && showError(explain(again)))
+    .catch((again) => state.run === run && again.name !== "AbortError" && showError(explain(again), "views"))
     .finally(() => { run.reviving = null; });
 }
 
@@ -678,13 +692,18 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     response = await postAttention(lazy ? { ...request, layers: [layer] } : request, state.controller.signal);
   } catch (err) {
     if (err.name !== "AbortError") {
-      showError(explain(err));
+      // The last text's results stay on screen under the new text: they say so, faded, until a
+      // run succeeds, rather than pass for the new text's.
+      const stale = Boolean(state.run);
+      document.body.toggleAttribute("data-stale", stale);
+      showError(explain(err) + (stale ? " The results below are still those of the last run." : ""));
       setBusy(false);
       $("run-status").textContent = "";
     }
     return;
   }
   mark("response");
+  document.body.removeAttribute("data-stale");
   // The model's sliding windows (GET /models) mask keys too far back, as causality masks later ones.
   const windows = state.models.find((m) => m.id === response.model)?.sliding_windows ?? [];
   const run = response.kept === "qk" ? new LongRun(response, windows) : new AttentionRun(response, windows);
@@ -727,7 +746,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   if (typedIn || dropped) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
-  if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(explain(err)));
+  if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(explain(err), "views"));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
 }
 
@@ -854,6 +873,12 @@ async function copyLink() {
   if (!state.run) return;
   try {
     await saveNow();
+  } catch (err) {
+    // The address bar then holds an older view (or none): pointing at it would mislead.
+    status.textContent = `The link could not be saved: ${explain(err)}`;
+    return;
+  }
+  try {
     await navigator.clipboard.writeText(window.location.href);
     status.textContent = "Link copied.";
   } catch {

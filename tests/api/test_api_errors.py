@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import time
 
 import pytest
@@ -119,6 +120,20 @@ def test_a_body_that_is_not_sent_as_json_is_415_saying_which_header_to_send(api,
     # JSON sent as JSON that is not an object stays a 422 about the body's shape
     err = error_of(api.post("/api/v1/attention", json=["The bank."]), 422)
     assert err["code"] == "invalid_request"
+
+
+def test_a_compressed_body_is_415_saying_to_send_it_uncompressed(api):
+    """A gzipped body was "not valid JSON (at character 0)", which hid what to change."""
+    body = gzip.compress(b'{"text": "The bank."}')
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    err = error_of(api.post("/api/v1/attention", content=body, headers=headers), 415)
+    assert err["code"] == "unsupported_media_type" and "send it uncompressed" in err["message"] and "'gzip'" in err["message"]
+    # Compressed bytes that happen to be UTF-8 fail as JSON, not as text: the same answer.
+    err = error_of(api.post("/api/v1/attention", content=b"(\x05\x00text", headers={**headers, "content-encoding": "br"}), 415)
+    assert "send it uncompressed" in err["message"] and "'br'" in err["message"]
+    # Broken JSON sent as it is stays the 400 that says where it broke.
+    err = error_of(api.post("/api/v1/attention", content=b'{"text": ', headers={"content-type": "application/json"}), 400)
+    assert "not valid JSON" in err["message"]
 
 
 def test_query_parameters_an_api_route_does_not_take_are_422(api):

@@ -579,3 +579,15 @@ def test_a_run_the_cache_could_never_hold_is_refused_before_its_forward_pass():
         assert api.get(f"/api/v1/runs/{body['run_id']}").status_code == 200
     finally:
         api.__exit__(None, None, None)
+
+
+def test_a_cache_too_small_for_any_input_says_so_not_send_at_most_0_tokens():
+    api = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, max_wait_ms=5, cache_bytes=40_000))
+    try:
+        for text in ("Rain.", " ".join(["a"] * 300)):
+            r = api.post("/api/v1/attention", json={"text": text, "format": "u8", "keep": "qk"})
+            err = r.json()["error"]
+            assert r.status_code == 413 and err["code"] == "run_too_large", r.text
+            assert "at most" not in err["message"] and "no input of this model fits it" in err["message"]
+    finally:
+        api.__exit__(None, None, None)

@@ -1,0 +1,98 @@
+"""What the page says when requests fail, and that it stops saying it once they succeed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.browser.test_page import SENTENCE, open_page, run, submit, wait_focus, wait_grid
+
+pytestmark = pytest.mark.browser
+
+
+def refuse(route, status: int, code: str, message: str, retry_after: str | None = None) -> None:
+    headers = {"Retry-After": retry_after} if retry_after else {}
+    route.fulfill(status=status, content_type="application/json", headers=headers,
+                  body=json.dumps({"error": {"code": code, "message": message}}))
+
+
+def test_a_busy_banner_from_a_view_goes_when_a_later_view_loads(server, page):
+    """A 429 on one slice put "The server is busy" up, and it stayed over every view that loaded
+    after it, until the next text was run."""
+    refused = []
+
+    def busy_once(route):
+        if refused:
+            route.continue_()
+            return
+        refused.append(route.request.url)
+        refuse(route, 429, "busy", "the server is busy", retry_after="1")
+
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    page.route(re.compile(r".*/api/v1/runs/.*format=f16.*"), busy_once)
+    page.click("#focus-plot")
+    page.keyboard.press("ArrowDown")  # the next layer: its exact values are a slice of the run
+    error = page.locator("#error")
+    error.wait_for(state="visible")
+    assert error.text_content() == "The server is busy. Try again in 1 s."
+    page.keyboard.press("ArrowDown")
+    wait_focus(page, layer=2)
+    error.wait_for(state="hidden")
+    assert len(refused) == 1
+
+
+def test_a_refused_run_says_the_results_on_screen_are_the_last_runs(server, page):
+    """The last text's heatmaps stayed under the new text, unmarked, as if they were its own."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    advice = "no input of this model fits it: the server's MANYEYES_CACHE_BYTES must be raised"
+    page.route("**/api/v1/attention", lambda route: refuse(route, 413, "run_too_large", f"this input's run would hold more; {advice}"))
+    submit(page, "A new text that the server refuses.")
+    error = page.locator("#error")
+    error.wait_for(state="visible")
+    # The server's advice, once: not "Try a shorter text", which no length would satisfy here.
+    assert error.text_content() == (f"Too large: this input's run would hold more; {advice}. "
+                                    "The results below are still those of the last run.")
+    assert page.evaluate("() => document.body.hasAttribute('data-stale')")
+    assert page.evaluate("() => getComputedStyle(document.querySelector('main')).opacity") == "0.55"
+    page.unroute("**/api/v1/attention")
+    page.press("#text", "Enter")
+    page.wait_for_function("() => document.getElementById('run-status').textContent.startsWith('Done:')")
+    assert error.is_hidden()
+    assert not page.evaluate("() => document.body.hasAttribute('data-stale')")
+    assert page.evaluate("() => getComputedStyle(document.querySelector('main')).opacity") == "1"
+
+
+def test_a_first_run_refused_has_no_last_run_to_speak_of(server, page):
+    open_page(page, server)
+    page.route("**/api/v1/attention", lambda route: refuse(route, 429, "busy", "the server is busy", retry_after="2"))
+    submit(page, SENTENCE)
+    error = page.locator("#error")
+    error.wait_for(state="visible")
+    assert error.text_content() == "The server is busy. Try again in 2 s."
+    assert not page.evaluate("() => document.body.hasAttribute('data-stale')")
+
+
+def test_copy_link_says_when_the_link_could_not_be_saved(server, page):
+    """With the server gone, Copy link said "The address bar holds this view": it held an older
+    one, or none."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.route("**/api/v1/views", lambda route: route.abort("connectionrefused"))
+    page.click("#copy-link")
+    status = page.locator("#link-status")
+    page.wait_for_function("() => document.getElementById('link-status').textContent.length > 0")
+    assert status.text_content() == (
+        "The link could not be saved: The server could not be reached. Is `manyeyes serve` still running?")
+
+
+def test_the_model_list_is_asked_for_once_per_page(server, page, watched):
+    """The form, Generate and the predictions strip each asked the server for it."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.wait_for_load_state("networkidle")  # the predictions strip and Generate have asked by now
+    assert len([u for u in watched.requests if u.endswith("/api/v1/models")]) == 1
