@@ -124,7 +124,7 @@ def _print_json(model, args) -> int:
     encoded = model.encode(args.text, args.pair, truncate=args.truncate)
     tokenized = time.perf_counter()
     result = model.run([encoded])[0]
-    timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized}
+    timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized, "wait": 0.0}
     run_id = run_id_for(info.id, args.text, args.pair, args.truncate)
     run = Run(run_id, info.id, result.tokens, result.truncated, result.attention, result.top_ids, result.top_probs)
     predictions = predictions_body(model, run, args.top_k or None)

@@ -131,8 +131,9 @@ class PredictionOut(BaseModel):
 
 class Timing(BaseModel):
     tokenize: float
-    queue: float
+    queue: float = Field(description="In the batcher's queue, waiting for a forward pass")
     forward: float
+    wait: float = Field(0.0, description="For the answers' memory and a render slot, behind other answers being sent")
     encode: float
 
 
@@ -189,7 +190,7 @@ class AttentionResponse(BaseModel):
                         "scale": 1 / 255,
                     },
                     "device": "cpu",
-                    "timing_ms": {"tokenize": 0.1, "queue": 0.2, "forward": 8.1, "encode": 0.1},
+                    "timing_ms": {"tokenize": 0.1, "queue": 0.2, "forward": 8.1, "wait": 0.0, "encode": 0.1},
                 }
             ]
         }
@@ -678,6 +679,8 @@ class ComparisonResponse(BaseModel):
     n_heads: int
     tokens_a: list[TokenOut]
     tokens_b: list[TokenOut]
+    truncated_a: bool = Field(description="A was cut to the model's length (with `truncate`)")
+    truncated_b: bool = Field(description="B was cut to the model's length (with `truncate`)")
     pairs: list[tuple[int, int]] = Field(description="Aligned (index in A, index in B), in order")
     ranking: list[HeadChangeOut] = Field(description="Every head, largest change over the aligned rows first")
     difference: TensorOut | None = Field(
@@ -691,6 +694,7 @@ class ComparisonResponse(BaseModel):
                     "model": "minilm", "n_layers": 6, "n_heads": 12,
                     "tokens_a": [{"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[CLS]"}],
                     "tokens_b": [{"text": "[CLS]", "id": 101, "start": 0, "end": 0, "special": True, "segment": 0, "piece": "[CLS]"}],
+                    "truncated_a": False, "truncated_b": False,
                     "pairs": [[0, 0]],
                     "ranking": [{"layer": 2, "head": 3, "divergence": 0.12}],
                 }

@@ -17,6 +17,6 @@ class TooLongError(ValueError):
         self.n_tokens = n_tokens
         self.max_tokens = max_tokens
         super().__init__(
-            f"input is {n_tokens} tokens long but the model takes at most {max_tokens}; "
+            f"input is {n_tokens:,} tokens long but the model takes at most {max_tokens:,}; "
             "shorten it or ask for truncation"
         )

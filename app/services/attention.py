@@ -52,7 +52,21 @@ class Item:
     run: Run | None = None
     encoded: Encoded | None = None
     kind: str = "weights"  # what its run keeps: "weights", or "qk" (queries and keys, a long input)
-    timing: dict = field(default_factory=lambda: {"tokenize": 0.0, "queue": 0.0, "forward": 0.0})
+    # wait: for the answers' bytes and a render slot, other requests' answers ahead of it (an 8 s
+    # wait behind a client's 200 tiles was in no figure of its own).
+    timing: dict = field(default_factory=lambda: {"tokenize": 0.0, "queue": 0.0, "forward": 0.0, "wait": 0.0})
+
+
+KEPT_NAMES = {"weights": "weights", "qk": "queries and keys"}
+
+
+def mib(nbytes: int, other: int) -> str:
+    """nbytes in MiB, as precisely as it takes to tell it from `other`: a refusal read "at least 3
+    MiB ..., more than this server's run cache (3 MiB)"."""
+    for digits in (0, 1, 2):
+        if f"{nbytes / 2**20:,.{digits}f}" != f"{other / 2**20:,.{digits}f}":
+            return f"{nbytes / 2**20:,.{digits}f} MiB"
+    return f"{nbytes:,} bytes"
 
 
 # Work this small costs less than a hop to the thread pool and back (tens of microseconds),
@@ -328,13 +342,14 @@ class AttentionService:
         reply.own(grant)
         return reply
 
-    def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False) -> str:
+    def kind_for(self, keep: str, n_tokens: int, label: str = "", measures: bool = False, truncated: bool = False) -> str:
         """What a run of n_tokens keeps: auto keeps weights up to dense_max_tokens, as always,
         and queries and keys beyond; weights beyond the limit is refused (413)."""
         limit = self.settings.dense_max_tokens
         if keep == "weights" and n_tokens > limit:
+            cut = " (cut to fit)" if truncated else ""
             raise NeedsTiles(
-                f"{label}input is {n_tokens:,} tokens long; this server sends whole weights up to {limit:,} tokens. "
+                f"{label}input is {n_tokens:,} tokens long{cut}; this server sends whole weights up to {limit:,} tokens. "
                 'POST /api/v1/attention with "keep": "qk" (or "auto") and read the run through '
                 "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
             )
@@ -382,8 +397,10 @@ class AttentionService:
     async def _slice_in_slot(self, run_id: str, served: Served, view: View, wire: Wire, client: str, nbytes: int) -> Reply:
         """The run is read again once a render slot is held (still_cached), as tiles' are. Admitted
         here, not in `slice`: a coroutine cancelled before it starts would never release its count."""
+        started = time.perf_counter()
         async with self.queued_with_bytes(nbytes, client) as grant:
             items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
+            items[0].timing["wait"] = time.perf_counter() - started
             body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
             reply = self._replied(items, view, wire, body, encoding)
         reply.own(grant)
@@ -521,25 +538,26 @@ class AttentionService:
         def need(kind: str, tokens: int = n) -> int:
             return run_bytes(model.info, tokens, kind, weight_bytes, served.qk_bytes)
 
-        if item.kind == "weights" and keep == "auto" and not measures and need("weights") > cap >= need("qk"):
-            item.kind = "qk"
-        if need(item.kind) <= cap:
+        # Under auto a run keeps queries and keys when its weights do not fit: either form will do.
+        kinds = ("weights", "qk") if item.kind == "weights" and keep == "auto" and not measures else (item.kind,)
+        fitting = [kind for kind in kinds if need(kind) <= cap]
+        if fitting:
+            item.kind = fitting[0]
             return
-        low, high = 0, n  # the longest input whose run fits: need() grows with the tokens
+        low, high = 0, n  # the longest input whose run fits in some form: need() grows with the tokens
         while low < high:
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if need(item.kind, mid) <= cap else (low, mid - 1)
-        held = "weights" if item.kind == "weights" else "queries and keys"
-        other = ', or ask for "keep": "auto" (its queries and keys fit)' if item.kind == "weights" and need("qk") <= cap else ""
+            low, high = (mid, high) if any(need(kind, mid) <= cap for kind in kinds) else (low, mid - 1)
+        other = ', or ask for "keep": "auto" (its queries and keys fit)' if keep == "weights" and not measures and need("qk") <= cap else ""
         # Advice to send "at most 0 tokens" (or only the special tokens every input has) sent
         # people to shorten texts that no length would let through: the setting is the problem.
         least = sum(token.special for token in item.encoded.tokens) + 1
         advice = (f"send at most {low:,} tokens{other}, or raise MANYEYES_CACHE_BYTES" if low >= least or other
                   else "no input of this model fits it: the server's MANYEYES_CACHE_BYTES must be raised")
+        held = " or ".join(f"{mib(need(kind), cap)} of {KEPT_NAMES[kind]}" for kind in kinds)
         raise RunTooLarge(
-            f"{item.label}this input's run ({n:,} tokens) would hold at least {need(item.kind) / 2**20:,.0f} MiB of "
-            f"{held}, more than this server's run cache ({cap / 2**20:,.0f} MiB, 3/4 of MANYEYES_CACHE_BYTES), so "
-            f"none of its routes could read it; {advice}"
+            f"{item.label}this input's run ({n:,} tokens) would hold at least {held}, more than this server's run cache "
+            f"({mib(cap, need(kinds[-1]))}, 3/4 of MANYEYES_CACHE_BYTES), so none of its routes could read it; {advice}"
         )
 
     async def _compute(
@@ -553,7 +571,7 @@ class AttentionService:
         for item in items:
             item.run = self.cache.get(item.run_id)
             if item.run is not None:
-                item.kind = self.kind_for(keep, item.run.n_tokens, item.label, measures)
+                item.kind = self.kind_for(keep, item.run.n_tokens, item.label, measures, item.run.truncated)
                 # Weights serve every route queries and keys do (tiles, topk, overview), so a run
                 # is only ever replaced by one that serves more: another client may be reading it.
                 if item.run.kind == "qk" and item.kind == "weights":
@@ -567,7 +585,7 @@ class AttentionService:
             lengths = [item.run.n_tokens for item in items if item.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            return await self.reserve(self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
+            return await self._reserve_timed(items, self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
         batcher = served.batcher
         batcher.admit(len(missing), client)
         submitted = 0
@@ -575,12 +593,12 @@ class AttentionService:
             chars = sum(len(i.text) + len(i.text_pair or "") for i in missing)
             await off_loop_unless_small(chars <= INLINE_CHARS, self._tokenize, served, missing, truncate)
             for item in missing:
-                item.kind = self.kind_for(keep, len(item.encoded), item.label, measures)
+                item.kind = self.kind_for(keep, len(item.encoded), item.label, measures, item.encoded.truncated)
                 self._fit_cache(served, item, keep, measures, view.format)
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            grant = await self.reserve(self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
+            grant = await self._reserve_timed(items, self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing])
@@ -595,6 +613,13 @@ class AttentionService:
         except BaseException:
             grant.release()
             raise
+        return grant
+
+    async def _reserve_timed(self, items: list[Item], nbytes: int, deadline: float, client: str) -> Grant:
+        started = time.perf_counter()
+        grant = await self.reserve(nbytes, deadline, client)
+        for item in items:
+            item.timing["wait"] += time.perf_counter() - started
         return grant
 
     async def reserve(self, nbytes: int, deadline: float, client: str) -> Grant:
@@ -685,7 +710,10 @@ class AttentionService:
         if self._renders_inline(cells, view, wire):
             body, encoding = self._render(served, items, view, batch, wire, top_k)
         else:
+            started = time.perf_counter()
             async with self.renders.hold(client):
+                for item in items:
+                    item.timing["wait"] += time.perf_counter() - started
                 body, encoding = await finished_off_loop(self._render, served, items, view, batch, wire, top_k)
         return self._replied(items, view, wire, body, encoding)
 

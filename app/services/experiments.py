@@ -317,6 +317,8 @@ class ExperimentService:
             "n_heads": info.n_heads,
             "tokens_a": token_dicts(c.a.tokens),
             "tokens_b": token_dicts(c.b.tokens),
+            "truncated_a": c.a.truncated,
+            "truncated_b": c.b.truncated,
             "pairs": c.pairs,
             "ranking": ranking_dicts(c.ranking),
             "difference": tensor_out(c.difference, *view, signed=True) if view is not None else None,

@@ -3,11 +3,12 @@
 
 import { describeError } from "./api.js";
 import { el } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
 
 export function mountCompare(box) {
-  const a = el("input", { attrs: { id: "compare-a", type: "text", "aria-label": "Sentence A", placeholder: "The bank of the river." } });
+  // An empty A is the run's text: the placeholder says so (an example sentence there misled).
+  const a = el("input", { attrs: { id: "compare-a", type: "text", "aria-label": "Sentence A", placeholder: "Sentence A (or run one: its text)" } });
   const b = el("input", { attrs: { id: "compare-b", type: "text", "aria-label": "Sentence B", placeholder: "The bank of the old river." } });
   const go = el("button", { text: "Compare", attrs: { id: "compare-run", type: "button" } });
   const note = el("p", { className: "exp-status", attrs: { id: "compare-status", role: "status", "aria-live": "polite" } });
@@ -52,7 +53,7 @@ export function mountCompare(box) {
     const token = ++state.token;
     const input = { text_a: a.value || currentInput()?.text || "", text_b: b.value, model, truncate };
     if (!input.text_a.trim() || !input.text_b.trim()) return status(note, "Write two sentences to compare.", "error");
-    plots[2].dataset.ready = "false";
+    forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, "Comparing…", "busy");
     try {
       let reply;
@@ -73,14 +74,19 @@ export function mountCompare(box) {
     }
   }
 
-  // Another run on screen, perhaps of another model: the last comparison no longer applies.
-  onRun(() => {
-    state.token += 1;
+  function forgetComparison() {
     Object.assign(state, { reply: null, difference: null, input: null, shown: null });
     plots.forEach(clearPlot);
     plots[2].dataset.ready = "false";
     ranking.replaceChildren();
+  }
+
+  // Another run on screen, perhaps of another model: the last comparison no longer applies.
+  onRun((input) => {
+    state.token += 1;
+    forgetComparison();
     status(note, "");
+    a.placeholder = runTextPlaceholder(input);
   });
 
   go.addEventListener("click", compare);

@@ -24,6 +24,12 @@ document.addEventListener("manyeyes:run", (event) => {
   runListeners.forEach((fn) => fn(shown, event.detail));
 });
 
+// What a panel's empty text box stands for once a run is on screen: that run's text.
+export function runTextPlaceholder(input) {
+  const text = input.text.length > 60 ? `${input.text.slice(0, 59)}…` : input.text;
+  return `${text} (the run's text)`;
+}
+
 // The input of the run on screen, or null before the first run.
 export function currentInput() {
   return shown;
@@ -126,11 +132,12 @@ export function clearPlot(div) {
 // A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
 export function heatmap(div, z, options = {}) {
   drawn.set(div, [z, options]);
-  const { x, y, title, signed = false, zmax } = options;
+  // yFirst: the position of the first row, when the rows do not start at the first token.
+  const { x, y, title, signed = false, zmax, yFirst = 0 } = options;
   const limit = zmax ?? (signed ? peakOf(z, 1e-6) : 1);
-  const names = (labels, n) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${i}: ${plotlyText(s)}`);
+  const names = (labels, n, first = 0) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${first + i}: ${plotlyText(s)}`);
   const trace = {
-    type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length),
+    type: "heatmap", z, x: names(x, z[0]?.length || 0), y: names(y, z.length, yFirst),
     // Signed: the measures' diverging scale (paper colour at 0), one colour language for the page.
     colorscale: signed ? signedStops() : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
     hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>", hoverongaps: false,

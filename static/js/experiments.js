@@ -16,7 +16,9 @@ const ablation = {
   tokens: [],
   stack: [], // [{ ablate: [...], reply, attention }], newest last
   shown: null, // { layer, head } drawn in the heatmap
-  busy: false,
+  busy: null, // the input whose ablation is under way: a new run's clicks do not wait for the last run's
+  queue: [], // heads Alt-clicked meanwhile, ablated next, in order
+  off: false, // a long run: the server keeps no dense weights to ablate
 };
 
 // currentInput() is a new object for each run shown: an answer asked for another one is dropped.
@@ -29,16 +31,26 @@ function pieceLabels(tokens) {
 const sameAblation = (a, b) => a.length === b.length && a.every((x, i) => x.layer === b[i].layer && x.head === b[i].head && x.mode === b[i].mode);
 
 async function ablateHead(layer, head) {
-  if (ablation.busy) return;
   const input = currentInput();
   if (!input) return status($("ablate-status"), "Run a sentence first.", "error");
+  // Alt-click on the grid still reaches here on a long run, whose panel is off: it posted the whole
+  // text for weights the server does not keep, and failed in the page.
+  if (ablation.off) return status($("ablate-status"), "Ablation is off for long runs (see above).", "error");
+  if (ablation.busy === input) {
+    ablation.queue.push({ layer, head }); // a click while one runs was dropped without a word
+    return status($("ablate-status"), `Ablating… then L${layer} H${head} (${ablation.queue.length} waiting).`, "busy");
+  }
   ablation.input = input; // each new run cleared the stack (forgetLastRun)
   const mode = $("ablate-mode").value;
   const previous = ablation.stack.at(-1)?.ablate || [];
   const list = [...previous.filter((a) => a.layer !== layer || a.head !== head), { layer, head, mode }];
   // The same list again would be an undo step that undoes nothing.
-  if (sameAblation(list, previous)) return status($("ablate-status"), `L${layer} H${head} is already ablated (${mode}).`);
-  ablation.busy = true;
+  if (sameAblation(list, previous)) {
+    status($("ablate-status"), `L${layer} H${head} is already ablated (${mode}).`);
+    const next = ablation.queue.shift();
+    return next && ablateHead(next.layer, next.head);
+  }
+  ablation.busy = input;
   status($("ablate-status"), `Ablating L${layer} H${head} (${mode})…`, "busy");
   try {
     if (!ablation.clean) {
@@ -68,10 +80,13 @@ async function ablateHead(layer, head) {
   } catch (err) {
     if (!stillShown(input)) return;
     status($("ablate-status"), describeError(err), "error");
+    ablation.queue = []; // what was clicked meanwhile would fail the same way
   } finally {
-    ablation.busy = false;
+    if (ablation.busy === input) ablation.busy = null;
   }
   renderAblation();
+  const next = ablation.queue.shift();
+  if (next) ablateHead(next.layer, next.head);
 }
 
 function undo() {
@@ -170,12 +185,17 @@ async function loadTokens() {
   }
 }
 
+// The last token clicked is the one shown: an earlier click's slower answer came after it and
+// replaced it, and the first answer back had cleared the status while the other still ran.
+let lastChange = 0;
+
 async function changeToken(input, index) {
   const change = $("token-change").value;
+  const mine = ++lastChange;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
     const reply = await postJson("/api/v1/experiments/change-token", { ...input, index, change });
-    if (!stillShown(input)) return;
+    if (!stillShown(input) || mine !== lastChange) return;
     const inA = new Set(reply.pairs.map((p) => p[0]));
     const inB = new Set(reply.pairs.map((p) => p[1]));
     const line = (tokens, kept, name) => el("div", { className: "aligned-line" }, [
@@ -191,7 +211,7 @@ async function changeToken(input, index) {
     $("token-result").dataset.index = String(index);
     status($("token-status"), "", "");
   } catch (err) {
-    if (stillShown(input)) status($("token-status"), describeError(err), "error");
+    if (stillShown(input) && mine === lastChange) status($("token-status"), describeError(err), "error");
   }
 }
 
@@ -253,11 +273,12 @@ function buildTokenChange() {
 let deleteChosenForCausal = false;
 
 // Another run on screen: what the panels showed belonged to the last one.
-function forgetLastRun(input, { causal }) {
+function forgetLastRun(input, { causal, long }) {
   const change = $("token-change");
   if (causal && change.value === "mask") [change.value, deleteChosenForCausal] = ["delete", true];
   else if (!causal && deleteChosenForCausal && change.value === "delete") [change.value, deleteChosenForCausal] = ["mask", false];
-  Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null });
+  Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null, busy: null, queue: [], off: long });
+  lastChange += 1;
   status($("ablate-status"), "");
   renderAblation();
   $("token-chips").replaceChildren();

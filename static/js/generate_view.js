@@ -4,7 +4,7 @@
 
 import { describeError, listModels, requestResponse } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
@@ -28,7 +28,8 @@ async function* ndjson(response) {
 
 export function mountGeneration(box) {
   const field = (label, input) => el("label", { className: "inline-field" }, [el("span", { text: label }), input]);
-  const prompt = el("input", { attrs: { id: "gen-text", type: "text", "aria-label": "Prompt", placeholder: "In the beginning" } });
+  // An empty prompt is the run's text: the placeholder says so (an example there misled).
+  const prompt = el("input", { attrs: { id: "gen-text", type: "text", "aria-label": "Prompt", placeholder: "A prompt (or run a sentence: its text)" } });
   const count = el("input", { attrs: { id: "gen-n", type: "number", min: 1, max: 256, value: 20 } });
   const temperature = el("input", { attrs: { id: "gen-temp", type: "number", min: 0, max: 10, step: 0.1, value: 0 } });
   const seed = el("input", { attrs: { id: "gen-seed", type: "number", min: 0, placeholder: "random" } });
@@ -115,7 +116,9 @@ export function mountGeneration(box) {
     const generated = state.steps.slice(0, state.current + 1);
     const grown = [...promptRows, ...generated.map((s) => seen(Array.from(s.attention[l][h]), s.position))];
     const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => pieceLabel(s.token))];
-    heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, title: `L${l} H${h}: the heatmap so far` });
+    // Without the prompt's rows the first row is the first generated token's, at the prompt's length.
+    const title = state.prompt ? `L${l} H${h}: the heatmap so far` : `L${l} H${h}: the generated tokens' rows (the prompt's are not shown)`;
+    heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, yFirst: state.prompt ? 0 : promptLength, title });
     growPlot.dataset.rows = String(grown.length);
   }
 
@@ -142,12 +145,14 @@ export function mountGeneration(box) {
     setButtons();
   }
 
-  // The prompt's own rows, for the full heatmap; the run cache usually has them already.
+  // The prompt's own rows, for the full heatmap; the run cache usually has them already. A long
+  // prompt's run keeps queries and keys, not weights (its answer has none): its rows are left out.
   async function loadPrompt(body) {
     const ask = (format) => postJson("/api/v1/attention", { text: body.text, model: body.model, format }, state.controller.signal);
     try {
       const reply = await ask("json").catch((err) => (err.status === 413 ? ask("f16") : Promise.reject(err)));
       if (reply.tokens.length !== state.start?.prompt.length) return; // not the same tokens: leave the prompt out
+      if (!reply.attention) return render();
       state.prompt = decodeTensor(reply.attention);
       render();
     } catch (err) {
@@ -162,11 +167,16 @@ export function mountGeneration(box) {
     const text = prompt.value.trim() ? prompt.value : currentInput()?.text;
     if (!text) return status(note, "Write a prompt, or run a sentence: its text is the default prompt.", "error");
     pause();
-    const body = { text, model: currentModel().model, max_new_tokens: Number(count.value) || 20, temperature: Number(temperature.value) || 0 };
+    // An empty box is the default; 0 goes to the server, which says what it takes (it was 20 here).
+    const body = { text, model: currentModel().model, max_new_tokens: count.value.trim() === "" ? 20 : Number(count.value),
+                   temperature: Number(temperature.value) || 0 };
     if (seed.value !== "") body.seed = Number(seed.value);
     const mine = ++state.epoch;
     Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
+    // The last generation's picture goes with its tokens: a refused one left it under the error.
     tokens.replaceChildren();
+    where.textContent = "";
+    [rowPlot, growPlot].forEach(clearPlot);
     status(note, "Generating…", "busy");
     setButtons();
     let failure = "";
@@ -259,6 +269,7 @@ export function mountGeneration(box) {
   onRun((input, { causal }) => {
     checkModel(causal);
     forget();
+    prompt.placeholder = runTextPlaceholder(input);
   });
 
   start.addEventListener("click", generate);

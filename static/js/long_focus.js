@@ -5,7 +5,7 @@
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
 import { CanvasHeatmap } from "./canvas_heatmap.js";
-import { ALL_LABELS, FocusView, MAX_FONT, shortLabel, weightText } from "./focus.js";
+import { ALL_LABELS, F16_ZERO, FocusView, MAX_FONT, shortLabel, weightText } from "./focus.js";
 import { layerMask } from "./run.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { colorTable, themeName } from "./theme.js";
@@ -111,6 +111,7 @@ export class TiledFocusView extends FocusView {
     this.loader.clear();
     this.exact.clear();
     delete this.plot.dataset.long;
+    delete this.plot.dataset.level; // a long run's pooling: a short run after it is not pooled
   }
 
   // run: { runId, T, causal, slidingWindows }; head: a head's index or "mean" (the layer's mean); base: the
@@ -364,7 +365,8 @@ export class TiledFocusView extends FocusView {
       const tile = tiles[i];
       if (!covers(tile, q, k)) continue;
       const value = valueIn(tile, q, k);
-      if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value);
+      // float16 holds weights under 2^-25 as 0: such a cell reads "< 3.0e-8", not "0.000".
+      if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value, F16_ZERO);
       this.askExact(q, k, key, clientX, clientY);
       return `≤ ${value.toFixed(3)} (max of ${tile.rowStep} × ${tile.colStep} cells; reading this one…)`;
     }
@@ -379,7 +381,7 @@ export class TiledFocusView extends FocusView {
     this.hoverTimer = setTimeout(() => {
       const controller = (this.hoverController = new AbortController());
       const block = { runId: L.runId, layer: L.layer, head: L.head, q0: q, q1: q + 1, k0: k, k1: k + 1 };
-      fetchTile(L.runId, block, controller.signal).then((tile) => {
+      fetchTile(L.runId, block, controller.signal, "json").then((tile) => { // one cell: float32 costs nothing
         if (this.exact.size >= EXACT_KEPT) this.exact.delete(this.exact.keys().next().value);
         this.exact.set(key, tile.values[0]);
         const still = !this.tooltip.hidden && this.tooltip.dataset.query === String(q) && this.tooltip.dataset.key === String(k);

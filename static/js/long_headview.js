@@ -76,7 +76,7 @@ export class LongHeadView {
     this.height = Math.max(left.length, right.length) * ROW;
     const note = el("p", {
       className: "hint hv-window",
-      text: `Queries ${q0}–${q1 - 1} of ${run.T}: the first ${QUERIES} rows in view on the heatmap (zoom there to choose others). Each row's strongest keys, any distance away.`,
+      text: `Queries ${q0}–${q1 - 1} of ${run.T}: ${q1 - q0 < QUERIES ? `the ${q1 - q0} rows` : `the first ${QUERIES} rows`} in view on the heatmap (zoom there to choose others). Each row's strongest keys, any distance away.`,
     });
     this.container.replaceChildren(note, el("div", { className: "hv-body" }, [this.left, this.canvas, this.right]));
     this.hook(this.left, "query");

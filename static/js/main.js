@@ -5,7 +5,7 @@
 import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention, requestFile } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
-import { ARROW_STEPS } from "./focus.js";
+import { ARROW_STEPS, F16_ZERO } from "./focus.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
 import { TiledFocusView } from "./long_focus.js";
@@ -356,7 +356,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
 // The largest weight the focused view shows as 0: one under the threshold, or under what the
 // precision holds (float16 rounds those under 2^-25 to 0, the 8-bit bytes those under half a step).
 function zeroFloor(precision) {
-  const rounding = { f32: 0, f16: 2 ** -25, u8: state.run.scale / 2 }[precision];
+  const rounding = { f32: 0, f16: F16_ZERO, u8: state.run.scale / 2 }[precision];
   return Math.max(rounding, state.threshold);
 }
 

@@ -46,8 +46,9 @@ function absoluteEdges(edges, start, end) {
 
 // One window of one head (or of a layer's mean, head "mean"): { q0, q1, k0, k1, nr, nc, values
 // (nr × nc), rowEdges (nr + 1), colEdges (nc + 1), pool }. rows/cols omitted: full resolution.
-export async function fetchTile(runId, { layer, head, q0, q1, k0, k1, rows, cols }, signal) {
-  const params = { layer, head, q0, q1, k0, k1, format: "f16" };
+// format: "f16" for pictures, "json" (float32) for a cell's reading.
+export async function fetchTile(runId, { layer, head, q0, q1, k0, k1, rows, cols }, signal, format = "f16") {
+  const params = { layer, head, q0, q1, k0, k1, format };
   if (rows) Object.assign(params, { rows, cols, pool: "max" });
   const body = await requestJson(runUrl(runId, "tile", params), { signal });
   const payload = payloadOf(body);

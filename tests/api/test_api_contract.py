@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 
 import numpy as np
@@ -48,8 +49,22 @@ def test_attention_json_matches_the_model(api, minilm):
     assert (att["format"], att["dtype"], att["shape"]) == ("json", "float32", [6, 12, 8, 8])
     assert "scale" not in att
     np.testing.assert_allclose(decode(att), expected.attention.numpy(), atol=1e-5, rtol=0)
-    assert set(body["timing_ms"]) == {"tokenize", "queue", "forward", "encode"}
+    assert set(body["timing_ms"]) == {"tokenize", "queue", "forward", "wait", "encode"}
     assert all(v >= 0 for v in body["timing_ms"].values())
+
+
+def test_the_wait_for_the_answers_memory_is_timed(api, monkeypatch):
+    """A request that waited seconds behind other answers said only tokenize, queue and forward."""
+    service = api.app.state.service
+    reserve = service.reserve
+
+    async def after_a_wait(*args):
+        await asyncio.sleep(0.3)
+        return await reserve(*args)
+
+    monkeypatch.setattr(service, "reserve", after_a_wait)
+    body = api.post("/api/v1/attention", json={"text": "A text of its own for the wait."}).json()
+    assert 300 <= body["timing_ms"]["wait"] < 5_000, body["timing_ms"]
 
 
 def test_layers_and_heads_select_in_the_order_asked(api, minilm):

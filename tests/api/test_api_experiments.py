@@ -126,6 +126,18 @@ def test_change_token_and_compare_match_the_python_api(client, minilm):
                                                          "difference": {"format": "u8"}})
     diff = decode(r.json()["difference"])
     assert diff.min() < -0.01 and np.abs(diff - want.difference.numpy()).max() <= 1 / 255 + 1e-6
+    assert r.json()["truncated_a"] is r.json()["truncated_b"] is False
+
+
+def test_compare_and_change_token_say_which_text_was_cut_to_fit(client):
+    """Only the ablation said so: a client had to count A's 512 tokens to learn it was cut."""
+    long = " ".join(["river"] * 600)
+    r = client.post("/api/v1/experiments/compare", json={"text_a": long, "text_b": "The river.", "model": "minilm", "truncate": True})
+    assert r.status_code == 200, r.text
+    assert (r.json()["truncated_a"], r.json()["truncated_b"]) == (True, False) and len(r.json()["tokens_a"]) == 512
+    r = client.post("/api/v1/experiments/change-token", json={"text": long, "model": "minilm", "truncate": True, "index": 3, "change": "delete"})
+    assert r.status_code == 200, r.text
+    assert (r.json()["truncated_a"], r.json()["truncated_b"]) == (True, True)
 
 
 @pytest.mark.parametrize(

@@ -581,6 +581,33 @@ def test_a_run_the_cache_could_never_hold_is_refused_before_its_forward_pass():
         api.__exit__(None, None, None)
 
 
+def test_under_auto_the_longest_input_advised_is_the_longest_that_fits_either_way():
+    """Under auto, where neither form fitted, the advice was the longest input whose *weights*
+    fit (93 tokens here), though longer ones were taken as queries and keys."""
+    from manyeyes.app.services.cache import run_bytes
+
+    api = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, max_wait_ms=5, cache_bytes=4 * 2**20))
+    try:
+        info = model_of(api, "minilm").info
+
+        def post(n: int):  # n tokens: [CLS] + n - 2 words + [SEP]
+            return api.post("/api/v1/attention", json={"text": " ".join(["a"] * (n - 2)), "format": "u8", "keep": "auto"})
+
+        cap = api.app.state.service.cache.max_bytes
+        n = next(n for n in range(3, 512) if run_bytes(info, n, "qk", 4, 4) > cap)
+        err = post(n).json()["error"]
+        assert err["code"] == "run_too_large" and "of weights or" in err["message"] and "of queries and keys" in err["message"]
+        most = int(err["message"].split("send at most ")[1].split(" tokens")[0].replace(",", ""))
+        assert most == n - 1 and run_bytes(info, most, "weights", 4, 4) > cap
+        body = post(most).json()
+        assert body["kept"] == "qk" and api.get(f"/api/v1/runs/{body['run_id']}").status_code == 200
+        # Sizes are told apart from the cache's: "at least 3 MiB ... more than the run cache (3 MiB)" was read.
+        sizes = [part.split(" MiB")[0].rsplit(" ", 1)[-1].lstrip("(") for part in err["message"].split(" MiB")[:-1]]
+        assert len(set(sizes)) == len(sizes) == 3, err["message"]
+    finally:
+        api.__exit__(None, None, None)
+
+
 def test_a_cache_too_small_for_any_input_says_so_not_send_at_most_0_tokens():
     api = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, max_wait_ms=5, cache_bytes=40_000))
     try:

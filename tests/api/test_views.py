@@ -87,5 +87,5 @@ def test_a_view_that_could_never_open_is_refused(api):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
     r = api.post("/api/v1/views", json={**VIEW, "text": "a " * 2000})
     assert r.status_code == 422 and r.json()["error"]["code"] == "too_long", r.text
-    assert r.json()["error"]["message"].startswith("input is 2002 tokens long but the model takes at most 512"), r.text
+    assert r.json()["error"]["message"].startswith("input is 2,002 tokens long but the model takes at most 512"), r.text
     assert api.post("/api/v1/views", json={**VIEW, "text": "a " * 2000, "truncate": True}).status_code == 200

@@ -76,10 +76,14 @@ def api_ranking(ranking, limit=12):
     return [(c["layer"], c["head"], weight_text(c["divergence"])) for c in ranking[:limit]]
 
 
+def alt_click(page, layer, head):
+    page.click(f"#grid .thumb[data-layer='{layer}'][data-head='{head}']", modifiers=["Alt"])
+
+
 def alt_ablate(page, api, text, model, layer, head):
     """Alt-clicks a head's thumbnail (ablate it, zero) and waits for the page's ablated heatmap;
     returns the API's answer to the same ablation, float32 attention included."""
-    page.click(f"#grid .thumb[data-layer='{layer}'][data-head='{head}']", modifiers=["Alt"])
+    alt_click(page, layer, head)
     page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
     return api.post("/api/v1/experiments/ablate", json={
         "text": text, "model": model, "truncate": False, "ablate": [{"layer": layer, "head": head, "mode": "zero"}],
@@ -154,6 +158,85 @@ def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     assert ranking_rows(page, "token-result") == api_ranking(reply["ranking"])
     # Said in words as well as by the red border (a hidden "(unaligned)" for screen readers).
     assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").text_content() == "[MASK] (unaligned)"
+
+
+def hold_the_first(page, url: str, click, holds=lambda route: True):
+    """Routes `url` so that the first request `holds` accepts is held, does `click`, and returns
+    that request's route once it has been held (the test answers it with continue_())."""
+    held = []
+    page.route(url, lambda route: held.append(route) if not held and holds(route) else route.continue_())
+    click()
+    while not held:
+        page.wait_for_timeout(50)
+    return held[0]
+
+
+def test_the_last_token_clicked_is_the_one_shown(server, page):
+    """An earlier click's slower answer came after the last one's and replaced it, and the first
+    answer back cleared the status while the other still ran."""
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    page.click("#token-load")
+    page.wait_for_selector("#token-chips button[data-index='4']")
+    held = hold_the_first(page, "**/api/v1/experiments/change-token", lambda: page.click("#token-chips button[data-index='2']"),
+                          holds=lambda route: route.request.post_data_json["index"] == 2)  # answered after index 4's
+    page.click("#token-chips button[data-index='4']")
+    page.wait_for_selector("#token-result[data-index='4'] table.ranking")
+    held.continue_()
+    page.wait_for_timeout(1_500)  # index 2's answer has come back by now (tens of ms)
+    assert page.locator("#token-result").get_attribute("data-index") == "4"
+    assert page.locator("#token-status").text_content() == ""
+
+
+def test_heads_alt_clicked_during_an_ablation_are_ablated_next(server, page):
+    """A second Alt-click while the first ran was dropped without a word."""
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    held = hold_the_first(page, "**/api/v1/experiments/ablate", lambda: alt_click(page, 0, 1))
+    alt_click(page, 1, 2)
+    assert page.locator("#ablate-status").text_content() == "Ablating… then L1 H2 (1 waiting)."
+    held.continue_()
+    page.wait_for_selector("#ablate-plot[data-depth='2']", timeout=30_000)
+    assert page.locator("#ablate-list li").all_text_contents() == ["L0 H1 · zero", "L1 H2 · zero"]
+
+
+def test_an_ablation_in_flight_does_not_hold_up_the_next_runs(server, page):
+    """Alt-clicks on a new run did nothing until the last run's ablation came back."""
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    held = hold_the_first(page, "**/api/v1/experiments/ablate", lambda: alt_click(page, 0, 1))
+    run(page, "The dog ran.", "minilm")
+    alt_click(page, 1, 2)
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    assert page.locator("#ablate-list li").all_text_contents() == ["L1 H2 · zero"]
+    held.continue_()
+    page.wait_for_timeout(500)  # the last run's answer is dropped
+    assert page.locator("#ablate-list li").all_text_contents() == ["L1 H2 · zero"]
+
+
+def test_a_failed_comparison_takes_the_last_ones_pictures_with_it(server, page):
+    compare(page, server, "The bank of the river.", "The bank of the old river.")
+    assert page.locator("#compare-ranking table").count() == 1
+    # The server's answer for texts with no token in common (the served models all add [CLS] and [SEP]).
+    page.route("**/api/v1/experiments/compare", lambda route: route.fulfill(
+        status=422, content_type="application/json",
+        body=json.dumps({"error": {"code": "invalid_input", "message": "the two inputs share no token to align"}})))
+    page.fill("#compare-a", "abc")
+    page.fill("#compare-b", "xyz")
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-status[data-kind='error']")
+    assert "share no token" in page.locator("#compare-status").text_content()
+    assert page.locator("#compare-ranking table").count() == 0
+    assert page.evaluate("() => ['a', 'b', 'diff'].every((p) => !document.getElementById(`compare-plot-${p}`).data)")
+
+
+def test_empty_compare_a_and_prompt_say_they_are_the_runs_text(server, page):
+    open_page(page, server)
+    assert page.locator("#compare-a").get_attribute("placeholder") == "Sentence A (or run one: its text)"
+    assert page.locator("#gen-text").get_attribute("placeholder") == "A prompt (or run a sentence: its text)"
+    run(page, SENTENCE, "minilm")
+    assert page.locator("#compare-a").get_attribute("placeholder") == f"{SENTENCE} (the run's text)"
+    assert page.locator("#gen-text").get_attribute("placeholder") == f"{SENTENCE} (the run's text)"
 
 
 def compare(page, server, a, b, timeout=30_000):
@@ -277,6 +360,35 @@ def generate_on(page, base: str, model: str, n: int) -> None:
     page.fill("#gen-n", str(n))
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+
+
+def test_a_refused_generation_takes_the_last_ones_picture_and_0_tokens_is_not_20(server, page):
+    generate_on(page, server, "tiny-causal", 3)
+    assert page.locator("#gen-position").text_content().startswith("Token 3 of 3")
+    page.fill("#gen-n", "0")
+    page.click("#gen-start")
+    page.wait_for_selector("#generate-box[data-outcome='failed']")
+    assert "max_new_tokens" in page.locator("#gen-status").text_content()  # the server's 422, not 20 tokens
+    assert page.locator("#gen-position").text_content() == ""
+    assert page.evaluate("() => ['row', 'grow'].every((p) => !document.getElementById(`gen-${p}-plot`).data)")
+
+
+def test_a_long_prompt_without_weights_draws_the_generated_rows_at_their_positions(server, page):
+    """A long prompt's run keeps queries and keys (its answer has no weights): the page said
+    "Something went wrong in the page" and numbered the generated rows from 0."""
+    def as_a_long_run(route):
+        reply = route.fetch()
+        body = reply.json()
+        body.update(attention=None, kept="qk")
+        route.fulfill(response=reply, body=json.dumps(body))
+
+    page.route("**/api/v1/attention", as_a_long_run)
+    generate_on(page, server, "tiny-causal", 3)
+    assert page.locator("#gen-status").text_content() == "Finished: 3 new tokens."
+    prompt_length = page.evaluate("() => window.manyeyesGeneration.start.prompt.length")
+    grown = page.evaluate("() => { const d = document.getElementById('gen-grow-plot'); return [d.layout.title.text, d.data[0].y]; }")
+    assert grown[0].endswith("the generated tokens' rows (the prompt's are not shown)")
+    assert [label.split(":")[0] for label in grown[1]] == [str(prompt_length + i) for i in range(3)]
 
 
 def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):

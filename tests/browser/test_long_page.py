@@ -168,6 +168,17 @@ def wait_settled(page, timeout=30_000):
         " return p.dataset.long === 'true' && p.dataset.tilesPending === '0'; }", timeout=timeout)
 
 
+def zoomed_in(page, server, mock, q0, q1, k0, k1):
+    """The mock's run on the page, zoomed to full resolution on queries [q0, q1) × keys [k0, k1)."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    zoom(page, q0, q1, k0, k1)
+    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
+    wait_settled(page)
+
+
 def zoom(page, q0, q1, k0, k1):
     """Zooms the heatmap to queries [q0, q1) × keys [k0, k1) as a drag would (Plotly relayout)."""
     page.evaluate("([q0, q1, k0, k1]) => Plotly.relayout('focus-plot', {'xaxis.range': [k0 - 0.5, k1 - 0.5],"
@@ -248,6 +259,9 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
         assert text.startswith(f"#{q} {mock.tokens[q]['piece']} → #{k} {mock.tokens[k]['piece']}: ")
         assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=6e-4)
     assert hover_cell(page, 1001, 1020).endswith(": masked")
+    # The head view names the 40 rows in view, not "the first 64".
+    page.wait_for_function("() => (document.querySelector('#headview .hv-window')?.textContent ?? '')"
+                           ".startsWith('Queries 1000–1039 of 2048: the 40 rows in view')")
     # (1010, 1026) lies in a tile wholly above the diagonal, never fetched: painted masked all the same.
     assert page.evaluate(MASKED_PIXEL, [1010, 1026])
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-zoomed.png"))
@@ -302,6 +316,14 @@ def test_a_long_run_the_server_dropped_is_posted_again_and_redrawn(server, page,
     assert "POST /api/v1/attention again" in page.locator("#error").text_content() and mock.posts == 2
 
 
+def test_a_full_resolution_cell_float16_holds_as_0_reads_under_its_floor(server, page, mock):
+    """Weights under 2^-25 are 0 in a float16 tile: the reading said "0.000", as for none at all."""
+    mock.k[0, 0, 990] = -40 * mock.q[0, 0, 1020]  # (1020, 990): a weight of about e^-300, 0 in float16
+    assert mock.head(0, 0)[1020, 990] < 2**-25
+    zoomed_in(page, server, mock, 1000, 1040, 980, 1028)
+    assert hover_cell(page, 1020, 990).endswith(": < 3.0e-8")
+
+
 def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
     mock.serve(page)
     open_page(page, server)
@@ -322,6 +344,10 @@ def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(serv
     text = page.locator("#tooltip").text_content().split("\n")[0]
     assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[q, k]), abs=6e-4)
     assert (q, q + 1, k, k + 1, None) in tile_windows(mock.requests)
+    # The cell's own reading is float32: float16 read weights under 3e-8 as 0.000.
+    asked = [parse_qs(urlsplit(u).query) for u in mock.requests if urlsplit(u).path.endswith("/tile")]
+    cell = [a for a in asked if (a["q0"], a["q1"], a["k0"], a["k1"]) == ([str(q)], [str(q + 1)], [str(k)], [str(k + 1)])]
+    assert cell and all(a["format"] == ["json"] for a in cell)
     # Beyond 64 tokens in view not every row is labelled: pointing at the labels' margin names the one there.
     point = page.evaluate("""() => {
         const gd = document.getElementById('focus-plot');
@@ -368,9 +394,17 @@ def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
     assert "need every weight" in page.locator("#measures-long-note").text_content()
     assert page.locator("#measures-long-note").is_visible()
     assert not page.locator("#finder").is_visible()
+    # Alt-click on the grid reached the ablation, off as its panel is: it posted the whole text for
+    # weights the run does not keep, then failed in the page.
+    posts = mock.posts
+    page.click("#grid .thumb[data-layer='0'][data-head='1']", modifiers=["Alt"])
+    page.wait_for_function("() => document.getElementById('ablate-status').textContent.length > 0")
+    assert page.locator("#ablate-status").text_content() == "Ablation is off for long runs (see above)."
+    assert mock.posts == posts and page.locator("#ablate-plot").get_attribute("data-depth") == "0"
     # A short text next: everything is back as it was.
     submit(page, "The bank of the river.", model="minilm")
     page.wait_for_selector("#focus-plot[data-precision=f16]:not([data-long])", timeout=30_000)
+    assert page.locator("#focus-plot").get_attribute("data-level") is None  # the long run's pooling went with it
     for control in ["hide-special", "hide-first", "threshold", "download-csv", "download-json", "export-page"]:
         assert page.locator(f"#{control}").is_enabled(), control
     assert page.locator("#export-page").get_attribute("title") == "One HTML file with this run that opens without a server"
@@ -528,13 +562,7 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
 def test_labels_of_a_wide_zoom_do_not_overprint(server, page, mock, artifacts):
     """Zoomed to 40 queries × 140 keys the query axis is 40/140 of the side (square cells), and its
     40 labels at the smallest font overprinted one another."""
-    mock.serve(page)
-    open_page(page, server)
-    submit(page, mock.prompt)
-    wait_settled(page)
-    zoom(page, 1000, 1040, 980, 1120)
-    page.wait_for_function("() => document.getElementById('focus-plot').dataset.level === '1'")
-    wait_settled(page)
+    zoomed_in(page, server, mock, 1000, 1040, 980, 1120)
     boxes = page.evaluate("""() => [...document.querySelectorAll('#focus-plot .ytick')]
         .filter(g => g.style.display !== 'none')
         .map(g => g.getBoundingClientRect()).map(r => [r.top, r.bottom]).sort((a, b) => a[0] - b[0])""")
