@@ -62,8 +62,10 @@ def pick(indices: list[int] | None, count: int, what: str) -> list[int]:
 
 
 def tensor_out(values: torch.Tensor, layers: list[int], heads: list[int], fmt: str, signed: bool) -> dict:
-    """(L, H, R, C) float32 as json lists or base64; u8 maps [0, 1] (weights) or [-1, 1]
-    (differences, `signed`) onto 0..255: value ≈ byte × scale + offset."""
+    """(L, H, R, C) float32 as json lists or base64; u8 maps [0, 1] (weights) onto 0..255, or
+    [-1, 1] (differences, `signed`) onto 0..254, so that byte 127 is exactly 0 (over 0..255 no
+    byte was: two identical texts' difference read -0.0039, "B above A", in every cell): value ≈
+    byte × scale + offset."""
     chosen = values.index_select(0, torch.tensor(layers)).index_select(1, torch.tensor(heads)).contiguous()
     out = {"format": fmt, "dtype": DTYPES[fmt], "shape": list(chosen.shape), "layers": layers, "heads": heads}
     if fmt == "json":
@@ -73,9 +75,9 @@ def tensor_out(values: torch.Tensor, layers: list[int], heads: list[int], fmt: s
         halves = chosen.to(torch.float16).numpy()
         out["data"] = base64.b64encode((halves.byteswap() if sys.byteorder != "little" else halves).tobytes()).decode()
         return out
-    low, span = (-1.0, 2.0) if signed else (0.0, 1.0)
-    scale = span / 255
-    raw = ((chosen - low) / scale).round_().clamp_(0, 255).to(torch.uint8)
+    low, span, top = (-1.0, 2.0, 254) if signed else (0.0, 1.0, 255)
+    scale = span / top
+    raw = ((chosen - low) / scale).round_().clamp_(0, top).to(torch.uint8)
     out.update(data=base64.b64encode(raw.numpy().tobytes()).decode(), scale=scale, offset=low)
     return out
 

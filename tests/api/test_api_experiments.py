@@ -121,11 +121,14 @@ def test_change_token_and_compare_match_the_python_api(client, minilm):
     assert [tuple(p) for p in got["pairs"]] == want.pairs
     assert got["ranking"][0]["divergence"] == pytest.approx(want.ranking[0].divergence, abs=1e-6)
     assert np.abs(decode(got["difference"]) - want.difference[[2]][:, [3, 4]].numpy()).max() == 0
-    # u8 differences are signed: byte * 2/255 - 1
+    # u8 differences are signed: byte * 2/254 - 1, so that no difference reads as 0 exactly
     r = client.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm",
                                                          "difference": {"format": "u8"}})
     diff = decode(r.json()["difference"])
-    assert diff.min() < -0.01 and np.abs(diff - want.difference.numpy()).max() <= 1 / 255 + 1e-6
+    assert diff.min() < -0.01 and np.abs(diff - want.difference.numpy()).max() <= 1 / 254 + 1e-6
+    same = client.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": a, "model": "minilm",
+                                                            "difference": {"format": "u8"}})
+    assert not decode(same.json()["difference"]).any()  # byte 127 everywhere read -0.0039
     assert r.json()["truncated_a"] is r.json()["truncated_b"] is False
 
 
