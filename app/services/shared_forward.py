@@ -29,6 +29,7 @@ that comes too late (its connection dropped) lands in memory nobody reads again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -127,31 +128,33 @@ class ForwardLink:
     max_tokens: int
 
 
-def hang_up(conn: Connection) -> None:
-    """Shuts the connection's socket both ways, through a duplicate of its descriptor, without
-    closing it: a thread blocked reading it wakes with EOFError and closes it itself. Closing it
-    from here instead raced that thread's own close (the second one closed a descriptor number
-    that may already name another file), and on Linux a close does not wake a blocked read."""
+@contextlib.contextmanager
+def socket_of(conn: Connection):
+    """The connection's socket, through a duplicate of its descriptor (closed after), which
+    shares the socket: its options and its shutdown are the connection's."""
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:  # the peer has gone already
-        pass
+        yield sock
     finally:
         sock.close()
+
+
+def hang_up(conn: Connection) -> None:
+    """Shuts the connection's socket both ways without closing it: a thread blocked reading it
+    wakes with EOFError and closes it itself. Closing it from here instead raced that thread's
+    own close (the second one closed a descriptor number that may already name another file),
+    and on Linux a close does not wake a blocked read."""
+    with socket_of(conn) as sock, contextlib.suppress(OSError):  # OSError: the peer has gone already
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def set_io_timeouts(conn: Connection, send_s: float | None, recv_s: float | None = None) -> None:
     """SO_SNDTIMEO / SO_RCVTIMEO on the connection's socket: a blocked read or write then fails
-    (OSError) instead of waiting for ever. Set through a duplicate of its descriptor, which
-    shares the socket."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
+    (OSError) instead of waiting for ever."""
+    with socket_of(conn) as sock:
         for option, seconds in ((socket.SO_SNDTIMEO, send_s), (socket.SO_RCVTIMEO, recv_s)):
             if seconds is not None:
                 sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
-    finally:
-        sock.close()
 
 
 # ---------------------------------------------------------------------------------- the worker side
