@@ -7,10 +7,13 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from manyeyes.model.errors import ModelLoadError, TooLongError
 
 SHADES = " .:-=+*#%@"  # ten steps, light to dark
+TABLE_MAX_KEYS = 64  # a head's matrix is 6 characters a key wide: past this, no terminal shows a row on one line
+ROW_TOP_KEYS = 5  # the keys listed per query instead
 
 
 def _shown(text: str) -> str:
@@ -60,6 +63,8 @@ def _outside(info, layer: int, head: int) -> bool:
 
 def cmd_attend(args) -> int:
     from manyeyes.model import load
+    from manyeyes.model.attention import Capture
+    from manyeyes.model.kept import DenseAttention, topk_rows
 
     if _bad_text(args):
         return 2
@@ -69,6 +74,12 @@ def cmd_attend(args) -> int:
         print(f"error: {', '.join(json_only)} shape the --json answer; add --json, or choose the table's head with "
               "--layer and --head", file=sys.stderr)
         return 2
+    if args.matrix and args.json:
+        print("error: --matrix chooses the table's form; --json prints every head of the API's answer", file=sys.stderr)
+        return 2
+    settings = _settings()
+    if settings is None:
+        return 2
     model = load(args.model, device=args.device, dtype=args.dtype, show_progress=True)
     info = model.info
     if args.top_k and not info.predictions:
@@ -76,19 +87,46 @@ def cmd_attend(args) -> int:
         return 2
     if _outside(info, args.layer, args.head):
         return 2
+    started = time.perf_counter()
+    encoded = model.encode(args.text, args.pair, truncate=args.truncate)
+    tokenized = time.perf_counter()
+    # As the server decides (README, "Long inputs"): past dense_max_tokens a run keeps its queries
+    # and keys, not (n_layers, n_heads, T, T) weights, which at 2,048 tokens are 1.2 GB for MiniLM.
+    long = len(encoded) > settings.dense_max_tokens
+    result = model.run([encoded], Capture(keep=True) if long else Capture())[0]
+    timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized, "wait": 0.0}
     if args.json:
-        return _print_json(model, args)
-    result = model.attend(args.text, args.pair, truncate=args.truncate)
+        return _print_json(model, args, result, timing, settings.dense_max_tokens)
+    heads = result.kept if long else DenseAttention(result.attention)
     texts = [_shown(t.text) for t in result.tokens]
     print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
           f"{info.n_layers} layers x {info.n_heads} heads) on {info.device}")
     print(f"{len(texts)} tokens{' (truncated)' if result.truncated else ''}:")
     print("  " + " ".join(f"[{i}]{t}" for i, t in enumerate(texts)))
-    print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
-    print(_format_head(texts, result.attention[args.layer, args.head]))
+    if args.matrix or len(texts) <= TABLE_MAX_KEYS:
+        print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
+        print(_format_head(texts, heads.block(args.layer, [args.head], 0, len(texts), 0, len(texts))[0]))
+    else:
+        top = topk_rows(heads, args.layer, args.head, ROW_TOP_KEYS, 0, len(texts))
+        print(f"\nlayer {args.layer}, head {args.head}: each query's {ROW_TOP_KEYS} strongest keys, and the weight "
+              f"left to the rest ({len(texts):,} keys are too many columns for a terminal; --matrix prints them all)")
+        print(_format_top_keys(texts, top))
     if args.top_k:
         _print_predictions(model, result, texts, args.top_k)
     return 0
+
+
+def _format_top_keys(tokens: list[str], top, width: int = 12) -> str:
+    """One line per query: `row token -> [key]token weight ...  rest w`. Keys a row cannot see
+    (a causal row's future) have weight 0 and are left out rather than listed as ties."""
+    labels = [t if len(t) <= width else t[: width - 1] + "…" for t in tokens]
+    pad = max(len(lab) for lab in labels)
+    index = len(str(len(tokens) - 1))
+    lines = []
+    for i, (weights, keys, rest) in enumerate(zip(top.values.tolist(), top.indices.tolist(), top.rest.tolist())):
+        strongest = "  ".join(f"[{k}]{labels[k]} {w:.2f}" for w, k in zip(weights, keys) if w > 0)
+        lines.append(f"{i:>{index}} {labels[i]:>{pad}} -> {strongest}  (rest {rest:.2f})")
+    return "\n".join(lines)
 
 
 def _print_predictions(model, result, texts: list[str], top_k: int) -> None:
@@ -101,14 +139,14 @@ def _print_predictions(model, result, texts: list[str], top_k: int) -> None:
         print(f"  [{pos}]{texts[pos]} -> " + ", ".join(f"{p.token!r} {p.prob:.3f}" for p in preds))
 
 
-def _print_json(model, args) -> int:
-    """The exact body POST /api/v1/attention returns for the same text and options."""
-    import time
-
+def _print_json(model, args, result, timing: dict, dense_max_tokens: int) -> int:
+    """The exact body POST /api/v1/attention returns for the same text and options (with its
+    default "keep": "auto"): past dense_max_tokens, `attention: null` and the routes that would
+    serve the run's heads."""
     from manyeyes.app.services.attention import parse_index_list, predictions_body, resolve_indices
     from manyeyes.app.services.cache import Run, run_id_for
     from manyeyes.app.services.errors import ApiError
-    from manyeyes.app.services.payload import View, render_result
+    from manyeyes.app.services.payload import View, render_kept, render_result
 
     info = model.info
     try:
@@ -120,15 +158,19 @@ def _print_json(model, args) -> int:
     except ApiError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    encoded = model.encode(args.text, args.pair, truncate=args.truncate)
-    tokenized = time.perf_counter()
-    result = model.run([encoded])[0]
-    timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized, "wait": 0.0}
     run_id = run_id_for(info.id, args.text, args.pair, args.truncate)
-    run = Run(run_id, info.id, result.tokens, result.truncated, result.attention, result.top_ids, result.top_probs)
+    run = Run(run_id, info.id, result.tokens, result.truncated, result.attention, result.top_ids, result.top_probs,
+              result.kept)
     predictions = predictions_body(model, run, args.top_k or None)
-    sys.stdout.buffer.write(b"".join(render_result(run, info, view, timing, predictions)) + b"\n")
+    if run.kind == "qk":
+        print(f"note: {run.n_tokens:,} tokens is over MANYEYES_DENSE_MAX_TOKENS ({dense_max_tokens:,}), so, as the "
+              "server's, this answer keeps queries and keys: `attention` is null, and a server reads the heads "
+              "through the routes under `links`. The table form (no --json) prints a head's strongest keys",
+              file=sys.stderr)
+        body = render_kept(run, info, view, timing, predictions)
+    else:
+        body = render_result(run, info, view, timing, predictions)
+    sys.stdout.buffer.write(b"".join(body) + b"\n")
     sys.stdout.flush()
     return 0
 
@@ -399,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     attend.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     attend.add_argument("--top-k", type=int, default=0, choices=range(1, 21), metavar="K",
                         help="also print the model's own top-K predictions (models with an LM head; 1..20)")
+    attend.add_argument("--matrix", action="store_true",
+                        help=f"print the head's whole matrix even past {TABLE_MAX_KEYS} tokens, where the table lists "
+                             f"each query's {ROW_TOP_KEYS} strongest keys instead")
     attend.add_argument("--json", action="store_true", help="print the API's JSON response instead of a table")
     attend.add_argument("--format", choices=("json", "f16", "u8"), default="json", help="attention encoding for --json")
     attend.add_argument("--layers", default=None, help="comma-separated layers for --json (default: all)")

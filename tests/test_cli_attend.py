@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from manyeyes.app.cli import main
 
 
@@ -141,3 +143,45 @@ def test_control_characters_in_tokens_are_shown_escaped(capsys):
     table = out.split("(rows: queries, columns: keys)\n")[1].splitlines()
     widths = {len(line) for line in table[1:]}
     assert len(widths) == 1, table  # every row on one line, under the header's columns
+
+
+LONG_TEXT = "The quick brown fox jumps over the lazy dog, and the dog looks back at the fox. " * 2
+
+
+def top_key_rows(out: str) -> list[list[tuple[int, float]]]:
+    """Each `row token -> [key]token weight ...` line's (key, weight) pairs."""
+    keys = [line.split(" -> ", 1)[1].rsplit("  (rest ", 1)[0] for line in out.splitlines() if " -> " in line]
+    return [[(int(key), float(w)) for key, w in re.findall(r"\[(\d+)\].*? (\d\.\d\d)(?:  |$)", row)] for row in keys]
+
+
+@pytest.mark.parametrize("dense_max", ["1024", "16"])
+def test_a_head_too_wide_for_a_terminal_lists_each_querys_strongest_keys(capsys, monkeypatch, dense_max):
+    """Past 64 keys the table was 6 characters a key wide (2,048 lines of 12 KB at 2,048 tokens).
+    Under MANYEYES_DENSE_MAX_TOKENS (16) the run keeps queries and keys, as the server's, and the
+    keys are read from them; both agree with the dense weights."""
+    import torch
+
+    from manyeyes.model import load
+    from manyeyes.model.runtime import AttentionModel
+
+    kept = []
+    run_kept = AttentionModel._run_kept
+    monkeypatch.setattr(AttentionModel, "_run_kept", lambda self, *a: kept.append(1) or run_kept(self, *a))
+    monkeypatch.setenv("MANYEYES_DENSE_MAX_TOKENS", dense_max)
+    assert main(["attend", LONG_TEXT, "--model", "tiny-gpt", "--layer", "1", "--head", "3"]) == 0
+    assert len(kept) == (dense_max == "16")
+    out = capsys.readouterr().out
+    weights = load("tiny-gpt", device="cpu").attend(LONG_TEXT).attention[1, 3]
+    n = weights.shape[0]
+    assert n > 64 and "each query's 5 strongest keys" in out
+    rows = top_key_rows(out)
+    assert len(rows) == n
+    for i, row in enumerate(rows):
+        top = weights[i].topk(min(5, i + 1))  # a causal row sees keys 0..i only
+        assert [k for k, _ in row] == top.indices.tolist(), i
+        assert [w for _, w in row] == [round(v, 2) for v in top.values.tolist()], i
+    assert main(["attend", LONG_TEXT, "--model", "tiny-gpt", "--layer", "1", "--head", "3", "--matrix"]) == 0
+    matrix = [line for line in capsys.readouterr().out.splitlines() if line.endswith("|") and " -> " not in line]
+    assert len(matrix) == n
+    assert [float(v) for v in matrix[-1].split("|")[0].split()[-n:]] == [round(v, 2) for v in weights[-1].tolist()]
+    assert torch.allclose(weights.sum(-1), torch.ones(n), atol=1e-5)

@@ -318,6 +318,19 @@ def test_short_answers_are_todays_bytes_plus_kept(tiles_api):
     assert base64.b64decode(parsed[0]["attention"]["data"]) == want
 
 
+def test_manyeyes_attend_json_prints_a_long_runs_body_as_the_server_does(tiles_api, capsysbinary, monkeypatch):
+    """It ran every input dense: past dense_max_tokens its --json held the whole (L, H, T, T)
+    weights where the server's answer keeps queries and keys (`attention: null`, links)."""
+    from manyeyes.app.cli import main
+
+    monkeypatch.setenv("MANYEYES_DENSE_MAX_TOKENS", str(DENSE_MAX))
+    assert main(["attend", LONG, "--model", "tiny-gpt", "--json", "--top-k", "2"]) == 0
+    printed = orjson.loads(capsysbinary.readouterr().out)
+    served = post_qk(tiles_api, "tiny-gpt", LONG, predictions={"top_k": 2})
+    assert printed["kept"] == served["kept"] == "qk" and printed["attention"] is None
+    assert {k: v for k, v in printed.items() if k != "timing_ms"} == {k: v for k, v in served.items() if k != "timing_ms"}
+
+
 # ---------------------------------------------------------------------------- bad input
 def assert_error(r, status: int, *words: str) -> None:
     assert r.status_code == status, r.text
