@@ -6,6 +6,8 @@ beyond the forward at T=16 went to two such hops)."""
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -58,27 +60,43 @@ TilesDep = Annotated[TileService, Depends(get_tiles)]
 MeasuresDep = Annotated[MeasuresService, Depends(get_measures)]
 
 
-def _query_names(dependant) -> set[str]:
-    """The query parameters a route declares, its dependencies' included."""
-    names = {param.alias for param in dependant.query_params}
+def _query_params(dependant) -> dict[str, bool]:
+    """The query parameters a route declares, its dependencies' included: name -> takes a list."""
+    names = {param.alias: _takes_many(param.field_info.annotation) for param in dependant.query_params}
     for sub in dependant.dependencies:
-        names |= _query_names(sub)
+        names |= _query_params(sub)
     return names
+
+
+def _takes_many(annotation) -> bool:
+    """list[str], list[str] | None, ...: a parameter that may be given more than once."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_many(arg) for arg in typing.get_args(annotation))
+    return origin in (list, tuple, set, frozenset)
 
 
 async def known_query(request: Request) -> None:
     """An API route refuses query parameters it does not take: `?layer=0` for `?layers=0` was
-    ignored, and the answer was every layer with nothing to say the filter had not applied."""
+    ignored, and the answer was every layer with nothing to say the filter had not applied. And
+    one that takes a single value refuses it twice: `?layer=0&layer=3` answered layer 3 alone."""
     if not request.scope.get("query_string"):
         return
     route = request.scope["route"]
-    declared = getattr(route, "query_names", None)
+    declared = getattr(route, "declared_query", None)
     if declared is None:
-        declared = route.query_names = frozenset(_query_names(route.dependant))
-    unknown = sorted({name for name in request.query_params if name not in declared})
+        declared = route.declared_query = _query_params(route.dependant)
+    given = request.query_params
+    unknown = sorted({name for name in given if name not in declared})
     if unknown:
         takes = ", ".join(sorted(declared)) or "none"
         raise InvalidInput(
             f"unknown query parameter{'s' if len(unknown) > 1 else ''} {', '.join(repr(brief(n)) for n in unknown[:8])} "
             f"for {request.method} {route.path}; it takes: {takes}"
+        )
+    repeated = sorted({name for name in given if not declared[name] and len(given.getlist(name)) > 1})
+    if repeated:
+        raise InvalidInput(
+            f"query parameter {', '.join(repr(n) for n in repeated)} given more than once for {request.method} "
+            f"{route.path}; it takes one value"
         )

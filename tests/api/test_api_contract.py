@@ -217,6 +217,21 @@ def test_openapi_lists_the_401_and_422_every_api_route_can_give_in_their_real_sh
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
 
 
+def test_a_single_value_query_parameter_given_twice_is_refused_and_lists_still_repeat(api):
+    """`?layer=0&layer=3` answered layer 3 alone (the framework keeps the last), and `format=u8&format=json`
+    JSON: a client's bug, or a proxy that appended its own, answered as if nothing were wrong."""
+    run_id = api.post("/api/v1/attention", json={"text": "Rivers have banks."}).json()["run_id"]
+    for path, params in ((f"/api/v1/runs/{run_id}/topk", [("layer", 0), ("layer", 3), ("head", 1), ("k", 2)]),
+                         (f"/api/v1/runs/{run_id}/attention", [("layers", 1), ("format", "u8"), ("format", "json")])):
+        r = api.get(path, params=params)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+        repeated = params[1][0] if params[1][0] == params[0][0] else "format"
+        assert f"query parameter '{repeated}' given more than once" in r.json()["error"]["message"], r.text
+    r = api.get(f"/api/v1/runs/{run_id}/attention", params=[("layers", 1), ("layers", 4), ("heads", 0), ("format", "u8")])
+    assert r.status_code == 200 and r.json()["layers"] == [1, 4], r.text
+    assert api.get(f"/api/v1/runs/{run_id}/topk", params={"layer": 0, "head": 1, "k": 2}).status_code == 200
+
+
 # How far each format may be from the float32 weights: u8 rounds to the nearest 1/255, f16 keeps 11 bits.
 FORMAT_TOLERANCE = {"json": 1e-6, "u8": 0.5 / 255 + 1e-6, "f16": 1e-3}
 
