@@ -715,7 +715,7 @@ class Client:
         return self._run_get(run, "neuron", {"layer": layer, "head": head, "query": query})
 
     def logit_attribution(self, run: RemoteResult | str, position: int, target: int | None = None, top: int = 10) -> dict:
-        """Each head's direct contribution to one logit, ranked (causal LMs)."""
+        """Each head's direct contribution to one logit, the `top` of largest effect (up or down) first (causal LMs)."""
         params = {"position": position, "top": top}
         if target is not None:
             params["target"] = target

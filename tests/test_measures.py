@@ -325,8 +325,20 @@ def test_logit_attribution_adds_up_to_the_logit(tiny):
     assert dla.target == int(tiny.attend(text).logits[10].argmax())
     assert dla.total == pytest.approx(dla.logit, abs=1e-4)
     assert dla.heads.shape == (2, 8)
+    ranked = [value for _, _, value in dla.ranked_heads()]
+    assert ranked[0] == pytest.approx(dla.heads.abs().max().item() * (1 if ranked[0] > 0 else -1))
+    assert [abs(v) for v in ranked] == sorted((abs(v) for v in ranked), reverse=True)
+
+
+def test_logit_attribution_ranks_a_head_writing_against_the_prediction_with_those_for_it(tiny):
+    """Ranked by value, a head pulling hardest against the prediction came last, so `top=3` (the
+    API's) never showed it. In this repeated sentence tiny-gpt's induction head L1 H0 writes
+    against the predicted token at -0.5, the largest effect of any head."""
+    text = "The cat sat on the mat. The cat sat on the mat."
+    dla = logit_attribution(tiny, text, position=30)
+    assert dla.heads.min() < 0 and -dla.heads.min() > dla.heads.max()
     layer, head, value = dla.ranked_heads()[0]
-    assert value == pytest.approx(dla.heads.max().item())
+    assert value == dla.heads.min().item() and (layer, head) == divmod(int(dla.heads.argmin()), dla.heads.shape[1])
 
 
 def test_logit_attribution_matches_transformers_gpt2(tmp_path, bytelevel_tokenizer):

@@ -87,7 +87,7 @@ async def run_logit_attribution(
     service: MeasuresDep,
     position: Index,
     target: Annotated[int | None, Query(ge=0, le=10_000_000, description="Token id; default the top prediction at `position`")] = None,
-    top: Annotated[int, Query(ge=1, le=4096, description="Heads returned, largest first")] = 10,
+    top: Annotated[int, Query(ge=1, le=4096, description="Heads returned, the largest effect first, up or down (by absolute contribution)")] = 10,
 ) -> Response:
     """Direct logit attribution (causal LMs): each head's direct contribution to the logit of
     `target` at `position`, through the final norm frozen at this run's scale, ranked."""

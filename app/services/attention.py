@@ -233,12 +233,13 @@ def check_precision(run: Run, fmt: str) -> None:
         )
 
 
-def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str) -> list[int]:
+def resolve_indices(asked: list[int] | None, count: int, what: str, model_id: str, holder: str | None = None) -> list[int]:
+    """holder: who has `count` of them when the model does not (a run's positions)."""
     if asked is None:
         return list(range(count))
     bad = [i for i in asked if not 0 <= i < count]
     if bad:
-        raise InvalidInput(f"{what} {brief(bad[0])} does not exist: model {model_id} has {what}s 0..{count - 1}")
+        raise InvalidInput(f"{what} {brief(bad[0])} does not exist: {holder or f'model {model_id}'} has {what}s 0..{count - 1}")
     # Repeats would let a small request ask for an unbounded response (layers=[0]*100000 in u8).
     if len(set(asked)) != len(asked):
         raise InvalidInput(f"each {what} may be asked for once; {what}s {asked[:16]}{'...' if len(asked) > 16 else ''} repeat some")

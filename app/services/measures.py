@@ -331,7 +331,7 @@ class MeasuresService:
         info = served.model.info
         resolve_indices([layer], info.n_layers, "layer", info.id)
         resolve_indices([head], info.n_heads, "head", info.id)
-        resolve_indices([query], len(run.tokens), "query position", info.id)
+        resolve_indices([query], len(run.tokens), "query position", info.id, f"this run of {len(run.tokens):,} tokens")
         return await run_in_threadpool(self._neuron, run, served, layer, head, query)
 
     def _neuron(self, run: Run, served: Served, layer: int, head: int, query: int) -> dict:
@@ -358,7 +358,7 @@ class MeasuresService:
             m.check_attributable(served.model)
         except ValueError as exc:
             raise InvalidInput(f"model {served.id}: {exc}") from None
-        resolve_indices([position], len(run.tokens), "position", served.id)
+        resolve_indices([position], len(run.tokens), "position", served.id, f"this run of {len(run.tokens):,} tokens")
         vocab = served.model.net.out_head.weight.shape[0]
         if target is not None and not 0 <= target < vocab:
             raise InvalidInput(f"target must be a token id in 0..{vocab - 1}")

@@ -52,6 +52,17 @@ def decoded(matrix: dict) -> np.ndarray:
     return decode(matrix)
 
 
+def test_word_texts_name_each_character_once_on_byte_level_models(client):
+    """Each byte piece of a multi-byte character carries the whole character: the word view's
+    texts read "naïïve", " 🙂🙂🙂🙂" and " caféé" on tiny-gpt (the page's word labels too)."""
+    text = "naïve 🙂 café\tnaïve"
+    for model, ends in (("tiny-gpt", []), ("minilm", ["[CLS]", "[SEP]"])):
+        body = post(client, model=model, text=text, format="u8", measures=["words"])
+        words = body["measures"]["words"]["words"]
+        assert [w["text"] for w in words if not w["special"]] == ["naïve", "🙂", "café", "naïve"], (model, words)
+        assert [w["text"] for w in words if w["special"]] == ends
+
+
 def test_post_measures_equal_the_python_functions(client, tiny):
     body = post(client, text=TEXT, format="json", measures=["rollout", "value_norms", "contributions", "words"])
     result = tiny.run([tiny.encode(TEXT)], Capture(qkv=True))[0]
@@ -160,6 +171,17 @@ def test_logit_attribution_equals_the_python_function_and_adds_up(client, tiny):
     np.testing.assert_allclose([h["contribution"] for h in got["heads"]], [c for _, _, c in want.ranked_heads()], atol=1e-5)
     chosen = client.get(f"/api/v1/runs/{run_id}/logit-attribution", params={"position": 12, "target": 101, "top": 3}).json()
     assert chosen["target"] == 101 and len(chosen["heads"]) == 3
+
+
+def test_a_position_past_the_run_names_the_runs_length_not_the_models(client):
+    """It said "model tiny-gpt has positions 0..12": the model takes 256; the run has 13."""
+    run_id = post(client, text="In the beginning God", format="u8")["run_id"]
+    n = len(client.get(f"/api/v1/runs/{run_id}").json()["tokens"])
+    for route, params, what in (("logit-attribution", {"position": n}, "position"),
+                                ("neuron", {"layer": 0, "head": 0, "query": n}, "query position")):
+        r = client.get(f"/api/v1/runs/{run_id}/{route}", params=params)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["message"] == f"{what} {n} does not exist: this run of {n} tokens has {what}s 0..{n - 1}"
 
 
 def test_a_pair_on_a_bert_keeps_its_segments_in_the_capture(client, minilm):
