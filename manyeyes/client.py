@@ -39,12 +39,13 @@ class ManyeyesError(Exception):
     """Any failure the server reported, with its HTTP status and the stable code of its error body.
     `status` is 0 when the server could not be reached or answered something unreadable."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None, body: dict | None = None):
         super().__init__(f"{status} {code}: {message}")
         self.status = status
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.body = body  # the server's whole error body, where it sent one (its fields beyond `error`)
 
 
 class InvalidRequest(ManyeyesError):
@@ -90,14 +91,14 @@ ERRORS_BY_STATUS = {401: Unauthorized, 422: InvalidRequest, 404: NotFound, 413: 
 
 
 def error_from_response(response: httpx.Response) -> ManyeyesError:
-    code, message = f"http_{response.status_code}", response.reason_phrase or "request failed"
+    code, message, body = f"http_{response.status_code}", response.reason_phrase or "request failed", None
     try:
         body = response.json()
         code, message = body["error"]["code"], body["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        pass  # not our JSON error body (a proxy's page): the status line is all there is
+        body = None  # not our JSON error body (a proxy's page): the status line is all there is
     cls = ERRORS_BY_STATUS.get(response.status_code, ManyeyesError)
-    return cls(response.status_code, code, message, retry_after(response))
+    return cls(response.status_code, code, message, retry_after(response), body)
 
 
 def retry_after(response: httpx.Response) -> float | None:
@@ -107,6 +108,17 @@ def retry_after(response: httpx.Response) -> float | None:
         return None  # absent, or an HTTP date, which our server never sends
     # "nan" (from a proxy, not from us) parses, and time.sleep(nan) raises: treat it as absent.
     return max(seconds, 0.0) if not math.isnan(seconds) else None
+
+
+def bearer(api_key: str) -> bytes:
+    """The Authorization header's value. The key is sent as UTF-8, as the server reads it (httpx
+    refused a non-ASCII str header before any request), and stripped of the spaces and newline a
+    key read from a file ends in, as the server strips MANYEYES_API_KEYS: "key\\n" had failed as
+    a server that "closed the connection" (an illegal header value, refused locally)."""
+    key = api_key.strip()
+    if not key or any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        raise ValueError("api_key must be the key's text: no control characters (a newline, a tab) inside it")
+    return b"Bearer " + key.encode("utf-8")
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -292,9 +304,16 @@ def _plain(value):
 
 
 def _lines(response: httpx.Response) -> Iterator[str]:
-    """A streamed body's lines; a connection cut mid-stream is ConnectionFailed, like any other."""
+    """A streamed body's lines; a connection cut mid-stream is ConnectionFailed, like any other,
+    and a server slower than the client's timeout_s between two lines has code timeout, as for
+    any other request."""
     try:
         yield from response.iter_lines()
+    except httpx.ReadTimeout:
+        raise ConnectionFailed(
+            0, "timeout", "the stream stopped for longer than this client's timeout_s between two steps; raise "
+            "Client(timeout_s=...) for slow generation",
+        ) from None
     except httpx.TransportError as exc:
         raise ConnectionFailed(0, "network", f"the stream broke off: {exc}") from None
 
@@ -448,7 +467,7 @@ class Client:
             headers["Accept"] = f"{FRAME_MEDIA_TYPE}, application/json;q=0.5"
             headers["Accept-Encoding"] = "zstd, gzip"
         if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = bearer(api_key)
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
@@ -517,8 +536,9 @@ class Client:
         return True
 
     def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
-        """Until the server is ready: NotReady if it still answered 503 after timeout_s,
-        ConnectionFailed if it could not be reached (a wrong URL, no server started)."""
+        """Until the server is ready: NotReady at once if its models failed to load (the server's
+        reason, which waiting would not change), NotReady if it still answered 503 after
+        timeout_s, ConnectionFailed if it could not be reached (a wrong URL, no server started)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -526,10 +546,11 @@ class Client:
                 return
             except (NotReady, ConnectionFailed) as exc:
                 last = exc
+            if isinstance(last, NotReady) and (last.body or {}).get("status") == "failed":
+                raise NotReady(503, last.code, f"the server could not load its models: {last.message}", body=last.body)
             if time.monotonic() > deadline:
-                if isinstance(last, ConnectionFailed):
-                    raise ConnectionFailed(0, last.code, f"not ready after {timeout_s:g} s: {last.message}") from None
-                raise NotReady(503, "not_ready", f"not ready after {timeout_s:g} s")
+                raise type(last)(last.status, last.code, f"not ready after {timeout_s:g} s: {last.message}",
+                                 body=last.body) from None
             time.sleep(poll_s)
 
     def models(self) -> list[RemoteModel]:

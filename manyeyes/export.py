@@ -169,8 +169,8 @@ def export_html(
     format: str | None = None, dense_max_tokens: int = DENSE_MAX_TOKENS,
 ) -> str:
     """One run of a loaded model (manyeyes.load) as a one-file HTML viewer, focused on `layer`
-    and `head` when it opens. ValueError for a layer or head the model does not have, or a
-    dense_max_tokens under 1; TooLongToExport for a text over `dense_max_tokens` tokens (default
+    and `head` when it opens. ValueError for a layer or head the model does not have, a format
+    other than f16 or u8, or a dense_max_tokens under 1; TooLongToExport for a text over `dense_max_tokens` tokens (default
     1024, the server's default bound; the file holds every weight, L x H x T x T of them). The
     environment is not read: `manyeyes export` passes MANYEYES_DENSE_MAX_TOKENS here."""
     from manyeyes.app.services.cache import Run, run_id_for
@@ -182,6 +182,8 @@ def export_html(
                          f"got layer {layer}, head {head}")
     if isinstance(dense_max_tokens, bool) or not isinstance(dense_max_tokens, int) or dense_max_tokens < 1:
         raise ValueError(f"dense_max_tokens must be a whole number of tokens, at least 1; got {dense_max_tokens!r}")
+    if format not in (None, "f16", "u8"):  # "bogus" was a KeyError; "json" a file the viewer was never tested on
+        raise ValueError(f"format must be 'f16', 'u8' or None (the smaller that keeps the picture); got {format!r}")
     encoded = model.encode(text, text_pair, truncate=truncate)
     limit = dense_max_tokens
     if len(encoded) > limit:

@@ -116,8 +116,15 @@ def weights_of(result) -> Weights:
     attention = np.asarray(attention, dtype=np.float32)
     layers = list(getattr(result, "layers", None) or range(attention.shape[0]))
     heads = list(getattr(result, "heads", None) or range(attention.shape[1]))
-    return Weights(attention, layers, heads, [visible_spaces(t.text) for t in result.tokens],
+    return Weights(attention, layers, heads, [plotly_text(visible_spaces(t.text)) for t in result.tokens],
                    special=[bool(getattr(t, "special", False)) for t in result.tokens])
+
+
+def plotly_text(text: str) -> str:
+    """A token as Plotly draws it literally: its labels and hovers read a small HTML subset, so
+    `<s>` (every Llama's and RoBERTa's first token) drew as nothing and `<b>x</b>` as a bold x.
+    As the page's plotlyText (static/js/dom.js)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}

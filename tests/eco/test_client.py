@@ -124,6 +124,57 @@ def test_the_api_key_is_sent_as_a_bearer_token():
     assert seen["auth"] == "Bearer s3cret"
 
 
+def test_an_api_key_is_sent_as_utf8_and_without_the_newline_a_key_file_ends_in():
+    """A non-ASCII key (which the server takes: keys are UTF-8 on both sides) was a
+    UnicodeEncodeError from httpx; "key\\n" read from a file failed locally as an illegal header and
+    was reported as a server that closed the connection mid-request."""
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.raw[[k.lower() for k, _ in request.headers.raw].index(b"authorization")][1])
+        return httpx.Response(200, json={"models": []})
+
+    for key in ("ключ", "plain\n", "  plain  "):
+        with Client("http://proxy", api_key=key, transport=httpx.MockTransport(answer)) as c:
+            assert c.models() == []
+    assert seen == ["Bearer ключ".encode("utf-8"), b"Bearer plain", b"Bearer plain"]
+    for bad in ("two\nlines", "tab\tinside", "   "):
+        with pytest.raises(ValueError, match="no control characters"):
+            Client("http://proxy", api_key=bad, transport=httpx.MockTransport(answer))
+
+
+def test_wait_ready_stops_at_once_with_the_servers_reason_when_its_models_failed_to_load(monkeypatch):
+    """It polled a server whose model could never load for the whole timeout (120 s by default),
+    then said only "not ready after 120 s"; /readyz had said why from the start."""
+    from manyeyes.client import NotReady
+
+    monkeypatch.setattr("manyeyes.client.time.sleep", lambda s: None)
+    polls = []
+    reason = "model 'missing' is not in the Hugging Face cache and downloads are off"
+    failed = httpx.MockTransport(lambda request: (polls.append(1), httpx.Response(
+        503, json={"error": {"code": "not_ready", "message": reason}, "status": "failed", "models": {}}))[1])
+    with Client("http://manyeyes.test", transport=failed) as c, pytest.raises(NotReady) as err:
+        c.wait_ready(timeout_s=60)
+    assert len(polls) == 1 and err.value.message == f"the server could not load its models: {reason}"
+    loading = httpx.MockTransport(lambda request: httpx.Response(
+        503, json={"error": {"code": "not_ready", "message": "models are still loading: tiny-gpt"}, "status": "loading"}))
+    with Client("http://manyeyes.test", transport=loading) as c, pytest.raises(NotReady) as err:
+        c.wait_ready(timeout_s=0.05, poll_s=0.01)
+    assert err.value.message == "not ready after 0.05 s: models are still loading: tiny-gpt"
+
+
+def test_a_generation_slower_than_timeout_s_is_a_timeout_not_a_broken_stream():
+    class Stalls(httpx.SyncByteStream):
+        def __iter__(self):
+            yield b"\n"
+            raise httpx.ReadTimeout("timed out")
+
+    stalls = httpx.MockTransport(lambda request: httpx.Response(200, stream=Stalls(), headers={"content-type": "application/x-ndjson"}))
+    with Client("http://manyeyes.test", transport=stalls) as c, pytest.raises(ConnectionFailed) as err:
+        list(c.generate("hi", 5, model="tiny-gpt"))
+    assert err.value.code == "timeout" and "raise Client(timeout_s=...)" in err.value.message
+
+
 def test_a_401_is_its_own_error_type():
     from manyeyes.client import Unauthorized
 

@@ -230,6 +230,10 @@ def test_export_html_takes_its_bound_as_an_argument_and_never_reads_the_environm
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="dense_max_tokens must be a whole number"):
             export_html(tiny_gpt, text, dense_max_tokens=bad)
+    for bad in ("bogus", "json", "F16"):  # "bogus" was a bare KeyError: 'bogus'
+        with pytest.raises(ValueError, match=f"format must be 'f16', 'u8' or None .*got {bad!r}"):
+            export_html(tiny_gpt, text, format=bad)
+    assert '"format":"u8"' in export_html(tiny_gpt, text, format="u8").replace(" ", "")
 
 
 def test_cli_export_says_in_one_line_which_setting_is_malformed(tmp_path, capsys, monkeypatch):
