@@ -7,6 +7,7 @@ plotly package (no CDN), and `to_html` writes standalone files the same way.
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass
 
@@ -136,6 +137,8 @@ def visible_spaces(text: str) -> str:
                    for ch in text)
 
 
+MIN_FIGURE_PX = 460  # a heatmap's smallest side: the title, tick labels and axis titles take ~200 of it
+TICK_CHARS = 20  # longer tick labels end in "…" (the hover has the whole token): 25-character ones squeezed the matrix
 TICK_PX = 12  # a tick label needs about a line of 10-11 px text; below this, every k-th token
 MAX_SIDE = 600  # heatmap: cells a side before max-pooling (about one pixel a cell at 900 px)
 GRID_SIDE = 120  # grid: cells a side of each small panel before max-pooling
@@ -152,10 +155,17 @@ def _ticks(tokens: list[str], positions: list[int], side_px: float, step: int = 
         every = max(1, math.ceil(cells * TICK_PX * 1.75 / max(side_px, 1)))
     values = list(range(0, cells, every))
     if every == 1 and step == 1:
-        text = [tokens[i] for i in values]
+        text = [_short(tokens[i]) for i in values]
     else:
-        text = [f"{positions[i * step]} {tokens[i * step]}" for i in values]
+        text = [f"{positions[i * step]} {_short(tokens[i * step])}" for i in values]
     return {"tickmode": "array", "tickvals": values, "ticktext": text}
+
+
+def _short(label: str) -> str:
+    """A tick label of at most TICK_CHARS characters; labels arrive escaped (plotly_text), so the
+    cut is made on the token's own text and escaped again, never inside an entity."""
+    text = html.unescape(label)
+    return label if len(text) <= TICK_CHARS else plotly_text(text[: TICK_CHARS - 1] + "…")
 
 
 def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
@@ -179,7 +189,8 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
     matrix = w.head(layer, head)
     n = len(w.tokens)
     step = max(1, math.ceil(n / max_side))
-    size = min(900, 260 + 14 * -(-n // step))
+    # 14 px a cell, within [MIN_FIGURE_PX, 900]: six tokens had a 60-pixel matrix inside the margins
+    size = min(900, max(MIN_FIGURE_PX, 260 + 14 * -(-n // step)))
     # With tokens hidden a cell's index is no longer its position in the run: the label says it.
     labels = np.array([f"{p} {t}" for p, t in zip(w.positions, w.tokens)] if w.hidden else w.tokens, dtype=object)
     if step == 1:

@@ -255,3 +255,14 @@ def test_tokens_that_look_like_markup_are_drawn_as_written(tmp_path):
             assert drawn == texts * 2, drawn
         finally:
             browser.close()
+
+
+def test_a_short_run_is_not_drawn_tiny_and_long_labels_are_cut_outside_their_escapes():
+    """Six tokens made a 344-pixel figure whose matrix was about 60 pixels inside its margins, and
+    25-character labels squeezed it further; the hover keeps each whole token."""
+    texts = ["<|begin_of_text|>", "a" * 30, "x" * 18 + "&<>", "ok"]
+    n = len(texts)
+    fig = figures.heatmap(_result(np.full((1, 1, n, n), 1 / n, dtype=np.float32), texts), 0, 0)
+    assert fig.layout.height >= 460 and fig.layout.width >= 460
+    assert list(fig.layout.xaxis.ticktext) == ["&lt;|begin_of_text|&gt;", "a" * 19 + "…", "x" * 18 + "&amp;…", "ok"]
+    assert fig.data[0].customdata[0][1].tolist() == ["&lt;|begin_of_text|&gt;", "a" * 30]
