@@ -460,7 +460,12 @@ def init_from(model: GPTModel | RotaryDecoder, cfg: TrainConfig) -> dict:
         load_strict(model, dict(source.state_dict()), folder)
     except ModelLoadError as exc:
         raise TrainError(f"--init-from {folder} does not fit this model: {exc}") from exc
-    card = json.loads(card_path.read_text(encoding="utf-8"))
+    try:
+        card = json.loads(card_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainError(f"--init-from {card_path} cannot be read as JSON: {exc}") from exc
+    if not isinstance(card, dict):
+        raise TrainError(f"--init-from {card_path} is not a card `manyeyes train` wrote (not a JSON object)")
     keep = ("corpus", "steps", "tokens_seen", "train_loss", "val_loss", "seconds", "command", "resumed_with", "init_from")
     return {"folder": str(folder), **{k: card[k] for k in keep if k in card}}
 
@@ -545,7 +550,7 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             raise TrainError(f"cannot resume: the --text files differ from the ones {out / CHECKPOINT} was trained on")
         if ckpt["step"] >= cfg.steps:
             raise TrainError(f"nothing to do: {out} is already trained for {ckpt['step']} steps; pass a larger --steps")
-        tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+        tokenizer = _read_tokenizer(out / "tokenizer.json", "cannot resume")
     else:
         if any((out / name).exists() for name in (*WEIGHTS.values(), CHECKPOINT)):
             raise TrainError(f"{out} already holds a model; pass --resume to continue it, or choose another --out")
@@ -600,6 +605,7 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     started = time.monotonic()
     start_step = step
     mid_step = False  # an interrupt inside a step leaves model, optimizer and step out of step
+    saved_last = False  # the last step's checkpoint is written
     try:
         with StopAfterStep(progress) as stop:
             while step < cfg.steps:
@@ -625,8 +631,15 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
                     checkpoint(seconds_before + time.monotonic() - started)
                 if stop.asked:
                     raise KeyboardInterrupt
+            # Saved before the final evaluation (80 batches): a Ctrl-C during it had lost every
+            # step since the last save, without a word.
+            seconds = seconds_before + time.monotonic() - started
+            checkpoint(seconds)
+            saved_last = True
+            if stop.asked:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
-        if not mid_step:
+        if not mid_step and not saved_last:
             checkpoint(seconds_before + time.monotonic() - started)
         if (out / CHECKPOINT).exists():
             saved_step = _read_checkpoint(out)["step"]
@@ -635,10 +648,13 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             progress.note("interrupted before any step was saved; there is nothing to resume")
         raise
 
-    seconds = seconds_before + time.monotonic() - started
-    train_loss = estimate_loss(model, train_ids, cfg, device)
-    val_loss = estimate_loss(model, val_ids, cfg, device)
-    checkpoint(seconds)
+    try:
+        train_loss = estimate_loss(model, train_ids, cfg, device)
+        val_loss = estimate_loss(model, val_ids, cfg, device)
+    except KeyboardInterrupt:
+        progress.note(f"interrupted in the final evaluation; {out} holds all {step} steps, but no card.json "
+                      "(its losses were not measured)")
+        raise
     card = {
         "model": "RotaryDecoder (llama family), causal" if cfg.arch == "llama" else "GPTModel (LLMs from scratch), causal",
         "corpus": cfg.corpus_name or ", ".join(f["name"] for f in corpus.files),
@@ -682,13 +698,27 @@ def _init_tokenizer(cfg: TrainConfig) -> Tokenizer:
     for name in ("card.json", "tokenizer.json"):
         if not (cfg.init_from / name).exists():
             raise TrainError(f"--init-from {cfg.init_from} holds no {name}: it is not a folder `manyeyes train` finished")
-    path = cfg.init_from / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(path))
+    # Without its weights the folder read as a Hugging Face one: "config.json has no model_type".
+    if not (cfg.init_from / WEIGHTS[cfg.arch]).exists():
+        other = next((arch for arch, name in WEIGHTS.items() if (cfg.init_from / name).exists()), None)
+        raise TrainError(f"--init-from {cfg.init_from} holds no {WEIGHTS[cfg.arch]}, the weights of an --arch {cfg.arch} run"
+                         + (f": it is an --arch {other} run" if other else ""))
+    tokenizer = _read_tokenizer(cfg.init_from / "tokenizer.json", f"--init-from {cfg.init_from}")
     if tokenizer.get_vocab_size() != cfg.vocab_size:
         raise TrainError(
             f"--vocab-size {cfg.vocab_size} differs from the {tokenizer.get_vocab_size()} ids of --init-from {cfg.init_from}'s tokenizer"
         )
     return tokenizer
+
+
+def _read_tokenizer(path: Path, what: str) -> Tokenizer:
+    """A training folder's tokenizer, or one line naming the file (it was a Rust traceback)."""
+    if not path.exists():
+        raise TrainError(f"{what}: {path} is missing")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for any bad file
+        raise TrainError(f"{what}: {path} is not a tokenizer file `manyeyes train` wrote ({exc})") from exc
 
 
 def _device(name: str) -> torch.device:

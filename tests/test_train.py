@@ -142,6 +142,35 @@ def test_resume_continues_from_the_same_step(corpus, tmp_path):
         assert resumed[key] == straight[key], key
 
 
+def test_ctrl_c_in_the_final_evaluation_keeps_every_step(corpus, tmp_path, monkeypatch):
+    """The last steps were saved only after the final evaluation (80 batches), outside the Ctrl-C
+    handler: an interrupt there exited 130 without a word, the checkpoint at the last evaluation
+    (step 10 of 12 here)."""
+    import manyeyes.model.train as train_module
+
+    evaluate = train_module.estimate_loss
+    calls = []
+
+    def interrupted_at_the_end(model, data, cfg, device):
+        calls.append(1)
+        if len(calls) == 3:  # steps 5 and 10 evaluate once each; the final evaluation's first call
+            raise KeyboardInterrupt
+        return evaluate(model, data, cfg, device)
+
+    monkeypatch.setattr(train_module, "estimate_loss", interrupted_at_the_end)
+    cfg = make_config({"text": [corpus], "out": tmp_path / "m", **TINY, "steps": 12, "eval_every": 5})
+    log = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, command="test", stream=log)
+    assert torch.load(tmp_path / "m" / "checkpoint.pt", weights_only=True)["step"] == 12
+    assert "interrupted in the final evaluation" in log.getvalue() and "holds all 12 steps" in log.getvalue()
+    assert not (tmp_path / "m" / "card.json").exists()
+    monkeypatch.setattr(train_module, "estimate_loss", evaluate)
+    straight = run(corpus, tmp_path / "straight", steps=12, eval_every=5)
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "m")
+    assert straight["steps"] == 12 and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path):
     """SIGINT lands where the process happens to be, nearly always inside a step (the backward, the
     optimizer), where nothing consistent can be saved: the run lost every step since its last
@@ -413,9 +442,39 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     assert main(base + ["--emb-dim", "64", "--init-from", str(tmp_path / "llama")]) == 2
     assert "shape mismatch for 'tok_emb.weight'" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "gpt")]) == 2
-    assert "is not an --arch llama model" in capsys.readouterr().err
+    assert "holds no model.safetensors, the weights of an --arch llama run: it is an --arch gpt run" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "nowhere")]) == 2
     assert "holds no card.json" in capsys.readouterr().err
+
+
+def test_damaged_training_folders_are_one_line_naming_the_file(corpus, tmp_path, capsys):
+    """A missing or broken tokenizer.json was a Rust traceback (status 1), a broken card.json a
+    JSONDecodeError, and a folder without its model.pth 'config.json has no model_type'."""
+    import shutil
+
+    run(corpus, tmp_path / "done", steps=2)
+    base = ["train", "--text", str(corpus), "--steps", "2", "--vocab-size", "320", "--context", "32", "--layers", "2",
+            "--heads", "2", "--emb-dim", "32", "--device", "cpu"]
+    cases = [
+        ("model.pth", None, "holds no model.pth, the weights of an --arch gpt run"),
+        ("tokenizer.json", "{", "tokenizer.json is not a tokenizer file `manyeyes train` wrote"),
+        ("card.json", "{", "card.json cannot be read as JSON"),
+    ]
+    for k, (name, content, message) in enumerate(cases):
+        damaged = tmp_path / f"damaged{k}"
+        shutil.copytree(tmp_path / "done", damaged)
+        if content is None:
+            (damaged / name).unlink()
+        else:
+            (damaged / name).write_text(content)
+        assert main(base + ["--out", str(tmp_path / f"m{k}"), "--init-from", str(damaged)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    resumable = tmp_path / "cut"
+    run(corpus, resumable, steps=2)
+    (resumable / "tokenizer.json").unlink()
+    assert main(["train", "--text", str(corpus), "--out", str(resumable), "--resume", "--steps", "4"]) == 2
+    assert f"cannot resume: {resumable / 'tokenizer.json'} is missing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
