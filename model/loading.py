@@ -9,6 +9,8 @@ missing, misshapen or unreadable raises `ModelLoadError` with the file and the k
 from __future__ import annotations
 
 import math
+import re
+import zipfile
 from pathlib import Path
 from urllib.parse import parse_qsl
 
@@ -207,13 +209,27 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle, zip and unpickler errors all mean the same to a user
-        # torch's weights_only refusal advises weights_only=False and filing an issue: wrong
-        # advice for a corrupt file, and code execution for a hostile one. Keep only its reason.
-        text = str(exc)
-        reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
-        reason = " ".join(reason.split("Check the documentation", 1)[0].split())
-        raise CorruptFileError(f"corrupt or unreadable checkpoint {path} (not a plain state_dict of tensors: "
-                             f"{reason}); manyeyes never unpickles code") from exc
+        raise CorruptFileError(f"corrupt or unreadable checkpoint {path} ({_unloadable(path, exc)})") from exc
+
+
+def _unloadable(path: Path, exc: Exception) -> str:
+    """Why torch.load refused a file, in words a user can act on. torch's own advises
+    weights_only=False or add_safe_globals (code execution for a hostile file) and, for a file
+    that is no checkpoint at all, says "101" (a KeyError) or nothing."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        return "the file is empty"
+    if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # torch.save writes a zip; older ones a pickle
+        return "not a file torch.save wrote"
+    text = str(exc)
+    pickled = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if pickled:
+        return (f"it holds a pickled {pickled[1]}, not a state_dict of tensors: save model.state_dict() "
+                "instead; manyeyes never unpickles code")
+    reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
+    reason = " ".join(reason.split("Check the documentation", 1)[0].split()) or type(exc).__name__
+    return f"not a plain state_dict of tensors: {reason}; manyeyes never unpickles code"
 
 
 def _load_hf(folder: Path):
@@ -292,6 +308,8 @@ def _book_config(config, pth: Path) -> GPTConfig:
         return config
     if isinstance(config, str) and config in PRESETS:
         return PRESETS[config]
+    if isinstance(config, str) and not Path(config).exists():  # said "missing file: gpt2-tiny"
+        raise ModelLoadError(f"{pth}: config {config!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
     source = config if isinstance(config, dict) else read_json(Path(config))
     try:
         return GPTConfig.from_dict(source)

@@ -1,5 +1,6 @@
 """Book checkpoints load strictly; every way a checkpoint can be wrong gives one clear error."""
 
+import io
 import json
 import re
 import shutil
@@ -316,13 +317,27 @@ def test_a_book_checkpoint_without_its_masks_gets_the_models_own(book_folder):
 
 
 def test_a_corrupt_checkpoint_is_named_without_torchs_advice(book_folder):
-    folder, _, _ = book_folder
-    (folder / "model.pth").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(ModelLoadError) as raised:
-        load(folder)
-    message = str(raised.value)
-    assert "corrupt or unreadable checkpoint" in message and "never unpickles code" in message
-    assert "weights_only set to False" not in message and "file an issue" not in message and "\n" not in message
+    """torch's reasons were "101" (a KeyError) for a text file, nothing for an empty one, and for
+    a pickled whole model the advice to call torch.serialization.add_safe_globals."""
+    folder, book, _ = book_folder
+    pickled = io.BytesIO()
+    torch.save(book, pickled)
+    pickled_whole = "it holds a pickled tests.book_reference.GPTModel, not a state_dict of tensors: save model.state_dict() instead"
+    for content, reason in ((b"not a checkpoint at all", "not a file torch.save wrote"), (b"", "the file is empty"),
+                            (b"\x80\x02}q\x00", "not a plain state_dict of tensors:"), (pickled.getvalue(), pickled_whole)):
+        (folder / "model.pth").write_bytes(content)
+        with pytest.raises(ModelLoadError) as raised:
+            load(folder)
+        message = str(raised.value)
+        assert message.startswith(f"corrupt or unreadable checkpoint {folder / 'model.pth'} ({reason}"), message
+        assert "weights_only set to False" not in message and "file an issue" not in message and "\n" not in message
+        assert "add_safe_globals" not in message
+
+
+def test_an_unknown_preset_is_named_as_one_not_as_a_missing_file(tmp_path):
+    torch.save({"tok_emb.weight": torch.zeros(2, 2)}, tmp_path / "x.pth")
+    with pytest.raises(ModelLoadError, match=re.escape("config 'gpt2-tiny' is neither a preset (gpt2-small,")):
+        load(tmp_path / "x.pth", config="gpt2-tiny")
 
 
 def test_a_neox_fused_bias_of_the_wrong_rank_is_named(tmp_path, bytelevel_tokenizer):
