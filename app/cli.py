@@ -187,7 +187,11 @@ def cmd_serve(args) -> int:
     settings = _settings()  # a malformed MANYEYES_* variable: one line naming it, not pydantic's traceback
     if settings is None:
         return 2
-    updates = {"extra_models": {**settings.extra_models, **_merge(args.model)}}
+    try:
+        updates = {"extra_models": _served_models(settings, args.model)}
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.device:
         updates["device"] = args.device
     if args.dtype:
@@ -291,8 +295,20 @@ def _model_flag(value: str) -> dict[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _merge(items: list[dict[str, str]]) -> dict[str, str]:
-    return {k: v for item in items for k, v in item.items()}
+def _served_models(settings, flags: list[dict[str, str]]) -> dict[str, str]:
+    """The extra models: MANYEYES_EXTRA_MODELS, then each --model, which wins over the variable's
+    model of its id. ValueError for an id that two flags, or a flag and a configured model (a
+    built-in), give different specs."""
+    from manyeyes.app.config import add_model
+
+    given: dict[str, str] = {}
+    for flag in flags:
+        for model_id, spec in flag.items():
+            add_model(given, model_id, spec)
+    configured = dict(settings.models)
+    for model_id, spec in given.items():
+        add_model(configured, model_id, spec)
+    return {**settings.extra_models, **given}
 
 
 TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or the checkpoint's on --resume"
@@ -358,18 +374,45 @@ DTYPE_HELP = "weights' dtype (default auto: as stored on CUDA, float32 elsewhere
 def _settings():
     """The MANYEYES_* settings, or None after one line naming each variable that is malformed
     (pydantic's own report is a dozen lines and a documentation URL)."""
+    import re
+
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from manyeyes.app.config import Settings
 
     try:
         return Settings()
+    except SettingsError as exc:  # a JSON-valued setting (MANYEYES_MODELS) that does not parse: a traceback
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = f"MANYEYES_{field[1].upper()}" if field else "a MANYEYES_* setting"
+        print(f"error: {name} in the environment is not valid JSON ({exc.__cause__ or exc})", file=sys.stderr)
+        return None
     except ValidationError as exc:
         problems = "; ".join(
             f"MANYEYES_{'_'.join(str(part) for part in error['loc'][:1]).upper()}={error.get('input')!r}: {error['msg']}"
-            if error["loc"] else error["msg"] for error in exc.errors())
+            if error["loc"] else error["msg"].removeprefix("Value error, ") for error in exc.errors())
         print(f"error: a MANYEYES_* setting in the environment is malformed: {problems}", file=sys.stderr)
         return None
+    finally:
+        _warn_unknown_settings(Settings)
+
+
+# MANYEYES_* variables read by something other than the settings: the example notebook's server.
+NOT_SETTINGS = frozenset({"MANYEYES_URL", "MANYEYES_TEST_ACCEL"})
+
+
+def _warn_unknown_settings(settings_class) -> None:
+    """A mistyped MANYEYES_* variable (MANYEYES_CACHE_BYTE) was ignored without a word, and the
+    server ran on the default the operator meant to change."""
+    import difflib
+
+    known = [name.upper() for name in settings_class.model_fields]
+    for name in sorted(os.environ):
+        if name.startswith("MANYEYES_") and name.removeprefix("MANYEYES_") not in known and name not in NOT_SETTINGS:
+            close = difflib.get_close_matches(name.removeprefix("MANYEYES_"), known, n=1, cutoff=0.75)
+            print(f"warning: {name} is not a setting manyeyes reads"
+                  + (f" (did you mean MANYEYES_{close[0]}?)" if close else ""), file=sys.stderr)
 
 
 def cmd_export(args) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -26,8 +26,20 @@ def parse_model_specs(specs: list[str] | str) -> dict[str, str]:
         model_id, sep, spec = item.partition("=")
         if sep and (not model_id.strip() or not spec.strip()):
             raise ValueError(f"model {raw!r} must look like ID=PATH_OR_SPEC")
-        models[model_id.strip()] = spec.strip() if sep else model_id.strip()
+        add_model(models, model_id.strip(), spec.strip() if sep else model_id.strip())
     return models
+
+
+def add_model(models: dict[str, str], model_id: str, spec: str) -> None:
+    """models[model_id] = spec, refusing an id `models` already gives another spec: the later one
+    silently replaced the first, a built-in `minilm` included (the page then listed a 2-layer GPT
+    as minilm)."""
+    if models.get(model_id, spec) != spec:
+        raise ValueError(
+            f"model id {model_id!r} names two models ({models[model_id]} and {spec}); give each its own ID "
+            "(ID=PATH_OR_SPEC), or set MANYEYES_MODELS to replace the built-in ones"
+        )
+    models[model_id] = spec
 
 
 class Settings(BaseSettings):
@@ -199,6 +211,13 @@ class Settings(BaseSettings):
     @classmethod
     def _split_extra(cls, value):
         return parse_model_specs(value) if isinstance(value, (str, list)) else value
+
+    @model_validator(mode="after")
+    def _extra_models_add(self):
+        merged = dict(self.models)
+        for model_id, spec in self.extra_models.items():
+            add_model(merged, model_id, spec)
+        return self
 
     def all_models(self) -> dict[str, str]:
         return {**self.models, **self.extra_models}

@@ -135,3 +135,34 @@ def test_version_names_the_installed_package(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and re.fullmatch(r"manyeyes \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
+def test_serve_refuses_an_id_given_two_models_and_says_so_in_one_line(monkeypatch, capsys):
+    """`--model minilm=DIR` replaced the built-in MiniLM without a word (the page listed a 2-layer
+    GPT as minilm), and of `--model a=X --model a=Y` only Y was served."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    for flags in (["--model", "minilm=tiny-gpt"], ["--model", "a=tiny-gpt", "--model", "a=minilm"]):
+        assert main(["serve", "--port", str(free_port()), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: model id ") and "names two models" in err and err.count("\n") == 1, err
+    monkeypatch.setenv("MANYEYES_EXTRA_MODELS", "minilm=tiny-gpt")
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert "model id 'minilm' names two models (minilm and tiny-gpt)" in capsys.readouterr().err
+    monkeypatch.setenv("MANYEYES_EXTRA_MODELS", "x=tiny-gpt")  # a flag still wins over the variable's model of its id
+    assert main(["serve", "--port", str(free_port()), "--model", "x=minilm", "--model", "minilm=minilm"]) == 0
+
+
+def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(monkeypatch, capsys):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    monkeypatch.setenv("MANYEYES_MODELS", '{"a": ')  # was a pydantic_settings.SettingsError traceback
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err.startswith("error: MANYEYES_MODELS in the environment is not valid JSON (Expecting value")
+    monkeypatch.delenv("MANYEYES_MODELS")
+    monkeypatch.setenv("MANYEYES_CACHE_BYTE", "1000")  # ignored without a word: the server ran on the default
+    assert main(["serve", "--port", str(free_port())]) == 0
+    assert ("warning: MANYEYES_CACHE_BYTE is not a setting manyeyes reads (did you mean MANYEYES_CACHE_BYTES?)"
+            in capsys.readouterr().err)
