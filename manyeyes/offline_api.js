@@ -30,6 +30,10 @@ function weightsOf(from, count) {
   return out;
 }
 
+// The file holds float16 or 8-bit weights only: readings read those (a float32 fetch for each head
+// read would only put "not in this file" up).
+export const FLOAT32_READINGS = false;
+
 function offline(message) {
   return new ApiError(0, "offline", `${message} This page is an export of one run; \`manyeyes serve\` analyses new text.`);
 }

@@ -164,6 +164,9 @@ export function fetchMean(runId, layers, signal, format = "f16") {
   return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, withAuth, signal), {});
 }
 
+// Any head of a run comes as float32 too (format json): the page's readings are read from it.
+export const FLOAT32_READINGS = true;
+
 export function isTooLong(err) {
   return err.status === 422 && /long|length|max_tokens|positions/i.test(`${err.code} ${err.message}`);
 }

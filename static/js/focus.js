@@ -18,6 +18,7 @@ import { palette, scaled } from "./theme.js";
 export const ALL_LABELS = 64;
 const MAX_LABEL = 14;
 const ONE_COLUMN = window.matchMedia("(max-width: 1199px)"); // app.css's one-column layout
+const SETTLE_MS = 250; // after the last resize event, the viewport a phone's rotation ends in
 const PHONE = window.matchMedia("(max-width: 700px)"); // main.js's NARROW: the page scrolls to the views after each run
 const SCROLL_MARGIN = 6; // px: app.css's scroll-margin-top of .views
 const WINDOW_GAP = 24; // px left under the plot, at the window's foot
@@ -156,6 +157,9 @@ export class FocusView {
     this.reader = reader; // a polite live region: what the keyboard's cell cursor reads
     this.cursor = null; // { row, col } of the keyboard's cell cursor (view indices), while in use
     this.readingAt = null; // { x, y }: the client point whose cell the tooltip reads, while it does
+    // (query, key) -> the weight in float32, or undefined until it is here (main.js asks for it
+    // then, and calls refreshReading): null where the cells drawn are float32 already.
+    this.exactReading = null;
     this.current = null;
     this.listening = false;
     this.filename = "manyeyes";
@@ -183,9 +187,15 @@ export class FocusView {
     // Plotly's own resize (config.responsive) stretches the axes it has: the height, the margins
     // and, across the phone width, the side the keys are labelled on would wait for the next step.
     this.refitFrame = 0;
+    this.settleTimer = 0;
     window.addEventListener("resize", () => {
       cancelAnimationFrame(this.refitFrame);
       this.refitFrame = requestAnimationFrame(() => this.refit());
+      // A phone turned back upright reports, in its resize event, the zoomed-out viewport its wide
+      // plot had made (819 x 1773 for 390 x 844), then settles with no further event: fitted to the
+      // first, the plot stayed 720 px tall with blank bands until the next head.
+      clearTimeout(this.settleTimer);
+      this.settleTimer = setTimeout(() => this.refit(), SETTLE_MS);
     });
   }
 
@@ -564,11 +574,20 @@ export class FocusView {
     const { row: r, col: c } = cell;
     const q = view.rows[r];
     const k = view.cols[c];
-    const reading = view.masked(r, c) ? "masked" : weightText(view.values[r * view.cols.length + c], floor);
+    // The cells are drawn from float16 (or 8-bit) values, which a reading's third decimal, or a
+    // tiny weight's digits (float16 holds 1.2e-7 for 9.2e-8), would show: it reads float32.
+    const exact = view.masked(r, c) ? undefined : this.exactReading?.(q, k);
+    const reading = view.masked(r, c) ? "masked"
+      : exact !== undefined ? weightText(exact) : weightText(view.values[r * view.cols.length + c], floor);
     const spans = this.spans ? `\n${this.spans(q)} → ${this.spans(k)}` : "";
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;
     this.showTooltip(`${labels[q]} → ${labels[k]}: ${reading}${spans}`, clientX, clientY);
+  }
+
+  // The float32 values came: the reading on screen, if any, reads them.
+  refreshReading() {
+    if (this.readingAt && !this.tooltip.hidden) this.showReading(this.readingAt.x, this.readingAt.y);
   }
 
   // The tooltip beside a client-space point; under the keyboard's cursor, its first line is read out.

@@ -2,7 +2,7 @@
 // Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention, requestFile } from "./api.js";
+import { FLOAT32_READINGS, describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention, requestFile } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO } from "./focus.js";
@@ -99,8 +99,9 @@ function showError(message, source = "run") {
   box.textContent = message;
   box.hidden = !message;
   box.dataset.source = source;
-  // With no run behind it, the made-up example must not look like a result of the failed input.
-  if (message && !state.run) focus.clear("The example is hidden: the run above failed.");
+  // With no run behind it, the made-up example must not look like a result of the failed input
+  // (a mistake in the form ran nothing: source "form").
+  if (message && !state.run && source === "run") focus.clear("The example is hidden: the run above failed.");
 }
 
 // The spinner is for the eye; screen readers hear the always-present status line, which a region
@@ -182,7 +183,12 @@ async function fromRun(run, key, fetcher, reposted = null) {
     if (state.run === run) viewsLoaded();
     return answer;
   } catch (err) {
-    if (err.name !== "AbortError" && state.run === run) showError(explain(err), "views");
+    if (err.name !== "AbortError" && state.run === run) {
+      showError(explain(err), "views");
+      if ($("focus-plot").hasAttribute("data-stale")) {
+        $("focus-caption").textContent = "This view's values could not be loaded (see above): the faded heatmap is the last view's.";
+      }
+    }
     return null;
   } finally {
     pending.delete(key);
@@ -243,7 +249,22 @@ async function loadFloat32() {
       { format: "json", post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format: "json" }, signal) });
   if (!reply || state.run !== run) return;
   run.float32.set(key, reply.attention.decoded.values);
-  if (float32Key() === key) renderViews();
+  if (float32Key() !== key) return;
+  if (renormalises(viewOptions())) renderViews();
+  else focus.refreshReading();
+}
+
+// Readings of the focused view in float32 (focus.exactReading): fetched when a cell is first read.
+function exactReadings(run, precision) {
+  if (precision === "f32" || !FLOAT32_READINGS) return null;
+  const key = float32Key();
+  const n = run.tokens.length;
+  return (query, k) => {
+    const values = run.float32.get(key);
+    if (values) return values[query * n + k];
+    loadFloat32();
+    return undefined;
+  };
 }
 
 // Where run.float32 keeps what the focused view reads when it renormalises.
@@ -329,8 +350,14 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   const run = state.run;
   const token = ++state.renderToken;
   panelTitles();
-  if (run.long) return renderLongViews(token, withHeadView);
+  if (run.long) {
+    $("focus-plot").removeAttribute("data-stale");
+    return renderLongViews(token, withHeadView);
+  }
   const focused = focusMatrix();
+  // Until its values come the plot still shows the last view under the new one's heading: faded,
+  // so that it does not read as the new view (nor, if they never come, stay as if it were).
+  $("focus-plot").toggleAttribute("data-stale", !focused);
   if (!focused) {
     $("focus-caption").textContent = "Loading exact values…";
     return;
@@ -342,6 +369,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   }
   const names = labels();
   focus.spans = (i) => `“${run.tokens[i].text}”`;
+  focus.exactReading = exactReadings(run, focused.precision);
   await focus.render({
     view, labels: names.labels, title: focusTitle(), filename: fileStem(), exportCaption: exportCaption(),
     scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`, floor: zeroFloor(focused.precision),
@@ -397,6 +425,7 @@ async function renderLongViews(token, withHeadView) {
   }
   if (token !== state.renderToken) return;
   focus.spans = (i) => `“${run.tokens[i].text}”`;
+  focus.exactReading = null; // a long run's readings come from its tiles (long_focus.js)
   await focus.renderLong({
     run, layer: state.layer, head, base: base?.tile, peak: base?.peak ?? 0, labels: labels().labels, title: focusTitle(),
     filename: fileStem(), exportCaption: exportCaption(), scale: state.scale, revision: `${run.runId}:long`,
@@ -429,9 +458,10 @@ function caption(run, view) {
   const count = shown === run.T ? tokenCount(run.T) : `${view.rows.length} × ${view.cols.length} of ${tokenCount(run.T)} shown`;
   const parts = [`${count}${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
   parts.push(maskWords(run, focusMask()));
-  if (state.hideSpecial) parts.push("special tokens hidden");
+  const specials = run.tokens.some((t) => t.special); // tiny-gpt's and tiny-llama's runs have none
+  if (state.hideSpecial) parts.push(specials ? "special tokens hidden" : "no special tokens to hide");
   if (state.hideFirst) parts.push("first token hidden");
-  if (state.hideSpecial || state.hideFirst) parts.push("rows renormalised");
+  if ((state.hideSpecial && specials) || state.hideFirst) parts.push("rows renormalised");
   if (state.threshold > 0) parts.push(`weights under ${state.threshold.toFixed(2)} shown as 0`);
   if (state.scale === "fixed") parts.push("colour: fixed 0–1");
   if (state.scale === "log") parts.push("colour: log scale");
@@ -660,13 +690,13 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   if (!state.models.length) {
     // The model list never came (a refused key, a server gone): a run here crashed on no model
     // and left the page busy for good.
-    showError("The page has no model list from the server: reload the page (and give the API key if it asks).");
+    showError("The page has no model list from the server: reload the page (and give the API key if it asks).", "form");
     return;
   }
   const text = $("text").value;
   const pair = $("pair").value;
   if (!text.trim()) {
-    showError("Type a sentence first.");
+    showError("Type a sentence first.", "form");
     $("text").setAttribute("aria-invalid", "true");
     $("text").focus();
     return;

@@ -233,3 +233,38 @@ def test_the_head_view_keeps_keyboard_focus_while_it_scrolls(server, page):
         page.keyboard.press("ArrowDown")
     assert page.evaluate("() => document.activeElement.dataset.index") == "45"
     assert page.locator(".hv-left li.active").get_attribute("data-index") == "45"
+
+
+def js_weight_text(value: float) -> str:
+    """focus.js weightText for a float32 value: three decimals, or two significant digits under 0.0005."""
+    return f"{value:.3f}" if value == 0 or abs(value) >= 0.0005 else f"{value:.2g}"
+
+
+def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, api, page):
+    """Cells are drawn from float16, and readings said so: 1.2e-7 for a weight of 9.2e-8 (float16
+    holds no two digits there) and 0.150 for 0.1495, in 3-5% of a run's cells (a review by use)."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    tokens, weights = api_attention(api, SENTENCE, layers=[0], heads=[2])
+    T = len(tokens)
+    head = weights.reshape(T, T)
+    assert head.min() < 6e-5  # float16 subnormals: where its digits were made up
+    for _ in range(2):
+        page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=0, head=2)
+    page.keyboard.press("Shift+ArrowRight")
+    reading(page, 0, 0)
+    page.wait_for_load_state("networkidle")  # the float32 head, asked for by the first reading
+    readings = []
+    for row in range(T):  # every cell, walked as a snake: right along even rows, left along odd ones
+        for step in range(T):
+            if step:
+                page.keyboard.press("Shift+ArrowRight" if row % 2 == 0 else "Shift+ArrowLeft")
+            elif row:
+                page.keyboard.press("Shift+ArrowDown")
+            col = step if row % 2 == 0 else T - 1 - step
+            page.wait_for_selector(f"#tooltip[data-query='{row}'][data-key='{col}']", state="visible")
+            readings.append((row, col, page.locator("#cell-reading").text_content().rsplit(": ", 1)[1]))
+    wrong = [(r, c, got, js_weight_text(float(head[r, c]))) for r, c, got in readings
+             if float(got) != float(js_weight_text(float(head[r, c])))]
+    assert len(readings) == T * T and wrong == []

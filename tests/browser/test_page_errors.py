@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from tests.browser.conftest import serving
 from tests.browser.test_page import SENTENCE, open_page, run, submit, wait_focus, wait_grid
 
 pytestmark = pytest.mark.browser
@@ -96,3 +97,45 @@ def test_the_model_list_is_asked_for_once_per_page(server, page, watched):
     run(page, SENTENCE)
     page.wait_for_load_state("networkidle")  # the predictions strip and Generate have asked by now
     assert len([u for u in watched.requests if u.endswith("/api/v1/models")]) == 1
+
+
+def test_a_view_whose_values_cannot_load_fades_the_last_one_and_says_so(server, page):
+    """With the server gone, "Mean of all heads" kept the single head's heatmap (title, readings)
+    under the new heading, and "Loading exact values…" for good."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    page.route(re.compile(r".*/api/v1/runs/.*"), lambda route: route.abort("connectionrefused"))
+    page.select_option("#aggregate", "all")
+    page.locator("#error").wait_for(state="visible")
+    plot = page.locator("#focus-plot")
+    assert plot.get_attribute("data-stale") is not None and plot.get_attribute("data-aggregate") == "head"
+    assert float(plot.evaluate("p => getComputedStyle(p).opacity")) < 0.5
+    page.wait_for_function("() => document.getElementById('focus-caption').textContent.startsWith("
+                           "\"This view's values could not be loaded\")")
+    page.unroute(re.compile(r".*/api/v1/runs/.*"))
+    page.select_option("#aggregate", "head")
+    page.wait_for_selector("#focus-plot[data-aggregate=head]:not([data-stale])")
+    assert re.match(r"\d+ tokens · model minilm", page.locator("#focus-caption").text_content())
+
+
+def test_an_empty_text_is_a_mistake_in_the_form_not_a_failed_run(server, page):
+    """It said "The example is hidden: the run above failed" where nothing had run."""
+    open_page(page, server)
+    page.fill("#text", "   ")
+    page.press("#text", "Enter")
+    page.locator("#error").wait_for(state="visible")
+    assert page.locator("#error").text_content() == "Type a sentence first."
+    assert "failed" not in page.locator("#focus-caption").text_content()
+    assert page.locator("#focus-plot").get_attribute("data-example") == "true"
+
+
+def test_hiding_special_tokens_of_a_run_that_has_none_says_so(page):
+    """The caption said "special tokens hidden · rows renormalised" over tiny-gpt's unchanged weights."""
+    with serving({"tiny-gpt": "tiny-gpt"}) as base:
+        open_page(page, base)
+        run(page, "The cat sat.", model="tiny-gpt")
+        page.check("#hide-special")
+        page.wait_for_function("() => document.getElementById('focus-caption').textContent.includes('no special tokens to hide')")
+        caption = page.locator("#focus-caption").text_content()
+    assert "renormalised" not in caption and "special tokens hidden" not in caption

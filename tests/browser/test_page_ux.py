@@ -400,6 +400,38 @@ def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artif
     assert all(urlsplit(u).hostname in LOOPBACK for u in requests if u.startswith("http"))
 
 
+def test_a_phone_turned_sideways_and_back_refits_and_its_readings_stay_on_screen(server, browser):
+    """Turned back upright, the plot stayed 720 px tall with blank bands (the resize event reports
+    the zoomed-out viewport the wide plot had made, 819 x 1773, then settles with no other event);
+    and a causal model's predictions line ran off the right edge, widening the page."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True, device_scale_factor=2)
+    try:
+        page = context.new_page()
+        open_page(page, server)
+        run(page, "The cat sat on the mat and looked at the dog.", model="tiny-causal")
+        page.wait_for_timeout(500)
+        height = page.evaluate("() => document.getElementById('focus-plot').getBoundingClientRect().height")
+        assert height < 500, height
+        page.set_viewport_size({"width": 844, "height": 390})
+        page.wait_for_timeout(800)
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.wait_for_function("(h) => document.getElementById('focus-plot').getBoundingClientRect().height === h",
+                               arg=height, timeout=5_000)
+        for row, col in ((5, 2), (12, 0)):
+            cell = page.evaluate("""([r, c]) => { const gd = document.getElementById('focus-plot');
+                const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+                return [box.left + gd._fullLayout.xaxis.l2p(c), box.top + gd._fullLayout.yaxis.l2p(r)]; }""", [row, col])
+            page.touchscreen.tap(*cell)
+            tip = page.locator(f"#tooltip[data-query='{row}'][data-key='{col}']")
+            tip.wait_for(state="visible", timeout=5000)
+            assert "next after" in tip.text_content()
+            box = tip.bounding_box()
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 390, box
+            assert page.evaluate("() => [innerWidth, document.documentElement.scrollWidth]") == [390, 390]
+    finally:
+        context.close()
+
+
 # ---- 9. smaller things ----------------------------------------------------------------------------
 
 
