@@ -87,6 +87,9 @@ def cmd_attend(args) -> int:
         return 2
     if _outside(info, args.layer, args.head):
         return 2
+    view = _json_view(info, args) if args.json else None
+    if args.json and view is None:
+        return 2
     started = time.perf_counter()
     encoded = model.encode(args.text, args.pair, truncate=args.truncate)
     tokenized = time.perf_counter()
@@ -96,7 +99,7 @@ def cmd_attend(args) -> int:
     result = model.run([encoded], Capture(keep=True) if long else Capture())[0]
     timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized, "wait": 0.0}
     if args.json:
-        return _print_json(model, args, result, timing, settings.dense_max_tokens)
+        return _print_json(model, args, view, result, timing, settings.dense_max_tokens)
     heads = result.kept if long else DenseAttention(result.attention)
     texts = [_shown(t.text) for t in result.tokens]
     print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
@@ -139,25 +142,33 @@ def _print_predictions(model, result, texts: list[str], top_k: int) -> None:
         print(f"  [{pos}]{texts[pos]} -> " + ", ".join(f"{p.token!r} {p.prob:.3f}" for p in preds))
 
 
-def _print_json(model, args, result, timing: dict, dense_max_tokens: int) -> int:
-    """The exact body POST /api/v1/attention returns for the same text and options (with its
-    default "keep": "auto"): past dense_max_tokens, `attention: null` and the routes that would
-    serve the run's heads."""
-    from manyeyes.app.services.attention import parse_index_list, predictions_body, resolve_indices
-    from manyeyes.app.services.cache import Run, run_id_for
+def _json_view(info, args):
+    """The --json answer's layers, heads and format, or None after one line saying what is wrong
+    (before the forward pass, as the API refuses them)."""
+    from manyeyes.app.services.attention import parse_index_list, resolve_indices
     from manyeyes.app.services.errors import ApiError
-    from manyeyes.app.services.payload import View, render_kept, render_result
+    from manyeyes.app.services.payload import View
 
-    info = model.info
     try:
-        view = View(
+        return View(
             resolve_indices(parse_index_list([args.layers] if args.layers else None, "layer"), info.n_layers, "layer", info.id),
             resolve_indices(parse_index_list([args.heads] if args.heads else None, "head"), info.n_heads, "head", info.id),
             args.format,
         )
     except ApiError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+        return None
+
+
+def _print_json(model, args, view, result, timing: dict, dense_max_tokens: int) -> int:
+    """The exact body POST /api/v1/attention returns for the same text and options (with its
+    default "keep": "auto"): past dense_max_tokens, `attention: null` and the routes that would
+    serve the run's heads."""
+    from manyeyes.app.services.attention import predictions_body
+    from manyeyes.app.services.cache import Run, run_id_for
+    from manyeyes.app.services.payload import render_kept, render_result
+
+    info = model.info
     run_id = run_id_for(info.id, args.text, args.pair, args.truncate)
     run = Run(run_id, info.id, result.tokens, result.truncated, result.attention, result.top_ids, result.top_probs,
               result.kept)

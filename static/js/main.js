@@ -259,11 +259,15 @@ function exactReadings(run, precision) {
   if (precision === "f32" || !FLOAT32_READINGS) return null;
   const key = float32Key();
   const n = run.tokens.length;
+  const threshold = state.threshold;
   return (query, k) => {
     const values = run.float32.get(key);
-    if (values) return values[query * n + k];
-    loadFloat32();
-    return undefined;
+    if (!values) {
+      loadFloat32();
+      return undefined;
+    }
+    // A weight the threshold draws as 0 reads as the cell does ("< 0.10").
+    return values[query * n + k] < threshold ? undefined : values[query * n + k];
   };
 }
 

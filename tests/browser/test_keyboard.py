@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
-from tests.browser.test_page import SENTENCE, api_attention, open_page, run, wait_focus, wait_grid, wait_saved
+from tests.browser.test_page import SENTENCE, api_attention, hover_cell, open_page, run, wait_focus, wait_grid, wait_saved
 
 pytestmark = pytest.mark.browser
 
@@ -268,3 +269,12 @@ def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, ap
     wrong = [(r, c, got, js_weight_text(float(head[r, c]))) for r, c, got in readings
              if float(got) != float(js_weight_text(float(head[r, c])))]
     assert len(readings) == T * T and wrong == []
+    # Under a threshold a cut weight reads as its cell is drawn, not as its float32 value.
+    page.locator("#threshold").fill("0.2")
+    page.wait_for_function("() => document.getElementById('threshold-value').textContent === '0.20'")
+    page.wait_for_timeout(300)
+    row = T - 1
+    cut, kept = int(np.argmin(head[row])), int(np.argmax(head[row]))
+    assert head[row, cut] < 0.2 <= head[row, kept]
+    assert hover_cell(page, row, cut).endswith(": < 0.20")
+    assert hover_cell(page, row, kept).endswith(f": {js_weight_text(float(head[row, kept]))}")
