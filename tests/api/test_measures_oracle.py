@@ -190,7 +190,7 @@ def test_logit_attribution_matches_its_definition(client, name):
         assert len(got["heads"]) == info.n_layers * info.n_heads
         for row in got["heads"]:
             assert row["contribution"] == pytest.approx(heads[(row["layer"], row["head"])], abs=1e-4), row
-        ordered = [row["contribution"] for row in got["heads"]]
+        ordered = [abs(row["contribution"]) for row in got["heads"]]  # the largest effect first, up or down
         assert ordered == sorted(ordered, reverse=True)
         assert float(normed(hooks.block_in[0][position]) @ u) == pytest.approx(got["embeddings"], abs=1e-4)
         for layer in range(info.n_layers):
