@@ -50,6 +50,7 @@ RTOL = 1e-3
 # carrying run ids. Precision is asserted where it matters (test_*_precision, kept_quantised tests).
 VOLATILE = frozenset({"run_id", "timing_ms", "device", "links", "precision", "nbytes"})
 RANKED_BY = ("prob", "divergence", "contribution")  # lists sorted by these may swap near-tied items
+RANKED_BY_SIZE = ("contribution",)  # logit attribution ranks heads by |contribution|
 
 
 # ---------------------------------------------------------------------------- the two apps
@@ -140,18 +141,22 @@ def compare_arrays(got: dict, want: dict, path: str) -> None:
 
 
 def compare_ranked(got: list, want: list, path: str, value: str) -> None:
-    """Best-first lists (predictions, rankings, attributions): the values position by position;
-    an item may change place only with one whose value ties with it within tolerance."""
+    """Best-first lists (predictions, rankings, attributions): the ranking key position by
+    position; an item may change place only with one whose key ties with it within tolerance.
+    Attributions rank by size, up or down (a head at +0.3 may swap with one at -0.3)."""
     assert len(got) == len(want), f"{at(path)}: accelerator has {len(got)} items, cpu {len(want)}"
     ident = lambda item: tuple((k, item[k]) for k in ("id", "layer", "head") if k in item)  # noqa: E731
+    rank = (lambda item: abs(item[value])) if value in RANKED_BY_SIZE else (lambda item: item[value])  # noqa: E731
     for i, (g, w) in enumerate(zip(got, want)):
-        assert close(g[value], w[value]), f"{at(path, f'[{i}].{value}')}: accelerator {g[value]!r} != cpu {w[value]!r}"
+        assert close(rank(g), rank(w)), f"{at(path, f'[{i}].{value}')}: accelerator {g[value]!r} != cpu {w[value]!r}"
         if ident(g) == ident(w):
             compare(g, w, f"{path}[{i}]")
             continue
         tied = [j for j, other in enumerate(want) if ident(other) == ident(g)]
-        at_edge = not tied and close(w[value], want[-1][value])  # tied with the last: cut either way
-        assert at_edge or (tied and close(want[tied[0]][value], w[value])), (
+        at_edge = not tied and close(rank(w), rank(want[-1]))  # tied with the last: cut either way
+        if tied:
+            compare(g, want[tied[0]], f"{path}[{i}]")  # the same item, wherever the cpu ranked it
+        assert at_edge or (tied and close(rank(want[tied[0]]), rank(w))), (
             f"{at(path, f'[{i}]')}: accelerator ranks {ident(g)} ({g[value]!r}) where cpu ranks {ident(w)} ({w[value]!r}); not a tie")
 
 
@@ -450,6 +455,11 @@ def test_the_comparer_lets_ranked_items_swap_only_on_a_tie():
     compare([want[1], want[0], want[2]], want, "predictions")
     with pytest.raises(AssertionError, match="predictions"):
         compare([want[0], {"id": 4, "prob": 0.1}, {"id": 3, "prob": 0.1}], want, "predictions")
+    heads = [{"layer": 0, "head": 1, "contribution": 0.3}, {"layer": 1, "head": 0, "contribution": -0.3},
+             {"layer": 0, "head": 0, "contribution": 0.1}]
+    compare([heads[1], heads[0], heads[2]], heads, "heads")  # a tie in size, up and down
+    with pytest.raises(AssertionError, match="heads"):
+        compare([heads[0], heads[2], heads[1]], heads, "heads")
 
 
 def test_the_comparer_refuses_extra_keys_and_other_types():
