@@ -310,15 +310,13 @@ def _served_models(settings, flags: list[dict[str, str]]) -> dict[str, str]:
     """The extra models: MANYEYES_EXTRA_MODELS, then each --model, which wins over the variable's
     model of its id. ValueError for an id that two flags, or a flag and a configured model (a
     built-in), give different specs."""
-    from manyeyes.app.config import add_model
+    from manyeyes.app.config import add_model, check_added
 
     given: dict[str, str] = {}
     for flag in flags:
         for model_id, spec in flag.items():
             add_model(given, model_id, spec)
-    configured = dict(settings.models)
-    for model_id, spec in given.items():
-        add_model(configured, model_id, spec)
+    check_added(settings.models, given)
     return {**settings.extra_models, **given}
 
 

@@ -42,6 +42,13 @@ def add_model(models: dict[str, str], model_id: str, spec: str) -> None:
     models[model_id] = spec
 
 
+def check_added(models: dict[str, str], added: dict[str, str]) -> None:
+    """ValueError where `added` (extra models) gives one of `models`' ids another spec."""
+    merged = dict(models)
+    for model_id, spec in added.items():
+        add_model(merged, model_id, spec)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MANYEYES_", extra="ignore")
 
@@ -214,9 +221,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _extra_models_add(self):
-        merged = dict(self.models)
-        for model_id, spec in self.extra_models.items():
-            add_model(merged, model_id, spec)
+        check_added(self.models, self.extra_models)
         return self
 
     def all_models(self) -> dict[str, str]:

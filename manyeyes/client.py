@@ -91,7 +91,7 @@ ERRORS_BY_STATUS = {401: Unauthorized, 422: InvalidRequest, 404: NotFound, 413: 
 
 
 def error_from_response(response: httpx.Response) -> ManyeyesError:
-    code, message, body = f"http_{response.status_code}", response.reason_phrase or "request failed", None
+    code, message = f"http_{response.status_code}", response.reason_phrase or "request failed"
     try:
         body = response.json()
         code, message = body["error"]["code"], body["error"]["message"]

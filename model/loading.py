@@ -217,10 +217,10 @@ def _unloadable(path: Path, exc: Exception) -> str:
     weights_only=False or add_safe_globals (code execution for a hostile file) and, for a file
     that is no checkpoint at all, says "101" (a KeyError) or nothing."""
     with open(path, "rb") as f:
-        head = f.read(4)
-    if not head:
+        first = f.read(1)
+    if not first:
         return "the file is empty"
-    if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # torch.save writes a zip; older ones a pickle
+    if first != b"\x80" and not zipfile.is_zipfile(path):  # torch.save writes a zip; older ones a pickle (0x80)
         return "not a file torch.save wrote"
     text = str(exc)
     pickled = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)

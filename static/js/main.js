@@ -254,16 +254,19 @@ async function loadFloat32() {
   else focus.refreshReading();
 }
 
-// Readings of the focused view in float32 (focus.exactReading): fetched when a cell is first read.
+// Readings of the focused view in float32 (focus.exactReading): fetched when a cell is first read,
+// once per view drawn (after a failure every move of the pointer had asked again).
 function exactReadings(run, precision) {
   if (precision === "f32" || !FLOAT32_READINGS) return null;
   const key = float32Key();
   const n = run.tokens.length;
   const threshold = state.threshold;
+  let asked = false;
   return (query, k) => {
     const values = run.float32.get(key);
     if (!values) {
-      loadFloat32();
+      if (!asked) loadFloat32();
+      asked = true;
       return undefined;
     }
     // A weight the threshold draws as 0 reads as the cell does ("< 0.10").

@@ -139,3 +139,25 @@ def test_hiding_special_tokens_of_a_run_that_has_none_says_so(page):
         page.wait_for_function("() => document.getElementById('focus-caption').textContent.includes('no special tokens to hide')")
         caption = page.locator("#focus-caption").text_content()
     assert "renormalised" not in caption and "special tokens hidden" not in caption
+
+
+def test_a_failed_float32_head_is_asked_for_once_per_view_not_at_every_reading(server, page):
+    """Readings ask for the head's float32 values; when that failed, every cell the pointer crossed
+    asked again (and put the error up again)."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    asked = []
+    page.route(re.compile(r".*/api/v1/runs/.*format=json.*"),
+               lambda route: (asked.append(route.request.url), refuse(route, 503, "busy", "the server is busy")))
+    page.locator("#focus-plot").focus()
+    for col in range(6):  # six readings, by the keyboard's cell cursor (the error banner moves the plot)
+        page.keyboard.press("Shift+ArrowRight")
+        page.wait_for_selector(f"#tooltip[data-query='0'][data-key='{col}']", state="visible")
+        page.wait_for_timeout(100)
+    assert len(asked) == 1, asked
+    page.unroute(re.compile(r".*/api/v1/runs/.*format=json.*"))
+    page.keyboard.press("ArrowRight")  # another view: its readings ask for its own values, once
+    wait_focus(page, head=1)
+    page.keyboard.press("Shift+ArrowDown")
+    page.locator("#error").wait_for(state="hidden")

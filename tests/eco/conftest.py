@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.browser.conftest import browser  # noqa: F401  chromium for the export's and the figures' files
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

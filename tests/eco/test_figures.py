@@ -222,39 +222,29 @@ def test_the_readme_figures_example_runs_as_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.browser
-def test_tokens_that_look_like_markup_are_drawn_as_written(tmp_path):
+def test_tokens_that_look_like_markup_are_drawn_as_written(browser, tmp_path):
     """Plotly reads a small HTML subset in labels and hovers: every Llama's and RoBERTa's `<s>`
     drew as an empty label, `<b>x</b>` as a bold x and `a&amp;b` as `a&b`. Drawn in chromium."""
-    from playwright.sync_api import sync_playwright
-
-    from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
-
-    if not CHROMIUM.exists():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{CHROMIUM} is missing")
-        pytest.skip(f"{CHROMIUM} is missing")
     texts = ["<s>", "<b>bold</b>", "a&amp;b", "x<br>y", "</s>"]
     n = len(texts)
     result = _result(np.full((1, 1, n, n), 1 / n, dtype=np.float32), texts)
     path = tmp_path / "markup.html"
     figures.to_html(figures.heatmap(result, 0, 0), str(path))
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.goto(path.as_uri())
-            page.wait_for_selector(".xtick text", state="attached")
-            for axis in ("xtick", "ytick"):
-                drawn = page.eval_on_selector_all(f".{axis} text", "els => els.map(e => e.textContent)")
-                assert drawn == texts, (axis, drawn)
-            assert page.eval_on_selector_all(".xtick text b, .xtick text tspan[style*=line-through]", "els => els.length") == 0
-            figures.to_html(figures.head_view(result, 0), str(path))
-            page.goto(path.as_uri())
-            page.wait_for_selector(".textpoint text", state="attached")
-            drawn = page.eval_on_selector_all(".textpoint text", "els => els.map(e => e.textContent)")
-            assert drawn == texts * 2, drawn
-        finally:
-            browser.close()
+    page = browser.new_page()
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".xtick text", state="attached")
+        for axis in ("xtick", "ytick"):
+            drawn = page.eval_on_selector_all(f".{axis} text", "els => els.map(e => e.textContent)")
+            assert drawn == texts, (axis, drawn)
+        assert page.eval_on_selector_all(".xtick text b, .xtick text tspan[style*=line-through]", "els => els.length") == 0
+        figures.to_html(figures.head_view(result, 0), str(path))
+        page.goto(path.as_uri())
+        page.wait_for_selector(".textpoint text", state="attached")
+        drawn = page.eval_on_selector_all(".textpoint text", "els => els.map(e => e.textContent)")
+        assert drawn == texts * 2, drawn
+    finally:
+        page.close()
 
 
 def test_a_short_run_is_not_drawn_tiny_and_long_labels_are_cut_outside_their_escapes():
