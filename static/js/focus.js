@@ -34,14 +34,16 @@ export function shortLabel(text) {
 }
 
 // A weight as a reading gives it: `digits` decimals, or two significant digits where those would
-// read 0 (2e-5 is not none). A 0 reads as under `floor`, the largest weight the values shown hold
-// as 0 (a threshold's, or the precision's rounding), when that is above 0.
+// read 0 (2e-5 is not none), written with an exponent under 1e-4, where toPrecision would count
+// zeros down to 1e-6 (0.0000048). A 0 reads as under `floor`, the largest weight the values
+// shown hold as 0 (a threshold's, or the precision's rounding), when that is above 0.
 // float16 rounds weights under 2^-25 to 0.
 export const F16_ZERO = 2 ** -25;
 
 export function weightText(value, floor = 0, digits = 3) {
   if (value === 0 && floor > 0) return `< ${floor.toPrecision(2)}`;
-  return value === 0 || Math.abs(value) >= 0.5 * 10 ** -digits ? value.toFixed(digits) : value.toPrecision(2);
+  if (value === 0 || Math.abs(value) >= 0.5 * 10 ** -digits) return value.toFixed(digits);
+  return Math.abs(value) >= 1e-4 ? value.toPrecision(2) : value.toExponential(1);
 }
 
 // The index range [lo, hi] an axis shows (the whole axis unless zoomed).

@@ -64,12 +64,12 @@ def ranking_rows(page, container):
 
 def weight_text(value: float, digits: int = 4) -> str:
     """focus.js weightText(value, 0, digits): `digits` decimals, or two significant digits for a
-    value those would print as 0 (JavaScript's toPrecision(2): fixed from 1e-6 up, else 3.0e-7)."""
+    value those would print as 0 (fixed from 1e-4 up, else 3.0e-7)."""
     if value == 0 or abs(value) >= 0.5 * 10 ** -digits:
         return f"{value:.{digits}f}"
     mantissa, exponent = f"{value:.1e}".split("e")
     exponent = int(exponent)
-    return f"{mantissa}e{exponent}" if exponent < -6 else f"{value:.{1 - exponent}f}"
+    return f"{value:.{1 - exponent}f}" if abs(value) >= 1e-4 else f"{mantissa}e{exponent}"
 
 
 def api_ranking(ranking, limit=12):

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from tests.browser.test_experiments_ui import weight_text
 from tests.browser.test_page import SENTENCE, api_attention, hover_cell, open_page, run, wait_focus, wait_grid, wait_saved
 
 pytestmark = pytest.mark.browser
@@ -236,9 +237,17 @@ def test_the_head_view_keeps_keyboard_focus_while_it_scrolls(server, page):
     assert page.locator(".hv-left li.active").get_attribute("data-index") == "45"
 
 
-def js_weight_text(value: float) -> str:
-    """focus.js weightText for a float32 value: three decimals, or two significant digits under 0.0005."""
-    return f"{value:.3f}" if value == 0 or abs(value) >= 0.0005 else f"{value:.2g}"
+def test_small_weights_read_with_an_exponent_not_a_row_of_zeros(server, page):
+    """toPrecision(2) wrote weights from 1e-6 to 1e-4 with their zeros (0.0000048, a review by use)
+    and smaller ones with an exponent (4.8e-7): one form now from 1e-4 down."""
+    open_page(page, server)
+    values = [0, 0.25, 0.0004812, 9.96e-5, 4.8e-5, 4.8e-6, 4.8e-7, 3e-12]
+    shown = page.evaluate("""async (values) => {
+        const { weightText } = await import('/static/js/focus.js');
+        return values.map((v) => weightText(v));
+    }""", values)
+    assert shown == ["0.000", "0.250", "0.00048", "1.0e-4", "4.8e-5", "4.8e-6", "4.8e-7", "3.0e-12"]
+    assert shown == [weight_text(v, digits=3) for v in values]
 
 
 def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, api, page):
@@ -266,8 +275,8 @@ def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, ap
             col = step if row % 2 == 0 else T - 1 - step
             page.wait_for_selector(f"#tooltip[data-query='{row}'][data-key='{col}']", state="visible")
             readings.append((row, col, page.locator("#cell-reading").text_content().rsplit(": ", 1)[1]))
-    wrong = [(r, c, got, js_weight_text(float(head[r, c]))) for r, c, got in readings
-             if float(got) != float(js_weight_text(float(head[r, c])))]
+    wrong = [(r, c, got, weight_text(float(head[r, c]), digits=3)) for r, c, got in readings
+             if float(got) != float(weight_text(float(head[r, c]), digits=3))]
     assert len(readings) == T * T and wrong == []
     # Under a threshold a cut weight reads as its cell is drawn, not as its float32 value.
     page.locator("#threshold").fill("0.2")
@@ -277,4 +286,4 @@ def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, ap
     cut, kept = int(np.argmin(head[row])), int(np.argmax(head[row]))
     assert head[row, cut] < 0.2 <= head[row, kept]
     assert hover_cell(page, row, cut).endswith(": < 0.20")
-    assert hover_cell(page, row, kept).endswith(f": {js_weight_text(float(head[row, kept]))}")
+    assert hover_cell(page, row, kept).endswith(f": {weight_text(float(head[row, kept]), digits=3)}")
