@@ -344,7 +344,7 @@ TRAIN_OPTIONS = {  # option: (type, help); None means "TrainConfig's default, or
     "ff_dim": (int, "llama: SwiGLU hidden width (default 8/3 of --emb-dim, rounded up to 32)"),
     "rope_theta": (float, "llama: RoPE base wavelength (default 10000)"),
     "attention_bias": (bool, "llama: biases on the q, k, v and o projections (HF attention_bias), a constant that rotary heads can aim by position"),
-    "init_from": (str, "start from the weights of a folder manyeyes train wrote (same shapes; its tokenizer is reused)"),
+    "init_from": (str, "start from the weights of a folder manyeyes train wrote; its --arch, shape options and tokenizer are reused (a llama may change --context)"),
 }
 
 

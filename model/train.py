@@ -101,7 +101,9 @@ class TrainConfig:
     ff_dim: int | None = None  # llama: SwiGLU hidden width; default 8/3 of emb_dim rounded up to 32
     rope_theta: float = 10000.0  # llama: RoPE base wavelength
     attention_bias: bool = False  # llama: biases on q, k, v and o (HF attention_bias)
-    init_from: Path | None = None  # start from the weights of a folder this command wrote (same shapes); reuses its tokenizer
+    # Start from the weights of a folder this command wrote; its --arch, shape and tokenizer are
+    # reused (CARD_SHAPE), so only what changes need be given.
+    init_from: Path | None = None
 
     def __post_init__(self):
         positive = ("layers", "heads", "emb_dim", "steps", "batch_size")
@@ -192,6 +194,11 @@ def make_config(options: dict, resume: bool = False) -> TrainConfig:
     if unknown:
         raise TrainError(f"unknown training option(s): {', '.join(unknown)}")
     if not resume:
+        if "init_from" in given:
+            inherited = _init_shape(given["init_from"])
+            # Another --arch than the folder's: nothing to take; _init_tokenizer names the mismatch.
+            if given.get("arch", inherited.get("arch")) == inherited.get("arch"):
+                given = {**inherited, **given}
         return TrainConfig(**given)
     saved = TrainConfig.from_json(_read_checkpoint(given["out"])["train_config"])
     for name, value in given.items():
@@ -204,6 +211,43 @@ def make_config(options: dict, resume: bool = False) -> TrainConfig:
             )
     overrides = {k: given[k] for k in ("text", "out", *RESUMABLE_OVERRIDES) if k in given}
     return replace(saved, **overrides)
+
+
+# The shape options a card's "config" (model_config) holds, under its own key for each arch.
+# Each is a default only: a llama may be given another --context (RoPE has no position table).
+CARD_SHAPE = {
+    "gpt": {"layers": "n_layers", "heads": "n_heads", "emb_dim": "emb_dim", "context": "context_length", "vocab_size": "vocab_size"},
+    "llama": {
+        "layers": "num_hidden_layers", "heads": "num_attention_heads", "emb_dim": "hidden_size",
+        "context": "max_position_embeddings", "vocab_size": "vocab_size",
+        "kv_heads": "num_key_value_heads", "ff_dim": "intermediate_size", "rope_theta": "rope_theta",
+        "attention_bias": "attention_bias",
+    },
+}
+
+
+def _init_shape(folder: Path) -> dict:
+    """The --arch and shape options of the run that wrote `folder`, from its card, so that
+    --init-from need not restate them. A value given on the command line still wins (the loader
+    then names a weight it does not fit). {} for a folder without a card: _init_tokenizer says so."""
+    card_path = folder / "card.json"
+    if not card_path.is_file():
+        return {}
+    config = _read_card(card_path).get("config")
+    if not isinstance(config, dict):
+        return {}
+    arch = "llama" if config.get("model_type") == "llama" else "gpt"
+    return {"arch": arch, **{option: config[key] for option, key in CARD_SHAPE[arch].items() if key in config}}
+
+
+def _read_card(card_path: Path) -> dict:
+    try:
+        card = json.loads(card_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainError(f"--init-from {card_path} cannot be read as JSON: {exc}") from exc
+    if not isinstance(card, dict):
+        raise TrainError(f"--init-from {card_path} is not a card `manyeyes train` wrote (not a JSON object)")
+    return card
 
 
 # ---------------------------------------------------------------------------- data
@@ -460,12 +504,7 @@ def init_from(model: GPTModel | RotaryDecoder, cfg: TrainConfig) -> dict:
         load_strict(model, dict(source.state_dict()), folder)
     except ModelLoadError as exc:
         raise TrainError(f"--init-from {folder} does not fit this model: {exc}") from exc
-    try:
-        card = json.loads(card_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainError(f"--init-from {card_path} cannot be read as JSON: {exc}") from exc
-    if not isinstance(card, dict):
-        raise TrainError(f"--init-from {card_path} is not a card `manyeyes train` wrote (not a JSON object)")
+    card = _read_card(card_path)
     keep = ("corpus", "steps", "tokens_seen", "train_loss", "val_loss", "seconds", "command", "resumed_with", "init_from")
     return {"folder": str(folder), **{k: card[k] for k in keep if k in card}}
 
@@ -556,12 +595,7 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             raise TrainError(f"{out} already holds a model; pass --resume to continue it, or choose another --out")
         # With --init-from, the ids must mean what they meant to the weights we start from.
         tokenizer = _init_tokenizer(cfg) if cfg.init_from is not None else train_tokenizer(corpus.texts, cfg.vocab_size)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TrainError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
         ckpt = None
-        _atomic_save(lambda p: tokenizer.save(str(p)), out / "tokenizer.json")
 
     train_ids, val_ids = split_ids(encode_corpus(tokenizer, corpus.texts), cfg.context)
 
@@ -571,6 +605,13 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     batch_gen = torch.Generator().manual_seed(cfg.seed)
     step, tokens_seen, seconds_before, commands = 0, 0, 0.0, [command]
     started_from = init_from(model, cfg) if cfg.init_from is not None and ckpt is None else None
+    if ckpt is None:
+        # Only now that every check has passed: a refused run leaves --out as it found it.
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
+        _atomic_save(lambda p: tokenizer.save(str(p)), out / "tokenizer.json")
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])

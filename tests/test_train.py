@@ -255,7 +255,8 @@ def test_bad_arguments_exit_2_naming_the_problem(corpus, tmp_path, capsys, extra
     assert main(argv + extra) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
-    assert not (tmp_path / "m" / "model.pth").exists()
+    # Nothing written: a text too short for --context had left a tokenizer.json in a new folder.
+    assert not (tmp_path / "m").exists()
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(corpus, tmp_path, capsys):
@@ -445,6 +446,26 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     assert "holds no model.safetensors, the weights of an --arch llama run: it is an --arch gpt run" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "nowhere")]) == 2
     assert "holds no card.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_init_from_takes_the_folders_arch_and_shape(corpus, tmp_path, arch):
+    """--init-from DIR needed every shape option restated (else 'does not fit this model'), though
+    the folder's card holds them; options given still win, and a llama may change --context."""
+    options = dict(LLAMA, attention_bias=True, rope_theta=5000.0) if arch == "llama" else dict(TINY, heads=4)
+    first = tmp_path / "first"
+    run(corpus, first, steps=2, **options)
+    base = ["train", "--text", str(corpus), "--steps", "2", "--device", "cpu", "--init-from", str(first)]
+    assert main(base + ["--out", str(tmp_path / "same")]) == 0
+    assert json.loads((tmp_path / "same" / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    source, started = load(first, device="cpu").net, load(tmp_path / "same", device="cpu").net
+    assert type(started) is type(source) and started.state_dict().keys() == source.state_dict().keys()
+    if arch == "llama":
+        assert main(base + ["--out", str(tmp_path / "longer"), "--context", "64"]) == 0
+        assert load(tmp_path / "longer", device="cpu").info.max_tokens == 64
+    else:  # a learned position table: another --context does not fit, and the loader says where
+        assert main(base + ["--out", str(tmp_path / "longer"), "--context", "64"]) == 2
+        assert not (tmp_path / "longer").exists()
 
 
 def test_damaged_training_folders_are_one_line_naming_the_file(corpus, tmp_path, capsys):
