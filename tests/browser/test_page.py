@@ -337,6 +337,18 @@ def test_phone_width_and_dark_mode_lay_out_cleanly(server, make_page, artifacts)
     page.screenshot(path=str(artifacts / "phone-dark.png"), full_page=True)
 
 
+@pytest.mark.parametrize("width", [1366, 1000])
+def test_the_forms_boxes_line_up(server, make_page, width):
+    """The Sentence box's hint, once below it, lifted it 18 px above the other two at 1366 px."""
+    page = make_page(viewport=(width, 768))
+    open_page(page, server)
+    tops = page.evaluate("""() => ['#text', '#pair', '#model'].map((s) =>
+        document.querySelector(s).getBoundingClientRect()).map((r) => [r.top, r.bottom])""")
+    assert max(top for top, _ in tops) - min(top for top, _ in tops) <= 1.5, tops
+    assert max(bottom for _, bottom in tops) - min(bottom for _, bottom in tops) <= 1.5, tops
+    assert page.is_visible("#text-hint")
+
+
 def test_no_request_leaves_loopback_and_modebar_exports_png_and_svg(server, page, watched):
     open_page(page, server)
     run(page, SENTENCE, PAIR)
