@@ -49,13 +49,22 @@ class Mapped(dict):
         self.sources: dict[str, str] = {}
 
 
+def as_weights(tensor: torch.Tensor, key: str, path: Path) -> torch.Tensor:
+    """A checkpoint's weight as float32. Integers or booleans where weights belong (a quantised
+    checkpoint, or another tensor under the name) would load as numbers that mean nothing."""
+    if not tensor.is_floating_point():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise ModelLoadError(f"{path}: '{key}' holds {dtype} values, not floating-point weights (is the checkpoint quantised?)")
+    return tensor.float()
+
+
 def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -> Mapped:
     """Pop each row's tensor from `state` (float32) into our names; a missing key names itself."""
     mapped = Mapped()
     for src, dst, fn in rows:
         if src not in state:
             raise ModelLoadError(f"{path}: missing key '{src}' (for '{dst}')")
-        tensor = state.pop(src).float()
+        tensor = as_weights(state.pop(src), src, path)
         mapped[dst] = fn(tensor) if fn else tensor
         mapped.sources[dst] = src
     return mapped
@@ -64,7 +73,7 @@ def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -
 def pop_required(state: dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
     if key not in state:
         raise ModelLoadError(f"{path}: missing key '{key}'")
-    return state.pop(key).float()
+    return as_weights(state.pop(key), key, path)
 
 
 def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -87,9 +96,12 @@ def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Pat
     for key in own:
         if key not in mapped:
             raise ModelLoadError(f"{path}: missing key '{key}'")
+        source = getattr(mapped, "sources", {}).get(key)
+        theirs = f" (the checkpoint's '{source}')" if source and source != key else ""
+        if own[key].is_floating_point() and not mapped[key].is_floating_point():
+            dtype = str(mapped[key].dtype).removeprefix("torch.")
+            raise ModelLoadError(f"{path}: '{key}'{theirs} holds {dtype} values, not floating-point weights")
         if tuple(mapped[key].shape) != tuple(own[key].shape):
-            source = getattr(mapped, "sources", {}).get(key)
-            theirs = f" (the checkpoint's '{source}')" if source and source != key else ""
             raise ModelLoadError(
                 f"{path}: shape mismatch for '{key}'{theirs}: checkpoint has {tuple(mapped[key].shape)}, "
                 f"model expects {tuple(own[key].shape)}"

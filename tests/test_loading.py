@@ -353,3 +353,34 @@ def test_a_neox_fused_bias_of_the_wrong_rank_is_named(tmp_path, bytelevel_tokeni
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"'layers.1.attention.query_key_value.bias' has shape \(\)"):
         load(tmp_path)
+
+
+def test_integer_weights_are_refused_by_name_not_cast(minilm_dir, book_folder, tmp_path, bytelevel_tokenizer):
+    """An int8 tensor where a weight belongs (a quantised checkpoint, or another tensor under the
+    name) was cast to float and loaded: numbers that mean nothing, with no word said."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_parity_decoders import save_random
+
+    def quantise(path, key):
+        state = {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
+        state[key] = state[key].round().to(torch.int8)
+        save_file(state, str(path))
+
+    bert = tmp_path / "bert"  # book_folder holds tmp_path itself
+    shutil.copytree(minilm_dir, bert)
+    quantise(bert / "model.safetensors", "encoder.layer.1.attention.self.query.weight")  # a row of the key table
+    with pytest.raises(ModelLoadError, match="'encoder.layer.1.attention.self.query.weight' holds int8 values"):
+        load(bert)
+    for family, prefix, key in (("gpt_neox", "gpt_neox.", "layers.0.attention.query_key_value.weight"), ("llama", "", "lm_head.weight")):
+        folder = tmp_path / family
+        save_random(folder, bytelevel_tokenizer, family, 0, tie_word_embeddings=False)
+        quantise(folder / "model.safetensors", prefix + key)  # a fused tensor split by hand; an untied head
+        with pytest.raises(ModelLoadError, match=f"'{re.escape(key)}' holds int8 values, not floating-point weights"):
+            load(folder)
+    folder, book, _ = book_folder
+    state = book.state_dict()
+    state["trf_blocks.0.att.W_key.weight"] = state["trf_blocks.0.att.W_key.weight"].long()
+    torch.save(state, folder / "model.pth")
+    with pytest.raises(ModelLoadError, match="'trf_blocks.0.att.W_key.weight' holds int64 values"):
+        load(folder)

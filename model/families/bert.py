@@ -8,7 +8,7 @@ import torch
 
 from manyeyes.model.bert import BertConfig, BertEncoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import TASK_HEADS, Row, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import TASK_HEADS, Row, as_weights, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
 
 MODEL_TYPES = ("bert",)
 
@@ -97,7 +97,7 @@ def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor]
     net.attach_mlm_head()
     mapped.update(map_state(state, rows, path))
     weight = state.pop(decoder[0], None)
-    mapped["mlm_head.out_head.weight"] = weight.float() if weight is not None else mapped["tok_emb.weight"]
+    mapped["mlm_head.out_head.weight"] = as_weights(weight, decoder[0], path) if weight is not None else mapped["tok_emb.weight"]
     if decoder[1] is not None:
         state.pop(decoder[1], None)
 

@@ -10,6 +10,7 @@ from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.gpt import GPTConfig, GPTModel
 from manyeyes.model.keymap import (
     TASK_HEADS,
+    as_weights,
     gelu_form,
     head_required,
     map_state,
@@ -95,6 +96,6 @@ def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict
                 mapped.sources[ours] = key
     if lm_head is None and getattr(net, "needs_untied_head", False):
         raise ModelLoadError(f"{path}: missing key 'lm_head.weight' (tie_word_embeddings is false)")
-    mapped["out_head.weight"] = lm_head.float() if lm_head is not None else mapped["tok_emb.weight"]
+    mapped["out_head.weight"] = as_weights(lm_head, "lm_head.weight", path) if lm_head is not None else mapped["tok_emb.weight"]
     refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES) or k.startswith(TASK_HEADS), "gpt2", path)
     return mapped

@@ -16,6 +16,7 @@ from manyeyes.model.blocks import DecoderConfig, RotaryDecoder
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.keymap import (
     TASK_HEADS,
+    as_weights,
     gelu_form,
     head_required,
     map_state,
@@ -109,7 +110,7 @@ def build(config: dict, path: Path) -> RotaryDecoder:
 
 def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) -> dict[str, torch.Tensor]:
     cfg = net.cfg
-    heads = [weights[k] for k in LM_HEADS if k in weights]
+    heads = [(k, weights[k]) for k in LM_HEADS if k in weights]
     state = strip_prefix({k: v for k, v in weights.items() if k not in LM_HEADS}, "gpt_neox.")
     mapped = map_state(state, rows_for(TOP, LAYER + (OUT_BIAS if cfg.out_bias else []), cfg.n_layers), path)
     for i in range(cfg.n_layers):
@@ -124,7 +125,7 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
     if cfg.tie_embeddings:
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
     elif heads:
-        mapped["out_head.weight"] = heads[0].float()
+        mapped["out_head.weight"] = as_weights(heads[0][1], heads[0][0], path)
     elif cfg.head_required:
         raise ModelLoadError(f"{path}: missing key 'embed_out.weight' (tie_word_embeddings is false)")
     else:

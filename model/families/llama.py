@@ -16,6 +16,7 @@ from manyeyes.model.blocks import DecoderConfig, RotaryDecoder
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.keymap import (
     TASK_HEADS,
+    as_weights,
     head_required,
     map_state,
     need,
@@ -148,7 +149,7 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
         # Tied: the head is the embedding, whatever a saved lm_head.weight holds (transformers agrees).
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
     elif lm_head is not None:
-        mapped["out_head.weight"] = lm_head.float()
+        mapped["out_head.weight"] = as_weights(lm_head, LM_HEAD, path)
     elif cfg.head_required:
         raise ModelLoadError(f"{path}: missing key '{LM_HEAD}' (tie_word_embeddings is false)")
     else:
