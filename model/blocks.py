@@ -131,7 +131,11 @@ class RotaryDecoder(ShapeInfo, nn.Module):
         _, num_tokens = in_idx.shape
         offset = len(past[0]) if past else 0
         positions = torch.arange(offset, offset + num_tokens, device=in_idx.device)
-        rope = self.rotary(positions, num_tokens)  # cos, sin: (num_tokens, rotary_dim), shared by every layer
+        # cos, sin: (num_tokens, rotary_dim), shared by every layer; (b, 1, num_tokens, rotary_dim)
+        # where the frequencies follow each padded row's own length. With a cache, the length is
+        # the whole sequence's, as a run of it all would see it.
+        lengths = key_padding_mask.sum(-1) if key_padding_mask is not None else None
+        rope = self.rotary(positions, offset + num_tokens, lengths)
         x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
         layers = []
         for i, block in enumerate(self.trf_blocks):

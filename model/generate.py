@@ -107,6 +107,11 @@ def generate(
         with torch.inference_mode(), model._autocast():
             return model.net.inspect(torch.tensor([new_ids], device=device), capture=capture, past=past)
 
+    rotary = getattr(model.net, "rotary", None)
+
+    def rotates_as_before(length: int) -> bool:
+        return rotary is None or rotary.frequency_key(length) == rotary.frequency_key(length - 1)
+
     def last_logits(trace) -> torch.Tensor:
         if trace.logits is not None:
             return trace.logits[0, -1].float().cpu()
@@ -130,7 +135,13 @@ def generate(
         chosen = _choose(logits, sampling, generator)
         top = probs.topk(min(alternatives, probs.shape[-1]))
         ids.append(chosen)
-        if use_cache:
+        if use_cache and not rotates_as_before(len(ids)):
+            # The frequencies changed at this length (longrope past its original context): every
+            # cached key was turned by the old ones, so the whole sequence runs again, as a run of
+            # it all would, and its keys become the cache.
+            trace = forward(ids, None)
+            past = [layer.present for layer in trace.layers]
+        elif use_cache:
             trace = forward([chosen], past)
             past = [layer.present for layer in trace.layers]
         else:

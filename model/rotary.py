@@ -8,7 +8,8 @@ so that our angles equal theirs to the last bit that matters for attention parit
 
 One deliberate difference: transformers' "dynamic" NTK caches the frequencies of the longest input
 seen so far; ours is a pure function of the current input length (what the method describes),
-so a fresh transformers model and ours agree on every call.
+so a fresh transformers model and ours agree on every call. In a padded batch each row's length
+chooses its own frequencies (`RotaryEmbedding.forward`'s `lengths`).
 """
 
 from __future__ import annotations
@@ -157,6 +158,21 @@ class RotaryEmbedding(nn.Module):
         # Non-persistent: derived from the config, so never part of a checkpoint.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    @property
+    def follows_length(self) -> bool:
+        """Whether the frequencies depend on the input's length (dynamic NTK, longrope)."""
+        return self.cfg.rope_type in ("dynamic", "longrope")
+
+    def frequency_key(self, seq_len: int):
+        """Equal for two lengths exactly when they rotate by the same frequencies: keys cached at
+        one length serve the other only then."""
+        kind = self.cfg.rope_type
+        if kind == "dynamic" and seq_len > self.cfg.max_positions:
+            return seq_len
+        if kind == "longrope":
+            return seq_len > self.cfg.original
+        return None
+
     def _frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
         kind = self.cfg.rope_type
         if kind == "dynamic" and seq_len > self.cfg.max_positions:
@@ -165,12 +181,37 @@ class RotaryEmbedding(nn.Module):
             return inverse_frequencies(self.cfg, seq_len, self.inv_freq.device)[0], self.attention_factor
         return self.inv_freq, self.attention_factor
 
-    def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_frequencies(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(b, rotary_dim / 2): each row's frequencies for its own length, on the device (no read
+        of the lengths back to the host). The attention factor depends on none of them."""
+        cfg, lengths = self.cfg, lengths.to(self.inv_freq.device)[:, None]
+        if cfg.rope_type == "longrope":
+            long = inverse_frequencies(cfg, cfg.original + 1, self.inv_freq.device)[0]
+            return torch.where(lengths > cfg.original, long[None, :], self.inv_freq[None, :])
+        # dynamic NTK, as inverse_frequencies computes it for one length, here for each
+        dim = cfg.rotary_dim
+        seq_len = lengths.clamp(min=cfg.max_positions).double()
+        base = cfg.theta * ((cfg.factor * seq_len / cfg.max_positions) - (cfg.factor - 1)) ** (dim / (dim - 2))
+        return (1.0 / (base.float() ** _exponents(dim, self.inv_freq.device)[None, :])).float()
+
+    def forward(
+        self, positions: torch.Tensor, seq_len: int | None = None, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) int; returns cos and sin, each (T, rotary_dim) float32.
 
         seq_len: the input's length in positions (default: last position + 1); passing it spares a
         device-to-host read on a GPU.
+        lengths: (b,) each row's own length in a right-padded batch. Where the frequencies follow
+        the length, each row then gets its own: cos and sin are (b, 1, T, rotary_dim), and a text
+        rotates as it does alone, whatever the batch's width (the widest row's length had chosen
+        every row's).
         """
+        if lengths is not None and self.follows_length:
+            inv_freq = self._row_frequencies(lengths)  # (b, rotary_dim / 2)
+            # (1, T, 1) * (b, 1, rotary_dim / 2) -> (b, T, rotary_dim / 2)
+            freqs = positions.float()[None, :, None] * inv_freq[:, None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (b, 1, T, rotary_dim): broadcast over heads
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         inv_freq, attention_factor = self._frequencies(seq_len if seq_len is not None else int(positions.max()) + 1)
         freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # (T, rotary_dim / 2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (T, rotary_dim): pair i and i + rotary_dim/2 share an angle

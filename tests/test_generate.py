@@ -59,6 +59,27 @@ def test_greedy_equals_transformers_generate(tmp_path, bytelevel_tokenizer, fami
     check_rows_equal_full_recompute(ours, "The quick brown fox", steps)
 
 
+def test_longrope_generation_past_its_original_context_equals_the_recompute(tmp_path, bytelevel_tokenizer):
+    """The cached keys were turned by the short factors; once the sequence outgrows the original
+    context every position turns by the long ones. A cached step had gone on with the short."""
+    from tests.test_parity_decoders import LONGROPE_16
+
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 22, num_key_value_heads=2, max_position_embeddings=64,
+                rope_scaling=LONGROPE_16)
+    ours = load(tmp_path, device="cpu")
+    prompt = "The quick brown fox jumps"
+    assert len(ours.encode(prompt).ids) < 16
+    cached = list(generate(ours, prompt, 16))
+    assert cached[-1].position >= 16  # across the original 16 positions
+    recomputed = list(generate(ours, prompt, 16, use_cache=False))
+    assert [s.token.id for s in cached] == [s.token.id for s in recomputed]
+    for a, b in zip(cached, recomputed):
+        assert (a.attention - b.attention).abs().max().item() <= 1e-5
+        assert a.token.prob == pytest.approx(b.token.prob, abs=1e-5)
+    # (Not check_rows_equal_full_recompute: a step's row is its sequence's as long as it was then,
+    # and a run of the final, longer one turns the early positions by the long factors too.)
+
+
 def test_greedy_equals_transformers_generate_gpt2(tmp_path, bytelevel_tokenizer):
     ref = save_random_gpt2(tmp_path, bytelevel_tokenizer, 4, n_embd=48, n_layer=2, n_head=4)
     ours = load(tmp_path, device="cpu")

@@ -172,15 +172,23 @@ def test_dynamic_ntk_beyond_the_trained_context(tmp_path, bytelevel_tokenizer):
     assert (logits - trace.logits[0]).abs().max().item() <= 1e-4
 
 
+LONGROPE_16 = {"rope_type": "longrope", "original_max_position_embeddings": 16,
+               "short_factor": [1.0 + i / 8 for i in range(4)], "long_factor": [2.0 + i for i in range(4)]}
+
+
 @pytest.mark.parametrize("family,overrides", [
     ("mistral", dict(num_key_value_heads=2, sliding_window=3)),
     ("gpt_neox", dict(num_attention_heads=3, rotary_pct=0.5)),
+    # SHORT fits the original 16 positions and TEXT does not: longrope turns them by different
+    # frequencies, and the batch's width had chosen the long ones for both.
+    ("llama", dict(num_key_value_heads=2, max_position_embeddings=64, rope_scaling=LONGROPE_16)),
 ])
 def test_padded_batch_rows_equal_their_own_runs(tmp_path, bytelevel_tokenizer, family, overrides):
     """A window can hold only padding for a padded query; that must not turn real rows into NaN."""
     save_random(tmp_path, bytelevel_tokenizer, family, 13, **overrides)
     ours = load(tmp_path, device="cpu")
     batch = ours.attend_batch([TEXT, SHORT])
+    assert len(ours.encode(SHORT)) <= 16 < len(ours.encode(TEXT))
     for text, r in zip([TEXT, SHORT], batch):
         alone = ours.attend(text)
         assert torch.isfinite(r.attention).all()
@@ -203,6 +211,45 @@ def test_returned_queries_and_keys_are_what_the_softmax_saw(tmp_path, bytelevel_
         scores = q @ k.repeat_interleave(2, dim=0).transpose(1, 2) / 8**0.5  # query head h uses kv head h // 2
         rebuilt = torch.softmax(scores.masked_fill(blocked, -torch.inf), dim=-1)
         assert (rebuilt - r.attention[layer]).abs().max().item() <= 1e-5
+
+
+def test_dynamic_ntk_rows_of_a_padded_batch_equal_their_own_runs(tmp_path, bytelevel_tokenizer):
+    """Past max_position_embeddings dynamic NTK stretches the base by the input's length: a row
+    padded to a longer neighbour's width keeps its own (as transformers does for it alone)."""
+    ref_model = save_random(
+        tmp_path, bytelevel_tokenizer, "llama", 15, num_key_value_heads=2, max_position_embeddings=24,
+        rope_scaling={"rope_type": "dynamic", "factor": 3.0},
+    )
+    ours = load(tmp_path, device="cpu")
+    ids = torch.randint(0, ours.net.cfg.vocab_size, (2, 56), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 56, dtype=torch.bool)
+    real[1, 40:] = False  # the second row is 40 tokens long, past 24 as the first is, by less
+    with torch.no_grad():
+        batch = ours.net.inspect(ids, real)
+    for row, n in ((0, 56), (1, 40)):
+        # fresh each time: transformers keeps the frequencies of the longest input it has seen
+        fresh = type(ref_model).from_pretrained(tmp_path, attn_implementation="eager").eval()
+        attention, _, logits = reference(fresh, ids[row:row + 1, :n])
+        ours_row = torch.stack([a.weights[row, :, :n, :n] for a in batch.layers])
+        assert (attention - ours_row).abs().max().item() <= 1e-5
+        assert (logits - batch.logits[row, :n]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["dynamic", "longrope"])
+def test_length_following_tables_per_row_equal_each_rows_own(variant):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=8, max_position_embeddings=128,
+                         rope_theta=10000.0, rope_scaling=dict(ROPE_VARIANTS[variant]))
+    ours = RotaryEmbedding(rope_config(rope_parameters(json.loads(config.to_json_string())), 32, 128))
+    lengths = torch.tensor([20, 200, 129, 128])  # each side of longrope's 32 and of dynamic's 128
+    cos, sin = ours(torch.arange(200), 200, lengths)
+    assert cos.shape == sin.shape == (4, 1, 200, 32)
+    for row, n in enumerate(lengths.tolist()):
+        theirs_cos, theirs_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(n)[None])
+        assert (cos[row, 0, :n] - theirs_cos[0]).abs().max().item() <= 1e-6
+        assert (sin[row, 0, :n] - theirs_sin[0]).abs().max().item() <= 1e-6
 
 
 # --------------------------------------------------------------------------- rotary tables alone
