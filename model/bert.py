@@ -33,6 +33,9 @@ class BertConfig:
     # DistilBERT's sinusoidal_pos_embds: the position table is fixed sinusoids, so a checkpoint
     # that leaves it out can still load (the loader derives it).
     sinusoidal_positions: bool = False
+    # The masked-LM head's decoder is the word embeddings (HF tie_word_embeddings); untied, the
+    # checkpoint must carry its own, or the head would predict through the input embeddings.
+    tied_head: bool = True
 
 
 class MaskedLMHead(nn.Module):

@@ -270,11 +270,12 @@ def check_numbers(config: dict, path: Path) -> None:
             bad(key, "a whole number >= 1")
     for key in INDICES:
         value = config.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            bad(key, "a whole number >= 0")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            bad(key, "a whole number")
         vocab = config.get("vocab_size")
-        if value is not None and vocab is not None and value >= vocab:
-            bad(key, f"a token id below vocab_size ({vocab})")
+        # A negative id counts from the table's end, as nn.Embedding (and so transformers) reads it: -1 is common.
+        if value is not None and vocab is not None and not -vocab <= value < vocab:
+            bad(key, f"a token id below vocab_size ({vocab}), or a negative one down to -{vocab}")
     for key in POSITIVE:
         if key in config and not (number(config[key]) and config[key] > 0):
             bad(key, "a number > 0")

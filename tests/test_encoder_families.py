@@ -255,3 +255,60 @@ def test_tiny_gpt_predicts_the_top_of_its_own_logits():
     assert predicted[len(r.tokens) - 2][0].token == "n"
     with pytest.raises(ValueError, match="top_k must be in 1..20"):
         m.predict(text, top_k=21)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_bert_layout_decoder_is_refused_not_read_as_an_encoder(tmp_path, minilm_dir, roberta_tokenizer, family):
+    """is_decoder makes transformers' BERT and RoBERTa causal; read as encoders their rows had
+    weight on later tokens (0.9 off), with no word said."""
+    import json
+
+    from manyeyes.model import ModelLoadError
+
+    if family == "bert":
+        _mlm_bert(tmp_path, minilm_dir)
+    else:
+        _mlm_roberta(tmp_path, roberta_tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"is_decoder": True}))
+    with pytest.raises(ModelLoadError, match=f"is_decoder is true: a causal {family} is not supported"):
+        load(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_an_untied_masked_lm_head_needs_its_own_decoder_and_a_tied_one_reads_the_embeddings(
+        tmp_path, minilm_dir, family):
+    """Untied and without its decoder weight, the head predicted through the input embeddings
+    (logits 1.4 off); tied, a saved decoder that differs is the embeddings to transformers."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from manyeyes.model import ModelLoadError
+
+    ref = _mlm_bert(tmp_path, minilm_dir) if family == "bert" else _mlm_distilbert(tmp_path, minilm_dir)
+    decoder = "cls.predictions.decoder.weight" if family == "bert" else "vocab_projector.weight"
+    weights = {name: tensor.clone() for name, tensor in load_file(tmp_path / "model.safetensors").items()}
+    weights[decoder] = torch.randn_like(weights.get(decoder, ref.get_input_embeddings().weight.detach()))
+    save_file(weights, tmp_path / "model.safetensors")
+    assert_parity(load(tmp_path, device="cpu"), ref, MASKED, logits=True)  # tied: the saved copy is not read
+
+    del weights[decoder]
+    save_file(weights, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    with pytest.raises(ModelLoadError, match=f"missing key '{decoder}' \\(tie_word_embeddings is false\\)"):
+        load(tmp_path, device="cpu")
+
+
+def test_a_negative_pad_token_id_loads_as_transformers_reads_it(tmp_path, roberta_tokenizer):
+    """pad_token_id -1 (common in configs) was refused; nn.Embedding counts it from the end."""
+    import json
+
+    _mlm_roberta(tmp_path, roberta_tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"pad_token_id": -1}))
+    from transformers import RobertaForMaskedLM
+
+    ref = RobertaForMaskedLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert_parity(load(tmp_path, device="cpu"), ref, MASKED.replace("[MASK]", "<mask>"), logits=True)

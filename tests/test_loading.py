@@ -273,7 +273,8 @@ def test_a_gpt2_shape_mismatch_names_the_fused_c_attn_it_came_from(tmp_path, byt
     ({"max_position_embeddings": "96"}, "max_position_embeddings must be a whole number >= 1"),  # blamed tokenizer.json
     ({"num_attention_heads": True}, "num_attention_heads must be a whole number >= 1"),
     ({"pad_token_id": 40000}, "pad_token_id must be a token id below vocab_size"),  # nn.Embedding's AssertionError
-    ({"pad_token_id": -1}, "pad_token_id must be a whole number >= 0"),
+    ({"pad_token_id": -40000}, "pad_token_id must be a token id below vocab_size (30522), or a negative one down to -30522"),
+    ({"pad_token_id": 1.5}, "pad_token_id must be a whole number"),
 ])
 def test_config_numbers_are_checked_by_name_before_the_model_is_built(hf_copy, change, message):
     """Each of these passed the constructor and failed at the first forward pass (TypeError,

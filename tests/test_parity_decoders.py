@@ -312,10 +312,24 @@ BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_hea
     (dict(num_key_value_heads=3, num_attention_heads=4), "not divisible by num_key_value_heads"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=None, layer_types=["sliding_attention"]),
      "no sliding_window"),
+    (dict(model_type="mistral", sliding_window="4096"), "sliding_window must be a whole number >= 1 or null, got '4096'"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window must be a whole number >= 1 or null, got 0"),
 ])
 def test_llama_family_refuses_what_it_cannot_honour(change, message):
     with pytest.raises(ModelLoadError, match=message):
         llama.build(BASE | change, "config.json")
+
+
+@pytest.mark.parametrize("change,windows", [
+    # The key left out is the config classes' default, 4096 (a window 0.38 off at 4,300 tokens);
+    # null is no window.
+    (dict(model_type="mistral"), (4096,)),
+    (dict(model_type="mistral", sliding_window=None), ()),
+    (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=0), (4096,)),
+    (dict(model_type="qwen2"), (None,)),
+])
+def test_a_missing_sliding_window_is_the_config_classes_default(change, windows):
+    assert llama.build(BASE | change, "config.json").cfg.sliding_windows == windows
 
 
 NEOX = dict(model_type="gpt_neox", vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,

@@ -57,6 +57,11 @@ def encoder_config(config: dict, path: Path, **family) -> BertConfig:
     """The BERT-layout config keys (BERT, RoBERTa); `family` overrides what a family fixes."""
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ModelLoadError(f"{path}: only absolute position embeddings are supported")
+    if config.get("is_decoder"):
+        # transformers makes such a model causal (BertLMHeadModel, RobertaForCausalLM); read as an
+        # encoder its weights would see every later token.
+        raise ModelLoadError(f"{path}: is_decoder is true: a causal {config.get('model_type', 'bert')} is not "
+                             "supported (its encoders are: set is_decoder to false only if the model was trained as one)")
     hidden, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
     if hidden % heads:
         raise ModelLoadError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
@@ -71,6 +76,7 @@ def encoder_config(config: dict, path: Path, **family) -> BertConfig:
         ln_eps=config.get("layer_norm_eps", 1e-12),
         gelu=gelu_form(config, "hidden_act", path),
         pad_token_id=config.get("pad_token_id", 0) or 0,
+        tied_head=bool(config.get("tie_word_embeddings", True)),
     )
     fields["head_gelu"] = fields["gelu"]
     return BertConfig(**{**fields, **family})
@@ -91,13 +97,19 @@ def _renamed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor], net: BertEncoder,
                  rows: list[Row], decoder: tuple[str, str | None], path: Path) -> None:
     """When the checkpoint carries a masked-LM head, give `net` one and map it. The decoder weight
-    is the word embeddings unless saved untied; a saved decoder bias duplicates the head's bias."""
+    is the word embeddings when tied (whatever a saved copy holds, as transformers ties it), else
+    the checkpoint's own, which must be there; a saved decoder bias duplicates the head's bias."""
     if rows[0][0] not in state:
         return
     net.attach_mlm_head()
     mapped.update(map_state(state, rows, path))
     weight = state.pop(decoder[0], None)
-    mapped["mlm_head.out_head.weight"] = as_weights(weight, decoder[0], path) if weight is not None else mapped["tok_emb.weight"]
+    if net.cfg.tied_head:
+        mapped["mlm_head.out_head.weight"] = mapped["tok_emb.weight"]
+    elif weight is None:
+        raise ModelLoadError(f"{path}: missing key '{decoder[0]}' (tie_word_embeddings is false)")
+    else:
+        mapped["mlm_head.out_head.weight"] = as_weights(weight, decoder[0], path)
     if decoder[1] is not None:
         state.pop(decoder[1], None)
 

@@ -70,6 +70,7 @@ def build(config: dict, path: Path) -> BertEncoder:
             pad_token_id=config.get("pad_token_id", 0) or 0,
             head_gelu=gelu,
             sinusoidal_positions=bool(config.get("sinusoidal_pos_embds", False)),
+            tied_head=bool(config.get("tie_word_embeddings", True)),
         )
     )
 

@@ -70,14 +70,20 @@ def _biases(config: dict, model_type: str) -> tuple[bool, bool, bool]:
     return attention_bias, attention_bias, bool(config.get("mlp_bias", False))
 
 
+# MistralConfig's and Qwen2Config's default, for a config that leaves the key out (null: no window).
+DEFAULT_SLIDING_WINDOW = 4096
+
+
 def _sliding_windows(config: dict, model_type: str, n_layers: int, path: Path) -> tuple[int | None, ...]:
     if model_type == "llama":
         return ()
+    window = config.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"{path}: sliding_window must be a whole number >= 1 or null, got {window!r}")
     if model_type == "mistral":
-        window = config.get("sliding_window")
         return (window,) * n_layers if window is not None else ()
     # qwen2: the window exists only with use_sliding_window, and only on the layers marked for it.
-    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    window = window if config.get("use_sliding_window", False) else None
     layer_types = config.get("layer_types")
     if layer_types is None:
         start = config.get("max_window_layers", 28)
