@@ -24,6 +24,8 @@ def parse_model_specs(specs: list[str] | str) -> dict[str, str]:
         if not item:
             continue
         model_id, sep, spec = item.partition("=")
+        if "?" in model_id:  # a bare book spec, `model.pth?config=...`: its "=" comes after the "?"
+            model_id, sep, spec = item, "", ""
         if sep and (not model_id.strip() or not spec.strip()):
             raise ValueError(f"model {raw!r} must look like ID=PATH_OR_SPEC")
         add_model(models, model_id.strip(), spec.strip() if sep else model_id.strip())

@@ -241,19 +241,23 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
     lacking = missing_files(folder) if folder is not None else ["everything"]
     if not lacking:
         return folder
+    held = "is not in" if folder is None else f"is incomplete (lacks {', '.join(lacking)}) in"
     if offline():
         where = repo_folder(cache, hub_id.repo)
-        held = "is not in" if folder is None else f"is incomplete (lacks {', '.join(lacking)}) in"
         problem = _cache_entry_problem(cache, hub_id) if folder is None else ""
         if folder is None and unmatched:
             problem += f"; no cached snapshot's commit starts with {hub_id.revision}"
         raise ModelLoadError(
             f"model {hub_id} {held} the Hugging Face cache ({where}, revision {hub_id.revision or 'main'}{problem}) and "
             f"HF_HUB_OFFLINE is set, so nothing is downloaded. Fetch it on a connected machine with "
-            f"`hf download {hub_id.repo}{f' --revision {hub_id.revision}' if hub_id.revision else ''}` "
-            "(into the same HF_HUB_CACHE), or unset HF_HUB_OFFLINE to let manyeyes download it."
+            f"`{fetch_command(hub_id)}` (into the same HF_HUB_CACHE), or unset HF_HUB_OFFLINE to let manyeyes download it."
         )
-    return download(hub_id, cache, progress, show_progress)
+    return download(hub_id, cache, progress, show_progress, held)
+
+
+def fetch_command(hub_id: HubId) -> str:
+    """The command that fetches this very revision into the cache."""
+    return f"hf download {hub_id.repo}{f' --revision {hub_id.revision}' if hub_id.revision else ''}"
 
 
 class _Tally:
@@ -288,7 +292,9 @@ def _tqdm_class(tally: _Tally, show: bool):
     return Counting
 
 
-def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progress: bool) -> Path:
+def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progress: bool, held: str = "is not in") -> Path:
+    """Fetch `hub_id` into `cache`; `held` says what the cache holds of it now, for the messages
+    of a download that fails ("is not in", "is incomplete (lacks tokenizer.json) in")."""
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -330,13 +336,13 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
         raise ModelLoadError(f"model {hub_id.repo} has no revision {hub_id.revision!r}") from exc
     except (HfHubHTTPError, OSError) as exc:
         raise ModelLoadError(
-            f"model {hub_id} is not in the Hugging Face cache at {cache} and downloading it failed: {exc}. "
-            f"Check the network, or fetch it with `hf download {hub_id.repo}` and set HF_HUB_OFFLINE=1."
+            f"model {hub_id} {held} the Hugging Face cache at {cache} and downloading it failed: {exc}. "
+            f"Check the network, or fetch it with `{fetch_command(hub_id)}` and set HF_HUB_OFFLINE=1."
         ) from exc
     except Exception as exc:  # httpx connection errors and the like: still one clear line
         raise ModelLoadError(
-            f"model {hub_id} is not in the Hugging Face cache at {cache} and the Hub could not be reached "
-            f"({type(exc).__name__}: {exc}). Fetch it on a connected machine with `hf download {hub_id.repo}`, "
+            f"model {hub_id} {held} the Hugging Face cache at {cache} and the Hub could not be reached "
+            f"({type(exc).__name__}: {exc}). Fetch it on a connected machine with `{fetch_command(hub_id)}`, "
             "or set HF_HUB_OFFLINE=1 to use only the cache."
         ) from exc
     lacking = missing_files(folder)

@@ -106,6 +106,34 @@ def test_incomplete_cache_entry_names_what_it_lacks(fake_hub, gpt2_folders, tmp_
         load("org/partial")
 
 
+@pytest.mark.parametrize("failure", [OSError("[Errno -2] Name or service not known"), RuntimeError("ConnectError")])
+def test_an_unreachable_hub_names_the_revision_and_what_the_cache_holds(fake_hub, gpt2_folders, tmp_path, monkeypatch,
+                                                                         failure):
+    """Online with no network, the advice dropped the revision (`hf download org/x`, where the
+    offline message said `--revision v2`) and an incomplete cache entry read "not in the cache"."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    class Unreachable:
+        def model_info(self, *args, **kwargs):
+            raise failure
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)
+    with pytest.raises(ModelLoadError) as err:
+        load("org/absent@v2")
+    assert "model org/absent@v2 is not in the Hugging Face cache" in str(err.value)
+    assert "`hf download org/absent --revision v2`" in str(err.value)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(gpt2_folders[0] / "config.json", partial / "config.json")
+    add_to_cache(fake_hub, "org/partial", partial)
+    with pytest.raises(ModelLoadError) as err:
+        load("org/partial")
+    assert "model org/partial is incomplete (lacks tokenizer.json, weights" in str(err.value)
+    assert "`hf download org/partial`" in str(err.value)
+
+
 def test_builtins_and_local_folders_keep_precedence(fake_hub, gpt2_folders, monkeypatch, tmp_path):
     # A cache entry named like a built-in is never consulted for it.
     add_to_cache(fake_hub, "tiny-gpt", gpt2_folders[0])

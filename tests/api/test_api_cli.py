@@ -154,6 +154,17 @@ def test_serve_refuses_an_id_given_two_models_and_says_so_in_one_line(monkeypatc
     assert main(["serve", "--port", str(free_port()), "--model", "x=minilm", "--model", "minilm=minilm"]) == 0
 
 
+def test_a_bare_book_spec_keeps_its_query_whole():
+    """README's `--model` takes "a book `.pth?config=...`": split at its first "=", it became the
+    model `.../model.pth?config` of the spec `gpt2-small&tokenizer=...`."""
+    from manyeyes.app.config import parse_model_specs
+
+    spec = "/m/model.pth?config=gpt2-small&tokenizer=/m/tokenizer.json"
+    assert parse_model_specs([spec]) == {spec: spec}
+    assert parse_model_specs([f"book={spec}"]) == {"book": spec}
+    assert parse_model_specs(f"a=tiny-gpt,{spec}") == {"a": "tiny-gpt", spec: spec}
+
+
 def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(monkeypatch, capsys):
     import uvicorn
 
