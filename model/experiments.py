@@ -170,9 +170,15 @@ def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation]) -> 
     if not ablations:
         raise ValueError("name at least one (layer, head) to ablate")
     info = model.info
+    seen = set()
     for a in ablations:
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in (a.layer, a.head)):
+            raise ValueError(f"a head is named by two whole numbers, layer and head, not {a.layer!r} and {a.head!r}")
         if not (0 <= a.layer < info.n_layers and 0 <= a.head < info.n_heads):
             raise ValueError(f"no head L{a.layer} H{a.head}: layers 0..{info.n_layers - 1}, heads 0..{info.n_heads - 1}")
+        if (a.layer, a.head) in seen:  # the later mode would silently win
+            raise ValueError(f"head L{a.layer} H{a.head} is named twice")
+        seen.add((a.layer, a.head))
         if a.mode not in MODES:
             raise ValueError(f"unknown ablation mode {a.mode!r}; expected one of {', '.join(MODES)}")
     return ablations

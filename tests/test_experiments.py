@@ -156,6 +156,11 @@ def test_bad_ablations_are_refused(minilm):
         ablate(minilm, enc, [Ablation(0, 0, "random")])
     with pytest.raises(ValueError, match="at least one"):
         ablate(minilm, enc, [])
+    # Both ran, as the HTTP route refuses them: the later mode won, and True was layer 1.
+    with pytest.raises(ValueError, match="head L0 H3 is named twice"):
+        ablate(minilm, enc, [Ablation(0, 3, "zero"), Ablation(0, 3, "mean")])
+    with pytest.raises(ValueError, match="two whole numbers, layer and head, not True and 3"):
+        ablate(minilm, enc, [Ablation(True, 3)])
 
 
 def test_js_divergence_bounds():

@@ -34,7 +34,7 @@ from manyeyes.app.services.payload import token_dicts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.app.services.slots import Grant
 from manyeyes.model.errors import TooLongError
-from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results
+from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results, validate_ablations
 from manyeyes.model.tokenizer import Encoded
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -121,13 +121,10 @@ class ExperimentService:
         info = served.model.info
         self._check_pair(body.text_pair)
         self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
-        seen = set()
-        for a in body.ablate:
-            if not (a.layer < info.n_layers and a.head < info.n_heads):
-                raise InvalidInput(f"no head L{a.layer} H{a.head}: layers 0..{info.n_layers - 1}, heads 0..{info.n_heads - 1}")
-            if (a.layer, a.head) in seen:
-                raise InvalidInput(f"head L{a.layer} H{a.head} is named twice")
-            seen.add((a.layer, a.head))
+        try:  # the Python API's own checks, before anything is tokenized
+            validate_ablations(served.model, [Ablation(a.layer, a.head, a.mode) for a in body.ablate])
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
         view = self._view(served, body.attention)
         deadline = time.monotonic() + self.settings.request_timeout_s
         encoded = await self._tokenized(deadline, served, body.text, body.text_pair, body.truncate)
