@@ -166,11 +166,18 @@ export function mountGeneration(box) {
     if (why.textContent) return status(note, why.textContent, "error"); // Enter in the prompt, with Generate off
     const text = prompt.value.trim() ? prompt.value : currentInput()?.text;
     if (!text) return status(note, "Write a prompt, or run a sentence: its text is the default prompt.", "error");
+    const seedDigits = seed.value.trim();
+    if (seed.validity.badInput || (seedDigits !== "" && !/^\d+$/.test(seedDigits))) {
+      return status(note, "A seed is a whole number, 0 or more (empty: a random sample).", "error");
+    }
     pause();
     // An empty box is the default; 0 goes to the server, which says what it takes (it was 20 here).
     const body = { text, model: currentModel().model, max_new_tokens: count.value.trim() === "" ? 20 : Number(count.value),
                    temperature: Number(temperature.value) || 0 };
-    if (seed.value !== "") body.seed = Number(seed.value);
+    let json = JSON.stringify(body);
+    // The seed goes as typed: the API takes up to 2^64 - 1, and Number() rounds past 2^53
+    // (9007199254740993 was sent as ...992, another sample). JSON allows no leading zeros.
+    if (seedDigits !== "") json = `${json.slice(0, -1)},"seed":${seedDigits.replace(/^0+(?=\d)/, "")}}`;
     const mine = ++state.epoch;
     Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
     // The last generation's picture goes with its tokens: a refused one left it under the error.
@@ -181,7 +188,7 @@ export function mountGeneration(box) {
     setButtons();
     let failure = "";
     try {
-      const response = await requestResponse("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: state.controller.signal });
+      const response = await requestResponse("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: json, signal: state.controller.signal });
       for await (const event of ndjson(response)) {
         if (mine !== state.epoch) break;
         if (event.type === "start") {

@@ -373,6 +373,31 @@ def test_a_refused_generation_takes_the_last_ones_picture_and_0_tokens_is_not_20
     assert page.evaluate("() => ['row', 'grow'].every((p) => !document.getElementById(`gen-${p}-plot`).data)")
 
 
+def test_a_seed_reaches_the_server_as_typed(server, page):
+    """Number() rounded seeds past 2^53: 9007199254740993 went as ...992 (another sample than the
+    API's for the typed seed) and the API's largest, 2^64 - 1, as a number it refuses."""
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data) if r.url.endswith("/api/v1/generate") else None)
+    open_page(page, server)
+    page.select_option("#model", "tiny-causal")
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "6")
+    page.fill("#gen-temp", "1.5")
+    for typed, seed in (("9007199254740993", 9007199254740993), ("18446744073709551615", 2**64 - 1), ("007", 7)):
+        page.fill("#gen-seed", typed)
+        page.click("#gen-start")
+        page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+        assert json.loads(sent[-1])["seed"] == seed
+        body = {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 6, "temperature": 1.5, "seed": seed}
+        want = [e["token"]["id"] for e in stream(server, body) if e["type"] == "step"]
+        assert page.evaluate("() => window.manyeyesGeneration.steps.map((s) => s.token.id)") == want
+    page.fill("#gen-seed", "1.5")
+    page.click("#gen-start")
+    page.wait_for_function("() => document.getElementById('gen-status').textContent.startsWith('A seed')")
+    assert page.locator("#gen-status").text_content() == "A seed is a whole number, 0 or more (empty: a random sample)."
+    assert len(sent) == 3
+
+
 def test_a_long_prompt_without_weights_draws_the_generated_rows_at_their_positions(server, page):
     """A long prompt's run keeps queries and keys (its answer has no weights): the page said
     "Something went wrong in the page" and numbered the generated rows from 0."""
