@@ -529,8 +529,16 @@ class AttentionService:
         """A run the cache could never hold was answered 200 with links that all 404 (a 4,399-token
         input of SmolLM2's shape: 187 s of forward pass, then nothing to read). "auto" keeps queries
         and keys when the weights would not fit; what still does not fit is refused now, before the
-        forward pass. A cache of 0 bytes means caching is off: runs are answered, never kept."""
+        forward pass. A cache of 0 bytes means caching is off: runs are answered, never kept, so a
+        run that keeps queries and keys (its answer holds only links to the run) is refused."""
         cap = self.cache.max_bytes
+        if cap == 0 and item.kind == "qk":
+            limit = self.settings.dense_max_tokens
+            raise RunTooLarge(
+                f"{item.label}this input ({len(item.encoded):,} tokens) keeps its queries and keys, read through links to "
+                "the run, and this server keeps no runs (MANYEYES_CACHE_BYTES=0), so none of its routes could read it; "
+                f"send at most {limit:,} tokens (answered with their weights), or turn the run cache on"
+            )
         if cap == 0:
             return
         model, n = served.model, len(item.encoded)

@@ -31,6 +31,12 @@ function valueIn(tile, q, k) {
 
 const covers = (tile, q, k) => q >= tile.q0 && q < tile.q1 && k >= tile.k0 && k < tile.k1;
 
+// A pooled bin's reading, the largest of its float16 cells as an upper bound. toFixed(3) wrote a
+// bin of 4.5e-5 as "≤ 0.000", below the cell's own reading that followed; float16's 0 holds up to 2^-25.
+export function boundText(value) {
+  return `≤ ${value === 0 ? F16_ZERO.toPrecision(2) : weightText(value)}`;
+}
+
 class TiledHeatmap extends CanvasHeatmap {
   // A pooled tile's last bin may be narrower than the others: the image is drawn at its full bin
   // width and clipped to the tile's cells.
@@ -368,7 +374,7 @@ export class TiledFocusView extends FocusView {
       // float16 holds weights under 2^-25 as 0: such a cell reads "< 3.0e-8", not "0.000".
       if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value, F16_ZERO);
       this.askExact(q, k, key, clientX, clientY);
-      return `≤ ${value.toFixed(3)} (max of ${tile.rowStep} × ${tile.colStep} cells; reading this one…)`;
+      return `${boundText(value)} (max of ${tile.rowStep} × ${tile.colStep} cells; reading this one…)`;
     }
     this.askExact(q, k, key, clientX, clientY);
     return "reading…";

@@ -631,3 +631,26 @@ def test_a_cache_too_small_for_any_input_says_so_not_send_at_most_0_tokens():
             assert "at most" not in err["message"] and "no input of this model fits it" in err["message"]
     finally:
         api.__exit__(None, None, None)
+
+
+def test_with_the_cache_off_a_run_kept_as_queries_and_keys_is_refused_before_its_forward():
+    """MANYEYES_CACHE_BYTES=0 answered a long input 200 with no weights and links that all 404."""
+    from tests.api.conftest import metric
+
+    api = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, max_wait_ms=5, cache_bytes=0,
+                         dense_max_tokens=64))
+    try:
+        def post(n: int, keep: str):  # n tokens: [CLS] + n - 2 words + [SEP]
+            return api.post("/api/v1/attention", json={"text": " ".join(["a"] * (n - 2)), "format": "u8", "keep": keep})
+
+        forwards = metric(api, "manyeyes_forward_seconds_count", model="minilm")
+        for n, keep in ((100, "auto"), (20, "qk")):
+            r = post(n, keep)
+            err = r.json()["error"]
+            assert r.status_code == 413 and err["code"] == "run_too_large", r.text
+            assert "MANYEYES_CACHE_BYTES=0" in err["message"] and "send at most 64 tokens" in err["message"]
+        assert metric(api, "manyeyes_forward_seconds_count", model="minilm") == forwards
+        body = post(60, "auto").json()  # within the dense limit: answered with its weights, as ever
+        assert body["kept"] == "weights" and body["attention"] is not None
+    finally:
+        api.__exit__(None, None, None)

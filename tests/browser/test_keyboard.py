@@ -248,6 +248,11 @@ def test_small_weights_read_with_an_exponent_not_a_row_of_zeros(server, page):
     }""", values)
     assert shown == ["0.000", "0.250", "0.00048", "1.0e-4", "4.8e-5", "4.8e-6", "4.8e-7", "3.0e-12"]
     assert shown == [weight_text(v, digits=3) for v in values]
+    bounds = page.evaluate("""async (values) => {
+        const { boundText } = await import('/static/js/long_focus.js');
+        return values.map((v) => boundText(v));
+    }""", [4.47e-5, 0, 0.25])
+    assert bounds == ["≤ 4.5e-5", "≤ 3.0e-8", "≤ 0.250"]  # a pooled bin's bound: it read "≤ 0.000" for 4.5e-5
 
 
 def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, api, page):
