@@ -650,6 +650,7 @@ function applyViewState(v) {
   state.scale = v.scale ?? "head";
   state.labels = v.labels ?? "pieces";
   $("text").value = v.text;
+  fitTextBox();
   $("pair").value = v.text_pair ?? "";
   $("truncate").checked = Boolean(v.truncate);
   $("measure").value = v.measure ?? "raw";
@@ -692,6 +693,13 @@ async function restoreFromUrl(push) {
 }
 
 // ---- running ----------------------------------------------------------------------------------
+
+// The text box grows with its text, up to its CSS max-height (then it scrolls).
+function fitTextBox() {
+  const box = $("text");
+  box.style.height = "auto";
+  box.style.height = `${box.scrollHeight + box.offsetHeight - box.clientHeight}px`;
+}
 
 async function submit({ layer = 0, head = 0, push = true, restoring = false } = {}) {
   if (!state.models.length) {
@@ -953,6 +961,15 @@ async function init() {
   setTheme(themeChoice());
   if (NARROW.matches) $("controls").open = false;
   renderExample();
+  // Enter runs, as it did in the one-line box; Shift+Enter starts a line, and an input method's
+  // Enter (isComposing) picks its word.
+  $("text").addEventListener("keydown", (event) => {
+    if (event.key !== "Enter" || event.shiftKey || event.altKey || event.ctrlKey || event.metaKey || event.isComposing) return;
+    event.preventDefault();
+    $("run-form").requestSubmit();
+  });
+  $("text").addEventListener("input", fitTextBox);
+  window.addEventListener("resize", fitTextBox);
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();
     if (state.busy) {

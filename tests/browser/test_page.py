@@ -349,6 +349,26 @@ def test_the_forms_boxes_line_up(server, make_page, width):
     assert page.is_visible("#text-hint")
 
 
+def test_a_pasted_document_keeps_its_lines_and_enter_still_runs(server, page):
+    """A one-line box sent a pasted document's newlines as spaces: other tokens, and other weights
+    than the API's for the same text (a review by use)."""
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data) if r.url.endswith("/api/v1/attention") and r.method == "POST" else None)
+    open_page(page, server)
+    one_line = page.evaluate("() => document.getElementById('text').getBoundingClientRect().height")
+    document = "First line of a document.\nSecond line.\n\nA paragraph later.\n"
+    page.focus("#text")
+    page.keyboard.insert_text(document)  # as a paste does
+    page.keyboard.press("Shift+Enter")  # starts a line, runs nothing
+    page.keyboard.type("The end.")
+    grown = page.evaluate("() => document.getElementById('text').getBoundingClientRect().height")
+    assert grown > 3 * one_line and not sent
+    page.keyboard.press("Enter")
+    wait_grid(page)
+    assert json.loads(sent[-1])["text"] == document + "\nThe end."
+    assert page.locator("#text").input_value() == document + "\nThe end."  # Enter ran; it added no line
+
+
 def test_no_request_leaves_loopback_and_modebar_exports_png_and_svg(server, page, watched):
     open_page(page, server)
     run(page, SENTENCE, PAIR)
