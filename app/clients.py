@@ -55,12 +55,18 @@ class KeyRing:
     def match(self, key: str) -> str | None:
         """The matching key's id (its digest's first 12 hex digits), or None. Every stored digest
         is compared, each in constant time, so the time taken says nothing about which is close."""
+        digest = self.digest_of(key)
+        return digest[:12] if digest is not None else None
+
+    def digest_of(self, key: str) -> str | None:
+        """The matching key's whole digest (hex), or None: a secret each key's holder has and no
+        other client can work out, unlike the id that logs and metrics show."""
         presented = key_digest(key)
         found = None
         for digest in self.digests:
             if hmac.compare_digest(presented, digest):
                 found = digest
-        return found.hex()[:12] if found is not None else None
+        return found.hex() if found is not None else None
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -140,8 +146,8 @@ class ClientIdentity:
             scope["headers"] = [h for h in scope["headers"] if h[0] != b"accept-encoding"]
         if self.guarded(scope["path"]):
             token = bearer(scope["headers"])
-            key_id = self.keys.match(token) if token else None  # no keys: nothing matches
-            if key_id is None:
+            digest = self.keys.digest_of(token) if token else None  # no keys: nothing matches
+            if digest is None:
                 if not self.keys:
                     message = "/metrics is closed (MANYEYES_CLOSE_METRICS) and this server has no API keys to open it"
                 elif token is None:
@@ -150,13 +156,21 @@ class ClientIdentity:
                     message = "the API key is not valid"
                 await send_error(send, 401, "unauthorized", message, [(b"www-authenticate", b'Bearer realm="manyeyes"')])
                 return
-            client = "key:" + key_id
+            client = "key:" + digest[:12]
+            # Its runs' ids are its own (run_id_for): with one cache shared by every key, an id
+            # worked out from a guessed text told whether another key had run it, and read its run.
+            scope.setdefault("state", {})["tenant"] = digest
         scope.setdefault("state", {})["client"] = client
         await self.app(scope, receive, send)
 
 
 def client_of(request: Request) -> str:
     return request.scope.get("state", {}).get("client", "")
+
+
+def tenant_of(request: Request) -> str:
+    """The secret that keeps a key's run ids its own; "" on a server without keys (one tenant)."""
+    return request.scope.get("state", {}).get("tenant", "")
 
 
 def exposure_warning(host: str, has_keys: bool) -> str | None:

@@ -54,10 +54,15 @@ class Sampling:
                 raise ValueError(f"{name} must be None or an integer {span}, got {value!r}")
 
 
-def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse what cannot run: encoders, models without a head, and sequences past the context."""
+def check_generator(model: AttentionModel) -> None:
+    """Refuse encoders and models without a language-model head."""
     if not model.info.causal or not getattr(model.net, "has_lm_head", False):
         raise ValueError(f"{model.info.id} is not a causal language model: it cannot generate")
+
+
+def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse what cannot run: encoders, models without a head, and sequences past the context."""
+    check_generator(model)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     if prompt_tokens < 1:

@@ -4,7 +4,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from manyeyes.app.clients import client_of
+from manyeyes.app.clients import client_of, tenant_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.lean import LeanRoute
@@ -33,7 +33,7 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     # With measures the answer is JSON text (no frame) that they join, and compressed once they have.
     extra = measures.reckoner(body.model, body.measures, body.layers, body.heads, body.format) if body.measures else None
     work = service.attend([(body.text, body.text_pair)], body, False, started, Wire() if body.measures else wire, client,
-                          extra)
+                          extra, tenant_of(request))
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     if body.measures:
@@ -56,7 +56,8 @@ async def attention_batch(body: BatchRequest, service: ServiceDep, request: Requ
     limit = service.settings.max_batch_texts
     if len(body.texts) > limit:
         raise InvalidInput(f"a batch holds at most {limit} texts, got {len(body.texts)}")
-    work = service.attend([(t, None) for t in body.texts], body, True, started, wire_of(request), client_of(request))
+    work = service.attend([(t, None) for t in body.texts], body, True, started, wire_of(request), client_of(request),
+                          tenant=tenant_of(request))
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.hand_over())

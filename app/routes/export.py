@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from manyeyes.app.clients import client_of
+from manyeyes.app.clients import client_of, tenant_of
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import AttentionRequest
@@ -51,7 +51,7 @@ async def export_page(
     if text is None:
         raise InvalidInput("name the run to export: ?view=<id> or ?text=...")
 
-    client = client_of(request)  # its fair share, as for the API's own requests
+    client, tenant = client_of(request), tenant_of(request)  # its fair share, as for the API's own requests
     served = registry.get(model)
     check_focus(served.model.info, layer, head)
     try:
@@ -64,7 +64,7 @@ async def export_page(
         ) from None
     try:
         reply = await service.attend([(probe.text, probe.text_pair)], probe, batch=False, started=time.monotonic(),
-                                     client=client)
+                                     client=client, tenant=tenant)
     except NeedsTiles:
         raise NeedsTiles(
             f"an exported page holds every weight of its run, up to {service.settings.dense_max_tokens:,} tokens on this "
@@ -89,7 +89,7 @@ async def export_page(
         return page + answer_bytes(cells, full.format, False, tokens) + tokens_bytes(tokens) + 12 * chars
 
     reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic(), client=client,
-                                 extra_bytes=page_around)
+                                 extra_bytes=page_around, tenant=tenant)
 
     def build() -> bytes:
         body = orjson.loads(b"".join(reply.body))

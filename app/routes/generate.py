@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from manyeyes.app.clients import client_of
 from manyeyes.app.deps import GenerationDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import GenerateEnd, GenerateRequest, GenerateStart, GenerateStep
@@ -63,9 +64,9 @@ def inline_schema(model) -> dict:
         **errors(404, 429, 503),
     },
 )
-async def generate(body: GenerateRequest, service: GenerationDep) -> ClosingStream:
+async def generate(body: GenerateRequest, service: GenerationDep, request: Request) -> ClosingStream:
     """Generate up to `max_new_tokens` tokens (greedy, or sampled with a temperature, top-k and seed),
     each with its probability, the alternatives and its attention row in every head."""
-    stream = service.start(body)
+    stream = service.start(body, client_of(request))
     # No buffering proxies: each line should reach the client as it is made.
     return ClosingStream(stream, media_type=NDJSON, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})

@@ -6,12 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
 
+from manyeyes.app.clients import client_of, tenant_of
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
 from manyeyes.app.services.attention import resolve_indices
 from manyeyes.app.services.errors import ApiError, TooLong
-from manyeyes.app.services.views import ViewStore
+from manyeyes.app.services.views import SaveSlots, ViewStore
 from manyeyes.model.errors import TooLongError
 
 router = APIRouter(prefix="/api/v1", tags=["views"])
@@ -30,6 +31,13 @@ def get_views(request: Request) -> ViewStore:
     return store
 
 
+def get_saves(request: Request) -> SaveSlots:
+    saves = getattr(request.app.state, "view_saves", None)
+    if saves is None:
+        saves = request.app.state.view_saves = SaveSlots()
+    return saves
+
+
 ViewsDep = Annotated[ViewStore, Depends(get_views)]
 
 
@@ -39,23 +47,29 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
     resolve_indices(sorted({head, *heads}), info.n_heads, "head", info.id)
 
 
-@router.post("/views", response_model=ViewSaved, responses=errors(404, 413))
-def save_view(body: ViewState, views: ViewsDep, registry: RegistryDep, service: ServiceDep) -> ViewSaved:
+@router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 429))
+def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depends(get_saves)], registry: RegistryDep,
+              service: ServiceDep, request: Request) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
     model = registry.get(body.model).model  # 404: a model it does not serve
     check_focus(model.info, body.layer, body.head, body.heads)
     # A link to a text this server would refuse could never open.
     service.check_chars([(body.text, body.text_pair)])
-    try:
-        model.encode(body.text, body.text_pair, body.truncate)
-    except TooLongError as exc:
-        raise TooLong.tokens(exc) from None
-    return ViewSaved(id=views.put(body.model_dump()))
+    client = client_of(request)
+    with saves.hold(client):
+        try:
+            model.encode(body.text, body.text_pair, body.truncate)
+        except TooLongError as exc:
+            raise TooLong.tokens(exc) from None
+        return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant_of(request)))
 
 
 @router.get("/views/{view_id}", response_model=ViewState, responses=errors(404))
 def load_view(view_id: Annotated[str, Path(pattern="^[0-9a-f]{18}$")], views: ViewsDep) -> ViewState:
     state = views.get(view_id)
     if state is None:
-        raise UnknownView(f"view {view_id} is unknown or has expired; the server keeps views for 30 days")
+        raise UnknownView(
+            f"view {view_id} is unknown here: it was never saved, or has been forgotten (a view is kept up to 30 days, "
+            "while the server's store of views has room for it)"
+        )
     return ViewState(**state)

@@ -49,6 +49,7 @@ class Item:
     text_pair: str | None
     label: str  # how errors name this input: "" for a single text, "texts[3]: " in a batch
     run_id: str = ""
+    tenant: str = ""  # whose run it is, on a server with API keys (run_id_for)
     run: Run | None = None
     encoded: Encoded | None = None
     kind: str = "weights"  # what its run keeps: "weights", or "qk" (queries and keys, a long input)
@@ -315,7 +316,7 @@ class AttentionService:
     # ------------------------------------------------------------------ public
     async def attend(
         self, texts: list[tuple[str, str | None]], options, batch: bool, started: float, wire: Wire = Wire(), client: str = "",
-        extra_bytes: Callable[[Sequence[Token]], int] | None = None,
+        extra_bytes: Callable[[Sequence[Token]], int] | None = None, tenant: str = "",
     ) -> Reply:
         """extra_bytes(tokens): what the caller will add to one text's answer (measures, a page
         around it), reckoned with the answer's own bytes in one grant: a request that held the
@@ -326,7 +327,7 @@ class AttentionService:
         self.check_chars(texts, batch)
         deadline = started + self.settings.request_timeout_s
         items = [
-            Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate))
+            Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate, tenant), tenant=tenant)
             for i, (text, pair) in enumerate(texts)
         ]
         # A batch answers with weights only; one text may keep queries and keys (see kind_for).
@@ -381,7 +382,7 @@ class AttentionService:
         view = self._view(served, layers, heads, fmt)
         self._check_cells([run.n_tokens], view)
         check_precision(run, fmt)
-        items = [Item("", None, "", run_id, run)]
+        items = [Item("", None, "", run_id, run=run)]
         nbytes = self._held_bytes(served, items, view, wire)
         if self._renders_inline(view.cells(run.n_tokens), view, wire):
             grant = self.answers.try_take(nbytes, client)
@@ -400,7 +401,7 @@ class AttentionService:
         here, not in `slice`: a coroutine cancelled before it starts would never release its count."""
         started = time.perf_counter()
         async with self.queued_with_bytes(nbytes, client) as grant:
-            items = [Item("", None, "", run_id, self.still_cached(run_id, view.format, SLICE_ROUTE))]
+            items = [Item("", None, "", run_id, run=self.still_cached(run_id, view.format, SLICE_ROUTE))]
             items[0].timing["wait"] = time.perf_counter() - started
             body, encoding = await finished_off_loop(self._render, served, items, view, False, wire)
             reply = self._replied(items, view, wire, body, encoding)
@@ -702,7 +703,7 @@ class AttentionService:
                     "shorter text, or raise MANYEYES_CACHE_BYTES"
                 )
         if self.run_directory is not None:
-            self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate)) for i in missing])
+            self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate, i.tenant)) for i in missing])
 
     def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
         for item in items:

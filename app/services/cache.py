@@ -84,11 +84,14 @@ def run_bytes(info, n_tokens: int, kind: str, weight_bytes: int, qk_bytes: int) 
     return held + queries_keys + 2 * rows * 4 + overview  # row max and sum, float32
 
 
-def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool) -> str:
-    """Everything that changes the forward pass, and nothing that only changes the view of it."""
+def run_id_for(model: str, text: str, text_pair: str | None, truncate: bool, tenant: str = "") -> str:
+    """Everything that changes the forward pass, and nothing that only changes the view of it.
+    tenant: on a server with API keys, the key's secret digest (clients.tenant_of): each key's
+    runs are its own, and no other key can work out their ids from a guessed text."""
     # JSON, not a separator: any character a separator could be may also be in a client's text, and
     # ("x\x1fy", "z") must not share a run with ("x", "y\x1fz"). ASCII escapes keep lone surrogates hashable.
-    key = json.dumps([model, text, text_pair, truncate], ensure_ascii=True)
+    fields = [model, text, text_pair, truncate] + ([tenant] if tenant else [])
+    key = json.dumps(fields, ensure_ascii=True)
     return hashlib.blake2b(key.encode("ascii"), digest_size=16).hexdigest()
 
 

@@ -14,10 +14,13 @@ from manyeyes.app.services.errors import InvalidInput, QueueFull, TooLong
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.model.errors import TooLongError
-from manyeyes.model.generate import Sampling, Step, check_generation, generate
+from manyeyes.model.generate import Sampling, Step, check_generation, check_generator, generate
 
 _DONE = object()
 log = logging.getLogger(__name__)
+# How long a refused client is told to wait: a generation runs for seconds (its steps are
+# streamed as the client reads them), so "1" sent it back into the same refusal.
+RETRY_AFTER_S = 5
 
 
 def _choice(c) -> dict:
@@ -43,8 +46,13 @@ class GenerationService:
         self.metrics = metrics
         # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
         self._slots = threading.BoundedSemaphore(settings.max_generations)
+        # ...and a client holds at most half of them: four streams one client opened and never
+        # read held every slot until the write deadline dropped them, and again on reconnecting.
+        self.client_share = max(1, settings.max_generations // 2)
+        self._held: dict[str, int] = {}
+        self._held_lock = threading.Lock()
 
-    def start(self, body) -> Generation:
+    def start(self, body, client: str = "") -> Generation:
         """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
         served = self.registry.get(body.model)
         model = served.model
@@ -53,6 +61,7 @@ class GenerationService:
         if len(body.text) > self.settings.max_text_chars:
             raise TooLong.chars(len(body.text), self.settings.max_text_chars)
         try:
+            check_generator(model)  # before the prompt's length: an encoder's long prompt was "too long"
             prompt = model.encode(body.text)
             check_generation(model, len(prompt), body.max_new_tokens)
         except TooLongError as exc:
@@ -62,8 +71,7 @@ class GenerationService:
             ) from None
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        if not self._slots.acquire(blocking=False):
-            raise QueueFull(f"{self.settings.max_generations} generations are running; try again shortly", retry_after_s=1)
+        self._take(client)
         steps = generate(
             model, body.text, body.max_new_tokens, Sampling(body.temperature, body.top_k, body.seed), body.alternatives
         )
@@ -77,7 +85,24 @@ class GenerationService:
                 for t in prompt.tokens
             ],
         }
-        return Generation(self, served.id, start, steps)
+        return Generation(self, served.id, start, steps, client)
+
+    def _take(self, client: str) -> None:
+        with self._held_lock:
+            if self._held.get(client, 0) >= self.client_share:
+                raise QueueFull(f"this client has {self.client_share} generations running, its share of this server's "
+                                f"{self.settings.max_generations}; start another when one ends", retry_after_s=RETRY_AFTER_S)
+            if not self._slots.acquire(blocking=False):
+                raise QueueFull(f"{self.settings.max_generations} generations are running; try again in a few seconds",
+                                retry_after_s=RETRY_AFTER_S)
+            self._held[client] = self._held.get(client, 0) + 1
+
+    def _give_back(self, client: str) -> None:
+        with self._held_lock:
+            self._held[client] -= 1
+            if not self._held[client]:
+                del self._held[client]
+            self._slots.release()
 
     async def _stream(self, generation: Generation, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
         generation.started = True
@@ -125,8 +150,9 @@ class Generation:
     calls `aclose` whatever happened, which ends the steps and frees the slot at once.
     """
 
-    def __init__(self, service: GenerationService, model_id: str, start: dict, steps) -> None:
-        self._slots = service._slots
+    def __init__(self, service: GenerationService, model_id: str, start: dict, steps, client: str = "") -> None:
+        self._service = service
+        self._client = client
         self._metrics = service.metrics
         self._released = False
         self._guard = threading.Lock()
@@ -149,4 +175,4 @@ class Generation:
             if self._released:
                 return
             self._released = True
-        self._slots.release()
+        self._service._give_back(self._client)

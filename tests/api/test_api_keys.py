@@ -201,3 +201,22 @@ def test_accept_encoding_is_dropped_only_for_a_client_on_loopback(peer, forwarde
     assert ((b"accept-encoding", b"zstd, gzip") in seen["headers"]) is kept
     assert (b"accept", b"*/*") in seen["headers"]  # nothing else is touched
     assert seen["client"] == "addr:" + (forwarded.decode() if forwarded and peer == "127.0.0.1" else peer or "")
+
+
+def test_a_keys_run_ids_are_its_own_so_no_other_key_can_guess_them(locked):
+    """Run ids were a hash of the text alone, over one cache shared by every key: another key
+    worked out the id of a guessed text and read whether it was run, and the run itself."""
+    from manyeyes.app.services.cache import run_id_for
+
+    text = "A text only alpha has sent."
+    mine = locked.post("/api/v1/attention", json={"text": text, "format": "u8"}, headers=auth(KEYS[0])).json()["run_id"]
+    guessed = run_id_for("minilm", text, None, False)  # what an id was, and what a server without keys still gives
+    assert mine != guessed
+    assert locked.get(f"/api/v1/runs/{guessed}", headers=auth(KEYS[1])).status_code == 404
+    assert locked.get(f"/api/v1/runs/{guessed}", headers=auth(KEYS[0])).status_code == 404
+    theirs = locked.post("/api/v1/attention", json={"text": text, "format": "u8"}, headers=auth(KEYS[1])).json()["run_id"]
+    assert theirs not in (mine, guessed)
+    again = locked.post("/api/v1/attention", json={"text": text, "format": "u8"}, headers=auth(KEYS[0]))
+    assert again.json()["run_id"] == mine  # a key's own repeats still come from the cache
+    # An id handed over is enough to read the run: it is a link, as a view's id is.
+    assert locked.get(f"/api/v1/runs/{mine}", headers=auth(KEYS[1])).status_code == 200

@@ -89,3 +89,55 @@ def test_a_view_that_could_never_open_is_refused(api):
     assert r.status_code == 422 and r.json()["error"]["code"] == "too_long", r.text
     assert r.json()["error"]["message"].startswith("input is 2,002 tokens long but the model takes at most 512"), r.text
     assert api.post("/api/v1/views", json={**VIEW, "text": "a " * 2000, "truncate": True}).status_code == 200
+
+
+def test_one_clients_saves_push_out_only_its_own_views(tmp_path):
+    """A client holds at most a quarter of the store: 45 saves of 400 KB from one client had
+    forgotten every other client's permalinks within 7 s (a review by use)."""
+    from manyeyes.app.shared_runs import SharedFiles
+
+    shared = SharedFiles(tmp_path, "0", 4_000)
+    store = ViewStore(max_views=40, max_bytes=4_000, shared=shared)
+    theirs = store.put({"text": "kept"}, owner="addr:10.0.0.2")
+    flood = [store.put({"text": f"{i}" + "x" * 200}, owner="addr:10.0.0.9") for i in range(30)]
+    assert store.get(theirs) == {"text": "kept"}
+    assert sum(store.get(i) is not None for i in flood) == 1_000 // len(f'{{"text":"0{"x" * 200}"}}')
+    assert store.get(flood[-1]) is not None and store.get(flood[0]) is None  # its own oldest went first
+    assert shared.read(f"view-{theirs}") is not None  # the files other workers read, held the same way
+    assert sum(shared.read(f"view-{i}") is not None for i in flood) <= 1_000 // 200
+    # By count as well: a quarter of 40 views.
+    store = ViewStore(max_views=40)
+    theirs = store.put({"text": "kept"}, owner="addr:10.0.0.2")
+    small = [store.put({"n": i}, owner="addr:10.0.0.9") for i in range(60)]
+    assert [store.get(i) is not None for i in small] == [False] * 50 + [True] * 10 and store.get(theirs) is not None
+
+
+def test_a_keys_view_ids_are_its_own():
+    """Content ids let any key work out the id of a view of a guessed text and open it."""
+    store = ViewStore()
+    plain = store.put(VIEW)
+    a, b = (store.put(VIEW, owner=f"key:{t[:12]}", tenant=t) for t in ("ab" * 32, "cd" * 32))
+    assert len({plain, a, b}) == 3 and store.get(a) == store.get(b) == store.get(plain)
+    assert store.put(VIEW, tenant="ab" * 32) == a  # the same key, the same view: the same link
+
+
+def test_saves_at_once_are_bounded_in_all_and_per_client():
+    """Each save tokenizes up to 100,000 characters on the thread pool static files share: 45 at
+    once held it for 8 s, with no 429."""
+    from manyeyes.app.services.errors import QueueFull
+    from manyeyes.app.services.views import SaveSlots
+
+    slots = SaveSlots(total=2, per_client=1)
+    with slots.hold("a"):
+        with pytest.raises(QueueFull) as refused:
+            with slots.hold("a"):
+                pass
+        assert refused.value.headers == {"Retry-After": "1"}
+        with slots.hold("b"):
+            with pytest.raises(QueueFull):
+                with slots.hold("c"):
+                    pass
+        with slots.hold("c"):  # b's slot came back
+            pass
+    with slots.hold("a"):
+        pass

@@ -137,10 +137,40 @@ def test_too_many_generations_at_once_get_429(server):
     try:
         r = httpx.post(f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt"}, timeout=30)
         assert_json_error(r, 429)
-        assert r.headers["Retry-After"] == "1"
+        assert r.headers["Retry-After"] == "5"  # a generation runs for seconds: 1 sent clients back into the refusal
     finally:
         for _ in range(taken):
             service._slots.release()
+
+
+def test_one_client_holds_at_most_half_the_generations(server):
+    """Four streams one client opened and never read held every slot (the others' 429s said retry
+    in 1 s) until the write deadline dropped them, and again on reconnecting."""
+    service = server.app.state.generation
+    share = service.client_share
+    assert share == server.app.state.settings.max_generations // 2 >= 1
+    here = "addr:127.0.0.1"  # the address the requests below come from
+    for _ in range(share):
+        service._take(here)
+    try:
+        r = httpx.post(f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt"}, timeout=30)
+        err = assert_json_error(r, 429)
+        assert "its share" in err["message"] and r.headers["Retry-After"] == "5", err
+        service._take("addr:10.0.0.7")  # another client still gets a slot
+        service._give_back("addr:10.0.0.7")
+    finally:
+        for _ in range(share):
+            service._give_back(here)
+    with httpx.stream("POST", f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 2},
+                      timeout=60) as r:
+        assert r.status_code == 200 and [json.loads(x)["type"] for x in r.iter_lines() if x][-1] == "end"
+    assert service._held == {} and service._slots._value == server.app.state.settings.max_generations
+
+
+def test_an_encoders_long_prompt_is_told_it_cannot_generate_not_to_shorten_it(server):
+    r = httpx.post(f"{server.url}/api/v1/generate", json={"text": "word " * 600, "model": "minilm"}, timeout=30)
+    err = assert_json_error(r, 422)
+    assert err["message"] == "minilm is not a causal language model: it cannot generate", err
 
 
 def test_seeded_sampling_repeats_over_http(server):
