@@ -399,7 +399,8 @@ def _settings():
         return None
     except ValidationError as exc:
         problems = "; ".join(
-            f"MANYEYES_{'_'.join(str(part) for part in error['loc'][:1]).upper()}={error.get('input')!r}: {error['msg']}"
+            f"MANYEYES_{'_'.join(str(part) for part in error['loc'][:1]).upper()}={error.get('input')!r}: "
+            f"{error['msg'].removeprefix('Value error, ')}"
             if error["loc"] else error["msg"].removeprefix("Value error, ") for error in exc.errors())
         print(f"error: a MANYEYES_* setting in the environment is malformed: {problems}", file=sys.stderr)
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -209,6 +210,18 @@ class Settings(BaseSettings):
     @classmethod
     def _split_list(cls, value):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        # Checked here, not when the app is built: "proxy.local" was a traceback after "serving on".
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is no IP address or network (such as 10.0.0.1 or 10.0.0.0/8): "
+                                 "name proxies by address") from None
+        return value
 
     @field_validator("api_keys_file", mode="before")
     @classmethod

@@ -246,13 +246,22 @@ CSP_SELF = (
     "font-src 'self'; connect-src 'self'; worker-src 'self' blob:; object-src 'none'; base-uri 'none'; "
     "form-action 'self'; frame-ancestors 'none'"
 )
+# On every response (SECURITY.md): the app's through SecurityHeaders, and app/server.py's answers
+# to bytes the HTTP parser refused, which no middleware sees.
+SECURITY_HEADERS = (
+    (b"content-security-policy", CSP_SELF.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+)
+
+
 class SecurityHeaders:
     """Adds the security headers to every response, the API's errors and the static files included."""
 
     def __init__(self, app) -> None:
         self.app = app
-        common = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY")]
-        self.headers = [(b"content-security-policy", CSP_SELF.encode()), *common]
+        self.headers = SECURITY_HEADERS
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

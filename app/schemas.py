@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 Format = Literal["json", "f16", "u8"]
 PRECISION_DOC = (
@@ -13,6 +13,19 @@ PRECISION_DOC = (
     "again in that format (otherwise 422 kept_quantised)"
 )
 Keep = Literal["auto", "weights", "qk"]
+
+
+def _ascii_digits(value):
+    """A query string's whole number as ASCII digits, as the list parameters take them
+    (services.attention.parse_index): pydantic alone read "+1", "1.0" and " 1 " as 1."""
+    if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+        raise ValueError("must be a whole number written in digits (0, 1, 2, ...)")
+    return value
+
+
+# Marks an integer query parameter: Annotated[int, Query(ge=0), DIGITS] (after its bounds, which
+# then still show in the schema as its minimum).
+DIGITS = BeforeValidator(_ascii_digits)
 
 
 def _not_blank(value: str) -> str:

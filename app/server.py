@@ -47,22 +47,24 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from email.utils import formatdate
 
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from manyeyes.app.config import Settings
-from manyeyes.app.middleware import DELIVERY
+from manyeyes.app.middleware import DELIVERY, SECURITY_HEADERS
 from manyeyes.app.services.errors import error_body
 
 
 def error_answer(status: int, reason: str, code: str, message: str) -> bytes:
-    """A whole HTTP/1.1 answer that closes the connection: the JSON error every refusal gives."""
+    """A whole HTTP/1.1 answer that closes the connection: the JSON error every refusal gives,
+    with the headers every other answer carries (they had only their type, length and close)."""
     body = orjson.dumps(error_body(code, message))
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
-    return head.encode("latin-1") + body
+    head = (f"HTTP/1.1 {status} {reason}\r\ndate: {formatdate(usegmt=True)}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n").encode("latin-1")
+    return head + b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS) + b"\r\n" + body
 
 
 class Delivery:

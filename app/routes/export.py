@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from manyeyes.app.clients import client_of, tenant_of
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
-from manyeyes.app.schemas import AttentionRequest
+from manyeyes.app.schemas import DIGITS, AttentionRequest
 from manyeyes.app.routes.views import UnknownView, ViewsDep, check_focus
 from manyeyes.app.services.attention import answer_bytes, finished_off_loop, tokens_bytes
 from manyeyes.app.services.errors import InvalidInput, NeedsTiles
@@ -32,8 +32,8 @@ async def export_page(
     view: Annotated[str | None, Query(pattern="^[0-9a-f]{18}$", description="A saved view's id (the page's ?view=)")] = None,
     pair: Annotated[str | None, Query(description="Second segment, for sentence-pair models")] = None,
     model: Annotated[str | None, Query()] = None,
-    layer: Annotated[int, Query(ge=0, description="Layer focused when the file opens")] = 0,
-    head: Annotated[int, Query(ge=0, description="Head focused when the file opens")] = 0,
+    layer: Annotated[int, Query(ge=0, description="Layer focused when the file opens"), DIGITS] = 0,
+    head: Annotated[int, Query(ge=0, description="Head focused when the file opens"), DIGITS] = 0,
     truncate: Annotated[bool, Query(description="Cut input longer than the model's positions (as the page's option)")] = True,
 ) -> Response:
     """The viewer with this run's attention inside, as a download that opens from disk with no

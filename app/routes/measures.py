@@ -10,7 +10,7 @@ from pydantic import WithJsonSchema
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep
 from manyeyes.app.routes.responses import PiecesResponse, errors
-from manyeyes.app.schemas import FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
+from manyeyes.app.schemas import DIGITS, FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
 from manyeyes.app.services.errors import InvalidInput, brief
 from manyeyes.app.services.measures import MATRIX_MEASURES
@@ -20,7 +20,7 @@ ERRORS = errors(404, 413, 429, 503)
 MEASURES_ERRORS = errors(404, 413, 429, 503, 504)  # 504: the answers' bytes were not free in time
 
 
-Index = Annotated[int, Query(ge=0, le=1_000_000)]
+Index = Annotated[int, Query(ge=0, le=1_000_000), DIGITS]
 _ONE = "(" + "|".join(MATRIX_MEASURES) + ")"
 NAMES = f"^{_ONE}(,{_ONE})*$"  # in the schema too, so clients (and fuzzers) know the names
 
@@ -86,8 +86,8 @@ async def run_logit_attribution(
     run_id: str,
     service: MeasuresDep,
     position: Index,
-    target: Annotated[int | None, Query(ge=0, le=10_000_000, description="Token id; default the top prediction at `position`")] = None,
-    top: Annotated[int, Query(ge=1, le=4096, description="Heads returned, the largest effect first, up or down (by absolute contribution)")] = 10,
+    target: Annotated[int | None, Query(ge=0, le=10_000_000, description="Token id; default the top prediction at `position`"), DIGITS] = None,
+    top: Annotated[int, Query(ge=1, le=4096, description="Heads returned, the largest effect first, up or down (by absolute contribution)"), DIGITS] = 10,
 ) -> Response:
     """Direct logit attribution (causal LMs): each head's direct contribution to the logit of
     `target` at `position`, through the final norm frozen at this run's scale, ranked."""

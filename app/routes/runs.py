@@ -12,7 +12,7 @@ from manyeyes.app.deps import ServiceDep, TilesDep
 from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
-from manyeyes.app.schemas import AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
+from manyeyes.app.schemas import DIGITS, AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
 from manyeyes.app.services.attention import Reply, parse_index_list
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
@@ -41,8 +41,8 @@ async def answered_while_connected(request: Request, work: Awaitable[Reply]) -> 
     return answered(request, await unless_disconnected(request, work))
 
 
-Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0")]
-End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length")]
+Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0"), DIGITS]
+End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length"), DIGITS]
 
 
 @router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 429, 503, 504)})
@@ -77,7 +77,7 @@ async def run_tile(
     run_id: str,
     tiles: TilesDep,
     request: Request,
-    layer: Annotated[int, Query(ge=0)],
+    layer: Annotated[int, Query(ge=0), DIGITS],
     head: Annotated[str, Query(description="A query head index, or `mean`: the mean over the layer's heads",
                                examples=["3", "mean"], max_length=32)],
     q0: Start = None,
@@ -85,8 +85,8 @@ async def run_tile(
     k0: Start = None,
     k1: End = None,
     rows: Annotated[int | None, Query(ge=1, description="Answer rows; default the window's (full resolution, "
-                                                        "at most 1024 a side: 413 beyond)")] = None,
-    cols: Annotated[int | None, Query(ge=1, description="Answer columns; default the window's")] = None,
+                                                        "at most 1024 a side: 413 beyond)"), DIGITS] = None,
+    cols: Annotated[int | None, Query(ge=1, description="Answer columns; default the window's"), DIGITS] = None,
     pool: Annotated[Literal["max", "mean"], Query(description="How a cell sums up the weights it covers")] = "max",
     format: Annotated[Format, Query()] = "json",
 ) -> Response:
@@ -104,9 +104,9 @@ async def run_topk(
     run_id: str,
     tiles: TilesDep,
     request: Request,
-    layer: Annotated[int, Query(ge=0)],
-    head: Annotated[int, Query(ge=0)],
-    k: Annotated[int, Query(ge=1, description="Weights per query row, at most 64 (the run's length, if shorter)")] = 8,
+    layer: Annotated[int, Query(ge=0), DIGITS],
+    head: Annotated[int, Query(ge=0), DIGITS],
+    k: Annotated[int, Query(ge=1, description="Weights per query row, at most 64 (the run's length, if shorter)"), DIGITS] = 8,
     q0: Start = None,
     q1: End = None,
     format: Annotated[Format, Query(description="Of values and rest; indices are json lists or int32")] = "json",

@@ -177,3 +177,13 @@ def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(m
     assert main(["serve", "--port", str(free_port())]) == 0
     assert ("warning: MANYEYES_CACHE_BYTE is not a setting manyeyes reads (did you mean MANYEYES_CACHE_BYTES?)"
             in capsys.readouterr().err)
+
+
+def test_a_trusted_proxy_that_is_no_address_is_one_line_before_serving(monkeypatch, capsys):
+    """"proxy.local" was a 23-line traceback from building the app, after "serving on" was printed."""
+    monkeypatch.setenv("MANYEYES_TRUSTED_PROXIES", "10.0.0.0/8,proxy.local")
+    assert main(["serve", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_TRUSTED_PROXIES="
+                   "'10.0.0.0/8,proxy.local': 'proxy.local' is no IP address or network (such as 10.0.0.1 or "
+                   "10.0.0.0/8): name proxies by address\n"), err

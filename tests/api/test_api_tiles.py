@@ -361,6 +361,12 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
     # 5,000 digits were a 500.
     for head in ("+1", "1_0", "\u0663", " 1", "9" * 5000):
         assert_error(tile(head=head), 422, "head")
+    # The integer parameters too: pydantic alone read "+1", "1.0" and " 1 " as 1 (a review by use).
+    for bad in ("+1", "1.0", " 1 ", "1e0", "\u0661"):
+        assert_error(tile(layer=bad), 422, "layer", "digits")
+        assert_error(tile(q0=bad), 422, "q0", "digits")
+        assert_error(get(tiles_api, run_id, "topk", layer=0, head=bad), 422, "head", "digits")
+        assert_error(get(tiles_api, run_id, "topk", layer=0, head=0, k=bad), 422, "k", "digits")
     assert_error(tile(pool="median"), 422, "pool")
     assert_error(tile(format="png"), 422, "format")
     assert_error(get(tiles_api, run_id, "tile", head=0), 422, "layer")

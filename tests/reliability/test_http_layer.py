@@ -144,6 +144,10 @@ def test_bytes_that_are_not_http_get_a_json_400():
             assert head.startswith(b"HTTP/1.1 400 "), (sent, said[:200])
             assert b"content-type: application/json" in head.lower(), (sent, head)
             assert orjson.loads(body)["error"]["code"] == "bad_request", (sent, body)
+            # SECURITY.md's headers are on every answer: these had only their type, length and close.
+            for name in (b"content-security-policy: ", b"x-content-type-options: nosniff", b"x-frame-options: DENY",
+                         b"referrer-policy: no-referrer", b"date: "):
+                assert b"\r\n" + name in head, (sent, head)
         assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
 
 
