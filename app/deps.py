@@ -6,6 +6,7 @@ beyond the forward at T=16 went to two such hops)."""
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from typing import Annotated
@@ -13,7 +14,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from manyeyes.app.services.attention import AttentionService
-from manyeyes.app.services.errors import InvalidInput, brief
+from manyeyes.app.services.errors import ApiError, InvalidInput, brief
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.measures import MeasuresService
 from manyeyes.app.services.metrics import Metrics
@@ -74,6 +75,14 @@ def _takes_many(annotation) -> bool:
     if origin in (typing.Union, types.UnionType):
         return any(_takes_many(arg) for arg in typing.get_args(annotation))
     return origin in (list, tuple, set, frozenset)
+
+
+async def utf8_json(request: Request) -> None:
+    """JSON is UTF-8 (RFC 8259): FastAPI's parser (json.loads) had read UTF-16 and UTF-32 bodies
+    too, where the README's error table says a body that is not UTF-8 JSON is refused. (Bytes that
+    are not UTF-8 at all are refused where they are parsed, as the body's own 400 or 422.)"""
+    if request.method == "POST" and json.detect_encoding(await request.body()) not in ("utf-8", "utf-8-sig"):
+        raise ApiError("the body is not valid JSON: JSON is UTF-8, and these bytes are UTF-16 or UTF-32")
 
 
 async def known_query(request: Request) -> None:

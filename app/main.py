@@ -13,14 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
-from manyeyes.app.deps import known_query
+from manyeyes.app.deps import known_query, utf8_json
 from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
-from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, SecurityHeaders, ShutdownAnswer
+from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, JsonCors, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
@@ -166,7 +165,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     for module in (attention, models, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
         # /export is left out: it reads the page's permalink, whose other parameters are the page's.
         api = module.router.prefix.startswith("/api/")
-        app.include_router(module.router, dependencies=[Depends(known_query)] if api else None)
+        app.include_router(module.router, dependencies=[Depends(known_query), Depends(utf8_json)] if api else None)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
@@ -188,7 +187,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     )
     if settings.cors_origins:  # off by default: only the page this server serves may call the API
         app.add_middleware(
-            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+            JsonCors, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
             allow_headers=["Content-Type", "Authorization"], expose_headers=["Retry-After"], max_age=600,
         )
     # Inside AccessLog, which logs the method as sent and the bytes as sent (none for HEAD).

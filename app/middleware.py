@@ -9,7 +9,9 @@ import time
 
 import orjson
 from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
+from starlette.responses import Response
 
 from manyeyes.app.services.errors import ClientClosed, NotReady, error_body
 from manyeyes.app.services.metrics import Metrics
@@ -276,6 +278,21 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+class JsonCors(CORSMiddleware):
+    """Starlette's CORS, whose refused preflights were plain text ("Disallowed CORS origin"): JSON,
+    as every other refusal is, with the same CORS headers."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        refused = response.body.decode().removeprefix("Disallowed CORS ")
+        message = (f"this cross-origin request's {refused} is not allowed here (methods GET and POST, headers "
+                   "Content-Type and Authorization, from the origins in MANYEYES_CORS_ORIGINS)")
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-type", "content-length")}
+        return Response(orjson.dumps(error_body("cors_refused", message)), 400, headers, "application/json")
 
 
 class Gzip(GZipMiddleware):

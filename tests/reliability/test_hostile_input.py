@@ -206,6 +206,16 @@ def test_a_body_that_cannot_be_parsed_says_why(client, name, why):
     assert message.startswith("There was an error parsing the body: ") and why in message, message
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+@pytest.mark.parametrize("route", [ATTENTION, "/api/v1/views", "/api/v1/generate"])
+def test_a_body_in_another_unicode_encoding_is_refused_as_json_must_be_utf8(client, route, encoding):
+    """json.loads (FastAPI's parser) read UTF-16 and UTF-32 bodies, and they were answered."""
+    fields = {"layer": 0, "head": 0} if route.endswith("views") else {}
+    raw = json.dumps({"text": "The bank.", "model": "minilm", **fields}).encode(encoding)
+    message = assert_json_error(client.post(route, content=raw, headers=JSON), 400)["message"]
+    assert message == "the body is not valid JSON: JSON is UTF-8, and these bytes are UTF-16 or UTF-32", message
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -72,6 +72,13 @@ def test_cors_allows_exactly_the_configured_origins():
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == allowed
         other = httpx.options(f"{server.url}/api/v1/attention", headers={"Origin": "https://evil.example", **ask}, timeout=60)
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        # Refused preflights were Starlette's plain text ("Disallowed CORS origin"): JSON like every refusal.
+        refusals = [other, httpx.options(f"{server.url}/api/v1/attention", timeout=60, headers={
+            "Origin": allowed, "Access-Control-Request-Method": "DELETE", "Access-Control-Request-Headers": "x-evil"})]
+        for refused, what in zip(refusals, ("origin", "method, headers")):
+            assert refused.status_code == 400 and refused.headers["content-type"] == "application/json", refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "cors_refused" and f"request's {what} is not allowed" in error["message"], error
 
 
 def test_docs_are_local_and_under_the_same_policy(server):
