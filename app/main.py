@@ -19,7 +19,7 @@ from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query, utf8_json
 from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
-from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, JsonCors, SecurityHeaders, ShutdownAnswer
+from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
@@ -192,6 +192,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
         )
     # Inside AccessLog, which logs the method as sent and the bytes as sent (none for HEAD).
     app.add_middleware(HeadAsGet)
+    app.add_middleware(Ranges)
     # Inside AccessLog, so the 503s it writes at shutdown are logged and counted.
     app.add_middleware(ShutdownAnswer)
     app.add_middleware(AccessLog, metrics=metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import orjson
@@ -150,8 +151,11 @@ class HeadAsGet:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "HEAD":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope["method"] != "HEAD":
+            await self.app(scope, receive, self.allowing_head(send))
             return
 
         async def without_body(message):
@@ -168,6 +172,19 @@ class HeadAsGet:
         finally:
             if "route" in as_get:  # for AccessLog's label
                 scope["route"] = as_get["route"]
+
+    @staticmethod
+    def allowing_head(send):
+        """A 405's Allow names HEAD wherever it names GET: this middleware answers both."""
+
+        async def with_head(message):
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                message = {**message, "headers": [
+                    (name, value + b", HEAD") if name == b"allow" and b"GET" in value.split(b", ") and b"HEAD" not in value
+                    else (name, value) for name, value in message.get("headers", [])]}
+            await send(message)
+
+        return with_head
 
 
 class AccessLog:
@@ -278,6 +295,58 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+# One byte range of a Range header: "first-[last]" with first <= last, or a suffix "-length".
+BYTE_RANGE = re.compile(r"(\d+)-(\d*)|-\d+")
+
+
+def usable_range(value: str) -> bool:
+    """Whether a Range header is a well-formed bytes range set (RFC 9110, 14.1.1)."""
+    unit, _, ranges = value.partition("=")
+    if unit.strip().lower() != "bytes":
+        return False
+    for part in ranges.split(","):
+        found = BYTE_RANGE.fullmatch(part.strip())
+        if found is None or (found[2] and int(found[1]) > int(found[2])):
+            return False
+    return True
+
+
+class Ranges:
+    """Range requests on the files the server sends (Starlette's FileResponse: the page, its
+    scripts, plotly.js, the docs' assets). A Range that is not a well-formed bytes range set was a
+    plain-text 400; HTTP says to ignore it, and the whole file is sent. One that starts past the
+    file's end is still 416, in JSON as every refusal is."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        ranges = [value for name, value in scope.get("headers", ()) if name == b"range"] if scope["type"] == "http" else []
+        if not ranges:
+            await self.app(scope, receive, send)
+            return
+        if len(ranges) > 1 or not usable_range(ranges[0].decode("latin-1")):
+            scope = {**scope, "headers": [(name, value) for name, value in scope["headers"] if name != b"range"]}
+            await self.app(scope, receive, send)
+            return
+        refused = False
+
+        async def json_416(message):
+            nonlocal refused
+            if message["type"] == "http.response.start" and message["status"] == 416:
+                refused = True
+                body = orjson.dumps(error_body("range_not_satisfiable", "the Range asked for starts past the end of the file"))
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in (b"content-type", b"content-length")]
+                await send({**message, "headers": [*kept, (b"content-type", b"application/json"),
+                                                   (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if not refused:
+                await send(message)
+
+        await self.app(scope, receive, json_416)
 
 
 class JsonCors(CORSMiddleware):

@@ -167,6 +167,29 @@ def test_head_on_a_post_route_is_405_naming_post(api):
     assert r.status_code == 405 and "POST" in r.headers["allow"] and r.content == b""
 
 
+def test_a_405_on_a_get_route_allows_head_too(api):
+    """The 405 said `Allow: GET` on routes that answer HEAD as well."""
+    for method, path in (("PUT", "/api/v1/models"), ("DELETE", "/healthz"), ("POST", "/api/v1/runs/" + "0" * 32)):
+        r = api.request(method, path)
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD", (path, r.headers.get("allow"))
+    assert api.get("/api/v1/attention").headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("path", ["/static/js/api.js", "/vendor/plotly.min.js", "/vendor/swagger-ui/swagger-ui.css"])
+def test_ranges_on_files_are_honoured_ignored_when_malformed_and_refused_in_json(api, path):
+    """A Range that is no bytes range set was a plain-text 400 (HTTP says ignore it and send the
+    file); one past the end a plain-text 416."""
+    whole = api.get(path, headers={"Accept-Encoding": "identity"}).content
+    part = api.get(path, headers={"Range": "bytes=0-9", "Accept-Encoding": "identity"})
+    assert part.status_code == 206 and part.content == whole[:10]
+    for malformed in ("items=0-1", "bytes=", "bytes=5-2", "bytes=abc", "bytes=0-1;x"):
+        r = api.get(path, headers={"Range": malformed, "Accept-Encoding": "identity"})
+        assert r.status_code == 200 and r.content == whole, malformed
+    r = api.get(path, headers={"Range": f"bytes={len(whole) + 10}-", "Accept-Encoding": "identity"})
+    assert r.status_code == 416 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "range_not_satisfiable" and r.headers["content-range"] == f"bytes */{len(whole)}"
+
+
 def test_large_json_is_gzipped_at_level_6_or_less_but_compact_formats_are_not(api):
     from starlette.middleware.gzip import GZipMiddleware
 
