@@ -64,6 +64,24 @@ def compressed(request: Request) -> Response | None:
     )
 
 
+def keyed_openapi(build):
+    """The schema of a server with API keys says so: a bearer scheme on every route that needs a key,
+    so that /docs asks for one ("Authorize") and a client generated from the schema sends it."""
+
+    def schema() -> dict:
+        document = build()  # built once: FastAPI keeps it, and the changes below with it
+        schemes = document.setdefault("components", {}).setdefault("securitySchemes", {})
+        if "bearer" not in schemes:
+            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "One of MANYEYES_API_KEYS"}
+            for path, operations in document["paths"].items():
+                if path.startswith("/api/") or path == "/export":
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+        return document
+
+    return schema
+
+
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -160,6 +178,8 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    if keys:
+        app.openapi = keyed_openapi(app.openapi)
     add_error_handlers(app)
     # The hot route first: routing tries the routers in this order.
     for module in (attention, models, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
-from manyeyes.app.routes.responses import PiecesResponse, errors
+from manyeyes.app.routes.responses import PiecesResponse, compact_content, errors
 from manyeyes.app.schemas import AttentionResponse, Format
 from manyeyes.app.services.attention import answer_bytes, finished_off_loop, parse_index_list, resolve_indices
 from manyeyes.app.services.cache import Run
@@ -23,7 +23,8 @@ from manyeyes.app.services.payload import View, render_result
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 
 
-@router.get("/runs/{run_id}/mean", response_model=AttentionResponse, responses=errors(404, 429, 503, 504))
+@router.get("/runs/{run_id}/mean", response_model=AttentionResponse,
+            responses={200: {"content": compact_content(AttentionResponse)}, **errors(404, 429, 503, 504)})
 async def run_mean(
     run_id: str,
     service: ServiceDep,

@@ -8,21 +8,21 @@ from manyeyes.app.clients import client_of, tenant_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
 from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.lean import LeanRoute
-from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
+from manyeyes.app.routes.responses import PiecesResponse, answer_content, errors
 from manyeyes.app.schemas import AttentionRequest, AttentionResponse, BatchRequest, BatchResponse
 from manyeyes.app.services.attention import Wire
 from manyeyes.app.services.errors import InvalidInput
 from manyeyes.app.services.wire import header_list
 
 router = APIRouter(prefix="/api/v1", tags=["attention"], route_class=LeanRoute)
-ERRORS = errors(404, 413, 429, 503, 504)
+ERRORS = errors(404, 413, 415, 429, 503, 504)
 
 
 def wire_of(request: Request) -> Wire:
     return Wire.from_headers(header_list(request.headers, "accept"), header_list(request.headers, "accept-encoding"))
 
 
-@router.post("/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **ERRORS})
+@router.post("/attention", response_model=AttentionResponse, responses={200: answer_content(AttentionResponse), **ERRORS})
 async def attention(body: AttentionRequest, service: ServiceDep, measures: MeasuresDep, request: Request) -> Response:
     """Attention weights of every (or the chosen) layer and head for one text.
 
@@ -49,7 +49,7 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     return PiecesResponse(reply.body, reply.media_type, reply.headers, reply.hand_over())
 
 
-@router.post("/attention/batch", response_model=BatchResponse, responses={200: ANSWER_CONTENT, **ERRORS})
+@router.post("/attention/batch", response_model=BatchResponse, responses={200: answer_content(BatchResponse), **ERRORS})
 async def attention_batch(body: BatchRequest, service: ServiceDep, request: Request) -> Response:
     """Several texts with the same options; they share forward passes."""
     started = time.monotonic()

@@ -14,7 +14,7 @@ from manyeyes.app.services.experiments import ExperimentService
 from manyeyes.app.services.slots import Grant
 
 router = APIRouter(prefix="/api/v1/experiments", tags=["experiments"])
-ERRORS = errors(404, 413, 429, 503, 504)
+ERRORS = errors(404, 413, 415, 429, 503, 504)
 
 
 async def get_experiments(request: Request) -> ExperimentService:  # async: no thread-pool hop (app/deps.py)

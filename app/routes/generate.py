@@ -61,7 +61,7 @@ def inline_schema(model) -> dict:
                 }
             },
         },
-        **errors(404, 429, 503),
+        **errors(404, 415, 429, 503),
     },
 )
 async def generate(body: GenerateRequest, service: GenerationDep, request: Request) -> ClosingStream:

@@ -11,7 +11,7 @@ from manyeyes.app.clients import client_of
 from manyeyes.app.deps import ServiceDep, TilesDep
 from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.attention import wire_of
-from manyeyes.app.routes.responses import ANSWER_CONTENT, PiecesResponse, errors
+from manyeyes.app.routes.responses import PiecesResponse, answer_content, compact_content, errors
 from manyeyes.app.schemas import DIGITS, AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
 from manyeyes.app.services.attention import Reply, parse_index_list
 
@@ -19,12 +19,13 @@ router = APIRouter(prefix="/api/v1", tags=["runs"])
 
 
 # The frame's layout for the tile routes: each array's `offset` and `nbytes` into the data section.
-ARRAYS_CONTENT = {
-    "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), or the "
-    "binary frame when Accept asks for it: each array then carries offset/nbytes into the data section "
-    "(8-byte aligned) instead of data. Indices are int32.",
-    "content": {"application/vnd.manyeyes.frame": {"schema": {"type": "string", "format": "binary"}}},
-}
+def arrays_content(model: type) -> dict:
+    return {
+        "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), or the "
+        "binary frame when Accept asks for it: each array then carries offset/nbytes into the data section "
+        "(8-byte aligned) instead of data. Indices are int32.",
+        "content": {**compact_content(model), "application/vnd.manyeyes.frame": {"schema": {"type": "string", "format": "binary"}}},
+    }
 
 
 def answered(request: Request, reply: Reply) -> Response:
@@ -45,7 +46,7 @@ Start = Annotated[int | None, Query(ge=0, description="Inclusive; default 0"), D
 End = Annotated[int | None, Query(ge=1, description="Exclusive; default the run's length"), DIGITS]
 
 
-@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: ANSWER_CONTENT, **errors(404, 413, 429, 503, 504)})
+@router.get("/runs/{run_id}/attention", response_model=AttentionResponse, responses={200: answer_content(AttentionResponse), **errors(404, 413, 429, 503, 504)})
 async def run_slice(
     run_id: str,
     service: ServiceDep,
@@ -72,7 +73,7 @@ async def run_info(run_id: str, tiles: TilesDep) -> dict:
     return tiles.info(run_id)
 
 
-@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429, 504)})
+@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: arrays_content(TileResponse), **errors(404, 413, 429, 504)})
 async def run_tile(
     run_id: str,
     tiles: TilesDep,
@@ -99,7 +100,7 @@ async def run_tile(
     )
 
 
-@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429, 504)})
+@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: arrays_content(TopKResponse), **errors(404, 413, 429, 504)})
 async def run_topk(
     run_id: str,
     tiles: TilesDep,
@@ -116,7 +117,7 @@ async def run_topk(
     return await answered_while_connected(request, tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
 
 
-@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: ARRAYS_CONTENT, **errors(404, 413, 429, 504)})
+@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: arrays_content(OverviewResponse), **errors(404, 413, 429, 504)})
 async def run_overview(
     run_id: str,
     tiles: TilesDep,

@@ -47,7 +47,7 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
     resolve_indices(sorted({head, *heads}), info.n_heads, "head", info.id)
 
 
-@router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 429))
+@router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 415, 429))
 def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depends(get_saves)], registry: RegistryDep,
               service: ServiceDep, request: Request) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""

@@ -9,7 +9,8 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.api.conftest import decode, metric
+from manyeyes.app.config import Settings
+from tests.api.conftest import decode, metric, serve
 
 TEXT = "The bank of the river."
 TOKEN_KEYS = {"text", "id", "start", "end", "special", "segment", "piece"}
@@ -230,7 +231,7 @@ def test_openapi_lists_the_401_and_422_every_api_route_can_give_in_their_real_sh
         if not (path.startswith("/api/") or path == "/export"):
             continue
         for method, operation in methods.items():
-            for status in ("401", "422"):
+            for status in ("400", "401", "422") + (("415",) if method == "post" else ()):
                 schema = operation["responses"].get(status, {}).get("content", {}).get("application/json", {}).get("schema")
                 if schema != {"$ref": "#/components/schemas/ErrorResponse"}:
                     undocumented.append(f"{method.upper()} {path} {status}: {schema}")
@@ -238,6 +239,29 @@ def test_openapi_lists_the_401_and_422_every_api_route_can_give_in_their_real_sh
     assert "HTTPValidationError" not in spec["components"]["schemas"]
     r = api.get("/api/v1/models", params={"foo": 1})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+
+
+def test_openapi_declares_the_compact_media_type_and_the_key_scheme_of_a_keyed_server(api):
+    """Every u8/f16 answer is application/vnd.manyeyes+json, which the schema did not name; and on
+    a server with keys /docs could not send one (no security scheme)."""
+    spec = api.get("/openapi.json").json()
+    for path, method in (("/api/v1/attention", "post"), ("/api/v1/attention/batch", "post"), ("/api/v1/runs/{run_id}/attention", "get"),
+                         ("/api/v1/runs/{run_id}/mean", "get"), ("/api/v1/runs/{run_id}/tile", "get"),
+                         ("/api/v1/runs/{run_id}/topk", "get"), ("/api/v1/runs/{run_id}/overview", "get")):
+        content = spec["paths"][path][method]["responses"]["200"]["content"]
+        assert content["application/vnd.manyeyes+json"]["schema"] == content["application/json"]["schema"], path
+    assert "securitySchemes" not in spec.get("components", {})  # no keys here: nothing to send
+    keyed = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, api_keys=["k"]))
+    try:
+        spec = keyed.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+        assert spec["components"]["securitySchemes"] == {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "One of MANYEYES_API_KEYS"}}
+        for path, methods in spec["paths"].items():
+            for operation in methods.values():
+                needs = path.startswith("/api/") or path == "/export"
+                assert (operation.get("security") == [{"bearer": []}]) == needs, path
+    finally:
+        keyed.__exit__(None, None, None)
 
 
 def test_a_single_value_query_parameter_given_twice_is_refused_and_lists_still_repeat(api):
