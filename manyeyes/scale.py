@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
 
 from manyeyes.app.config import Settings
-from manyeyes.app.shared_runs import serve_once_loaded
+from manyeyes.app.shared_runs import OWNER_SHARE, serve_once_loaded
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
@@ -74,23 +74,32 @@ class RunDirectory:
 @ray.remote(num_cpus=0)
 class ViewShelf:
     """Saved views' bytes under their ids, with when each was saved, bounded in bytes (oldest
-    out first): what SharedFiles is to worker processes, for replicas anywhere."""
+    out first), an owner's within its share (OWNER_SHARE): what SharedFiles is to worker
+    processes, for replicas anywhere."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.entries: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+        self.entries: OrderedDict[str, tuple[bytes, float, str]] = OrderedDict()
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, owner: str = "") -> None:
         old = self.entries.pop(key, None)
         self.nbytes += len(data) - (len(old[0]) if old else 0)
-        self.entries[key] = (data, time.time())
+        self.entries[key] = (data, time.time(), owner)
+        if owner:  # saves are rare and the shelf small: its owner's bytes are counted when asked
+            mine = [k for k, entry in self.entries.items() if entry[2] == owner and k != key]
+            held = sum(len(self.entries[k][0]) for k in mine) + len(data)
+            while held > self.max_bytes // OWNER_SHARE and mine:
+                dropped = self.entries.pop(mine.pop(0))[0]
+                self.nbytes -= len(dropped)
+                held -= len(dropped)
         while self.nbytes > self.max_bytes and self.entries:
-            _, (dropped, _) = self.entries.popitem(last=False)
+            _, (dropped, *_) = self.entries.popitem(last=False)
             self.nbytes -= len(dropped)
 
     def read(self, key: str) -> tuple[bytes, float] | None:
-        return self.entries.get(key)
+        entry = self.entries.get(key)
+        return entry[:2] if entry is not None else None
 
 
 class RayShelf:
@@ -101,9 +110,9 @@ class RayShelf:
     def __init__(self, actor) -> None:
         self.actor = actor
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, owner: str = "") -> None:
         try:
-            ray.get(self.actor.put.remote(key, data), timeout=SHELF_TIMEOUT_S)
+            ray.get(self.actor.put.remote(key, data, owner), timeout=SHELF_TIMEOUT_S)
         except ray.exceptions.RayError as exc:  # a timeout too (GetTimeoutError)
             log.warning("could not share view %s with the other replicas: %s", key, exc)
 

@@ -118,3 +118,8 @@ def test_the_view_shelf_keeps_its_bytes_bound_oldest_out_first(cluster):
     assert ray.get(shelf.read.remote("c"))[0] == b"c" * 40 and ray.get(shelf.read.remote("b"))[0] == b"b" * 40
     ray.get(shelf.put.remote("d", b"d" * 40))
     assert ray.get(shelf.read.remote("c")) is None and ray.get(shelf.read.remote("b")) is not None
+    # One owner holds at most a quarter: its own oldest go first, the others' stay.
+    ray.get(shelf.put.remote("e", b"e" * 10, "addr:1"))
+    for key in ("f", "g", "h"):
+        ray.get(shelf.put.remote(key, key.encode() * 10, "addr:2"))
+    assert [ray.get(shelf.read.remote(k)) is not None for k in "efgh"] == [True, False, True, True]
