@@ -116,6 +116,14 @@ def has_body(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(name == b"transfer-encoding" or (name == b"content-length" and int(value) > 0) for name, value in headers)
 
 
+def unknown_codings(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """Transfer codings other than chunked: llhttp frames the body by its final `chunked` and
+    passes the bytes on still coded (`gzip, chunked` was read as plain JSON)."""
+    codings = [c.strip().lower() for name, value in headers if name == b"transfer-encoding"
+               for c in value.decode("latin-1").split(",")]
+    return [c for c in codings if c != "chunked"]
+
+
 class GuardedProtocol(HttpToolsProtocol):
     read_timeout_s: float = 30.0  # both set by guarded_protocol()
     max_head_bytes: int = 64 * 1024
@@ -129,6 +137,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_too_large = False
         self._read_no_more = False
         self._bad_request = ""  # the 400's message where the request is well formed but cannot be read
+        self._not_implemented = ""  # the 501's, for a transfer coding this server does not decode
         self._write_deadline: asyncio.TimerHandle | None = None
         self._write_left = 0  # bytes the transport held at the last check
         self._answering = None  # the cycle whose handler runs: behind it, pipelined ones wait
@@ -190,6 +199,11 @@ class GuardedProtocol(HttpToolsProtocol):
             self._bad_request = ("this server speaks HTTP/1.1 only: a request asking to switch protocols (Upgrade) "
                                  "is answered as plain HTTP when it has no body, but a body sent with it cannot be read")
             raise ValueError(self._bad_request)
+        codings = unknown_codings(self.headers)
+        if codings:
+            self._not_implemented = (f"this server decodes no transfer coding but chunked (this request's body is "
+                                     f"{', '.join(codings)}): send the body as it is, with Content-Length or chunked")
+            raise ValueError(self._not_implemented)
         super().on_headers_complete()  # raises on a URL httptools cannot split: a 400, as no cycle has the request
         self._head_done = True  # and self.cycle is this request's
         if upgrade:
@@ -220,6 +234,9 @@ class GuardedProtocol(HttpToolsProtocol):
         # uvicorn's answer to bytes its parser refuses, as text/plain; msg is always its generic one.
         if self._head_too_large:
             self._refuse_head()
+            return
+        if self._not_implemented:
+            self._refuse(501, "Not Implemented", "not_implemented", self._not_implemented)
             return
         self._refuse(400, "Bad Request", "bad_request", self._bad_request or
                      "the request is not valid HTTP/1.1 (malformed request line, header, Content-Length, "
