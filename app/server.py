@@ -137,7 +137,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_too_large = False
         self._read_no_more = False
         self._bad_request = ""  # the 400's message where the request is well formed but cannot be read
-        self._not_implemented = ""  # the 501's, for a transfer coding this server does not decode
         self._write_deadline: asyncio.TimerHandle | None = None
         self._write_left = 0  # bytes the transport held at the last check
         self._answering = None  # the cycle whose handler runs: behind it, pipelined ones wait
@@ -201,9 +200,10 @@ class GuardedProtocol(HttpToolsProtocol):
             raise ValueError(self._bad_request)
         codings = unknown_codings(self.headers)
         if codings:
-            self._not_implemented = (f"this server decodes no transfer coding but chunked (this request's body is "
-                                     f"{', '.join(codings)}): send the body as it is, with Content-Length or chunked")
-            raise ValueError(self._not_implemented)
+            # A 400, as every refusal of what a client sent (RFC 9112 suggests 501, a server's error).
+            self._bad_request = (f"this server decodes no transfer coding but chunked (this request's body is "
+                                 f"{', '.join(codings)}): send the body as it is, with Content-Length or chunked")
+            raise ValueError(self._bad_request)
         super().on_headers_complete()  # raises on a URL httptools cannot split: a 400, as no cycle has the request
         self._head_done = True  # and self.cycle is this request's
         if upgrade:
@@ -234,9 +234,6 @@ class GuardedProtocol(HttpToolsProtocol):
         # uvicorn's answer to bytes its parser refuses, as text/plain; msg is always its generic one.
         if self._head_too_large:
             self._refuse_head()
-            return
-        if self._not_implemented:
-            self._refuse(501, "Not Implemented", "not_implemented", self._not_implemented)
             return
         self._refuse(400, "Bad Request", "bad_request", self._bad_request or
                      "the request is not valid HTTP/1.1 (malformed request line, header, Content-Length, "
