@@ -11,6 +11,7 @@ from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
 from manyeyes.app.services.attention import resolve_indices
+from manyeyes.app.services.cache import run_id_for
 from manyeyes.app.services.errors import ApiError, TooLong
 from manyeyes.app.services.views import SaveSlots, ViewStore
 from manyeyes.model.errors import TooLongError
@@ -51,17 +52,21 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
 def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depends(get_saves)], registry: RegistryDep,
               service: ServiceDep, request: Request) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
-    model = registry.get(body.model).model  # 404: a model it does not serve
+    served = registry.get(body.model)  # 404: a model it does not serve
+    model = served.model
     check_focus(model.info, body.layer, body.head, body.heads)
     # A link to a text this server would refuse could never open.
     service.check_chars([(body.text, body.text_pair)])
-    client = client_of(request)
-    with saves.hold(client):
-        try:
-            model.encode(body.text, body.text_pair, body.truncate)
-        except TooLongError as exc:
-            raise TooLong.tokens(exc) from None
-        return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant_of(request)))
+    client, tenant = client_of(request), tenant_of(request)
+    # The page saves a view of each run it shows, whose run is cached: that text is known to run.
+    # Any other is tokenized to check it, a few saves at a time (SaveSlots).
+    if service.cache.get(run_id_for(served.id, body.text, body.text_pair, body.truncate, tenant)) is None:
+        with saves.hold(client):
+            try:
+                model.encode(body.text, body.text_pair, body.truncate)
+            except TooLongError as exc:
+                raise TooLong.tokens(exc) from None
+    return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant))
 
 
 @router.get("/views/{view_id}", response_model=ViewState, responses=errors(404))

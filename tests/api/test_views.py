@@ -141,3 +141,20 @@ def test_saves_at_once_are_bounded_in_all_and_per_client():
             pass
     with slots.hold("a"):
         pass
+
+
+def test_a_view_of_a_text_just_run_is_saved_without_tokenizing_it_again(api):
+    """The page saves a view after every run and change: those go by, however busy the saves
+    that must tokenize (an API client's views of texts never run) are."""
+    from manyeyes.app.services.views import SaveSlots
+
+    api.app.state.view_saves = SaveSlots(total=0)  # every save that must tokenize is refused
+    try:
+        text = "A sentence the page has just run."
+        assert api.post("/api/v1/attention", json={"text": text, "format": "u8"}).status_code == 200
+        assert api.post("/api/v1/views", json={**VIEW, "text": text}).status_code == 200
+        refused = api.post("/api/v1/views", json={**VIEW, "text": "A sentence never run here."})
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1", refused.text
+        assert refused.json()["error"]["code"] == "queue_full"
+    finally:
+        del api.app.state.view_saves
