@@ -7,7 +7,6 @@ import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -19,13 +18,15 @@ from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query, utf8_json
 from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
-from manyeyes.app.middleware import AccessLog, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer
+from manyeyes.app.middleware import (
+    AccessLog, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer, error_response,
+)
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
 from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
-from manyeyes.app.services.errors import ApiError, brief, error_body
+from manyeyes.app.services.errors import ApiError, brief
 from manyeyes.app.services.generation import GenerationService
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
@@ -36,10 +37,6 @@ STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 log = logging.getLogger("manyeyes")
 
 HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}
-
-
-def error_response(status: int, code: str, message: str, headers: dict | None = None) -> Response:
-    return Response(orjson.dumps(error_body(code, message)), status_code=status, media_type="application/json", headers=headers)
 
 
 def describe_validation(exc: RequestValidationError) -> str:
@@ -121,7 +118,13 @@ def add_error_handlers(app: FastAPI) -> None:
             # number, JSON nested past Python's recursion limit); the exception it wraps does.
             cause = exc.__cause__
             message = f"{message}: {brief(str(cause) or type(cause).__name__, 200)}"
-        return error_response(exc.status_code, code, message, getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405 and headers:
+            # HeadAsGet answers HEAD wherever GET is answered: the router's Allow named GET alone.
+            allowed = headers.get("Allow", "").split(", ")
+            if "GET" in allowed and "HEAD" not in allowed:
+                headers = {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
+        return error_response(exc.status_code, code, message, headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> Response:

@@ -25,6 +25,11 @@ access_log = logging.getLogger("manyeyes.access")
 DELIVERY = "manyeyes.delivery"
 
 
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> Response:
+    """The JSON error every refusal gives, as a Response (send_error writes the same to an ASGI send)."""
+    return Response(orjson.dumps(error_body(code, message)), status_code=status, media_type="application/json", headers=headers)
+
+
 async def send_error(send, status: int, code: str, message: str, headers: list | None = None) -> None:
     body = orjson.dumps(error_body(code, message))
     await send(
@@ -151,11 +156,8 @@ class HeadAsGet:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] != "HEAD":
             await self.app(scope, receive, send)
-            return
-        if scope["method"] != "HEAD":
-            await self.app(scope, receive, self.allowing_head(send))
             return
 
         async def without_body(message):
@@ -172,19 +174,6 @@ class HeadAsGet:
         finally:
             if "route" in as_get:  # for AccessLog's label
                 scope["route"] = as_get["route"]
-
-    @staticmethod
-    def allowing_head(send):
-        """A 405's Allow names HEAD wherever it names GET: this middleware answers both."""
-
-        async def with_head(message):
-            if message["type"] == "http.response.start" and message["status"] == 405:
-                message = {**message, "headers": [
-                    (name, value + b", HEAD") if name == b"allow" and b"GET" in value.split(b", ") and b"HEAD" not in value
-                    else (name, value) for name, value in message.get("headers", [])]}
-            await send(message)
-
-        return with_head
 
 
 class AccessLog:
@@ -322,8 +311,11 @@ class Ranges:
     def __init__(self, app) -> None:
         self.app = app
 
+    FILES = ("/static/", "/vendor/")  # where FileResponse answers; no other route reads a Range
+
     async def __call__(self, scope, receive, send) -> None:
-        ranges = [value for name, value in scope.get("headers", ()) if name == b"range"] if scope["type"] == "http" else []
+        files = scope["type"] == "http" and scope["path"].startswith(self.FILES)
+        ranges = [value for name, value in scope["headers"] if name == b"range"] if files else []
         if not ranges:
             await self.app(scope, receive, send)
             return
@@ -337,11 +329,8 @@ class Ranges:
             nonlocal refused
             if message["type"] == "http.response.start" and message["status"] == 416:
                 refused = True
-                body = orjson.dumps(error_body("range_not_satisfiable", "the Range asked for starts past the end of the file"))
                 kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in (b"content-type", b"content-length")]
-                await send({**message, "headers": [*kept, (b"content-type", b"application/json"),
-                                                   (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await send_error(send, 416, "range_not_satisfiable", "the Range asked for starts past the end of the file", kept)
                 return
             if not refused:
                 await send(message)
@@ -361,7 +350,7 @@ class JsonCors(CORSMiddleware):
         message = (f"this cross-origin request's {refused} is not allowed here (methods GET and POST, headers "
                    "Content-Type and Authorization, from the origins in MANYEYES_CORS_ORIGINS)")
         headers = {k: v for k, v in response.headers.items() if k not in ("content-type", "content-length")}
-        return Response(orjson.dumps(error_body("cors_refused", message)), 400, headers, "application/json")
+        return error_response(400, "cors_refused", message, headers)
 
 
 class Gzip(GZipMiddleware):

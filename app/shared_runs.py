@@ -34,6 +34,15 @@ RUN_PATH = re.compile(r"^/api/v1/runs/([^/]+)(?:/|$)")  # the run itself and eve
 # An owner (a client saving views) holds at most this fraction of a store: beyond it, its own
 # oldest entries go first. One client's 45 saves of 400 KB had forgotten every other client's views.
 OWNER_SHARE = 4
+
+
+def hold_to_share(keys, owner_of, owner: str, newest: str, over_share, drop) -> None:
+    """Drops `owner`'s oldest entries (in `keys`' order, oldest first), never `newest`, while
+    over_share() says it holds more than its share: the saved views' stores each call it."""
+    for key in [k for k in keys if k != newest and owner_of(k) == owner]:
+        if not over_share():
+            return
+        drop(key)
 # Run and view ids are short hex digests; nothing else ever becomes a file name.
 KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -101,12 +110,8 @@ class SharedFiles:
             if owner:
                 self._owners[key] = owner
                 self._owned[owner] = self._owned.get(owner, 0) + len(data)
-                mine = (k for k in list(self._mine) if self._owners.get(k) == owner and k != key)
-                while self._owned[owner] > self.max_bytes // OWNER_SHARE:
-                    oldest = next(mine, None)
-                    if oldest is None:
-                        break
-                    self._remove(oldest)
+                hold_to_share(self._mine, self._owners.get, owner, key,
+                              lambda: self._owned[owner] > self.max_bytes // OWNER_SHARE, self._remove)
             self._evict()
 
     def read(self, key: str) -> tuple[bytes, float] | None:

@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
 
 from manyeyes.app.config import Settings
-from manyeyes.app.shared_runs import OWNER_SHARE, serve_once_loaded
+from manyeyes.app.shared_runs import OWNER_SHARE, hold_to_share, serve_once_loaded
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
@@ -87,12 +87,15 @@ class ViewShelf:
         self.nbytes += len(data) - (len(old[0]) if old else 0)
         self.entries[key] = (data, time.time(), owner)
         if owner:  # saves are rare and the shelf small: its owner's bytes are counted when asked
-            mine = [k for k, entry in self.entries.items() if entry[2] == owner and k != key]
-            held = sum(len(self.entries[k][0]) for k in mine) + len(data)
-            while held > self.max_bytes // OWNER_SHARE and mine:
-                dropped = self.entries.pop(mine.pop(0))[0]
+            held = [sum(len(entry[0]) for entry in self.entries.values() if entry[2] == owner)]
+
+            def drop(old: str) -> None:
+                dropped = self.entries.pop(old)[0]
                 self.nbytes -= len(dropped)
-                held -= len(dropped)
+                held[0] -= len(dropped)
+
+            hold_to_share(self.entries, lambda k: self.entries[k][2], owner, key,
+                          lambda: held[0] > self.max_bytes // OWNER_SHARE, drop)
         while self.nbytes > self.max_bytes and self.entries:
             _, (dropped, *_) = self.entries.popitem(last=False)
             self.nbytes -= len(dropped)

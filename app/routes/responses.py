@@ -51,22 +51,20 @@ def compact_content(model: type) -> dict:
     return {COMPACT_MEDIA_TYPE: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
 
 
+ANSWER_DESCRIPTION = (
+    "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), or the binary frame "
+    "when Accept ranks it at least as high as JSON. With Accept-Encoding: zstd (json text of 1 KiB or more, "
+    "compact answers of 64 KiB or more) or gzip (json text), the body is compressed."
+)
+FRAME_EXAMPLE = "MEF1 | u32 LE header length | JSON header (attention.offset, attention.nbytes) | raw weights"
+
+
 # The 200 answer's other forms: application/vnd.manyeyes+json for f16/u8, and with `Accept:
 # application/vnd.manyeyes.frame` the same object as a JSON header followed by the raw weights
 # (layout in app/services/wire.py and README).
-def answer_content(model: type) -> dict:
-    return {
-        "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), "
-        "or the binary frame when Accept ranks it at least as high as JSON. With Accept-Encoding: zstd (json text "
-        "of 1 KiB or more, compact answers of 64 KiB or more) or gzip (json text), the body is compressed.",
-        "content": {
-            **compact_content(model),
-            "application/vnd.manyeyes.frame": {
-                "schema": {"type": "string", "format": "binary"},
-                "example": "MEF1 | u32 LE header length | JSON header (attention.offset, attention.nbytes) | raw weights",
-            },
-        },
-    }
+def answer_content(model: type, description: str = ANSWER_DESCRIPTION, frame_example: str | None = FRAME_EXAMPLE) -> dict:
+    frame = {"schema": {"type": "string", "format": "binary"}, **({"example": frame_example} if frame_example else {})}
+    return {"description": description, "content": {**compact_content(model), "application/vnd.manyeyes.frame": frame}}
 
 
 JOIN_BELOW_BYTES = 256 * 1024

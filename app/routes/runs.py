@@ -11,7 +11,7 @@ from manyeyes.app.clients import client_of
 from manyeyes.app.deps import ServiceDep, TilesDep
 from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.attention import wire_of
-from manyeyes.app.routes.responses import PiecesResponse, answer_content, compact_content, errors
+from manyeyes.app.routes.responses import PiecesResponse, answer_content, errors
 from manyeyes.app.schemas import DIGITS, AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
 from manyeyes.app.services.attention import Reply, parse_index_list
 
@@ -20,12 +20,10 @@ router = APIRouter(prefix="/api/v1", tags=["runs"])
 
 # The frame's layout for the tile routes: each array's `offset` and `nbytes` into the data section.
 def arrays_content(model: type) -> dict:
-    return {
-        "description": "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), or the "
-        "binary frame when Accept asks for it: each array then carries offset/nbytes into the data section "
-        "(8-byte aligned) instead of data. Indices are int32.",
-        "content": {**compact_content(model), "application/vnd.manyeyes.frame": {"schema": {"type": "string", "format": "binary"}}},
-    }
+    return answer_content(
+        model, "JSON (application/json for format=json, application/vnd.manyeyes+json for f16/u8), or the binary "
+        "frame when Accept asks for it: each array then carries offset/nbytes into the data section (8-byte "
+        "aligned) instead of data. Indices are int32.", frame_example=None)
 
 
 def answered(request: Request, reply: Reply) -> Response:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import orjson
 
 from manyeyes.app.services.errors import QueueFull
-from manyeyes.app.shared_runs import OWNER_SHARE
+from manyeyes.app.shared_runs import OWNER_SHARE, hold_to_share
 
 MAX_VIEWS = 10_000
 # Each view is kept as its JSON bytes, counted as such: a view may carry two texts of 200,000
@@ -57,12 +57,9 @@ class ViewStore:
             owned[0] += 1
             owned[1] += len(encoded)
             if owner:
-                mine = (v for v in list(self._views) if self._views[v][2] == owner and v != view_id)
-                while owned[0] > self.max_views // OWNER_SHARE or owned[1] > self.max_bytes // OWNER_SHARE:
-                    oldest = next(mine, None)
-                    if oldest is None:
-                        break
-                    self._drop(oldest)
+                hold_to_share(self._views, lambda v: self._views[v][2], owner, view_id,
+                              lambda: owned[0] > self.max_views // OWNER_SHARE or owned[1] > self.max_bytes // OWNER_SHARE,
+                              self._drop)
             while len(self._views) > self.max_views or self.nbytes > self.max_bytes:
                 self._drop(next(iter(self._views)))
         if self.shared is not None:
