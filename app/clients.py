@@ -52,21 +52,21 @@ class KeyRing:
     def __bool__(self) -> bool:
         return bool(self.digests)
 
-    def match(self, key: str) -> str | None:
-        """The matching key's id (its digest's first 12 hex digits), or None. Every stored digest
-        is compared, each in constant time, so the time taken says nothing about which is close."""
-        digest = self.digest_of(key)
-        return digest[:12] if digest is not None else None
-
     def digest_of(self, key: str) -> str | None:
         """The matching key's whole digest (hex), or None: a secret each key's holder has and no
-        other client can work out, unlike the id that logs and metrics show."""
+        other client can work out, unlike its id (key_id) that logs and metrics show. Every stored
+        digest is compared, each in constant time, so the time taken says nothing about which is close."""
         presented = key_digest(key)
         found = None
         for digest in self.digests:
             if hmac.compare_digest(presented, digest):
                 found = digest
         return found.hex() if found is not None else None
+
+
+def key_id(digest: str) -> str:
+    """A key's client id, as logs and metrics show it: its digest's first 12 hex digits."""
+    return "key:" + digest[:12]
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -156,7 +156,7 @@ class ClientIdentity:
                     message = "the API key is not valid"
                 await send_error(send, 401, "unauthorized", message, [(b"www-authenticate", b'Bearer realm="manyeyes"')])
                 return
-            client = "key:" + digest[:12]
+            client = key_id(digest)
             # Its runs' ids are its own (run_id_for): with one cache shared by every key, an id
             # worked out from a guessed text told whether another key had run it, and read its run.
             scope.setdefault("state", {})["tenant"] = digest

@@ -82,8 +82,8 @@ def test_closed_metrics_stay_closed_on_a_server_without_keys():
 def test_keys_are_utf8_on_both_sides():
     """Configured keys (and `sha256sum` of them) hash their UTF-8 bytes; so must the header."""
     ring = KeyRing(["kéy"])
-    assert ring.match(clients.bearer([(b"authorization", "Bearer kéy".encode("utf-8"))]))
-    assert ring.match(clients.bearer([(b"authorization", "Bearer kéy".encode("latin-1"))])) is None
+    assert ring.digest_of(clients.bearer([(b"authorization", "Bearer kéy".encode("utf-8"))]))
+    assert ring.digest_of(clients.bearer([(b"authorization", "Bearer kéy".encode("latin-1"))])) is None
 
 
 @pytest.mark.parametrize("content, message", [
@@ -134,12 +134,13 @@ def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch):
     monkeypatch.setattr(clients.hmac, "compare_digest", spy)
     for presented, expected in (("key-0", True), ("key-4", True), ("key-9", False), ("", False), ("k" * 10_000, False)):
         calls.clear()
-        found = ring.match(presented)
+        found = ring.digest_of(presented)
         assert (found is not None) is expected
         # Every stored key is compared, whichever matched, and always digest against digest: the
         # time taken depends neither on the key's length nor on how early it matched.
         assert calls == [(32, 32)] * 5
-    assert ring.match("key-3") == hashlib.sha256(b"key-3").hexdigest()[:12]
+    assert ring.digest_of("key-3") == hashlib.sha256(b"key-3").hexdigest()
+    assert clients.key_id(ring.digest_of("key-3")) == "key:" + hashlib.sha256(b"key-3").hexdigest()[:12]
 
 
 def test_a_bad_key_file_fails_at_start_up(tmp_path):
