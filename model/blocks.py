@@ -134,7 +134,7 @@ class RotaryDecoder(ShapeInfo, nn.Module):
         # cos, sin: (num_tokens, rotary_dim), shared by every layer; (b, 1, num_tokens, rotary_dim)
         # where the frequencies follow each padded row's own length. With a cache, the length is
         # the whole sequence's, as a run of it all would see it.
-        lengths = key_padding_mask.sum(-1) if key_padding_mask is not None else None
+        lengths = key_padding_mask.sum(-1) if key_padding_mask is not None and self.rotary.follows_length else None
         rope = self.rotary(positions, offset + num_tokens, lengths)
         x = self.tok_emb(in_idx)  # (b, num_tokens, emb_dim)
         layers = []

@@ -157,6 +157,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = inverse_frequencies(cfg)
         # Non-persistent: derived from the config, so never part of a checkpoint.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # longrope's other set, past the original context: made once, not at every long forward.
+        if cfg.rope_type == "longrope":
+            self.register_buffer("long_inv_freq", inverse_frequencies(cfg, cfg.original + 1)[0], persistent=False)
 
     @property
     def follows_length(self) -> bool:
@@ -178,7 +181,7 @@ class RotaryEmbedding(nn.Module):
         if kind == "dynamic" and seq_len > self.cfg.max_positions:
             return inverse_frequencies(self.cfg, seq_len, self.inv_freq.device)
         if kind == "longrope" and seq_len > self.cfg.original:
-            return inverse_frequencies(self.cfg, seq_len, self.inv_freq.device)[0], self.attention_factor
+            return self.long_inv_freq, self.attention_factor
         return self.inv_freq, self.attention_factor
 
     def _row_frequencies(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -186,8 +189,7 @@ class RotaryEmbedding(nn.Module):
         of the lengths back to the host). The attention factor depends on none of them."""
         cfg, lengths = self.cfg, lengths.to(self.inv_freq.device)[:, None]
         if cfg.rope_type == "longrope":
-            long = inverse_frequencies(cfg, cfg.original + 1, self.inv_freq.device)[0]
-            return torch.where(lengths > cfg.original, long[None, :], self.inv_freq[None, :])
+            return torch.where(lengths > cfg.original, self.long_inv_freq[None, :], self.inv_freq[None, :])
         # dynamic NTK, as inverse_frequencies computes it for one length, here for each
         dim = cfg.rotary_dim
         seq_len = lengths.clamp(min=cfg.max_positions).double()
