@@ -386,7 +386,9 @@ def test_a_seed_reaches_the_server_as_typed(server, page):
     for typed, seed in (("9007199254740993", 9007199254740993), ("18446744073709551615", 2**64 - 1), ("007", 7)):
         page.fill("#gen-seed", typed)
         page.click("#gen-start")
-        page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+        # This generation's end: the box still said the last one's "finished" while this one ran.
+        page.wait_for_function("() => !window.manyeyesGeneration.running && window.manyeyesGeneration.outcome === 'finished'",
+                               timeout=30_000)
         assert json.loads(sent[-1])["seed"] == seed
         body = {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 6, "temperature": 1.5, "seed": seed}
         want = [e["token"]["id"] for e in stream(server, body) if e["type"] == "step"]
