@@ -584,6 +584,7 @@ export class FocusView {
     const spans = this.spans ? `\n${this.spans(q)} → ${this.spans(k)}` : "";
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;
+    this.tooltip.dataset.reads = exact !== undefined ? "float32" : "drawn"; // which values it read
     this.showTooltip(`${labels[q]} → ${labels[k]}: ${reading}${spans}`, clientX, clientY);
   }
 

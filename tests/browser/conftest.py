@@ -121,6 +121,18 @@ class Watched:
         self.requests: list[str] = []
         self.errors: list[str] = []
         self.dialogs: list[str] = []
+        self.in_flight: set = set()  # requests sent and not yet finished or failed
+
+    def settle(self, page, quiet_ms: int = 500, timeout_ms: int = 30_000) -> None:
+        """Waits until no request has been in flight for quiet_ms. Playwright's "networkidle" is no
+        such wait: reached once by a document, it answers at once ever after."""
+        quiet = waited = 0
+        while quiet < quiet_ms:
+            if waited >= timeout_ms:
+                raise AssertionError(f"requests still in flight after {timeout_ms} ms: {[r.url for r in self.in_flight]}")
+            page.wait_for_timeout(50)  # Playwright delivers the request events while it waits
+            waited += 50
+            quiet = quiet + 50 if not self.in_flight else 0
 
     def off_loopback(self) -> list[str]:
         return [u for u in self.requests if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).hostname not in LOOPBACK]
@@ -141,7 +153,9 @@ def make_page(browser, watched):
             viewport={"width": viewport[0], "height": viewport[1]}, color_scheme=color_scheme, accept_downloads=True
         )
         contexts.append(context)
-        context.on("request", lambda request: watched.requests.append(request.url))
+        context.on("request", lambda request: (watched.requests.append(request.url), watched.in_flight.add(request)))
+        context.on("requestfinished", lambda request: watched.in_flight.discard(request))
+        context.on("requestfailed", lambda request: watched.in_flight.discard(request))
         page = context.new_page()
         page.on("pageerror", lambda exc: watched.errors.append(str(exc)))
         # Chromium logs every 4xx as "Failed to load resource"; tests check statuses themselves.

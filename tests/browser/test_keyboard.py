@@ -269,7 +269,9 @@ def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, ap
     wait_focus(page, layer=0, head=2)
     page.keyboard.press("Shift+ArrowRight")
     reading(page, 0, 0)
-    page.wait_for_load_state("networkidle")  # the float32 head, asked for by the first reading
+    # The float32 head, asked for by the first reading, is read once it is here (networkidle, reached
+    # once already, did not wait for it: CI's reading of (0, 1) was still float16's).
+    page.wait_for_selector("#tooltip[data-query='0'][data-key='0'][data-reads='float32']", state="visible")
     readings = []
     for row in range(T):  # every cell, walked as a snake: right along even rows, left along odd ones
         for step in range(T):

@@ -19,7 +19,7 @@ def refuse(route, status: int, code: str, message: str, retry_after: str | None 
                   body=json.dumps({"error": {"code": code, "message": message}}))
 
 
-def test_a_busy_banner_from_a_view_goes_when_a_later_view_loads(server, page):
+def test_a_busy_banner_from_a_view_goes_when_a_later_view_loads(server, page, watched):
     """A 429 on one slice put "The server is busy" up, and it stayed over every view that loaded
     after it, until the next text was run."""
     refused = []
@@ -37,7 +37,7 @@ def test_a_busy_banner_from_a_view_goes_when_a_later_view_loads(server, page):
     # Only the slice the arrow asks for, once the page's own loads are done: under a loaded CI
     # machine the head view's slice of layer 0 came after the route, took the refusal, and the
     # next view to load had taken its banner down before the test looked.
-    page.wait_for_load_state("networkidle")
+    watched.settle(page)
     page.route(re.compile(r".*/api/v1/runs/.*format=f16&layers=1(&|$).*"), busy_once)
     page.click("#focus-plot")
     page.keyboard.press("ArrowDown")  # the next layer: its exact values are a slice of the run
@@ -99,7 +99,7 @@ def test_the_model_list_is_asked_for_once_per_page(server, page, watched):
     """The form, Generate and the predictions strip each asked the server for it."""
     open_page(page, server)
     run(page, SENTENCE)
-    page.wait_for_load_state("networkidle")  # the predictions strip and Generate have asked by now
+    watched.settle(page)  # the predictions strip and Generate have asked by now
     assert len([u for u in watched.requests if u.endswith("/api/v1/models")]) == 1
 
 
