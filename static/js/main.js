@@ -650,8 +650,8 @@ function applyViewState(v) {
   state.scale = v.scale ?? "head";
   state.labels = v.labels ?? "pieces";
   $("text").value = v.text;
-  fitTextBox();
   $("pair").value = v.text_pair ?? "";
+  TEXT_BOXES.forEach(fitTextBox);
   $("truncate").checked = Boolean(v.truncate);
   $("measure").value = v.measure ?? "raw";
   $("word-view").checked = Boolean(v.word_view);
@@ -694,9 +694,12 @@ async function restoreFromUrl(push) {
 
 // ---- running ----------------------------------------------------------------------------------
 
-// The text box grows with its text, up to its CSS max-height (then it scrolls).
-function fitTextBox() {
-  const box = $("text");
+// The two text areas: the sentence and the second sentence of a pair.
+const TEXT_BOXES = ["text", "pair"];
+
+// A text box grows with its text, up to its CSS max-height (then it scrolls).
+function fitTextBox(id) {
+  const box = $(id);
   box.style.height = "auto";
   box.style.height = `${box.scrollHeight + box.offsetHeight - box.clientHeight}px`;
 }
@@ -963,13 +966,15 @@ async function init() {
   renderExample();
   // Enter runs, as it did in the one-line box; Shift+Enter starts a line, and an input method's
   // Enter (isComposing) picks its word.
-  $("text").addEventListener("keydown", (event) => {
-    if (event.key !== "Enter" || event.shiftKey || event.altKey || event.ctrlKey || event.metaKey || event.isComposing) return;
-    event.preventDefault();
-    $("run-form").requestSubmit();
-  });
-  $("text").addEventListener("input", fitTextBox);
-  window.addEventListener("resize", fitTextBox);
+  for (const id of TEXT_BOXES) {
+    $(id).addEventListener("keydown", (event) => {
+      if (event.key !== "Enter" || event.shiftKey || event.altKey || event.ctrlKey || event.metaKey || event.isComposing) return;
+      event.preventDefault();
+      $("run-form").requestSubmit();
+    });
+    $(id).addEventListener("input", () => fitTextBox(id));
+  }
+  window.addEventListener("resize", () => TEXT_BOXES.forEach(fitTextBox));
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();
     if (state.busy) {

@@ -367,6 +367,14 @@ def test_a_pasted_document_keeps_its_lines_and_enter_still_runs(server, page):
     wait_grid(page)
     assert json.loads(sent[-1])["text"] == document + "\nThe end."
     assert page.locator("#text").input_value() == document + "\nThe end."  # Enter ran; it added no line
+    # The pair's box too (it was a one-line input that made a pasted pair's lines spaces).
+    page.focus("#pair")
+    page.keyboard.insert_text("Its second text.\nOn two lines.")
+    assert page.evaluate("() => document.getElementById('pair').getBoundingClientRect().height") > 1.5 * one_line
+    with page.expect_request(lambda r: r.url.endswith("/api/v1/attention") and r.method == "POST") as request:
+        page.keyboard.press("Enter")
+    assert json.loads(request.value.post_data)["text_pair"] == "Its second text.\nOn two lines."
+    assert page.locator("#pair").input_value() == "Its second text.\nOn two lines."
 
 
 def test_no_request_leaves_loopback_and_modebar_exports_png_and_svg(server, page, watched):
