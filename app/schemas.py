@@ -409,8 +409,10 @@ class HeadRow(BaseModel):
     layer: int
     head: int
     tags: list[str] = Field(description="previous-token, induction, sink, broad, self, positional; several or none")
-    stats: dict[str, float] = Field(description="entropy (0 sharp…1 uniform), distance (tokens), self, previous, first, "
-                                                "delimiter, duplicate (attention shares), induction (the built-in probe)")
+    stats: dict[str, float] = Field(description="entropy (0 sharp…1 uniform over the keys in reach), distance (tokens), self, "
+                                                "previous, first, delimiter, duplicate (attention shares), induction (the built-in "
+                                                "probe); each a mean over the rows where it is defined, 0 where none is (duplicate "
+                                                "on a text with no repeated token)")
 
 
 class TagRule(BaseModel):
@@ -420,7 +422,7 @@ class TagRule(BaseModel):
 
 class HeadsOut(BaseModel):
     stats: list[str]
-    rows: list[HeadRow] = Field(description="Every head, layer-major")
+    rows: list[HeadRow] = Field(description="The heads asked for (every head by default), layer-major")
     thresholds: dict[str, TagRule]
     positional_share: float = Field(description="positional: one fixed offset (not 0 or 1) is the argmax of at least this share of rows")
 
@@ -428,7 +430,7 @@ class HeadsOut(BaseModel):
 class MeasuresOut(BaseModel):
     """Only the measures asked for are present."""
 
-    rollout: MeasureMatrix | None = Field(None, description="Attention rollout (Abnar & Zuidema, 2020), (T, T)")
+    rollout: MeasureMatrix | None = Field(None, description="Attention rollout (Abnar & Zuidema, 2020), (T, T): over every layer and head, whatever layers and heads ask")
     value_norms: MeasureMatrix | None = Field(None, description="‖α_ij · f_h(x_j)‖ (Kobayashi et al., 2020)")
     contributions: ContributionsOut | None = None
     words: WordsOut | None = None
@@ -489,7 +491,7 @@ class NeuronResponse(BaseModel):
     query: list[float] = Field(description="(head_dim,) as the softmax saw it: after rotary where the model has it")
     keys: list[list[float]] = Field(description="(T, head_dim)")
     products: list[list[float]] = Field(description="(T, head_dim): query ⊙ key; a row sums to the raw score")
-    scores: list[float | None] = Field(description="Σ(q ⊙ k) / √head_dim; null where the key is masked (later tokens of a causal model)")
+    scores: list[float | None] = Field(description="Σ(q ⊙ k) / √head_dim; null where the key is masked (later tokens of a causal model, keys behind a sliding window)")
     weights: list[float] = Field(description="The softmax: this query's row of the head's attention")
     values: list[list[float]] = Field(description="(T, head_dim): what the weights mix")
 

@@ -182,7 +182,8 @@ def _host_array(attention: torch.Tensor) -> np.ndarray:
     return attention.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
-def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> dict[str, torch.Tensor]:
+def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool,
+               sliding_windows: tuple[int | None, ...] = ()) -> dict[str, torch.Tensor]:
     """Each statistic as (n_layers, n_heads), averaged over the query rows where it is defined.
 
     - entropy: a row's entropy over log(number of keys it may see), 0 sharp ... 1 uniform;
@@ -190,26 +191,38 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     - self: α_ii; previous: α_i,i-1; first: α_i,0, the sink share;
     - delimiter: mass on special tokens after the first and on punctuation ([SEP], ".", ",");
     - duplicate: mass on earlier copies of the query's own token.
-    Rows that see a single key (a causal model's first row) carry no choice and are left out.
+    Rows that see a single key (a causal model's first row) carry no choice and are left out, and
+    each statistic averages only the rows whose keys it reads are in reach: under a layer's
+    sliding window (`sliding_windows`, per layer) a row sees its last W positions, so "first"
+    counts the rows within W of the first token and "entropy" is over log(min(i + 1, W)).
     The sums over keys are one compiled pass over the weights, so the table stays a small
     fraction of the forward pass (README, "What the measures cost").
     """
     attention = attention.float()
-    n_tokens = attention.shape[-1]
+    n_layers, n_tokens = attention.shape[0], attention.shape[-1]
     positions = torch.arange(n_tokens)
-    visible = (positions + 1).float() if causal else torch.full((n_tokens,), float(n_tokens))
-    choosing = visible > 1  # (T,)
+    windows = sliding_windows or (None,) * n_layers
+    # (L, 1) per layer: a query reaches keys j > i - W, itself included (model/attention.py).
+    reach = torch.tensor([[w if w is not None else n_tokens] for w in windows])
+    visible = (positions + 1 if causal else torch.full((n_tokens,), n_tokens))  # (T,)
+    behind = (positions - reach + 1).clamp_min(0)  # (L, T): keys out of reach behind each query
+    visible = (visible - behind).float()  # (L, T)
+    choosing = visible > 1  # (L, T)
 
     def row_mean(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # per_row: (n_layers, n_heads, T); rows: (T,) bool. A product with the rows' mean weights:
-        # a boolean index copied each strided (L, H, T) view first.
-        count = int(rows.sum())
-        return per_row @ (rows.float() / count) if count else torch.zeros(per_row.shape[:2])
+        # per_row: (L, H, T); rows: (L, T) bool. A product with each layer's rows' mean weights:
+        # a boolean index copied each strided (L, H, T) view first. A layer with no such row is 0.
+        rows = rows.float()
+        weights = rows / rows.sum(-1, keepdim=True).clamp_min(1)  # (L, T)
+        return (per_row @ weights[:, :, None]).squeeze(-1)  # (L, H, T) @ (L, T, 1) -> (L, H)
 
     delimiters = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)])
     ids = torch.tensor([t.id for t in tokens])
     earlier_copy = (ids[:, None] == ids[None, :]) & (positions[None, :] < positions[:, None])  # (T, T)
-    has_copy = earlier_copy.any(-1)
+    # (L, T): the latest earlier copy within reach (one behind the window draws no weight, and
+    # its row would count a 0).
+    latest_copy = torch.where(earlier_copy, positions[None, :], -1).amax(-1)  # (T,), -1 for none
+    has_copy = (latest_copy >= 0) & (latest_copy > positions - reach)
     # Each row's sums over its keys, one compiled pass over the weights (model/row_sums.py):
     # per row, not one sum over a head's T² weights (float32 over 262k terms drifted by 4e-5 of
     # the distance at T=512, over one row's T terms by 1e-7).
@@ -217,16 +230,18 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool) -> di
     sums = torch.from_numpy(row_sums(flat, earlier_copy.numpy(), delimiters.numpy(), causal))
     plogp, distance, duplicate, delimiter = sums.view((4,) + attention.shape[:-1])  # (L, H, T) each
     entropy = -plogp  # nats; duplicate is 0 on rows without a copy
-    normalised = entropy / visible.clamp_min(2).log()  # (L, H, T)
+    normalised = entropy / visible.clamp_min(2).log()[:, None, :]  # (L, H, T) / (L, 1, T)
     diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
     previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
     first = attention[..., :, 0]
+    sees_previous = (positions >= 1) & (reach >= 2)  # (L, T)
+    sees_first = choosing & (positions >= 1) & (positions < reach)  # (L, T)
     return {
         "entropy": row_mean(normalised, choosing),
         "distance": row_mean(distance, choosing),
         "self": row_mean(diagonal, choosing),
-        "previous": row_mean(previous, positions >= 1),
-        "first": row_mean(first, choosing & (positions >= 1)),
+        "previous": row_mean(previous, sees_previous),
+        "first": row_mean(first, sees_first),
         "delimiter": row_mean(delimiter, choosing),
         "duplicate": row_mean(duplicate, has_copy),
     }
@@ -311,7 +326,7 @@ def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str
     """Stats for every head of a run, the model's induction scores beside them, and the tags."""
     # On the host as float32 once: both passes below then read it in place.
     attention = torch.from_numpy(_host_array(result.attention))
-    stats = head_stats(attention, result.tokens, model.info.causal)
+    stats = head_stats(attention, result.tokens, model.info.causal, model.info.sliding_windows)
     stats["induction"] = induction_scores(model)
     return stats, tag_heads(stats, attention)
 

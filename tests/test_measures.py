@@ -23,7 +23,7 @@ from manyeyes.model.measures import (
     tag_heads,
 )
 from manyeyes.model.row_sums import row_sums
-from manyeyes.model.tokenizer import Encoded
+from manyeyes.model.tokenizer import Encoded, Token
 from tests.conftest import save_random_gpt2
 
 SENTENCE = "The bank was robbed, and the robbers fled across the river bank!"
@@ -459,3 +459,43 @@ def test_numba_loops_compile_when_no_cache_directory_is_writable(monkeypatch):
 
     compiled = jit.compiled(nogil=True)(add_one)
     assert compiled(41) == 42 and hasattr(compiled, "py_func")  # a numba dispatcher, not the plain function
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_stats_count_only_the_keys_a_sliding_window_leaves_in_reach(causal):
+    """Under a window of W a row sees min(i + 1, W) keys: entropy was over log(i + 1), so a head
+    uniform over its window read 0.66 (never "broad"), and "first" averaged rows that cannot see
+    token 0 (0.21 for 0.77 on a random Mistral; a review by use)."""
+    n, window = 29, 5
+    words = "a b c a d e b f a g".split() * 3
+    tokens = [Token(w, ord(w), 0, 0, False, 0, w) for w in words[:n]]
+    positions = torch.arange(n)
+    behind = positions[None, :] <= positions[:, None] - window  # (T, T): keys out of reach
+    blocked = behind | (positions[None, :] > positions[:, None]) if causal else behind
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, n, n, generator=generator) * 2
+    scores[1] = scores[1].masked_fill(blocked, float("-inf"))  # layer 1 windowed, layer 0 not
+    if causal:
+        scores[0] = scores[0].masked_fill(positions[None, :] > positions[:, None], float("-inf"))
+    scores[1, 2] = torch.zeros(n, n).masked_fill(blocked, float("-inf"))  # uniform over its window
+    att = torch.softmax(scores, -1)
+    stats = head_stats(att, tokens, causal, (None, window))
+    assert stats["entropy"][1, 2] == pytest.approx(1.0, abs=1e-6)
+    assert "broad" in tag_heads({**stats, "induction": torch.zeros(2, 3)}, att)[1][2]
+    # Every statistic against the definitions, row by row, in float64, with each layer's reach.
+    for layer, reach in ((0, n), (1, window)):
+        for head in range(3):
+            p = att[layer, head].double()
+            seen = [(i + 1 if causal else n) - max(0, i - reach + 1) for i in range(n)]
+            rows = [i for i in range(n) if seen[i] > 1]
+            sees_first = [i for i in rows if 1 <= i < reach]
+            copies = [i for i in range(n) if any(tokens[j].id == tokens[i].id for j in range(max(0, i - reach + 1), i))]
+            want = {
+                "entropy": sum(-torch.special.xlogy(p[i], p[i]).sum() / math.log(seen[i]) for i in rows) / len(rows),
+                "self": sum(p[i, i] for i in rows) / len(rows),
+                "first": sum(p[i, 0] for i in sees_first) / len(sees_first),
+                "previous": sum(p[i, i - 1] for i in range(1, n)) / (n - 1),
+                "duplicate": sum(sum(p[i, j] for j in range(i) if tokens[j].id == tokens[i].id) for i in copies) / len(copies),
+            }
+            for name, value in want.items():
+                assert float(stats[name][layer, head]) == pytest.approx(float(value), abs=1e-6), (layer, head, name)
