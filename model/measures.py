@@ -342,34 +342,60 @@ class Word:
     pieces: tuple[int, ...]  # token indices
 
 
+def _ideograph(text: str) -> bool:
+    """A CJK ideograph: a word of its own, as BERT's basic tokenizer splits them (Chinese and
+    Japanese write no spaces, and touching spans made a whole sentence one word)."""
+    return any(0x4E00 <= ord(c) <= 0x9FFF or 0x3400 <= ord(c) <= 0x4DBF or 0x20000 <= ord(c) <= 0x2FA1F
+               or 0xF900 <= ord(c) <= 0xFAFF for c in text)
+
+
 def _word_groups(tokens: list[Token]) -> list[list[int]]:
     """Consecutive pieces form a word when their spans touch or overlap in the same segment.
 
     Offsets, not vocabulary markers ("##", "Ġ", "▁"), decide, so WordPiece, byte-level BPE and
-    SentencePiece behave alike. A piece that begins with a space begins a word (" bank", or a
-    lone " " then "bank"). Specials and punctuation stand alone: "river." is two words.
+    SentencePiece behave alike. A piece that begins with a space begins a word (" bank"), and a
+    lone space belongs to what follows it (" " then "(" is one word, not a word " "), or at a
+    text's end to the word before it. Specials
+    stand alone; so does punctuation ("river." is two words) but between two touching word
+    pieces ("Don't", "e.g", "1,000", "well-known"); so do CJK ideographs. The bytes of one
+    character (overlapping spans) are always one word.
     """
+    def contiguous(k: int) -> bool:  # piece k continues piece k - 1's span in one text
+        token, prev = tokens[k], tokens[k - 1]
+        return k > 0 and not (token.special or prev.special) and token.segment == prev.segment and token.start <= prev.end
+
+    def wordlike(k: int) -> bool:
+        return not (_is_delimiter(tokens[k]) or tokens[k].text.isspace() or _ideograph(tokens[k].text))
+
     groups: list[list[int]] = []
+    inner = set()  # punctuation that joined the word around it
     for k, token in enumerate(tokens):
         prev = tokens[k - 1] if k else None
-        joins = (
-            prev is not None
-            and not (token.special or prev.special)
-            and token.segment == prev.segment
-            and (
-                token.start < prev.end  # the bytes of one character share its span
-                or (
-                    token.start == prev.end
-                    and not token.text[:1].isspace()  # byte-level BPE: a leading space starts a word
-                    and not (_is_delimiter(token) or _is_delimiter(prev))
-                )
-            )
-        )
+        if not contiguous(k):
+            joins = False
+        elif token.start < prev.end or prev.text.isspace():
+            joins = True  # one character's bytes; a run of spaces and what follows it
+        elif token.text[:1].isspace() or _ideograph(token.text) or _ideograph(prev.text):
+            joins = False  # byte-level BPE: a leading space starts a word
+        elif _is_delimiter(token):  # inside a word only: touching word pieces on both sides
+            following = k + 1 < len(tokens) and contiguous(k + 1) and not tokens[k + 1].text[:1].isspace()
+            joins = wordlike(k - 1) and following and wordlike(k + 1)
+            if joins:
+                inner.add(k)
+        else:
+            joins = not _is_delimiter(prev) or k - 1 in inner
         if joins:
             groups[-1].append(k)
         else:
             groups.append([k])
-    return groups
+    # Spaces at a text's end, with no word to lead, end the word before them.
+    merged: list[list[int]] = []
+    for group in groups:
+        if merged and contiguous(group[0]) and all(tokens[k].text.isspace() for k in group):
+            merged[-1].extend(group)
+        else:
+            merged.append(group)
+    return merged
 
 
 def merge_words(tokens: list[Token], attention: torch.Tensor, source: tuple[str, str] | None = None):

@@ -302,6 +302,28 @@ def test_word_view_merges_bytes_of_one_character(tiny):
     assert torch.allclose(merged.sum(-1), torch.ones(merged.shape[:-1]), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["minilm", "tiny-gpt", "tiny-llama"])
+def test_word_view_keeps_words_whole_and_marks_apart(name, minilm, tiny):
+    """A space before punctuation was a word " ", "Don't" three words and "U.S.A." six, and
+    "東京タワーは高い" one word on MiniLM (its spans touch); a review by use."""
+    model = {"minilm": minilm, "tiny-gpt": tiny}.get(name) or load(name, device="cpu")
+    text = "Don't stop, e.g. U.S.A. costs $3.14 (1,000) well-known #tag  double!"
+    words, _ = merge_words(model.attend(text).tokens, model.attend(text).attention, (text, ""))
+    assert [w.text for w in words if not w.special] == [
+        "Don't", "stop", ",", "e.g", ".", "U.S.A", ".", "costs", "$3.14", "(", "1,000", ")", "well-known",
+        "#", "tag", "double", "!"]
+    cjk = "東京タワーは高い。"
+    r = model.attend(cjk)
+    assert [w.text for w in merge_words(r.tokens, r.attention, (cjk, ""))[0] if not w.special] == [
+        "東", "京", "タワーは", "高", "い", "。"]
+    # Spaces at the end have no word to lead: they end the last word, and every piece is in a word.
+    r = model.attend("the end  ")
+    words, merged = merge_words(r.tokens, r.attention, ("the end  ", ""))
+    assert [w.text for w in words if not w.special] == ["the", "end"]
+    assert sorted(k for w in words for k in w.pieces) == list(range(len(r.tokens)))
+    assert torch.allclose(merged.sum(-1), torch.ones(merged.shape[:-1]), atol=1e-5)
+
+
 def test_neuron_view_reproduces_the_row(minilm, tiny):
     for model, text in ((minilm, SENTENCE), (tiny, "In the beginning God created the heaven.")):
         r = model.attend(text, capture=Capture(qkv=True))
