@@ -259,7 +259,12 @@ def cmd_serve(args) -> int:
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
     config = server_config(create_app(settings), settings, host=args.host, port=args.port, log_level=args.log_level)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shuts down on Ctrl-C, then raises it again for whoever called it (uvicorn.run
+        # catches it; we call Server.run): every stop printed a traceback after "Finished".
+        pass
     return 0
 
 

@@ -187,3 +187,19 @@ def test_corrupt_weights_keep_readyz_503_naming_the_file(tmp_path, minilm_dir, d
     weights.write_bytes(os.urandom(4096) if damage == "garbage" else data[: len(data) // 2])
     with live_server(models={"minilm": "minilm", "broken": str(folder)}, wait=False) as server:
         not_ready_for_good(server, "model.safetensors")
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback():
+    """uvicorn raises Ctrl-C again once it has shut down; `manyeyes serve` let it out, and every
+    stop ended in a KeyboardInterrupt traceback (a review by use)."""
+    port = free_port()
+    proc = start_server(port)
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+        assert proc.returncode == 0, out
+    finally:
+        proc.kill()
+        proc.wait()
