@@ -150,6 +150,24 @@ class RayDirectory:
         return await self.actor.recall.remote(run_id)
 
 
+class BytesBodies:
+    """ASGI bodies as bytes, as the ASGI spec says: Ray Serve pickles every message between the
+    replica and its proxy, and the app sends large answers as memoryview pieces (no copy under
+    uvicorn), which do not pickle: every answer over 256 KiB was a plain-text 500."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_bytes(message) -> None:
+            body = message.get("body")
+            if body is not None and not isinstance(body, bytes):
+                message = {**message, "body": bytes(body)}
+            await send(message)
+
+        await self.app(scope, receive, send_bytes if scope["type"] == "http" else send)
+
+
 def build_app(settings: Settings, threads: int):
     """The app one replica serves: create_app's, started only once its models are loaded."""
     import torch
@@ -162,6 +180,7 @@ def build_app(settings: Settings, threads: int):
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
     app.state.views = ViewStore(shared=RayShelf(view_shelf()))
+    app.add_middleware(BytesBodies)
     return app
 
 

@@ -75,6 +75,21 @@ def test_100_slices_across_replicas_with_no_errors(cluster, tiny_gpt):
     print(f"100 slices: 0 errors, {recomputed} answered by a replica that recomputed the run")
 
 
+def test_a_frame_larger_than_one_write_comes_through_ray(cluster, tiny_gpt):
+    """Answers over 256 KiB are sent as memoryview pieces, which Ray cannot pickle: every larger
+    frame (the page's and the Python client's default) was a plain-text 500 (a review by use)."""
+    from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame
+
+    text = "In the beginning God created the heaven and the earth. And the earth was without form, and void; and darkness."
+    r = httpx.post(f"{cluster}/api/v1/attention", json={"text": text, "format": "f16"},
+                   headers={"accept": FRAME_MEDIA_TYPE}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.content) > 256 * 1024 and r.headers["content-type"] == FRAME_MEDIA_TYPE
+    header, data = read_frame(r.content)
+    got = np.frombuffer(data, dtype=np.float16).reshape(header["attention"]["shape"]).astype(np.float32)
+    np.testing.assert_allclose(got, tiny_gpt.attend(text).attention.numpy(), atol=1e-3)
+
+
 def test_an_unknown_run_is_still_a_404_json(cluster):
     r = httpx.get(f"{cluster}/api/v1/runs/{'0' * 32}/attention")
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_run"
