@@ -39,17 +39,19 @@ function offline(message) {
 }
 
 // The body the API would send for this run's (layers, heads, format), already decoded as the
-// page's fetch worker delivers it.
+// page's fetch worker delivers it. "json" (float32 on a server, which the page asks for where it
+// renormalises rows: hidden tokens, one block of a pair) is the file's own weights, the best it
+// holds, and says so in its dtype: refusing it left those views on an error and their downloads
+// silent.
 function answer(layers, heads, format) {
   layers = layers ?? [...Array(nLayers).keys()];
   heads = heads ?? [...Array(nHeads).keys()];
-  if (format === "json") throw offline("Exact float32 values are not in this file.");
   const { bytes, values, scale } = stored();
   const size = layers.length * heads.length * cells;
   const shape = [layers.length, heads.length, T, T];
   const decoded = format === "u8"
     ? { shape, bytes: new Uint8Array(size), scale: bytes ? scale : 1 / 255 }
-    : { shape, values: new Float32Array(size) };
+    : { shape, values: new Float32Array(size) }; // f16 and json alike: float32 values
   layers.forEach((l, li) => heads.forEach((h, hi) => {
     const from = (l * nHeads + h) * cells;
     const to = (li * heads.length + hi) * cells;
@@ -57,7 +59,7 @@ function answer(layers, heads, format) {
     else if (bytes) decoded.bytes.set(bytes.subarray(from, from + cells), to);
     else for (let i = 0; i < cells; i++) decoded.bytes[to + i] = Math.round(values[from + i] * 255);
   }));
-  const dtype = format === "u8" ? "uint8" : "float16";
+  const dtype = format === "u8" || (format === "json" && bytes) ? "uint8" : "float16";
   return { ...run, layers, heads, attention: { format, dtype, shape, data: null, decoded } };
 }
 

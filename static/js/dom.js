@@ -27,6 +27,16 @@ export function plotlyText(s) {
   return s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 }
 
+// A press on a plot gives it the keyboard, as a press on a control does: Plotly's drag layer
+// cancels the press's default, so a clicked heatmap stayed unfocused and its arrows did nothing
+// (a page opened from a link or an exported file had no other way in but Tab). Not on the
+// modebar, whose buttons take focus themselves.
+export function focusOnPress(plot) {
+  plot.addEventListener("pointerdown", (event) => {
+    if (document.activeElement !== plot && !event.target.closest(".modebar")) plot.focus({ preventScroll: true });
+  });
+}
+
 export function nextFrame() {
   return new Promise((resolve) => requestAnimationFrame(() => resolve()));
 }

@@ -11,7 +11,7 @@
 import { AxisLabels } from "./axis_labels.js";
 import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { Colorbar } from "./colorbar.js";
-import { el, plotlyText } from "./dom.js";
+import { el, focusOnPress, plotlyText } from "./dom.js";
 import { palette, scaled } from "./theme.js";
 
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
@@ -654,6 +654,7 @@ export class FocusView {
       this.tooltip.hidden = true;
     });
     plot.addEventListener("blur", () => this.dropCursor());
+    focusOnPress(plot);
     // A tap on a phone never hovers: a press released where it began shows the same reading.
     // Pointer events, because Plotly's drag layer cancels the touch's click.
     let down = null;

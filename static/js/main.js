@@ -249,6 +249,7 @@ async function loadFloat32() {
       { format: "json", post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format: "json" }, signal) });
   if (!reply || state.run !== run) return;
   run.float32.set(key, reply.attention.decoded.values);
+  run.float32Precision = { float16: "f16", uint8: "u8" }[reply.attention.dtype] ?? "f32";
   if (float32Key() !== key) return;
   if (renormalises(viewOptions())) renderViews();
   else focus.refreshReading();
@@ -294,7 +295,7 @@ function focusMatrix() {
   const run = state.run;
   if (renormalises(viewOptions())) {
     const matrix = run.float32.get(float32Key());
-    if (matrix) return { matrix, precision: "f32" };
+    if (matrix) return { matrix, precision: run.float32Precision };
     loadFloat32();
     return null;
   }

@@ -5,7 +5,7 @@
 import { ApiError, describeError, postAttentionJson, requestJson } from "./api.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
-import { $, el, plotlyText } from "./dom.js";
+import { $, el, focusOnPress, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { ARROW_STEPS, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks, weightText } from "./focus.js";
 import { HeadFinder } from "./finder.js";
@@ -583,6 +583,7 @@ class Measures {
       this.moveCursor(...step);
     });
     plot.addEventListener("blur", () => this.dropCursor());
+    focusOnPress(plot);
     plot.on("plotly_relayout", (update) => {
       // Plotly's own resize (responsive config) relays out the width alone, after the window's.
       if (update?.autosize) this.refit(plot);

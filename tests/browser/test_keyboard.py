@@ -294,3 +294,17 @@ def test_readings_are_the_float32_weights_not_the_float16_cells_drawn(server, ap
     assert head[row, cut] < 0.2 <= head[row, kept]
     assert hover_cell(page, row, cut).endswith(": < 0.20")
     assert hover_cell(page, row, kept).endswith(f": {weight_text(float(head[row, kept]), digits=3)}")
+
+
+def test_a_click_on_the_heatmap_gives_it_the_arrows(server, page):
+    """Plotly's drag layer cancels a press's default, so a clicked heatmap stayed unfocused and
+    its arrows did nothing: a page opened from a link had no way in but Tab (a review by use)."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_focus(page, layer=0, head=0)
+    page.evaluate("() => document.activeElement.blur()")
+    box = page.locator("#focus-plot").bounding_box()
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    assert active_id(page) == "focus-plot"
+    page.keyboard.press("ArrowRight")
+    wait_focus(page, layer=0, head=1)

@@ -199,6 +199,35 @@ def test_u8_export_shows_the_file_weights(browser, tiny_gpt, tmp_path):
         context.close()
 
 
+def test_hiding_tokens_in_an_export_renormalises_the_file_weights_and_a_click_gives_the_arrows(browser, tiny_gpt, tmp_path):
+    """Hidden tokens renormalise rows from float32 on a live page, which the file does not hold:
+    ticking "Hide first token" put an error up, faded the heatmap and silenced the downloads. And
+    a click on the heatmap did not focus it, so its arrows did nothing (reviews by use)."""
+    out = tmp_path / "hide.html"
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(out), "--layer", "1", "--head", "2", "--device", "cpu"]) == 0
+    context, page, seen, refused, problems = open_offline(browser, out)
+    try:
+        page.check("#hide-first")
+        page.wait_for_selector("#focus-plot[data-precision=f16]:not([data-stale])", timeout=10_000)
+        page.wait_for_timeout(300)
+        assert page.locator("#error").is_hidden()
+        head = tiny_gpt.attend(TEXT).attention[1, 2].numpy()[1:, 1:]
+        expected = head / head.sum(-1, keepdims=True)
+        shown = focus_z(page)
+        assert shown.shape == expected.shape
+        known = ~np.isnan(shown)
+        np.testing.assert_allclose(shown[known], expected[known], atol=2e-3)
+        page.evaluate("() => document.activeElement.blur()")
+        box = page.locator("#focus-plot").bounding_box()
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        assert page.evaluate("() => document.activeElement.id") == "focus-plot"
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '3'")
+        assert not refused and not problems, (refused, problems)
+    finally:
+        context.close()
+
+
 def test_export_html_takes_its_bound_as_an_argument_and_never_reads_the_environment(tiny_gpt, monkeypatch):
     """export_html read the bound through Settings(), which parses every MANYEYES_* variable: an
     unrelated malformed one (MANYEYES_MAX_QUEUE=lots) failed a notebook's export with pydantic's
