@@ -68,7 +68,7 @@ def cmd_attend(args) -> int:
 
     if _bad_text(args):
         return 2
-    json_only = [name for name, given in (("--layers", args.layers), ("--heads", args.heads),
+    json_only = [name for name, given in (("--layers", args.layers is not None), ("--heads", args.heads is not None),
                                           ("--format", args.format != "json")) if given]
     if json_only and not args.json:  # the table shows one head, and would drop them without a word
         print(f"error: {', '.join(json_only)} shape the --json answer; add --json, or choose the table's head with "
@@ -151,8 +151,8 @@ def _json_view(info, args):
 
     try:
         return View(
-            resolve_indices(parse_index_list([args.layers] if args.layers else None, "layer"), info.n_layers, "layer", info.id),
-            resolve_indices(parse_index_list([args.heads] if args.heads else None, "head"), info.n_heads, "head", info.id),
+            resolve_indices(parse_index_list(None if args.layers is None else [args.layers], "layer"), info.n_layers, "layer", info.id),
+            resolve_indices(parse_index_list(None if args.heads is None else [args.heads], "head"), info.n_heads, "head", info.id),
             args.format,
         )
     except ApiError as exc:
@@ -207,6 +207,13 @@ def cmd_serve(args) -> int:
         updates["device"] = args.device
     if args.dtype:
         updates["dtype"] = args.dtype
+    try:  # a device this machine lacks: one line now, not a server that answers 503 for good
+        from manyeyes.model.runtime import pick_device
+
+        pick_device(updates.get("device", settings.device))
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.shared_forward:
         updates["shared_forward"] = True
     settings = settings.model_copy(update=updates)
@@ -531,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    serve.add_argument("--replicas", type=int, default=0, metavar="N",
+    serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
                        help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
     serve.add_argument("--workers", type=_positive, default=1, metavar="N",
                        help="serve from N processes on this machine, each with its own copy of the models (default 1)")

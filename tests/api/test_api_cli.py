@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import httpx
 import orjson
@@ -187,3 +188,26 @@ def test_a_trusted_proxy_that_is_no_address_is_one_line_before_serving(monkeypat
     assert err == ("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_TRUSTED_PROXIES="
                    "'10.0.0.0/8,proxy.local': 'proxy.local' is no IP address or network (such as 10.0.0.1 or "
                    "10.0.0.0/8): name proxies by address\n"), err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "tpu"], "error: unknown device 'tpu': use cpu, cuda, cuda:N, mps or auto\n"),
+    (["--replicas", "-3"], "a whole number of 1 or more"),
+    (["--replicas", "0"], "a whole number of 1 or more"),
+])
+def test_serve_refuses_a_device_or_replica_count_it_cannot_use_in_one_line(args, says, capsys, monkeypatch):
+    """--device tpu started a server that answered 503 for good; --replicas -3 was a pydantic
+    traceback and --replicas 0 started one plain server without a word (a review by use)."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: pytest.fail("it served"))
+    with pytest.raises(SystemExit) if "--replicas" in args else nullcontext():
+        assert main(["serve", "--port", str(free_port()), *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_attend_json_refuses_an_empty_layer_list_as_the_api_does(capsys):
+    """`--layers ""` printed every layer, where the API refuses an empty list (422)."""
+    assert main(["attend", TEXT, "--json", "--layers", ""]) == 2
+    assert "layers is empty" in capsys.readouterr().err
