@@ -738,6 +738,9 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
 def _init_tokenizer(cfg: TrainConfig) -> Tokenizer:
     for name in ("card.json", "tokenizer.json"):
         if not (cfg.init_from / name).exists():
+            if (cfg.init_from / CHECKPOINT).exists():  # stopped (Ctrl-C) before its last step
+                raise TrainError(f"--init-from {cfg.init_from} holds a run that was stopped before it finished (no {name}): "
+                                 f"finish it first with `manyeyes train --out {cfg.init_from} --resume`")
             raise TrainError(f"--init-from {cfg.init_from} holds no {name}: it is not a folder `manyeyes train` finished")
     # Without its weights the folder read as a Hugging Face one: "config.json has no model_type".
     if not (cfg.init_from / WEIGHTS[cfg.arch]).exists():

@@ -446,6 +446,12 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     assert "holds no model.safetensors, the weights of an --arch llama run: it is an --arch gpt run" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "nowhere")]) == 2
     assert "holds no card.json" in capsys.readouterr().err
+    # A run stopped with Ctrl-C holds its checkpoint and no card yet: it is told how to finish it.
+    (tmp_path / "llama" / "card.json").unlink()
+    assert (tmp_path / "llama" / "checkpoint.pt").exists()
+    assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "llama")]) == 2
+    assert f"was stopped before it finished (no card.json): finish it first with `manyeyes train --out {tmp_path / 'llama'} --resume`" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
