@@ -31,9 +31,17 @@ def clean_env() -> dict[str, str]:
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     # No build isolation: the build backend (setuptools) is already here and no index is needed.
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)],
-                   check=True, capture_output=True, env=clean_env())
+    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)],
+                          check=True, capture_output=True, text=True, env=clean_env())
+    (out / "build.log").write_text(done.stdout + done.stderr)
     return out
+
+
+def test_the_build_lists_every_package_it_ships(dist):
+    """The data folders (model/data, static/css, static/js) were importable names missing from
+    `packages`: setuptools warned three times that it "would ignore" them in a later version."""
+    log = (dist / "build.log").read_text()
+    assert "would be ignored" not in log, log[log.find("would be ignored") - 300:][:900]
 
 
 @pytest.fixture(scope="module")
