@@ -9,7 +9,7 @@ import { pieceLabel } from "./tokens.js";
 export function mountCompare(box) {
   // An empty A is the run's text: the placeholder says so (an example sentence there misled).
   const a = el("input", { attrs: { id: "compare-a", type: "text", "aria-label": "Sentence A", placeholder: "Sentence A (or run one: its text)" } });
-  const b = el("input", { attrs: { id: "compare-b", type: "text", "aria-label": "Sentence B", placeholder: "The bank of the old river." } });
+  const b = el("input", { attrs: { id: "compare-b", type: "text", "aria-label": "Sentence B", placeholder: "Sentence B, to compare with A" } });
   const go = el("button", { text: "Compare", attrs: { id: "compare-run", type: "button" } });
   const note = el("p", { className: "exp-status", attrs: { id: "compare-status", role: "status", "aria-live": "polite" } });
   const ranking = el("div", { attrs: { id: "compare-ranking" } });
@@ -52,7 +52,9 @@ export function mountCompare(box) {
     const { model, truncate } = currentModel();
     const token = ++state.token;
     const input = { text_a: a.value || currentInput()?.text || "", text_b: b.value, model, truncate };
-    if (!input.text_a.trim() || !input.text_b.trim()) return status(note, "Write two sentences to compare.", "error");
+    if (!input.text_a.trim() || !input.text_b.trim()) {
+      return status(note, input.text_a.trim() ? "Write sentence B to compare with A." : "Write two sentences to compare.", "error");
+    }
     forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, "Comparing…", "busy");
     try {

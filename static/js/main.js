@@ -135,6 +135,13 @@ function modelInfo(id) {
   return state.models.find((m) => m.id === id) || state.models.find((m) => m.default) || state.models[0];
 }
 
+// A causal model has no pairs as an encoder's [SEP] makes them: its tokenizer reads the second
+// text after the first (tiny-gpt's straight after: "it?On the bank"), which the label says.
+function notePairing() {
+  $("pair-note").textContent = modelInfo($("model").value).causal
+    ? "(optional: read after the first)" : "(optional, for pairs)";
+}
+
 function clamp(n, max) {
   return Math.min(Math.max(n ?? 0, 0), max - 1);
 }
@@ -657,6 +664,7 @@ function applyViewState(v) {
   $("measure").value = v.measure ?? "raw";
   $("word-view").checked = Boolean(v.word_view);
   if (v.model && state.models.some((m) => m.id === v.model)) $("model").value = v.model;
+  notePairing();
   syncControls();
 }
 
@@ -690,6 +698,11 @@ async function restoreFromUrl(push) {
   // An old link may name a model this server does not serve: say so rather than quietly swap it.
   if (saved.model && !state.models.some((m) => m.id === saved.model)) {
     $("link-status").textContent = `This link named the model “${saved.model}”, which this server does not serve; it ran on ${$("model").value}.`;
+  } else if (state.run && !state.run.long && !$("error").textContent
+             && ((saved.layer ?? 0) !== state.layer || (saved.head ?? 0) !== state.head)) {
+    // An old link's layer or head past the model's: shown as the nearest, and said so.
+    $("link-status").textContent = `This link named layer ${saved.layer ?? 0}, head ${saved.head ?? 0}; ${state.run.model} has `
+      + `layers 0–${state.run.nLayers - 1} and heads 0–${state.run.nHeads - 1}, so it shows layer ${state.layer}, head ${state.head}.`;
   }
 }
 
@@ -1027,6 +1040,8 @@ async function init() {
   }
   const label = (m) => `${m.id} (${m.family}, ${m.n_layers}×${m.n_heads}${m.causal ? ", causal" : ""})`;
   fillSelect($("model"), state.models.map((m) => ({ value: m.id, label: label(m) })), modelInfo("").id);
+  $("model").addEventListener("change", notePairing);
+  notePairing();
   document.body.dataset.ready = "true";
   await restoreFromUrl(false);
 }

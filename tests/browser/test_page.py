@@ -228,6 +228,12 @@ def test_permalink_with_unknown_model_and_indices_falls_back(server, page):
         "This link named the model “nope”, which this server does not serve; it ran on minilm.")
     # Out-of-range indices are clamped to the model's last layer and head.
     assert focus_title(page) == "Layer 5, head 11"
+    # And said so, on a model the server has (they were clamped without a word).
+    open_page(page, server, "?text=Hello+there.&model=minilm&layer=9&head=99")
+    wait_focus(page, layer=5, head=11)
+    page.wait_for_function("document.getElementById('link-status').textContent.startsWith('This link named layer')")
+    assert page.locator("#link-status").text_content() == (
+        "This link named layer 9, head 99; minilm has layers 0–5 and heads 0–11, so it shows layer 5, head 11.")
 
 
 def test_long_input_fetches_further_layers_lazily(server, page, watched):
@@ -426,3 +432,15 @@ def test_api_docs_render_offline_under_the_csp(server, page, artifacts):
     for path in ("/api/v1/models", "/api/v1/attention", "/api/v1/attention/batch", "/api/v1/runs/{run_id}/attention"):
         assert any(p.replace("\u200b", "") == path for p in paths), (path, paths)
     page.screenshot(path=str(artifacts / "api-docs.png"))
+
+
+def test_the_pair_box_says_how_a_causal_model_reads_it(server, page):
+    """A causal model has no [SEP] pairs: its tokenizer glued "it?" to "On the bank" and nothing on
+    the page said so; the box's grey example text read as part of the run (a review by use)."""
+    open_page(page, server)
+    assert page.locator("#pair-note").text_content() == "(optional, for pairs)"
+    assert page.locator("#pair").get_attribute("placeholder") == "(none)"
+    page.select_option("#model", "tiny-causal")
+    assert page.locator("#pair-note").text_content() == "(optional: read after the first)"
+    page.select_option("#model", "minilm")
+    assert page.locator("#pair-note").text_content() == "(optional, for pairs)"
