@@ -15,6 +15,11 @@ function svg(tag, attrs = {}) {
   return node;
 }
 
+// A route's tokens with their positions: a text's repeated tokens ("c → a" twice) are told apart.
+function routeEnds(edge, labels) {
+  return `${labels[edge.source]} (#${edge.source}) → ${labels[edge.target]} (#${edge.target})`;
+}
+
 const MIN_STEP = 28; // px between tokens: below this the labels collide, so the panel scrolls
 const MAX_STEP = 60;
 const SIDE_ROOM = 56; // px for the level names on the left and the last label's slant on the right
@@ -26,6 +31,9 @@ export class FlowGraph {
     this.onEdge = onEdge;
     this.drawn = null; // the last render's arguments, to draw again at a new width
     this.drawnWidth = 0;
+    // What the colours mean (red is a negative share elsewhere on the page), and where the rest of
+    // a graph wider than the panel is: its scroll bar may be an overlay, hidden until touched.
+    this.legend = el("p", { className: "hint flow-legend" });
     // The spacing follows the panel's width (a 16-token graph 952 px wide was cut off in a
     // 660 px panel, its scroll bar hidden by overlay scroll bars); a resized panel redraws it.
     new ResizeObserver(() => {
@@ -71,7 +79,7 @@ export class FlowGraph {
       line.style.strokeOpacity = String(0.25 + 0.75 * edge.weight);
       const tip = svg("title");
       const through = edge.head === null ? "residual" : `layer ${edge.layer} head ${edge.head}`;
-      tip.textContent = `${labels[edge.source]} → ${labels[edge.target]}: ${(edge.weight * 100).toFixed(1)}% via ${through}`;
+      tip.textContent = `${routeEnds(edge, labels)}: ${(edge.weight * 100).toFixed(1)}% via ${through}`;
       line.append(tip);
       if (edge.head !== null) line.addEventListener("click", () => this.onEdge(edge.layer, edge.head));
       drawing.append(line);
@@ -88,9 +96,12 @@ export class FlowGraph {
     // A change of focused head redraws the graph only: the route list (maybe open, maybe holding
     // keyboard focus) stays in place, with the focused head's routes marked.
     const list = this.routeList(edges, labels);
+    const wide = width > (this.drawnWidth || UNLAID_WIDTH);
+    this.legend.textContent = "Red: a head's route (click it to focus that head); blue: the focused head's routes; grey: "
+      + `the residual stream.${wide ? ` Scroll sideways for all ${nTokens} tokens.` : ""}`;
     const svgNow = this.root.querySelector(":scope > svg");
     if (list.parentNode === this.root && svgNow) svgNow.replaceWith(drawing);
-    else this.root.replaceChildren(drawing, list);
+    else this.root.replaceChildren(this.legend, drawing, list);
     for (const button of list.querySelectorAll(".flow-route")) {
       const on = focused && Number(button.dataset.layer) === focused.layer && Number(button.dataset.head) === focused.head;
       if (on) button.setAttribute("aria-current", "true");
@@ -107,7 +118,7 @@ export class FlowGraph {
     const items = strongest.map((edge) => {
       const button = el("button", {
         className: "flow-route plain-button",
-        text: `${labels[edge.source]} → ${labels[edge.target]}: ${(edge.weight * 100).toFixed(1)}% via layer ${edge.layer} head ${edge.head}`,
+        text: `${routeEnds(edge, labels)}: ${(edge.weight * 100).toFixed(1)}% via layer ${edge.layer} head ${edge.head}`,
         attrs: { type: "button", "data-layer": edge.layer, "data-head": edge.head },
       });
       button.addEventListener("click", () => this.onEdge(edge.layer, edge.head));

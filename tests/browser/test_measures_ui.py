@@ -152,6 +152,10 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     assert [(int(r.get_attribute("data-layer")), int(r.get_attribute("data-head"))) for r in routes.all()] == \
         [(e["layer"], e["head"]) for e in strongest]
     assert routes.first.text_content().endswith(f"{strongest[0]['weight'] * 100:.1f}% via layer {strongest[0]['layer']} head {strongest[0]['head']}")
+    # With the positions of its tokens, so that a repeated token's routes are told apart.
+    assert f"(#{strongest[0]['source']}) → " in routes.first.text_content()
+    assert routes.first.text_content().split(": ")[0].endswith(f"(#{strongest[0]['target']})")
+    assert page.locator("#flow .flow-legend").text_content().startswith("Red: a head's route")
     page.click("#flow .flow-routes summary")
     other = next(i for i, e in enumerate(strongest) if (e["layer"], e["head"]) != (1, target["head"]))
     routes.nth(other).focus()
