@@ -57,6 +57,9 @@ const grid = new GridView($("grid"), {
   onSelect: (l, h) => {
     state.aggregate = "head";
     setFocus(l, h, "grid");
+    // On a phone the grid sits under the heatmap: a tap changed a plot off screen, unseen.
+    const panel = $("focus-plot").closest(".panel");
+    if (NARROW.matches && panel.getBoundingClientRect().top < 0) panel.scrollIntoView({ block: "start" });
   },
   onNeedLayers: (layers) => loadU8(layers),
 });

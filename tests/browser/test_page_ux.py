@@ -368,6 +368,26 @@ def test_a_window_resized_to_a_phone_lays_the_heatmap_out_as_a_phone_does(server
     page.locator("#focus-plot").screenshot(path=str(artifacts / "resized-to-400.png"))
 
 
+def test_a_tapped_thumbnail_on_a_phone_brings_its_heatmap_into_view(server, browser):
+    """The grid sits under the heatmap on a phone: a tap focused a head whose plot was off screen,
+    so nothing seemed to happen (a review by use)."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True)
+    try:
+        page = context.new_page()
+        open_page(page, server)
+        run(page, SENTENCE)
+        wait_grid(page)
+        thumb = page.locator("#grid .thumb[data-layer='2'][data-head='5']")
+        thumb.evaluate("t => t.scrollIntoView({ block: 'start' })")  # as a thumb scrolled to, to tap it
+        assert page.locator(".focus-panel").bounding_box()["y"] < 0  # scrolled past the heatmap
+        thumb.tap()
+        wait_focus(page, layer=2, head=5)
+        page.wait_for_timeout(200)
+        assert -1 <= page.locator(".focus-panel").bounding_box()["y"] < 844 / 3
+    finally:
+        context.close()
+
+
 def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artifacts):
     context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True, device_scale_factor=2)
     requests = []
