@@ -149,8 +149,11 @@ export function heatmap(div, z, options = {}) {
     title: title ? { text: plotlyText(title), font: { size: 13 }, yref: "container", y: 1, yanchor: "top", pad: { t: 8 + under } } : undefined,
     margin: { l: 90, r: 10, t: title ? 30 + under : 8, b: 80 }, height: 320 + under,
     // No gridlines: over the cells they drew white lines through the dark theme's heatmaps.
-    yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false },
-    xaxis: { automargin: true, tickangle: -45, showgrid: false, zeroline: false },
+    // At most a label every 36 px across and 12 of them down the ~210 px of cells: Plotly's own
+    // choice for a category axis put slanted "6: ␣" and "9: g" over each other.
+    yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false, nticks: 12 },
+    xaxis: { automargin: true, tickangle: -45, showgrid: false, zeroline: false,
+             nticks: Math.max(2, Math.floor((div.clientWidth - 100) / 36)) },
     // A null cell is a key the model could not see, in the focused heatmap's masked colour.
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: palette().masked,
     font: { color: palette().text }, // Plotly's default dark grey is unreadable on the dark theme

@@ -314,6 +314,16 @@ def test_compare_at_hundreds_of_tokens_draws(server, page):
     assert z.shape[0] > 400 and z.shape[0] == z.shape[1], z.shape
     zmax = page.evaluate("document.getElementById('compare-plot-diff').data[0].zmax")
     assert zmax == pytest.approx(float(np.abs(z).max()), rel=1e-6)
+    # Its "i: token" labels stand apart (Plotly's own spacing overprinted them): each slanted x label
+    # starts past the middle of the one before, each y label below the one above.
+    for axis, along in (("xtick", 0), ("ytick", 1)):
+        boxes = page.evaluate(f"""() => [...document.querySelectorAll('#compare-plot-diff .{axis} text')]
+            .map((t) => t.getBoundingClientRect()).map((r) => [r.left, r.top, r.right, r.bottom])""")
+        boxes.sort(key=lambda box: box[along])
+        assert len(boxes) >= 5, boxes
+        for before, after in zip(boxes, boxes[1:]):
+            apart = after[0] - before[0] >= (before[2] - before[0]) / 2 if along == 0 else after[1] >= before[3] - 1
+            assert apart, (axis, before, after)
 
 
 def test_experiment_titles_sit_under_the_modebar_on_a_phone(server, browser):
