@@ -72,7 +72,7 @@ export function ticks(indices, labels, range, most = ALL_LABELS) {
   return { values, texts, shown: values.length };
 }
 
-const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
+export const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
 
 // Pixels per label decide the font: a label never gets more room than its row.
 export function fontFor(axisPx, shown) {

@@ -185,6 +185,11 @@ def zoom(page, q0, q1, k0, k1):
                   " 'yaxis.range': [q1 - 0.5, q0 - 0.5]})", [q0, q1, k0, k1])
 
 
+def shortened(piece: str) -> str:
+    """A label as the page shortens it (focus.js shortLabel)."""
+    return piece[:13] + "…" if len(piece) > 14 else piece
+
+
 def visible_labels(page, axis):
     return page.evaluate("(axis) => [...document.querySelectorAll(`#focus-plot .${axis}tick`)]"
                          ".filter(g => g.style.display !== 'none').map(g => g.querySelector('text').textContent)", axis)
@@ -250,8 +255,7 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
     # The window straddles a tile edge (k = 1024): the tiles that meet it cover it, above the diagonal excepted.
     for q, k in [(1000, 980), (1039, 980), (1039, 1027), (1024, 1024)]:
         assert any(q0 <= q < q1 and k0 <= k < k1 for q0, q1, k0, k1, _r in new), (q, k)
-    assert visible_labels(page, "y") == [f"{mock.tokens[i]['piece']}"[:13] + ("…" if len(mock.tokens[i]["piece"]) > 14 else "")
-                                        for i in range(1000, 1040)]
+    assert visible_labels(page, "y") == [shortened(mock.tokens[i]["piece"]) for i in range(1000, 1040)]
     assert len(visible_labels(page, "x")) == 48
     weights = mock.head(0, 0)
     for q, k in [(1020, 1000), (1039, 1027), (1005, 1004), (1030, 985)]:
@@ -272,11 +276,20 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
     assert open(download.value.path(), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     download.value.save_as(artifacts / "long-export.png")
 
-    # Beyond 64 tokens in view the labels thin evenly.
+    # Beyond 64 tokens in view the labels thin evenly, every k-th token for a round k, each its
+    # position, at a readable size (each k-th token's text, at 7 px, said nothing of where it was).
     zoom(page, 0, 512, 0, 512)
     wait_settled(page)
     shown = visible_labels(page, "y")
-    assert 32 <= len(shown) <= 64
+    positions = [int(label) for label in shown]
+    step = positions[1] - positions[0]
+    assert 12 <= len(shown) <= 64 and step in (10, 20, 50) and positions == list(range(0, 512, step))[:len(shown)]
+    fonts = page.evaluate("() => [...document.querySelectorAll('#focus-plot .ytick text')].map((t) => parseFloat(getComputedStyle(t).fontSize))")
+    assert min(fonts) >= 10, fonts
+    # The margin holds the longest position too: the axis title does not run over the numbers.
+    title, left = page.evaluate("""() => [document.querySelector('#focus-plot .ytitle').getBoundingClientRect().right,
+        Math.min(...[...document.querySelectorAll('#focus-plot .ytick text')].map((t) => t.getBoundingClientRect().left))]""")
+    assert title <= left + 1, (title, left)
     # The head view: the rows in view, each joined to its strongest keys from the top-k route.
     page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 64"
                            " && Number(document.querySelector('#headview canvas').dataset.lines) > 0")
