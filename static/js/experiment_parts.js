@@ -2,7 +2,7 @@
 
 import { requestJson } from "./api.js";
 import { $, el, plotlyText } from "./dom.js";
-import { weightText } from "./focus.js";
+import { OFFLINE_CONFIG, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 
@@ -158,7 +158,7 @@ export function heatmap(div, z, options = {}) {
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: palette().masked,
     font: { color: palette().text }, // Plotly's default dark grey is unreadable on the dark theme
   };
-  return window.Plotly.react(div, [trace], layout, { displaylogo: false, responsive: true });
+  return window.Plotly.react(div, [trace], layout, OFFLINE_CONFIG);
 }
 
 export function status(node, text, kind = "") {

@@ -84,20 +84,28 @@ export function labelsFit(axisPx) {
   return Math.max(1, Math.min(ALL_LABELS, Math.floor(axisPx / MIN_FONT)));
 }
 
-// A Plotly config for the page's plots. Nothing may leave this machine: no "Share chart" (Plotly 7
-// shows it by default and posts the figure to cloud.plotly.com), no logo link, no server URL, no
-// Chart Studio link. Plotly's own image export would miss what the page draws itself (cells,
-// labels): the camera and disk buttons call download(format) instead.
+// The Plotly config of every plot on the page. Nothing may leave this machine: no "Share chart"
+// (Plotly 7 shows it by default and posts the figure to cloud.plotly.com; the experiments' plots
+// had it), no logo link, no server URL, no Chart Studio link. No "Double-click to zoom back out"
+// notice either: it sat over the grid at the window's top right, and the page's line says so.
+export const OFFLINE_CONFIG = Object.freeze({
+  responsive: true,
+  displaylogo: false,
+  showTips: false,
+  showSendToCloud: false,
+  showEditInChartStudio: false,
+  showLink: false,
+  showSources: false,
+  plotlyServerURL: "",
+  modeBarButtonsToRemove: ["sendChartToCloud", "editInChartStudio", "downloadJson", "select2d", "lasso2d"],
+});
+
+// The heatmaps the page draws itself (cells, labels), which Plotly's own image export would miss:
+// the camera and disk buttons call download(format) instead.
 export function localConfig(download) {
   return {
-    responsive: true,
-    displaylogo: false,
-    showSendToCloud: false,
-    showEditInChartStudio: false,
-    showLink: false,
-    showSources: false,
-    plotlyServerURL: "",
-    modeBarButtonsToRemove: ["toImage", "sendChartToCloud", "editInChartStudio", "downloadJson", "select2d", "lasso2d", "autoScale2d"],
+    ...OFFLINE_CONFIG,
+    modeBarButtonsToRemove: [...OFFLINE_CONFIG.modeBarButtonsToRemove, "toImage", "autoScale2d"],
     modeBarButtonsToAdd: [
       { name: "downloadPng", title: "Download plot as PNG", icon: window.Plotly.Icons.camera, click: () => download("png") },
       { name: "downloadSvg", title: "Download plot as SVG", icon: window.Plotly.Icons.disk, click: () => download("svg") },

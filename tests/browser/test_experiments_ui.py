@@ -249,6 +249,22 @@ def compare(page, server, a, b, timeout=30_000):
     page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=timeout)
 
 
+def test_experiment_plots_offer_nothing_that_leaves_this_machine(server, page, watched):
+    """The experiments' heatmaps kept Plotly's default config: a "Share chart..." button that posts
+    the figure to cloud.plotly.com, on a page that promises no request leaves loopback."""
+    compare(page, server, "The bank of the river.", "The bank of the old river.")
+    plots = page.locator(".js-plotly-plot")
+    assert plots.count() >= 4  # the focused heatmap and measures, and compare's three
+    titles = page.evaluate("() => [...document.querySelectorAll('.modebar-btn')].map((b) => b.dataset.title)")
+    assert titles and not [t for t in titles if "Share" in t or "Chart Studio" in t or "cloud" in t.lower()], titles
+    assert page.locator("#compare-plot-diff .modebar-btn").count() > 0
+    for button in page.locator("#compare-plot-diff .modebar-btn").all():
+        page.hover("#compare-plot-diff")
+        button.click()
+    page.wait_for_timeout(500)
+    assert watched.off_loopback() == []
+
+
 def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
     a, b = "The bank of the river.", "The bank of the old river."
     compare(page, server, a, b)
