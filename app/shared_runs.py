@@ -43,6 +43,8 @@ def hold_to_share(keys, owner_of, owner: str, newest: str, over_share, drop) -> 
         if not over_share():
             return
         drop(key)
+
+
 # Run and view ids are short hex digests; nothing else ever becomes a file name.
 KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 

@@ -45,9 +45,9 @@ CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
 # Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, beyond 429.
 FLOW_SLOTS = 1
 # Graphs kept as their JSON, the most recent within this many bytes: MiniLM's at T=512 takes 0.6 s
-# of compute (seconds under load), and the page asks for the same one each time its flow view opens. One is 0.7 MB at T=507
-# and threshold 0.01 (10,885 edges), at most 20 MB (100 edges a target and layer); a run the cache
-# evicted is a 404 first, graph or no graph.
+# of compute (seconds under load), and the page asks for the same one each time its flow view
+# opens. One is 0.7 MB at T=507 and threshold 0.01 (10,885 edges), at most 20 MB (100 edges a
+# target and layer); a run the cache evicted is a 404 first, graph or no graph.
 FLOW_CACHE_BYTES = 32 << 20
 
 

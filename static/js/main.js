@@ -258,8 +258,9 @@ async function loadFloat32() {
     : await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], "json", signal),
       { format: "json", post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format: "json" }, signal) });
   if (!reply || state.run !== run) return;
-  run.float32.set(key, reply.attention.decoded.values);
-  run.float32Precision = { float16: "f16", uint8: "u8" }[reply.attention.dtype] ?? "f32";
+  // An exported file answers with its own float16 or 8-bit weights, and says so in the dtype.
+  const precision = { float16: "f16", uint8: "u8" }[reply.attention.dtype] ?? "f32";
+  run.float32.set(key, { values: reply.attention.decoded.values, precision });
   if (float32Key() !== key) return;
   if (renormalises(viewOptions())) renderViews();
   else focus.refreshReading();
@@ -274,7 +275,7 @@ function exactReadings(run, precision) {
   const threshold = state.threshold;
   let asked = false;
   return (query, k) => {
-    const values = run.float32.get(key);
+    const values = run.float32.get(key)?.values;
     if (!values) {
       if (!asked) loadFloat32();
       asked = true;
@@ -304,8 +305,8 @@ function meanKey() {
 function focusMatrix() {
   const run = state.run;
   if (renormalises(viewOptions())) {
-    const matrix = run.float32.get(float32Key());
-    if (matrix) return { matrix, precision: run.float32Precision };
+    const exact = run.float32.get(float32Key());
+    if (exact) return { matrix: exact.values, precision: exact.precision };
     loadFloat32();
     return null;
   }

@@ -66,8 +66,9 @@ export class AttentionRun {
     this.scale = 1 / 255;
     this.precise = new Map(); // "layer:head" -> Float32Array [query][key]
     this.means = new Map(); // "all" or "layer:N" -> Float32Array, the server's float32 mean
-    this.float32 = new Map(); // "layer:head" or "mean:all", "mean:layer:N" -> float32 weights, for renormalised views
-    this.float32Precision = "f32"; // what those hold: an exported file's are its float16 or 8-bit weights
+    // "layer:head" or "mean:all", "mean:layer:N" -> { values: float32 weights, precision: "f32" (an
+    // exported file's: its own "f16" or "u8") }, for renormalised views and readings
+    this.float32 = new Map();
     this.ingest(response);
   }
 
