@@ -204,20 +204,22 @@ def test_stats_from_hand_built_heads():
     assert causal_stats["entropy"][0, 0] == pytest.approx(1.0, abs=1e-6)
 
 
-def reference_stats(att: torch.Tensor, tokens, causal: bool) -> dict[str, torch.Tensor]:
-    """head_stats' definitions written out plainly in float64, row by row of every head."""
+def reference_stats(att: torch.Tensor, tokens, causal: bool, reach: int | None = None) -> dict[str, torch.Tensor]:
+    """head_stats' definitions written out plainly in float64, row by row of every head; `reach`,
+    a sliding window every layer of `att` has (a row sees its last `reach` positions)."""
     from manyeyes.model.measures import _is_delimiter
 
     att = att.double()
     n = att.shape[-1]
+    reach = reach or n
     delimiter = torch.tensor([float((t.special and k > 0) or _is_delimiter(t)) for k, t in enumerate(tokens)], dtype=torch.float64)
     out = {name: torch.zeros(att.shape[:2], dtype=torch.float64) for name in ("entropy", "distance", "delimiter", "duplicate")}
-    rows = [i for i in range(n) if (i + 1 if causal else n) > 1]
-    copies = [i for i in range(n) if any(tokens[j].id == tokens[i].id for j in range(i))]
+    seen = [(i + 1 if causal else n) - max(0, i - reach + 1) for i in range(n)]
+    rows = [i for i in range(n) if seen[i] > 1]
+    copies = [i for i in range(n) if any(tokens[j].id == tokens[i].id for j in range(max(0, i - reach + 1), i))]
     for i in rows:
         p = att[:, :, i]  # (L, H, T)
-        seen = i + 1 if causal else n
-        out["entropy"] += -torch.special.xlogy(p, p).sum(-1) / math.log(seen) / len(rows)
+        out["entropy"] += -torch.special.xlogy(p, p).sum(-1) / math.log(seen[i]) / len(rows)
         out["distance"] += (p * (torch.arange(n) - i).abs()).sum(-1) / len(rows)
         out["delimiter"] += (p * delimiter).sum(-1) / len(rows)
     for i in copies:
@@ -308,7 +310,8 @@ def test_word_view_keeps_words_whole_and_marks_apart(name, minilm, tiny):
     "東京タワーは高い" one word on MiniLM (its spans touch); a review by use."""
     model = {"minilm": minilm, "tiny-gpt": tiny}.get(name) or load(name, device="cpu")
     text = "Don't stop, e.g. U.S.A. costs $3.14 (1,000) well-known #tag  double!"
-    words, _ = merge_words(model.attend(text).tokens, model.attend(text).attention, (text, ""))
+    r = model.attend(text)
+    words, _ = merge_words(r.tokens, r.attention, (text, ""))
     assert [w.text for w in words if not w.special] == [
         "Don't", "stop", ",", "e.g", ".", "U.S.A", ".", "costs", "$3.14", "(", "1,000", ")", "well-known",
         "#", "tag", "double", "!"]
@@ -506,18 +509,12 @@ def test_head_stats_count_only_the_keys_a_sliding_window_leaves_in_reach(causal)
     assert "broad" in tag_heads({**stats, "induction": torch.zeros(2, 3)}, att)[1][2]
     # Every statistic against the definitions, row by row, in float64, with each layer's reach.
     for layer, reach in ((0, n), (1, window)):
-        for head in range(3):
-            p = att[layer, head].double()
-            seen = [(i + 1 if causal else n) - max(0, i - reach + 1) for i in range(n)]
-            rows = [i for i in range(n) if seen[i] > 1]
-            sees_first = [i for i in rows if 1 <= i < reach]
-            copies = [i for i in range(n) if any(tokens[j].id == tokens[i].id for j in range(max(0, i - reach + 1), i))]
-            want = {
-                "entropy": sum(-torch.special.xlogy(p[i], p[i]).sum() / math.log(seen[i]) for i in rows) / len(rows),
-                "self": sum(p[i, i] for i in rows) / len(rows),
-                "first": sum(p[i, 0] for i in sees_first) / len(sees_first),
-                "previous": sum(p[i, i - 1] for i in range(1, n)) / (n - 1),
-                "duplicate": sum(sum(p[i, j] for j in range(i) if tokens[j].id == tokens[i].id) for i in copies) / len(copies),
-            }
-            for name, value in want.items():
-                assert float(stats[name][layer, head]) == pytest.approx(float(value), abs=1e-6), (layer, head, name)
+        want = reference_stats(att[layer:layer + 1], tokens, causal, reach)
+        p = att[layer].double()  # (H, T, T)
+        rows = [i for i in range(n) if (i + 1 if causal else n) - max(0, i - reach + 1) > 1]
+        sees_first = [i for i in rows if 1 <= i < reach]
+        want["self"] = sum(p[:, i, i] for i in rows) / len(rows)
+        want["first"] = sum(p[:, i, 0] for i in sees_first) / len(sees_first)
+        want["previous"] = sum(p[:, i, i - 1] for i in range(1, n)) / (n - 1)
+        for name, value in want.items():
+            assert torch.allclose(stats[name][layer].double(), value.reshape(-1), atol=1e-6), (layer, name)
