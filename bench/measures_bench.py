@@ -29,11 +29,10 @@ from manyeyes.model.analysis import value_weighted_norms
 from manyeyes.model.measures import (
     capture_stream,
     contributions,
-    head_stats,
+    head_table,
     induction_scores,
     merge_words,
     rollout,
-    tag_heads,
 )
 
 WORDS = "the bank of the river was quiet while money moved through the other bank".split()
@@ -58,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     before = os.getloadavg()
     model = load("minilm", device="cpu")
-    scores = induction_scores(model)
+    induction_scores(model)  # the probe is per model, kept on it: head_table reuses it
     print(f"{'T':>5} {'forward cpu ms':>14} {'all measures':>22} {'stats + tags':>22}")
     for target in (128, 512):
         # A fresh text per repeat: nothing is cached between runs.
@@ -68,16 +67,11 @@ def main() -> None:
             enc = model.encode(text, truncate=True)
             encs.append(type(enc)(enc.tokens[: target - 1] + enc.tokens[-1:], enc.type_ids[:target], True))
 
-        def table(r):
-            stats = head_stats(r.attention, r.tokens, model.info.causal)
-            stats["induction"] = scores
-            tag_heads(stats, r.attention)
-
         parts = {
             "rollout": lambda s: rollout(s.result.attention),
             "value norms": lambda s: value_weighted_norms(model, s.result),
             "contributions": lambda s: contributions(model, s.result, s.mixed, s.outputs),
-            "stats + tags": lambda s: table(s.result),
+            "stats + tags": lambda s: head_table(model, s.result),
             "words": lambda s: merge_words(s.result.tokens, s.result.attention),
         }
         stream = capture_stream(model, encs[0])  # first calls: compile, caches

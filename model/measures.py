@@ -198,6 +198,12 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool,
     The sums over keys are one compiled pass over the weights, so the table stays a small
     fraction of the forward pass (README, "What the measures cost").
     """
+    return _stats_and_argmax(attention, tokens, causal, sliding_windows)[0]
+
+
+def _stats_and_argmax(attention: torch.Tensor, tokens: list[Token], causal: bool,
+                      sliding_windows: tuple[int | None, ...]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """head_stats, and each row's argmax (L, H, T) from the same pass, for the positional tag."""
     attention = attention.float()
     n_layers, n_tokens = attention.shape[0], attention.shape[-1]
     positions = torch.arange(n_tokens)
@@ -227,16 +233,15 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool,
     # per row, not one sum over a head's T² weights (float32 over 262k terms drifted by 4e-5 of
     # the distance at T=512, over one row's T terms by 1e-7).
     flat = _host_array(attention).reshape(-1, n_tokens, n_tokens)  # (L·H, T, T)
-    sums = torch.from_numpy(row_sums(flat, earlier_copy.numpy(), delimiters.numpy(), causal))
-    plogp, distance, duplicate, delimiter = sums.view((4,) + attention.shape[:-1])  # (L, H, T) each
+    sums, argmax = row_sums(flat, earlier_copy.numpy(), delimiters.numpy(), causal)
+    # (L, H, T) each; `previous` is 0 on the first row
+    plogp, distance, duplicate, delimiter, diagonal, previous, first = torch.from_numpy(sums).view(
+        (7,) + attention.shape[:-1])
     entropy = -plogp  # nats; duplicate is 0 on rows without a copy
     normalised = entropy / visible.clamp_min(2).log()[:, None, :]  # (L, H, T) / (L, 1, T)
-    diagonal = attention.diagonal(dim1=-2, dim2=-1)  # (n_layers, n_heads, T)
-    previous = torch.nn.functional.pad(attention.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))
-    first = attention[..., :, 0]
     sees_previous = (positions >= 1) & (reach >= 2)  # (L, T)
     sees_first = choosing & (positions >= 1) & (positions < reach)  # (L, T)
-    return {
+    stats = {
         "entropy": row_mean(normalised, choosing),
         "distance": row_mean(distance, choosing),
         "self": row_mean(diagonal, choosing),
@@ -245,6 +250,7 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool,
         "delimiter": row_mean(delimiter, choosing),
         "duplicate": row_mean(duplicate, has_copy),
     }
+    return stats, torch.from_numpy(argmax).view(attention.shape[:-1])  # (L, H, T)
 
 
 # Thresholds for the tags, each on a statistic above (or the induction probe). A head may carry
@@ -259,11 +265,13 @@ TAG_THRESHOLDS = {
 POSITIONAL_SHARE = 0.6  # "positional": the same fixed offset (not 0 or 1) is the argmax of ≥ 60% of rows
 
 
-def fixed_offset_share(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head, the most common i - argmax_j α_ij and the share of rows that have it; (n_layers, n_heads) each."""
+def fixed_offset_share(attention: torch.Tensor, argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the most common i - argmax_j α_ij and the share of rows that have it; (n_layers, n_heads) each.
+    `argmax` (L, H, T), where head_stats' pass already found it."""
     n_tokens = attention.shape[-1]
-    # numpy's argmax is SIMD (5x torch's over MiniLM's 72 heads at T=512); both take the first maximum.
-    argmax = torch.from_numpy(_host_array(attention).argmax(-1))  # (L, H, T)
+    if argmax is None:
+        # numpy's argmax is SIMD (5x torch's over MiniLM's 72 heads at T=512); both take the first maximum.
+        argmax = torch.from_numpy(_host_array(attention).argmax(-1))  # (L, H, T)
     offsets = torch.arange(n_tokens) - argmax  # (L, H, T), in -(T-1) .. T-1
     # The mode as the first (smallest) most counted offset: a count per offset, not torch.mode's sort.
     counts = torch.zeros(offsets.shape[:-1] + (2 * n_tokens - 1,)).scatter_add_(
@@ -272,10 +280,11 @@ def fixed_offset_share(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return top.indices - (n_tokens - 1), top.values / n_tokens
 
 
-def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor) -> list[list[list[str]]]:
+def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor,
+              argmax: torch.Tensor | None = None) -> list[list[list[str]]]:
     """tags[layer][head]: names from TAG_THRESHOLDS (plus "positional"); "induction" needs stats["induction"]."""
     n_layers, n_heads = attention.shape[:2]
-    offset, share = fixed_offset_share(attention)
+    offset, share = fixed_offset_share(attention, argmax)
     # Whole (L, H) comparisons, in float64 as a Python float compares, then one list each.
     flags = [(tag, (stats[stat].double() >= threshold).tolist())
              for tag, (stat, threshold) in TAG_THRESHOLDS.items() if stat in stats]
@@ -326,9 +335,9 @@ def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str
     """Stats for every head of a run, the model's induction scores beside them, and the tags."""
     # On the host as float32 once: both passes below then read it in place.
     attention = torch.from_numpy(_host_array(result.attention))
-    stats = head_stats(attention, result.tokens, model.info.causal, model.info.sliding_windows)
+    stats, argmax = _stats_and_argmax(attention, result.tokens, model.info.causal, model.info.sliding_windows)
     stats["induction"] = induction_scores(model)
-    return stats, tag_heads(stats, attention)
+    return stats, tag_heads(stats, attention, argmax)
 
 
 # ---------------------------------------------------------------------------- word view

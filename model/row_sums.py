@@ -4,6 +4,11 @@ For every head and query row i, with p_j = α_ij:
 
     Σ_j p_j log p_j,   Σ_j p_j |i - j|,   Σ_j p_j copy_ij,   Σ_j p_j delimiter_j
 
+and, from the same read of the row, its argmax (the positional tag's input) and the weights
+α_ii, α_i,i-1 and α_i0. A separate numpy argmax was a second pass over every weight (a fifth of
+the head table's time at T=512), and reading a diagonal from (N, T, T) touches a cache line per
+row, three times over.
+
 Eager PyTorch needs a pass (and a T² temporary) per term, and its `log` alone cost as much as
 the other three together: the head table came to 30% of MiniLM's forward at T=512 (README,
 "What the measures cost"). One compiled loop reads each weight once. numba's own `log` is a
@@ -34,6 +39,9 @@ def _one_row(weights, bits, copies, delimiters, query, visible):
     distance = np.float32(0.0)
     duplicate = np.float32(0.0)
     delimiter = np.float32(0.0)
+    # Weights are ≥ 0, where a float's order is its bits' order as an int32: an integer maximum
+    # keeps the loop vectorised (a float max or a running argmax did not).
+    top = np.int32(-1)
     row = np.float32(query)
     for key in range(visible):
         p = weights[key]
@@ -52,30 +60,46 @@ def _one_row(weights, bits, copies, delimiters, query, visible):
         distance += p * abs(row - np.float32(key))
         duplicate += p * copies[key]
         delimiter += p * delimiters[key]
-    return plogp, distance, duplicate, delimiter
+        top = raw if raw > top else top
+    first = 0  # the first maximum, as numpy's argmax; the row is in cache by now
+    while first < visible - 1 and bits[first] != top:
+        first += 1
+    return plogp, distance, duplicate, delimiter, first
 
 
 @_compiled
-def _all_rows(weights, copies, delimiters, causal, out):
+def _all_rows(weights, copies, delimiters, causal, out, argmax):
     n_heads, n_tokens = weights.shape[0], weights.shape[1]
     bits = weights.view(np.int32)
     for head in range(n_heads):
         for query in range(n_tokens):
             # A causal row's weights past the query are exactly 0 (masked before the softmax).
             visible = query + 1 if causal else n_tokens
-            sums = _one_row(weights[head, query], bits[head, query], copies[query], delimiters, query, visible)
-            for k in range(4):
-                out[k, head, query] = sums[k]
+            plogp, distance, duplicate, delimiter, first = _one_row(
+                weights[head, query], bits[head, query], copies[query], delimiters, query, visible)
+            out[0, head, query] = plogp
+            out[1, head, query] = distance
+            out[2, head, query] = duplicate
+            out[3, head, query] = delimiter
+            row = weights[head, query]
+            out[4, head, query] = row[query]
+            out[5, head, query] = row[query - 1] if query > 0 else np.float32(0.0)
+            out[6, head, query] = row[0]
+            argmax[head, query] = first
 
 
-def row_sums(weights: np.ndarray, copies: np.ndarray, delimiters: np.ndarray, causal: bool) -> np.ndarray:
-    """(4, N, T) float32: Σ p log p, Σ p |i - j|, Σ p copies_ij and Σ p delimiters_j per row.
+def row_sums(weights: np.ndarray, copies: np.ndarray, delimiters: np.ndarray,
+             causal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(7, N, T) float32 per row: Σ p log p, Σ p |i - j|, Σ p copies_ij, Σ p delimiters_j, then
+    α_ii, α_i,i-1 (0 on the first row) and α_i0; and (N, T) int64: each row's first argmax (a
+    causal row's among the keys it sees).
 
     weights: (N, T, T) float32 rows of softmax weights; copies: (T, T) float32 0/1 (key j is an
     earlier copy of query i's token); delimiters: (T,) float32 0/1.
     """
     weights = np.ascontiguousarray(weights, dtype=np.float32)
-    out = np.empty((4,) + weights.shape[:2], dtype=np.float32)
+    out = np.empty((7,) + weights.shape[:2], dtype=np.float32)
+    argmax = np.empty(weights.shape[:2], dtype=np.int64)
     _all_rows(weights, np.ascontiguousarray(copies, dtype=np.float32),
-              np.ascontiguousarray(delimiters, dtype=np.float32), bool(causal), out)
-    return out
+              np.ascontiguousarray(delimiters, dtype=np.float32), bool(causal), out, argmax)
+    return out, argmax

@@ -230,7 +230,8 @@ def reference_stats(att: torch.Tensor, tokens, causal: bool, reach: int | None =
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_row_sums_match_float64_down_to_zeros_and_subnormals(causal):
-    """The compiled pass (its own log from the float's bits) against xlogy and plain sums in float64."""
+    """The compiled pass (its own log from the float's bits) against xlogy and plain sums in float64,
+    and its argmax against numpy's."""
     n = 37  # not a multiple of any vector width: the loop's tail is exercised too
     generator = torch.Generator().manual_seed(3)
     scores = torch.randn(5, n, n, generator=generator) * torch.tensor([0.1, 1.0, 5.0, 30.0, 80.0])[:, None, None]
@@ -240,12 +241,16 @@ def test_row_sums_match_float64_down_to_zeros_and_subnormals(causal):
     weights[4, 3] = 0.0
     weights[4, 3, 1] = 1.0  # one-hot: entropy exactly 0
     weights[4, 5, :2] = torch.tensor([1e-40, 1e-39])  # subnormals (and the row's zeros past them)
+    weights[4, 6] = 0.0
+    weights[4, 6, :7] = 1 / 7  # ties: the first maximum, as numpy's argmax
     assert (weights == 0).any() and (weights[4, 5, :2] < torch.finfo(torch.float32).tiny).all()
     copies = (torch.rand(n, n, generator=generator) < 0.2).float()
     delimiters = (torch.rand(n, generator=generator) < 0.3).float()
     if causal:  # the pass reads a causal row only up to its query; the oracle sees the whole row
         copies = copies.tril()
-    sums = torch.from_numpy(row_sums(weights.numpy(), copies.numpy(), delimiters.numpy(), causal)).double()
+    sums, argmax = row_sums(weights.numpy(), copies.numpy(), delimiters.numpy(), causal)
+    assert (argmax == weights.numpy().argmax(-1)).all() and argmax[4, 6] == 0
+    sums = torch.from_numpy(sums).double()
     w = weights.double()
     index = torch.arange(n, dtype=torch.float64)
     assert (sums[0] - torch.special.xlogy(w, w).sum(-1)).abs().max() < 1e-6
@@ -254,6 +259,8 @@ def test_row_sums_match_float64_down_to_zeros_and_subnormals(causal):
     assert ((sums[1] - expected_distance).abs() / expected_distance.clamp_min(1)).max() < 1e-6
     assert (sums[2] - (w * copies.double()).sum(-1)).abs().max() < 1e-6
     assert (sums[3] - w @ delimiters.double()).abs().max() < 1e-6
+    assert torch.equal(sums[4], w.diagonal(dim1=-2, dim2=-1)) and torch.equal(sums[6], w[..., 0])
+    assert (sums[5, :, 0] == 0).all() and torch.equal(sums[5, :, 1:], w.diagonal(offset=-1, dim1=-2, dim2=-1))
 
 
 def test_fixed_offset_share_counts_argmax_offsets():
