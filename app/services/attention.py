@@ -608,10 +608,15 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            grant = await self._reserve_timed(items, self._held_bytes(served, items, view, wire, extra_bytes), deadline, client)
+            nbytes = self._held_bytes(served, items, view, wire, extra_bytes)
+            grant = self.answers.try_take(nbytes, client)
+            held = None
+            if grant is None:  # admitted by the work ahead now, and counted in it while it waits
+                with batcher.held_back(served.model, [i.encoded for i in missing], deadline, client) as held:
+                    grant = await self._reserve_timed(items, nbytes, deadline, client)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
-                                         [i.kind == "qk" for i in missing])
+                                         [i.kind == "qk" for i in missing], held=held)
             except BaseException:
                 grant.release()
                 raise

@@ -9,8 +9,10 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import NamedTuple
 
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import InvalidInput, NotReady, OverBudget, QueueFull
@@ -69,6 +71,9 @@ class Job:
     # and state copies cost 0.03 ms of every answer's hand-back (measured side by side).
     answer: asyncio.Future | None = None
     estimate_s: float | None = None  # uncalibrated wait for its answer, estimated when it was queued
+    # Set where held_back judged it before it waited for its answer's bytes: when it did, and the
+    # estimate then (estimate_s), calibrated apart (that wait is for answers going out, not forwards).
+    held_since: float | None = None
     units: int = field(init=False)  # its work, in work_units
 
     def __post_init__(self) -> None:
@@ -78,6 +83,13 @@ class Job:
     def wanted(self) -> bool:
         """Whether a request still waits for it (it has not gone away, nor run out of time)."""
         return self.answer is not None and not self.answer.cancelled()
+
+
+class HeldBack(NamedTuple):
+    """What Batcher.held_back judged, for submit: when, and the uncalibrated estimate then."""
+
+    since: float
+    estimate_s: float | None
 
 
 class ClientQueue:
@@ -177,6 +189,9 @@ class Batcher:
         self._n_pending = 0
         self._per_client: Counter[str] = Counter()  # admitted + pending + running, by client
         self._admitted = 0  # accepted, not yet submitted (being tokenized)
+        # client -> model id -> work units of its inputs tokenized and waiting for their answers'
+        # bytes (slots.FairBytes) before submit: its own backlog, not yet in its queue.
+        self._held_back: dict[str, Counter[str]] = {}
         self._running = 0  # taken by the worker, forward pass not finished
         self._cond = threading.Condition()
         self._closed = False
@@ -185,8 +200,17 @@ class Batcher:
         self._rates: dict[str, WorkRate] = {}  # model id -> its recent forward rate
         self._running_batch: tuple[float, float] | None = None  # (started, expected seconds) of the forward under way
         self._calibration = 1.0  # recent answers' real wait over their estimate
+        self._held_calibration = 1.0  # the same, for those that waited for their answers' bytes first
         self._thread = threading.Thread(target=self._loop, name=f"manyeyes-forward-{device}", daemon=True)
         self._thread.start()
+
+    def seed_rate(self, model_id: str, units: int, seconds: float) -> None:
+        """A first rate from a forward timed outside the batcher (the warm-up's), weighed as one
+        short input's: the warm-up's long forward would otherwise outweigh the first real batches
+        for a dozen forwards, and it is not timed as the batcher times (quantising, copies)."""
+        light = work_units(LINEAR_TOKENS)
+        with self._cond:
+            self._rates.setdefault(model_id, WorkRate()).observe(light, seconds * light / units)
 
     # ------------------------------------------------------------------ event-loop side
     def admit(self, n: int = 1, client: str = "") -> None:
@@ -232,22 +256,49 @@ class Batcher:
         if self._per_client[client] <= 0:
             del self._per_client[client]
 
+    @contextmanager
+    def held_back(self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = ""):
+        """Admission by work for admitted inputs about to wait for their answers' bytes, checked
+        before that wait (QueueFull, 429, at once), and their work counted as their client's
+        backlog while they wait. Inputs of one client that each need most of its share of those
+        bytes wait for them one after another: counted nowhere, the 30th of 50 long requests saw
+        a short queue, waited out its budget for its bytes, and got its 429 thirty seconds late."""
+        units = Counter({model.info.id: sum(work_units(len(e)) for e in encoded)})
+        jobs = [Job(model, e, deadline, client) for e in encoded]
+        with self._cond:
+            estimate = self._check_work(jobs, deadline, self._held_calibration)
+            self._held_back.setdefault(client, Counter()).update(units)
+        try:
+            yield HeldBack(time.monotonic(), estimate)
+        finally:
+            with self._cond:
+                mine = self._held_back[client]
+                mine.subtract(units)
+                if not +mine:
+                    del self._held_back[client]
+
     def submit(
         self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json",
-        keep: list[bool] | None = None,
+        keep: list[bool] | None = None, held: HeldBack | None = None,
     ) -> list[asyncio.Future]:
         """Hand admitted inputs of one request to the worker, all or none; called on the event
         loop, whose futures it returns: each resolves to a Done. `keep[i]`: input i keeps
         queries and keys (a long input), not the weights.
-        QueueFull (429) when the work ahead would not let them finish before the deadline;
-        NotReady (503) when shutting down. Either way the caller releases them."""
+        QueueFull (429) when the work ahead would not let them finish before the deadline, unless
+        `held` (held_back admitted them before their wait: a 429 after it would come late, and
+        what is left of the budget ends in a 504 if it must); NotReady (503) when shutting down.
+        Either way the caller releases them."""
         keep = keep or [False] * len(encoded)
         loop = asyncio.get_running_loop()
         jobs = [Job(model, e, deadline, client, fmt, k, answer=loop.create_future()) for e, k in zip(encoded, keep)]
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
-            self._check_work(jobs, deadline)
+            if held is None:
+                self._check_work(jobs, deadline, self._calibration)
+            else:
+                for job in jobs:
+                    job.held_since, job.estimate_s = held.since, held.estimate_s
             self._admitted -= len(jobs)
             self._enqueue(jobs)
             self.metrics.queue_depth.inc(len(jobs))
@@ -270,6 +321,8 @@ class Batcher:
             return None
         turns = len(self._pending.get(client, ())) + len(jobs)
         seconds = own_rate.seconds_for(sum(job.units for job in jobs)) or 0.0
+        # Its inputs waiting for their answers' bytes go before these, whatever the rotation.
+        seconds += sum(self._seconds_for(model_id, units) for model_id, units in self._held_back.get(client, {}).items())
         for other, queue in self._pending.items():
             if other == client or len(queue) <= turns:
                 seconds += sum(self._seconds_for(model_id, units) for model_id, units in queue.units.items())
@@ -284,15 +337,17 @@ class Batcher:
         rate = self._rates.get(model_id)
         return (rate.seconds_for(units) or 0.0) if rate else 0.0
 
-    def _check_work(self, jobs: list[Job], deadline: float) -> None:
+    def _check_work(self, jobs: list[Job], deadline: float, calibration: float) -> float | None:
+        """The jobs' uncalibrated estimate (also set on them), or QueueFull where `calibration` times
+        it passes their share of the budget."""
         if not self.work_fraction:
-            return  # admission by count only: no estimate, so nothing to calibrate either
+            return None  # admission by count only: no estimate, so nothing to calibrate either
         estimate = self.wait_ahead_s(jobs)
         for job in jobs:
             job.estimate_s = estimate
-        if estimate is None or not (self._pending or self._running_batch):
-            return  # no rate measured yet, or nothing ahead: it runs next
-        needed = estimate * self._calibration
+        if estimate is None or not (self._pending or self._running_batch or self._held_back.get(jobs[0].client)):
+            return estimate  # no rate measured yet, or nothing ahead: it runs next
+        needed = estimate * calibration
         allowed = self.work_fraction * (deadline - time.monotonic())
         if needed > allowed:
             self.metrics.dropped.labels("work").inc(len(jobs))
@@ -301,16 +356,26 @@ class Batcher:
                 f"{allowed:.1f} s budget allows; retry shortly",
                 max(1, math.ceil(needed - allowed)),
             )
+        return estimate
 
     def _calibrate(self, jobs: list[Job], now: float) -> None:
         """Fold how long these answers took, against their estimates, into the calibration. A ratio
         of sums, so that a job estimated at a few milliseconds (nothing ahead of it when it came)
-        that then waited for a long forward cannot swing it by itself."""
+        that then waited for a long forward cannot swing it by itself. Jobs that waited for their
+        answers' bytes first have one of their own: that wait is as long as the answers ahead take
+        to go out (a 500-token u8 answer took 0.3 s to encode and send after a 0.13 s forward), and
+        would otherwise make every other estimate as pessimistic."""
+        self._calibration = self._calibrated(self._calibration, [j for j in jobs if j.held_since is None], now)
+        self._held_calibration = self._calibrated(self._held_calibration, [j for j in jobs if j.held_since is not None], now)
+
+    @staticmethod
+    def _calibrated(calibration: float, jobs: list[Job], now: float) -> float:
         timed = [job for job in jobs if job.estimate_s]
         estimated = sum(job.estimate_s for job in timed)
-        if estimated > 0.05:
-            observed = sum(now - job.enqueued for job in timed) / estimated
-            self._calibration = min(max(0.7 * self._calibration + 0.3 * min(observed, 10.0), 0.5), 10.0)
+        if estimated <= 0.05:
+            return calibration
+        observed = sum(now - (job.enqueued if job.held_since is None else job.held_since) for job in timed) / estimated
+        return min(max(0.7 * calibration + 0.3 * min(observed, 10.0), 0.5), 10.0)
 
     def _forget_cancelled(self, future: asyncio.Future) -> None:
         if not future.cancelled():

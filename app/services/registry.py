@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from manyeyes.app.config import Settings
-from manyeyes.app.services.batcher import Batcher
+from manyeyes.app.services.batcher import Batcher, work_units
 from manyeyes.app.services.device import AUTOCAST, quantises_on_device
 from manyeyes.app.services.errors import NotReady, UnknownModel, brief
 from manyeyes.app.services.metrics import Metrics
@@ -79,10 +79,13 @@ def load_configured(settings: Settings, model_id: str, spec: str, progress=None)
 HEAD_FINDER_WARM_UP = "The head finder warms up."
 
 
-def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
+def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
     """One forward at the longest input that keeps whole weights: pays one-time costs now and
     proves the shapes. Not beyond dense_max_tokens: at 8,192 positions the weights alone of a
-    6-layer, 12-head model would be 19 GB, and such inputs keep queries and keys instead."""
+    6-layer, 12-head model would be 19 GB, and such inputs keep queries and keys instead.
+    Returns the work units and seconds of a second such forward, the batcher's first measured
+    rate: without one, admission by work has nothing to judge by, and a fresh server's first
+    burst was all admitted, to end in 504s thirty seconds later."""
     info = model.info
     words = min(info.max_tokens, dense_max_tokens) + 8
     encoded = model.encode("hello " * words, truncate=True)
@@ -95,10 +98,14 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> None:
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
+    started = time.perf_counter()
+    model.run([encoded], Capture(hidden=False))
+    timed = (work_units(n), time.perf_counter() - started)
     to_u8(result.attention[:1, :1])  # compiles the u8 quantiser, off the first u8 answer
     # The head finder's one-time costs, off the first request: the model's induction probe and the
     # compiled row pass. On a short text: the compile costs the same at any length, the pass T².
     head_table(model, model.run([model.encode(HEAD_FINDER_WARM_UP, truncate=True)], Capture(hidden=False))[0])
+    return timed
 
 
 class Registry:
@@ -129,6 +136,7 @@ class Registry:
                 started = time.monotonic()
                 self.progress[model_id] = {"state": "loading"}
                 first = loaded.get(weights_key(spec))
+                timed = None
                 if first is not None:
                     # Two names for one model (a=org/gpt2,b=org/gpt2) loaded two copies of its weights.
                     model, qk_bytes = named(first.model, model_id), first.qk_bytes
@@ -136,7 +144,7 @@ class Registry:
                     model = load_configured(s, model_id, spec, progress=self._reporter(model_id))
                     if s.warmup:
                         self.progress[model_id] = {"state": "warming"}
-                        warm_up(model, s.dense_max_tokens)
+                        timed = warm_up(model, s.dense_max_tokens)
                     qk_bytes = kept_element_bytes(model)
                 device = model.info.device
                 if device not in self._batchers:
@@ -154,6 +162,8 @@ class Registry:
                         device_quantise=quantises_on_device(device, s.device_quantise),
                         shared=ForwardClient(self.forward_link, self.metrics) if self.forward_link else None,
                     )
+                if timed is not None:
+                    self._batchers[device].seed_rate(model.info.id, *timed)
                 self._served[model_id] = Served(model_id, model, self._batchers[device], model_id == self.default_id,
                                                 qk_bytes)
                 loaded.setdefault(weights_key(spec), self._served[model_id])

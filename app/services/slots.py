@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
+from itertools import islice
 
 
 def forget(waiting: OrderedDict[str, deque], client: str, entry) -> None:
@@ -102,7 +103,10 @@ class FairBytes:
     waits until its bytes are free, and those behind it wait too, so a large answer is never passed
     over forever; one larger than the whole budget goes alone, once nothing else is held. A client
     holds at most half the budget (but for that one): answers a client reads slowly, or never, hold
-    their bytes until sent, and one client must not hold them all. limit 0: no budget."""
+    their bytes until sent, and one client must not hold them all. A head held back only by its own
+    client's half (the budget has room) waits for that client's answers to go out and holds nobody
+    else back: a flood of large answers from one client kept another client's small one waiting
+    for the flood's answer in flight. limit 0: no budget."""
 
     def __init__(self, limit: int, gauge=None) -> None:
         self.limit = limit
@@ -117,6 +121,11 @@ class FairBytes:
             return True
         return self.held + nbytes <= self.limit and self.held_by.get(client, 0) + nbytes <= self.limit // 2
 
+    def _waits_on_itself(self, nbytes: int, client: str) -> bool:
+        """Whether a waiter that does not fit is held back by its client's half alone: its own
+        answers going out free its room. One holding nothing needs the budget empty instead."""
+        return self.held_by.get(client, 0) > 0 and self.held + nbytes <= self.limit
+
     def _hold(self, nbytes: int, client: str) -> Grant:
         self.held += nbytes
         self.held_by[client] = self.held_by.get(client, 0) + nbytes
@@ -128,7 +137,8 @@ class FairBytes:
         """The bytes at once, or None where `take` would wait."""
         if self.limit == 0:
             return Grant(None, nbytes, client)
-        if not self._waiting and self._fits(nbytes, client):
+        if client not in self._waiting and self._fits(nbytes, client) and all(
+                self._waits_on_itself(queue[0][0], other) for other, queue in self._waiting.items()):
             self._loop = running_loop() or self._loop  # the latest: an app started again runs a new loop
             return self._hold(nbytes, client)
         return None
@@ -176,10 +186,14 @@ class FairBytes:
         self._grant_waiting()
 
     def _grant_waiting(self) -> None:
-        while self._waiting:
-            client, queue = next(iter(self._waiting.items()))
+        passed = 0  # clients at the front of the rotation that wait on their own answers
+        while len(self._waiting) > passed:
+            client, queue = next(islice(self._waiting.items(), passed, None))
             nbytes, future = queue[0]
             if not future.done() and not self._fits(nbytes, client):
+                if self._waits_on_itself(nbytes, client):
+                    passed += 1  # it keeps its place at the front for when its own bytes come back
+                    continue
                 return
             queue.popleft()
             if queue:

@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from manyeyes.app.config import Settings
+from manyeyes.app.services.batcher import work_units
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame
 from manyeyes.model import Capture
 from tests.api.conftest import serve
@@ -549,14 +550,25 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
 
     monkeypatch.setattr(model, "run", counting)
     model._induction_scores = None  # the head finder's probe runs once: in the first warm-up
-    warm_up(model, 40)
+    units, seconds = warm_up(model, 40)
     first = list(lengths)
     warm_up(model, 4096)
-    # then the head finder's warm-up: a short text, and the probe (random bytes twice, no [CLS])
-    assert 30 <= first[0] <= 40 and first[1:] == [len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
-    assert lengths[len(first):] == [model.info.max_tokens, len(model.encode(HEAD_FINDER_WARM_UP))]  # probe kept
+    # Twice at the length (the second timed: the batcher's first rate), then the head finder's
+    # warm-up: a short text, and the probe (random bytes twice, no [CLS]).
+    assert 30 <= first[0] <= 40 and first[1:] == [first[0], len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
+    assert units == work_units(first[0]) and seconds > 0
+    # probe kept
+    assert lengths[len(first):] == [model.info.max_tokens] * 2 + [len(model.encode(HEAD_FINDER_WARM_UP))]
     # the warm-up's own forwards are the batcher's (weights only); the probe's is the head finder's own
-    assert weights_only == [True, True, False, True, True]
+    assert weights_only == [True, True, True, False, True, True, True]
+
+
+def test_a_warmed_up_server_judges_its_first_burst_by_the_warm_up_forwards_rate():
+    from tests.reliability.conftest import live_server
+
+    with live_server(warmup=True) as server:
+        rate = server.batcher._rates["minilm"]
+        assert rate.units > 0 and rate.seconds > 0  # before any request
 
 
 def test_a_run_the_cache_could_never_hold_is_refused_before_its_forward_pass():

@@ -106,10 +106,12 @@ def test_bytes_are_granted_in_turns_across_clients_and_never_past_the_budget():
         assert order == [] and budget.held == 50  # a second 30 would pass the flood's half
         tasks.append(asyncio.create_task(job("other", 30)))
         await settle()
-        assert order == [], order  # the flood's first waiter is the head: the other waits behind it
-        first.release()  # 0 held: the flood's head (30), then the other (30); the next 30 of the flood would pass its half
+        # The flood's head waits on its own half, with room in the budget: the other passes it.
+        assert order == ["other"] and budget.held == 80, (order, budget.held)
+        assert budget.try_take(30, "third") is None  # 80 + 30 would pass the budget
+        first.release()  # 30 held: the flood's head (30); the next 30 of the flood would pass its half
         await settle()
-        assert order == ["flood", "other"] and budget.held == 60, (order, budget.held)
+        assert order == ["other", "flood"] and budget.held == 60, (order, budget.held)
         while grants:
             grants.pop(0).release()
             await settle()
@@ -118,6 +120,30 @@ def test_bytes_are_granted_in_turns_across_clients_and_never_past_the_budget():
         return True
 
     assert asyncio.run(main())
+
+
+def test_a_waiter_that_needs_more_than_the_room_left_holds_the_others_back_until_it_fits():
+    """Passing waiters that wait on their own half must not starve one that waits on the budget."""
+    async def main():
+        budget = FairBytes(100)
+        a = await budget.take(50, "a")
+        b = await budget.take(40, "b")
+        a_next = asyncio.create_task(budget.take(20, "a"))  # its half would be 70, and 110 > 100 held
+        await settle()
+        c = asyncio.create_task(budget.take(5, "c"))  # fits, but behind a head the budget holds back
+        await settle()
+        assert not a_next.done() and not c.done()
+        b.release()  # 50 held: a's 20 would pass its half; c's 5 goes
+        await settle()
+        assert c.done() and not a_next.done() and budget.held == 55
+        a.release()
+        await settle()
+        assert a_next.done() and budget.held == 25
+        a_next.result().release()
+        c.result().release()
+        return budget.held, budget._waiting
+
+    assert asyncio.run(main()) == (0, {})
 
 
 def test_an_answer_larger_than_the_budget_goes_alone_and_a_grant_goes_back_once():

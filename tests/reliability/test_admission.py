@@ -61,14 +61,14 @@ def test_only_the_clients_own_backlog_counts_in_full(batcher):
 def test_work_beyond_the_budget_is_refused_with_retry_after_and_others_still_get_in(batcher):
     backlog(batcher, [job("flood", 16) for _ in range(10)])
     with pytest.raises(QueueFull) as refused:
-        batcher._check_work([job("flood", 16)], time.monotonic() + 10.5)
+        batcher._check_work([job("flood", 16)], time.monotonic() + 10.5, batcher._calibration)
     # 11 s of work against 0.8 x 10.5 s allowed: retry in 3 s, when enough has drained.
     assert refused.value.headers["Retry-After"] == "3"
     assert "work queued" in refused.value.message
-    batcher._check_work([job("quiet", 16)], time.monotonic() + 10)  # 2 s: admitted
+    batcher._check_work([job("quiet", 16)], time.monotonic() + 10, batcher._calibration)  # 2 s: admitted
     # Nothing ahead: admitted whatever its size, as one input always fits a batch.
     batcher._pending.clear()
-    batcher._check_work([job("quiet", 512)], time.monotonic() + 10)
+    batcher._check_work([job("quiet", 512)], time.monotonic() + 10, batcher._calibration)
 
 
 def test_the_running_forward_counts_for_what_is_left_of_it(batcher):
@@ -81,7 +81,7 @@ def test_the_running_forward_counts_for_what_is_left_of_it(batcher):
 def test_no_estimate_until_the_model_has_run(batcher):
     backlog(batcher, [job("flood", 16) for _ in range(100)])
     batcher._rates.clear()
-    batcher._check_work([job("flood", 16)], time.monotonic() + 1)  # admitted: no rate to judge by yet
+    batcher._check_work([job("flood", 16)], time.monotonic() + 1, batcher._calibration)  # admitted: no rate to judge by yet
 
 
 SAME_LENGTH = [f"The heron number {n} waited on the bank." for n in range(10, 16)]
@@ -129,6 +129,44 @@ def test_a_burst_beyond_the_budget_gets_early_429s_instead_of_504s():
     assert 504 in statuses and 429 not in statuses and dropped == 0, statuses
 
 
+def test_inputs_waiting_for_their_answers_bytes_count_as_their_clients_backlog(batcher):
+    deadline = time.monotonic() + 10
+    with batcher.held_back(MODEL, [[0] * 16] * 3, deadline, "flood"):  # 3 s of the flood's work
+        assert batcher.wait_ahead_s([job("flood", 16)]) == pytest.approx(4.0)
+        assert batcher.wait_ahead_s([job("quiet", 16)]) == pytest.approx(1.0)  # waits for bytes of its own
+        with batcher.held_back(MODEL, [[0] * 16] * 4, deadline, "flood"):
+            with pytest.raises(QueueFull) as refused:  # 3 + 4 + 2 s against 0.8 x 10 s: at once
+                with batcher.held_back(MODEL, [[0] * 16] * 2, deadline, "flood"):
+                    pass
+            assert "work queued" in refused.value.message
+            batcher._check_work([job("quiet", 16)], deadline, batcher._calibration)
+    assert batcher._held_back == {} and batcher.wait_ahead_s([job("flood", 16)]) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_a_clients_burst_that_waits_for_answer_bytes_is_refused_at_once_not_after_its_budget():
+    # Each answer needs more than half the answers' budget, so one client's requests take their
+    # bytes one after another. Each forward takes 1 s, the budget is 5 s: of 8 simultaneous
+    # requests about four can finish; the rest must get their 429 at once. Before, they waited
+    # for bytes unseen by the estimate and got a 429 ("0.0 s budget") or a 504 at 4-5 s.
+    budget, delay = 5.0, 1.0
+    texts = [f"The heron number {n} waited on the bank." for n in range(20, 28)]
+    # No warm-up: its forward's rate (milliseconds, without the delay) would weigh in the estimate.
+    with live_server(debug_forward_delay_s=delay, request_timeout_s=budget, cache_bytes=0, answer_bytes=20_000,
+                     work_budget_fraction=0.8) as server:
+        for text in ("The heron number 8 waited on the bank.", "The heron number 9 waited on the bank."):
+            assert asyncio.run(burst(server.url, [text]))[0][0].status_code == 200  # measures the forward rate
+        replies = asyncio.run(burst(server.url, texts))
+        server.batcher.forward_delay_s = 0
+    statuses = [r.status_code for r, _ in replies]
+    print("waiting for bytes:", statuses, [round(t, 2) for _, t in replies])
+    assert set(statuses) <= {200, 429}, statuses
+    refused = [t for r, t in replies if r.status_code == 429]
+    served = [t for r, t in replies if r.status_code == 200]
+    assert 2 <= len(served) <= 5 and refused, statuses
+    assert max(refused) < delay <= min(served) and max(served) < budget, replies
+
+
 def test_a_clients_later_jobs_do_not_pad_a_batch_to_waste_but_its_first_always_rides(batcher):
     backlog(batcher, [job("flood", 20), job("flood", 512), job("flood", 30), job("flood", 400), job("quiet", 500)])
     chosen, left_out = batcher._select(MODEL)
@@ -150,9 +188,16 @@ def test_estimates_are_calibrated_by_how_long_answers_really_took(batcher):
     assert batcher._calibration == pytest.approx(4.0, rel=0.05)
     # 2 s of raw estimate now reads as 8 s: over 0.8 x 9 s.
     with pytest.raises(QueueFull):
-        batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
+        batcher._check_work([job("quiet", 16)], time.monotonic() + 9, batcher._calibration)
     batcher._calibration = 1.0
-    batcher._check_work([job("quiet", 16)], time.monotonic() + 9)
+    batcher._check_work([job("quiet", 16)], time.monotonic() + 9, batcher._calibration)
+    # Jobs that first waited for their answers' bytes (from held_since) move their own calibration only.
+    waited = [job("flood", 16) for _ in range(3)]
+    for j in waited:
+        j.estimate_s, j.held_since = 1.0, time.monotonic() - 3.0
+    for _ in range(10):
+        batcher._calibrate(waited, time.monotonic())
+    assert batcher._held_calibration == pytest.approx(3.0, rel=0.05) and batcher._calibration == 1.0
 
 
 def test_the_summed_estimate_equals_a_walk_of_the_queues_as_jobs_come_and_go(batcher):
