@@ -104,11 +104,18 @@ class TransformerBlock(nn.Module):
 
 class GPTModel(ShapeInfo, nn.Module):
     causal = True
-    has_lm_head = True
 
     @property
     def max_positions(self) -> int:
         return self.cfg.context_length
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self.out_head is not None
+
+    def drop_lm_head(self) -> None:
+        """For a GPT-2 base checkpoint with no head of its own: no logits, no predictions."""
+        self.out_head = None
 
     def __init__(self, cfg: GPTConfig | dict):
         super().__init__()
@@ -148,4 +155,5 @@ class GPTModel(ShapeInfo, nn.Module):
             x, att = block(x, key_padding_mask, layer_capture, past=past[i] if past else None)
             layers.append(att)
         hidden = self.final_norm(x)
-        return Trace(hidden=hidden, logits=self.out_head(hidden) if capture.logits else None, layers=layers)
+        logits = self.out_head(hidden) if capture.logits and self.out_head is not None else None
+        return Trace(hidden=hidden, logits=logits, layers=layers)

@@ -124,10 +124,19 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def need(config: dict, key: str, path: Path):
-    """A config value the model cannot be built without."""
+_REQUIRED = object()
+
+
+def need(config: dict, key: str, path: Path, default=_REQUIRED):
+    """A config number the model cannot be built without, or `default` where transformers' config
+    class gives an absent key one. A null is refused by name: past `check_numbers` (which lets it
+    pass) it failed in a constructor naming no key, or blamed tokenizer.json."""
     if key not in config:
-        raise ModelLoadError(f"{path} lacks the key '{key}'")
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{path} lacks the key '{key}'")
+        return default
+    if config[key] is None:
+        raise ModelLoadError(f"{path}: {key} is null, but the model cannot be built without it")
     return config[key]
 
 

@@ -192,7 +192,12 @@ def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
     files, named = found
     weights: dict[str, torch.Tensor] = {}
     for path in files:
-        weights.update(_read_safetensors(path) if path.suffix == ".safetensors" else _torch_load(path))
+        if path.suffix == ".safetensors":
+            weights.update(_read_safetensors(path))
+        else:
+            # transformers reads a .bin as the state_dict itself: a wrapper ({"state_dict": ...}, a
+            # training checkpoint) is no model to it, so it is refused here too, not unwrapped.
+            weights.update(_tensors(_torch_load(path), path, "a state_dict (a dict of tensors)"))
     return weights, named
 
 
@@ -210,6 +215,20 @@ def _torch_load(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle, zip and unpickler errors all mean the same to a user
         raise CorruptFileError(f"corrupt or unreadable checkpoint {path} ({_unloadable(path, exc)})") from exc
+
+
+def _tensors(raw, path: Path, expected: str) -> dict[str, torch.Tensor]:
+    """What torch.load(weights_only=True) returned, if it is a dict of tensors: it accepts any
+    plain data (a list, an "epoch": 3 beside the weights, a None), which failed far from the file."""
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected {expected}, got a {type(raw).__name__}")
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ModelLoadError(f"{path}: expected {expected}, but it has the key {key!r}, not a name")
+        if not isinstance(value, torch.Tensor):
+            held = "None" if value is None else type(value).__name__
+            raise ModelLoadError(f"{path}: expected {expected}, but '{key}' holds {held}, not a tensor")
+    return raw
 
 
 def _unloadable(path: Path, exc: Exception) -> str:
@@ -248,7 +267,9 @@ def _load_hf(folder: Path):
 
 
 # Keys the families read as numbers, checked once here: a string ("1e-6") or a zero used to pass
-# the constructors and fail at the first forward pass, or blame tokenizer.json.
+# the constructors and fail at the first forward pass, or blame tokenizer.json. A null passes, as
+# it means "derive it" for head_dim, n_inner and num_key_value_heads: the families' `need` refuses
+# it by name where the model cannot be built without the number.
 COUNTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
           "max_position_embeddings", "num_key_value_heads", "head_dim", "n_embd", "n_head", "n_layer",
           "n_positions", "n_inner", "dim", "n_heads", "n_layers", "hidden_dim", "type_vocab_size")
@@ -353,8 +374,7 @@ def _load_book(pth: Path, config, tokenizer):
     raw = _torch_load(pth)
     if isinstance(raw, dict) and "model_state_dict" in raw:
         raw = raw["model_state_dict"]
-    if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
-        raise ModelLoadError(f"{pth}: expected a state_dict or a dict holding 'model_state_dict'")
+    raw = _tensors(raw, pth, "a state_dict or a dict holding 'model_state_dict'")
     stored = stored_dtype(raw)
     # torch.compile'd models save keys under `_orig_mod.`; float16 storage is widened to load, and
     # narrowed again by `load` only where the dtype asks for it.

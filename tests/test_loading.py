@@ -385,3 +385,108 @@ def test_integer_weights_are_refused_by_name_not_cast(minilm_dir, book_folder, t
     torch.save(state, folder / "model.pth")
     with pytest.raises(ModelLoadError, match="'trf_blocks.0.att.W_key.weight' holds int64 values"):
         load(folder)
+
+
+@pytest.mark.parametrize("content, message", [
+    (lambda w: w | {"epoch": 3}, "but 'epoch' holds int, not a tensor"),
+    (lambda w: w | {"transformer.ln_f.weight": 1.0}, "but 'transformer.ln_f.weight' holds float, not a tensor"),
+    (lambda w: w | {"transformer.ln_f.weight": None}, "but 'transformer.ln_f.weight' holds None, not a tensor"),
+    # transformers reads no wrapper either: the weights inside would be missing keys to it.
+    (lambda w: {"state_dict": w}, "but 'state_dict' holds dict, not a tensor"),
+    (lambda w: w | {0: torch.zeros(1)}, "but it has the key 0, not a name"),
+    (lambda w: list(w.values()), "got a list"),
+    (lambda w: torch.zeros(3), "got a Tensor"),
+], ids=["extra-int", "float-weight", "none-weight", "state_dict-wrapper", "int-key", "list", "tensor"])
+def test_a_bin_that_is_no_dict_of_tensors_is_refused_naming_file_and_key(tmp_path, bytelevel_tokenizer, content, message):
+    """torch.load(weights_only=True) accepts any plain data: an AttributeError traceback from
+    stored_dtype, or "its configuration does not make a model" for a list."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import save_random_gpt2
+
+    save_random_gpt2(tmp_path, bytelevel_tokenizer, 0, n_embd=24, n_layer=1, n_head=2)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(content(weights), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError) as raised:
+        load(tmp_path, device="cpu")
+    assert str(raised.value) == f"{tmp_path / 'pytorch_model.bin'}: expected a state_dict (a dict of tensors), {message}"
+
+
+def test_a_book_training_checkpoint_with_a_non_tensor_beside_its_weights_names_the_key(book_folder):
+    folder, book, _ = book_folder
+    torch.save({"model_state_dict": book.state_dict() | {"step": 3}}, folder / "model.pth")
+    with pytest.raises(ModelLoadError, match=re.escape(f"{folder / 'model.pth'}: expected a state_dict or a dict "
+                                                       "holding 'model_state_dict', but 'step' holds int, not a tensor")):
+        load(folder, device="cpu")
+
+
+def _null(folder, key):
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {key: None}))
+
+
+@pytest.mark.parametrize("family, key", [
+    ("llama", "max_position_embeddings"),  # blamed tokenizer.json
+    ("llama", "hidden_size"), ("llama", "vocab_size"), ("llama", "num_hidden_layers"),
+    ("llama", "intermediate_size"), ("llama", "num_attention_heads"),
+    ("gpt_neox", "max_position_embeddings"),
+    ("gpt2", "n_embd"), ("gpt2", "n_positions"),
+    ("bert", "type_vocab_size"),  # read as "no segments": "unexpected key 'type_emb.weight'"
+    ("bert", "intermediate_size"),
+])
+def test_a_null_config_number_the_model_needs_is_refused_by_name(tmp_path, bytelevel_tokenizer, minilm_dir, family, key):
+    """A null passed check_numbers and failed in a constructor ("empty(): argument 'size' ...")
+    naming no key, or at the tokenizer."""
+    from tests.conftest import save_random_gpt2
+    from tests.test_parity_decoders import save_random
+
+    if family == "bert":
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            shutil.copy(minilm_dir / name, tmp_path / name)
+    elif family == "gpt2":
+        save_random_gpt2(tmp_path, bytelevel_tokenizer, 0, n_embd=24, n_layer=1, n_head=2)
+    else:
+        save_random(tmp_path, bytelevel_tokenizer, family, 0)
+    _null(tmp_path, key)
+    with pytest.raises(ModelLoadError) as raised:
+        load(tmp_path, device="cpu")
+    assert str(raised.value) == f"{tmp_path / 'config.json'}: {key} is null, but the model cannot be built without it"
+
+
+@pytest.mark.parametrize("family, key", [("llama", "head_dim"), ("llama", "num_key_value_heads"), ("gpt2", "n_inner")])
+def test_a_null_that_transformers_derives_still_loads(tmp_path, bytelevel_tokenizer, family, key):
+    from tests.conftest import save_random_gpt2
+    from tests.test_parity_decoders import save_random
+
+    if family == "gpt2":
+        save_random_gpt2(tmp_path, bytelevel_tokenizer, 0, n_embd=24, n_layer=1, n_head=2)
+    else:
+        save_random(tmp_path, bytelevel_tokenizer, family, 0)
+    _null(tmp_path, key)
+    m = load(tmp_path, device="cpu")
+    assert (m.info.n_heads, m.info.n_kv_heads, m.info.head_dim) == ((6, 6, 8) if family == "llama" else (2, 2, 12))
+
+
+@pytest.mark.parametrize("family, head_key", [("gpt2", "lm_head.weight"), ("llama", "lm_head.weight"), ("gpt_neox", "embed_out.weight")])
+def test_a_tied_head_reads_the_embeddings_whatever_a_saved_copy_holds(tmp_path, bytelevel_tokenizer, family, head_key):
+    """GPT-2 alone read a differing saved lm_head.weight; README says a tied head reads the
+    embeddings (transformers 4 tied it; transformers 5 warns and keeps the copy)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import save_random_gpt2
+    from tests.test_parity_decoders import save_random
+
+    if family == "gpt2":
+        save_random_gpt2(tmp_path, bytelevel_tokenizer, 0, n_embd=24, n_layer=1, n_head=2)
+    else:
+        save_random(tmp_path, bytelevel_tokenizer, family, 0, tie_word_embeddings=True)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
+    tied = load(tmp_path, device="cpu").attend("The quick brown fox.").logits
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    embeddings = next(v for k, v in weights.items() if k.endswith(("wte.weight", "embed_tokens.weight", "embed_in.weight")))
+    weights[head_key] = torch.randn_like(embeddings)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    m = load(tmp_path, device="cpu")
+    assert torch.equal(m.net.out_head.weight, embeddings) and torch.equal(m.net.tok_emb.weight, embeddings)
+    assert torch.equal(m.attend("The quick brown fox.").logits, tied)

@@ -224,6 +224,24 @@ def test_gpt2_untied_checkpoint_without_its_head_is_refused(tmp_path, bytelevel_
         load(tmp_path, device="cpu")
 
 
+def test_an_untied_gpt2_base_model_loads_with_no_head(tmp_path, bytelevel_tokenizer):
+    """GPT2Model saved untied has no lm_head.weight: it predicted through wte (each position's top
+    token itself), where an untied llama or gpt_neox base model loads with no head."""
+    from tests.conftest import save_random_gpt2
+
+    ref_model = save_random_gpt2(tmp_path, bytelevel_tokenizer, 2, lm_head=False, n_embd=24, n_layer=2, n_head=3,
+                                 tie_word_embeddings=False)
+    ours = load(tmp_path, device="cpu")
+    assert not ours.info.predictions and ours.net.out_head is None
+    r = ours.attend(SENTENCES[1])
+    assert r.logits is None
+    with pytest.raises(ValueError, match="no language-model head"):
+        ours.predict(SENTENCES[1])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([[t.id for t in r.tokens]]), output_attentions=True)
+    assert (hf_attention(ref) - r.attention).abs().max().item() <= 1e-5
+
+
 def test_legacy_bert_keys(tmp_path, minilm_dir, minilm):
     """TF-era `LayerNorm.gamma/beta` names and the `bert.` prefix map to the same model."""
     from safetensors.torch import load_file

@@ -68,7 +68,7 @@ def encoder_config(config: dict, path: Path, **family) -> BertConfig:
     fields = dict(
         vocab_size=need(config, "vocab_size", path),
         max_positions=need(config, "max_position_embeddings", path),
-        type_vocab_size=config.get("type_vocab_size", 2),
+        type_vocab_size=need(config, "type_vocab_size", path, default=2),
         emb_dim=hidden,
         n_heads=heads,
         n_layers=need(config, "num_hidden_layers", path),
@@ -97,7 +97,7 @@ def _renamed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor], net: BertEncoder,
                  rows: list[Row], decoder: tuple[str, str | None], path: Path) -> None:
     """When the checkpoint carries a masked-LM head, give `net` one and map it. The decoder weight
-    is the word embeddings when tied (whatever a saved copy holds, as transformers ties it), else
+    is the word embeddings when tied (whatever a saved copy holds, as in the decoder families), else
     the checkpoint's own, which must be there; a saved decoder bias duplicates the head's bias."""
     if rows[0][0] not in state:
         return

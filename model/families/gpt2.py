@@ -73,13 +73,12 @@ def build(config: dict, path: Path) -> GPTModel:
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     net = GPTModel(cfg)
-    # An untied LM checkpoint's head is its own tensor: wte in its place predicts silently wrong.
-    net.needs_untied_head = config.get("tie_word_embeddings", True) is False and head_required(config)
+    net.tied_head = bool(config.get("tie_word_embeddings", True))
+    net.head_required = head_required(config)
     return net
 
 
 def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict[str, torch.Tensor]:
-    # GPT-2 ties lm_head to wte; an explicit lm_head.weight (untied or saved anyway) wins.
     lm_head = weights.get("lm_head.weight")
     state = strip_prefix({k: v for k, v in weights.items() if k != "lm_head.weight"}, "transformer.")
     mapped = map_state(state, rows_for(TOP, LAYER, net.cfg.n_layers), path)
@@ -94,8 +93,15 @@ def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict
                 ours = f"trf_blocks.{i}.att.{name}.{kind}"
                 mapped[ours] = transpose(part) if kind == "weight" else part
                 mapped.sources[ours] = key
-    if lm_head is None and getattr(net, "needs_untied_head", False):
+    # As the other families: tied, the head is wte whatever a saved lm_head.weight holds; untied,
+    # wte in the head's place would predict silently wrong, so a base model goes without one.
+    if net.tied_head:
+        mapped["out_head.weight"] = mapped["tok_emb.weight"]
+    elif lm_head is not None:
+        mapped["out_head.weight"] = as_weights(lm_head, "lm_head.weight", path)
+    elif net.head_required:
         raise ModelLoadError(f"{path}: missing key 'lm_head.weight' (tie_word_embeddings is false)")
-    mapped["out_head.weight"] = as_weights(lm_head, "lm_head.weight", path) if lm_head is not None else mapped["tok_emb.weight"]
+    else:
+        net.drop_lm_head()
     refuse_leftovers(state, lambda k: k.endswith(IGNORED_SUFFIXES) or k.startswith(TASK_HEADS), "gpt2", path)
     return mapped

@@ -152,7 +152,8 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
     state = strip_prefix({k: v for k, v in weights.items() if k != LM_HEAD}, "model.")
     mapped = map_state(state, rows_for(TOP, LAYER + bias_rows(cfg), cfg.n_layers), path)
     if cfg.tie_embeddings:
-        # Tied: the head is the embedding, whatever a saved lm_head.weight holds (transformers agrees).
+        # Tied: the head is the embedding, whatever a saved lm_head.weight holds, as README promises for
+        # every family (transformers 4 tied it too; 5 keeps a saved copy that differs, with a warning).
         mapped["out_head.weight"] = mapped["tok_emb.weight"]
     elif lm_head is not None:
         mapped["out_head.weight"] = as_weights(lm_head, LM_HEAD, path)

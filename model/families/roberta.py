@@ -8,7 +8,7 @@ import torch
 
 from manyeyes.model.bert import BertEncoder
 from manyeyes.model.families.bert import IGNORED, IGNORED_PREFIXES, LAYER, TOP, encoder_config, map_mlm_head
-from manyeyes.model.keymap import map_state, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import map_state, need, refuse_leftovers, rows_for, strip_prefix
 
 MODEL_TYPES = ("roberta",)
 
@@ -25,7 +25,7 @@ MLM_DECODER = ("lm_head.decoder.weight", "lm_head.decoder.bias")
 
 def build(config: dict, path: Path) -> BertEncoder:
     pad = config.get("pad_token_id")
-    return BertEncoder(encoder_config(config, path, type_vocab_size=config.get("type_vocab_size", 1),
+    return BertEncoder(encoder_config(config, path, type_vocab_size=need(config, "type_vocab_size", path, default=1),
                                       pad_token_id=1 if pad is None else pad, positions_from_ids=True,
                                       head_gelu="erf"))
 
