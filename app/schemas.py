@@ -231,6 +231,10 @@ class ModelOut(BaseModel):
         description="Per layer: W when each query of that layer sees only its last W positions, itself included "
         "(the keys further back are masked, as later keys are in a causal model); null: no window"
     )
+    token_changes: list[Literal["mask", "unk", "delete"]] = Field(
+        description="The changes POST /experiments/change-token can make with this model's vocabulary: "
+        "delete always; mask and unk where it has those tokens"
+    )
     default: bool
 
 

@@ -158,10 +158,13 @@ class RemoteModel:
     predictions: bool = False  # whether the model has an LM head to ask `predictions` of
     # Per layer: W when a query sees only its last W positions (itself included); None: no window.
     sliding_windows: tuple[int | None, ...] = ()
+    # What change_token can do with its vocabulary: "delete", and "mask" / "unk" where it has them.
+    token_changes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        # A tuple whatever it was given (the JSON's list): a RemoteModel stays hashable.
+        # Tuples whatever it was given (the JSON's lists): a RemoteModel stays hashable.
         object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
+        object.__setattr__(self, "token_changes", tuple(self.token_changes))
 
 
 @dataclass(frozen=True)

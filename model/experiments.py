@@ -269,6 +269,13 @@ def compare(model: AttentionModel, text_a: str, text_b: str) -> Comparison:
 CHANGES = ("mask", "unk", "delete")
 
 
+def token_changes(model: AttentionModel) -> list[str]:
+    """The changes `changed_tokens` can make with this model's vocabulary: "delete" always, "mask"
+    and "unk" where it has those tokens (GPT-2 and tiny-gpt have neither, a BERT both)."""
+    has = getattr(model.tokenizer, "special_token", lambda kind: None)
+    return [change for change in CHANGES if change == "delete" or has(change) is not None]
+
+
 def changed_tokens(model: AttentionModel, encoded: Encoded, index: int, change: str) -> Encoded:
     """The same input with token `index` replaced by the model's mask or unknown token, or deleted."""
     if change not in CHANGES:

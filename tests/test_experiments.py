@@ -305,3 +305,15 @@ def test_a_comparison_at_512_tokens_holds_little_beyond_its_answer():
     grown_mib = float(out.split()[0])
     assert "torch.Size([6, 12, 512, 512])" in out
     assert grown_mib < 2.5 * 72, f"{grown_mib:.0f} MiB beyond the two runs"  # 72 MiB: one run's weights
+
+
+def test_token_changes_are_the_ones_the_vocabulary_allows(minilm):
+    from manyeyes.model.experiments import changed_tokens, token_changes
+
+    tiny = load("tiny-gpt", device="cpu")
+    assert token_changes(minilm) == ["mask", "unk", "delete"]
+    assert token_changes(tiny) == ["delete"]  # tiny-gpt's bytes have no mask or unknown token
+    encoded = tiny.encode("The bank.")
+    for change in ("mask", "unk"):
+        with pytest.raises(ValueError, match=f"has no {change} token"):
+            changed_tokens(tiny, encoded, 1, change)

@@ -5,6 +5,7 @@ from fastapi import APIRouter
 from manyeyes.app.deps import RegistryDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ModelOut, ModelsResponse
+from manyeyes.model.experiments import token_changes
 
 router = APIRouter(prefix="/api/v1", tags=["models"])
 
@@ -28,6 +29,7 @@ async def list_models(registry: RegistryDep) -> ModelsResponse:
                 dtype=s.model.info.dtype,
                 predictions=s.model.info.predictions,
                 sliding_windows=list(s.model.info.sliding_windows),
+                token_changes=token_changes(s.model),
                 default=s.default,
             )
             for s in registry.served()

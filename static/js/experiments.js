@@ -1,7 +1,7 @@
 // Experiments on the page: ablate heads (from the grid: Alt-click, or the focused head) and undo,
 // and mask / replace / delete a token by clicking it. Mounts the compare and generation panels too.
 
-import { describeError } from "./api.js";
+import { describeError, listModels } from "./api.js";
 import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
 import { clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
@@ -26,6 +26,20 @@ const stillShown = (input) => currentInput() === input;
 
 function pieceLabels(tokens) {
   return tokens.map(pieceLabel);
+}
+
+// The head the heatmap shows for one ablation: the one shown so far while this ablation changes it
+// (a head clicked in the ranking stays as heads are added), else the most changed one. A head at or
+// before the first ablated layer cannot change: after Restore all it showed "L3 H1, after ablating
+// L4 H0", the clean weights. `fresh`: a new stack, which opens on its own most changed head.
+function headFor(entry, fresh) {
+  const { ranking } = entry.reply;
+  const shown = ablation.shown;
+  const isShown = (c) => c.layer === shown.layer && c.head === shown.head;
+  // A head of the last layer has no later heads to rank: the heatmap then shows that head.
+  if (shown && !fresh && (ranking.some(isShown) || (!ranking.length && entry.ablate.some(isShown)))) return shown;
+  const top = ranking[0] ?? entry.ablate.at(-1);
+  return { layer: top.layer, head: top.head };
 }
 
 const sameAblation = (a, b) => a.length === b.length && a.every((x, i) => x.layer === b[i].layer && x.head === b[i].head && x.mode === b[i].mode);
@@ -72,10 +86,9 @@ async function ablateHead(layer, head) {
       ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
     });
     if (!stillShown(input)) return;
-    ablation.stack.push({ ablate: list, reply, attention: decodeTensor(reply.attention) });
-    // A head of the last layer has no later heads to rank: the heatmap then shows that head.
-    const top = reply.ranking[0] ?? { layer, head };
-    if (!ablation.shown) ablation.shown = { layer: top.layer, head: top.head };
+    const entry = { ablate: list, reply, attention: decodeTensor(reply.attention) };
+    ablation.shown = headFor(entry, !previous.length);
+    ablation.stack.push(entry);
     status($("ablate-status"), "", "");
   } catch (err) {
     if (!stillShown(input)) return;
@@ -92,6 +105,9 @@ async function ablateHead(layer, head) {
 function undo() {
   if (!ablation.stack.length) return;
   ablation.stack.pop();
+  // The clean picture may show any head; an ablation kept on the stack shows one it changes.
+  const current = ablation.stack.at(-1);
+  if (current) ablation.shown = headFor(current, false);
   renderAblation();
 }
 
@@ -211,8 +227,47 @@ async function changeToken(input, index) {
     $("token-result").dataset.index = String(index);
     status($("token-status"), "", "");
   } catch (err) {
-    if (stillShown(input) && mine === lastChange) status($("token-status"), describeError(err), "error");
+    if (!stillShown(input) || mine !== lastChange) return;
+    status($("token-status"), describeError(err), "error");
+    // The menu's check could not tell (the server was busy): the refusal tells, and the menu follows it.
+    if (lacks(err, change)) {
+      changes.set(input.model, { ...changes.get(input.model), [change]: false });
+      fitChanges(input.model, runCausal);
+    }
   }
+}
+
+// ---------------------------------------------------------------------------- which changes a model has
+// GET /models lists each model's `token_changes` (GPT-2 and tiny-gpt have no mask or unknown token,
+// a BERT both): the page offers only those. model id -> { mask, unk }: true or false; absent until
+// the list has come (then everything is offered, and a refusal turns its option off).
+const changes = new Map();
+const LABELS = { mask: "mask", unk: "unknown token" };
+
+const lacks = (err, change) => err.status === 422 && new RegExp(`has no ${change} token`).test(err.message);
+
+async function askChanges(model) {
+  if (changes.has(model)) return;
+  const info = (await listModels()).find((m) => m.id === model);
+  const has = info?.token_changes;
+  if (has) changes.set(model, { mask: has.includes("mask"), unk: has.includes("unk") });
+}
+
+// The user's own pick, kept across models that lack it: null until they pick one.
+let picked = null;
+
+// The menu for `model`: what it lacks is off and says so; the pick (or by default mask, delete on a
+// causal model, which usually has no mask token) where the model has it, else delete.
+function fitChanges(model, causal) {
+  const menu = $("token-change");
+  const known = changes.get(model) ?? {};
+  for (const option of menu.options) {
+    if (option.value === "delete") continue;
+    option.disabled = known[option.value] === false;
+    option.textContent = option.disabled ? `${LABELS[option.value]} (${model} has none)` : LABELS[option.value];
+  }
+  const want = picked ?? (causal ? "delete" : "mask");
+  menu.value = known[want] === false ? "delete" : want;
 }
 
 // ---------------------------------------------------------------------------- mount
@@ -256,6 +311,7 @@ function buildTokenChange() {
     el("option", { text: "unknown token", attrs: { value: "unk" } }),
     el("option", { text: "delete", attrs: { value: "delete" } }),
   ]);
+  change.addEventListener("change", () => { picked = change.value; });
   const load = el("button", { text: "Show tokens", attrs: { id: "token-load", type: "button" } });
   load.addEventListener("click", loadTokens);
   $("token-box").replaceChildren(
@@ -268,15 +324,13 @@ function buildTokenChange() {
   );
 }
 
-// Causal models (GPT-2, tiny-gpt) have no mask token: "mask" would only fail there, so their
-// runs start the token change at "delete", and a later encoder run goes back to "mask".
-let deleteChosenForCausal = false;
+let runCausal = false; // whether the run on screen's model reads only backwards
 
 // Another run on screen: what the panels showed belonged to the last one.
 function forgetLastRun(input, { causal, long }) {
-  const change = $("token-change");
-  if (causal && change.value === "mask") [change.value, deleteChosenForCausal] = ["delete", true];
-  else if (!causal && deleteChosenForCausal && change.value === "delete") [change.value, deleteChosenForCausal] = ["mask", false];
+  runCausal = causal;
+  fitChanges(input.model, causal);
+  askChanges(input.model).then(() => stillShown(input) && fitChanges(input.model, causal), () => {});
   Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null, busy: null, queue: [], off: long });
   lastChange += 1;
   status($("ablate-status"), "");

@@ -2,12 +2,37 @@
 // and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
 // stream, and the server stops within one step of the hang-up.
 
-import { describeError, listModels, requestResponse } from "./api.js";
+import { ApiError, describeError, isTooLong, listModels, requestResponse } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
+
+// The server's too-long message ends in its own advice ("; shorten it"): the page's general advice
+// came after it ("shorten it. Shorten it") and asked to tick "Cut to fit", which generation does not read.
+function explain(err) {
+  if (err instanceof ApiError && isTooLong(err)) return `Prompt too long: ${err.message.split(";")[0]}. Write a shorter prompt, leaving room for the new tokens.`;
+  return describeError(err);
+}
+
+// The prompt an empty box stands for: the run on screen. A run cut to fit covers only the start of
+// its text (the kept tokens' characters; the server counts them in code points). Generation cannot
+// cut, and the prompt shares the model's positions with the new tokens: a cut run fills them all,
+// so its prompt keeps the first tokens that leave room for `n` new ones. Returns { text, cut } or { error }.
+function runPrompt(input, run, n, info) {
+  if (!input.truncate || !run || !info || !(Number.isInteger(n) && n >= 1)) return { text: input.text };
+  const own = run.tokens.filter((t) => t.segment === 0); // a pair's second text is not the prompt
+  const specials = own.filter((t) => t.special).length; // [CLS]/[SEP] or BOS, added again to the prompt
+  const words = own.filter((t) => !t.special);
+  const room = info.max_tokens - n - specials;
+  if (!run.truncated && words.length <= room) return { text: input.text };
+  if (room < 1) {
+    return { error: `${n} new tokens leave no room for a prompt in ${info.id}'s ${info.max_tokens} positions: ask for at most ${info.max_tokens - specials - 1}.` };
+  }
+  const end = words[Math.min(room, words.length) - 1].end;
+  return { text: Array.from(input.text).slice(0, end).join(""), cut: true };
+}
 
 async function* ndjson(response) {
   const reader = response.body.getReader();
@@ -164,16 +189,19 @@ export function mountGeneration(box) {
     // Enter in the prompt while a stream runs: a second stream would interleave its steps with the first's.
     if (state.running) return;
     if (why.textContent) return status(note, why.textContent, "error"); // Enter in the prompt, with Generate off
-    const text = prompt.value.trim() ? prompt.value : currentInput()?.text;
-    if (!text) return status(note, "Write a prompt, or run a sentence: its text is the default prompt.", "error");
+    const input = currentInput();
+    if (!prompt.value.trim() && !input) return status(note, "Write a prompt, or run a sentence: its text is the default prompt.", "error");
     const seedDigits = seed.value.trim();
     if (seed.validity.badInput || (seedDigits !== "" && !/^\d+$/.test(seedDigits))) {
       return status(note, "A seed is a whole number, 0 or more (empty: a random sample).", "error");
     }
-    pause();
     // An empty box is the default; 0 goes to the server, which says what it takes (it was 20 here).
-    const body = { text, model: currentModel().model, max_new_tokens: count.value.trim() === "" ? 20 : Number(count.value),
-                   temperature: Number(temperature.value) || 0 };
+    const n = count.value.trim() === "" ? 20 : Number(count.value);
+    const model = currentModel().model;
+    const { text, cut, error } = prompt.value.trim() ? { text: prompt.value } : runPrompt(input, shownRun, n, modelList.find((m) => m.id === model));
+    if (error) return status(note, error, "error");
+    pause();
+    const body = { text, model, max_new_tokens: n, temperature: Number(temperature.value) || 0 };
     let json = JSON.stringify(body);
     // The seed goes as typed: the API takes up to 2^64 - 1, and Number() rounds past 2^53
     // (9007199254740993 was sent as ...992, another sample). JSON allows no leading zeros.
@@ -206,7 +234,11 @@ export function mountGeneration(box) {
       }
       if (mine !== state.epoch) return;
       if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
-      else status(note, `Finished: ${state.steps.length} new tokens.`);
+      else if (cut && state.start) {
+        const max = modelList.find((m) => m.id === state.start.model)?.max_tokens;
+        status(note, `Finished: ${state.steps.length} new tokens, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
+          + `the whole run and the new tokens would not fit in ${state.start.model}'s ${max} positions.`);
+      } else status(note, `Finished: ${state.steps.length} new tokens.`);
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.
       if (mine === state.epoch && err.name === "AbortError") {
@@ -214,7 +246,7 @@ export function mountGeneration(box) {
         status(note, `Stopped after ${tokenCount(state.steps.length)}.`);
       } else if (mine === state.epoch) {
         state.outcome = "failed";
-        status(note, describeError(err), "error");
+        status(note, explain(err), "error");
       }
     } finally {
       const following = mine === state.epoch && state.follow && !state.timer && state.steps.length > 0;
@@ -239,6 +271,9 @@ export function mountGeneration(box) {
   // The server refuses to generate from a model that reads both ways (422): Generate is off, and
   // says why, while such a model is the one it would use (currentModel). causal: a new run's own answer.
   const models = listModels().catch(() => []);
+  let modelList = []; // the same, once it has come: generate() reads it without waiting
+  models.then((list) => { modelList = list; });
+  let shownRun = null; // the run on screen's tokens, and whether it was cut to fit
   async function checkModel(causal = null) {
     const list = await models;
     const model = currentModel().model;
@@ -273,7 +308,8 @@ export function mountGeneration(box) {
   checkModel();
 
   // Another run on screen, perhaps of another model.
-  onRun((input, { causal }) => {
+  onRun((input, { causal, tokens: runTokens, truncated }) => {
+    shownRun = { tokens: runTokens, truncated };
     checkModel(causal);
     forget();
     prompt.placeholder = runTextPlaceholder(input);

@@ -795,7 +795,8 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
     focus.reveal(run.T); // the whole heatmap on screen, fitted to the window (focus.js)
   }
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
-  document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal } }));
+  // Its tokens (with their character offsets) say what part of the text a run cut to fit covers.
+  document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal, tokens: run.tokens, truncated: run.truncated } }));
   if (!run.long) headView.reserve(run.tokens, viewOptions());
   // The head chips above the head view as well: drawn with the lines after a pause, they pushed
   // everything under them (the measures panel) down by their height, once the page had laid it out.

@@ -743,3 +743,170 @@ def test_generate_menus_hold_the_layers_and_heads_of_the_model_in_use(two_causal
     open_page(fresh, two_causal_server)
     fresh.select_option("#model", "tiny-gpt")
     assert gen_menus(fresh, heads=8) == (2, 8, "0", "0")
+
+
+def test_generate_after_a_run_cut_to_fit_starts_from_the_kept_tokens(server, api, page, artifacts):
+    """An empty prompt after a run cut to fit posted the whole uncut text, and the 422 said "shorten
+    it. Shorten it, or tick “Cut to fit”", a box already ticked that generation does not read."""
+    text = " ".join([SENTENCE] * 8)  # about 100 tokens; tiny-causal takes 64
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/api/v1/generate") else None)
+    open_page(page, server)
+    page.check("#truncate")
+    run(page, text, "tiny-causal")
+    assert "(cut to fit)" in page.text_content("#focus-caption")
+    page.fill("#gen-n", "10")
+    page.click("#gen-start")
+    page.wait_for_function("() => !window.manyeyesGeneration.running && window.manyeyesGeneration.outcome", timeout=30_000)
+
+    # The kept tokens that leave room for 10 new ones ([CLS] and [SEP] come again with the prompt).
+    cut = api.post("/api/v1/attention", json={"text": text, "model": "tiny-causal", "truncate": True,
+                                              "layers": [0], "heads": [0], "format": "u8"}).json()
+    words = [t for t in cut["tokens"] if not t["special"]]
+    assert len(cut["tokens"]) == 64 and cut["truncated"]
+    prompt = text[:words[64 - 10 - 2 - 1]["end"]]
+    assert sent[-1]["text"] == prompt and sent[-1]["max_new_tokens"] == 10
+    assert "truncate" not in sent[-1]  # the API's generate takes none
+    assert page.get_attribute("#generate-box", "data-outcome") == "finished"
+    prompt_tokens = page.evaluate("() => window.manyeyesGeneration.start.prompt.length")
+    assert prompt_tokens == 54
+    assert page.text_content("#gen-status") == (
+        "Finished: 10 new tokens, after the start of the run's text (54 tokens): "
+        "the whole run and the new tokens would not fit in tiny-causal's 64 positions.")
+    assert page.locator("#gen-tokens .chip").count() == 64
+    page.locator("#generate-box").screenshot(path=str(artifacts / "generate-after-cut-run.png"))
+
+    # A typed prompt over the context: the server's count once, advice that fits generation.
+    page.fill("#gen-text", text)
+    page.click("#gen-start")
+    page.wait_for_selector("#generate-box[data-outcome='failed']")
+    message = page.text_content("#gen-status")
+    assert sent[-1]["text"] == text
+    assert message.startswith("Prompt too long: the prompt is ") and "tiny-causal takes at most 64" in message
+    assert message.endswith(". Write a shorter prompt, leaving room for the new tokens.")
+    assert "Cut to fit" not in message and "shorten it" not in message.lower()
+
+    # No room at all for a prompt: said before anything is posted.
+    page.fill("#gen-text", "")
+    page.fill("#gen-n", "63")
+    page.click("#gen-start")
+    page.wait_for_function("() => document.getElementById('gen-status').textContent.startsWith('63 new tokens')")
+    assert page.text_content("#gen-status") == "63 new tokens leave no room for a prompt in tiny-causal's 64 positions: ask for at most 61."
+    assert len(sent) == 2
+
+
+def ablate_focused(page, layer, head, depth):
+    page.select_option("#layer", str(layer))
+    page.select_option("#head", str(head))
+    page.click("#ablate-add")
+    page.wait_for_selector(f"#ablate-plot[data-depth='{depth}'][data-state='ablated']", timeout=30_000)
+    page.wait_for_function("(n) => window.manyeyesExperiments.ablation.stack.length === n && !window.manyeyesExperiments.ablation.busy",
+                           arg=depth)
+
+
+def ablate_shown(page) -> tuple[tuple[int, int], str]:
+    plot = page.locator("#ablate-plot")
+    title = page.evaluate("() => document.getElementById('ablate-plot').layout.title.text")
+    return (int(plot.get_attribute("data-layer")), int(plot.get_attribute("data-head"))), title
+
+
+def test_each_new_ablation_shows_a_head_it_changes(server, api, page, artifacts):
+    """The first ablation's head stayed shown for good: after Restore all, ablating L4 H0 showed
+    "L3 H1, after ablating L4 H0", a head before the ablated layer, with its clean weights."""
+    def top(ablate):
+        reply = api.post("/api/v1/experiments/ablate", json={"text": SENTENCE, "model": "minilm", "ablate": ablate}).json()
+        return (reply["ranking"][0]["layer"], reply["ranking"][0]["head"])
+
+    zero = lambda layer, head: {"layer": layer, "head": head, "mode": "zero"}  # noqa: E731
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    ablate_focused(page, 2, 5, 1)
+    assert ablate_shown(page)[0] == top([zero(2, 5)])
+    page.click("#ablate-clear")
+    page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
+
+    ablate_focused(page, 4, 0, 1)
+    want = top([zero(4, 0)])
+    assert want[0] == 5
+    assert ablate_shown(page) == (want, f"L{want[0]} H{want[1]}, after ablating L4 H0 (zero)")
+    page.locator("#ablate-box").screenshot(path=str(artifacts / "ablate-after-restore-all.png"))
+
+    # A head added to the stack: the shown head stays while the ablation still changes it...
+    ablate_focused(page, 1, 2, 2)
+    assert ablate_shown(page)[0] == want
+    # ...a head picked in the ranking too, until an undo leaves an ablation that cannot change it.
+    page.click("#ablate-ranking tr[data-layer='2'][data-head='3'] button")
+    assert ablate_shown(page)[0] == (2, 3)
+    page.click("#ablate-undo")
+    page.wait_for_selector("#ablate-plot[data-depth='1']")
+    assert ablate_shown(page) == (want, f"L{want[0]} H{want[1]}, after ablating L4 H0 (zero)")
+
+    # Undo back to the clean run, then a head of the last layer: no later head, so that head.
+    page.click("#ablate-undo")
+    page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
+    ablate_focused(page, 5, 11, 1)
+    assert ablate_shown(page) == ((5, 11), "L5 H11, after ablating L5 H11 (zero)")
+
+
+@pytest.fixture(scope="module")
+def gpt_server():
+    """MiniLM (a mask and an unknown token) and tiny-gpt (neither)."""
+    with serving({"minilm": "minilm", "tiny-gpt": "tiny-gpt"}) as base:
+        yield base
+
+
+def token_menu(page) -> list[tuple[str, str, bool]]:
+    return [tuple(o) for o in page.evaluate(
+        "() => [...document.getElementById('token-change').options].map((o) => [o.value, o.textContent, o.disabled])")]
+
+
+def test_change_a_token_offers_only_what_the_model_has(gpt_server, page, artifacts):
+    """"unknown token" picked on a MiniLM run stayed picked on tiny-gpt, which has none, and every
+    click failed with "tiny-gpt has no unk token"; mask and unknown were offered on it throughout."""
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/experiments/change-token") else None)
+    open_page(page, gpt_server)
+    run(page, SENTENCE, "minilm")
+    page.select_option("#token-change", "unk")
+    run(page, PROMPT, "tiny-gpt")
+    page.wait_for_function("() => document.querySelector('#token-change option[value=unk]').disabled", timeout=10_000)
+    assert page.input_value("#token-change") == "delete"
+    assert token_menu(page) == [("mask", "mask (tiny-gpt has none)", True), ("unk", "unknown token (tiny-gpt has none)", True),
+                                ("delete", "delete", False)]
+    page.click("#token-load")
+    page.wait_for_selector("#token-chips button[data-index='3']")
+    page.click("#token-chips button[data-index='3']")
+    page.wait_for_selector("#token-result[data-index='3'] table.ranking", timeout=30_000)
+    assert [b["change"] for b in sent if b["text"] == PROMPT] == ["delete"]
+    assert page.text_content("#token-status") == ""
+    page.evaluate("() => document.getElementById('token-change').size = 3")  # the options on show, for the picture
+    page.locator("#token-box").screenshot(path=str(artifacts / "token-change-tiny-gpt.png"))
+    page.evaluate("() => document.getElementById('token-change').removeAttribute('size')")
+
+    # Back on MiniLM, the pick comes back with the options it has.
+    run(page, SENTENCE, "minilm")
+    assert page.input_value("#token-change") == "unk"
+    assert token_menu(page) == [("mask", "mask", False), ("unk", "unknown token", False), ("delete", "delete", False)]
+
+
+def test_a_refused_change_turns_its_option_off(gpt_server, page):
+    """Where the models list does not say what a model has (a server from before `token_changes`),
+    the refusal of a click says what it lacks, and the menu follows it."""
+    def older(route):
+        body = route.fetch().json()
+        for model in body["models"]:
+            del model["token_changes"]
+        route.fulfill(json=body)
+
+    page.route("**/api/v1/models", older)
+    open_page(page, gpt_server)
+    run(page, PROMPT, "tiny-gpt")
+    page.wait_for_timeout(300)
+    assert not page.is_disabled("#token-change option[value=unk]")  # unknown: offered
+    page.select_option("#token-change", "unk")
+    page.click("#token-load")
+    page.click("#token-chips button[data-index='3']")
+    page.wait_for_function("() => document.getElementById('token-status').dataset.kind === 'error'", timeout=30_000)
+    assert page.text_content("#token-status") == "Cannot run this input: tiny-gpt has no unk token."
+    assert page.input_value("#token-change") == "delete"
+    assert ("unk", "unknown token (tiny-gpt has none)", True) in token_menu(page)

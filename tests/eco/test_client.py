@@ -36,6 +36,7 @@ def test_models_are_typed(client):
     assert isinstance(model, RemoteModel)
     assert (model.id, model.causal, model.n_layers, model.n_heads, model.default) == ("tiny-gpt", True, 2, 8, True)
     assert model.sliding_windows == (None, None) and isinstance(hash(model), int)
+    assert model.token_changes == ("delete",)  # tiny-gpt's bytes have no mask or unknown token
     # Built from a list (as JSON gives it), it keeps a tuple: still hashable.
     built = dataclasses.replace(model, sliding_windows=[None, 5])
     assert built.sliding_windows == (None, 5) and isinstance(hash(built), int)
