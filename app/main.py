@@ -103,6 +103,10 @@ def add_error_handlers(app: FastAPI) -> None:
                 415, "unsupported_media_type",
                 f"the body must be JSON, sent with Content-Type: application/json (this request's Content-Type {said})",
             )
+        if any(tuple(e.get("loc", ())) == ("body",) and e.get("type") == "missing" for e in exc.errors()):
+            # No body at all is no JSON either (README: a body that does not parse is a 400); pydantic's
+            # "Field required" named no field.
+            return error_response(400, "bad_request", "the body is empty: send a JSON object, e.g. {\"text\": \"...\"}")
         return error_response(422, "invalid_request", describe_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)

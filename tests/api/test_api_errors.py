@@ -287,3 +287,13 @@ def test_a_body_that_is_not_json_is_a_400_that_says_where(api):
     err = error_of(r, 400)
     assert err["code"] == "bad_request"
     assert err["message"] == "the body is not valid JSON: Expecting property name enclosed in double quotes (at character 14)"
+
+
+def test_an_empty_body_is_a_400_that_says_so_on_every_json_route(api):
+    """No body was a 422 "Field required" that named no field."""
+    for route in ("attention", "attention/batch", "generate", "views", "experiments/ablate", "experiments/compare",
+                  "experiments/change-token"):
+        err = error_of(api.post(f"/api/v1/{route}", headers={"content-type": "application/json"}), 400)
+        assert err == {"code": "bad_request", "message": 'the body is empty: send a JSON object, e.g. {"text": "..."}'}, route
+    # Without a JSON Content-Type it stays the 415 that says what to send.
+    assert error_of(api.post("/api/v1/attention"), 415)["code"] == "unsupported_media_type"
