@@ -7,7 +7,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -608,12 +608,16 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            nbytes = self._held_bytes(served, items, view, wire, extra_bytes)
-            grant = self.answers.try_take(nbytes, client)
             held = None
-            if grant is None:  # admitted by the work ahead now, and counted in it while it waits
+
+            @contextmanager
+            def judged_first():  # admitted by the work ahead before it waits, and counted in it meanwhile
+                nonlocal held
                 with batcher.held_back(served.model, [i.encoded for i in missing], deadline, client) as held:
-                    grant = await self._reserve_timed(items, nbytes, deadline, client)
+                    yield
+
+            nbytes = self._held_bytes(served, items, view, wire, extra_bytes)
+            grant = await self._reserve_timed(items, nbytes, deadline, client, judged_first)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing], held=held)
@@ -630,21 +634,24 @@ class AttentionService:
             raise
         return grant
 
-    async def _reserve_timed(self, items: list[Item], nbytes: int, deadline: float, client: str) -> Grant:
+    async def _reserve_timed(self, items: list[Item], nbytes: int, deadline: float, client: str,
+                             before_waiting=nullcontext) -> Grant:
         started = time.perf_counter()
-        grant = await self.reserve(nbytes, deadline, client)
+        grant = await self.reserve(nbytes, deadline, client, before_waiting)
         for item in items:
             item.timing["wait"] += time.perf_counter() - started
         return grant
 
-    async def reserve(self, nbytes: int, deadline: float, client: str) -> Grant:
-        """`nbytes` of the answers' budget (FairBytes), waited for until the request's deadline."""
+    async def reserve(self, nbytes: int, deadline: float, client: str, before_waiting=nullcontext) -> Grant:
+        """`nbytes` of the answers' budget (FairBytes), waited for until the request's deadline;
+        `before_waiting()`, a context manager, is entered only where it must wait, for the wait."""
         grant = self.answers.try_take(nbytes, client)
         if grant is not None:
             return grant
         try:
-            async with asyncio.timeout(deadline - time.monotonic()):
-                return await self.answers.take(nbytes, client)
+            with before_waiting():
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    return await self.answers.take(nbytes, client)
         except TimeoutError:
             raise OverBudget(
                 f"the request did not finish within its {self.settings.request_timeout_s:g} s budget: the answers "

@@ -36,9 +36,9 @@ def reserved(api, monkeypatch) -> list[int]:
     asked: list[int] = []
     reserve = service.reserve
 
-    async def recorded(nbytes, deadline, client):
+    async def recorded(nbytes, deadline, client, *before_waiting):
         asked.append(nbytes)
-        return await reserve(nbytes, deadline, client)
+        return await reserve(nbytes, deadline, client, *before_waiting)
 
     monkeypatch.setattr(service, "reserve", recorded)
     return asked
