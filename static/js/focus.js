@@ -58,21 +58,29 @@ function rangeLength(range, n) {
   return range ? Math.max(1e-9, Math.abs(range[1] - range[0])) : n;
 }
 
-// Index-based axes: the same word can occur twice, so labels are ticks, never categories. Every
-// label in view is shown when ALL_LABELS or fewer are; beyond that every k-th.
-export function ticks(indices, labels, range, most = ALL_LABELS) {
-  const [lo, hi] = visibleRange(range, indices.length);
-  const step = Math.max(1, Math.ceil((hi - lo + 1) / most));
-  const values = [];
-  const texts = [];
-  for (let i = lo; i <= hi; i += step) {
-    values.push(i);
-    texts.push(shortLabel(labels[indices[i]]));
-  }
-  return { values, texts, shown: values.length };
+export const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
+const SAMPLED_LABEL_PX = 12; // px a thinned axis gives each label: a 10 px font (fontFor)
+
+// The smallest of 1, 2, 5, 10, 20, 50... at least `step`: positions that read as round numbers.
+function roundStep(step) {
+  const power = 10 ** Math.floor(Math.log10(Math.max(1, step)));
+  return [1, 2, 5, 10].map((m) => m * power).find((s) => s >= step);
 }
 
-export const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
+// Index-based axes: the same word can occur twice, so labels are ticks, never categories. Every
+// token in view is labelled with its text when ALL_LABELS or fewer are. Beyond that every k-th,
+// counted from 0 (a pan moves the labels with their rows), k a round number, each label its
+// position (480) at 10 px: every k-th token's text, at 7 px, told nobody where it was ("e", "␣",
+// "a" at 1,000 tokens). A hover then names position and token.
+export function ticks(indices, labels, range, most = ALL_LABELS) {
+  const [lo, hi] = visibleRange(range, indices.length);
+  let step = Math.max(1, Math.ceil((hi - lo + 1) / most));
+  if (step > 1) step = roundStep((hi - lo + 1) / Math.max(2, Math.floor(most * MIN_FONT / SAMPLED_LABEL_PX)));
+  const values = [];
+  for (let i = Math.ceil(lo / step) * step; i <= hi; i += step) values.push(i);
+  const texts = values.map((i) => (step > 1 ? String(indices[i]) : shortLabel(labels[indices[i]])));
+  return { values, texts, shown: values.length };
+}
 
 // Pixels per label decide the font: a label never gets more room than its row.
 export function fontFor(axisPx, shown) {
@@ -593,7 +601,9 @@ export class FocusView {
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;
     this.tooltip.dataset.reads = exact !== undefined ? "float32" : "drawn"; // which values it read
-    this.showTooltip(`${labels[q]} → ${labels[k]}: ${reading}${spans}`, clientX, clientY);
+    // Beyond ALL_LABELS tokens the axes are positions: so is the reading ("d → o" named no "d").
+    const named = (i) => (labels.length > ALL_LABELS ? `#${i} ${labels[i]}` : labels[i]);
+    this.showTooltip(`${named(q)} → ${named(k)}: ${reading}${spans}`, clientX, clientY);
   }
 
   // The float32 values came: the reading on screen, if any, reads them.

@@ -129,7 +129,7 @@ export function mountGeneration(box) {
     const z = [];
     for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) { names.push(`L${l} H${h}`); z.push(step.attention[l][h]); }
     const keys = all.slice(0, step.position + 1);
-    heatmap(rowPlot, z, { x: keys, y: names, title: `Row of “${label}” in every head` });
+    heatmap(rowPlot, z, { x: keys, y: names, yHeads: true, title: `Row of “${label}” in every head` });
     rowPlot.dataset.index = String(state.current);
     // The full heatmap so far: the prompt's rows (a causal prompt's rows never change as tokens
     // are added) over the generated tokens' rows. The keys after a row's own token are null, drawn

@@ -5,7 +5,7 @@
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
 import { CanvasHeatmap } from "./canvas_heatmap.js";
-import { ALL_LABELS, F16_ZERO, FocusView, MAX_FONT, MIN_FONT, shortLabel, weightText } from "./focus.js";
+import { F16_ZERO, FocusView, MAX_FONT, shortLabel, weightText } from "./focus.js";
 import { layerMask } from "./run.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { colorTable, themeName } from "./theme.js";
@@ -81,14 +81,6 @@ class TiledHeatmap extends CanvasHeatmap {
     this.hatchRows(ctx, px, py, q0, q1 - 1, 1);
     return { source: out.toDataURL("image/png"), x: k0 - 0.5, y: q0 - 0.5, sizex: k1 - k0, sizey: q1 - q0 };
   }
-}
-
-const SAMPLED_LABEL_PX = 12; // px a thinned axis gives each label: a 10 px font (fontFor)
-
-// The smallest of 1, 2, 5, 10, 20, 50... at least `step`: positions that read as round numbers.
-function roundStep(step) {
-  const power = 10 ** Math.floor(Math.log10(Math.max(1, step)));
-  return [1, 2, 5, 10].map((m) => m * power).find((s) => s >= step);
 }
 
 export class TiledFocusView extends FocusView {
@@ -299,24 +291,6 @@ export class TiledFocusView extends FocusView {
     if (this.long) this.heatmap.tiles = this.drawnTiles(); // drawn by the decorate in super's
     super.onRelayout(event);
     if (this.long) this.refine();
-  }
-
-  // Beyond ALL_LABELS tokens in view a long run labels every k-th token counted from 0, not from
-  // the window's edge: a pan then moves the labels with their rows instead of relabelling them all.
-  // Such a label is its position (480), k is a round number, and the labels are fewer, so that they
-  // are read at 10 px: every k-th token's text, at 7 px, told nobody where they were. Zoomed in to
-  // ALL_LABELS tokens or fewer, every token's text is back; a hover names position and token.
-  ticks(indices, labels, range, most = ALL_LABELS) {
-    if (!this.long) return super.ticks(indices, labels, range, most);
-    const n = indices.length;
-    const [a, b] = range ? [Math.min(...range), Math.max(...range)] : [0, n - 1];
-    const lo = Math.max(0, Math.ceil(a));
-    const hi = Math.min(n - 1, Math.floor(b));
-    let step = Math.max(1, Math.ceil((hi - lo + 1) / most));
-    if (step > 1) step = roundStep((hi - lo + 1) / Math.max(2, Math.floor(most * MIN_FONT / SAMPLED_LABEL_PX)));
-    const values = [];
-    for (let i = Math.ceil(lo / step) * step; i <= hi; i += step) values.push(i);
-    return { values, texts: values.map((i) => (step > 1 ? String(i) : shortLabel(labels[i]))), shown: values.length };
   }
 
   // A long run's margins hold its longest label at the largest font, whatever is in view: they

@@ -125,6 +125,26 @@ def test_every_label_is_shown_up_to_64_tokens_and_zoom_survives_arrow_keys(serve
     page.locator(".focus-panel").screenshot(path=str(artifacts / "zoomed-labels.png"))
 
 
+def test_past_64_tokens_a_dense_run_is_labelled_and_read_by_position(server, api, page, artifacts):
+    """At 297 tokens the axes labelled every 5th token with its text at 7 px ("in", "in", "the"...)
+    and a hover read "in → in: 0.007": nobody could tell which "in"."""
+    text = text_of_tokens(api, 297)
+    tokens = [t["text"] for t in api.post("/api/v1/attention", json={"text": text, "layers": [0], "heads": [0], "format": "u8"}).json()["tokens"]]
+    open_page(page, server)
+    run(page, text)
+    for axis in ("x", "y"):
+        positions = [int(t) for t in tick_texts(page, axis)]  # numbers, not tokens
+        step = positions[1] - positions[0]
+        assert step in (10, 20, 50) and positions == list(range(0, 297, step)), positions
+        assert label_spacing(page, "#focus-plot", axis)[1] >= 9  # read at 10 px, not squeezed to 7
+    assert hover_cell(page, 120, 37).startswith(f"#120 {tokens[120]} → #37 {tokens[37]}: ")
+    page.locator(".focus-panel").screenshot(path=str(artifacts / "dense-297-positions.png"))
+    # Zoomed to 64 tokens or fewer, every token's text is back.
+    page.evaluate("() => Plotly.relayout('focus-plot', {'xaxis.range': [99.5, 129.5], 'yaxis.range': [129.5, 99.5]})")
+    page.wait_for_function("() => document.querySelectorAll('#focus-plot .ytick text').length === 30")
+    assert tick_texts(page, "y") == [t[:13] + "…" if len(t) > 14 else t for t in tokens[100:130]]
+
+
 def test_labels_are_sized_for_the_axes_drawn_not_the_last_ones(server, page, artifacts):
     """The labels' fonts came from Plotly's axis lengths, which are the last figure's: after a
     pair's A → B block (its 93 keys' axis the plot's full width) the whole pair's square keys' axis
