@@ -162,7 +162,7 @@ HOSTILE_BODIES = {
     "broken json": (b'{"text": "The bank', JSON, 400),  # as the README's table says: unparseable is 400
     "trailing comma": (b'{"text": "The bank",}', JSON, 400),
     "not an object": (b'["The bank"]', JSON, 422),
-    "empty body": (b"", JSON, 422),
+    "empty body": (b"", JSON, 400),  # no body is no JSON: a 400 that says so (it was a 422 "Field required")
     "wrong content type": (b'{"text": "The bank"}', {"content-type": "text/plain"}, 415),  # names the header to send
     "form post": (b"text=The+bank", {"content-type": "application/x-www-form-urlencoded"}, 415),
     "NaN text": (b'{"text": NaN}', JSON, 422),
