@@ -98,10 +98,11 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
+    to_u8(result.attention[:1, :1])  # compiles the u8 quantiser, off the first u8 answer
+    del result  # the timed forward's weights are as large: one set at a time (1 GB for a 135M model)
     started = time.perf_counter()
     model.run([encoded], Capture(hidden=False))
     timed = (work_units(n), time.perf_counter() - started)
-    to_u8(result.attention[:1, :1])  # compiles the u8 quantiser, off the first u8 answer
     # The head finder's one-time costs, off the first request: the model's induction probe and the
     # compiled row pass. On a short text: the compile costs the same at any length, the pass T².
     head_table(model, model.run([model.encode(HEAD_FINDER_WARM_UP, truncate=True)], Capture(hidden=False))[0])
