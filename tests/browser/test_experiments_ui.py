@@ -822,6 +822,13 @@ def test_each_new_ablation_shows_a_head_it_changes(server, api, page, artifacts)
     run(page, SENTENCE, "minilm")
     ablate_focused(page, 2, 5, 1)
     assert ablate_shown(page)[0] == top([zero(2, 5)])
+    # Square cells, in a figure no wider than its cells, bar and title need: at the panel's width
+    # and a fixed height a sentence's cells were drawn about 5 times as wide as tall.
+    cell_w, cell_h, figure, panel = page.evaluate("""() => {
+        const gd = document.getElementById('ablate-plot'), n = gd.data[0].z.length;
+        return [gd._fullLayout.xaxis._length / n, gd._fullLayout.yaxis._length / n, gd._fullLayout.width, gd.clientWidth];
+    }""")
+    assert cell_w == pytest.approx(cell_h, rel=0.02) and figure < panel, (cell_w, cell_h, figure, panel)
     page.click("#ablate-clear")
     page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
 
