@@ -204,7 +204,6 @@ def head_stats(attention: torch.Tensor, tokens: list[Token], causal: bool,
 def _stats_and_argmax(attention: torch.Tensor, tokens: list[Token], causal: bool,
                       sliding_windows: tuple[int | None, ...]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """head_stats, and each row's argmax (L, H, T) from the same pass, for the positional tag."""
-    attention = attention.float()
     n_layers, n_tokens = attention.shape[0], attention.shape[-1]
     positions = torch.arange(n_tokens)
     windows = sliding_windows or (None,) * n_layers
@@ -265,13 +264,10 @@ TAG_THRESHOLDS = {
 POSITIONAL_SHARE = 0.6  # "positional": the same fixed offset (not 0 or 1) is the argmax of ≥ 60% of rows
 
 
-def fixed_offset_share(attention: torch.Tensor, argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fixed_offset_share(argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the most common i - argmax_j α_ij and the share of rows that have it; (n_layers, n_heads) each.
-    `argmax` (L, H, T), where head_stats' pass already found it."""
-    n_tokens = attention.shape[-1]
-    if argmax is None:
-        # numpy's argmax is SIMD (5x torch's over MiniLM's 72 heads at T=512); both take the first maximum.
-        argmax = torch.from_numpy(_host_array(attention).argmax(-1))  # (L, H, T)
+    `argmax`: (L, H, T), each row's first maximum (row_sums finds it in the head table's pass)."""
+    n_tokens = argmax.shape[-1]
     offsets = torch.arange(n_tokens) - argmax  # (L, H, T), in -(T-1) .. T-1
     # The mode as the first (smallest) most counted offset: a count per offset, not torch.mode's sort.
     counts = torch.zeros(offsets.shape[:-1] + (2 * n_tokens - 1,)).scatter_add_(
@@ -280,11 +276,11 @@ def fixed_offset_share(attention: torch.Tensor, argmax: torch.Tensor | None = No
     return top.indices - (n_tokens - 1), top.values / n_tokens
 
 
-def tag_heads(stats: dict[str, torch.Tensor], attention: torch.Tensor,
-              argmax: torch.Tensor | None = None) -> list[list[list[str]]]:
-    """tags[layer][head]: names from TAG_THRESHOLDS (plus "positional"); "induction" needs stats["induction"]."""
-    n_layers, n_heads = attention.shape[:2]
-    offset, share = fixed_offset_share(attention, argmax)
+def tag_heads(stats: dict[str, torch.Tensor], argmax: torch.Tensor) -> list[list[list[str]]]:
+    """tags[layer][head]: names from TAG_THRESHOLDS (plus "positional", from each row's `argmax`,
+    (L, H, T)); "induction" needs stats["induction"]."""
+    n_layers, n_heads = argmax.shape[:2]
+    offset, share = fixed_offset_share(argmax)
     # Whole (L, H) comparisons, in float64 as a Python float compares, then one list each.
     flags = [(tag, (stats[stat].double() >= threshold).tolist())
              for tag, (stat, threshold) in TAG_THRESHOLDS.items() if stat in stats]
@@ -333,11 +329,9 @@ def induction_scores(model: AttentionModel, length: int = PROBE_LENGTH, seed: in
 
 def head_table(model: AttentionModel, result: AttentionResult) -> tuple[dict[str, torch.Tensor], list[list[list[str]]]]:
     """Stats for every head of a run, the model's induction scores beside them, and the tags."""
-    # On the host as float32 once: both passes below then read it in place.
-    attention = torch.from_numpy(_host_array(result.attention))
-    stats, argmax = _stats_and_argmax(attention, result.tokens, model.info.causal, model.info.sliding_windows)
+    stats, argmax = _stats_and_argmax(result.attention, result.tokens, model.info.causal, model.info.sliding_windows)
     stats["induction"] = induction_scores(model)
-    return stats, tag_heads(stats, attention, argmax)
+    return stats, tag_heads(stats, argmax)
 
 
 # ---------------------------------------------------------------------------- word view

@@ -84,13 +84,13 @@ def _all_rows(weights, copies, delimiters, causal, out, argmax):
         for query in range(n_tokens):
             # A causal row's weights past the query are exactly 0 (masked before the softmax).
             visible = query + 1 if causal else n_tokens
+            row = weights[head, query]
             plogp, distance, duplicate, delimiter, first = _one_row(
-                weights[head, query], bits[head, query], copies[query], delimiters, query, visible)
+                row, bits[head, query], copies[query], delimiters, query, visible)
             out[0, head, query] = plogp
             out[1, head, query] = distance
             out[2, head, query] = duplicate
             out[3, head, query] = delimiter
-            row = weights[head, query]
             out[4, head, query] = row[query]
             out[5, head, query] = row[query - 1] if query > 0 else np.float32(0.0)
             out[6, head, query] = row[0]

@@ -270,9 +270,9 @@ def test_fixed_offset_share_counts_argmax_offsets():
         att[0, 0, i, max(i - 2, 0)] = 0.9  # offset 2 on rows 2..9, 0 on rows 0 and 1
         att[0, 1, i, i] = 0.9  # offset 0 everywhere: positional, but not a fixed offset beyond 1
         att[0, 2, i, (0 if i % 2 else n - 1)] = 0.9  # two offsets, 5 rows each
-    mode, share = fixed_offset_share(att)
+    mode, share = fixed_offset_share(att.argmax(-1))
     assert mode[0].tolist() == [2, 0, -9] and share[0].tolist() == pytest.approx([0.8, 1.0, 0.1])
-    tags = tag_heads({"previous": torch.zeros(1, 3)}, att)
+    tags = tag_heads({"previous": torch.zeros(1, 3)}, att.argmax(-1))
     assert tags == [[["positional"], [], []]]
 
 
@@ -513,7 +513,7 @@ def test_head_stats_count_only_the_keys_a_sliding_window_leaves_in_reach(causal)
     att = torch.softmax(scores, -1)
     stats = head_stats(att, tokens, causal, (None, window))
     assert stats["entropy"][1, 2] == pytest.approx(1.0, abs=1e-6)
-    assert "broad" in tag_heads({**stats, "induction": torch.zeros(2, 3)}, att)[1][2]
+    assert "broad" in tag_heads({**stats, "induction": torch.zeros(2, 3)}, att.argmax(-1))[1][2]
     # Every statistic against the definitions, row by row, in float64, with each layer's reach.
     for layer, reach in ((0, n), (1, window)):
         want = reference_stats(att[layer:layer + 1], tokens, causal, reach)
