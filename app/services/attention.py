@@ -7,7 +7,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from contextlib import asynccontextmanager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -608,16 +608,10 @@ class AttentionService:
             lengths = [len(i.encoded) if i.run is None else i.run.n_tokens for i in items if i.kind == "weights"]
             self._check_cells(lengths, view)
             self._check_held(served, lengths)
-            held = None
-
-            @contextmanager
-            def judged_first():  # admitted by the work ahead before it waits, and counted in it meanwhile
-                nonlocal held
-                with batcher.held_back(served.model, [i.encoded for i in missing], deadline, client) as held:
-                    yield
-
+            # Judged by the work ahead before it waits for bytes, and counted in it meanwhile.
+            held = batcher.held_back(served.model, [i.encoded for i in missing], deadline, client)
             nbytes = self._held_bytes(served, items, view, wire, extra_bytes)
-            grant = await self._reserve_timed(items, nbytes, deadline, client, judged_first)
+            grant = await self._reserve_timed(items, nbytes, deadline, client, held)
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing], held=held)
@@ -635,21 +629,22 @@ class AttentionService:
         return grant
 
     async def _reserve_timed(self, items: list[Item], nbytes: int, deadline: float, client: str,
-                             before_waiting=nullcontext) -> Grant:
+                             while_waiting: AbstractContextManager | None = None) -> Grant:
         started = time.perf_counter()
-        grant = await self.reserve(nbytes, deadline, client, before_waiting)
+        grant = await self.reserve(nbytes, deadline, client, while_waiting)
         for item in items:
             item.timing["wait"] += time.perf_counter() - started
         return grant
 
-    async def reserve(self, nbytes: int, deadline: float, client: str, before_waiting=nullcontext) -> Grant:
+    async def reserve(self, nbytes: int, deadline: float, client: str,
+                      while_waiting: AbstractContextManager | None = None) -> Grant:
         """`nbytes` of the answers' budget (FairBytes), waited for until the request's deadline;
-        `before_waiting()`, a context manager, is entered only where it must wait, for the wait."""
+        `while_waiting` is entered only where it must wait, for the wait."""
         grant = self.answers.try_take(nbytes, client)
         if grant is not None:
             return grant
         try:
-            with before_waiting():
+            with while_waiting or nullcontext():
                 async with asyncio.timeout(deadline - time.monotonic()):
                     return await self.answers.take(nbytes, client)
         except TimeoutError:

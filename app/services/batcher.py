@@ -9,10 +9,8 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import NamedTuple
 
 from manyeyes.app.services.device import HostCopier, device_to_host, most_precise
 from manyeyes.app.services.errors import InvalidInput, NotReady, OverBudget, QueueFull
@@ -85,11 +83,27 @@ class Job:
         return self.answer is not None and not self.answer.cancelled()
 
 
-class HeldBack(NamedTuple):
-    """What Batcher.held_back judged, for submit: when, and the uncalibrated estimate then."""
+class HeldBack:
+    """Admission by work for a request's inputs about to wait for their answers' bytes
+    (slots.FairBytes), judged when entered (QueueFull, 429, at once), and their work counted as
+    their client's backlog while it waits. `since` and `estimate_s` (what was judged, before
+    calibration) go to submit, which then neither judges again nor answers 429 late. Inputs of
+    one client that each need most of its share of those bytes wait for them one after another:
+    counted nowhere, the 30th of 50 long requests saw a short queue, waited out its budget for
+    its bytes, and got its 429 thirty seconds late."""
 
-    since: float
-    estimate_s: float | None
+    def __init__(self, batcher: Batcher, jobs: list[Job], deadline: float) -> None:
+        self.batcher, self.jobs, self.deadline = batcher, jobs, deadline
+        self.since: float | None = None  # set once entered
+        self.estimate_s: float | None = None
+
+    def __enter__(self) -> HeldBack:
+        self.since = self.batcher._hold_back(self.jobs, self.deadline)
+        self.estimate_s = self.jobs[0].estimate_s
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.batcher._let_go(self.jobs)
 
 
 class ClientQueue:
@@ -256,26 +270,27 @@ class Batcher:
         if self._per_client[client] <= 0:
             del self._per_client[client]
 
-    @contextmanager
-    def held_back(self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = ""):
-        """Admission by work for admitted inputs about to wait for their answers' bytes, checked
-        before that wait (QueueFull, 429, at once), and their work counted as their client's
-        backlog while they wait. Inputs of one client that each need most of its share of those
-        bytes wait for them one after another: counted nowhere, the 30th of 50 long requests saw
-        a short queue, waited out its budget for its bytes, and got its 429 thirty seconds late."""
-        units = Counter({model.info.id: sum(work_units(len(e)) for e in encoded)})
-        jobs = [Job(model, e, deadline, client) for e in encoded]
+    def held_back(self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "") -> HeldBack:
+        """For inputs that may have to wait for their answers' bytes: entered only if they do."""
+        return HeldBack(self, [Job(model, e, deadline, client) for e in encoded], deadline)
+
+    def _hold_back(self, jobs: list[Job], deadline: float) -> float:
+        client = jobs[0].client
         with self._cond:
-            estimate = self._check_work(jobs, deadline, self._held_calibration)
-            self._held_back.setdefault(client, Counter()).update(units)
-        try:
-            yield HeldBack(time.monotonic(), estimate)
-        finally:
-            with self._cond:
-                mine = self._held_back[client]
-                mine.subtract(units)
-                if not +mine:
-                    del self._held_back[client]
+            self._check_work(jobs, deadline, self._held_calibration)
+            mine = self._held_back.setdefault(client, Counter())
+            for job in jobs:
+                mine[job.model.info.id] += job.units
+        return time.monotonic()
+
+    def _let_go(self, jobs: list[Job]) -> None:
+        client = jobs[0].client
+        with self._cond:
+            mine = self._held_back[client]
+            for job in jobs:
+                mine[job.model.info.id] -= job.units
+            if not +mine:
+                del self._held_back[client]
 
     def submit(
         self, model: AttentionModel, encoded: list[Encoded], deadline: float, client: str = "", fmt: str = "json",
@@ -294,7 +309,7 @@ class Batcher:
         with self._cond:
             if self._closed:
                 raise NotReady("the server is shutting down")
-            if held is None:
+            if held is None or held.since is None:
                 self._check_work(jobs, deadline, self._calibration)
             else:
                 for job in jobs:

@@ -83,9 +83,10 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
     """One forward at the longest input that keeps whole weights: pays one-time costs now and
     proves the shapes. Not beyond dense_max_tokens: at 8,192 positions the weights alone of a
     6-layer, 12-head model would be 19 GB, and such inputs keep queries and keys instead.
-    Returns the work units and seconds of a second such forward, the batcher's first measured
-    rate: without one, admission by work has nothing to judge by, and a fresh server's first
-    burst was all admitted, to end in 504s thirty seconds later."""
+    Returns the work units and seconds of its second forward (the head finder's, past the
+    one-time costs), the batcher's first rate: without one, admission by work has nothing to
+    judge by, and a fresh server's first burst was all admitted, to end in 504s thirty seconds
+    later."""
     info = model.info
     words = min(info.max_tokens, dense_max_tokens) + 8
     encoded = model.encode("hello " * words, truncate=True)
@@ -99,13 +100,13 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
     to_u8(result.attention[:1, :1])  # compiles the u8 quantiser, off the first u8 answer
-    del result  # the timed forward's weights are as large: one set at a time (1 GB for a 135M model)
-    started = time.perf_counter()
-    model.run([encoded], Capture(hidden=False))
-    timed = (work_units(n), time.perf_counter() - started)
     # The head finder's one-time costs, off the first request: the model's induction probe and the
     # compiled row pass. On a short text: the compile costs the same at any length, the pass T².
-    head_table(model, model.run([model.encode(HEAD_FINDER_WARM_UP, truncate=True)], Capture(hidden=False))[0])
+    short = model.encode(HEAD_FINDER_WARM_UP, truncate=True)
+    started = time.perf_counter()
+    run = model.run([short], Capture(hidden=False))[0]
+    timed = (work_units(len(short)), time.perf_counter() - started)
+    head_table(model, run)
     return timed
 
 

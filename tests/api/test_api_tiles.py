@@ -553,14 +553,13 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     units, seconds = warm_up(model, 40)
     first = list(lengths)
     warm_up(model, 4096)
-    # Twice at the length (the second timed: the batcher's first rate), then the head finder's
-    # warm-up: a short text, and the probe (random bytes twice, no [CLS]).
-    assert 30 <= first[0] <= 40 and first[1:] == [first[0], len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
-    assert units == work_units(first[0]) and seconds > 0
-    # probe kept
-    assert lengths[len(first):] == [model.info.max_tokens] * 2 + [len(model.encode(HEAD_FINDER_WARM_UP))]
+    # then the head finder's warm-up: a short text (timed: the batcher's first rate), and the
+    # probe (random bytes twice, no [CLS])
+    assert 30 <= first[0] <= 40 and first[1:] == [len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
+    assert units == work_units(first[1]) and seconds > 0
+    assert lengths[len(first):] == [model.info.max_tokens, len(model.encode(HEAD_FINDER_WARM_UP))]  # probe kept
     # the warm-up's own forwards are the batcher's (weights only); the probe's is the head finder's own
-    assert weights_only == [True, True, True, False, True, True, True]
+    assert weights_only == [True, True, False, True, True]
 
 
 def test_a_warmed_up_server_judges_its_first_burst_by_the_warm_up_forwards_rate():
