@@ -167,11 +167,16 @@ export function fetchMean(runId, layers, signal, format = "f16") {
 // Any head of a run comes as float32 too (format json): the page's readings are read from it.
 export const FLOAT32_READINGS = true;
 
-export function isTooLong(err) {
+function isTooLong(err) {
   return err.status === 422 && /long|length|max_tokens|positions/i.test(`${err.code} ${err.message}`);
 }
 
-export function describeError(err) {
+// `tooLong`: what an input over the model's positions is called and what to do about it (the
+// run form's text, by default; Generate's prompt, which cannot be cut). The server's message ends
+// in its own advice ("; shorten it"): the page gives advice once, in its words.
+const RUN_TEXT = { subject: "Text", advice: "Shorten it, or tick “Cut to fit” to keep the start." };
+
+export function describeError(err, tooLong = RUN_TEXT) {
   if (!(err instanceof ApiError)) return `Something went wrong in the page: ${err.message}`;
   const detail = err.message.replace(/\.?$/, ".");
   switch (err.status) {
@@ -187,7 +192,7 @@ export function describeError(err) {
       return err.code === "run_too_large" ? `Too large: ${detail}` : `Too large: ${detail} Try a shorter text.`;
     case 422:
       return isTooLong(err)
-        ? `Text too long: ${detail} Shorten it, or tick “Cut to fit” to keep the start.`
+        ? `${tooLong.subject} too long: ${err.message.split(";")[0]}. ${tooLong.advice}`
         : `Cannot run this input: ${detail}`;
     case 429: {
       const wait = err.retryAfter ? ` Try again in ${err.retryAfter} s.` : " Try again in a moment.";

@@ -2,19 +2,15 @@
 // and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
 // stream, and the server stops within one step of the hang-up.
 
-import { ApiError, describeError, isTooLong, listModels, requestResponse } from "./api.js";
+import { describeError, listModels, requestResponse } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
 
-// The server's too-long message ends in its own advice ("; shorten it"): the page's general advice
-// came after it ("shorten it. Shorten it") and asked to tick "Cut to fit", which generation does not read.
-function explain(err) {
-  if (err instanceof ApiError && isTooLong(err)) return `Prompt too long: ${err.message.split(";")[0]}. Write a shorter prompt, leaving room for the new tokens.`;
-  return describeError(err);
-}
+// A prompt over the model's positions: generation cannot cut, so no "Cut to fit" in the advice.
+const PROMPT = { subject: "Prompt", advice: "Write a shorter prompt, leaving room for the new tokens." };
 
 // The prompt an empty box stands for: the run on screen. A run cut to fit covers only the start of
 // its text (the kept tokens' characters; the server counts them in code points). Generation cannot
@@ -198,7 +194,8 @@ export function mountGeneration(box) {
     // An empty box is the default; 0 goes to the server, which says what it takes (it was 20 here).
     const n = count.value.trim() === "" ? 20 : Number(count.value);
     const model = currentModel().model;
-    const { text, cut, error } = prompt.value.trim() ? { text: prompt.value } : runPrompt(input, shownRun, n, modelList.find((m) => m.id === model));
+    const info = modelList.find((m) => m.id === model);
+    const { text, cut, error } = prompt.value.trim() ? { text: prompt.value } : runPrompt(input, shownRun, n, info);
     if (error) return status(note, error, "error");
     pause();
     const body = { text, model, max_new_tokens: n, temperature: Number(temperature.value) || 0 };
@@ -235,9 +232,8 @@ export function mountGeneration(box) {
       if (mine !== state.epoch) return;
       if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
       else if (cut && state.start) {
-        const max = modelList.find((m) => m.id === state.start.model)?.max_tokens;
         status(note, `Finished: ${state.steps.length} new tokens, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
-          + `the whole run and the new tokens would not fit in ${state.start.model}'s ${max} positions.`);
+          + `the whole run and the new tokens would not fit in ${info.id}'s ${info.max_tokens} positions.`);
       } else status(note, `Finished: ${state.steps.length} new tokens.`);
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.
@@ -246,7 +242,7 @@ export function mountGeneration(box) {
         status(note, `Stopped after ${tokenCount(state.steps.length)}.`);
       } else if (mine === state.epoch) {
         state.outcome = "failed";
-        status(note, explain(err), "error");
+        status(note, describeError(err, PROMPT), "error");
       }
     } finally {
       const following = mine === state.epoch && state.follow && !state.timer && state.steps.length > 0;

@@ -2,7 +2,7 @@
 // Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { FLOAT32_READINGS, describeError, fetchMean, fetchSlice, isTooLong, listModels, postAttention, requestFile } from "./api.js";
+import { FLOAT32_READINGS, describeError, fetchMean, fetchSlice, listModels, postAttention, requestFile } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO } from "./focus.js";
@@ -86,12 +86,6 @@ function viewsLoaded() {
 
 function startInteraction(name) {
   state.interaction = { name, start: performance.now() };
-}
-
-function explain(err) {
-  // The server's too-long message ends in its own advice; the page gives it once, in its words.
-  if (isTooLong(err)) return `Text too long: ${err.message.split(";")[0]}. Shorten it, or tick “Cut to fit” to keep the start.`;
-  return describeError(err);
 }
 
 // `source` is what failed: "run" (the text's own request, cleared by the next run) or "views"
@@ -194,7 +188,7 @@ async function fromRun(run, key, fetcher, reposted = null) {
     return answer;
   } catch (err) {
     if (err.name !== "AbortError" && state.run === run) {
-      showError(explain(err), "views");
+      showError(describeError(err), "views");
       if ($("focus-plot").hasAttribute("data-stale")) {
         $("focus-caption").textContent = "This view's values could not be loaded (see above): the faded heatmap is the last view's.";
       }
@@ -553,7 +547,7 @@ function longRunError(run, err) {
   if (state.run !== run || err.name === "AbortError") return;
   const lost = err.status === 404 && err.code === "unknown_run";
   if (!lost || performance.now() - (run.revivedAt ?? -Infinity) < REVIVE_GAP_MS) {
-    showError(explain(err), "views");
+    showError(describeError(err), "views");
     return;
   }
   if (run.reviving) return; // the tiles in flight fail together: one post answers them all
@@ -565,7 +559,7 @@ function longRunError(run, err) {
       paintOverview(grid, run, state.scale).catch(() => {});
       renderViews();
     })
-    .catch((again) => state.run === run && again.name !== "AbortError" && showError(explain(again), "views"))
+    .catch((again) => state.run === run && again.name !== "AbortError" && showError(describeError(again), "views"))
     .finally(() => { run.reviving = null; });
 }
 
@@ -690,7 +684,7 @@ async function restoreFromUrl(push) {
     try {
       saved = await loadView(link.view);
     } catch (err) {
-      showError(err.status === 404 ? "This link has expired: the server no longer holds its view. Run the text again." : explain(err));
+      showError(err.status === 404 ? "This link has expired: the server no longer holds its view. Run the text again." : describeError(err));
       return;
     }
   } else if (link.legacy) {
@@ -762,7 +756,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
       // run succeeds, rather than pass for the new text's.
       const stale = Boolean(state.run);
       document.body.toggleAttribute("data-stale", stale);
-      showError(explain(err) + (stale ? " The results below are still those of the last run." : ""));
+      showError(describeError(err) + (stale ? " The results below are still those of the last run." : ""));
       setBusy(false);
       $("run-status").textContent = "";
     }
@@ -813,7 +807,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   if (typedIn || dropped) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
-  if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(explain(err), "views"));
+  if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(describeError(err), "views"));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
 }
 
@@ -942,7 +936,7 @@ async function copyLink() {
     await saveNow();
   } catch (err) {
     // The address bar then holds an older view (or none): pointing at it would mislead.
-    status.textContent = `The link could not be saved: ${explain(err)}`;
+    status.textContent = `The link could not be saved: ${describeError(err)}`;
     return;
   }
   try {
@@ -962,7 +956,7 @@ async function exportPage() {
     const { blob, filename } = await requestFile(`/export?view=${await saveNow()}`);
     saveFile(filename, "text/html", blob);
   } catch (err) {
-    showError(`Cannot export this view: ${explain(err)}`);
+    showError(`Cannot export this view: ${describeError(err)}`);
   }
 }
 
@@ -1040,7 +1034,7 @@ async function init() {
   try {
     state.models = await listModels();
   } catch (err) {
-    showError(`Cannot list the models: ${explain(err)}`);
+    showError(`Cannot list the models: ${describeError(err)}`);
     return;
   }
   const label = (m) => `${m.id} (${m.family}, ${m.n_layers}×${m.n_heads}${m.causal ? ", causal" : ""})`;
