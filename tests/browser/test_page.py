@@ -223,7 +223,7 @@ def test_permalink_with_unknown_model_and_indices_falls_back(server, page):
     wait_focus(page)
     assert page.locator("#model").input_value() == "minilm"
     # Not silently: the user learns that the run is not of the model the link named.
-    page.wait_for_function("document.getElementById('link-status').textContent.length > 0")
+    page.wait_for_function("() => document.getElementById('link-status').textContent.length > 0")
     assert page.locator("#link-status").text_content() == (
         "This link named the model “nope”, which this server does not serve; it ran on minilm.")
     # Out-of-range indices are clamped to the model's last layer and head.
@@ -231,7 +231,7 @@ def test_permalink_with_unknown_model_and_indices_falls_back(server, page):
     # And said so, on a model the server has (they were clamped without a word).
     open_page(page, server, "?text=Hello+there.&model=minilm&layer=9&head=99")
     wait_focus(page, layer=5, head=11)
-    page.wait_for_function("document.getElementById('link-status').textContent.startsWith('This link named layer')")
+    page.wait_for_function("() => document.getElementById('link-status').textContent.startsWith('This link named layer')")
     assert page.locator("#link-status").text_content() == (
         "This link named layer 9, head 99; minilm has layers 0–5 and heads 0–11, so it shows layer 5, head 11.")
 

@@ -30,7 +30,7 @@ def open_offline(browser, path: Path):
     page.on("dialog", lambda d: (problems.append(f"dialog {d.message}"), d.dismiss()))
     page.goto(path.as_uri())
     page.wait_for_selector("#grid canvas", timeout=20_000)
-    page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'", timeout=20_000)
+    page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'f16'", timeout=20_000)
     page.wait_for_selector("#headview canvas", timeout=20_000)
     return context, page, seen, refused, problems
 
@@ -64,12 +64,12 @@ def test_cli_export_opens_from_disk_with_grid_focus_and_head_view(browser, tiny_
         assert page.locator("#grid canvas").count() == 2 * 8
         check_view(page, tiny_gpt, TEXT, 1, 0)
         page.locator("#grid canvas").nth(3).click()  # layer 0, head 3: the previous-token head
-        page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '3'")
-        page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'")
+        page.wait_for_function("() => document.querySelector('#focus-plot').dataset.head === '3'")
+        page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'f16'")
         check_view(page, tiny_gpt, TEXT, 0, 3)
         page.locator("#focus-plot").focus()
         page.keyboard.press("ArrowRight")
-        page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '4'")
+        page.wait_for_function("() => document.querySelector('#focus-plot').dataset.head === '4'")
         # A reading is the file's float16 value: a live page asks its server for float32, which
         # the file does not hold (that had put "not in this file" up at the first reading).
         page.keyboard.press("Shift+ArrowDown")
@@ -82,7 +82,7 @@ def test_cli_export_opens_from_disk_with_grid_focus_and_head_view(browser, tiny_
         # The mean of all heads comes from the server's /mean on a live page: here from the file.
         page.select_option("#aggregate", "all")
         page.wait_for_selector("#focus-plot[data-aggregate=all]", timeout=10_000)
-        page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'")
+        page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'f16'")
         expected = tiny_gpt.attend(TEXT).attention.mean(dim=(0, 1)).numpy()
         shown = focus_z(page)
         known = ~np.isnan(shown)
@@ -186,11 +186,11 @@ def test_u8_export_shows_the_file_weights(browser, tiny_gpt, tmp_path):
             if step == "ArrowRight":
                 page.locator("#focus-plot").focus()
                 page.keyboard.press(step)
-                page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '7'")
+                page.wait_for_function("() => document.querySelector('#focus-plot').dataset.head === '7'")
             elif step == "all":
                 page.select_option("#aggregate", "all")
                 page.wait_for_selector("#focus-plot[data-aggregate=all]", timeout=10_000)
-            page.wait_for_function("document.querySelector('#focus-plot').dataset.precision === 'f16'")
+            page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'f16'")
             shown = focus_z(page)
             known = ~np.isnan(shown)
             np.testing.assert_allclose(shown[known], expected[known], atol=1 / 510 + 1e-3)
@@ -222,7 +222,7 @@ def test_hiding_tokens_in_an_export_renormalises_the_file_weights_and_a_click_gi
         page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         assert page.evaluate("() => document.activeElement.id") == "focus-plot"
         page.keyboard.press("ArrowRight")
-        page.wait_for_function("document.querySelector('#focus-plot').dataset.head === '3'")
+        page.wait_for_function("() => document.querySelector('#focus-plot').dataset.head === '3'")
         assert not refused and not problems, (refused, problems)
     finally:
         context.close()
