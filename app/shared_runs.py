@@ -136,7 +136,7 @@ class FileDirectory:
     def __init__(self, files: SharedFiles) -> None:
         self.files = files
 
-    def remember(self, entries: list[tuple[str, tuple]]) -> None:
+    async def remember(self, entries: list[tuple[str, tuple]]) -> None:
         # Off the event loop: the folder is memory (/dev/shm) where there is one, but need not be.
         def write() -> None:
             try:
@@ -145,7 +145,7 @@ class FileDirectory:
             except OSError as exc:  # a full folder: other workers recompute nothing, they answer 404
                 log.warning("could not record runs for the other workers: %s", exc)
 
-        asyncio.get_running_loop().run_in_executor(None, write)
+        await asyncio.get_running_loop().run_in_executor(None, write)
 
     async def recall(self, run_id: str) -> tuple | None:
         found = await asyncio.get_running_loop().run_in_executor(None, self.files.read, f"run-{run_id}")
@@ -161,7 +161,10 @@ class SharedRuns:
     as GET; inside AccessLog, so the request's logged time includes the recompute.
     The recording itself is done by the app's AttentionService, for each run it computes
     (create_app's `run_directory`), so a POST is neither buffered nor parsed twice here.
-    `directory` has remember(entries) (fire and forget) and async recall(run_id)."""
+    `directory` has async remember(entries) and recall(run_id). The service awaits remember
+    before the request that computed the runs answers: its client's next request (a slice of the
+    run) may reach another copy at once, which found nothing when the record was still being
+    written, and answered 404 unknown_run."""
 
     # A recompute the service refused for now (busy, not ready, out of time) is answered as such,
     # with its Retry-After: the 404 "POST it again" of a run never seen would send the client

@@ -23,6 +23,7 @@ What Ray adds, and how each promise of the single server is kept behind it:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -143,8 +144,12 @@ class RayDirectory:
     def __init__(self, actor) -> None:
         self.actor = actor
 
-    def remember(self, entries: list[tuple[str, tuple]]) -> None:
-        self.actor.remember.remote(entries)  # fire and forget
+    async def remember(self, entries: list[tuple[str, tuple]]) -> None:
+        try:
+            async with asyncio.timeout(SHELF_TIMEOUT_S):
+                await self.actor.remember.remote(entries)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # the other replicas recompute nothing, they answer 404
+            log.warning("could not record runs for the other replicas: %s", exc)
 
     async def recall(self, run_id: str) -> tuple | None:
         return await self.actor.recall.remote(run_id)

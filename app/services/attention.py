@@ -710,7 +710,7 @@ class AttentionService:
                     "shorter text, or raise MANYEYES_CACHE_BYTES"
                 )
         if self.run_directory is not None:
-            self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate, i.tenant)) for i in missing])
+            await self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate, i.tenant)) for i in missing])
 
     def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
         for item in items:
