@@ -410,8 +410,11 @@ def _settings():
         print(f"error: {name} in the environment is not valid JSON ({exc.__cause__ or exc})", file=sys.stderr)
         return None
     except ValidationError as exc:
+        def shown(error) -> str:  # keys are secrets: a terminal's scrollback and a service's log keep this line
+            return "(the keys, not shown)" if error["loc"][0] == "api_keys" else repr(error.get("input"))
+
         problems = "; ".join(
-            f"MANYEYES_{'_'.join(str(part) for part in error['loc'][:1]).upper()}={error.get('input')!r}: "
+            f"MANYEYES_{'_'.join(str(part) for part in error['loc'][:1]).upper()}={shown(error)}: "
             f"{error['msg'].removeprefix('Value error, ')}"
             if error["loc"] else error["msg"].removeprefix("Value error, ") for error in exc.errors())
         print(f"error: a MANYEYES_* setting in the environment is malformed: {problems}", file=sys.stderr)

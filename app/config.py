@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -209,7 +210,20 @@ class Settings(BaseSettings):
     @field_validator("api_keys", "trusted_proxies", mode="before")
     @classmethod
     def _split_list(cls, value):
-        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("["):
+            # The JSON list MANYEYES_CORS_ORIGINS takes: split on commas, '["k1"]' was one key,
+            # brackets and quotes included, and no intended key worked.
+            try:
+                listed = json.loads(value)
+            except json.JSONDecodeError:
+                listed = None
+            if not (isinstance(listed, list) and all(isinstance(v, str) for v in listed)):
+                raise ValueError("starts with '[' but is no JSON list of strings: write a JSON list "
+                                 "such as '[\"a\", \"b\"]', or the values separated by commas")
+            return [v.strip() for v in listed if v.strip()]
+        return [v.strip() for v in value.split(",") if v.strip()]
 
     @field_validator("trusted_proxies")
     @classmethod

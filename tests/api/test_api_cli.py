@@ -190,6 +190,24 @@ def test_a_trusted_proxy_that_is_no_address_is_one_line_before_serving(monkeypat
                    "10.0.0.0/8): name proxies by address\n"), err
 
 
+def test_keys_and_proxies_are_read_as_a_json_list_too_and_a_broken_one_is_one_line_that_keeps_the_keys_secret(monkeypatch, capsys):
+    """MANYEYES_CORS_ORIGINS is a JSON list; written so, MANYEYES_API_KEYS='["k1"]' was one key,
+    brackets and quotes included, and no intended key worked, without a word."""
+    from manyeyes.app.config import Settings
+
+    monkeypatch.setenv("MANYEYES_API_KEYS", '["k1", " k2 "]')
+    monkeypatch.setenv("MANYEYES_TRUSTED_PROXIES", '["10.0.0.1", "10.0.0.0/8"]')
+    assert Settings().api_keys == ["k1", "k2"] and Settings().trusted_proxies == ["10.0.0.1", "10.0.0.0/8"]
+    monkeypatch.setenv("MANYEYES_API_KEYS", "k1, k2")
+    assert Settings().api_keys == ["k1", "k2"]
+    monkeypatch.setenv("MANYEYES_API_KEYS", '["s3cret", 7')
+    assert main(["serve", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_API_KEYS=(the keys, not shown): "
+                   "starts with '[' but is no JSON list of strings: write a JSON list such as '[\"a\", \"b\"]', or the "
+                   "values separated by commas\n"), err
+
+
 @pytest.mark.parametrize("args, says", [
     (["--device", "tpu"], "error: unknown device 'tpu': use cpu, cuda, cuda:N, mps or auto\n"),
     (["--replicas", "-3"], "a whole number of 1 or more"),
