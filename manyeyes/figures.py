@@ -240,8 +240,10 @@ def grid(result, *, cell_px: int = 90, hide_special: bool = False, hide_first: b
                      f"<extra>{step}×{step} tokens a cell</extra>")
             fig.add_trace(go.Heatmap(z=pooled[i, j], x=starts, y=starts, coloraxis="coloraxis", hovertemplate=hover),
                           row=i + 1, col=j + 1)
-    fig.update_xaxes(showticklabels=False)
-    fig.update_yaxes(showticklabels=False, autorange="reversed")
+    # Categories, one cell each: on a number axis a hidden token's gap (a pair's middle [SEP])
+    # made its neighbours' cells half as wide again.
+    fig.update_xaxes(showticklabels=False, type="category")
+    fig.update_yaxes(showticklabels=False, autorange="reversed", type="category")
     notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell") if note]
     fig.update_layout(coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1},
                       title="All heads" + (f" <sup>({'; '.join(notes)})</sup>" if notes else ""),

@@ -205,6 +205,13 @@ def test_special_tokens_can_be_hidden_as_on_the_page():
     np.testing.assert_allclose(np.asarray(first.data[0].z)[0], [0.6, 0.2, 0.2], rtol=1e-6)
     grid = figures.grid(result, hide_special=True)
     np.testing.assert_allclose(np.asarray(grid.data[0].z), [[0.75, 0.25], [0.5, 0.5]], rtol=1e-6)
+    # Hidden tokens leave gaps in the positions; a number axis drew the cells beside a gap wider.
+    pair = _result(np.full((1, 1, 6, 6), 1 / 6, np.float32), ["[CLS]", "a", "b", "[SEP]", "c", "[SEP]"],
+                   [True, False, False, True, False, True])
+    hidden = figures.grid(pair, hide_special=True)
+    assert list(hidden.data[0].x) == [1, 2, 4] and list(hidden.data[0].y) == [1, 2, 4]
+    for axis in [*hidden.select_xaxes(), *hidden.select_yaxes()]:
+        assert axis.type == "category", "a number axis draws the cells either side of a gap wider than the rest"
     hv = figures.head_view(result, 0, hide_special=True)
     assert [list(t.text) for t in hv.data if t.mode == "text"] == [["bank", "river"]] * 2
     np.testing.assert_allclose(np.asarray(figures.heatmap(result, 0, 0).data[0].z), a[0, 0])  # off by default
