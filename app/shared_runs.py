@@ -45,6 +45,10 @@ def hold_to_share(keys, owner_of, owner: str, newest: str, over_share, drop) -> 
         drop(key)
 
 
+class SharedUnreachable(Exception):
+    """A store the copies share could not be reached (the Ray actor, say): a copy falls back on its own."""
+
+
 # Run and view ids are short hex digests; nothing else ever becomes a file name.
 KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 

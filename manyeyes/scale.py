@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
 
 from manyeyes.app.config import Settings
-from manyeyes.app.shared_runs import OWNER_SHARE, hold_to_share, serve_once_loaded
+from manyeyes.app.shared_runs import OWNER_SHARE, SharedUnreachable, hold_to_share, serve_once_loaded
 
 NAMESPACE = "manyeyes"
 DIRECTORY = "manyeyes-run-directory"
@@ -109,23 +109,24 @@ class ViewShelf:
 class RayShelf:
     """ViewStore's shared store over the ViewShelf actor. Both calls wait for the actor (the view
     routes run on the thread pool, not the event loop): a saved view's id is handed out only once
-    every replica can open it. An actor that cannot be reached keeps views per replica, as before."""
+    every replica can open it. An actor that cannot be reached is SharedUnreachable: the replica
+    keeps views itself until it answers again."""
 
-    def __init__(self, actor) -> None:
+    def __init__(self, actor, max_bytes: int) -> None:
         self.actor = actor
+        self.max_bytes = max_bytes  # the actor's bound: ViewStore refuses a view it would not take
 
     def put(self, key: str, data: bytes, owner: str = "") -> None:
         try:
             ray.get(self.actor.put.remote(key, data, owner), timeout=SHELF_TIMEOUT_S)
         except ray.exceptions.RayError as exc:  # a timeout too (GetTimeoutError)
-            log.warning("could not share view %s with the other replicas: %s", key, exc)
+            raise SharedUnreachable(f"the replicas' view shelf: {exc}") from None
 
     def read(self, key: str) -> tuple[bytes, float] | None:
         try:
             return ray.get(self.actor.read.remote(key), timeout=SHELF_TIMEOUT_S)
         except ray.exceptions.RayError as exc:  # a timeout too (GetTimeoutError)
-            log.warning("could not look view %s up among the other replicas: %s", key, exc)
-            return None
+            raise SharedUnreachable(f"the replicas' view shelf: {exc}") from None
 
 
 def view_shelf():
@@ -178,13 +179,13 @@ def build_app(settings: Settings, threads: int):
     import torch
 
     from manyeyes.app.main import create_app
-    from manyeyes.app.services.views import ViewStore
+    from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
 
     torch.set_num_threads(threads)
     directory = RayDirectory(run_directory())
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
-    app.state.views = ViewStore(shared=RayShelf(view_shelf()))
+    app.state.views = ViewStore(shared=RayShelf(view_shelf(), MAX_VIEW_BYTES))
     app.add_middleware(BytesBodies)
     return app
 

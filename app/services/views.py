@@ -9,6 +9,7 @@ the id of a view of a guessed text (the id alone opens it: a permalink is for sh
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -17,7 +18,9 @@ from contextlib import contextmanager
 import orjson
 
 from manyeyes.app.services.errors import QueueFull
-from manyeyes.app.shared_runs import OWNER_SHARE, hold_to_share
+from manyeyes.app.shared_runs import OWNER_SHARE, SharedUnreachable, hold_to_share
+
+log = logging.getLogger("manyeyes.views")
 
 MAX_VIEWS = 10_000
 # Each view is kept as its JSON bytes, counted as such: a view may carry two texts of 200,000
@@ -29,11 +32,18 @@ TTL_S = 30 * 24 * 3600
 class ViewStore:
     def __init__(self, max_views: int = MAX_VIEWS, ttl_s: float = TTL_S, max_bytes: int = MAX_VIEW_BYTES,
                  clock=time.monotonic, shared=None) -> None:
-        """shared: a SharedFiles (app/shared_runs.py) that worker processes share, so a link saved
-        through one worker opens through any other."""
+        """shared: the store copies of the app share (SharedFiles between worker processes, the
+        Ray actor between replicas), with put(key, bytes, owner) and read(key). It is then the
+        one store views are kept in and opened from, so every copy opens the same views, and a
+        copy started after a crash opens them too: each copy kept a store of its own besides,
+        larger and evicting in another order, so the copy that saved a view opened it after the
+        others had forgotten it, and lost it in a crash. A copy keeps views itself only while
+        the shared store cannot be reached (it raises SharedUnreachable or OSError)."""
         self.max_views = max_views
         self.ttl_s = ttl_s
-        self.max_bytes = max_bytes
+        # A view the shared store would not take (its share of the bytes is smaller) is refused
+        # here, not handed an id that opens nowhere.
+        self.max_bytes = min(max_bytes, getattr(shared, "max_bytes", max_bytes))
         self.nbytes = 0
         self.clock = clock
         self._views: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()  # id -> (saved, JSON, owner)
@@ -49,6 +59,12 @@ class ViewStore:
         if len(encoded) > self.max_bytes:
             raise ValueError(f"a view of {len(encoded):,} bytes is larger than the store's {self.max_bytes:,}")
         view_id = hashlib.blake2b(encoded, digest_size=9, key=bytes.fromhex(tenant)).hexdigest()
+        if self.shared is not None:
+            try:
+                self.shared.put(f"view-{view_id}", encoded, owner)
+                return view_id
+            except (SharedUnreachable, OSError) as exc:
+                log.warning("view %s kept by this copy alone: the shared store failed (%s)", view_id, exc)
         with self._lock:
             self._drop(view_id)
             self._views[view_id] = (self.clock(), encoded, owner)
@@ -62,11 +78,14 @@ class ViewStore:
                               self._drop)
             while len(self._views) > self.max_views or self.nbytes > self.max_bytes:
                 self._drop(next(iter(self._views)))
-        if self.shared is not None:
-            self.shared.put(f"view-{view_id}", encoded, owner)
         return view_id
 
     def get(self, view_id: str) -> dict | None:
+        if self.shared is not None:
+            try:
+                return self._from_shared(view_id)
+            except (SharedUnreachable, OSError) as exc:
+                log.warning("view %s looked up in this copy alone: the shared store failed (%s)", view_id, exc)
         with self._lock:
             entry = self._views.get(view_id)
             if entry is not None:
@@ -75,13 +94,11 @@ class ViewStore:
                     self._drop(view_id)
                     return None
                 self._views.move_to_end(view_id)
-        if entry is None:
-            return self._from_shared(view_id)  # outside the lock: it reads a file
-        return orjson.loads(encoded)
+        return None if entry is None else orjson.loads(encoded)
 
     def _from_shared(self, view_id: str) -> dict | None:
-        # Saved through another worker. Its age is the file's: the 30 days hold across workers.
-        found = self.shared.read(f"view-{view_id}") if self.shared is not None else None
+        # Its age is the entry's: the 30 days hold across copies.
+        found = self.shared.read(f"view-{view_id}")
         if found is None or time.time() - found[1] > self.ttl_s:
             return None
         return orjson.loads(found[0])

@@ -112,6 +112,55 @@ def test_one_clients_saves_push_out_only_its_own_views(tmp_path):
     assert [store.get(i) is not None for i in small] == [False] * 50 + [True] * 10 and store.get(theirs) is not None
 
 
+def test_copies_sharing_views_open_the_same_ones_and_so_does_a_copy_started_after_a_crash(tmp_path):
+    """Each worker kept a store of its own besides the shared files, larger and evicting in
+    another order: 30 views of 97 KB saved through one worker opened there while the other
+    answered 404 for the oldest nine, and its crash lost them (a review by use)."""
+    from manyeyes.app.shared_runs import SharedFiles
+
+    def copy(slot):
+        return ViewStore(shared=SharedFiles(tmp_path, slot, 12_000))
+
+    saving, other = copy("0"), copy("1")
+    ids = [saving.put({"text": f"{i} " + "x" * 1_000}, owner="addr:10.0.0.9") for i in range(30)]
+    opened = [saving.get(i) is not None for i in ids]
+    assert opened[-1] and not opened[0]  # the client's share (a quarter) holds its newest views only
+    assert [other.get(i) is not None for i in ids] == opened
+    replacement = copy("0")  # the saving worker's successor in its slot
+    assert [replacement.get(i) is not None for i in ids] == opened
+    # A view larger than the shared share is refused, not handed an id that opens nowhere.
+    with pytest.raises(ValueError, match="larger than the store's 12,000"):
+        saving.put({"text": "x" * 13_000})
+
+
+def test_a_copy_that_cannot_reach_the_shared_store_keeps_views_itself():
+    from manyeyes.app.shared_runs import SharedUnreachable
+
+    class Unreachable:
+        max_bytes = 10_000
+
+        def put(self, key, data, owner=""):
+            raise SharedUnreachable("the actor is gone")
+
+        def read(self, key):
+            raise SharedUnreachable("the actor is gone")
+
+    store = ViewStore(shared=Unreachable())
+    view_id = store.put(VIEW)
+    assert store.get(view_id) == VIEW
+
+
+def test_a_view_larger_than_the_store_takes_is_a_413(api):
+    kept = getattr(api.app.state, "views", None)
+    try:
+        api.app.state.views = ViewStore(max_bytes=1_000)
+        r = api.post("/api/v1/views", json={**VIEW, "text": "the river " * 150})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "view_too_large", r.text
+        assert r.json()["error"]["message"].endswith("is larger than the store's 1,000: save a view of a shorter text")
+    finally:
+        api.app.state.views = kept
+
+
 def test_a_keys_view_ids_are_its_own():
     """Content ids let any key work out the id of a view of a guessed text and open it."""
     store = ViewStore()
