@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -61,11 +62,17 @@ class SharedFiles:
     adopts what it wrote, oldest first, within the same share: the saved views among it are
     permalinks people hold, and emptying the folder lost them ("expired") on any worker crash."""
 
+    # How many of the oldest entries eviction looks through for one keep_first does not hold.
+    EVICTION_LOOKS = 64
+
     def __init__(self, folder: Path, own: str, max_bytes: int) -> None:
         self.folder = Path(folder)
         self.own = self.folder / own
         self.own.mkdir(exist_ok=True)
         self.max_bytes = max_bytes
+        # key -> True for an entry to evict only after the others (among the oldest
+        # EVICTION_LOOKS): the run records of runs this process still holds (FileDirectory).
+        self.keep_first = lambda key: False
         self.nbytes = 0
         self._mine: OrderedDict[str, int] = OrderedDict()
         self._owners: dict[str, str] = {}  # key -> who wrote it, where put named one
@@ -88,6 +95,15 @@ class SharedFiles:
         self._evict()
 
     def _evict(self) -> None:
+        excess = self.nbytes - self.max_bytes
+        if excess <= 0:
+            return
+        # A bounded look, so a put costs the same however many entries are held.
+        oldest = [key for key, _ in zip(self._mine, range(self.EVICTION_LOOKS))]
+        for key in [key for key in oldest if not self.keep_first(key)]:
+            if self.nbytes <= self.max_bytes:
+                return
+            self._remove(key)
         while self.nbytes > self.max_bytes:
             self._remove(next(iter(self._mine)))
 
@@ -135,17 +151,24 @@ class SharedFiles:
 
 
 class FileDirectory:
-    """run id -> the request that makes it, for worker processes on one machine."""
+    """run id -> the request that makes it, for worker processes on one machine. Each request is
+    kept compressed (a 100,000-character text cut to the model's length is kept whole: its run's
+    id hashes all of it), and a record whose run this worker still holds goes after the others,
+    so another worker can recompute a run while the worker that made it still serves it."""
 
     def __init__(self, files: SharedFiles) -> None:
         self.files = files
+
+    def hold_while(self, holds) -> None:
+        """holds(run_id) -> whether this process's cache holds the run."""
+        self.files.keep_first = lambda key: holds(key.removeprefix("run-"))
 
     async def remember(self, entries: list[tuple[str, tuple]]) -> None:
         # Off the event loop: the folder is memory (/dev/shm) where there is one, but need not be.
         def write() -> None:
             try:
                 for run_id, request in entries:
-                    self.files.put(f"run-{run_id}", orjson.dumps(request))
+                    self.files.put(f"run-{run_id}", zlib.compress(orjson.dumps(request), 1))
             except OSError as exc:  # a full folder: other workers recompute nothing, they answer 404
                 log.warning("could not record runs for the other workers: %s", exc)
 
@@ -153,7 +176,7 @@ class FileDirectory:
 
     async def recall(self, run_id: str) -> tuple | None:
         found = await asyncio.get_running_loop().run_in_executor(None, self.files.read, f"run-{run_id}")
-        return tuple(orjson.loads(found[0])) if found is not None else None
+        return tuple(orjson.loads(zlib.decompress(found[0]))) if found is not None else None
 
 
 class SharedRuns:
@@ -165,7 +188,7 @@ class SharedRuns:
     as GET; inside AccessLog, so the request's logged time includes the recompute.
     The recording itself is done by the app's AttentionService, for each run it computes
     (create_app's `run_directory`), so a POST is neither buffered nor parsed twice here.
-    `directory` has async remember(entries) and recall(run_id). The service awaits remember
+    `directory` has async remember(entries), recall(run_id) and hold_while(holds). The service awaits remember
     before the request that computed the runs answers: its client's next request (a slice of the
     run) may reach another copy at once, which found nothing when the record was still being
     written, and answered 404 unknown_run."""
@@ -221,9 +244,12 @@ class SharedRuns:
         request = await self.directory.recall(run_id)
         if request is None:
             return False  # never seen anywhere: the app answers its 404 unknown_run
-        # Made under the key it was made under (its id says so), charged to this request's client.
-        model, text, pair, truncate, owner = request
-        probe = AttentionRequest(text=text, text_pair=pair, model=model, truncate=truncate, layers=[0], heads=[0], format="json")
+        # Made under the key it was made under (its id says so), charged to this request's client,
+        # and kept as the copy that made it keeps it (queries and keys or weights; on a GPU, its
+        # precision): the same id answered 200 from one copy and 422 kept_qk from the other.
+        model, text, pair, truncate, owner, keep, precision = request
+        probe = AttentionRequest(text=text, text_pair=pair, model=model, truncate=truncate, keep=keep,
+                                 layers=[0], heads=[0], format=precision)
         try:
             await service.attend([(text, pair)], probe, batch=False, started=time.monotonic(), client=client, tenant=owner)
         except ApiError as exc:

@@ -145,6 +145,9 @@ class RayDirectory:
     def __init__(self, actor) -> None:
         self.actor = actor
 
+    def hold_while(self, holds) -> None:
+        """Nothing: the actor is one LRU for replicas anywhere, and cannot ask their caches."""
+
     async def remember(self, entries: list[tuple[str, tuple]]) -> None:
         try:
             async with asyncio.timeout(SHELF_TIMEOUT_S):

@@ -300,6 +300,8 @@ class AttentionService:
         # Where copies of the app (workers, replicas) record the request behind each run they
         # compute, so another copy asked for a slice of it can compute it again (app/shared_runs.py).
         self.run_directory = run_directory
+        if run_directory is not None:
+            run_directory.hold_while(cache.holds)
         # Answers encoded (and tiles computed, services/tiles.py) at once; each holds its answer meanwhile.
         self.renders = FairSlots(settings.max_concurrent_renders)
         # Tiles and large slices waiting for one of those slots: bounded, 429 beyond (RenderQueue).
@@ -710,7 +712,8 @@ class AttentionService:
                     "shorter text, or raise MANYEYES_CACHE_BYTES"
                 )
         if self.run_directory is not None:
-            await self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate, i.tenant)) for i in missing])
+            await self.run_directory.remember([(i.run_id, (served.id, i.text, i.text_pair, truncate, i.tenant, i.kind, view.format))
+                                               for i in missing])
 
     def _tokenize(self, served: Served, items: list[Item], truncate: bool) -> None:
         for item in items:

@@ -114,6 +114,10 @@ class RunCache:
                 self._runs.move_to_end(run_id)
             return run
 
+    def holds(self, run_id: str) -> bool:
+        """Whether the run is cached, without counting as a use of it (get moves it to the newest)."""
+        return run_id in self._runs
+
     def put(self, run: Run, replaces=lambda cached: True) -> bool:
         """False when the run is not kept: alone it is larger than the whole cache, or a run is
         cached under its id and `replaces(that run)` says no (checked under the lock, so two

@@ -50,14 +50,11 @@ def counted(copies, monkeypatch) -> list[str]:
     return texts
 
 
-def posted(copies, text: str) -> dict:
-    """A run the first copy computed, once its record is written (off the event loop)."""
+def posted(copies, text: str, **more) -> dict:
+    """A run the first copy computed, recorded before its answer."""
     first, _, folder = copies
-    body = first.post("/api/v1/attention", json={"text": text, "format": "json"}).json()
-    deadline = time.monotonic() + 10
-    while not (folder / "0" / f"run-{body['run_id']}").exists():
-        assert time.monotonic() < deadline, "the run was never recorded"
-        time.sleep(0.01)
+    body = first.post("/api/v1/attention", json={"text": text, "format": "json", **more}).json()
+    assert (folder / "0" / f"run-{body['run_id']}").exists()
     return body
 
 
@@ -133,3 +130,37 @@ def test_a_recompute_refused_for_now_is_that_refusal_not_a_404(copies, counted, 
     assert r.status_code == 200 and r.headers["x-manyeyes-recomputed"] == "1"
     unseen = second.get("/api/v1/runs/" + "0" * 32 + "/attention")  # never computed anywhere: still the 404
     assert unseen.status_code == 404 and unseen.json()["error"]["code"] == "unknown_run"
+
+
+def test_a_run_is_recomputed_kept_as_the_copy_that_made_it_keeps_it(copies, counted):
+    """The record held no `keep`: a run kept as queries and keys by one copy was recomputed as
+    weights by the other, so its slices were 422 kept_qk or 200 by the copy that answered."""
+    first, second, _ = copies
+    run = posted(copies, "Kept as queries and keys.", keep="qk")
+    for copy in (first, second):
+        assert copy.get(f"/api/v1/runs/{run['run_id']}").json()["kept"] == "qk"
+        r = copy.get(f"/api/v1/runs/{run['run_id']}/attention", params={"layers": "0", "heads": "0"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "kept_qk", r.text
+    assert counted == ["Kept as queries and keys."]
+
+
+def test_a_long_texts_record_is_small_and_records_of_runs_still_held_go_last(copies, tmp_path):
+    """Each record held its whole text as JSON (six bytes a control character): 70 runs of a
+    100,000-character text cut to fit filled a worker's share of the folder, and the other worker
+    answered 404 for runs the first still served (a review by use)."""
+    first, _, folder = copies
+    long = posted(copies, "cut " + "\x01" * 99_900, truncate=True)
+    assert (folder / "0" / f"run-{long['run_id']}").stat().st_size < 5_000  # 600,000 as JSON
+    # The copy's records know which of its runs it holds.
+    records = first.app.state.service.run_directory.files
+    assert records.keep_first(f"run-{long['run_id']}") and not records.keep_first(f"run-{'0' * 32}")
+
+    files = SharedFiles(tmp_path, "0", max_bytes=300)
+    held = {"k0", "k1"}  # the oldest two: their runs are still in the cache
+    files.keep_first = lambda key: key in held
+    for i in range(5):
+        files.put(f"k{i}", b"x" * 100)
+    assert sorted(p.name for p in (tmp_path / "0").iterdir()) == ["k0", "k1", "k4"]
+    held.clear()
+    files.put("k5", b"x" * 100)  # none held now: the oldest go first again
+    assert sorted(p.name for p in (tmp_path / "0").iterdir()) == ["k1", "k4", "k5"]

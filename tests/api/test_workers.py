@@ -361,6 +361,9 @@ class CountingDirectory:
         self.files = FileDirectory(SharedFiles(folder, slot, max_bytes=1 << 20))
         self.remembered: list[list[str]] = []
 
+    def hold_while(self, holds):
+        self.files.hold_while(holds)
+
     async def remember(self, entries):
         self.remembered.append([run_id for run_id, _ in entries])
         await self.files.remember(entries)
