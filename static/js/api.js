@@ -182,8 +182,12 @@ export function describeError(err, tooLong = RUN_TEXT) {
   switch (err.status) {
     case 0:
       return err.message;
-    case 401:
-      return `This server needs an API key: ${detail} Reload the page to enter it again.`;
+    case 401: {
+      // The server's reason may begin by saying so itself ("this server needs an API key: send ..."):
+      // the page said it twice.
+      const reason = err.message.replace(/^this server needs an API key:?\s*/i, "").replace(/\.$/, "");
+      return `This server needs an API key${reason ? ` (${reason})` : ""}. Reload the page to enter it again.`;
+    }
     case 404:
       return `Not found: ${detail}`;
     case 413:

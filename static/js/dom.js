@@ -40,3 +40,8 @@ export function focusOnPress(plot) {
 export function nextFrame() {
   return new Promise((resolve) => requestAnimationFrame(() => resolve()));
 }
+
+// Plots narrower than NARROW_PX keep Plotly's modebar on show over their top line (a phone has no
+// hover to hide it): a title there goes MODEBAR_PX lower, under it.
+export const NARROW_PX = 520;
+export const MODEBAR_PX = 34;

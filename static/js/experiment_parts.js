@@ -1,13 +1,11 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
 import { requestJson } from "./api.js";
-import { $, el, plotlyText } from "./dom.js";
+import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { OFFLINE_CONFIG, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 
-const NARROW_PX = 520; // plots narrower than this keep the modebar over their top, as focus.js's
-const MODEBAR_PX = 34;
 
 export function postJson(url, body, signal) {
   return requestJson(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });

@@ -11,7 +11,7 @@
 import { AxisLabels } from "./axis_labels.js";
 import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { Colorbar } from "./colorbar.js";
-import { el, focusOnPress, plotlyText } from "./dom.js";
+import { MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
 import { palette, scaled } from "./theme.js";
 
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
@@ -349,11 +349,11 @@ export class FocusView {
       this.labels.move(place.box, place.ranges);
     }
     const pal = palette();
-    const narrow = this.plot.clientWidth < 520;
+    const narrow = this.plot.clientWidth < NARROW_PX;
     const { title, scale, zmax } = this.current;
     this.titleNode.textContent = title;
     this.titleNode.style.color = pal.text;
-    this.titleNode.style.top = `${6 + (narrow ? 34 : 0)}px`;
+    this.titleNode.style.top = `${6 + (narrow ? MODEBAR_PX : 0)}px`;
     this.titleNode.hidden = false;
     this.colorbarView.render({ stops: pal.stops, zmax, log: scale === "log", horizontal: narrow, color: pal.text, box: place.box });
     // The axes may have moved (a zoom, a resize) or the head changed under the keyboard's cursor:
@@ -409,7 +409,7 @@ export class FocusView {
   }
 
   colorbar(log) {
-    const narrow = this.plot.clientWidth < 520;
+    const narrow = this.plot.clientWidth < NARROW_PX;
     const title = { text: log ? "weight (log)" : "weight", side: narrow ? "top" : "right" };
     const bar = narrow
       ? { orientation: "h", y: -0.03, yanchor: "top", thickness: 10, len: 0.9, outlinewidth: 0, title }
@@ -454,10 +454,10 @@ export class FocusView {
 
   // The plot's margins around labels that need xLabels and yLabels pixels.
   margins(xLabels, yLabels) {
-    const narrow = this.plot.clientWidth < 520;
+    const narrow = this.plot.clientWidth < NARROW_PX;
     const keysSpace = xLabels + (narrow ? 8 : 30);
     // On a phone the modebar takes the top line: the title (see decorate) goes on the next one.
-    const titleTop = narrow ? 34 : 0;
+    const titleTop = narrow ? MODEBAR_PX : 0;
     return {
       t: narrow ? 30 + titleTop + keysSpace : 40,
       r: narrow ? 10 : 90, // the page's colorbar goes there
@@ -470,7 +470,7 @@ export class FocusView {
   labelsFor(lengths) {
     const pal = palette();
     const { view, labels } = this.current;
-    const narrow = this.plot.clientWidth < 520;
+    const narrow = this.plot.clientWidth < NARROW_PX;
     const xTicks = this.ticks(view.cols, labels, this.ranges.x, labelsFit(lengths.x));
     const yTicks = this.ticks(view.rows, labels, this.ranges.y, labelsFit(lengths.y));
     const xFont = fontFor(lengths.x, xTicks.shown);

@@ -88,9 +88,10 @@ function startInteraction(name) {
   state.interaction = { name, start: performance.now() };
 }
 
-// `source` is what failed: "run" (the text's own request, cleared by the next run) or "views"
+// `source` is what failed: "run" (the text's own request, cleared by the next run), "views"
 // (a slice, tile or overview of the run on screen, cleared as soon as one such request succeeds:
-// a 429's "busy" stayed up over every view that loaded after it).
+// a 429's "busy" stayed up over every view that loaded after it), "form" (nothing was sent) or
+// "link" (the address's view could not be opened; nothing ran).
 function showError(message, source = "run") {
   const box = $("error");
   box.textContent = message;
@@ -680,11 +681,21 @@ function syncControls() {
 async function restoreFromUrl(push) {
   const link = readPermalink();
   let saved = null;
+  // Nothing ran: the example stays, under its own caption ("link", not "run": the example was
+  // hidden as if "the run above failed").
+  if (link.badView !== undefined) {
+    showError(`This link is broken: “${link.badView.slice(0, 40)}” is no view id (those are 18 characters, 0–9 and a–f); `
+      + "it may have been cut short when it was copied.", "link");
+    return;
+  }
   if (link.view) {
     try {
       saved = await loadView(link.view);
     } catch (err) {
-      showError(err.status === 404 ? "This link has expired: the server no longer holds its view. Run the text again." : describeError(err));
+      showError(err.status === 404
+        ? "This link has expired: the server no longer holds its view, nor the text it showed (a view is kept up to 30 days, "
+          + "while the server has room for it). Type a sentence to start again."
+        : `Cannot open this link: ${describeError(err)}`, "link");
       return;
     }
   } else if (link.legacy) {
@@ -726,7 +737,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   const text = $("text").value;
   const pair = $("pair").value;
   if (!text.trim()) {
-    showError("Type a sentence first.", "form");
+    showError(`Type a sentence first.${state.run ? " The results below are still those of the last run." : ""}`, "form");
     $("text").setAttribute("aria-invalid", "true");
     $("text").focus();
     return;

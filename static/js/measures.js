@@ -5,7 +5,7 @@
 import { ApiError, describeError, postAttentionJson, requestJson } from "./api.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
-import { $, el, focusOnPress, plotlyText } from "./dom.js";
+import { $, MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
 import { ARROW_STEPS, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks, weightText } from "./focus.js";
 import { HeadFinder } from "./finder.js";
@@ -437,8 +437,10 @@ class Measures {
     if (!matrix.length) return this.drawn(kind, { layer, head }, wordView, hidden);
     const x = axisTicks(cols, null);
     const y = axisTicks(rows, null);
-    // a label at -45° needs about 0.75 of its length below the axis
-    const margin = { t: 36, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) };
+    // a label at -45° needs about 0.75 of its length below the axis; on a phone the title goes
+    // under the modebar, which covered its layer and head
+    const under = plot.clientWidth < NARROW_PX ? MODEBAR_PX : 0;
+    const margin = { t: 36 + under, r: 10, b: 12 + Math.round(x.room * 0.75), l: 12 + Math.round(y.room) };
     // Tokens × tokens (words × words) keep square cells, as the focused heatmap's do (scaleanchor):
     // as wide as the plot's width leaves beside the labels and colour bar, as tall as before at
     // most. At 1,000 tokens the cells were stretched to the panel's width, 1148 × 581 px at 1366 px.
@@ -466,7 +468,8 @@ class Measures {
     const title = kind === "rollout" ? "Rollout, all layers" : `${$("measure").selectedOptions[0].text}, layer ${layer}${kind === "contributions" ? "" : ` head ${head}`}`;
     await window.Plotly.react(plot, [trace], {
       // Over the cells' left edge, as the focused heatmap's: square cells leave the box's middle empty.
-      title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 }, x: 0, xref: "paper", xanchor: "left" },
+      title: { text: plotlyText(title) + (wordView ? " (words)" : ""), font: { size: 13 }, x: 0, xref: "paper", xanchor: "left",
+               yref: "container", y: 1, yanchor: "top", pad: { t: 10 + under } },
       xaxis: { ...bare, autorange: true, constraintoward: "left" }, yaxis: { ...bare, autorange: "reversed", scaleanchor: square ? "x" : undefined },
       margin, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       height, images: [cells],

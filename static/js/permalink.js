@@ -6,11 +6,14 @@ import { requestJson } from "./api.js";
 
 const VIEW_ID = /^[0-9a-f]{18}$/;
 
-// Returns { view } (an id to fetch), { legacy } (the old query fields) or {} for a plain page.
+// Returns { view } (an id to fetch), { badView } (a view id no link of this page holds: cut short
+// when copied, say; it opened a plain page without a word), { legacy } (the old query fields) or
+// {} for a plain page.
 export function readPermalink() {
   const params = new URLSearchParams(window.location.search);
   const id = params.get("view");
   if (id && VIEW_ID.test(id)) return { view: id };
+  if (id !== null) return { badView: id };
   if (!params.get("text")) return {};
   const int = (name) => {
     const n = Number.parseInt(params.get(name) ?? "", 10);

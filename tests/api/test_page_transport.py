@@ -112,6 +112,33 @@ def test_the_page_fetches_frames_and_decodes_the_same_numbers(browser, served):
     page.close()
 
 
+DESCRIBED = """async () => {
+  const api = await import("/static/js/api.js");
+  try { await api.listModels(); return null; } catch (err) { return api.describeError(err); }
+}"""
+
+
+def test_a_refused_key_is_said_once_in_the_pages_words(browser, served):
+    """The page put "This server needs an API key:" before the server's own message, which began
+    the same way: "...needs an API key: this server needs an API key: send Authorization: ..."."""
+    mode, url = served
+    page = browser.new_page()
+    page.on("dialog", lambda dialog: dialog.dismiss())  # the key prompt, cancelled
+    page.goto(url + "/")
+    if mode == "open":
+        assert page.evaluate(DESCRIBED) is None  # nothing refused, nothing asked
+        page.close()
+        return
+    assert page.evaluate(DESCRIBED) == ("This server needs an API key (send Authorization: Bearer <key>). "
+                                        "Reload the page to enter it again.")
+    page.close()
+    page = browser.new_page()
+    page.on("dialog", lambda dialog: dialog.accept("a-wrong-key") if "needs" in dialog.message else dialog.dismiss())
+    page.goto(url + "/")
+    assert page.evaluate(DESCRIBED) == "This server needs an API key (the API key is not valid). Reload the page to enter it again."
+    page.close()
+
+
 READ_RUN = """async ([text]) => {
   const api = await import("/static/js/api.js");
   const run = await api.postAttention({ text, format: "u8", layers: [0], heads: [0] });

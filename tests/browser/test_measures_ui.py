@@ -513,6 +513,10 @@ def test_measure_labels_fit_a_phones_axes(make_page, tiny_server, artifacts):
     assert gap * 0.5 ** 0.5 >= font, (gap, font)  # at -45°, neighbours stand √½ of their gap apart across the slant
     gap, font = label_spacing(page, "#measure-plot", "y")
     assert gap >= font, (gap, font)
+    # The title, which names the layer and head, sits under the modebar (a phone has no hover to
+    # hide it): it was drawn over it, "layer 0 head 0" under its buttons.
+    title, modebar = (page.locator(f"#measure-plot {part}").bounding_box() for part in (".gtitle", ".modebar"))
+    assert title["y"] >= modebar["y"] + modebar["height"] - 1, (title, modebar)
     page.locator("#measure-plot").screenshot(path=str(artifacts / "measure-labels-400.png"))
 
 

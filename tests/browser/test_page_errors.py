@@ -138,6 +138,13 @@ def test_an_empty_text_is_a_mistake_in_the_form_not_a_failed_run(server, page):
     assert page.locator("#error").text_content() == "Type a sentence first."
     assert "failed" not in page.locator("#focus-caption").text_content()
     assert page.locator("#focus-plot").get_attribute("data-example") == "true"
+    # After a run, the results left on screen are said to be that run's (the model menu may
+    # already name another model).
+    run(page, "The cat sat.")
+    page.fill("#text", "   ")
+    page.press("#text", "Enter")
+    page.wait_for_function("() => document.getElementById('error').textContent.startsWith('Type a sentence first.')")
+    assert page.locator("#error").text_content() == "Type a sentence first. The results below are still those of the last run."
 
 
 def test_hiding_special_tokens_of_a_run_that_has_none_says_so(page):

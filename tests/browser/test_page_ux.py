@@ -344,10 +344,22 @@ def test_back_to_the_bare_page_is_the_start_state_and_forward_the_run(server, pa
     assert page.locator("#text").input_value() == SENTENCE
 
 
-def test_an_expired_link_says_so(server, page):
+def test_an_expired_or_broken_link_says_so_and_leaves_the_example(server, page):
+    """An expired link said "Run the text again" over an empty text box (the text went with the
+    view), and the example was hidden as if "the run above failed"; a broken id opened a plain
+    page without a word."""
     open_page(page, server, "?view=" + "0" * 18)
     page.locator("#error").wait_for(state="visible")
-    assert "expired" in page.locator("#error").text_content()
+    said = page.locator("#error").text_content()
+    assert said.startswith("This link has expired") and "nor the text it showed" in said and "Run the text again" not in said
+    assert page.locator("#focus-plot").get_attribute("data-example") == "true"
+    assert "failed" not in page.locator("#focus-caption").text_content()
+    open_page(page, server, "?view=3f2a9c")
+    page.locator("#error").wait_for(state="visible")
+    assert page.locator("#error").text_content() == (
+        "This link is broken: “3f2a9c” is no view id (those are 18 characters, 0–9 and a–f); it may have been cut short "
+        "when it was copied.")
+    assert page.locator("#focus-plot").get_attribute("data-example") == "true"
 
 
 # ---- 7. laptop and phone ------------------------------------------------------------------------
