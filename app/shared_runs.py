@@ -22,6 +22,7 @@ import time
 import zlib
 from collections import OrderedDict
 from contextlib import asynccontextmanager
+from itertools import islice
 from pathlib import Path
 
 import orjson
@@ -95,12 +96,10 @@ class SharedFiles:
         self._evict()
 
     def _evict(self) -> None:
-        excess = self.nbytes - self.max_bytes
-        if excess <= 0:
+        if self.nbytes <= self.max_bytes:
             return
         # A bounded look, so a put costs the same however many entries are held.
-        oldest = [key for key, _ in zip(self._mine, range(self.EVICTION_LOOKS))]
-        for key in [key for key in oldest if not self.keep_first(key)]:
+        for key in [key for key in islice(self._mine, self.EVICTION_LOOKS) if not self.keep_first(key)]:
             if self.nbytes <= self.max_bytes:
                 return
             self._remove(key)
@@ -188,10 +187,10 @@ class SharedRuns:
     as GET; inside AccessLog, so the request's logged time includes the recompute.
     The recording itself is done by the app's AttentionService, for each run it computes
     (create_app's `run_directory`), so a POST is neither buffered nor parsed twice here.
-    `directory` has async remember(entries), recall(run_id) and hold_while(holds). The service awaits remember
-    before the request that computed the runs answers: its client's next request (a slice of the
-    run) may reach another copy at once, which found nothing when the record was still being
-    written, and answered 404 unknown_run."""
+    `directory` has async remember(entries), recall(run_id) and hold_while(holds). The service
+    awaits remember before the request that computed the runs answers: its client's next request
+    (a slice of the run) may reach another copy at once, which found nothing when the record was
+    still being written, and answered 404 unknown_run."""
 
     # A recompute the service refused for now (busy, not ready, out of time) is answered as such,
     # with its Retry-After: the 404 "POST it again" of a run never seen would send the client
@@ -247,7 +246,9 @@ class SharedRuns:
         # Made under the key it was made under (its id says so), charged to this request's client,
         # and kept as the copy that made it keeps it (queries and keys or weights; on a GPU, its
         # precision): the same id answered 200 from one copy and 422 kept_qk from the other.
-        model, text, pair, truncate, owner, keep, precision = request
+        # A record of five is an older version's, left in Ray's detached actor across an upgrade.
+        model, text, pair, truncate, owner, *kept = request
+        keep, precision = kept or ("auto", "json")
         probe = AttentionRequest(text=text, text_pair=pair, model=model, truncate=truncate, keep=keep,
                                  layers=[0], heads=[0], format=precision)
         try:

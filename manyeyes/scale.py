@@ -129,10 +129,12 @@ class RayShelf:
             raise SharedUnreachable(f"the replicas' view shelf: {exc}") from None
 
 
-def view_shelf():
+def view_shelf() -> RayShelf:
+    """The replicas' one shelf of views, made by the first replica to ask, under its bound."""
     from manyeyes.app.services.views import MAX_VIEW_BYTES
 
-    return ViewShelf.options(name=VIEWS, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(MAX_VIEW_BYTES)
+    actor = ViewShelf.options(name=VIEWS, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(MAX_VIEW_BYTES)
+    return RayShelf(actor, MAX_VIEW_BYTES)
 
 
 def run_directory():
@@ -182,13 +184,13 @@ def build_app(settings: Settings, threads: int):
     import torch
 
     from manyeyes.app.main import create_app
-    from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
+    from manyeyes.app.services.views import ViewStore
 
     torch.set_num_threads(threads)
     directory = RayDirectory(run_directory())
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S)
-    app.state.views = ViewStore(shared=RayShelf(view_shelf(), MAX_VIEW_BYTES))
+    app.state.views = ViewStore(shared=view_shelf())
     app.add_middleware(BytesBodies)
     return app
 

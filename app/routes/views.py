@@ -24,11 +24,6 @@ class UnknownView(ApiError):
     code = "unknown_view"
 
 
-class ViewTooLarge(ApiError):
-    status = 413
-    code = "view_too_large"
-
-
 def get_views(request: Request) -> ViewStore:
     # Built on first use: the store needs nothing from the lifespan and lives as long as the app.
     store = getattr(request.app.state, "views", None)
@@ -71,10 +66,7 @@ def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depe
                 model.encode(body.text, body.text_pair, body.truncate)
             except TooLongError as exc:
                 raise TooLong.tokens(exc) from None
-    try:
-        return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant))
-    except ValueError as exc:  # only where MANYEYES_MAX_BODY_BYTES lets a body outgrow a worker's share of the views
-        raise ViewTooLarge(f"{exc}: save a view of a shorter text") from None
+    return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant))
 
 
 @router.get("/views/{view_id}", response_model=ViewState, responses=errors(404))

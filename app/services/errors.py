@@ -41,6 +41,13 @@ class TooLong(ApiError):
         return cls(f"{label}{what}, over this server's limit of {limit:,}")
 
 
+class ViewTooLarge(ApiError):
+    """A saved view larger than the store of views takes (services/views.py)."""
+
+    status = 413
+    code = "view_too_large"
+
+
 class BodyTooLarge(ApiError):
     status = 413
     code = "body_too_large"

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import orjson
 
-from manyeyes.app.services.errors import QueueFull
+from manyeyes.app.services.errors import QueueFull, ViewTooLarge
 from manyeyes.app.shared_runs import OWNER_SHARE, SharedUnreachable, hold_to_share
 
 log = logging.getLogger("manyeyes.views")
@@ -52,12 +52,14 @@ class ViewStore:
         self.shared = shared
 
     def put(self, state: dict, owner: str = "", tenant: str = "") -> str:
-        """The view's id; a view larger than the whole store is refused (ValueError).
+        """The view's id; a view larger than the whole store is refused (ViewTooLarge, 413).
         owner: the client saving it, held to its share; tenant: its key's secret digest (hex), or ""."""
         # Sorted keys: the same view always gets the same id, so re-saving a view costs nothing.
         encoded = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
         if len(encoded) > self.max_bytes:
-            raise ValueError(f"a view of {len(encoded):,} bytes is larger than the store's {self.max_bytes:,}")
+            # Reached only where MANYEYES_MAX_BODY_BYTES lets a body outgrow a worker's share of the views.
+            raise ViewTooLarge(f"a view of {len(encoded):,} bytes is larger than the store's {self.max_bytes:,}: "
+                               "save a view of a shorter text")
         view_id = hashlib.blake2b(encoded, digest_size=9, key=bytes.fromhex(tenant)).hexdigest()
         if self.shared is not None:
             try:

@@ -6,7 +6,6 @@ import { OFFLINE_CONFIG, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 
-
 export function postJson(url, body, signal) {
   return requestJson(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
 }

@@ -88,6 +88,9 @@ function startInteraction(name) {
   state.interaction = { name, start: performance.now() };
 }
 
+// Said after a message where a run has not replaced the results on screen.
+const LAST_RUN_SHOWN = " The results below are still those of the last run.";
+
 // `source` is what failed: "run" (the text's own request, cleared by the next run), "views"
 // (a slice, tile or overview of the run on screen, cleared as soon as one such request succeeds:
 // a 429's "busy" stayed up over every view that loaded after it), "form" (nothing was sent) or
@@ -737,7 +740,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   const text = $("text").value;
   const pair = $("pair").value;
   if (!text.trim()) {
-    showError(`Type a sentence first.${state.run ? " The results below are still those of the last run." : ""}`, "form");
+    showError(`Type a sentence first.${state.run ? LAST_RUN_SHOWN : ""}`, "form");
     $("text").setAttribute("aria-invalid", "true");
     $("text").focus();
     return;
@@ -767,7 +770,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
       // run succeeds, rather than pass for the new text's.
       const stale = Boolean(state.run);
       document.body.toggleAttribute("data-stale", stale);
-      showError(describeError(err) + (stale ? " The results below are still those of the last run." : ""));
+      showError(describeError(err) + (stale ? LAST_RUN_SHOWN : ""));
       setBusy(false);
       $("run-status").textContent = "";
     }

@@ -164,3 +164,20 @@ def test_a_long_texts_record_is_small_and_records_of_runs_still_held_go_last(cop
     held.clear()
     files.put("k5", b"x" * 100)  # none held now: the oldest go first again
     assert sorted(p.name for p in (tmp_path / "0").iterdir()) == ["k1", "k4", "k5"]
+
+
+def test_a_record_an_older_version_wrote_is_still_recomputed(copies, counted):
+    """Ray's run directory is a detached actor: it outlives an upgrade, with records of five fields
+    (no keep, no format), which the recompute unpacked as seven and failed with a 500."""
+    import zlib
+
+    import orjson
+
+    _, second, folder = copies
+    run = posted(copies, "Recorded by an older version.")
+    record = folder / "0" / f"run-{run['run_id']}"
+    record.write_bytes(zlib.compress(orjson.dumps(orjson.loads(zlib.decompress(record.read_bytes()))[:5])))
+    r = second.get(f"/api/v1/runs/{run['run_id']}/attention", params={"format": "json"})
+    assert r.status_code == 200 and r.headers["x-manyeyes-recomputed"] == "1", r.text
+    np.testing.assert_allclose(r.json()["attention"]["data"], run["attention"]["data"], atol=1e-6, rtol=0)
+    assert counted == ["Recorded by an older version."]

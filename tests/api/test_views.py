@@ -2,6 +2,7 @@
 
 import pytest
 
+from manyeyes.app.services.errors import ViewTooLarge
 from manyeyes.app.services.views import ViewStore
 
 VIEW = {"text": "The bank of the river.", "model": "minilm", "layer": 2, "head": 3, "heads": [1, 4]}
@@ -69,7 +70,7 @@ def test_the_store_forgets_by_bytes():
     assert store.get(ids[-1]) == {"text": "4" + "x" * 300}  # given back as saved
     store.put({"text": "2" + "x" * 300})  # saved again: counted once
     assert store.nbytes <= 1_000 and len(store) == 3
-    with pytest.raises(ValueError, match="larger than"):
+    with pytest.raises(ViewTooLarge, match="larger than"):
         store.put({"text": "y" * 2_000})
     assert len(store) == 3
 
@@ -129,7 +130,7 @@ def test_copies_sharing_views_open_the_same_ones_and_so_does_a_copy_started_afte
     replacement = copy("0")  # the saving worker's successor in its slot
     assert [replacement.get(i) is not None for i in ids] == opened
     # A view larger than the shared share is refused, not handed an id that opens nowhere.
-    with pytest.raises(ValueError, match="larger than the store's 12,000"):
+    with pytest.raises(ViewTooLarge, match="larger than the store's 12,000"):
         saving.put({"text": "x" * 13_000})
 
 
