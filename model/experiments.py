@@ -155,14 +155,20 @@ class AblationResult:
     before: AttentionResult
     after: AttentionResult
     ranking: list[HeadChange]  # heads downstream of the first ablated layer, largest change first
-    # Δ log p(target) at each (position, target id) of `targets`: for a causal LM the actual next
-    # token after every position but the last; for a masked LM, at each mask, the token the
-    # unablated model ranks first (the text says nothing about what the mask hides).
-    logprob_change: torch.Tensor | None
+    # log p(target) (float64) at each (position, target id) of `targets`, before and after: for a
+    # causal LM the actual next token after every position but the last; for a masked LM, at each
+    # mask, the token the unablated model ranks first (the text says nothing about what the mask hides).
+    logprob_before: torch.Tensor | None
+    logprob_after: torch.Tensor | None
     top_before: list[list[Guess]] | None  # per position of `predicted`, best first
     top_after: list[list[Guess]] | None
     targets: list[tuple[int, int]] | None = None
     predicted: list[int] | None = None  # positions with predictions: all (causal) or the masks (MLM)
+
+    @property
+    def logprob_change(self) -> torch.Tensor | None:
+        """Δ log p(target): after - before, in float64 like both."""
+        return None if self.logprob_before is None else self.logprob_after - self.logprob_before
 
 
 def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation]) -> list[Ablation]:
@@ -196,7 +202,7 @@ def ablate(model: AttentionModel, encoded: Encoded, ablations: Iterable[Ablation
     # Heads in or before the first ablated layer cannot move: rank only what lies downstream.
     ranking = rank_heads(before.attention[first + 1 :], after.attention[first + 1 :])
     ranking = [HeadChange(c.layer + first + 1, c.head, c.divergence) for c in ranking]
-    change = tops_before = tops_after = targets = positions = None
+    logp_before = logp_after = tops_before = tops_after = targets = positions = None
     if before.logits is not None:
         positions = prediction_positions(model, encoded)
         tops_before = top_k(model, before.logits[positions], top)
@@ -205,8 +211,8 @@ def ablate(model: AttentionModel, encoded: Encoded, ablations: Iterable[Ablation
             targets = list(zip(range(len(encoded) - 1), encoded.ids[1:]))
         else:
             targets = [(p, int(before.logits[p].argmax())) for p in positions]
-        change = target_logprobs(after.logits, targets) - target_logprobs(before.logits, targets)
-    return AblationResult(before, after, ranking, change, tops_before, tops_after, targets, positions)
+        logp_before, logp_after = target_logprobs(before.logits, targets), target_logprobs(after.logits, targets)
+    return AblationResult(before, after, ranking, logp_before, logp_after, tops_before, tops_after, targets, positions)
 
 
 def prediction_positions(model: AttentionModel, encoded: Encoded) -> list[int]:
@@ -218,12 +224,12 @@ def prediction_positions(model: AttentionModel, encoded: Encoded) -> list[int]:
 
 
 def target_logprobs(logits: torch.Tensor, targets: list[tuple[int, int]]) -> torch.Tensor:
-    """log p(id | position) for each (position, id); (T, vocab) logits."""
+    """log p(id | position) for each (position, id), in float64; (T, vocab) logits."""
     if not targets:
-        return torch.zeros(0)
+        return torch.zeros(0, dtype=torch.float64)
     logp = torch.log_softmax(logits.double(), -1)
     positions, ids = zip(*targets)
-    return logp[torch.tensor(positions), torch.tensor(ids)].float()
+    return logp[torch.tensor(positions), torch.tensor(ids)]
 
 
 # ---------------------------------------------------------------------------- token changes and comparison

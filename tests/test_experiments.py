@@ -132,7 +132,7 @@ def test_ablation_matches_transformers_tiny_gpt(mode):
     assert (1, 0) in [(c.layer, c.head) for c in ours.ranking[:3]] and ours.ranking[0].divergence > 0.05
     assert ours.logprob_change.mean() < -0.5
     expected = next_token_logprobs(ablated.logits[0], enc.ids) - next_token_logprobs(clean.logits[0], enc.ids)
-    assert torch.allclose(ours.logprob_change, expected, atol=1e-4)
+    assert torch.allclose(ours.logprob_change, expected.double(), atol=1e-4)
     assert len(ours.top_before) == len(enc) and len(ours.top_before[0]) == 5
     assert ours.top_before[3][0].id == int(ours.before.logits[3].argmax())
 
@@ -231,7 +231,7 @@ def test_ablation_matches_transformers_random_llama_gqa(tmp_path, bytelevel_toke
     assert (hf_attentions(ablated) - ours.after.attention).abs().max().item() <= 1e-5
     assert (ours.after.attention[1] - ours.before.attention[1]).abs().max() > 1e-3
     expected = next_token_logprobs(ablated.logits[0], enc.ids) - next_token_logprobs(clean.logits[0], enc.ids)
-    assert torch.allclose(ours.logprob_change, expected, atol=1e-4) and expected.abs().max() > 1e-3
+    assert torch.allclose(ours.logprob_change, expected.double(), atol=1e-4) and expected.abs().max() > 1e-3
 
 
 def test_masked_lm_ablation_reports_the_masked_token(tmp_path, minilm_dir):
@@ -255,7 +255,7 @@ def test_masked_lm_ablation_reports_the_masked_token(tmp_path, minilm_dir):
     logp_clean = torch.log_softmax(clean.logits[0].double(), -1)
     logp_ablated = torch.log_softmax(ablated.logits[0].double(), -1)
     expected = torch.tensor([float(logp_ablated[p, t] - logp_clean[p, t]) for p, t in zip(masks, wanted)], dtype=torch.float64)
-    assert torch.allclose(ours.logprob_change.double(), expected, atol=1e-4) and expected.abs().max() > 1e-4
+    assert torch.allclose(ours.logprob_change, expected, atol=1e-4) and expected.abs().max() > 1e-4
     assert ours.top_after[1][0].id == int(ablated.logits[0, masks[1]].argmax())
 
 

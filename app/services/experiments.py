@@ -278,13 +278,11 @@ class ExperimentService:
         if result.top_before is not None:
             out["predictions"] = {"positions": result.predicted, "before": guesses(result.top_before),
                                   "after": guesses(result.top_after)}
-            logp_before = torch.log_softmax(result.before.logits.double(), -1)
-            logp_after = torch.log_softmax(result.after.logits.double(), -1)
             decode = model.tokenizer.token_text
+            # change is after - before of the very floats shown (a float32 change was 1e-7 off it)
             out["logprob_change"] = [
-                {"position": p, "id": t, "token": decode(t), "before": float(logp_before[p, t]),
-                 "after": float(logp_after[p, t]), "change": float(change)}
-                for (p, t), change in zip(result.targets, result.logprob_change.tolist())
+                {"position": p, "id": t, "token": decode(t), "before": before, "after": after, "change": after - before}
+                for (p, t), before, after in zip(result.targets, result.logprob_before.tolist(), result.logprob_after.tolist())
             ]
         if view is not None:
             out["attention"] = tensor_out(result.after.attention, *view, signed=False)

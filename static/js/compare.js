@@ -41,7 +41,9 @@ export function mountCompare(box) {
       });
       // Aligned pairs keep their order, so a later aligned key is later in A and in B alike.
       const z = maskLater(headRows(state.difference, layer, head), ra.causal);
-      heatmap(plots[2], z, { x: aligned, y: aligned, signed: true, title: `A − B on aligned cells · L${layer} H${head}` });
+      // Numbered by their positions in A (and B, where it differs), as A's and B's plots are.
+      const positions = reply.pairs.map(([i, j]) => (i === j ? `${i}` : `${i}|${j}`));
+      heatmap(plots[2], z, { x: aligned, y: aligned, positions, signed: true, title: `A − B on aligned cells · L${layer} H${head}` });
       Object.assign(plots[2].dataset, { layer, head, ready: "true" });
     } catch (err) {
       status(note, describeError(err), "error");

@@ -133,14 +133,20 @@ const TITLE_CHAR_PX = 7.5; // a 13 px title's characters, about
 export function heatmap(div, z, options = {}) {
   drawn.set(div, [z, options]);
   // yFirst: the position of the first row, when the rows do not start at the first token.
-  // yHeads: the rows are heads ("L0 H3"), not tokens, so no position before them. Rows and
-  // columns of tokens get square cells: stretched to the panel's width at a fixed height, a
-  // 54-token ablation's cells were 5 times as wide as tall, its causal triangle a flat wedge.
-  const { x, y, title, signed = false, zmax, yFirst = 0, yHeads = false } = options;
+  // positions: each label's position, when they are not consecutive (aligned pairs: "3|5").
+  // yHeads: the rows are heads ("L0 H3"), not tokens, so no position before them. A matrix of
+  // tokens about as tall as wide gets square cells: stretched to the panel's width at a fixed
+  // height, a 54-token ablation's cells were 5 times as wide as tall, its causal triangle a flat
+  // wedge. A strip (a few generated rows over a long prompt's keys) is stretched: square, its
+  // 8 rows of 1,328 keys were under a pixel tall.
+  const { x, y, title, signed = false, zmax, yFirst = 0, yHeads = false, positions } = options;
   const limit = zmax ?? (signed ? peakOf(z, 1e-6) : 1);
-  const names = (labels, n, first = 0) => (labels || [...Array(n).keys()].map(String)).map((s, i) => `${first + i}: ${plotlyText(s)}`);
+  const columns = z[0]?.length || 0;
+  const stretched = yHeads || 2 * z.length < columns;
+  const names = (labels, n, first = 0) => (labels || [...Array(n).keys()].map(String))
+    .map((s, i) => `${positions ? positions[first + i] : first + i}: ${plotlyText(s)}`);
   const trace = {
-    type: "heatmap", z, x: names(x, z[0]?.length || 0), y: yHeads ? y.map(plotlyText) : names(y, z.length, yFirst),
+    type: "heatmap", z, x: names(x, columns), y: yHeads ? y.map(plotlyText) : names(y, z.length, yFirst),
     // Signed: the measures' diverging scale (paper colour at 0), one colour language for the page.
     colorscale: signed ? signedStops() : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
     hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>", hoverongaps: false,
@@ -150,8 +156,8 @@ export function heatmap(div, z, options = {}) {
   // stood half a screen from the cells it keys), or its title.
   const margin = { l: 90, r: 10, t: title ? 30 : 8, b: 80 };
   const height = 320;
-  const across = Math.min(div.clientWidth - 100, yHeads ? Infinity : height - margin.t - margin.b);
-  const width = yHeads ? div.clientWidth
+  const across = Math.min(div.clientWidth - 100, stretched ? Infinity : height - margin.t - margin.b);
+  const width = stretched ? div.clientWidth
     : Math.min(div.clientWidth, Math.max(margin.l + across + margin.r + COLORBAR_PX, (title?.length ?? 0) * TITLE_CHAR_PX + 40));
   // On a narrow figure Plotly's modebar stays on show over the top of the plot: the title goes
   // under it, as the focused heatmap's does (the cells keep their size: both margins grow).
@@ -159,12 +165,12 @@ export function heatmap(div, z, options = {}) {
   margin.t += under;
   const layout = {
     title: title ? { text: plotlyText(title), font: { size: 13 }, yref: "container", y: 1, yanchor: "top", pad: { t: 8 + under } } : undefined,
-    margin, height: height + under, width: yHeads ? undefined : width,
+    margin, height: height + under, width: stretched ? undefined : width,
     // No gridlines: over the cells they drew white lines through the dark theme's heatmaps.
     // At most a label every 36 px across and 12 of them down the ~210 px of cells: Plotly's own
     // choice for a category axis put slanted "6: ␣" and "9: g" over each other.
     yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false, nticks: 12,
-             ...(yHeads ? {} : { scaleanchor: "x", constrain: "domain" }) },
+             ...(stretched ? {} : { scaleanchor: "x", constrain: "domain" }) },
     xaxis: { automargin: true, tickangle: -45, showgrid: false, zeroline: false, constrain: "domain",
              nticks: Math.max(2, Math.floor(across / 36)) },
     // A null cell is a key the model could not see, in the focused heatmap's masked colour.

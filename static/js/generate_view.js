@@ -26,7 +26,11 @@ function runPrompt(input, run, n, info) {
   if (room < 1) {
     return { error: `${n} new tokens leave no room for a prompt in ${info.id}'s ${info.max_tokens} positions: ask for at most ${info.max_tokens - specials - 1}.` };
   }
-  const end = words[Math.min(room, words.length) - 1].end;
+  // Cut after the last kept token, or before the first dropped one where that starts earlier: the
+  // byte tokens of one character each span the whole character, and cutting after the first of
+  // them kept the character's other bytes too (a prompt 1-3 tokens over the room).
+  const kept = Math.min(room, words.length);
+  const end = Math.min(words[kept - 1].end, words[kept]?.start ?? Infinity);
   return { text: Array.from(input.text).slice(0, end).join(""), cut: true };
 }
 

@@ -273,6 +273,10 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     assert ranking_rows(page, "compare-ranking") == api_ranking(reply["ranking"])
     top = reply["ranking"][0]
     assert same(shown(page, "compare-plot-diff"), f32(reply["difference"]["data"][top["layer"]][top["head"]]))
+    # Its rows are numbered by their positions in A and B, as the A and B plots beside it number
+    # theirs (by the aligned pair's index, "6: ." was A's token 6 but B's token 7).
+    rows = page.evaluate("() => document.getElementById('compare-plot-diff').data[0].y")
+    assert rows[4:] == ["4: the", "5|6: river", "6|7: .", "7|8: [SEP]"], rows
     # Another head from the ranking: its cells, again exactly the API's.
     page.click("#compare-ranking tbody tr:nth-child(3)")
     third = reply["ranking"][2]
@@ -442,6 +446,11 @@ def test_a_long_prompt_without_weights_draws_the_generated_rows_at_their_positio
     grown = page.evaluate("() => { const d = document.getElementById('gen-grow-plot'); return [d.layout.title.text, d.data[0].y]; }")
     assert grown[0].endswith("the generated tokens' rows (the prompt's are not shown)")
     assert [label.split(":")[0] for label in grown[1]] == [str(prompt_length + i) for i in range(3)]
+    # 3 rows under more keys: stretched over the plot's height, not square cells (1,320 keys made
+    # 8 rows under a pixel tall).
+    assert prompt_length + 3 > 2 * 3
+    tall = page.evaluate("() => document.getElementById('gen-grow-plot')._fullLayout.yaxis._length")
+    assert tall > 150, tall
 
 
 def test_generate_then_step_back_shows_the_streamed_row(server, api, page, artifacts):
@@ -793,6 +802,23 @@ def test_generate_after_a_run_cut_to_fit_starts_from_the_kept_tokens(server, api
     page.wait_for_function("() => document.getElementById('gen-status').textContent.startsWith('63 new tokens')")
     assert page.text_content("#gen-status") == "63 new tokens leave no room for a prompt in tiny-causal's 64 positions: ask for at most 61."
     assert len(sent) == 2
+
+
+def test_generate_after_a_cut_run_of_many_byte_characters_fits_its_room(two_causal_server, make_page):
+    """Two bytes a character on tiny-gpt: the prompt was cut after the last kept token, whose
+    character spans both of its bytes, so it kept one byte more than the room: a 422 "236 prompt
+    tokens + 21 new tokens exceed tiny-gpt's context of 256"."""
+    page = make_page()
+    open_page(page, two_causal_server)
+    page.check("#truncate")
+    run(page, "é" * 200, "tiny-gpt")  # 400 byte tokens, cut to 256
+    for n in (21, 20):  # the room ends inside a character, then after one
+        page.fill("#gen-n", str(n))
+        page.click("#gen-start")
+        page.wait_for_function("() => !window.manyeyesGeneration.running && window.manyeyesGeneration.outcome", timeout=60_000)
+        assert page.get_attribute("#generate-box", "data-outcome") == "finished", page.text_content("#gen-status")
+        prompt = page.evaluate("() => window.manyeyesGeneration.start.prompt.length")
+        assert prompt == 2 * ((256 - n) // 2), prompt  # whole characters only, as many as fit
 
 
 def ablate_focused(page, layer, head, depth):
