@@ -30,7 +30,8 @@ def _format_head(tokens: list[str], weights, width: int = 12) -> str:
     lines = [" " * (pad + index + 2) + " ".join(f"{i:>5}" for i in range(len(tokens)))]
     for i, (lab, row) in enumerate(zip(labels, weights.tolist())):
         cells = " ".join(f"{v:5.2f}" for v in row)
-        shade = "".join(SHADES[min(int(v * len(SHADES)), len(SHADES) - 1)] for v in row)
+        # a NaN weight (a float16 run that overflowed) is a "?", not a crash of int()
+        shade = "".join(SHADES[min(int(v * len(SHADES)), len(SHADES) - 1)] if v == v else "?" for v in row)
         lines.append(f"{lab:>{pad}} {i:>{index}} {cells}  |{shade}|")
     return "\n".join(lines)
 

@@ -69,15 +69,20 @@ def weight_files(folder: Path) -> tuple[list[Path], Path] | None:
     return None
 
 
-def shard_names(index: Path) -> list[str]:
+def shard_map(index: Path) -> dict[str, str]:
+    """The index's weight_map: each tensor's key, the shard file it names for it."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = sorted(set(weight_map.values()))
+        names = set(weight_map.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptFileError(f"cannot read the shard index {index}: {exc}") from exc
     if not names or not all(isinstance(n, str) and "/" not in n and ".." not in n for n in names):
         raise ModelLoadError(f"{index}: weight_map must name shard files in the same folder")
-    return names
+    return weight_map
+
+
+def shard_names(index: Path) -> list[str]:
+    return sorted(set(shard_map(index).values()))
 
 
 def _absent(path: Path, why: str = "") -> str:
@@ -129,11 +134,14 @@ def _cache_entry_problem(cache: Path, hub_id: HubId) -> str:
         snapshots = []
     if ref.is_file():
         try:
-            commit = ref.read_text(encoding="utf-8").strip()
+            commit = ref.read_text(encoding="utf-8")
         except (OSError, ValueError):
             commit = "?"
-        if not commit or "/" in commit or commit in (".", ".."):
+        if not commit.strip() or "/" in commit or commit.strip() in (".", ".."):
             return f"; its refs/{revision} holds {commit!r}, not a commit hash"
+        if commit != commit.strip():  # huggingface_hub reads the ref as it is, newline and all
+            return (f"; its refs/{revision} holds {commit!r}: the commit with white space around it, which "
+                    f"huggingface_hub does not read (write the file again without it)")
         return (f"; refs/{revision} points at commit {commit}, but its snapshot folder "
                 f"{root / 'snapshots' / commit} is missing")
     if hub_id.revision is None and snapshots:
@@ -236,7 +244,10 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
         pass
     except Exception as exc:  # a malformed id or a broken cache entry
         raise ModelLoadError(f"{hub_id}: cannot read the Hugging Face cache at {cache}: {exc}") from exc
-    if folder is not None and folder.parent != repo_folder(cache, hub_id.repo) / "snapshots":
+    # Compared resolved: huggingface_hub answers a resolved path, and a cache reached through a
+    # symlink (~/.cache on a cluster's other disk), a relative HF_HUB_CACHE or a ".." in it named
+    # the same folder otherwise, and a cached model was "not in the cache".
+    if folder is not None and folder.resolve().parent != (repo_folder(cache, hub_id.repo) / "snapshots").resolve():
         folder = None  # an empty or odd ref ("", "../..") resolved to some other folder than a snapshot
     lacking = missing_files(folder) if folder is not None else ["everything"]
     if not lacking:

@@ -58,33 +58,64 @@ def as_weights(tensor: torch.Tensor, key: str, path: Path) -> torch.Tensor:
     return tensor.float()
 
 
+class Checkpoint(dict):
+    """A checkpoint's tensors under the names the key tables read (a task model's prefix stripped),
+    each remembering its name in the file, so that an error names the key a user can find there
+    ("model.layers.1.self_attn.k_proj.weight", not "layers.1.self_attn.k_proj.weight")."""
+
+    def __init__(self, named: Iterable[tuple[str, str, torch.Tensor]] = (), prefix: str = "") -> None:
+        super().__init__()
+        self.saved: dict[str, str] = {}
+        self.prefix = prefix
+        for saved, name, tensor in named:
+            self[name] = tensor
+            self.saved[name] = saved
+        # The parts saved under the prefix ("layers", "embed_tokens"), by the first part of their
+        # names: a key the file lacks is named as its neighbours are ("cls.*" beside "bert.*" has none).
+        self.prefixed = {name.split(".")[0] for name, saved in self.saved.items() if prefix and saved.startswith(prefix)}
+
+    def renamed(self, rename: Callable[[str], str]) -> Checkpoint:
+        return Checkpoint(((self.saved[k], rename(k), v) for k, v in self.items()), self.prefix)
+
+
+def saved_name(state: dict, key: str) -> str:
+    """`key` as the file names it; a key the file lacks, as the file would have named it."""
+    if not isinstance(state, Checkpoint):
+        return key
+    if key in state.saved:
+        return state.saved[key]
+    return state.prefix + key if key.split(".")[0] in state.prefixed else key
+
+
 def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -> Mapped:
     """Pop each row's tensor from `state` (float32) into our names; a missing key names itself."""
     mapped = Mapped()
     for src, dst, fn in rows:
+        saved = saved_name(state, src)
         if src not in state:
-            raise ModelLoadError(f"{path}: missing key '{src}' (for '{dst}')")
-        tensor = as_weights(state.pop(src), src, path)
+            raise ModelLoadError(f"{path}: missing key '{saved}' (for '{dst}')")
+        tensor = as_weights(state.pop(src), saved, path)
         mapped[dst] = fn(tensor) if fn else tensor
-        mapped.sources[dst] = src
+        mapped.sources[dst] = saved
     return mapped
 
 
 def pop_required(state: dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
+    saved = saved_name(state, key)
     if key not in state:
-        raise ModelLoadError(f"{path}: missing key '{key}'")
-    return as_weights(state.pop(key), key, path)
+        raise ModelLoadError(f"{path}: missing key '{saved}'")
+    return as_weights(state.pop(key), saved, path)
 
 
-def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> Checkpoint:
     """Task models save the base model under a prefix ("bert.", "transformer.", "model.")."""
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()}
+    return Checkpoint(((k, k.removeprefix(prefix), v) for k, v in weights.items()), prefix)
 
 
 def refuse_leftovers(state: dict[str, torch.Tensor], ignorable: Callable[[str], bool], family: str, path: Path):
     for key in state:
         if not ignorable(key):
-            raise ModelLoadError(f"{path}: unexpected key '{key}'; is this really a {family} checkpoint?")
+            raise ModelLoadError(f"{path}: unexpected key '{saved_name(state, key)}'; is this really a {family} checkpoint?")
 
 
 def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Path, derived=("mask",)):
@@ -101,6 +132,10 @@ def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Pat
         if own[key].is_floating_point() and not mapped[key].is_floating_point():
             dtype = str(mapped[key].dtype).removeprefix("torch.")
             raise ModelLoadError(f"{path}: '{key}'{theirs} holds {dtype} values, not floating-point weights")
+        # NaN or infinite weights answered attention of NaNs: null in JSON, a head attending
+        # nowhere in u8, a crash in the terminal.
+        if mapped[key] is not own[key] and mapped[key].is_floating_point() and not torch.isfinite(mapped[key]).all():
+            raise ModelLoadError(f"{path}: '{key}'{theirs} holds NaN or infinite values; is the checkpoint damaged?")
         if tuple(mapped[key].shape) != tuple(own[key].shape):
             raise ModelLoadError(
                 f"{path}: shape mismatch for '{key}'{theirs}: checkpoint has {tuple(mapped[key].shape)}, "

@@ -20,7 +20,7 @@ from manyeyes.model.attention import layer_windows
 from manyeyes.model.errors import CorruptFileError, ModelLoadError
 from manyeyes.model.families import family_for
 from manyeyes.model.gpt import PRESETS, GPTConfig, GPTModel
-from manyeyes.model.hub import HubId, Progress, parse_hub_id, pinned, resolve, shard_names, weight_files
+from manyeyes.model.hub import HubId, Progress, parse_hub_id, pinned, resolve, shard_map, shard_names, weight_files
 from manyeyes.model.keymap import load_strict, read_json
 from manyeyes.model.packed import pack_linears
 from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
@@ -190,14 +190,22 @@ def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
                 raise ModelLoadError(f"{folder / index} names shards that are missing: {', '.join(absent)}")
         raise ModelLoadError(f"no weights in {folder}: expected model.safetensors or pytorch_model.bin")
     files, named = found
+    # Where the index names each key's shard, the shard must hold it: a key whose shard lacks it was
+    # "missing" with the index listing it (a shard map pointing at the wrong file).
+    expected = shard_map(named) if named.name.endswith(".index.json") else {}
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         if path.suffix == ".safetensors":
-            weights.update(_read_safetensors(path))
+            tensors = _read_safetensors(path)
         else:
             # transformers reads a .bin as the state_dict itself: a wrapper ({"state_dict": ...}, a
             # training checkpoint) is no model to it, so it is refused here too, not unwrapped.
-            weights.update(_tensors(_torch_load(path), path, "a state_dict (a dict of tensors)"))
+            tensors = _tensors(_torch_load(path), path, "a state_dict (a dict of tensors)")
+        lacking = [key for key, shard in expected.items() if shard == path.name and key not in tensors]
+        if lacking:
+            raise ModelLoadError(f"{named} names {path.name} for '{lacking[0]}', but that shard does not hold it"
+                                 f"{f' ({len(lacking) - 1} more keys alike)' if len(lacking) > 1 else ''}")
+        weights.update(tensors)
     return weights, named
 
 

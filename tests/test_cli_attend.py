@@ -32,6 +32,16 @@ def test_every_row_of_a_long_head_lines_up_under_the_key_numbers():
     assert rows[9].split()[1] == "9" and rows[11].split()[1] == "11"
 
 
+def test_a_nan_weight_prints_as_a_question_mark_not_a_traceback():
+    """int(nan) raised ValueError: a run that overflowed in float16 crashed the terminal view."""
+    import torch
+
+    from manyeyes.app.cli import _format_head
+
+    lines = _format_head(["a", "b"], torch.tensor([[1.0, 0.0], [float("nan"), 0.5]])).splitlines()
+    assert lines[2].endswith("  nan  0.50  |?+|"), lines
+
+
 def test_attend_errors_are_words_not_tracebacks(capsys):
     assert main(["attend", "hi", "--layer", "9"]) == 2
     assert "layer must be in 0..5" in capsys.readouterr().err

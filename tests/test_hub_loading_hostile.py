@@ -111,6 +111,20 @@ def test_a_missing_shard_is_named_with_its_index(fake_hub, sharded_folder):
     assert "hf download org/sharded" in message
 
 
+def test_a_shard_map_pointing_at_the_wrong_shard_says_so(sharded_folder, tmp_path):
+    """A key the index lists under a shard that lacks it was "missing key 'h.1.ln_2.weight'", as if
+    the index did not list it."""
+    folder = tmp_path / "wrong-map"
+    shutil.copytree(sharded_folder, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    key = next(k for k, shard in index["weight_map"].items() if shard == shards[-1])
+    index["weight_map"][key] = shards[0]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = message_of(str(folder))
+    assert f"model.safetensors.index.json names {shards[0]} for '{key}', but that shard does not hold it" in message
+
+
 def test_a_dangling_link_names_the_missing_blob(fake_hub, sharded_folder, gpt2_folder):
     commit = add_to_cache(fake_hub, "org/dangling", gpt2_folder)
     link = snapshot(fake_hub, "org/dangling", commit) / "config.json"
@@ -145,6 +159,34 @@ def test_an_empty_or_odd_ref_is_named_not_followed(fake_hub, gpt2_folder, held):
     (fake_hub / "models--org--tiny" / "refs" / "main").write_text(held.replace("/x", f"/{commit}"))
     message = message_of("org/tiny")
     assert "refs/main holds '" in message and "not a commit hash" in message and "lacks" not in message
+
+
+def test_a_ref_with_a_trailing_newline_says_so(fake_hub, gpt2_folder):
+    """huggingface_hub reads a ref as it is: "abc\\n" names no snapshot. The message read the ref
+    stripped and said the snapshot folder of that commit was missing, with the folder right there."""
+    commit = add_to_cache(fake_hub, "org/tiny", gpt2_folder)
+    (fake_hub / "models--org--tiny" / "refs" / "main").write_text(commit + "\n")
+    message = message_of("org/tiny")
+    assert f"refs/main holds '{commit}\\n': the commit with white space around it" in message
+    assert "is missing" not in message
+
+
+@pytest.mark.parametrize("reached", ["symlink", "relative", "dotdot"])
+def test_a_cache_reached_through_a_symlink_or_a_relative_path_loads(fake_hub, gpt2_folder, tmp_path, monkeypatch, reached):
+    """huggingface_hub answers the snapshot's resolved path, which the check compared with the
+    cache's path as given: a cached model was "not in the cache" ("its snapshot folder is missing")."""
+    from huggingface_hub import constants
+
+    add_to_cache(fake_hub, "org/tiny", gpt2_folder)
+    want = load("org/tiny", device="cpu").attend("The fox.").attention
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "linked").symlink_to(fake_hub, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    named = {"symlink": str(tmp_path / "linked"), "relative": fake_hub.name,
+             "dotdot": str(tmp_path / "elsewhere" / ".." / fake_hub.name)}[reached]
+    monkeypatch.setenv("HF_HUB_CACHE", named)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", named)
+    assert torch.equal(load("org/tiny", device="cpu").attend("The fox.").attention, want)
 
 
 def test_a_cache_entry_without_its_ref_lists_its_snapshots(fake_hub, gpt2_folder):

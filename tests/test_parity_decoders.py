@@ -358,6 +358,29 @@ def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):
         load(tmp_path, device="cpu")
 
 
+def test_errors_name_a_key_as_the_checkpoint_saves_it(tmp_path, bytelevel_tokenizer):
+    """The tables read a LlamaForCausalLM's keys without their "model." prefix, and the errors named
+    them so: "missing key 'layers.1.self_attn.k_proj.weight'", a key no file listing shows."""
+    from safetensors.torch import load_file, save_file
+
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 15, num_key_value_heads=2)
+    state = {k: v.clone() for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    key = "model.layers.1.self_attn.k_proj.weight"
+    for broken, message in (
+        ({k: v for k, v in state.items() if k != key}, f"missing key '{key}' (for 'trf_blocks.1.att.W_key.weight')"),
+        (state | {key: torch.zeros(3, 3)}, f"shape mismatch for 'trf_blocks.1.att.W_key.weight' (the checkpoint's '{key}')"),
+        (state | {"model.layers.1.self_attn.rotary": torch.zeros(1)}, "unexpected key 'model.layers.1.self_attn.rotary'"),
+        (state | {key: torch.zeros(state[key].shape, dtype=torch.int8)}, f"'{key}' holds int8 values"),
+        # one NaN answered attention of NaNs (null in JSON, a head attending nowhere in u8)
+        (state | {key: state[key].index_fill(1, torch.tensor([2]), float("nan"))},
+         f"'trf_blocks.1.att.W_key.weight' (the checkpoint's '{key}') holds NaN or infinite values"),
+    ):
+        save_file(broken, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ModelLoadError) as err:
+            load(tmp_path, device="cpu")
+        assert message in str(err.value)
+
+
 def test_unknown_model_type_lists_the_families():
     with pytest.raises(ModelLoadError, match="unsupported model_type 't5'; supported: ") as err:
         family_for("t5", "config.json")

@@ -8,7 +8,7 @@ import torch
 
 from manyeyes.model.bert import BertConfig, BertEncoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import TASK_HEADS, Row, as_weights, gelu_form, map_state, need, refuse_leftovers, rows_for, strip_prefix
+from manyeyes.model.keymap import TASK_HEADS, Checkpoint, Row, as_weights, gelu_form, map_state, need, refuse_leftovers, rows_for, saved_name, strip_prefix
 
 MODEL_TYPES = ("bert",)
 
@@ -86,12 +86,10 @@ def build(config: dict, path: Path) -> BertEncoder:
     return BertEncoder(encoder_config(config, path))
 
 
-def _renamed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _renamed(weights: dict[str, torch.Tensor]) -> Checkpoint:
     """Strip the task model's prefix and rename TF-era LayerNorm.gamma/beta."""
-    return {
-        k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-        for k, v in strip_prefix(weights, "bert.").items()
-    }
+    return strip_prefix(weights, "bert.").renamed(
+        lambda k: k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"))
 
 
 def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor], net: BertEncoder,
@@ -107,7 +105,7 @@ def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor]
     if net.cfg.tied_head:
         mapped["mlm_head.out_head.weight"] = mapped["tok_emb.weight"]
     elif weight is None:
-        raise ModelLoadError(f"{path}: missing key '{decoder[0]}' (tie_word_embeddings is false)")
+        raise ModelLoadError(f"{path}: missing key '{saved_name(state, decoder[0])}' (tie_word_embeddings is false)")
     else:
         mapped["mlm_head.out_head.weight"] = as_weights(weight, decoder[0], path)
     if decoder[1] is not None:
