@@ -110,6 +110,15 @@ export function listModels() {
   return models;
 }
 
+// Where the server's models stand (/readyz, open without a key): { status: "ready" } or
+// { status: "loading" | "failed", models: { id: { state, bytes_done?, bytes_total? } }, message }.
+export async function readiness() {
+  const response = await fetch("/readyz", { cache: "no-store" });
+  if (response.ok) return { status: "ready" };
+  const body = await response.json().catch(() => ({}));
+  return { status: body.status === "loading" ? "loading" : "failed", models: body.models || {}, message: body.error?.message || `status ${response.status}` };
+}
+
 // Attention payloads are fetched, parsed and decoded in a worker: tens of MB of base64 at T=512
 // would otherwise stall the main thread while it draws. Replies carry `attention.decoded`.
 let worker = null;
@@ -202,6 +211,9 @@ export function describeError(err, tooLong = RUN_TEXT) {
       const wait = err.retryAfter ? ` Try again in ${err.retryAfter} s.` : " Try again in a moment.";
       return `The server is busy.${wait}`;
     }
+    case 503:
+      // Loading, not failing: a server that has just started answers so until its models are in.
+      return err.code === "not_ready" ? `The server is not ready yet: ${detail} Try again in a moment.` : `The server failed (503): ${detail}`;
     case 504:
       return `The server took too long to answer: ${detail} Try a shorter text.`;
     default:

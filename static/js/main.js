@@ -2,7 +2,7 @@
 // Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { FLOAT32_READINGS, describeError, fetchMean, fetchSlice, listModels, postAttention, requestFile } from "./api.js";
+import { ApiError, FLOAT32_READINGS, describeError, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
 import { $, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO } from "./focus.js";
@@ -95,6 +95,33 @@ const LAST_RUN_SHOWN = " The results below are still those of the last run.";
 // (a slice, tile or overview of the run on screen, cleared as soon as one such request succeeds:
 // a 429's "busy" stayed up over every view that loaded after it), "form" (nothing was sent) or
 // "link" (the address's view could not be opened; nothing ran).
+// A page opened while the server loads its models waited on nothing: "Cannot list the models: The
+// server failed (503)" stayed when the models were in. It says how loading goes and carries on
+// once they are ready; a load that failed is said as the server says it.
+const LOADING_POLL_MS = 1000;
+
+function loadingLine(models) {
+  const states = Object.entries(models).map(([id, p]) => {
+    const share = p.bytes_total ? ` ${Math.floor((100 * p.bytes_done) / p.bytes_total)}%` : "";
+    return `${id} ${p.state}${share}`;
+  });
+  return `The server is still loading its models${states.length ? ` (${states.join(", ")})` : ""}. The page goes on when they are ready.`;
+}
+
+async function modelsOnceLoaded() {
+  for (;;) {
+    try {
+      return await listModels();
+    } catch (err) {
+      if (err.status !== 503 || err.code !== "not_ready") throw err;
+      const ready = await readiness().catch(() => ({ status: "loading", models: {} }));
+      if (ready.status === "failed") throw new ApiError(503, "load_failed", ready.message);
+      if (ready.status === "loading") showError(loadingLine(ready.models), "models");
+      await new Promise((resolve) => setTimeout(resolve, LOADING_POLL_MS));
+    }
+  }
+}
+
 function showError(message, source = "run") {
   const box = $("error");
   box.textContent = message;
@@ -1046,11 +1073,12 @@ async function init() {
   });
 
   try {
-    state.models = await listModels();
+    state.models = await modelsOnceLoaded();
   } catch (err) {
-    showError(`Cannot list the models: ${describeError(err)}`);
+    showError(`Cannot list the models: ${describeError(err)}`, "models");
     return;
   }
+  showError("");
   const label = (m) => `${m.id} (${m.family}, ${m.n_layers}×${m.n_heads}${m.causal ? ", causal" : ""})`;
   fillSelect($("model"), state.models.map((m) => ({ value: m.id, label: label(m) })), modelInfo("").id);
   $("model").addEventListener("change", notePairing);

@@ -109,6 +109,49 @@ def test_the_model_list_is_asked_for_once_per_page(server, page, watched):
     assert len([u for u in watched.requests if u.endswith("/api/v1/models")]) == 1
 
 
+def test_a_page_opened_while_the_models_load_says_so_and_goes_on_when_they_are_in(server, page):
+    """It said "Cannot list the models: The server failed (503): models are still loading" and
+    stayed so, with an empty model menu, when the server was ready seconds later."""
+    loading = {"n": 3}
+
+    def models(route):
+        if loading["n"] > 0:
+            return refuse(route, 503, "not_ready", "models are still loading; retry shortly")
+        route.continue_()
+
+    def readyz(route):
+        loading["n"] -= 1
+        if loading["n"] >= 0:
+            route.fulfill(status=503, content_type="application/json", body=json.dumps({
+                "error": {"code": "not_ready", "message": "loading smol"}, "status": "loading",
+                "models": {"minilm": {"state": "ready"}, "smol": {"state": "downloading", "bytes_done": 30, "bytes_total": 120}}}))
+        else:
+            route.continue_()
+
+    page.route("**/api/v1/models", models)
+    page.route("**/readyz", readyz)
+    page.goto(f"{server}/")
+    page.wait_for_function("() => document.getElementById('error').textContent.startsWith('The server is still loading')")
+    assert page.text_content("#error") == (
+        "The server is still loading its models (minilm ready, smol downloading 25%). The page goes on when they are ready.")
+    assert page.locator("#model option").count() == 0
+    assert page.get_attribute("#focus-plot", "data-example") == "true"  # no "the run above failed"
+    page.wait_for_selector("body[data-ready=true]", timeout=15_000)
+    assert page.is_hidden("#error") and page.locator("#model option").count() >= 1
+    run(page, SENTENCE)
+
+
+def test_a_page_opened_on_a_server_whose_models_failed_says_why(server, page):
+    page.route("**/api/v1/models", lambda route: refuse(route, 503, "not_ready", "models are still loading; retry shortly"))
+    page.route("**/readyz", lambda route: route.fulfill(status=503, content_type="application/json", body=json.dumps({
+        "error": {"code": "not_ready", "message": "model 'smol' failed to load: no such model file or folder: /x"},
+        "status": "failed", "models": {"smol": {"state": "failed"}}})))
+    page.goto(f"{server}/")
+    page.wait_for_function("() => document.getElementById('error').textContent.startsWith('Cannot list')")
+    assert page.text_content("#error") == (
+        "Cannot list the models: The server failed (503): model 'smol' failed to load: no such model file or folder: /x.")
+
+
 def test_a_view_whose_values_cannot_load_fades_the_last_one_and_says_so(server, page):
     """With the server gone, "Mean of all heads" kept the single head's heatmap (title, readings)
     under the new heading, and "Loading exact values…" for good."""
