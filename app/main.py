@@ -136,6 +136,17 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal", "internal server error; the server log has the details")
 
 
+class RevalidatedFiles(StaticFiles):
+    """The page's modules and styles, asked again at every load and answered 304 while unchanged.
+    With no Cache-Control, a browser keeps a file with a Last-Modified fresh for a tenth of its age
+    unasked: after an upgrade a page could run the new main.js with last month's modules."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
 def create_app(settings: Settings | None = None, run_directory=None, forward_link=None) -> FastAPI:
     """The app. `run_directory` is given where several copies of it serve together (workers,
     Ray replicas): each records there the request behind every run it computes (shared_runs.py).
@@ -194,7 +205,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
         api = module.router.prefix.startswith("/api/")
         app.include_router(module.router, dependencies=[Depends(known_query), Depends(utf8_json)] if api else None)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
-        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+        app.mount("/static", RevalidatedFiles(directory=STATIC_DIR), name="static")
 
     # Added innermost first: AccessLog sees everything, BodyLimit refuses before parsing.
     app.add_middleware(

@@ -46,3 +46,13 @@ def test_every_module_is_served_and_imports_only_local_files(client):
         # User text reaches the DOM as text only (textContent); see the XSS browser test.
         assert not re.search(r"\.(inner|outer)HTML\b|insertAdjacentHTML|document\.write", source), path.name
     assert client.get("/static/css/app.css").status_code == 200
+
+
+def test_the_pages_modules_are_revalidated_at_every_load(client):
+    """Without a Cache-Control a browser kept them fresh, unasked, for a tenth of their age: after
+    an upgrade, the new main.js could run with the old modules it imports."""
+    reply = client.get("/static/js/main.js")
+    assert reply.status_code == 200 and reply.headers["cache-control"] == "no-cache"
+    again = client.get("/static/js/main.js", headers={"If-None-Match": reply.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
+    assert client.get("/static/css/app.css").headers["cache-control"] == "no-cache"
