@@ -666,4 +666,4 @@ def test_the_heatmap_keeps_a_column_of_its_own_until_two_leave_it_room(server, m
                 assert cells["width"] >= 0.45 * width and grid_left < focus_right, seen
             else:
                 assert grid_left > focus_right and cells["width"] >= at_1280[run_kind], seen
-            page.context.close()
+            page.close()
