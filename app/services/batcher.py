@@ -430,8 +430,11 @@ class Batcher:
         if not queue:
             del self._pending[job.client]
 
-    def _oldest(self) -> Job:
-        return min((queue[0] for queue in self._pending.values()), key=lambda job: job.enqueued)
+    def _lead(self) -> Job:
+        """The next batch's first job: the oldest of the client whose turn it is. The globally
+        oldest job led every batch, so one client's long inputs, each a forward of its own, queued
+        before another's short one all ran first (3.4 s of waiting for 0.01 s of work)."""
+        return next(iter(self._pending.values()))[0]
 
     def _select(self, model: AttentionModel, keep: bool = False) -> tuple[list[Job], bool]:
         """Jobs of one model that fit the token budget, one per client in turn (each client's
@@ -472,15 +475,15 @@ class Batcher:
                 if self._closed:
                     return None
                 self._cond.wait()
-            oldest = self._oldest()
-            model = oldest.model
+            lead = self._lead()
+            model = lead.model
             # Under load (the last forward was shared) the next requests are on their way, so
             # wait up to max_wait from now for them; a lone client never waits, and requests
             # already admitted (still tokenizing) are always worth waiting for.
             loaded = self._last_batch > 1
-            until = max(oldest.enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
+            until = max(lead.enqueued, time.monotonic() if loaded else 0.0) + self.max_wait_s
             while True:
-                batch, full = self._select(model, oldest.keep)
+                batch, full = self._select(model, lead.keep)
                 remaining = until - time.monotonic()
                 if full or self._closed or remaining <= 0 or (self._admitted <= 0 and not loaded):
                     break

@@ -46,6 +46,20 @@ def test_one_job_per_client_in_turn(batcher):
     assert left_out
 
 
+def test_each_client_leads_a_batch_in_turn_not_the_oldest_job(batcher):
+    """Long inputs run a forward each. The oldest job led every batch, so a client's four long
+    inputs queued before another's short one all ran first (that one waited 3.4 s for 0.01 s)."""
+    long = [job("flood", 2000, f"L{i}") for i in range(4)]
+    for j in long:
+        j.keep = True
+    queue(batcher, long)
+    queue(batcher, [job("quiet", 8, "q0"), job("quiet", 8, "q1")])
+    queue(batcher, [job("other", 8, "o0")])
+    order = [[j.tag for j in batcher._next_batch()] for _ in range(5)]
+    # after the flood's first, the short ones go together, then each client in turn
+    assert order == [["L0"], ["q0", "o0", "q1"], ["L1"], ["L2"], ["L3"]], order
+
+
 def test_the_cell_budget_limits_long_rows_but_one_always_fits(batcher):
     queue(batcher, [job("a", 512, f"a{i}") for i in range(4)])
     chosen, left_out = batcher._select(MODEL)
