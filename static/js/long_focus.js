@@ -143,6 +143,7 @@ export class TiledFocusView extends FocusView {
     // The rule's own spans: scanning T × T cells for them (maskRunsOf) is what tiles avoid.
     this.heatmap.maskRuns = mask.none ? null : { at: (q) => mask.span(q, T) };
     this.plot.dataset.long = "true";
+    this.emptyNode.hidden = true; // a failed first run's note ("the run above failed"), as render() hides it
     this.current = { view, labels, nRows: T, nCols: T, title, scale, peak, zmax: 1 };
     this.setPeak(base ? peak : this.peakOf(this.coarsestTile()));
     this.filename = filename;

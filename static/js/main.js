@@ -838,7 +838,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   renderHeadChips();
   await renderViews();
   if (!run.long) measures.onRun(run, request, state.layer, state.head, labels().labels, viewOptions());
-  else measures.onLongRun();
+  else measures.onLongRun(run, request, labels().labels);
   setBusy(false);
   $("run-status").textContent = `Done: ${tokenCount(run.T)}, ${run.nLayers} layers × ${run.nHeads} heads.`;
   // After Enter the caret would keep the arrow keys in the text box, and a Run button that was

@@ -250,8 +250,10 @@ class Measures {
   }
 
   // A long run gets no measures (main.js; long_run.js hides the panel's views and says why):
-  // forget everything the last short run drew in them, so none of it is kept under this run.
-  onLongRun() {
+  // forget everything the last short run drew in them, so none of it is kept under this run. Its
+  // predictions still go under the heatmap: they come with the run the server keeps, so asking
+  // again is answered from its cache, without a forward (they were dropped without a word).
+  onLongRun(run, request, labels) {
     this.token = {}; // loads still in flight for the last run drop their answers
     this.run = null;
     this.flow = null;
@@ -261,6 +263,7 @@ class Measures {
     this.forgetNeuron("");
     this.forgetHeads();
     this.forgetFlow("");
+    this.predictionsView.load(run, request, labels);
   }
 
   // As forgetPlot for the head finder and the flow graph: the last run's heads and routes go at

@@ -11,6 +11,7 @@ import json
 import re
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import numpy as np
 import pytest
 
@@ -329,6 +330,19 @@ def test_a_long_run_the_server_dropped_is_posted_again_and_redrawn(server, page,
     assert "POST /api/v1/attention again" in page.locator("#error").text_content() and mock.posts == 2
 
 
+def test_a_long_run_after_a_failed_first_run_takes_the_failures_note_away(server, page, mock):
+    """A short run's render hid the note that a failed first run leaves in the plot; a long run's
+    did not: "The example is hidden: the run above failed." stayed over its heatmap."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, "word " * 600)  # over MiniLM's 512 positions, not cut: refused
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.locator("#focus-plot .plot-empty").is_visible()
+    submit(page, mock.prompt)
+    wait_settled(page)
+    assert page.locator("#focus-plot .plot-empty").is_hidden()
+
+
 def test_a_full_resolution_cell_float16_holds_as_0_reads_under_its_floor(server, page, mock):
     """Weights under 2^-25 are 0 in a float16 tile: the reading said "0.000", as for none at all."""
     mock.k[0, 0, 990] = -40 * mock.q[0, 0, 1020]  # (1020, 990): a weight of about e^-300, 0 in float16
@@ -538,6 +552,13 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
     assert plotted["peak"] == pytest.approx(float(dense[0, 0].max()), rel=1e-3)
     assert plotted["level"] >= 2 and all(t["pool"] == "max" for t in plotted["tiles"])
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-overview.png"))
+    # The next-token guesses under it, as the API gives them for the run (a long run dropped them).
+    page.wait_for_function("() => document.querySelectorAll('#focus-predictions .pred').length === 1024")
+    assert page.text_content("#focus-predictions .hint:last-child") == f"… and {T - 1024} more tokens: hover the heatmap to read them."
+    asked = httpx.post(f"{long_server}/api/v1/attention", timeout=60, json={
+        "text": text, "model": "llama-long", "format": "u8", "layers": [0], "heads": [0], "predictions": {"top_k": 5}}).json()
+    guesses = page.locator("#focus-predictions .pred-guess").evaluate_all("els => els.map(e => e.dataset.token)")
+    assert guesses == [asked["predictions"][str(i)][0]["token"] for i in range(1024)]
 
     # Zoom to 40 × 48 tokens: tiles at full resolution for that window, every label, exact readings.
     before = len(watched.requests)
