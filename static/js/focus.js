@@ -40,6 +40,31 @@ export function shortLabel(text) {
 // float16 rounds weights under 2^-25 to 0.
 export const F16_ZERO = 2 ** -25;
 
+// An export's caption cut to `px` at its title's font (13 px): a caption cut at 80 characters ran
+// off a narrow figure's right edge mid-word. A quoted text keeps its closing quote.
+const FONT_FAMILY = "system-ui, -apple-system, Segoe UI, sans-serif"; // the figure's (layout), its title's too
+const CAPTION_FONT = `13px ${FONT_FAMILY}`;
+let measurer = null;
+
+export function fitCaption(caption, px) {
+  measurer ??= document.createElement("canvas").getContext("2d");
+  measurer.font = CAPTION_FONT;
+  if (measurer.measureText(caption).width <= px) return caption;
+  const chars = Array.from(caption);
+  const close = caption.endsWith("”") ? "…”" : "…";
+  const body = caption.endsWith("”") ? chars.slice(0, -1) : chars;
+  let low = 0;
+  let high = body.length;
+  while (low < high) { // the longest start that fits, with its ellipsis
+    const mid = Math.ceil((low + high) / 2);
+    if (measurer.measureText(body.slice(0, mid).join("").trimEnd() + close).width <= px) low = mid;
+    else high = mid - 1;
+  }
+  const kept = body.slice(0, low).join("");
+  const space = kept.lastIndexOf(" ");
+  return (space > 0 && space >= kept.length - 12 ? kept.slice(0, space) : kept).trimEnd() + close; // at a word's end when one is near
+}
+
 export function weightText(value, floor = 0, digits = 3) {
   if (value === 0 && floor > 0) return `< ${floor.toPrecision(2)}`;
   if (value === 0 || Math.abs(value) >= 0.5 * 10 ** -digits) return value.toFixed(digits);
@@ -500,7 +525,7 @@ export class FocusView {
       paper_bgcolor: pal.paper,
       plot_bgcolor: pal.paper, // past the cells (a pan) is no key at all, not a masked one
       hovermode: false, // the page reads cells itself (showReading)
-      font: { color: pal.text, family: "system-ui, -apple-system, Segoe UI, sans-serif" },
+      font: { color: pal.text, family: FONT_FAMILY },
       margin: axes.margin,
       // The same revision keeps the user's zoom while stepping through heads of the same text.
       uirevision: this.revision,
@@ -571,11 +596,12 @@ export class FocusView {
     const trace = { ...this.figure().trace, zmax, showscale: true, colorbar: this.colorbar(log) };
     const layout = { ...this.labelledLayout(), images: [cells] };
     layout.margin = { ...layout.margin, t: (layout.margin?.t || 40) + 40, r: 10 };
+    const width = this.plot.clientWidth;
     layout.title = {
-      text: plotlyText(this.exportCaption), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
+      // from 2% of the width to 8 px short of the right edge
+      text: plotlyText(fitCaption(this.exportCaption, 0.98 * width - 8)), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
       yref: "container", y: 1, yanchor: "top", pad: { t: 8 },
     };
-    const width = this.plot.clientWidth;
     const height = this.plot.clientHeight + 40;
     return window.Plotly.downloadImage({ data: [trace], layout }, { format, filename: this.filename, width, height, scale: format === "png" ? 2 : 1 });
   }

@@ -400,6 +400,37 @@ def test_no_request_leaves_loopback_and_modebar_exports_png_and_svg(server, page
     assert watched.off_loopback() == []
 
 
+CAPTURE_EXPORT = """() => {
+  const real = window.Plotly.downloadImage;
+  window.Plotly.downloadImage = (figure, options) => {
+    window.exported = { caption: figure.layout.title.text, width: options.width };
+    return real(figure, options);
+  };
+}"""
+CAPTION_PX = """(text) => {
+  const context = document.createElement('canvas').getContext('2d');
+  context.font = '13px system-ui, -apple-system, Segoe UI, sans-serif';
+  return context.measureText(text).width;
+}"""
+
+
+def test_an_exported_caption_fits_the_figures_width(server, make_page):
+    """The caption was cut at 80 characters whatever the figure's width: on a laptop's narrow
+    figure it ran off the image's right edge, cut mid-word."""
+    page = make_page(viewport=(760, 900))
+    open_page(page, server)
+    text = "The bank of the river was muddy after the rain, and the heron waited by the old mill for the fish."
+    run(page, text)
+    page.evaluate(CAPTURE_EXPORT)
+    page.hover("#focus-plot")
+    with page.expect_download():
+        page.click(".modebar-btn[data-title='Download plot as PNG']")
+    exported = page.evaluate("() => window.exported")
+    caption = exported["caption"]
+    assert caption.startswith("minilm · Layer 0, head 0 · “The bank of the river") and caption.endswith("…”"), caption
+    assert page.evaluate(CAPTION_PX, caption) <= 0.98 * exported["width"] - 8, exported
+
+
 def test_an_evicted_run_is_posted_again(server, page, watched):
     """The server answers 404 for a run its cache dropped; the page re-posts and carries on."""
     evicted = []
