@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.browser.conftest import browser  # noqa: F401  chromium for the export's and the figures' files
+from tests.browser.conftest import browser, playwright  # noqa: F401  chromium for the export's and the figures' files
 
 ROOT = Path(__file__).resolve().parents[2]
 

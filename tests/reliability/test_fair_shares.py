@@ -176,8 +176,9 @@ def test_forwarded_for_separates_clients_only_behind_a_trusted_proxy():
 
     for trusted in (True, False):
         settings = {"trusted_proxies": "127.0.0.1"} if trusted else {}
-        # A share of one input, held for the 5 s the first request's forward takes.
-        with spawned(debug_forward_delay_s=5.0, max_client_queue=1, cache_bytes=0, request_timeout_s=300, **settings) as url:
+        # A share of one input, held for the 2 s the first request's forward takes (the second is
+        # sent the moment the first is admitted: a round trip, not seconds).
+        with spawned(debug_forward_delay_s=2.0, max_client_queue=1, cache_bytes=0, request_timeout_s=300, **settings) as url:
             first, other = asyncio.run(two_addresses(url))
             assert first == 200
             # Behind a trusted proxy the second address is its own client; without one, the header is
