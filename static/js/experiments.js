@@ -126,6 +126,7 @@ function renderAblation() {
   plot.dataset.depth = String(ablation.stack.length);
   if (!ablation.clean || !ablation.shown) {
     clearPlot(plot);
+    for (const key of ["layer", "head", "state"]) delete plot.dataset[key]; // the cleared plot's, not the last run's
     $("ablate-ranking").replaceChildren();
     $("ablate-predictions").replaceChildren();
     return;
@@ -133,7 +134,10 @@ function renderAblation() {
   const { layer, head } = ablation.shown;
   const tensor = current ? current.attention : ablation.clean;
   const labels = pieceLabels(ablation.tokens);
-  const what = current ? `after ablating ${current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ")}` : "clean (nothing ablated)";
+  // A head in or before the first ablated layer keeps its weights (an ablation silences what a head
+  // writes): "after ablating L1 H0" over the clean pattern read as if it had changed.
+  const unchanged = current && layer <= Math.min(...current.ablate.map((a) => a.layer));
+  const what = current ? `after ablating ${current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ")}${unchanged ? ": weights unchanged" : ""}` : "clean (nothing ablated)";
   heatmap(plot, maskLater(headRows(tensor, layer, head), ablation.causal), { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
   Object.assign(plot.dataset, { layer, head, state: current ? "ablated" : "clean" });
   if (!current) {

@@ -125,9 +125,11 @@ export class HeadFinder {
 
   visibleRows() {
     const tag = this.tagFilter.value;
-    const words = this.textFilter.value.trim().toLowerCase().split(/\s+/).filter(Boolean);
+    const words = this.textFilter.value.trim().toLowerCase().split(/[\s,]+/).filter(Boolean); // as the placeholder lists them
+    // A head's name matches whole ("l1h1" was also L1 H10 and L1 H11); other words anywhere.
+    const named = (w) => /^l\d+h\d+$/.test(w);
     const rows = this.rows.filter((r) => (!tag || r.tags.includes(tag)) && words.every((w) =>
-      `l${r.layer}h${r.head} ${r.tags.join(" ")}`.includes(w)));
+      (named(w) ? `l${r.layer}h${r.head}` === w : `l${r.layer}h${r.head} ${r.tags.join(" ")}`.includes(w))));
     const { key, descending } = this.sort;
     const value = (r) => (key === "layer" ? r.layer * 1e4 + r.head : key === "tags" ? r.tags.join(",") : r.stats[key]);
     rows.sort((a, b) => {

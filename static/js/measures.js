@@ -429,7 +429,8 @@ class Measures {
     const hidden = kind === "raw" && renormalises(this.hiding);
     if (hidden) ({ matrix, rows, cols, mask, positions } = hiddenOut(matrix, wordView ? this.words : this.run.tokens, rows, this.hiding, mask));
     const peak = peakOf(matrix, 1e-12);
-    this.cells = { matrix, rows, cols, mask, positions, predictions: !wordView && kind !== "contributions" ? this.predictions : null };
+    this.cells = { matrix, rows, cols, mask, positions, headRows: kind === "contributions",
+                   predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     this.dropCursor(); // its cell may not exist in the new matrix
     $("measure-reading").textContent = this.readingHint;
@@ -493,14 +494,17 @@ class Measures {
   // "query → key: value" for a cell, and the model's next-token guess after the query where there
   // is one, in the line under the plot.
   readAt(i, j) {
-    const { matrix, rows, cols, mask, positions, predictions } = this.cells;
+    const { matrix, rows, cols, mask, positions, predictions, headRows } = this.cells;
     const position = positions ? positions[i] : i;
     const top = predictions?.[String(position)]?.[0];
     const next = top ? ` · next: ${visibleSpaces(top.token)} ${(top.prob * 100).toFixed(0)}%` : "";
     // The row's token outlined in the strip under the plot (its own scroll box) and scrolled to.
     this.predictionsView.mark($("predictions"), predictions ? position : null);
     const reading = $("measure-reading");
-    reading.textContent = `${rows[i]} → ${cols[j]}: ${mask?.cell(i, j) ? "masked" : weightText(matrix[i][j], 0, 4)}${next}`;
+    // Each token with its position: "u → u" read two of a repeated text's tokens as one.
+    const query = headRows ? rows[i] : `#${position} ${rows[i]}`;
+    const key = `#${positions ? positions[j] : j} ${cols[j]}`;
+    reading.textContent = `${query} → ${key}: ${mask?.cell(i, j) ? "masked" : weightText(matrix[i][j], 0, 4)}${next}`;
     Object.assign(reading.dataset, { row: i, col: j });
     return reading.textContent;
   }

@@ -144,6 +144,13 @@ def test_ablating_a_head_of_the_last_layer_shows_its_prediction_change(server, a
     page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated'][data-layer='1'][data-head='2']", timeout=30_000)
     assert "No later layer" in page.inner_text("#ablate-ranking")
     assert page.locator("#ablate-predictions tbody tr").count() > 0
+    # Its own weights are the clean ones (an ablation silences what a head writes): the title says so.
+    title = page.evaluate("() => document.getElementById('ablate-plot').layout.title.text")
+    assert title == "L1 H2, after ablating L1 H2 (zero): weights unchanged", title
+    # A new run clears the plot, and the hooks that said what it showed.
+    run(page, SENTENCE, "tiny-causal")
+    page.wait_for_function("() => document.getElementById('ablate-plot').dataset.depth === '0'")
+    assert page.evaluate("() => ({ ...document.getElementById('ablate-plot').dataset })") == {"depth": "0"}
 
 
 def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):

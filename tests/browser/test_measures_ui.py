@@ -451,7 +451,7 @@ def test_measure_labels_are_thinned_and_a_zoom_labels_every_token_in_view(page, 
     reading = page.locator("#measure-reading[data-row='20'][data-col='12']")
     reading.wait_for()
     z = page.evaluate("() => document.getElementById('measure-plot').measured.matrix[20][12]")
-    assert reading.text_content().startswith(f"{text[20]} → {text[12]}: {z:.4f}"), reading.text_content()
+    assert reading.text_content().startswith(f"#20 {text[20]} → #12 {text[12]}: {z:.4f}"), reading.text_content()
 
 
 def test_hiding_the_only_token_says_so_and_unticking_brings_it_back(page, tiny_server):
@@ -551,6 +551,19 @@ def test_measures_name_tokens_as_the_labels_control_says(page, server):
     page.wait_for_function(f"() => ({shown})().join('|') === 'The|1: The|The|The'", timeout=30_000)
     page.select_option("#labels", "pieces")
     page.wait_for_function(f"() => ({shown})().join('|') === 'the|1: the|the|the'", timeout=30_000)
+
+
+def test_the_finder_filter_matches_a_head_by_its_whole_name(page, server):
+    """"L1H1" also listed L1 H10 and L1 H11 (a substring of their names)."""
+    open_page(page, server)
+    run(page, "The bank of the river.")
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_function("() => document.querySelectorAll('#finder tbody tr').length === 72", timeout=30_000)
+    page.fill("#finder-filter", "L1H1")
+    rows = page.locator("#finder tbody tr")
+    assert [(r.get_attribute("data-layer"), r.get_attribute("data-head")) for r in rows.all()] == [("1", "1")]
+    page.fill("#finder-filter", "L1H1,")  # as the placeholder writes a list
+    assert rows.count() == 1
 
 
 def test_measure_export_carries_its_labels_cells_and_caption(ran):
