@@ -488,7 +488,12 @@ class Measures {
   // whether the view options left tokens out.
   drawn(kind, { layer, head }, wordView, hidden) {
     Object.assign($("measure-plot").dataset, { measure: kind, layer, head, words: String(wordView) });
-    $("measure-caption").textContent = hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind];
+    // Hiding renormalises one head's softmax rows: the other measures show every token, and say so
+    // (they ignored the ticked boxes without a word).
+    const by = hidingOptions(this.hiding);
+    const ignored = kind !== "raw" && renormalises(this.hiding)
+      ? ` ${by.join(" and ")} ${by.length > 1 ? "apply" : "applies"} to the raw weights only: every token is shown here.` : "";
+    $("measure-caption").textContent = hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind] + ignored;
   }
 
   // "query → key: value" for a cell, and the model's next-token guess after the query where there

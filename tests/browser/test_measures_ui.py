@@ -682,6 +682,14 @@ def test_raw_weights_hide_special_tokens_as_the_focused_heatmap_does(page, serve
     page.wait_for_selector("#measure-plot[data-words='true']")
     assert page.evaluate(shape) == len(keep) and "[CLS]" not in page.evaluate(labels)
     page.uncheck("#word-view")
+    # The other measures are not softmax rows: they keep every token, and say so (they said nothing).
+    page.select_option("#measure", "rollout")
+    page.wait_for_selector("#measure-plot[data-measure='rollout']")
+    assert page.evaluate(shape) == len(tokens)
+    assert page.locator("#measure-caption").text_content().endswith(
+        " “Hide special tokens” applies to the raw weights only: every token is shown here.")
+    page.select_option("#measure", "raw")
+    page.wait_for_selector("#measure-plot[data-measure='raw']")
 
     page.uncheck("#hide-special")
     page.wait_for_function(f"(n) => ({shape})() === n", arg=len(tokens), timeout=10_000)
