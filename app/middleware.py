@@ -347,7 +347,8 @@ class JsonCors(CORSMiddleware):
         if response.status_code != 400:
             return response
         refused = response.body.decode().removeprefix("Disallowed CORS ")
-        message = (f"this cross-origin request's {refused} is not allowed here (methods GET and POST, headers "
+        # "origin", "method" or "headers", or several of them ("method, headers"): "is" read wrong for some
+        message = (f"this cross-origin request is refused for its {refused} (allowed here: methods GET and POST, headers "
                    "Content-Type and Authorization, from the origins in MANYEYES_CORS_ORIGINS)")
         headers = {k: v for k, v in response.headers.items() if k not in ("content-type", "content-length")}
         return error_response(400, "cors_refused", message, headers)

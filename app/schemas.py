@@ -199,7 +199,7 @@ class AttentionResponse(BaseModel):
                         "format": "u8",
                         "dtype": "uint8",
                         "shape": [1, 1, 3, 3],
-                        "data": "Ynl/MjNvSz0/",
+                        "data": "Ww6WYiV4OBSz",
                         "scale": 1 / 255,
                     },
                     "device": "cpu",
@@ -679,13 +679,13 @@ class AblateResponse(BaseModel):
             "examples": [
                 {
                     "model": "tiny-gpt", "causal": True, "n_layers": 2, "n_heads": 8,
-                    "tokens": [{"text": "I", "id": 73, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"}],
+                    "tokens": [{"text": "I", "id": 41, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"}],
                     "truncated": False,
                     "ablate": [{"layer": 0, "head": 3, "mode": "zero"}],
                     "ranking": [{"layer": 1, "head": 0, "divergence": 0.41}],
-                    "predictions": {"positions": [0], "before": [[{"token": "n", "id": 110, "prob": 0.62}]],
-                                    "after": [[{"token": "n", "id": 110, "prob": 0.35}]]},
-                    "logprob_change": [{"position": 0, "id": 110, "token": "n", "before": -0.48, "after": -1.05, "change": -0.57}],
+                    "predictions": {"positions": [0], "before": [[{"token": "n", "id": 78, "prob": 0.62}]],
+                                    "after": [[{"token": "n", "id": 78, "prob": 0.35}]]},
+                    "logprob_change": [{"position": 0, "id": 78, "token": "n", "before": -0.48, "after": -1.05, "change": -0.57}],
                 }
             ]
         }
@@ -769,8 +769,8 @@ class RunInfo(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "model": "tiny-llama", "causal": True, "n_layers": 2, "n_heads": 4,
         "n_kv_heads": 2, "n_tokens": 2,
-        "tokens": [{"text": "I", "id": 73, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"},
-                   {"text": "n", "id": 110, "start": 1, "end": 2, "special": False, "segment": 0, "piece": "n"}],
+        "tokens": [{"text": "I", "id": 41, "start": 0, "end": 1, "special": False, "segment": 0, "piece": "I"},
+                   {"text": "n", "id": 78, "start": 1, "end": 2, "special": False, "segment": 0, "piece": "n"}],
         "truncated": False, "kept": "qk", "precision": "json", "shapes": {"queries": [2, 4, 2, 32], "keys": [2, 2, 2, 32]}, "nbytes": 4128,
         "dense_max_tokens": 1024,
         "links": {"run": "/api/v1/runs/5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f",
