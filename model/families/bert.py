@@ -107,7 +107,7 @@ def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor]
     elif weight is None:
         raise ModelLoadError(f"{path}: missing key '{saved_name(state, decoder[0])}' (tie_word_embeddings is false)")
     else:
-        mapped["mlm_head.out_head.weight"] = as_weights(weight, decoder[0], path)
+        mapped["mlm_head.out_head.weight"] = as_weights(weight, saved_name(state, decoder[0]), path)
     if decoder[1] is not None:
         state.pop(decoder[1], None)
 
