@@ -885,7 +885,7 @@ def test_each_new_ablation_shows_a_head_it_changes(server, api, page, artifacts)
     page.click("#ablate-undo")
     page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
     ablate_focused(page, 5, 11, 1)
-    assert ablate_shown(page) == ((5, 11), "L5 H11, after ablating L5 H11 (zero)")
+    assert ablate_shown(page) == ((5, 11), "L5 H11, after ablating L5 H11 (zero): weights unchanged")
 
 
 @pytest.fixture(scope="module")
