@@ -211,11 +211,12 @@ export function describeError(err, tooLong = RUN_TEXT) {
       const wait = err.retryAfter ? ` Try again in ${err.retryAfter} s.` : " Try again in a moment.";
       return `The server is busy.${wait}`;
     }
-    case 503:
-      // Loading, not failing: a server that has just started answers so until its models are in.
-      return err.code === "not_ready" ? `The server is not ready yet: ${detail} Try again in a moment.` : `The server failed (503): ${detail}`;
     case 504:
       return `The server took too long to answer: ${detail} Try a shorter text.`;
+    case 503:
+      // Loading, not failing: a server that has just started answers so until its models are in.
+      if (err.code === "not_ready") return `The server is not ready yet: ${detail} Try again in a moment.`;
+    // falls through: any other 503 is a failure like the rest
     default:
       return `The server failed (${err.status}): ${detail}`;
   }
