@@ -116,7 +116,7 @@ async function modelsOnceLoaded() {
       if (err.status !== 503 || err.code !== "not_ready") throw err;
       const ready = await readiness().catch(() => ({ status: "loading", models: {} }));
       if (ready.status === "failed") throw new ApiError(503, "load_failed", ready.message);
-      if (ready.status === "loading") showError(loadingLine(ready.models), "models");
+      if (ready.status === "loading") showError(loadingLine(ready.models), "loading");
       await new Promise((resolve) => setTimeout(resolve, LOADING_POLL_MS));
     }
   }

@@ -135,6 +135,9 @@ def test_a_page_opened_while_the_models_load_says_so_and_goes_on_when_they_are_i
     assert page.text_content("#error") == (
         "The server is still loading its models (minilm ready, smol downloading 25%). The page goes on when they are ready.")
     assert page.locator("#model option").count() == 0
+    assert page.get_attribute("#error", "data-source") == "loading"  # drawn as news, not in the failure's red
+    assert page.evaluate("() => getComputedStyle(document.getElementById('error')).backgroundColor") != page.evaluate(
+        "() => { const e = document.getElementById('error'); e.dataset.source = 'models'; const c = getComputedStyle(e).backgroundColor; e.dataset.source = 'loading'; return c; }")
     assert page.get_attribute("#focus-plot", "data-example") == "true"  # no "the run above failed"
     page.wait_for_selector("body[data-ready=true]", timeout=15_000)
     assert page.is_hidden("#error") and page.locator("#model option").count() >= 1
