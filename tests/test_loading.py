@@ -491,3 +491,19 @@ def test_a_tied_head_reads_the_embeddings_whatever_a_saved_copy_holds(tmp_path, 
     m = load(tmp_path, device="cpu")
     assert torch.equal(m.net.out_head.weight, embeddings) and torch.equal(m.net.tok_emb.weight, embeddings)
     assert torch.equal(m.attend("The quick brown fox.").logits, tied)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_finite_check_sees_one_bad_value_anywhere(dtype):
+    # Checked through the extremes (aminmax), which vectorised kernels compute lane by lane: one
+    # bad value in any lane, the first, the last or a tail past the vectors, must still show.
+    from manyeyes.model.keymap import all_finite
+
+    weights = torch.randn(131, dtype=torch.float32).to(dtype)
+    assert all_finite(weights) and all_finite(weights[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for position in range(len(weights)):
+            broken = weights.clone()
+            broken[position] = bad
+            assert not all_finite(broken), (bad, position)
+    assert all_finite(torch.full((9,), torch.finfo(dtype).max, dtype=dtype)), "large is not infinite"
