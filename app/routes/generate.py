@@ -67,6 +67,6 @@ def inline_schema(model) -> dict:
 async def generate(body: GenerateRequest, service: GenerationDep, request: Request) -> ClosingStream:
     """Generate up to `max_new_tokens` tokens (greedy, or sampled with a temperature, top-k and seed),
     each with its probability, the alternatives and its attention row in every head."""
-    stream = service.start(body, client_of(request))
+    stream = await service.start(body, client_of(request))
     # No buffering proxies: each line should reach the client as it is made.
     return ClosingStream(stream, media_type=NDJSON, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
