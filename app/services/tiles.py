@@ -57,6 +57,9 @@ def span(run: Run, lo: int | None, hi: int | None, lo_name: str, hi_name: str) -
     """[lo, hi) within the run's tokens; defaults: all of them. Negative values are refused by
     the route (ge=0) before this."""
     n = run.n_tokens
+    if hi is None and lo is not None and lo >= n:  # "below q1=39" named a bound the client never sent
+        raise InvalidInput(f"{lo_name}={lo} is past the run's end: run {run.run_id} has {n:,} tokens, "
+                           f"so {lo_name} lies in 0..{n - 1}")
     lo = 0 if lo is None else lo
     hi = n if hi is None else hi
     if hi > n:

@@ -378,7 +378,12 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
     assert_error(get(tiles_api, run_id, "tile", head=0), 422, "layer")
     assert_error(get(tiles_api, run_id, "topk", layer=0, head=0, k=65), 422, "k", "64")
     assert_error(get(tiles_api, run_id, "topk", layer=0, head="mean"), 422, "head")
-    assert_error(get(tiles_api, run_id, "topk", layer=0, head=0, q0=n), 422, "q0")
+    # Past the end with no q1 sent: "q0=n must be below q1=n" named a bound the client never sent.
+    for route in ("topk", "tile"):
+        r = get(tiles_api, run_id, route, layer=0, head=0, q0=n + 5)
+        assert_error(r, 422, f"q0={n + 5} is past the run's end", f"{n:,} tokens")
+        assert "q1" not in r.json()["error"]["message"]
+    assert_error(get(tiles_api, run_id, "tile", layer=0, head=0, rows=8, cols=8, k0=n), 422, f"k0={n} is past")
     unknown = "0" * 32
     for route, params in (("tile", {"layer": 0, "head": 0}), ("topk", {"layer": 0, "head": 0}), ("overview", {})):
         assert_error(get(tiles_api, unknown, route, **params), 404, unknown)
