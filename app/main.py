@@ -121,7 +121,9 @@ def add_error_handlers(app: FastAPI) -> None:
             # FastAPI's "There was an error parsing the body" says nothing of why (a 5,000-digit
             # number, JSON nested past Python's recursion limit); the exception it wraps does.
             cause = exc.__cause__
-            message = f"{message}: {brief(str(cause) or type(cause).__name__, 200)}"
+            # Python's advice to whoever runs it ("use sys.set_int_max_str_digits()") is not the client's.
+            reason = str(cause).removesuffix("; use sys.set_int_max_str_digits() to increase the limit")
+            message = f"{message}: {brief(reason or type(cause).__name__, 200)}"
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405 and headers:
             # HeadAsGet answers HEAD wherever GET is answered: the router's Allow named GET alone.

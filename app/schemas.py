@@ -161,12 +161,15 @@ class AttentionResponse(BaseModel):
     layers: list[int]
     heads: list[int]
     kept: Literal["weights", "qk"] = Field(
-        description="weights: `attention` holds them. qk: the run kept queries and keys; `attention` is null "
-        "and `links` names the routes that serve its heads"
+        description="How the run is kept (a run id names the text, not how it was kept). weights: the run holds "
+        "whole weights, and `attention` holds them, unless the request asked `keep: \"qk\"`: then `attention` is null "
+        "and `links` given, as for a qk run. qk: the run kept queries and keys; `attention` is null and `links` names "
+        "the routes that serve its heads"
     )
     precision: Format = Field(description=PRECISION_DOC)
     attention: AttentionData | None
-    links: RunLinks | None = Field(None, description="qk runs only: URL templates of the run's routes")
+    links: RunLinks | None = Field(None, description="where `attention` is null (a qk run, or `keep: \"qk\"` asked): URL "
+                                   "templates of the run's routes")
     predictions: dict[str, list[PredictionOut]] | None = Field(
         None,
         description="Only when asked for: token position -> top-k. Causal LMs: the next token after every "
@@ -537,8 +540,9 @@ class LogitAttributionResponse(BaseModel):
 class HeadAblation(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    layer: int = Field(..., ge=0)
-    head: int = Field(..., ge=0)
+    # Bounded as a view's are: a 4,000-digit layer was quoted whole in the error message.
+    layer: int = Field(..., ge=0, le=4096)
+    head: int = Field(..., ge=0, le=4096)
     mode: Literal["zero", "mean"] = Field(
         "zero", description="zero: silence the head; mean: replace its output by its mean over this input's positions"
     )

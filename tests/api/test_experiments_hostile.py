@@ -45,7 +45,8 @@ BAD = [
     ("ablate", {"text": " \n\t", "ablate": one()}, "whitespace"),
     ("ablate", {"text": "\ud800", "ablate": one()}, "text"),
     ("ablate", {"text": "a", "ablate": one(), "text_pair": "  "}, "text_pair"),
-    ("ablate", {"text": "a", "ablate": one(layer=2**70)}, "no head"),
+    ("ablate", {"text": "a", "ablate": one(layer=2**70)}, "less than or equal to 4096"),
+    ("ablate", {"text": "a", "ablate": one(layer=99)}, "no head L99 H0"),
     ("ablate", {"text": "a", "ablate": one(layer=-1)}, "layer"),
     ("ablate", {"text": "a", "ablate": one(head=0.0)}, "head"),
     ("ablate", {"text": "a", "ablate": one(head=True)}, "head"),
@@ -77,6 +78,20 @@ BAD = [
 @pytest.mark.parametrize("path, body, words", BAD, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD)])
 def test_bad_experiment_input_is_a_clear_422(client, model, path, body, words):
     refused(post_raw(client, f"{E}/{path}", {"model": model, **body}), 422, words)
+
+
+def test_numbers_of_thousands_of_digits_are_not_quoted_whole(client):
+    """A 4,000-digit layer came back in a 4 KB message; one of 5,000 digits (past what int() reads)
+    told the client to call sys.set_int_max_str_digits()."""
+    for body in ({"text": "a b", "ablate": one(layer=10**3999)}, {"text": "a b", "ablate": one(head=10**3999)},
+                 {"text": "a b", "index": 10**3999, "change": "delete"}):
+        path = "ablate" if "ablate" in body else "change-token"
+        error = refused(post_raw(client, f"{E}/{path}", body), 422)
+        assert len(error["message"]) < 300, error
+    raw = '{"text": "a b", "ablate": [{"layer": %s, "head": 0}]}' % ("9" * 5000)
+    r = client.post(f"{E}/ablate", content=raw, headers={"content-type": "application/json"})
+    error = refused(r, 400, "value has 5000 digits")
+    assert "sys." not in error["message"] and len(error["message"]) < 300, error
 
 
 @pytest.mark.parametrize("model", MODELS)
