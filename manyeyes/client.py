@@ -204,15 +204,7 @@ class RemoteMeasures:
     contributions: dict[str, np.ndarray] | None = None  # norms, shares: (layers, heads, T); bias_shares: (layers, T)
     words: list[dict] | None = None  # text, start, end, segment, special, pieces
     word_attention: np.ndarray | None = None  # (layers, heads, W, W)
-    head_table: list[dict] | None = None  # layer, head, tags, stats; every head
-
-
-def decode_matrix(matrix: dict) -> np.ndarray:
-    """A measure's matrix (json, f16, or u8 with value ≈ offset + byte × scale) to float32."""
-    if matrix["format"] == "u8":
-        raw = np.frombuffer(base64.b64decode(matrix["data"]), dtype=np.uint8).astype(np.float32)
-        return (raw * np.float32(matrix["scale"]) + np.float32(matrix.get("offset") or 0.0)).reshape(matrix["shape"])
-    return decode_attention(matrix)
+    head_table: list[dict] | None = None  # layer, head, tags, stats; a row per head of the layers and heads asked
 
 
 @dataclass
@@ -245,6 +237,11 @@ class RemoteResult:
     def head(self, layer: int, head: int) -> np.ndarray:
         """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it, ValueError
         for a long run that kept queries and keys (read it with Client.tile / topk / overview)."""
+        if self.attention is None and self.kept == "weights":
+            raise ValueError(
+                f"this answer carries no weights: it was asked with keep='qk', but run {self.run_id} holds whole "
+                f"weights; read them with Client.slice(result, layers=[{layer}], heads=[{head}])"
+            )
         if self.attention is None:
             raise ValueError(
                 f"run {self.run_id} kept queries and keys (kept={self.kept!r}), not whole weights: read a head "
@@ -257,7 +254,9 @@ class RemoteResult:
 
 
 def decode_attention(attention: dict) -> np.ndarray:
-    """The `attention` object of a v1 body (json, f16 or u8) to float32 of its shape."""
+    """The `attention` object of a v1 JSON body, or any matrix object of the API (a measure's, an
+    experiment's), to float32 of its shape: json, f16, or u8 with value = offset + byte x scale
+    (a compare's difference has offset -1: without it, every value came out 1 too high)."""
     shape = attention["shape"]
     fmt = attention["format"]
     if fmt == "json":
@@ -266,7 +265,8 @@ def decode_attention(attention: dict) -> np.ndarray:
     if fmt == "f16":
         return np.frombuffer(raw, dtype="<f2").astype(np.float32).reshape(shape)
     if fmt == "u8":
-        return np.frombuffer(raw, dtype=np.uint8).astype(np.float32).reshape(shape) * np.float32(attention["scale"])
+        values = np.frombuffer(raw, dtype=np.uint8).astype(np.float32).reshape(shape) * np.float32(attention["scale"])
+        return values + np.float32(attention["offset"]) if attention.get("offset") else values
     raise ManyeyesError(0, "unknown_format", f"the server sent attention in an unknown format {fmt!r}")
 
 
@@ -469,6 +469,11 @@ class Client:
             # parsing of numbers; zstd where the server finds it pays (httpx decodes it).
             headers["Accept"] = f"{FRAME_MEDIA_TYPE}, application/json;q=0.5"
             headers["Accept-Encoding"] = "zstd, gzip"
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            # -1 ran no attempt at all, and every call ended in an AssertionError
+            raise ValueError(f"max_retries must be a whole number >= 0; got {max_retries!r}")
+        if format not in FRAME_DTYPES:
+            raise ValueError(f"format must be one of {', '.join(FRAME_DTYPES)}; got {format!r}")
         if api_key:
             headers["Authorization"] = bearer(api_key)
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
@@ -643,6 +648,12 @@ class Client:
         body.pop("heads", None)
         body.update({k: v for k, v in (("layers", layers), ("heads", heads)) if v is not None})
         [(fields, array)] = decode_body(self._send("POST", "/api/v1/attention", json=body))
+        if array is None:
+            # A long input's run keeps queries and keys (or keep="qk" was asked): the GET serves a
+            # run with weights, and refuses one without as it did before the run was evicted
+            # (422 kept_qk), where this returned a result with no attention.
+            again_id = quote(fields["run_id"], safe="")
+            [(fields, array)] = decode_body(self._send("GET", f"/api/v1/runs/{again_id}/attention", params=params))
         return to_result(fields, array, run.request)
 
     def generate(
@@ -706,25 +717,30 @@ class Client:
     def measures(
         self,
         run: RemoteResult | str,
-        names: list[str],
+        names: list[str] | str,
         layers: list[int] | None = None,
         heads: list[int] | None = None,
-        format: str = "json",
+        format: str | None = None,
     ) -> RemoteMeasures:
-        """Any of rollout, value_norms, contributions, words, heads for a run."""
-        params = {"names": ",".join(names), "format": format, **selection(layers, heads)}
+        """Any of rollout, value_norms, contributions, words, heads for a run (one name or a list),
+        at the client's format unless `format` says otherwise."""
+        if isinstance(names, str):  # "rollout" went out as r,o,l,l,o,u,t
+            names = [names]
+        if not names:
+            raise ValueError("name at least one measure: rollout, value_norms, contributions, words or heads")
+        params = {"names": ",".join(names), "format": format or self.format, **selection(layers, heads)}
         body = self._run_get(run, "measures", params)
         found = body["measures"]
         out = RemoteMeasures(run_id=body["run_id"], layers=body["layers"], heads=body["heads"])
         if found.get("rollout"):
-            out.rollout = decode_matrix(found["rollout"])
+            out.rollout = decode_attention(found["rollout"])
         if found.get("value_norms"):
-            out.value_norms = decode_matrix(found["value_norms"])
+            out.value_norms = decode_attention(found["value_norms"])
         if found.get("contributions"):
-            out.contributions = {k: decode_matrix(v) for k, v in found["contributions"].items()}
+            out.contributions = {k: decode_attention(v) for k, v in found["contributions"].items()}
         if found.get("words"):
             out.words = found["words"]["words"]
-            out.word_attention = decode_matrix(found["words"]["attention"])
+            out.word_attention = decode_attention(found["words"]["attention"])
         if found.get("heads"):
             out.head_table = found["heads"]["rows"]
         return out

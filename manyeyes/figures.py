@@ -106,6 +106,9 @@ class Weights:
 
 def weights_of(result) -> Weights:
     attention = result.attention
+    if attention is None and getattr(result, "kept", None) == "weights":  # a client's answer to keep="qk"
+        raise ValueError("this answer carries no weights (it was asked with keep='qk'), but its run holds them: "
+                         "draw Client.slice(result) instead")
     if attention is None or getattr(attention, "ndim", 4) != 4:
         raise ValueError(
             "this result kept queries and keys (a long input), not its weights: there is nothing whole to "

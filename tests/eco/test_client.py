@@ -567,3 +567,63 @@ def test_a_base_url_without_a_scheme_is_refused_when_the_client_is_made():
         with pytest.raises(ValueError, match=r"base_url must start with http:// or https://.*" + re.escape(repr(bad))):
             Client(bad)
     assert Client("HTTPS://example.test/").http.base_url.host == "example.test"
+
+
+def test_an_evicted_run_without_weights_is_refused_again_not_returned_empty(client, local):
+    """slice() of a long run (kept queries and keys) was a 422 kept_qk while the run was cached,
+    and after its eviction a result with attention None; a keep="qk" answer of a run that holds
+    weights is served them."""
+    kept = client.attention("The qk run of this test.", keep="qk")
+    assert kept.kept == "qk" and kept.attention is None
+    with pytest.raises(InvalidRequest) as refused:
+        client.slice(dataclasses.replace(kept, run_id="e" * 32), layers=[0])
+    assert refused.value.code == "kept_qk"
+    weights = client.attention(TEXT, layers=[0])  # cached with its weights, then asked as qk
+    asked_qk = client.attention(TEXT, keep="qk")
+    assert asked_qk.kept == "weights" and asked_qk.attention is None
+    with pytest.raises(ValueError, match=r"asked with keep='qk'.*Client\.slice\(result, layers=\[1\], heads=\[3\]\)"):
+        asked_qk.head(1, 3)
+    from manyeyes import figures
+
+    with pytest.raises(ValueError, match="draw Client.slice"):
+        figures.heatmap(asked_qk, layer=1, head=3)
+    again = client.slice(dataclasses.replace(asked_qk, run_id="e" * 32), layers=[1], heads=[3], format="json")
+    assert again.run_id == weights.run_id
+    np.testing.assert_allclose(again.head(1, 3), local[1, 3], atol=1e-5)
+
+
+def test_a_compare_difference_in_u8_decodes_with_its_offset(client):
+    """decode_attention dropped the u8 offset (-1 for a difference): every value came out 1 too high."""
+    from manyeyes.client import decode_attention
+
+    body = {"model": "tiny-gpt", "text_a": "The bank of the river.", "text_b": "The bank of the old river.",
+            "difference": {"layers": [1], "heads": [3]}}
+    exact, coarse = (client.http.post("/api/v1/experiments/compare", json=body | {"difference": body["difference"] | {"format": f}})
+                     .json()["difference"] for f in ("json", "u8"))
+    assert coarse["format"] == "u8" and coarse["offset"] == -1.0
+    exact, coarse = decode_attention(exact), decode_attention(coarse)
+    assert exact.min() < -0.05 and exact.max() > 0.05  # a difference: both signs, so an offset shows
+    np.testing.assert_allclose(coarse, exact, atol=1 / 254 + 1e-6, rtol=0)
+
+
+def test_measures_take_the_clients_format_and_one_name(client, tiny_gpt):
+    """measures() asked float32 whatever the client's format (a 413 for MiniLM past ~167 tokens
+    where f16 fitted), and "rollout" went out as the names r,o,l,l,o,u,t."""
+    from manyeyes.model.measures import rollout
+
+    r = client.attention(TEXT, layers=[0])
+    m = client.measures(r, "rollout")
+    assert np.array_equal(m.rollout, m.rollout.astype(np.float16).astype(np.float32)), "f16, the client's format"
+    np.testing.assert_allclose(m.rollout, rollout(tiny_gpt.attend(TEXT).attention).numpy(), atol=1e-3)
+    exact = client.measures(r, ["rollout"], format="json").rollout
+    assert not np.array_equal(exact, exact.astype(np.float16).astype(np.float32))
+    with pytest.raises(ValueError, match="at least one measure"):
+        client.measures(r, [])
+
+
+@pytest.mark.parametrize("kwargs, words", [({"max_retries": -1}, "max_retries"), ({"max_retries": 1.5}, "max_retries"),
+                                           ({"format": "f32"}, "format must be one of u8, f16, json")])
+def test_a_client_made_with_settings_it_cannot_use_says_so_at_once(kwargs, words):
+    """max_retries=-1 made every call end in AssertionError; a bad format was a 422 at every call."""
+    with pytest.raises(ValueError, match=words):
+        Client("http://127.0.0.1:9", **kwargs)
