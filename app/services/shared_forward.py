@@ -302,7 +302,15 @@ class ForwardHost:
             threading.Thread(target=self._read, args=(conn,), name="me-forward-reader", daemon=True).start()
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
+        # Closing the socket does not wake an accept() blocked on another thread (the process's
+        # SIGTERM handler runs on serve()'s own, which is why it stopped there): a connection does,
+        # and serve() then sees it is closed.
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as wake:
+            wake.settimeout(1)
+            wake.connect(self._listener.address)
         self._listener.close()
 
     def _read(self, conn: Connection) -> None:

@@ -47,6 +47,8 @@ def hosting(models, path, quantise=False, **settings):
     finally:
         host.close()
         thread.join(5)
+        # close() from another thread must end serve(): its accept() slept on, 5 s a test here
+        assert not thread.is_alive(), "serve() did not return after close()"
 
 
 def connected(client: ForwardClient, timeout_s: float = 10) -> None:
