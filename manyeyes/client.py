@@ -22,7 +22,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -181,6 +181,28 @@ class GenerationStep:
     token: Prediction  # the chosen token and its probability under the model
     alternatives: list[Prediction]  # the most likely tokens at that point, best first
     attention: np.ndarray  # (n_layers, n_heads, position + 1): the token's row in every head
+
+
+class Generation(Iterator[GenerationStep]):
+    """The steps of one generation, each as the server makes it. `prompt` holds the prompt's
+    tokens (the first keys of every step's attention row) once the first step is read. Stop
+    iterating, or close(), to hang up: the server stops within one step."""
+
+    def __init__(self, steps: Callable[[Generation], Iterator[GenerationStep]]) -> None:
+        self.prompt: list[RemoteToken] | None = None
+        self._steps = steps(self)
+
+    def __next__(self) -> GenerationStep:
+        return next(self._steps)
+
+    def close(self) -> None:
+        self._steps.close()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -666,12 +688,16 @@ class Client:
         top_k: int | None = None,
         seed: int | None = None,
         alternatives: int = 5,
-    ) -> Iterator[GenerationStep]:
-        """Each new token as the server makes it. Stop iterating (or close the iterator) to hang
-        up: the server stops within one step. Greedy unless temperature > 0."""
+    ) -> Generation:
+        """Each new token as the server makes it; the prompt's tokens in `.prompt` once the first
+        is read. Stop iterating (or close the iterator) to hang up: the server stops within one
+        step. Greedy unless temperature > 0."""
         body = {"text": text, "max_new_tokens": max_new_tokens, "model": model, "temperature": temperature,
                 "top_k": top_k, "seed": seed, "alternatives": alternatives}
         body = {k: v for k, v in body.items() if v is not None}
+        return Generation(lambda generation: self._generate(generation, body))
+
+    def _generate(self, generation: Generation, body: dict) -> Iterator[GenerationStep]:
         # A 429 (all generation slots busy) is retried as any request's is, before any step.
         response = self._send("POST", "/api/v1/generate", stream=True, json=body, headers={"Accept": "application/x-ndjson"})
         try:
@@ -679,6 +705,8 @@ class Client:
                 if not line:
                     continue
                 event = json.loads(line)
+                if event["type"] == "start":
+                    generation.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
                 if event["type"] == "end" and event.get("reason") == "error":
                     raise GenerationFailed(response.status_code, "generation_failed", event.get("error") or "a step failed")
                 if event["type"] != "step":

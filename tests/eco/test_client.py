@@ -244,9 +244,15 @@ def test_predictions_come_typed_and_match_the_model(client, tiny_gpt):
 def test_generate_yields_the_models_steps_and_hangs_up_when_dropped(client, tiny_gpt):
     from manyeyes.model.generate import generate
 
-    steps = list(client.generate(TEXT, 6))
+    generation = client.generate(TEXT, 6)
+    assert generation.prompt is None  # nothing is sent before the first step is asked for
+    steps = list(generation)
     expected = list(generate(tiny_gpt, TEXT, 6))
     assert [s.token.id for s in steps] == [e.token.id for e in expected]
+    # The keys of each step's row: the prompt's tokens (the start line, which was dropped), then the steps'
+    assert [(t.text, t.id, t.start, t.end) for t in generation.prompt] == [
+        (t.text, t.id, t.start, t.end) for t in tiny_gpt.encode(TEXT).tokens]
+    assert steps[0].position == len(generation.prompt) and steps[0].attention.shape[-1] == len(generation.prompt) + 1
     for got, want in zip(steps, expected):
         assert got.attention.shape == tuple(want.attention.shape)
         np.testing.assert_allclose(got.attention, want.attention.numpy(), atol=1e-6)
