@@ -22,10 +22,13 @@ TIMEOUT_S = 1.0
 TEXT = " ".join(["bank river water"] * 200)
 
 
-def attention_request() -> bytes:
+def attention_request(close: bool = False) -> bytes:
+    """close: the server closes the connection after the answer (rather than at its keep-alive
+    timeout, 5 s later), which ends read_all."""
     body = orjson.dumps({"text": TEXT, "format": "u8", "truncate": True})
     return (b"POST /api/v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Accept-Encoding: identity\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            + (b"Connection: close\r\n" if close else b"")
+            + b"Accept-Encoding: identity\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
 
 def answer_size(said: bytes) -> tuple[bytes, int, int]:
@@ -54,7 +57,7 @@ def test_an_answer_the_client_never_takes_is_dropped_and_a_slow_reader_is_served
         # A reader that pauses now and then, each time for less than the deadline, gets it whole.
         with socket.create_connection((HOST, server.port)) as sock:
             sock.settimeout(30)
-            sock.sendall(attention_request())
+            sock.sendall(attention_request(close=True))
             head, length, got = answer_size(read_all(sock, pause_every=4 * 2**20, pause_s=TIMEOUT_S / 2))
         assert head.startswith(b"HTTP/1.1 200 ") and got == length > 20_000_000
 

@@ -120,10 +120,12 @@ def test_a_request_head_over_the_limit_is_refused_without_being_held():
             assert r.status_code == 200 and r.json()["truncated"] is True
 
 
-def post_bytes(text: str) -> bytes:
+def post_bytes(text: str, close: bool = False) -> bytes:
+    """close: the last request on its connection, which the server then closes (rather than at
+    its keep-alive timeout, 5 s later)."""
     body = orjson.dumps({"text": text})
     return (b"POST /api/v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            + (b"Connection: close\r\n" if close else b"") + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
 
 def test_a_pipelined_request_behind_a_long_forward_is_answered_and_the_first_answer_not_cut():
@@ -133,16 +135,17 @@ def test_a_pipelined_request_behind_a_long_forward_is_answered_and_the_first_ans
     closes, if it must, only once the answers before are out."""
     with live_server(request_read_timeout_s=TIMEOUT_S, debug_forward_delay_s=TIMEOUT_S * 2.5) as server:
         cases = [
-            (post_bytes("The bank of the river, first.") + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", {b"200 OK"}),
+            (post_bytes("The bank of the river, first.") + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+             {b"200 OK"}),
             # The body of a POST pipelined behind another reaches its handler once the answer before
             # it is out (uvicorn resumes reading, then starts it).
-            (post_bytes("The bank of the river, second.") + post_bytes("The bank of the river, third."), {b"200 OK"}),
+            (post_bytes("The bank of the river, second.") + post_bytes("The bank of the river, third.", close=True), {b"200 OK"}),
         ]
         for sent, second_answers in cases:
             with socket.create_connection((HOST, server.port)) as sock:
                 sock.settimeout(30)
                 sock.sendall(sent)
-                said = read_all(sock)  # until uvicorn's keep-alive timeout closes it
+                said = read_all(sock)  # until the server closes it, after the second answer
             # A status line follows the answer before it directly (no line break after a JSON body).
             statuses = [line.split(b"\r\n", 1)[0] for line in said.split(b"HTTP/1.1 ")[1:]]
             assert statuses[0] == b"200 OK" and b'"run_id"' in said, said[:300]  # whole, not cut off
