@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, free_port
+from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, free_port, playwright, profile_folder  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser
 KEY = "page-key-0123456789"
@@ -45,17 +44,14 @@ def spawn(settings: dict):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{CHROMIUM} is missing")
-        pytest.skip(f"{CHROMIUM} is missing")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
+def browser(playwright, profile_folder):
+    """The browser tests' profile (tests/browser/conftest.py): its code cache spares each page
+    the compiling of plotly.js (1.6 s a cold page). Each page is a tab of its own, so the key a
+    tab keeps is its own."""
+    context = playwright.chromium.launch_persistent_context(
+        profile_folder, executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, accept_downloads=True)
+    yield context
+    context.close()
 
 
 @pytest.fixture(scope="module", params=["open", "keys"])
@@ -190,9 +186,8 @@ def test_the_export_button_downloads_the_page_with_the_tabs_key(browser, served,
     """/export runs the model, so a server with keys guards it; the button fetches it with the
     key the tab was given (a plain navigation could not send one) and saves what comes back."""
     mode, url = served
-    context = browser.new_context(accept_downloads=True)
+    page = browser.new_page()
     try:
-        page = context.new_page()
         page.on("dialog", lambda dialog: dialog.accept(KEY))
         page.goto(url + "/?text=The+heron+waited.")
         page.wait_for_selector("#grid canvas", timeout=60_000)
@@ -202,7 +197,7 @@ def test_the_export_button_downloads_the_page_with_the_tabs_key(browser, served,
         path = tmp_path / download.value.suggested_filename
         download.value.save_as(path)
     finally:
-        context.close()
+        page.close()
     assert path.name == "manyeyes-minilm.html"
     html = path.read_text()
     assert "The heron waited." in html and len(html) > 100_000  # the viewer, plotly and the run
