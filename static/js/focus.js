@@ -627,14 +627,23 @@ export class FocusView {
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;
     this.tooltip.dataset.reads = exact !== undefined ? "float32" : "drawn"; // which values it read
-    // Beyond ALL_LABELS tokens the axes are positions: so is the reading ("d → o" named no "d").
-    const named = (i) => (labels.length > ALL_LABELS ? `#${i} ${labels[i]}` : labels[i]);
+    // Beyond ALL_LABELS tokens the axes are positions: so is the reading ("d → o" named no "d");
+    // and a label the text holds twice says which ("the → the" was any of three "the").
+    const repeated = (i) => labels.indexOf(labels[i]) !== labels.lastIndexOf(labels[i]);
+    const named = (i) => (labels.length > ALL_LABELS || repeated(i) ? `#${i} ${labels[i]}` : labels[i]);
     this.showTooltip(`${named(q)} → ${named(k)}: ${reading}${spans}`, clientX, clientY);
   }
 
   // The float32 values came: the reading on screen, if any, reads them.
   refreshReading() {
     if (this.readingAt && !this.tooltip.hidden) this.showReading(this.readingAt.x, this.readingAt.y);
+  }
+
+  // The heads the arrows step through are said with the next reading (main.js): a reading alone,
+  // after a step, did not say whose weight it was.
+  announceHead(title) {
+    this.headToSay = this.cursor ? title : null; // the cursor's next reading says it, after its redraw
+    if (this.reader) this.reader.textContent = title;
   }
 
   // The tooltip beside a client-space point; under the keyboard's cursor, its first line is read out.
@@ -644,7 +653,10 @@ export class FocusView {
     const box = this.plot.getBoundingClientRect();
     this.tooltip.style.left = `${Math.max(4, Math.min(clientX - box.left + 14, box.width - this.tooltip.offsetWidth - 4))}px`;
     this.tooltip.style.top = `${clientY - box.top + 16}px`;
-    if (this.cursor && this.reader) this.reader.textContent = text.split("\n")[0];
+    if (this.cursor && this.reader) {
+      this.reader.textContent = [this.headToSay, text.split("\n")[0]].filter(Boolean).join(": ");
+      this.headToSay = null;
+    }
   }
 
   // Shift+arrows (main.js): a cell cursor for those who cannot hover, kept inside the zoomed
@@ -698,6 +710,12 @@ export class FocusView {
       this.tooltip.hidden = true;
     });
     plot.addEventListener("blur", () => this.dropCursor());
+    // Escape dismisses the reading (WCAG 1.4.13): it covered the cells around it until focus left.
+    plot.addEventListener("keydown", (event) => {
+      if (event.key !== "Escape" || event.target !== plot) return;
+      this.dropCursor();
+      this.tooltip.hidden = true;
+    });
     focusOnPress(plot);
     // A tap on a phone never hovers: a press released where it began shows the same reading.
     // Pointer events, because Plotly's drag layer cancels the touch's click.

@@ -929,6 +929,7 @@ function onKey(event) {
   const wrapped = (flat + nLayers * nHeads) % (nLayers * nHeads);
   state.aggregate = "head";
   setFocus(Math.floor(wrapped / nHeads), wrapped % nHeads, "arrow");
+  if (onHeatmap) focus.announceHead(focusTitle()); // its label changes too, which screen readers do not re-read
   if (thumb) $("grid").querySelector(`.thumb[data-layer="${state.layer}"][data-head="${state.head}"]`)?.focus();
 }
 

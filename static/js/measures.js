@@ -591,6 +591,10 @@ class Measures {
     this.labelsView = new AxisLabels(plot);
     plot.addEventListener("mousemove", (event) => this.readCell(event));
     plot.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && event.target === plot) {
+        this.dropCursor(); // the reading covered the cells around it until focus left
+        return;
+      }
       const step = ARROW_STEPS[event.key];
       // On a modebar button inside the plot the arrows are the button's, not the cursor's.
       if (!step || event.target !== plot || event.altKey || event.ctrlKey || event.metaKey) return;

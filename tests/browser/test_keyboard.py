@@ -28,6 +28,8 @@ def test_arrows_step_heads_on_the_heatmap_and_scroll_elsewhere(server, page):
     assert active_id(page) == "focus-plot"
     page.keyboard.press("ArrowRight")
     wait_focus(page, layer=0, head=1)
+    # Said, as well as shown: the heatmap's new name is not re-read by screen readers.
+    assert page.locator("#cell-reading").text_content() == "Layer 0, head 1"
     # Off the heatmap and the grid, the arrows are the page's: they scroll and leave the head alone.
     page.evaluate("() => { document.activeElement.blur(); window.scrollTo(0, 0); }")
     assert active_id(page) == "BODY"
@@ -57,7 +59,8 @@ def test_arrows_step_heads_on_the_heatmap_and_scroll_elsewhere(server, page):
 def reading(page, query: int, key: int) -> float:
     page.wait_for_selector(f"#tooltip[data-query='{query}'][data-key='{key}']", state="visible")
     spoken = page.locator("#cell-reading").text_content()
-    assert spoken == page.locator("#tooltip").text_content().split("\n")[0]
+    # After a step to another head, the reading says whose it is first ("Layer 0, head 1: ...").
+    assert spoken.endswith(page.locator("#tooltip").text_content().split("\n")[0])
     return float(spoken.rsplit(": ", 1)[1])
 
 
@@ -91,12 +94,21 @@ def test_shift_arrows_read_the_weights_cell_by_cell(server, api, page):
     spoken = page.locator("#cell-reading").text_content()
     page.keyboard.press("ArrowRight")
     wait_focus(page, layer=0, head=1)
-    page.wait_for_function("(before) => document.getElementById('cell-reading').textContent !== before", arg=spoken)
+    page.wait_for_function("(before) => document.getElementById('cell-reading').textContent.includes(': ')"
+                           " && document.getElementById('cell-reading').textContent !== before", arg=spoken)
     assert abs(reading(page, 2, 2) - head[1, 2, 2]) <= 1.1e-3
+    assert page.locator("#cell-reading").text_content().startswith("Layer 0, head 1: ")
     # The cursor stays inside the matrix.
     for _ in range(T + 2):
         page.keyboard.press("Shift+ArrowLeft")
     assert abs(reading(page, 2, 0) - head[1, 2, 0]) <= 1.1e-3
+    assert not page.locator("#cell-reading").text_content().startswith("Layer"), "the head is said once"
+    # Escape puts the reading away (it covered the cells around it until focus left).
+    page.keyboard.press("Escape")
+    page.locator("#tooltip").wait_for(state="hidden")
+    assert page.locator("#focus-plot .cell-cursor").is_hidden() and page.locator("#cell-reading").text_content() == ""
+    page.keyboard.press("Shift+ArrowDown")
+    assert abs(reading(page, 0, 0) - head[1, 0, 0]) <= 1.1e-3  # and the next Shift+arrow starts again
     # A mouse takes over the tooltip without the live region speaking for it.
     spoken = page.locator("#cell-reading").text_content()
     page.mouse.move(5, 5)
@@ -120,6 +132,19 @@ def test_shift_arrows_read_the_weights_cell_by_cell(server, api, page):
     page.wait_for_function("(before) => { const s = document.getElementById('run-status').textContent;"
                            " return s.startsWith('Done') && s !== before; }", arg=done)
     assert page.locator("#tooltip").is_hidden() and page.locator("#cell-reading").text_content() == ""
+
+
+def test_a_reading_of_a_word_the_text_holds_twice_says_which(server, page):
+    """SENTENCE holds "the" twice: "the → the: 0.008" was any of four cells."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    for key in ["Shift+ArrowRight"] + ["Shift+ArrowRight", "Shift+ArrowDown"] * 4:  # to (4, 4): the second "the"
+        page.keyboard.press(key)
+    page.wait_for_selector("#tooltip[data-query='4'][data-key='4']", state="visible")
+    assert re.match(r"#4 the → #4 the: \d", page.locator("#cell-reading").text_content())
+    page.keyboard.press("Shift+ArrowLeft")
+    page.wait_for_selector("#tooltip[data-key='3']", state="visible")
+    assert re.match(r"#4 the → of: \d", page.locator("#cell-reading").text_content()), "a word once is named alone"
 
 
 def luminance(rgb) -> float:

@@ -198,7 +198,7 @@ def test_xss_input_is_inert_and_literal(server, page, watched):
     ticks = page.locator("#focus-plot .ytick text").all_text_contents()
     assert "<" in ticks and ">" in ticks
     text = hover_cell(page, 1, 1)
-    assert text.startswith("< → <: ")
+    assert text.startswith("#1 < → #1 <: ")  # "<" is in the text and the pair: the reading says which
 
 
 def test_over_long_input_shows_the_error_in_words(server, page):
