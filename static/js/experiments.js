@@ -89,7 +89,9 @@ async function ablateHead(layer, head) {
     const entry = { ablate: list, reply, attention: decodeTensor(reply.attention) };
     ablation.shown = headFor(entry, !previous.length);
     ablation.stack.push(entry);
-    status($("ablate-status"), "", "");
+    // Said, not only drawn: a cleared line told a screen reader nothing of the result.
+    const heads = list.length === 1 ? "1 head" : `${list.length} heads`;
+    status($("ablate-status"), `Done: L${layer} H${head} ablated (${mode}); ${heads} ablated in all.`, "");
   } catch (err) {
     if (!stillShown(input)) return;
     status($("ablate-status"), describeError(err), "error");
@@ -109,11 +111,20 @@ function undo() {
   const current = ablation.stack.at(-1);
   if (current) ablation.shown = headFor(current, false);
   renderAblation();
+  afterRestore(current ? `Undone: ${current.ablate.length} still ablated.` : "Undone: no head ablated.");
 }
 
 function restoreAll() {
   ablation.stack = [];
   renderAblation();
+  afterRestore("Restored: no head ablated.");
+}
+
+// A button that disables itself drops keyboard focus to the page's body: it goes to the mode
+// menu, the panel's first control, and the status line says what the press did.
+function afterRestore(said) {
+  status($("ablate-status"), said, "");
+  if (document.activeElement === document.body || document.activeElement?.disabled) $("ablate-mode").focus();
 }
 
 function renderAblation() {
@@ -229,7 +240,9 @@ async function changeToken(input, index) {
       rankingTable(reply.ranking, { caption: "Heads whose aligned rows moved most" }),
     );
     $("token-result").dataset.index = String(index);
-    status($("token-status"), "", "");
+    const top = reply.ranking[0];
+    status($("token-status"), `Done: token ${index} ${change === "delete" ? "deleted" : `as ${change}`}`
+      + (top ? `; L${top.layer} H${top.head} moved most.` : "."), "");
   } catch (err) {
     if (!stillShown(input) || mine !== lastChange) return;
     status($("token-status"), describeError(err), "error");

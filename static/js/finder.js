@@ -149,6 +149,8 @@ export class HeadFinder {
       button.addEventListener("click", () => {
         this.sort = { key, descending: sorted ? !this.sort.descending : key !== "layer" && key !== "tags" };
         this.drawTable();
+        // The header row is drawn anew: focus stays on this column's button, not the page's body.
+        this.table.querySelector(`thead button[data-sort="${key}"]`)?.focus();
       });
       return el("th", { attrs: { scope: "col", "aria-sort": sorted ? (this.sort.descending ? "descending" : "ascending") : "none" } }, [button]);
     }));

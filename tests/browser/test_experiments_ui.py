@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,12 +109,20 @@ def test_ablate_from_the_grid_then_undo_restores_exactly(server, api, page, arti
     page.click("#ablate-add")
     page.wait_for_selector("#ablate-plot[data-depth='2']", timeout=30_000)
     assert page.inner_text("#ablate-list").split("\n") == ["L1 H4 · zero", "L0 H7 · mean"]
+    assert page.text_content("#ablate-status") == "Done: L0 H7 ablated (mean); 2 heads ablated in all."
     page.locator("#experiments").screenshot(path=str(artifacts / "experiments-ablate.png"))
-    page.click("#ablate-undo")
+    # Undone from the keyboard: the button stays in focus while it has more to undo; disabled, it
+    # hands focus to the panel's first control rather than dropping it to the page's body.
+    page.focus("#ablate-undo")
+    page.keyboard.press("Enter")
     page.wait_for_selector("#ablate-plot[data-depth='1']")
+    assert page.text_content("#ablate-status") == "Undone: 1 still ablated."
+    assert page.evaluate("() => document.activeElement.id") == "ablate-undo"
     assert same(shown(page, "ablate-plot"), f32(first["attention"]["data"][layer][head]))
-    page.click("#ablate-undo")
+    page.keyboard.press("Enter")
     page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
+    assert page.text_content("#ablate-status") == "Undone: no head ablated."
+    assert page.evaluate("() => document.activeElement.id") == "ablate-mode"
     clean = api.post("/api/v1/attention", json={"text": SENTENCE, "model": "minilm", "layers": [layer], "heads": [head],
                                                  "format": "json"}).json()
     assert same(shown(page, "ablate-plot"), f32(clean["attention"]["data"][0][0]))
@@ -192,7 +201,8 @@ def test_the_last_token_clicked_is_the_one_shown(server, page):
     held.continue_()
     page.wait_for_timeout(1_500)  # index 2's answer has come back by now (tens of ms)
     assert page.locator("#token-result").get_attribute("data-index") == "4"
-    assert page.locator("#token-status").text_content() == ""
+    # The result is said, as drawn (a cleared line told a screen reader nothing), and it is index 4's
+    assert re.fullmatch(r"Done: token 4 (deleted|as \w+); L\d+ H\d+ moved most\.", page.locator("#token-status").text_content())
 
 
 def test_heads_alt_clicked_during_an_ablation_are_ablated_next(server, page):
@@ -862,8 +872,11 @@ def test_each_new_ablation_shows_a_head_it_changes(server, api, page, artifacts)
         return [gd._fullLayout.xaxis._length / n, gd._fullLayout.yaxis._length / n, gd._fullLayout.width, gd.clientWidth];
     }""")
     assert cell_w == pytest.approx(cell_h, rel=0.02) and figure < panel, (cell_w, cell_h, figure, panel)
-    page.click("#ablate-clear")
+    page.focus("#ablate-clear")
+    page.keyboard.press("Enter")
     page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
+    assert page.text_content("#ablate-status") == "Restored: no head ablated."
+    assert page.evaluate("() => document.activeElement.id") == "ablate-mode"  # not the page's body
 
     ablate_focused(page, 4, 0, 1)
     want = top([zero(4, 0)])
@@ -918,7 +931,7 @@ def test_change_a_token_offers_only_what_the_model_has(gpt_server, page, artifac
     page.click("#token-chips button[data-index='3']")
     page.wait_for_selector("#token-result[data-index='3'] table.ranking", timeout=30_000)
     assert [b["change"] for b in sent if b["text"] == PROMPT] == ["delete"]
-    assert page.text_content("#token-status") == ""
+    assert page.text_content("#token-status").startswith("Done: token 3 deleted; L")
     page.evaluate("() => document.getElementById('token-change').size = 3")  # the options on show, for the picture
     page.locator("#token-box").screenshot(path=str(artifacts / "token-change-tiny-gpt.png"))
     page.evaluate("() => document.getElementById('token-change').removeAttribute('size')")

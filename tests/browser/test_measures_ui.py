@@ -78,6 +78,14 @@ def test_head_finder_names_the_known_heads_and_a_click_focuses(ran, tiny_api, ar
     first = page.locator("#finder tbody tr").first
     best = max(api_rows, key=lambda r: r["stats"]["previous"])
     assert (first.get_attribute("data-layer"), first.get_attribute("data-head")) == (str(best["layer"]), str(best["head"]))
+    # Sorted from the keyboard, focus stays on the column's button (the header row is drawn anew:
+    # it fell to the page's body), and Enter again turns the order round.
+    page.focus("#finder thead button[data-sort='previous']")
+    page.keyboard.press("Enter")
+    assert page.evaluate("() => document.activeElement.dataset.sort") == "previous"
+    assert page.get_attribute("#finder thead th:has(button[data-sort='previous'])", "aria-sort") == "ascending"
+    page.keyboard.press("Enter")
+    assert page.get_attribute("#finder thead th:has(button[data-sort='previous'])", "aria-sort") == "descending"
 
     page.click("#finder tr[data-layer='1'][data-head='0']")
     wait_focus(page, layer=1, head=0)
