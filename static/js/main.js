@@ -127,6 +127,9 @@ function showError(message, source = "run") {
   box.textContent = message;
   box.hidden = !message;
   box.dataset.source = source;
+  // The loading line is news, rewritten every second as the models come in: an alert interrupted
+  // a screen reader at each rewrite; a status waits its turn.
+  box.setAttribute("role", source === "loading" ? "status" : "alert");
   // With no run behind it, the made-up example must not look like a result of the failed input
   // (a mistake in the form ran nothing: source "form").
   if (message && !state.run && source === "run") focus.clear("The example is hidden: the run above failed.");

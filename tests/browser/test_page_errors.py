@@ -136,6 +136,7 @@ def test_a_page_opened_while_the_models_load_says_so_and_goes_on_when_they_are_i
         "The server is still loading its models (minilm ready, smol downloading 25%). The page goes on when they are ready.")
     assert page.locator("#model option").count() == 0
     assert page.get_attribute("#error", "data-source") == "loading"  # drawn as news, not in the failure's red
+    assert page.get_attribute("#error", "role") == "status"  # and said as news: an alert each second interrupted
     assert page.evaluate("() => getComputedStyle(document.getElementById('error')).backgroundColor") != page.evaluate(
         "() => { const e = document.getElementById('error'); e.dataset.source = 'models'; const c = getComputedStyle(e).backgroundColor; e.dataset.source = 'loading'; return c; }")
     assert page.get_attribute("#focus-plot", "data-example") == "true"  # no "the run above failed"
@@ -153,6 +154,7 @@ def test_a_page_opened_on_a_server_whose_models_failed_says_why(server, page):
     page.wait_for_function("() => document.getElementById('error').textContent.startsWith('Cannot list')")
     assert page.text_content("#error") == (
         "Cannot list the models: The server failed (503): model 'smol' failed to load: no such model file or folder: /x.")
+    assert page.get_attribute("#error", "role") == "alert"
 
 
 def test_a_view_whose_values_cannot_load_fades_the_last_one_and_says_so(server, page):
