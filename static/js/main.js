@@ -669,6 +669,8 @@ function updatePermalink(push = false) {
     saveView(viewState()).then((id) => {
       writePermalink(id, push);
       document.body.dataset.view = id;
+      // A link that could not be saved before can be now: the failure no longer holds.
+      if ($("link-status").textContent.startsWith(LINK_NOT_SAVED)) $("link-status").textContent = "";
     }).catch(() => {
       // The link is a convenience: the view itself goes on working.
     }).finally(() => {
@@ -966,6 +968,8 @@ async function download(kind) {
   }
 }
 
+const LINK_NOT_SAVED = "The link could not be saved";
+
 // The view saved at once, not a moment later as updatePermalink does; resolves to its id.
 async function saveNow() {
   clearTimeout(saveTimer);
@@ -981,7 +985,7 @@ async function copyLink() {
     await saveNow();
   } catch (err) {
     // The address bar then holds an older view (or none): pointing at it would mislead.
-    status.textContent = `The link could not be saved: ${describeError(err)}`;
+    status.textContent = `${LINK_NOT_SAVED}: ${describeError(err)}`;
     return;
   }
   try {

@@ -99,6 +99,10 @@ def test_copy_link_says_when_the_link_could_not_be_saved(server, page):
     page.wait_for_function("() => document.getElementById('link-status').textContent.length > 0")
     assert status.text_content() == (
         "The link could not be saved: The server could not be reached. Is `manyeyes serve` still running?")
+    # The server back, the next view saved: the failure no longer holds, and is not left on show.
+    page.unroute("**/api/v1/views")
+    page.select_option("#head", "3")
+    page.wait_for_function("() => document.getElementById('link-status').textContent === ''")
 
 
 def test_the_model_list_is_asked_for_once_per_page(server, page, watched):
