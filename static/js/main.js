@@ -803,6 +803,8 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
       const stale = Boolean(state.run);
       document.body.toggleAttribute("data-stale", stale);
       showError(describeError(err) + (stale ? LAST_RUN_SHOWN : ""));
+      // A text too long for the model is the box's mistake, as an empty one is: said on the box too.
+      if (err.code === "too_long") $("text").setAttribute("aria-invalid", "true");
       setBusy(false);
       $("run-status").textContent = "";
     }

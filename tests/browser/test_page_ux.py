@@ -506,6 +506,9 @@ def test_too_long_gives_its_advice_once_and_hides_the_example(server, page):
     message = page.locator("#error").text_content()
     assert len(re.findall("shorten", message, re.I)) == 1, message
     assert page.locator("#focus-plot .main-svg").count() == 0
+    assert page.get_attribute("#text", "aria-invalid") == "true"  # the box's mistake, as an empty text is
+    run(page, SENTENCE)
+    assert page.get_attribute("#text", "aria-invalid") is None
 
 
 def test_docs_give_each_error_status_its_own_example(api):
