@@ -325,9 +325,10 @@ async def loaded_or_failed(registry, timeout_s: float | None = None) -> bool:
     return True
 
 
-def serve_once_loaded(app, timeout_s: float = 600.0) -> None:
+def serve_once_loaded(app, timeout_s: float = 600.0, on_failure=None) -> None:
     """Hold the app's start-up (its ASGI lifespan) until every model is loaded, so that a copy
-    takes no requests it would answer 503 while others are ready; a failed load fails the start."""
+    takes no requests it would answer 503 while others are ready; a failed load fails the start.
+    on_failure(reason) first hears why: the host may drop the exception's words (Ray Serve does)."""
     inner = app.router.lifespan_context
 
     @asynccontextmanager
@@ -335,7 +336,10 @@ def serve_once_loaded(app, timeout_s: float = 600.0) -> None:
         async with inner(a):
             registry = a.state.registry
             if not await loaded_or_failed(registry, timeout_s):
-                raise RuntimeError(f"manyeyes: not ready: {registry.not_ready_reason()}")
+                reason = registry.not_ready_reason()
+                if on_failure is not None:
+                    on_failure(reason)
+                raise RuntimeError(f"manyeyes: not ready: {reason}")
             yield
 
     app.router.lifespan_context = loaded_lifespan

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 
@@ -189,7 +190,7 @@ def build_app(settings: Settings, threads: int):
     torch.set_num_threads(threads)
     directory = RayDirectory(run_directory())
     app = create_app(settings, run_directory=directory)
-    serve_once_loaded(app, LOAD_TIMEOUT_S)
+    serve_once_loaded(app, LOAD_TIMEOUT_S, on_failure=record_failure)
     app.state.views = ViewStore(shared=view_shelf())
     app.add_middleware(BytesBodies)
     return app
@@ -223,13 +224,54 @@ def deployment(settings: Settings | None = None, *, replicas: int = 1, threads: 
     return Manyeyes.bind()
 
 
+# Where a replica whose models failed to load leaves its reason for the driver: Ray Serve keeps
+# only "ASGI lifespan startup failed. Check replica logs for details.", and the driver's exception
+# says "Failed to update the deployments ['manyeyes']".
+FAILURE_KEY = b"manyeyes:start-failure"
+
+
+def record_failure(reason: str) -> None:
+    try:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(FAILURE_KEY, reason.encode(), overwrite=True, namespace=NAMESPACE)
+    except Exception as exc:  # noqa: BLE001 (the replica's own log still says why)
+        log.warning("could not leave the reason for the driver: %s", exc)
+
+
+def recorded_failure(forget: bool = False) -> str | None:
+    """The reason a replica left (forget: remove it, before a deployment starts)."""
+    try:
+        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+
+        if forget:
+            _internal_kv_del(FAILURE_KEY, namespace=NAMESPACE)
+            return None
+        found = _internal_kv_get(FAILURE_KEY, namespace=NAMESPACE)
+        return found.decode() if found else None
+    except Exception:  # noqa: BLE001 (Ray's private KV moved: the generic line is said instead)
+        return None
+
+
 def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
-    """`manyeyes serve --replicas N`: start (or join, with RAY_ADDRESS) Ray, deploy, block."""
+    """`manyeyes serve --replicas N`: start (or join, with RAY_ADDRESS) Ray, deploy, block. A
+    deployment that fails is one line and status 2, as every other start-up failure of the CLI."""
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(deployment(settings, replicas=replicas, threads=threads), name="manyeyes", route_prefix="/")
-    print(f"manyeyes: {replicas} replicas on Ray Serve at http://{host}:{port} ({threads} threads each)")
+    recorded_failure(forget=True)  # a last deployment's
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(deployment(settings, replicas=replicas, threads=threads), name="manyeyes", route_prefix="/")
+    except KeyboardInterrupt:  # while the replicas start: a traceback of Ray's wait loop said nothing
+        serve.shutdown()
+        return 130
+    except Exception as exc:  # noqa: BLE001 (Ray raises RuntimeError, or its own errors)
+        reason = recorded_failure() or f"{str(exc).strip().splitlines()[0]} (the replicas' logs say why)"
+        print(f"error: the replicas did not start: {reason}", file=sys.stderr)
+        serve.shutdown()
+        return 2
+    each = "1 thread" if threads == 1 else f"{threads} threads"
+    print(f"manyeyes: {replicas} replicas on Ray Serve at http://{host}:{port} ({each} each)")
     try:
         while True:
             time.sleep(3600)

@@ -138,3 +138,49 @@ def test_the_view_shelf_keeps_its_bytes_bound_oldest_out_first(cluster):
     for key in ("f", "g", "h"):
         ray.get(shelf.put.remote(key, key.encode() * 10, "addr:2"))
     assert [ray.get(shelf.read.remote(k)) is not None for k in "efgh"] == [True, False, True, True]
+
+
+def test_replicas_that_cannot_load_say_why_in_one_line_and_exit_2(monkeypatch, capsys):
+    """The driver died in a 30-line traceback ending "Failed to update the deployments
+    ['manyeyes']"; why (a model path that does not exist) was only in the replicas' logs. Ray
+    Serve's own retries take a minute, so its serve.run is stood in for here: a replica that failed
+    left its reason where the driver reads it, as build_app's lifespan does on a real cluster."""
+    from manyeyes import scale
+    from manyeyes.app.config import Settings
+
+    stored, calls = {}, []
+
+    def put(key, value, overwrite=True, *, namespace=None):
+        stored[(namespace, key)] = value
+
+    def failed_run(*args, **kwargs):
+        calls.append("run")
+        scale.record_failure("model loading failed: ModelLoadError: no such model file or folder: nonexistent-dir")
+        raise RuntimeError("Deploying application manyeyes failed: Failed to update the deployments ['manyeyes'].")
+
+    from ray.experimental import internal_kv
+
+    monkeypatch.setattr(internal_kv, "_internal_kv_put", put)
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key, *, namespace=None: stored.get((namespace, key)))
+    monkeypatch.setattr(internal_kv, "_internal_kv_del",
+                        lambda key, *, del_by_prefix=False, namespace=None: stored.pop((namespace, key), None) and 1)
+    monkeypatch.setattr(scale.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(scale.serve, "start", lambda **kwargs: calls.append("start"))
+    monkeypatch.setattr(scale.serve, "run", failed_run)
+    monkeypatch.setattr(scale.serve, "shutdown", lambda: calls.append("shutdown"))
+    stored[(scale.NAMESPACE, scale.FAILURE_KEY)] = b"an earlier deployment's reason"
+    settings = Settings(models={"bad": "./nonexistent-dir"})
+    assert scale.serve_replicas(settings, host="127.0.0.1", port=9, replicas=1, threads=1) == 2
+    assert capsys.readouterr().err == (
+        "error: the replicas did not start: model loading failed: ModelLoadError: no such model file or folder: nonexistent-dir\n")
+    assert calls == ["start", "run", "shutdown"]
+
+    # Nothing left by a replica: Ray's line, and where to look.
+    monkeypatch.setattr(scale.serve, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Deploying failed.\nmore")))
+    assert scale.serve_replicas(settings, host="127.0.0.1", port=9, replicas=1, threads=1) == 2
+    assert capsys.readouterr().err == "error: the replicas did not start: Deploying failed. (the replicas' logs say why)\n"
+
+    # Ctrl-C while the replicas start: Ray's wait loop's traceback said nothing; 130, as a shell counts it.
+    monkeypatch.setattr(scale.serve, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert scale.serve_replicas(settings, host="127.0.0.1", port=9, replicas=1, threads=1) == 130
+    assert calls[-1] == "shutdown" and capsys.readouterr().err == ""
