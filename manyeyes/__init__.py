@@ -18,7 +18,9 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "model" / "attentio
 _LAZY = {
     **dict.fromkeys(("AttentionModel", "AttentionResult", "Capture", "ModelInfo", "ModelLoadError", "TooLongError", "load"),
                     "manyeyes.model"),
-    "Client": "manyeyes.client",
+    # The client's errors beside it: `except manyeyes.Overloaded` as a notebook would write it.
+    **dict.fromkeys(("Client", "ManyeyesError", "InvalidRequest", "Unauthorized", "NotFound", "TooLarge", "Overloaded",
+                     "NotReady", "ServerTimeout", "ConnectionFailed", "GenerationFailed"), "manyeyes.client"),
 }
 __all__ = sorted(_LAZY)
 

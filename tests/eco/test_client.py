@@ -423,7 +423,10 @@ def test_the_client_imports_without_torch(tmp_path):
     import subprocess
     import sys
 
-    probe = "import sys; from manyeyes import Client; print(sorted(m for m in ('torch', 'tokenizers', 'fastapi') if m in sys.modules))"
+    # The errors come with it, as a notebook catches them: `from manyeyes import Overloaded`.
+    probe = ("import sys; from manyeyes import Client, ManyeyesError, Overloaded, GenerationFailed; "
+             "import manyeyes.client as c; assert Overloaded is c.Overloaded and issubclass(GenerationFailed, ManyeyesError); "
+             "print(sorted(m for m in ('torch', 'tokenizers', 'fastapi') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     from manyeyes import load  # the rest of the package's names still come from it
