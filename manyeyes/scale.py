@@ -24,6 +24,7 @@ What Ray adds, and how each promise of the single server is kept behind it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -239,18 +240,23 @@ def record_failure(reason: str) -> None:
         log.warning("could not leave the reason for the driver: %s", exc)
 
 
-def recorded_failure(forget: bool = False) -> str | None:
-    """The reason a replica left (forget: remove it, before a deployment starts)."""
+def recorded_failure() -> str | None:
+    """The reason a replica left, if one did."""
     try:
-        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+        from ray.experimental.internal_kv import _internal_kv_get
 
-        if forget:
-            _internal_kv_del(FAILURE_KEY, namespace=NAMESPACE)
-            return None
         found = _internal_kv_get(FAILURE_KEY, namespace=NAMESPACE)
         return found.decode() if found else None
     except Exception:  # noqa: BLE001 (Ray's private KV moved: the generic line is said instead)
         return None
+
+
+def forget_failure() -> None:
+    """Before a deployment: a reason left by the last one is not this one's."""
+    with contextlib.suppress(Exception):
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(FAILURE_KEY, namespace=NAMESPACE)
 
 
 def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
@@ -258,7 +264,7 @@ def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, t
     deployment that fails is one line and status 2, as every other start-up failure of the CLI."""
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
-    recorded_failure(forget=True)  # a last deployment's
+    forget_failure()
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(settings, replicas=replicas, threads=threads), name="manyeyes", route_prefix="/")
