@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, free_port, playwright, profile_folder  # noqa: F401 (fixtures)
+from tests.browser.conftest import free_port, playwright, profile, profile_folder  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser
 KEY = "page-key-0123456789"
@@ -43,17 +43,6 @@ def spawn(settings: dict):
         time.sleep(0.25)
 
 
-@pytest.fixture(scope="module")
-def browser(playwright, profile_folder):
-    """The browser tests' profile (tests/browser/conftest.py): its code cache spares each page
-    the compiling of plotly.js (1.6 s a cold page). Each page is a tab of its own, so the key a
-    tab keeps is its own."""
-    context = playwright.chromium.launch_persistent_context(
-        profile_folder, executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, accept_downloads=True)
-    yield context
-    context.close()
-
-
 @pytest.fixture(scope="module", params=["open", "keys"])
 def served(request):
     settings = {"models": {"minilm": "minilm"}, "device": "cpu", "warmup": False}
@@ -75,9 +64,9 @@ CALL = """async ([text, fmt]) => {
 }"""
 
 
-def test_the_page_fetches_frames_and_decodes_the_same_numbers(browser, served):
+def test_the_page_fetches_frames_and_decodes_the_same_numbers(profile, served):
     mode, url = served
-    page = browser.new_page()
+    page = profile.new_page()
     prompts, accepts = [], []
     page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept(KEY)))
     page.on("request", lambda req: accepts.append(req.headers.get("accept", "")) if "/api/v1/attention" in req.url else None)
@@ -114,11 +103,11 @@ DESCRIBED = """async () => {
 }"""
 
 
-def test_a_refused_key_is_said_once_in_the_pages_words(browser, served):
+def test_a_refused_key_is_said_once_in_the_pages_words(profile, served):
     """The page put "This server needs an API key:" before the server's own message, which began
     the same way: "...needs an API key: this server needs an API key: send Authorization: ..."."""
     mode, url = served
-    page = browser.new_page()
+    page = profile.new_page()
     page.on("dialog", lambda dialog: dialog.dismiss())  # the key prompt, cancelled
     page.goto(url + "/")
     if mode == "open":
@@ -128,7 +117,7 @@ def test_a_refused_key_is_said_once_in_the_pages_words(browser, served):
     assert page.evaluate(DESCRIBED) == ("This server needs an API key (send Authorization: Bearer <key>). "
                                         "Reload the page to enter it again.")
     page.close()
-    page = browser.new_page()
+    page = profile.new_page()
     page.on("dialog", lambda dialog: dialog.accept("a-wrong-key") if "needs" in dialog.message else dialog.dismiss())
     page.goto(url + "/")
     assert page.evaluate(DESCRIBED) == "This server needs an API key (the API key is not valid). Reload the page to enter it again."
@@ -144,11 +133,11 @@ READ_RUN = """async ([text]) => {
 }"""
 
 
-def test_every_read_of_a_run_carries_the_tabs_key(browser, served):
+def test_every_read_of_a_run_carries_the_tabs_key(profile, served):
     """fetchMean alone went out without the key: "Mean of all heads" was a 401 whose banner said
     to reload the page, under the old head's heatmap."""
     mode, url = served
-    page = browser.new_page()
+    page = profile.new_page()
     page.on("dialog", lambda dialog: dialog.accept(KEY))
     page.goto(url + "/")
     slice_shape, mean_shape = page.evaluate(READ_RUN, ["The heron waited by the mill."])
@@ -157,11 +146,11 @@ def test_every_read_of_a_run_carries_the_tabs_key(browser, served):
 
 
 @pytest.mark.parametrize("served", ["keys"], indirect=True)
-def test_a_refused_key_is_asked_for_again_and_a_run_without_models_says_why(browser, served):
+def test_a_refused_key_is_asked_for_again_and_a_run_without_models_says_why(profile, served):
     """A mistyped key at the first question left the page with no models and no second question:
     a run then crashed on the missing model ("reading 'n_layers'") and spun for good."""
     _, url = served
-    page = browser.new_page()
+    page = profile.new_page()
     prompts, answers = [], iter(["mistyped", KEY])
     page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept(next(answers))))
     page.goto(url + "/")
@@ -169,7 +158,7 @@ def test_a_refused_key_is_asked_for_again_and_a_run_without_models_says_why(brow
     assert len(prompts) == 2 and "refused that API key" in prompts[1], prompts
     page.close()
 
-    page = browser.new_page()
+    page = profile.new_page()
     page.on("dialog", lambda dialog: dialog.dismiss())  # no key given: no model list
     errors = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -182,11 +171,11 @@ def test_a_refused_key_is_asked_for_again_and_a_run_without_models_says_why(brow
     page.close()
 
 
-def test_the_export_button_downloads_the_page_with_the_tabs_key(browser, served, tmp_path):
+def test_the_export_button_downloads_the_page_with_the_tabs_key(profile, served, tmp_path):
     """/export runs the model, so a server with keys guards it; the button fetches it with the
     key the tab was given (a plain navigation could not send one) and saves what comes back."""
     mode, url = served
-    page = browser.new_page()
+    page = profile.new_page()
     try:
         page.on("dialog", lambda dialog: dialog.accept(KEY))
         page.goto(url + "/?text=The+heron+waited.")
