@@ -16,6 +16,7 @@ import torch
 
 from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel
+from manyeyes.model.tokenizer import Encoded
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,16 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
 
 def generate(
     model: AttentionModel,
-    text: str,
+    prompt: str | Encoded,
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     alternatives: int = 5,
     use_cache: bool = True,
 ) -> Iterator[Step]:
     """Yield one `Step` per new token. use_cache=False recomputes the whole sequence each step
-    (the reference the cache is checked and benchmarked against)."""
-    encoded = model.encode(text)
+    (the reference the cache is checked and benchmarked against). `prompt` may come encoded
+    already: the server tokenizes it first, to refuse a long one before it streams."""
+    encoded = prompt if isinstance(prompt, Encoded) else model.encode(prompt)
     check_generation(model, len(encoded), max_new_tokens)
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     decode = model.tokenizer.token_text

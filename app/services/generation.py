@@ -75,7 +75,7 @@ class GenerationService:
             raise InvalidInput(str(exc)) from exc
         self._take(client)
         steps = generate(
-            model, body.text, body.max_new_tokens, Sampling(body.temperature, body.top_k, body.seed), body.alternatives
+            model, prompt, body.max_new_tokens, Sampling(body.temperature, body.top_k, body.seed), body.alternatives
         )
         start = {
             "type": "start",

@@ -108,4 +108,16 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(client, monkeypatch):
     assert threads and loop_thread not in threads
     with client.stream("POST", "/api/v1/generate", json=BODY) as short:  # a hop would cost more than it
         assert short.status_code == 200 and b"".join(short.iter_bytes()).count(b'"type":"step"') == 5
-    assert threads[-1] == loop_thread or threads[-2] == loop_thread
+    assert threads[-1] == loop_thread
+
+
+def test_a_prompt_is_tokenized_once(client, monkeypatch):
+    """The route tokenized the prompt to check its length, then generate() tokenized it again."""
+    model = client.app.state.registry.get("tiny-gpt").model
+    texts = []
+    encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda text, *a, **k: (texts.append(text), encode(text, *a, **k))[1])
+    with client.stream("POST", "/api/v1/generate", json=BODY) as response:
+        lines = [json.loads(line) for line in response.iter_lines()]
+    assert response.status_code == 200 and [line["type"] for line in lines].count("step") == 5
+    assert texts == [BODY["text"]]
