@@ -8,6 +8,7 @@ missing, misshapen or unreadable raises `ModelLoadError` with the file and the k
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import zipfile
@@ -164,9 +165,24 @@ def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> tu
         # repr where the name has whitespace around it or control characters, so the line shows them.
         plain = spec == spec.strip() and spec.isprintable()
         padded = "" if spec == spec.strip() else " (note its leading or trailing whitespace)"
-        raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}")
-    folder = resolve(hub_id, progress, show_progress)
+        raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}{_builtin_hint(spec, '.')}")
+    try:
+        folder = resolve(hub_id, progress, show_progress)
+    except ModelLoadError as exc:
+        hint = _builtin_hint(spec, "" if str(exc).endswith(".") else ".")
+        if hint:
+            raise ModelLoadError(f"{exc}{hint}") from exc
+        raise
     return folder, pinned(hub_id, folder)  # org/x@dfc58f4 as the commit it matched, for advice on a corrupt file
+
+
+def _builtin_hint(spec: str, stop: str = "") -> str:
+    """'Did you mean the built-in 'tiny-gpt'?' for a name a slip away from a built-in one
+    ('tiny_gpt', 'MiniLM'), which was looked up as a Hub id or a path."""
+    if "/" in spec:
+        return ""
+    near = difflib.get_close_matches(spec.strip().lower().replace("_", "-").replace(" ", "-"), BUILTINS, n=1, cutoff=0.8)
+    return f"{stop} Did you mean the built-in {near[0]!r}?" if near else ""
 
 
 def builtin_path(name: str) -> Path:

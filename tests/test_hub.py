@@ -97,6 +97,21 @@ def test_offline_and_not_cached_says_where_it_looked_and_how_to_fetch(fake_hub):
     assert "`hf download HuggingFaceTB/SmolLM2-135M`" in message and "unset HF_HUB_OFFLINE" in message
 
 
+@pytest.mark.parametrize("spec, builtin", [("tiny_gpt", "tiny-gpt"), ("MiniLM", "minilm"), ("tiny-lama", "tiny-llama"),
+                                           ("tiny llama", "tiny-llama")])
+def test_a_slip_of_a_builtin_name_suggests_it(fake_hub, spec, builtin):
+    """'tiny_gpt' was looked up as a Hub id, and the answer was only how to download it."""
+    with pytest.raises(ModelLoadError) as err:
+        load(spec)
+    assert str(err.value).endswith(f". Did you mean the built-in '{builtin}'?")
+
+
+def test_a_hub_id_far_from_the_builtin_names_gets_no_suggestion(fake_hub):
+    with pytest.raises(ModelLoadError) as err:
+        load("gpt2x")
+    assert "Did you mean" not in str(err.value) and "gpt2x is not in the Hugging Face cache" in str(err.value)
+
+
 def test_incomplete_cache_entry_names_what_it_lacks(fake_hub, gpt2_folders, tmp_path):
     partial = tmp_path / "partial"
     partial.mkdir()
