@@ -71,6 +71,19 @@ def test_wheel_and_sdist_hold_the_page_and_the_models(dist):
     assert {"templates/index.html", "static/js/main.js", "static/css/app.css", "manyeyes/offline_api.js", "model/data/tiny-gpt/model.pth"} <= members
 
 
+def test_the_sdist_holds_what_its_tests_need(dist):
+    """setuptools took tests/test_*.py alone: no conftest, no fake Hub cache, no subfolder, no bench
+    script or notebook, so an unpacked sdist could not run one test."""
+    [sdist] = dist.glob("*.tar.gz")
+    members = {m.split("/", 1)[1] for m in tarfile.open(sdist).getnames() if "/" in m}
+    needed = {str(path.relative_to(ROOT)) for folder in ("tests", "bench", "examples") for path in (ROOT / folder).rglob("*")
+              if path.is_file() and "__pycache__" not in path.parts and not path.is_relative_to(ROOT / "bench" / "out")}
+    assert {"tests/conftest.py", "tests/hub_cache.py", "tests/api/conftest.py", "bench/mutants.py"} <= needed
+    assert not needed - members, sorted(needed - members)[:20]
+    assert {"SECURITY.md", "Dockerfile", "README.md", "pyproject.toml"} <= members
+    assert not [m for m in members if "__pycache__" in m or m.endswith(".pyc")]
+
+
 def test_installed_copy_serves_the_page_and_every_asset_from_itself(venv, dist, tmp_path):
     python = venv / "bin" / "python"
     where = subprocess.check_output(
