@@ -498,6 +498,10 @@ class Client:
             raise ValueError(f"format must be one of {', '.join(FRAME_DTYPES)}; got {format!r}")
         if api_key:
             headers["Authorization"] = bearer(api_key)
+        # What __init__ was given, so that a pickled Client (multiprocessing, joblib, Ray tasks)
+        # arrives as a new one with its own connections.
+        self._arguments = dict(base_url=base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
+                               max_retry_wait_s=max_retry_wait_s, format=format, frames=frames, transport=transport)
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
@@ -512,6 +516,14 @@ class Client:
 
     def close(self) -> None:
         self.http.close()
+
+    def __getstate__(self) -> dict:
+        if self._arguments["transport"] is not None:
+            raise TypeError("a Client made with a transport= cannot be pickled; make one in each process instead")
+        return self._arguments
+
+    def __setstate__(self, arguments: dict) -> None:
+        self.__init__(**arguments)
 
     def _send(self, method: str, path: str, stream: bool = False, **kwargs) -> httpx.Response:
         """The response, after retrying a 429, or a 503 that says when to come back (Retry-After:

@@ -636,3 +636,17 @@ def test_a_client_made_with_settings_it_cannot_use_says_so_at_once(kwargs, words
     """max_retries=-1 made every call end in AssertionError; a bad format was a 422 at every call."""
     with pytest.raises(ValueError, match=words):
         Client("http://127.0.0.1:9", **kwargs)
+
+
+def test_a_client_pickles_as_a_new_client_of_the_same_server(client, local):
+    """httpx's client holds a lock and sockets: a Client passed to a worker process (multiprocessing,
+    joblib) failed to pickle."""
+    import pickle
+
+    with pickle.loads(pickle.dumps(client)) as copy:
+        assert copy.http is not client.http and copy.http.base_url == client.http.base_url
+        assert copy.format == client.format and copy.max_retries == client.max_retries
+        result = copy.attention(TEXT, layers=[1], heads=[0])
+        np.testing.assert_allclose(result.head(1, 0), local[1, 0], atol=1e-3, rtol=0)
+    with pytest.raises(TypeError, match="transport"):
+        pickle.dumps(Client("http://127.0.0.1:1", transport=httpx.MockTransport(lambda request: httpx.Response(200))))
