@@ -268,7 +268,14 @@ def rope_config(params: dict, head_dim: int, max_positions: int) -> RopeConfig:
     unknown = sorted(set(params) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"unsupported rope parameter(s): {', '.join(unknown)}")
-    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", 1.0)
+    rotary_dim = int(head_dim * factor)
+    if factor != 1.0 and (rotary_dim % 2 or rotary_dim <= 0):
+        # Said in the config's terms: "rotary_dim 5" named no key a user could find.
+        raise ValueError(
+            f"head_dim {head_dim} x partial_rotary_factor {factor} (rotary_pct in GPT-NeoX configs) leaves "
+            f"{rotary_dim} dims to rotate; only an even number above 0 is supported"
+        )
 
     def optional(key, cast=float):
         value = params.get(key)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from manyeyes.model import load
+from manyeyes.model import ModelLoadError, load
 
 TEXTS = [
     "The bank of the river.",
@@ -263,8 +263,6 @@ def test_a_bert_layout_decoder_is_refused_not_read_as_an_encoder(tmp_path, minil
     weight on later tokens (0.9 off), with no word said."""
     import json
 
-    from manyeyes.model import ModelLoadError
-
     if family == "bert":
         _mlm_bert(tmp_path, minilm_dir)
     else:
@@ -284,8 +282,6 @@ def test_an_untied_masked_lm_head_needs_its_own_decoder_and_a_tied_one_reads_the
     import json
 
     from safetensors.torch import load_file, save_file
-
-    from manyeyes.model import ModelLoadError
 
     ref = _mlm_bert(tmp_path, minilm_dir) if family == "bert" else _mlm_distilbert(tmp_path, minilm_dir)
     decoder = "cls.predictions.decoder.weight" if family == "bert" else "vocab_projector.weight"
@@ -313,3 +309,16 @@ def test_a_negative_pad_token_id_loads_as_transformers_reads_it(tmp_path, robert
 
     ref = RobertaForMaskedLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert_parity(load(tmp_path, device="cpu"), ref, MASKED.replace("[MASK]", "<mask>"), logits=True)
+
+
+@pytest.mark.parametrize("pad", [-2, -100, 33, 200])
+def test_a_pad_token_id_that_leaves_roberta_no_positions_is_refused_by_name(tmp_path, roberta_tokenizer, pad):
+    """Positions run from pad_token_id + 1: -2 loaded and every forward was an IndexError, 33 (of 34
+    positions) took 0 tokens, 200 was blamed on tokenizer.json."""
+    import json
+
+    _mlm_roberta(tmp_path, roberta_tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"pad_token_id": pad}))
+    with pytest.raises(ModelLoadError, match=rf"pad_token_id {pad} leaves RoBERTa no positions: .* must be in -1\.\.32$"):
+        load(tmp_path, device="cpu")

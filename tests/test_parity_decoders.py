@@ -17,7 +17,7 @@ import torch
 
 from manyeyes.model import load
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.families import family_for, gpt_neox, llama
+from manyeyes.model.families import family_for, gpt2, gpt_neox, llama
 from manyeyes.model.rotary import RotaryEmbedding, rope_config, rope_parameters
 
 TEXT = (
@@ -298,6 +298,24 @@ def test_partial_rotary_tables_match_gpt_neox():
     assert (cos[0] - our_cos).abs().max().item() <= 1e-6 and (sin[0] - our_sin).abs().max().item() <= 1e-6
 
 
+@pytest.mark.parametrize("extra", [dict(rope_theta=20000.0), dict(partial_rotary_factor=0.5),
+                                   dict(rope_theta=20000.0, partial_rotary_factor=0.5, rotary_emb_base=500, rotary_pct=0.25)])
+def test_gpt_neox_reads_rotary_emb_base_and_rotary_pct_over_their_generic_names(extra):
+    """transformers' GPTNeoXConfig fills its RoPE from rotary_emb_base and rotary_pct (or their
+    defaults) and ignores a top-level rope_theta or partial_rotary_factor; we took those first, and
+    attention differed by up to 0.95."""
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+
+    raw = dict(model_type="gpt_neox", hidden_size=128, num_attention_heads=4) | extra
+    theirs = GPTNeoXRotaryEmbedding(GPTNeoXConfig(**raw))
+    net = gpt_neox.build(dict(NEOX, **raw), "config.json")
+    assert net.cfg.rope.rotary_dim == theirs.inv_freq.numel() * 2
+    cos, sin = theirs(torch.zeros(1), torch.arange(50)[None])
+    our_cos, our_sin = net.rotary(torch.arange(50))
+    assert (cos[0] - our_cos).abs().max().item() <= 1e-6 and (sin[0] - our_sin).abs().max().item() <= 1e-6
+
+
 # --------------------------------------------------------------------------- what we refuse, and why
 BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
             intermediate_size=32, max_position_embeddings=32)
@@ -312,6 +330,8 @@ BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_hea
     (dict(num_key_value_heads=3, num_attention_heads=4), "not divisible by num_key_value_heads"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=None, layer_types=["sliding_attention"]),
      "no sliding_window"),
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=4, layer_types=["sliding_attention"]),
+     "asks for sliding attention but use_sliding_window is false"),
     (dict(model_type="mistral", sliding_window="4096"), "sliding_window must be a whole number >= 1 or null, got '4096'"),
     (dict(model_type="mistral", sliding_window=0), "sliding_window must be a whole number >= 1 or null, got 0"),
 ])
@@ -338,13 +358,31 @@ NEOX = dict(model_type="gpt_neox", vocab_size=50, hidden_size=32, num_attention_
 
 @pytest.mark.parametrize("change,message", [
     (dict(hidden_act="relu"), "unsupported activation hidden_act='relu'"),
-    (dict(rotary_pct=0.1), "rotary_dim 1 must be even"),
+    (dict(rotary_pct=0.1), r"head_dim 16 x partial_rotary_factor 0.1 \(rotary_pct in GPT-NeoX configs\) leaves 1 dims"),
+    (dict(rotary_pct=0.01), "leaves 0 dims to rotate; only an even number above 0"),
     (dict(num_attention_heads=3), "not divisible by num_attention_heads"),
     (dict(rope_scaling={"type": "yarn", "factor": 2.0, "alpha": 1}), "unsupported rope parameter.*alpha"),
 ])
 def test_gpt_neox_refuses_what_it_cannot_honour(change, message):
     with pytest.raises(ModelLoadError, match=message):
         gpt_neox.build(NEOX | change, "config.json")
+
+
+GPT2 = dict(model_type="gpt2", vocab_size=50, n_embd=32, n_head=2, n_layer=1, n_positions=32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(add_cross_attention=True), r"add_cross_attention=true \(a GPT-2 that attends to an encoder\) is unsupported"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true is unsupported"),
+    (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=true is unsupported"),
+    (dict(scale_attn_weights=False), "scale_attn_weights=false is unsupported"),
+    (dict(n_inner=100), "n_inner=100 is unsupported"),
+])
+def test_gpt2_refuses_what_it_cannot_honour(change, message):
+    """add_cross_attention was refused as "unexpected key ...crossattention...; is this really a gpt2
+    checkpoint?", which it is."""
+    with pytest.raises(ModelLoadError, match=message):
+        gpt2.build(GPT2 | change, "config.json")
 
 
 def test_untied_head_must_be_present(tmp_path, bytelevel_tokenizer):

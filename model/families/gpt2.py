@@ -54,6 +54,9 @@ def build(config: dict, path: Path) -> GPTModel:
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if config.get(flag):
             raise ModelLoadError(f"{path}: {flag}=true is unsupported")
+    if config.get("add_cross_attention"):
+        # Cross-attention to an encoder's states: the decoder half of an encoder-decoder, not a language model.
+        raise ModelLoadError(f"{path}: add_cross_attention=true (a GPT-2 that attends to an encoder) is unsupported")
     if config.get("scale_attn_weights", True) is not True:
         raise ModelLoadError(f"{path}: scale_attn_weights=false is unsupported")
     try:

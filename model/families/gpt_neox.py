@@ -65,13 +65,15 @@ def split_per_head_qkv(fused: torch.Tensor, n_heads: int) -> tuple[torch.Tensor,
 
 
 def _rope_parameters(config: dict) -> dict:
-    """Pythia-era configs name RoPE rotary_emb_base and rotary_pct (default 0.25, as transformers)."""
-    aliased = dict(config)
-    if "rope_parameters" not in config:
-        aliased.setdefault("rope_theta", config.get("rotary_emb_base", 10000.0))
-    params = rope_parameters(aliased)
+    """Pythia-era configs name RoPE rotary_emb_base (default 10000) and rotary_pct (default 0.25).
+    As transformers' GPTNeoXConfig does, those two (or their defaults) fill the RoPE dict, and a
+    top-level rope_theta or partial_rotary_factor beside them is ignored: we took those first, and
+    attention differed by up to 0.95 where a config held both."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    params.setdefault("rope_theta", config.get("rotary_emb_base", 10000.0))
     params.setdefault("partial_rotary_factor", config.get("rotary_pct", 0.25))
-    return params
+    aliased = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_theta", "partial_rotary_factor")}
+    return rope_parameters(aliased | {"rope_parameters": params})
 
 
 def build(config: dict, path: Path) -> RotaryDecoder:

@@ -91,7 +91,9 @@ def _sliding_windows(config: dict, model_type: str, n_layers: int, path: Path) -
     if len(layer_types) != n_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
         raise ModelLoadError(f"{path}: unsupported layer_types {layer_types!r}")
     if "sliding_attention" in layer_types and window is None:
-        raise ModelLoadError(f"{path}: layer_types asks for sliding attention but no sliding_window is set")
+        why = ("use_sliding_window is false" if config.get("sliding_window") is not None
+               else "no sliding_window is set")
+        raise ModelLoadError(f"{path}: layer_types asks for sliding attention but {why}")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from manyeyes.model.bert import BertEncoder
+from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.families.bert import IGNORED, IGNORED_PREFIXES, LAYER, TOP, encoder_config, map_mlm_head
 from manyeyes.model.keymap import map_state, need, refuse_leftovers, rows_for, strip_prefix
 
@@ -25,8 +26,18 @@ MLM_DECODER = ("lm_head.decoder.weight", "lm_head.decoder.bias")
 
 def build(config: dict, path: Path) -> BertEncoder:
     pad = config.get("pad_token_id")
+    pad = 1 if pad is None else pad
+    positions = need(config, "max_position_embeddings", path)
+    if not -1 <= pad <= positions - 2:
+        # Positions run from pad + 1: below -1 the first is negative (an IndexError at every
+        # forward), and from max_position_embeddings - 1 on there is none left (0 tokens, or a
+        # negative length blamed on tokenizer.json).
+        raise ModelLoadError(
+            f"{path}: pad_token_id {pad} leaves RoBERTa no positions: they run from pad_token_id + 1 to "
+            f"max_position_embeddings - 1 ({positions - 1}), so it must be in -1..{positions - 2}"
+        )
     return BertEncoder(encoder_config(config, path, type_vocab_size=need(config, "type_vocab_size", path, default=1),
-                                      pad_token_id=1 if pad is None else pad, positions_from_ids=True,
+                                      pad_token_id=pad, positions_from_ids=True,
                                       head_gelu="erf"))
 
 
