@@ -128,6 +128,7 @@ class Registry:
         """Blocking; the app runs it in a thread so /healthz answers while models load.
         before_ready runs once every model has loaded, before /readyz says so."""
         s = self.settings
+        model_id = None
         try:
             time.sleep(s.debug_load_delay_s)
             specs = s.all_models()
@@ -179,6 +180,10 @@ class Registry:
             self.ready.set()
         except Exception as exc:  # reported by /readyz; the process stays up for diagnosis
             self.failure = f"{type(exc).__name__}: {exc}"
+            if model_id is not None and not isinstance(exc, ModelLoadError):
+                # A load error names its file; anything else (a warm-up forward's IndexError) named
+                # neither the model nor its spec.
+                self.failure = f"model {model_id} ({s.all_models()[model_id]}): {self.failure}"
             for model_id, state in self.progress.items():
                 if state["state"] not in ("ready", "queued"):
                     self.progress[model_id] = {"state": "failed"}

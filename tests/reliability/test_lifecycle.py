@@ -203,3 +203,21 @@ def test_ctrl_c_stops_the_server_without_a_traceback():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_failure_that_is_not_a_load_error_names_the_model_it_came_from(monkeypatch):
+    """A warm-up forward's IndexError reached /readyz as "model loading failed: IndexError: index
+    out of range in self", naming neither the model nor its spec."""
+    from manyeyes.app.config import Settings
+    from manyeyes.app.services import registry as registry_module
+    from manyeyes.app.services.metrics import Metrics
+
+    def broken(model, dense_max_tokens):
+        raise IndexError("index out of range in self")
+
+    monkeypatch.setattr(registry_module, "warm_up", broken)
+    registry = registry_module.Registry(Settings(models={"tiny": "tiny-gpt"}, device="cpu"), Metrics())
+    registry.load_all()
+    assert not registry.ready.is_set()
+    assert registry.failure == "model tiny (tiny-gpt): IndexError: index out of range in self"
+    assert registry.progress["tiny"] == {"state": "failed"}
