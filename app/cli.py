@@ -190,10 +190,8 @@ def _print_json(model, args, view, result, timing: dict, dense_max_tokens: int) 
 def cmd_serve(args) -> int:
     import logging
 
-    import uvicorn
-
     from manyeyes.app.main import create_app
-    from manyeyes.app.server import server_config
+    from manyeyes.app.server import Server, server_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = _settings()  # a malformed MANYEYES_* variable: one line naming it, not pydantic's traceback
@@ -266,9 +264,10 @@ def cmd_serve(args) -> int:
         torch.set_num_threads(args.threads)
     print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
-    config = server_config(create_app(settings), settings, host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(settings)
+    config = server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config, on_exit=app.state.shutdown.begin).run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn shuts down on Ctrl-C, then raises it again for whoever called it (uvicorn.run
         # catches it; we call Server.run): every stop printed a traceback after "Finished".

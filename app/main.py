@@ -27,7 +27,7 @@ from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
 from manyeyes.app.services.errors import ApiError, brief
-from manyeyes.app.services.generation import GenerationService
+from manyeyes.app.services.generation import GenerationService, ShutdownClock
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
@@ -156,6 +156,9 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     settings = settings or Settings()
     metrics = Metrics()
     keys = KeyRing(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
+    # Started by the server when a shutdown begins (server.Server), so that a generation stream
+    # ends itself within the grace period rather than being cut off at its end.
+    shutdown = ShutdownClock()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -168,7 +171,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
         app.state.registry = registry
         app.state.service = AttentionService(settings, registry, cache, metrics, run_directory)
         app.state.tiles = TileService(app.state.service)
-        app.state.generation = GenerationService(settings, registry, metrics)
+        app.state.generation = GenerationService(settings, registry, metrics, shutdown)
         app.state.measures = MeasuresService(app.state.service)
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
         loader = threading.Thread(target=registry.load_all, args=(freeze_long_lived if settings.gc_freeze else None,),
@@ -198,6 +201,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.shutdown = shutdown
     if keys:
         app.openapi = keyed_openapi(app.openapi)
     add_error_handlers(app)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from email.utils import formatdate
 
 import orjson
@@ -308,6 +309,21 @@ class GuardedProtocol(HttpToolsProtocol):
 def guarded_protocol(read_timeout_s: float, max_head_bytes: int) -> type[GuardedProtocol]:
     """The protocol class for uvicorn.Config(http=...), with these bounds."""
     return type("GuardedProtocol", (GuardedProtocol,), {"read_timeout_s": read_timeout_s, "max_head_bytes": max_head_bytes})
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which also tells the app (`on_exit`) when a shutdown begins: requests it
+    waits for end on their own, but a generation stream runs to its last token, and the app must
+    end it within the grace period."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.on_exit is not None:
+            self.on_exit()  # it only notes the time: safe in a signal handler
 
 
 def server_config(app, settings: Settings, **options) -> uvicorn.Config:

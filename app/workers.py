@@ -115,9 +115,8 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
         sock.close()
         sock = own
     import torch
-    import uvicorn
 
-    from manyeyes.app.server import server_config
+    from manyeyes.app.server import Server, server_config
 
     # The slot, not the pid, names this worker's metric files: a replacement goes on adding to the
     # counts its dead predecessor left (the totals stay right), and the folder holds one set of
@@ -125,9 +124,9 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: metrics_identity(slot))
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s worker-{os.getpid()} %(name)s %(message)s")
     torch.set_num_threads(threads)
-    config = server_config(worker_app(settings, Path(folder), slot, workers, replacement, forward_link), settings,
-                           log_level=log_level)
-    uvicorn.Server(config).run(sockets=[sock])
+    app = worker_app(settings, Path(folder), slot, workers, replacement, forward_link)
+    config = server_config(app, settings, log_level=log_level)
+    Server(config, on_exit=app.state.shutdown.begin).run(sockets=[sock])
 
 
 def shared_models(settings: Settings) -> dict:

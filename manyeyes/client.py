@@ -719,8 +719,10 @@ class Client:
                 event = json.loads(line)
                 if event["type"] == "start":
                     generation.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
-                if event["type"] == "end" and event.get("reason") == "error":
-                    raise GenerationFailed(response.status_code, "generation_failed", event.get("error") or "a step failed")
+                if event["type"] == "end" and event.get("reason") != "length":
+                    # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked
+                    raise GenerationFailed(response.status_code, "generation_failed",
+                                           event.get("error") or f"the generation ended early ({event.get('reason')})")
                 if event["type"] != "step":
                     continue
                 yield GenerationStep(

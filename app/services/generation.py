@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -11,7 +12,7 @@ import orjson
 
 from manyeyes.app.config import Settings
 from manyeyes.app.services.attention import INLINE_CHARS, off_loop_unless_small
-from manyeyes.app.services.errors import InvalidInput, QueueFull, TooLong
+from manyeyes.app.services.errors import InvalidInput, NotReady, QueueFull, TooLong
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
 from manyeyes.model.errors import TooLongError
@@ -40,11 +41,30 @@ def _step_line(step: Step) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
 
 
+class ShutdownClock:
+    """When a shutdown began: `server.Server` calls `begin` from its signal handler."""
+
+    def __init__(self) -> None:
+        self.began: float | None = None
+
+    def begin(self) -> None:
+        if self.began is None:
+            self.began = time.monotonic()
+
+    def past(self, seconds: float) -> bool:
+        return self.began is not None and time.monotonic() - self.began >= seconds
+
+
 class GenerationService:
-    def __init__(self, settings: Settings, registry: Registry, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, registry: Registry, metrics: Metrics,
+                 shutdown: ShutdownClock | None = None) -> None:
         self.settings = settings
         self.registry = registry
         self.metrics = metrics
+        self.shutdown = shutdown or ShutdownClock()
+        # uvicorn cancels what runs 1 s before the grace ends (server_config); a stream stops a
+        # second before that, its last step included.
+        self.stream_grace_s = max(settings.shutdown_grace_s - 2.0, 0.0)
         # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
         self._slots = threading.BoundedSemaphore(settings.max_generations)
         # ...and a client holds at most half of them: four streams one client opened and never
@@ -55,6 +75,8 @@ class GenerationService:
 
     async def start(self, body, client: str = "") -> Generation:
         """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
+        if self.shutdown.began is not None:  # asked on a kept-alive connection while the server drains
+            raise NotReady("the server is shutting down")
         served = self.registry.get(body.model)
         model = served.model
         if body.max_new_tokens > self.settings.max_new_tokens:
@@ -114,6 +136,14 @@ class GenerationService:
         try:
             yield orjson.dumps(start) + b"\n"
             while True:
+                if self.shutdown.past(self.stream_grace_s):
+                    # A stream that would run past the shutdown grace was cut off at its end by
+                    # uvicorn (no end line, a traceback per stream in the log). It goes on while
+                    # the grace allows, then ends saying why.
+                    outcome = "shutdown"
+                    yield orjson.dumps({"type": "end", "reason": "shutdown", "tokens": count,
+                                        "error": "the server is shutting down; generate again shortly"}) + b"\n"
+                    return
                 # One step per worker-thread hop: the loop stays free, and a client that hangs up
                 # cancels this coroutine between two steps, so at most one more step runs.
                 try:

@@ -229,7 +229,8 @@ export function mountGeneration(box) {
           if (state.follow && !state.timer) followSoon();
           else setButtons();
         } else if (event.type === "end") {
-          state.outcome = event.reason === "error" ? "failed" : "finished";
+          // "error" (a step failed) or "shutdown" (the server is stopping) ended it early.
+          state.outcome = event.reason === "length" ? "finished" : "failed";
           failure = event.error;
         }
       }

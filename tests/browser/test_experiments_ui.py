@@ -589,11 +589,14 @@ def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
     assert "Stopped after" in page.inner_text("#gen-status")
 
 
-def test_a_stream_that_ends_in_error_says_so(server, page):
-    """The server's last line names a failed step: the page says so rather than 'Finished'."""
+@pytest.mark.parametrize("reason, error", [("error", "generation stopped: out of memory"),
+                                           ("shutdown", "the server is shutting down; generate again shortly")])
+def test_a_stream_that_ends_early_says_so(server, page, reason, error):
+    """The server's last line names a failed step, or its shutdown: the page says so rather than
+    'Finished' (a shutdown's line read as a finished generation)."""
     real = [json.dumps(line) for line in stream(server, {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 1})]
     assert [line["type"] for line in map(json.loads, real)] == ["start", "step", "end"]
-    failed = json.dumps({"type": "end", "reason": "error", "tokens": 1, "error": "generation stopped: out of memory"})
+    failed = json.dumps({"type": "end", "reason": reason, "tokens": 1, "error": error})
     page.route("**/api/v1/generate", lambda route: route.fulfill(
         status=200, content_type="application/x-ndjson", body="\n".join([*real[:2], failed]) + "\n"))
     open_page(page, server)
@@ -601,7 +604,7 @@ def test_a_stream_that_ends_in_error_says_so(server, page):
     page.fill("#gen-text", PROMPT)
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='failed']", timeout=30_000)
-    assert page.inner_text("#gen-status") == "The server stopped after 1 token: generation stopped: out of memory"
+    assert page.inner_text("#gen-status") == f"The server stopped after 1 token: {error}"
     assert page.get_attribute("#gen-status", "data-kind") == "error"
 
 

@@ -262,17 +262,20 @@ def test_generate_yields_the_models_steps_and_hangs_up_when_dropped(client, tiny
         next(iter(client.generate(TEXT, 10_000)))
 
 
-def test_a_generation_that_fails_mid_stream_raises_after_its_steps():
+@pytest.mark.parametrize("reason, error", [("error", "generation stopped: out of memory"),
+                                           ("shutdown", "the server is shutting down; generate again shortly")])
+def test_a_generation_that_fails_mid_stream_raises_after_its_steps(reason, error):
+    """A stream the server ended early for its shutdown ended the loop as if every token had come."""
     lines = [{"type": "start", "model": "tiny-gpt", "n_layers": 1, "n_heads": 1, "prompt": []},
              {"type": "step", "index": 0, "position": 3, "token": {"text": " a", "id": 7, "prob": 0.5},
               "alternatives": [], "attention": [[[0.25, 0.25, 0.25, 0.25]]]},
-             {"type": "end", "reason": "error", "tokens": 1, "error": "generation stopped: out of memory"}]
+             {"type": "end", "reason": reason, "tokens": 1, "error": error}]
     body = "".join(json.dumps(line) + "\n" for line in lines)
     transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body, headers={"content-type": "application/x-ndjson"}))
     with Client("http://manyeyes.test", transport=transport) as mocked:
         steps = mocked.generate("Hi", 3)
         assert next(steps).token.id == 7
-        with pytest.raises(GenerationFailed, match="out of memory") as failed:
+        with pytest.raises(GenerationFailed, match=error) as failed:
             next(steps)
     assert failed.value.code == "generation_failed"
 

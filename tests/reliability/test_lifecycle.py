@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -149,6 +150,44 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
         assert "ablate" in outcome, outcome
         assert assert_json_error(outcome["ablate"], 503)["code"] == "not_ready"
         assert "Traceback" not in output, output[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("args", [(), ("--workers", "2")], ids=["one-process", "workers"])
+def test_sigterm_ends_a_generation_stream_with_a_shutdown_line_within_the_grace(args):
+    """A stream that would outlast the grace was cut off by uvicorn at its end (no end line, an
+    incomplete chunked body) and a CancelledError traceback was logged per stream. It goes on
+    while the grace allows (a shorter one finishes: test_workers), then ends with a shutdown line."""
+    grace = 8.0
+    port = free_port()
+    proc = subprocess.Popen(
+        [*serve_command(port), *args],
+        env={**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_DEBUG_FORWARD_DELAY_S": "0.2",
+             "MANYEYES_SHUTDOWN_GRACE_S": str(grace), "MANYEYES_WARMUP": "false"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        with httpx.Client(timeout=60) as client:
+            # 200 steps at 0.2 s each: 40 s, far past the grace
+            with client.stream("POST", f"http://{HOST}:{port}/api/v1/generate",
+                               json={"text": "In the beginning", "max_new_tokens": 200}) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert json.loads(next(lines))["type"] == "start" and json.loads(next(lines))["type"] == "step"
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                rest = [json.loads(line) for line in lines if line]
+        ended = time.monotonic() - signalled
+        assert rest and rest[-1]["type"] == "end" and rest[-1]["reason"] == "shutdown", rest[-3:]
+        assert "shutting down" in rest[-1]["error"] and rest[-1]["tokens"] == 1 + len(rest) - 1
+        assert grace - 3 < ended < grace - 1, f"the stream took {ended:.1f} s to end"
+        proc.wait(grace + 10)
+        output = proc.stdout.read()
+        assert time.monotonic() - signalled < grace, output[-2000:]
+        assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
     finally:
         proc.kill()
         proc.wait()
