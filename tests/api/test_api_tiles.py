@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time
 
 import httpx
 import numpy as np
@@ -547,7 +548,7 @@ def test_the_cache_counts_queries_and_keys_and_stays_bounded(llama_dir):
 
 def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     """An 8k-position model warmed up at its full length would make 19 GB of weights."""
-    from manyeyes.app.services.registry import HEAD_FINDER_WARM_UP, warm_up
+    from manyeyes.app.services.registry import HEAD_FINDER_WARM_UP, WARM_UP_TIMINGS, warm_up
     from manyeyes.model.measures import PROBE_LENGTH
 
     model = model_of(tiles_api, "tiny-gpt")  # 256 positions, one token a byte
@@ -565,11 +566,31 @@ def test_warm_up_stops_at_dense_max_tokens(tiles_api, monkeypatch):
     warm_up(model, 4096)
     # then the head finder's warm-up: a short text (timed: the batcher's first rate), and the
     # probe (random bytes twice, no [CLS])
-    assert 30 <= first[0] <= 40 and first[1:] == [len(model.encode(HEAD_FINDER_WARM_UP)), 2 * PROBE_LENGTH]
+    short = [len(model.encode(HEAD_FINDER_WARM_UP))] * WARM_UP_TIMINGS
+    assert 30 <= first[0] <= 40 and first[1:] == [*short, 2 * PROBE_LENGTH]
     assert units == work_units(first[1]) and seconds > 0
-    assert lengths[len(first):] == [model.info.max_tokens, len(model.encode(HEAD_FINDER_WARM_UP))]  # probe kept
+    assert lengths[len(first):] == [model.info.max_tokens, *short]  # probe kept
     # the warm-up's own forwards are the batcher's (weights only); the probe's is the head finder's own
-    assert weights_only == [True, True, False, True, True]
+    assert weights_only == [True] * (1 + WARM_UP_TIMINGS) + [False] + [True] * (1 + WARM_UP_TIMINGS)
+
+
+def test_one_slow_warm_up_forward_does_not_set_the_first_rate(tiles_api, monkeypatch):
+    """One forward that met a hiccup (0.5 s where 10 ms is usual) became the batcher's first rate,
+    and a fresh server refused its first burst of four 350-word texts as 27 s of work."""
+    from manyeyes.app.services.registry import warm_up
+
+    model = model_of(tiles_api, "tiny-gpt")
+    real, calls = model.run, []
+
+    def hiccup(batch, *args, **kwargs):
+        calls.append(len(batch[0]))
+        if len(calls) == 2:  # the first timed forward
+            time.sleep(0.5)
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(model, "run", hiccup)
+    units, seconds = warm_up(model, 40)
+    assert seconds < 0.25, seconds
 
 
 def test_a_warmed_up_server_judges_its_first_burst_by_the_warm_up_forwards_rate():
