@@ -32,7 +32,7 @@ from manyeyes.app.services.attention import (
 from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, QueueFull, TooLong, TooManyCells
 from manyeyes.app.services.payload import token_dicts
 from manyeyes.app.services.registry import Registry, Served
-from manyeyes.app.services.slots import Grant
+from manyeyes.app.services.slots import CountedSlots, Grant
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results, validate_ablations
 from manyeyes.model.tokenizer import Encoded
@@ -111,7 +111,7 @@ class ExperimentService:
         self.settings = settings
         self.registry = registry
         self.attention = attention  # its answers' budget: these answers hold their bytes there too
-        self._slots = threading.BoundedSemaphore(settings.max_experiments)
+        self._slots = CountedSlots(settings.max_experiments, attention.metrics.work_running.labels("experiment"))
 
     # ------------------------------------------------------------------ routes' entry points
     # Each returns the answer's JSON and its bytes in the answers' budget, for the response that
@@ -214,7 +214,7 @@ class ExperimentService:
             raise
 
     async def _in_slot(self, fn, args, deadline: float) -> bytes:
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire():
             raise QueueFull(f"{self.settings.max_experiments} experiments are running; try again shortly", retry_after_s=1)
 
         started = threading.Event()

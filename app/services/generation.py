@@ -15,6 +15,7 @@ from manyeyes.app.services.attention import INLINE_CHARS, off_loop_unless_small
 from manyeyes.app.services.errors import InvalidInput, NotReady, QueueFull, TooLong
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
+from manyeyes.app.services.slots import CountedSlots
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.generate import Sampling, Step, check_generation, check_generator, generate
 
@@ -66,7 +67,7 @@ class GenerationService:
         # second before that, its last step included.
         self.stream_grace_s = max(settings.shutdown_grace_s - 2.0, 0.0)
         # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
-        self._slots = threading.BoundedSemaphore(settings.max_generations)
+        self._slots = CountedSlots(settings.max_generations, metrics.work_running.labels("generation"))
         # ...and a client holds at most half of them: four streams one client opened and never
         # read held every slot until the write deadline dropped them, and again on reconnecting.
         self.client_share = max(1, settings.max_generations // 2)
@@ -116,7 +117,7 @@ class GenerationService:
             if self._held.get(client, 0) >= self.client_share:
                 raise QueueFull(f"this client has {self.client_share} generations running, its share of this server's "
                                 f"{self.settings.max_generations}; start another when one ends", retry_after_s=RETRY_AFTER_S)
-            if not self._slots.acquire(blocking=False):
+            if not self._slots.acquire():
                 raise QueueFull(f"{self.settings.max_generations} generations are running; try again in a few seconds",
                                 retry_after_s=RETRY_AFTER_S)
             self._held[client] = self._held.get(client, 0) + 1

@@ -32,7 +32,7 @@ from manyeyes.app.services.cache import Run, RunCache
 from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import as_bytes, to_f16
 from manyeyes.app.services.registry import Served
-from manyeyes.app.services.slots import Grant
+from manyeyes.app.services.slots import CountedSlots, Grant
 from manyeyes.model import measures as m
 from manyeyes.model.analysis import value_weighted_norms
 from manyeyes.model.runtime import AttentionResult
@@ -131,8 +131,8 @@ class MeasuresService:
         self.attention = attention
         self.settings = attention.settings
         self.captures = RunCache(attention.settings.cache_bytes // CAPTURE_SHARE)
-        self._slots = threading.BoundedSemaphore(CAPTURE_SLOTS)
-        self._flow_slots = threading.BoundedSemaphore(FLOW_SLOTS)
+        self._slots = CountedSlots(CAPTURE_SLOTS, attention.metrics.work_running.labels("capture"))
+        self._flow_slots = CountedSlots(FLOW_SLOTS, attention.metrics.work_running.labels("flow"))
         self._capturing: dict[str, list] = {}
         self._guard = threading.Lock()
         self._flows: OrderedDict[tuple[str, float], bytes] = OrderedDict()
@@ -157,7 +157,7 @@ class MeasuresService:
                 found = self._usable(self.captures.get(run.run_id), run)
                 if found is not None:
                     return found
-                if not self._slots.acquire(blocking=False):
+                if not self._slots.acquire():
                     raise QueueFull(f"{CAPTURE_SLOTS} captured runs are already being computed; retry shortly", 1)
                 try:
                     model = served.model
@@ -306,7 +306,7 @@ class MeasuresService:
                 self._flows.move_to_end(key)
                 return self._flows[key]
         captured = self._capture(run, served)
-        if not self._flow_slots.acquire(blocking=False):
+        if not self._flow_slots.acquire():
             raise QueueFull("an information-flow graph is already being computed; retry shortly", 2)
         try:
             edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)

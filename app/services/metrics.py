@@ -47,6 +47,10 @@ class Metrics:
             "manyeyes_shared_forward_batches", "Batches of short inputs a worker sent to the shared forward process "
             "(shared) or ran itself, not reaching it (own); --shared-forward", ["where"], registry=r
         )
+        self.work_running = Gauge(
+            "manyeyes_work_running", "Long work running now, by kind: generation, experiment, capture (the measures' "
+            "captured forwards) and flow (information-flow graphs)", ["kind"], registry=r, multiprocess_mode="livesum"
+        )
         self.generation_steps = Counter("manyeyes_generation_steps", "Tokens generated, by model", ["model"], registry=r)
         self.generations = Counter(
             "manyeyes_generations", "Generations by outcome: finished, failed, or cancelled by a client that hung up", ["outcome"], registry=r

@@ -9,6 +9,7 @@ requests those clients have waiting."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 from itertools import islice
@@ -202,3 +203,34 @@ class FairBytes:
                 del self._waiting[client]
             if not future.done():
                 future.set_result(self._hold(nbytes, client))
+
+
+class CountedSlots:
+    """At most `capacity` of one kind of long work at once (generations, experiments, captured
+    forwards), never waited for (the caller answers 429), and counted on /metrics as
+    manyeyes_work_running{kind}: an operator could not tell whether any was still running, or stuck."""
+
+    def __init__(self, capacity: int, gauge) -> None:
+        self.capacity = capacity
+        self.running = 0
+        self._lock = threading.Lock()
+        self._gauge = gauge
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.running
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.running >= self.capacity:
+                return False
+            self.running += 1
+        self._gauge.inc()
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self.running <= 0:
+                raise ValueError("a slot released more often than taken")
+            self.running -= 1
+        self._gauge.dec()

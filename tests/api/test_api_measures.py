@@ -295,7 +295,7 @@ def test_grouped_query_attention_is_shown_honestly(tmp_path, bytelevel_tokenizer
 def test_a_second_flow_while_one_runs_is_a_429_not_a_pile_up(client):
     run_id = post(client, text=TEXT, format="u8")["run_id"]
     slots = client.app.state.measures._flow_slots
-    assert slots.acquire(blocking=False)  # as if another flow graph were being computed
+    assert slots.acquire()  # as if another flow graph were being computed
     try:
         busy = client.get(f"/api/v1/runs/{run_id}/flow")
         assert busy.status_code == 429 and busy.headers["retry-after"] == "2"

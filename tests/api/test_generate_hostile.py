@@ -71,14 +71,14 @@ def test_clients_that_hang_up_at_once_leave_no_generation_slot_behind(client, sp
         for _ in range(slots + 2):
             sent = hang_up(client, BODY, spec_version)
             assert sent and sent[0] == ("http.response.start", 200), sent
-            assert service._slots._value == slots  # free again the moment the request ended
+            assert service._slots.free == slots  # free again the moment the request ended
         r = client.post("/api/v1/generate", json=BODY)
         assert r.status_code == 200, r.text
         lines = [json.loads(line) for line in r.text.strip().split("\n")]
         assert lines[-1] == {"type": "end", "reason": "length", "tokens": 5}
     finally:
         gc.enable()
-    assert service._slots._value == slots
+    assert service._slots.free == slots
     assert metric(client, "manyeyes_generations_total", outcome="cancelled") >= cancelled + slots + 2
 
 
@@ -121,3 +121,14 @@ def test_a_prompt_is_tokenized_once(client, monkeypatch):
         lines = [json.loads(line) for line in response.iter_lines()]
     assert response.status_code == 200 and [line["type"] for line in lines].count("step") == 5
     assert texts == [BODY["text"]]
+
+
+def test_metrics_count_the_generations_running(client):
+    """/metrics had only finished counts: an operator could not tell whether any was still running."""
+    assert metric(client, "manyeyes_work_running", kind="generation") == 0
+    with client.stream("POST", "/api/v1/generate", json=BODY | {"max_new_tokens": 3}) as response:
+        lines = response.iter_lines()
+        assert json.loads(next(lines))["type"] == "start"
+        assert metric(client, "manyeyes_work_running", kind="generation") == 1
+        assert [json.loads(line)["type"] for line in lines] == ["step"] * 3 + ["end"]
+    assert metric(client, "manyeyes_work_running", kind="generation") == 0

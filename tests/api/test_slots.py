@@ -260,3 +260,23 @@ def test_a_grant_given_back_from_another_thread_is_given_back_on_its_loop():
         return woken_on == [loop_thread] * 3 and budget.held == 0
 
     assert asyncio.run(main())
+
+
+def test_counted_slots_show_the_work_running_and_refuse_beyond_their_bound():
+    import pytest
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from manyeyes.app.services.slots import CountedSlots
+
+    gauge = Gauge("running", "work running", ["kind"], registry=CollectorRegistry()).labels("experiment")
+    slots = CountedSlots(2, gauge)
+    assert slots.acquire() and slots.acquire() and gauge._value.get() == 2
+    assert not slots.acquire() and gauge._value.get() == 2  # refused: counted once, as taken
+    slots.release()
+    assert gauge._value.get() == 1 and slots.acquire() and gauge._value.get() == 2
+    slots.release()
+    slots.release()
+    assert gauge._value.get() == 0
+    with pytest.raises(ValueError):  # released more often than taken: a bug, said at once
+        slots.release()
+    assert gauge._value.get() == 0 and slots.free == 2

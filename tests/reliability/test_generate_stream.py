@@ -132,7 +132,7 @@ def test_prompts_too_long_get_too_long_with_advice_that_can_be_followed(server):
 def test_too_many_generations_at_once_get_429(server):
     service = server.app.state.generation
     taken = 0
-    while service._slots.acquire(blocking=False):
+    while service._slots.acquire():
         taken += 1
     try:
         r = httpx.post(f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt"}, timeout=30)
@@ -164,7 +164,7 @@ def test_one_client_holds_at_most_half_the_generations(server):
     with httpx.stream("POST", f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 2},
                       timeout=60) as r:
         assert r.status_code == 200 and [json.loads(x)["type"] for x in r.iter_lines() if x][-1] == "end"
-    assert service._held == {} and service._slots._value == server.app.state.settings.max_generations
+    assert service._held == {} and service._slots.free == server.app.state.settings.max_generations
 
 
 def test_an_encoders_long_prompt_is_told_it_cannot_generate_not_to_shorten_it(server):
