@@ -1,10 +1,22 @@
 // Compare two sentences: the heads ranked by how much their aligned rows differ, and one head
 // side by side (A, B) with the difference A − B on the aligned cells.
 
-import { describeError } from "./api.js";
+import { ApiError, describeError } from "./api.js";
 import { el } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
+
+// A comparison cuts its sentences as the run on screen was cut: ticking "Cut to fit" alone did
+// nothing, and the same "too long" came back word for word. The server names the field
+// ("text_b: input is ..."); the page names the box.
+const COMPARED = { subject: "Sentence", advice: "Shorten it, or tick “Cut to fit” and press Run: a comparison is cut as the run on screen was." };
+
+function comparisonError(err) {
+  const field = err instanceof ApiError ? /^text_(a|b): /.exec(err.message) : null;
+  if (!field) return describeError(err, COMPARED);
+  const named = new ApiError(err.status, err.code, err.message.slice(field[0].length), err.retryAfter);
+  return describeError(named, { ...COMPARED, subject: `Sentence ${field[1].toUpperCase()}` });
+}
 
 export function mountCompare(box) {
   // An empty A is the run's text: the placeholder says so (an example sentence there misled).
@@ -74,7 +86,7 @@ export function mountCompare(box) {
       const top = reply.ranking[0];
       await show(top.layer, top.head);
     } catch (err) {
-      if (token === state.token) status(note, describeError(err), "error");
+      if (token === state.token) status(note, comparisonError(err), "error");
     }
   }
 

@@ -247,6 +247,19 @@ def test_a_failed_comparison_takes_the_last_ones_pictures_with_it(server, page):
     assert page.evaluate("() => ['a', 'b', 'diff'].every((p) => !document.getElementById(`compare-plot-${p}`).data)")
 
 
+def test_a_sentence_too_long_to_compare_is_named_and_told_what_cuts_it(server, page):
+    """The message quoted the API's field ("text_b: ...") and said to tick "Cut to fit", which alone
+    did nothing: a comparison is cut as the run on screen was."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.fill("#compare-b", "word " * 600)
+    page.click("#compare-run")
+    page.wait_for_selector("#compare-status[data-kind='error']")
+    said = page.locator("#compare-status").text_content()
+    assert said.startswith("Sentence B too long: input is 602 tokens long") and "text_b" not in said, said
+    assert said.endswith("tick “Cut to fit” and press Run: a comparison is cut as the run on screen was."), said
+
+
 def test_empty_compare_a_and_prompt_say_they_are_the_runs_text(server, page):
     open_page(page, server)
     assert page.locator("#compare-a").get_attribute("placeholder") == "Sentence A (or run one: its text)"
