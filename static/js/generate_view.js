@@ -195,14 +195,19 @@ export function mountGeneration(box) {
     if (seed.validity.badInput || (seedDigits !== "" && !/^\d+$/.test(seedDigits))) {
       return status(note, "A seed is a whole number, 0 or more (empty: a random sample).", "error");
     }
-    // An empty box is the default; 0 goes to the server, which says what it takes (it was 20 here).
+    // An empty box is the default; a bad count or temperature is refused as the server's 422 is
+    // (the last generation's picture goes), in the form's words: the server's named the API's
+    // fields ("max_new_tokens: Input should be greater than or equal to 1").
     const n = count.value.trim() === "" ? 20 : Number(count.value);
+    const heat = temperature.value.trim() === "" ? 0 : Number(temperature.value);
+    const refusal = count.validity.badInput || !Number.isInteger(n) || n < 1 ? "Tokens: a whole number, 1 or more."
+      : temperature.validity.badInput || !(heat >= 0 && heat <= 10) ? "Temperature: a number from 0 (greedy) to 10." : "";
     const model = currentModel().model;
     const info = modelList.find((m) => m.id === model);
     const { text, cut, error } = prompt.value.trim() ? { text: prompt.value } : runPrompt(input, shownRun, n, info);
     if (error) return status(note, error, "error");
     pause();
-    const body = { text, model, max_new_tokens: n, temperature: Number(temperature.value) || 0 };
+    const body = { text, model, max_new_tokens: n, temperature: heat };
     let json = JSON.stringify(body);
     // The seed goes as typed: the API takes up to 2^64 - 1, and Number() rounds past 2^53
     // (9007199254740993 was sent as ...992, another sample). JSON allows no leading zeros.
@@ -217,6 +222,7 @@ export function mountGeneration(box) {
     setButtons();
     let failure = "";
     try {
+      if (refusal) throw new RangeError(refusal);
       const response = await requestResponse("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: json, signal: state.controller.signal });
       for await (const event of ndjson(response)) {
         if (mine !== state.epoch) break;
@@ -247,7 +253,8 @@ export function mountGeneration(box) {
         status(note, `Stopped after ${tokenCount(state.steps.length)}.`);
       } else if (mine === state.epoch) {
         state.outcome = "failed";
-        status(note, describeError(err, PROMPT), "error");
+        const said = err instanceof RangeError ? err.message : describeError(err, PROMPT);
+        status(note, said.replace(/\bmax_new_tokens\b/g, "the number of tokens"), "error");
       }
     } finally {
       const following = mine === state.epoch && state.follow && !state.timer && state.steps.length > 0;

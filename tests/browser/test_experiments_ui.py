@@ -428,9 +428,24 @@ def test_a_refused_generation_takes_the_last_ones_picture_and_0_tokens_is_not_20
     page.fill("#gen-n", "0")
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='failed']")
-    assert "max_new_tokens" in page.locator("#gen-status").text_content()  # the server's 422, not 20 tokens
+    # refused as the server's 422 is, not 20 tokens, in the form's words (it quoted the API's
+    # "max_new_tokens: Input should be greater than or equal to 1")
+    assert page.locator("#gen-status").text_content() == "Tokens: a whole number, 1 or more."
     assert page.locator("#gen-position").text_content() == ""
     assert page.evaluate("() => ['row', 'grow'].every((p) => !document.getElementById(`gen-${p}-plot`).data)")
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/api/v1/generate") else None)
+    for value, said in (("2.5", "Tokens: a whole number"), ("1000", "the number of tokens is at most")):
+        page.fill("#gen-n", value)
+        page.click("#gen-start")
+        page.wait_for_function("(said) => document.querySelector('#gen-status').textContent.includes(said)", arg=said)
+    page.fill("#gen-n", "3")
+    for value in ("-1", "100"):
+        page.fill("#gen-temp", value)
+        page.click("#gen-start")
+        page.wait_for_function("() => document.querySelector('#gen-status').textContent === 'Temperature: a number from 0 (greedy) to 10.'")
+        page.fill("#gen-temp", "0")
+    assert len(sent) == 1  # only 1000, which the page cannot know is over this server's bound
 
 
 def test_a_seed_reaches_the_server_as_typed(server, page):
