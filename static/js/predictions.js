@@ -45,12 +45,15 @@ function renderStrip(container, labels, predictions, causal) {
     ]);
   });
   const rest = labels.length - shown.length;
-  const tail = rest > 0 ? [el("span", { className: "hint", text: `… and ${rest} more tokens: hover the heatmap to read them.` })] : [];
+  // Past the strip's tokens the heatmap's hover reads the guesses. Both lines said "the rest" of
+  // different things ("scroll for the rest" above, "1024 more: hover" below), which contradicted.
+  const tail = rest > 0 ? [el("span", { className: "hint", text: `… and ${rest} more tokens past these: hover their rows in the heatmap to read their guesses.` })] : [];
   const name = causal ? "Next-token guesses" : "Masked-token guesses";
   const list = el("div", { className: "pred-list", attrs: { role: "list", "aria-label": `${name}, ${shown.length} tokens` } }, cells);
   // One line of text, the count after one space: two flex items stood a .5rem gap apart, which
   // read as "Next token:  1000 tokens" on screen and as "Next token:1000 tokens" as text.
   const heading = el("span", { className: "hint pred-name" }, [`${name}: `, el("span", { className: "pred-more", attrs: { "aria-hidden": "true" } })]);
+  container.dataset.clipped = String(rest > 0);
   container.replaceChildren(heading, list, ...tail);
   fitStrip(container);
 }
@@ -64,8 +67,10 @@ function fitStrip(container) {
   const scrolls = list.scrollHeight > list.clientHeight + 1;
   if (scrolls) list.setAttribute("tabindex", "0");
   else list.removeAttribute("tabindex");
-  container.querySelector(".pred-more").textContent = scrolls
-    ? `${list.children.length} tokens, scroll for the rest; the heatmap row read is outlined.` : "";
+  const count = list.children.length;
+  container.querySelector(".pred-more").textContent = !scrolls ? ""
+    : container.dataset.clipped === "true" ? `the first ${count} tokens, scroll through them; the heatmap row read is outlined.`
+    : `${count} tokens, scroll for the rest; the heatmap row read is outlined.`;
 }
 
 // Outlines position's item (null: none) and scrolls the list, not the page, to bring it into view.

@@ -559,7 +559,12 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-overview.png"))
     # The next-token guesses under it, as the API gives them for the run (a long run dropped them).
     page.wait_for_function("() => document.querySelectorAll('#focus-predictions .pred').length === 1024")
-    assert page.text_content("#focus-predictions .hint:last-child") == f"… and {T - 1024} more tokens: hover the heatmap to read them."
+    assert page.text_content("#focus-predictions .hint:last-child") == (
+        f"… and {T - 1024} more tokens past these: hover their rows in the heatmap to read their guesses.")
+    # The line above said "scroll for the rest" of the same strip: the two contradicted.
+    page.wait_for_function("() => document.querySelector('#focus-predictions .pred-more').textContent !== ''")
+    assert page.text_content("#focus-predictions .pred-more") == (
+        "the first 1024 tokens, scroll through them; the heatmap row read is outlined.")
     asked = httpx.post(f"{long_server}/api/v1/attention", timeout=60, json={
         "text": text, "model": "llama-long", "format": "u8", "layers": [0], "heads": [0], "predictions": {"top_k": 5}}).json()
     guesses = page.locator("#focus-predictions .pred-guess").evaluate_all("els => els.map(e => e.dataset.token)")
