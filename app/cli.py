@@ -9,8 +9,6 @@ import socket
 import sys
 import time
 
-from manyeyes.model.errors import ModelLoadError, TooLongError
-
 SHADES = " .:-=+*#%@"  # ten steps, light to dark
 TABLE_MAX_KEYS = 64  # a head's matrix is 6 characters a key wide: past this, no terminal shows a row on one line
 ROW_TOP_KEYS = 5  # the keys listed per query instead
@@ -72,8 +70,8 @@ def cmd_attend(args) -> int:
     json_only = [name for name, given in (("--layers", args.layers is not None), ("--heads", args.heads is not None),
                                           ("--format", args.format != "json")) if given]
     if json_only and not args.json:  # the table shows one head, and would drop them without a word
-        print(f"error: {', '.join(json_only)} shape the --json answer; add --json, or choose the table's head with "
-              "--layer and --head", file=sys.stderr)
+        print(f"error: {', '.join(json_only)} only shape{'s' if len(json_only) == 1 else ''} the --json answer; add "
+              "--json, or choose the table's head with --layer and --head", file=sys.stderr)
         return 2
     if args.matrix and args.json:
         print("error: --matrix chooses the table's form; --json prints every head of the API's answer", file=sys.stderr)
@@ -206,9 +204,10 @@ def cmd_serve(args) -> int:
         updates["device"] = args.device
     if args.dtype:
         updates["dtype"] = args.dtype
-    try:  # a device this machine lacks: one line now, not a server that answers 503 for good
-        from manyeyes.model.runtime import pick_device
+    from manyeyes.model.errors import ModelLoadError
+    from manyeyes.model.runtime import pick_device
 
+    try:  # a device this machine lacks: one line now, not a server that answers 503 for good
         pick_device(updates.get("device", settings.device))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -441,9 +440,8 @@ def _warn_unknown_settings(settings_class) -> None:
 
 
 def cmd_export(args) -> int:
-    from pathlib import Path
-
     from manyeyes.export import TooLongToExport, export_html
+    from manyeyes.figures import write_whole
     from manyeyes.model import load
 
     if _bad_text(args):
@@ -463,7 +461,7 @@ def cmd_export(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        Path(args.output).write_text(html, encoding="utf-8")
+        write_whole(args.output, html)  # a full disk leaves the file that was there, not half a new one
     except OSError as exc:
         print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 2
@@ -482,8 +480,9 @@ def add_export_command(sub) -> None:
     export.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
     export.add_argument("--format", choices=("f16", "u8"), default=None,
                         help="stored precision (default: f16 up to 16 MiB of weights, else u8)")
-    export.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
-    export.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
+    export.add_argument("--device", default=None, help="cpu, cuda, mps (default: MANYEYES_DEVICE if set, else best available)")
+    export.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help=DTYPE_HELP.replace("default auto", "default: MANYEYES_DTYPE if set, else auto"))
     export.set_defaults(func=cmd_export)
 
 
@@ -565,10 +564,17 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (ModelLoadError, TooLongError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        # Imported here, not at the top: the model package imports torch, the second or two in
+        # which a Ctrl-C met no handler of ours.
+        from manyeyes.model.errors import ModelLoadError, TooLongError
+
+        try:
+            return args.func(args)
+        except (ModelLoadError, TooLongError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C: stop as `train` does, with the shell's status and no traceback
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # The reader went away (`manyeyes attend ... | head -1`): stop as Unix tools do, without a
         # traceback, and without another at exit, when Python flushes stdout into the closed pipe.

@@ -26,6 +26,7 @@ import plotly
 
 from manyeyes.app.routes.page import TEMPLATES_DIR
 from manyeyes.app.services.payload import View, render_result
+from manyeyes.figures import whole_number
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 STATIC_DIR = TEMPLATES_DIR.parent / "static"
@@ -150,7 +151,9 @@ def embed(body: dict, model: dict, text: str, text_pair: str | None, layer: int,
         "text": text,
         "text_pair": text_pair,
         "model": model,
-        "run": body,
+        # The most precise format the run's views can take is the file's own, f16 or u8 (a server's
+        # body says what its cache keeps): the page labels its views and downloads by it.
+        "run": {**body, "precision": body["attention"]["format"]},
         "view_id": EXPORT_VIEW_ID,
         "view": {**(view or {}), "text": text, "text_pair": text_pair, "model": model["id"], "truncate": truncate,
                  "layer": min(max(layer, 0), body["n_layers"] - 1), "head": min(max(head, 0), body["n_heads"] - 1)},
@@ -169,13 +172,15 @@ def export_html(
     format: str | None = None, dense_max_tokens: int = DENSE_MAX_TOKENS,
 ) -> str:
     """One run of a loaded model (manyeyes.load) as a one-file HTML viewer, focused on `layer`
-    and `head` when it opens. ValueError for a layer or head the model does not have, a format
-    other than f16 or u8, or a dense_max_tokens under 1; TooLongToExport for a text over `dense_max_tokens` tokens (default
+    and `head` when it opens. ValueError for a text or pair of only whitespace (as `manyeyes
+    export` refuses them), a layer or head that is no whole number or one the model does not have,
+    a format other than f16 or u8, or a dense_max_tokens under 1; TooLongToExport for a text over `dense_max_tokens` tokens (default
     1024, the server's default bound; the file holds every weight, L x H x T x T of them). The
     environment is not read: `manyeyes export` passes MANYEYES_DENSE_MAX_TOKENS here."""
     from manyeyes.app.services.cache import Run, run_id_for
 
     info = model.info
+    layer, head = whole_number(layer, "layer"), whole_number(head, "head")
     if not (0 <= layer < info.n_layers and 0 <= head < info.n_heads):
         # The page would open on a head that is not there (it fell back to a clamped one unasked).
         raise ValueError(f"model {info.id} has layers 0..{info.n_layers - 1} and heads 0..{info.n_heads - 1}; "
@@ -184,6 +189,11 @@ def export_html(
         raise ValueError(f"dense_max_tokens must be a whole number of tokens, at least 1; got {dense_max_tokens!r}")
     if format not in (None, "f16", "u8"):  # "bogus" was a KeyError; "json" a file the viewer was never tested on
         raise ValueError(f"format must be 'f16', 'u8' or None (the smaller that keeps the picture); got {format!r}")
+    for name, value in (("text", text), ("text_pair", text_pair)):
+        # "" was a TypeError deep inside (a causal model's run of no token), "   " a file that opened
+        # on "Type a sentence first."; the page leaves a blank pair out, so the file's never matched.
+        if (name == "text" or value is not None) and not (isinstance(value, str) and value.strip()):
+            raise ValueError(f"{name} must contain something other than whitespace; got {value!r}")
     encoded = model.encode(text, text_pair, truncate=truncate)
     limit = dense_max_tokens
     if len(encoded) > limit:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import html
 import math
+import operator
+import os
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,9 +60,42 @@ def to_html(fig: go.Figure, path: str | None = None) -> str:
     """A standalone page with plotly.js inside it (about 4.6 MB), written to `path` if given."""
     html = pio.to_html(fig, include_plotlyjs=True, include_mathjax=False, full_html=True)
     if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(html)
+        write_whole(path, html)
     return html
+
+
+def write_whole(path, text: str) -> None:
+    """Writes `text` to `path` whole or not at all: written in place, a full disk (or Ctrl-C) left
+    half a page where the good one had been. The text goes to a temporary file beside the target (a
+    symlink's target), which then takes its name; on any failure it is removed."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        # /dev/null or a FIFO has no contents to keep, and renaming over it would replace it; a
+        # folder fails here with the error that names it.
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    folder, name = os.path.split(target)
+    temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+    f = open(temporary, "x", encoding="utf-8")  # "x", not mkstemp: the umask's permissions, as a plain open's
+    try:
+        with f:
+            f.write(text)
+        os.replace(temporary, target)
+    except BaseException:
+        os.remove(temporary)
+        raise
+
+
+def whole_number(value, name: str) -> int:
+    """A layer or head index as an int: numpy's integers (np.argmax's) are taken; a float, a string
+    or a bool is a ValueError naming `name` (0.5 had drawn nothing, np.int64 failed deep in orjson)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
 
 
 @dataclass
@@ -93,13 +129,13 @@ class Weights:
         if not (hide_special or hide_first):
             return self
         keep = [i for i, special in enumerate(self.special) if not ((hide_special and special) or (hide_first and i == 0))]
+        what = [w for w, on in (("special tokens", hide_special), ("first token", hide_first)) if on]
         if not keep:
-            raise ValueError("hiding special tokens and the first token leaves no token to draw")
+            raise ValueError(f"hiding the {' and the '.join(what)} leaves no token to draw")
         a = self.attention[..., keep, :][..., keep].astype(np.float64)
         total = a.sum(-1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
             a = np.where(total > 0, a / total, 0.0).astype(np.float32)
-        what = [w for w, on in (("special tokens", hide_special), ("first token", hide_first)) if on]
         return Weights(a, self.layers, self.heads, [self.tokens[i] for i in keep], [self.positions[i] for i in keep],
                        [self.special[i] for i in keep], " and ".join(what) + " hidden, rows renormalised")
 
@@ -118,9 +154,11 @@ def weights_of(result) -> Weights:
     if hasattr(attention, "detach"):  # a torch tensor: a local AttentionResult holds every head
         attention = attention.detach().float().cpu().numpy()
     attention = np.asarray(attention, dtype=np.float32)
+    if not attention.shape[-1]:  # a causal model's attend("") has no token; each figure failed deep inside
+        raise ValueError("this result has no tokens (its text was empty): there is nothing to draw")
     layers = list(getattr(result, "layers", None) or range(attention.shape[0]))
     heads = list(getattr(result, "heads", None) or range(attention.shape[1]))
-    return Weights(attention, layers, heads, [plotly_text(visible_spaces(t.text)) for t in result.tokens],
+    return Weights(attention, layers, heads, [plotly_text(token_label(t)) for t in result.tokens],
                    special=[bool(getattr(t, "special", False)) for t in result.tokens])
 
 
@@ -135,9 +173,48 @@ VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
 
 
 def visible_spaces(text: str) -> str:
-    """As the page labels tokens (static/js/tokens.js): a space token was a blank tick label."""
-    return "".join(VISIBLE.get(ch) or (f"‹{ord(ch):02X}›" if ch.isspace() or ord(ch) < 32 or ord(ch) == 127 else ch)
-                   for ch in text)
+    """As the page labels tokens (static/js/tokens.js): a space token was a blank tick label. Every
+    other character that draws as nothing (a control, a zero-width joiner, a bidi override) as ‹200D›."""
+    return "".join(VISIBLE.get(ch) or (ch if ch.isprintable() else f"‹{ord(ch):02X}›") for ch in text)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, each of the 256 bytes written as one printable character."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(rest)}
+
+
+BYTE_OF_CHAR = _byte_alphabet()
+
+
+def token_label(token) -> str:
+    """A token as the page's pieceLabel (static/js/tokens.js) shows a byte-level piece: its whole
+    characters, and a byte of a character split across tokens as ‹F0› (each of 👩's four byte tokens
+    had been labelled 👩). Other tokens by their text; spaces and invisible characters made visible."""
+    piece = getattr(token, "piece", "") or ""
+    if piece and not getattr(token, "special", False) and all(ch in BYTE_OF_CHAR for ch in piece):
+        raw = bytes(BYTE_OF_CHAR[ch] for ch in piece)
+        # Bytes only when they really come from the token's own text: "naive" for "naïve" is no byte piece.
+        if raw in token.text.encode("utf-8", "replace"):
+            return _bytes_label(raw)
+    return visible_spaces(token.text)
+
+
+def _bytes_label(raw: bytes) -> str:
+    label, i = "", 0
+    while i < len(raw):
+        for size in (1, 2, 3, 4):  # the one length at which a whole character decodes, if any
+            try:
+                label += visible_spaces(raw[i:i + size].decode("utf-8"))
+                i += size
+                break
+            except UnicodeDecodeError:
+                pass
+        else:
+            label += f"‹{raw[i]:02X}›"
+            i += 1
+    return label
 
 
 MIN_FIGURE_PX = 460  # a heatmap's smallest side: the title, tick labels and axis titles take ~200 of it
@@ -171,6 +248,14 @@ def _short(label: str) -> str:
     return label if len(text) <= TICK_CHARS else plotly_text(text[: TICK_CHARS - 1] + "…")
 
 
+def _cells(max_side) -> int:
+    """max_side as an int (0 was a ZeroDivisionError)."""
+    side = whole_number(max_side, "max_side")
+    if side < 1:
+        raise ValueError(f"max_side must be at least 1 (cells a side before pooling), got {max_side!r}")
+    return side
+
+
 def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
     """Max over step x step blocks (the last ones ragged): a lone sharp weight stays visible,
     where a picture of more cells than pixels drops it. The page's overview pools the same way."""
@@ -188,10 +273,11 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
     """One head: queries on rows, keys on columns, token labels, hover `query → key: weight`.
     hide_special / hide_first: as the page's options (rows renormalised over the keys left).
     Over max_side tokens the cells are max-pooled, k x k tokens each (the title says k)."""
+    layer, head = whole_number(layer, "layer"), whole_number(head, "head")
     w = weights_of(result).without(hide_special, hide_first)
     matrix = w.head(layer, head)
     n = len(w.tokens)
-    step = max(1, math.ceil(n / max_side))
+    step = max(1, math.ceil(n / _cells(max_side)))
     # 14 px a cell, within [MIN_FIGURE_PX, 900]: six tokens had a 60-pixel matrix inside the margins
     size = min(900, max(MIN_FIGURE_PX, 260 + 14 * -(-n // step)))
     # With tokens hidden a cell's index is no longer its position in the run: the label says it.
@@ -231,7 +317,7 @@ def grid(result, *, cell_px: int = 90, hide_special: bool = False, hide_first: b
     w = weights_of(result).without(hide_special, hide_first)
     rows, cols = len(w.layers), len(w.heads)
     n = len(w.tokens)
-    step = max(1, math.ceil(n / max_side))
+    step = max(1, math.ceil(n / _cells(max_side)))
     starts = [w.positions[i] for i in range(0, n, step)]
     pooled = _pool(w.attention, step)
     fig = make_subplots(rows=rows, cols=cols, horizontal_spacing=0.01, vertical_spacing=0.01,
@@ -288,9 +374,10 @@ def head_view(result, layer: int, heads: list[int] | None = None, *, hide_specia
     pass max_tokens=None to draw every token. A `start` outside the run is a ValueError naming the
     positions there are. With hide_special / hide_first, `start` is still a position in the run
     (the window begins at the first visible token from there)."""
+    layer = whole_number(layer, "layer")
     full = weights_of(result)
     w = full.without(hide_special, hide_first)
-    heads = list(w.heads if heads is None else heads)
+    heads = list(w.heads) if heads is None else [whole_number(h, "heads") for h in heads]
     lo, hi = _window(w, len(full.tokens), start, max_tokens)
     windowed = (lo, hi) != (0, len(w.tokens))
     rows = list(range(lo, hi))

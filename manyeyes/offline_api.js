@@ -82,8 +82,12 @@ export async function listModels() {
   return [embedded.model];
 }
 
+// A text box gives its text back with every line break as "\n": a file of "a\r\nb" (or a lone
+// "\r") was asked for "a\nb" and refused it as another text.
+const lines = (text) => text?.replace(/\r\n?/g, "\n") ?? null;
+
 export async function postAttention(body) {
-  const same = body.text === embedded.text && (body.text_pair ?? null) === (embedded.text_pair ?? null);
+  const same = lines(body.text) === lines(embedded.text) && lines(body.text_pair) === lines(embedded.text_pair);
   if (!same || (body.model && body.model !== embedded.model.id)) throw offline("Only the exported text can be shown.");
   await later();
   return answer(body.layers, body.heads, body.format ?? "json");
@@ -109,5 +113,6 @@ export async function fetchMean(runId, layers) {
   const count = layers.length * nHeads;
   const shape = [1, 1, T, T];
   const decoded = { shape, values: Float32Array.from(sum, (v) => v / count) };
-  return { ...run, n_layers: 1, n_heads: 1, layers: [0], heads: [0], attention: { format: "f16", dtype: "float16", shape, data: null, decoded } };
+  const dtype = stored().bytes ? "uint8" : "float16"; // a renormalised mean is labelled by it
+  return { ...run, n_layers: 1, n_heads: 1, layers: [0], heads: [0], attention: { format: "f16", dtype, shape, data: null, decoded } };
 }

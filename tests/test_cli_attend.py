@@ -55,8 +55,10 @@ def test_json_only_options_without_json_are_refused_not_ignored(capsys):
     # `--layers 0` without --json printed layer 0 head 0's table as if the option had been read.
     for extra in (["--layers", "2"], ["--heads", "1,3"], ["--format", "u8"]):
         assert main(["attend", "The bank.", *extra]) == 2
-        assert capsys.readouterr().err == (f"error: {extra[0]} shape the --json answer; add --json, or choose the table's "
-                                           "head with --layer and --head\n")
+        assert capsys.readouterr().err == (f"error: {extra[0]} only shapes the --json answer; add --json, or choose the "
+                                           "table's head with --layer and --head\n")
+    assert main(["attend", "The bank.", "--layers", "2", "--format", "u8"]) == 2
+    assert capsys.readouterr().err.startswith("error: --layers, --format only shape the --json answer; add --json")
 
 
 def test_python_dash_m_exits_with_the_commands_status():
@@ -195,3 +197,57 @@ def test_a_head_too_wide_for_a_terminal_lists_each_querys_strongest_keys(capsys,
     assert len(matrix) == n
     assert [float(v) for v in matrix[-1].split("|")[0].split()[-n:]] == [round(v, 2) for v in weights[-1].tolist()]
     assert torch.allclose(weights.sum(-1), torch.ones(n), atol=1e-5)
+
+
+# `manyeyes` held at a line on stdout while torch imports or the model loads, for a Ctrl-C to land there.
+HELD = """
+import sys, time
+
+def hold(*args, **kwargs):
+    print("held", flush=True)
+    time.sleep(60)
+
+class HoldTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            hold()
+
+if sys.argv[1] == "import":
+    sys.meta_path.insert(0, HoldTorch())
+else:
+    import manyeyes.model
+    manyeyes.model.load = hold
+from manyeyes.app.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("phase", ["import", "load"])
+@pytest.mark.parametrize("command", [["attend", "In the beginning"], ["export", "In the beginning", "-o", "view.html"]])
+def test_ctrl_c_stops_attend_and_export_quietly_with_status_130(command, phase, tmp_path):
+    """Ctrl-C during `manyeyes attend` or `export` printed a KeyboardInterrupt traceback, where
+    `train` returns 130 quietly; the second or two torch takes to import is part of every run."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", HELD, phase, *command, "--model", "tiny-gpt"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "" and out == "", (proc.returncode, err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_help_says_the_settings_its_device_and_dtype_default_to(capsys):
+    """--help said the device defaults to "best available" while MANYEYES_DEVICE (and
+    MANYEYES_DTYPE for --dtype) are used where set."""
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    options = " ".join(capsys.readouterr().out.split())
+    assert "--device DEVICE cpu, cuda, mps (default: MANYEYES_DEVICE if set, else best available)" in options
+    assert "(default: MANYEYES_DTYPE if set, else auto: as stored on CUDA, float32 elsewhere)" in options

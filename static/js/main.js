@@ -341,7 +341,7 @@ function focusMatrix() {
   const key = meanKey();
   if (key) {
     const mean = run.exactMean(key);
-    if (mean) return { matrix: mean, precision: "f16" };
+    if (mean) return { matrix: mean, precision: exactPrecision(run) };
     // A layer's mean is averaged from its float16 heads (run.js), so it reads the same whichever
     // way the page got there; the mean of all heads is the server's.
     if (key === "all") loadMean(key, [...Array(run.nLayers).keys()]);
@@ -351,7 +351,7 @@ function focusMatrix() {
   const precise = run.isPrecise(state.layer, state.head);
   // The grid's layers go first; the exact layer follows once none is on its way (see loadU8).
   if (!precise && !u8Pending()) loadExact(state.layer);
-  if (precise) return { matrix: run.head(state.layer, state.head), precision: "f16" };
+  if (precise) return { matrix: run.head(state.layer, state.head), precision: exactPrecision(run) };
   // Until the exact values arrive the 8-bit ones are as good to look at, but renormalised rows or
   // a threshold would carry their rounding: those wait.
   if (!run.hasLayer(state.layer)) {
@@ -360,6 +360,12 @@ function focusMatrix() {
   }
   if (!isIdentity(viewOptions(), run.hasPair)) return null;
   return { matrix: run.head(state.layer, state.head), precision: "u8" };
+}
+
+// What a run's "exact" values and means hold: a server's float16, or an exported file's own
+// weights, which in a u8 file (its run's `precision`) are no more than its bytes.
+function exactPrecision(run) {
+  return FLOAT32_READINGS || holdsFor(run.precision, "f16") ? "f16" : "u8";
 }
 
 function focusTitle() {
@@ -951,7 +957,7 @@ async function download(kind) {
     try {
       const slice = await fetchSlice(run.runId, [state.layer], [state.head], "json", state.controller.signal);
       matrix = slice.attention.decoded.values;
-      precision = "float32";
+      precision = slice.attention.dtype ?? "float32"; // an exported file's are its own float16 or 8-bit weights
     } catch {
       // Evicted or offline: the values on screen are still worth saving.
     }

@@ -18,9 +18,9 @@ TEXT = "In the beginning was the Word, and the Word was with God."
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
-def open_offline(browser, path: Path):
+def open_offline(browser, path: Path, precision: str = "f16", downloads: bool = False):
     """The file in a fresh context that refuses any request that is not the file itself."""
-    context = browser.new_context(accept_downloads=False)
+    context = browser.new_context(accept_downloads=downloads)
     seen, refused, problems = [], [], []
     context.route(lambda url: urlsplit(url).scheme not in ("file", "data"), lambda route: (refused.append(route.request.url), route.abort()))
     page = context.new_page()
@@ -30,7 +30,8 @@ def open_offline(browser, path: Path):
     page.on("dialog", lambda d: (problems.append(f"dialog {d.message}"), d.dismiss()))
     page.goto(path.as_uri())
     page.wait_for_selector("#grid canvas", timeout=20_000)
-    page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'f16'", timeout=20_000)
+    page.wait_for_function("(p) => document.querySelector('#focus-plot').dataset.precision === p", arg=precision,
+                           timeout=20_000)
     page.wait_for_selector("#headview canvas", timeout=20_000)
     return context, page, seen, refused, problems
 
@@ -179,7 +180,7 @@ def test_u8_export_shows_the_file_weights(browser, tiny_gpt, tmp_path):
     out = tmp_path / "u8.html"
     assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(out), "--format", "u8", "--layer", "1", "--head", "6",
                 "--device", "cpu"]) == 0
-    context, page, seen, refused, problems = open_offline(browser, out)
+    context, page, seen, refused, problems = open_offline(browser, out, "u8")
     try:
         attention = tiny_gpt.attend(TEXT).attention.numpy()
         for expected, step in ((attention[1, 6], None), (attention[1, 7], "ArrowRight"), (attention.mean(axis=(0, 1)), "all")):
@@ -190,7 +191,8 @@ def test_u8_export_shows_the_file_weights(browser, tiny_gpt, tmp_path):
             elif step == "all":
                 page.select_option("#aggregate", "all")
                 page.wait_for_selector("#focus-plot[data-aggregate=all]", timeout=10_000)
-            page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'f16'")
+            # 8-bit, as the file holds them: "f16" had been claimed for the bytes widened to floats.
+            page.wait_for_function("() => document.querySelector('#focus-plot').dataset.precision === 'u8'")
             shown = focus_z(page)
             known = ~np.isnan(shown)
             np.testing.assert_allclose(shown[known], expected[known], atol=1 / 510 + 1e-3)
@@ -267,3 +269,100 @@ def test_cli_export_says_in_one_line_which_setting_is_malformed(tmp_path, capsys
     assert not out.exists()
     assert cli(["serve", "--port", "1"]) == 2  # before it binds or loads anything
     assert capsys.readouterr().err.startswith("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_MAX_QUEUE=")
+
+
+def test_a_text_with_crlf_or_a_lone_cr_opens_on_its_run(browser, server, tiny_gpt, tmp_path):
+    """The page's text box gives "\\r\\n" and "\\r" back as "\\n", so the file's own text was refused
+    as another: it opened on "Only the exported text can be shown" with no heatmap, whether
+    written by `manyeyes export` or by the server's /export."""
+    crlf, cr = "first line\r\nsecond line", "first line\rsecond line"
+    out = tmp_path / "crlf.html"
+    assert cli(["export", crlf, "--model", "tiny-gpt", "-o", str(out), "--layer", "1", "--head", "2", "--device", "cpu"]) == 0
+    served = tmp_path / "cr.html"
+    answer = httpx.get(f"{server}/export", params={"text": cr, "model": "tiny-gpt", "layer": 0, "head": 3}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    served.write_bytes(answer.content)
+    for path, text, (layer, head) in ((out, crlf, (1, 2)), (served, cr, (0, 3))):
+        context, page, seen, refused, problems = open_offline(browser, path)
+        try:
+            assert page.locator("#error").is_hidden(), page.locator("#error").text_content()
+            check_view(page, tiny_gpt, text, layer, head)  # the run of the text as written, "\r" and all
+            assert page.locator("#grid canvas").count() == 2 * 8
+            assert page.locator("#headview .hv-left li").count() == len(tiny_gpt.attend(text).tokens)
+            assert not refused and not problems, (refused, problems)
+        finally:
+            context.close()
+
+
+def downloaded_json(page) -> dict:
+    with page.expect_download() as download:
+        page.click("#download-json")
+    return json.loads(Path(download.value.path()).read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("fmt, marked, precision", [("f16", "f16", "float16"), ("u8", "u8", "uint8")])
+def test_a_download_from_an_export_states_the_precision_the_file_holds(browser, tiny_gpt, tmp_path, fmt, marked, precision):
+    """The JSON download said "precision": "float32" of the file's float16 or 8-bit weights, and a
+    u8 file's heatmap was marked data-precision="f16"."""
+    out = tmp_path / f"{fmt}.html"
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(out), "--format", fmt, "--layer", "1", "--head", "6",
+                "--device", "cpu"]) == 0
+    context, page, seen, refused, problems = open_offline(browser, out, marked, downloads=True)
+    try:
+        body = downloaded_json(page)
+        assert (body["precision"], body["layer"], body["head"]) == (precision, 1, 6)
+        expected = tiny_gpt.attend(TEXT).attention[1, 6].numpy()
+        shown = np.array([[np.nan if v is None else v for v in row] for row in body["attention"]])
+        known = ~np.isnan(shown)
+        np.testing.assert_allclose(shown[known], expected[known], atol=1 / 510 if fmt == "u8" else 1e-3)
+        # A mean, too, is of the file's weights and says so.
+        page.select_option("#aggregate", "layer")
+        page.wait_for_selector(f"#focus-plot[data-aggregate=layer][data-precision={marked}]:not([data-stale])", timeout=10_000)
+        body = downloaded_json(page)
+        assert (body["precision"], body["aggregate"]) == (precision, "layer")
+        # Renormalised, it is the file's weights again (a live page's are float32).
+        page.check("#hide-first")
+        n = len(expected) - 1
+        page.wait_for_function("(n) => document.getElementById('focus-plot').plotted().z.length === n", arg=n, timeout=10_000)
+        page.wait_for_selector(f"#focus-plot[data-precision={marked}]:not([data-stale])", timeout=10_000)
+        body = downloaded_json(page)
+        assert (body["precision"], body["hide_first"], len(body["queries"])) == (precision, True, n)
+        assert not refused and not problems, (refused, problems)
+    finally:
+        context.close()
+
+
+def test_export_html_refuses_blank_text_and_layers_that_are_no_whole_number(tiny_gpt):
+    """"" was a TypeError from deep inside (a causal model runs no token), "   " a file that opened
+    on "Type a sentence first."; np.int64(0) (np.argmax's) failed in orjson, and layer=0.5,
+    head=2.7 wrote a file that never drew."""
+    from manyeyes.export import export_html
+
+    for text, pair, name in (("", None, "text"), ("   ", None, "text"), ("\r\n", None, "text"), ("a", " ", "text_pair"),
+                             (None, None, "text")):
+        with pytest.raises(ValueError, match=f"^{name} must contain something other than whitespace; got "):
+            export_html(tiny_gpt, text, pair)
+    for layer, head, says in ((0.5, 2, "layer must be a whole number (an int), got 0.5"),
+                              (0, 2.7, "head must be a whole number (an int), got 2.7"),
+                              ("1", 0, "layer must be a whole number (an int), got '1'"),
+                              (np.float64(1.0), 0, "layer must be a whole number (an int), got")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            export_html(tiny_gpt, "The bank.", layer=layer, head=head)
+    html = export_html(tiny_gpt, "The bank.", layer=np.int64(1), head=np.intp(7))
+    embedded = json.loads(re.search(r'<script type="application/json" id="manyeyes-export">(.*?)</script>', html, re.S)[1])
+    assert (embedded["view"]["layer"], embedded["view"]["head"]) == (1, 7)
+
+
+def test_an_export_that_cannot_be_written_whole_leaves_the_file_that_was_there(tiny_gpt, tmp_path, capsys):
+    """Written in place, `manyeyes export -o view.html` on a full disk (here `ulimit -f`) left 1 MiB
+    of a 5 MiB page where the good view had been."""
+    from tests.eco.test_figures import file_size_limit
+
+    out = tmp_path / "view.html"
+    assert cli(["export", TEXT, "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 0
+    good = out.read_bytes()
+    capsys.readouterr()
+    with file_size_limit():
+        assert cli(["export", "And God said", "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {out}: File too large\n"
+    assert out.read_bytes() == good and list(tmp_path.iterdir()) == [out]  # and no temporary file beside it

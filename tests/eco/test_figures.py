@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import resource
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +266,87 @@ def test_a_short_run_is_not_drawn_tiny_and_long_labels_are_cut_outside_their_esc
     assert fig.layout.height >= 460 and fig.layout.width >= 460
     assert list(fig.layout.xaxis.ticktext) == ["&lt;|begin_of_text|&gt;", "a" * 19 + "…", "x" * 18 + "&amp;…", "ok"]
     assert fig.data[0].customdata[0][1].tolist() == ["&lt;|begin_of_text|&gt;", "a" * 30]
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int = 2**20):
+    """Writes past `limit` bytes fail with EFBIG, as on a full disk or over a quota (`ulimit -f`)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the signal kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_to_html_that_cannot_finish_leaves_the_file_that_was_there(local, tmp_path):
+    """Written in place, a write that failed part-way (a full disk) left 1 MiB of a 4.6 MB page
+    where the good one had been."""
+    path = tmp_path / "fig.html"
+    path.write_text("the good one", encoding="utf-8")
+    fig = figures.heatmap(local, 0, 3)
+    with file_size_limit(), pytest.raises(OSError, match="File too large"):
+        figures.to_html(fig, str(path))
+    assert path.read_text(encoding="utf-8") == "the good one"
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left beside it
+    figures.to_html(fig, str(path))
+    assert "Plotly.newPlot" in path.read_text(encoding="utf-8") and list(tmp_path.iterdir()) == [path]
+
+
+def test_byte_pieces_of_a_split_character_are_labelled_by_their_bytes_and_none_is_blank(tiny_gpt):
+    """Each byte token of 👩 was labelled 👩 (four ticks alike), and the zero-width joiner's and the
+    bidi override's bytes drew as blank labels; the page labels such pieces ‹F0› (tokens.js)."""
+    from types import SimpleNamespace
+
+    fig = figures.heatmap(tiny_gpt.attend("a\u200db\u202ec 👩 é"), 0, 0)
+    assert list(fig.layout.xaxis.ticktext) == ["a", "‹E2›", "‹80›", "‹8D›", "b", "‹E2›", "‹80›", "‹AE›", "c", "␣",
+                                               "‹F0›", "‹9F›", "‹91›", "‹A9›", "␣", "‹C3›", "‹A9›"]
+    # Whole characters in one piece stay characters; an invisible one is escaped, not blank.
+    tokens = [SimpleNamespace(text=t, piece=p) for t, p in (("é", "Ã©"), (" the", "Ġthe"), ("\u200d", "âĢį"),
+                                                             ("\u202e", None), ("ing", "##ing"))]
+    result = SimpleNamespace(attention=np.full((1, 1, 5, 5), 0.2, dtype=np.float32), layers=[0], heads=[0], tokens=tokens)
+    assert figures.weights_of(result).tokens == ["é", "␣the", "‹200D›", "‹202E›", "ing"]
+
+
+def test_a_result_with_no_tokens_is_refused_in_words(tiny_gpt):
+    """A causal model's attend("") is a (2, 8, 0, 0) result: heatmap and head_view raised ValueError
+    and IndexError from deep inside numpy and plotly, measures an IndexError."""
+    empty = tiny_gpt.attend("")
+    for draw in (lambda: figures.heatmap(empty, 0, 0), lambda: figures.grid(empty), lambda: figures.head_view(empty, 0),
+                 lambda: figures.measures(empty), lambda: figures.head_measures(empty)):
+        with pytest.raises(ValueError, match=r"^this result has no tokens \(its text was empty\): there is nothing to draw$"):
+            draw()
+
+
+def test_layer_head_and_max_side_must_be_whole_numbers(local):
+    """heatmap(r, "0", 0) said "layer 0, head 0 is not in this result"; max_side=0 was a
+    ZeroDivisionError; numpy's integers (np.argmax's) are whole numbers and are taken."""
+    best = np.unravel_index(np.argmax(local.attention.numpy().mean((-1, -2))), local.attention.shape[:2])
+    fig = figures.heatmap(local, best[0], best[1])
+    np.testing.assert_allclose(np.asarray(fig.data[0].z), local.attention[best].numpy(), atol=1e-6)
+    assert fig.layout.title.text == f"Layer {best[0]}, head {best[1]}"
+    assert {t.name for t in figures.head_view(local, np.int64(1), heads=[np.int32(2)]).data if t.name} == {"head 2"}
+    for call, says in ((lambda: figures.heatmap(local, "0", 0), "layer must be a whole number (an int), got '0'"),
+                       (lambda: figures.heatmap(local, 0, 2.7), "head must be a whole number (an int), got 2.7"),
+                       (lambda: figures.heatmap(local, True, 0), "layer must be a whole number (an int), got True"),
+                       (lambda: figures.head_view(local, 0.5), "layer must be a whole number (an int), got 0.5"),
+                       (lambda: figures.head_view(local, 0, heads=[1, 1.5]), "heads must be a whole number (an int), got 1.5"),
+                       (lambda: figures.heatmap(local, 0, 0, max_side=0), "max_side must be at least 1"),
+                       (lambda: figures.grid(local, max_side=0), "max_side must be at least 1"),
+                       (lambda: figures.grid(local, max_side=2.5), "max_side must be a whole number")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            call()
+
+
+def test_hiding_every_token_says_which_option_hid_them():
+    """Only hide_special asked, the error still blamed "special tokens and the first token"."""
+    specials = _result(np.full((1, 1, 2, 2), 0.5, dtype=np.float32), ["[CLS]", "[SEP]"], [True, True])
+    with pytest.raises(ValueError, match=r"^hiding the special tokens leaves no token to draw$"):
+        figures.heatmap(specials, 0, 0, hide_special=True)
+    one = _result(np.ones((1, 1, 1, 1), dtype=np.float32), ["a"])
+    with pytest.raises(ValueError, match=r"^hiding the first token leaves no token to draw$"):
+        figures.grid(one, hide_first=True)
+    with pytest.raises(ValueError, match=r"^hiding the special tokens and the first token leaves no token to draw$"):
+        figures.head_view(specials, 0, hide_special=True, hide_first=True)
