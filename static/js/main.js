@@ -13,6 +13,7 @@ import { LongHeadView, QUERIES } from "./long_headview.js";
 import { LongRun, longCaption, longControls, openLongRun, paintOverview } from "./long_run.js";
 import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
+import { mountStaleNote } from "./stale_note.js";
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenCount, tokenLabels } from "./tokens.js";
@@ -1018,15 +1019,18 @@ async function exportPage() {
 }
 
 // Until the first run the focus view shows a made-up example: the plot then exists and Plotly's
-// heatmap code is warm, so the first real heatmap is only an update.
+// heatmap code is warm, so the first real heatmap is only an update. Its title says it is no
+// model's, and its rows add up to 1 as attention's do (they summed to 1.6: no softmax makes that).
 function renderExample() {
   const words = "manyeyes shows what every attention head does .".split(" ");
   const tokens = words.map((text) => ({ text, special: false, segment: 0 }));
   const n = words.length;
-  const matrix = new Float32Array(n * n).map((_, i) => 1 / (1 + Math.abs(Math.floor(i / n) - (i % n)) * 3));
+  const near = (i) => 1 / (1 + Math.abs(Math.floor(i / n) - (i % n)) * 3);
+  const rowSum = Array.from({ length: n }, (_, q) => words.reduce((sum, _w, k) => sum + near(q * n + k), 0));
+  const matrix = new Float32Array(n * n).map((_, i) => near(i) / rowSum[Math.floor(i / n)]);
   const view = viewOf(matrix, tokens, { hideSpecial: false, threshold: 0, segments: "all" });
   $("focus-plot").dataset.example = "true";
-  return focus.render({ view, labels: words, title: "Example: type a sentence above and press Enter", filename: "manyeyes-example", revision: "example" });
+  return focus.render({ view, labels: words, title: "Made-up example, not a model's output", filename: "manyeyes-example", revision: "example" });
 }
 
 async function init() {
@@ -1034,6 +1038,7 @@ async function init() {
   setTheme(themeChoice());
   if (NARROW.matches) $("controls").open = false;
   renderExample();
+  mountStaleNote();
   // Enter runs, as it did in the one-line box; Shift+Enter starts a line, and an input method's
   // Enter (isComposing) picks its word.
   for (const id of TEXT_BOXES) {

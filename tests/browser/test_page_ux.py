@@ -671,3 +671,33 @@ def test_a_text_run_while_another_runs_goes_next_and_is_what_is_shown(make_page)
                                timeout=60_000)
         page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 6", timeout=30_000)
 
+
+
+def test_the_form_says_when_it_no_longer_holds_the_run_on_screen(server, page):
+    """Another sentence typed, or another model picked, left the last run's grid and heatmap on
+    screen with nothing to say so, and "Ablate" answered for the old sentence."""
+    open_page(page, server)
+    note = page.locator("#stale-note")
+    assert note.is_hidden()  # nothing on screen to be stale yet
+    run(page, SENTENCE)
+    assert note.is_hidden()
+    page.fill("#text", SENTENCE + " More.")
+    assert note.text_content() == "Below is the last run, not the sentence above: press Run to see it." and note.is_visible()
+    page.fill("#text", SENTENCE)  # back to what was run
+    assert note.is_hidden()
+    page.select_option("#model", "tiny-causal")
+    assert note.text_content() == "Below is the last run, not the model above: press Run to see it."
+    page.fill("#pair", "A second one.")
+    page.fill("#text", "Another.")
+    assert note.text_content() == "Below is the last run, not the sentence, second sentence and model above: press Run to see them."
+    page.fill("#pair", "")
+    run(page, "Another.", model="tiny-causal")
+    page.wait_for_function("() => document.getElementById('stale-note').hidden")
+
+
+def test_the_made_up_example_says_so_and_its_rows_add_up_to_one(server, page):
+    open_page(page, server)
+    assert page.locator("#focus-plot").get_attribute("data-example") == "true"
+    assert focus_title(page) == "Made-up example, not a model's output"
+    rows = np.asarray(plotted(page), dtype=np.float64)
+    assert rows.shape == (8, 8) and np.allclose(rows.sum(axis=1), 1, atol=1e-5)  # they summed to 1.6
