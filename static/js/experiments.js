@@ -127,12 +127,25 @@ function afterRestore(said) {
   if (document.activeElement === document.body || document.activeElement?.disabled) $("ablate-mode").focus();
 }
 
+// The grid strikes through the heads ablated, and says so to a screen reader: they were named only
+// in the chips here, far below it, and with several ablated the grid showed none of them.
+function markAblatedInGrid(ablate) {
+  const modes = new Map(ablate.map((a) => [`${a.layer}:${a.head}`, a.mode]));
+  for (const thumb of document.querySelectorAll("#grid .thumb")) {
+    const { layer, head } = thumb.dataset;
+    const mode = modes.get(`${layer}:${head}`);
+    thumb.classList.toggle("ablated", Boolean(mode));
+    thumb.setAttribute("aria-label", `Layer ${layer}, head ${head}${mode ? `, ablated (${mode})` : ""}`);
+  }
+}
+
 function renderAblation() {
   const current = ablation.stack.at(-1);
   $("ablate-undo").disabled = !current;
   $("ablate-clear").disabled = !current;
   const chips = (current?.ablate || []).map((a) => el("li", { className: "chip", text: `L${a.layer} H${a.head} · ${a.mode}` }));
   $("ablate-list").replaceChildren(...chips);
+  markAblatedInGrid(current?.ablate || []);
   const plot = $("ablate-plot");
   plot.dataset.depth = String(ablation.stack.length);
   if (!ablation.clean || !ablation.shown) {

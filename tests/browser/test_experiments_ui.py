@@ -130,6 +130,28 @@ def test_ablate_from_the_grid_then_undo_restores_exactly(server, api, page, arti
     assert page.is_disabled("#ablate-undo")
 
 
+def test_the_grid_marks_the_heads_ablated_until_undone_or_a_new_run(server, page):
+    """The heads ablated were named only in the chips under the Experiments panel, far below the grid."""
+    def marked():
+        return page.evaluate("""() => [...document.querySelectorAll('#grid .thumb.ablated')]
+            .map((t) => [t.dataset.layer, t.dataset.head, t.getAttribute('aria-label')])""")
+
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    assert marked() == []
+    alt_click(page, 0, 2)
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    alt_click(page, 1, 3)
+    page.wait_for_selector("#ablate-plot[data-depth='2']", timeout=30_000)
+    assert marked() == [["0", "2", "Layer 0, head 2, ablated (zero)"], ["1", "3", "Layer 1, head 3, ablated (zero)"]]
+    assert page.get_attribute("#grid .thumb[data-layer='0'][data-head='3']", "aria-label") == "Layer 0, head 3"
+    page.click("#ablate-undo")
+    page.wait_for_selector("#ablate-plot[data-depth='1']")
+    assert marked() == [["0", "2", "Layer 0, head 2, ablated (zero)"]]
+    run(page, SENTENCE, "tiny-causal")
+    assert marked() == []
+
+
 def test_ablating_a_causal_model_shows_the_prediction_change(server, api, page):
     open_page(page, server)
     run(page, PROMPT, "tiny-causal")
