@@ -21,10 +21,11 @@ document.addEventListener("manyeyes:run", (event) => {
   runListeners.forEach((fn) => fn(shown, event.detail));
 });
 
-// What a panel's empty text box stands for once a run is on screen: that run's text.
+// What a panel's empty text box stands for once a run is on screen: that run's text. Said first:
+// after the text, a box narrower than it cut "(the run's t" off.
 export function runTextPlaceholder(input) {
   const text = input.text.length > 60 ? `${input.text.slice(0, 59)}…` : input.text;
-  return `${text} (the run's text)`;
+  return `The run's text: ${text}`;
 }
 
 // The input of the run on screen, or null before the first run.

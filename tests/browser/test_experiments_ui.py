@@ -287,8 +287,9 @@ def test_empty_compare_a_and_prompt_say_they_are_the_runs_text(server, page):
     assert page.locator("#compare-a").get_attribute("placeholder") == "Sentence A (or run one: its text)"
     assert page.locator("#gen-text").get_attribute("placeholder") == "A prompt (or run a sentence: its text)"
     run(page, SENTENCE, "minilm")
-    assert page.locator("#compare-a").get_attribute("placeholder") == f"{SENTENCE} (the run's text)"
-    assert page.locator("#gen-text").get_attribute("placeholder") == f"{SENTENCE} (the run's text)"
+    # said first: after the text, a narrow box cut "(the run's t" off
+    assert page.locator("#compare-a").get_attribute("placeholder") == f"The run's text: {SENTENCE}"
+    assert page.locator("#gen-text").get_attribute("placeholder") == f"The run's text: {SENTENCE}"
 
 
 def compare(page, server, a, b, timeout=30_000):
