@@ -203,6 +203,9 @@ export class FocusView {
     // (query, key) -> the weight in float32, or undefined until it is here (main.js asks for it
     // then, and calls refreshReading): null where the cells drawn are float32 already.
     this.exactReading = null;
+    // (query, key) -> nothing: a cell picked (a click or tap, or Enter on the cell cursor) that
+    // main.js ranks the heads by (cell_heads.js); null where none is wanted (a long run).
+    this.onPick = null;
     this.current = null;
     this.listening = false;
     this.filename = "manyeyes";
@@ -634,6 +637,15 @@ export class FocusView {
     this.showTooltip(`${named(q)} → ${named(k)}: ${reading}${spans}`, clientX, clientY);
   }
 
+  // A cell picked by a click or tap, or by Enter on the cursor: its query and key, if it is drawn
+  // and not masked (masked, it is 0 in every head: nothing to rank).
+  pick(cell) {
+    if (!cell || !this.current || !this.onPick) return;
+    const { view } = this.current;
+    if (view.masked(cell.row, cell.col)) return;
+    this.onPick(view.rows[cell.row], view.cols[cell.col]);
+  }
+
   // The float32 values came: the reading on screen, if any, reads them.
   refreshReading() {
     if (this.readingAt && !this.tooltip.hidden) this.showReading(this.readingAt.x, this.readingAt.y);
@@ -712,7 +724,9 @@ export class FocusView {
     plot.addEventListener("blur", () => this.dropCursor());
     // Escape dismisses the reading (WCAG 1.4.13): it covered the cells around it until focus left.
     plot.addEventListener("keydown", (event) => {
-      if (event.key !== "Escape" || event.target !== plot) return;
+      if (event.target !== plot) return;
+      if (event.key === "Enter" && this.cursor) this.pick(this.cursor);
+      if (event.key !== "Escape") return;
       this.dropCursor();
       this.tooltip.hidden = true;
     });
@@ -723,8 +737,14 @@ export class FocusView {
     plot.addEventListener("pointerdown", (event) => {
       down = { x: event.clientX, y: event.clientY };
     });
+    // A mouse's press ends on Plotly's drag cover, not here: the click it sends after a press
+    // that did not drag picks the cell.
+    plot.addEventListener("click", (event) => this.pick(this.current && this.heatmap.cellAt(event.clientX, event.clientY)));
     plot.addEventListener("pointerup", (event) => {
-      if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) this.showReading(event.clientX, event.clientY);
+      if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) {
+        this.showReading(event.clientX, event.clientY);
+        this.pick(this.current && this.heatmap.cellAt(event.clientX, event.clientY));
+      }
       down = null;
     });
   }

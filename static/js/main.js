@@ -14,6 +14,7 @@ import { LongRun, longCaption, longControls, openLongRun, paintOverview } from "
 import { mountMeasures } from "./measures.js";
 import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
 import { mountStaleNote } from "./stale_note.js";
+import { CellHeads } from "./cell_heads.js";
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
 import { describeToken, tokenCount, tokenLabels } from "./tokens.js";
@@ -54,6 +55,10 @@ const state = {
 };
 
 const focus = new TiledFocusView($("focus-plot"), $("tooltip"), $("cell-reading"));
+const cellHeads = new CellHeads($("cell-heads"), (layer, head) => {
+  state.aggregate = "head";
+  setFocus(layer, head, "cell");
+});
 const grid = new GridView($("grid"), {
   onSelect: (l, h) => {
     state.aggregate = "head";
@@ -424,6 +429,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   const names = labels();
   focus.spans = (i) => `“${run.tokens[i].text}”`;
   focus.exactReading = exactReadings(run, focused.precision);
+  focus.onPick = (query, key) => cellHeads.show(run, query, key, (i) => `#${i} ${names.labels[i]}`, state.layer, state.head);
   await focus.render({
     view, labels: names.labels, title: focusTitle(), filename: fileStem(), exportCaption: exportCaption(),
     scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`, floor: zeroFloor(focused.precision),
@@ -480,6 +486,7 @@ async function renderLongViews(token, withHeadView) {
   if (token !== state.renderToken) return;
   focus.spans = (i) => `“${run.tokens[i].text}”`;
   focus.exactReading = null; // a long run's readings come from its tiles (long_focus.js)
+  focus.onPick = null; // no run-wide weights to rank the heads by: queries and keys are kept
   await focus.renderLong({
     run, layer: state.layer, head, base: base?.tile, peak: base?.peak ?? 0, labels: labels().labels, title: focusTitle(),
     filename: fileStem(), exportCaption: exportCaption(), scale: state.scale, revision: `${run.runId}:long`,
@@ -647,6 +654,7 @@ function setFocus(layer, head, how = "select") {
   $("head").value = String(head);
   $("aggregate").value = state.aggregate;
   grid.select(layer, head, state.aggregate);
+  cellHeads.refresh(layer, head);
   updatePermalink();
   renderViews();
   if (!run.long) measures.onFocus(layer, head);
@@ -846,6 +854,7 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   // Its tokens (with their character offsets) say what part of the text a run cut to fit covers.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal, tokens: run.tokens, truncated: run.truncated } }));
+  cellHeads.clear(); // the last run's cell
   if (!run.long) headView.reserve(run.tokens, viewOptions());
   // The head chips above the head view as well: drawn with the lines after a pause, they pushed
   // everything under them (the measures panel) down by their height, once the page had laid it out.

@@ -110,6 +110,14 @@ export class AttentionRun {
     return this.layerBytes[layer].subarray(head * cells, (head + 1) * cells);
   }
 
+  // One weight of one head, exact where its values have come, else 8-bit; null while its layer has not.
+  weightAt(layer, head, query, key) {
+    const at = query * this.T + key;
+    const exact = this.precise.get(`${layer}:${head}`);
+    if (exact) return exact[at];
+    return this.hasLayer(layer) ? this.headBytes(layer, head)[at] * this.scale : null;
+  }
+
   // Float weights of one head; null while its layer has not arrived.
   head(layer, head) {
     const exact = this.precise.get(`${layer}:${head}`);

@@ -701,3 +701,42 @@ def test_the_made_up_example_says_so_and_its_rows_add_up_to_one(server, page):
     assert focus_title(page) == "Made-up example, not a model's output"
     rows = np.asarray(plotted(page), dtype=np.float64)
     assert rows.shape == (8, 8) and np.allclose(rows.sum(axis=1), 1, atol=1e-5)  # they summed to 1.6
+
+
+def test_a_cell_clicked_ranks_every_head_by_its_weight_and_a_head_picked_is_focused(server, api, page):
+    """'Which head links "it" to "animal"?' could be answered only by stepping through every head."""
+    from tests.browser.test_page import api_attention
+
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    q, k = 5, 2  # "river" -> "bank"
+    hover_cell(page, q, k)
+    page.mouse.down()
+    page.mouse.up()
+    page.wait_for_selector("#cell-heads:not([hidden]) .cell-heads-list button")
+    weights = api_attention(api, SENTENCE)[1][:, :, q, k]  # (L, H)
+    order = sorted(((float(weights[l, h]), l, h) for l in range(weights.shape[0]) for h in range(weights.shape[1])),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    buttons = page.locator("#cell-heads .cell-heads-list button")
+    shown = buttons.evaluate_all("bs => bs.map((b) => [+b.dataset.layer, +b.dataset.head, b.textContent])")
+    assert len(shown) == 10
+    for (layer, head, text), (weight, l, h) in zip(shown, order):
+        # 8-bit values until a layer's exact ones come: the ranking may swap heads within a step
+        assert abs(float(weights[layer, head]) - weight) <= 1 / 255 and text.startswith(f"L{layer} H{head} · ")
+        assert abs(float(text.split(" · ")[1]) - weights[layer, head]) <= 1 / 255 + 0.005
+    assert page.locator("#cell-heads .hint").text_content().startswith("#5 river → #2 bank, the heads by its weight")
+    top_layer, top_head = shown[0][0], shown[0][1]
+    buttons.first.click()
+    wait_focus(page, layer=top_layer, head=top_head)
+    assert page.get_attribute(f"#cell-heads button[data-layer='{top_layer}'][data-head='{top_head}']", "aria-pressed") == "true"
+    # Enter on the keyboard's cell cursor picks its cell too; a new run forgets the ranking.
+    page.click("#cell-heads-close")
+    assert page.locator("#cell-heads").is_hidden()
+    page.focus("#focus-plot")
+    page.keyboard.press("Shift+ArrowRight")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#cell-heads:not([hidden])")
+    assert page.locator("#cell-heads .hint").text_content().startswith("#0 [CLS] → #")
+    submit(page, "Another sentence.")  # run()'s wait can be met by the last run's plot
+    page.wait_for_function("() => document.getElementById('cell-heads').hidden")

@@ -1,0 +1,58 @@
+// One cell of the focused heatmap in every head: a click or tap on (query, key), or Enter on the
+// cell cursor, ranks the heads by that weight, each a button that focuses it. "Which head links
+// "it" to "animal"?" could be answered only by stepping through all 72 heads.
+
+import { el } from "./dom.js";
+
+const SHOWN = 10;
+
+export class CellHeads {
+  constructor(box, onFocus) {
+    this.box = box;
+    this.onFocus = onFocus; // (layer, head): focus that head
+    this.picked = null; // { run, query, key, name }
+  }
+
+  clear() {
+    this.picked = null;
+    this.box.replaceChildren();
+    this.box.hidden = true;
+  }
+
+  // The model's weights as the run holds them: 8-bit for a layer whose exact values have not come
+  // (two decimals are what those hold), before any hiding or renormalising of the view.
+  show(run, query, key, name, layer, head) {
+    this.picked = { run, query, key, name };
+    const found = [];
+    for (let l = 0; l < run.nLayers; l++) {
+      for (let h = 0; h < run.nHeads; h++) {
+        const weight = run.weightAt(l, h, query, key);
+        if (weight !== null) found.push({ layer: l, head: h, weight });
+      }
+    }
+    found.sort((a, b) => b.weight - a.weight || a.layer - b.layer || a.head - b.head);
+    const missing = run.nLayers * run.nHeads - found.length;
+    const button = (text, attrs, onClick) => {
+      const node = el("button", { text, attrs: { type: "button", ...attrs } });
+      node.addEventListener("click", onClick);
+      return node;
+    };
+    const list = el("ol", { className: "cell-heads-list" }, found.slice(0, SHOWN).map(({ layer: l, head: h, weight }) =>
+      el("li", {}, [button(`L${l} H${h} · ${weight.toFixed(2)}`,
+        { "data-layer": l, "data-head": h, "aria-pressed": String(l === layer && h === head) }, () => this.onFocus(l, h))])));
+    const waiting = missing ? ` (${missing} heads still loading)` : "";
+    this.box.replaceChildren(
+      el("p", { className: "hint", text: `${name(query)} → ${name(key)}, the heads by its weight${waiting}; click one to focus it:` }),
+      list,
+      button("Close", { "aria-label": "Close the heads ranked by one cell", id: "cell-heads-close" }, () => this.clear()),
+    );
+    this.box.hidden = false;
+  }
+
+  // Another head focused: its button is marked; layers that came since are ranked too.
+  refresh(layer, head) {
+    if (!this.picked) return;
+    const { run, query, key, name } = this.picked;
+    this.show(run, query, key, name, layer, head);
+  }
+}
