@@ -433,9 +433,7 @@ class Measures {
                    predictions: !wordView && kind !== "contributions" ? this.predictions : null };
     plot.measured = { matrix, signed, peak }; // what is drawn, for tests and tools
     this.dropCursor(); // its cell may not exist in the new matrix
-    $("measure-reading").textContent = this.readingHint;
-    delete $("measure-reading").dataset.row;
-    delete $("measure-reading").dataset.col;
+    this.showReadingHint();
     // Every token hidden: no cells to draw, and the caption says what brings them back.
     plot.hidden = $("measure-reading").hidden = !matrix.length;
     if (!matrix.length) return this.drawn(kind, { layer, head }, wordView, hidden);
@@ -514,11 +512,25 @@ class Measures {
     return reading.textContent;
   }
 
-  // The cell under the pointer; the keyboard's cursor gives way to it.
+  showReadingHint() {
+    const reading = $("measure-reading");
+    reading.textContent = this.readingHint;
+    delete reading.dataset.row;
+    delete reading.dataset.col;
+  }
+
+  // The cell under the pointer; the keyboard's cursor gives way to it. Off the cells (a few
+  // words' square sits in a wider plot) the last cell's reading stayed, as if it were pointed at.
   readCell(event) {
     if (!this.cells) return;
     const cell = cellUnder($("measure-plot"), event.clientX, event.clientY, this.cells.rows.length, this.cells.cols.length);
-    if (!cell) return;
+    if (!cell) {
+      if (!this.cursor && $("measure-reading").dataset.row !== undefined) {
+        this.showReadingHint();
+        this.predictionsView.mark($("predictions"), null);
+      }
+      return;
+    }
     this.dropCursor();
     this.readAt(cell.row, cell.col);
   }

@@ -717,3 +717,26 @@ def test_raw_weights_say_so_when_every_token_is_hidden(page, tiny_server):
     page.uncheck("#hide-first")
     page.wait_for_function("() => document.getElementById('measure-plot').measured.matrix.length === 1")
     assert page.locator("#measure-plot").is_visible() and page.locator("#measure-reading").is_visible()
+
+
+def test_pointing_off_the_cells_of_a_small_square_drops_the_last_reading(ran):
+    """A few words' square sits in a wider plot: pointing at the space beside it left the last
+    cell's reading up, as if it were the cell pointed at."""
+    page, _ = ran
+    page.check("#word-view")
+    page.wait_for_selector("#measure-plot[data-measure='raw']")
+    page.wait_for_function("() => document.getElementById('measure-plot').measured.matrix.length < 12")
+    points = page.evaluate("""() => {
+        const plot = document.getElementById('measure-plot'), box = plot.getBoundingClientRect();
+        const xa = plot._fullLayout.xaxis, ya = plot._fullLayout.yaxis;
+        const y = box.top + ya._offset + ya.l2p(1);
+        return [[box.left + xa._offset + xa.l2p(0), y], [box.left + xa._offset + xa._length + 40, y], box.right];
+    }""")
+    (cell_x, y), (beside_x, _), right = points
+    assert beside_x < right - 20  # the plot really is wider than its cells
+    line = page.locator("#measure-reading")
+    page.mouse.move(cell_x, y)
+    page.wait_for_function("() => document.getElementById('measure-reading').dataset.row === '1'")
+    page.mouse.move(beside_x, y, steps=3)
+    page.wait_for_function("() => document.getElementById('measure-reading').dataset.row === undefined")
+    assert line.text_content().startswith("Hover a cell")
