@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
             trainer.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None, help=text)
         else:
             trainer.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
-    trainer.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt up to --steps")
+    trainer.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt up to --steps (or finish a run stopped after its last step)")
     trainer.set_defaults(func=cmd_train)
 
     serve = sub.add_parser("serve", help="run the attention API and the browser visualizer")

@@ -238,7 +238,7 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle, zip and unpickler errors all mean the same to a user
-        raise CorruptFileError(f"corrupt or unreadable checkpoint {path} ({_unloadable(path, exc)})") from exc
+        raise CorruptFileError(f"corrupt or unreadable checkpoint {path} ({unloadable(path, exc)})") from exc
 
 
 def _tensors(raw, path: Path, expected: str) -> dict[str, torch.Tensor]:
@@ -255,24 +255,31 @@ def _tensors(raw, path: Path, expected: str) -> dict[str, torch.Tensor]:
     return raw
 
 
-def _unloadable(path: Path, exc: Exception) -> str:
-    """Why torch.load refused a file, in words a user can act on. torch's own advises
-    weights_only=False or add_safe_globals (code execution for a hostile file) and, for a file
-    that is no checkpoint at all, says "101" (a KeyError) or nothing."""
+# A sentence of torch's refusal that advises loading anyway (weights_only=False, add_safe_globals:
+# code execution for a hostile file), or points at its docs; dropped whatever its wording.
+TORCH_ADVICE = re.compile(r"weights.?only|trust|arbitrary code|safe_?globals|file an issue|documentation", re.I)
+
+
+def unloadable(path: Path, exc: Exception,
+               expected: str = "a state_dict of tensors: save model.state_dict() instead") -> str:
+    """Why torch.load(weights_only=True) refused a file, in one line a user can act on, never
+    torch's advice. For a file that is no checkpoint at all torch says "101" (a KeyError) or nothing."""
     with open(path, "rb") as f:
         first = f.read(1)
     if not first:
         return "the file is empty"
     if first != b"\x80" and not zipfile.is_zipfile(path):  # torch.save writes a zip; older ones a pickle (0x80)
         return "not a file torch.save wrote"
-    text = str(exc)
-    pickled = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch bolds its warning for a terminal
+    # "Unsupported global: GLOBAL x.Y was not an allowed global"; in torch 2.13, for a
+    # hostile call "unsupported GLOBAL posix.system whose module posix is blocked"
+    pickled = re.search(r"GLOBAL ([\w.]+)", text)
     if pickled:
-        return (f"it holds a pickled {pickled[1]}, not a state_dict of tensors: save model.state_dict() "
-                "instead; manyeyes never unpickles code")
-    reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
-    reason = " ".join(reason.split("Check the documentation", 1)[0].split()) or type(exc).__name__
-    return f"not a plain state_dict of tensors: {reason}; manyeyes never unpickles code"
+        return f"it holds a pickled {pickled[1]}, not {expected}; manyeyes never unpickles code"
+    sentences = re.split(r"(?<=[.!?])\s+|\s*\n\s*|\t", text)
+    kept = [re.sub(r"^WeightsUnpickler error:\s*", "", s) for s in sentences if not TORCH_ADVICE.search(s)]
+    reason = " ".join(" ".join(kept).split()) or type(exc).__name__
+    return f"not plain tensors and data: {reason}; manyeyes never unpickles code"
 
 
 def _load_hf(folder: Path):

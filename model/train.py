@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -47,6 +48,8 @@ from manyeyes.model.runtime import pick_device
 
 END_OF_TEXT = "<|endoftext|>"  # separates files, so no window pretends one file continues another
 CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_KEYS = ("model", "optimizer", "batch_rng", "step", "tokens_seen", "seconds", "corpus_sha256", "commands",
+                   "train_config")
 WEIGHTS = {"gpt": "model.pth", "llama": "model.safetensors"}
 ARCHS = tuple(WEIGHTS)
 MIN_VOCAB = 257  # the 256 byte symbols plus END_OF_TEXT
@@ -186,6 +189,9 @@ def make_config(options: dict, resume: bool = False) -> TrainConfig:
     A resumed run takes its settings from DIR/checkpoint.pt; only RESUMABLE_OVERRIDES may differ.
     """
     given = {k: v for k, v in options.items() if v is not None}
+    if not str(given.get("out", "")).strip():
+        # Path("") is ".": the run would fill whatever folder the command was started in.
+        raise TrainError(f"empty --out {given.get('out', '')!r}: give the folder to train into")
     given["text"] = tuple(Path(p) for p in given.get("text", ()))
     given["out"] = Path(given["out"])
     if "init_from" in given:
@@ -198,9 +204,10 @@ def make_config(options: dict, resume: bool = False) -> TrainConfig:
             inherited = _init_shape(given["init_from"])
             # Another --arch than the folder's: nothing to take; _init_tokenizer names the mismatch.
             if given.get("arch", inherited.get("arch")) == inherited.get("arch"):
+                _check_init_shape(given, inherited)
                 given = {**inherited, **given}
         return TrainConfig(**given)
-    saved = TrainConfig.from_json(_read_checkpoint(given["out"])["train_config"])
+    saved = _read_checkpoint(given["out"])["train_config"]
     for name, value in given.items():
         if name in ("text", "out") or name in RESUMABLE_OVERRIDES:
             continue
@@ -238,6 +245,19 @@ def _init_shape(folder: Path) -> dict:
         return {}
     arch = "llama" if config.get("model_type") == "llama" else "gpt"
     return {"arch": arch, **{option: config[key] for option, key in CARD_SHAPE[arch].items() if key in config}}
+
+
+def _check_init_shape(given: dict, inherited: dict) -> None:
+    """Refuse a shape option other than the --init-from folder's: one whose weights do not fit was
+    named by the loader, but another --heads fits the same tensors and silently re-reads them as
+    other heads (another --rope-theta, as other positions). RoPE has no position table, so a llama's
+    --context may change."""
+    for option, value in inherited.items():
+        if option in given and given[option] != value and (option, inherited["arch"]) != ("context", "llama"):
+            raise TrainError(
+                f"--{_flag(option)} {given[option]} differs from the {value} of --init-from {given['init_from']}, whose "
+                f"weights hold that shape; leave --{_flag(option)} out (only a llama's --context may change)"
+            )
 
 
 def _read_card(card_path: Path) -> dict:
@@ -451,6 +471,11 @@ def _atomic_save(write, path: Path) -> None:
     """Write to a temporary name, then rename: an interrupted save never leaves half a file."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    # safetensors creates its file 0600 whatever the umask: a folder mounted into the container,
+    # which runs as another user, could not be read. Every file gets what a plain open() gives.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)
 
 
@@ -459,13 +484,27 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _read_checkpoint(out: Path) -> dict:
+    """DIR/checkpoint.pt, its "train_config" read into a TrainConfig; a file of any other making is
+    refused by name (the book's {"model_state_dict": ...} was a KeyError traceback)."""
+    from manyeyes.model.loading import unloadable
+
     path = Path(out) / CHECKPOINT
     if not path.exists():
         raise TrainError(f"cannot resume: {path} does not exist (train without --resume first)")
+    foreign = f"cannot resume: {path} is not a checkpoint `manyeyes train` wrote"
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle, zip and unpickler errors all mean the same to a user
-        raise TrainError(f"cannot resume: {path} is unreadable: {exc}") from exc
+        raise TrainError(f"{foreign} ({unloadable(path, exc, 'a training checkpoint of tensors and plain data')})") from exc
+    if not isinstance(ckpt, dict):
+        raise TrainError(f"{foreign} (it holds a {type(ckpt).__name__}, not a dict)")
+    missing = [key for key in CHECKPOINT_KEYS if key not in ckpt]
+    if missing:
+        raise TrainError(f"{foreign} (it has no {', '.join(map(repr, missing))})")
+    try:
+        return {**ckpt, "train_config": TrainConfig.from_json(ckpt["train_config"])}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise TrainError(f"{foreign} (its train_config is unreadable: {exc!r})") from exc
 
 
 def save_model(model: GPTModel | RotaryDecoder, out: Path, save_dtype: str) -> None:
@@ -587,12 +626,16 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         ckpt = _read_checkpoint(out)
         if ckpt["corpus_sha256"] != corpus.sha256:
             raise TrainError(f"cannot resume: the --text files differ from the ones {out / CHECKPOINT} was trained on")
-        if ckpt["step"] >= cfg.steps:
+        # A run stopped after its last step but before its card (Ctrl-C in the final evaluation) is
+        # finished: evaluated and carded, with no step more.
+        if ckpt["step"] >= cfg.steps and _carded(out, ckpt["step"]):
             raise TrainError(f"nothing to do: {out} is already trained for {ckpt['step']} steps; pass a larger --steps")
         tokenizer = _read_tokenizer(out / "tokenizer.json", "cannot resume")
     else:
-        if any((out / name).exists() for name in (*WEIGHTS.values(), CHECKPOINT)):
-            raise TrainError(f"{out} already holds a model; pass --resume to continue it, or choose another --out")
+        held = _model_file(out)
+        if held:
+            resumable = "pass --resume to continue it, or " if held == CHECKPOINT else ""
+            raise TrainError(f"{out} already holds a model ({held}); {resumable}choose another --out")
         # With --init-from, the ids must mean what they meant to the weights we start from.
         tokenizer = _init_tokenizer(cfg) if cfg.init_from is not None else train_tokenizer(corpus.texts, cfg.vocab_size)
         ckpt = None
@@ -611,16 +654,36 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
-        _atomic_save(lambda p: tokenizer.save(str(p)), out / "tokenizer.json")
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        batch_gen.set_state(ckpt["batch_rng"])
+    else:
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            batch_gen.set_state(ckpt["batch_rng"])
+        except (RuntimeError, ValueError, TypeError) as exc:  # load_state_dict lists every key, on lines of its own
+            reason = " ".join(str(exc).split())
+            raise TrainError(f"cannot resume: {out / CHECKPOINT} does not fit the model of its own train_config: "
+                             f"{reason[:200]}{'...' if len(reason) > 200 else ''}") from exc
         step, tokens_seen, seconds_before = ckpt["step"], ckpt["tokens_seen"], ckpt["seconds"]
         commands = ckpt["commands"] + [command]
         started_from = ckpt.get("init_from")
+    saved_step = step if ckpt is not None else None
+
+    def stop_if_diverged(finite: bool, what: str) -> None:
+        """Stop at the first loss (or weights) not finite: training on had written NaN weights over
+        the last good checkpoint at each evaluation, and a card of invalid JSON."""
+        if finite:
+            return
+        kept = (f"{out / CHECKPOINT} keeps step {saved_step}; train again with a lower --lr than {cfg.lr} in another --out"
+                if saved_step is not None else f"nothing was saved; train again with a lower --lr than {cfg.lr}")
+        raise TrainError(f"{what} diverged at step {step}: training stopped, {kept}")
 
     def checkpoint(seconds: float) -> None:
+        nonlocal saved_step
+        stop_if_diverged(all(bool(torch.isfinite(p).all()) for p in model.parameters()), "the weights")
+        if saved_step is None:
+            # With the first checkpoint, not before: a run that saved nothing leaves --out without a
+            # tokenizer.json, which would make a second try refuse the folder as another model's.
+            _atomic_save(lambda p: tokenizer.save(str(p)), out / "tokenizer.json")
         state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -635,12 +698,14 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         }
         _atomic_save(lambda p: torch.save(state, p), out / CHECKPOINT)
         save_model(model, out, cfg.save_dtype)
+        saved_step = step
 
     progress = Progress(cfg.steps, stream or sys.stderr)
     progress.note(
         f"training {cfg.arch}, {cfg.layers} layers x {cfg.heads} heads, emb {cfg.emb_dim}, context {cfg.context}, "
         f"vocab {tokenizer.get_vocab_size()} on {len(train_ids):,} tokens ({len(val_ids):,} held out), "
-        f"{device}" + (f"; resuming at step {step}" if step else "")
+        f"{device}" + ("" if not step else f"; resuming at step {step}" if step < cfg.steps else
+                       f"; all {step} steps are trained, finishing the run")
     )
     model.train()
     started = time.monotonic()
@@ -662,12 +727,15 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
                 step += 1
                 tokens_seen += x.numel()
                 mid_step = False
+                value = loss.item()
+                stop_if_diverged(math.isfinite(value), f"the training loss ({value})")
 
                 elapsed = time.monotonic() - started
                 rate = (step - start_step) * x.numel() / max(elapsed, 1e-9)
-                progress.update(step, loss.item(), rate, (cfg.steps - step) * x.numel() / max(rate, 1e-9))
+                progress.update(step, value, rate, (cfg.steps - step) * x.numel() / max(rate, 1e-9))
                 if step % cfg.eval_interval == 0 and step < cfg.steps:
                     val = estimate_loss(model, val_ids, cfg, device)
+                    stop_if_diverged(math.isfinite(val), f"the validation loss ({val})")
                     progress.note(f"step {step}: val loss {val:.3f}")
                     checkpoint(seconds_before + time.monotonic() - started)
                 if stop.asked:
@@ -682,9 +750,9 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     except KeyboardInterrupt:
         if not mid_step and not saved_last:
             checkpoint(seconds_before + time.monotonic() - started)
-        if (out / CHECKPOINT).exists():
-            saved_step = _read_checkpoint(out)["step"]
-            progress.note(f"interrupted; {out / CHECKPOINT} holds step {saved_step}; continue with --resume")
+        if saved_step is not None:
+            progress.note(f"interrupted; {out / CHECKPOINT} holds step {saved_step}; "
+                          f"continue with `{_resume_command(out, cfg.text)}`")
         else:
             progress.note("interrupted before any step was saved; there is nothing to resume")
         raise
@@ -694,8 +762,11 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         val_loss = estimate_loss(model, val_ids, cfg, device)
     except KeyboardInterrupt:
         progress.note(f"interrupted in the final evaluation; {out} holds all {step} steps, but no card.json "
-                      "(its losses were not measured)")
+                      f"(its losses were not measured): finish it with `{_resume_command(out, cfg.text)}`")
         raise
+    stop_if_diverged(math.isfinite(train_loss) and math.isfinite(val_loss),
+                     f"the final losses (train {train_loss}, validation {val_loss})")
+    perplexity = _perplexity(val_loss)
     card = {
         "model": "RotaryDecoder (llama family), causal" if cfg.arch == "llama" else "GPTModel (LLMs from scratch), causal",
         "corpus": cfg.corpus_name or ", ".join(f["name"] for f in corpus.files),
@@ -706,7 +777,7 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         "tokens_seen": tokens_seen,
         "train_loss": round(train_loss, 4),
         "val_loss": round(val_loss, 4),
-        "val_perplexity": round(math.exp(val_loss), 2),
+        "val_perplexity": None if perplexity is None else round(perplexity, 2),  # None: beyond a float (loss > 709)
         "seconds": round(seconds, 1),
         "command": commands[0],
         "resumed_with": commands[1:],  # each --resume, in order; resuming re-stretches the cosine to --steps
@@ -730,17 +801,66 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
     _write_json(out / "card.json", card)
     progress.note(
         f"done: {step} steps, {tokens_seen:,} tokens in {_duration(seconds)}; train loss {train_loss:.3f}, "
-        f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}); wrote {out}"
+        f"val loss {val_loss:.3f} (perplexity {'beyond a float' if perplexity is None else f'{perplexity:.4g}'}); "
+        f"wrote {out}"
     )
     return card
 
 
+def _perplexity(loss: float) -> float | None:
+    """exp(loss), or None where it is beyond the largest float (a diverging run): math.exp raised
+    OverflowError after the whole run, and a little below that printed a number hundreds of digits long."""
+    return math.exp(loss) if loss < math.log(sys.float_info.max) else None
+
+
+def _carded(out: Path, step: int) -> bool:
+    """Whether out's card.json reports `step` steps: a run stopped after its last step has none, or
+    that of an earlier, shorter run it continued."""
+    try:
+        return json.loads((out / "card.json").read_text(encoding="utf-8")).get("steps") == step
+    except (OSError, ValueError, AttributeError):  # missing or damaged: finishing writes it anew
+        return False
+
+
+# Files a training run writes, or another model keeps: training into a folder holding one overwrote
+# it (a Hugging Face folder with pytorch_model.bin lost its config.json and tokenizer.json to ours).
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+
+
+def _model_file(out: Path) -> str | None:
+    """A file in out that makes it a model's folder: checkpoint.pt first (it can be resumed), then
+    weights, then a config.json or tokenizer.json alone."""
+    if not out.is_dir():
+        return None
+    held = [p.name for p in out.iterdir() if p.name.endswith(MODEL_SUFFIXES) or p.name in ("config.json", "tokenizer.json")]
+    return min(held, key=lambda name: (name != CHECKPOINT, name.endswith(".json"), name), default=None)
+
+
+def _resume_command(out: Path, text: tuple[Path, ...]) -> str:
+    """The command that continues or finishes the run in out: --text is required, so it is named."""
+    return shlex.join(["manyeyes", "train", "--text", *map(str, text), "--out", str(out), "--resume"])
+
+
+def _stopped_run(folder: Path) -> dict | None:
+    """folder's checkpoint, where its card.json does not report the checkpoint's step: a run stopped
+    after its last step, before its card, or a continued run stopped with the shorter run's card."""
+    try:
+        ckpt = _read_checkpoint(folder)
+    except TrainError:  # none, or not ours: the folder is judged by its other files
+        return None
+    return None if _carded(folder, ckpt["step"]) else ckpt
+
+
 def _init_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    stopped = _stopped_run(cfg.init_from)
+    if stopped is not None:
+        raise TrainError(
+            f"--init-from {cfg.init_from} holds a run that was stopped before it finished (its checkpoint.pt is at step "
+            f"{stopped['step']}, which no card.json reports): finish it first with "
+            f"`{_resume_command(cfg.init_from, stopped['train_config'].text)}`"
+        )
     for name in ("card.json", "tokenizer.json"):
         if not (cfg.init_from / name).exists():
-            if (cfg.init_from / CHECKPOINT).exists():  # stopped (Ctrl-C) before its last step
-                raise TrainError(f"--init-from {cfg.init_from} holds a run that was stopped before it finished (no {name}): "
-                                 f"finish it first with `manyeyes train --out {cfg.init_from} --resume`")
             raise TrainError(f"--init-from {cfg.init_from} holds no {name}: it is not a folder `manyeyes train` finished")
     # Without its weights the folder read as a Hugging Face one: "config.json has no model_type".
     if not (cfg.init_from / WEIGHTS[cfg.arch]).exists():

@@ -2,7 +2,10 @@
 
 import io
 import json
+import os
+import pickle
 import re
+import shlex
 import shutil
 
 import pytest
@@ -325,7 +328,7 @@ def test_a_corrupt_checkpoint_is_named_without_torchs_advice(book_folder):
     torch.save(book, pickled)
     pickled_whole = "it holds a pickled tests.book_reference.GPTModel, not a state_dict of tensors: save model.state_dict() instead"
     for content, reason in ((b"not a checkpoint at all", "not a file torch.save wrote"), (b"", "the file is empty"),
-                            (b"\x80\x02}q\x00", "not a plain state_dict of tensors:"), (pickled.getvalue(), pickled_whole)):
+                            (b"\x80\x02}q\x00", "not plain tensors and data:"), (pickled.getvalue(), pickled_whole)):
         (folder / "model.pth").write_bytes(content)
         with pytest.raises(ModelLoadError) as raised:
             load(folder)
@@ -333,6 +336,38 @@ def test_a_corrupt_checkpoint_is_named_without_torchs_advice(book_folder):
         assert message.startswith(f"corrupt or unreadable checkpoint {folder / 'model.pth'} ({reason}"), message
         assert "weights_only set to False" not in message and "file an issue" not in message and "\n" not in message
         assert "add_safe_globals" not in message
+
+
+class Hostile:
+    """Unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle"])
+def test_a_hostile_pickle_is_refused_unrun_and_without_torchs_advice(book_folder, tmp_path, writer):
+    """torch 2.13 words a blocked call "unsupported GLOBAL posix.system whose module posix is
+    blocked", which the reason's pattern missed: the error repeated torch's advice to re-run with
+    weights_only=False, which would have run the file's command."""
+    folder, _, _ = book_folder
+    marker = tmp_path.parent / f"{tmp_path.name}-pwned"  # outside the model folder, which holds tmp_path
+    with open(folder / "model.pth", "wb") as f:
+        if writer == "torch.save":
+            torch.save({"tok_emb.weight": torch.zeros(2), "x": Hostile(marker)}, f)
+        else:
+            pickle.dump({"x": Hostile(marker)}, f)
+    with pytest.raises(ModelLoadError) as raised:
+        load(folder, device="cpu")
+    message = str(raised.value)
+    assert message.startswith(f"corrupt or unreadable checkpoint {folder / 'model.pth'} ("), message
+    assert message.endswith("; manyeyes never unpickles code)") and "\n" not in message, message
+    for advice in ("weights_only", "Re-running", "arbitrary code", "trusted source", "safe_globals"):
+        assert advice not in message, message
+    assert not marker.exists()
 
 
 def test_an_unknown_preset_is_named_as_one_not_as_a_missing_file(tmp_path):

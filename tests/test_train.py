@@ -5,6 +5,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import re
+import shlex
+import stat
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from manyeyes.model import load
 from manyeyes.model.gpt import GPTModel
 from manyeyes.model.train import (
     TrainConfig,
+    TrainError,
     build_model,
     encode_corpus,
     estimate_loss,
@@ -164,11 +169,19 @@ def test_ctrl_c_in_the_final_evaluation_keeps_every_step(corpus, tmp_path, monke
         train(cfg, command="test", stream=log)
     assert torch.load(tmp_path / "m" / "checkpoint.pt", weights_only=True)["step"] == 12
     assert "interrupted in the final evaluation" in log.getvalue() and "holds all 12 steps" in log.getvalue()
+    finish = shlex.join(["manyeyes", "train", "--text", str(corpus), "--out", str(tmp_path / "m"), "--resume"])
+    assert f"finish it with `{finish}`" in log.getvalue()
     assert not (tmp_path / "m" / "card.json").exists()
     monkeypatch.setattr(train_module, "estimate_loss", evaluate)
     straight = run(corpus, tmp_path / "straight", steps=12, eval_every=5)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "m")
     assert straight["steps"] == 12 and all(torch.equal(a[k], b[k]) for k in a)
+    # --resume said "nothing to do: already trained for 12 steps": the run could never get its card.
+    finished = run(corpus, tmp_path / "m", resume=True)
+    for key in ("steps", "tokens_seen", "train_loss", "val_loss", "val_perplexity"):
+        assert finished[key] == straight[key], key
+    b = weights(tmp_path / "m")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # not a step more
 
 
 def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path):
@@ -195,7 +208,8 @@ def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path):
     assert proc.returncode == 130, err
     assert "stopping after this step" in err, err
     saved = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
-    assert saved > 0 and f"checkpoint.pt holds step {saved}; continue with --resume" in err, (saved, err)
+    resume = shlex.join(["manyeyes", "train", "--text", str(corpus), "--out", str(out), "--resume"])
+    assert saved > 0 and f"checkpoint.pt holds step {saved}; continue with `{resume}`" in err, (saved, err)
 
 
 def test_cli_trains_a_folder_that_loads_and_attends(corpus, tmp_path, capsys):
@@ -441,7 +455,10 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     base = ["train", "--text", str(corpus), "--out", str(tmp_path / "m"), "--steps", "2", "--vocab-size", "320",
             "--context", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff-dim", "48", "--arch", "llama"]
     assert main(base + ["--emb-dim", "64", "--init-from", str(tmp_path / "llama")]) == 2
-    assert "shape mismatch for 'tok_emb.weight'" in capsys.readouterr().err
+    assert f"--emb-dim 64 differs from the 32 of --init-from {tmp_path / 'llama'}" in capsys.readouterr().err
+    # Another RoPE base fits the same tensors: it trained on, each head's positions silently re-read.
+    assert main(base + ["--emb-dim", "32", "--rope-theta", "500", "--init-from", str(tmp_path / "llama")]) == 2
+    assert "--rope-theta 500.0 differs from the 10000.0 of --init-from" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "gpt")]) == 2
     assert "holds no model.safetensors, the weights of an --arch llama run: it is an --arch gpt run" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "nowhere")]) == 2
@@ -450,8 +467,9 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     (tmp_path / "llama" / "card.json").unlink()
     assert (tmp_path / "llama" / "checkpoint.pt").exists()
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "llama")]) == 2
-    assert f"was stopped before it finished (no card.json): finish it first with `manyeyes train --out {tmp_path / 'llama'} --resume`" \
-        in capsys.readouterr().err
+    finish = shlex.join(["manyeyes", "train", "--text", str(corpus), "--out", str(tmp_path / "llama"), "--resume"])
+    assert f"was stopped before it finished (its checkpoint.pt is at step 2, which no card.json reports): finish it first " \
+           f"with `{finish}`" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
@@ -523,3 +541,208 @@ def test_bad_llama_arguments_exit_2_naming_the_problem(corpus, tmp_path, capsys,
     assert main(argv + extra) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_resume_finishes_a_run_stopped_after_its_last_step(corpus, tmp_path, capsys):
+    """Ctrl-C in the last step leaves checkpoint.pt at --steps and no card: --resume said "nothing to
+    do", and --init-from advised `manyeyes train --out DIR --resume`, which argparse refuses (no --text)."""
+    out = tmp_path / "m"
+    run(corpus, out, steps=4)
+    cfg = make_config({"text": [corpus], "out": out, "steps": 6}, resume=True)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, resume=True, command="test", stream=InterruptAt("step 6/6"))
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 6
+    assert json.loads((out / "card.json").read_text())["steps"] == 4  # the shorter run's card, not this one's
+    stopped = weights(out)
+
+    assert main(["train", "--text", str(corpus), "--out", str(tmp_path / "next"), "--init-from", str(out)]) == 2
+    suggested = re.search(r"finish it first with `(.+)`", capsys.readouterr().err)[1]
+    assert suggested == shlex.join(["manyeyes", "train", "--text", str(corpus), "--out", str(out), "--resume"])
+    assert main(shlex.split(suggested)[1:]) == 0
+    assert "all 6 steps are trained, finishing the run" in capsys.readouterr().err
+    card = json.loads((out / "card.json").read_text())
+    assert card["steps"] == 6 and card["tokens_seen"] == 6 * TINY["batch_size"] * TINY["context"]
+    assert card["resumed_with"] == ["test", suggested]
+    assert all(torch.equal(stopped[k], v) for k, v in weights(out).items())  # evaluated, not trained on
+    assert main(shlex.split(suggested)[1:]) == 2
+    assert "nothing to do" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                                  "weights.pt", "config.json", "tokenizer.json"])
+def test_an_out_holding_another_model_is_refused_untouched(corpus, tmp_path, capsys, name):
+    """Only model.pth, model.safetensors and checkpoint.pt counted: a Hugging Face folder with
+    pytorch_model.bin lost its config.json and tokenizer.json to the run's, and loaded as another model."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / name).write_text("theirs")
+    assert main(["train", "--text", str(corpus), "--out", str(out), "--steps", "2", "--vocab-size", "300"]) == 2
+    assert f"error: {out} already holds a model ({name}); choose another --out" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "theirs"
+
+
+@pytest.mark.parametrize(("loss", "perplexity"), [(800.0, None), (400.0, round(math.exp(400.0), 2))])
+def test_a_huge_final_loss_is_carded_without_overflow(corpus, tmp_path, monkeypatch, loss, perplexity):
+    """A diverging run (--lr 5 --weight-init torch) ended in `OverflowError: math range error` at
+    exp(val_loss), after the whole run and without a card; a little lower, a 174-digit perplexity."""
+    import manyeyes.model.train as train_module
+
+    monkeypatch.setattr(train_module, "estimate_loss", lambda *args: loss)
+    log = io.StringIO()
+    train(make_config({"text": [corpus], "out": tmp_path / "m", **TINY, "steps": 2}), command="test", stream=log)
+    card = json.loads((tmp_path / "m" / "card.json").read_text())
+    assert card["val_loss"] == loss and card["val_perplexity"] == perplexity
+    done = log.getvalue().splitlines()[-1]
+    assert done.startswith("done:") and not re.search(r"\d{20}", done), done
+
+
+def nan_free(folder: Path) -> bool:
+    saved = torch.load(folder / "checkpoint.pt", weights_only=True)["model"]
+    return all(torch.isfinite(t).all() for t in [*saved.values(), *weights(folder).values()])
+
+
+def test_a_diverging_run_stops_at_its_first_nan_keeping_the_last_good_checkpoint(corpus, tmp_path, capsys):
+    """--lr 100 went NaN and trained on: "val loss nan", NaN weights over the last good checkpoint at
+    each evaluation, a card.json of invalid JSON, exit status 0, and a folder load() called damaged."""
+    out = tmp_path / "m"
+    argv = ["train", "--text", str(corpus), "--out", str(out), "--layers", "2", "--heads", "2", "--emb-dim", "32",
+            "--context", "32", "--vocab-size", "320", "--batch-size", "8", "--device", "cpu", "--steps", "20",
+            "--warmup", "0", "--lr", "100"]
+    assert main(argv + ["--eval-every", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    diverged = re.fullmatch(r"error: the (training|validation) loss \(nan\) diverged at step (\d+): training stopped, "
+                            rf"{re.escape(str(out / 'checkpoint.pt'))} keeps step (\d+); train again with a lower --lr "
+                            r"than 100\.0 in another --out", err)
+    assert diverged, err
+    kept = int(diverged[3])
+    assert 0 < kept < int(diverged[2]) < 20
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == kept and nan_free(out)
+    assert not (out / "card.json").exists()
+    load(out, device="cpu")  # the last good weights, not a "damaged" folder
+
+    # Diverged before anything was saved: --out is left empty, so the same command with a lower --lr works.
+    fresh = tmp_path / "fresh"
+    argv[argv.index(str(out))] = str(fresh)
+    assert main(argv + ["--eval-every", "20"]) == 2
+    assert "nothing was saved; train again with a lower --lr than 100.0" in capsys.readouterr().err
+    assert list(fresh.iterdir()) == []
+    assert main(argv[:-1] + ["0.003", "--steps", "2"]) == 0
+
+
+def test_weights_gone_non_finite_after_a_finite_loss_are_never_saved(corpus, tmp_path, monkeypatch):
+    """The last step's loss is measured before its update: an update to NaN weights was saved as the
+    final checkpoint, over the last good one."""
+    import manyeyes.model.train as train_module
+
+    make_optimizer = train_module.make_optimizer
+
+    def poisoned_at_step_4(model, lr):
+        optimizer = make_optimizer(model, lr)
+        step, calls = optimizer.step, []
+
+        def poisoned(*args, **kwargs):
+            step(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 4:
+                next(model.parameters()).data.fill_(float("nan"))
+
+        optimizer.step = poisoned
+        return optimizer
+
+    monkeypatch.setattr(train_module, "make_optimizer", poisoned_at_step_4)
+    out = tmp_path / "m"
+    with pytest.raises(TrainError, match=re.escape(f"the weights diverged at step 4: training stopped, {out / 'checkpoint.pt'} keeps step 2")):
+        run(corpus, out, steps=4, eval_every=2)
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 2 and nan_free(out)
+
+
+class Hostile:
+    """Unpickling it runs a shell command; manyeyes must refuse it unrun."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_resume_refuses_a_hostile_checkpoint_unrun_and_without_torchs_advice(corpus, tmp_path, capsys):
+    """The message quoted torch's whole refusal: "Re-running `torch.load` with `weights_only` set to
+    `False` will likely succeed, but it can result in arbitrary code execution", on several lines."""
+    out, marker = tmp_path / "m", tmp_path / "pwned"
+    run(corpus, out, steps=2)
+    torch.save({"train_config": Hostile(marker)}, out / "checkpoint.pt")
+    assert main(["train", "--text", str(corpus), "--out", str(out), "--resume", "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot resume: {out / 'checkpoint.pt'} is not a checkpoint `manyeyes train` wrote "
+                          f"(it holds a pickled {os.system.__module__}.system,"), err
+    assert "weights_only" not in err and "arbitrary code" not in err and len(err.strip().splitlines()) == 1, err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (b"", "the file is empty"),
+    ({"model_state_dict": {}, "optimizer_state_dict": {}}, "it has no 'model', 'optimizer', 'batch_rng', 'step'"),
+    ([1, 2], "it holds a list, not a dict"),
+], ids=["empty", "book-checkpoint", "list"])
+def test_resume_refuses_a_checkpoint_manyeyes_did_not_write(corpus, tmp_path, capsys, content, reason):
+    """The book's training checkpoint was `KeyError: 'train_config'` (status 1), a list a TypeError,
+    an empty file "is unreadable: " and no reason."""
+    out = tmp_path / "m"
+    out.mkdir()
+    if isinstance(content, bytes):
+        (out / "checkpoint.pt").write_bytes(content)
+    else:
+        torch.save(content, out / "checkpoint.pt")
+    assert main(["train", "--text", str(corpus), "--out", str(out), "--resume", "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot resume: {out / 'checkpoint.pt'} is not a checkpoint `manyeyes train` wrote "
+                          f"({reason}"), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_written_files_follow_the_umask(corpus, tmp_path):
+    """safetensors writes model.safetensors 0600 whatever the umask: a folder mounted into the
+    container, which runs as another user, could not be read."""
+    previous = os.umask(0o027)
+    try:
+        run(corpus, tmp_path / "m", steps=2, **LLAMA)
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "m").iterdir()}
+    assert "model.safetensors" in modes and modes == dict.fromkeys(modes, 0o640), modes
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_refused(corpus, tmp_path, capsys, monkeypatch, out):
+    """Path("") is ".": --out "" trained into the folder the command ran in."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--text", str(corpus), "--out", out, "--steps", "2", "--layers", "1", "--heads", "2",
+            "--emb-dim", "16", "--context", "8", "--vocab-size", "260", "--batch-size", "2", "--device", "cpu"]
+    assert main(argv) == 2
+    assert f"error: empty --out {out!r}: give the folder to train into" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_init_from_refuses_other_heads_naming_the_option(corpus, tmp_path, capsys):
+    """--heads 4 on a 2-head GPT's weights fits the same tensors: it trained on, the heads silently re-split."""
+    run(corpus, tmp_path / "two", steps=2)
+    argv = ["train", "--text", str(corpus), "--out", str(tmp_path / "four"), "--init-from", str(tmp_path / "two"),
+            "--heads", "4", "--steps", "2", "--device", "cpu"]
+    assert main(argv) == 2
+    assert f"error: --heads 4 differs from the 2 of --init-from {tmp_path / 'two'}, whose weights hold that shape; " \
+           "leave --heads out (only a llama's --context may change)" in capsys.readouterr().err
+    assert not (tmp_path / "four").exists()
+
+
+def test_resume_refuses_a_checkpoint_whose_weights_do_not_fit(corpus, tmp_path, capsys):
+    """A checkpoint with every key but other weights was load_state_dict's RuntimeError traceback."""
+    out = tmp_path / "m"
+    run(corpus, out, steps=2)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    torch.save({**ckpt, "model": {"tok_emb.weight": torch.zeros(3, 2)}}, out / "checkpoint.pt")
+    assert main(["train", "--text", str(corpus), "--out", str(out), "--resume", "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot resume: {out / 'checkpoint.pt'} does not fit the model of its own train_config: "
+                          "Error(s) in loading state_dict for GPTModel: Missing key(s)"), err
+    assert len(err.strip().splitlines()) == 1, err
