@@ -231,8 +231,11 @@ def test_ctrl_c_stops_attend_and_export_quietly_with_status_130(command, phase, 
     import subprocess
     import sys
 
+    # As a terminal starts it: a suite run in the background (`nohup ... &`) passes SIGINT on
+    # ignored, and Python then installs no KeyboardInterrupt for it (the test waited 60 s).
     proc = subprocess.Popen([sys.executable, "-c", HELD, phase, *command, "--model", "tiny-gpt"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == "held\n"
         proc.send_signal(signal.SIGINT)
