@@ -253,6 +253,11 @@ class Settings(BaseSettings):
         check_added(self.models, self.extra_models)
         return self
 
+    def drain_s(self) -> float:
+        """How long a shutdown lets in-flight requests run before uvicorn cancels them: the grace
+        but a second kept for the lifespan's shutdown and the exit (server_config)."""
+        return max(self.shutdown_grace_s - 1.0, 0.0)
+
     def all_models(self) -> dict[str, str]:
         return {**self.models, **self.extra_models}
 

@@ -341,7 +341,7 @@ def server_config(app, settings: Settings, **options) -> uvicorn.Config:
         # On SIGTERM uvicorn stops accepting at once and lets in-flight requests finish, then
         # cancels what is left and runs the lifespan's shutdown. The grace period bounds the whole
         # exit, so the drain gets all of it but a second kept for that shutdown and the exit.
-        timeout_graceful_shutdown=max(settings.shutdown_grace_s - 1.0, 0.0),
+        timeout_graceful_shutdown=settings.drain_s(),
         http=guarded_protocol(settings.request_read_timeout_s, settings.max_header_bytes),
         **options,
     )

@@ -4,6 +4,7 @@
 
 export * from "manyeyes/original-api.js";
 import { ApiError } from "manyeyes/original-api.js";
+import { asTyped } from "manyeyes/dom.js";
 import { decodeAttention } from "manyeyes/payload.js";
 
 const embedded = JSON.parse(document.getElementById("manyeyes-export").textContent);
@@ -82,9 +83,9 @@ export async function listModels() {
   return [embedded.model];
 }
 
-// A text box gives its text back with every line break as "\n": a file of "a\r\nb" (or a lone
-// "\r") was asked for "a\nb" and refused it as another text.
-const lines = (text) => text?.replace(/\r\n?/g, "\n") ?? null;
+// A file of "a\r\nb" (or a lone "\r") is asked for "a\nb", as its text box gives it back: it was
+// refused as another text. No pair and an empty one are the same (the page leaves a blank out).
+const lines = (text) => asTyped(text ?? "");
 
 export async function postAttention(body) {
   const same = lines(body.text) === lines(embedded.text) && lines(body.text_pair) === lines(embedded.text_pair);

@@ -467,15 +467,28 @@ def estimate_loss(model: GPTModel, data: torch.Tensor, cfg: TrainConfig, device:
 
 
 # ---------------------------------------------------------------------------- files
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: os.umask() reads it only by setting it, and
+    a file another thread made meanwhile would have been created world-writable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o077)  # elsewhere: set for an instant, to the strictest, and put back
+    os.umask(umask)
+    return umask
+
+
 def _atomic_save(write, path: Path) -> None:
     """Write to a temporary name, then rename: an interrupted save never leaves half a file."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     # safetensors creates its file 0600 whatever the umask: a folder mounted into the container,
     # which runs as another user, could not be read. Every file gets what a plain open() gives.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
 
 

@@ -63,9 +63,9 @@ class GenerationService:
         self.registry = registry
         self.metrics = metrics
         self.shutdown = shutdown or ShutdownClock()
-        # uvicorn cancels what runs 1 s before the grace ends (server_config); a stream stops a
-        # second before that, its last step included.
-        self.stream_grace_s = max(settings.shutdown_grace_s - 2.0, 0.0)
+        # uvicorn cancels what still runs once the drain is over; a stream stops a second before
+        # that, its last step included.
+        self.stream_grace_s = max(settings.drain_s() - 1.0, 0.0)
         # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
         self._slots = CountedSlots(settings.max_generations, metrics.work_running.labels("generation"))
         # ...and a client holds at most half of them: four streams one client opened and never

@@ -191,7 +191,7 @@ class Registry:
             if model_id is not None and not isinstance(exc, ModelLoadError):
                 # A load error names its file; anything else (a warm-up forward's IndexError) named
                 # neither the model nor its spec.
-                self.failure = f"model {model_id} ({s.all_models()[model_id]}): {self.failure}"
+                self.failure = f"model {model_id} ({specs[model_id]}): {self.failure}"
             for model_id, state in self.progress.items():
                 if state["state"] not in ("ready", "queued"):
                     self.progress[model_id] = {"state": "failed"}

@@ -13,6 +13,11 @@ export function el(tag, { text, className, attrs } = {}, children = []) {
   return node;
 }
 
+// A text as a text area gives it back: every line break "\n" ("\r\n" and a lone "\r" too).
+export function asTyped(text) {
+  return text.replace(/\r\n?/g, "\n");
+}
+
 export function fillSelect(select, options, selected) {
   select.replaceChildren(...options.map(({ value, label }) => {
     const option = el("option", { text: label });

@@ -1034,9 +1034,12 @@ function renderExample() {
   const words = "manyeyes shows what every attention head does .".split(" ");
   const tokens = words.map((text) => ({ text, special: false, segment: 0 }));
   const n = words.length;
-  const near = (i) => 1 / (1 + Math.abs(Math.floor(i / n) - (i % n)) * 3);
-  const rowSum = Array.from({ length: n }, (_, q) => words.reduce((sum, _w, k) => sum + near(q * n + k), 0));
-  const matrix = new Float32Array(n * n).map((_, i) => near(i) / rowSum[Math.floor(i / n)]);
+  const matrix = new Float32Array(n * n);
+  for (let q = 0; q < n; q++) {
+    const row = words.map((_, k) => 1 / (1 + Math.abs(q - k) * 3));
+    const sum = row.reduce((a, b) => a + b);
+    row.forEach((w, k) => { matrix[q * n + k] = w / sum; });
+  }
   const view = viewOf(matrix, tokens, { hideSpecial: false, threshold: 0, segments: "all" });
   $("focus-plot").dataset.example = "true";
   return focus.render({ view, labels: words, title: "Made-up example, not a model's output", filename: "manyeyes-example", revision: "example" });

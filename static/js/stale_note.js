@@ -2,19 +2,19 @@
 // compare, generation) act on that run: a person who had edited the sentence or picked another
 // model saw the old grid stay with nothing to say so, and "Ablate" answered for the old sentence.
 
+import { $, asTyped } from "./dom.js";
 import { onRun } from "./experiment_parts.js";
 
-const lines = (text) => text.replace(/\r\n?/g, "\n"); // a text area holds "\n" for a link's "\r\n"
-
 export function mountStaleNote() {
-  const note = document.getElementById("stale-note");
-  const [text, pair, model] = ["text", "pair", "model"].map((id) => document.getElementById(id));
+  const note = $("stale-note");
+  const [text, pair, model] = ["text", "pair", "model"].map($);
   let shown = null;
 
   function update() {
     const changed = !shown ? [] : [
-      lines(text.value) !== lines(shown.text) && "sentence",
-      (pair.value.trim() ? lines(pair.value) : "") !== lines(shown.text_pair ?? "") && "second sentence",
+      // a link's text may hold "\r\n", which its text area holds as "\n"
+      asTyped(text.value) !== asTyped(shown.text) && "sentence",
+      (pair.value.trim() ? asTyped(pair.value) : "") !== asTyped(shown.text_pair ?? "") && "second sentence",
       model.value !== "" && model.value !== shown.model && "model",
     ].filter(Boolean);
     note.hidden = changed.length === 0;
