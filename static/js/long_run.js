@@ -122,7 +122,7 @@ export function longControls(run, aggregate) {
     }
   }
   note("measures-long-note", measures, long
-    ? `${why} Rollout, value norms, contributions, the head finder, information flow and the neuron view need every weight: off for this run.`
+    ? `${why} Rollout, value norms, contributions, the head finder, information flow, the neuron view and logit attribution need every weight: off for this run.`
     : "");
   const experiments = ["ablate-box", "token-box", "compare-box"].map($).filter(Boolean);
   experiments.forEach((box) => {

@@ -3,6 +3,7 @@
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
 import { ApiError, describeError, postAttentionJson, requestJson } from "./api.js";
+import { AttributionPanel } from "./attribution.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
 import { $, MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
@@ -151,9 +152,14 @@ class Measures {
     this.finder = new HeadFinder($("finder"), { onSelect: (l, h) => this.focusHead(l, h) });
     this.flowGraph = new FlowGraph($("flow"), { onEdge: (l, h) => this.focusHead(l, h) });
     this.neuron = new NeuronPanel($("neuron"), { onQuery: (q) => { this.queryIndex = q; this.drawNeuron(); } });
+    this.attribution = new AttributionPanel($("attribution"), { onSelect: (l, h) => this.focusHead(l, h), onPick: () => this.drawAttribution() });
+    this.attributed = null; // the run, position and guess the attribution grid shows (it does not follow the focus)
     $("measure").addEventListener("change", () => this.drawMeasure());
     $("word-view").addEventListener("change", () => this.drawMeasure());
-    onThemeChange(() => this.drawMeasure()); // the colours follow the theme, as the heatmap's do
+    onThemeChange(() => { // the colours follow the theme, as the heatmap's do
+      this.drawMeasure();
+      this.attribution.repaint();
+    });
     const threshold = $("flow-threshold");
     threshold.addEventListener("change", () => this.loadFlow());
     $("flow-draw").addEventListener("click", () => {
@@ -212,11 +218,15 @@ class Measures {
     this.labels = labels;
     this.hiding = hidingOf(options);
     this.flow = this.words = this.predictions = null;
+    this.predictionsSettled = false;
     this.queryIndex = run.tokens.length - 1;
     this.neuron.setTokens(this.labels, this.queryIndex);
     $("measures").hidden = false;
     this.forgetPlot();
     this.forgetNeuron("This run's neuron view is drawn when this panel is in view.");
+    this.attribution.setTokens(this.labels);
+    this.attribution.setPredictions(null);
+    this.forgetAttribution("This run's attribution is drawn when this panel is in view.");
     this.forgetHeads("Finding this run's heads…");
     const token = (this.token = {});
     this.loadHeads(token);
@@ -244,6 +254,8 @@ class Measures {
     if (labels !== this.labels) {
       this.labels = labels;
       this.neuron.setTokens(labels, this.queryIndex);
+      this.attribution.setTokens(labels, this.attribution.choice().position);
+      this.attributed = null; // its sum names the position's token: drawn again under the new labels
       this.predictionsView.relabel(labels);
     }
     this.drawFocusWhenSeen();
@@ -261,6 +273,7 @@ class Measures {
     this.predictionsView.clear();
     this.forgetPlot();
     this.forgetNeuron("");
+    this.forgetAttribution("", false);
     this.forgetHeads();
     this.forgetFlow("");
     this.predictionsView.load(run, request, labels);
@@ -288,6 +301,12 @@ class Measures {
     this.status("neuron-status");
   }
 
+  forgetAttribution(note, controls = true) {
+    this.attributed = null;
+    this.attribution.clear(note, controls);
+    this.status("attribution-status");
+  }
+
   // A new run: the last run's heatmap goes at once. It was drawn again only once the panel was
   // scrolled to (drawFocusWhenSeen), and until then showed another text's cells under this run's views.
   forgetPlot() {
@@ -312,6 +331,7 @@ class Measures {
     this.layer = layer;
     this.head = head;
     this.finder.select(layer, head);
+    this.attribution.select(layer, head);
     if (!this.run) return;
     this.drawFocusWhenSeen();
   }
@@ -332,6 +352,7 @@ class Measures {
     if (this.flow) this.flowGraph.render(this.flow, this.labels, { layer, head });
     this.drawMeasure();
     this.drawNeuron();
+    this.drawAttribution();
   }
 
   async loadHeads(token = this.token) {
@@ -369,7 +390,10 @@ class Measures {
   async loadPredictions() {
     const run = this.run;
     const found = await this.predictionsView.load(run, this.request, this.labels, [$("predictions")]);
-    if (run === this.run) this.predictions = found; // a later run's answer is never overwritten by this one
+    if (run !== this.run) return; // a later run's answer is never overwritten by this one
+    this.predictions = found;
+    this.predictionsSettled = true; // an error too: the attribution then explains the top guess
+    this.attribution.setPredictions(found);
   }
 
   async wordsOf() {
@@ -652,6 +676,37 @@ class Measures {
       this.status("neuron-status");
     } catch (err) {
       if (run === this.run) this.status("neuron-status", err);
+    }
+  }
+
+  // Direct logit attribution at the chosen position and guess, every head of the model. It does
+  // not depend on the focused head (only the outline does): asked for again only when the run,
+  // the position or the guess changes.
+  async drawAttribution() {
+    // Drawn once the run's guesses are in (loadPredictions draws the panel then): they say whether
+    // the model has a language-model head, and which guesses the panel offers.
+    if (!this.run || !this.predictionsSettled) return;
+    const run = this.run;
+    const { position, target } = this.attribution.choice();
+    const key = `${run.runId}:${position}:${target}`;
+    if (this.attributed === key) return;
+    if (!run.causal || !this.predictionsView.available) {
+      this.forgetAttribution(!run.causal ? "Direct logit attribution explains a causal language model's next-token guess; this model reads both ways."
+        : "This model has no language-model head: no guesses to explain.", false);
+      this.attributed = key;
+      return;
+    }
+    this.attributed = key;
+    const { nLayers: layers, nHeads: heads } = run;
+    try {
+      const found = await this.get(`logit-attribution?position=${position}${target === null ? "" : `&target=${target}`}&top=${Math.min(4096, layers * heads)}`);
+      if (run !== this.run || this.attributed !== key) return;
+      this.attribution.render(found, { layers, heads });
+      this.status("attribution-status");
+    } catch (err) {
+      if (run !== this.run || this.attributed !== key) return;
+      this.attributed = null; // asked again at the next draw
+      this.status("attribution-status", err);
     }
   }
 }

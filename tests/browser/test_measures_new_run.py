@@ -77,12 +77,17 @@ def test_a_new_run_never_shows_the_last_runs_neuron_table(base, page, artifacts)
     first_run(page, base)
     page.wait_for_selector(f"#neuron[data-query='{len(TEXT) - 1}'] #neuron-table tbody tr", timeout=30_000)
     assert page.evaluate(NEURON)["rows"] == len(TEXT) + 1  # the query's row and one per key
+    page.wait_for_selector(f"#attribution[data-position='{len(TEXT) - 1}'] button[data-head]", timeout=30_000)
     page.evaluate("() => window.scrollTo(0, 0)")
     release = run_other_holding(page, neuron_view)
     seen = page.evaluate(NEURON)
     # It showed TEXT's 39 rows, query "n", under OTHER's query tokens.
     assert seen["rows"] == 0 and seen["query"] is None and seen["queryRow"] is None, seen
     assert seen["note"] == "This run's neuron view is drawn when this panel is in view.", seen
+    # Nor the last run's logit attribution, whose position list is this run's now.
+    assert page.locator("#attribution button").count() == 0
+    assert page.locator("#attribution-position option").count() == len(OTHER)
+    assert page.text_content("#attribution-sum") == "This run's attribution is drawn when this panel is in view."
     page.locator("#neuron").screenshot(path=str(artifacts / "neuron-after-new-run.png"))
     release()
     # Scrolled to, it draws this run's.
@@ -91,6 +96,7 @@ def test_a_new_run_never_shows_the_last_runs_neuron_table(base, page, artifacts)
     seen = page.evaluate(NEURON)
     assert seen["rows"] == len(OTHER) + 1 and seen["queryRow"] == "query: .", seen
     assert not page.locator("#neuron-note").text_content().startswith("This run's")
+    page.wait_for_selector(f"#attribution[data-position='{len(OTHER) - 1}'] button[data-head]", timeout=30_000)
 
 
 STRIPS = """() => {

@@ -227,6 +227,62 @@ def test_neuron_view_shows_the_apis_numbers(ran, tiny_api, artifacts):
     page.locator("#neuron").screenshot(path=str(artifacts / "measures-neuron.png"))
 
 
+def attribution_shown(page) -> tuple[dict, list[float]]:
+    heads = page.evaluate("""() => [...document.querySelectorAll('#attribution button[data-head]')]
+        .map((b) => [Number(b.dataset.layer), Number(b.dataset.head), Number(b.dataset.value)])""")
+    mlps = page.evaluate("() => [...document.querySelectorAll('#attribution .attribution-mlp')].map((m) => Number(m.dataset.value))")
+    return {(layer, head): value for layer, head, value in heads}, mlps
+
+
+def test_why_this_guess_draws_the_apis_logit_attribution_and_a_click_focuses(ran, tiny_api, artifacts):
+    """Direct logit attribution was in the API and the client only: the page had no way to ask
+    which heads push a guess up or down."""
+    page, run_id = ran
+    page.wait_for_selector("#attribution[data-position]", timeout=30_000)
+    n_tokens = page.locator("#attribution-position option").count()
+    assert page.get_attribute("#attribution", "data-position") == str(n_tokens - 1)  # the last token's guess first
+    want = tiny_api.get(f"/api/v1/runs/{run_id}/logit-attribution", params={"position": n_tokens - 1, "top": 16}).json()
+    assert page.get_attribute("#attribution", "data-target") == str(want["target"])
+    heads, mlps = attribution_shown(page)
+    assert heads == {(h["layer"], h["head"]): h["contribution"] for h in want["heads"]} and len(heads) == 16
+    assert mlps == want["mlps"]
+    assert f"{want['logit']:.3f}" in page.text_content("#attribution-sum")
+    strongest = max(want["heads"], key=lambda h: abs(h["contribution"]))
+    cell = page.locator(f"#attribution button[data-layer='{strongest['layer']}'][data-head='{strongest['head']}']")
+    assert cell.text_content() == f"{'+' if strongest['contribution'] > 0 else '−'}{abs(strongest['contribution']):.2f}"
+    # One Tab stop for the grid, as the finder's.
+    assert page.locator("#attribution button[tabindex='0']").count() == 1
+
+    # Another position offers its own guesses; the second of them is split as the API splits it.
+    top = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "u8",
+                                                   "predictions": {"top_k": 5}}).json()["predictions"]["5"]
+    page.select_option("#attribution-position", "5")
+    # Its own top guess, not the last position's guess asked for at this one.
+    page.wait_for_selector(f"#attribution[data-position='5'][data-target='{top[0]['id']}']", timeout=30_000)
+    offered = page.locator("#attribution-target option")
+    assert [offered.nth(i).get_attribute("value") for i in range(offered.count())] == [str(p["id"]) for p in top]
+    page.select_option("#attribution-target", str(top[1]["id"]))
+    page.wait_for_selector(f"#attribution[data-target='{top[1]['id']}']", timeout=30_000)
+    want = tiny_api.get(f"/api/v1/runs/{run_id}/logit-attribution",
+                        params={"position": 5, "target": top[1]["id"], "top": 16}).json()
+    heads, mlps = attribution_shown(page)
+    assert heads == {(h["layer"], h["head"]): h["contribution"] for h in want["heads"]} and mlps == want["mlps"]
+
+    page.click("#attribution button[data-layer='1'][data-head='0']")
+    wait_focus(page, layer=1, head=0)
+    assert page.get_attribute("#attribution button[data-layer='1'][data-head='0']", "aria-pressed") == "true"
+    page.locator("#attribution").locator("xpath=..").screenshot(path=str(artifacts / "measures-attribution.png"))
+
+
+def test_why_this_guess_says_a_bidirectional_model_has_no_next_token_to_explain(page, server):
+    open_page(page, server)
+    run(page, "The bank of the river.")
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_function("() => document.getElementById('attribution-sum').textContent.includes('reads both ways')", timeout=30_000)
+    assert page.locator("#attribution-position").is_hidden()
+    assert page.locator("#attribution button").count() == 0
+
+
 def test_measures_redraw_the_heatmap_and_predictions_line_up(ran, tiny_api, artifacts):
     page, run_id = ran
     page.wait_for_selector("#measure-plot[data-measure='raw']")
