@@ -133,7 +133,7 @@ def shared_models(settings: Settings) -> dict:
     """The configured models, loaded as a worker loads them (names that share weights share
     them here too), warmed up by one forward at the longest input the shared process takes."""
     from manyeyes.app.services.registry import load_configured, named, weights_key
-    from manyeyes.model import Capture
+    from manyeyes.model.attention import WEIGHTS_ONLY
 
     models, by_weights = {}, {}
     for model_id, spec in settings.all_models().items():
@@ -142,7 +142,7 @@ def shared_models(settings: Settings) -> dict:
             models[model_id] = named(first, model_id)
             continue
         model = load_configured(settings, model_id, spec)
-        model.run([model.encode("hello " * settings.shared_forward_max_tokens, truncate=True)], Capture(hidden=False))
+        model.run([model.encode("hello " * settings.shared_forward_max_tokens, truncate=True)], WEIGHTS_ONLY)
         models[model_id] = by_weights[weights_key(spec)] = model
     return models
 

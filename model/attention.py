@@ -56,6 +56,11 @@ class Capture:
     hidden: bool = True
 
 
+# What the server's forwards keep: every weight and, for a model with a head, the top-k
+# predictions, but no hidden state or (T, vocab) logits that nobody reads.
+WEIGHTS_ONLY = Capture(hidden=False, logits=False)
+
+
 class AttentionOutput(NamedTuple):
     context: torch.Tensor | None  # (b, num_tokens, d_out); None from attend(mix=False)
     weights: torch.Tensor | None  # (b, num_heads, num_tokens, num_tokens)

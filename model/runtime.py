@@ -50,7 +50,7 @@ class AttentionResult:
     truncated: bool
     attention: torch.Tensor | None  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax; None when kept
     hidden: torch.Tensor | None  # (T, d_model) float32, the last hidden state; None under Capture(hidden=False)
-    logits: torch.Tensor | None  # (T, vocab_size) for language models
+    logits: torch.Tensor | None  # (T, vocab_size) for language models; None under Capture(logits=False)
     # The MAX_TOP_K most likely ids per position and their probabilities, for models with a head.
     top_ids: torch.Tensor | None = None  # (T, MAX_TOP_K) int64
     top_probs: torch.Tensor | None = None  # (T, MAX_TOP_K) float32
@@ -196,24 +196,35 @@ class AttentionModel:
         out = self.forward_table(padded_inputs(batch, lengths, max(lengths)), lengths, capture, to_host)
         attention, hidden, logits, top_ids, top_probs = out.attention, out.hidden, out.logits, out.top_ids, out.top_probs
 
+        # A model with a language-model head computes both for its top-k; they are handed back only
+        # where asked for (Capture(hidden=False) / Capture(logits=False) were ignored).
+        hidden = hidden if capture.hidden else None
+        logits = logits if capture.logits else None
+
+        # Each item owns exactly its own storage (a copy unless b == 1), so whoever keeps a result
+        # (the service's run cache, a pickle) never keeps the rest of the batch alive: a row's
+        # hidden and logits views held the whole batch's (346 MB pickled for 50 tiny-gpt texts).
+        def own(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            return own_copy(tensor) if len(batch) > 1 else tensor.contiguous()
+
         results = []
         for row, (enc, n) in enumerate(zip(batch, lengths)):
             result = AttentionResult(
                 tokens=enc.tokens,
                 truncated=enc.truncated,
-                # Each item owns exactly its own storage (a copy unless b == 1), so whoever keeps
-                # a result (the service's run cache) never keeps the rest of the batch alive.
-                attention=own_copy(attention[row, :, :, :n, :n]) if len(batch) > 1 else attention[row].contiguous(),
-                hidden=hidden[row, :n] if hidden is not None else None,
-                logits=logits[row, :n] if logits is not None else None,
+                attention=own(attention[row, :, :, :n, :n]),
+                hidden=own(hidden[row, :n]) if hidden is not None else None,
+                logits=own(logits[row, :n]) if logits is not None else None,
                 top_ids=top_ids[row, :n].clone() if top_ids is not None else None,
                 top_probs=top_probs[row, :n].clone() if top_probs is not None else None,
             )
             if capture.qkv:
                 # each layer: (b, heads, width, head_dim) -> (heads, n, head_dim); kv heads for keys/values
-                result.queries = [layer.queries[row, :, :n].float().cpu() for layer in out.layers]
-                result.keys = [layer.keys[row, :, :n].float().cpu() for layer in out.layers]
-                result.values = [layer.values[row, :, :n].float().cpu() for layer in out.layers]
+                result.queries = [own(layer.queries[row, :, :n].float().cpu()) for layer in out.layers]
+                result.keys = [own(layer.keys[row, :, :n].float().cpu()) for layer in out.layers]
+                result.values = [own(layer.values[row, :, :n].float().cpu()) for layer in out.layers]
             results.append(result)
         return results
 
@@ -228,6 +239,7 @@ class AttentionModel:
         padded = min(lengths) != width
         inputs = table.to(self.device)  # one copy to the device for all three
         ids, types, real = inputs[0], inputs[1], inputs[2].bool() if padded else None
+        keep_logits = capture.logits
         # A model with a language-model head needs the hidden state for its predictions.
         capture = Capture(weights=True, qkv=capture.qkv, hidden=capture.hidden or self.info.predictions)
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
@@ -247,7 +259,9 @@ class AttentionModel:
                 top = logits.topk(min(MAX_TOP_K, logits.shape[-1]), dim=-1)
                 top_probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
                 top_ids = top.indices.cpu()
-                logits = logits.cpu()
+                # Copied to the host only when asked for: the server's answers keep the top-k alone,
+                # and GPT-2's (8, 512, 50257) logits are 823 MB to move and free each batch.
+                logits = logits.cpu() if keep_logits else None
         return BatchOutput(attention, hidden, logits, top_ids, top_probs, trace.layers)
 
     def _run_kept(self, encoded: Encoded, capture: Capture) -> AttentionResult:

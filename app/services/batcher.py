@@ -16,7 +16,7 @@ from manyeyes.app.services.device import HostCopier, device_to_host, most_precis
 from manyeyes.app.services.errors import InvalidInput, NotReady, OverBudget, QueueFull
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.shared_forward import ForwardClient
-from manyeyes.model.attention import Capture
+from manyeyes.model.attention import WEIGHTS_ONLY, Capture
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded
 
@@ -562,7 +562,7 @@ class Batcher:
                 if results is None:
                     to_host = device_to_host(self.copier, fmt) if self.device_quantise else None
                     # Answers and the run cache keep the weights only: the last block can stop at its softmax.
-                    results = model.run(encoded, Capture(hidden=False), to_host=to_host)
+                    results = model.run(encoded, WEIGHTS_ONLY, to_host=to_host)
         except Exception as exc:  # handed to each waiting request, which reports it
             for job in live:
                 self._settle(job, error=exc)

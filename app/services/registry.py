@@ -19,6 +19,7 @@ from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.payload import to_u8
 from manyeyes.app.services.shared_forward import ForwardClient, ForwardLink
 from manyeyes.model import Capture, ModelLoadError, load
+from manyeyes.model.attention import WEIGHTS_ONLY
 from manyeyes.model.loading import BUILTINS
 from manyeyes.model.measures import head_table
 from manyeyes.model.runtime import AttentionModel
@@ -98,7 +99,7 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
         encoded = model.encode("hello " * words, truncate=True)
     n = len(encoded)
     # The forward the batcher runs: weights only, so the warm-up pays no last feed-forward at full length.
-    result = model.run([encoded], Capture(hidden=False))[0]
+    result = model.run([encoded], WEIGHTS_ONLY)[0]
     expected = (info.n_layers, info.n_heads, n, n)
     if tuple(result.attention.shape) != expected:
         raise ModelLoadError(f"{info.id}: warm-up attention has shape {tuple(result.attention.shape)}, expected {expected}")
@@ -112,7 +113,7 @@ def warm_up(model: AttentionModel, dense_max_tokens: int) -> tuple[int, float]:
     timings = []
     for _ in range(WARM_UP_TIMINGS):
         started = time.perf_counter()
-        run = model.run([short], Capture(hidden=False))[0]
+        run = model.run([short], WEIGHTS_ONLY)[0]
         timings.append(time.perf_counter() - started)
     head_table(model, run)
     return work_units(len(short)), min(timings)

@@ -49,7 +49,7 @@ from manyeyes.app.config import Settings
 from manyeyes.app.services.device import KEPT_DTYPE, HostCopier, device_to_host, most_precise, quantise
 from manyeyes.app.services.errors import OverBudget
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.model.attention import Capture
+from manyeyes.model.attention import WEIGHTS_ONLY
 from manyeyes.model.runtime import MAX_TOP_K, AttentionModel, AttentionResult, padded_inputs
 from manyeyes.model.tokenizer import Encoded
 
@@ -443,7 +443,7 @@ class ForwardHost:
             table[:, row : row + b, :w] = request.table  # (3, b, w) into (3, rows, width)
             row += b
         to_host = device_to_host(self.copier, most_precise(r.fmt for r in chosen)) if self.quantise else None
-        out = model.forward_table(torch.from_numpy(table), lengths, Capture(hidden=False), to_host)
+        out = model.forward_table(torch.from_numpy(table), lengths, WEIGHTS_ONLY, to_host)
         answers, row = [], 0
         for request in chosen:
             rows = []
