@@ -54,6 +54,14 @@ class PackedLinear(nn.Linear):
     _packed_for: tuple | None = None
     _packing_failed = False
 
+    def __getstate__(self) -> dict:
+        # oneDNN's copy has no storage that pickle or deepcopy can read ("Cannot access storage of
+        # OpaqueTensorImpl"): a copied model, or one sent to a worker process, packs its own anew.
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        state.pop("_packed_for", None)
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._can_pack(x):
             packed = self._packed_weight()

@@ -157,3 +157,23 @@ def test_new_lengths_do_not_grow_memory_without_bound():
     out = subprocess.run([sys.executable, "-c", GROWTH], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) < 120, f"RSS grew {float(out.stdout):.0f} MB over 300 new lengths"
+
+
+def test_a_packed_model_pickles_and_deep_copies_and_packs_its_own_copy():
+    """load()'s default model could not be pickled, deep-copied or sent to a spawned worker:
+    "Cannot access storage of OpaqueTensorImpl" (the oneDNN copy)."""
+    import copy
+    import pickle
+
+    model = load("tiny-gpt")
+    before = model.attend("The cat sat on the mat.").attention
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert torch.equal(twin.attend("The cat sat on the mat.").attention, before)
+        packed = [m for m in twin.net.modules() if isinstance(m, PackedLinear)]
+        assert packed and all(m._packed is not None for m in packed)  # packed anew on first use
+    # An edited copy (an experiment's) leaves the original's numbers alone.
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.net.trf_blocks[0].att.W_query.weight.mul_(2.0)
+    assert not torch.equal(twin.attend("The cat sat on the mat.").attention, before)
+    assert torch.equal(model.attend("The cat sat on the mat.").attention, before)
