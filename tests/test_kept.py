@@ -96,7 +96,9 @@ def test_rebuilt_weights_equal_the_forward(model, monkeypatch):
     everything = list(range(kept.n_heads))
     for layer in range(kept.n_layers):
         rebuilt = kept.block(layer, everything, 0, T, 0, T)
-        assert (rebuilt - used[layer]).abs().max() <= 1e-6
+        # 1e-6 held on one thread (as pytest-xdist's workers run) but not on two: the scores of a
+        # (T, T) block and of the forward's row blocks are summed in another order (5.7e-6, MiniLM).
+        assert (rebuilt - used[layer]).abs().max() <= 1e-5
         assert (rebuilt - dense.attention[layer]).abs().max() <= 1e-5
         assert torch.allclose(rebuilt.sum(-1), torch.ones(()), atol=1e-5)
     assert (result.hidden - dense.hidden).abs().max() <= 1e-4
