@@ -184,7 +184,12 @@ class TiktokenTokenizer:
     mask_id = None  # GPT-2's encoding has no mask token
 
     def token_text(self, tid: int) -> str:
-        return self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
+        # A padded vocabulary (nanoGPT's 50,304) has output rows past the encoding's 50,257 ids:
+        # those read as nothing, as a Hugging Face tokenizer reads them, not as a KeyError.
+        try:
+            return self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
+        except KeyError:
+            return ""
 
     def special_token(self, kind: str) -> tuple[str, int] | None:
         return None  # GPT-2's encoding has neither a mask nor an unknown token

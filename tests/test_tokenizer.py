@@ -120,3 +120,19 @@ def test_a_lone_surrogate_is_a_value_error_naming_it():
         model.attend("fine", "ok\udcff")
     with pytest.raises(ValueError, match=r"text holds '\\ud800' at character 1"):
         model.attend("a\ud800b")
+
+
+def test_tiktoken_reads_an_id_past_its_vocabulary_as_nothing(monkeypatch):
+    """A book checkpoint with nanoGPT's padded vocabulary (50,304 rows) and tiktoken's gpt2
+    encoding (50,257 ids): logit attribution of a padded row's id raised KeyError, a 500."""
+    import tiktoken
+
+    from manyeyes.model.tokenizer import TiktokenTokenizer
+
+    # A small byte-level encoding built here: tiktoken's gpt2 files are never downloaded in tests.
+    ranks = {bytes([b]): b for b in range(256)}
+    encoding = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: encoding)
+    tokenizer = TiktokenTokenizer(max_tokens=64)
+    assert tokenizer.token_text(ord("a")) == "a"
+    assert tokenizer.token_text(300) == ""
