@@ -48,19 +48,24 @@ export class AttributionPanel {
     this.target.addEventListener("change", () => onPick());
     this.sum = el("p", { className: "caption", attrs: { id: "attribution-sum" } });
     this.grid = el("div", { className: "attribution-grid", attrs: { role: "group", "aria-label": "Each head's direct push on the guess" } });
+    this.legend = el("p", { className: "hint", attrs: { id: "attribution-legend" } });
     this.filters = el("div", { className: "finder-filters" }, [
       el("label", { text: "After ", attrs: { for: "attribution-position" } }), this.position,
       el("label", { text: " the guess ", attrs: { for: "attribution-target" } }), this.target,
     ]);
-    root.replaceChildren(this.filters, this.sum, this.grid);
+    // The grid scrolls sideways in its own box: a phone's 340 px held 8 heads and the MLP column only
+    // by squeezing values over their neighbours.
+    root.replaceChildren(this.filters, this.sum, el("div", { className: "attribution-scroll" }, [this.grid]), this.legend);
     this.labels = [];
     this.predictions = null;
   }
 
   // A new run (or new labels for its tokens): positions named as the page names tokens; the last
-  // one chosen unless `keep` is a position of this run.
-  setTokens(labels, keep = null) {
+  // one chosen unless `keep` is a position of this run. ids: the tokens' vocabulary ids, whose
+  // next one at a position is the text's own continuation there.
+  setTokens(labels, keep = null, ids = this.ids) {
     this.labels = labels;
+    this.ids = ids;
     const chosen = keep !== null && keep < labels.length ? keep : labels.length - 1;
     this.position.replaceChildren(...labels.map((label, i) => el("option", { text: `${i}: ${label}`, attrs: { value: i } })));
     this.position.value = String(chosen);
@@ -73,14 +78,22 @@ export class AttributionPanel {
     this.fillTargets();
   }
 
+  // The model's top guesses at the position, and the text's own next token there when it is not
+  // one of them: why the model did not guess what came is the question a study of a sentence asks.
   fillTargets() {
     const keep = this.target.value;
-    const top = this.predictions?.[this.position.value] ?? [];
+    const position = Number(this.position.value);
+    const top = this.predictions?.[position] ?? [];
+    const next = this.ids?.[position + 1];
+    const says = (id) => (id === next ? ", the text's next token" : "");
     const options = top.length
-      ? top.map((p, i) => el("option", { text: `${visibleSpaces(p.token)} (${(p.prob * 100).toFixed(1)}%)${i ? "" : ", the top one"}`, attrs: { value: p.id } }))
+      ? top.map((p, i) => el("option", { text: `${visibleSpaces(p.token)} (${(p.prob * 100).toFixed(1)}%)${i ? "" : ", the top one"}${says(p.id)}`, attrs: { value: p.id } }))
       : [el("option", { text: "the top one", attrs: { value: "" } })];
+    if (next !== undefined && !top.some((p) => p.id === next)) {
+      options.push(el("option", { text: `${this.labels[position + 1]}, the text's next token`, attrs: { value: next } }));
+    }
     this.target.replaceChildren(...options);
-    if (top.some((p) => String(p.id) === keep)) this.target.value = keep;
+    if ([...this.target.options].some((o) => o.value === keep)) this.target.value = keep;
   }
 
   // What to ask for: { position, target } (target null: the top guess).
@@ -93,6 +106,7 @@ export class AttributionPanel {
     this.filters.hidden = !controls;
     this.sum.textContent = note;
     this.grid.replaceChildren();
+    this.legend.textContent = "";
     for (const key of ["position", "target"]) delete this.root.dataset[key];
     this.drawnFrom = null;
   }
@@ -117,8 +131,12 @@ export class AttributionPanel {
     this.sum.textContent = `Logit of “${visibleSpaces(found.target_text)}” after “${after}”: ${found.logit.toFixed(3)} = `
       + `heads ${signed(headSum, 3)}, MLPs ${signed(mlpSum, 3)}, embeddings ${signed(found.embeddings, 3)}, `
       + `attention biases ${signed(biasSum, 3)}, final norm and output bias ${signed(found.rest, 3)}. `
-      + "Each cell's sign says which way it pushes the guess (red: down); a head's effect through later layers is not counted here.";
-    this.grid.style.gridTemplateColumns = `auto repeat(${heads}, minmax(3.2em, 1fr)) minmax(3.6em, 1fr)`;
+      + "A head's effect through later layers is not counted here.";
+    // Each column at least as wide as its widest value ("−0.33"), then sharing what is left.
+    this.grid.style.gridTemplateColumns = `auto repeat(${heads + 1}, minmax(max-content, 1fr))`;
+    const strongest = Math.max(...found.mlps.map(Math.abs));
+    this.legend.textContent = `Colour: the strongest head's push (${peak.toFixed(2)}) is the fullest colour, red for down.`
+      + (strongest > peak ? ` MLP cells past it (up to ${strongest.toFixed(2)}) are drawn at full colour too: read their numbers.` : "");
     const cells = [el("span"), ...[...Array(heads).keys()].map((h) => el("span", { className: "finder-axis", text: `H${h}` })),
                    el("span", { className: "finder-axis", text: "MLP" })];
     for (let layer = 0; layer < layers; layer++) {

@@ -224,7 +224,7 @@ class Measures {
     $("measures").hidden = false;
     this.forgetPlot();
     this.forgetNeuron("This run's neuron view is drawn when this panel is in view.");
-    this.attribution.setTokens(this.labels);
+    this.attribution.setTokens(this.labels, null, run.tokens.map((t) => t.id));
     this.attribution.setPredictions(null);
     this.forgetAttribution("This run's attribution is drawn when this panel is in view.");
     this.forgetHeads("Finding this run's heads…");

@@ -254,13 +254,17 @@ def test_why_this_guess_draws_the_apis_logit_attribution_and_a_click_focuses(ran
     assert page.locator("#attribution button[tabindex='0']").count() == 1
 
     # Another position offers its own guesses; the second of them is split as the API splits it.
-    top = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "u8",
-                                                   "predictions": {"top_k": 5}}).json()["predictions"]["5"]
+    body = tiny_api.post("/api/v1/attention", json={"text": TEXT, "model": "tiny-gpt", "format": "u8", "predictions": {"top_k": 5}}).json()
+    top = body["predictions"]["5"]
     page.select_option("#attribution-position", "5")
     # Its own top guess, not the last position's guess asked for at this one.
     page.wait_for_selector(f"#attribution[data-position='5'][data-target='{top[0]['id']}']", timeout=30_000)
     offered = page.locator("#attribution-target option")
-    assert [offered.nth(i).get_attribute("value") for i in range(offered.count())] == [str(p["id"]) for p in top]
+    # The top 5, and the text's own next token where the model did not guess it.
+    following = body["tokens"][6]["id"]
+    want_ids = [p["id"] for p in top] + ([] if following in [p["id"] for p in top] else [following])
+    assert [offered.nth(i).get_attribute("value") for i in range(offered.count())] == [str(i) for i in want_ids]
+    assert "the text's next token" in offered.nth(want_ids.index(following)).text_content()
     page.select_option("#attribution-target", str(top[1]["id"]))
     page.wait_for_selector(f"#attribution[data-target='{top[1]['id']}']", timeout=30_000)
     want = tiny_api.get(f"/api/v1/runs/{run_id}/logit-attribution",
