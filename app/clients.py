@@ -21,6 +21,28 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+def tenant_secret(key: str) -> str:
+    """What keeps a key's run and view ids its own (hex): worked out from the key itself, never
+    from its SHA-256 digest, which the key file holds: a reader of that file with any one valid
+    key could otherwise compute another key's run id for a guessed text and read that run."""
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=32, person=b"manyeyes-tenant").hexdigest()
+
+
+def canonical_address(address: str) -> str:
+    """One spelling per client for fair shares: an IPv4-mapped IPv6 address is its IPv4 one, and
+    an IPv6 host counts as its /64 (one host is usually given a whole /64, and each of its 2^64
+    addresses was a share of its own); anything that is not an address is kept as it came."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6 and not ip.is_loopback:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
 class KeyRing:
     """The accepted keys, held only as SHA-256 digests. A file holds one hex digest per line
     (`printf %s "$KEY" | sha256sum`); blank lines and `#` comments are skipped."""
@@ -29,7 +51,9 @@ class KeyRing:
         digests = [key_digest(k) for k in keys if k]
         if key_file is not None:
             try:
-                lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+                # utf-8-sig: a file saved by an editor that writes a byte-order mark read its first
+                # digest as not a digest.
+                lines = Path(key_file).read_text(encoding="utf-8-sig").splitlines()
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"MANYEYES_API_KEYS_FILE {key_file}: cannot be read ({exc.__class__.__name__}: {exc})") from None
             before = len(digests)
@@ -37,12 +61,17 @@ class KeyRing:
                 line = line.split("#", 1)[0].strip()
                 if not line:
                     continue
+                words = line.split()
                 try:
-                    digest = bytes.fromhex(line.split()[0])
+                    digest = bytes.fromhex(words[0])
                 except ValueError:
                     digest = b""
                 if len(digest) != 32:
                     raise ValueError(f"{key_file}:{number}: expected a 64-digit SHA-256 hex digest")
+                # What follows a digest is a label (sha256sum writes "-"): a second digest there
+                # was silently dropped, and that key refused.
+                if any(len(word) == 64 and all(c in "0123456789abcdefABCDEF" for c in word) for word in words[1:]):
+                    raise ValueError(f"{key_file}:{number}: one digest a line (a second one follows the first)")
                 digests.append(digest)
             # An operator who names a key file wants keys: an empty one must not leave the API open.
             if len(digests) == before:
@@ -89,6 +118,10 @@ class TrustedProxies:
             ip = ipaddress.ip_address(address)
         except ValueError:
             return False
+        # Served on "::", an IPv4 proxy comes as ::ffff:127.0.0.1 and matched no IPv4 entry: every
+        # proxied user was then one client, sharing one share.
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
         return any(ip in net for net in self.networks)
 
     def client_address(self, peer: str, headers: list[tuple[bytes, bytes]]) -> str:
@@ -141,7 +174,7 @@ class ClientIdentity:
             return
         peer = (scope.get("client") or ("", 0))[0]
         address = self.proxies.client_address(peer, scope["headers"])
-        client = "addr:" + address
+        client = "addr:" + canonical_address(address)
         if not self.compress_loopback and on_loopback(address):
             scope["headers"] = [h for h in scope["headers"] if h[0] != b"accept-encoding"]
         if self.guarded(scope["path"]):
@@ -159,7 +192,7 @@ class ClientIdentity:
             client = key_id(digest)
             # Its runs' ids are its own (run_id_for): with one cache shared by every key, an id
             # worked out from a guessed text told whether another key had run it, and read its run.
-            scope.setdefault("state", {})["tenant"] = digest
+            scope.setdefault("state", {})["tenant"] = tenant_secret(token)
         scope.setdefault("state", {})["client"] = client
         await self.app(scope, receive, send)
 

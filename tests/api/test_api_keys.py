@@ -97,6 +97,17 @@ def test_a_key_file_that_gives_no_keys_fails_instead_of_opening_the_api(tmp_path
         KeyRing([], key_file)
 
 
+def test_a_key_file_with_a_byte_order_mark_reads_and_two_digests_on_a_line_are_refused(tmp_path):
+    digest = hashlib.sha256(b"k").hexdigest()
+    marked = tmp_path / "bom.txt"
+    marked.write_text(digest + "\n", encoding="utf-8-sig")
+    assert KeyRing(key_file=marked).digest_of("k") == digest
+    doubled = tmp_path / "two.txt"
+    doubled.write_text(f"{digest} {hashlib.sha256(b'j').hexdigest()}\n")
+    with pytest.raises(ValueError, match="one digest a line"):
+        KeyRing(key_file=doubled)
+
+
 @pytest.mark.parametrize("name", ["missing.txt", "."])  # no such file; a directory
 def test_a_key_file_that_cannot_be_opened_is_named_in_the_error(tmp_path, name):
     with pytest.raises(ValueError, match=r"MANYEYES_API_KEYS_FILE .* cannot be read"):
@@ -167,6 +178,23 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies():
     assert TrustedProxies([]).client_address("127.0.0.1", headers) == "127.0.0.1"
 
 
+def test_an_ipv4_proxy_is_trusted_on_a_server_listening_on_ipv6_too():
+    """Served on "::", an IPv4 proxy's address is IPv4-mapped (::ffff:127.0.0.1), and matched no
+    IPv4 entry: every proxied user counted as the proxy, one share for all."""
+    headers = [(b"x-forwarded-for", b"203.0.113.7")]
+    assert TrustedProxies(["127.0.0.1"]).client_address("::ffff:127.0.0.1", headers) == "203.0.113.7"
+    assert TrustedProxies(["127.0.0.1"]).client_address("::ffff:127.0.0.2", headers) == "::ffff:127.0.0.2"
+
+
+def test_one_client_is_one_share_however_its_address_is_spelled():
+    same = {clients.canonical_address(a) for a in ("2001:db8::1", "2001:DB8:0:0:0:0:0:1", "2001:db8::ffff:2")}
+    assert same == {"2001:db8::/64"}  # one IPv6 host: its /64, not 2^64 shares
+    assert clients.canonical_address("2001:db8:0:1::1") == "2001:db8:0:1::/64"
+    assert clients.canonical_address("::ffff:10.0.0.1") == "10.0.0.1"
+    assert clients.canonical_address("::1") == "::1" and clients.canonical_address("10.0.0.1") == "10.0.0.1"
+    assert clients.canonical_address("testclient") == "testclient"  # not an address: as it came
+
+
 def test_loopback_addresses_are_told_from_others():
     for local in ("127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1", ""):  # "": a Unix socket
         assert clients.on_loopback(local), local
@@ -221,3 +249,6 @@ def test_a_keys_run_ids_are_its_own_so_no_other_key_can_guess_them(locked):
     assert again.json()["run_id"] == mine  # a key's own repeats still come from the cache
     # An id handed over is enough to read the run: it is a link, as a view's id is.
     assert locked.get(f"/api/v1/runs/{mine}", headers=auth(KEYS[1])).status_code == 200
+    # The key file holds SHA-256 digests: whoever reads it still cannot work out a key's run ids.
+    from_file = run_id_for("minilm", text, None, False, hashlib.sha256(KEYS[1].encode()).hexdigest())
+    assert from_file != theirs
