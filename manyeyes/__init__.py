@@ -23,17 +23,32 @@ _LAZY = {
                      "NotReady", "ServerTimeout", "ConnectionFailed", "GenerationFailed"), "manyeyes.client"),
 }
 __all__ = sorted(_LAZY)
+# Submodules, reachable as attributes after a bare `import manyeyes` (`manyeyes.figures.heatmap`):
+# only `from manyeyes import figures` found them, since only an import sets a submodule's name.
+_SUBMODULES = ("client", "export", "figures", "model")
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'manyeyes' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "__version__":
+        # The installed distribution's (pyproject.toml's version); a checkout run without
+        # installing has none to read.
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value = version("manyeyes")
+        except PackageNotFoundError:
+            value = "0+unknown"
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'manyeyes' has no attribute {name!r}")
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, *_SUBMODULES, "__version__"})

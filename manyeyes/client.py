@@ -20,6 +20,7 @@ import base64
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,11 @@ COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
 
 class ManyeyesError(Exception):
     """Any failure the server reported, with its HTTP status and the stable code of its error body.
-    `status` is 0 when the server could not be reached or answered something unreadable."""
+    `status` is 0 when the server could not be reached or answered something unreadable, or when
+    this Client is closed (code closed). Raised by attention_batch, it carries `partial`: the
+    results of the texts before the chunk that failed, in order (texts[:len(exc.partial)])."""
+
+    partial: list[RemoteResult] | None = None
 
     def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None, body: dict | None = None):
         super().__init__(f"{status} {code}: {message}")
@@ -46,6 +51,12 @@ class ManyeyesError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.body = body  # the server's whole error body, where it sent one (its fields beyond `error`)
+
+    def __reduce__(self):
+        # An exception unpickles as cls(*args), and args holds only the formatted message: raised in
+        # a worker process, it failed to unpickle in the parent, which made multiprocessing.Pool hang
+        # for good and ProcessPoolExecutor report a BrokenProcessPool instead of the server's error.
+        return type(self), (self.status, self.code, self.message, self.retry_after_s, self.body), self.__dict__
 
 
 class InvalidRequest(ManyeyesError):
@@ -172,6 +183,12 @@ class Prediction:
     token: str  # how the id reads on its own, e.g. " the"
     id: int
     prob: float
+
+    @property
+    def text(self) -> str:
+        """`token` by the name a local generation's step gives it (`Choice.text`): the same loop,
+        `step.token.text`, reads a local and a remote generation."""
+        return self.token
 
 
 @dataclass(frozen=True)
@@ -469,7 +486,10 @@ def decode_arrays(response: httpx.Response) -> tuple[dict, dict[str, np.ndarray]
 class Client:
     """A synchronous client for one server. `api_key` is sent as `Authorization: Bearer ...`, which a
     server started with API keys requires (SECURITY.md), as may a proxy in front of it. A 429 is retried after its
-    Retry-After (capped at `max_retry_wait_s`) up to `max_retries` times, then raised as Overloaded."""
+    Retry-After (capped at `max_retry_wait_s`) up to `max_retries` times, then raised as Overloaded; a
+    refused connection (a server restarting) is tried again within the same budget, after 0.25 s,
+    0.5 s, 1 s and so on. Safe to share between threads, and to use in a process forked after it was
+    made: the child opens its own connections."""
 
     def __init__(
         self,
@@ -502,11 +522,36 @@ class Client:
         # arrives as a new one with its own connections.
         self._arguments = dict(base_url=base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
                                max_retry_wait_s=max_retry_wait_s, format=format, frames=frames, transport=transport)
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
+        self._headers = headers
+        self._http = self._connect()
+        self._pid = os.getpid()  # the process whose connections _http holds
+        self._closed = False
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
         self.format = format  # f16: exact to float16 at half json's size and none of its parsing
-        self.retries = 0  # 429s waited out over this client's life
+        self.retries = 0  # 429s, 503s and refused connections waited out over this client's life
+
+    @property
+    def http(self) -> httpx.Client:
+        """The httpx client this Client sends with (for routes it has no method for yet): this
+        process's own, and ManyeyesError (code closed) once the Client is closed."""
+        if self._closed:
+            raise ManyeyesError(0, "closed", "this Client is closed: make a new Client (or call it inside its `with` block)")
+        if self._pid != os.getpid():
+            # Forked (a "fork" multiprocessing pool calling a module-level Client): the child held
+            # the parent's pooled keep-alive sockets, and two processes reading one connection got
+            # each other's answers with no error. The inherited client is dropped, not closed:
+            # only the child's copies of the descriptors go when it is collected, never a
+            # connection the parent is using.
+            self._http = self._connect()
+            self._pid = os.getpid()
+        return self._http
+
+    def _connect(self) -> httpx.Client:
+        # A transport= given to the Client is the caller's, and is shared as it was given.
+        arguments = self._arguments
+        return httpx.Client(base_url=arguments["base_url"].rstrip("/"), headers=self._headers,
+                            timeout=arguments["timeout_s"], transport=arguments["transport"])
 
     def __enter__(self) -> Client:
         return self
@@ -515,7 +560,10 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self.http.close()
+        """Close this process's connections; any later call raises ManyeyesError (code closed)."""
+        if not self._closed and self._pid == os.getpid():  # a forked child never closed what it inherited
+            self._http.close()
+        self._closed = True
 
     def __getstate__(self) -> dict:
         if self._arguments["transport"] is not None:
@@ -525,42 +573,67 @@ class Client:
     def __setstate__(self, arguments: dict) -> None:
         self.__init__(**arguments)
 
-    def _send(self, method: str, path: str, stream: bool = False, **kwargs) -> httpx.Response:
+    def _send(self, method: str, path: str, stream: bool = False, retry_refused: bool = True, **kwargs) -> httpx.Response:
         """The response, after retrying a 429, or a 503 that says when to come back (Retry-After:
         a server shutting down, a proxy in front of a restarting one), after its Retry-After
         (capped) up to max_retries times; errors raised typed. A 503 without Retry-After (models
-        still loading) is NotReady at once: wait_ready waits for that. stream=True leaves the body
-        unread (the caller closes it). A JSON body may hold numpy integers and arrays."""
+        still loading) is NotReady at once: wait_ready waits for that. A refused connection is
+        tried again within the same max_retries, after 0.25 s, 0.5 s, 1 s... (capped at
+        max_retry_wait_s), and once one was, so is that 503 on the same waits: a restarted server
+        loading its models. retry_refused=False (ready, wait_ready: they poll on their own) does
+        neither. stream=True leaves the body unread (the caller closes it). A JSON body may hold
+        numpy integers and arrays."""
         if "json" in kwargs:  # numpy scalars (np.argmax's) and arrays, which json.dumps refuses
             kwargs["content"] = json.dumps(kwargs.pop("json"), default=_plain).encode("utf-8")
             kwargs["headers"] = {"Content-Type": "application/json", **(kwargs.get("headers") or {})}
+        http = self.http
+        refused, waited = 0, 0.0
         for attempt in range(self.max_retries + 1):
             try:
-                response = self.http.send(self.http.build_request(method, path, **kwargs), stream=stream)
+                response = http.send(http.build_request(method, path, **kwargs), stream=stream)
                 if response.is_error and stream:
                     response.read()
             except (httpx.ReadTimeout, httpx.WriteTimeout):
                 # Reached, but slower than the client allows: not a server to go looking for.
                 raise ConnectionFailed(
-                    0, "timeout", f"{self.http.base_url} took longer than this client's timeout_s "
-                    f"({self.http.timeout.read} s) to answer {method} {path}; raise Client(timeout_s=...) for slow requests",
+                    0, "timeout", f"{http.base_url} took longer than this client's timeout_s "
+                    f"({http.timeout.read} s) to answer {method} {path}; raise Client(timeout_s=...) for slow requests",
                 ) from None
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol) as exc:
-                raise ConnectionFailed(0, "network", f"{self.http.base_url} could not be reached: {exc}") from None
+            except httpx.ConnectError as exc:
+                # Nothing took the connection (a server restarting, not started yet), so the request
+                # never reached one and cannot have done anything: safe to send again. A restart
+                # ended a long attention_batch at once, with every finished chunk lost.
+                if retry_refused and attempt < self.max_retries:
+                    self.retries += 1
+                    pause = min(0.25 * 2**refused, self.max_retry_wait_s)
+                    time.sleep(pause)
+                    refused, waited = refused + 1, waited + pause
+                    continue
+                tries = f" (tried {refused + 1} times over {waited:.2g} s)" if refused else ""
+                raise ConnectionFailed(0, "network", f"{http.base_url} could not be reached{tries}: {exc}") from None
+            except (httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol) as exc:
+                raise ConnectionFailed(0, "network", f"{http.base_url} could not be reached: {exc}") from None
             except httpx.TransportError as exc:
                 # Connected, then the connection ended before a whole answer: the server went away
                 # (stopped, restarted, killed for memory) or a proxy cut it. Not retried: the same
                 # request may be what brought it down.
                 raise ConnectionFailed(
-                    0, "network", f"{self.http.base_url} closed the connection before it had answered {method} {path} "
+                    0, "network", f"{http.base_url} closed the connection before it had answered {method} {path} "
                     f"(the server stopped, restarted or crashed mid-request, or a proxy cut it off): {exc}",
                 ) from None
             wait = retry_after(response)
-            retryable = response.status_code == 429 or (response.status_code == 503 and wait is not None)
+            # Refused, then 503 without Retry-After: the server restarted and is loading its models.
+            restarting = response.status_code == 503 and wait is None and refused > 0
+            retryable = response.status_code == 429 or (response.status_code == 503 and wait is not None) or restarting
             if retryable and attempt < self.max_retries:
                 self.retries += 1
                 response.close()
-                time.sleep(min(wait or 1.0, self.max_retry_wait_s))
+                if restarting:  # on the same doubling waits: the budget reads the same however a restart goes
+                    pause = min(0.25 * 2**refused, self.max_retry_wait_s)
+                    refused, waited = refused + 1, waited + pause
+                else:
+                    pause = min(wait or 1.0, self.max_retry_wait_s)
+                time.sleep(pause)
                 continue
             if response.is_error:
                 raise error_from_response(response)
@@ -570,9 +643,11 @@ class Client:
     # -- operations --
 
     def ready(self) -> bool:
-        """True once every model on the server is loaded and warmed up."""
+        """True once every model on the server is loaded and warmed up. It does not check the
+        api_key: /readyz is open to all, so a server that needs a key reads True without one or
+        with a wrong one; models() is the cheap call that does (Unauthorized)."""
         try:
-            self._send("GET", "/readyz")
+            self._send("GET", "/readyz", retry_refused=False)
         except (NotReady, ConnectionFailed):
             return False
         return True
@@ -580,11 +655,12 @@ class Client:
     def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
         """Until the server is ready: NotReady at once if its models failed to load (the server's
         reason, which waiting would not change), NotReady if it still answered 503 after
-        timeout_s, ConnectionFailed if it could not be reached (a wrong URL, no server started)."""
+        timeout_s, ConnectionFailed if it could not be reached (a wrong URL, no server started).
+        Like ready(), about the server's models only: the api_key is first checked by a real call."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._send("GET", "/readyz")
+                self._send("GET", "/readyz", retry_refused=False)
                 return
             except (NotReady, ConnectionFailed) as exc:
                 last = exc
@@ -637,7 +713,9 @@ class Client:
         """One result per text, in order. The texts go `batch_size` at a time (the server's
         max_batch_texts, 32 by default: lower it for a server configured lower), each request one
         padded forward, so any number of texts can be passed. Each text must fit the server's
-        dense bound (else TooLarge needs_tiles: post it alone with attention())."""
+        dense bound (else TooLarge needs_tiles: post it alone with attention()). An error raised
+        after some chunks finished carries their results in `exc.partial` (input order, the texts
+        texts[:len(exc.partial)]; [] when the first chunk failed): pass the rest to resume."""
         if isinstance(texts, (str, bytes)):
             raise TypeError("texts must be a list of texts; for one text, call attention(text) or pass [text]")
         texts = list(texts)
@@ -649,10 +727,17 @@ class Client:
                    "predictions": None if predictions is None else {"top_k": predictions}}
         options = {k: v for k, v in options.items() if v is not None}
         results = []
-        for start in range(0, len(texts), batch_size):
-            chunk = texts[start : start + batch_size]
-            pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": chunk, **options}))
-            results += [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(chunk, pieces)]
+        try:
+            for start in range(0, len(texts), batch_size):
+                chunk = texts[start : start + batch_size]
+                pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": chunk, **options}))
+                results += [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(chunk, pieces)]
+        except ManyeyesError as exc:
+            # A failure late in a long run (a restart past the retries, one text too long) threw
+            # away every chunk already computed: they go with the error, and the run resumes at
+            # texts[len(exc.partial):].
+            exc.partial = results
+            raise
         return results
 
     def slice(

@@ -20,3 +20,8 @@ class TooLongError(ValueError):
             f"input is {n_tokens:,} tokens long but the model takes at most {max_tokens:,}; "
             "shorten it or ask for truncation"
         )
+
+    def __reduce__(self):
+        # An exception unpickles as cls(*args), and args holds only the message: raised in a worker
+        # process, it failed to unpickle in the parent (multiprocessing.Pool then hung for good).
+        return type(self), (self.n_tokens, self.max_tokens), self.__dict__

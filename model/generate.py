@@ -25,6 +25,12 @@ class Choice:
     text: str  # the token decoded on its own (a byte-level piece may be part of a character)
     prob: float  # under the model's own distribution (temperature 1, no top-k cut)
 
+    @property
+    def token(self) -> str:
+        """`text` by the name a prediction (`AttentionModel.predictions`) and the client's steps
+        give it: the same loop, `step.token.token`, reads a local and a remote generation."""
+        return self.text
+
 
 @dataclass(frozen=True)
 class Step:

@@ -94,8 +94,9 @@ def test_errors_carry_the_servers_code_and_message(client, kwargs, error, code, 
 
 
 def test_an_unreachable_server_is_a_typed_error():
-    with Client(f"http://127.0.0.1:{free_port()}", timeout_s=2) as c, pytest.raises(ConnectionFailed):
+    with Client(f"http://127.0.0.1:{free_port()}", timeout_s=2, max_retries=1) as c, pytest.raises(ConnectionFailed) as err:
         c.models()
+    assert (err.value.code, c.retries) == ("network", 1) and "could not be reached (tried 2 times over 0.25 s)" in err.value.message
     assert not Client(f"http://127.0.0.1:{free_port()}", timeout_s=2).ready()
 
 
@@ -653,3 +654,132 @@ def test_a_client_pickles_as_a_new_client_of_the_same_server(client, local):
         np.testing.assert_allclose(result.head(1, 0), local[1, 0], atol=1e-3, rtol=0)
     with pytest.raises(TypeError, match="transport"):
         pickle.dumps(Client("http://127.0.0.1:1", transport=httpx.MockTransport(lambda request: httpx.Response(200))))
+
+
+def test_a_refused_connection_is_tried_again_and_a_restarted_servers_loading_is_waited_out(monkeypatch):
+    """A server restarting mid-batch refused the next connection, and the client gave up at once
+    although that request had never reached a server; once it listened again it said 503 while
+    its models loaded. Both are waited out within max_retries; ready() and wait_ready() poll on
+    their own and ask once."""
+    from manyeyes.client import NotReady
+
+    slept = []
+    monkeypatch.setattr("manyeyes.client.time.sleep", slept.append)
+    answers = []
+
+    def restarting(request):
+        answers.append(request.url.path)
+        if len(answers) <= 2:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if len(answers) <= 4:
+            return httpx.Response(503, json={"error": {"code": "not_ready", "message": "models are still loading"}})
+        return httpx.Response(200, json={"models": []})
+
+    with Client("http://manyeyes.test", transport=httpx.MockTransport(restarting)) as mocked:
+        assert mocked.models() == [] and mocked.retries == 4
+    assert slept == [0.25, 0.5, 1.0, 2.0] and len(answers) == 5
+    answers.clear()
+    with Client("http://manyeyes.test", max_retries=3, transport=httpx.MockTransport(restarting)) as mocked, \
+            pytest.raises(NotReady) as err:
+        mocked.models()
+    assert err.value.code == "not_ready" and len(answers) == 4
+
+    def refused(request):
+        answers.append(request.url.path)
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    slept.clear(), answers.clear()
+    with Client("http://manyeyes.test", max_retries=3, max_retry_wait_s=0.6, transport=httpx.MockTransport(refused)) as mocked:
+        with pytest.raises(ConnectionFailed) as err:
+            mocked.models()
+        assert len(answers) == 4 and slept == [0.25, 0.5, 0.6]
+        assert err.value.message.startswith("http://manyeyes.test could not be reached (tried 4 times over 1.4 s): ")
+        answers.clear()
+        assert not mocked.ready() and len(answers) == 1
+        with pytest.raises(ConnectionFailed):
+            mocked.wait_ready(timeout_s=0)
+        assert len(answers) == 2
+    slept.clear(), answers.clear()
+    with Client("http://manyeyes.test", max_retries=0, transport=httpx.MockTransport(refused)) as mocked, \
+            pytest.raises(ConnectionFailed) as err:
+        mocked.models()
+    assert len(answers) == 1 and not slept and "could not be reached: " in err.value.message
+
+
+def test_a_call_waits_for_a_server_that_starts_meanwhile():
+    """The real thing: a refused connection (nothing listens yet), then the starting server's
+    503 while it loads tiny-gpt, then the answer."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.eco.conftest import ROOT
+
+    port = free_port()
+    env = {**os.environ, "MANYEYES_MODELS": json.dumps({"tiny-gpt": "tiny-gpt"}), "MANYEYES_WARMUP": "false"}
+    command = [sys.executable, "-m", "manyeyes", "serve", "--port", str(port), "--device", "cpu", "--log-level", "warning"]
+    started = []
+    threading.Timer(0.5, lambda: started.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL))).start()
+    try:
+        with Client(f"http://127.0.0.1:{port}", max_retries=200, max_retry_wait_s=0.2) as c:
+            result = c.attention(TEXT, layers=[0], heads=[3])
+            assert "".join(t.text for t in result.tokens) == TEXT and c.retries >= 2
+    finally:
+        time.sleep(0.6)  # the timer has fired, whatever happened
+        for proc in started:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def test_a_failed_batch_keeps_the_results_of_the_chunks_before_it(client, tiny_gpt):
+    """A long attention_batch lost every finished chunk when a later one failed (a restart, one
+    text too long): the error now carries them, in order, to resume from."""
+    texts = ["And God said.", "Let there be light.", "And there was light.", "x" * 400, "And God saw."]
+    with pytest.raises(InvalidRequest) as err:
+        client.attention_batch(texts, batch_size=2, layers=[0], format="json")
+    assert err.value.code == "too_long"
+    assert ["".join(t.text for t in r.tokens) for r in err.value.partial] == texts[:2]
+    np.testing.assert_allclose(err.value.partial[1].head(0, 3), tiny_gpt.attend(texts[1]).attention[0, 3].numpy(), atol=1e-5)
+    with pytest.raises(InvalidRequest) as err:
+        client.attention_batch(texts[3:], batch_size=2)
+    assert err.value.partial == []
+
+
+def test_a_closed_client_says_it_is_closed():
+    """A call after close() raised httpx's RuntimeError ("Cannot send a request, as the client has
+    been closed"), which `except ManyeyesError` does not catch."""
+    answer = httpx.MockTransport(lambda request: httpx.Response(200, json={"models": []}))
+    with Client("http://manyeyes.test", transport=answer) as c:
+        assert c.models() == []
+    for _ in range(2):
+        with pytest.raises(ManyeyesError, match="this Client is closed") as err:
+            c.models()
+        assert (err.value.status, err.value.code) == (0, "closed")
+        c.close()  # again: nothing to do
+    with pytest.raises(ManyeyesError, match="this Client is closed"):
+        next(iter(c.generate("Hi", 2)))
+
+
+def test_a_generation_steps_token_reads_the_same_locally_and_remotely(client, tiny_gpt):
+    """A local step's token had .text, the client's .token: the same loop broke on one of them."""
+    from manyeyes.model.generate import generate
+
+    remote, local_steps = list(client.generate(TEXT, 4)), list(generate(tiny_gpt, TEXT, 4))
+    for name in ("text", "token"):
+        assert [getattr(s.token, name) for s in remote] == [getattr(s.token, name) for s in local_steps]
+        assert [getattr(a, name) for a in remote[0].alternatives] == [getattr(a, name) for a in local_steps[0].alternatives]
+    assert remote[0].token.text == remote[0].token.token and remote[0].token.text
+
+
+def test_the_package_has_a_version_and_its_submodules_after_a_bare_import(tmp_path):
+    """`import manyeyes; manyeyes.figures` was an AttributeError (only `from manyeyes import
+    figures` worked), and there was no __version__."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    probe = ("import sys, manyeyes; v = manyeyes.__version__; f = manyeyes.figures.heatmap; "
+             "print(v, 'torch' in sys.modules, manyeyes.export.export_html.__module__, manyeyes.client.Client is manyeyes.Client, "
+             "{'figures', 'export', '__version__'} <= set(dir(manyeyes)))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [version("manyeyes"), "False", "manyeyes.export", "True", "True"], out.stdout + out.stderr
