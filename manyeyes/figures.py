@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import math
-import operator
 import os
 import secrets
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
+
+from manyeyes.model.indices import whole_number
 
 COLORSCALE = "Blues"
 
@@ -77,7 +78,12 @@ def write_whole(path, text: str) -> None:
         return
     folder, name = os.path.split(target)
     temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
-    f = open(temporary, "x", encoding="utf-8")  # "x", not mkstemp: the umask's permissions, as a plain open's
+    try:
+        f = open(temporary, "x", encoding="utf-8")  # "x", not mkstemp: the umask's permissions, as a plain open's
+    except OSError as exc:
+        # A missing or read-only folder: the caller never named the hidden temporary file, so the
+        # error names their path (OSError picks the subclass, FileNotFoundError, from the errno).
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from None
     try:
         with f:
             f.write(text)
@@ -85,17 +91,6 @@ def write_whole(path, text: str) -> None:
     except BaseException:
         os.remove(temporary)
         raise
-
-
-def whole_number(value, name: str) -> int:
-    """A layer or head index as an int: numpy's integers (np.argmax's) are taken; a float, a string
-    or a bool is a ValueError naming `name` (0.5 had drawn nothing, np.int64 failed deep in orjson)."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
 
 
 @dataclass
@@ -270,7 +265,8 @@ def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
 
 def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_special: bool = False,
             hide_first: bool = False, max_side: int = MAX_SIDE) -> go.Figure:
-    """One head: queries on rows, keys on columns, token labels, hover `query → key: weight`.
+    """One head: queries on rows, keys on columns, token labels, hover
+    `query 3 “e” → key 1 “h”: weight` (positions in the run, then the tokens).
     hide_special / hide_first: as the page's options (rows renormalised over the keys left).
     Over max_side tokens the cells are max-pooled, k x k tokens each (the title says k)."""
     layer, head = whole_number(layer, "layer"), whole_number(head, "head")
@@ -280,11 +276,15 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
     step = max(1, math.ceil(n / _cells(max_side)))
     # 14 px a cell, within [MIN_FIGURE_PX, 900]: six tokens had a 60-pixel matrix inside the margins
     size = min(900, max(MIN_FIGURE_PX, 260 + 14 * -(-n // step)))
-    # With tokens hidden a cell's index is no longer its position in the run: the label says it.
-    labels = np.array([f"{p} {t}" for p, t in zip(w.positions, w.tokens)] if w.hidden else w.tokens, dtype=object)
     if step == 1:
-        custom = np.stack(np.broadcast_arrays(labels[:, None], labels[None, :]), axis=-1)
-        hover = "%{customdata[0]} → %{customdata[1]}: %{z:.4f}<extra>query %{y}, key %{x}</extra>"
+        # Each cell: the query's and the key's tokens, then their positions in the run. %{y} and
+        # %{x} read the tick labels, the tokens themselves: a byte-level model repeats each letter,
+        # so "query e" could have been any of eight rows.
+        tokens, positions = np.array(w.tokens, dtype=object), np.array(w.positions, dtype=object)
+        custom = np.stack(np.broadcast_arrays(tokens[:, None], tokens[None, :], positions[:, None], positions[None, :]),
+                          axis=-1)
+        hover = ("query %{customdata[2]} “%{customdata[0]}” → key %{customdata[3]} “%{customdata[1]}”: %{z:.4f}"
+                 "<extra></extra>")
     else:
         spans = np.array([f"{w.positions[i]}–{w.positions[min(i + step, n) - 1]}" for i in range(0, n, step)], dtype=object)
         custom = np.stack(np.broadcast_arrays(spans[:, None], spans[None, :]), axis=-1)
@@ -423,9 +423,17 @@ def head_view(result, layer: int, heads: list[int] | None = None, *, hide_specia
 
 
 def head_measures(result) -> dict[str, np.ndarray]:
-    """Per-head summaries of the weights, each (len(layers), len(heads)):
-    previous_token (mean weight on the token just before), first_token (on token 0, an attention
-    sink), diagonal (on itself) and entropy (nats; low is sharp)."""
+    """Per-head summaries of the weights, each (len(layers), len(heads)), plain means over query
+    rows: previous_token (mean weight on the token just before, rows 1..T-1), first_token (on token
+    0, an attention sink), diagonal (on itself) and entropy (in nats, not normalised; low is sharp),
+    the last three over every row, row 0 included (a causal model's row 0 is all on itself).
+
+    These are not the server's head table (`manyeyes.model.measures.head_table`, the API's measures
+    "heads"), although names match: there `entropy` is each row's entropy over the log of the keys
+    it sees (0 sharp ... 1 uniform), and `entropy`, `self` and `first` leave out the rows that see a
+    single key (a causal model's row 0), `first` also row 0 itself and any row whose sliding window
+    no longer reaches token 0. previous_token equals the table's `previous`; diagonal equals `self`
+    only where no row sees a single key (a bidirectional model, MiniLM)."""
     a = weights_of(result).attention.astype(np.float64)
     n = a.shape[-1]
     rows = np.arange(1, n)

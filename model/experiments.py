@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from manyeyes.model.indices import whole_number
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
 
@@ -94,6 +95,12 @@ def next_token_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
 # ---------------------------------------------------------------------------- ablation
 @dataclass(frozen=True)
 class Ablation:
+    """One head to silence in `ablate`: head `head` of layer `layer` (from 0), by `mode`.
+
+    "zero" sets the head's slice of out_proj's input to 0; "mean" sets it to that slice's mean over
+    this run's positions. `ablate` also takes a plain (layer, head) or (layer, head, mode) tuple,
+    and numpy's integers as indices; it refuses a head the model lacks or a mode not in MODES."""
+
     layer: int
     head: int
     mode: str = "zero"  # "zero", or "mean": the head's output averaged over this run's positions
@@ -152,6 +159,10 @@ def _head_means(model: AttentionModel, result: AttentionResult, ablations: list[
 
 @dataclass
 class AblationResult:
+    """What `ablate` found. `before` and `after` are the whole runs (attention (n_layers, n_heads,
+    T, T)); `ranking` holds only the heads after the first ablated layer, since none before it can
+    move. The prediction fields are None for a model with no language-model head (MiniLM)."""
+
     before: AttentionResult
     after: AttentionResult
     ranking: list[HeadChange]  # heads downstream of the first ablated layer, largest change first
@@ -171,15 +182,22 @@ class AblationResult:
         return None if self.logprob_before is None else self.logprob_after - self.logprob_before
 
 
-def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation]) -> list[Ablation]:
-    ablations = list(ablations)
+def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation | tuple]) -> list[Ablation]:
+    """The ablations as a list of `Ablation`s with int indices, each a head of `model`, named once.
+
+    Takes (layer, head) and (layer, head, mode) tuples, and numpy's integers (np.argmax's) as
+    indices, as the figures do. TypeError for anything else; ValueError for an empty list, an index
+    that is no whole number, a head the model lacks, a head named twice or an unknown mode."""
+    ablations = [_as_ablation(a) for a in ablations]
     if not ablations:
         raise ValueError("name at least one (layer, head) to ablate")
     info = model.info
     seen = set()
-    for a in ablations:
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in (a.layer, a.head)):
-            raise ValueError(f"a head is named by two whole numbers, layer and head, not {a.layer!r} and {a.head!r}")
+    for k, a in enumerate(ablations):
+        try:
+            a = ablations[k] = Ablation(whole_number(a.layer, "layer"), whole_number(a.head, "head"), a.mode)
+        except ValueError:
+            raise ValueError(f"a head is named by two whole numbers, layer and head, not {a.layer!r} and {a.head!r}") from None
         if not (0 <= a.layer < info.n_layers and 0 <= a.head < info.n_heads):
             raise ValueError(f"no head L{a.layer} H{a.head}: layers 0..{info.n_layers - 1}, heads 0..{info.n_heads - 1}")
         if (a.layer, a.head) in seen:  # the later mode would silently win
@@ -190,9 +208,39 @@ def validate_ablations(model: AttentionModel, ablations: Iterable[Ablation]) -> 
     return ablations
 
 
-def ablate(model: AttentionModel, encoded: Encoded, ablations: Iterable[Ablation], top: int = 5) -> AblationResult:
+def _as_ablation(value) -> Ablation:
+    if isinstance(value, Ablation):
+        return value
+    if isinstance(value, tuple) and len(value) in (2, 3):
+        return Ablation(*value)
+    raise TypeError(f"each ablation is an Ablation(layer, head, mode) or a (layer, head) tuple, got {value!r}; "
+                    "one head is a list of one: [Ablation(0, 3)]")
+
+
+def _encoded(model: AttentionModel, value: str | Encoded) -> Encoded:
+    """A text encoded as `compare` encodes its texts (no truncation), or an Encoded as it is."""
+    if isinstance(value, str):
+        return model.encode(value)
+    if isinstance(value, Encoded):
+        return value
+    raise TypeError(f"expected a text (str) or model.encode(text)'s Encoded, got {type(value).__name__}")
+
+
+def ablate(model: AttentionModel, encoded: str | Encoded, ablations: Iterable[Ablation | tuple],
+           top: int = 5) -> AblationResult:
+    """Run `encoded` twice, clean and with `ablations` silenced, and rank what moved downstream.
+
+    encoded: a text (str, encoded with `model.encode`, so TooLongError past the model's positions)
+    or an `Encoded` from `model.encode(text, truncate=True)` and the like.
+    ablations: `Ablation`s or (layer, head[, mode]) tuples, at least one (see `validate_ablations`
+    for what is refused). top: guesses kept per predicted position, for a model with an LM head.
+
+    Returns an AblationResult: both runs, the heads after the first ablated layer ranked by mean
+    Jensen-Shannon divergence (bits) of their rows, and, for a model with a language-model head,
+    the top `top` guesses and log p of each target before and after (see AblationResult)."""
     from manyeyes.model.attention import Capture
 
+    encoded = _encoded(model, encoded)
     ablations = validate_ablations(model, ablations)
     before = model.run([encoded], Capture(qkv=True))[0]
     means = _head_means(model, before, ablations)
@@ -241,6 +289,11 @@ def align(a: list[Token], b: list[Token]) -> list[tuple[int, int]]:
 
 @dataclass
 class Comparison:
+    """Two runs side by side (`compare`, `change_token`). `pairs` are the indices of the tokens
+    difflib aligns; `ranking` every head, largest mean Jensen-Shannon divergence (bits) first, over
+    the aligned rows restricted to the aligned keys and renormalised; `difference` A - B on the
+    aligned cells, as they are."""
+
     a: AttentionResult
     b: AttentionResult
     pairs: list[tuple[int, int]]  # aligned (index in a, index in b)
@@ -268,6 +321,11 @@ def compare_results(a: AttentionResult, b: AttentionResult) -> Comparison:
 
 
 def compare(model: AttentionModel, text_a: str, text_b: str) -> Comparison:
+    """Two texts in one batch, aligned on their tokens and ranked by how each head's rows differ.
+
+    Each text is encoded with `model.encode` (TooLongError past the model's positions). Returns a
+    Comparison, difference (n_layers, n_heads, P, P) for P aligned tokens; ValueError when the two
+    share no token to align."""
     a, b = model.run([model.encode(text_a), model.encode(text_b)])
     return compare_results(a, b)
 
@@ -305,7 +363,15 @@ def changed_tokens(model: AttentionModel, encoded: Encoded, index: int, change: 
     return Encoded(tokens, types, encoded.truncated)
 
 
-def change_token(model: AttentionModel, encoded: Encoded, index: int, change: str) -> Comparison:
+def change_token(model: AttentionModel, encoded: str | Encoded, index: int, change: str) -> Comparison:
+    """The input against itself with token `index` changed: "mask" or "unk" (the model's mask or
+    unknown token in its place) or "delete"; `token_changes(model)` lists what the model allows.
+
+    encoded: a text (str, encoded with `model.encode`) or an `Encoded`; `index` counts its tokens,
+    special ones included. Returns a Comparison, `a` the input as it is and `b` the changed one.
+    ValueError for an unknown change, an index outside the tokens, a special token ([CLS], BOS),
+    deleting the only token, or a mask or unknown token the vocabulary lacks (GPT-2, tiny-gpt)."""
+    encoded = _encoded(model, encoded)
     changed = changed_tokens(model, encoded, index, change)
     before, after = model.run([encoded, changed])
     return compare_results(before, after)

@@ -460,6 +460,13 @@ class NeuronView:
 
 
 def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head: int, query_index: int) -> NeuronView:
+    """One row of one head taken apart: the query at `query_index`, every key, their elementwise
+    products, the scores Σ(q ⊙ k) / √head_dim (-inf where the causal mask or the layer's sliding
+    window blocks a key), the run's own softmax row and the values it mixes; shapes in NeuronView.
+
+    `result` must come from a run with Capture(qkv=True) (else ValueError) that kept its weights
+    (not Capture(keep=True)). query_index counts as Python does (-1: the last token); outside the
+    run it is an IndexError. Under grouped-query attention `kv_head` names the key/value head read."""
     if result.queries is None or result.keys is None or result.values is None:
         raise ValueError("the neuron view needs queries, keys and values: run with Capture(qkv=True)")
     info = model.info

@@ -18,6 +18,9 @@ from manyeyes.model.tokenizer import Encoded, Token
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """What a loaded model is (`AttentionModel.info`): its name, architecture and sizes, how many
+    positions it takes and where and in what dtype it runs. The server's model list reports these."""
+
     id: str
     family: str  # a Hugging Face model_type ("bert", "gpt2", "llama", ...) or "gpt" (a book checkpoint)
     causal: bool
@@ -39,6 +42,8 @@ MAX_TOP_K = 20  # predictions kept per position; a request asks for at most this
 
 @dataclass(frozen=True)
 class Prediction:
+    """One of a model's most likely tokens at a position (`AttentionModel.predict` / `predictions`)."""
+
     token: str  # how the id reads on its own, e.g. " the"
     id: int
     prob: float  # softmax over the whole vocabulary, float32
@@ -46,6 +51,14 @@ class Prediction:
 
 @dataclass
 class AttentionResult:
+    """One input's run (`AttentionModel.attend`, `attend_batch`, `run`): its tokens and what the
+    forward captured. T is the number of tokens; `truncated` says the input was cut to fit.
+
+    Which parts are present depends on the `Capture` it ran with and the model: `attention` is
+    None under Capture(keep=True), which fills `kept` instead; `logits`, `top_ids` and `top_probs`
+    only for a model with a language-model head; queries, keys and values only with
+    Capture(qkv=True). Its repr is one line: the token count, a few tokens, the attention's shape."""
+
     tokens: list[Token]
     truncated: bool
     attention: torch.Tensor | None  # (n_layers, n_heads, T, T) float32 on the CPU, post-softmax; None when kept
@@ -61,6 +74,28 @@ class AttentionResult:
     values: list[torch.Tensor] | None = None
     # Capture(keep=True): the queries and keys that regenerate every weight, on the model's device.
     kept: KeptAttention | None = None
+
+    def __repr__(self) -> str:
+        # One line: the generated repr printed every Token and whole tensors (16 KB for 16 tokens).
+        n = len(self.tokens)
+        texts = [_short_text(t) for t in (self.tokens if n <= 6 else [*self.tokens[:3], *self.tokens[-2:]])]
+        if n > 6:
+            texts.insert(3, "…")
+        if self.attention is not None:
+            attention = f"attention {tuple(self.attention.shape)} {str(self.attention.dtype).removeprefix('torch.')}"
+        else:
+            attention = "attention kept" if self.kept is not None else "no attention"
+        parts = [name for name, value in (("hidden", self.hidden), ("logits", self.logits), ("top-k", self.top_ids),
+                                          ("queries/keys/values", self.queries)) if value is not None]
+        with_parts = f", with {', '.join(parts)}" if parts else ""
+        return (f"AttentionResult({n} token{'' if n == 1 else 's'} [{', '.join(texts)}], {attention}, "
+                f"truncated={self.truncated}{with_parts})")
+
+
+def _short_text(token) -> str:
+    """A token's text for a repr, quoted, at most 12 characters of it."""
+    text = getattr(token, "text", token)
+    return repr(text if len(text) <= 12 else text[:11] + "…")
 
 
 @dataclass
@@ -122,6 +157,14 @@ def padded_inputs(batch: list[Encoded], lengths: list[int], width: int) -> torch
 
 
 class AttentionModel:
+    """A network and its tokenizer, ready for inference: `manyeyes.load(...)` returns one.
+
+    `attend(text)` runs one input and returns an AttentionResult (the weights of every layer and
+    head, (n_layers, n_heads, T, T)); `attend_batch(texts)` runs several in one forward; `encode`
+    and `run` split the two steps; `predict` / `predictions` read the top next (or masked) tokens.
+    `info` (a ModelInfo) describes the model, `device` is where it runs, `net` and `tokenizer` are
+    the torch module and tokenizer underneath."""
+
     def __init__(self, net: torch.nn.Module, tokenizer, info: ModelInfo, half: bool = False):
         self.net = net
         self.tokenizer = tokenizer
@@ -134,7 +177,17 @@ class AttentionModel:
         self.autocast_dtype: torch.dtype | None = torch.float16 if half else None
         self.device = next(net.parameters()).device
 
+    def __repr__(self) -> str:
+        info = self.info
+        return f"<AttentionModel {info.id!r}: {info.family}, {info.n_layers} layers × {info.n_heads} heads, {self.device}>"
+
     def encode(self, text: str, text_pair: str | None = None, truncate: bool = False) -> Encoded:
+        """The model's tokens for `text` (and `text_pair`, a second segment), special tokens
+        included, as an `Encoded` for `run`, `experiments.ablate` or `change_token`.
+
+        truncate: cut an input longer than `info.max_tokens` to fit (Encoded.truncated says so);
+        without it such an input is a TooLongError (a ValueError). TypeError for a text (or a
+        text_pair other than None) that is not a str."""
         # The tokenizers' own errors for a non-string say nothing a caller can act on.
         for name, value in (("text", text), ("text_pair", text_pair)):
             if not isinstance(value, str) and not (name == "text_pair" and value is None):
@@ -142,9 +195,23 @@ class AttentionModel:
         return self.tokenizer.encode(text, text_pair, truncate)
 
     def attend(self, text: str, text_pair: str | None = None, truncate: bool = False, capture: Capture = Capture()):
+        """Run one text (and `text_pair`, a second segment) and return an AttentionResult:
+        attention (n_layers, n_heads, T, T), float32 on the CPU, each row a query's weights over
+        the keys (rows sum to 1); hidden (T, d_model); for a model with a language-model head,
+        logits and the top-k ids and probabilities. `capture` chooses what else comes back (see
+        `Capture`: qkv, hidden, logits, keep for long inputs).
+
+        Errors as `encode`: TypeError for a non-str text, TooLongError past `info.max_tokens`
+        unless truncate=True."""
         return self.run([self.encode(text, text_pair, truncate)], capture)[0]
 
     def attend_batch(self, texts: list[str], truncate: bool = False, capture: Capture = Capture()):
+        """Several texts in one padded, masked forward: a list of AttentionResults in their order,
+        each as `attend` would give it (its own T, its own storage; equal to a lone run up to
+        float rounding). Under Capture(keep=True) each text runs alone.
+
+        TypeError for a single str (use `attend`) or an item that is not a str; TooLongError for
+        any text past `info.max_tokens` unless truncate=True."""
         if isinstance(texts, str):  # else each character would run as its own text
             raise TypeError("texts must be a list of str; for one text call attend")
         return self.run([self.encode(t, None, truncate) for t in texts], capture)
@@ -155,6 +222,11 @@ class AttentionModel:
         return self.predictions(self.attend(text, text_pair, truncate), top_k)
 
     def predictions(self, result: AttentionResult, top_k: int = 5) -> dict[int, list[Prediction]]:
+        """`predict` for a run already made: {position: [Prediction, ...]}, best first, `top_k` each.
+        Every position of a causal LM (the token after it); each [MASK] / <mask> of a masked LM.
+
+        ValueError for a model with no language-model head (MiniLM), a result with no top-k
+        (top_ids None), or a top_k outside 1..MAX_TOP_K (20; fewer for a smaller vocabulary)."""
         return self.predictions_from(result.tokens, result.top_ids, result.top_probs, top_k)
 
     def predictions_from(self, tokens: list[Token], top_ids, top_probs, top_k: int) -> dict[int, list[Prediction]]:

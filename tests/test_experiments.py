@@ -317,3 +317,46 @@ def test_token_changes_are_the_ones_the_vocabulary_allows(minilm):
     for change in ("mask", "unk"):
         with pytest.raises(ValueError, match=f"has no {change} token"):
             changed_tokens(tiny, encoded, 1, change)
+
+
+def test_ablate_takes_numpy_indices_tuples_and_a_text(minilm):
+    """Ablation(np.int64(0), np.int64(3)) was refused as "not two whole numbers" though the figures
+    take numpy's integers; a (0, 3) tuple was an AttributeError ('tuple' object has no attribute
+    'layer'); and ablate(model, "text", ...) an AttributeError ('str' object has no attribute
+    'ids'), where compare takes texts."""
+    import numpy as np
+
+    text = "The bank of the river."
+    enc = minilm.encode(text)
+    want = ablate(minilm, enc, [Ablation(1, 4), Ablation(2, 0, "mean")])
+    for ablations in ([Ablation(np.int64(1), np.int32(4)), Ablation(np.int64(2), np.uint8(0), "mean")],
+                      [(1, 4), (2, 0, "mean")], [(np.int64(1), 4), Ablation(2, 0, "mean")]):
+        got = ablate(minilm, enc, ablations)
+        assert torch.equal(got.after.attention, want.after.attention), ablations
+        assert [(c.layer, c.head) for c in got.ranking] == [(c.layer, c.head) for c in want.ranking]
+    from_text = ablate(minilm, text, [(1, 4), (2, 0, "mean")])
+    assert from_text.before.tokens == enc.tokens and torch.equal(from_text.after.attention, want.after.attention)
+    # What the hooks are given is plain ints, whatever the caller named the heads with.
+    from manyeyes.model.experiments import validate_ablations
+
+    [a] = validate_ablations(minilm, [(np.int64(1), np.int64(4))])
+    assert a == Ablation(1, 4) and type(a.layer) is int and type(a.head) is int
+    # And the change-token experiment takes a text the same way.
+    masked = change_token(minilm, text, 2, "mask")
+    assert masked.b.tokens[2].piece == "[MASK]" and masked.a.tokens == enc.tokens
+
+
+def test_ablate_refuses_what_is_neither_a_head_nor_an_input_in_words(minilm):
+    import numpy as np
+
+    enc = minilm.encode("hi")
+    for ablations in ([[0, 3]], [(0,)], [(0, 3, "zero", 1)], ["L0H3"], (0, 3)):
+        with pytest.raises(TypeError, match=r"each ablation is an Ablation\(layer, head, mode\) or a \(layer, head\) tuple"):
+            ablate(minilm, enc, ablations)
+    for value in (np.float64(0.5), 1.0, "0"):
+        with pytest.raises(ValueError, match="two whole numbers, layer and head"):
+            ablate(minilm, enc, [Ablation(value, 3)])
+    with pytest.raises(TypeError, match=r"expected a text \(str\) or model.encode\(text\)'s Encoded, got list"):
+        ablate(minilm, ["hi"], [Ablation(0, 3)])
+    with pytest.raises(TypeError, match="got int"):
+        change_token(minilm, 7, 1, "mask")

@@ -38,7 +38,7 @@ def test_heatmap_shows_the_heads_weights_with_token_labels(request, local, kind)
     texts = [t.text.replace(" ", "␣") for t in local.tokens]  # spaces shown, as the page shows them
     assert list(fig.layout.xaxis.ticktext) == [texts[i] for i in fig.layout.xaxis.tickvals]
     assert list(fig.layout.xaxis.tickvals) == list(range(len(texts)))  # 57 tokens in 720 px: room for each label
-    assert trace.customdata[2][5].tolist() == [texts[2], texts[5]] and "→" in trace.hovertemplate
+    assert trace.customdata[2][5].tolist() == [texts[2], texts[5], 2, 5] and "→" in trace.hovertemplate
 
 
 def test_grid_has_one_panel_per_head_and_follows_a_slice(local, server):
@@ -187,7 +187,7 @@ def test_a_thousand_token_head_is_max_pooled_so_sharp_weights_stay_visible():
     grid = figures.grid(result)
     assert all(np.asarray(t.z).shape == (110, 110) for t in grid.data) and len(grid.to_json()) < 2e6
     assert np.asarray(grid.data[5].z)[1000 // 11, 0] == np.float32(0.9) and list(grid.data[5].x[:2]) == [0, 11]
-    short = figures.heatmap(_result(a[:, :, :40, :40], [chr(97 + i) for i in range(26)] * 2), 0, 0)
+    short = figures.heatmap(_result(a[:, :, :40, :40], [chr(97 + i % 26) for i in range(40)]), 0, 0)
     np.testing.assert_array_equal(np.asarray(short.data[0].z), a[0, 0, :40, :40])  # whole below max_side
 
 
@@ -202,7 +202,7 @@ def test_special_tokens_can_be_hidden_as_on_the_page():
     fig = figures.heatmap(result, 0, 0, hide_special=True)
     np.testing.assert_allclose(np.asarray(fig.data[0].z), [[0.75, 0.25], [0.5, 0.5]], rtol=1e-6)
     assert list(fig.layout.xaxis.ticktext) == ["bank", "river"]
-    assert fig.data[0].customdata[1][0].tolist() == ["2 river", "1 bank"]  # positions in the run, not in the view
+    assert fig.data[0].customdata[1][0].tolist() == ["river", "bank", 2, 1]  # positions in the run, not in the view
     assert "special tokens hidden, rows renormalised" in fig.layout.title.text
     first = figures.heatmap(result, 0, 0, hide_first=True)
     np.testing.assert_allclose(np.asarray(first.data[0].z)[0], [0.6, 0.2, 0.2], rtol=1e-6)
@@ -265,7 +265,7 @@ def test_a_short_run_is_not_drawn_tiny_and_long_labels_are_cut_outside_their_esc
     fig = figures.heatmap(_result(np.full((1, 1, n, n), 1 / n, dtype=np.float32), texts), 0, 0)
     assert fig.layout.height >= 460 and fig.layout.width >= 460
     assert list(fig.layout.xaxis.ticktext) == ["&lt;|begin_of_text|&gt;", "a" * 19 + "…", "x" * 18 + "&amp;…", "ok"]
-    assert fig.data[0].customdata[0][1].tolist() == ["&lt;|begin_of_text|&gt;", "a" * 30]
+    assert fig.data[0].customdata[0][1].tolist() == ["&lt;|begin_of_text|&gt;", "a" * 30, 0, 1]
 
 
 @contextlib.contextmanager
@@ -350,3 +350,48 @@ def test_hiding_every_token_says_which_option_hid_them():
         figures.grid(one, hide_first=True)
     with pytest.raises(ValueError, match=r"^hiding the special tokens and the first token leaves no token to draw$"):
         figures.head_view(specials, 0, hide_special=True, hide_first=True)
+
+
+def test_heatmap_hover_names_each_cells_positions(local):
+    """The hover's second label read "query e, key h": %{y} and %{x} give the tick labels, and in a
+    byte-level run (tiny-gpt) the same letter is many rows. The positions come from customdata."""
+    fig = figures.heatmap(local, 0, 3)
+    trace = fig.data[0]
+    texts = [t.text.replace(" ", "␣") for t in local.tokens]
+    assert texts.count(texts[5]) > 1  # the letter on its own does not say which row
+    assert trace.customdata[5][4].tolist() == [texts[5], texts[4], 5, 4]
+    assert trace.hovertemplate == ("query %{customdata[2]} “%{customdata[0]}” → key %{customdata[3]} "
+                                   "“%{customdata[1]}”: %{z:.4f}<extra></extra>")
+    # Hidden tokens: still the positions in the run, not in the view.
+    a = np.full((1, 1, 4, 4), 0.25, dtype=np.float32)
+    hidden = figures.heatmap(_result(a, ["[CLS]", "e", "e", "[SEP]"], [True, False, False, True]), 0, 0, hide_special=True)
+    assert hidden.data[0].customdata[1][0].tolist() == ["e", "e", 2, 1]
+
+
+@pytest.mark.browser
+def test_heatmap_hover_reads_positions_and_tokens_in_chromium(browser, local, tmp_path):
+    path = tmp_path / "hover.html"
+    figures.to_html(figures.heatmap(local, 0, 3), str(path))
+    page = browser.new_page(viewport={"width": 1200, "height": 1000})
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".nsewdrag", state="attached")
+        box = page.query_selector(".nsewdrag").bounding_box()
+        n = len(local.tokens)
+        page.mouse.move(box["x"] + box["width"] * 4.5 / n, box["y"] + box["height"] * 5.5 / n)  # query 5, key 4
+        page.wait_for_selector(".hoverlayer text", state="attached")
+        hover = " ".join(page.eval_on_selector_all(".hoverlayer text", "els => els.map(e => e.textContent)"))
+    finally:
+        page.close()
+    texts = [t.text.replace(" ", "␣") for t in local.tokens]
+    weight = float(local.attention[0, 3, 5, 4])
+    assert hover == f"query 5 “{texts[5]}” → key 4 “{texts[4]}”: {weight:.4f}", hover
+
+
+def test_to_html_into_a_missing_folder_names_that_path(local, tmp_path):
+    """The FileNotFoundError named the hidden temporary file (.x.html.1710e27b.tmp), not the target."""
+    path = tmp_path / "no" / "such" / "x.html"
+    with pytest.raises(FileNotFoundError) as caught:
+        figures.to_html(figures.heatmap(local, 0, 3), str(path))
+    assert caught.value.filename == str(path) and ".tmp" not in str(caught.value), caught.value
+    assert str(path) in str(caught.value) and caught.value.__cause__ is None

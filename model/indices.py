@@ -1,0 +1,15 @@
+"""How a layer, head or other index given from Python is read, in one place for the model, the
+figures, the export and the experiments."""
+
+import operator
+
+
+def whole_number(value, name: str) -> int:
+    """A layer or head index as an int: numpy's integers (np.argmax's) are taken; a float, a string
+    or a bool is a ValueError naming `name` (0.5 had drawn nothing, np.int64 failed deep in orjson)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be a whole number (an int), got {value!r}")

@@ -1,0 +1,47 @@
+"""Reprs a notebook shows: one line that says what a result or a model is, not its every number."""
+
+import dataclasses
+
+import pytest
+
+from manyeyes.model import Capture, load
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-gpt", device="cpu")
+
+
+def test_a_result_is_one_line_whatever_its_length(minilm, tiny):
+    """Displaying a 16-token result printed 16 KB: every Token, then whole tensors."""
+    r = minilm.attend("The bank of the river.")
+    assert repr(r) == ("AttentionResult(8 tokens ['[CLS]', 'The', 'bank', …, '.', '[SEP]'], attention (6, 12, 8, 8) "
+                       "float32, truncated=False, with hidden)")
+    long = minilm.attend("word " * 600, truncate=True)
+    assert repr(long).startswith("AttentionResult(512 tokens ['[CLS]', 'word', 'word', …, 'word', '[SEP]'], "
+                                 "attention (6, 12, 512, 512) float32, truncated=True")
+    assert len(repr(long)) < 200 and "\n" not in repr(long)
+    assert repr(tiny.attend("hi")) == ("AttentionResult(2 tokens ['h', 'i'], attention (2, 8, 2, 2) float32, "
+                                       "truncated=False, with hidden, logits, top-k)")
+    assert repr(tiny.attend("")).startswith("AttentionResult(0 tokens [], attention (2, 8, 0, 0)")
+    # Only what was captured is named; a kept run says so instead of a shape.
+    assert repr(minilm.attend("a b", capture=Capture(qkv=True, hidden=False))).endswith(
+        "truncated=False, with queries/keys/values)")
+    kept = tiny.run([tiny.encode("In the beginning")], Capture(keep=True))[0]
+    assert ", attention kept, " in repr(kept) and "16 tokens" in repr(kept)
+    # A token's text is quoted (a newline stays on the line) and cut at 12 characters.
+    tokens = [r.tokens[0]._replace(text=text) for text in ("a\nb", "x" * 30)]
+    odd = dataclasses.replace(r, tokens=tokens, attention=r.attention[:, :, :2, :2])
+    assert "['a\\nb', 'xxxxxxxxxxx…']" in repr(odd) and "\n" not in repr(odd)
+
+
+def test_a_result_is_still_a_dataclass(tiny):
+    r = tiny.attend("hi")
+    assert r == r and dataclasses.replace(r, truncated=True) != r
+    assert [f.name for f in dataclasses.fields(r)][:5] == ["tokens", "truncated", "attention", "hidden", "logits"]
+
+
+def test_a_model_names_itself(minilm, tiny):
+    """A model printed as `<AttentionModel object at 0x…>`."""
+    assert repr(minilm) == "<AttentionModel 'minilm': bert, 6 layers × 12 heads, cpu>"
+    assert repr(tiny) == "<AttentionModel 'tiny-gpt': gpt, 2 layers × 8 heads, cpu>"
