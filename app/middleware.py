@@ -25,9 +25,9 @@ access_log = logging.getLogger("manyeyes.access")
 DELIVERY = "manyeyes.delivery"
 
 
-def error_response(status: int, code: str, message: str, headers: dict | None = None) -> Response:
+def error_response(status: int, code: str, message: str, headers: dict | None = None, fields: dict | None = None) -> Response:
     """The JSON error every refusal gives, as a Response (send_error writes the same to an ASGI send)."""
-    return Response(orjson.dumps(error_body(code, message)), status_code=status, media_type="application/json", headers=headers)
+    return Response(orjson.dumps(error_body(code, message, fields)), status_code=status, media_type="application/json", headers=headers)
 
 
 async def send_error(send, status: int, code: str, message: str, headers: list | None = None) -> None:

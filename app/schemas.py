@@ -248,6 +248,7 @@ class ModelsResponse(BaseModel):
 class ErrorDetail(BaseModel):
     code: str = Field(examples=["too_long"])
     message: str = Field(examples=["input is 700 tokens long but the model takes at most 512; shorten it or ask for truncation"])
+    max_batch_texts: int | None = Field(None, description="POST /attention/batch with too many texts: the server's limit")
 
 
 class ErrorResponse(BaseModel):

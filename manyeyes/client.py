@@ -710,9 +710,9 @@ class Client:
         predictions: int | None = None,
         batch_size: int = 32,
     ) -> list[RemoteResult]:
-        """One result per text, in order. The texts go `batch_size` at a time (the server's
-        max_batch_texts, 32 by default: lower it for a server configured lower), each request one
-        padded forward, so any number of texts can be passed. Each text must fit the server's
+        """One result per text, in order. The texts go `batch_size` at a time, each request one
+        padded forward, so any number of texts can be passed; a server configured for fewer a batch
+        (its max_batch_texts, 32 by default) says its limit, and the rest go that many at a time. Each text must fit the server's
         dense bound (else TooLarge needs_tiles: post it alone with attention()). An error raised
         after some chunks finished carries their results in `exc.partial` (input order, the texts
         texts[:len(exc.partial)]; [] when the first chunk failed): pass the rest to resume."""
@@ -728,9 +728,16 @@ class Client:
         options = {k: v for k, v in options.items() if v is not None}
         results = []
         try:
-            for start in range(0, len(texts), batch_size):
-                chunk = texts[start : start + batch_size]
-                pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": chunk, **options}))
+            while len(results) < len(texts):
+                chunk = texts[len(results) : len(results) + batch_size]
+                try:
+                    pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": chunk, **options}))
+                except InvalidRequest as exc:
+                    limit = ((exc.body or {}).get("error") or {}).get("max_batch_texts")
+                    if isinstance(limit, int) and 1 <= limit < len(chunk):
+                        batch_size = limit  # the same chunk again, cut to the server's size
+                        continue
+                    raise
                 results += [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(chunk, pieces)]
         except ManyeyesError as exc:
             # A failure late in a long run (a restart past the retries, one text too long) threw

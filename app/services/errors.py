@@ -13,10 +13,11 @@ class ApiError(Exception):
     status = 400
     code = "bad_request"
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.fields = fields or {}  # beside code and message in the body's `error`, for programs to read
 
 
 class InvalidInput(ApiError):
@@ -114,8 +115,8 @@ class NotReady(ApiError):
     code = "not_ready"
 
 
-def error_body(code: str, message: str) -> dict:
-    return {"error": {"code": code, "message": message}}
+def error_body(code: str, message: str, fields: dict | None = None) -> dict:
+    return {"error": {"code": code, "message": message, **(fields or {})}}
 
 
 class ClientClosed(ApiError):

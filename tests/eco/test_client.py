@@ -511,6 +511,22 @@ def test_batch_takes_any_number_of_texts_in_order_and_refuses_a_bare_string(clie
             client.attention_batch(**bad)
 
 
+def test_a_batch_size_over_the_servers_limit_goes_at_the_limit_the_server_names(client):
+    """batch_size=40 against a server that takes 32 was a 422 "a batch holds at most 32 texts":
+    the error names the limit as a number, and the client goes on at it, nothing lost."""
+    texts = [f"Verse {i}." for i in range(41)]
+    sent = []
+    client.http.event_hooks = {"request": [lambda request: sent.append(len(json.loads(request.content)["texts"]))]}
+    try:
+        results = client.attention_batch(texts, layers=[0], heads=[0], format="u8", batch_size=40)
+    finally:
+        client.http.event_hooks = {"request": [], "response": []}
+    assert sent == [40, 32, 9]
+    assert ["".join(t.text for t in r.tokens) for r in results] == texts
+    refused = client.http.post("/api/v1/attention/batch", json={"texts": texts})
+    assert refused.status_code == 422 and refused.json()["error"]["max_batch_texts"] == 32
+
+
 def test_a_503_with_retry_after_is_retried_and_one_without_is_not(monkeypatch):
     """A server shutting down (or a proxy before a restarting one) answers 503 with Retry-After;
     the client raised it at once, like the 503 of models still loading, which has none."""
