@@ -76,7 +76,9 @@ def cmd_attend(args) -> int:
     if args.matrix and args.json:
         print("error: --matrix chooses the table's form; --json prints every head of the API's answer", file=sys.stderr)
         return 2
-    settings = _settings()
+    from manyeyes.app.config import AttendSettings
+
+    settings = _settings(AttendSettings)  # MANYEYES_DENSE_MAX_TOKENS alone: the server's others are not read
     if settings is None:
         return 2
     model = load(args.model, device=args.device, dtype=args.dtype, show_progress=True)
@@ -208,13 +210,28 @@ def cmd_serve(args) -> int:
     from manyeyes.model.runtime import pick_device
 
     try:  # a device this machine lacks: one line now, not a server that answers 503 for good
-        pick_device(updates.get("device", settings.device))
+        device = pick_device(updates.get("device", settings.device))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # MANYEYES_HALF off CUDA: every model failed to load after "serving", and each request was a
+    # 503 for good. Not under --replicas, whose replicas load on Ray's nodes, with devices of their own.
+    if settings.half and device.type != "cuda" and not args.replicas:
+        print(f"error: MANYEYES_HALF is float16 autocast on CUDA, and this server's device is {device}: unset it, "
+              "or use MANYEYES_AUTOCAST=float16, which works on any device", file=sys.stderr)
         return 2
     if args.shared_forward:
         updates["shared_forward"] = True
     settings = settings.model_copy(update=updates)
+    if not settings.all_models():  # was a StopIteration traceback
+        print("error: no model to serve: MANYEYES_MODELS is empty and no --model or MANYEYES_EXTRA_MODELS adds one",
+              file=sys.stderr)
+        return 2
+    if settings.default_model_id() not in settings.all_models():
+        # Was a server that said "serving", loaded nothing and answered 503 for good.
+        print(f"error: MANYEYES_DEFAULT_MODEL={settings.default_model!r} is not a served model: use one of "
+              f"{', '.join(settings.all_models())}", file=sys.stderr)
+        return 2
     from manyeyes.app.clients import KeyRing, exposure_warning
 
     try:  # a key file that cannot be used stops start-up with one line, not a traceback
@@ -391,9 +408,10 @@ DTYPE_HELP = "weights' dtype (default auto: as stored on CUDA, float32 elsewhere
 # ---- export (issue 15): one self-contained HTML file of one run --------------------------------
 
 
-def _settings():
-    """The MANYEYES_* settings, or None after one line naming each variable that is malformed
-    (pydantic's own report is a dozen lines and a documentation URL)."""
+def _settings(settings_class=None):
+    """The MANYEYES_* settings (the server's, or those of `settings_class`: attend's one), or None
+    after one line naming each variable that is malformed (pydantic's own report is a dozen lines
+    and a documentation URL)."""
     import re
 
     from pydantic import ValidationError
@@ -402,7 +420,7 @@ def _settings():
     from manyeyes.app.config import Settings
 
     try:
-        return Settings()
+        return (settings_class or Settings)()
     except SettingsError as exc:  # a JSON-valued setting (MANYEYES_MODELS) that does not parse: a traceback
         field = re.search(r'field "(\w+)"', str(exc))
         name = f"MANYEYES_{field[1].upper()}" if field else "a MANYEYES_* setting"
@@ -537,9 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve another model (repeatable): a Hugging Face id (gpt2, org/name@revision), a folder or a "
         ".pth, optionally named ID=SPEC; the built-in minilm stays the default",
     )
-    serve.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
-    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--device", default=None,
+                       help="cpu, cuda, cuda:N, mps or auto (default: MANYEYES_DEVICE if set, else best available)")
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                       help=DTYPE_HELP.replace("default auto", "default: MANYEYES_DTYPE if set, else auto"))
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="the server's logging level (default info)")
     serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
                        help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
     serve.add_argument("--workers", type=_positive, default=1, metavar="N",

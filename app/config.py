@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     extra_models: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     default_model: str | None = None  # None: the first configured model
     device: str | None = None  # None: CUDA, then MPS, then CPU
-    half: bool = False  # float16 autocast on CUDA
+    half: bool = False  # float16 autocast on CUDA only: `manyeyes serve` refuses it on another device
     # serve: matmuls under autocast (the softmax and the weights stay float32); works on any device.
     autocast: Literal["off", "float16", "bfloat16"] = "off"
     # Quantise attention to the request's format on the device, before the copy to the host
@@ -177,7 +177,8 @@ class Settings(BaseSettings):
     # head from them: /runs/{id}/tile, /topk, /overview. 1024: MiniLM/tiny-gpt inputs all stay
     # dense, byte for byte as before; a 6-layer, 12-head run at T=1024 is 300 MB of weights.
     dense_max_tokens: int = Field(1024, ge=1)
-    # A tile answer is at most max_tile_side x max_tile_side cells; bigger windows are pooled.
+    # A tile answer is at most max_tile_side x max_tile_side cells: a bigger window is pooled to the
+    # request's rows/cols, and without them refused (413 too_many_cells).
     max_tile_side: int = Field(1024, ge=1)
     # Weights a tile or top-k request regenerates at once (a row block of its window): with the
     # answer, the most one request allocates, whatever the run's length.
@@ -195,7 +196,10 @@ class Settings(BaseSettings):
     # A client on loopback (or a Unix socket) gets answers as they are, whatever Accept-Encoding
     # says: there compressing only adds time (bench/link_bench.py). True compresses for it too.
     compress_loopback: bool = False
-    warmup: bool = True  # one forward at each model's maximum length before /readyz says ready
+    # Before /readyz says ready: one forward at each model's longest input up to dense_max_tokens,
+    # and three timed short ones that seed admission by work's first rate (registry.warm_up).
+    # False: no seeded rate, so a fresh server's first burst is admitted by count alone.
+    warmup: bool = True
 
     # Generation (POST /api/v1/generate): new tokens per request, and generations running at once.
     max_new_tokens: int = Field(256, ge=1)
@@ -263,3 +267,13 @@ class Settings(BaseSettings):
 
     def default_model_id(self) -> str:
         return self.default_model or next(iter(self.all_models()))
+
+
+class AttendSettings(BaseSettings):
+    """The one setting `manyeyes attend` reads (README, "Long inputs"): it runs no server, so the
+    server's other MANYEYES_* variables are none of its business. It validated every one of them,
+    and MANYEYES_MAX_TOPK=100, meant for a server, stopped `manyeyes attend "hi"` with status 2."""
+
+    model_config = SettingsConfigDict(env_prefix="MANYEYES_", extra="ignore")
+
+    dense_max_tokens: int = Field(Settings.model_fields["dense_max_tokens"].default, ge=1)

@@ -254,3 +254,29 @@ def test_export_help_says_the_settings_its_device_and_dtype_default_to(capsys):
     options = " ".join(capsys.readouterr().out.split())
     assert "--device DEVICE cpu, cuda, mps (default: MANYEYES_DEVICE if set, else best available)" in options
     assert "(default: MANYEYES_DTYPE if set, else auto: as stored on CUDA, float32 elsewhere)" in options
+
+
+def test_serve_help_says_the_settings_its_device_and_dtype_default_to(capsys):
+    """As export's: without the flag, serve uses MANYEYES_DEVICE and MANYEYES_DTYPE where set."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    options = " ".join(capsys.readouterr().out.split())
+    assert "--device DEVICE cpu, cuda, cuda:N, mps or auto (default: MANYEYES_DEVICE if set, else best available)" in options
+    assert "(default: MANYEYES_DTYPE if set, else auto: as stored on CUDA, float32 elsewhere)" in options
+    assert "--log-level {debug,info,warning,error} the server's logging level (default info)" in options
+
+
+def test_attend_reads_no_server_setting_but_its_own(capsys, monkeypatch):
+    """`manyeyes attend` takes arguments, not the server's settings (README), yet validated every
+    MANYEYES_* variable: MANYEYES_MAX_TOPK=100, meant for a server, stopped it with status 2 (audit
+    h46c). The one setting it reads, MANYEYES_DENSE_MAX_TOKENS, is still refused in one line."""
+    monkeypatch.setenv("MANYEYES_MAX_TOPK", "100")
+    monkeypatch.setenv("MANYEYES_MODELS", '{"a": ')
+    monkeypatch.setenv("MANYEYES_HALF", "maybe")
+    assert main(["attend", "In the beginning", "--model", "tiny-gpt"]) == 0
+    captured = capsys.readouterr()
+    assert "layer 0, head 0" in captured.out and "error" not in captured.err, captured.err
+    monkeypatch.setenv("MANYEYES_DENSE_MAX_TOKENS", "0")
+    assert main(["attend", "In the beginning", "--model", "tiny-gpt"]) == 2
+    assert capsys.readouterr().err == ("error: a MANYEYES_* setting in the environment is malformed: "
+                                       "MANYEYES_DENSE_MAX_TOKENS='0': Input should be greater than or equal to 1\n")

@@ -230,3 +230,43 @@ def test_attend_json_refuses_an_empty_layer_list_as_the_api_does(capsys):
     """`--layers ""` printed every layer, where the API refuses an empty list (422)."""
     assert main(["attend", TEXT, "--json", "--layers", ""]) == 2
     assert "layers is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, args, says", [
+    ({"MANYEYES_HALF": "true"}, ["--device", "cpu"],
+     "error: MANYEYES_HALF is float16 autocast on CUDA, and this server's device is cpu: unset it, or use "
+     "MANYEYES_AUTOCAST=float16, which works on any device\n"),
+    ({"MANYEYES_DEFAULT_MODEL": "nope"}, [],
+     "error: MANYEYES_DEFAULT_MODEL='nope' is not a served model: use one of minilm, tiny-gpt, tiny-llama\n"),
+    ({"MANYEYES_DEFAULT_MODEL": "nope"}, ["--model", "mine=tiny-gpt"],
+     "error: MANYEYES_DEFAULT_MODEL='nope' is not a served model: use one of minilm, tiny-gpt, tiny-llama, mine\n"),
+    ({"MANYEYES_MODELS": "{}"}, [],
+     "error: no model to serve: MANYEYES_MODELS is empty and no --model or MANYEYES_EXTRA_MODELS adds one\n"),
+], ids=["half-on-cpu", "unknown-default", "unknown-default-with-model-flag", "no-models"])
+def test_serve_refuses_settings_no_model_could_load_under_in_one_line(env, args, says, capsys, monkeypatch):
+    """MANYEYES_HALF on a CPU and a MANYEYES_DEFAULT_MODEL that names no served model each started a
+    server that said "serving", loaded no model and answered every request 503 `not_ready` for
+    good (audit h46c); MANYEYES_MODELS={} was a StopIteration traceback."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: pytest.fail("it served"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", str(free_port()), *args]) == 2
+    assert capsys.readouterr().err == says
+
+
+def test_a_default_model_that_a_model_flag_adds_is_served(monkeypatch):
+    import uvicorn
+
+    seen = {}
+
+    def run(server, sockets):
+        seen["settings"] = server.config.app.state.settings
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setenv("MANYEYES_DEFAULT_MODEL", "mine")
+    assert main(["serve", "--port", str(free_port()), "--model", "mine=tiny-gpt"]) == 0
+    assert seen["settings"].default_model_id() == "mine"
