@@ -231,6 +231,44 @@ class FlowEdge:
     head: int | None  # the head carrying most of it; None for the residual
 
 
+@dataclass(frozen=True)
+class RemoteNeuron:
+    """The neuron view of one head and one query token (GET /runs/{id}/neuron), as numpy arrays."""
+
+    run_id: str
+    layer: int
+    head: int
+    kv_head: int  # the key/value head this query head reads (grouped-query attention: shared)
+    n_heads: int
+    n_kv_heads: int
+    query_index: int
+    query: np.ndarray  # (head_dim,) after rotary, before the 1/sqrt(head_dim) scaling
+    keys: np.ndarray  # (T, head_dim)
+    products: np.ndarray  # (T, head_dim): query ⊙ key
+    scores: np.ndarray  # (T,): Σ(q ⊙ k) / √head_dim; NaN where the key is masked
+    weights: np.ndarray  # (T,): the softmax, the head's attention row
+    values: np.ndarray  # (T, head_dim)
+
+
+@dataclass(frozen=True)
+class RemoteLogitAttribution:
+    """Direct logit attribution at one position (GET /runs/{id}/logit-attribution), as the local
+    `manyeyes.model.measures.LogitAttribution` reads: heads + attention_bias + mlps + embeddings
+    + rest add up to `logit`."""
+
+    run_id: str
+    position: int
+    target: int  # the token id whose logit is split
+    target_text: str
+    logit: float
+    total: float
+    heads: list[tuple[int, int, float]]  # (layer, head, contribution), the largest effect (up or down) first
+    attention_bias: np.ndarray  # (n_layers,)
+    mlps: np.ndarray  # (n_layers,)
+    embeddings: float
+    rest: float  # the final norm's shift and the unembedding's bias
+
+
 @dataclass
 class RemoteMeasures:
     """A run's measures as numpy arrays; only those asked for are set (see README, Reading the measures)."""
@@ -884,16 +922,28 @@ class Client:
         body = self._run_get(run, "flow", {"threshold": threshold})
         return [FlowEdge(**_known(FlowEdge, e)) for e in body["edges"]]
 
-    def neuron(self, run: RemoteResult | str, layer: int, head: int, query: int) -> dict:
-        """The neuron view of one head and query token (query, keys, q ⊙ k, scores, softmax, values, kv_head)."""
-        return self._run_get(run, "neuron", {"layer": layer, "head": head, "query": query})
+    def neuron(self, run: RemoteResult | str, layer: int, head: int, query: int) -> RemoteNeuron:
+        """The neuron view of one head and query token: the query, every key, q ⊙ k, the scores,
+        the softmax and the values, and which key/value head the query head reads."""
+        body = self._run_get(run, "neuron", {"layer": layer, "head": head, "query": query})
+        arrays = {name: np.asarray(body[name], dtype=np.float32) for name in ("query", "keys", "products", "weights", "values")}
+        scores = np.array([np.nan if s is None else s for s in body["scores"]], dtype=np.float32)
+        return RemoteNeuron(**{**_known(RemoteNeuron, body), **arrays, "scores": scores})
 
-    def logit_attribution(self, run: RemoteResult | str, position: int, target: int | None = None, top: int = 10) -> dict:
-        """Each head's direct contribution to one logit, the `top` of largest effect (up or down) first (causal LMs)."""
+    def logit_attribution(self, run: RemoteResult | str, position: int, target: int | None = None,
+                          top: int = 10) -> RemoteLogitAttribution:
+        """Each head's direct contribution to one logit (causal LMs): the `top` heads of largest
+        effect, up or down, first; target: a token id, default the model's top guess there."""
         params = {"position": position, "top": top}
         if target is not None:
             params["target"] = target
-        return self._run_get(run, "logit-attribution", params)
+        body = self._run_get(run, "logit-attribution", params)
+        return RemoteLogitAttribution(**{
+            **_known(RemoteLogitAttribution, body),
+            "heads": [(h["layer"], h["head"], h["contribution"]) for h in body["heads"]],
+            "attention_bias": np.asarray(body["attention_bias"], dtype=np.float64),
+            "mlps": np.asarray(body["mlps"], dtype=np.float64),
+        })
 
     # -- long inputs: any head of any run, a window at a time
 

@@ -295,10 +295,19 @@ def test_measures_flow_neuron_and_attribution_come_typed(client, tiny_gpt):
     edges = client.flow(r, threshold=0.2)
     _, expected = information_flow(tiny_gpt, TEXT, threshold=0.2)
     assert {(e.layer, e.source, e.target) for e in edges} == {(e.layer, e.source, e.target) for e in expected}
+    # Typed, numpy, as the local measures read (they were the raw JSON dicts).
+    from manyeyes.model.measures import logit_attribution
+
     view = client.neuron(r, layer=1, head=0, query=5)
-    assert view["kv_head"] == 0
+    assert view.kv_head == 0 and view.weights.shape == (len(r.tokens),) and view.keys.shape[0] == len(r.tokens)
+    assert np.isnan(view.scores[6:]).all() and not np.isnan(view.scores[:6]).any()  # later keys are masked
+    np.testing.assert_allclose(view.weights, local.attention[1, 0, 5].numpy(), atol=1e-5)
     dla = client.logit_attribution(r, position=5, top=3)
-    assert len(dla["heads"]) == 3
+    want = logit_attribution(tiny_gpt, TEXT, position=5)
+    assert [(layer, head) for layer, head, _ in dla.heads] == [(layer, head) for layer, head, _ in want.ranked_heads()[:3]]
+    assert dla.target == want.target and abs(dla.logit - want.logit) < 1e-4
+    np.testing.assert_allclose(dla.mlps, want.mlps.numpy(), atol=1e-4)
+    assert abs(dla.total - dla.logit) < 1e-3
     gone = dataclasses.replace(r, run_id="e" * 32)
     with pytest.raises(NotFound):
         client.measures(gone.run_id, ["rollout"])
