@@ -448,16 +448,27 @@ def head_measures(result) -> dict[str, np.ndarray]:
 
 
 def measures(result, measure: str = "previous_token") -> go.Figure:
-    """A layer × head map of one of `head_measures`: which heads do what, at a glance."""
-    w = weights_of(result)
-    values = head_measures(result)
-    if measure not in values:
-        raise ValueError(f"measure must be one of {sorted(values)}, got {measure!r}")
+    """A layer × head map of one of `head_measures`: which heads do what, at a glance. `result`
+    may be a list of results (of the same model, layers and heads): the map is then the measure's
+    mean over them, the question a study of many sentences asks ("which head is previous-token on
+    average?"), which had to be stacked by hand and could not be drawn."""
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if not results:
+        raise ValueError("result is an empty list: pass at least one result")
+    views = [weights_of(r) for r in results]
+    w = views[0]
+    if any((v.layers, v.heads) != (w.layers, w.heads) for v in views[1:]):
+        raise ValueError("every result must hold the same layers and heads to be averaged")
+    each = [head_measures(r) for r in results]
+    if measure not in each[0]:
+        raise ValueError(f"measure must be one of {sorted(each[0])}, got {measure!r}")
+    values = np.mean([found[measure] for found in each], axis=0)
     fig = go.Figure(go.Heatmap(
-        z=values[measure], x=[f"H{h}" for h in w.heads], y=[f"L{l}" for l in w.layers], colorscale="Viridis",
-        text=np.round(values[measure], 2), texttemplate="%{text}",
+        z=values, x=[f"H{h}" for h in w.heads], y=[f"L{l}" for l in w.layers], colorscale="Viridis",
+        text=np.round(values, 2), texttemplate="%{text}",
         hovertemplate=f"%{{y}} %{{x}}: {measure} %{{z:.3f}}<extra></extra>",
     ))
-    fig.update_layout(title=f"{measure.replace('_', ' ')} per head", yaxis={"autorange": "reversed"},
+    over = f", mean over {len(results)} texts" if len(results) > 1 else ""
+    fig.update_layout(title=f"{measure.replace('_', ' ')} per head{over}", yaxis={"autorange": "reversed"},
                       width=140 + 60 * len(w.heads), height=140 + 50 * len(w.layers))
     return fig

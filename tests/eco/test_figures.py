@@ -72,6 +72,23 @@ def test_measures_find_the_previous_token_head(local, remote):
         figures.measures(local, "nope")
 
 
+def test_measures_average_over_many_texts(tiny_gpt, local, remote):
+    """The map of a study of many sentences ("which head is previous-token on average?") had to
+    be stacked by hand, and figures.measures could not draw a list: an AttributeError."""
+    others = [tiny_gpt.attend(t) for t in ("And God said.", "Let there be light.")]
+    fig = figures.measures([local, *others], "previous_token")
+    want = np.mean([figures.head_measures(r)["previous_token"] for r in (local, *others)], axis=0)
+    np.testing.assert_allclose(np.asarray(fig.data[0].z), want)
+    assert "mean over 3 texts" in fig.layout.title.text
+    np.testing.assert_allclose(np.asarray(figures.measures([remote, local]).data[0].z),
+                               (figures.head_measures(remote)["previous_token"] + figures.head_measures(local)["previous_token"]) / 2,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="empty"):
+        figures.measures([])
+    with pytest.raises(ValueError, match="same layers and heads"):
+        figures.measures([local, _result(np.full((1, 1, 2, 2), 0.5, np.float32), ["a", "b"], [False, False])])
+
+
 def test_html_is_offline(local, tmp_path):
     html = figures.to_html(figures.heatmap(local, 0, 3), str(tmp_path / "h.html"))
     # plotly.js itself (inlined) mentions its CDN for geo maps; what matters is that no script loads from anywhere.
