@@ -3,6 +3,7 @@
 // "it" to "animal"?" could be answered only by stepping through all 72 heads.
 
 import { el } from "./dom.js";
+import { F16_ZERO, weightText } from "./focus.js";
 
 const SHOWN = 10;
 
@@ -20,14 +21,15 @@ export class CellHeads {
   }
 
   // The model's weights as the run holds them: 8-bit for a layer whose exact values have not come
-  // (two decimals are what those hold), before any hiding or renormalising of the view.
+  // (the button's title says so), before any hiding or renormalising of the view. Written as the
+  // heatmap's reading writes them (weightText): two decimals read 0.0029 as "0.00".
   show(run, query, key, name, layer, head) {
     this.picked = { run, query, key, name };
     const found = [];
     for (let l = 0; l < run.nLayers; l++) {
       for (let h = 0; h < run.nHeads; h++) {
         const weight = run.weightAt(l, h, query, key);
-        if (weight !== null) found.push({ layer: l, head: h, weight });
+        if (weight !== null) found.push({ layer: l, head: h, weight, precise: run.isPrecise(l, h) });
       }
     }
     found.sort((a, b) => b.weight - a.weight || a.layer - b.layer || a.head - b.head);
@@ -37,9 +39,12 @@ export class CellHeads {
       node.addEventListener("click", onClick);
       return node;
     };
-    const list = el("ol", { className: "cell-heads-list" }, found.slice(0, SHOWN).map(({ layer: l, head: h, weight }) =>
-      el("li", {}, [button(`L${l} H${h} · ${weight.toFixed(2)}`,
-        { "data-layer": l, "data-head": h, "aria-pressed": String(l === layer && h === head) }, () => this.onFocus(l, h))])));
+    const coarse = (run.scale ?? 0) / 2; // what an 8-bit byte rounds either way
+    const list = el("ol", { className: "cell-heads-list" }, found.slice(0, SHOWN).map(({ layer: l, head: h, weight, precise }) =>
+      el("li", {}, [button(`L${l} H${h} · ${weightText(weight, precise ? F16_ZERO : coarse)}`,
+        { "data-layer": l, "data-head": h, "aria-pressed": String(l === layer && h === head),
+          ...(precise ? {} : { title: `8-bit value (±${coarse.toPrecision(2)}) until layer ${l}'s exact values come` }) },
+        () => this.onFocus(l, h))])));
     const waiting = missing ? ` (${missing} heads still loading)` : "";
     this.box.replaceChildren(
       el("p", { className: "hint", text: `${name(query)} → ${name(key)}, the heads by its weight${waiting}; click one to focus it:` }),

@@ -3,7 +3,7 @@
 
 import { ApiError, describeError } from "./api.js";
 import { el } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, mountModelLine, onRun, postJson, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
 
 // A comparison cuts its sentences as the run on screen was cut: ticking "Cut to fit" alone did
@@ -25,10 +25,13 @@ export function mountCompare(box) {
   const go = el("button", { text: "Compare", attrs: { id: "compare-run", type: "button" } });
   const note = el("p", { className: "exp-status", attrs: { id: "compare-status", role: "status", "aria-live": "polite" } });
   const ranking = el("div", { attrs: { id: "compare-ranking" } });
+  const modelLine = el("p", { className: "hint model-line", attrs: { id: "compare-model" } });
+  mountModelLine(modelLine);
   const plots = ["compare-plot-a", "compare-plot-b", "compare-plot-diff"].map((id) => el("div", { className: "exp-plot", attrs: { id } }));
   box.replaceChildren(
     el("h3", { text: "Compare two sentences" }),
     el("p", { className: "hint", text: "Tokens are aligned on their pieces; heads are ranked by the divergence of their aligned rows." }),
+    modelLine,
     el("div", { className: "exp-row" }, [a, b, go]),
     note,
     el("div", { className: "exp-columns three" }, plots),
@@ -70,7 +73,7 @@ export function mountCompare(box) {
       return status(note, input.text_a.trim() ? "Write sentence B to compare with A." : "Write two sentences to compare.", "error");
     }
     forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
-    status(note, "Comparing…", "busy");
+    status(note, `Comparing on ${model ?? "the server's default model"}…`, "busy");
     try {
       let reply;
       try {
@@ -82,7 +85,8 @@ export function mountCompare(box) {
       if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
       ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show, shows: "the difference heatmap" }));
-      status(note, `${reply.pairs.length} aligned tokens of ${reply.tokens_a.length} and ${reply.tokens_b.length}.`);
+      // The model named: which one answered was said nowhere (a model picked above, not run, is not it).
+      status(note, `Done on ${reply.model ?? model}: ${reply.pairs.length} aligned tokens of ${reply.tokens_a.length} and ${reply.tokens_b.length}.`);
       const top = reply.ranking[0];
       await show(top.layer, top.head);
     } catch (err) {

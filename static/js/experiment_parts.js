@@ -39,6 +39,26 @@ export function currentModel() {
   return shown ? { model: shown.model, truncate: shown.truncate } : { model: $("model").value || undefined, truncate: $("truncate").checked };
 }
 
+// A line in a panel with its own texts (compare, generation) that names the model it uses: the run
+// on screen's, which the form's menu may no longer hold. With tiny-llama picked and not run, a
+// generation went to tiny-gpt and no line on the panel named either. Hidden before the first
+// run, when the panel uses the model picked (and its results name it).
+export function mountModelLine(node) {
+  const update = () => {
+    const used = shown?.model;
+    const picked = $("model").value;
+    const differs = Boolean(used && picked && picked !== used);
+    node.hidden = !used;
+    node.dataset.differs = String(differs);
+    node.textContent = !used ? ""
+      : differs ? `Uses ${used}, the model of the run on screen, not ${picked} picked above: press Run to use ${picked}.`
+      : `Uses ${used}, the model of the run on screen.`;
+  };
+  runListeners.push(update);
+  $("model").addEventListener("change", update);
+  update();
+}
+
 // Called with the new run's input (and { long, causal }) whenever the page shows another run.
 export function onRun(callback) {
   runListeners.push(callback);
@@ -85,6 +105,13 @@ export function maskLater(rows, causal) {
   return causal ? rows.map((row, r) => row.map((v, c) => (c > r ? null : v))) : rows;
 }
 
+// A divergence under this many bits reads 0: rows the change leaves alone (a causal model's rows
+// before the changed token) come out of two forward passes with float32 rounding between them,
+// ~1e-7 of each weight, worth ~1e-16 to 1e-14 bits, and "1.2e-16" read as a tiny real effect.
+// Under 1e-12 bits a change is smaller than any reading shows: in one row of a hundred, a weight
+// moved by less than ~5e-6.
+export const NOISE_BITS = 1e-12;
+
 // The ranking as a table; clicking a row calls onPick(layer, head), and so does its head's button,
 // which is the keyboard's way in (one Tab stop a row, Enter or Space). `shows` says where the
 // picked head is shown, for the button's name. Text only, never HTML.
@@ -97,8 +124,11 @@ export function rankingTable(ranking, { limit = 12, onPick, caption, shows = "" 
     const tr = el("tr", { attrs: { "data-layer": c.layer, "data-head": c.head } }, [
       el("td", { text: String(i + 1) }),
       headCell,
-      // Significant digits under 5e-5: a random model's heads differ by less, and all read 0.0000.
-      el("td", { text: weightText(c.divergence, 0, 4), className: "num" }),
+      // Two significant digits under 1e-3 (weightText): a random model's heads differ by less than
+      // 5e-5, and all read 0.0000; under NOISE_BITS, 0.
+      Math.abs(c.divergence) < NOISE_BITS
+        ? el("td", { text: "0", className: "num", attrs: { title: `Under ${NOISE_BITS} bits: float rounding, not a change` } })
+        : el("td", { text: weightText(c.divergence, 0, 4), className: "num" }),
     ]);
     if (onPick) tr.addEventListener("click", () => onPick(c.layer, c.head));
     return tr;
@@ -130,6 +160,7 @@ export function clearPlot(div) {
 // A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
 const COLORBAR_PX = 120; // a Plotly colour bar with its tick labels, and the gap before it
 const TITLE_CHAR_PX = 7.5; // a 13 px title's characters, about
+const HEAD_ROW_PX = 12; // a row of heads named at 11 px
 
 export function heatmap(div, z, options = {}) {
   drawn.set(div, [z, options]);
@@ -158,6 +189,12 @@ export function heatmap(div, z, options = {}) {
   const margin = { l: 90, r: 10, t: title ? 30 : 8, b: 80 };
   const height = 320;
   const across = Math.min(div.clientWidth - 100, stretched ? Infinity : height - margin.t - margin.b);
+  // Rows of heads ("L0 H3") are each named while a row has HEAD_ROW_PX for its label: Plotly's own
+  // choice (at most 12) named tiny-gpt's 16 heads every other one, L0 H0, L0 H2… A model with
+  // more heads than fit is named every k-th head, evenly.
+  const headStep = Math.ceil(z.length / Math.max(1, Math.floor((height - margin.t - margin.b) / HEAD_ROW_PX)));
+  const named = trace.y.filter((_, i) => i % headStep === 0);
+  const yTicks = yHeads ? { tickmode: "array", tickvals: named, ticktext: named, tickfont: { size: 11 } } : { nticks: 12 };
   const width = stretched ? div.clientWidth
     : Math.min(div.clientWidth, Math.max(margin.l + across + margin.r + COLORBAR_PX, (title?.length ?? 0) * TITLE_CHAR_PX + 40));
   // On a narrow figure Plotly's modebar stays on show over the top of the plot: the title goes
@@ -170,7 +207,7 @@ export function heatmap(div, z, options = {}) {
     // No gridlines: over the cells they drew white lines through the dark theme's heatmaps.
     // At most a label every 36 px across and 12 of them down the ~210 px of cells: Plotly's own
     // choice for a category axis put slanted "6: ␣" and "9: g" over each other.
-    yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false, nticks: 12,
+    yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false, ...yTicks,
              ...(stretched ? {} : { scaleanchor: "x", constrain: "domain" }) },
     xaxis: { automargin: true, tickangle: -45, showgrid: false, zeroline: false, constrain: "domain",
              nticks: Math.max(2, Math.floor(across / 36)) },

@@ -91,7 +91,7 @@ async function ablateHead(layer, head) {
     ablation.stack.push(entry);
     // Said, not only drawn: a cleared line told a screen reader nothing of the result.
     const heads = list.length === 1 ? "1 head" : `${list.length} heads`;
-    status($("ablate-status"), `Done: L${layer} H${head} ablated (${mode}); ${heads} ablated in all.`, "");
+    status($("ablate-status"), `Done on ${input.model}: L${layer} H${head} ablated (${mode}); ${heads} ablated in all.`, "");
   } catch (err) {
     if (!stillShown(input)) return;
     status($("ablate-status"), describeError(err), "error");
@@ -148,6 +148,17 @@ function renderAblation() {
   markAblatedInGrid(current?.ablate || []);
   const plot = $("ablate-plot");
   plot.dataset.depth = String(ablation.stack.length);
+  // Beside the ablated head, its clean weights and what the ablation changed (ablated − clean, on
+  // the measures' diverging scale), as Compare shows A, B and A − B: the ablated pattern alone
+  // had to be compared by eye with the focused heatmap far above. With nothing ablated, the one
+  // plot shows the clean run.
+  const cleanPlot = $("ablate-plot-clean");
+  const diffPlot = $("ablate-plot-diff");
+  const besides = Boolean(current && ablation.clean && ablation.shown);
+  for (const div of [cleanPlot, diffPlot]) {
+    if (!besides) clearPlot(div);
+    div.hidden = !besides;
+  }
   if (!ablation.clean || !ablation.shown) {
     clearPlot(plot);
     for (const key of ["layer", "head", "state"]) delete plot.dataset[key]; // the cleared plot's, not the last run's
@@ -162,8 +173,16 @@ function renderAblation() {
   // writes): "after ablating L1 H0" over the clean pattern read as if it had changed.
   const unchanged = current && layer <= Math.min(...current.ablate.map((a) => a.layer));
   const what = current ? `after ablating ${current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ")}${unchanged ? ": weights unchanged" : ""}` : "clean (nothing ablated)";
-  heatmap(plot, maskLater(headRows(tensor, layer, head), ablation.causal), { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
+  const rows = maskLater(headRows(tensor, layer, head), ablation.causal);
+  heatmap(plot, rows, { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
   Object.assign(plot.dataset, { layer, head, state: current ? "ablated" : "clean" });
+  if (besides) {
+    const clean = maskLater(headRows(ablation.clean, layer, head), ablation.causal);
+    heatmap(cleanPlot, clean, { x: labels, y: labels, title: `L${layer} H${head}, clean` });
+    const change = rows.map((row, r) => row.map((v, c) => (v === null ? null : v - clean[r][c])));
+    heatmap(diffPlot, change, { x: labels, y: labels, signed: true, title: `Ablated − clean · L${layer} H${head}${unchanged ? " (no change)" : ""}` });
+    Object.assign(diffPlot.dataset, { layer, head });
+  }
   if (!current) {
     $("ablate-ranking").replaceChildren(el("p", { className: "hint", text: "Nothing ablated: the heatmap shows the clean run." }));
     $("ablate-predictions").replaceChildren();
@@ -254,7 +273,7 @@ async function changeToken(input, index) {
     );
     $("token-result").dataset.index = String(index);
     const top = reply.ranking[0];
-    status($("token-status"), `Done: token ${index} ${change === "delete" ? "deleted" : `as ${change}`}`
+    status($("token-status"), `Done on ${input.model}: token ${index} ${change === "delete" ? "deleted" : `as ${change}`}`
       + (top ? `; L${top.layer} H${top.head} moved most.` : "."), "");
   } catch (err) {
     if (!stillShown(input) || mine !== lastChange) return;
@@ -318,10 +337,12 @@ function buildAblation() {
     el("div", { className: "exp-row" }, [mode, add, undoButton, clear]),
     el("ul", { className: "chips", attrs: { id: "ablate-list", "aria-label": "Ablated heads" } }),
     el("p", { className: "exp-status", attrs: { id: "ablate-status", role: "status", "aria-live": "polite" } }),
-    el("div", { className: "exp-columns" }, [
+    el("div", { className: "exp-columns three" }, [
+      el("div", { className: "exp-plot", attrs: { id: "ablate-plot-clean", hidden: "" } }),
       el("div", { className: "exp-plot", attrs: { id: "ablate-plot", "data-depth": "0" } }),
-      el("div", {}, [el("div", { attrs: { id: "ablate-ranking" } }), el("div", { attrs: { id: "ablate-predictions" } })]),
+      el("div", { className: "exp-plot", attrs: { id: "ablate-plot-diff", hidden: "" } }),
     ]),
+    el("div", { className: "exp-columns" }, [el("div", { attrs: { id: "ablate-ranking" } }), el("div", { attrs: { id: "ablate-predictions" } })]),
   );
   // Alt-click on a grid thumbnail ablates it (a plain click still focuses it, as before); Alt+Enter
   // is the keyboard's Alt-click (a button's keyboard click carries no Alt).

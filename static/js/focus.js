@@ -33,10 +33,12 @@ export function shortLabel(text) {
   return text.length > MAX_LABEL ? text.slice(0, MAX_LABEL - 1) + "…" : text;
 }
 
-// A weight as a reading gives it: `digits` decimals, or two significant digits where those would
-// read 0 (2e-5 is not none), written with an exponent under 1e-4, where toPrecision would count
-// zeros down to 1e-6 (0.0000048). A 0 reads as under `floor`, the largest weight the values
-// shown hold as 0 (a threshold's, or the precision's rounding), when that is above 0.
+// A weight as a reading gives it: `digits` decimals while those hold two significant digits,
+// below that two significant digits (2e-5 is not none), written with an exponent under 1e-4, where
+// toPrecision would count zeros down to 1e-6 (0.0000048). No weight reads coarser than a smaller
+// one: 3 decimals read 0.00054 as "0.001" beside "0.00049", two cells a factor 2 apart read
+// alike. A 0 reads as under `floor`, the largest weight the values shown hold as 0 (a
+// threshold's, or the precision's rounding), when that is above 0.
 // float16 rounds weights under 2^-25 to 0.
 export const F16_ZERO = 2 ** -25;
 
@@ -67,7 +69,7 @@ export function fitCaption(caption, px) {
 
 export function weightText(value, floor = 0, digits = 3) {
   if (value === 0 && floor > 0) return `< ${floor.toPrecision(2)}`;
-  if (value === 0 || Math.abs(value) >= 0.5 * 10 ** -digits) return value.toFixed(digits);
+  if (value === 0 || Math.abs(value) >= 10 ** (1 - digits)) return value.toFixed(digits);
   return Math.abs(value) >= 1e-4 ? value.toPrecision(2) : value.toExponential(1);
 }
 

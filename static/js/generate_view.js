@@ -4,7 +4,7 @@
 
 import { describeError, listModels, requestResponse } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
+import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
@@ -76,9 +76,12 @@ export function mountGeneration(box) {
   const tokens = el("div", { className: "gen-tokens", attrs: { id: "gen-tokens" } });
   const rowPlot = el("div", { className: "exp-plot", attrs: { id: "gen-row-plot" } });
   const growPlot = el("div", { className: "exp-plot", attrs: { id: "gen-grow-plot" } });
+  const modelLine = el("p", { className: "hint model-line", attrs: { id: "gen-model" } });
+  mountModelLine(modelLine);
   box.replaceChildren(
     el("h3", { text: "Step through generation" }),
     el("p", { className: "hint", text: "Causal models only. Greedy at temperature 0; a seed makes a sample repeat." }),
+    modelLine,
     el("div", { className: "exp-row" }, [prompt, field("tokens", count), field("temperature", temperature), field("seed", seed), start, stop]),
     why,
     el("div", { className: "exp-row" }, [back, play, forward, where, field("layer", layer), field("head", head)]),
@@ -218,7 +221,7 @@ export function mountGeneration(box) {
     tokens.replaceChildren();
     where.textContent = "";
     [rowPlot, growPlot].forEach(clearPlot);
-    status(note, "Generating…", "busy");
+    status(note, `Generating with ${model ?? "the server's default model"}…`, "busy");
     setButtons();
     let failure = "";
     try {
@@ -241,16 +244,19 @@ export function mountGeneration(box) {
         }
       }
       if (mine !== state.epoch) return;
+      // Each result names its model: which one answered was said nowhere (the run on screen's, not
+      // the one picked above but not run).
+      const from = state.start?.model ?? model;
       if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
       else if (cut && state.start) {
-        status(note, `Finished: ${state.steps.length} new tokens, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
+        status(note, `Finished: ${state.steps.length} new tokens from ${from}, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
           + `the whole run and the new tokens would not fit in ${info.id}'s ${info.max_tokens} positions.`);
-      } else status(note, `Finished: ${state.steps.length} new tokens.`);
+      } else status(note, `Finished: ${state.steps.length} new tokens from ${from}.`);
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.
       if (mine === state.epoch && err.name === "AbortError") {
         state.outcome = "stopped";
-        status(note, `Stopped after ${tokenCount(state.steps.length)}.`);
+        status(note, `Stopped after ${tokenCount(state.steps.length)} from ${state.start?.model ?? model}.`);
       } else if (mine === state.epoch) {
         state.outcome = "failed";
         const said = err instanceof RangeError ? err.message : describeError(err, PROMPT);

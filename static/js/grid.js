@@ -143,7 +143,11 @@ export class GridView {
           className: "thumb loading",
           attrs: { type: "button", "aria-label": `Layer ${l}, head ${h}`, title: `Layer ${l}, head ${h}`, "data-layer": l, "data-head": h },
         }, [canvas]);
-        button.addEventListener("click", () => this.onSelect(l, h));
+        // Alt-click ablates the head (experiments.js) and only that: it focused the head too, and
+        // the next "Ablate focused head" then hit the head just ablated, not the one studied.
+        button.addEventListener("click", (event) => {
+          if (!event.altKey) this.onSelect(l, h);
+        });
         cellsOfLayer.push(button);
         row.append(button);
       }

@@ -413,6 +413,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
     $("focus-plot").removeAttribute("data-stale");
     return renderLongViews(token, withHeadView);
   }
+  measures.setAggregate(state.aggregate);
   const focused = focusMatrix();
   // Until its values come the plot still shows the last view under the new one's heading: faded,
   // so that it does not read as the new view (nor, if they never come, stay as if it were).
@@ -618,7 +619,10 @@ function renderHeadChips() {
   // Built again only when what they show changed: they are drawn with the run and again with the
   // head view's lines, and a rebuild drops the keyboard focus of a chip being tabbed through.
   const key = JSON.stringify([run.runId, run.nHeads, state.layer, state.head, [...state.extraHeads].sort(), state.aggregate, pal.heads]);
-  fieldset.hidden = false;
+  // Under a mean the head view draws the mean, one set of lines: chips of single heads, greyed,
+  // with the focused one ticked, offered a choice that meant nothing. The ticks are kept for the
+  // return to a single head.
+  fieldset.hidden = state.aggregate !== "head";
   if (fieldset.dataset.key === key) return;
   fieldset.dataset.key = key;
   const chips = [el("legend", { text: `Heads of layer ${state.layer} drawn (the focused one always)` })];
@@ -753,7 +757,7 @@ async function restoreFromUrl(push) {
   }
   if (!saved) return;
   applyViewState(saved);
-  await submit({ layer: saved.layer ?? 0, head: saved.head ?? 0, push, restoring: true });
+  await submit({ layer: saved.layer ?? 0, head: saved.head ?? 0, push });
   // An old link may name a model this server does not serve: say so rather than quietly swap it.
   if (saved.model && !state.models.some((m) => m.id === saved.model)) {
     $("link-status").textContent = `This link named the model “${saved.model}”, which this server does not serve; it ran on ${$("model").value}.`;
@@ -777,7 +781,10 @@ function fitTextBox(id) {
   box.style.height = `${box.scrollHeight + box.offsetHeight - box.clientHeight}px`;
 }
 
-async function submit({ layer = 0, head = 0, push = true, restoring = false } = {}) {
+// A user's Run keeps the head being studied (the same head on a variant of the sentence is the
+// commonest step of a study; it went back to L0 H0, the ticked heads with it), clamped to the new
+// model's size. A link's restore names its own layer, head and ticked heads (applyViewState).
+async function submit({ layer = state.layer, head = state.head, push = true } = {}) {
   if (!state.models.length) {
     // The model list never came (a refused key, a server gone): a run here crashed on no model
     // and left the page busy for good.
@@ -836,7 +843,6 @@ async function submit({ layer = 0, head = 0, push = true, restoring = false } = 
   state.pending = new Set();
   state.layer = layer;
   state.head = clamp(head, run.nHeads);
-  if (!restoring) state.extraHeads = new Set();
   state.extraHeads = new Set([...state.extraHeads].filter((h) => h < run.nHeads && h !== state.head));
   if (!run.hasPair) state.segments = "all";
   setupControls(run);

@@ -91,6 +91,9 @@ function hidingWords(hiding, shown) {
     : `No token is left to show: untick ${by.join(" or ")} to see them.`;
 }
 
+// Why "Words, not pieces" is off under the head contributions (said in the caption and the box's title).
+const WORDS_OFF = "“Words, not pieces” is off here: it merges token × token maps, and these rows are heads";
+
 const LEGENDS = { raw: "weight", rollout: "share", value_norms: "‖α·f(x)‖", contributions: "share (− cancels)" };
 
 const CAPTIONS = {
@@ -136,13 +139,16 @@ function mergeWords(matrix, words) {
 class Measures {
   constructor(focusHead) {
     this.focusHead = focusHead;
-    this.readingHint = $("measure-reading").textContent; // the template's words, put back on each new plot
+    // The template's words, put back on each new plot: a mouse's and a touch screen's (app.css shows one).
+    this.readingHint = [...$("measure-reading").childNodes].map((node) => node.cloneNode(true));
     this.run = null;
     this.cursor = null; // { row, col } of the keyboard's cell cursor, while in use
     this.cursorBox = el("div", { className: "cell-cursor", attrs: { "aria-hidden": "true" } });
     this.cursorBox.hidden = true;
     this.layer = 0;
     this.head = 0;
+    this.aggregate = "head"; // what the focused heatmap shows (main.js): one head, or a mean
+    this.shown = null; // { kind, hidden } of the measure drawn, for its caption
     this.queryIndex = 0;
     this.flow = null;
     this.words = null;
@@ -313,6 +319,7 @@ class Measures {
     this.drawToken = {}; // a measure still loading for the last run is not drawn either
     this.cells = null;
     this.fit = null;
+    this.shown = null;
     this.dropCursor();
     const plot = $("measure-plot");
     plot.hidden = $("measure-reading").hidden = true; // plot() shows them with the new cells
@@ -320,6 +327,22 @@ class Measures {
     for (const key of ["measure", "layer", "head", "words"]) delete plot.dataset[key];
     $("measure-caption").textContent = "";
     this.status("measure-status");
+  }
+
+  // The focused heatmap shows one head, a layer's mean or the mean of all heads (main.js). The
+  // measure and the neuron view stay with the focused head: under a mean they say so, as they
+  // read as the map above ("Raw weights, layer 0 head 0" under a mean of all heads).
+  setAggregate(aggregate) {
+    if (aggregate === this.aggregate) return;
+    this.aggregate = aggregate;
+    if (this.shown) this.caption();
+    this.neuron.setAside(this.oneHead());
+  }
+
+  // The clause said under a mean, for a view of the focused head alone ("" under a single head).
+  oneHead() {
+    if (this.aggregate === "head") return "";
+    return ` One head, not the ${this.aggregate === "all" ? "mean of all heads" : `mean of layer ${this.layer}'s heads`} above.`;
   }
 
   // Whether the focused heatmap is drawn (main.js), which the predictions' strip under it follows.
@@ -405,7 +428,9 @@ class Measures {
     if (!this.run) return;
     const kind = $("measure").value;
     const wordView = $("word-view").checked && kind !== "contributions";
+    // Greyed out without a word, it read as broken.
     $("word-view").disabled = kind === "contributions";
+    for (const node of [$("word-view"), $("word-view").nextElementSibling]) node.title = kind === "contributions" ? WORDS_OFF : "";
     const { layer, head } = this;
     const token = (this.drawToken = {});
     try {
@@ -510,12 +535,22 @@ class Measures {
   // whether the view options left tokens out.
   drawn(kind, { layer, head }, wordView, hidden) {
     Object.assign($("measure-plot").dataset, { measure: kind, layer, head, words: String(wordView) });
+    this.shown = { kind, hidden };
+    this.caption();
+  }
+
+  caption() {
+    const { kind, hidden } = this.shown;
     // Hiding renormalises one head's softmax rows: the other measures show every token, and say so
     // (they ignored the ticked boxes without a word).
     const by = hidingOptions(this.hiding);
     const ignored = kind !== "raw" && renormalises(this.hiding)
       ? ` ${by.join(" and ")} ${by.length > 1 ? "apply" : "applies"} to the raw weights only: every token is shown here.` : "";
-    $("measure-caption").textContent = hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind] + ignored;
+    // The rollout takes every layer's mean, the contributions every head of the layer: no one head.
+    const single = kind === "raw" || kind === "value_norms" ? this.oneHead() : "";
+    // Off under the contributions, the word view says why there, and in its box's title.
+    const words = kind === "contributions" ? ` ${WORDS_OFF}.` : "";
+    $("measure-caption").textContent = (hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind] + ignored) + single + words;
   }
 
   // "query → key: value" for a cell, and the model's next-token guess after the query where there
@@ -538,7 +573,7 @@ class Measures {
 
   showReadingHint() {
     const reading = $("measure-reading");
-    reading.textContent = this.readingHint;
+    reading.replaceChildren(...this.readingHint.map((node) => node.cloneNode(true)));
     delete reading.dataset.row;
     delete reading.dataset.col;
   }
@@ -626,6 +661,16 @@ class Measures {
     this.listening = true;
     this.labelsView = new AxisLabels(plot);
     plot.addEventListener("mousemove", (event) => this.readCell(event));
+    // A tap on a phone never hovers (and Plotly's drag layer cancels the touch's mouse events): a
+    // press released where it began reads its cell, as on the focused heatmap (focus.js).
+    let down = null;
+    plot.addEventListener("pointerdown", (event) => {
+      down = event.pointerType === "mouse" ? null : { x: event.clientX, y: event.clientY };
+    });
+    plot.addEventListener("pointerup", (event) => {
+      if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) this.readCell(event);
+      down = null;
+    });
     plot.addEventListener("keydown", (event) => {
       if (event.key === "Escape" && event.target === plot) {
         this.dropCursor(); // the reading covered the cells around it until focus left
@@ -672,6 +717,7 @@ class Measures {
       const view = await this.get(`neuron?layer=${layer}&head=${head}&query=${queryIndex}`);
       // Not the last run's view either, answered after this run cleared it (same head and query).
       if (run !== this.run || layer !== this.layer || head !== this.head || queryIndex !== this.queryIndex) return;
+      this.neuron.setAside(this.oneHead()); // a mean of another layer's heads, said when it was set
       this.neuron.render(view, this.labels);
       this.status("neuron-status");
     } catch (err) {

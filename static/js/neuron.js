@@ -28,12 +28,21 @@ export class NeuronPanel {
     this.query = el("select", { attrs: { id: "neuron-query", "aria-label": "Query token" } });
     this.query.addEventListener("change", () => onQuery(Number(this.query.value)));
     this.note = el("p", { className: "caption", attrs: { id: "neuron-note" } });
+    this.about = ""; // what the note says of the view drawn
+    this.aside = ""; // and after it, under a mean above: that this is the focused head alone
     this.table = el("table", { className: "neuron-table", attrs: { id: "neuron-table" } });
+    this.scroller = el("div", { className: "finder-scroll neuron-scroll" }, [this.table]);
     root.replaceChildren(
       el("div", { className: "finder-filters" }, [el("label", { text: "Query token ", attrs: { for: "neuron-query" } }), this.query]),
       this.note,
-      el("div", { className: "finder-scroll" }, [this.table]),
+      this.scroller,
     );
+  }
+
+  // A clause after the note ("" for none), kept for the views drawn after it.
+  setAside(aside) {
+    this.aside = aside;
+    if (this.about) this.note.textContent = this.about + aside;
   }
 
   setTokens(labels, chosen) {
@@ -45,16 +54,18 @@ export class NeuronPanel {
   // what comes (note: "" for nothing). The table was kept until the panel was scrolled to and this
   // run's view drawn, under this run's query tokens.
   clear(note = "") {
+    this.about = "";
     this.note.textContent = note;
     this.table.replaceChildren();
-    for (const key of ["layer", "head", "query"]) delete this.root.dataset[key];
+    for (const key of ["layer", "head", "query", "strongest"]) delete this.root.dataset[key];
   }
 
   render(view, labels) {
     const group = view.n_heads / view.n_kv_heads;
-    this.note.textContent = group > 1
+    this.about = group > 1
       ? `Layer ${view.layer} head ${view.head} reads key/value head ${view.kv_head} of ${view.n_kv_heads} (grouped-query attention: ${group} query heads share it, so they see the same keys and values).`
       : `Layer ${view.layer} head ${view.head}: its own keys and values (key/value head ${view.kv_head}).`;
+    this.note.textContent = this.about + this.aside;
     this.root.dataset.layer = view.layer;
     this.root.dataset.head = view.head;
     this.root.dataset.query = view.query_index;
@@ -76,5 +87,21 @@ export class NeuronPanel {
       ]);
     });
     this.table.replaceChildren(el("thead", {}, [header]), el("tbody", {}, [queryRow, ...rows]));
+    this.showStrongest(view.weights, rows);
+  }
+
+  // The box opens on the query's strongest key, not key 0: the query is the last token by
+  // default, and at 90 tokens the box showed 16 rows of 1e-7 softmax with the weight ~70 rows
+  // further down. Only the box scrolls (its row centred under the sticky header), not the page.
+  showStrongest(weights, rows) {
+    let best = -1;
+    weights.forEach((w, j) => { if (w !== null && (best < 0 || w > weights[best])) best = j; });
+    this.root.dataset.strongest = String(best);
+    const row = rows[best];
+    row?.classList.add("strongest");
+    const box = this.scroller;
+    if (!row || !box.clientHeight) return;
+    const offset = row.getBoundingClientRect().top - box.getBoundingClientRect().top + box.scrollTop;
+    box.scrollTop = Math.max(0, offset - (box.clientHeight - row.offsetHeight) / 2);
   }
 }

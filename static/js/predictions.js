@@ -47,7 +47,11 @@ function renderStrip(container, labels, predictions, causal) {
   const rest = labels.length - shown.length;
   // Past the strip's tokens the heatmap's hover reads the guesses. Both lines said "the rest" of
   // different things ("scroll for the rest" above, "1024 more: hover" below), which contradicted.
-  const tail = rest > 0 ? [el("span", { className: "hint", text: `… and ${rest} more tokens past these: hover their rows in the heatmap to read their guesses.` })] : [];
+  // A touch screen reads a row with a tap (app.css shows one of the two words).
+  const tail = rest > 0 ? [el("span", { className: "hint" }, [
+    `… and ${rest} more tokens past these: `, el("span", { className: "for-keys", text: "hover" }), el("span", { className: "for-touch", text: "tap" }),
+    " their rows in the heatmap to read their guesses.",
+  ])] : [];
   const name = causal ? "Next-token guesses" : "Masked-token guesses";
   const list = el("div", { className: "pred-list", attrs: { role: "list", "aria-label": `${name}, ${shown.length} tokens` } }, cells);
   // One line of text, the count after one space: two flex items stood a .5rem gap apart, which

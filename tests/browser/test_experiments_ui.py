@@ -64,17 +64,24 @@ def ranking_rows(page, container):
 
 
 def weight_text(value: float, digits: int = 4) -> str:
-    """focus.js weightText(value, 0, digits): `digits` decimals, or two significant digits for a
-    value those would print as 0 (fixed from 1e-4 up, else 3.0e-7)."""
-    if value == 0 or abs(value) >= 0.5 * 10 ** -digits:
+    """focus.js weightText(value, 0, digits): `digits` decimals while those hold two significant
+    digits, else two significant digits (fixed from 1e-4 up, else 3.0e-7)."""
+    if value == 0 or abs(value) >= 10 ** (1 - digits):
         return f"{value:.{digits}f}"
     mantissa, exponent = f"{value:.1e}".split("e")
     exponent = int(exponent)
     return f"{value:.{1 - exponent}f}" if abs(value) >= 1e-4 else f"{mantissa}e{exponent}"
 
 
+NOISE_BITS = 1e-12  # experiment_parts.js: a divergence under it is float rounding, and reads 0
+
+
+def divergence_text(bits: float) -> str:
+    return "0" if abs(bits) < NOISE_BITS else weight_text(bits)
+
+
 def api_ranking(ranking, limit=12):
-    return [(c["layer"], c["head"], weight_text(c["divergence"])) for c in ranking[:limit]]
+    return [(c["layer"], c["head"], divergence_text(c["divergence"])) for c in ranking[:limit]]
 
 
 def alt_click(page, layer, head):
@@ -109,7 +116,7 @@ def test_ablate_from_the_grid_then_undo_restores_exactly(server, api, page, arti
     page.click("#ablate-add")
     page.wait_for_selector("#ablate-plot[data-depth='2']", timeout=30_000)
     assert page.inner_text("#ablate-list").split("\n") == ["L1 H4 · zero", "L0 H7 · mean"]
-    assert page.text_content("#ablate-status") == "Done: L0 H7 ablated (mean); 2 heads ablated in all."
+    assert page.text_content("#ablate-status") == "Done on minilm: L0 H7 ablated (mean); 2 heads ablated in all."
     page.locator("#experiments").screenshot(path=str(artifacts / "experiments-ablate.png"))
     # Undone from the keyboard: the button stays in focus while it has more to undo; disabled, it
     # hands focus to the panel's first control rather than dropping it to the page's body.
@@ -224,7 +231,7 @@ def test_the_last_token_clicked_is_the_one_shown(server, page):
     page.wait_for_timeout(1_500)  # index 2's answer has come back by now (tens of ms)
     assert page.locator("#token-result").get_attribute("data-index") == "4"
     # The result is said, as drawn (a cleared line told a screen reader nothing), and it is index 4's
-    assert re.fullmatch(r"Done: token 4 (deleted|as \w+); L\d+ H\d+ moved most\.", page.locator("#token-status").text_content())
+    assert re.fullmatch(r"Done on [\w-]+: token 4 (deleted|as \w+); L\d+ H\d+ moved most\.", page.locator("#token-status").text_content())
 
 
 def test_heads_alt_clicked_during_an_ablation_are_ablated_next(server, page):
@@ -509,7 +516,7 @@ def test_a_long_prompt_without_weights_draws_the_generated_rows_at_their_positio
 
     page.route("**/api/v1/attention", as_a_long_run)
     generate_on(page, server, "tiny-causal", 3)
-    assert page.locator("#gen-status").text_content() == "Finished: 3 new tokens."
+    assert page.locator("#gen-status").text_content() == "Finished: 3 new tokens from tiny-causal."
     prompt_length = page.evaluate("() => window.manyeyesGeneration.start.prompt.length")
     grown = page.evaluate("() => { const d = document.getElementById('gen-grow-plot'); return [d.layout.title.text, d.data[0].y]; }")
     assert grown[0].endswith("the generated tokens' rows (the prompt's are not shown)")
@@ -725,7 +732,7 @@ def test_enter_twice_in_the_prompt_runs_one_generation(slow_server, page):
     page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
     positions = page.evaluate("window.manyeyesGeneration.steps.map((s) => s.position)")
     assert len(positions) == 8 and positions == sorted(positions) and len(set(positions)) == 8, positions
-    assert page.inner_text("#gen-status") == "Finished: 8 new tokens." and len(asked) == 1
+    assert page.inner_text("#gen-status") == "Finished: 8 new tokens from tiny-causal." and len(asked) == 1
 
 
 def test_generate_and_stop_hand_keyboard_focus_to_each_other(slow_server, page):
@@ -851,7 +858,7 @@ def test_generate_after_a_run_cut_to_fit_starts_from_the_kept_tokens(server, api
     prompt_tokens = page.evaluate("() => window.manyeyesGeneration.start.prompt.length")
     assert prompt_tokens == 54
     assert page.text_content("#gen-status") == (
-        "Finished: 10 new tokens, after the start of the run's text (54 tokens): "
+        "Finished: 10 new tokens from tiny-causal, after the start of the run's text (54 tokens): "
         "the whole run and the new tokens would not fit in tiny-causal's 64 positions.")
     assert page.locator("#gen-tokens .chip").count() == 64
     page.locator("#generate-box").screenshot(path=str(artifacts / "generate-after-cut-run.png"))
@@ -985,7 +992,7 @@ def test_change_a_token_offers_only_what_the_model_has(gpt_server, page, artifac
     page.click("#token-chips button[data-index='3']")
     page.wait_for_selector("#token-result[data-index='3'] table.ranking", timeout=30_000)
     assert [b["change"] for b in sent if b["text"] == PROMPT] == ["delete"]
-    assert page.text_content("#token-status").startswith("Done: token 3 deleted; L")
+    assert page.text_content("#token-status").startswith("Done on tiny-gpt: token 3 deleted; L")
     page.evaluate("() => document.getElementById('token-change').size = 3")  # the options on show, for the picture
     page.locator("#token-box").screenshot(path=str(artifacts / "token-change-tiny-gpt.png"))
     page.evaluate("() => document.getElementById('token-change').removeAttribute('size')")

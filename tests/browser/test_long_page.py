@@ -559,7 +559,7 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
     page.locator(".focus-panel").screenshot(path=str(artifacts / "long-real-overview.png"))
     # The next-token guesses under it, as the API gives them for the run (a long run dropped them).
     page.wait_for_function("() => document.querySelectorAll('#focus-predictions .pred').length === 1024")
-    assert page.text_content("#focus-predictions .hint:last-child") == (
+    assert page.inner_text("#focus-predictions .hint:last-child") == (  # as shown: "tap" on a touch screen
         f"… and {T - 1024} more tokens past these: hover their rows in the heatmap to read their guesses.")
     # The line above said "scroll for the rest" of the same strip: the two contradicted.
     page.wait_for_function("() => document.querySelector('#focus-predictions .pred-more').textContent !== ''")

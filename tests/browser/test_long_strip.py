@@ -157,3 +157,22 @@ def test_the_head_view_holds_its_room_before_it_draws(llama_server, make_page):
     drawn = page.locator("#headview").bounding_box()["height"]
     assert at_done is not None and not at_done["drawn"], at_done  # measured before the lines were drawn
     assert drawn >= 500 and abs(at_done["view"] - drawn) <= 1, (at_done, drawn)
+
+
+def test_past_the_strip_a_phone_is_told_to_tap_the_rows_not_hover_them(llama_server, browser):
+    """The note after the strip's 1,024 tokens said "hover their rows" on a phone, which has no hover
+    (a review by use, h46d): a tap reads a row there, as the heatmap's own hint already said."""
+    text = long_text(1100)  # a long run: 76 tokens past the strip
+    for touch, verb in ((True, "tap"), (False, "hover")):
+        context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=touch, is_mobile=touch, device_scale_factor=2)
+        try:
+            page = context.new_page()
+            open_page(page, llama_server)
+            page.fill("#text", text)
+            page.select_option("#model", "tiny-llama")
+            page.press("#text", "Enter")
+            page.wait_for_function("() => document.querySelectorAll('#focus-predictions .pred').length === 1024", timeout=60_000)
+            assert page.inner_text("#focus-predictions > .hint:last-child") == (
+                f"… and 76 more tokens past these: {verb} their rows in the heatmap to read their guesses.")
+        finally:
+            context.close()
