@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from manyeyes.model.indices import whole_number
+from manyeyes.indices import whole_number
 
 COLORSCALE = "Blues"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from manyeyes.model.indices import whole_number
+from manyeyes.indices import whole_number
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
 

@@ -16,7 +16,8 @@ def error_of(r, status: int) -> dict:
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}
+    # Beside code and message, only the fields the schema names (ErrorDetail).
+    assert set(body) == {"error"} and {"code", "message"} <= set(body["error"]) <= {"code", "message", "max_batch_texts"}
     assert body["error"]["message"]
     return body["error"]
 
@@ -175,7 +176,7 @@ def test_bad_slice_parameters_are_422(api):
 def test_batch_item_count_is_bounded(api):
     limit = api.app.state.settings.max_batch_texts
     err = error_of(api.post("/api/v1/attention/batch", json={"texts": ["x"] * (limit + 1)}), 422)
-    assert f"at most {limit}" in err["message"]
+    assert f"at most {limit}" in err["message"] and err["max_batch_texts"] == limit
     err = error_of(api.post("/api/v1/attention/batch", json={"texts": []}), 422)
     assert err["code"] == "invalid_request"
 

@@ -108,9 +108,10 @@ def read_all(sock: socket.socket, pause_every: int = 0, pause_s: float = 0.0) ->
 
 
 def assert_json_error(response: httpx.Response, status: int) -> dict:
-    """A 4xx of ours: the stated status and a JSON body {"error": {"code", "message"}}."""
+    """A 4xx of ours: the stated status and a JSON body {"error": {"code", "message"}}, beside
+    them only the fields the schema names (ErrorDetail: a batch's max_batch_texts)."""
     assert response.status_code == status, (response.status_code, response.text[:300])
     assert response.headers["content-type"].startswith("application/json"), response.headers
     err = response.json()["error"]
-    assert set(err) == {"code", "message"} and err["code"] and err["message"], err
+    assert {"code", "message"} <= set(err) <= {"code", "message", "max_batch_texts"} and err["code"] and err["message"], err
     return err
