@@ -232,15 +232,18 @@ def cmd_serve(args) -> int:
         print(f"error: MANYEYES_DEFAULT_MODEL={settings.default_model!r} is not a served model: use one of "
               f"{', '.join(settings.all_models())}", file=sys.stderr)
         return 2
-    from manyeyes.app.clients import KeyRing, exposure_warning
+    from manyeyes.app.clients import configured_keys, default_allowed_hosts, exposure_warning
 
     try:  # a key file that cannot be used stops start-up with one line, not a traceback
-        keys = KeyRing(settings.api_keys, settings.api_keys_file)
+        keys = configured_keys(settings.api_keys, settings.api_keys_file)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if settings.allowed_hosts is None:  # only serve knows the address it is bound to
+        allowed = default_allowed_hosts(args.host, settings.trusted_proxies)
+        settings = settings.model_copy(update={"allowed_hosts": allowed})
     # serve: a server others can reach that asks nobody for a key says so, loudly, at start-up.
-    warning = exposure_warning(args.host, bool(keys))
+    warning = exposure_warning(args.host, bool(keys), proxied=bool(settings.trusted_proxies))
     if warning:
         print(warning, file=sys.stderr)
     if settings.shared_forward and args.workers < 2:
@@ -271,16 +274,18 @@ def cmd_serve(args) -> int:
         shared = (f", and one process running their forwards of inputs up to {settings.shared_forward_max_tokens} tokens"
                   if settings.shared_forward else "")
         print(f"manyeyes: {args.workers} workers ({threads} CPU threads each){shared} serving "
-              f"{', '.join(settings.all_models())} on http://{args.host}:{args.port} (GET /readyz says when every worker "
+              f"{', '.join(settings.all_models())} on {_url(args.host, args.port)} (GET /readyz says when every worker "
               "is ready)", file=sys.stderr)
-        return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level)
+        # The keys read above, not the file again: a worker started in a dead one's place read it
+        # anew, and after the file changed, workers disagreed on which keys open the API.
+        return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level, keys=keys)
     if args.threads:  # one process: torch's CPU threads as asked (on a GPU few are needed)
         import torch
 
         torch.set_num_threads(args.threads)
-    print(f"manyeyes: serving {', '.join(settings.all_models())} on http://{args.host}:{args.port} "
+    print(f"manyeyes: serving {', '.join(settings.all_models())} on {_url(args.host, args.port)} "
           "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
-    app = create_app(settings)
+    app = create_app(settings, keys=keys)
     config = server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)
     try:
         Server(config, on_exit=app.state.shutdown.begin).run(sockets=[sock])
@@ -289,6 +294,11 @@ def cmd_serve(args) -> int:
         # catches it; we call Server.run): every stop printed a traceback after "Finished".
         pass
     return 0
+
+
+def _url(host: str, port: int) -> str:
+    """The server's address as a URL: an IPv6 host in brackets (http://:::8000 was no URL)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

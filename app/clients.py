@@ -14,7 +14,6 @@ from fastapi import Request
 from manyeyes.app.middleware import send_error
 
 log = logging.getLogger("manyeyes")
-LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 
 
 def key_digest(key: str) -> bytes:
@@ -91,6 +90,16 @@ class KeyRing:
             if hmac.compare_digest(presented, digest):
                 found = digest
         return found.hex() if found is not None else None
+
+
+def configured_keys(api_keys: list[str] | None, key_file: Path | None) -> KeyRing:
+    """The KeyRing of MANYEYES_API_KEYS (None: not set) and MANYEYES_API_KEYS_FILE. ValueError,
+    its message one line, for either set but holding no key: meant to hold keys, it never leaves
+    the API open (MANYEYES_API_KEYS="$KEYS" with KEYS unset was an open API without a word)."""
+    if api_keys is not None and not any(api_keys):
+        raise ValueError("MANYEYES_API_KEYS is set but holds no key: unset it to serve without keys, or give "
+                         "the keys separated by commas")
+    return KeyRing(api_keys or (), key_file)
 
 
 def key_id(digest: str) -> str:
@@ -206,11 +215,41 @@ def tenant_of(request: Request) -> str:
     return request.scope.get("state", {}).get("tenant", "")
 
 
-def exposure_warning(host: str, has_keys: bool) -> str | None:
-    """The start-up warning for a server others can reach that asks nobody for a key."""
-    if has_keys or host in LOOPBACK_HOSTS:
+def bound_to_loopback(host: str) -> bool:
+    """Whether `serve --host` is this machine alone: localhost, 127.0.0.0/8 or ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_allowed_hosts(host: str, trusted_proxies: list[str]) -> list[str]:
+    """MANYEYES_ALLOWED_HOSTS when unset. On loopback with no proxy in front only this machine's
+    own names: a web page whose name its DNS then points at 127.0.0.1 (DNS rebinding) is, to the
+    browser, its own origin, and could use a keyless local server and read the runs of texts it
+    guessed. Behind a proxy, or bound beyond loopback, a server is reached by names of its own."""
+    if bound_to_loopback(host) and not trusted_proxies:
+        return ["localhost", "127.0.0.1", "[::1]"]
+    return ["*"]
+
+
+def exposure_warning(host: str, has_keys: bool, proxied: bool = False) -> str | None:
+    """The start-up warning for a server others can reach that asks nobody for a key: one bound
+    beyond loopback, or one behind the proxies of MANYEYES_TRUSTED_PROXIES (bound to loopback, as
+    README recommends, it never warned, however public the proxy)."""
+    if has_keys:
         return None
-    return (
-        f"WARNING: serving on {host} without API keys: anyone who can reach this address can use the API. "
-        "Set MANYEYES_API_KEYS (or MANYEYES_API_KEYS_FILE), or serve on 127.0.0.1 behind a proxy; see SECURITY.md."
-    )
+    if not bound_to_loopback(host):
+        return (
+            f"WARNING: serving on {host} without API keys: anyone who can reach this address can use the API. "
+            "Set MANYEYES_API_KEYS (or MANYEYES_API_KEYS_FILE), or serve on 127.0.0.1 behind a proxy; see SECURITY.md."
+        )
+    if proxied:
+        return (
+            "WARNING: serving without API keys behind the proxies in MANYEYES_TRUSTED_PROXIES: anyone who can reach "
+            "them can use the API. Set MANYEYES_API_KEYS (or MANYEYES_API_KEYS_FILE), or limit who reaches the proxy; "
+            "see SECURITY.md."
+        )
+    return None

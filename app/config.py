@@ -120,7 +120,9 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     # API keys (see SECURITY.md): with any configured, every /api route needs
     # `Authorization: Bearer <key>`. MANYEYES_API_KEYS="k1,k2", or a file of SHA-256 hex digests.
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # None: not set. Set but holding no key ("", ",", "[]") is refused at start-up (configured_keys): it
+    # was read as no keys, which left the API open to whoever templated an empty variable.
+    api_keys: Annotated[list[str] | None, NoDecode] = None
     api_keys_file: Path | None = None
     close_metrics: bool = False  # True: /metrics needs a key too (/healthz and /readyz stay open)
     # Fair shares: each client (API key, else address) has its own queue, served round-robin into
@@ -132,6 +134,11 @@ class Settings(BaseSettings):
     # MANYEYES_TRUSTED_PROXIES="127.0.0.1,10.0.0.0/8".
     max_client_queue: int | None = Field(None, ge=1)
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Host names requests may be addressed to (the Host header; any port), "*" for any, "*.example.org"
+    # for its subdomains. None: `manyeyes serve` decides (app/clients.py, default_allowed_hosts):
+    # bound to loopback with no trusted proxies, localhost, 127.0.0.1 and [::1] only, so that a page
+    # that points its own name at 127.0.0.1 (DNS rebinding) cannot use a keyless local server; else any.
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = None
     # glibc malloc: blocks from this size up get their own mmap, returned to the OS when freed.
     # Without it, attention tensors of mixed sizes fragment the heap and RSS climbs far past the
     # run cache's bound (see SECURITY.md, "Memory"). 1 MiB keeps a forward's activations up to
@@ -211,7 +218,7 @@ class Settings(BaseSettings):
     debug_forward_delay_s: float = Field(0.0, ge=0)
     debug_load_delay_s: float = Field(0.0, ge=0)
 
-    @field_validator("api_keys", "trusted_proxies", mode="before")
+    @field_validator("api_keys", "trusted_proxies", "allowed_hosts", mode="before")
     @classmethod
     def _split_list(cls, value):
         if not isinstance(value, str):
@@ -239,6 +246,13 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"{entry!r} is no IP address or network (such as 10.0.0.1 or 10.0.0.0/8): "
                                  "name proxies by address") from None
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _some_host(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("names no host: list host names (any port), '*' for any, or unset it for the default")
         return value
 
     @field_validator("api_keys_file", mode="before")

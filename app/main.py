@@ -14,12 +14,12 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 
-from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies
+from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies, configured_keys
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query, utf8_json
 from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
 from manyeyes.app.middleware import (
-    AccessLog, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer, error_response,
+    AccessLog, AllowedHosts, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer, error_response,
 )
 from manyeyes.app.routes import aggregates, attention, docs, experiments, export, generate, measures, models, ops, page, runs, views
 from manyeyes.app.services.attention import COMPACT_MEDIA_TYPE, AttentionService
@@ -149,13 +149,16 @@ class RevalidatedFiles(StaticFiles):
         return response
 
 
-def create_app(settings: Settings | None = None, run_directory=None, forward_link=None) -> FastAPI:
+def create_app(settings: Settings | None = None, run_directory=None, forward_link=None,
+               keys: KeyRing | None = None) -> FastAPI:
     """The app. `run_directory` is given where several copies of it serve together (workers,
     Ray replicas): each records there the request behind every run it computes (shared_runs.py).
-    `forward_link`: where workers' shared forward process listens (services/shared_forward.py)."""
+    `forward_link`: where workers' shared forward process listens (services/shared_forward.py).
+    `keys`: the keys as `manyeyes serve` read them at its start; else read from `settings` here."""
     settings = settings or Settings()
     metrics = Metrics()
-    keys = KeyRing(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
+    if keys is None:
+        keys = configured_keys(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
     # Started by the server when a shutdown begins (server.Server), so that a generation stream
     # ends itself within the grace period rather than being cut off at its end.
     shutdown = ShutdownClock()
@@ -202,6 +205,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.shutdown = shutdown
+    app.state.keys = keys
     if keys:
         app.openapi = keyed_openapi(app.openapi)
     add_error_handlers(app)
@@ -234,6 +238,10 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
             JsonCors, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
             allow_headers=["Content-Type", "Authorization"], expose_headers=["Retry-After"], max_age=600,
         )
+    # Outside the keys and CORS: a request addressed to a name not listed gets nothing else, whatever
+    # its key or origin. None (create_app called without `manyeyes serve`'s default) checks no name.
+    if settings.allowed_hosts and "*" not in settings.allowed_hosts:
+        app.add_middleware(AllowedHosts, hosts=settings.allowed_hosts)
     # Inside AccessLog, which logs the method as sent and the bytes as sent (none for HEAD).
     app.add_middleware(HeadAsGet)
     app.add_middleware(Ranges)

@@ -14,7 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 from starlette.responses import Response
 
-from manyeyes.app.services.errors import ClientClosed, NotReady, error_body
+from manyeyes.app.services.errors import ClientClosed, NotReady, brief, error_body
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.wire import accepts, header_list
 
@@ -55,6 +55,8 @@ class BodyLimit:
         self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        # No route of these methods reads a body: one sent anyway is never read, and the server's
+        # protocol closes the connection after the answer (app/server.py), rather than time it here.
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
@@ -103,6 +105,50 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def host_name(value: str) -> str:
+    """A Host header's (or an allowed host's) name, as compared: lower case, without its port or a
+    trailing dot, an IPv6 address in brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[: value.find("]") + 1] or value
+    if value.count(":") > 1:  # an IPv6 address, as MANYEYES_ALLOWED_HOSTS may give it
+        return f"[{value}]"
+    return value.partition(":")[0].rstrip(".")
+
+
+class AllowedHosts:
+    """Refuses requests addressed (Host header) to a name not in `hosts` with 421: on loopback a
+    web page that points its own name at 127.0.0.1 (DNS rebinding) is, to the browser, the page's
+    own origin, and could use a keyless local server. /healthz, which says only "ok", stays open
+    to every name, so that a probe of any kind reaches it."""
+
+    OPEN = frozenset({"/healthz"})
+
+    def __init__(self, app, hosts: list[str]) -> None:
+        self.app = app
+        names = {host_name(h) for h in hosts}
+        self.names = frozenset(n for n in names if not n.startswith("*."))
+        self.suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # ".example.org"
+        self.listed = ", ".join(hosts)
+
+    def allowed(self, host: str) -> bool:
+        name = host_name(host)
+        return "*" in self.names or name in self.names or (bool(self.suffixes) and name.endswith(self.suffixes))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            await self.app(scope, receive, send)
+            return
+        host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), None)
+        if host is not None and self.allowed(host):
+            await self.app(scope, receive, send)
+            return
+        said = f"to {brief(host, 100)!r}" if host is not None else "with no Host header"
+        await send_error(send, 421, "host_not_allowed",
+                         f"this server answers requests addressed to {self.listed} (MANYEYES_ALLOWED_HOSTS), and this "
+                         f"one came {said}: add the name you reach it by to MANYEYES_ALLOWED_HOSTS")
 
 
 # A request cut off by shutdown is best retried against the restarted server or another replica.

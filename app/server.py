@@ -8,7 +8,9 @@ enough of them exhaust the process's file descriptors, after which nobody is ser
 connection must deliver each request's head within `read_timeout_s` of its first byte (of the
 connection's opening, for the first request), or it gets a 408 and the connection is closed; the
 body then has as long again (BodyLimit, app/middleware.py, which reads it, answers the 408 there).
-Idling between requests stays uvicorn's keep-alive timeout.
+A body nobody reads (an answer sent before it was in: a 401, a GET's, any refusal) has no such
+deadline, so that answer closes the connection. Idling between requests stays uvicorn's keep-alive
+timeout.
 
 Nor does uvicorn bound a request's head (the request line and headers): the parser gathers a
 header of any length, and 200 MB of one took the server's RSS up by 207 MB (bodies are bounded by
@@ -46,7 +48,10 @@ socket will not take yet. Each request's scope carries the connection's Delivery
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from email.utils import formatdate
 
@@ -141,6 +146,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._write_deadline: asyncio.TimerHandle | None = None
         self._write_left = 0  # bytes the transport held at the last check
         self._answering = None  # the cycle whose handler runs: behind it, pipelined ones wait
+        self._body_pending = None  # the cycle whose body is still arriving, kept alive once it is in
         self.delivery = Delivery()
 
     def connection_made(self, transport) -> None:
@@ -210,6 +216,24 @@ class GuardedProtocol(HttpToolsProtocol):
         if upgrade:
             self._read_no_more = True
             self.cycle.keep_alive = False
+        elif self.cycle.keep_alive and has_body(self.headers):
+            # Kept alive only once the body is in (on_message_complete): an answer sent before it
+            # (a 401, a GET's, any refusal) closes the connection. Kept open, the rest of the body
+            # had no deadline (BodyLimit times only bodies it reads), and each byte restarted
+            # uvicorn's keep-alive timer: a byte every 4 s held a connection for minutes.
+            self.cycle.keep_alive = False
+            self._body_pending = self.cycle
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if self._body_pending is cycle and cycle is not None and not cycle.response_started:
+            cycle.keep_alive = True
+        self._body_pending = None
+        super().on_message_complete()
+
+    def shutdown(self) -> None:
+        self._body_pending = None  # a shutdown closes each connection after its answer: nothing to restore
+        super().shutdown()
 
     def _unsupported_upgrade_warning(self) -> None:
         """Not uvicorn's two warnings for each request asking to switch protocols, one of them
@@ -324,6 +348,25 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.on_exit is not None:
             self.on_exit()  # it only notes the time: safe in a signal handler
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's SIGINT and SIGTERM, and SIGHUP as SIGTERM: a drain, then the exit. The keys
+        and settings are read at start-up only, so there is nothing to reload; and SIGHUP's own
+        action (a closed terminal, an operator's "reload") killed the server with requests in flight."""
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        original = signal.signal(hup, self.handle_exit)
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                # Before uvicorn raises the signals it caught again, so that SIGHUP then ends the
+                # process as SIGTERM does, by its own action.
+                signal.signal(hup, original)
 
 
 def server_config(app, settings: Settings, **options) -> uvicorn.Config:

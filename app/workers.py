@@ -13,8 +13,9 @@ worker's. With --shared-forward one more process runs their forwards of short in
 (services/shared_forward.py), supervised as they are.
 
 The parent holds the port, starts the workers with the spawn method (nothing of torch or CUDA is
-inherited), starts another in place of one that dies, and on SIGTERM or SIGINT sends each worker
-one SIGTERM, so that it drains its requests as a single server does.
+inherited), starts another in place of one that dies, and on SIGTERM, SIGINT or SIGHUP sends each
+worker one SIGTERM, so that it drains its requests as a single server does. It reads the API keys
+once, at its start, and hands them to every worker it starts, a replacement included.
 """
 
 from __future__ import annotations
@@ -67,17 +68,20 @@ def default_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replacement: bool = False, forward_link=None):
+def worker_app(settings: Settings, folder: Path, slot: int, workers: int, replacement: bool = False, forward_link=None,
+               keys=None):
     """One worker's ASGI app: create_app's, sharing runs and views with the other workers; what
     it writes goes in folder/<slot>. A replacement for a dead worker takes connections only once
     its models are loaded (the others are serving); the first workers take them at once, so that
-    /healthz answers while the models load, as a single server's does."""
+    /healthz answers while the models load, as a single server's does. `keys`: the parent's
+    KeyRing, read once at its start, so that every worker, a replacement too, opens the API to
+    the same keys (None: read from `settings`)."""
     from manyeyes.app.main import create_app
     from manyeyes.app.services.views import MAX_VIEW_BYTES, ViewStore
     from manyeyes.app.shared_runs import FileDirectory, ReadyMarks, SharedFiles, serve_once_loaded
 
     directory = FileDirectory(SharedFiles(folder / "runs", str(slot), RUN_DIRECTORY_BYTES // workers))
-    app = create_app(settings, run_directory=directory, forward_link=forward_link)
+    app = create_app(settings, run_directory=directory, forward_link=forward_link, keys=keys)
     if replacement:
         serve_once_loaded(app)
     app.state.ready_marks = ReadyMarks(folder / "ready", slot, workers)
@@ -108,7 +112,7 @@ def metrics_identity(slot: int) -> str:
 
 
 def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replacement: bool, threads: int, log_level: str,
-          forward_link=None, own_socket: bool = False) -> None:
+          forward_link=None, own_socket: bool = False, keys=None) -> None:
     _detach_from_terminal()
     if own_socket:  # the parent's only holds the port: this worker listens on one of its own
         own = bound_socket(sock.family, sock.getsockname(), share_port=True)
@@ -124,7 +128,7 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: metrics_identity(slot))
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s worker-{os.getpid()} %(name)s %(message)s")
     torch.set_num_threads(threads)
-    app = worker_app(settings, Path(folder), slot, workers, replacement, forward_link)
+    app = worker_app(settings, Path(folder), slot, workers, replacement, forward_link, keys)
     config = server_config(app, settings, log_level=log_level)
     Server(config, on_exit=app.state.shutdown.begin).run(sockets=[sock])
 
@@ -189,12 +193,13 @@ def remove_orphaned_folders(home: Path) -> None:
             pass
 
 
-def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_level: str) -> int:
-    """Run `workers` processes on the port of the bound `sock` until SIGTERM or SIGINT; the exit
-    status. `sock` is bound without SO_REUSEPORT, so a port another server listens on, even one
-    of ours, was refused; where the kernel spreads connections it is swapped for a socket of the
-    port's group, which the parent holds and never listens on: it keeps the port for the workers
-    (a replacement binds beside it) and no connection is ever queued on it."""
+def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_level: str, keys=None) -> int:
+    """Run `workers` processes on the port of the bound `sock` until SIGTERM, SIGINT or SIGHUP; the
+    exit status. `keys`: the KeyRing every worker serves with (None: each reads `settings`'s).
+    `sock` is bound without SO_REUSEPORT, so a port another server listens on, even one of ours,
+    was refused; where the kernel spreads connections it is swapped for a socket of the port's
+    group, which the parent holds and never listens on: it keeps the port for the workers (a
+    replacement binds beside it) and no connection is ever queued on it."""
     own_socket = spread_by_kernel()
     if own_socket:
         address, family = sock.getsockname(), sock.family
@@ -231,7 +236,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
         for kind in ("runs", "views"):  # a replacement adopts what the dead worker in its slot wrote (SharedFiles)
             (folder / kind / str(slot)).mkdir(parents=True, exist_ok=True)
         process = spawn.Process(target=_work, args=(settings, sock, str(folder), slot, workers, replacement, threads, log_level,
-                                                    link, own_socket),
+                                                    link, own_socket, keys),
                                 name="manyeyes-worker", daemon=False)
         process.start()
         return process
@@ -239,7 +244,10 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     def stop(signum, _frame):
         stopping.append(signum)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP as SIGTERM (a closed terminal, or a "reload", which manyeyes has not): it killed the
+    # parent outright, which left its shared folder behind.
+    stop_signals = (signal.SIGTERM, signal.SIGINT, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+    previous = {s: signal.signal(s, stop) for s in stop_signals}
     # The shared forward process, where there is one, is supervised as the slot after the workers'.
     slots = workers + (1 if link else 0)
     processes = [start(slot) for slot in range(slots)]

@@ -1,7 +1,9 @@
 """Operations: liveness, readiness and Prometheus metrics."""
 
+import re
+
 import orjson
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from manyeyes.app.deps import MetricsDep, ReadyMarksDep, RegistryDep
@@ -17,11 +19,23 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
+# An absolute path (POSIX, or a Windows drive's), up to its last component: the folders above a
+# model file are the operator's business, not every client's.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/\\-])(?:/|[A-Za-z]:[\\/])(?:[^\s/\\'\"(),;]+[/\\])+(?=[^\s/\\'\"(),;])")
+
+
+def without_folders(reason: str) -> str:
+    """`reason` with each absolute path cut to its file or folder name: no such model file or folder:
+    /srv/acme/weights.pth -> .../weights.pth."""
+    return ABSOLUTE_PATH.sub(".../", reason)
+
+
 @router.get("/readyz", response_model=Ready, responses={503: {"model": Loading, "description": "Models still loading, or failed"}})
-async def readyz(registry: RegistryDep, marks: ReadyMarksDep) -> Ready:
+async def readyz(request: Request, registry: RegistryDep, marks: ReadyMarksDep) -> Ready:
     """Ready once every configured model is loaded and warmed up (with workers: in every worker);
     503 until then, with each model's state and, while a Hugging Face id downloads, its
-    bytes_done / bytes_total."""
+    bytes_done / bytes_total. On a server with API keys, which answers /readyz to anyone, a failed
+    load's reason names model files without their folders (the server log has them whole)."""
     waiting = marks.waiting() if marks is not None and registry.ready.is_set() else []
     failed = marks.failed(waiting) if waiting else {}
     if not registry.ready.is_set() or waiting:
@@ -31,6 +45,8 @@ async def readyz(registry: RegistryDep, marks: ReadyMarksDep) -> Ready:
             reason = "; ".join(f"worker {slot} could not load its models: {why}" for slot, why in failed.items())
         else:
             reason = f"workers {waiting} are still loading their models"
+        if getattr(request.app.state, "keys", None):
+            reason = without_folders(reason)
         body = error_body(NotReady.code, reason)
         body |= {"status": "failed" if registry.failure or failed else "loading", "models": dict(registry.progress)}
         return Response(orjson.dumps(body), status_code=503, media_type="application/json")

@@ -270,3 +270,67 @@ def test_a_default_model_that_a_model_flag_adds_is_served(monkeypatch):
     monkeypatch.setenv("MANYEYES_DEFAULT_MODEL", "mine")
     assert main(["serve", "--port", str(free_port()), "--model", "mine=tiny-gpt"]) == 0
     assert seen["settings"].default_model_id() == "mine"
+
+
+@pytest.mark.parametrize("args, env, allowed", [
+    ([], {}, ["localhost", "127.0.0.1", "[::1]"]),
+    (["--host", "localhost"], {}, ["localhost", "127.0.0.1", "[::1]"]),
+    ([], {"MANYEYES_TRUSTED_PROXIES": "127.0.0.1"}, ["*"]),  # behind a proxy: reached by the proxy's names
+    (["--host", "0.0.0.0"], {}, ["*"]),
+    ([], {"MANYEYES_ALLOWED_HOSTS": "viz.example.org, *.example.net"}, ["viz.example.org", "*.example.net"]),
+], ids=["loopback", "localhost", "proxied", "every-interface", "set"])
+def test_serve_on_loopback_answers_only_requests_addressed_to_this_machine(monkeypatch, args, env, allowed):
+    """DNS rebinding (audit h46b): a page whose name then resolves to 127.0.0.1 could use a keyless
+    local server as its own origin. Its requests name it in Host, which loopback's default refuses."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    seen = {}
+
+    def run(server, sockets):
+        seen["app"] = server.config.app
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", str(free_port()), *args]) == 0
+    app = seen["app"]
+    assert app.state.settings.allowed_hosts == allowed
+    # The lifespan is not run, so no model is loaded: a request let through gets a 500 from its route.
+    client = TestClient(app, base_url="http://rebound.example", raise_server_exceptions=False)
+    assert client.get("/healthz").json() == {"status": "ok"}  # every probe reaches it
+    refused = client.get("/api/v1/models")
+    if allowed == ["*"]:
+        assert refused.status_code == 500
+    else:
+        assert refused.status_code == 421 and refused.json()["error"]["code"] == "host_not_allowed", refused.text
+    wildcard = client.get("/api/v1/models", headers={"host": "a.example.net:8000"}).status_code
+    assert wildcard == (421 if allowed[0] == "localhost" else 500)
+
+
+def test_an_allowed_hosts_variable_that_names_no_host_is_one_line(monkeypatch, capsys):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("it served"))
+    monkeypatch.setenv("MANYEYES_ALLOWED_HOSTS", ",")
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err == (
+        "error: a MANYEYES_* setting in the environment is malformed: MANYEYES_ALLOWED_HOSTS=',': names no host: list "
+        "host names (any port), '*' for any, or unset it for the default\n")
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_serve_on_ipv6_says_its_address_as_a_url(monkeypatch, capsys):
+    """The banner said http://::1:8000, which no browser or curl takes."""
+    import uvicorn
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    port = free_port()
+    assert main(["serve", "--host", "::1", "--port", str(port)]) == 0
+    assert f"on http://[::1]:{port} (GET /readyz" in capsys.readouterr().err

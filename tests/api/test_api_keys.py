@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 
@@ -252,3 +253,54 @@ def test_a_keys_run_ids_are_its_own_so_no_other_key_can_guess_them(locked):
     # The key file holds SHA-256 digests: whoever reads it still cannot work out a key's run ids.
     from_file = run_id_for("minilm", text, None, False, hashlib.sha256(KEYS[1].encode()).hexdigest())
     assert from_file != theirs
+
+
+@pytest.mark.parametrize("value", [",", "[]", " ", '[""]', ""])
+def test_a_key_variable_set_but_holding_no_key_stops_start_up_in_one_line(monkeypatch, capsys, value):
+    """It was read as no keys: the API open to all, as an empty key file never leaves it (audit
+    h46b; `MANYEYES_API_KEYS="$KEYS"` with KEYS unset is all it takes)."""
+    import uvicorn
+
+    from manyeyes.app.cli import main
+    from manyeyes.app.main import create_app
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("the server started"))
+    monkeypatch.setenv("MANYEYES_API_KEYS", value)
+    assert main(["serve", "--port", "8799"]) == 2
+    assert capsys.readouterr().err == ("error: MANYEYES_API_KEYS is set but holds no key: unset it to serve without "
+                                       "keys, or give the keys separated by commas\n")
+    with pytest.raises(ValueError, match="set but holds no key"):  # an app built elsewhere (Ray Serve) too
+        create_app(Settings())
+    monkeypatch.delenv("MANYEYES_API_KEYS")
+    assert not clients.configured_keys(Settings().api_keys, None)  # unset: no keys, as ever
+
+
+def test_a_keyless_server_behind_trusted_proxies_warns_even_on_loopback():
+    """README's recommended deployment (127.0.0.1 behind a proxy) never warned without keys."""
+    warning = exposure_warning("127.0.0.1", has_keys=False, proxied=True)
+    assert "without API keys" in warning and "MANYEYES_TRUSTED_PROXIES" in warning
+    assert exposure_warning("127.0.0.1", has_keys=True, proxied=True) is None
+    assert exposure_warning("127.0.0.2", has_keys=False) is None  # any loopback address is this machine alone
+
+
+def test_readyz_names_no_folder_of_a_model_that_failed_on_a_server_with_keys(tmp_path):
+    """/readyz answers anyone; on a server with keys the operator's folders are not everyone's."""
+    from fastapi.testclient import TestClient
+
+    from manyeyes.app.main import create_app
+
+    missing = tmp_path / "customer-acme" / "weights.pth"
+
+    def failure(**more) -> str:
+        with TestClient(create_app(Settings(models={"broken": str(missing)}, device="cpu", warmup=False, **more))) as client:
+            for _ in range(600):
+                r = client.get("/readyz")
+                if r.status_code == 503 and r.json()["status"] == "failed":
+                    return r.json()["error"]["message"]
+                time.sleep(0.05)
+        pytest.fail("the failure was never reported")
+
+    keyed = failure(api_keys=["k"])
+    assert str(tmp_path) not in keyed and "customer-acme" not in keyed, keyed
+    assert ".../weights.pth" in keyed and "no such model file or folder" in keyed, keyed
+    assert str(missing) in failure()  # without keys, as documented: the whole path

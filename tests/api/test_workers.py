@@ -250,6 +250,40 @@ def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
         httpx.get(f"{base}/readyz", timeout=2)
 
 
+def test_every_worker_keeps_the_keys_the_parent_read_and_sighup_drains_them(tmp_path):
+    """Each worker read the key file itself, and one started in a dead worker's place read it
+    again: after the file changed, a revoked key opened the API through one worker and not the
+    other (audit h46b: about 1 request in 3), and the file deleted, the replacement crash-looped.
+    SIGHUP killed the parent outright, leaving its shared folder behind."""
+    import hashlib
+
+    old, new = "old-key-0123456789", "new-key-9876543210"
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text(hashlib.sha256(old.encode()).hexdigest() + "\n")
+    log = tmp_path / "server.log"
+    with workers_serving(log, MANYEYES_API_KEYS_FILE=str(key_file)) as (base, proc, folder):
+        before = worker_pids(proc.pid)
+        key_file.write_text(hashlib.sha256(new.encode()).hexdigest() + "\n")  # rotated, no restart
+        os.kill(min(before), signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while not (len(after := worker_pids(proc.pid)) == 2 and after != before):
+            assert time.monotonic() < deadline, "the dead worker was never replaced"
+            time.sleep(0.2)
+        (replacement,) = after - before
+        while f"worker-{replacement} manyeyes.access" not in log.read_text():
+            assert time.monotonic() < deadline, "the new worker never answered"
+            httpx.get(f"{base}/healthz")  # a fresh connection each: the kernel spreads them
+        # Fresh connections, which the kernel spreads over both workers: one answer from each key.
+        answers = {key: {httpx.get(f"{base}/api/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+                         for _ in range(24)} for key in (old, new)}
+        assert answers == {old: {200}, new: {401}}, answers  # the keys read at start-up, until a restart
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert text.count("Application shutdown complete") == 2 and "Traceback" not in text, text[-3000:]
+    assert not os.path.exists(f"/dev/shm/{folder}")
+
+
 def test_a_terminals_ctrl_c_drains_every_worker_once(tmp_path):
     """Ctrl-C sends SIGINT to the terminal's whole process group. Workers in it would get SIGINT
     and then the parent's SIGTERM, a second signal, which stops uvicorn at once instead of draining."""

@@ -155,11 +155,13 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
         proc.wait()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
 @pytest.mark.parametrize("args", [(), ("--workers", "2")], ids=["one-process", "workers"])
-def test_sigterm_ends_a_generation_stream_with_a_shutdown_line_within_the_grace(args):
+def test_sigterm_or_sighup_ends_a_generation_stream_with_a_shutdown_line_within_the_grace(args, sig):
     """A stream that would outlast the grace was cut off by uvicorn at its end (no end line, an
     incomplete chunked body) and a CancelledError traceback was logged per stream. It goes on
-    while the grace allows (a shorter one finishes: test_workers), then ends with a shutdown line."""
+    while the grace allows (a shorter one finishes: test_workers), then ends with a shutdown line.
+    SIGHUP (a closed terminal, an operator's "reload") is a SIGTERM: it killed the server at once."""
     grace = 8.0
     port = free_port()
     proc = subprocess.Popen(
@@ -177,7 +179,7 @@ def test_sigterm_ends_a_generation_stream_with_a_shutdown_line_within_the_grace(
                 assert response.status_code == 200
                 lines = response.iter_lines()
                 assert json.loads(next(lines))["type"] == "start" and json.loads(next(lines))["type"] == "step"
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
                 signalled = time.monotonic()
                 rest = [json.loads(line) for line in lines if line]
         ended = time.monotonic() - signalled

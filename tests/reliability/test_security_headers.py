@@ -93,3 +93,42 @@ def test_docs_are_local_and_under_the_same_policy(server):
     assert get("/vendor/swagger-ui/..%2Fswagger-initializer.js").status_code == 404
     assert get("/vendor/swagger-ui/index.html").status_code == 404
     assert get("/redoc").status_code == 404
+
+
+def test_a_request_addressed_to_another_name_is_refused_where_only_local_names_are_allowed():
+    """MANYEYES_ALLOWED_HOSTS, as `manyeyes serve` sets it on loopback: a page whose name its DNS
+    points at 127.0.0.1 (DNS rebinding) is, to the browser, its own origin. Its requests still say
+    its name in Host, and get a 421; the server's own names, on any port, are served."""
+    import socket
+
+    import orjson
+
+    from tests.reliability.conftest import HOST
+
+    with live_server(allowed_hosts=["localhost", "127.0.0.1", "[::1]"]) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for host in (None, f"localhost:{server.port}", "[::1]:8000", "LocalHost.", "127.0.0.1"):
+                r = client.get("/api/v1/models", headers={"host": host} if host else None)
+                assert r.status_code == 200, (host, r.text[:200])
+            for host in ("rebound.example", f"rebound.example:{server.port}", "127.0.0.1.rebound.example", "localhost.example"):
+                for method, path in (("GET", "/api/v1/models"), ("POST", "/api/v1/attention"), ("GET", "/"),
+                                     ("GET", "/readyz")):
+                    r = client.request(method, path, headers={"host": host}, json={"text": "Hi."} if method == "POST" else None)
+                    assert r.status_code == 421, (host, path, r.status_code)
+                    assert r.json()["error"]["code"] == "host_not_allowed" and "MANYEYES_ALLOWED_HOSTS" in r.json()["error"]["message"]
+                    assert r.headers["x-content-type-options"] == "nosniff" and "content-security-policy" in r.headers
+                # A liveness probe of any kind reaches /healthz, which says nothing but "ok".
+                assert client.get("/healthz", headers={"host": host}).json() == {"status": "ok"}
+        # No Host at all (HTTP/1.0): no name this server answers to.
+        with socket.create_connection((HOST, server.port)) as sock:
+            sock.settimeout(30)
+            sock.sendall(b"GET /api/v1/models HTTP/1.0\r\n\r\n")
+            said = b""
+            while chunk := sock.recv(65536):
+                said += chunk
+        head, _, body = said.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 421 ") and orjson.loads(body)["error"]["code"] == "host_not_allowed", said[:300]
+    # Any name where the setting says "*", or is not set (create_app without `manyeyes serve`).
+    for hosts in (["*"], None):
+        with live_server(allowed_hosts=hosts) as server:
+            assert httpx.get(server.url + "/api/v1/models", headers={"host": "viz.example.org"}, timeout=60).status_code == 200

@@ -187,3 +187,91 @@ def test_a_client_gone_with_a_request_pipelined_behind_the_one_answered_drops_it
         assert orjson.loads(line)["status"] == 499, line
         assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
         assert server.metric("manyeyes_requests_total", status="500") == 0
+
+
+def trickled(port: int, head: bytes, drip: bytes, for_s: float = TIMEOUT_S * 4) -> tuple[float | None, bytes]:
+    """Sends `head`, then `drip` every TIMEOUT_S / 4 (each restarted uvicorn's keep-alive timer)
+    for up to `for_s`, reading meanwhile: seconds until the server closed the connection (None: it
+    was still open when the client stopped), and what it said."""
+    with socket.create_connection((HOST, port)) as sock:
+        sock.settimeout(TIMEOUT_S / 4)
+        started, said = time.monotonic(), b""
+        sock.sendall(head)
+        while time.monotonic() - started < for_s:
+            try:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return time.monotonic() - started, said
+                said += chunk
+            except TimeoutError:
+                try:
+                    sock.sendall(drip)
+                except (BrokenPipeError, ConnectionResetError):
+                    return time.monotonic() - started, said
+            except ConnectionResetError:
+                return time.monotonic() - started, said
+        return None, said
+
+
+SENT_BEFORE_THE_BODY = [
+    # Methods BodyLimit leaves alone (their routes read no body), with a body that trickles in.
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{", b" ", b"200"),
+    (b"HEAD /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{", b" ", b"200"),
+    (b"OPTIONS /api/v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{", b" ", b"405"),
+    (b"DELETE /api/v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{", b" ", b"405"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"1\r\nx\r\n", b"200"),
+]
+
+
+def one_answer(sock: socket.socket) -> bytes:
+    """One whole answer (head and Content-Length body) off a kept-alive connection."""
+    said = b""
+    while b"\r\n\r\n" not in said:
+        said += sock.recv(65536)
+    head, _, body = said.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    assert len(body) == length, "more than one answer came"
+    return head + b"\r\n\r\n" + body
+
+
+def test_an_answer_sent_before_its_requests_body_is_in_closes_the_connection():
+    """uvicorn answered such a request and kept its connection, reading the rest of the body with
+    no deadline: each byte restarted its keep-alive timer, and a client sending one every 4 s held
+    the connection (and a file descriptor) for minutes (audit h46b: 153 s against a 5 s deadline)."""
+    with live_server(request_read_timeout_s=TIMEOUT_S) as server:
+        for head, drip, status in SENT_BEFORE_THE_BODY:
+            seconds, said = trickled(server.port, head, drip)
+            assert seconds is not None and seconds < TIMEOUT_S, (head, seconds, said[:200])
+            answer = said.partition(b"\r\n\r\n")[0].lower()
+            assert answer.startswith(b"http/1.1 " + status) and b"connection: close" in answer, (head, said[:300])
+        # A body that is in before the answer keeps the connection alive, as ever: two requests on one.
+        with socket.create_connection((HOST, server.port)) as sock:
+            sock.settimeout(30)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            assert one_answer(sock).startswith(b"HTTP/1.1 200")
+            sock.sendall(post_bytes("The bank of the river.", close=True))
+            assert read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_request_refused_for_its_key_before_its_body_is_in_closes_the_connection():
+    """ClientIdentity answers 401 before the body is read (it may be 1 MB of junk from anyone);
+    its connection stayed open for as long as the client trickled the rest of the body."""
+    with live_server(request_read_timeout_s=TIMEOUT_S, api_keys=["the-key"]) as server:
+        head = (b"POST /api/v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000\r\n\r\n{")
+        seconds, said = trickled(server.port, head, b" ")
+        assert seconds is not None and seconds < TIMEOUT_S, (seconds, said[:200])
+        answer, _, payload = said.partition(b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower(), said[:300]
+        assert orjson.loads(payload)["error"]["code"] == "unauthorized"
+        # With the key, the same body sent whole is read and answered, the connection kept.
+        body = orjson.dumps({"text": "The bank."})
+        with socket.create_connection((HOST, server.port)) as sock:
+            sock.settimeout(30)
+            for _ in range(2):
+                sock.sendall(b"POST /api/v1/attention HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer the-key\r\n"
+                             b"Content-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                reply = one_answer(sock)
+                assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower(), reply[:300]
