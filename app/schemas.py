@@ -358,6 +358,8 @@ class ViewState(BaseModel):
         "raw", description="What the measures section draws for the focused head"
     )
     word_view: bool = Field(False, description="The measures section merges pieces into words")
+    guess_position: int | None = Field(None, ge=0, le=1_000_000, description="Why this guess?: the position explained (default the last)")
+    guess_target: int | None = Field(None, ge=0, le=10_000_000, description="Why this guess?: the token id explained (default the top guess)")
 
     _text = field_validator("text")(_not_blank)
 

@@ -58,6 +58,7 @@ export class AttributionPanel {
     root.replaceChildren(this.filters, this.sum, el("div", { className: "attribution-scroll" }, [this.grid]), this.legend);
     this.labels = [];
     this.predictions = null;
+    this.wanted = null;
   }
 
   // A new run (or new labels for its tokens): positions named as the page names tokens; the last
@@ -70,6 +71,15 @@ export class AttributionPanel {
     this.position.replaceChildren(...labels.map((label, i) => el("option", { text: `${i}: ${label}`, attrs: { value: i } })));
     this.position.value = String(chosen);
     this.fillTargets();
+  }
+
+  // A guess to choose once the run's guesses are offered (a link's; null: the top one).
+  want(target) {
+    this.wanted = target === null ? null : String(target);
+  }
+
+  wantedTarget() {
+    return this.wanted === null || this.wanted === undefined ? null : Number(this.wanted);
   }
 
   // The run's top-k per position (predictions.js), or null before they come: the guesses offered.
@@ -93,7 +103,10 @@ export class AttributionPanel {
       options.push(el("option", { text: `${this.labels[position + 1]}, the text's next token`, attrs: { value: next } }));
     }
     this.target.replaceChildren(...options);
-    if ([...this.target.options].some((o) => o.value === keep)) this.target.value = keep;
+    const offered = (value) => value !== null && [...this.target.options].some((o) => o.value === value);
+    if (this.predictions && offered(this.wanted)) this.target.value = this.wanted;
+    else if (offered(keep)) this.target.value = keep;
+    if (this.predictions) this.wanted = null; // a link's guess is chosen once, when the guesses come
   }
 
   // What to ask for: { position, target } (target null: the top guess).

@@ -672,7 +672,7 @@ function viewState() {
     truncate: state.request.truncate, layer: state.layer, head: state.head, aggregate: state.aggregate,
     heads: [...state.extraHeads].sort((a, b) => a - b), hide_special: state.hideSpecial, hide_first: state.hideFirst,
     threshold: state.threshold, segments: state.segments, scale: state.scale, labels: state.labels,
-    measure: $("measure").value, word_view: $("word-view").checked,
+    measure: $("measure").value, word_view: $("word-view").checked, ...measures.guessChoice(),
   };
 }
 
@@ -716,6 +716,7 @@ function applyViewState(v) {
   $("truncate").checked = Boolean(v.truncate);
   $("measure").value = v.measure ?? "raw";
   $("word-view").checked = Boolean(v.word_view);
+  measures.restoreGuess(v.guess_position ?? null, v.guess_target ?? null);
   if (v.model && state.models.some((m) => m.id === v.model)) $("model").value = v.model;
   notePairing();
   syncControls();
@@ -1087,7 +1088,9 @@ async function init() {
     renderViews();
   });
   for (const id of ["hide-special", "hide-first", "threshold", "segments", "scale", "labels"]) $(id).addEventListener("input", optionsChanged);
-  for (const id of ["measure", "word-view"]) $(id).addEventListener("change", () => updatePermalink());
+  for (const id of ["measure", "word-view", "attribution-position", "attribution-target"]) {
+    $(id).addEventListener("change", () => updatePermalink());
+  }
   $("theme").addEventListener("change", () => setTheme($("theme").value));
   $("download-csv").addEventListener("click", () => download("csv"));
   $("download-json").addEventListener("click", () => download("json"));

@@ -160,6 +160,7 @@ class Measures {
     this.neuron = new NeuronPanel($("neuron"), { onQuery: (q) => { this.queryIndex = q; this.drawNeuron(); } });
     this.attribution = new AttributionPanel($("attribution"), { onSelect: (l, h) => this.focusHead(l, h), onPick: () => this.drawAttribution() });
     this.attributed = null; // the run, position and guess the attribution grid shows (it does not follow the focus)
+    this.restoredGuess = null; // a link's position and guess, for the run it restores
     $("measure").addEventListener("change", () => this.drawMeasure());
     $("word-view").addEventListener("change", () => this.drawMeasure());
     onThemeChange(() => { // the colours follow the theme, as the heatmap's do
@@ -230,7 +231,11 @@ class Measures {
     $("measures").hidden = false;
     this.forgetPlot();
     this.forgetNeuron("This run's neuron view is drawn when this panel is in view.");
-    this.attribution.setTokens(this.labels, null, run.tokens.map((t) => t.id));
+    // A link's position and guess go to the run it restores, once; a later run starts at its last token.
+    const restored = this.restoredGuess;
+    this.restoredGuess = null;
+    this.attribution.setTokens(this.labels, restored?.position ?? null, run.tokens.map((t) => t.id));
+    this.attribution.want(restored?.target ?? null);
     this.attribution.setPredictions(null);
     this.forgetAttribution("This run's attribution is drawn when this panel is in view.");
     this.forgetHeads("Finding this run's heads…");
@@ -723,6 +728,18 @@ class Measures {
     } catch (err) {
       if (run === this.run) this.status("neuron-status", err);
     }
+  }
+
+  // The position and guess of "Why this guess?" as a saved view holds them (null: the defaults).
+  guessChoice() {
+    if (!this.run || !this.run.causal) return { guess_position: null, guess_target: null };
+    const { position, target } = this.attribution.choice();
+    // Before the run's guesses come, a link's guess is still only wanted: saved as it was.
+    return { guess_position: position, guess_target: target ?? this.attribution.wantedTarget() };
+  }
+
+  restoreGuess(position, target) {
+    this.restoredGuess = position === null ? null : { position, target };
   }
 
   // Direct logit attribution at the chosen position and guess, every head of the model. It does

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from tests.browser.conftest import serving
-from tests.browser.test_page import api_attention, hover_cell, open_page, plotted, run, wait_focus, wait_grid, wait_plotted_shape
+from tests.browser.test_page import (
+    api_attention, hover_cell, open_page, plotted, run, wait_focus, wait_grid, wait_plotted_shape, wait_saved,
+)
 from tests.browser.test_page_ux import label_spacing
 from tests.browser.test_strip_and_measures_view import visible
 
@@ -276,6 +278,28 @@ def test_why_this_guess_draws_the_apis_logit_attribution_and_a_click_focuses(ran
     wait_focus(page, layer=1, head=0)
     assert page.get_attribute("#attribution button[data-layer='1'][data-head='0']", "aria-pressed") == "true"
     page.locator("#attribution").locator("xpath=..").screenshot(path=str(artifacts / "measures-attribution.png"))
+
+
+def test_a_link_keeps_the_guess_explained(ran, tiny_api):
+    """The position and guess of "Why this guess?" were not in the permalink: a reload or a shared
+    link went back to the last token's top guess."""
+    page, run_id = ran
+    page.wait_for_selector("#attribution[data-position]", timeout=30_000)
+    page.select_option("#attribution-position", "5")
+    page.wait_for_selector("#attribution[data-position='5']", timeout=30_000)
+    second = page.locator("#attribution-target option").nth(1).get_attribute("value")
+    page.select_option("#attribution-target", second)
+    page.wait_for_selector(f"#attribution[data-target='{second}']", timeout=30_000)
+    wait_saved(page)
+    view = page.evaluate("() => document.body.dataset.view")
+    saved = tiny_api.get(f"/api/v1/views/{view}").json()
+    assert (saved["guess_position"], saved["guess_target"]) == (5, int(second))
+    page.reload()
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_selector(f"#attribution[data-position='5'][data-target='{second}']", timeout=30_000)
+    assert page.input_value("#attribution-target") == second
+    wait_saved(page)  # the restored view is saved as it was, the guess with it
+    assert page.evaluate("() => document.body.dataset.view") == view
 
 
 def test_why_this_guess_says_a_bidirectional_model_has_no_next_token_to_explain(page, server):
