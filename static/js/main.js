@@ -621,8 +621,12 @@ function renderHeadChips() {
   const key = JSON.stringify([run.runId, run.nHeads, state.layer, state.head, [...state.extraHeads].sort(), state.aggregate, pal.heads]);
   // Under a mean the head view draws the mean, one set of lines: chips of single heads, greyed,
   // with the focused one ticked, offered a choice that meant nothing. The ticks are kept for the
-  // return to a single head.
-  fieldset.hidden = state.aggregate !== "head";
+  // return to a single head, and so is their room: hidden outright, the page below moved up by
+  // their height and drew the measures panel at 512 tokens, which the user had not scrolled to.
+  const offered = state.aggregate === "head";
+  fieldset.hidden = false; // the template hides them until the first run
+  fieldset.style.visibility = offered ? "" : "hidden";
+  fieldset.inert = !offered;
   if (fieldset.dataset.key === key) return;
   fieldset.dataset.key = key;
   const chips = [el("legend", { text: `Heads of layer ${state.layer} drawn (the focused one always)` })];

@@ -245,7 +245,8 @@ def test_under_a_mean_the_measure_and_neuron_view_say_they_show_one_head(server,
     said = "One head, not the mean of all heads above."
     assert page.text_content("#measure-caption").endswith(said) and page.text_content("#neuron-note").endswith(said)
     # The head view draws the mean: no single heads to tick (H0 stood greyed and ticked).
-    page.wait_for_function("() => document.getElementById('headview-heads').hidden")
+    page.wait_for_function("() => getComputedStyle(document.getElementById('headview-heads')).visibility === 'hidden'")
+    assert page.locator("#headview-heads").is_hidden()
     page.select_option("#aggregate", "layer")
     page.wait_for_selector("#focus-plot[data-aggregate='layer']", timeout=30_000)
     said = "One head, not the mean of layer 0's heads above."
@@ -256,7 +257,7 @@ def test_under_a_mean_the_measure_and_neuron_view_say_they_show_one_head(server,
     assert "One head" not in page.text_content("#measure-caption")
     page.select_option("#aggregate", "head")
     page.wait_for_selector("#focus-plot[data-aggregate='head']", timeout=30_000)
-    page.wait_for_function("() => !document.getElementById('headview-heads').hidden")
+    page.wait_for_function("() => getComputedStyle(document.getElementById('headview-heads')).visibility === 'visible'")
     assert "One head" not in page.text_content("#neuron-note")
 
 
