@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -207,13 +208,25 @@ class Generation(Iterator[GenerationStep]):
 
     def __init__(self, steps: Callable[[Generation], Iterator[GenerationStep]]) -> None:
         self.prompt: list[RemoteToken] | None = None
+        self._response: httpx.Response | None = None  # the stream, once the server has answered
+        self._closed = False
         self._steps = steps(self)
 
     def __next__(self) -> GenerationStep:
         return next(self._steps)
 
     def close(self) -> None:
-        self._steps.close()
+        """Hang up, from any thread: one blocked reading the next step ends its loop there, quietly.
+        (A generator cannot be closed while another thread runs it: this raised "generator already
+        executing" and the stream went on to its end.)"""
+        self._closed = True
+        response = self._response
+        if response is not None:
+            _hang_up(response)
+        try:
+            self._steps.close()
+        except ValueError:
+            pass  # another thread is inside next(): the hang-up ends its read, and it returns there
 
     def __enter__(self) -> Generation:
         return self
@@ -396,6 +409,20 @@ def _lines(response: httpx.Response) -> Iterator[str]:
         ) from None
     except httpx.TransportError as exc:
         raise ConnectionFailed(0, "network", f"the stream broke off: {exc}") from None
+
+
+def _hang_up(response: httpx.Response) -> None:
+    """Close a streamed response from any thread. Closing the socket does not wake a read blocked
+    on it in another thread (nor tell the server); shutting it down does both, at once."""
+    stream = response.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+    else:
+        response.close()
 
 
 def json_body(response: httpx.Response) -> dict:
@@ -842,26 +869,49 @@ class Client:
     def _generate(self, generation: Generation, body: dict) -> Iterator[GenerationStep]:
         # A 429 (all generation slots busy) is retried as any request's is, before any step.
         response = self._send("POST", "/api/v1/generate", stream=True, json=body, headers={"Accept": "application/x-ndjson"})
+        generation._response = response
+        steps = 0
         try:
-            for line in _lines(response):
-                if not line:
-                    continue
-                event = json.loads(line)
-                if event["type"] == "start":
-                    generation.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
-                if event["type"] == "end" and event.get("reason") != "length":
-                    # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked
-                    raise GenerationFailed(response.status_code, "generation_failed",
-                                           event.get("error") or f"the generation ended early ({event.get('reason')})")
-                if event["type"] != "step":
-                    continue
-                yield GenerationStep(
-                    index=event["index"],
-                    position=event["position"],
-                    token=Prediction(event["token"]["text"], event["token"]["id"], event["token"]["prob"]),
-                    alternatives=[Prediction(a["text"], a["id"], a["prob"]) for a in event["alternatives"]],
-                    attention=np.asarray(event["attention"], dtype=np.float32),
-                )
+            if generation._closed:  # closed from another thread while the request was on its way
+                return
+            try:
+                for line in _lines(response):
+                    if not line:
+                        continue
+                    try:
+                        event = json.loads(line)
+                        kind = event["type"]
+                    except (ValueError, TypeError, KeyError):
+                        # A proxy's page or a cut line: typed, as a body that is not JSON is elsewhere.
+                        raise ManyeyesError(response.status_code, "unreadable",
+                                            f"the generation stream holds a line that is not one of its events: {line[:80]!r}") from None
+                    if kind == "start":
+                        generation.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
+                    if kind == "end":
+                        if event.get("reason") != "length":
+                            # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked
+                            raise GenerationFailed(response.status_code, "generation_failed",
+                                                   event.get("error") or f"the generation ended early ({event.get('reason')})")
+                        return
+                    if kind != "step":
+                        continue
+                    steps += 1
+                    yield GenerationStep(
+                        index=event["index"],
+                        position=event["position"],
+                        token=Prediction(event["token"]["text"], event["token"]["id"], event["token"]["prob"]),
+                        alternatives=[Prediction(a["text"], a["id"], a["prob"]) for a in event["alternatives"]],
+                        attention=np.asarray(event["attention"], dtype=np.float32),
+                    )
+            except ConnectionFailed:
+                if generation._closed:  # our own hang-up (close() from another thread): the loop just ends
+                    return
+                raise
+            if not generation._closed:
+                # The body ended without the server's end line: it was cut off (a proxy's timeout, a
+                # server that stopped), and what came was read as a whole, shorter generation.
+                raise ConnectionFailed(0, "network", f"the generation stream ended after {steps} of "
+                                       f"{body['max_new_tokens']} steps without the server's end line: it was cut off")
         finally:
             response.close()
 

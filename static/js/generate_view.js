@@ -126,7 +126,7 @@ export function mountGeneration(box) {
       text, attrs: i === step.position ? { "aria-current": "true" } : {},
     })));
     const label = pieceLabel(step.token);
-    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${label}” (p ${step.token.prob.toFixed(3)})`;
+    sayWhere();
     const { n_layers: L, n_heads: H } = state.start;
     const names = [];
     const z = [];
@@ -148,6 +148,13 @@ export function mountGeneration(box) {
     const title = state.prompt ? `L${l} H${h}: the heatmap so far` : `L${l} H${h}: the generated tokens' rows (the prompt's are not shown)`;
     heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, yFirst: state.prompt ? 0 : promptLength, title });
     growPlot.dataset.rows = String(grown.length);
+  }
+
+  // Which token is shown, of how many have come.
+  function sayWhere() {
+    const step = state.steps[state.current];
+    if (!step) return;
+    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${pieceLabel(step.token)}” (p ${step.token.prob.toFixed(3)})`;
   }
 
   function go(index) {
@@ -175,16 +182,19 @@ export function mountGeneration(box) {
 
   // The prompt's own rows, for the full heatmap; the run cache usually has them already. A long
   // prompt's run keeps queries and keys, not weights (its answer has none): its rows are left out.
-  async function loadPrompt(body) {
-    const ask = (format) => postJson("/api/v1/attention", { text: body.text, model: body.model, format }, state.controller.signal);
+  // `mine`: the generation asking. A reply that comes after the next generation began is not its
+  // prompt's: it drew the last prompt's rows over the new tokens (same token count, another text).
+  async function loadPrompt(body, mine, signal) {
+    const ask = (format) => postJson("/api/v1/attention", { text: body.text, model: body.model, format }, signal);
     try {
       const reply = await ask("json").catch((err) => (err.status === 413 ? ask("f16") : Promise.reject(err)));
+      if (mine !== state.epoch) return;
       if (reply.tokens.length !== state.start?.prompt.length) return; // not the same tokens: leave the prompt out
       if (!reply.attention) return render();
       state.prompt = decodeTensor(reply.attention);
       render();
     } catch (err) {
-      if (err.name !== "AbortError") status(note, `The prompt's rows could not be loaded: ${describeError(err)}`, "error");
+      if (err.name !== "AbortError" && mine === state.epoch) status(note, `The prompt's rows could not be loaded: ${describeError(err)}`, "error");
     }
   }
 
@@ -216,6 +226,7 @@ export function mountGeneration(box) {
     // (9007199254740993 was sent as ...992, another sample). JSON allows no leading zeros.
     if (seedDigits !== "") json = `${json.slice(0, -1)},"seed":${seedDigits.replace(/^0+(?=\d)/, "")}}`;
     const mine = ++state.epoch;
+    state.controller?.abort(); // the last generation's prompt rows, if they are still on their way
     Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
     // The last generation's picture goes with its tokens: a refused one left it under the error.
     tokens.replaceChildren();
@@ -231,12 +242,15 @@ export function mountGeneration(box) {
         if (mine !== state.epoch) break;
         if (event.type === "start") {
           state.start = event;
-          loadPrompt(body);
+          loadPrompt(body, mine, state.controller.signal);
           fitMenus(event.n_layers, event.n_heads);
         } else if (event.type === "step") {
           state.steps.push(event);
           if (state.follow && !state.timer) followSoon();
-          else setButtons();
+          else {
+            setButtons();
+            sayWhere(); // "Token 6 of 7" stayed while the stream went on to 12
+          }
         } else if (event.type === "end") {
           // "error" (a step failed) or "shutdown" (the server is stopping) ended it early.
           state.outcome = event.reason === "length" ? "finished" : "failed";
@@ -247,7 +261,12 @@ export function mountGeneration(box) {
       // Each result names its model: which one answered was said nowhere (the run on screen's, not
       // the one picked above but not run).
       const from = state.start?.model ?? model;
-      if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
+      if (!state.outcome) {
+        // The body ended without the server's end line: cut off (a proxy's timeout, a server that
+        // stopped), where it read "Finished" as if every token had come.
+        state.outcome = "failed";
+        status(note, `The stream was cut off after ${tokenCount(state.steps.length)} of ${n}, before the server's end line: generate again.`, "error");
+      } else if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
       else if (cut && state.start) {
         status(note, `Finished: ${state.steps.length} new tokens from ${from}, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
           + `the whole run and the new tokens would not fit in ${info.id}'s ${info.max_tokens} positions.`);

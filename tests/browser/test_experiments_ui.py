@@ -666,6 +666,73 @@ def test_a_stream_that_ends_early_says_so(server, page, reason, error):
     assert page.get_attribute("#gen-status", "data-kind") == "error"
 
 
+
+def test_a_stream_cut_off_without_its_end_line_is_not_finished(server, page):
+    """A body that ends after its steps with no end line (a proxy's timeout, a server that
+    stopped) read "Finished: 1 new tokens", as if every token asked for had come."""
+    real = [json.dumps(line) for line in stream(server, {"text": PROMPT, "model": "tiny-causal", "max_new_tokens": 1})]
+    page.route("**/api/v1/generate", lambda route: route.fulfill(
+        status=200, content_type="application/x-ndjson", body="\n".join(real[:2]) + "\n"))
+    open_page(page, server)
+    page.select_option("#model", "tiny-causal")
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "5")
+    page.click("#gen-start")
+    page.wait_for_selector("#generate-box[data-outcome='failed']", timeout=30_000)
+    assert page.inner_text("#gen-status") == "The stream was cut off after 1 token of 5, before the server's end line: generate again."
+    assert page.get_attribute("#gen-status", "data-kind") == "error"
+    assert page.inner_text("#gen-position").startswith("Token 1 of 1")  # the step that came is shown
+
+
+def test_the_last_generations_late_prompt_rows_are_not_drawn_under_the_next(server, api, page):
+    """The prompt's rows come from /attention after the stream starts. One that came back after
+    the next generation began (same token count, another prompt) replaced that one's rows."""
+    first, second = "the river bank", "the money bank"
+    held = []
+    page.route("**/api/v1/attention", lambda route: held.append(route) if json.loads(route.request.post_data)["text"] == first
+               else route.continue_())
+    open_page(page, server)
+    page.select_option("#model", "tiny-causal")
+    page.fill("#gen-n", "3")
+    page.fill("#gen-text", first)
+    page.click("#gen-start")
+    page.wait_for_function("() => window.manyeyesGeneration.outcome === 'finished'", timeout=30_000)
+    assert len(held) == 1
+    page.fill("#gen-text", second)
+    page.click("#gen-start")
+    page.wait_for_function("() => !window.manyeyesGeneration.running && window.manyeyesGeneration.outcome === 'finished'"
+                           " && window.manyeyesGeneration.prompt !== null", timeout=30_000)
+    try:
+        held[0].continue_()  # the first generation's rows come back now (if it still wants them)
+    except Exception:  # noqa: BLE001  its request was given up: nothing to answer
+        pass
+    page.wait_for_timeout(1000)
+
+    def rows(text):
+        return api.post("/api/v1/attention", json={"text": text, "model": "tiny-causal", "layers": [0], "heads": [0],
+                                                   "format": "json"}).json()["attention"]["data"][0][0]
+
+    want, other = rows(second), rows(first)
+    assert len(want) == len(other) and not same(f32(want[-1]), f32(other[-1]))
+    grown = page.evaluate("document.getElementById('gen-grow-plot').data[0].z")
+    for r, row in enumerate(want):
+        assert same(f32(grown[r][: r + 1]), f32(row[: r + 1])), r
+
+
+def test_stepping_back_mid_stream_keeps_counting_the_tokens_that_come(slow_server, page):
+    """Stepped back while the stream ran, the line said "Token 6 of 7" while 12 had come."""
+    page.goto(f"{slow_server}/")
+    page.wait_for_selector("#gen-start")
+    page.fill("#gen-text", PROMPT)
+    page.fill("#gen-n", "12")
+    page.click("#gen-start")
+    page.wait_for_function("() => window.manyeyesGeneration.steps.length >= 3", timeout=30_000)
+    page.click("#gen-back")
+    shown = page.evaluate("window.manyeyesGeneration.current")
+    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    assert page.evaluate("window.manyeyesGeneration.current") == shown  # it stays where it was stepped back to
+    assert page.inner_text("#gen-position").startswith(f"Token {shown + 1} of 12:")
+
 # ---- found by trying the page as a user ----------------------------------------------------------
 
 

@@ -343,6 +343,66 @@ def test_generate_retries_a_429_and_a_broken_stream_or_body_is_a_typed_error():
         list(mocked.generate("Hi", 3))
 
 
+def test_a_generation_stream_without_its_end_line_or_with_a_stray_line_is_a_typed_error():
+    """A stream cut off cleanly after its first step (a proxy's timeout) was read as a whole, shorter
+    generation: 1 of 5 steps and no error. A line that is no event raised json's own error."""
+    start = {"type": "start", "model": "tiny-gpt", "n_layers": 1, "n_heads": 1, "prompt": []}
+    step = {"type": "step", "index": 0, "position": 3, "token": {"text": " a", "id": 7, "prob": 0.5},
+            "alternatives": [], "attention": [[[0.25, 0.25, 0.25, 0.25]]]}
+
+    def serving(*lines):
+        body = "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
+        return httpx.MockTransport(lambda request: httpx.Response(200, text=body, headers={"content-type": "application/x-ndjson"}))
+
+    with Client("http://manyeyes.test", transport=serving(start, step)) as mocked:
+        steps = mocked.generate("Hi", 5)
+        assert next(steps).token.id == 7
+        with pytest.raises(ConnectionFailed, match="ended after 1 of 5 steps without the server's end line") as cut:
+            next(steps)
+    assert cut.value.code == "network"
+    for stray in ("<html>sign in to the proxy</html>\n", "[1, 2]\n", '{"no": "type"}\n'):
+        with Client("http://manyeyes.test", transport=serving(start, stray)) as mocked, \
+                pytest.raises(ManyeyesError, match="not one of its events") as unreadable:
+            list(mocked.generate("Hi", 5))
+        assert unreadable.value.code == "unreadable" and type(unreadable.value) is ManyeyesError
+
+
+def test_close_from_another_thread_hangs_up_and_ends_the_readers_loop_quietly():
+    """close() while another thread waited in next() for the next step raised "generator already
+    executing", and the stream went on to its end, its slot held all along."""
+    with live_server(debug_forward_delay_s=0.3) as base, Client(base) as c:
+        generation = c.generate(TEXT, 100, model="tiny-gpt")
+        got, raised = [], []
+
+        def read():
+            try:
+                for step in generation:
+                    got.append(step.index)
+            except BaseException as exc:  # noqa: BLE001  anything the loop raised is a failure here
+                raised.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not got:
+            assert time.monotonic() < deadline and reader.is_alive(), raised
+            time.sleep(0.01)
+        time.sleep(0.1)  # the reader waits in next() for a step 0.3 s away
+        generation.close()
+        reader.join(2)
+        assert not reader.is_alive() and raised == [] and 1 <= len(got) < 10
+        with pytest.raises(StopIteration):
+            next(generation)
+        # The server saw the hang-up: its slot is free and it counted the generation cancelled.
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(f"{base}/metrics").text
+            if 'manyeyes_generations_total{outcome="cancelled"} 1.0' in text and 'manyeyes_work_running{kind="generation"} 0.0' in text:
+                break
+            assert time.monotonic() < deadline, [line for line in text.splitlines() if "generation" in line]
+            time.sleep(0.1)
+
+
 def test_a_retry_after_that_is_not_a_number_of_seconds_waits_the_default_instead_of_crashing(monkeypatch):
     # "nan" parses as a float, and time.sleep(nan) raised ValueError out of the retry loop.
     slept = []
