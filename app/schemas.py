@@ -327,7 +327,9 @@ class GenerateStep(BaseModel):
 
 class GenerateEnd(BaseModel):
     type: Literal["end"] = "end"
-    reason: Literal["length", "error"] = Field("length", description="error: a step failed; `error` says why")
+    reason: Literal["length", "error", "shutdown"] = Field(
+        "length", description="error: a step failed, `error` says why; shutdown: the server is stopping (fewer tokens than asked)"
+    )
     tokens: int
     error: str | None = Field(None, description="Only with reason error")
 

@@ -77,7 +77,8 @@ def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: 
     limit = model.info.max_tokens
     if prompt_tokens + max_new_tokens > limit:
         room = limit - prompt_tokens
-        advice = f"ask for at most {room} new tokens" if room >= 1 else f"shorten the prompt to at most {limit - 1} tokens"
+        advice = (f"ask for at most {room} new token{'s' if room > 1 else ''}" if room >= 1
+                  else f"shorten the prompt to at most {limit - 1} tokens")
         raise ValueError(
             f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed {model.info.id}'s context of {limit}; {advice}"
         )

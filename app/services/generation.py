@@ -91,8 +91,12 @@ class GenerationService:
             check_generation(model, len(prompt), body.max_new_tokens)
         except TooLongError as exc:
             # Not the model's own hint: generation has no truncation to ask for.
+            # The room the new tokens leave, not the model's whole context: "at most 256" sent a user
+            # who cut the prompt to 256 back for "at most 255" (with one new token).
+            room = exc.max_tokens - body.max_new_tokens
             raise TooLong(
-                f"the prompt is {exc.n_tokens:,} tokens long but {served.id} takes at most {exc.max_tokens:,}; shorten it"
+                f"the prompt is {exc.n_tokens:,} tokens long but {served.id} takes at most {exc.max_tokens:,} tokens in all"
+                + (f"; with {body.max_new_tokens:,} new, shorten it to at most {room:,}" if room >= 1 else "")
             ) from None
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc

@@ -123,6 +123,12 @@ def test_prompts_too_long_get_too_long_with_advice_that_can_be_followed(server):
     err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=over_positions, timeout=30), 422)
     assert err["code"] == "too_long" and "truncat" not in err["message"], err
     assert err["message"].startswith("the prompt is 300 tokens long but tiny-gpt takes at most 256"), err
+    # The length to cut to is the one that then runs: 255 with one new token (it said "at most 256",
+    # and a 256-token prompt was then refused as leaving no room).
+    assert err["message"].endswith("with 1 new, shorten it to at most 255"), err
+    one = {"text": "x" * 255, "model": "tiny-gpt", "max_new_tokens": 2}
+    err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=one, timeout=30), 422)
+    assert err["message"].endswith("ask for at most 1 new token"), err
     limit = server.app.state.settings.max_text_chars
     over_chars = {"text": "x" * (limit + 1), "model": "tiny-gpt", "max_new_tokens": 1}
     err = assert_json_error(httpx.post(f"{server.url}/api/v1/generate", json=over_chars, timeout=30), 422)
