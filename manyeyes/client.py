@@ -201,16 +201,33 @@ class GenerationStep:
     attention: np.ndarray  # (n_layers, n_heads, position + 1): the token's row in every head
 
 
+class _Stream:
+    """What a Generation and the generator reading its stream share. Not the Generation itself:
+    a generator holding the object that holds it is a cycle, so a dropped Generation was closed
+    by the garbage collector, at any moment, even inside httpx's pool lock while another request
+    of this thread held it: the collector's close of the old stream waited for that lock for good."""
+
+    __slots__ = ("prompt", "response", "closed")
+
+    def __init__(self) -> None:
+        self.prompt: list[RemoteToken] | None = None
+        self.response: httpx.Response | None = None  # the stream, once the server has answered
+        self.closed = False
+
+
 class Generation(Iterator[GenerationStep]):
     """The steps of one generation, each as the server makes it. `prompt` holds the prompt's
     tokens (the first keys of every step's attention row) once the first step is read. Stop
-    iterating, or close(), to hang up: the server stops within one step."""
+    iterating, or close(), to hang up: the server stops within one step; a dropped Generation
+    hangs up at once."""
 
-    def __init__(self, steps: Callable[[Generation], Iterator[GenerationStep]]) -> None:
-        self.prompt: list[RemoteToken] | None = None
-        self._response: httpx.Response | None = None  # the stream, once the server has answered
-        self._closed = False
-        self._steps = steps(self)
+    def __init__(self, steps: Callable[[_Stream], Iterator[GenerationStep]]) -> None:
+        self._stream = _Stream()
+        self._steps = steps(self._stream)
+
+    @property
+    def prompt(self) -> list[RemoteToken] | None:
+        return self._stream.prompt
 
     def __next__(self) -> GenerationStep:
         return next(self._steps)
@@ -219,8 +236,8 @@ class Generation(Iterator[GenerationStep]):
         """Hang up, from any thread: one blocked reading the next step ends its loop there, quietly.
         (A generator cannot be closed while another thread runs it: this raised "generator already
         executing" and the stream went on to its end.)"""
-        self._closed = True
-        response = self._response
+        self._stream.closed = True
+        response = self._stream.response
         if response is not None:
             _hang_up(response)
         try:
@@ -864,15 +881,15 @@ class Client:
         body = {"text": text, "max_new_tokens": max_new_tokens, "model": model, "temperature": temperature,
                 "top_k": top_k, "seed": seed, "alternatives": alternatives}
         body = {k: v for k, v in body.items() if v is not None}
-        return Generation(lambda generation: self._generate(generation, body))
+        return Generation(lambda stream: self._generate(stream, body))
 
-    def _generate(self, generation: Generation, body: dict) -> Iterator[GenerationStep]:
+    def _generate(self, stream: _Stream, body: dict) -> Iterator[GenerationStep]:
         # A 429 (all generation slots busy) is retried as any request's is, before any step.
         response = self._send("POST", "/api/v1/generate", stream=True, json=body, headers={"Accept": "application/x-ndjson"})
-        generation._response = response
+        stream.response = response
         steps = 0
         try:
-            if generation._closed:  # closed from another thread while the request was on its way
+            if stream.closed:  # closed from another thread while the request was on its way
                 return
             try:
                 for line in _lines(response):
@@ -886,7 +903,7 @@ class Client:
                         raise ManyeyesError(response.status_code, "unreadable",
                                             f"the generation stream holds a line that is not one of its events: {line[:80]!r}") from None
                     if kind == "start":
-                        generation.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
+                        stream.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
                     if kind == "end":
                         if event.get("reason") != "length":
                             # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked
@@ -904,10 +921,10 @@ class Client:
                         attention=np.asarray(event["attention"], dtype=np.float32),
                     )
             except ConnectionFailed:
-                if generation._closed:  # our own hang-up (close() from another thread): the loop just ends
+                if stream.closed:  # our own hang-up (close() from another thread): the loop just ends
                     return
                 raise
-            if not generation._closed:
+            if not stream.closed:
                 # The body ended without the server's end line: it was cut off (a proxy's timeout, a
                 # server that stopped), and what came was read as a whole, shorter generation.
                 raise ConnectionFailed(0, "network", f"the generation stream ended after {steps} of "

@@ -263,6 +263,23 @@ def test_generate_yields_the_models_steps_and_hangs_up_when_dropped(client, tiny
         next(iter(client.generate(TEXT, 10_000)))
 
 
+def test_a_dropped_generation_hangs_up_at_once_not_when_the_collector_runs(client):
+    """The stream's generator held the Generation that held it: a dropped Generation was closed
+    by the cyclic garbage collector, at any moment, once inside httpx's pool lock while this
+    thread's next request held it, which waited for that lock for good (a CI run hung 25 min)."""
+    import gc
+
+    gc.disable()
+    try:
+        generation = client.generate(TEXT, 50)
+        next(generation)
+        response = generation._stream.response
+        del generation
+        assert response.is_closed  # by reference counting, here, not by a collection later
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("reason, error", [("error", "generation stopped: out of memory"),
                                            ("shutdown", "the server is shutting down; generate again shortly")])
 def test_a_generation_that_fails_mid_stream_raises_after_its_steps(reason, error):
