@@ -268,17 +268,10 @@ class AttentionModel:
         out = self.forward_table(padded_inputs(batch, lengths, max(lengths)), lengths, capture, to_host)
         attention, hidden, logits, top_ids, top_probs = out.attention, out.hidden, out.logits, out.top_ids, out.top_probs
 
-        # A model with a language-model head computes both for its top-k; they are handed back only
-        # where asked for (Capture(hidden=False) / Capture(logits=False) were ignored).
-        hidden = hidden if capture.hidden else None
-        logits = logits if capture.logits else None
-
         # Each item owns exactly its own storage (a copy unless b == 1), so whoever keeps a result
         # (the service's run cache, a pickle) never keeps the rest of the batch alive: a row's
         # hidden and logits views held the whole batch's (346 MB pickled for 50 tiny-gpt texts).
-        def own(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            if tensor is None:
-                return None
+        def own(tensor: torch.Tensor) -> torch.Tensor:
             return own_copy(tensor) if len(batch) > 1 else tensor.contiguous()
 
         results = []
@@ -311,7 +304,7 @@ class AttentionModel:
         padded = min(lengths) != width
         inputs = table.to(self.device)  # one copy to the device for all three
         ids, types, real = inputs[0], inputs[1], inputs[2].bool() if padded else None
-        keep_logits = capture.logits
+        keep_hidden, keep_logits = capture.hidden, capture.logits
         # A model with a language-model head needs the hidden state for its predictions.
         capture = Capture(weights=True, qkv=capture.qkv, hidden=capture.hidden or self.info.predictions)
         # Every layer's softmax writes straight into this one tensor: no stack, no extra copy.
@@ -322,7 +315,9 @@ class AttentionModel:
             trace = self.net.inspect(ids, real, capture, token_type_ids=types, weights_out=weights)
             # (n_layers, b, n_heads, width, width) -> (b, n_layers, n_heads, width, width)
             attention = (to_host or torch.Tensor.cpu)(weights).transpose(0, 1)
-            hidden = trace.hidden.float().cpu() if trace.hidden is not None else None
+            # A head's model runs to the hidden state for its top-k, but copies it to the host only
+            # when asked for: the server's WEIGHTS_ONLY forwards dropped it there every batch.
+            hidden = trace.hidden.float().cpu() if trace.hidden is not None and keep_hidden else None
             logits = top_ids = top_probs = None
             if trace.logits is not None:
                 logits = trace.logits.float()

@@ -109,6 +109,12 @@ def test_a_model_with_predictions_keeps_its_whole_forward_when_asked_for_weights
         assert torch.equal(a.top_ids, b.top_ids) and torch.equal(a.top_probs, b.top_probs)
         assert a.hidden is not None and a.logits is not None
         assert b.hidden is None and b.logits is None
+    # Nor does the batch's output carry them to the host (the server's forwards read it directly).
+    from manyeyes.model.runtime import padded_inputs
+
+    lengths = [len(e) for e in encoded]
+    out = gpt.forward_table(padded_inputs(encoded, lengths, max(lengths)), lengths, WEIGHTS_ONLY)
+    assert out.hidden is None and out.logits is None and out.top_ids is not None
 
 
 def test_each_batch_result_owns_its_storage_and_only_what_was_asked_for():
