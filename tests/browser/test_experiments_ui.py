@@ -352,16 +352,21 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
 
 
-def test_compare_ranks_a_random_models_tiny_differences_without_printing_zeros(server, api, page):
-    """tiny-causal's random weights barely tell two sentences apart: every head's divergence is
-    under 5e-5, and each printed as 0.0000, a ranking of equal zeros."""
-    a, b = "the river bank", "the river bend"
+def compare_on_the_page(page, server, a: str, b: str, model: str = "tiny-causal") -> None:
+    """A fresh page compares a with b on `model` and waits for the difference plot."""
     open_page(page, server)
-    page.select_option("#model", "tiny-causal")
+    page.select_option("#model", model)
     page.fill("#compare-a", a)
     page.fill("#compare-b", b)
     page.click("#compare-run")
     page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+
+
+def test_compare_ranks_a_random_models_tiny_differences_without_printing_zeros(server, api, page):
+    """tiny-causal's random weights barely tell two sentences apart: every head's divergence is
+    under 5e-5, and each printed as 0.0000, a ranking of equal zeros."""
+    a, b = "the river bank", "the river bend"
+    compare_on_the_page(page, server, a, b)
     reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "tiny-causal", "truncate": False,
                                                          "difference": {"format": "json"}}).json()
     shown = ranking_rows(page, "compare-ranking")

@@ -207,15 +207,10 @@ def test_the_heads_ranked_by_a_cell_read_small_weights_with_two_digits(server, a
 
 
 def test_compare_shows_float_rounding_as_zero_not_as_a_divergence(server, api, page):
-    from tests.browser.test_experiments_ui import api_ranking, ranking_rows
+    from tests.browser.test_experiments_ui import api_ranking, compare_on_the_page, ranking_rows
 
     a, b = "the river bank", "the river bend"
-    open_page(page, server)
-    page.select_option("#model", "tiny-causal")
-    page.fill("#compare-a", a)
-    page.fill("#compare-b", b)
-    page.click("#compare-run")
-    page.wait_for_selector("#compare-plot-diff[data-ready='true']", timeout=30_000)
+    compare_on_the_page(page, server, a, b)
     reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "tiny-causal"}).json()
     noise = [(c["layer"], c["head"]) for c in reply["ranking"] if c["divergence"] < 1e-12]
     # Layer 0 sees the changed token only as a key the alignment leaves out: its rows are the same
