@@ -656,6 +656,7 @@ function setFocus(layer, head, how = "select") {
   head = clamp(head, run.nHeads);
   state.layer = layer;
   state.head = head;
+  $("head-note").hidden = true; // another head picked: the last Run's move is old news
   state.extraHeads.delete(head);
   if (state.aggregate === "all") state.aggregate = "head";
   $("layer").value = String(layer);
@@ -762,7 +763,7 @@ async function restoreFromUrl(push) {
   }
   if (!saved) return;
   applyViewState(saved);
-  await submit({ layer: saved.layer ?? 0, head: saved.head ?? 0, push });
+  await submit({ layer: saved.layer ?? 0, head: saved.head ?? 0, push, fromLink: true });
   // An old link may name a model this server does not serve: say so rather than quietly swap it.
   if (saved.model && !state.models.some((m) => m.id === saved.model)) {
     $("link-status").textContent = `This link named the model “${saved.model}”, which this server does not serve; it ran on ${$("model").value}.`;
@@ -789,7 +790,8 @@ function fitTextBox(id) {
 // A user's Run keeps the head being studied (the same head on a variant of the sentence is the
 // commonest step of a study; it went back to L0 H0, the ticked heads with it), clamped to the new
 // model's size. A link's restore names its own layer, head and ticked heads (applyViewState).
-async function submit({ layer = state.layer, head = state.head, push = true } = {}) {
+async function submit({ layer = state.layer, head = state.head, push = true, fromLink = false } = {}) {
+  const studied = { layer, head };
   if (!state.models.length) {
     // The model list never came (a refused key, a server gone): a run here crashed on no model
     // and left the page busy for good.
@@ -848,6 +850,7 @@ async function submit({ layer = state.layer, head = state.head, push = true } = 
   state.pending = new Set();
   state.layer = layer;
   state.head = clamp(head, run.nHeads);
+  sayMovedHead(fromLink ? null : studied, run);
   state.extraHeads = new Set([...state.extraHeads].filter((h) => h < run.nHeads && h !== state.head));
   if (!run.hasPair) state.segments = "all";
   setupControls(run);
@@ -884,6 +887,18 @@ async function submit({ layer = state.layer, head = state.head, push = true } = 
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
   if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(describeError(err), "views"));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
+}
+
+// A Run on a smaller model shows the nearest head to the one studied: said, or the study went on at
+// another head than the person believed, the selects changed without a word. (A link says it in
+// its own status line.)
+function sayMovedHead(studied, run) {
+  const moved = Boolean(studied) && (studied.layer !== state.layer || studied.head !== state.head);
+  $("head-note").hidden = !moved;
+  $("head-note").textContent = moved
+    ? `${run.model} has layers 0–${run.nLayers - 1} and heads 0–${run.nHeads - 1}: layer ${studied.layer}, head ${studied.head} `
+      + `of the last run is shown as layer ${state.layer}, head ${state.head}.`
+    : "";
 }
 
 function setupControls(run) {

@@ -42,11 +42,16 @@ def test_a_new_run_keeps_the_focused_head_and_the_ticked_ones(server, page):
     assert page.locator(".thumb[aria-pressed=true]").get_attribute("aria-label") == "Layer 4, head 7"
     wait_head_view(page, "2,7,9")
     assert ticked(page) == [2, 7, 9]
-    # Another model (2 layers of 4 heads): the nearest head it has, and the ticked heads it has.
+    assert page.locator("#head-note").is_hidden()  # the head it studied is the head it shows
+    # Another model (2 layers of 4 heads): the nearest head it has, and the ticked heads it has,
+    # and a word that the head moved (the selects changed without one).
     run(page, VARIANT, model="tiny-causal")
     wait_focus(page, layer=1, head=3)
     wait_head_view(page, "2,3")
     assert ticked(page) == [2, 3]
+    assert page.locator("#head-note").is_visible()
+    assert page.text_content("#head-note") == (
+        "tiny-causal has layers 0–1 and heads 0–3: layer 4, head 7 of the last run is shown as layer 1, head 3.")
     # The link holds what is on screen, and opening it shows the same.
     wait_saved(page)
     page.reload()
@@ -54,6 +59,16 @@ def test_a_new_run_keeps_the_focused_head_and_the_ticked_ones(server, page):
     wait_focus(page, layer=1, head=3)
     wait_head_view(page, "2,3")
     assert page.locator("#link-status").text_content() == ""
+    assert page.locator("#head-note").is_hidden()  # the link's own head: nothing moved
+    # Another head picked after a move: the move is old news.
+    run(page, VARIANT, model="minilm")
+    page.click(".thumb[data-layer='5'][data-head='11']")
+    wait_focus(page, layer=5, head=11)
+    run(page, VARIANT, model="tiny-causal")
+    page.wait_for_selector("#head-note:not([hidden])")
+    page.click(".thumb[data-layer='0'][data-head='1']")
+    wait_focus(page, layer=0, head=1)
+    assert page.locator("#head-note").is_hidden()
 
 
 # ---- 2. the experiments name their model ------------------------------------------------------------
