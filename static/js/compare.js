@@ -3,7 +3,7 @@
 
 import { ApiError, describeError } from "./api.js";
 import { el } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, maskLater, mountModelLine, onRun, postJson, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
+import { alignedDifference, clearPlot, currentInput, currentModel, decodeTensor, heatmap, maskLater, mountModelLine, onRun, postJson, postWithDifference, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
 
 // A comparison cuts its sentences as the run on screen was cut: ticking "Cut to fit" alone did
@@ -50,16 +50,7 @@ export function mountCompare(box) {
       const pieces = (tokens) => tokens.map(pieceLabel);
       heatmap(plots[0], maskLater(ra.attention.data[0][0], ra.causal), { x: pieces(ra.tokens), y: pieces(ra.tokens), title: `A · L${layer} H${head}` });
       heatmap(plots[1], maskLater(rb.attention.data[0][0], rb.causal), { x: pieces(rb.tokens), y: pieces(rb.tokens), title: `B · L${layer} H${head}` });
-      const aligned = reply.pairs.map(([i, j]) => {
-        const [ta, tb] = [pieceLabel(reply.tokens_a[i]), pieceLabel(reply.tokens_b[j])];
-        return ta === tb ? ta : `${ta}|${tb}`;
-      });
-      // Aligned pairs keep their order, so a later aligned key is later in A and in B alike.
-      const z = maskLater(headRows(state.difference, layer, head), ra.causal);
-      // Numbered by their positions in A (and B, where it differs), as A's and B's plots are.
-      const positions = reply.pairs.map(([i, j]) => (i === j ? `${i}` : `${i}|${j}`));
-      heatmap(plots[2], z, { x: aligned, y: aligned, positions, signed: true, title: `A − B on aligned cells · L${layer} H${head}` });
-      Object.assign(plots[2].dataset, { layer, head, ready: "true" });
+      alignedDifference(plots[2], reply, state.difference, layer, head, ra.causal);
     } catch (err) {
       status(note, describeError(err), "error");
     }
@@ -75,13 +66,7 @@ export function mountCompare(box) {
     forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, `Comparing on ${model ?? "the server's default model"}…`, "busy");
     try {
-      let reply;
-      try {
-        reply = await postJson("/api/v1/experiments/compare", { ...input, difference: { format: "json" } });
-      } catch (err) {
-        if (err.status !== 413) throw err; // over the json budget: float16 is plenty for a picture
-        reply = await postJson("/api/v1/experiments/compare", { ...input, difference: { format: "f16" } });
-      }
+      const reply = await postWithDifference("/api/v1/experiments/compare", input);
       if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
       ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show, shows: "the difference heatmap" }));

@@ -5,6 +5,7 @@ import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { OFFLINE_CONFIG, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
+import { pieceLabel } from "./tokens.js";
 
 export function postJson(url, body, signal) {
   return requestJson(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
@@ -103,6 +104,31 @@ export function headRows({ values, shape }, layerIndex, headIndex) {
 // of 0; null draws them in the masked grey, as the focused heatmap and the thumbnails do.
 export function maskLater(rows, causal) {
   return causal ? rows.map((row, r) => row.map((v, c) => (c > r ? null : v))) : rows;
+}
+
+// A comparison (or a changed token) with every head's A − B: float32 JSON, or float16 where that is
+// over the server's JSON budget (413), which is plenty for a picture.
+export async function postWithDifference(path, body) {
+  try {
+    return await postJson(path, { ...body, difference: { format: "json" } });
+  } catch (err) {
+    if (err.status !== 413) throw err;
+    return postJson(path, { ...body, difference: { format: "f16" } });
+  }
+}
+
+// One head's A − B on the aligned cells of a comparison (or a changed token): labelled by both
+// sides' pieces ("bank|shore" where they differ) and numbered by their positions in A (and B).
+// Aligned pairs keep their order, so a later aligned key is later in A and in B alike.
+export function alignedDifference(div, reply, difference, layer, head, causal, [a, b] = ["A", "B"]) {
+  const aligned = reply.pairs.map(([i, j]) => {
+    const [ta, tb] = [pieceLabel(reply.tokens_a[i]), pieceLabel(reply.tokens_b[j])];
+    return ta === tb ? ta : `${ta}|${tb}`;
+  });
+  const positions = reply.pairs.map(([i, j]) => (i === j ? `${i}` : `${i}|${j}`));
+  const z = maskLater(headRows(difference, layer, head), causal);
+  heatmap(div, z, { x: aligned, y: aligned, positions, signed: true, title: `${a} − ${b} on aligned cells · L${layer} H${head}` });
+  Object.assign(div.dataset, { layer, head, ready: "true" });
 }
 
 // A divergence under this many bits reads 0: rows the change leaves alone (a causal model's rows

@@ -4,7 +4,7 @@
 import { describeError, listModels } from "./api.js";
 import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
-import { clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, rankingTable, status } from "./experiment_parts.js";
+import { alignedDifference, clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, postWithDifference, rankingTable, status } from "./experiment_parts.js";
 import { mountGeneration } from "./generate_view.js";
 import { pieceLabel, visibleSpaces } from "./tokens.js";
 
@@ -257,8 +257,9 @@ async function changeToken(input, index) {
   const mine = ++lastChange;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
-    const reply = await postJson("/api/v1/experiments/change-token", { ...input, index, change });
+    const reply = await postWithDifference("/api/v1/experiments/change-token", { ...input, index, change });
     if (!stillShown(input) || mine !== lastChange) return;
+    const difference = decodeTensor(reply.difference);
     const inA = new Set(reply.pairs.map((p) => p[0]));
     const inB = new Set(reply.pairs.map((p) => p[1]));
     const line = (tokens, kept, name) => el("div", { className: "aligned-line" }, [
@@ -267,12 +268,20 @@ async function changeToken(input, index) {
       ...tokens.map((t, i) => el("span", { className: `chip${kept.has(i) ? "" : " unaligned"}`, text: pieceLabel(t) },
         kept.has(i) ? [] : [el("span", { className: "visually-hidden", text: " (unaligned)" })])),
     ]);
+    // A head's row opens its before − after on the aligned cells (the rows named heads and showed
+    // nothing of what moved in them).
+    const plot = el("div", { className: "exp-plot", attrs: { id: "token-plot-diff" } });
+    const show = (layer, head) => alignedDifference(plot, reply, difference, layer, head, runCausal, ["before", "after"]);
     $("token-result").replaceChildren(
       line(reply.tokens_a, inA, "Before"), line(reply.tokens_b, inB, "After"),
-      rankingTable(reply.ranking, { caption: "Heads whose aligned rows moved most" }),
+      el("div", { className: "exp-columns" }, [
+        rankingTable(reply.ranking, { caption: "Heads whose aligned rows moved most (click to show)", onPick: show, shows: "the difference heatmap" }),
+        plot,
+      ]),
     );
     $("token-result").dataset.index = String(index);
     const top = reply.ranking[0];
+    if (top) show(top.layer, top.head);
     status($("token-status"), `Done on ${input.model}: token ${index} ${change === "delete" ? "deleted" : `as ${change}`}`
       + (top ? `; L${top.layer} H${top.head} moved most.` : "."), "");
   } catch (err) {

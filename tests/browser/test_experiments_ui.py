@@ -205,6 +205,29 @@ def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").text_content() == "[MASK] (unaligned)"
 
 
+def test_a_changed_tokens_ranked_head_opens_its_difference(server, api, page):
+    """The ranking named the heads that moved and showed nothing of what moved in them: now the
+    top head's before − after on the aligned cells is drawn, and a row or its button opens another."""
+    open_page(page, server)
+    run(page, SENTENCE, "minilm")
+    page.click("#token-load")
+    page.wait_for_selector("#token-chips button[data-index='2']")
+    page.click("#token-chips button[data-index='2']")
+    page.wait_for_selector("#token-plot-diff[data-ready='true']")
+    reply = api.post("/api/v1/experiments/change-token", json={
+        "text": SENTENCE, "model": "minilm", "truncate": False, "index": 2, "change": "mask",
+        "difference": {"format": "json"}}).json()
+    top, third = reply["ranking"][0], reply["ranking"][2]
+    assert page.locator("#token-plot-diff").get_attribute("data-layer") == str(top["layer"])
+    assert page.locator("#token-plot-diff").get_attribute("data-head") == str(top["head"])
+    assert same(shown(page, "token-plot-diff"), f32(reply["difference"]["data"][top["layer"]][top["head"]]))
+    page.click("#token-result tbody tr:nth-child(3)")
+    page.wait_for_selector(f"#token-plot-diff[data-layer='{third['layer']}'][data-head='{third['head']}']")
+    assert same(shown(page, "token-plot-diff"), f32(reply["difference"]["data"][third["layer"]][third["head"]]))
+    title = page.evaluate("() => document.getElementById('token-plot-diff').layout.title.text")
+    assert title.startswith("before − after on aligned cells · L"), title
+
+
 def hold_the_first(page, url: str, click, holds=lambda route: True):
     """Routes `url` so that the first request `holds` accepts is held, does `click`, and returns
     that request's route once it has been held (the test answers it with continue_())."""
