@@ -45,3 +45,21 @@ def test_a_model_names_itself(minilm, tiny):
     """A model printed as `<AttentionModel object at 0x…>`."""
     assert repr(minilm) == "<AttentionModel 'minilm': bert, 6 layers × 12 heads, cpu>"
     assert repr(tiny) == "<AttentionModel 'tiny-gpt': gpt, 2 layers × 8 heads, cpu>"
+
+
+def test_experiment_results_are_one_line(tiny):
+    """A 2 x 8 model's comparison printed 9.3 KB and its ablation 8.7 KB: both runs in full, then
+    every HeadChange and Guess."""
+    from manyeyes.model.experiments import ablate, compare
+
+    c = compare(tiny, "the river bank", "the river bend")
+    top = c.ranking[:3]
+    assert repr(c) == (f"Comparison(14 and 14 tokens, {len(c.pairs)} aligned; most changed (JS bits): "
+                       + ", ".join(f"L{h.layer} H{h.head} {h.divergence:.3g}" for h in top) + ", … (16 heads))")
+    a = ablate(tiny, "the river bank", [(0, 1)])
+    assert repr(a).startswith("AblationResult(14 tokens; most changed (JS bits): L")
+    assert repr(a).endswith(f", … (8 heads); Δ log p mean {float(a.logprob_change.mean()):.3g} over 13 targets)")
+    last = ablate(tiny, "the river bank", [(1, 1)])  # nothing downstream of the last layer
+    assert repr(last).startswith("AblationResult(14 tokens; no head ranked; Δ log p mean ")
+    for r in (c, a, last):
+        assert len(repr(r)) < 200 and "\n" not in repr(r)
