@@ -52,6 +52,15 @@ def listed(header: str | None, token: str) -> float | None:
     return None
 
 
+def coding_q(accept_encoding: str | None, coding: str) -> float:
+    """The q Accept-Encoding gives a content coding: by name, else by `*`, which stands for every
+    coding the header does not name (RFC 9110, 12.5.3); 0 when neither is listed."""
+    q = listed(accept_encoding, coding)
+    if q is None:
+        q = listed(accept_encoding, "*")
+    return q or 0.0
+
+
 def header_list(headers, name: str) -> str:
     """A request header as one comma-separated list, however many lines it came on (RFC 9110, 5.3)."""
     return ", ".join(headers.getlist(name))
@@ -62,12 +71,18 @@ def accepts(header: str | None, token: str) -> bool:
     return (listed(header, token) or 0.0) > 0
 
 
+# The JSON answer's own media types: application/json (float32) and the compact form's.
+JSON_MEDIA_TYPES = ("application/json", "application/vnd.manyeyes+json")
+
+
 def prefers_frame(accept: str | None) -> bool:
     """The frame when Accept names it, unless JSON ranks higher: `frame;q=0.1, application/json`
-    asks for JSON. The most specific range that covers JSON gives its q (RFC 9110, 12.5.1)."""
+    (or the compact form's `application/vnd.manyeyes+json`, which ranked nothing) asks for JSON.
+    The most specific range that covers JSON gives its q (RFC 9110, 12.5.1)."""
     frame_q = listed(accept, FRAME_MEDIA_TYPE) or 0.0
-    covering = (listed(accept, name) for name in ("application/json", "application/*", "*/*"))
-    json_q = next((q for q in covering if q is not None), 0.0)
+    named = [q for q in (listed(accept, name) for name in JSON_MEDIA_TYPES) if q is not None]
+    covering = (listed(accept, name) for name in ("application/*", "*/*"))
+    json_q = max(named) if named else next((q for q in covering if q is not None), 0.0)
     return frame_q > 0 and frame_q >= json_q
 
 
@@ -109,8 +124,8 @@ class Compression:
         JSON text shrinks 3x and is worth it from gzip's small threshold on; compact bodies
         shrink ~2x and only from zstd_min_bytes on (0: never), and are never gzipped."""
         zstd_worth = nbytes >= self.gzip_min_bytes if text else 0 < self.zstd_min_bytes <= nbytes
-        zstd_q = (listed(accept_encoding, "zstd") or 0.0) if zstd_worth else 0.0
-        gzip_q = (listed(accept_encoding, "gzip") or 0.0) if text and nbytes >= self.gzip_min_bytes else 0.0
+        zstd_q = coding_q(accept_encoding, "zstd") if zstd_worth else 0.0
+        gzip_q = coding_q(accept_encoding, "gzip") if text and nbytes >= self.gzip_min_bytes else 0.0
         if zstd_q > 0 and zstd_q >= gzip_q:
             return "zstd"
         return "gzip" if gzip_q > 0 else None
@@ -122,7 +137,10 @@ class Compression:
 
     def apply(self, encoding: str | None, pieces: list[bytes]) -> list[bytes]:
         if encoding == "zstd":
-            compressor = zstandard.ZstdCompressor(level=self.zstd_level).compressobj()
+            # The size in the frame's header: without it the one-call ZstdDecompressor().decompress(body)
+            # refuses the answer ("could not determine content size"), and clients guess a buffer.
+            size = sum(len(p) for p in pieces)
+            compressor = zstandard.ZstdCompressor(level=self.zstd_level).compressobj(size=size)
             out = [compressor.compress(p) for p in pieces]
             out.append(compressor.flush())
             return [b"".join(out)]

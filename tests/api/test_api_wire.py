@@ -123,6 +123,8 @@ def test_zstd_only_when_asked_and_only_for_big_answers(api):
         r = Sent(api, body, {"Accept-Encoding": refused})
         assert "content-encoding" not in r.headers, refused
         assert orjson.loads(r.content)["attention"] == plain["attention"]
+    # The size is in the zstd frame's header: a client's one-call decompress needs it.
+    assert zstandard.ZstdDecompressor().decompress(framed.content) == unzstd(framed.content)
     # Small answers are not worth it, whatever the client accepts.
     small = Sent(api, {"text": "Hi.", "format": "u8", "layers": [0], "heads": [0]}, {"Accept-Encoding": "zstd"})
     assert "content-encoding" not in small.headers
@@ -173,6 +175,12 @@ def test_accepts(header, token, expected):
         ("zstd", 1000, False, None),  # compact, under zstd_min_bytes
         ("zstd, gzip", 500, True, None),  # text under gzip_min_bytes
         ("zstd;q=0, gzip;q=0.1", 2000, True, "gzip"),
+        # `*` is every coding the header does not name (RFC 9110, 12.5.3): it went unread.
+        ("*", 2000, True, "zstd"),
+        ("*", 100_000, False, "zstd"),
+        ("gzip;q=0.5, *;q=1", 2000, True, "zstd"),
+        ("zstd;q=0, *", 2000, True, "gzip"),
+        ("*;q=0", 2000, True, None),
     ],
 )
 def test_compression_follows_the_clients_ranking(accept_encoding, nbytes, text, expected):
@@ -199,6 +207,11 @@ def test_zstd_min_bytes_0_turns_zstd_off_for_compact_bodies_only():
         (f"{FRAME_MEDIA_TYPE};q=0.5, */*", False),  # anything else, at 1, covers JSON
         (f"{FRAME_MEDIA_TYPE};q=0.5, application/*;q=0.4, */*", True),  # the most specific range counts
         (f"{FRAME_MEDIA_TYPE};q=0", False),
+        # The compact JSON form's own type ranks JSON too: it was not read, and the frame came.
+        (f"application/vnd.manyeyes+json, {FRAME_MEDIA_TYPE};q=0.5", False),
+        (f"application/vnd.manyeyes+json;q=1, {FRAME_MEDIA_TYPE};q=0.9", False),
+        (f"application/vnd.manyeyes+json;q=0.2, {FRAME_MEDIA_TYPE};q=0.9", True),
+        (f"application/vnd.manyeyes+json;q=0.2, application/json, {FRAME_MEDIA_TYPE};q=0.9", False),
         ("*/*", False),
         (None, False),
     ],
