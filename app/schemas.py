@@ -238,6 +238,10 @@ class ModelOut(BaseModel):
         description="The changes POST /experiments/change-token can make with this model's vocabulary: "
         "delete always; mask and unk where it has those tokens"
     )
+    eos_ids: list[int] = Field(
+        description="A causal model's end-of-text token ids, where POST /generate stops (its config's eos_token_id, "
+        "else its tokenizer's <|endoftext|>); empty: none known, or an encoder"
+    )
     default: bool
 
 
@@ -286,6 +290,7 @@ class GenerateRequest(BaseModel):
             "examples": [
                 {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20},
                 {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20, "temperature": 0.8, "top_k": 40, "seed": 1},
+                {"text": "In the beginning", "model": "tiny-gpt", "max_new_tokens": 20, "stop_at_eos": False},
             ]
         },
     )
@@ -298,6 +303,10 @@ class GenerateRequest(BaseModel):
     # torch seeds a generator with an unsigned 64-bit integer; a bigger one failed after the 200 was sent.
     seed: int | None = Field(None, ge=0, le=2**64 - 1, description="A seeded sample repeats exactly")
     alternatives: int = Field(5, ge=1, le=50, description="Most likely tokens reported with each step")
+    stop_at_eos: bool = Field(
+        True, description="End after a step whose token ends the text (the model's `eos_ids` in GET /api/v1/models), "
+        "that step included, as Hugging Face's generate does; false: make max_new_tokens tokens whatever they are"
+    )
 
     _text = field_validator("text")(_not_blank)
 
@@ -327,8 +336,10 @@ class GenerateStep(BaseModel):
 
 class GenerateEnd(BaseModel):
     type: Literal["end"] = "end"
-    reason: Literal["length", "error", "shutdown"] = Field(
-        "length", description="error: a step failed, `error` says why; shutdown: the server is stopping (fewer tokens than asked)"
+    reason: Literal["length", "eos", "error", "shutdown"] = Field(
+        "length", description="length: max_new_tokens were made; eos: the model ended the text (the last step's token is "
+        "an end-of-text id; fewer tokens than asked, or as many where the last one ended it), a complete generation; "
+        "error: a step failed, `error` says why; shutdown: the server is stopping (fewer tokens than asked)"
     )
     tokens: int
     error: str | None = Field(None, description="Only with reason error")

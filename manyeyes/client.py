@@ -172,11 +172,14 @@ class RemoteModel:
     sliding_windows: tuple[int | None, ...] = ()
     # What change_token can do with its vocabulary: "delete", and "mask" / "unk" where it has them.
     token_changes: tuple[str, ...] = ()
+    # A causal model's end-of-text ids, where `generate` stops; () from servers before them.
+    eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Tuples whatever it was given (the JSON's lists): a RemoteModel stays hashable.
         object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
         object.__setattr__(self, "token_changes", tuple(self.token_changes))
+        object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
 
 
 @dataclass(frozen=True)
@@ -207,19 +210,20 @@ class _Stream:
     by the garbage collector, at any moment, even inside httpx's pool lock while another request
     of this thread held it: the collector's close of the old stream waited for that lock for good."""
 
-    __slots__ = ("prompt", "response", "closed")
+    __slots__ = ("prompt", "response", "closed", "reason")
 
     def __init__(self) -> None:
         self.prompt: list[RemoteToken] | None = None
         self.response: httpx.Response | None = None  # the stream, once the server has answered
         self.closed = False
+        self.reason: str | None = None  # the server's end line's, once it has come
 
 
 class Generation(Iterator[GenerationStep]):
     """The steps of one generation, each as the server makes it. `prompt` holds the prompt's
-    tokens (the first keys of every step's attention row) once the first step is read. Stop
-    iterating, or close(), to hang up: the server stops within one step; a dropped Generation
-    hangs up at once."""
+    tokens (the first keys of every step's attention row) once the first step is read, and
+    `reason` why it ended once the last is. Stop iterating, or close(), to hang up: the server
+    stops within one step; a dropped Generation hangs up at once."""
 
     def __init__(self, steps: Callable[[_Stream], Iterator[GenerationStep]]) -> None:
         self._stream = _Stream()
@@ -228,6 +232,14 @@ class Generation(Iterator[GenerationStep]):
     @property
     def prompt(self) -> list[RemoteToken] | None:
         return self._stream.prompt
+
+    @property
+    def reason(self) -> str | None:
+        """Why a complete generation ended: "length" (max_new_tokens came) or "eos" (the model
+        ended the text: its last step's token is an end-of-text id, often fewer tokens than asked).
+        None until the iteration has ended, and after a hang-up. A stream that ends otherwise
+        ("error", "shutdown") raises GenerationFailed instead."""
+        return self._stream.reason
 
     def __next__(self) -> GenerationStep:
         return next(self._steps)
@@ -874,12 +886,17 @@ class Client:
         top_k: int | None = None,
         seed: int | None = None,
         alternatives: int = 5,
+        stop_at_eos: bool = True,
     ) -> Generation:
         """Each new token as the server makes it; the prompt's tokens in `.prompt` once the first
         is read. Stop iterating (or close the iterator) to hang up: the server stops within one
-        step. Greedy unless temperature > 0."""
+        step. Greedy unless temperature > 0. The iteration ends after a token that ends the text
+        (the model's `eos_ids`; `.reason` is then "eos") unless stop_at_eos=False, or after
+        max_new_tokens ("length")."""
         body = {"text": text, "max_new_tokens": max_new_tokens, "model": model, "temperature": temperature,
-                "top_k": top_k, "seed": seed, "alternatives": alternatives}
+                "top_k": top_k, "seed": seed, "alternatives": alternatives,
+                # Sent only when it is not the server's default: a server that predates it refuses the field.
+                "stop_at_eos": None if stop_at_eos else False}
         body = {k: v for k, v in body.items() if v is not None}
         return Generation(lambda stream: self._generate(stream, body))
 
@@ -905,10 +922,12 @@ class Client:
                     if kind == "start":
                         stream.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
                     if kind == "end":
-                        if event.get("reason") != "length":
-                            # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked
+                        if event.get("reason") not in ("length", "eos"):
+                            # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked.
+                            # "eos" is complete: the model ended the text.
                             raise GenerationFailed(response.status_code, "generation_failed",
                                                    event.get("error") or f"the generation ended early ({event.get('reason')})")
+                        stream.reason = event["reason"]
                         return
                     if kind != "step":
                         continue

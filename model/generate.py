@@ -3,7 +3,8 @@
 A key/value cache (`KVCache`, threaded through `MultiHeadAttention.attend`'s `past`) means each
 step runs the network on one token, not on the whole sequence again. A step is yielded once its
 token has itself been run, so that its attention row (what it looked at, in every head) comes with
-it; the caller can stop between any two steps.
+it; the caller can stop between any two steps. Generation ends after a step whose token ends the
+text (`ModelInfo.eos_ids`), as transformers' generate does, unless stop_at_eos=False.
 """
 
 from __future__ import annotations
@@ -104,12 +105,18 @@ def generate(
     sampling: Sampling = Sampling(),
     alternatives: int = 5,
     use_cache: bool = True,
+    stop_at_eos: bool = True,
 ) -> Iterator[Step]:
     """Yield one `Step` per new token. use_cache=False recomputes the whole sequence each step
     (the reference the cache is checked and benchmarked against). `prompt` may come encoded
-    already: the server tokenizes it first, to refuse a long one before it streams."""
+    already: the server tokenizes it first, to refuse a long one before it streams.
+
+    stop_at_eos: end after the first step whose token is one of `model.info.eos_ids` (that step
+    is yielded, with the row the model read when it ended the text), so fewer than
+    max_new_tokens may come; False runs to max_new_tokens whatever the tokens are."""
     encoded = prompt if isinstance(prompt, Encoded) else model.encode(prompt)
     check_generation(model, len(encoded), max_new_tokens)
+    ends = model.info.eos_ids if stop_at_eos else frozenset()
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     decode = model.tokenizer.token_text
     ids = list(encoded.ids)
@@ -169,4 +176,6 @@ def generate(
             alternatives=[Choice(int(i), decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
             attention=row,
         )
+        if chosen in ends:
+            return
         logits = trace.logits[0, -1].float().cpu()

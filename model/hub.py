@@ -3,8 +3,9 @@
 The cache comes first, through huggingface_hub's own functions and constants, so HF_HOME,
 HF_HUB_CACHE and HF_HUB_OFFLINE mean here what they mean to every other HF tool. Only when the
 cache lacks what we need, and downloads are allowed, are the needed files fetched: the config,
-tokenizer.json and the weights (safetensors, sharded or not; `.bin` only when a repo has no
-safetensors). Every failure is a `ModelLoadError` that says what to do.
+tokenizer.json, generation_config.json where the repo has one, and the weights (safetensors,
+sharded or not; `.bin` only when a repo has no safetensors). Every failure is a
+`ModelLoadError` that says what to do.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ SHORT_COMMIT = re.compile(r"[0-9a-fA-F]{7,39}")
 FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 NEEDED = ("config.json", "tokenizer.json")
+# Fetched where the repo has it, never required: its eos_token_id may name more ends of text
+# (an instruct model's end of turn) than the config's.
+OPTIONAL = ("generation_config.json",)
 # Weight layouts in order of preference: one file or an index naming its shards.
 WEIGHT_LAYOUTS = (
     ("model.safetensors", "model.safetensors.index.json"),
@@ -207,11 +211,12 @@ def choose_files(repo_files: list[str]) -> tuple[list[str], str | None]:
     lacking = [name for name in NEEDED if name not in present]
     if lacking:
         raise ModelLoadError(f"the repo has no {' or '.join(lacking)}; manyeyes needs {', '.join(NEEDED)}")
+    wanted = [*NEEDED, *(name for name in OPTIONAL if name in present)]
     for single, index in WEIGHT_LAYOUTS:
         if single in present:
-            return [*NEEDED, single], None
+            return [*wanted, single], None
         if index in present:
-            return [*NEEDED, index], index
+            return [*wanted, index], index
     raise ModelLoadError("the repo has no model.safetensors (or shards) and no pytorch_model.bin")
 
 

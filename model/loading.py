@@ -74,17 +74,17 @@ def load(
     path, hub_id = _local_path(spec, progress, show_progress)
     try:
         if path.is_dir() and (path / "model.pth").exists():
-            net, tok, family, stored = _load_book(path / "model.pth", config, tokenizer)
+            net, tok, family, stored, named_eos = _load_book(path / "model.pth", config, tokenizer)
         elif path.is_dir():
             if config is not None or tokenizer is not None:  # they were ignored without a word
                 raise ModelLoadError(
                     f"{path} is a Hugging Face folder, which brings its own config.json and tokenizer.json: "
                     "config and tokenizer options apply to a book .pth checkpoint only"
                 )
-            net, tok, family, stored = _load_hf(path)
+            net, tok, family, stored, named_eos = _load_hf(path)
         else:
             _refuse_a_file_of_a_folder(path)
-            net, tok, family, stored = _load_book(path, config, tokenizer)
+            net, tok, family, stored, named_eos = _load_book(path, config, tokenizer)
     except CorruptFileError as exc:
         if hub_id is None:
             raise
@@ -121,8 +121,19 @@ def load(
         dtype="float16" if half else str(weight_dtype).removeprefix("torch."),
         predictions=net.has_lm_head,
         sliding_windows=layer_windows(net),
+        eos_ids=end_of_text_ids(named_eos, tok, net.cfg.vocab_size) if net.causal else frozenset(),
     )
     return AttentionModel(net, tok, info, half=half)
+
+
+def end_of_text_ids(named: list, tok, vocab_size: int) -> frozenset[int]:
+    """The ids that end a text, for every kind of model: those its folder names (`named`:
+    `_named_eos`), else the tokenizer's `<|endoftext|>` (GPT-2's encoding, a book checkpoint's or a
+    `manyeyes train` folder's tokenizer.json: tiny-gpt's and tiny-llama's id 0). An id the model
+    cannot output is dropped: a random config's default 50256 over a 300-token vocabulary, a
+    negative, a string."""
+    ids = named or [tok.end_of_text_id]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
 
 
 def compute_dtype(asked: str | torch.dtype | None, device: torch.device, stored: torch.dtype) -> torch.dtype:
@@ -294,7 +305,19 @@ def _load_hf(folder: Path):
     load_strict(net, family.convert(weights, net, weights_path), weights_path)
     tok = TextTokenizer.from_file(_need(folder / "tokenizer.json"), max_tokens=net.max_positions)
     _check_vocab(tok, net, folder / "tokenizer.json")
-    return net, tok, model_type, stored
+    return net, tok, model_type, stored, _named_eos(folder, config)
+
+
+def _named_eos(folder: Path, config: dict) -> list:
+    """The end-of-text ids config.json and generation_config.json name (`eos_token_id`: an id, a
+    list or null), both: an instruct model's generation config often adds its end-of-turn token
+    to the config's end of text, and transformers' generate stops at either."""
+    generation = folder / "generation_config.json"
+    named = []
+    for source in (config, read_json(generation) if generation.exists() else {}):
+        value = source.get("eos_token_id")
+        named += value if isinstance(value, list) else [] if value is None else [value]
+    return named
 
 
 # Keys the families read as numbers, checked once here: a string ("1e-6") or a zero used to pass
@@ -414,4 +437,4 @@ def _load_book(pth: Path, config, tokenizer):
     load_strict(net, state, pth)  # a checkpoint saved without the causal masks gets the model's own
     tok, tok_path = _book_tokenizer(tokenizer, pth, cfg)
     _check_vocab(tok, net, tok_path)
-    return net, tok, "gpt", stored
+    return net, tok, "gpt", stored, []  # a book config names no end of text: its tokenizer's, if any

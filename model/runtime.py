@@ -35,6 +35,8 @@ class ModelInfo:
     predictions: bool = False  # has a language-model head: next-token (causal) or masked-token top-k
     # Per layer: each query sees only its last W positions, itself included (None: no window).
     sliding_windows: tuple[int | None, ...] = ()
+    # A causal model's end-of-text ids: generation stops once it picks one (`loading.end_of_text_ids`).
+    eos_ids: frozenset[int] = frozenset()
 
 
 MAX_TOP_K = 20  # predictions kept per position; a request asks for at most this many

@@ -81,6 +81,7 @@ class Encoded:
 
 
 MASK_PIECES = ("[MASK]", "<mask>")
+END_OF_TEXT = "<|endoftext|>"  # GPT-2's document separator, and what `manyeyes train` puts between files
 UNK_PIECES = ("[UNK]", "<unk>")
 
 
@@ -114,6 +115,11 @@ class TextTokenizer:
             if tid is not None:
                 return tid
         return None
+
+    @property
+    def end_of_text_id(self) -> int | None:
+        """The id of END_OF_TEXT in this vocabulary (GPT-2's 50256, the built-ins' 0); None where it has none."""
+        return self._full.token_to_id(END_OF_TEXT)
 
     def token_text(self, tid: int) -> str:
         """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece)."""
@@ -182,6 +188,10 @@ class TiktokenTokenizer:
         return self._enc.n_vocab
 
     mask_id = None  # GPT-2's encoding has no mask token
+
+    @property
+    def end_of_text_id(self) -> int:
+        return self._enc.eot_token  # END_OF_TEXT, 50256: the encoding's one special token
 
     def token_text(self, tid: int) -> str:
         # A padded vocabulary (nanoGPT's 50,304) has output rows past the encoding's 50,257 ids:

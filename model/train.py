@@ -45,8 +45,8 @@ from manyeyes.model.keymap import load_strict
 from manyeyes.model.layers import SwiGLU
 from manyeyes.model.llama_folder import hf_config, save_weights, training_decoder
 from manyeyes.model.runtime import pick_device
+from manyeyes.model.tokenizer import END_OF_TEXT  # separates files, so no window pretends one file continues another
 
-END_OF_TEXT = "<|endoftext|>"  # separates files, so no window pretends one file continues another
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_KEYS = ("model", "optimizer", "batch_rng", "step", "tokens_seen", "seconds", "corpus_sha256", "commands",
                    "train_config")

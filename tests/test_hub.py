@@ -234,7 +234,7 @@ def test_online_download_fetches_only_needed_files_and_reports_bytes(fake_hub, m
     reports = []
     m = load("org/remote", device="cpu", progress=lambda done, total: reports.append((done, total)))
     shards = sorted(n for n in sizes if n.startswith("model-"))
-    assert fetched == ["model.safetensors.index.json", "config.json", "tokenizer.json", *shards]
+    assert fetched == ["model.safetensors.index.json", "config.json", "tokenizer.json", "generation_config.json", *shards]
     total = sum(sizes[n] for n in fetched if n != "model.safetensors.index.json")
     assert reports[-1] == (total, total) and all(t == total for _, t in reports)
     assert [d for d, _ in reports] == sorted(d for d, _ in reports) and len(reports) > len(fetched)

@@ -51,7 +51,8 @@ def inline_schema(model) -> dict:
     responses={
         200: {
             "description": "One JSON object per line: a `start`, one `step` per new token as soon as it is made, "
-            "then an `end`. Hang up to stop: the server stops within one step.",
+            "then an `end`: reason `length` after max_new_tokens steps, `eos` after a step whose token ends the text "
+            "(unless stop_at_eos is false). Hang up to stop: the server stops within one step.",
             "content": {
                 NDJSON: {
                     "schema": {"oneOf": [inline_schema(m) for m in (GenerateStart, GenerateStep, GenerateEnd)]},
@@ -66,7 +67,8 @@ def inline_schema(model) -> dict:
 )
 async def generate(body: GenerateRequest, service: GenerationDep, request: Request) -> ClosingStream:
     """Generate up to `max_new_tokens` tokens (greedy, or sampled with a temperature, top-k and seed),
-    each with its probability, the alternatives and its attention row in every head."""
+    each with its probability, the alternatives and its attention row in every head; it stops after
+    the model's end-of-text token (`stop_at_eos`, true by default)."""
     stream = await service.start(body, client_of(request))
     # No buffering proxies: each line should reach the client as it is made.
     return ClosingStream(stream, media_type=NDJSON, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})

@@ -30,6 +30,7 @@ async def list_models(registry: RegistryDep) -> ModelsResponse:
                 predictions=s.model.info.predictions,
                 sliding_windows=list(s.model.info.sliding_windows),
                 token_changes=token_changes(s.model),
+                eos_ids=sorted(s.model.info.eos_ids),
                 default=s.default,
             )
             for s in registry.served()

@@ -102,7 +102,8 @@ class GenerationService:
             raise InvalidInput(str(exc)) from exc
         self._take(client)
         steps = generate(
-            model, prompt, body.max_new_tokens, Sampling(body.temperature, body.top_k, body.seed), body.alternatives
+            model, prompt, body.max_new_tokens, Sampling(body.temperature, body.top_k, body.seed), body.alternatives,
+            stop_at_eos=body.stop_at_eos,
         )
         start = {
             "type": "start",
@@ -114,7 +115,9 @@ class GenerationService:
                 for t in prompt.tokens
             ],
         }
-        return Generation(self, served.id, start, steps, client)
+        # The ids the steps stop after: a stream whose last token is one of them ended there.
+        ends = model.info.eos_ids if body.stop_at_eos else frozenset()
+        return Generation(self, served.id, start, steps, client, ends)
 
     def _take(self, client: str) -> None:
         with self._held_lock:
@@ -133,10 +136,12 @@ class GenerationService:
                 del self._held[client]
             self._slots.release()
 
-    async def _stream(self, generation: Generation, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
+    async def _stream(self, generation: Generation, model_id: str, start: dict, steps,
+                      ends: frozenset[int]) -> AsyncIterator[bytes]:
         generation.started = True
         outcome = "cancelled"  # unless the loop below runs to its end
         count = 0
+        last = None  # the last step's token id
         delay = self.settings.debug_forward_delay_s
         try:
             yield orjson.dumps(start) + b"\n"
@@ -165,11 +170,14 @@ class GenerationService:
                     break
                 self.metrics.generation_steps.labels(model_id).inc()
                 count += 1
+                last = step.token.id
                 yield _step_line(step)
                 if delay:
                     await anyio.sleep(delay)
             outcome = "finished"
-            yield orjson.dumps({"type": "end", "reason": "length", "tokens": count}) + b"\n"
+            # "eos" also where the last token asked for ends the text: the model ended it there.
+            reason = "eos" if last in ends else "length"
+            yield orjson.dumps({"type": "end", "reason": reason, "tokens": count}) + b"\n"
         finally:
             self.metrics.generations.labels(outcome).inc()
             steps.close()
@@ -187,7 +195,8 @@ class Generation:
     calls `aclose` whatever happened, which ends the steps and frees the slot at once.
     """
 
-    def __init__(self, service: GenerationService, model_id: str, start: dict, steps, client: str = "") -> None:
+    def __init__(self, service: GenerationService, model_id: str, start: dict, steps, client: str = "",
+                 ends: frozenset[int] = frozenset()) -> None:
         self._service = service
         self._client = client
         self._metrics = service.metrics
@@ -195,7 +204,7 @@ class Generation:
         self._guard = threading.Lock()
         self._steps = steps
         self.started = False
-        self._lines = service._stream(self, model_id, start, steps)
+        self._lines = service._stream(self, model_id, start, steps, ends)
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._lines

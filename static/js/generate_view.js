@@ -58,6 +58,9 @@ export function mountGeneration(box) {
   const count = el("input", { attrs: { id: "gen-n", type: "number", min: 1, max: 256, value: 20 } });
   const temperature = el("input", { attrs: { id: "gen-temp", type: "number", min: 0, max: 10, step: 0.1, value: 0 } });
   const seed = el("input", { attrs: { id: "gen-seed", type: "number", min: 0, placeholder: "random" } });
+  const stopAtEos = el("input", { attrs: { id: "gen-eos", type: "checkbox", checked: "" } });
+  const eosField = el("label", { className: "inline-field", attrs: { title: "End the generation at the model's end-of-text token, as Hugging Face's generate does" } },
+                      [stopAtEos, el("span", { text: "Stop at end of text" })]);
   const button = (id, text, title) => el("button", { text, attrs: { id, type: "button", title: title || text } });
   const start = button("gen-start", "Generate");
   const stop = button("gen-stop", "Stop", "Stop the generation (the server stops too)");
@@ -82,14 +85,15 @@ export function mountGeneration(box) {
     el("h3", { text: "Step through generation" }),
     el("p", { className: "hint", text: "Causal models only. Greedy at temperature 0; a seed makes a sample repeat." }),
     modelLine,
-    el("div", { className: "exp-row" }, [prompt, field("tokens", count), field("temperature", temperature), field("seed", seed), start, stop]),
+    el("div", { className: "exp-row" }, [prompt, field("tokens", count), field("temperature", temperature), field("seed", seed), eosField, start, stop]),
     why,
     el("div", { className: "exp-row" }, [back, play, forward, where, field("layer", layer), field("head", head)]),
     note, tokens,
     el("div", { className: "exp-columns" }, [rowPlot, growPlot]),
   );
   // epoch: bumped when another run comes on screen, so a stream it stopped leaves no trace.
-  const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "", epoch: 0 };
+  // reason: the server's end line's ("length", "eos", ...), once it has come.
+  const state = { start: null, prompt: null, steps: [], current: -1, follow: true, running: false, controller: null, timer: null, outcome: "", reason: "", epoch: 0 };
   window.manyeyesGeneration = state;
 
   // A button that disables itself under keyboard focus drops the focus to the page: it moves on to
@@ -220,14 +224,14 @@ export function mountGeneration(box) {
     const { text, cut, error } = prompt.value.trim() ? { text: prompt.value } : runPrompt(input, shownRun, n, info);
     if (error) return status(note, error, "error");
     pause();
-    const body = { text, model, max_new_tokens: n, temperature: heat };
+    const body = { text, model, max_new_tokens: n, temperature: heat, stop_at_eos: stopAtEos.checked };
     let json = JSON.stringify(body);
     // The seed goes as typed: the API takes up to 2^64 - 1, and Number() rounds past 2^53
     // (9007199254740993 was sent as ...992, another sample). JSON allows no leading zeros.
     if (seedDigits !== "") json = `${json.slice(0, -1)},"seed":${seedDigits.replace(/^0+(?=\d)/, "")}}`;
     const mine = ++state.epoch;
     state.controller?.abort(); // the last generation's prompt rows, if they are still on their way
-    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", controller: new AbortController() });
+    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: true, running: true, outcome: "", reason: "", controller: new AbortController() });
     // The last generation's picture goes with its tokens: a refused one left it under the error.
     tokens.replaceChildren();
     where.textContent = "";
@@ -252,8 +256,10 @@ export function mountGeneration(box) {
             sayWhere(); // "Token 6 of 7" stayed while the stream went on to 12
           }
         } else if (event.type === "end") {
+          // "length" (every token asked for) and "eos" (the model ended the text) are complete;
           // "error" (a step failed) or "shutdown" (the server is stopping) ended it early.
-          state.outcome = event.reason === "length" ? "finished" : "failed";
+          state.outcome = event.reason === "length" || event.reason === "eos" ? "finished" : "failed";
+          state.reason = event.reason;
           failure = event.error;
         }
       }
@@ -267,10 +273,14 @@ export function mountGeneration(box) {
         state.outcome = "failed";
         status(note, `The stream was cut off after ${tokenCount(state.steps.length)} of ${n}, before the server's end line: generate again.`, "error");
       } else if (state.outcome === "failed") status(note, `The server stopped after ${tokenCount(state.steps.length)}: ${failure}`, "error");
-      else if (cut && state.start) {
-        status(note, `Finished: ${state.steps.length} new tokens from ${from}, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
-          + `the whole run and the new tokens would not fit in ${info.id}'s ${info.max_tokens} positions.`);
-      } else status(note, `Finished: ${state.steps.length} new tokens from ${from}.`);
+      else {
+        // Why it ended, where it was not the length asked for: a text the model ended itself.
+        const ended = state.reason === "eos" ? ` Stopped: the model ended the text (end-of-text token) after ${state.steps.length} of the ${tokenCount(n)} asked for.` : "";
+        if (cut && state.start) {
+          status(note, `Finished: ${state.steps.length} new tokens from ${from}, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
+            + `the whole run and the new tokens would not fit in ${info.id}'s ${info.max_tokens} positions.${ended}`);
+        } else status(note, `Finished: ${state.steps.length} new tokens from ${from}.${ended}`);
+      }
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.
       if (mine === state.epoch && err.name === "AbortError") {
@@ -325,7 +335,7 @@ export function mountGeneration(box) {
     state.epoch += 1;
     state.controller?.abort();
     pause();
-    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: false, outcome: "" });
+    Object.assign(state, { start: null, prompt: null, steps: [], current: -1, follow: false, outcome: "", reason: "" });
     tokens.replaceChildren();
     where.textContent = "";
     [rowPlot, growPlot].forEach(clearPlot);

@@ -25,7 +25,7 @@ def test_models_lists_the_default_minilm(api):
                 "id": "minilm", "family": "bert", "causal": False, "n_layers": 6, "n_heads": 12, "n_kv_heads": 12,
                 "d_model": 384, "head_dim": 32, "max_tokens": 512, "device": "cpu", "dtype": "float32",
                 "predictions": False, "sliding_windows": [None] * 6, "token_changes": ["mask", "unk", "delete"],
-                "default": True,
+                "eos_ids": [], "default": True,
             }
         ]
     }

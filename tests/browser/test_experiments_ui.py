@@ -533,6 +533,35 @@ def test_a_seed_reaches_the_server_as_typed(server, page):
     assert len(sent) == 3
 
 
+def test_a_generation_the_model_ended_says_so_and_stop_at_end_of_text_is_sent(server, page):
+    """An end line with reason "eos" (the model ended the text, fewer tokens than asked) is said in
+    words, and "Stop at end of text", on by default, goes as stop_at_eos. tiny-causal's vocabulary
+    has no end of text: the server's stream is cut to its first two steps and ended "eos"."""
+    sent = []
+
+    def ended_by_the_model(route):
+        body = json.loads(route.request.post_data)
+        sent.append(body)
+        if not body["stop_at_eos"]:
+            return route.continue_()
+        reply = route.fetch()
+        lines = [json.loads(line) for line in reply.text().splitlines() if line][:3]
+        lines.append({"type": "end", "reason": "eos", "tokens": 2})
+        route.fulfill(response=reply, body="".join(json.dumps(line) + "\n" for line in lines))
+
+    page.route("**/api/v1/generate", ended_by_the_model)
+    generate_on(page, server, "tiny-causal", 3)
+    assert page.locator("#gen-status").text_content() == (
+        "Finished: 2 new tokens from tiny-causal. Stopped: the model ended the text (end-of-text token) "
+        "after 2 of the 3 tokens asked for.")
+    assert page.evaluate("() => window.manyeyesGeneration.reason") == "eos"
+    page.uncheck("#gen-eos")
+    page.click("#gen-start")
+    page.wait_for_function("() => !window.manyeyesGeneration.running && window.manyeyesGeneration.reason === 'length'")
+    assert page.locator("#gen-status").text_content() == "Finished: 3 new tokens from tiny-causal."
+    assert [body["stop_at_eos"] for body in sent] == [True, False]
+
+
 def test_a_long_prompt_without_weights_draws_the_generated_rows_at_their_positions(server, page):
     """A long prompt's run keeps queries and keys (its answer has no weights): the page said
     "Something went wrong in the page" and numbered the generated rows from 0."""
