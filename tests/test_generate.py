@@ -118,6 +118,14 @@ def test_bounds_are_refused(tiny, minilm):
         next(generate(tiny, PROMPT, 250))
     with pytest.raises(ValueError, match="at least 1"):
         next(generate(tiny, PROMPT, 0))
+    # A full prompt is told the length that then runs: it was told 255 whatever it asked for, and
+    # a prompt cut to 255 was refused again at 5 new tokens.
+    full = tiny.encode("x" * 256)
+    with pytest.raises(ValueError, match="shorten the prompt to at most 251 tokens$"):
+        next(generate(tiny, full, 5))
+    assert len(list(generate(tiny, tiny.encode("x" * 251), 5, stop_at_eos=False))) == 5
+    with pytest.raises(ValueError, match="ask for fewer than 256 new tokens$"):
+        next(generate(tiny, full, 256))
     with pytest.raises(ValueError, match="not a causal language model"):
         next(generate(minilm, "hello", 3))
 
