@@ -296,7 +296,8 @@ class GenerateRequest(BaseModel):
     )
 
     text: str = Field(..., min_length=1, description="The prompt")
-    model: str | None = Field(None, description="A causal model id from GET /api/v1/models; default: the server's default")
+    model: str | None = Field(None, description="A causal model id from GET /api/v1/models; default: the server's "
+                              "default, or where that is an encoder, the first causal model the server lists")
     max_new_tokens: int = Field(20, ge=1, description="Tokens to generate; bounded by the model's context and the server's max_new_tokens")
     temperature: float = Field(0.0, ge=0, le=10, allow_inf_nan=False, description="0: greedy; above 0: sample at this temperature")
     top_k: int | None = Field(None, ge=1, description="Sample only among the k most likely tokens")

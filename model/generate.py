@@ -62,9 +62,14 @@ class Sampling:
                 raise ValueError(f"{name} must be None or an integer {span}, got {value!r}")
 
 
+def can_generate(model: AttentionModel) -> bool:
+    """A causal model with a language-model head: encoders and headless models cannot."""
+    return model.info.causal and getattr(model.net, "has_lm_head", False)
+
+
 def check_generator(model: AttentionModel) -> None:
     """Refuse encoders and models without a language-model head."""
-    if not model.info.causal or not getattr(model.net, "has_lm_head", False):
+    if not can_generate(model):
         raise ValueError(f"{model.info.id} is not a causal language model: it cannot generate")
 
 

@@ -14,10 +14,10 @@ from manyeyes.app.config import Settings
 from manyeyes.app.services.attention import INLINE_CHARS, off_loop_unless_small
 from manyeyes.app.services.errors import InvalidInput, NotReady, QueueFull, TooLong
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.registry import Registry
+from manyeyes.app.services.registry import Registry, Served
 from manyeyes.app.services.slots import CountedSlots
 from manyeyes.model.errors import TooLongError
-from manyeyes.model.generate import Sampling, Step, check_generation, check_generator, generate
+from manyeyes.model.generate import Sampling, Step, can_generate, check_generation, check_generator, generate
 
 _DONE = object()
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class GenerationService:
         """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
         if self.shutdown.began is not None:  # asked on a kept-alive connection while the server drains
             raise NotReady("the server is shutting down")
-        served = self.registry.get(body.model)
+        served = self.registry.get(body.model) if body.model is not None else self._default_generator()
         model = served.model
         if body.max_new_tokens > self.settings.max_new_tokens:
             raise InvalidInput(f"max_new_tokens is at most {self.settings.max_new_tokens} on this server")
@@ -118,6 +118,16 @@ class GenerationService:
         # The ids the steps stop after: a stream whose last token is one of them ended there.
         ends = model.info.eos_ids if body.stop_at_eos else frozenset()
         return Generation(self, served.id, start, steps, client, ends)
+
+    def _default_generator(self) -> Served:
+        """The model a request that names none generates with: the server's default, or where that
+        one cannot generate (the built-in default, minilm, is an encoder: such a request was always
+        refused) the first causal model served. With none, the default, which check_generator refuses."""
+        default = self.registry.get(None)
+        for served in (default, *self.registry.served()):
+            if can_generate(served.model):
+                return served
+        return default
 
     def _take(self, client: str) -> None:
         with self._held_lock:

@@ -212,3 +212,22 @@ def test_a_step_that_fails_ends_the_stream_with_its_reason(server, monkeypatch):
     monkeypatch.undo()
     with httpx.stream("POST", f"{server.url}/api/v1/generate", json={**body, "max_new_tokens": 2}, timeout=60) as r:
         assert list(lines(r))[-1] == {"type": "end", "reason": "length", "tokens": 2}
+
+
+def test_a_generation_that_names_no_model_uses_a_causal_one():
+    """A server whose default is minilm, an encoder (the built-in default): a generation with no
+    model was always a 422 "not a causal language model". It takes the first causal model listed."""
+    body = {"text": PROMPT, "max_new_tokens": 3, "stop_at_eos": False}
+    with live_server(models={"minilm": "minilm", "tiny-gpt": "tiny-gpt"}) as encoder_first:
+        url = f"{encoder_first.url}/api/v1/generate"
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            events = list(lines(r))
+        assert r.status_code == 200 and events[0]["model"] == "tiny-gpt" and events[-1]["tokens"] == 3
+        with httpx.stream("POST", url, json={**body, "model": "tiny-gpt"}, timeout=60) as r:
+            assert list(lines(r)) == events
+        # Naming the encoder is still refused, and says why.
+        err = assert_json_error(httpx.post(url, json={**body, "model": "minilm"}, timeout=30), 422)
+        assert err["message"] == "minilm is not a causal language model: it cannot generate"
+    with live_server() as encoders_only:  # nothing can generate: the default's refusal
+        err = assert_json_error(httpx.post(f"{encoders_only.url}/api/v1/generate", json=body, timeout=30), 422)
+        assert err["message"] == "minilm is not a causal language model: it cannot generate"
