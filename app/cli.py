@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -187,15 +188,35 @@ def _print_json(model, args, view, result, timing: dict, dense_max_tokens: int) 
     return 0
 
 
-def cmd_serve(args) -> int:
-    import logging
+# The least MANYEYES_CACHE_BYTES `serve` takes, 0 (no cache) aside: less is a unit mistake (512
+# meant as MiB, 1000 as kB), a cache that holds no run worth keeping, and 1000 answered every
+# request 413. Not 1 MiB: a small model's runs are a few kB, and 200 kB holds a dozen of them.
+MIN_CACHE_BYTES = 64 * 1024
 
+
+class UtcFormatter(logging.Formatter):
+    """Log lines' times in UTC, marked so (2025-01-31T09:30:00.123Z): local time without a zone
+    could not be lined up with a proxy's or another host's log."""
+
+    converter = time.gmtime
+    default_time_format = "%Y-%m-%dT%H:%M:%S"
+    default_msec_format = "%s.%03dZ"
+
+
+def cmd_serve(args) -> int:
     from manyeyes.app.main import create_app
     from manyeyes.app.server import Server, server_config
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(UtcFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     settings = _settings()  # a malformed MANYEYES_* variable: one line naming it, not pydantic's traceback
     if settings is None:
+        return 2
+    if 0 < settings.cache_bytes < MIN_CACHE_BYTES:
+        # Was a server that said "serving" and answered every request 413 run_too_large.
+        print(f"error: MANYEYES_CACHE_BYTES={settings.cache_bytes} is in bytes, too few for a cache of runs: give at "
+              f"least {MIN_CACHE_BYTES} (536870912 is 512 MiB), or 0 to turn the cache off", file=sys.stderr)
         return 2
     try:
         updates = {"extra_models": _served_models(settings, args.model)}
@@ -461,8 +482,11 @@ def _warn_unknown_settings(settings_class) -> None:
 
     known = [name.upper() for name in settings_class.model_fields]
     for name in sorted(os.environ):
-        if name.startswith("MANYEYES_") and name.removeprefix("MANYEYES_") not in known and name not in NOT_SETTINGS:
-            close = difflib.get_close_matches(name.removeprefix("MANYEYES_"), known, n=1, cutoff=0.75)
+        # Compared in upper case, as the settings read them (case_sensitive is off): MANYEYES_Cache_Bytes
+        # was applied, and warned of as a setting manyeyes does not read.
+        upper = name.upper()
+        if upper.startswith("MANYEYES_") and upper.removeprefix("MANYEYES_") not in known and upper not in NOT_SETTINGS:
+            close = difflib.get_close_matches(upper.removeprefix("MANYEYES_"), known, n=1, cutoff=0.75)
             print(f"warning: {name} is not a setting manyeyes reads"
                   + (f" (did you mean MANYEYES_{close[0]}?)" if close else ""), file=sys.stderr)
 

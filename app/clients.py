@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from manyeyes.app.middleware import send_error
+from manyeyes.app.middleware import LOOPBACK_HOSTS, send_error
 
 log = logging.getLogger("manyeyes")
 
@@ -147,6 +147,12 @@ class TrustedProxies:
                 return hop
         return peer
 
+    def address_id(self, scope) -> str:
+        """A request's client id by its address, as ClientIdentity gives one without a key: the
+        access log's, for a request refused before ClientIdentity saw it (AllowedHosts' 421)."""
+        peer = (scope.get("client") or ("", 0))[0]
+        return "addr:" + canonical_address(self.client_address(peer, scope["headers"]))
+
 
 def on_loopback(address: str) -> bool:
     """Whether a client address (as the server reads it, or from a trusted X-Forwarded-For) is
@@ -183,7 +189,9 @@ class ClientIdentity:
             return
         peer = (scope.get("client") or ("", 0))[0]
         address = self.proxies.client_address(peer, scope["headers"])
-        client = "addr:" + canonical_address(address)
+        state = scope.setdefault("state", {})
+        # Set before the key is checked: the access log names whose key was refused by its address.
+        state["client"] = "addr:" + canonical_address(address)
         if not self.compress_loopback and on_loopback(address):
             scope["headers"] = [h for h in scope["headers"] if h[0] != b"accept-encoding"]
         if self.guarded(scope["path"]):
@@ -198,11 +206,10 @@ class ClientIdentity:
                     message = "the API key is not valid"
                 await send_error(send, 401, "unauthorized", message, [(b"www-authenticate", b'Bearer realm="manyeyes"')])
                 return
-            client = key_id(digest)
+            state["client"] = key_id(digest)
             # Its runs' ids are its own (run_id_for): with one cache shared by every key, an id
             # worked out from a guessed text told whether another key had run it, and read its run.
-            scope.setdefault("state", {})["tenant"] = tenant_secret(token)
-        scope.setdefault("state", {})["client"] = client
+            state["tenant"] = tenant_secret(token)
         await self.app(scope, receive, send)
 
 
@@ -231,7 +238,7 @@ def default_allowed_hosts(host: str, trusted_proxies: list[str]) -> list[str]:
     browser, its own origin, and could use a keyless local server and read the runs of texts it
     guessed. Behind a proxy, or bound beyond loopback, a server is reached by names of its own."""
     if bound_to_loopback(host) and not trusted_proxies:
-        return ["localhost", "127.0.0.1", "[::1]"]
+        return list(LOOPBACK_HOSTS)
     return ["*"]
 
 

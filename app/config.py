@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -51,6 +52,31 @@ def check_added(models: dict[str, str], added: dict[str, str]) -> None:
     merged = dict(models)
     for model_id, spec in added.items():
         add_model(merged, model_id, spec)
+
+
+# A DNS name (labels of letters, digits, "-" or "_"; a final dot allowed) or an IPv4 address,
+# optionally with a port, as a Host header carries it.
+HOST_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?(:\d{1,5})?", re.IGNORECASE)
+
+
+def is_host_pattern(entry: str) -> bool:
+    """Whether an entry of MANYEYES_ALLOWED_HOSTS can match a Host header as AllowedHosts compares
+    them (app/middleware.py): a name or address, "*.name" for its subdomains, or "*"."""
+    if entry == "*":
+        return True
+    if entry.startswith("["):  # "[::1]", "[::1]:8000"
+        address, bracket, port = entry[1:].partition("]")
+        if not bracket or (port and not re.fullmatch(r":\d{1,5}", port)):
+            return False
+    elif entry.count(":") > 1:  # a bare IPv6 address
+        address = entry
+    else:
+        return HOST_NAME.fullmatch(entry.removeprefix("*.")) is not None
+    try:
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return True
 
 
 class Settings(BaseSettings):
@@ -120,8 +146,9 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list)
     # API keys (see SECURITY.md): with any configured, every /api route needs
     # `Authorization: Bearer <key>`. MANYEYES_API_KEYS="k1,k2", or a file of SHA-256 hex digests.
-    # None: not set. Set but holding no key ("", ",", "[]") is refused at start-up (configured_keys): it
-    # was read as no keys, which left the API open to whoever templated an empty variable.
+    # None: not set. Set but holding no key ("", ",", "[]"; a blank file name) is refused at start-up
+    # (configured_keys, _a_named_file): it was read as no keys, which left the API open to whoever
+    # templated an empty variable.
     api_keys: Annotated[list[str] | None, NoDecode] = None
     api_keys_file: Path | None = None
     close_metrics: bool = False  # True: /metrics needs a key too (/healthz and /readyz stay open)
@@ -253,13 +280,23 @@ class Settings(BaseSettings):
     def _some_host(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and not value:
             raise ValueError("names no host: list host names (any port), '*' for any, or unset it for the default")
+        # A URL or a path matches no Host header: accepted, it made the server answer 421 to every request.
+        for entry in value or ():
+            if not is_host_pattern(entry):
+                raise ValueError(f"{entry!r} is no host name: list names as a Host header gives them (viz.example.org, "
+                                 "10.0.0.5 or [::1], any port), '*.example.org' for its subdomains, or '*' for any; "
+                                 "no scheme, path or spaces")
         return value
 
     @field_validator("api_keys_file", mode="before")
     @classmethod
-    def _no_empty_path(cls, value):
-        # MANYEYES_API_KEYS_FILE= (set, but empty) means no file, not the current directory.
-        return None if isinstance(value, str) and not value.strip() else value
+    def _a_named_file(cls, value):
+        # MANYEYES_API_KEYS_FILE="$KEYFILE" with KEYFILE unset was read as no file, and the API served
+        # open without a word: refused, as an empty MANYEYES_API_KEYS is (configured_keys).
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is set but names no file: unset it to serve without keys, or give the path of a file of "
+                             "SHA-256 digests")
+        return value
 
     @field_validator("extra_models", mode="before")
     @classmethod

@@ -229,8 +229,9 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     if run_directory is not None:  # copies share runs: a run another copy computed is computed here when asked for
         app.add_middleware(SharedRuns, directory=run_directory)
     # Outside BodyLimit: a request without a valid key is refused before its body is read.
+    proxies = TrustedProxies(settings.trusted_proxies)
     app.add_middleware(
-        ClientIdentity, keys=keys, proxies=TrustedProxies(settings.trusted_proxies), close_metrics=settings.close_metrics,
+        ClientIdentity, keys=keys, proxies=proxies, close_metrics=settings.close_metrics,
         compress_loopback=settings.compress_loopback,
     )
     if settings.cors_origins:  # off by default: only the page this server serves may call the API
@@ -247,7 +248,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     app.add_middleware(Ranges)
     # Inside AccessLog, so the 503s it writes at shutdown are logged and counted.
     app.add_middleware(ShutdownAnswer)
-    app.add_middleware(AccessLog, metrics=metrics)
+    app.add_middleware(AccessLog, metrics=metrics, identify=proxies.address_id)
     # Outermost, so every answer carries the headers, the 413s BodyLimit writes included.
     app.add_middleware(SecurityHeaders)
     return app

@@ -118,17 +118,25 @@ def host_name(value: str) -> str:
     return value.partition(":")[0].rstrip(".")
 
 
+# This machine's own names, as a local client (a health check, a Prometheus scrape) addresses it.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
 class AllowedHosts:
     """Refuses requests addressed (Host header) to a name not in `hosts` with 421: on loopback a
     web page that points its own name at 127.0.0.1 (DNS rebinding) is, to the browser, the page's
     own origin, and could use a keyless local server. /healthz, which says only "ok", stays open
-    to every name, so that a probe of any kind reaches it."""
+    to every name, so that a probe of any kind reaches it.
+
+    LOOPBACK_HOSTS are answered whatever `hosts` lists: a rebinding page's requests carry its own
+    name, never a loopback literal, and a server listing only its public name answered the
+    Dockerfile's HEALTHCHECK (127.0.0.1/readyz) and a local scrape of /metrics 421."""
 
     OPEN = frozenset({"/healthz"})
 
     def __init__(self, app, hosts: list[str]) -> None:
         self.app = app
-        names = {host_name(h) for h in hosts}
+        names = {host_name(h) for h in (*hosts, *LOOPBACK_HOSTS)}
         self.names = frozenset(n for n in names if not n.startswith("*."))
         self.suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # ".example.org"
         self.listed = ", ".join(hosts)
@@ -231,11 +239,16 @@ class AccessLog:
     taking (the write deadline dropped it) or cut off by closing or resetting the connection is
     not, and counts in the metrics under status 499, as a client gone before its answer does.
     An answer the transport still holds part of when the handler ends (a large one, to a client
-    slower than the server) is logged once that part is out, or the connection lost."""
+    slower than the server) is logged once that part is out, or the connection lost.
 
-    def __init__(self, app, metrics: Metrics) -> None:
+    "client" is who asked, as fair shares count clients (app/clients.py, ClientIdentity): a key's
+    id, else the address. `identify` names the client of a request refused before ClientIdentity
+    saw it."""
+
+    def __init__(self, app, metrics: Metrics, identify=lambda scope: "") -> None:
         self.app = app
         self.metrics = metrics
+        self.identify = identify
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -247,6 +260,9 @@ class AccessLog:
         last_byte_out = None
         delivery = scope.get("extensions", {}).get(DELIVERY)
         ticket = 0
+        # Made here, not by the middleware inside: a copy of the scope made on the way in (HeadAsGet,
+        # Ranges) shares this dict, so what ClientIdentity and the routes record in it is seen here.
+        state = scope.setdefault("state", {})
 
         async def watch(message):
             nonlocal status, sent, last_byte_out, ticket
@@ -273,7 +289,8 @@ class AccessLog:
                 "status": status or 500,  # none sent: the server answers 500
                 "ms": round(elapsed * 1000, 2),
                 "bytes": sent,
-                **scope.get("state", {}).get("log", {}),
+                "client": state.get("client") or self.identify(scope),
+                **state.get("log", {}),
             }
             if delivery is None or status is None:
                 self.record(line, elapsed, True, False)

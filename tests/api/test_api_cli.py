@@ -334,3 +334,114 @@ def test_serve_on_ipv6_says_its_address_as_a_url(monkeypatch, capsys):
     port = free_port()
     assert main(["serve", "--host", "::1", "--port", str(port)]) == 0
     assert f"on http://[::1]:{port} (GET /readyz" in capsys.readouterr().err
+
+
+def test_a_server_that_lists_its_public_name_still_answers_probes_addressed_to_loopback(monkeypatch):
+    """MANYEYES_ALLOWED_HOSTS=viz.example.org, as SECURITY.md suggests behind a proxy, answered the
+    Dockerfile's HEALTHCHECK (127.0.0.1:8000/readyz) and a local /metrics scrape 421 (review h47b).
+    A loopback literal is no DNS rebinding, whose requests carry the attacker's name."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    seen = {}
+
+    def run(server, sockets):
+        seen["app"] = server.config.app
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setenv("MANYEYES_ALLOWED_HOSTS", "viz.example.org")
+    assert main(["serve", "--port", str(free_port())]) == 0
+    client = TestClient(seen["app"], raise_server_exceptions=False)
+    for host in ("127.0.0.1:8000", "127.0.0.1", "localhost", "LOCALHOST:8000", "[::1]:8000", "viz.example.org"):
+        assert client.get("/metrics", headers={"host": host}).status_code == 200, host
+    for host in ("rebound.example", "127.0.0.2", "localhost.example.org", "example.org"):
+        r = client.get("/metrics", headers={"host": host})
+        assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed", host
+
+
+@pytest.mark.parametrize("value, entry", [
+    ("http://viz.example.org", "http://viz.example.org"),
+    ("viz.example.org/app", "viz.example.org/app"),
+    ("viz.example.org other.example.org", "viz.example.org other.example.org"),
+    ("viz.example.org, .example.org", ".example.org"),
+    ('["viz.example.org", "example.org:http"]', "example.org:http"),
+    ("localhost, [::1", "[::1"),
+])
+def test_an_allowed_host_that_no_host_header_can_match_is_one_line_naming_it(monkeypatch, capsys, value, entry):
+    """'http://viz.example.org' was taken, and then every request got 421 (review h47b)."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("it served"))
+    monkeypatch.setenv("MANYEYES_ALLOWED_HOSTS", value)
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err == (
+        f"error: a MANYEYES_* setting in the environment is malformed: MANYEYES_ALLOWED_HOSTS={value!r}: {entry!r} "
+        "is no host name: list names as a Host header gives them (viz.example.org, 10.0.0.5 or [::1], any port), "
+        "'*.example.org' for its subdomains, or '*' for any; no scheme, path or spaces\n")
+
+
+def test_every_form_of_host_the_comparison_reads_is_taken():
+    from manyeyes.app.config import Settings
+
+    hosts = ["viz.example.org", "VIZ.example.org.", "*.example.net", "viz.example.org:8443", "10.0.0.5", "[::1]",
+             "[2001:db8::1]:8000", "2001:db8::2", "my_host", "*"]
+    assert Settings(allowed_hosts=hosts).allowed_hosts == hosts
+
+
+@pytest.mark.parametrize("value", ["1000", "512", str(64 * 1024 - 1)])
+def test_a_cache_too_small_for_any_run_is_one_line_saying_it_is_in_bytes(monkeypatch, capsys, value):
+    """MANYEYES_CACHE_BYTES=1000 (a unit mistake) served, and answered every request 413 run_too_large."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("it served"))
+    monkeypatch.setenv("MANYEYES_CACHE_BYTES", value)
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err == (
+        f"error: MANYEYES_CACHE_BYTES={value} is in bytes, too few for a cache of runs: give at least 65536 "
+        "(536870912 is 512 MiB), or 0 to turn the cache off\n")
+
+
+@pytest.mark.parametrize("value", ["0", str(64 * 1024), "200000"])
+def test_no_cache_and_a_small_one_are_still_served(monkeypatch, value):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    monkeypatch.setenv("MANYEYES_CACHE_BYTES", value)
+    assert main(["serve", "--port", str(free_port())]) == 0
+
+
+def test_a_setting_in_another_case_is_read_and_not_warned_of(monkeypatch, capsys):
+    """The settings read MANYEYES_* in any case, but the warning compared them as written:
+    MANYEYES_Gzip_Level was applied and warned "not a setting manyeyes reads"; a refused
+    MANYEYES_cache_bytes=-1 was followed by that warning too (review h47b)."""
+    import uvicorn
+
+    from manyeyes.app.config import Settings
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    monkeypatch.setenv("MANYEYES_Gzip_Level", "3")
+    assert Settings().gzip_level == 3
+    assert main(["serve", "--port", str(free_port())]) == 0
+    assert "not a setting" not in capsys.readouterr().err
+    monkeypatch.setenv("manyeyes_cache_bytes", "-1")
+    assert main(["serve", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: a MANYEYES_* setting in the environment is malformed: MANYEYES_CACHE_BYTES='-1'")
+    assert "not a setting" not in err, err
+    monkeypatch.setenv("MANYEYES_Cache_Byte", "1")  # mistyped in any case: still warned of, by the name given
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert ("warning: MANYEYES_Cache_Byte is not a setting manyeyes reads (did you mean MANYEYES_CACHE_BYTES?)"
+            in capsys.readouterr().err)
+
+
+def test_serve_logs_its_times_in_utc_marked_so():
+    """The log's times were local, without a zone."""
+    import logging
+
+    from manyeyes.app.cli import UtcFormatter
+
+    record = logging.LogRecord("manyeyes", logging.INFO, __file__, 1, "ready", None, None)
+    record.created, record.msecs = 86400 * 366 + 3723.25, 250.0
+    assert UtcFormatter("%(asctime)s %(message)s").format(record) == "1971-01-02T01:02:03.250Z ready"

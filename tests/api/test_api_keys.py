@@ -125,8 +125,25 @@ def test_serve_stops_with_one_line_on_an_unusable_key_file(monkeypatch, tmp_path
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: MANYEYES_API_KEYS_FILE") and "Traceback" not in err
-    monkeypatch.setenv("MANYEYES_API_KEYS_FILE", "")  # set but empty: no file, not the directory "."
-    assert Settings().api_keys_file is None
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_key_file_variable_set_but_naming_no_file_stops_start_up_in_one_line(monkeypatch, capsys, value):
+    """It was read as no file: `MANYEYES_API_KEYS_FILE="$KEYFILE"` with KEYFILE unset served the API
+    open without a word (review h47b), where an empty MANYEYES_API_KEYS is refused."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from manyeyes.app.cli import main
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("the server started"))
+    monkeypatch.setenv("MANYEYES_API_KEYS_FILE", value)
+    assert main(["serve", "--port", "8761"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: a MANYEYES_* setting in the environment is malformed: MANYEYES_API_KEYS_FILE={value!r}: is set but "
+        "names no file: unset it to serve without keys, or give the path of a file of SHA-256 digests\n")
+    with pytest.raises(ValidationError, match="names no file"):  # an app built elsewhere (Ray Serve) too
+        Settings()
 
 
 def test_an_unauthorised_body_is_refused_before_it_is_read(locked):
