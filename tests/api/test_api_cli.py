@@ -272,6 +272,22 @@ def test_a_default_model_that_a_model_flag_adds_is_served(monkeypatch):
     assert seen["settings"].default_model_id() == "mine"
 
 
+def served_app(monkeypatch, *args):
+    """The app `manyeyes serve --port P *args` builds, its sockets closed instead of served."""
+    import uvicorn
+
+    seen = {}
+
+    def run(server, sockets):
+        seen["app"] = server.config.app
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["serve", "--port", str(free_port()), *args]) == 0
+    return seen["app"]
+
+
 @pytest.mark.parametrize("args, env, allowed", [
     ([], {}, ["localhost", "127.0.0.1", "[::1]"]),
     (["--host", "localhost"], {}, ["localhost", "127.0.0.1", "[::1]"]),
@@ -282,21 +298,11 @@ def test_a_default_model_that_a_model_flag_adds_is_served(monkeypatch):
 def test_serve_on_loopback_answers_only_requests_addressed_to_this_machine(monkeypatch, args, env, allowed):
     """DNS rebinding (audit h46b): a page whose name then resolves to 127.0.0.1 could use a keyless
     local server as its own origin. Its requests name it in Host, which loopback's default refuses."""
-    import uvicorn
     from fastapi.testclient import TestClient
 
-    seen = {}
-
-    def run(server, sockets):
-        seen["app"] = server.config.app
-        for sock in sockets:
-            sock.close()
-
-    monkeypatch.setattr(uvicorn.Server, "run", run)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert main(["serve", "--port", str(free_port()), *args]) == 0
-    app = seen["app"]
+    app = served_app(monkeypatch, *args)
     assert app.state.settings.allowed_hosts == allowed
     # The lifespan is not run, so no model is loaded: a request let through gets a 500 from its route.
     client = TestClient(app, base_url="http://rebound.example", raise_server_exceptions=False)
@@ -340,20 +346,10 @@ def test_a_server_that_lists_its_public_name_still_answers_probes_addressed_to_l
     """MANYEYES_ALLOWED_HOSTS=viz.example.org, as SECURITY.md suggests behind a proxy, answered the
     Dockerfile's HEALTHCHECK (127.0.0.1:8000/readyz) and a local /metrics scrape 421 (review h47b).
     A loopback literal is no DNS rebinding, whose requests carry the attacker's name."""
-    import uvicorn
     from fastapi.testclient import TestClient
 
-    seen = {}
-
-    def run(server, sockets):
-        seen["app"] = server.config.app
-        for sock in sockets:
-            sock.close()
-
-    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setenv("MANYEYES_ALLOWED_HOSTS", "viz.example.org")
-    assert main(["serve", "--port", str(free_port())]) == 0
-    client = TestClient(seen["app"], raise_server_exceptions=False)
+    client = TestClient(served_app(monkeypatch), raise_server_exceptions=False)
     for host in ("127.0.0.1:8000", "127.0.0.1", "localhost", "LOCALHOST:8000", "[::1]:8000", "viz.example.org"):
         assert client.get("/metrics", headers={"host": host}).status_code == 200, host
     for host in ("rebound.example", "127.0.0.2", "localhost.example.org", "example.org"):
