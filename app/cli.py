@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import socket
@@ -194,22 +193,12 @@ def _print_json(model, args, view, result, timing: dict, dense_max_tokens: int) 
 MIN_CACHE_BYTES = 64 * 1024
 
 
-class UtcFormatter(logging.Formatter):
-    """Log lines' times in UTC, marked so (2025-01-31T09:30:00.123Z): local time without a zone
-    could not be lined up with a proxy's or another host's log."""
-
-    converter = time.gmtime
-    default_time_format = "%Y-%m-%dT%H:%M:%S"
-    default_msec_format = "%s.%03dZ"
-
-
 def cmd_serve(args) -> int:
+    from manyeyes.app.logs import log_to_stderr
     from manyeyes.app.main import create_app
     from manyeyes.app.server import Server, server_config
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(UtcFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    log_to_stderr(args.log_level)
     settings = _settings()  # a malformed MANYEYES_* variable: one line naming it, not pydantic's traceback
     if settings is None:
         return 2

@@ -37,6 +37,7 @@ from prometheus_client import values
 from prometheus_client.multiprocess import mark_process_dead
 
 from manyeyes.app.config import Settings
+from manyeyes.app.logs import log_to_stderr
 from manyeyes.app.server import bound_socket
 
 log = logging.getLogger("manyeyes.workers")
@@ -126,7 +127,7 @@ def _work(settings: Settings, sock, folder: str, slot: int, workers: int, replac
     # counts its dead predecessor left (the totals stay right), and the folder holds one set of
     # files a slot, where a crash loop had left a set for every process it ever started.
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: metrics_identity(slot))
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s worker-{os.getpid()} %(name)s %(message)s")
+    log_to_stderr(log_level, f"worker-{os.getpid()}")
     torch.set_num_threads(threads)
     app = worker_app(settings, Path(folder), slot, workers, replacement, forward_link, keys)
     config = server_config(app, settings, log_level=log_level)
@@ -161,7 +162,7 @@ def _share_forwards(settings: Settings, link, threads: int, log_level: str) -> N
     from manyeyes.app.services.device import quantises_on_device
     from manyeyes.app.services.shared_forward import ForwardHost
 
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s forwards-{os.getpid()} %(name)s %(message)s")
+    log_to_stderr(log_level, f"forwards-{os.getpid()}")
     torch.set_num_threads(threads)
     prepare_serving_process(settings)  # as a worker's: the same forwards, the same memory
     models = shared_models(settings)

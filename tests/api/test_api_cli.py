@@ -436,8 +436,18 @@ def test_serve_logs_its_times_in_utc_marked_so():
     """The log's times were local, without a zone."""
     import logging
 
-    from manyeyes.app.cli import UtcFormatter
+    from manyeyes.app.logs import UtcFormatter
 
     record = logging.LogRecord("manyeyes", logging.INFO, __file__, 1, "ready", None, None)
     record.created, record.msecs = 86400 * 366 + 3723.25, 250.0
     assert UtcFormatter("%(asctime)s %(message)s").format(record) == "1971-01-02T01:02:03.250Z ready"
+
+
+def test_workers_and_the_shared_forward_process_log_in_utc_too():
+    """`--workers` processes set their logging up themselves, in local time without a zone: they
+    now share serve's (app/logs.py)."""
+    line = subprocess.run(
+        [sys.executable, "-c", "import logging; from manyeyes.app.logs import log_to_stderr; "
+         "log_to_stderr('info', 'worker-7'); logging.getLogger('manyeyes.x').info('up')"],
+        capture_output=True, text=True, env={**os.environ, "TZ": "Asia/Tokyo"}, timeout=60).stderr
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO worker-7 manyeyes\.x up\n", line), line
