@@ -30,6 +30,7 @@ from manyeyes.app.services.errors import ApiError, brief
 from manyeyes.app.services.generation import GenerationService, ShutdownClock
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
+from manyeyes.app.services.views import SaveSlots, ViewStore
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
 from manyeyes.app.shared_runs import SharedRuns
 
@@ -206,6 +207,11 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     app.state.metrics = metrics
     app.state.shutdown = shutdown
     app.state.keys = keys
+    # Here, not on first use: the routes' dependencies run on the thread pool, where two first
+    # requests at once built two stores, and a view saved into the one dropped opened nowhere.
+    # Not in the lifespan, which would replace the shared store workers.py and scale.py put here.
+    app.state.views = ViewStore()
+    app.state.view_saves = SaveSlots()
     if keys:
         app.openapi = keyed_openapi(app.openapi)
     add_error_handlers(app)

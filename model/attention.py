@@ -163,17 +163,20 @@ def row_block(num_keys: int, heads: int, row_width: int, block_cells: int) -> in
 
 
 def bin_edges(n: int, size: int) -> torch.Tensor:
-    """Edges of at most `size` bins over range(n): equal width ceil(n / size), the last one may be narrower."""
+    """Edges of at most `size` bins over range(n): equal width ceil(n / size), the last one may be
+    narrower. No tokens, no bins: n = 0 gives the one edge [0] (a keep run of 0 tokens, whose
+    overview is (b, heads, 0, 0), as its plain run's weights are (b, heads, 0, 0))."""
     return torch.tensor([*range(0, n, bin_width(n, size)), n], dtype=torch.long)
 
 
 def bin_width(n: int, size: int) -> int:
-    return -(-n // max(1, min(size, n)))
+    """The bins' width, at least 1: range(0, 0, 0) raised ValueError for n = 0."""
+    return max(1, -(-n // max(1, min(size, n))))
 
 
 def bin_count(n: int, size: int) -> int:
     """len(bin_edges(n, size)) - 1, without making the tensor (the server reckons it per request)."""
-    return -(-n // bin_width(n, size)) if n > 0 else 0
+    return -(-n // bin_width(n, size))
 
 
 def max_pool(weights: torch.Tensor, row_width: int, col_width: int) -> torch.Tensor:
@@ -272,7 +275,8 @@ class MultiHeadAttention(nn.Module):
         """Attention with its internals.
 
         key_padding_mask: (b, num_tokens) bool, True for real tokens. Padded keys get zero
-        weight, so each row of a padded batch equals its unpadded run.
+        weight, so each row of a padded batch equals its unpadded run. Not with Capture(keep=True),
+        which runs one unpadded input (a ValueError).
         rope: (cos, sin), each (num_tokens, rotary_dim), from `RotaryEmbedding`; required when
         the module was built with rotary_dim > 0. The caller computes them once for all layers.
 
@@ -294,6 +298,7 @@ class MultiHeadAttention(nn.Module):
         keys = self.W_key(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
         values = None
         if mix or capture.qkv or capture.keep or past is not None:
+            # (b, num_tokens, kv_heads * head_dim) -> (b, kv_heads, num_tokens, head_dim), as the keys
             values = self.W_value(x).view(b, num_tokens, kv_heads, head_dim).transpose(1, 2)
         if self.rotary_dim:
             if rope is None:
@@ -306,7 +311,9 @@ class MultiHeadAttention(nn.Module):
             values = torch.cat((past.values.to(values.dtype), values), dim=2)
         num_keys = keys.shape[2]
         if capture.keep:  # before any (b, heads, T, T) scores exist: 3.2 GB a layer at T = 8,192
-            return self._attend_in_row_blocks(queries, keys, values, key_padding_mask, capture)
+            if key_padding_mask is not None:  # its callers run one input, unpadded; the row blocks mask no padding
+                raise ValueError("Capture(keep=True) runs one unpadded input at a time: pass no key_padding_mask")
+            return self._attend_in_row_blocks(queries, keys, values, capture)
         inspects_nothing = not capture.weights and not capture.qkv and capture.weights_out is None
         if self.training and inspects_nothing and past is None and key_padding_mask is None and self.sliding_window is None:
             # Training inspects nothing: PyTorch's fused kernel never builds the (b, heads, T, T) weights,
@@ -314,6 +321,7 @@ class MultiHeadAttention(nn.Module):
             context = F.scaled_dot_product_attention(
                 queries, keys, values, dropout_p=self.dropout.p, is_causal=self.causal, enable_gqa=group > 1
             )  # (b, heads, T, head_dim)
+            # (b, heads, T, head_dim) -> (b, T, heads, head_dim) -> (b, T, heads * head_dim) -> (b, T, d_out)
             context = self.out_proj(context.transpose(1, 2).reshape(b, num_tokens, heads * head_dim))
             return AttentionOutput(context, None, None, None, None, present=KVCache(keys, values))
 
@@ -388,8 +396,10 @@ class MultiHeadAttention(nn.Module):
             present=KVCache(keys, values),
         )
 
-    def _attend_in_row_blocks(self, queries, keys, values, key_padding_mask, capture: Capture) -> AttentionOutput:
-        """The same attention, a block of query rows at a time, for `Capture(keep=True)`.
+    def _attend_in_row_blocks(self, queries, keys, values, capture: Capture) -> AttentionOutput:
+        """`attend`'s attention of one unpadded input (no key-padding mask: `attend` refuses one
+        with keep), a block of query rows at a time, for `Capture(keep=True)`: the same weights
+        and context up to float rounding, since the blocks' matmuls are shaped differently.
 
         No (b, heads, T, T) tensor ever exists: each block's scores are softmaxed, pooled into the
         overview and mixed into the context, then dropped. Each row's max and sum are kept, so
@@ -399,18 +409,14 @@ class MultiHeadAttention(nn.Module):
         kv_heads, num_keys = keys.shape[1], keys.shape[2]
         group = heads // kv_heads
         offset = num_keys - num_tokens
-        row_edges, col_edges = bin_edges(num_tokens, capture.overview), bin_edges(num_keys, capture.overview)
-        row_width, col_width = int(row_edges[1]), int(col_edges[1])
+        row_width, col_width = bin_width(num_tokens, capture.overview), bin_width(num_keys, capture.overview)
         rows_per_block = row_block(num_keys, b * heads, row_width, capture.block_cells)
-        padded = None
-        if key_padding_mask is not None:
-            # (b, num_keys) -> (b, 1, 1, num_keys), broadcast over heads and query rows
-            padded = ~key_padding_mask.bool().view(b, 1, 1, num_keys)
 
         context = torch.empty(b, heads, num_tokens, head_dim, dtype=values.dtype, device=values.device)
         row_max = torch.empty(b, heads, num_tokens, device=queries.device)
         row_sum = torch.empty(b, heads, num_tokens, device=queries.device)
-        overview = torch.empty(b, heads, len(row_edges) - 1, len(col_edges) - 1, device=queries.device)
+        overview = torch.empty(b, heads, bin_count(num_tokens, capture.overview), bin_count(num_keys, capture.overview),
+                               device=queries.device)
         scale = head_dim**-0.5
         overview.zero_()  # bins no query can see stay 0: their keys are never scored
         # One buffer for every block's scores: a fresh 64 MB tensor per block is a fresh mmap (and
@@ -432,14 +438,11 @@ class MultiHeadAttention(nn.Module):
                 scores = scores.view(b, heads, rows, k1 - k0)
             else:
                 scores = (scaled @ keys[:, :, k0:k1].transpose(2, 3)).view(b, heads, rows, k1 - k0).float()
-            if padded is not None:
-                band = (k0, k1)
-            else:  # only the columns where some row of the block is blocked need a mask
-                band = masked_band(q0 + offset, q1 + offset, k0, k1, causal=self.causal, sliding_window=self.sliding_window)
+            # Only the columns where some row of the block is blocked need a mask; every row sees
+            # itself, so none is all -inf.
+            band = masked_band(q0 + offset, q1 + offset, k0, k1, causal=self.causal, sliding_window=self.sliding_window)
             blocked = blocked_rows(q0, q1, *band, offset=offset, causal=self.causal,
                                    sliding_window=self.sliding_window, device=scores.device)
-            if padded is not None:
-                blocked = padded[..., k0:k1] if blocked is None else (blocked | padded[..., k0:k1])
             if blocked is not None:
                 # an added 0/-inf mask: bit for bit masked_fill, and far cheaper than a broadcast bool fill
                 scores[..., band[0] - k0 : band[1] - k0] += torch.zeros(blocked.shape, device=scores.device).masked_fill_(

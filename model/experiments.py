@@ -95,12 +95,6 @@ def top_k(model: AttentionModel, logits: torch.Tensor, k: int) -> list[list[Gues
     return [[Guess(int(i), decode(int(i)), float(v)) for v, i in zip(vs, row)] for vs, row in zip(values, ids)]
 
 
-def next_token_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """log p(token i+1 | ..i) for each i < T-1: how well a causal LM predicts the actual text."""
-    logp = torch.log_softmax(logits.double(), -1)
-    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].float()
-
-
 # ---------------------------------------------------------------------------- ablation
 @dataclass(frozen=True)
 class Ablation:

@@ -42,11 +42,43 @@ def rows_for(top: Iterable[Row], per_layer: Iterable[Row], n_layers: int) -> lis
 
 
 class Mapped(dict):
-    """Our names -> tensors, remembering each one's key in the checkpoint for error messages."""
+    """Our names -> tensors, remembering each one's key in the checkpoint for error messages.
+
+    A tensor read from the checkpoint is set with `put` (or `tie`), not `mapped[ours] = ...`: one
+    set without its source was reported under our name alone ('out_head.weight'), which no
+    checkpoint holds."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sources: dict[str, str] = {}
+        self.tied: set[str] = set()  # ours that are another tensor of ours: a head tied to the embeddings
+
+    def put(self, ours: str, tensor: torch.Tensor, source: str) -> None:
+        self[ours] = tensor
+        self.sources[ours] = source
+
+    def tie(self, ours: str, to: str) -> None:
+        """`ours` is the very tensor already mapped to `to` (a language-model head tied to the word
+        embeddings): an error about it names the key `to` came from, saying it is tied."""
+        self.put(ours, self[to], self.sources[to])
+        self.tied.add(ours)
+
+    def update(self, other=(), /, **kwargs) -> None:
+        """dict.update, keeping another Mapped's sources: merging a head's `map_state` into the
+        body's dropped them, and its misshapen tensors were reported under our names."""
+        super().update(other, **kwargs)
+        if isinstance(other, Mapped):
+            self.sources.update(other.sources)
+            self.tied |= other.tied
+
+    def theirs(self, ours: str) -> str:
+        """How an error names `ours`'s tensor in the checkpoint ("" where the names are the same)."""
+        source = self.sources.get(ours)
+        if source is None or source == ours:
+            return ""
+        if ours in self.tied:
+            return f" (tied to the word embeddings: the checkpoint's '{source}')"
+        return f" (the checkpoint's '{source}')"
 
 
 def as_weights(tensor: torch.Tensor, key: str, path: Path) -> torch.Tensor:
@@ -95,8 +127,7 @@ def map_state(state: dict[str, torch.Tensor], rows: Iterable[Row], path: Path) -
         if src not in state:
             raise ModelLoadError(f"{path}: missing key '{saved}' (for '{dst}')")
         tensor = as_weights(state.pop(src), saved, path)
-        mapped[dst] = fn(tensor) if fn else tensor
-        mapped.sources[dst] = saved
+        mapped.put(dst, fn(tensor) if fn else tensor, saved)
     return mapped
 
 
@@ -134,8 +165,8 @@ def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Pat
     for key in own:
         if key not in mapped:
             raise ModelLoadError(f"{path}: missing key '{key}'")
-        source = getattr(mapped, "sources", {}).get(key)
-        theirs = f" (the checkpoint's '{source}')" if source and source != key else ""
+        # A plain dict (a book checkpoint, our own state_dict in train.py) is keyed by our names already.
+        theirs = mapped.theirs(key) if isinstance(mapped, Mapped) else ""
         if own[key].is_floating_point() and not mapped[key].is_floating_point():
             dtype = str(mapped[key].dtype).removeprefix("torch.")
             raise ModelLoadError(f"{path}: '{key}'{theirs} holds {dtype} values, not floating-point weights")

@@ -1,9 +1,13 @@
 """`load(spec)`: built-in names, local folders, book checkpoints and Hugging Face ids.
 
 Precedence: a built-in name, then an existing path, then a Hub id resolved through the local
-Hugging Face cache (downloading only when allowed; see hub.py). Every checkpoint key is mapped
-through an explicit table. Tensors that need a transpose are named in the table. Anything
-missing, misshapen or unreadable raises `ModelLoadError` with the file and the key.
+Hugging Face cache (downloading only when allowed; see hub.py). A Hugging Face checkpoint's keys
+are mapped through an explicit table per family (model/families/), which names the tensors it
+transposes. A book checkpoint needs no table: it was saved from the book's GPTModel, whose names
+ours keep (model/gpt.py, model/attention.py), so its keys load as they are, strictly, once
+torch.compile's `_orig_mod.` prefix is stripped. Anything missing, misshapen or unreadable raises
+`ModelLoadError` with the file and the key as the checkpoint names it (a compiled book
+checkpoint's without its `_orig_mod.`).
 """
 
 from __future__ import annotations
@@ -430,8 +434,8 @@ def _load_book(pth: Path, config, tokenizer):
         raw = raw["model_state_dict"]
     raw = _tensors(raw, pth, "a state_dict or a dict holding 'model_state_dict'")
     stored = stored_dtype(raw)
-    # torch.compile'd models save keys under `_orig_mod.`; float16 storage is widened to load, and
-    # narrowed again by `load` only where the dtype asks for it.
+    # No key table: the book's names are ours. torch.compile'd models save keys under `_orig_mod.`;
+    # float16 storage is widened to load, and narrowed again by `load` only where the dtype asks for it.
     state = {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v for k, v in raw.items()}
     net = GPTModel(cfg)
     load_strict(net, state, pth)  # a checkpoint saved without the causal masks gets the model's own

@@ -158,7 +158,7 @@ def contributions(
         squared = (heads @ out_proj_gram(block.att.out_proj, info.n_heads)).mul_(heads).sum(-1)  # (n_heads, T)
         norms.append(squared.clamp_min(0).sqrt())
         shares.append(pulled.mul_(heads).sum(-1) / denom)
-        bias_shares.append((output @ bias) / denom)
+        bias_shares.append((output @ bias) / denom)  # (T, d_model) @ (d_model,) -> (T,), over (T,)
     return Contributions(norms=torch.stack(norms), shares=torch.stack(shares), bias_shares=torch.stack(bias_shares))
 
 
@@ -638,6 +638,8 @@ def attribute_logit(model: AttentionModel, result: AttentionResult, inputs: list
     out_bias = float(net.out_head.bias[target]) if getattr(net.out_head, "bias", None) is not None else 0.0
 
     def direct(component: torch.Tensor) -> torch.Tensor:
+        # normed keeps the shape: (d_model,) @ (d_model,) -> () for one part,
+        # (n_layers, n_heads, d_model) @ (d_model,) -> (n_layers, n_heads) for every head's write
         return normed(component) @ unembed
 
     writes = head_writes(model, result)[:, :, position]  # (n_layers, n_heads, d_model)
@@ -657,7 +659,7 @@ def attribute_logit(model: AttentionModel, result: AttentionResult, inputs: list
         attention_bias=attention_bias,
         mlps=mlps,
         embeddings=float(direct(inputs[0][position])),
-        rest=float(shift @ unembed) + out_bias,
+        rest=float(shift @ unembed) + out_bias,  # (d_model,) @ (d_model,) -> ()
     )
 
 

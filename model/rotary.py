@@ -248,8 +248,8 @@ def rope_parameters(config: dict, theta_key: str = "rope_theta") -> dict:
     params.setdefault("rope_theta", config.get(theta_key, 10000.0))
     if "partial_rotary_factor" in config:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    # 4.x's older name `type` goes either way; a `rope_type` beside it wins, as in transformers.
     params.setdefault("rope_type", params.pop("type", "default"))
-    params.pop("type", None)
     # Phi-3 style configs keep the pre-extension length at the top level, and transformers prefers it there.
     if "original_max_position_embeddings" in config:
         params["original_max_position_embeddings"] = config["original_max_position_embeddings"]

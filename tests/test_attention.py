@@ -168,3 +168,33 @@ def test_training_uses_the_fused_kernel_and_computes_the_same(kv_heads, causal, 
     (got_grad,) = torch.autograd.grad(got.square().sum(), x)
     assert calls and torch.allclose(got, expected, atol=1e-5) and torch.allclose(got_grad, expected_grad, atol=1e-4)
     assert mha.attend(x, capture=Capture()).weights is not None  # inspecting in training mode still works
+
+
+def test_keep_refuses_a_key_padding_mask():
+    """The row blocks mask no padding (their callers run one unpadded input): under a sliding
+    window a padded query whose whole window was padding got a row of -inf, and NaN came out."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 8, None, 0.0, 2, sliding_window=2).eval()
+    x = torch.randn(1, 8, 8)
+    real = torch.tensor([[True] * 3 + [False] * 5])
+    with torch.no_grad():
+        assert mha.attend(x, real).context.isfinite().all()  # the plain path lets such a query see itself
+        with pytest.raises(ValueError, match="Capture\\(keep=True\\) runs one unpadded input"):
+            mha.attend(x, real, Capture(keep=True))
+        # unpadded, keep computes what the plain path does
+        kept, plain = mha.attend(x[:, :3], None, Capture(keep=True)), mha.attend(x[:, :3])
+    assert torch.allclose(kept.context, plain.context, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_keep_over_no_tokens_gives_empty_outputs_as_the_plain_path_does(window):
+    """bin_edges(0, ...) stepped range(0, 0, 0): a ValueError from deep inside the row blocks."""
+    from manyeyes.model.attention import bin_count, bin_edges
+
+    assert bin_edges(0, 64).tolist() == [0] and bin_count(0, 64) == 0  # no tokens, no bins
+    mha = MultiHeadAttention(8, 8, None, 0.0, 2, sliding_window=window).eval()
+    x = torch.randn(1, 0, 8)
+    with torch.no_grad():
+        plain, kept = mha.attend(x), mha.attend(x, capture=Capture(keep=True))
+    assert kept.context.shape == plain.context.shape == (1, 0, 8)
+    assert kept.row_max.shape == kept.row_sum.shape == (1, 2, 0) and kept.overview.shape == (1, 2, 0, 0)

@@ -11,11 +11,16 @@ from manyeyes.model.experiments import (
     change_token,
     compare,
     js_divergence,
-    next_token_logprobs,
 )
 from tests.conftest import save_random_gpt2
 
 TEXT = "The bank was robbed, and the robbers fled across the river bank!"
+
+
+def next_token_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The reference for `logprob_change`: log p(token i+1 | ..i) for each i < T-1, from (T, vocab) logits."""
+    logp = torch.log_softmax(logits.double(), -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].float()
 
 
 def hf_attentions(out) -> torch.Tensor:

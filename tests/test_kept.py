@@ -195,7 +195,7 @@ def test_row_blocks_stay_within_the_budget():
 
 
 def test_the_bin_count_the_cache_reckons_with_is_the_edges_count():
-    for n in (1, 2, 5, 10, 63, 64, 65, 127, 128, 129, 1000, 4097):
+    for n in (0, 1, 2, 5, 10, 63, 64, 65, 127, 128, 129, 1000, 4097):
         for size in (1, 3, 64, 128, 1024):
             assert bin_count(n, size) == len(bin_edges(n, size)) - 1, (n, size)
 

@@ -256,7 +256,8 @@ def test_book_models_match_the_book_at_every_position(book_folder):
 
 
 def test_a_gpt2_shape_mismatch_names_the_fused_c_attn_it_came_from(tmp_path, bytelevel_tokenizer):
-    """c_attn is split three ways into our W_query/W_key/W_value; the error named only ours."""
+    """c_attn is split three ways into our W_query/W_key/W_value; the error named only ours, then
+    the key without the "transformer." the file saves it under."""
     from safetensors.torch import load_file, save_file
 
     from tests.conftest import save_random_gpt2
@@ -266,7 +267,7 @@ def test_a_gpt2_shape_mismatch_names_the_fused_c_attn_it_came_from(tmp_path, byt
     state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(24, 3 * 20)  # divisible in three, but 20 wide, not 24
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"shape mismatch for 'trf_blocks.1.att.W_query.weight' "
-                                             r"\(the checkpoint's 'h.1.attn.c_attn.weight'\)"):
+                                             r"\(the checkpoint's 'transformer.h.1.attn.c_attn.weight'\)"):
         load(tmp_path)
 
 
@@ -377,7 +378,8 @@ def test_an_unknown_preset_is_named_as_one_not_as_a_missing_file(tmp_path):
 
 
 def test_a_neox_fused_bias_of_the_wrong_rank_is_named(tmp_path, bytelevel_tokenizer):
-    """A 0-dim query_key_value.bias was an IndexError inside the split."""
+    """A 0-dim query_key_value.bias was an IndexError inside the split; then named without the
+    "gpt_neox." the file saves it under."""
     from safetensors.torch import load_file, save_file
 
     from tests.test_parity_decoders import save_random
@@ -387,7 +389,8 @@ def test_a_neox_fused_bias_of_the_wrong_rank_is_named(tmp_path, bytelevel_tokeni
     key = next(k for k in state if k.endswith("layers.1.attention.query_key_value.bias"))
     state[key] = torch.tensor(0.5)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"'layers.1.attention.query_key_value.bias' has shape \(\)"):
+    assert key == "gpt_neox.layers.1.attention.query_key_value.bias"
+    with pytest.raises(ModelLoadError, match=rf"'{re.escape(key)}' has shape \(\)"):
         load(tmp_path)
 
 
@@ -542,3 +545,75 @@ def test_the_finite_check_sees_one_bad_value_anywhere(dtype):
             broken[position] = bad
             assert not all_finite(broken), (bad, position)
     assert all_finite(torch.full((9,), torch.finfo(dtype).max, dtype=dtype)), "large is not infinite"
+
+
+# ---------------------------------------------------------------------------- errors name the checkpoint's key
+
+
+def _head_cases():
+    """(family, transformers model, config, the checkpoint key to misshape): each head tensor a
+    family maps outside its table rows (a masked-LM head merged in, an untied decoder or lm_head)."""
+    import transformers as tf
+
+    from manyeyes.model.families import bert, distilbert, gpt2, gpt_neox, llama, roberta
+
+    enc = dict(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+               max_position_embeddings=20)
+    dec = dict(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+               max_position_embeddings=20, tie_word_embeddings=False)
+    distil = dict(vocab_size=40, dim=8, n_layers=1, n_heads=2, hidden_dim=16, max_position_embeddings=20)
+    untied = dict(tie_word_embeddings=False)
+    return [
+        (bert, tf.BertForMaskedLM, tf.BertConfig(**enc), "cls.predictions.transform.dense.weight"),
+        (bert, tf.BertForMaskedLM, tf.BertConfig(**enc, **untied), "cls.predictions.decoder.weight"),
+        (roberta, tf.RobertaForMaskedLM, tf.RobertaConfig(**enc), "lm_head.dense.weight"),
+        (roberta, tf.RobertaForMaskedLM, tf.RobertaConfig(**enc, **untied), "lm_head.decoder.weight"),
+        (distilbert, tf.DistilBertForMaskedLM, tf.DistilBertConfig(**distil), "vocab_transform.weight"),
+        (distilbert, tf.DistilBertForMaskedLM, tf.DistilBertConfig(**distil, **untied), "vocab_projector.weight"),
+        (gpt2, tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=40, n_positions=20, n_embd=8, n_layer=1, n_head=2, **untied),
+         "lm_head.weight"),
+        (llama, tf.LlamaForCausalLM, tf.LlamaConfig(**dec), "lm_head.weight"),
+        (gpt_neox, tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**dec, rotary_pct=0.5), "embed_out.weight"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_misshapen_head_tensor_is_named_by_its_checkpoint_key(tmp_path, case):
+    """The masked-LM head was merged in without its sources, and an untied decoder or lm_head was
+    set with none: a wrong-vocabulary lm_head.weight was reported only as 'out_head.weight'."""
+    from manyeyes.model.keymap import load_strict
+
+    family, model_cls, config, key = _head_cases()[case]
+    torch.manual_seed(0)
+    state = {name: tensor.clone() for name, tensor in model_cls(config).state_dict().items()}
+    if key == "embed_out.weight":  # GPT-NeoX's name on disk; transformers 5 names it lm_head.weight in memory
+        state[key] = state.pop("lm_head.weight")
+    rows, cols = state[key].shape
+    state[key] = torch.zeros(rows + 1, cols)
+    net = family.build(config.to_dict(), tmp_path)
+    with pytest.raises(ModelLoadError, match=rf"shape mismatch for '[\w.]+' \(the checkpoint's '{re.escape(key)}'\)"):
+        load_strict(net, family.convert(state, net, tmp_path), tmp_path)
+
+
+@pytest.mark.parametrize("family_name", ["bert", "gpt2", "llama", "gpt_neox"])
+def test_a_tied_head_is_named_by_the_embeddings_key_it_is_tied_to(tmp_path, family_name):
+    """A tied head is the word embeddings' tensor: an error about it names the embeddings' key and says so."""
+    import transformers as tf
+
+    from manyeyes.model import families
+
+    family = getattr(families, family_name)
+    small = dict(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                 max_position_embeddings=20, tie_word_embeddings=True)
+    model_cls, config, ours, embeddings = {
+        "bert": (tf.BertForMaskedLM, tf.BertConfig(**small), "mlm_head.out_head.weight", "bert.embeddings.word_embeddings.weight"),
+        "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=40, n_positions=20, n_embd=8, n_layer=1, n_head=2),
+                 "out_head.weight", "transformer.wte.weight"),
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**small), "out_head.weight", "model.embed_tokens.weight"),
+        "gpt_neox": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**small, rotary_pct=0.5), "out_head.weight", "gpt_neox.embed_in.weight"),
+    }[family_name]
+    state = dict(model_cls(config).state_dict())
+    net = family.build(config.to_dict(), tmp_path)
+    mapped = family.convert(state, net, tmp_path)
+    assert mapped[ours] is mapped["tok_emb.weight"]
+    assert mapped.theirs(ours) == f" (tied to the word embeddings: the checkpoint's '{embeddings}')"

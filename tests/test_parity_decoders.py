@@ -546,3 +546,12 @@ def test_a_gpt2_classifier_loads_its_attention(tmp_path, bytelevel_tokenizer):
     with torch.no_grad():
         out = reference_model.transformer(torch.tensor([[t.id for t in r.tokens]]), output_attentions=True)
     assert (r.attention - torch.stack([a[0] for a in out.attentions])).abs().max() <= 1e-5
+
+
+def test_rope_type_is_read_from_either_spelling_and_type_never_survives():
+    """transformers 4.x wrote the kind as `type` or `rope_type`; `rope_type` wins where both are there."""
+    for scaling, kind in (({"type": "linear", "factor": 2.0}, "linear"),
+                          ({"type": "linear", "rope_type": "yarn", "factor": 2.0}, "yarn"),
+                          ({"factor": 2.0}, "default")):
+        params = rope_parameters({"rope_scaling": scaling})
+        assert params["rope_type"] == kind and "type" not in params, (scaling, params)

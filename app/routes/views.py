@@ -24,19 +24,14 @@ class UnknownView(ApiError):
     code = "unknown_view"
 
 
+# Both made once, by create_app (app/main.py): made here on first use, check-then-set on the
+# thread pool, two first requests at once each made one, and a view saved into the one dropped 404ed.
 def get_views(request: Request) -> ViewStore:
-    # Built on first use: the store needs nothing from the lifespan and lives as long as the app.
-    store = getattr(request.app.state, "views", None)
-    if store is None:
-        store = request.app.state.views = ViewStore()
-    return store
+    return request.app.state.views
 
 
 def get_saves(request: Request) -> SaveSlots:
-    saves = getattr(request.app.state, "view_saves", None)
-    if saves is None:
-        saves = request.app.state.view_saves = SaveSlots()
-    return saves
+    return request.app.state.view_saves
 
 
 ViewsDep = Annotated[ViewStore, Depends(get_views)]

@@ -8,7 +8,7 @@ import torch
 
 from manyeyes.model.bert import BertConfig, BertEncoder
 from manyeyes.model.errors import ModelLoadError
-from manyeyes.model.keymap import TASK_HEADS, Checkpoint, Row, as_weights, gelu_form, map_state, need, refuse_leftovers, rows_for, saved_name, strip_prefix
+from manyeyes.model.keymap import TASK_HEADS, Checkpoint, Mapped, Row, as_weights, gelu_form, map_state, need, refuse_leftovers, rows_for, saved_name, strip_prefix
 
 MODEL_TYPES = ("bert",)
 
@@ -92,7 +92,7 @@ def _renamed(weights: dict[str, torch.Tensor]) -> Checkpoint:
         lambda k: k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"))
 
 
-def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor], net: BertEncoder,
+def map_mlm_head(state: dict[str, torch.Tensor], mapped: Mapped, net: BertEncoder,
                  rows: list[Row], decoder: tuple[str, str | None], path: Path) -> None:
     """When the checkpoint carries a masked-LM head, give `net` one and map it. The decoder weight
     is the word embeddings when tied (whatever a saved copy holds, as in the decoder families), else
@@ -100,14 +100,15 @@ def map_mlm_head(state: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor]
     if rows[0][0] not in state:
         return
     net.attach_mlm_head()
-    mapped.update(map_state(state, rows, path))
+    mapped.update(map_state(state, rows, path))  # with each tensor's checkpoint key
+    saved = saved_name(state, decoder[0])
     weight = state.pop(decoder[0], None)
     if net.cfg.tied_head:
-        mapped["mlm_head.out_head.weight"] = mapped["tok_emb.weight"]
+        mapped.tie("mlm_head.out_head.weight", "tok_emb.weight")
     elif weight is None:
-        raise ModelLoadError(f"{path}: missing key '{saved_name(state, decoder[0])}' (tie_word_embeddings is false)")
+        raise ModelLoadError(f"{path}: missing key '{saved}' (tie_word_embeddings is false)")
     else:
-        mapped["mlm_head.out_head.weight"] = as_weights(weight, saved_name(state, decoder[0]), path)
+        mapped.put("mlm_head.out_head.weight", as_weights(weight, saved, path), saved)
     if decoder[1] is not None:
         state.pop(decoder[1], None)
 

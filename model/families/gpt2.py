@@ -18,6 +18,7 @@ from manyeyes.model.keymap import (
     pop_required,
     refuse_leftovers,
     rows_for,
+    saved_name,
     strip_prefix,
     transpose,
 )
@@ -88,20 +89,19 @@ def convert(weights: dict[str, torch.Tensor], net: GPTModel, path: Path) -> dict
     for i in range(net.cfg.n_layers):
         for kind in ("weight", "bias"):
             key = f"h.{i}.attn.c_attn.{kind}"
+            saved = saved_name(state, key)  # "transformer.h.0..." in a task model's file
             fused = pop_required(state, key, path)
             if fused.shape[-1] % 3:
-                raise ModelLoadError(f"{path}: '{key}' has shape {tuple(fused.shape)}, not divisible in three")
+                raise ModelLoadError(f"{path}: '{saved}' has shape {tuple(fused.shape)}, not divisible in three")
             # weight (emb, 3*emb) -> three (emb, emb), each transposed to Linear's (out, in); bias (3*emb,)
             for name, part in zip(QKV, fused.chunk(3, dim=-1)):
-                ours = f"trf_blocks.{i}.att.{name}.{kind}"
-                mapped[ours] = transpose(part) if kind == "weight" else part
-                mapped.sources[ours] = key
+                mapped.put(f"trf_blocks.{i}.att.{name}.{kind}", transpose(part) if kind == "weight" else part, saved)
     # As the other families: tied, the head is wte whatever a saved lm_head.weight holds; untied,
     # wte in the head's place would predict silently wrong, so a base model goes without one.
     if net.tied_head:
-        mapped["out_head.weight"] = mapped["tok_emb.weight"]
+        mapped.tie("out_head.weight", "tok_emb.weight")
     elif lm_head is not None:
-        mapped["out_head.weight"] = as_weights(lm_head, "lm_head.weight", path)
+        mapped.put("out_head.weight", as_weights(lm_head, "lm_head.weight", path), "lm_head.weight")
     elif net.head_required:
         raise ModelLoadError(f"{path}: missing key 'lm_head.weight' (tie_word_embeddings is false)")
     else:

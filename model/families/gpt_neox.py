@@ -24,6 +24,7 @@ from manyeyes.model.keymap import (
     pop_required,
     refuse_leftovers,
     rows_for,
+    saved_name,
     strip_prefix,
 )
 from manyeyes.model.rotary import rope_config, rope_parameters
@@ -118,16 +119,16 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
     for i in range(cfg.n_layers):
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             key = FUSED_QKV.format(i=i, kind=kind)
+            saved = saved_name(state, key)  # "gpt_neox.layers.0..." as the file names it
             fused = pop_required(state, key, path)
             if fused.dim() != (2 if kind == "weight" else 1) or fused.shape[0] != 3 * cfg.emb_dim:
-                raise ModelLoadError(f"{path}: '{key}' has shape {tuple(fused.shape)}, expected {3 * cfg.emb_dim} rows")
+                raise ModelLoadError(f"{path}: '{saved}' has shape {tuple(fused.shape)}, expected {3 * cfg.emb_dim} rows")
             for name, part in zip(QKV, split_per_head_qkv(fused, cfg.n_heads)):
-                ours = f"trf_blocks.{i}.att.{name}.{kind}"
-                mapped[ours], mapped.sources[ours] = part, key
+                mapped.put(f"trf_blocks.{i}.att.{name}.{kind}", part, saved)
     if cfg.tie_embeddings:
-        mapped["out_head.weight"] = mapped["tok_emb.weight"]
+        mapped.tie("out_head.weight", "tok_emb.weight")
     elif heads:
-        mapped["out_head.weight"] = as_weights(heads[0][1], heads[0][0], path)
+        mapped.put("out_head.weight", as_weights(heads[0][1], heads[0][0], path), heads[0][0])
     elif cfg.head_required:
         raise ModelLoadError(f"{path}: missing key 'embed_out.weight' (tie_word_embeddings is false)")
     else:

@@ -156,9 +156,9 @@ def convert(weights: dict[str, torch.Tensor], net: RotaryDecoder, path: Path) ->
     if cfg.tie_embeddings:
         # Tied: the head is the embedding, whatever a saved lm_head.weight holds, as README promises for
         # every family (transformers 4 tied it too; 5 keeps a saved copy that differs, with a warning).
-        mapped["out_head.weight"] = mapped["tok_emb.weight"]
+        mapped.tie("out_head.weight", "tok_emb.weight")
     elif lm_head is not None:
-        mapped["out_head.weight"] = as_weights(lm_head, LM_HEAD, path)
+        mapped.put("out_head.weight", as_weights(lm_head, LM_HEAD, path), LM_HEAD)
     elif cfg.head_required:
         raise ModelLoadError(f"{path}: missing key '{LM_HEAD}' (tie_word_embeddings is false)")
     else:

@@ -198,6 +198,7 @@ def test_a_view_of_a_text_just_run_is_saved_without_tokenizing_it_again(api):
     that must tokenize (an API client's views of texts never run) are."""
     from manyeyes.app.services.views import SaveSlots
 
+    kept = api.app.state.view_saves
     api.app.state.view_saves = SaveSlots(total=0)  # every save that must tokenize is refused
     try:
         text = "A sentence the page has just run."
@@ -207,4 +208,36 @@ def test_a_view_of_a_text_just_run_is_saved_without_tokenizing_it_again(api):
         assert refused.status_code == 429 and refused.headers["Retry-After"] == "1", refused.text
         assert refused.json()["error"]["code"] == "queue_full"
     finally:
-        del api.app.state.view_saves
+        api.app.state.view_saves = kept
+
+
+def test_concurrent_first_requests_are_handed_one_store(monkeypatch):
+    """The dependencies run on the thread pool and built the stores on first use, check-then-set:
+    two first requests at once built two ViewStores, and a view saved into the one dropped later
+    404ed. Each store's construction is slowed here to widen the window the race needs."""
+    import threading
+    import time
+    import types
+
+    from manyeyes.app.config import Settings
+    from manyeyes.app.main import create_app
+    from manyeyes.app.routes import views as routes
+    from manyeyes.app.services.views import SaveSlots
+
+    app = create_app(Settings(models={"minilm": "minilm"}, device="cpu"))  # no lifespan: nothing loads
+    for cls in (ViewStore, SaveSlots):
+        built = cls.__init__
+        monkeypatch.setattr(cls, "__init__", lambda self, *a, _built=built, **k: (time.sleep(0.02), _built(self, *a, **k))[1])
+    request = types.SimpleNamespace(app=app)
+    start = threading.Barrier(4)
+    handed = []
+
+    def first_request():
+        start.wait()
+        handed.append((routes.get_views(request), routes.get_saves(request)))
+
+    threads = [threading.Thread(target=first_request) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len({id(views) for views, _ in handed}) == 1 and handed[0][0] is app.state.views
+    assert len({id(saves) for _, saves in handed}) == 1 and handed[0][1] is app.state.view_saves
