@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from manyeyes.model.attention import Capture, bin_edges, max_pool, row_block, visible_keys
+from manyeyes.model.attention import Capture, bin_edges, bin_width, max_pool, row_block, visible_keys
 
 BLOCK_CELLS = 1 << 21  # weights one row block of a view may hold: 8 MB as float32
 MAX_TOPK = 64
@@ -293,7 +293,7 @@ def kept_from_layers(layers, n: int, causal: bool, sliding_windows, capture: Cap
     """The KeptAttention of a one-input Capture(keep=True) trace, from its per-layer outputs."""
     row = 0
     n_heads = layers[0].queries.shape[1]
-    bin_width = int(bin_edges(n, capture.overview)[1])  # the overview's, on both axes
+    width = bin_width(n, capture.overview)  # the overview's, on both axes (1 for no tokens)
     return KeptAttention(
         queries=torch.stack([layer.queries[row, :, :n] for layer in layers]),  # (n_layers, n_heads, n, head_dim)
         keys=torch.stack([layer.keys[row, :, :n] for layer in layers]),  # (n_layers, n_kv_heads, n, head_dim)
@@ -302,7 +302,7 @@ def kept_from_layers(layers, n: int, causal: bool, sliding_windows, capture: Cap
         overview=torch.stack([layer.overview[row] for layer in layers]),  # (n_layers, n_heads, r, c)
         causal=causal,
         sliding_windows=tuple(sliding_windows),
-        block_rows=row_block(n, n_heads, bin_width, capture.block_cells),  # as attention.py chose them
-        key_align=bin_width,
+        block_rows=row_block(n, n_heads, width, capture.block_cells),  # as attention.py chose them
+        key_align=width,
         autocast=autocast,
     )

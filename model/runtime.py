@@ -360,6 +360,8 @@ class AttentionModel:
 
     def _top_predictions(self, hidden: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, MAX_TOP_K) ids and probabilities from the hidden state, `rows` positions of logits at a time."""
+        if not len(hidden):  # a run of no tokens: torch.cat of no rows raised
+            return torch.empty(0, MAX_TOP_K, dtype=torch.long), torch.empty(0, MAX_TOP_K)
         ids, probs = [], []
         for r0 in range(0, hidden.shape[0], rows):
             logits = self.net.lm_head(hidden[r0 : r0 + rows]).float()  # (rows, vocab_size)

@@ -310,3 +310,14 @@ def test_a_model_built_by_hand_still_knows_its_windows(gqa_window_llama):
     n = dense.shape[-1]
     assert n > 9  # the window cuts in
     assert torch.allclose(kept.block(1, [0], 0, n, 0, n)[0], dense[1, 0], atol=1e-5)
+
+
+def test_a_kept_run_of_no_tokens_is_empty_as_its_plain_run_is(tiny_gpt):
+    """The model-level keep run of an empty text raised (an IndexError from the overview's bin
+    edges, then torch.cat of no predictions), where the plain run gives (L, H, 0, 0) weights."""
+    encoded = tiny_gpt.encode("")
+    plain = tiny_gpt.run([encoded])[0]
+    kept = tiny_gpt.run([encoded], Capture(keep=True))[0]
+    assert plain.attention.shape == (2, 8, 0, 0) and kept.tokens == plain.tokens == []
+    assert kept.kept.n_tokens == 0 and tuple(kept.kept.overview.shape) == (2, 8, 0, 0)
+    assert kept.kept.queries.shape[2] == 0 and kept.top_ids.shape[0] == plain.top_ids.shape[0] == 0
