@@ -5,6 +5,7 @@ import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { OFFLINE_CONFIG, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
+import { levelFor } from "./tiles.js";
 import { pieceLabel } from "./tokens.js";
 
 export function postJson(url, body, signal) {
@@ -183,6 +184,46 @@ export function clearPlot(div) {
   div.replaceChildren();
 }
 
+// Bins of w consecutive positions over n: [start, end) each, the last one possibly narrower.
+function binsOf(n, w) {
+  return Array.from({ length: Math.ceil(n / w) }, (_, i) => [i * w, Math.min(n, (i + 1) * w)]);
+}
+
+// Each bin's strongest cell (on a signed scale the largest |value|, sign kept) and where it is, as
+// the focused heatmap's tiles keep each bin's max: left to the browser, a 2,048-column image shrunk
+// to 480 px was averaged, and a head's 0.6 peak among its keys drew as a faint line. A bin is null
+// (masked) only where every one of its cells is.
+function poolCells(z, rowBins, colBins, signed) {
+  const strength = signed ? Math.abs : (v) => v;
+  const values = [];
+  const at = [];
+  for (const [r0, r1] of rowBins) {
+    const valueRow = [];
+    const atRow = [];
+    for (const [c0, c1] of colBins) {
+      let best = null;
+      let where = null;
+      for (let r = r0; r < r1; r++) {
+        for (let c = c0; c < c1; c++) {
+          const v = z[r][c];
+          if (v != null && (best === null || strength(v) > strength(best))) {
+            best = v;
+            where = [r, c];
+          }
+        }
+      }
+      valueRow.push(best);
+      atRow.push(where);
+    }
+    values.push(valueRow);
+    at.push(atRow);
+  }
+  return { values, at };
+}
+
+const counted = (i) => i.toLocaleString("en-US");
+const spanText = ([a, b], name) => (b - a > 1 ? `${name(a)}–${name(b - 1)}` : name(a));
+
 // A heatmap through the vendored Plotly; labels are escaped (Plotly reads a little HTML).
 const COLORBAR_PX = 120; // a Plotly colour bar with its tick labels, and the gap before it
 const TITLE_CHAR_PX = 7.5; // a 13 px title's characters, about
@@ -201,28 +242,55 @@ export function heatmap(div, z, options = {}) {
   const limit = zmax ?? (signed ? peakOf(z, 1e-6) : 1);
   const columns = z[0]?.length || 0;
   const stretched = yHeads || 2 * z.length < columns;
-  const names = (labels, n, first = 0) => (labels || [...Array(n).keys()].map(String))
-    .map((s, i) => `${positions ? positions[first + i] : first + i}: ${plotlyText(s)}`);
-  const trace = {
-    type: "heatmap", z, x: names(x, columns), y: yHeads ? y.map(plotlyText) : names(y, z.length, yFirst),
-    // Signed: the measures' diverging scale (paper colour at 0), one colour language for the page.
-    colorscale: signed ? signedStops() : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
-    hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>", hoverongaps: false,
-  };
   // Square cells: the x axis is no longer than the y axis (the ~210 px the margins leave). The
   // figure is then only as wide as its cells, labels and colour bar (at the panel's width the bar
   // stood half a screen from the cells it keys), or its title.
   const margin = { l: 90, r: 10, t: title ? 30 : 8, b: 80 };
   const height = 320;
-  const across = Math.min(div.clientWidth - 100, stretched ? Infinity : height - margin.t - margin.b);
+  const down = height - margin.t - margin.b;
+  const across = Math.min(div.clientWidth - 100, stretched ? Infinity : down);
+  const width = stretched ? div.clientWidth
+    : Math.min(div.clientWidth, Math.max(margin.l + across + margin.r + COLORBAR_PX, (title?.length ?? 0) * TITLE_CHAR_PX + 40));
+  // More cells than device pixels are pooled, w positions a bin (a power of two, as the tiles'
+  // levels are); square cells keep one w for both axes. The colour bar takes its share of the
+  // width: on a phone the square's cells had 169 px of the 210 across.
+  const ratio = window.devicePixelRatio || 1;
+  let wRows = levelFor(z.length, down * ratio);
+  let wCols = levelFor(columns, Math.min(across, width - margin.l - margin.r - COLORBAR_PX) * ratio);
+  if (!stretched) wRows = wCols = Math.max(wRows, wCols);
+  const rowBins = binsOf(z.length, wRows);
+  const colBins = binsOf(columns, wCols);
+  const position = (first) => (i) => (positions ? positions[first + i] : counted(first + i));
+  const headName = (i) => plotlyText(y[i]);
+  const rowName = yHeads ? headName : position(yFirst);
+  // A bin is named by the positions (or heads) it spans: its tokens' texts would not fit.
+  const names = (labels, n, first, bins) => (bins.length < n ? bins.map((bin) => spanText(bin, position(first)))
+    : (labels || [...Array(n).keys()].map(String)).map((s, i) => `${positions ? positions[first + i] : first + i}: ${plotlyText(s)}`));
+  const trace = {
+    type: "heatmap", z, x: names(x, columns, 0, colBins),
+    y: yHeads ? rowBins.map((bin) => spanText(bin, headName)) : names(y, z.length, yFirst, rowBins),
+    // Signed: the measures' diverging scale (paper colour at 0), one colour language for the page.
+    colorscale: signed ? signedStops() : palette().stops, zmin: signed ? -limit : 0, zmax: limit,
+    hovertemplate: "%{y} → %{x}: %{z:.4f}<extra></extra>", hoverongaps: false,
+  };
+  if (wRows > 1 || wCols > 1) {
+    const { values, at } = poolCells(z, rowBins, colBins, signed);
+    trace.z = values;
+    trace.text = values.map((row, i) => row.map((v, j) => {
+      if (v === null) return "";
+      const [r, c] = at[i][j];
+      const rows = wRows === 1 ? trace.y[i] : `${yHeads ? "heads" : "queries"} ${spanText(rowBins[i], rowName)}`;
+      const where = wRows === 1 ? position(0)(c) : `${rowName(r)} → ${position(0)(c)}`;
+      return `${rows} → keys ${spanText(colBins[j], position(0))}: strongest ${v.toFixed(4)} at ${where}`;
+    }));
+    trace.hovertemplate = "%{text}<extra></extra>";
+  }
   // Rows of heads ("L0 H3") are each named while a row has HEAD_ROW_PX for its label: Plotly's own
   // choice (at most 12) named tiny-gpt's 16 heads every other one, L0 H0, L0 H2… A model with
   // more heads than fit is named every k-th head, evenly.
-  const headStep = Math.ceil(z.length / Math.max(1, Math.floor((height - margin.t - margin.b) / HEAD_ROW_PX)));
+  const headStep = Math.ceil(trace.y.length / Math.max(1, Math.floor(down / HEAD_ROW_PX)));
   const named = trace.y.filter((_, i) => i % headStep === 0);
   const yTicks = yHeads ? { tickmode: "array", tickvals: named, ticktext: named, tickfont: { size: 11 } } : { nticks: 12 };
-  const width = stretched ? div.clientWidth
-    : Math.min(div.clientWidth, Math.max(margin.l + across + margin.r + COLORBAR_PX, (title?.length ?? 0) * TITLE_CHAR_PX + 40));
   // On a narrow figure Plotly's modebar stays on show over the top of the plot: the title goes
   // under it, as the focused heatmap's does (the cells keep their size: both margins grow).
   const under = title && width < NARROW_PX ? MODEBAR_PX : 0;

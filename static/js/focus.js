@@ -85,6 +85,25 @@ function rangeLength(range, n) {
   return range ? Math.max(1e-9, Math.abs(range[1] - range[0])) : n;
 }
 
+// The pixels of an axis of axisPx that its n cells cover: past the last token (a pan beyond the
+// cells) there is nothing to label, and labels sized for the whole axis were crammed 4 px apart
+// into the strip the tokens kept.
+export function occupiedPx(range, n, axisPx) {
+  if (!range) return axisPx;
+  const [a, b] = range[0] <= range[1] ? range : [range[1], range[0]];
+  return (axisPx * Math.max(0, Math.min(b, n - 0.5) - Math.max(a, -0.5))) / rangeLength(range, n);
+}
+
+// A range moved, its length kept, to lie over the n cells (edges at -0.5 and n - 0.5); null where
+// it lies there already or is longer than the cells.
+function slidOver(range, n) {
+  if (!range) return null;
+  const [lo, hi] = [Math.min(...range), Math.max(...range)];
+  if (hi - lo > n) return null;
+  const shift = lo < -0.5 - 1e-6 ? -0.5 - lo : hi > n - 0.5 + 1e-6 ? n - 0.5 - hi : 0;
+  return shift ? range.map((v) => v + shift) : null;
+}
+
 export const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
 const SAMPLED_LABEL_PX = 12; // px a thinned axis gives each label: a 10 px font (fontFor)
 
@@ -501,10 +520,13 @@ export class FocusView {
     const pal = palette();
     const { view, labels } = this.current;
     const narrow = this.plot.clientWidth < NARROW_PX;
-    const xTicks = this.ticks(view.cols, labels, this.ranges.x, labelsFit(lengths.x));
-    const yTicks = this.ticks(view.rows, labels, this.ranges.y, labelsFit(lengths.y));
-    const xFont = fontFor(lengths.x, xTicks.shown);
-    const yFont = fontFor(lengths.y, yTicks.shown);
+    // Labels share the pixels their tokens cover, not the whole axis (occupiedPx).
+    const xPx = occupiedPx(this.ranges.x, view.cols.length, lengths.x);
+    const yPx = occupiedPx(this.ranges.y, view.rows.length, lengths.y);
+    const xTicks = this.ticks(view.cols, labels, this.ranges.x, labelsFit(xPx));
+    const yTicks = this.ticks(view.rows, labels, this.ranges.y, labelsFit(yPx));
+    const xFont = fontFor(xPx, xTicks.shown);
+    const yFont = fontFor(yPx, yTicks.shown);
     const xLabels = this.labelPx(xTicks.texts, xFont);
     const yLabels = this.labelPx(yTicks.texts, yFont);
     return {
@@ -574,6 +596,19 @@ export class FocusView {
     }
     if (x !== undefined) this.ranges.x = x;
     if (y !== undefined) this.ranges.y = y;
+    // Square cells make Plotly widen a zoom box's shorter side to the longer one's length: a band
+    // of 50 rows by 1,300 keys near the end of 1,500 tokens ran 940 rows past the last, a blank
+    // like weights of 0 that took most of the plot. The widened side slides back over the cells,
+    // still holding the band drawn and filling the plot with cells, which is what a zoom is
+    // for; a pan is the user's own move and may still go past the cells (paper there, layout).
+    if (this.plot._fullLayout?.dragmode === "zoom") {
+      const { nRows, nCols } = this.current;
+      const [slidX, slidY] = [slidOver(this.ranges.x, nCols), slidOver(this.ranges.y, nRows)];
+      if (slidX || slidY) {
+        window.Plotly.relayout(this.plot, { ...(slidX && { "xaxis.range": slidX }), ...(slidY && { "yaxis.range": slidY }) });
+        return; // its relayout event labels the window
+      }
+    }
     // Labels for what is now in view; Plotly is asked again only if their margins changed.
     const axes = this.axes();
     const margin = this.plot.layout.margin || {};
