@@ -71,9 +71,24 @@ def is_host_pattern(entry: str) -> bool:
     elif entry.count(":") > 1:  # a bare IPv6 address
         address = entry
     else:
-        return HOST_NAME.fullmatch(entry.removeprefix("*.")) is not None
+        name = entry.removeprefix("*.")
+        if HOST_NAME.fullmatch(name) is None:
+            return False
+        labels = name.partition(":")[0].rstrip(".").split(".")
+        # All digits reads as an IPv4 address, which 999.999.999.999 is not
+        return not all(label.isdigit() for label in labels) or is_ipv4(".".join(labels))
+    if "%" in address:  # a zone id (fe80::1%eth0) never reaches a Host header: curl drops it
+        return False
     try:
         ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
     except ValueError:
         return False
     return True

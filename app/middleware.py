@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from manyeyes.app.services.errors import ClientClosed, NotReady, brief, error_body
 from manyeyes.app.services.metrics import Metrics
-from manyeyes.app.services.wire import accepts, header_list
+from manyeyes.app.services.wire import coding_q, header_list
 
 access_log = logging.getLogger("manyeyes.access")
 
@@ -442,11 +442,17 @@ class Gzip(GZipMiddleware):
                 message["headers"] = unique_vary(message.get("headers", []))
             await send(message)
 
-        if not accepts(header_list(Headers(scope=scope), "accept-encoding"), "gzip"):
+        accept_encoding = header_list(Headers(scope=scope), "accept-encoding")
+        if coding_q(accept_encoding, "gzip") <= 0:
             # Starlette's own answer for such a client: uncompressed, with Vary where it matters.
             responder = IdentityResponder(self.app, self.minimum_size, exclude_content_types=self.exclude_content_types)
             await responder(scope, receive, send_one_vary)
             return
+        if "gzip" not in Headers(scope=scope).get("accept-encoding", ""):
+            # Accepted by `*` (RFC 9110, 12.5.3), or spelt GZIP: Starlette looks for the word "gzip"
+            # in the first line, so it is told so plainly.
+            headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"accept-encoding"]
+            scope = {**scope, "headers": [*headers, (b"accept-encoding", b"gzip")]}
         await super().__call__(scope, receive, send_one_vary)
 
 

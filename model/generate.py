@@ -85,7 +85,8 @@ def check_generation(model: AttentionModel, prompt_tokens: int, max_new_tokens: 
         room = limit - prompt_tokens
         # Advice that runs as given: a prompt cut to limit - 1 was refused again at 5 new tokens.
         advice = (f"ask for at most {room} new token{'s' if room > 1 else ''}" if room >= 1
-                  else f"shorten the prompt to at most {limit - max_new_tokens} tokens" if max_new_tokens < limit
+                  else f"shorten the prompt to at most {limit - max_new_tokens} token{'s' if limit - max_new_tokens > 1 else ''}"
+                  if max_new_tokens < limit
                   else f"ask for fewer than {limit} new tokens")
         raise ValueError(
             f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed {model.info.id}'s context of {limit}; {advice}"

@@ -13,6 +13,7 @@ checkpoint's without its `_orig_mod.`).
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import re
 import zipfile
@@ -30,6 +31,8 @@ from manyeyes.model.keymap import load_strict, read_json
 from manyeyes.model.packed import pack_linears
 from manyeyes.model.runtime import AttentionModel, ModelInfo, pick_device
 from manyeyes.model.tokenizer import TextTokenizer, TiktokenTokenizer, tiktoken_gpt2_cached
+
+log = logging.getLogger(__name__)
 
 BUILTINS = ("minilm", "tiny-gpt", "tiny-llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,9 +138,12 @@ def end_of_text_ids(named: list, tok, vocab_size: int) -> frozenset[int]:
     `_named_eos`), else the tokenizer's `<|endoftext|>` (GPT-2's encoding, a book checkpoint's or a
     `manyeyes train` folder's tokenizer.json: tiny-gpt's and tiny-llama's id 0). An id the model
     cannot output is dropped: a random config's default 50256 over a 300-token vocabulary, a
-    negative, a string."""
-    ids = named or [tok.end_of_text_id]
-    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
+    negative, a string; where that leaves none of the named, the tokenizer's counts."""
+    def outputs(ids) -> frozenset[int]:
+        return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
+
+    # The tokenizer's where the folder names none the model can output, not only where it names none
+    return outputs(named) or outputs([tok.end_of_text_id])
 
 
 def compute_dtype(asked: str | torch.dtype | None, device: torch.device, stored: torch.dtype) -> torch.dtype:
@@ -316,12 +322,25 @@ def _named_eos(folder: Path, config: dict) -> list:
     """The end-of-text ids config.json and generation_config.json name (`eos_token_id`: an id, a
     list or null), both: an instruct model's generation config often adds its end-of-turn token
     to the config's end of text, and transformers' generate stops at either."""
-    generation = folder / "generation_config.json"
     named = []
-    for source in (config, read_json(generation) if generation.exists() else {}):
+    for source in (config, _generation_config(folder)):
         value = source.get("eos_token_id")
         named += value if isinstance(value, list) else [] if value is None else [value]
     return named
+
+
+def _generation_config(folder: Path) -> dict:
+    """generation_config.json, {} where there is none or it cannot be read. Never required (nor by
+    transformers, which falls back to the model's config): a stray broken one stopped the model
+    loading, and for a hub id the error advised fetching it all again."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        return read_json(path)
+    except CorruptFileError as exc:
+        log.warning("%s; its end-of-text ids are not read", exc)
+        return {}
 
 
 # Keys the families read as numbers, checked once here: a string ("1e-6") or a zero used to pass

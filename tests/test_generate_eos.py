@@ -97,6 +97,33 @@ def test_eos_ids_come_from_config_and_generation_config(stopping, tmp_path, conf
     assert load(folder, device="cpu").info.eos_ids == frozenset(expected)
 
 
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "model" / "data" / "tiny-llama"
+
+
+@pytest.mark.parametrize("config", [{"a": 1}, [999_999], -4, "0"])
+def test_a_config_naming_no_id_the_model_outputs_falls_back_to_the_tokenizers(tmp_path, config):
+    """The tokenizer's <|endoftext|> counted only where the config named nothing at all: a config
+    whose every id was dropped left a model with no end of text (review h47i)."""
+    folder = tmp_path / "tiny-llama"
+    shutil.copytree(TINY_LLAMA, folder)
+    set_eos(folder, config)
+    assert load(folder, device="cpu").info.eos_ids == frozenset({0})
+
+
+@pytest.mark.parametrize("broken", ["{not json", "[1, 2]", '"x"'])
+def test_a_broken_generation_config_is_passed_over_not_fatal(tmp_path, caplog, broken):
+    """generation_config.json is never required (transformers falls back to the config): a broken
+    one stopped the model loading (review h47i). It is passed over, and said so."""
+    folder = tmp_path / "tiny-llama"
+    shutil.copytree(TINY_LLAMA, folder)
+    set_eos(folder, 0)
+    (folder / "generation_config.json").write_text(broken)
+    with caplog.at_level("WARNING", logger="manyeyes.model.loading"):
+        model = load(folder, device="cpu")
+    assert model.info.eos_ids == frozenset({0})
+    assert "generation_config.json" in caplog.text and "end-of-text ids are not read" in caplog.text
+
+
 def test_eos_ids_of_the_built_ins_a_random_gpt2_and_an_encoder(tmp_path, bytelevel_tokenizer, minilm):
     # tiny-gpt (a book checkpoint) and tiny-llama (a llama folder whose config names none) have
     # <|endoftext|> as id 0 in their tokenizer.json, as `manyeyes train` writes it.

@@ -206,7 +206,8 @@ function poolCells(z, rowBins, colBins, signed) {
       for (let r = r0; r < r1; r++) {
         for (let c = c0; c < c1; c++) {
           const v = z[r][c];
-          if (v != null && (best === null || strength(v) > strength(best))) {
+          // NaN is no weight: compared, it is never stronger, and first in a bin it hid the peak
+          if (v != null && !Number.isNaN(v) && (best === null || strength(v) > strength(best))) {
             best = v;
             where = [r, c];
           }

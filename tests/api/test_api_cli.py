@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import os
 import re
 import socket
@@ -364,6 +365,10 @@ def test_a_server_that_lists_its_public_name_still_answers_probes_addressed_to_l
     ("viz.example.org, .example.org", ".example.org"),
     ('["viz.example.org", "example.org:http"]', "example.org:http"),
     ("localhost, [::1", "[::1"),
+    # A zone id never reaches a Host header (curl sends [fe80::1]); digits alone read as IPv4 (h47i).
+    ("localhost, [fe80::1%eth0]:8000", "[fe80::1%eth0]:8000"),
+    ("fe80::1%eth0", "fe80::1%eth0"),
+    ("999.999.999.999", "999.999.999.999"),
 ])
 def test_an_allowed_host_that_no_host_header_can_match_is_one_line_naming_it(monkeypatch, capsys, value, entry):
     """'http://viz.example.org' was taken, and then every request got 421 (review h47b)."""
@@ -382,7 +387,7 @@ def test_every_form_of_host_the_comparison_reads_is_taken():
     from manyeyes.app.config import Settings
 
     hosts = ["viz.example.org", "VIZ.example.org.", "*.example.net", "viz.example.org:8443", "10.0.0.5", "[::1]",
-             "[2001:db8::1]:8000", "2001:db8::2", "my_host", "*"]
+             "[2001:db8::1]:8000", "2001:db8::2", "my_host", "*", "10.0.0.5:8000", "3com.example", "1.2.3.4."]
     assert Settings(allowed_hosts=hosts).allowed_hosts == hosts
 
 
@@ -432,22 +437,35 @@ def test_a_setting_in_another_case_is_read_and_not_warned_of(monkeypatch, capsys
             in capsys.readouterr().err)
 
 
-def test_serve_logs_its_times_in_utc_marked_so():
-    """The log's times were local, without a zone."""
+def test_serve_logs_its_times_in_utc_marked_so(monkeypatch):
+    """The log's times were local, without a zone. Nine hours east of UTC here, so that local time
+    would read otherwise (this machine's own zone is UTC)."""
     import logging
 
     from manyeyes.app.logs import UtcFormatter
 
-    record = logging.LogRecord("manyeyes", logging.INFO, __file__, 1, "ready", None, None)
-    record.created, record.msecs = 86400 * 366 + 3723.25, 250.0
-    assert UtcFormatter("%(asctime)s %(message)s").format(record) == "1971-01-02T01:02:03.250Z ready"
+    monkeypatch.setenv("TZ", "JST-9")
+    time.tzset()
+    try:
+        record = logging.LogRecord("manyeyes", logging.INFO, __file__, 1, "ready", None, None)
+        record.created, record.msecs = 86400 * 366 + 3723.25, 250.0
+        assert time.localtime(record.created).tm_hour == 10  # the zone took
+        assert UtcFormatter("%(asctime)s %(message)s").format(record) == "1971-01-02T01:02:03.250Z ready"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_workers_and_the_shared_forward_process_log_in_utc_too():
     """`--workers` processes set their logging up themselves, in local time without a zone: they
     now share serve's (app/logs.py)."""
+    before = time.time()
     line = subprocess.run(
         [sys.executable, "-c", "import logging; from manyeyes.app.logs import log_to_stderr; "
          "log_to_stderr('info', 'worker-7'); logging.getLogger('manyeyes.x').info('up')"],
-        capture_output=True, text=True, env={**os.environ, "TZ": "Asia/Tokyo"}, timeout=60).stderr
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO worker-7 manyeyes\.x up\n", line), line
+        capture_output=True, text=True, env={**os.environ, "TZ": "JST-9"}, timeout=60).stderr
+    stamp = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\.\d{3}Z INFO worker-7 manyeyes\.x up\n", line)
+    assert stamp, line
+    # UTC, not the process's zone nine hours east: within the seconds the process took
+    logged = calendar.timegm(time.strptime(stamp[1], "%Y-%m-%dT%H:%M:%S"))
+    assert before - 1 <= logged <= time.time() + 1, (line, before)

@@ -201,6 +201,8 @@ def test_a_pooled_strip_keeps_each_rows_peak_and_masks_only_whole_bins(server, p
         const C = 2048;
         const rows = [0, 1, 2].map((h) => Array.from({ length: C }, (_, c) => Math.fround(1e-4 * ((c * 7 + h) % 13))));
         rows[1][1027] = Math.fround(0.599);
+        rows[2][1024] = NaN;  // a NaN first in its bin hid the bin's peak (review h47i)
+        rows[2][1025] = Math.fround(0.5);
         await heatmap(strip, rows, { x: Array(C).fill('a'), y: ['L0 H0', 'L0 H1', 'L0 H2'], yHeads: true, title: 'Row' });
         const square = document.createElement('div');
         square.style.width = '600px';
@@ -217,6 +219,7 @@ def test_a_pooled_strip_keeps_each_rows_peak_and_masks_only_whole_bins(server, p
     w = 2048 // len(strip["z"][0])
     assert w > 1
     assert max(strip["z"][1]) == float(np.float32(0.599))
+    assert strip["z"][2][1024 // w] == float(np.float32(0.5)) and not any(v != v for v in strip["z"][2])
     j = 1027 // w
     assert strip["x"][j] == f"{j * w:,}–{(j + 1) * w - 1:,}"
     assert strip["text"][1][j] == f"L0 H1 → keys {j * w:,}–{(j + 1) * w - 1:,}: strongest 0.5990 at 1,027"
