@@ -49,6 +49,9 @@ def hf_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
         "attention_bias": cfg.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": False,
+        # `manyeyes train`'s tokenizer has END_OF_TEXT as its first special token, id 0: named
+        # here, transformers' generate stops there as ours does (which also reads the tokenizer)
+        "eos_token_id": 0,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 

@@ -386,6 +386,9 @@ def test_llama_learns_and_saves_a_hugging_face_llama_folder(corpus, tmp_path):
     loaded = load(out, device="cpu")
     assert loaded.info.family == "llama" and loaded.info.causal and loaded.info.n_kv_heads == 2
     assert loaded.info.max_tokens == 32
+    # Its end of text named in config.json, for transformers' generate too (it was the tokenizer's only)
+    assert config["eos_token_id"] == 0 and loaded.tokenizer.token_text(0) == "<|endoftext|>"
+    assert loaded.info.eos_ids == frozenset({0})
     trained = build_model(make_config({"text": [corpus], "out": out, **LLAMA}), vocab_size=320).eval()
     trained.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True)["model"])
     ids = torch.tensor([loaded.encode("The function returns a new list.").ids])
