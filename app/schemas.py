@@ -150,6 +150,11 @@ class Timing(BaseModel):
     encode: float
 
 
+class MeanOf(BaseModel):
+    layers: list[int] = Field(description="The model's layers averaged")
+    heads: list[int] = Field(description="Each of those layers' heads averaged: all of them")
+
+
 class AttentionResponse(BaseModel):
     run_id: str = Field(description="Fetch other slices of this run from GET /api/v1/runs/{run_id}/attention")
     model: str
@@ -176,6 +181,7 @@ class AttentionResponse(BaseModel):
         "position. Masked LMs: the masked token at each [MASK] / <mask> position.",
     )
     measures: MeasuresOut | None = Field(None, description="Only when asked for with `measures`")
+    mean_of: MeanOf | None = Field(None, description="Only from GET /runs/{run_id}/mean: what its one matrix averages")
     device: str
     timing_ms: Timing
 

@@ -34,8 +34,8 @@ async def run_mean(
     format: Annotated[Format, Query()] = "f16",
 ) -> Response:
     """Shape [1, 1, T, T]: the mean over every head of the chosen layers (the reply's
-    n_layers, n_heads, layers and heads describe that one matrix). A 404 means the run was
-    evicted: POST the text again."""
+    n_layers, n_heads, layers and heads describe that one matrix; `mean_of` names the model's
+    layers and heads it averages). A 404 means the run was evicted: POST the text again."""
     run = service.cached(run_id, "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)")
     served = service.registry.get(run.model)
     info = served.model.info
@@ -47,7 +47,9 @@ async def run_mean(
         mean = weights.mean(dim=(0, 1), keepdim=True)  # (1, 1, T, T)
         averaged = Run(run.run_id, run.model, run.tokens, run.truncated, mean)
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
-        return render_result(averaged, info, View([0], [0], format), timing)
+        # Its layers and heads say [0], the one matrix's indices: mean_of says what it averages.
+        return render_result(averaged, info, View([0], [0], format), timing,
+                             mean_of={"layers": chosen, "heads": list(range(info.n_heads))})
 
     # The answer's bytes (json at T=1,024: 15 MB, held until its reader takes it), then a render
     # slot for the T×T float32 mean, like an answer's encoding.

@@ -152,12 +152,16 @@ def timing_ms(timing_s: dict) -> dict:
     return {k: round(v * 1000, 3) for k, v in timing_s.items()}
 
 
-def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None) -> list[bytes]:
+def render_result(run: Run, info, view: View, timing_s: dict, predictions: dict | None = None,
+                  mean_of: dict | None = None) -> list[bytes]:
     """One v1 result as pieces of one JSON object, in the contract's field order;
-    `timing_s` holds tokenize/queue/forward seconds, encode is measured here."""
+    `timing_s` holds tokenize/queue/forward seconds, encode is measured here. `mean_of`: the
+    layers and heads the mean route's one matrix averages."""
     started = time.perf_counter()
     attention = encode_attention(select(run.attention, view.layers, view.heads), view.format)
     before, after = result_fields(run, info, view, predictions)
+    if mean_of is not None:
+        after = {"mean_of": mean_of, **after}
     after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
     first = orjson.dumps(before)[:-1] + b',"attention":' + attention[0]
     return [first, *attention[1:-1], attention[-1] + b"," + orjson.dumps(after)[1:]]

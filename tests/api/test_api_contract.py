@@ -324,3 +324,19 @@ def test_every_format_round_trips_the_same_run(api, fmt, minilm):
     again = api.get(f"/api/v1/runs/{body['run_id']}/attention", params={"layers": "1", "format": fmt}).json()
     assert again["run_id"] == body["run_id"] and again["timing_ms"]["forward"] == 0
     np.testing.assert_array_equal(decode(again["attention"]), posted)
+
+
+def test_a_mean_says_which_layers_and_heads_it_averages(api):
+    """GET /mean?layers=1 answered layers [0], n_layers 1, n_heads 1 (its one matrix's) and
+    nothing said what it averaged: read as layer 0 (review h47a)."""
+    text = "The mean of one layer of the bank."
+    run = api.post("/api/v1/attention", json={"text": text, "format": "json", "layers": [1]}).json()
+    mean = api.get(f"/api/v1/runs/{run['run_id']}/mean", params={"layers": "1", "format": "json"}).json()
+    assert mean["mean_of"] == {"layers": [1], "heads": list(range(12))}
+    assert (mean["layers"], mean["heads"], mean["n_layers"], mean["n_heads"]) == ([0], [0], 1, 1)  # the one matrix
+    heads = np.asarray(run["attention"]["data"][0], dtype=np.float32)  # (12, T, T) of layer 1
+    np.testing.assert_allclose(np.asarray(mean["attention"]["data"][0][0]), heads.mean(0), atol=1e-6)
+    every = api.get(f"/api/v1/runs/{run['run_id']}/mean", params={"format": "json"}).json()
+    assert every["mean_of"] == {"layers": list(range(6)), "heads": list(range(12))}
+    plain = api.post("/api/v1/attention", json={"text": text, "format": "u8"}).json()
+    assert "mean_of" not in plain  # only the mean route's answer
