@@ -135,8 +135,10 @@ def test_readyz_reports_download_bytes(fake_hub, monkeypatch, tmp_path):
     with TestClient(create_app(Settings(models={"small": "org/small"}, device="cpu"))) as client:
         assert halfway.wait(10)
         body = client.get("/readyz").json()
-        total = sizes["config.json"] + sizes["tokenizer.json"] + sizes["model.safetensors"]
-        done = sizes["config.json"] + sizes["tokenizer.json"] + sizes["model.safetensors"] // 2
+        # save_pretrained wrote a generation_config.json, fetched (for its end-of-text ids) before the weights
+        assert "generation_config.json" in sizes
+        total = sizes["config.json"] + sizes["tokenizer.json"] + sizes["generation_config.json"] + sizes["model.safetensors"]
+        done = total - sizes["model.safetensors"] + sizes["model.safetensors"] // 2
         assert body["status"] == "loading"
         assert body["models"] == {"small": {"state": "downloading", "bytes_done": done, "bytes_total": total}}
         release.set()
