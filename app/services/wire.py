@@ -66,11 +66,6 @@ def header_list(headers, name: str) -> str:
     return ", ".join(headers.getlist(name))
 
 
-def accepts(header: str | None, token: str) -> bool:
-    """True when a comma-separated Accept/Accept-Encoding header lists `token` with q > 0."""
-    return (listed(header, token) or 0.0) > 0
-
-
 # The JSON answer's own media types: application/json (float32) and the compact form's.
 JSON_MEDIA_TYPES = ("application/json", "application/vnd.manyeyes+json")
 
