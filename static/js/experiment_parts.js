@@ -177,6 +177,21 @@ onThemeChange(() => {
   }
 });
 
+// The panel width each plot was drawn for: its figure's width and its pooling were worked out from
+// it, and stayed as they were when a window was widened or a phone turned (bins for 169 px on a
+// 900 px screen). A plot whose panel changed width is drawn again, once the resizing pauses.
+const drawnWidth = new WeakMap();
+let resizing = 0;
+window.addEventListener("resize", () => {
+  clearTimeout(resizing);
+  resizing = setTimeout(() => {
+    for (const [div, args] of drawn) {
+      if (!div.isConnected || !div.data) drawn.delete(div);
+      else if (div.clientWidth !== drawnWidth.get(div)) heatmap(div, ...args);
+    }
+  }, 200);
+});
+
 // Leaves the plot empty (a new run on screen: the last run's picture would mislead).
 export function clearPlot(div) {
   drawn.delete(div);
@@ -232,6 +247,7 @@ const HEAD_ROW_PX = 12; // a row of heads named at 11 px
 
 export function heatmap(div, z, options = {}) {
   drawn.set(div, [z, options]);
+  drawnWidth.set(div, div.clientWidth);
   // yFirst: the position of the first row, when the rows do not start at the first token.
   // positions: each label's position, when they are not consecutive (aligned pairs: "3|5").
   // yHeads: the rows are heads ("L0 H3"), not tokens, so no position before them. A matrix of

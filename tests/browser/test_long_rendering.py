@@ -235,3 +235,26 @@ def test_a_pooled_strip_keeps_each_rows_peak_and_masks_only_whole_bins(server, p
             assert (v is None) == whole, (i, j, v)
             if not whole:
                 assert v == 1 / (max(i, j) * w + 1), (i, j, v)  # the bin's first row with a key in it
+
+
+def test_a_pooled_plot_is_drawn_again_for_its_new_width(server, page):
+    """A plot's figure width and bins were worked out once, from its panel's width: a phone turned
+    or a window narrowed kept bins for the old width, more of them than the pixels now there."""
+    open_page(page, server)
+    counts = page.evaluate("""async () => {
+        const { heatmap } = await import('/static/js/experiment_parts.js');
+        const strip = document.createElement('div');
+        strip.id = 'resized-strip';
+        strip.style.width = '1200px';
+        document.body.append(strip);
+        const rows = [0, 1].map((h) => Array.from({ length: 4096 }, (_, c) => ((c * 7 + h) % 13) / 13));
+        await heatmap(strip, rows, { x: Array(4096).fill('a'), y: ['L0 H0', 'L0 H1'], yHeads: true, title: 'Row' });
+        const wide = { bins: strip.data[0].z[0].length, px: strip._fullLayout.xaxis._length * devicePixelRatio };
+        strip.style.width = '400px';
+        window.dispatchEvent(new Event('resize'));
+        await new Promise((done) => setTimeout(done, 600));
+        return { wide, narrow: { bins: strip.data[0].z[0].length, px: strip._fullLayout.xaxis._length * devicePixelRatio } };
+    }""")
+    wide, narrow = counts["wide"], counts["narrow"]
+    assert wide["bins"] <= wide["px"] and narrow["bins"] <= narrow["px"], counts
+    assert narrow["px"] < wide["px"] / 2 and narrow["bins"] < wide["bins"], counts
