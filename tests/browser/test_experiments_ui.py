@@ -683,14 +683,19 @@ def metric(base, name, **labels):
                for s in f.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
-    page.goto(f"{slow_server}/")
+def generating(page, base: str, n: int, steps: int) -> None:
+    """A fresh page generates n tokens from PROMPT on the slow server; back once `steps` have come.
+    Several lines can arrive in one read, so it waits on the count, not on one particular index."""
+    page.goto(f"{base}/")
     page.wait_for_selector("#gen-start")
     page.fill("#gen-text", PROMPT)
-    page.fill("#gen-n", "55")
+    page.fill("#gen-n", str(n))
     page.click("#gen-start")
-    # Several lines can arrive in one read, so wait on the count, not on one particular index.
-    page.wait_for_function("() => window.manyeyesGeneration.steps.length >= 2", timeout=30_000)
+    page.wait_for_function(f"() => window.manyeyesGeneration.steps.length >= {steps}", timeout=30_000)
+
+
+def test_stop_aborts_the_stream_and_the_server_stops(slow_server, page):
+    generating(page, slow_server, 55, steps=2)
     page.click("#gen-stop")
     page.wait_for_selector("#generate-box[data-outcome='stopped']", timeout=10_000)
     shown_steps = page.evaluate("window.manyeyesGeneration.steps.length")
@@ -780,12 +785,7 @@ def test_the_last_generations_late_prompt_rows_are_not_drawn_under_the_next(serv
 
 def test_stepping_back_mid_stream_keeps_counting_the_tokens_that_come(slow_server, page):
     """Stepped back while the stream ran, the line said "Token 6 of 7" while 12 had come."""
-    page.goto(f"{slow_server}/")
-    page.wait_for_selector("#gen-start")
-    page.fill("#gen-text", PROMPT)
-    page.fill("#gen-n", "12")
-    page.click("#gen-start")
-    page.wait_for_function("() => window.manyeyesGeneration.steps.length >= 3", timeout=30_000)
+    generating(page, slow_server, 12, steps=3)
     page.click("#gen-back")
     shown = page.evaluate("window.manyeyesGeneration.current")
     page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
