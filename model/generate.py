@@ -40,6 +40,7 @@ class Step:
     token: Choice
     alternatives: list[Choice]  # the most likely tokens at that point, best first
     attention: torch.Tensor  # (n_layers, n_heads, position + 1): the token's row in every head, float32
+    ends_text: bool = False  # its token is an end-of-text id and stop_at_eos held: the last step
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ def generate(
             token=Choice(chosen, decode(chosen), float(probs[chosen])),
             alternatives=[Choice(int(i), decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
             attention=row,
+            ends_text=chosen in ends,
         )
         if chosen in ends:
             return

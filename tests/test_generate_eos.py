@@ -58,6 +58,7 @@ def test_generation_ends_with_the_end_of_text_step_and_its_row(stopping):
     for use_cache in (True, False):
         steps = list(generate(model, PROMPT, N, use_cache=use_cache))
         assert len(steps) == k + 1 and steps[-1].token.id == stopping.eos and steps[-1].index == k
+        assert [s.ends_text for s in steps] == [False] * k + [True]  # what the stream's "eos" reads
         assert [s.token.id for s in steps] == [s.token.id for s in unstopped[: k + 1]]
         # The last row is what the model looked at as it ended the text.
         assert steps[-1].position == unstopped[k].position
@@ -75,6 +76,7 @@ def test_stop_at_eos_false_makes_every_token_as_before(stopping):
     steps = list(generate(model, PROMPT, N, stop_at_eos=False))
     assert [s.token.id for s in steps] == [s.token.id for s in stopping.unstopped] and len(steps) == N
     assert steps[stopping.k].token.id == stopping.eos  # it went on past the end of text
+    assert not any(s.ends_text for s in steps)
     for got, want in zip(steps, stopping.unstopped):
         assert torch.equal(got.attention, want.attention) and got.token.prob == want.token.prob
 

@@ -115,9 +115,7 @@ class GenerationService:
                 for t in prompt.tokens
             ],
         }
-        # The ids the steps stop after: a stream whose last token is one of them ended there.
-        ends = model.info.eos_ids if body.stop_at_eos else frozenset()
-        return Generation(self, served.id, start, steps, client, ends)
+        return Generation(self, served.id, start, steps, client)
 
     def _default_generator(self) -> Served:
         """The model a request that names none generates with: the server's default, or where that
@@ -146,12 +144,11 @@ class GenerationService:
                 del self._held[client]
             self._slots.release()
 
-    async def _stream(self, generation: Generation, model_id: str, start: dict, steps,
-                      ends: frozenset[int]) -> AsyncIterator[bytes]:
+    async def _stream(self, generation: Generation, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
         generation.started = True
         outcome = "cancelled"  # unless the loop below runs to its end
         count = 0
-        last = None  # the last step's token id
+        ended = False  # the last step's token ended the text (Step.ends_text)
         delay = self.settings.debug_forward_delay_s
         try:
             yield orjson.dumps(start) + b"\n"
@@ -180,13 +177,13 @@ class GenerationService:
                     break
                 self.metrics.generation_steps.labels(model_id).inc()
                 count += 1
-                last = step.token.id
+                ended = step.ends_text
                 yield _step_line(step)
                 if delay:
                     await anyio.sleep(delay)
             outcome = "finished"
             # "eos" also where the last token asked for ends the text: the model ended it there.
-            reason = "eos" if last in ends else "length"
+            reason = "eos" if ended else "length"
             yield orjson.dumps({"type": "end", "reason": reason, "tokens": count}) + b"\n"
         finally:
             self.metrics.generations.labels(outcome).inc()
@@ -205,8 +202,7 @@ class Generation:
     calls `aclose` whatever happened, which ends the steps and frees the slot at once.
     """
 
-    def __init__(self, service: GenerationService, model_id: str, start: dict, steps, client: str = "",
-                 ends: frozenset[int] = frozenset()) -> None:
+    def __init__(self, service: GenerationService, model_id: str, start: dict, steps, client: str = "") -> None:
         self._service = service
         self._client = client
         self._metrics = service.metrics
@@ -214,7 +210,7 @@ class Generation:
         self._guard = threading.Lock()
         self._steps = steps
         self.started = False
-        self._lines = service._stream(self, model_id, start, steps, ends)
+        self._lines = service._stream(self, model_id, start, steps)
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._lines
