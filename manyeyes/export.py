@@ -41,9 +41,9 @@ OFFLINE_NOTE = (
     "need a model: open the text in <code>manyeyes serve</code> for them.</p>\n"
 )
 RELATIVE_IMPORT = re.compile(r"""(\bfrom\s*|\bimport\s*\(?\s*)(["'])\./([\w./-]+\.js)\2""")
-STYLESHEET = re.compile(r"""<link\b[^>]*\brel="stylesheet"[^>]*\bhref="/static/([^"?]+)"[^>]*>""")
-PLOTLY_TAG = re.compile(r"""<script\b[^>]*\bsrc="/vendor/plotly\.min\.js[^"]*"[^>]*>\s*</script>""")
-MAIN_MODULE = re.compile(r"""<script\b[^>]*\btype="module"[^>]*\bsrc="/static/js/([\w.-]+\.js)"[^>]*>\s*</script>""")
+STYLESHEET = re.compile(r"""<link\b[^>]*\brel="stylesheet"[^>]*\bhref="static/([^"?]+)"[^>]*>""")
+PLOTLY_TAG = re.compile(r"""<script\b[^>]*\bsrc="vendor/plotly\.min\.js[^"]*"[^>]*>\s*</script>""")
+MAIN_MODULE = re.compile(r"""<script\b[^>]*\btype="module"[^>]*\bsrc="static/js/([\w.-]+\.js)"[^>]*>\s*</script>""")
 
 
 # The server's dense bound as shipped (app/config.py, MANYEYES_DENSE_MAX_TOKENS unset; a test keeps

@@ -72,7 +72,7 @@ const later = () => new Promise((resolve) => setTimeout(resolve, 0));
 // the text, focus and every view option from it. Anything else (the measures panel's questions)
 // needs a server.
 export async function requestJson(url, init = {}) {
-  if (url === `/api/v1/views/${embedded.view_id}` && (init.method ?? "GET") === "GET") {
+  if (url === `api/v1/views/${embedded.view_id}` && (init.method ?? "GET") === "GET") {
     await later();
     return structuredClone(embedded.view);
   }

@@ -28,7 +28,8 @@ router = APIRouter(include_in_schema=False)
 
 @router.get("/docs", response_class=HTMLResponse)
 def docs(request: Request) -> HTMLResponse:
-    return templates.TemplateResponse(request, "docs.html", {"openapi_url": request.app.openapi_url})
+    # Relative, as every URL the pages use: a proxy may serve this server under a path of its own.
+    return templates.TemplateResponse(request, "docs.html", {"openapi_url": request.app.openapi_url.lstrip("/")})
 
 
 @router.get("/vendor/swagger-ui/{name}")

@@ -101,7 +101,7 @@ export async function requestFile(url) {
 // is not kept, so that a later call asks again.
 let models = null;
 export function listModels() {
-  models ??= authorised((init) => request("/api/v1/models", init), {})
+  models ??= authorised((init) => request("api/v1/models", init), {})
     .then((body) => body.models)
     .catch((err) => {
       models = null;
@@ -113,7 +113,7 @@ export function listModels() {
 // Where the server's models stand (/readyz, open without a key): { status: "ready" } or
 // { status: "loading" | "failed", models: { id: { state, bytes_done?, bytes_total? } }, message }.
 export async function readiness() {
-  const response = await fetch("/readyz", { cache: "no-store" });
+  const response = await fetch("readyz", { cache: "no-store" });
   if (response.ok) return { status: "ready" };
   const body = await response.json().catch(() => ({}));
   return { status: body.status === "loading" ? "loading" : "failed", models: body.models || {}, message: body.error?.message || `status ${response.status}` };
@@ -151,26 +151,26 @@ function viaWorker(url, init, signal) {
 // The same POST answered as plain JSON on the main thread: small answers (predictions, a run
 // posted again after eviction) that need no decoding worker.
 export function postAttentionJson(body) {
-  return requestJson("/api/v1/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  return requestJson("api/v1/attention", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
 }
 
 export function postAttention(body, signal) {
   const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
-  return authorised((withAuth) => viaWorker("/api/v1/attention", withAuth, signal), init);
+  return authorised((withAuth) => viaWorker("api/v1/attention", withAuth, signal), init);
 }
 
 export function fetchSlice(runId, layers, heads, format, signal) {
   const query = new URLSearchParams({ format });
   if (layers) query.set("layers", layers.join(","));
   if (heads) query.set("heads", heads.join(","));
-  return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, withAuth, signal), {});
+  return authorised((withAuth) => viaWorker(`api/v1/runs/${encodeURIComponent(runId)}/attention?${query}`, withAuth, signal), {});
 }
 
 // The float32 mean over every head of `layers`, computed by the server, sent as float16 (or as
 // float32, format "json").
 export function fetchMean(runId, layers, signal, format = "f16") {
   const query = new URLSearchParams({ format, layers: layers.join(",") });
-  return authorised((withAuth) => viaWorker(`/api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, withAuth, signal), {});
+  return authorised((withAuth) => viaWorker(`api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, withAuth, signal), {});
 }
 
 // Any head of a run comes as float32 too (format json): the page's readings are read from it.

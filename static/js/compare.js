@@ -43,7 +43,7 @@ export function mountCompare(box) {
     const token = ++state.token;
     state.shown = { layer, head };
     const { reply, input } = state;
-    const run = (text) => postJson("/api/v1/attention", { text, model: input.model, truncate: input.truncate, layers: [layer], heads: [head], format: "json" });
+    const run = (text) => postJson("api/v1/attention", { text, model: input.model, truncate: input.truncate, layers: [layer], heads: [head], format: "json" });
     try {
       const [ra, rb] = await Promise.all([run(input.text_a), run(input.text_b)]);
       if (token !== state.token) return;
@@ -66,7 +66,7 @@ export function mountCompare(box) {
     forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, `Comparing on ${model ?? "the server's default model"}…`, "busy");
     try {
-      const reply = await postWithDifference("/api/v1/experiments/compare", input);
+      const reply = await postWithDifference("api/v1/experiments/compare", input);
       if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
       ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show, shows: "the difference heatmap" }));

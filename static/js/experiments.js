@@ -71,10 +71,10 @@ async function ablateHead(layer, head) {
       // Exact float32 while the server's json budget allows it (short sentences), else float16.
       let clean;
       try {
-        clean = await postJson("/api/v1/attention", { ...input, format: "json" });
+        clean = await postJson("api/v1/attention", { ...input, format: "json" });
       } catch (err) {
         if (err.status !== 413) throw err;
-        clean = await postJson("/api/v1/attention", { ...input, format: "f16" });
+        clean = await postJson("api/v1/attention", { ...input, format: "f16" });
       }
       if (!stillShown(input)) return;
       ablation.tokens = clean.tokens;
@@ -82,7 +82,7 @@ async function ablateHead(layer, head) {
       ablation.format = clean.attention.format;
       ablation.clean = decodeTensor(clean.attention);
     }
-    const reply = await postJson("/api/v1/experiments/ablate", {
+    const reply = await postJson("api/v1/experiments/ablate", {
       ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
     });
     if (!stillShown(input)) return;
@@ -233,7 +233,7 @@ async function loadTokens() {
   const input = currentInput();
   if (!input) return status($("token-status"), "Run a sentence first.", "error");
   try {
-    const reply = await postJson("/api/v1/attention", { ...input, layers: [0], heads: [0], format: "u8" });
+    const reply = await postJson("api/v1/attention", { ...input, layers: [0], heads: [0], format: "u8" });
     if (!stillShown(input)) return;
     const chips = reply.tokens.map((t, i) => {
       const chip = el("button", { className: `chip token${t.special ? " special" : ""}`, text: pieceLabel(t),
@@ -257,7 +257,7 @@ async function changeToken(input, index) {
   const mine = ++lastChange;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
-    const reply = await postWithDifference("/api/v1/experiments/change-token", { ...input, index, change });
+    const reply = await postWithDifference("api/v1/experiments/change-token", { ...input, index, change });
     if (!stillShown(input) || mine !== lastChange) return;
     const difference = decodeTensor(reply.difference);
     const inA = new Set(reply.pairs.map((p) => p[0]));

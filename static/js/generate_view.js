@@ -189,7 +189,7 @@ export function mountGeneration(box) {
   // `mine`: the generation asking. A reply that comes after the next generation began is not its
   // prompt's: it drew the last prompt's rows over the new tokens (same token count, another text).
   async function loadPrompt(body, mine, signal) {
-    const ask = (format) => postJson("/api/v1/attention", { text: body.text, model: body.model, format }, signal);
+    const ask = (format) => postJson("api/v1/attention", { text: body.text, model: body.model, format }, signal);
     try {
       const reply = await ask("json").catch((err) => (err.status === 413 ? ask("f16") : Promise.reject(err)));
       if (mine !== state.epoch) return;
@@ -241,7 +241,7 @@ export function mountGeneration(box) {
     let failure = "";
     try {
       if (refusal) throw new RangeError(refusal);
-      const response = await requestResponse("/api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: json, signal: state.controller.signal });
+      const response = await requestResponse("api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: json, signal: state.controller.signal });
       for await (const event of ndjson(response)) {
         if (mine !== state.epoch) break;
         if (event.type === "start") {

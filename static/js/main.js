@@ -1046,7 +1046,7 @@ async function copyLink() {
 async function exportPage() {
   if (!state.run) return;
   try {
-    const { blob, filename } = await requestFile(`/export?view=${await saveNow()}`);
+    const { blob, filename } = await requestFile(`export?view=${await saveNow()}`);
     saveFile(filename, "text/html", blob);
   } catch (err) {
     showError(`Cannot export this view: ${describeError(err)}`);

@@ -197,7 +197,7 @@ class Measures {
   }
 
   async get(path) {
-    const url = `/api/v1/runs/${encodeURIComponent(this.run.runId)}/${path}`;
+    const url = `api/v1/runs/${encodeURIComponent(this.run.runId)}/${path}`;
     try {
       return await requestJson(url);
     } catch (err) {

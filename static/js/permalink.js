@@ -31,11 +31,11 @@ export function readPermalink() {
 }
 
 export function loadView(id) {
-  return requestJson(`/api/v1/views/${id}`);
+  return requestJson(`api/v1/views/${id}`);
 }
 
 export async function saveView(state) {
-  const { id } = await requestJson("/api/v1/views", {
+  const { id } = await requestJson("api/v1/views", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(state),

@@ -15,7 +15,7 @@ export const BLOCK = 256; // bins per side of one tile (the server allows up to 
 const CONCURRENT = 3; // tile requests on the wire at once (the server has two cores to share)
 const CACHED = 48; // tiles kept: ~256 kB of floats and a 256 kB image each, ~25 MB at most
 
-const runUrl = (runId, route, params) => `/api/v1/runs/${encodeURIComponent(runId)}/${route}?${new URLSearchParams(params)}`;
+const runUrl = (runId, route, params) => `api/v1/runs/${encodeURIComponent(runId)}/${route}?${new URLSearchParams(params)}`;
 
 // Where an answer keeps its encoded numbers: an `attention`-like object ({format, shape, data}) or
 // the answer's own top-level fields.

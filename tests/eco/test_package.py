@@ -99,7 +99,7 @@ def test_installed_copy_serves_the_page_and_every_asset_from_itself(venv, dist, 
         with live_server(cwd=tmp_path, python=str(python)) as base:
             page = httpx.get(base + "/")
             assert page.status_code == 200 and "manyeyes" in page.text
-            assets = re.findall(r'(?:src|href)="(/(?:static|vendor)/[^"?]+)', page.text)
+            assets = ["/" + a for a in re.findall(r'(?:src|href)="((?:static|vendor)/[^"?]+)', page.text)]
             assert "/static/js/main.js" in assets and "/vendor/plotly.min.js" in assets
             modules, seen = ["main.js"], set()
             while modules:  # every module the page imports, transitively
