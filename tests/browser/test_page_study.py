@@ -71,6 +71,24 @@ def test_a_new_run_keeps_the_focused_head_and_the_ticked_ones(server, page):
     assert page.locator("#head-note").is_hidden()
 
 
+def test_the_moved_head_note_is_in_view_after_the_run_scrolls_to_the_heatmap(server, make_page):
+    """Under the form, the note was scrolled out of sight by the Run that showed it (1280 x 800: the
+    page scrolls to the heatmap), so the selects changed and nothing seen said why."""
+    page = make_page(viewport=(1280, 800))
+    open_page(page, server)
+    run(page, SENTENCE, model="minilm")
+    page.click(".thumb[data-layer='4'][data-head='7']")
+    wait_focus(page, layer=4, head=7)
+    page.evaluate("() => window.scrollTo(0, 0)")
+    # Long enough that its heatmap needs more room than is left under the form.
+    run(page, " ".join([VARIANT] * 4), model="tiny-causal")
+    wait_focus(page, layer=1, head=3)
+    assert page.evaluate("() => window.scrollY") > 100  # the Run scrolled to the heatmap
+    assert page.locator("#head-note").is_visible()
+    box = page.evaluate("() => { const r = document.getElementById('head-note').getBoundingClientRect(); return [r.top, r.bottom]; }")
+    assert 0 <= box[0] and box[1] <= 800, box
+
+
 # ---- 2. the experiments name their model ------------------------------------------------------------
 
 
