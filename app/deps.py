@@ -10,6 +10,7 @@ import json
 import types
 import typing
 from typing import Annotated
+from urllib.parse import unquote_to_bytes
 
 from fastapi import Depends, Request
 
@@ -83,6 +84,22 @@ async def utf8_json(request: Request) -> None:
     are not UTF-8 at all are refused where they are parsed, as the body's own 400 or 422.)"""
     if request.method == "POST" and json.detect_encoding(await request.body()) not in ("utf-8", "utf-8-sig"):
         raise ApiError("the body is not valid JSON: JSON is UTF-8, and these bytes are UTF-16 or UTF-32")
+
+
+async def utf8_url(request: Request) -> None:
+    """A URL's percent-escapes are UTF-8, as a JSON body's bytes are: the server decodes them with
+    replacement characters, so `/export?text=%FF%FE` exported a run of "\ufffd\ufffd" and
+    `/api/v1/runs/%FF/attention` named a run "\ufffd", where the same bytes in a body got a 400."""
+    for part, raw in (("path", request.scope.get("raw_path")), ("query string", request.scope.get("query_string"))):
+        if not raw:
+            continue
+        try:
+            unquote_to_bytes(raw.replace(b"+", b" ") if part == "query string" else raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(
+                f"the {part} is not UTF-8 once its %-escapes are decoded (byte 0x{exc.object[exc.start]:02x} "
+                f"at byte {exc.start}): percent-encode a text's UTF-8 bytes"
+            ) from None
 
 
 async def known_query(request: Request) -> None:

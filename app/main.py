@@ -16,7 +16,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies, configured_keys
 from manyeyes.app.config import Settings
-from manyeyes.app.deps import known_query, utf8_json
+from manyeyes.app.deps import known_query, utf8_json, utf8_url
 from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
 from manyeyes.app.middleware import (
     AccessLog, AllowedHosts, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer, error_response,
@@ -219,7 +219,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     for module in (attention, models, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
         # /export is left out: it reads the page's permalink, whose other parameters are the page's.
         api = module.router.prefix.startswith("/api/")
-        app.include_router(module.router, dependencies=[Depends(known_query), Depends(utf8_json)] if api else None)
+        app.include_router(module.router, dependencies=[Depends(utf8_url), Depends(known_query), Depends(utf8_json)] if api else None)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):
         app.mount("/static", RevalidatedFiles(directory=STATIC_DIR), name="static")
 

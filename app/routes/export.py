@@ -7,12 +7,12 @@ import time
 from typing import Annotated
 
 import orjson
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from manyeyes.app.clients import client_of, tenant_of
-from manyeyes.app.deps import RegistryDep, ServiceDep
+from manyeyes.app.deps import RegistryDep, ServiceDep, utf8_url
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import DIGITS, AttentionRequest
 from manyeyes.app.routes.views import UnknownView, ViewsDep, check_focus
@@ -22,7 +22,8 @@ from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 router = APIRouter(tags=["page"])
 
 
-@router.get("/export", response_class=Response, responses={200: {"content": {"text/html": {}}}, **errors(404, 413, 429, 503, 504)})
+@router.get("/export", response_class=Response, dependencies=[Depends(utf8_url)],
+            responses={200: {"content": {"text/html": {}}}, **errors(404, 413, 429, 503, 504)})
 async def export_page(
     request: Request,
     service: ServiceDep,

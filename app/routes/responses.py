@@ -14,7 +14,7 @@ def errors(*statuses: int) -> dict:
     are no HTTP or JSON, the 401 of a server with API keys and the 422 of an unknown query
     parameter, which every such route can give."""
     descriptions = {
-        400: "The body is missing or not UTF-8 JSON, or the request is not HTTP/1.1 the server can read",
+        400: "The body is missing or not UTF-8 JSON, the query's %-escapes are not UTF-8, or the request is not HTTP/1.1 the server can read",
         401: "An API key is required (Authorization: Bearer <key>) and was missing or wrong",
         404: "Unknown model or run",
         413: "Body over the byte limit, or a json response over the cell budget",

@@ -298,3 +298,17 @@ def test_an_empty_body_is_a_400_that_says_so_on_every_json_route(api):
         assert err == {"code": "bad_request", "message": 'the body is empty: send a JSON object, e.g. {"text": "..."}'}, route
     # Without a JSON Content-Type it stays the 415 that says what to send.
     assert error_of(api.post("/api/v1/attention"), 415)["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("path", ["/export?text=%FF%FE&model=minilm", "/export?text=caf%C3&model=minilm",
+                                  "/api/v1/runs/%FF/attention", "/api/v1/models?x=%80", "/api/v1/runs/ab%E9/topk"])
+def test_a_url_whose_escapes_are_not_utf8_is_400(api, path):
+    """Read as U+FFFD, such escapes exported a file of "\ufffd\ufffd" and named a run "\ufffd", where the
+    same bytes in a JSON body got a 400."""
+    error = error_of(api.get(path), 400)
+    assert error["code"] == "bad_request" and "not UTF-8" in error["message"]
+
+
+def test_a_query_of_utf8_escapes_still_exports(api):
+    r = api.get("/export?text=caf%C3%A9+%E6%88%91&model=minilm")
+    assert r.status_code == 200 and "café 我" in r.text
