@@ -184,16 +184,18 @@ BYTE_OF_CHAR = _byte_alphabet()
 
 
 def token_label(token) -> str:
-    """A token as the page's pieceLabel (static/js/tokens.js) shows a byte-level piece: its whole
-    characters, and a byte of a character split across tokens as ‹F0› (each of 👩's four byte tokens
-    had been labelled 👩). Other tokens by their text; spaces and invisible characters made visible."""
+    """A token as the page's default labels ("Model pieces", pieceLabel in static/js/tokens.js)
+    show it: a byte-level piece by its whole characters, and a byte of a character split across
+    tokens as ‹F0› (each of 👩's four byte tokens had been labelled 👩); any other token by its
+    piece, so that a WordPiece model's [UNK] and ##-continuations show (labelled by their text, 我
+    爱 hid that MiniLM knew neither); spaces and invisible characters made visible."""
     piece = getattr(token, "piece", "") or ""
     if piece and not getattr(token, "special", False) and all(ch in BYTE_OF_CHAR for ch in piece):
         raw = bytes(BYTE_OF_CHAR[ch] for ch in piece)
         # Bytes only when they really come from the token's own text: "naive" for "naïve" is no byte piece.
         if raw in token.text.encode("utf-8", "replace"):
             return _bytes_label(raw)
-    return visible_spaces(token.text)
+    return visible_spaces(piece or token.text)
 
 
 def _bytes_label(raw: bytes) -> str:

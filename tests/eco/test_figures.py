@@ -320,11 +320,13 @@ def test_byte_pieces_of_a_split_character_are_labelled_by_their_bytes_and_none_i
     fig = figures.heatmap(tiny_gpt.attend("a\u200db\u202ec 👩 é"), 0, 0)
     assert list(fig.layout.xaxis.ticktext) == ["a", "‹E2›", "‹80›", "‹8D›", "b", "‹E2›", "‹80›", "‹AE›", "c", "␣",
                                                "‹F0›", "‹9F›", "‹91›", "‹A9›", "␣", "‹C3›", "‹A9›"]
-    # Whole characters in one piece stay characters; an invisible one is escaped, not blank.
+    # Whole characters in one piece stay characters; an invisible one is escaped, not blank. A
+    # WordPiece model's pieces show as the page's default labels show them: 爱 was labelled 爱 where
+    # MiniLM read [UNK], and a continuation hid its ##.
     tokens = [SimpleNamespace(text=t, piece=p) for t, p in (("é", "Ã©"), (" the", "Ġthe"), ("\u200d", "âĢį"),
-                                                             ("\u202e", None), ("ing", "##ing"))]
-    result = SimpleNamespace(attention=np.full((1, 1, 5, 5), 0.2, dtype=np.float32), layers=[0], heads=[0], tokens=tokens)
-    assert figures.weights_of(result).tokens == ["é", "␣the", "‹200D›", "‹202E›", "ing"]
+                                                             ("\u202e", None), ("ing", "##ing"), ("爱", "[UNK]"))]
+    result = SimpleNamespace(attention=np.full((1, 1, 6, 6), 1 / 6, dtype=np.float32), layers=[0], heads=[0], tokens=tokens)
+    assert figures.weights_of(result).tokens == ["é", "␣the", "‹200D›", "‹202E›", "##ing", "[UNK]"]
 
 
 def test_a_result_with_no_tokens_is_refused_in_words(tiny_gpt):
