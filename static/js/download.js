@@ -24,20 +24,26 @@ function rowsOf(view) {
   return view.rows.map((_, r) => view.cols.map((_k, c) => (view.masked(r, c) ? null : view.values[r * nCols + c])));
 }
 
+// Each token by its label on screen (the Labels option): a byte-level model's three byte tokens
+// of 我 were three columns "我" (each token's text is the character it is part of), and MiniLM's
+// [UNK] read as the character it could not read. The JSON keeps the text and offsets besides.
 export function downloadCsv(name, data) {
-  const { view, tokens } = data;
-  const header = ["query_index", "query_token", ...view.cols.map((k) => `${k}:${tokens[k].text}`)];
+  const { view, labels } = data;
+  const header = ["query_index", "query_token", ...view.cols.map((k) => `${k}:${labels[k]}`)];
   const lines = [header.map(csvCell).join(",")];
   rowsOf(view).forEach((row, r) => {
     const q = view.rows[r];
-    lines.push([csvCell(q), csvCell(tokens[q].text), ...row.map((v) => (v === null ? "" : v.toPrecision(7)))].join(","));
+    lines.push([csvCell(q), csvCell(labels[q]), ...row.map((v) => (v === null ? "" : v.toPrecision(7)))].join(","));
   });
   saveFile(`${name}.csv`, "text/csv", lines.join("\r\n") + "\r\n");
 }
 
 export function downloadJson(name, data, meta) {
-  const { view, tokens } = data;
-  const describe = (i) => ({ index: i, text: tokens[i].text, special: tokens[i].special, segment: tokens[i].segment });
+  const { view, tokens, labels } = data;
+  const describe = (i) => ({
+    index: i, label: labels[i], text: tokens[i].text, piece: tokens[i].piece ?? null, start: tokens[i].start ?? null,
+    end: tokens[i].end ?? null, special: tokens[i].special, segment: tokens[i].segment,
+  });
   const body = {
     ...meta,
     queries: view.rows.map(describe),

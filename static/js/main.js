@@ -999,7 +999,7 @@ async function download(kind) {
     }
   }
   if (!matrix) return;
-  const data = { view: viewOf(matrix, run.tokens, viewOptions()), tokens: run.tokens };
+  const data = { view: viewOf(matrix, run.tokens, viewOptions()), tokens: run.tokens, labels: labels().labels };
   if (kind === "csv") {
     downloadCsv(fileStem(), data);
   } else {

@@ -313,7 +313,7 @@ def test_download_csv_and_json_hold_the_exact_head(server, api, page):
     assert download.value.suggested_filename == "manyeyes-minilm-L2-H5.csv"
     rows = list(csv.reader(io.StringIO(open(download.value.path(), encoding="utf-8").read())))
     assert rows[0][:2] == ["query_index", "query_token"] and len(rows) == len(tokens) + 1
-    assert [r[1] for r in rows[1:]] == [t["text"] for t in tokens]
+    assert [r[1] for r in rows[1:]] == [t["piece"] for t in tokens]  # the labels on screen: MiniLM's own pieces
     assert np.allclose(np.array([[float(v) for v in r[2:]] for r in rows[1:]]), weights[0, 0], atol=1e-6)
 
     with page.expect_download() as download:
@@ -321,7 +321,30 @@ def test_download_csv_and_json_hold_the_exact_head(server, api, page):
     body = json.loads(open(download.value.path(), encoding="utf-8").read())
     assert (body["layer"], body["head"], body["precision"]) == (2, 5, "float32")
     assert [q["text"] for q in body["queries"]] == [t["text"] for t in tokens]
+    assert [(q["piece"], q["start"], q["end"]) for q in body["keys"]] == [(t["piece"], t["start"], t["end"]) for t in tokens]
     assert np.allclose(np.array(body["attention"]), weights[0, 0], atol=1e-6)
+
+
+def test_downloads_name_each_token_as_the_heatmap_labels_it(server, api, page):
+    """The CSV's columns were each token's text: MiniLM's [UNK] for a character it cannot read was
+    headed by that character, as if the model had read it (a review by use, non-English text)."""
+    text = "我爱 the river ⅶ"
+    tokens, _ = api_attention(api, text, layers=[0], heads=[0])
+    assert any(t["piece"] == "[UNK]" and not t["special"] for t in tokens)
+    open_page(page, server)
+    run(page, text, model="minilm")
+
+    def downloaded() -> list[list[str]]:
+        with page.expect_download() as download:
+            page.click("#download-csv")
+        return list(csv.reader(io.StringIO(open(download.value.path(), encoding="utf-8").read())))
+
+    rows = downloaded()
+    assert rows[0][2:] == [f"{i}:{t['piece']}" for i, t in enumerate(tokens)]
+    assert [r[1] for r in rows[1:]] == [t["piece"] for t in tokens]
+    page.select_option("#labels", "text")
+    rows = downloaded()
+    assert rows[0][2:] == [f"{i}:{t['text']}" for i, t in enumerate(tokens)]
 
 
 def test_head_view_chips_add_heads(server, page):
