@@ -361,11 +361,14 @@ def _word_groups(tokens: list[Token]) -> list[list[int]]:
     text's end to the word before it. Specials
     stand alone; so does punctuation ("river." is two words) but between two touching word
     pieces ("Don't", "e.g", "1,000", "well-known"); so do CJK ideographs. The bytes of one
-    character (overlapping spans) are always one word.
+    character (overlapping spans) are always one word. The one vocabulary marker read is
+    WordPiece's "##" across a gap: BERT's tokenizer drops combining marks (NFD, then category Mn),
+    so the pieces of नमस्ते leave out its virama and the spans of "नमस" and "##त" do not touch.
     """
     def contiguous(k: int) -> bool:  # piece k continues piece k - 1's span in one text
         token, prev = tokens[k], tokens[k - 1]
-        return k > 0 and not (token.special or prev.special) and token.segment == prev.segment and token.start <= prev.end
+        return (k > 0 and not (token.special or prev.special) and token.segment == prev.segment
+                and (token.start <= prev.end or (token.piece.startswith("##") and len(token.piece) > 2)))
 
     def wordlike(k: int) -> bool:
         return not (_is_delimiter(tokens[k]) or tokens[k].text.isspace() or _ideograph(tokens[k].text))

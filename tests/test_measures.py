@@ -302,6 +302,21 @@ def test_word_view_merges_wordpiece_and_keeps_rows_stochastic(minilm):
     assert merged[2, 5, 1, 3] == pytest.approx(expected.item(), abs=1e-6)
 
 
+def test_word_view_joins_wordpiece_pieces_across_a_dropped_combining_mark(minilm):
+    """MiniLM drops the virama and vowel signs of नमस्ते दुनिया (category Mn), so its pieces' spans
+    leave gaps: the word view made four words of two (a review by use, non-English text)."""
+    text = "नमस्ते दुनिया"
+    r = minilm.attend(text)
+    assert any(t.start > prev.end for prev, t in zip(r.tokens[1:], r.tokens[2:-1]))  # the gaps are there
+    words, merged = merge_words(r.tokens, r.attention, (text, ""))
+    assert [(w.start, w.special) for w in words] == [(0, True), (0, False), (7, False), (0, True)]
+    assert words[2].text == "दुनिया"
+    assert torch.allclose(merged.sum(-1), torch.ones(merged.shape[:-1]), atol=1e-5)
+    # A space between two words still parts them, whatever the second piece's marker.
+    apart = minilm.attend("bank robbers")
+    assert len(merge_words(apart.tokens, apart.attention)[0]) == 4
+
+
 def test_word_view_merges_bytes_of_one_character(tiny):
     text = "a 🏦 bank"
     r = tiny.attend(text)
