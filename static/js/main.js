@@ -3,7 +3,7 @@
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
 import { ApiError, FLOAT32_READINGS, describeError, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
-import { $, el, fillSelect, nextFrame } from "./dom.js";
+import { $, asTyped, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO } from "./focus.js";
 import { GridView } from "./grid.js";
@@ -717,6 +717,7 @@ function applyViewState(v) {
   state.labels = v.labels ?? "pieces";
   $("text").value = v.text;
   $("pair").value = v.text_pair ?? "";
+  state.linked = { text: v.text, pair: v.text_pair ?? "" };
   TEXT_BOXES.forEach(fitTextBox);
   $("truncate").checked = Boolean(v.truncate);
   $("measure").value = v.measure ?? "raw";
@@ -787,6 +788,12 @@ function fitTextBox(id) {
   box.style.height = `${box.scrollHeight + box.offsetHeight - box.clientHeight}px`;
 }
 
+// A link's text as it was saved while the box still holds it: a text area gives "\r\n" back as
+// "\n", and the page ran another text than the link's (a byte-level model's 49 tokens became 48).
+function asLinked(typed, linked) {
+  return linked !== undefined && asTyped(linked) === typed ? linked : typed;
+}
+
 // A user's Run keeps the head being studied (the same head on a variant of the sentence is the
 // commonest step of a study; it went back to L0 H0, the ticked heads with it), clamped to the new
 // model's size. A link's restore names its own layer, head and ticked heads (applyViewState).
@@ -798,8 +805,8 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
     showError("The page has no model list from the server: reload the page (and give the API key if it asks).", "form");
     return;
   }
-  const text = $("text").value;
-  const pair = $("pair").value;
+  const text = asLinked($("text").value, state.linked?.text);
+  const pair = asLinked($("pair").value, state.linked?.pair);
   if (!text.trim()) {
     showError(`Type a sentence first.${state.run ? LAST_RUN_SHOWN : ""}`, "form");
     $("text").setAttribute("aria-invalid", "true");

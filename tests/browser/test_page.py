@@ -378,6 +378,23 @@ def test_the_forms_boxes_line_up(server, make_page, width):
     assert page.is_visible("#text-hint")
 
 
+def test_a_link_runs_its_own_text_with_its_carriage_returns(server, api, page):
+    """A text area gives "\r\n" back as "\n": a link to a view of "a\r\nb" ran "a\nb", another text
+    (a byte-level model's tokens differ) than the run the link was saved from (a review by use)."""
+    text, pair = "First line.\r\nSecond line.\rThird.", "A pair\r\nof lines."
+    view = api.post("/api/v1/views", json={"text": text, "text_pair": pair, "model": "minilm"}).json()["id"]
+    with page.expect_request(lambda r: r.url.endswith("/api/v1/attention") and r.method == "POST") as request:
+        open_page(page, server, f"?view={view}")
+    sent = json.loads(request.value.post_data)
+    assert (sent["text"], sent["text_pair"]) == (text, pair)
+    wait_focus(page)
+    # Edited, the box's own text is what runs.
+    page.fill("#text", "First line.\nSecond line, edited.")
+    with page.expect_request(lambda r: r.url.endswith("/api/v1/attention") and r.method == "POST") as request:
+        page.press("#text", "Enter")
+    assert json.loads(request.value.post_data)["text"] == "First line.\nSecond line, edited."
+
+
 def test_a_pasted_document_keeps_its_lines_and_enter_still_runs(server, page):
     """A one-line box sent a pasted document's newlines as spaces: other tokens, and other weights
     than the API's for the same text (a review by use)."""
