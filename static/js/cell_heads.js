@@ -4,6 +4,7 @@
 
 import { el } from "./dom.js";
 import { F16_ZERO, weightText } from "./focus.js";
+import { LRI, isolate } from "./tokens.js";
 
 const SHOWN = 10;
 
@@ -46,8 +47,11 @@ export class CellHeads {
           ...(precise ? {} : { title: `8-bit value (±${coarse.toPrecision(2)}) until layer ${l}'s exact values come` }) },
         () => this.onFocus(l, h))])));
     const waiting = missing ? ` (${missing} heads still loading)` : "";
+    // A name ("#2 ל") is position then label, left to right: in a LEFT-TO-RIGHT ISOLATE an RTL
+    // label no longer pulls the arrow and the other name around it (tokens.js isolate).
+    const named = (i) => isolate(name(i), LRI);
     this.box.replaceChildren(
-      el("p", { className: "hint", text: `${name(query)} → ${name(key)}, the heads by its weight${waiting}; click one to focus it:` }),
+      el("p", { className: "hint", text: `${named(query)} → ${named(key)}, the heads by its weight${waiting}; click one to focus it:` }),
       list,
       button("Close", { "aria-label": "Close the heads ranked by one cell", id: "cell-heads-close" }, () => this.clear()),
     );

@@ -13,6 +13,7 @@ import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { Colorbar } from "./colorbar.js";
 import { MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
 import { palette, scaled } from "./theme.js";
+import { bidiControlsShown, isolate, isolateQuoted } from "./tokens.js";
 
 // Once this many tokens (or fewer) are in view, every one of them is labelled.
 export const ALL_LABELS = 64;
@@ -637,9 +638,12 @@ export class FocusView {
     const layout = { ...this.labelledLayout(), images: [cells] };
     layout.margin = { ...layout.margin, t: (layout.margin?.t || 40) + 40, r: 10 };
     const width = this.plot.clientWidth;
+    // The text's bidi controls are made visible before the fit, which measures what is drawn, and
+    // it is isolated after, so that no cut drops the isolate's end (isolateQuoted).
+    const caption = isolateQuoted(fitCaption(bidiControlsShown(this.exportCaption), 0.98 * width - 8));
     layout.title = {
       // from 2% of the width to 8 px short of the right edge
-      text: plotlyText(fitCaption(this.exportCaption, 0.98 * width - 8)), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
+      text: plotlyText(caption), font: { size: 13, color: pal.text }, x: 0.02, xanchor: "left",
       yref: "container", y: 1, yanchor: "top", pad: { t: 8 },
     };
     const height = this.plot.clientHeight + 40;
@@ -663,14 +667,15 @@ export class FocusView {
     const exact = view.masked(r, c) ? undefined : this.exactReading?.(q, k);
     const reading = view.masked(r, c) ? "masked"
       : exact !== undefined ? weightText(exact) : weightText(view.values[r * view.cols.length + c], floor);
-    const spans = this.spans ? `\n${this.spans(q)} → ${this.spans(k)}` : "";
+    // Each label and span is isolated (tokens.js isolate): an RTL one reordered the whole reading.
+    const spans = this.spans ? `\n${isolateQuoted(this.spans(q))} → ${isolateQuoted(this.spans(k))}` : "";
     this.tooltip.dataset.query = q;
     this.tooltip.dataset.key = k;
     this.tooltip.dataset.reads = exact !== undefined ? "float32" : "drawn"; // which values it read
     // Beyond ALL_LABELS tokens the axes are positions: so is the reading ("d → o" named no "d");
     // and a label the text holds twice says which ("the → the" was any of three "the").
     const repeated = (i) => labels.indexOf(labels[i]) !== labels.lastIndexOf(labels[i]);
-    const named = (i) => (labels.length > ALL_LABELS || repeated(i) ? `#${i} ${labels[i]}` : labels[i]);
+    const named = (i) => (labels.length > ALL_LABELS || repeated(i) ? `#${i} ${isolate(labels[i])}` : isolate(labels[i]));
     this.showTooltip(`${named(q)} → ${named(k)}: ${reading}${spans}`, clientX, clientY);
   }
 

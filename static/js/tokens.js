@@ -27,8 +27,44 @@ const encoder = new TextEncoder();
 
 export const hex = (b) => `‹${b.toString(16).toUpperCase().padStart(2, "0")}›`;
 
+// Every character that draws as nothing or moves its neighbours (a control, a zero-width joiner,
+// a soft hyphen, a bidi override, a space other than U+0020) is written as ‹200D›: the categories
+// Other and Separator, which are what Python's str.isprintable() refuses, so that a label here
+// reads as the same token's label in an exported figure (manyeyes/figures.py visible_spaces).
 export function visibleSpaces(s) {
-  return s.replace(/[\s\u0000-\u001f\u007f]/gu, (ch) => VISIBLE[ch] ?? hex(ch.codePointAt(0)));
+  return s.replace(/[\p{C}\p{Z}]/gu, (ch) => VISIBLE[ch] ?? hex(ch.codePointAt(0)));
+}
+
+// Bidi controls (embeddings, overrides, isolates, marks), and the letters and digits that run
+// right to left: Hebrew, Arabic, Syriac, Thaana, N'Ko… and their presentation forms and
+// supplementary blocks, the ranges where Unicode's R, AL and AN characters lie.
+const BIDI_CONTROL = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/gu;
+const RIGHT_TO_LEFT = /[\u0590-\u08ff\ufb1d-\ufdff\ufe70-\ufefe\u{10800}-\u{10fff}\u{1e800}-\u{1efff}]/u;
+export const LRI = "\u2066"; // LEFT-TO-RIGHT ISOLATE
+
+export function bidiControlsShown(s) {
+  return s.replace(BIDI_CONTROL, (ch) => hex(ch.codePointAt(0)));
+}
+
+// A token's label or text as one part of a longer string ("#2 ל → #8 ו: 0.045"): an RTL label
+// made the bidi algorithm reorder the arrows, positions and weight around it ("#2 0.045 :ו #8 → ל").
+// It goes between FIRST STRONG ISOLATE and POP DIRECTIONAL ISOLATE, laid out on its own and one
+// neutral character to its neighbours, in HTML, SVG and canvas text alike. Its own bidi controls
+// are written as ‹202E›: an override in the text reversed the rest of the reading, and a PDI
+// would close the isolate early. A label with no RTL character reads the same without isolates,
+// and stays plain text to copy or compare. open: FIRST STRONG ISOLATE, which gives an RTL label
+// its own direction, or LRI for a string of the page's own order ("#2 ל", position then label).
+export function isolate(s, open = "\u2068") {
+  const shown = bidiControlsShown(s);
+  return RIGHT_TO_LEFT.test(shown) ? `${open}${shown}\u2069` : shown;
+}
+
+// "prefix “text”" with the text isolated inside its quotes: isolated with them, an RTL text
+// turned them around (”ל“).
+export function isolateQuoted(s) {
+  const open = s.indexOf("“");
+  if (open < 0 || !s.endsWith("”")) return isolate(s);
+  return `${s.slice(0, open + 1)}${isolate(s.slice(open + 1, -1))}”`;
 }
 
 // The piece's bytes when it is written in the byte-level alphabet and those bytes really come from
