@@ -9,6 +9,7 @@ import { F16_ZERO, FocusView, MAX_FONT, shortLabel, weightText } from "./focus.j
 import { layerMask } from "./run.js";
 import { BLOCK, TileLoader, blocksFor, fetchTile, levelFor, paintBins } from "./tiles.js";
 import { colorTable, themeName } from "./theme.js";
+import { isolate, isolateQuoted } from "./tokens.js";
 
 const EXPORT_SIDE = 2048; // pixels a side of an exported window of a long run, at most
 const HOVER_PAUSE_MS = 60; // a resting pointer over a pooled cell asks for that cell's exact value
@@ -333,8 +334,9 @@ export class TiledFocusView extends FocusView {
       const { row: q, col: k } = cell;
       // Positions too: past 64 tokens in view not every row is labelled, and a keyboard user
       // panning with the cell cursor could not tell where it was.
-      text = `#${q} ${labels[q]} → #${k} ${labels[k]}: ${this.reading(q, k, clientX, clientY)}`;
-      if (this.spans) text += `\n${this.spans(q)} → ${this.spans(k)}`;
+      // Each label and span isolated, as the short run's reading (focus.js): an RTL one reordered it.
+      text = `#${q} ${isolate(labels[q])} → #${k} ${isolate(labels[k])}: ${this.reading(q, k, clientX, clientY)}`;
+      if (this.spans) text += `\n${isolateQuoted(this.spans(q))} → ${isolateQuoted(this.spans(k))}`;
       this.tooltip.dataset.query = q;
       this.tooltip.dataset.key = k;
     } else {
@@ -343,7 +345,7 @@ export class TiledFocusView extends FocusView {
         this.tooltip.hidden = true;
         return;
       }
-      text = `${token.axis} ${token.index}: ${labels[token.index]}${this.spans ? `\n${this.spans(token.index)}` : ""}`;
+      text = `${token.axis} ${token.index}: ${isolate(labels[token.index])}${this.spans ? `\n${isolateQuoted(this.spans(token.index))}` : ""}`;
       delete this.tooltip.dataset.query;
       delete this.tooltip.dataset.key;
     }

@@ -356,6 +356,16 @@ def test_a_full_resolution_cell_float16_holds_as_0_reads_under_its_floor(server,
     assert hover_cell(page, 1020, 990).endswith(": < 3.0e-8")
 
 
+def test_a_long_runs_reading_isolates_a_right_to_left_label(server, page, mock):
+    """The long run's reading is its own (long_focus.js): a Hebrew label reordered it around itself,
+    as the short run's once did (test_page_bidi.py)."""
+    mock.tokens[1020].update(text="שלום", piece="שלום")
+    zoomed_in(page, server, mock, 1000, 1040, 980, 1028)
+    text = hover_cell(page, 1020, 1000)
+    assert text.startswith(f"#1020 \u2068שלום\u2069 → #1000 {mock.tokens[1000]['piece']}: ")
+    assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[1020, 1000]), abs=6e-4)
+
+
 def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
     mock.serve(page)
     open_page(page, server)
