@@ -140,7 +140,21 @@ def _print_predictions(model, result, texts: list[str], top_k: int) -> None:
     if not found:
         print("  none: the text has no mask token")
     for pos, preds in found.items():
-        print(f"  [{pos}]{texts[pos]} -> " + ", ".join(f"{p.token!r} {p.prob:.3f}" for p in preds))
+        print(f"  [{pos}]{texts[pos]} -> " + ", ".join(f"{_guess_shown(p)} {p.prob:.3f}" for p in preds))
+
+
+def _guess_shown(guess) -> str:
+    """A guess's text, quoted; where that is not whole characters ("\ufffd", the same for every
+    byte-level piece of part of a character) its piece as the page labels one: whole characters,
+    and each byte of a split character as ‹E5›; a piece in no byte alphabet as it is ("<0xE5>")."""
+    from manyeyes.model.tokenizer import bytes_label, piece_bytes
+
+    if "\ufffd" not in guess.token or not guess.piece:
+        return repr(guess.token)
+    raw = piece_bytes(guess.piece)
+    if raw is None or raw.decode("utf-8", "replace") != guess.token:  # not the bytes the text was read from
+        return _shown(guess.piece) if guess.piece != guess.token else repr(guess.token)
+    return bytes_label(raw, _shown)
 
 
 def _json_view(info, args):

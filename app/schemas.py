@@ -137,9 +137,12 @@ class AttentionData(BaseModel):
 
 
 class PredictionOut(BaseModel):
-    token: str = Field(description="How the predicted id reads on its own, e.g. ' the'")
+    token: str = Field(description="How the predicted id reads on its own, e.g. ' the'; '\ufffd' for any byte-level "
+                       "piece of part of a character (`piece` tells those apart)")
     id: int
     prob: float = Field(description="Softmax probability over the whole vocabulary")
+    piece: str = Field(description="The id's vocabulary piece, as a token of that id in `tokens` has it: 'Ġthe', "
+                       "'##ing', 'å' for the byte 0xE5")
 
 
 class Timing(BaseModel):
@@ -320,8 +323,9 @@ class GenerateRequest(BaseModel):
 
 class ChoiceOut(BaseModel):
     id: int
-    text: str
+    text: str = Field(description="How the id reads on its own; '\ufffd' for any byte-level piece of part of a character")
     prob: float = Field(description="Under the model's own distribution (temperature 1, no top-k cut)")
+    piece: str = Field(description="The id's vocabulary piece, as a prompt token of that id has it: 'Ġthe', 'å' for the byte 0xE5")
 
 
 class GenerateStart(BaseModel):
@@ -541,7 +545,8 @@ class LogitAttributionResponse(BaseModel):
     run_id: str
     position: int
     target: int = Field(description="The token id whose logit is decomposed (default: the model's top prediction)")
-    target_text: str
+    target_text: str = Field(description="The target as its own text (a byte of part of a character reads \"\\ufffd\")")
+    target_piece: str = Field("", description="The target's vocabulary piece, as a token of that id carries: tells bytes apart")
     logit: float = Field(description="The model's own logit")
     total: float = Field(description="Heads + attention biases + MLPs + embeddings + rest: equals logit within 1e-4")
     heads: list[HeadAttribution] = Field(description="Direct contributions, largest first, the top `top`")
@@ -552,7 +557,7 @@ class LogitAttributionResponse(BaseModel):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "position": 5, "target": 109, "target_text": "m",
-        "logit": 6.2663, "total": 6.2663, "heads": [{"layer": 0, "head": 3, "contribution": 0.685},
+        "target_piece": "m", "logit": 6.2663, "total": 6.2663, "heads": [{"layer": 0, "head": 3, "contribution": 0.685},
                                                    {"layer": 0, "head": 2, "contribution": 0.27}],
         "attention_bias": [0.01, -0.02], "mlps": [1.9, 2.4], "embeddings": 0.8, "rest": 0.0}]})
 
@@ -666,6 +671,7 @@ class LogprobChange(BaseModel):
     position: int = Field(description="Where the prediction is made")
     id: int = Field(description="Causal LM: the actual next token. Masked LM: the clean model's top guess at the mask")
     token: str
+    piece: str = Field("", description="The id's vocabulary piece, as a prediction's: tells bytes that read \"\\ufffd\" apart")
     before: float = Field(description="log p (natural log) before the ablation")
     after: float
     change: float = Field(description="after − before")
@@ -710,8 +716,8 @@ class AblateResponse(BaseModel):
                     "truncated": False,
                     "ablate": [{"layer": 0, "head": 3, "mode": "zero"}],
                     "ranking": [{"layer": 1, "head": 0, "divergence": 0.41}],
-                    "predictions": {"positions": [0], "before": [[{"token": "n", "id": 78, "prob": 0.62}]],
-                                    "after": [[{"token": "n", "id": 78, "prob": 0.35}]]},
+                    "predictions": {"positions": [0], "before": [[{"token": "n", "id": 78, "prob": 0.62, "piece": "n"}]],
+                                    "after": [[{"token": "n", "id": 78, "prob": 0.35, "piece": "n"}]]},
                     "logprob_change": [{"position": 0, "id": 78, "token": "n", "before": -0.48, "after": -1.05, "change": -0.57}],
                 }
             ]

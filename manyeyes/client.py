@@ -187,12 +187,26 @@ class Prediction:
     token: str  # how the id reads on its own, e.g. " the"
     id: int
     prob: float
+    # The id's vocabulary piece, as a RemoteToken of that id has it ("Ġthe"; "å" for the byte 0xE5):
+    # byte-level pieces of part of a character all read token "\ufffd", their pieces differ.
+    # "" from servers before it.
+    piece: str = ""
+
+    def __repr__(self) -> str:
+        # The piece only where the text cannot tell the id: the reprs of whole tokens stay as they were.
+        piece = f", piece={self.piece!r}" if "\ufffd" in self.token else ""
+        return f"Prediction(token={self.token!r}, id={self.id!r}, prob={self.prob!r}{piece})"
 
     @property
     def text(self) -> str:
         """`token` by the name a local generation's step gives it (`Choice.text`): the same loop,
         `step.token.text`, reads a local and a remote generation."""
         return self.token
+
+
+def _choice(event: dict) -> Prediction:
+    """A generation step's token or alternative (its `text` is a Prediction's `token`)."""
+    return Prediction(event["text"], event["id"], event["prob"], event.get("piece", ""))
 
 
 @dataclass(frozen=True)
@@ -309,6 +323,7 @@ class RemoteLogitAttribution:
     mlps: np.ndarray  # (n_layers,)
     embeddings: float
     rest: float  # the final norm's shift and the unembedding's bias
+    target_piece: str = ""  # the target's vocabulary piece ("" from a server before it): tells bytes apart
 
 
 @dataclass
@@ -935,8 +950,8 @@ class Client:
                     yield GenerationStep(
                         index=event["index"],
                         position=event["position"],
-                        token=Prediction(event["token"]["text"], event["token"]["id"], event["token"]["prob"]),
-                        alternatives=[Prediction(a["text"], a["id"], a["prob"]) for a in event["alternatives"]],
+                        token=_choice(event["token"]),
+                        alternatives=[_choice(a) for a in event["alternatives"]],
                         attention=np.asarray(event["attention"], dtype=np.float32),
                     )
             except ConnectionFailed:

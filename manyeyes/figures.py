@@ -19,6 +19,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from manyeyes.indices import whole_number
+from manyeyes.model.tokenizer import bytes_label, piece_bytes
 
 COLORSCALE = "Blues"
 
@@ -173,16 +174,6 @@ def visible_spaces(text: str) -> str:
     return "".join(VISIBLE.get(ch) or (ch if ch.isprintable() else f"‹{ord(ch):02X}›") for ch in text)
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, each of the 256 bytes written as one printable character."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    rest = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(rest)}
-
-
-BYTE_OF_CHAR = _byte_alphabet()
-
-
 def token_label(token) -> str:
     """A token as the page's default labels ("Model pieces", pieceLabel in static/js/tokens.js)
     show it: a byte-level piece by its whole characters, and a byte of a character split across
@@ -190,28 +181,11 @@ def token_label(token) -> str:
     piece, so that a WordPiece model's [UNK] and ##-continuations show (labelled by their text, 我
     爱 hid that MiniLM knew neither); spaces and invisible characters made visible."""
     piece = getattr(token, "piece", "") or ""
-    if piece and not getattr(token, "special", False) and all(ch in BYTE_OF_CHAR for ch in piece):
-        raw = bytes(BYTE_OF_CHAR[ch] for ch in piece)
-        # Bytes only when they really come from the token's own text: "naive" for "naïve" is no byte piece.
-        if raw in token.text.encode("utf-8", "replace"):
-            return _bytes_label(raw)
+    raw = None if getattr(token, "special", False) else piece_bytes(piece)
+    # Bytes only when they really come from the token's own text: "naive" for "naïve" is no byte piece.
+    if raw is not None and raw in token.text.encode("utf-8", "replace"):
+        return bytes_label(raw, visible_spaces)
     return visible_spaces(piece or token.text)
-
-
-def _bytes_label(raw: bytes) -> str:
-    label, i = "", 0
-    while i < len(raw):
-        for size in (1, 2, 3, 4):  # the one length at which a whole character decodes, if any
-            try:
-                label += visible_spaces(raw[i:i + size].decode("utf-8"))
-                i += size
-                break
-            except UnicodeDecodeError:
-                pass
-        else:
-            label += f"‹{raw[i]:02X}›"
-            i += 1
-    return label
 
 
 MIN_FIGURE_PX = 460  # a heatmap's smallest side: the title, tick labels and axis titles take ~200 of it

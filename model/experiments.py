@@ -85,14 +85,15 @@ class Guess:
     id: int
     token: str
     prob: float
+    piece: str = ""  # the id's vocabulary piece, as a prompt token of that id has it (`Prediction.piece`)
 
 
 def top_k(model: AttentionModel, logits: torch.Tensor, k: int) -> list[list[Guess]]:
     """Per position, the k most likely tokens; (T, vocab) logits."""
     probs = torch.softmax(logits.double(), -1)
     values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    decode = model.tokenizer.token_text
-    return [[Guess(int(i), decode(int(i)), float(v)) for v, i in zip(vs, row)] for vs, row in zip(values, ids)]
+    decode, piece = model.tokenizer.token_text, model.tokenizer.token_piece
+    return [[Guess(int(i), decode(int(i)), float(v), piece(int(i))) for v, i in zip(vs, row)] for vs, row in zip(values, ids)]
 
 
 # ---------------------------------------------------------------------------- ablation

@@ -25,6 +25,13 @@ class Choice:
     id: int
     text: str  # the token decoded on its own (a byte-level piece may be part of a character)
     prob: float  # under the model's own distribution (temperature 1, no top-k cut)
+    # The id's vocabulary piece, as a prompt token of that id has it: the bytes of part of a
+    # character all read text "\ufffd", their pieces ("å" for 0xE5) tell them apart.
+    piece: str = ""
+
+    def __repr__(self) -> str:
+        piece = f", piece={self.piece!r}" if "\ufffd" in self.text else ""
+        return f"Choice(id={self.id!r}, text={self.text!r}, prob={self.prob!r}{piece})"
 
     @property
     def token(self) -> str:
@@ -127,7 +134,7 @@ def generate(
     check_generation(model, len(encoded), max_new_tokens)
     ends = model.info.eos_ids if stop_at_eos else frozenset()
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    decode = model.tokenizer.token_text
+    decode, piece = model.tokenizer.token_text, model.tokenizer.token_piece
     ids = list(encoded.ids)
     device = model.device
 
@@ -181,8 +188,8 @@ def generate(
         yield Step(
             index=index,
             position=len(ids) - 1,
-            token=Choice(chosen, decode(chosen), float(probs[chosen])),
-            alternatives=[Choice(int(i), decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
+            token=Choice(chosen, decode(chosen), float(probs[chosen]), piece(chosen)),
+            alternatives=[Choice(int(i), decode(int(i)), float(p), piece(int(i))) for p, i in zip(top.values, top.indices)],
             attention=row,
             ends_text=chosen in ends,
         )

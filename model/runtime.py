@@ -49,6 +49,14 @@ class Prediction:
     token: str  # how the id reads on its own, e.g. " the"
     id: int
     prob: float  # softmax over the whole vocabulary, float32
+    # The id's vocabulary piece, as an encoded token of that id has it ("Ġthe"; "å" for the byte
+    # 0xE5): byte-level pieces of part of a character all read token "\ufffd", their pieces differ.
+    piece: str = ""
+
+    def __repr__(self) -> str:
+        # The piece only where the text cannot tell the id: the reprs of whole tokens stay as they were.
+        piece = f", piece={self.piece!r}" if "\ufffd" in self.token else ""
+        return f"Prediction(token={self.token!r}, id={self.id!r}, prob={self.prob!r}{piece})"
 
 
 @dataclass
@@ -243,8 +251,8 @@ class AttentionModel:
             mask_id = self.tokenizer.mask_id
             positions = [i for i, t in enumerate(tokens) if mask_id is not None and t.id == mask_id]
         ids, probs = top_ids[positions, :top_k].tolist(), top_probs[positions, :top_k].tolist()
-        text = self.tokenizer.token_text
-        return {i: [Prediction(text(t), t, p) for t, p in zip(row_ids, row_probs)]
+        text, piece = self.tokenizer.token_text, self.tokenizer.token_piece
+        return {i: [Prediction(text(t), t, p, piece(t)) for t, p in zip(row_ids, row_probs)]
                 for i, row_ids, row_probs in zip(positions, ids, probs)}
 
     def _autocast(self):

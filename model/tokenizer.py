@@ -80,6 +80,42 @@ class Encoded:
         return len(self.tokens)
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each of the 256 bytes written as one printable character."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(rest)}
+
+
+BYTE_OF_CHAR = _byte_alphabet()
+
+
+def piece_bytes(piece: str) -> bytes | None:
+    """The bytes a byte-level BPE piece stands for ("Ġthe": b" the", "å": b"\xe5"); None for a piece
+    with a character outside that alphabet. Any ASCII piece also reads as its own bytes."""
+    if not piece or any(ch not in BYTE_OF_CHAR for ch in piece):
+        return None
+    return bytes(BYTE_OF_CHAR[ch] for ch in piece)
+
+
+def bytes_label(raw: bytes, shown=str) -> str:
+    """Bytes as the page labels a byte-level piece (bytesLabel, static/js/tokens.js): each whole
+    UTF-8 character through `shown`, each byte of a character split across pieces as ‹E5›."""
+    label, i = "", 0
+    while i < len(raw):
+        for size in (1, 2, 3, 4):  # the one length at which a whole character decodes, if any
+            try:
+                label += shown(raw[i:i + size].decode("utf-8"))
+                i += size
+                break
+            except UnicodeDecodeError:
+                pass
+        else:
+            label += f"‹{raw[i]:02X}›"
+            i += 1
+    return label
+
+
 MASK_PIECES = ("[MASK]", "<mask>")
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's document separator, and what `manyeyes train` puts between files
 UNK_PIECES = ("[UNK]", "<unk>")
@@ -122,8 +158,14 @@ class TextTokenizer:
         return self._full.token_to_id(END_OF_TEXT)
 
     def token_text(self, tid: int) -> str:
-        """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece)."""
+        """How one vocabulary id reads on its own (" the" for byte-level BPE, "##ing" for WordPiece).
+        A byte-level piece of part of a character reads "\ufffd", whichever byte it is: `token_piece` tells them apart."""
         return self._full.decode([tid], skip_special_tokens=False) or (self._full.id_to_token(tid) or "")
+
+    def token_piece(self, tid: int) -> str:
+        """One id's vocabulary piece, the `piece` an encoded token of that id carries (`Encoding.tokens`
+        is this lookup): "Ġthe", "##ing", "å" for the byte 0xE5. "" for an id past the vocabulary."""
+        return self._full.id_to_token(tid) or ""
 
     def special_token(self, kind: str) -> tuple[str, int] | None:
         """(piece, id) of the "mask" or "unk" token, under the spellings BERT and RoBERTa families use."""
@@ -201,6 +243,11 @@ class TiktokenTokenizer:
         except KeyError:
             return ""
 
+    def token_piece(self, tid: int) -> str:
+        """One id's piece, as `encode` gives its tokens theirs: this encoding's pieces are its
+        tokens' own text (a byte of part of a character reads "\ufffd" here too)."""
+        return self.token_text(tid)
+
     def special_token(self, kind: str) -> tuple[str, int] | None:
         return None  # GPT-2's encoding has neither a mask nor an unknown token
 
@@ -213,7 +260,7 @@ class TiktokenTokenizer:
             _, starts = self._enc.decode_with_offsets(ids)
             ends = starts[1:] + [len(part)]
             for tid, start, end in zip(ids, starts, ends):
-                piece = self._enc.decode_single_token_bytes(tid).decode("utf-8", errors="replace")
+                piece = self.token_piece(tid)
                 tokens.append(Token(part[start:end] or piece, tid, start, end, False, segment, piece))
         truncated = len(tokens) > self.max_tokens
         if truncated and not truncate:

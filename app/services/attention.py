@@ -255,7 +255,8 @@ def predictions_body(model, run: Run, top_k: int | None) -> dict | None:
     if top_k is None:
         return None
     found = model.predictions_from(run.tokens, run.top_ids, run.top_probs, top_k)
-    return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob} for p in preds] for pos, preds in found.items()}
+    return {str(pos): [{"token": p.token, "id": p.id, "prob": p.prob, "piece": p.piece} for p in preds]
+            for pos, preds in found.items()}
 
 
 def covers(run: Run, other: Run) -> bool:

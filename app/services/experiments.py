@@ -46,7 +46,7 @@ def ranking_dicts(ranking) -> list[dict]:
 
 
 def guesses(rows) -> list[list[dict]]:
-    return [[{"token": g.token, "id": g.id, "prob": g.prob} for g in row] for row in rows]
+    return [[{"token": g.token, "id": g.id, "prob": g.prob, "piece": g.piece} for g in row] for row in rows]
 
 
 def pick(indices: list[int] | None, count: int, what: str) -> list[int]:
@@ -278,10 +278,11 @@ class ExperimentService:
         if result.top_before is not None:
             out["predictions"] = {"positions": result.predicted, "before": guesses(result.top_before),
                                   "after": guesses(result.top_after)}
-            decode = model.tokenizer.token_text
+            decode, piece = model.tokenizer.token_text, model.tokenizer.token_piece
             # change is after - before of the very floats shown (a float32 change was 1e-7 off it)
             out["logprob_change"] = [
-                {"position": p, "id": t, "token": decode(t), "before": before, "after": after, "change": after - before}
+                {"position": p, "id": t, "token": decode(t), "piece": piece(t), "before": before, "after": after,
+                 "change": after - before}
                 for (p, t), before, after in zip(result.targets, result.logprob_before.tolist(), result.logprob_after.tolist())
             ]
         if view is not None:

@@ -27,7 +27,7 @@ RETRY_AFTER_S = 5
 
 
 def _choice(c) -> dict:
-    return {"id": c.id, "text": c.text, "prob": c.prob}
+    return {"id": c.id, "text": c.text, "prob": c.prob, "piece": c.piece}
 
 
 def _step_line(step: Step) -> bytes:

@@ -371,7 +371,8 @@ class MeasuresService:
         token = served.model.tokenizer.token_text(found.target)
         return {
             "run_id": run.run_id, "position": found.position, "target": found.target,
-            "target_text": token, "logit": found.logit, "total": found.total,
+            "target_text": token, "target_piece": served.model.tokenizer.token_piece(found.target),
+            "logit": found.logit, "total": found.total,
             "heads": [{"layer": layer, "head": head, "contribution": value} for layer, head, value in ranked[:top]],
             "attention_bias": found.attention_bias.tolist(), "mlps": found.mlps.tolist(),
             "embeddings": found.embeddings, "rest": found.rest,

@@ -7,7 +7,7 @@ import { el } from "./dom.js";
 import { HeadFinder } from "./finder.js";
 import { signedFill } from "./measures_colours.js";
 import { hexToRgb, palette } from "./theme.js";
-import { visibleSpaces } from "./tokens.js";
+import { guessLabel } from "./tokens.js";
 
 // "+0.31", "−0.33"; a value that rounds to zero has no sign ("−0.00" read as a push down).
 function signed(v, digits = 2) {
@@ -97,7 +97,7 @@ export class AttributionPanel {
     const next = this.ids?.[position + 1];
     const says = (id) => (id === next ? ", the text's next token" : "");
     const options = top.length
-      ? top.map((p, i) => el("option", { text: `${visibleSpaces(p.token)} (${(p.prob * 100).toFixed(1)}%)${i ? "" : ", the top one"}${says(p.id)}`, attrs: { value: p.id } }))
+      ? top.map((p, i) => el("option", { text: `${guessLabel(p)} (${(p.prob * 100).toFixed(1)}%)${i ? "" : ", the top one"}${says(p.id)}`, attrs: { value: p.id } }))
       : [el("option", { text: "the top one", attrs: { value: "" } })];
     if (next !== undefined && !top.some((p) => p.id === next)) {
       options.push(el("option", { text: `${this.labels[position + 1]}, the text's next token`, attrs: { value: next } }));
@@ -141,7 +141,7 @@ export class AttributionPanel {
     // every head out to near white; an MLP past the heads' largest is drawn at full strength.
     const peak = Math.max(1e-12, ...found.heads.map((h) => Math.abs(h.contribution)));
     const after = this.labels[found.position] ?? "";
-    this.sum.textContent = `Logit of “${visibleSpaces(found.target_text)}” after “${after}”: ${found.logit.toFixed(3)} = `
+    this.sum.textContent = `Logit of “${guessLabel({ token: found.target_text, piece: found.target_piece })}” after “${after}”: ${found.logit.toFixed(3)} = `
       + `heads ${signed(headSum, 3)}, MLPs ${signed(mlpSum, 3)}, embeddings ${signed(found.embeddings, 3)}, `
       + `attention biases ${signed(biasSum, 3)}, final norm and output bias ${signed(found.rest, 3)}. `
       + "A head's effect through later layers is not counted here.";

@@ -6,7 +6,7 @@ import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
 import { alignedDifference, clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, postWithDifference, rankingTable, status } from "./experiment_parts.js";
 import { mountGeneration } from "./generate_view.js";
-import { pieceLabel, visibleSpaces } from "./tokens.js";
+import { guessLabel, pieceLabel } from "./tokens.js";
 
 // ---------------------------------------------------------------------------- ablation
 const ablation = {
@@ -211,10 +211,10 @@ function predictionTable(reply) {
   const mean = reply.logprob_change.reduce((s, c) => s + c.change, 0) / reply.logprob_change.length;
   const rows = changes.map((c) => {
     const i = top.get(c.position);
-    const guess = (g) => (g ? `${visibleSpaces(g.token)} (${g.prob.toFixed(2)})` : "");
+    const guess = (g) => (g ? `${guessLabel(g)} (${g.prob.toFixed(2)})` : "");
     return el("tr", { attrs: { "data-position": c.position } }, [
       el("td", { text: `${c.position}: ${pieceLabel(reply.tokens[c.position])}` }),
-      el("td", { text: visibleSpaces(c.token) }),
+      el("td", { text: guessLabel(c) }),
       el("td", { text: c.change.toFixed(3), className: "num" }),
       el("td", { text: `${guess(reply.predictions.before[i]?.[0])} → ${guess(reply.predictions.after[i]?.[0])}` }),
     ]);

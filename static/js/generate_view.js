@@ -5,7 +5,7 @@
 import { describeError, listModels, requestResponse } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
 import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
-import { pieceLabel, tokenCount } from "./tokens.js";
+import { guessLabel, pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
 
@@ -116,7 +116,9 @@ export function mountGeneration(box) {
   }
 
   function pieces() {
-    return [...state.start.prompt.map(pieceLabel), ...state.steps.map((s) => pieceLabel(s.token))];
+    // A generated token is read on its own (no characters of the prompt's to check a piece against):
+    // guessLabel, so a byte of a split character shows as ‹E5›, not "�" for every byte.
+    return [...state.start.prompt.map(pieceLabel), ...state.steps.map((s) => guessLabel(s.token))];
   }
 
   function render() {
@@ -129,7 +131,7 @@ export function mountGeneration(box) {
       className: `chip${i >= promptLength ? " generated" : ""}${i === step.position ? " current" : ""}${i > step.position ? " later" : ""}`,
       text, attrs: i === step.position ? { "aria-current": "true" } : {},
     })));
-    const label = pieceLabel(step.token);
+    const label = guessLabel(step.token);
     sayWhere();
     const { n_layers: L, n_heads: H } = state.start;
     const names = [];
@@ -147,7 +149,7 @@ export function mountGeneration(box) {
     const promptRows = state.prompt ? headRows(state.prompt, l, h).map(seen) : [];
     const generated = state.steps.slice(0, state.current + 1);
     const grown = [...promptRows, ...generated.map((s) => seen(Array.from(s.attention[l][h]), s.position))];
-    const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => pieceLabel(s.token))];
+    const rowNames = [...all.slice(0, promptRows.length), ...generated.map((s) => guessLabel(s.token))];
     // Without the prompt's rows the first row is the first generated token's, at the prompt's length.
     const title = state.prompt ? `L${l} H${h}: the heatmap so far` : `L${l} H${h}: the generated tokens' rows (the prompt's are not shown)`;
     heatmap(growPlot, grown, { x: all.slice(0, width), y: rowNames, yFirst: state.prompt ? 0 : promptLength, title });
@@ -158,7 +160,7 @@ export function mountGeneration(box) {
   function sayWhere() {
     const step = state.steps[state.current];
     if (!step) return;
-    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${pieceLabel(step.token)}” (p ${step.token.prob.toFixed(3)})`;
+    where.textContent = `Token ${state.current + 1} of ${state.steps.length}: “${guessLabel(step.token)}” (p ${step.token.prob.toFixed(3)})`;
   }
 
   function go(index) {

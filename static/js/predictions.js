@@ -12,7 +12,7 @@
 
 import { describeError, listModels, postAttentionJson } from "./api.js";
 import { el } from "./dom.js";
-import { visibleSpaces } from "./tokens.js";
+import { guessLabel } from "./tokens.js";
 
 const TOP_K = 5;
 // Spans per strip: beyond this many tokens the strip stops (the hover line still has every token).
@@ -23,9 +23,10 @@ function percent(prob) {
 }
 
 // "next after “cat”: sat 41.2%, is 9.0%, …" (causal) or "at “[MASK]”: …" (masked LM). A guessed
-// token's spaces are written as the labels write them ("␣the", "␣"): a bare space read as nothing.
+// token's spaces are written as the labels write them ("␣the", "␣"): a bare space read as nothing;
+// a byte of a split character as its byte (‹E5›, guessLabel): each had read "�".
 function describeTop(top, label, causal) {
-  return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${visibleSpaces(p.token)} ${percent(p.prob)}`).join(", ");
+  return `${causal ? "next after" : "at"} “${label}”: ` + top.map((p) => `${guessLabel(p)} ${percent(p.prob)}`).join(", ");
 }
 
 // One span per token: the token, its top guess under it, the whole top-k in its title. The list is
@@ -41,7 +42,7 @@ function renderStrip(container, labels, predictions, causal) {
       el("span", { className: "pred-token", text: label, attrs: { "aria-hidden": "true" } }),
       // A guess that is or starts with a space (" the", a bare " ") written as the labels write
       // spaces (␣, ↵; tokens.js), which printed as nothing; data-token keeps the real text.
-      el("span", { className: "pred-guess", text: top ? visibleSpaces(top[0].token) : "", attrs: { "aria-hidden": "true", ...(top ? { "data-token": top[0].token } : {}) } }),
+      el("span", { className: "pred-guess", text: top ? guessLabel(top[0]) : "", attrs: { "aria-hidden": "true", ...(top ? { "data-token": top[0].token } : {}) } }),
     ]);
   });
   const rest = labels.length - shown.length;

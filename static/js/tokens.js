@@ -110,6 +110,24 @@ export function pieceLabel(token) {
   return bytes ? bytesLabel(bytes) : visibleSpaces(piece);
 }
 
+// A guess or a generated token ({token | text, piece}) read on its own: its text, spaces made
+// visible, where that is whole characters. A byte-level piece of part of a character reads "\ufffd"
+// whichever byte it is (ids 161, 159 and 102 alike): it is labelled from its piece, as pieceLabel
+// labels a prompt token's (‹E5›), where the piece's bytes are what the text was read from; a
+// piece in no byte alphabet as it is ("<0xE5>"). A server without `piece`: the text.
+export function guessLabel(guess) {
+  const text = guess.token ?? guess.text ?? "";
+  const piece = guess.piece;
+  if (!piece || !text.includes("\ufffd")) return visibleSpaces(text);
+  const bytes = [];
+  for (const ch of piece) {
+    const b = BYTE_OF_CHAR.get(ch);
+    if (b === undefined) return visibleSpaces(piece);
+    bytes.push(b);
+  }
+  return new TextDecoder().decode(new Uint8Array(bytes)) === text ? bytesLabel(bytes) : visibleSpaces(piece);
+}
+
 // Labels for every token of a run, in the chosen mode ("pieces" or "text").
 export function tokenLabels(tokens, mode) {
   return tokens.map((t) => (mode === "text" ? visibleSpaces(t.text) : pieceLabel(t)));
