@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import time
+import unicodedata
 
 SHADES = " .:-=+*#%@"  # ten steps, light to dark
 TABLE_MAX_KEYS = 64  # a head's matrix is 6 characters a key wide: past this, no terminal shows a row on one line
@@ -20,17 +21,32 @@ def _shown(text: str) -> str:
     return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
+def _columns(text: str) -> int:
+    """Terminal columns `text` takes: 2 for a wide character (CJK, most emoji), 0 for a combining
+    mark or a joiner. By len(), a row labelled 東京 stood two columns right of the others."""
+    return sum(0 if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf")
+               else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
+
+
+def _clipped(label: str, width: int) -> str:
+    if _columns(label) <= width:
+        return label
+    while _columns(label) > width - 1:
+        label = label[:-1]
+    return label + "…"
+
+
 def _format_head(tokens: list[str], weights, width: int = 12) -> str:
     """A readable matrix: rows are queries, columns keys, values to 2 decimals plus a shade."""
-    labels = [t if len(t) <= width else t[: width - 1] + "…" for t in tokens]
-    pad = max(len(lab) for lab in labels)
+    labels = [_clipped(t, width) for t in tokens]
+    pad = max(_columns(lab) for lab in labels)
     index = len(str(len(tokens) - 1))  # row numbers as wide as the largest: row 10 had pushed its cells right
     lines = [" " * (pad + index + 2) + " ".join(f"{i:>5}" for i in range(len(tokens)))]
     for i, (lab, row) in enumerate(zip(labels, weights.tolist())):
         cells = " ".join(f"{v:5.2f}" for v in row)
         # a NaN weight (a float16 run that overflowed) is a "?", not a crash of int()
         shade = "".join(SHADES[min(int(v * len(SHADES)), len(SHADES) - 1)] if v == v else "?" for v in row)
-        lines.append(f"{lab:>{pad}} {i:>{index}} {cells}  |{shade}|")
+        lines.append(f"{' ' * (pad - _columns(lab))}{lab} {i:>{index}} {cells}  |{shade}|")
     return "\n".join(lines)
 
 
@@ -64,6 +80,7 @@ def cmd_attend(args) -> int:
     from manyeyes.model import load
     from manyeyes.model.attention import Capture
     from manyeyes.model.kept import DenseAttention, topk_rows
+    from manyeyes.model.tokenizer import token_label
 
     if _bad_text(args):
         return 2
@@ -102,7 +119,9 @@ def cmd_attend(args) -> int:
     if args.json:
         return _print_json(model, args, view, result, timing, settings.dense_max_tokens)
     heads = result.kept if long else DenseAttention(result.attention)
-    texts = [_shown(t.text) for t in result.tokens]
+    # Labelled as the page's default labels and the figures label them: a byte-level model's bytes
+    # of a split character as ‹E6› (each had read as the whole character), a space as ␣ (blank).
+    texts = [token_label(t) for t in result.tokens]
     print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
           f"{info.n_layers} layers x {info.n_heads} heads) on {info.device}")
     print(f"{len(texts)} tokens{' (truncated)' if result.truncated else ''}:")

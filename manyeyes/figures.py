@@ -19,7 +19,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from manyeyes.indices import whole_number
-from manyeyes.model.tokenizer import bytes_label, piece_bytes
+from manyeyes.model.tokenizer import token_label
 
 COLORSCALE = "Blues"
 
@@ -163,29 +163,6 @@ def plotly_text(text: str) -> str:
     `<s>` (every Llama's and RoBERTa's first token) drew as nothing and `<b>x</b>` as a bold x.
     As the page's plotlyText (static/js/dom.js)."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
-
-
-def visible_spaces(text: str) -> str:
-    """As the page labels tokens (static/js/tokens.js): a space token was a blank tick label. Every
-    other character that draws as nothing (a control, a zero-width joiner, a bidi override) as ‹200D›."""
-    return "".join(VISIBLE.get(ch) or (ch if ch.isprintable() else f"‹{ord(ch):02X}›") for ch in text)
-
-
-def token_label(token) -> str:
-    """A token as the page's default labels ("Model pieces", pieceLabel in static/js/tokens.js)
-    show it: a byte-level piece by its whole characters, and a byte of a character split across
-    tokens as ‹F0› (each of 👩's four byte tokens had been labelled 👩); any other token by its
-    piece, so that a WordPiece model's [UNK] and ##-continuations show (labelled by their text, 我
-    爱 hid that MiniLM knew neither); spaces and invisible characters made visible."""
-    piece = getattr(token, "piece", "") or ""
-    raw = None if getattr(token, "special", False) else piece_bytes(piece)
-    # Bytes only when they really come from the token's own text: "naive" for "naïve" is no byte piece.
-    if raw is not None and raw in token.text.encode("utf-8", "replace"):
-        return bytes_label(raw, visible_spaces)
-    return visible_spaces(piece or token.text)
 
 
 MIN_FIGURE_PX = 460  # a heatmap's smallest side: the title, tick labels and axis titles take ~200 of it

@@ -116,6 +116,29 @@ def bytes_label(raw: bytes, shown=str) -> str:
     return label
 
 
+VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
+
+
+def visible_spaces(text: str) -> str:
+    """As the page labels tokens (visibleSpaces, static/js/tokens.js): a space token was a blank label. Every
+    other character that draws as nothing (a control, a zero-width joiner, a bidi override) as ‹200D›."""
+    return "".join(VISIBLE.get(ch) or (ch if ch.isprintable() else f"‹{ord(ch):02X}›") for ch in text)
+
+
+def token_label(token) -> str:
+    """A token as the page's default labels ("Model pieces", pieceLabel in static/js/tokens.js)
+    show it: a byte-level piece by its whole characters, and a byte of a character split across
+    tokens as ‹F0› (each of 👩's four byte tokens had been labelled 👩); any other token by its
+    piece, so that a WordPiece model's [UNK] and ##-continuations show (labelled by their text, 我
+    爱 hid that MiniLM knew neither); spaces and invisible characters made visible."""
+    piece = getattr(token, "piece", "") or ""
+    raw = None if getattr(token, "special", False) else piece_bytes(piece)
+    # Bytes only when they really come from the token's own text: "naive" for "naïve" is no byte piece.
+    if raw is not None and raw in token.text.encode("utf-8", "replace"):
+        return bytes_label(raw, visible_spaces)
+    return visible_spaces(piece or token.text)
+
+
 MASK_PIECES = ("[MASK]", "<mask>")
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's document separator, and what `manyeyes train` puts between files
 UNK_PIECES = ("[UNK]", "<unk>")

@@ -143,18 +143,33 @@ def test_a_terminal_that_cannot_show_a_character_gets_its_escape_not_a_traceback
                           capture_output=True, env={**os.environ, "PYTHONIOENCODING": "ascii"}, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-500:]
     out = done.stdout.decode("ascii")
-    assert "layer 0, head 0" in out and "\\xef" in out  # tiny-gpt's byte-level pieces, escaped
+    # tiny-gpt's bytes of ï labelled as the page labels them (‹C3›‹AF›), the labels' marks escaped
+    assert "layer 0, head 0" in out and "[4]\\u2039C3\\u203a [5]\\u2039AF\\u203a" in out
 
 
 def test_control_characters_in_tokens_are_shown_escaped(capsys):
-    """A newline token split its row label over two lines; ESC and CR went to the terminal raw."""
+    """A newline token split its row label over two lines; ESC and CR went to the terminal raw.
+    They are labelled as the page labels them (↵, ‹1B›, the override's bytes ‹E2› ‹80› ‹AE›)."""
     assert main(["attend", "ab\r\ncd\x1b[31mred\u202eevil", "--model", "tiny-gpt"]) == 0
     out = capsys.readouterr().out
     assert not any(ch in out for ch in "\r\x1b\u202e")
-    assert "\\n" in out and "\\x1b" in out and "\\u202e" in out
+    assert "[2]␍ [3]↵" in out and "[6]‹1B›" in out and "[14]‹E2› [15]‹80› [16]‹AE›" in out
     table = out.split("(rows: queries, columns: keys)\n")[1].splitlines()
     widths = {len(line) for line in table[1:]}
     assert len(widths) == 1, table  # every row on one line, under the header's columns
+
+
+def test_the_table_labels_tokens_as_the_page_does_and_wide_characters_keep_their_columns(capsys):
+    """Each of tiny-gpt's three byte tokens of 東 was labelled 東, a space token was blank, and a
+    row labelled by a wide character stood a column right of the others (a review by use)."""
+    assert main(["attend", "東京 tower", "--model", "tiny-gpt"]) == 0
+    out = capsys.readouterr().out
+    assert "[0]‹E6› [1]‹9D› [2]‹B1›" in out and "[6]␣" in out
+    assert main(["attend", "東京は高い river", "--model", "minilm"]) == 0
+    table = capsys.readouterr().out.split("(rows: queries, columns: keys)\n")[1].splitlines()
+    # Where each row's first weight ends, counting a wide character as two columns.
+    wide = lambda line: sum(2 if "\u3040" <= ch <= "\u9fff" else 1 for ch in line[: line.index(".") + 3])
+    assert len({wide(line) for line in table[1:]}) == 1, table
 
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog, and the dog looks back at the fox. " * 2

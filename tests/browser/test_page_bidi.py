@@ -63,7 +63,7 @@ def gpt():
 
 
 def test_labels_write_invisible_characters_as_the_exported_figures_do(server, page):
-    from manyeyes.figures import visible_spaces
+    from manyeyes.model.tokenizer import visible_spaces
 
     samples = ["a\u200db", "\u200b", "\u200e\u200f", "x\u202ey\u202c", "\u2066\u2069", "\ufeff", "soft\u00adhyphen",
                "\u061c", "\u00a0\u3000\u2028", "\x85\x1b\x7f", "\ue000", "👩\u200d💻", "e\u0301", "שלום", "नमस्ते",
