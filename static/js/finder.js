@@ -21,7 +21,8 @@ export class HeadFinder {
     this.tagFilter.addEventListener("change", () => this.drawTable());
     this.textFilter.addEventListener("input", () => this.drawTable());
     this.grid = el("div", { className: "finder-grid", attrs: { role: "group", "aria-label": "Heads by tag" } });
-    this.table = el("table", { className: "finder-table" });
+    // Named, as a caption would: a screen reader announced an unnamed table of numbers.
+    this.table = el("table", { className: "finder-table", attrs: { "aria-label": "Every head's statistics and tags; a column's heading sorts by it" } });
     root.replaceChildren(
       el("div", { className: "finder-filters" }, [
         el("label", { text: "Tag ", attrs: { for: "finder-tag" } }), this.tagFilter,

@@ -30,7 +30,8 @@ export class NeuronPanel {
     this.note = el("p", { className: "caption", attrs: { id: "neuron-note" } });
     this.about = ""; // what the note says of the view drawn
     this.aside = ""; // and after it, under a mean above: that this is the focused head alone
-    this.table = el("table", { className: "neuron-table", attrs: { id: "neuron-table" } });
+    // Named by the note above it, which says which head and query token it shows.
+    this.table = el("table", { className: "neuron-table", attrs: { id: "neuron-table", "aria-label": "Each key's vector, score, weight and value for the chosen query", "aria-describedby": "neuron-note" } });
     this.scroller = el("div", { className: "finder-scroll neuron-scroll" }, [this.table]);
     root.replaceChildren(
       el("div", { className: "finder-filters" }, [el("label", { text: "Query token ", attrs: { for: "neuron-query" } }), this.query]),

@@ -226,6 +226,9 @@ def test_neuron_view_shows_the_apis_numbers(ran, tiny_api, artifacts):
     for shown, want in zip(weights, view["weights"]):
         assert abs(float(shown) - want) <= 5e-5
     assert "own keys and values" in page.locator("#neuron-note").text_content()
+    # Both tables are named for a screen reader (an unnamed table of numbers was announced as such).
+    assert page.get_by_role("table", name="Each key's vector, score, weight and value for the chosen query").count() == 1
+    assert page.get_by_role("table", name="Every head's statistics and tags; a column's heading sorts by it").count() == 1
     page.locator("#neuron").screenshot(path=str(artifacts / "measures-neuron.png"))
 
 
