@@ -157,7 +157,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     `forward_link`: where workers' shared forward process listens (services/shared_forward.py).
     `keys`: the keys as `manyeyes serve` read them at its start; else read from `settings` here."""
     settings = settings or Settings()
-    metrics = Metrics()
+    metrics = Metrics(budget_s=settings.request_timeout_s)  # the budget is a latency bucket bound
     if keys is None:
         keys = configured_keys(settings.api_keys, settings.api_keys_file)  # a bad key file fails here, at start-up
     # Started by the server when a shutdown begins (server.Server), so that a generation stream

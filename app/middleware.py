@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 
@@ -13,6 +14,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 from starlette.responses import Response
+from starlette.routing import Route
 
 from manyeyes.app.services.errors import ClientClosed, NotReady, brief, error_body
 from manyeyes.app.services.metrics import Metrics
@@ -25,9 +27,27 @@ access_log = logging.getLogger("manyeyes.access")
 DELIVERY = "manyeyes.delivery"
 
 
+# Where an error answer's code is kept for the access log: scope["state"][ERROR_CODE].
+ERROR_CODE = "error_code"
+
+
+class ErrorResponse(Response):
+    """error_response's answer, which leaves its code where AccessLog finds it (scope["state"]):
+    the log line of a 429 then says queue_full, client_share or work, which its status alone did not."""
+
+    def __init__(self, code: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.code = code
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope.setdefault("state", {})[ERROR_CODE] = self.code
+        await super().__call__(scope, receive, send)
+
+
 def error_response(status: int, code: str, message: str, headers: dict | None = None, fields: dict | None = None) -> Response:
     """The JSON error every refusal gives, as a Response (send_error writes the same to an ASGI send)."""
-    return Response(orjson.dumps(error_body(code, message, fields)), status_code=status, media_type="application/json", headers=headers)
+    return ErrorResponse(code, orjson.dumps(error_body(code, message, fields)), status_code=status, media_type="application/json",
+                         headers=headers)
 
 
 async def send_error(send, status: int, code: str, message: str, headers: list | None = None) -> None:
@@ -230,10 +250,77 @@ class HeadAsGet:
                 scope["route"] = as_get["route"]
 
 
+# The methods counted under their own name in the metrics, where the route serves them; any other
+# is counted as "other". The label took the method as sent: httptools parses some 35 (PROPFIND,
+# MKCOL, ...), and one client without a key took /metrics from 60 series to 17,019 (1.76 MB a
+# scrape) in seconds (review h48b); the standard ones alone on every route, answered 405 or 401,
+# still made 4,573.
+STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+# The longest path (and method) a log line holds; a longer one is cut there, marked "...", and its
+# length given as path_length: 2,000 GETs of 60 KB paths had written 120 MB of log in 31 s.
+LOGGED_PATH_CHARS = 512
+LOGGED_METHOD_CHARS = 32
+# An incoming X-Request-ID is used as sent when it is 1 to 64 of these characters; else one is made.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,64}")
+# A refusal's path longer than this is not matched against the routes (its label stays "other").
+MATCHED_PATH_CHARS = 2048
+# An error answer's body read for its code (when the app left none in scope["state"]): at most this.
+SNIFFED_ERROR_BYTES = 16384
+
+
+def clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def request_id_of(headers) -> str:
+    """The request's X-Request-ID when it is a usable one, else a new one (16 hex digits)."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            sent = value.decode("latin-1").strip()
+            if REQUEST_ID.fullmatch(sent):
+                return sent
+            break
+    return os.urandom(8).hex()
+
+
+def error_code_in(body: bytes) -> str | None:
+    """The code of a JSON error body ({"error": {"code": ...}}), or None."""
+    if len(body) > SNIFFED_ERROR_BYTES or not body.startswith(b'{"error"'):
+        return None
+    try:
+        code = orjson.loads(body)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return clipped(code, 64) if isinstance(code, str) else None
+
+
+def route_templates(routes) -> list[Route]:
+    """The app's routes (FastAPI's included routers opened up), whose templates label the metrics.
+    Mounts (the static files) are left out: they are "other"."""
+    found = []
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # FastAPI's wrapper of an included router
+        if inner is not None:
+            if not getattr(getattr(route, "include_context", None), "prefix", ""):  # else its routes' paths lack it
+                found.extend(route_templates(inner.routes))
+        elif isinstance(route, Route):
+            found.append(route)
+    return found
+
+
 class AccessLog:
     """Counts and times every request (from its start to its answer's last byte handed to the server)
-    by route template (not raw path, which clients control)
-    and writes one JSON log line with whatever the route put in scope["state"]["log"].
+    by route template (not raw path, which clients control) and method (those of the standard seven
+    that the route serves, HEAD where it serves GET; any other is "other"), and writes one JSON log line with whatever the route put in scope["state"]["log"].
+
+    A request refused before routing (a 401 for its key, BodyLimit's 413) is counted under the
+    template of the route its path and method match, found by the routes' own patterns without
+    running them; one that matches none (a 404, a static file) is "other".
+
+    Each request has an id: its X-Request-ID when that is 1 to 64 letters, digits or ``._:-``, else
+    a new one; the answer carries it as X-Request-ID, and the log line as request_id. An error
+    answer's line carries its code: error_response leaves it in scope["state"], and an answer
+    written straight to the ASGI send (send_error, /readyz's) has it read from its JSON body.
 
     The line says whether the answer left the server whole ("complete"): one the client stopped
     taking (the write deadline dropped it) or cut off by closing or resetting the connection is
@@ -249,12 +336,52 @@ class AccessLog:
         self.app = app
         self.metrics = metrics
         self.identify = identify
+        self.templates: list[Route] | None = None  # the app's routes, gathered at the first request
+        self.served: dict[str, frozenset[str]] = {}  # template -> the methods its routes serve
+
+    def gather(self, scope) -> None:
+        self.templates = route_templates(getattr(getattr(scope.get("app"), "router", None), "routes", ()))
+        served: dict[str, set[str]] = {}
+        for route in self.templates:
+            methods = served.setdefault(route.path, set())
+            methods.update(route.methods or STANDARD_METHODS)
+            if "GET" in methods:
+                methods.add("HEAD")  # HeadAsGet
+        self.served = {path: frozenset(methods) for path, methods in served.items()}
+
+    def method_label(self, method: str, route: str) -> str:
+        """The method as the metrics count it: one the route does not serve (a 405, or a 401 before
+        routing) is "other" with the rest, as is any outside the standard seven."""
+        if method not in STANDARD_METHODS:
+            return "other"
+        served = self.served.get(route)
+        return method if served is None or method in served else "other"
+
+    def addressed(self, scope) -> str | None:
+        """The template of the route a request refused before routing was addressed to: the first
+        whose pattern and method match, else the first whose pattern does (a 405 had it been routed)."""
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root + "/"):
+            path = path[len(root):]
+        if len(path) > MATCHED_PATH_CHARS:
+            return None
+        method = scope["method"]
+        other = None
+        for route in self.templates:
+            if route.path_regex.match(path):
+                if not route.methods or method in route.methods:
+                    return route.path
+                other = other or route.path
+        return other
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        if self.templates is None:
+            self.gather(scope)
         status = None
         sent = 0
         last_byte_out = None
@@ -263,13 +390,25 @@ class AccessLog:
         # Made here, not by the middleware inside: a copy of the scope made on the way in (HeadAsGet,
         # Ranges) shares this dict, so what ClientIdentity and the routes record in it is seen here.
         state = scope.setdefault("state", {})
+        request_id = state["request_id"] = request_id_of(scope["headers"])
+        sniff = False  # whether the next body message is an error's JSON, to read its code from
 
         async def watch(message):
-            nonlocal status, sent, last_byte_out, ticket
+            nonlocal status, sent, last_byte_out, ticket, sniff
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = list(message.get("headers", []))
+                if status >= 400 and ERROR_CODE not in state:
+                    sniff = any(name.lower() == b"content-type" and value.startswith(b"application/json")
+                                for name, value in headers) and not any(name.lower() == b"content-encoding" for name, _ in headers)
+                message["headers"] = [*headers, (b"x-request-id", request_id.encode())]
             elif message["type"] == "http.response.body":
-                sent += len(message.get("body", b""))
+                body = message.get("body", b"")
+                sent += len(body)
+                if sniff:
+                    sniff = False
+                    if not message.get("more_body", False) and (code := error_code_in(body)):
+                        state[ERROR_CODE] = code
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 last_byte_out = time.perf_counter()
@@ -282,16 +421,24 @@ class AccessLog:
             # What the client waited for ends at the answer's last byte; the tasks and middleware
             # that wind down after it (0.2 ms at T=16) are not part of it.
             elapsed = (last_byte_out or time.perf_counter()) - started
+            route = getattr(scope.get("route"), "path", None)
+            if route is None and (status or 500) >= 400:  # refused before routing, or no such route
+                route = self.addressed(scope)
+            path = scope["path"]
             line = {
-                "method": scope["method"],
-                "path": scope["path"],
-                "route": getattr(scope.get("route"), "path", None) or "other",  # docs, static files, 404s: not worth a label each
+                "method": clipped(scope["method"], LOGGED_METHOD_CHARS),
+                "path": clipped(path, LOGGED_PATH_CHARS),
+                **({"path_length": len(path)} if len(path) > LOGGED_PATH_CHARS else {}),
+                "route": route or "other",  # docs, static files, 404s: not worth a label each
                 "status": status or 500,  # none sent: the server answers 500
                 "ms": round(elapsed * 1000, 2),
                 "bytes": sent,
                 "client": state.get("client") or self.identify(scope),
+                "request_id": request_id,
                 **state.get("log", {}),
             }
+            if (status or 500) >= 400 and (code := state.get(ERROR_CODE)):
+                line["code"] = code
             if delivery is None or status is None:
                 self.record(line, elapsed, True, False)
             elif last_byte_out is None:  # the handler stopped mid-answer: the server closes the connection
@@ -301,7 +448,8 @@ class AccessLog:
 
     def record(self, line: dict, elapsed: float, complete: bool, client_gone: bool) -> None:
         line["complete"] = complete
-        route, method = line["route"], line["method"]
+        route = line["route"]
+        method = self.method_label(line["method"], route)
         status = "499" if client_gone else str(line["status"])
         self.metrics.requests.labels(route, method, status).inc()
         self.metrics.latency.labels(route, method, status).observe(elapsed)

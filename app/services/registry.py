@@ -15,7 +15,7 @@ from manyeyes.app.config import Settings
 from manyeyes.app.services.batcher import Batcher, work_units
 from manyeyes.app.services.device import AUTOCAST, quantises_on_device
 from manyeyes.app.services.errors import NotReady, UnknownModel, brief
-from manyeyes.app.services.metrics import Metrics
+from manyeyes.app.services.metrics import Metrics, resident_bytes
 from manyeyes.app.services.payload import to_u8
 from manyeyes.app.services.shared_forward import ForwardClient, ForwardLink
 from manyeyes.model import Capture, ModelLoadError, load
@@ -132,6 +132,9 @@ class Registry:
         # Per model, for /readyz while loading: state (queued, downloading, loading, warming,
         # ready, failed) and, while a Hub id downloads, bytes_done / bytes_total.
         self.progress: dict[str, dict] = {model_id: {"state": "queued"} for model_id in settings.all_models()}
+        for model_id in self.progress:  # 0 from the start: a model that never loads shows as not ready, not as absent
+            metrics.model_ready.labels(model_id).set(0)
+        metrics.cache_bytes_limit.set(settings.cache_bytes)
 
     def load_all(self, before_ready: Callable[[], None] | None = None) -> None:
         """Blocking; the app runs it in a thread so /healthz answers while models load.
@@ -186,6 +189,11 @@ class Registry:
                     log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
             if before_ready is not None:
                 before_ready()
+            # The memory bound's base (SECURITY.md): every model loaded and warmed up, nothing cached yet.
+            if (rss := resident_bytes()) is not None:
+                self.metrics.rss_after_warmup.set(rss)
+            for model_id in self._served:
+                self.metrics.model_ready.labels(model_id).set(1)
             self.ready.set()
         except Exception as exc:  # reported by /readyz; the process stays up for diagnosis
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -193,9 +201,11 @@ class Registry:
                 # A load error names its file; anything else (a warm-up forward's IndexError) named
                 # neither the model nor its spec.
                 self.failure = f"model {model_id} ({specs[model_id]}): {self.failure}"
+            failed = model_id if model_id is not None else self.default_id
             for model_id, state in self.progress.items():
                 if state["state"] not in ("ready", "queued"):
                     self.progress[model_id] = {"state": "failed"}
+            self.metrics.model_load_failures.labels(failed).inc()
             log.error("model loading failed: %s", self.failure)
 
     def _reporter(self, model_id: str):
