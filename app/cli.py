@@ -227,7 +227,7 @@ MIN_CACHE_BYTES = 64 * 1024
 
 
 def cmd_serve(args) -> int:
-    from manyeyes.app.logs import log_to_stderr
+    from manyeyes.app.logs import announce, log_to_stderr
     from manyeyes.app.main import create_app
     from manyeyes.app.server import Server, server_config
 
@@ -316,9 +316,11 @@ def cmd_serve(args) -> int:
         threads = args.threads or default_threads(args.workers)
         shared = (f", and one process running their forwards of inputs up to {settings.shared_forward_max_tokens} tokens"
                   if settings.shared_forward else "")
-        print(f"manyeyes: {args.workers} workers ({threads} CPU threads each){shared} serving "
-              f"{', '.join(settings.all_models())} on {_url(args.host, args.port)} (GET /readyz says when every worker "
-              "is ready)", file=sys.stderr)
+        # Stamped as the log's lines are (app/logs.py); a reason it cannot start ("error: ...") and
+        # the warnings about its settings, said before it serves, stay plain lines.
+        announce(f"{args.workers} workers ({threads} CPU threads each){shared} serving "
+                 f"{', '.join(settings.all_models())} on {_url(args.host, args.port)} (GET /readyz says when every worker "
+                 "is ready)")
         # The keys read above, not the file again: a worker started in a dead one's place read it
         # anew, and after the file changed, workers disagreed on which keys open the API.
         return serve_workers(settings, sock, workers=args.workers, threads=threads, log_level=args.log_level, keys=keys)
@@ -326,8 +328,8 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    print(f"manyeyes: serving {', '.join(settings.all_models())} on {_url(args.host, args.port)} "
-          "(GET /readyz says when the models are loaded; API docs at /docs)", file=sys.stderr)
+    announce(f"serving {', '.join(settings.all_models())} on {_url(args.host, args.port)} "
+             "(GET /readyz says when the models are loaded; API docs at /docs)")
     app = create_app(settings, keys=keys)
     config = server_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)
     try:

@@ -43,34 +43,83 @@ that goes away is made known to the request being answered, not only to the newe
 AccessLog (app/middleware.py) needs to know whether an answer left the server whole: uvicorn tells
 a handler nothing of what happens to its bytes once handed to the transport, which keeps what the
 socket will not take yet. Each request's scope carries the connection's Delivery, which says so.
+
+The refusals above (the 400s, the head's 408, the 431) are of requests the app never sees, so
+AccessLog neither counted nor logged them: /metrics missed them and the log had only uvicorn's
+"Invalid HTTP request received." (no client, no status, no time). Each is counted in the app's
+request metrics (route "other") and logged as an access line with its client, status, error code
+and reason (`record_refusal`).
+
+uvicorn's own lines ("Started server process", "Shutting down", "Cancel N running task(s)") went
+through its own logging config, without a time; here they go through the process's (app/logs.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from email.utils import formatdate
 
+import httptools
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from manyeyes.app.clients import canonical_address
 from manyeyes.app.config import Settings
-from manyeyes.app.middleware import DELIVERY, SECURITY_HEADERS
-from manyeyes.app.services.errors import error_body
+from manyeyes.app.middleware import DELIVERY, LOGGED_METHOD_CHARS, LOGGED_PATH_CHARS, SECURITY_HEADERS, STANDARD_METHODS, clipped
+from manyeyes.app.services.errors import brief, error_body
+from manyeyes.app.services.metrics import Metrics
+
+# The same logger as AccessLog's lines: a refusal here is a request's line like any other.
+access_log = logging.getLogger("manyeyes.access")
+log = logging.getLogger("manyeyes.server")
 
 
 def error_answer(status: int, reason: str, code: str, message: str) -> bytes:
     """A whole HTTP/1.1 answer that closes the connection: the JSON error every refusal gives,
     with the headers every other answer carries (they had only their type, length and close)."""
-    body = orjson.dumps(error_body(code, message))
+    return error_answer_of(status, reason, orjson.dumps(error_body(code, message)))
+
+
+def error_answer_of(status: int, reason: str, body: bytes) -> bytes:
     head = (f"HTTP/1.1 {status} {reason}\r\ndate: {formatdate(usegmt=True)}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n").encode("latin-1")
     return head + b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS) + b"\r\n" + body
+
+
+def record_refusal(metrics: Metrics | None, *, client, method: str | None, path: str | None, status: int, code: str,
+                   message: str, elapsed_s: float, nbytes: int, answered: bool) -> None:
+    """A refusal of a request the app never saw, as AccessLog records the app's: counted in the
+    request metrics (route "other") and one access line with its client, status, error code and
+    reason. `client`: the peer (host, port), a proxy's where there is one (the request's
+    X-Forwarded-For is not read from bytes that did not parse). `answered`: False where the
+    connection was closed without an answer (behind pipelined requests still being answered)."""
+    label = method if method in STANDARD_METHODS else "other"
+    if metrics is not None:
+        metrics.requests.labels("other", label, str(status)).inc()
+        metrics.latency.labels("other", label, str(status)).observe(elapsed_s)
+    if access_log.isEnabledFor(logging.INFO):
+        line = {
+            "method": clipped(method, LOGGED_METHOD_CHARS) if method is not None else None,
+            "path": clipped(path, LOGGED_PATH_CHARS) if path is not None else None,
+            **({"path_length": len(path)} if path is not None and len(path) > LOGGED_PATH_CHARS else {}),
+            "route": "other",
+            "status": status,
+            "ms": round(elapsed_s * 1000, 2),
+            "bytes": nbytes,
+            "client": "addr:" + canonical_address(client[0]) if client else "",
+            "code": code,  # as AccessLog names an error answer's
+            "reason": message,
+            "answered": answered,
+        }
+        access_log.info(orjson.dumps(line).decode())
 
 
 class Delivery:
@@ -131,8 +180,9 @@ def unknown_codings(headers: list[tuple[bytes, bytes]]) -> list[str]:
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    read_timeout_s: float = 30.0  # both set by guarded_protocol()
+    read_timeout_s: float = 30.0  # all three set by guarded_protocol()
     max_head_bytes: int = 64 * 1024
+    metrics: Metrics | None = None  # the app's, where its refusals are counted (record_refusal)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -148,6 +198,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._answering = None  # the cycle whose handler runs: behind it, pipelined ones wait
         self._body_pending = None  # the cycle whose body is still arriving, kept alive once it is in
         self.delivery = Delivery()
+        self._began = time.perf_counter()  # the request being read: its first byte (the connection's opening, for the first)
+        self._method: str | None = None  # that request's, once the parser has read it
+        self._refused = False  # a refusal recorded: a connection's is once (nothing is read after it)
+        self._parser_said = ""  # why the parser refused the bytes, where it did
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -159,7 +213,20 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._read_no_more:
             return
-        super().data_received(data)
+        # uvicorn's, less its "Invalid HTTP request received." (no client, no status, no time):
+        # send_400_response's refusal logs its own line, and counts it.
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:  # one of our callbacks refused it; the URL unsplit
+            self._parser_said = str(exc.__context__ or "")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserError as exc:
+            self._parser_said = str(exc)  # llhttp's words ("Invalid method encountered"), for the log line
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade:
+            # ws="none" (server_config): never a WebSocket; on_headers_complete has answered it.
+            self._unsupported_upgrade_warning()
         # Still inside a head after this read: all of it counts as head (a read that ended one
         # request and began the next counts whole towards the next: at most a read too much).
         if not self._head_done and not self.transport.is_closing():
@@ -174,6 +241,8 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {DELIVERY: self.delivery}
+        self._began = time.perf_counter()
+        self._method = None
         self._head_done = False
         self._head_bytes = 0
         self._head_parsed = 0
@@ -182,6 +251,8 @@ class GuardedProtocol(HttpToolsProtocol):
     # A head that ends within the read it began in is never counted by data_received (70 or 100
     # KB of headers in one read were answered 200): the parser's pieces of it are, each as it comes.
     def on_url(self, url: bytes) -> None:
+        if self._method is None:  # read before the URL; after a bad method the parser's is not the request's
+            self._method = self.parser.get_method().decode("latin-1")
         self._count_parsed(len(url))
         super().on_url(url)
 
@@ -322,17 +393,36 @@ class GuardedProtocol(HttpToolsProtocol):
         self._read_no_more = True
         cycle = self.cycle  # the request being read once its head is in; else the one before it
         earlier_in_flight = bool(self.pipeline) or (not self._head_done and cycle is not None and not cycle.response_complete)
+        body = b""
         if earlier_in_flight:
             cycle.keep_alive = False  # uvicorn closes the connection after that answer
+        else:
+            if not (self._head_done and cycle.response_started):
+                body = orjson.dumps(error_body(code, message))
+                self.transport.write(error_answer_of(status, reason, body))
+            self.transport.close()
+        if self._refused:  # a second deadline or limit, before the connection closed: one refusal
             return
-        if not (self._head_done and cycle.response_started):
-            self.transport.write(error_answer(status, reason, code, message))
-        self.transport.close()
+        self._refused = True
+        if self._head_done:
+            # The app has this request (a body that broke its framing): AccessLog counts and logs
+            # it (as 499 where its own answer could not go out); its line says what the server sent.
+            state = cycle.scope.setdefault("state", {})
+            state.setdefault("log", {})["server_refused"] = {"status": status, "code": code, "reason": message}
+            return
+        path = self.url.decode("latin-1") if self._method is not None else None
+        if self._parser_said and not self._bad_request and not self._head_too_large:
+            message = f"{message}: {brief(self._parser_said, 200)}"  # which of them, for whoever reads the log
+        record_refusal(self.metrics, client=self.client, method=self._method, path=path, status=status, code=code,
+                       message=message, elapsed_s=time.perf_counter() - self._began, nbytes=len(body),
+                       answered=not earlier_in_flight)
 
 
-def guarded_protocol(read_timeout_s: float, max_head_bytes: int) -> type[GuardedProtocol]:
-    """The protocol class for uvicorn.Config(http=...), with these bounds."""
-    return type("GuardedProtocol", (GuardedProtocol,), {"read_timeout_s": read_timeout_s, "max_head_bytes": max_head_bytes})
+def guarded_protocol(read_timeout_s: float, max_head_bytes: int, metrics: Metrics | None = None) -> type[GuardedProtocol]:
+    """The protocol class for uvicorn.Config(http=...), with these bounds; its refusals are counted
+    in `metrics` (the app's), and logged either way."""
+    return type("GuardedProtocol", (GuardedProtocol,),
+                {"read_timeout_s": read_timeout_s, "max_head_bytes": max_head_bytes, "metrics": metrics})
 
 
 class Server(uvicorn.Server):
@@ -343,11 +433,22 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.on_exit = on_exit
+        self.exit_signal: int | None = None  # the first signal that asked for the exit
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
+        if self.exit_signal is None:
+            self.exit_signal = sig  # logged by shutdown(), on the loop: not from a signal handler
         if self.on_exit is not None:
             self.on_exit()  # it only notes the time: safe in a signal handler
+
+    async def shutdown(self, sockets=None) -> None:
+        # uvicorn says "Shutting down", not that requests are let finish, nor for how long.
+        said = f"{signal.Signals(self.exit_signal).name}: " if self.exit_signal is not None else ""
+        log.info("%sdraining: no new connections; requests in flight get up to %g s to finish "
+                 "(MANYEYES_SHUTDOWN_GRACE_S less a second for the exit), then those still running are cancelled "
+                 "(answered 503 where no answer has begun)", said, self.config.timeout_graceful_shutdown or 0)
+        await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -375,6 +476,10 @@ def server_config(app, settings: Settings, **options) -> uvicorn.Config:
         app,
         # Our own middleware writes one structured line per request.
         access_log=False,
+        # uvicorn's loggers log through the process's handler (app/logs.py, set up by `manyeyes
+        # serve` and each worker), stamped as every other line: its own config wrote them without
+        # a time ("INFO:     Shutting down").
+        log_config=None,
         # No WebSocket routes: GuardedProtocol answers a handshake as plain HTTP (uvicorn's
         # WebSocket protocol answered it 403, or a plain-text 400).
         ws="none",
@@ -385,7 +490,9 @@ def server_config(app, settings: Settings, **options) -> uvicorn.Config:
         # cancels what is left and runs the lifespan's shutdown. The grace period bounds the whole
         # exit, so the drain gets all of it but a second kept for that shutdown and the exit.
         timeout_graceful_shutdown=settings.drain_s(),
-        http=guarded_protocol(settings.request_read_timeout_s, settings.max_header_bytes),
+        # Counted in the app's metrics, as AccessLog counts the requests the app sees.
+        http=guarded_protocol(settings.request_read_timeout_s, settings.max_header_bytes,
+                              getattr(getattr(app, "state", None), "metrics", None)),
         **options,
     )
 

@@ -271,6 +271,9 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
                     del due[i]
                     processes[i], started[i] = start(i, replacement=True), now
             time.sleep(0.2)
+        # Logged here, not in the signal handler; each worker logs its own drain as it begins.
+        log.info("%s: stopping %d workers, each draining for up to %g s (MANYEYES_SHUTDOWN_GRACE_S)",
+                 signal.Signals(stopping[0]).name, workers, settings.drain_s())
         # The workers first: while they drain, their last batches may still go to the shared forwards.
         for group in (processes[:workers], processes[workers:]):
             for process in group:

@@ -614,7 +614,13 @@ class AttentionService:
             # Judged by the work ahead before it waits for bytes, and counted in it meanwhile.
             held = batcher.held_back(served.model, [i.encoded for i in missing], deadline, client)
             nbytes = self._held_bytes(served, items, view, wire, extra_bytes)
-            grant = await self._reserve_timed(items, nbytes, deadline, client, held)
+            try:
+                grant = await self._reserve_timed(items, nbytes, deadline, client, held)
+            except OverBudget:
+                # Its time ran out waiting for the bytes its answers will hold: admitted inputs
+                # dropped for that, as the queue's are (Batcher.expire).
+                self.metrics.dropped.labels("expired").inc(len(missing))
+                raise
             try:
                 futures = batcher.submit(served.model, [i.encoded for i in missing], deadline, client, view.format,
                                          [i.kind == "qk" for i in missing], held=held)
@@ -678,17 +684,22 @@ class AttentionService:
     async def _collect(self, served: Served, items: list[Item], missing: list[Item], futures, view: View,
                        truncate: bool, deadline: float) -> None:
         """The forward passes' results, as the items' runs, cached."""
+        # At the deadline the batcher fails the answers not yet given (OverBudget, a 504) and drops
+        # the inputs still queued as expired. Not asyncio.timeout: it cancelled the futures, which
+        # the batcher takes for a client that hung up (every 504 was counted as cancelled).
+        # A client that hangs up cancels this task, and with it the futures (counted as cancelled).
+        expiry = asyncio.get_running_loop().call_later(
+            max(deadline - time.monotonic(), 0.0), served.batcher.expire, futures,
+            f"the request did not finish within its {self.settings.request_timeout_s:g} s budget; "
+            "the server is busy or the input is long",
+        )
         try:
             # Not asyncio.wait_for: when the client hung up, it left the gather's CancelledError
             # unretrieved, and the collector logged "exception was never retrieved" for each.
-            async with asyncio.timeout(deadline - time.monotonic()):
-                # One future is awaited as it is: gather's own future cost a loop turn more.
-                done: list[Done] = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
-        except TimeoutError:
-            raise OverBudget(
-                f"the request did not finish within its {self.settings.request_timeout_s:g} s budget; "
-                "the server is busy or the input is long"
-            ) from None
+            # One future is awaited as it is: gather's own future cost a loop turn more.
+            done: list[Done] = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
+        finally:
+            expiry.cancel()
         for item, result in zip(missing, done):
             done_result = result.result
             # A weights run is read by the tile routes through a DenseAttention over its tensor.

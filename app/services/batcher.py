@@ -79,8 +79,9 @@ class Job:
 
     @property
     def wanted(self) -> bool:
-        """Whether a request still waits for it (it has not gone away, nor run out of time)."""
-        return self.answer is not None and not self.answer.cancelled()
+        """Whether a request still waits for it: its answer is neither cancelled (the client went
+        away) nor failed by Batcher.expire (its time ran out)."""
+        return self.answer is not None and not self.answer.done()
 
 
 class HeldBack:
@@ -215,6 +216,9 @@ class Batcher:
         self._running_batch: tuple[float, float] | None = None  # (started, expected seconds) of the forward under way
         self._calibration = 1.0  # recent answers' real wait over their estimate
         self._held_calibration = 1.0  # the same, for those that waited for their answers' bytes first
+        self._admitted_gauge = metrics.queue_admitted.labels(device)
+        metrics.queue_limit.labels(device).set(max_queue)
+        self._admitted_gauge.set(0)
         self._thread = threading.Thread(target=self._loop, name=f"manyeyes-forward-{device}", daemon=True)
         self._thread.start()
 
@@ -256,6 +260,11 @@ class Batcher:
                 )
             self._admitted += n
             self._per_client[client] += n
+            self._count_admitted()
+
+    def _count_admitted(self) -> None:
+        """manyeyes_queue_admitted: what admit() compares against max_queue. Under self._cond."""
+        self._admitted_gauge.set(self._admitted + self._n_pending + self._running)
 
     def release(self, n: int = 1, client: str = "") -> None:
         if n == 0:  # all submitted: nothing to give back, and no reason to wake the worker
@@ -263,6 +272,7 @@ class Batcher:
         with self._cond:
             self._admitted -= n
             self._leave(client, n)
+            self._count_admitted()
             self._cond.notify_all()
 
     def _leave(self, client: str, n: int = 1) -> None:
@@ -393,17 +403,41 @@ class Batcher:
         return min(max(0.7 * calibration + 0.3 * min(observed, 10.0), 0.5), 10.0)
 
     def _forget_cancelled(self, future: asyncio.Future) -> None:
+        # Cancelled: its request's task was (the client went away, or the server's shutdown ended
+        # it). A request whose time runs out fails its answers through expire() instead.
         if not future.cancelled():
             return
         with self._cond:
             # Not found: the worker already took it, and _run counts it.
             job = next((j for queue in self._pending.values() for j in queue if j.answer is future), None)
             if job is not None:
-                self._take(job)
-                self._leave(job.client)
-                self.metrics.queue_depth.dec()
-                self.metrics.dropped.labels("cancelled").inc()
-                self._cond.notify_all()
+                self._drop_waiting([job], "cancelled")
+
+    def expire(self, futures: list[asyncio.Future], message: str) -> None:
+        """The request's time budget ran out before these answers came: its inputs still waiting
+        leave the queue, counted as dropped{reason="expired"}, and each answer not yet given fails
+        with OverBudget(message), a 504. Not a cancel: the request's own deadline cancelling its
+        futures (asyncio.timeout) made _forget_cancelled count every 504 as a client that hung up.
+        An input already in a forward runs on, as a hang-up's does, its result for nobody (one
+        taken but not yet run, _run counts as expired). Event loop only."""
+        with self._cond:
+            mine = {id(future) for future in futures}
+            jobs = [job for queue in self._pending.values() for job in queue if id(job.answer) in mine]
+            if jobs:
+                self._drop_waiting(jobs, "expired")
+        for future in futures:
+            if not future.done():
+                future.set_exception(OverBudget(message))
+
+    def _drop_waiting(self, jobs: list[Job], reason: str) -> None:
+        """Takes waiting jobs out of the queue, counted as dropped for `reason`. Under self._cond."""
+        for job in jobs:
+            self._take(job)
+            self._leave(job.client)
+        self.metrics.queue_depth.dec(len(jobs))
+        self.metrics.dropped.labels(reason).inc(len(jobs))
+        self._count_admitted()
+        self._cond.notify_all()
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:
@@ -519,6 +553,7 @@ class Batcher:
             self._n_pending = 0
             for job in leftovers:
                 self._leave(job.client)
+            self._count_admitted()
         for job in leftovers:
             if job.wanted:
                 self.metrics.dropped.labels("shutdown").inc()
@@ -530,6 +565,7 @@ class Batcher:
         with self._cond:
             self._running -= 1
             self._leave(job.client)
+            self._count_admitted()
             self._cond.notify_all()
         if error is not None or result is not None:
             _deliver(job.answer, result, error)
@@ -538,8 +574,8 @@ class Batcher:
         now = time.monotonic()
         live: list[Job] = []
         for job in batch:
-            if not job.wanted:  # its client went away after the job was taken
-                self.metrics.dropped.labels("cancelled").inc()
+            if not job.wanted:  # its client went away (cancelled), or its time ran out (expire), after the job was taken
+                self.metrics.dropped.labels("cancelled" if job.answer.cancelled() else "expired").inc()
                 self._settle(job)
             elif job.deadline <= now:
                 self.metrics.dropped.labels("expired").inc()

@@ -116,16 +116,28 @@ class Metrics:
         )
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         # Summed over the workers that are alive (a dead one's share leaves with it).
-        self.queue_depth = Gauge("manyeyes_queue_depth", "Requests waiting for a forward pass", registry=r,
-                                 multiprocess_mode="livesum")
+        self.queue_depth = Gauge("manyeyes_queue_depth", "Inputs (a request's texts each count) waiting for a forward pass",
+                                 registry=r, multiprocess_mode="livesum")
+        # What admission compares against MANYEYES_MAX_QUEUE: queue_depth alone read 0 while every
+        # new request got 429 queue_full (8 waiting, room for 8), the rest being tokenized or run.
+        self.queue_admitted = Gauge(
+            "manyeyes_queue_admitted", "Inputs held against MANYEYES_MAX_QUEUE, by device: being tokenized, waiting for "
+            "a forward pass (manyeyes_queue_depth) or in the one under way. At manyeyes_queue_limit the next is refused "
+            "429 queue_full (manyeyes_dropped_total{reason=\"queue_full\"}, also in inputs)", ["device"], registry=r,
+            multiprocess_mode="livesum")
+        self.queue_limit = Gauge(
+            "manyeyes_queue_limit", "Inputs a device's queue holds at most (MANYEYES_MAX_QUEUE), summed over the live "
+            "workers as manyeyes_queue_admitted is: their ratio is the queue's saturation", ["device"], registry=r,
+            multiprocess_mode="livesum")
         self.batch_size = Histogram("manyeyes_batch_size", "Inputs per forward pass", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_tokens = Histogram(
             "manyeyes_batch_tokens", "Padded tokens per forward pass", ["model"], buckets=(16, 64, 256, 1024, 4096, 16384), registry=r
         )
         self.forward = Histogram("manyeyes_forward_seconds", "Forward pass time", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.dropped = Counter(
-            "manyeyes_dropped", "Work refused or abandoned: queue_full, client_share, work, expired, cancelled, shutdown, "
-            "render_queue_full, render_client_share", ["reason"], registry=r
+            "manyeyes_dropped", "Work refused or abandoned, in inputs (a request's texts each count): queue_full, "
+            "client_share, work, expired, cancelled, shutdown; in answers: render_queue_full, render_client_share",
+            ["reason"], registry=r
         )
         self.cache = Counter("manyeyes_cache_lookups", "Run cache lookups", ["result"], registry=r)
         self.cache_bytes = Gauge("manyeyes_cache_bytes", "Bytes held by the run caches", registry=r, multiprocess_mode="livesum")

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from manyeyes.app.shared_runs import SharedFiles
 from tests.eco.conftest import ROOT, free_port, wait_ready
 
 TEXT = "The heron waited by the old stone mill."
+# A line as app/logs.py writes it: its time in UTC, marked so, the level, the process and the logger.
+STAMPED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+ .*")
 
 
 @contextlib.contextmanager
@@ -246,6 +249,14 @@ def test_one_sigterm_stops_every_worker_and_removes_the_shared_folder(workers):
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)  # reaped by the parent, not left running
     assert log.read_text().count("Application shutdown complete") == 2  # each drained as a single server does
     assert not os.path.exists(f"/dev/shm/{folder}")
+    # Every line stamped as app/logs.py stamps them, uvicorn's too (they had no time: "INFO:     Shutting
+    # down"), and the drain said so, with its grace: the parent once, each worker as it began.
+    text = log.read_text()
+    unstamped = [line for line in text.splitlines() if not STAMPED.fullmatch(line)]
+    assert not unstamped, unstamped[:10]
+    assert re.search(r"Z INFO worker-\d+ uvicorn\.error Shutting down", text), text[-3000:]
+    assert text.count("SIGTERM: draining: no new connections; requests in flight get up to 29 s") == 2, text[-3000:]
+    assert text.count("manyeyes.workers SIGTERM: stopping 2 workers, each draining for up to 29 s") == 1, text[-3000:]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/readyz", timeout=2)
 
@@ -281,6 +292,8 @@ def test_every_worker_keeps_the_keys_the_parent_read_and_sighup_drains_them(tmp_
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert text.count("Application shutdown complete") == 2 and "Traceback" not in text, text[-3000:]
+    # The parent says what it got; each worker drains on the SIGTERM it passes on.
+    assert "SIGHUP: stopping 2 workers" in text and text.count("SIGTERM: draining") == 2, text[-3000:]
     assert not os.path.exists(f"/dev/shm/{folder}")
 
 
