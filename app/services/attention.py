@@ -734,7 +734,23 @@ class AttentionService:
                 item.encoded = served.model.encode(item.text, item.text_pair, truncate)
             except TooLongError as exc:
                 raise TooLong.tokens(exc, item.label) from None
+            self._check_some_tokens(served, item)
             item.timing["tokenize"] = time.perf_counter() - started
+
+    @staticmethod
+    def _check_some_tokens(served: Served, item: Item) -> None:
+        """A text that is not blank can still give no token: MiniLM drops a lone combining mark, a
+        zero-width space, a control character. Its run (only [CLS] and [SEP]) was answered as if it
+        were the text's, with nothing to say that none of the text was read."""
+        tokens = item.encoded.tokens
+        for segment, name, order in ((0, "text", tokens), (1, "text_pair", reversed(tokens))):
+            if segment == 1 and item.text_pair is None:
+                continue
+            if not any(not t.special and t.segment == segment for t in order):
+                raise InvalidInput(
+                    f"{item.label}{name} gives no tokens on {served.id}: its tokenizer drops every character of it "
+                    "(combining marks on their own, zero-width and control characters); give it a word or a sign it reads"
+                )
 
     async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
                      top_k: int | None = None, client: str = "") -> Reply:

@@ -312,3 +312,21 @@ def test_a_url_whose_escapes_are_not_utf8_is_400(api, path):
 def test_a_query_of_utf8_escapes_still_exports(api):
     r = api.get("/export?text=caf%C3%A9+%E6%88%91&model=minilm")
     assert r.status_code == 200 and "café 我" in r.text
+
+
+@pytest.mark.parametrize("path, body, who", [
+    ("/api/v1/attention", {"text": "\u200b"}, "text"),
+    ("/api/v1/attention", {"text": "\u0301\u0301"}, "text"),
+    ("/api/v1/attention", {"text": "Fine.", "text_pair": "\u200b\u200d"}, "text_pair"),
+    ("/api/v1/attention/batch", {"texts": ["Fine.", "\x07"]}, "texts[1]: text"),
+])
+def test_a_text_that_gives_no_tokens_is_422_naming_it(api, path, body, who):
+    """Not blank, yet MiniLM drops every character of it: its run of [CLS] and [SEP] alone was
+    answered 200 as the text's (a review by use, non-English text)."""
+    error = error_of(api.post(path, json=body), 422)
+    assert error["message"].startswith(f"{who} gives no tokens on minilm")
+
+
+def test_a_text_with_one_token_among_dropped_characters_still_runs(api):
+    r = api.post("/api/v1/attention", json={"text": "\u200ba\u0301", "format": "json"})
+    assert r.status_code == 200 and [t["piece"] for t in r.json()["tokens"]] == ["[CLS]", "a", "[SEP]"]
