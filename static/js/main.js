@@ -1039,12 +1039,33 @@ async function copyLink() {
     status.textContent = `${LINK_NOT_SAVED}: ${describeError(err)}`;
     return;
   }
+  const link = window.location.href;
   try {
-    await navigator.clipboard.writeText(window.location.href);
+    await navigator.clipboard.writeText(link);
     status.textContent = "Link copied.";
   } catch {
-    status.textContent = "The address bar holds this view: copy it from there.";
+    status.textContent = copiedBySelection(link) ? "Link copied." : "The address bar holds this view: copy it from there.";
   }
+}
+
+// Over plain http to a network address (a classroom's laptop) the page is no secure context and
+// has no navigator.clipboard: every Copy link said to copy from the address bar. A selected,
+// hidden text box copied by execCommand still works there.
+function copiedBySelection(text) {
+  const box = el("textarea", { className: "visually-hidden", attrs: { readonly: "", "aria-hidden": "true", tabindex: "-1" } });
+  box.value = text;
+  const focused = document.activeElement;
+  document.body.append(box);
+  box.select();
+  let copied = false;
+  try {
+    copied = document.execCommand("copy");
+  } catch {
+    copied = false;
+  }
+  box.remove();
+  if (focused instanceof HTMLElement) focused.focus({ preventScroll: true });
+  return copied;
 }
 
 // /export turns the saved view into one downloadable file. Saved now: the address bar lags a

@@ -88,6 +88,22 @@ def test_a_first_run_refused_has_no_last_run_to_speak_of(server, page):
     assert not page.evaluate("() => document.body.hasAttribute('data-stale')")
 
 
+def test_copy_link_copies_where_the_page_has_no_clipboard_api(server, make_page):
+    """Over plain http to a network address (a classroom's laptop) the page is no secure context
+    and has no navigator.clipboard: every Copy link said to copy it from the address bar."""
+    page = make_page()
+    page.add_init_script("""Object.defineProperty(navigator, 'clipboard', { value: undefined });
+        window.copiedText = null;
+        document.addEventListener('copy', () => { window.copiedText = String(document.getSelection()); });""")
+    open_page(page, server)
+    run(page, SENTENCE)
+    page.click("#copy-link")
+    page.wait_for_function("() => document.getElementById('link-status').textContent.length > 0")
+    assert page.text_content("#link-status") == "Link copied."
+    assert page.evaluate("() => window.copiedText") == page.url and "view=" in page.url
+    assert page.evaluate("() => document.activeElement.id") == "copy-link"  # focus stays where it was
+
+
 def test_copy_link_says_when_the_link_could_not_be_saved(server, page):
     """With the server gone, Copy link said "The address bar holds this view": it held an older
     one, or none."""
