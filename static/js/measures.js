@@ -21,6 +21,9 @@ import { visibleSpaces } from "./tokens.js";
 const FLOW_AUTO_TOKENS = 128;
 // Shown where the graph will be while its routes are fetched (a few forward passes): it was blank.
 const FLOW_COMPUTING = "Computing the routes through the layers…";
+// The server makes one flow graph at a time: a busy answer is asked again after the wait it names
+// (and up to a second more, so that a class's pages do not all ask at once), this many times.
+const FLOW_RETRIES = 3;
 const SEEN_MARGIN_PX = 200;
 const TICK_FONT = 10; // px, the largest
 const COLORBAR_PX = 85; // what Plotly's colour bar, its labels and its title take right of the cells
@@ -398,7 +401,7 @@ class Measures {
     }
   }
 
-  async loadFlow(token = this.token) {
+  async loadFlow(token = this.token, tries = 0) {
     if (!this.run) return;
     const threshold = Number($("flow-threshold").value);
     try {
@@ -408,10 +411,18 @@ class Measures {
       this.flowGraph.render(flow, this.labels, { layer: this.layer, head: this.head });
       $("flow").dataset.threshold = String(threshold);
       this.status("flow-status");
+      $("flow-draw").hidden = this.run.tokens.length <= FLOW_AUTO_TOKENS;
     } catch (err) {
       if (token !== this.token) return;
       if (!this.flow) this.flowGraph.clear(""); // not "Computing…" for ever: the status says why
       this.status("flow-status", err);
+      // A short run's graph is drawn by itself, and had no button: a refused one stayed refused
+      // (a class on one laptop had 10% of them turned away, "Try again in 2 s" with nothing to press).
+      $("flow-draw").hidden = false;
+      if (err?.status === 429 && tries < FLOW_RETRIES) {
+        await new Promise((resolve) => setTimeout(resolve, 1000 * ((err.retryAfter ?? 1) + Math.random())));
+        if (token === this.token && !this.flow && Number($("flow-threshold").value) === threshold) this.loadFlow(token, tries + 1);
+      }
     }
   }
 

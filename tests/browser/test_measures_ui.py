@@ -5,6 +5,7 @@ the heatmap, and predictions line up under it."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -190,6 +191,31 @@ def flow_fit(page) -> dict:
         return { panel: panel.clientWidth, drawing: drawing.getBoundingClientRect().width,
                  labels: drawing.querySelectorAll('text.flow-token').length };
     }""")
+
+
+def test_a_busy_flow_graph_is_asked_again_after_its_wait_and_can_be_asked_by_hand(page, tiny_server):
+    """One flow graph is made at a time on the whole server: a short run's graph (drawn by itself,
+    with no button) that got a 429 stayed "Try again in 1 s" with nothing to press (a classroom)."""
+    asked = []
+
+    def busy_once(route):
+        asked.append(route.request.url)
+        if len(asked) == 1:
+            route.fulfill(status=429, content_type="application/json", headers={"Retry-After": "1"},
+                          body=json.dumps({"error": {"code": "queue_full", "message": "one flow graph is made at a time"}}))
+        else:
+            route.continue_()
+
+    page.route("**/flow?*", busy_once)
+    open_page(page, tiny_server)
+    run(page, TEXT, model="tiny-gpt")
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_function("() => document.getElementById('flow-status').textContent.includes('Try again in 1 s')")
+    assert page.locator("#flow-draw").is_visible()
+    page.wait_for_selector("#flow[data-threshold]", timeout=30_000)  # asked again by itself, and drawn
+    assert len(asked) == 2 and page.text_content("#flow-status") == ""
+    assert page.locator("#flow .flow-route").count() > 0
+    assert page.locator("#flow-draw").is_hidden()  # a short run's graph needs no button once drawn
 
 
 def test_flow_graph_fits_its_panel_and_follows_its_width(page, tiny_server):
