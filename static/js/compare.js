@@ -3,7 +3,7 @@
 
 import { ApiError, describeError } from "./api.js";
 import { el } from "./dom.js";
-import { alignedDifference, clearPlot, currentInput, currentModel, decodeTensor, heatmap, maskLater, mountModelLine, onRun, postJson, postWithDifference, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
+import { alignedDifference, busyWait, clearPlot, currentInput, currentModel, decodeTensor, heatmap, maskLater, mountModelLine, onRun, postJson, postWithDifference, rankingTable, runTextPlaceholder, status } from "./experiment_parts.js";
 import { pieceLabel } from "./tokens.js";
 
 // A comparison cuts its sentences as the run on screen was cut: ticking "Cut to fit" alone did
@@ -66,7 +66,7 @@ export function mountCompare(box) {
     forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, `Comparing on ${model ?? "the server's default model"}…`, "busy");
     try {
-      const reply = await postWithDifference("api/v1/experiments/compare", input);
+      const reply = await postWithDifference("api/v1/experiments/compare", input, busyWait(note, "experiments"));
       if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
       ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show, shows: "the difference heatmap" }));

@@ -8,8 +8,40 @@ import { onThemeChange, palette } from "./theme.js";
 import { levelFor } from "./tiles.js";
 import { pieceLabel } from "./tokens.js";
 
-export function postJson(url, body, signal) {
-  return requestJson(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal });
+// The experiments and generations run a few at a time on the whole server: a busy answer (429
+// with Retry-After) is asked again after that wait and up to a second more, so that a class's
+// pages spread out, this many times, onWait(seconds) saying so meanwhile. Students clicked again
+// and again, each click a lottery (a review by use, a classroom).
+const BUSY_RETRIES = 3;
+
+export async function whenNotBusy(request, signal, onWait) {
+  for (let tries = 0; ; tries++) {
+    try {
+      return await request();
+    } catch (err) {
+      if (err?.status !== 429 || !onWait || tries >= BUSY_RETRIES || signal?.aborted) throw err;
+      const seconds = (err.retryAfter ?? 1) + Math.random();
+      onWait(Math.ceil(seconds));
+      await new Promise((resolve, reject) => {
+        const timer = setTimeout(resolve, seconds * 1000);
+        signal?.addEventListener("abort", () => {
+          clearTimeout(timer);
+          reject(new DOMException("The wait was cancelled", "AbortError"));
+        }, { once: true });
+      });
+    }
+  }
+}
+
+// onWait: see whenNotBusy; without it a busy answer is the caller's to report.
+export function postJson(url, body, signal, onWait) {
+  const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal };
+  return whenNotBusy(() => requestJson(url, init), signal, onWait);
+}
+
+// What a panel's status line says while it waits to ask again.
+export function busyWait(node, what) {
+  return (seconds) => status(node, `The server is busy with other ${what}: asking again in ${seconds} s…`, "busy");
 }
 
 // The run on screen, as main.js announces it ("manyeyes:run"): the experiments act on what the
@@ -109,12 +141,12 @@ export function maskLater(rows, causal) {
 
 // A comparison (or a changed token) with every head's A − B: float32 JSON, or float16 where that is
 // over the server's JSON budget (413), which is plenty for a picture.
-export async function postWithDifference(path, body) {
+export async function postWithDifference(path, body, onWait) {
   try {
-    return await postJson(path, { ...body, difference: { format: "json" } });
+    return await postJson(path, { ...body, difference: { format: "json" } }, undefined, onWait);
   } catch (err) {
     if (err.status !== 413) throw err;
-    return postJson(path, { ...body, difference: { format: "f16" } });
+    return postJson(path, { ...body, difference: { format: "f16" } }, undefined, onWait);
   }
 }
 

@@ -4,7 +4,7 @@
 import { describeError, listModels } from "./api.js";
 import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
-import { alignedDifference, clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, postWithDifference, rankingTable, status } from "./experiment_parts.js";
+import { alignedDifference, busyWait, clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, postWithDifference, rankingTable, status } from "./experiment_parts.js";
 import { mountGeneration } from "./generate_view.js";
 import { guessLabel, pieceLabel } from "./tokens.js";
 
@@ -84,7 +84,7 @@ async function ablateHead(layer, head) {
     }
     const reply = await postJson("api/v1/experiments/ablate", {
       ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
-    });
+    }, undefined, busyWait($("ablate-status"), "experiments"));
     if (!stillShown(input)) return;
     const entry = { ablate: list, reply, attention: decodeTensor(reply.attention) };
     ablation.shown = headFor(entry, !previous.length);
@@ -257,7 +257,7 @@ async function changeToken(input, index) {
   const mine = ++lastChange;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
-    const reply = await postWithDifference("api/v1/experiments/change-token", { ...input, index, change });
+    const reply = await postWithDifference("api/v1/experiments/change-token", { ...input, index, change }, busyWait($("token-status"), "experiments"));
     if (!stillShown(input) || mine !== lastChange) return;
     const difference = decodeTensor(reply.difference);
     const inA = new Set(reply.pairs.map((p) => p[0]));

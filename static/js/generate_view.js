@@ -4,7 +4,7 @@
 
 import { describeError, listModels, requestResponse } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
-import { clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
+import { busyWait, clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status, whenNotBusy } from "./experiment_parts.js";
 import { guessLabel, pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
@@ -243,7 +243,8 @@ export function mountGeneration(box) {
     let failure = "";
     try {
       if (refusal) throw new RangeError(refusal);
-      const response = await requestResponse("api/v1/generate", { method: "POST", headers: { "Content-Type": "application/json" }, body: json, signal: state.controller.signal });
+      const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: json, signal: state.controller.signal };
+      const response = await whenNotBusy(() => requestResponse("api/v1/generate", init), state.controller.signal, busyWait(note, "generations"));
       for await (const event of ndjson(response)) {
         if (mine !== state.epoch) break;
         if (event.type === "start") {

@@ -3,6 +3,7 @@ fails on the page as it was before its fix."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -380,3 +381,40 @@ def test_an_ablation_shows_the_clean_head_the_ablated_one_and_their_difference(s
     page.click("#ablate-clear")
     page.wait_for_selector("#ablate-plot[data-depth='0'][data-state='clean']")
     assert page.locator("#ablate-plot-clean").is_hidden() and page.locator("#ablate-plot-diff").is_hidden()
+
+
+# ---- a busy server: the experiments and generation ask again by themselves ---------------------------
+
+
+def busy_once(asked: list, message: str):
+    """A route handler: the first request gets 429 (Retry-After: 1), the rest go to the server."""
+    def handle(route):
+        asked.append(route.request.url)
+        if len(asked) == 1:
+            route.fulfill(status=429, content_type="application/json", headers={"Retry-After": "1"},
+                          body=json.dumps({"error": {"code": "queue_full", "message": message}}))
+        else:
+            route.continue_()
+    return handle
+
+
+def test_a_busy_ablation_and_generation_are_asked_again_after_their_wait(server, page):
+    """The server runs a few experiments and generations at a time: a 429 ended the click, and a
+    class clicked again and again, each click a lottery (a review by use, a classroom)."""
+    ablations, generations = [], []
+    page.route("**/api/v1/experiments/ablate", busy_once(ablations, "2 experiments are running"))
+    page.route("**/api/v1/generate", busy_once(generations, "this client has 2 generations running"))
+    open_page(page, server)
+    run(page, "the river bank was muddy", model="tiny-causal")
+    wait_grid(page)
+    page.click(".thumb[data-layer='1'][data-head='0']", modifiers=["Alt"])
+    page.wait_for_function("() => document.getElementById('ablate-status').textContent.startsWith("
+                           "'The server is busy with other experiments: asking again in ')")
+    page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+    assert len(ablations) == 2 and page.text_content("#ablate-status").startswith("Done on tiny-causal")
+    page.fill("#gen-n", "3")
+    page.click("#gen-start")
+    page.wait_for_function("() => document.getElementById('gen-status').textContent.startsWith("
+                           "'The server is busy with other generations: asking again in ')")
+    page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+    assert len(generations) == 2 and page.text_content("#gen-status") == "Finished: 3 new tokens from tiny-causal."
