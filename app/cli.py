@@ -22,9 +22,9 @@ def _shown(text: str) -> str:
 
 
 def _columns(text: str) -> int:
-    """Terminal columns `text` takes: 2 for a wide character (CJK, most emoji), 0 for a combining
-    mark or a joiner. By len(), a row labelled 東京 stood two columns right of the others."""
-    return sum(0 if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf")
+    """Terminal columns a label takes: 2 for a wide character (CJK, most emoji), 0 for a combining
+    mark. By len(), a row labelled 東京 stood two columns right of the others."""
+    return sum(0 if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me")
                else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
 
 

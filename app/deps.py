@@ -91,14 +91,14 @@ async def utf8_url(request: Request) -> None:
     replacement characters, so `/export?text=%FF%FE` exported a run of "\ufffd\ufffd" and
     `/api/v1/runs/%FF/attention` named a run "\ufffd", where the same bytes in a body got a 400."""
     for part, raw in (("path", request.scope.get("raw_path")), ("query string", request.scope.get("query_string"))):
-        if not raw:
+        if not raw or (b"%" not in raw and raw.isascii()):  # the usual URL: nothing to decode
             continue
         try:
-            unquote_to_bytes(raw.replace(b"+", b" ") if part == "query string" else raw).decode("utf-8")
+            unquote_to_bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ApiError(
-                f"the {part} is not UTF-8 once its %-escapes are decoded (byte 0x{exc.object[exc.start]:02x} "
-                f"at byte {exc.start}): percent-encode a text's UTF-8 bytes"
+                f"the {part} is not UTF-8 once its %-escapes are decoded (the byte 0x{exc.object[exc.start]:02x}, "
+                f"{exc.start} bytes into them): percent-encode a text's UTF-8 bytes"
             ) from None
 
 

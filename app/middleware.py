@@ -341,6 +341,9 @@ class AccessLog:
 
     def gather(self, scope) -> None:
         self.templates = route_templates(getattr(getattr(scope.get("app"), "router", None), "routes", ()))
+        if not self.templates:  # route_templates reads FastAPI's included routers, which a new FastAPI may change
+            logging.getLogger("manyeyes.server").warning(
+                "no route templates found: every request refused before routing is labelled route=\"other\"")
         served: dict[str, set[str]] = {}
         for route in self.templates:
             methods = served.setdefault(route.path, set())

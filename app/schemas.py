@@ -718,7 +718,8 @@ class AblateResponse(BaseModel):
                     "ranking": [{"layer": 1, "head": 0, "divergence": 0.41}],
                     "predictions": {"positions": [0], "before": [[{"token": "n", "id": 78, "prob": 0.62, "piece": "n"}]],
                                     "after": [[{"token": "n", "id": 78, "prob": 0.35, "piece": "n"}]]},
-                    "logprob_change": [{"position": 0, "id": 78, "token": "n", "before": -0.48, "after": -1.05, "change": -0.57}],
+                    "logprob_change": [{"position": 0, "id": 78, "token": "n", "piece": "n", "before": -0.48, "after": -1.05,
+                                        "change": -0.57}],
                 }
             ]
         }

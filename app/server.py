@@ -82,13 +82,9 @@ access_log = logging.getLogger("manyeyes.access")
 log = logging.getLogger("manyeyes.server")
 
 
-def error_answer(status: int, reason: str, code: str, message: str) -> bytes:
-    """A whole HTTP/1.1 answer that closes the connection: the JSON error every refusal gives,
-    with the headers every other answer carries (they had only their type, length and close)."""
-    return error_answer_of(status, reason, orjson.dumps(error_body(code, message)))
-
-
 def error_answer_of(status: int, reason: str, body: bytes) -> bytes:
+    """A whole HTTP/1.1 answer that closes the connection, with `body` (the JSON error every
+    refusal gives) and the headers every other answer carries (they had only type, length, close)."""
     head = (f"HTTP/1.1 {status} {reason}\r\ndate: {formatdate(usegmt=True)}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n").encode("latin-1")
     return head + b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS) + b"\r\n" + body
@@ -116,7 +112,7 @@ def record_refusal(metrics: Metrics | None, *, client, method: str | None, path:
             "bytes": nbytes,
             "client": "addr:" + canonical_address(client[0]) if client else "",
             "code": code,  # as AccessLog names an error answer's
-            "reason": message,
+            "reason": brief(message, 512),
             "answered": answered,
         }
         access_log.info(orjson.dumps(line).decode())
@@ -280,7 +276,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if codings:
             # A 400, as every refusal of what a client sent (RFC 9112 suggests 501, a server's error).
             self._bad_request = (f"this server decodes no transfer coding but chunked (this request's body is "
-                                 f"{', '.join(codings)}): send the body as it is, with Content-Length or chunked")
+                                 f"{brief(', '.join(codings), 64)}): send the body as it is, with Content-Length or chunked")
             raise ValueError(self._bad_request)
         super().on_headers_complete()  # raises on a URL httptools cannot split: a 400, as no cycle has the request
         self._head_done = True  # and self.cycle is this request's
@@ -410,7 +406,13 @@ class GuardedProtocol(HttpToolsProtocol):
             state = cycle.scope.setdefault("state", {})
             state.setdefault("log", {})["server_refused"] = {"status": status, "code": code, "reason": message}
             return
-        path = self.url.decode("latin-1") if self._method is not None else None
+        if status == 408 and self._method is None and self._head_bytes == 0:
+            # A connection opened and never used (a browser's preconnect, a balancer's pool): no
+            # request to count, and a line each made 4xx alerts fire on idle sockets.
+            log.debug("closed a connection that sent no request within %g s", self.read_timeout_s)
+            return
+        # Its path without the query, which holds what clients send (/export?text=...): never logged.
+        path = self.url.split(b"?", 1)[0].decode("latin-1") if self._method is not None else None
         if self._parser_said and not self._bad_request and not self._head_too_large:
             message = f"{message}: {brief(self._parser_said, 200)}"  # which of them, for whoever reads the log
         record_refusal(self.metrics, client=self.client, method=self._method, path=path, status=status, code=code,

@@ -742,6 +742,8 @@ class AttentionService:
         """A text that is not blank can still give no token: MiniLM drops a lone combining mark, a
         zero-width space, a control character. Its run (only [CLS] and [SEP]) was answered as if it
         were the text's, with nothing to say that none of the text was read."""
+        if item.encoded.truncated:
+            return  # cut to fit: a long text can leave its pair no room (a tiktoken model cuts at the end)
         tokens = item.encoded.tokens
         for segment, name, order in ((0, "text", tokens), (1, "text_pair", reversed(tokens))):
             if segment == 1 and item.text_pair is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+import time
 import weakref
 from importlib.metadata import PackageNotFoundError, version
 
@@ -83,8 +84,10 @@ class WorkerProcess:
                             self.cpu_seen = sample.value
 
 
-def keep_refreshing(process: weakref.ref, stop: threading.Event) -> None:
-    while not stop.wait(PROCESS_REFRESH_S):
+def keep_refreshing(process: weakref.ref) -> None:
+    """Every PROCESS_REFRESH_S, until the worker's metrics are gone (the thread holds no reference)."""
+    while True:
+        time.sleep(PROCESS_REFRESH_S)
         current = process()
         if current is None:
             return
@@ -178,8 +181,7 @@ class Metrics:
         else:
             self.process = WorkerProcess(r)
             self.process.refresh()
-            self._stop = threading.Event()
-            threading.Thread(target=keep_refreshing, args=(weakref.ref(self.process), self._stop),
+            threading.Thread(target=keep_refreshing, args=(weakref.ref(self.process),),
                              name="manyeyes-process-metrics", daemon=True).start()
 
     def exposition(self) -> bytes:

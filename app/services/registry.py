@@ -187,6 +187,7 @@ class Registry:
                     log.info("model %s (%s) shares the weights model %s loaded", model_id, spec, first.id)
                 else:
                     log.info("loaded model %s (%s) on %s in %.2fs", model_id, spec, device, time.monotonic() - started)
+            model_id = None  # past the loads: a failure from here on is no model's
             if before_ready is not None:
                 before_ready()
             # The memory bound's base (SECURITY.md): every model loaded and warmed up, nothing cached yet.

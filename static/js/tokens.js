@@ -86,14 +86,26 @@ function byteLevelBytes(token) {
 
 // Whole UTF-8 characters as text, spaces made visible; a byte that is part of a character split
 // across tokens is shown as ‹E2›.
+// Strict, as Python's bytes.decode is (model/tokenizer.py bytes_label, the figures' and the CLI's
+// labels): an overlong form or a surrogate's bytes are bytes, not a replacement character.
+const strictUtf8 = new TextDecoder("utf-8", { fatal: true });
+
+function wholeCharacter(bytes) {
+  try {
+    return strictUtf8.decode(new Uint8Array(bytes));
+  } catch {
+    return null;
+  }
+}
+
 function bytesLabel(bytes) {
   let out = "";
   for (let i = 0; i < bytes.length;) {
     const b = bytes[i];
-    const size = b < 0x80 ? 1 : b >= 0xf0 && b < 0xf8 ? 4 : b >= 0xe0 ? 3 : b >= 0xc0 ? 2 : 0;
-    const whole = size > 0 && i + size <= bytes.length && bytes.slice(i + 1, i + size).every((c) => (c & 0xc0) === 0x80);
-    if (whole) {
-      out += visibleSpaces(new TextDecoder().decode(new Uint8Array(bytes.slice(i, i + size))));
+    const size = b < 0x80 ? 1 : b >= 0xf8 ? 0 : b >= 0xf0 ? 4 : b >= 0xe0 ? 3 : b >= 0xc0 ? 2 : 0;
+    const character = size > 0 && i + size <= bytes.length ? wholeCharacter(bytes.slice(i, i + size)) : null;
+    if (character !== null) {
+      out += visibleSpaces(character);
       i += size;
     } else {
       out += hex(b);

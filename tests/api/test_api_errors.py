@@ -330,3 +330,19 @@ def test_a_text_that_gives_no_tokens_is_422_naming_it(api, path, body, who):
 def test_a_text_with_one_token_among_dropped_characters_still_runs(api):
     r = api.post("/api/v1/attention", json={"text": "\u200ba\u0301", "format": "json"})
     assert r.status_code == 200 and [t["piece"] for t in r.json()["tokens"]] == ["[CLS]", "a", "[SEP]"]
+
+
+def test_a_pair_that_truncation_left_no_room_is_not_said_to_give_no_tokens():
+    """A tiktoken model cuts a long text at its end, pair and all: "text_pair gives no tokens" blamed
+    the tokenizer for what `truncate` did, where the run had been answered, truncated."""
+    from types import SimpleNamespace
+
+    from manyeyes.app.services.attention import AttentionService
+    from manyeyes.model.tokenizer import Encoded, Token
+
+    kept = [Token("long", 7, 0, 4, False, 0, "long")]
+    item = SimpleNamespace(encoded=Encoded(kept, [0], truncated=True), text_pair="the pair", label="")
+    AttentionService._check_some_tokens(SimpleNamespace(id="gpt2"), item)  # no error: it was cut to fit
+    item.encoded = Encoded(kept, [0], truncated=False)
+    with pytest.raises(Exception, match="text_pair gives no tokens on gpt2"):
+        AttentionService._check_some_tokens(SimpleNamespace(id="gpt2"), item)

@@ -6,6 +6,7 @@ zero-width joiner or a bidi control was a blank label where the exported figures
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -76,6 +77,28 @@ def test_labels_write_invisible_characters_as_the_exported_figures_do(server, pa
     tokens = [{"text": "\u202e", "piece": "â", "start": 3, "end": 4}, {"text": "\u200d", "piece": "â", "start": 11, "end": 12}]
     labels = page.evaluate("async (tokens) => (await import('/static/js/tokens.js')).tokenLabels(tokens, 'text')", tokens)
     assert labels == ["‹202E›", "‹200D›"]
+
+
+def test_piece_labels_are_the_figures_and_the_clis(server, page):
+    """The page (tokens.js pieceLabel, guessLabel) and Python (model/tokenizer.py token_label,
+    bytes_label: the figures and `manyeyes attend`) label a piece alike, bytes that are no UTF-8
+    (an overlong form, a surrogate's, 0xF8) included: the page had decoded those leniently."""
+    from manyeyes.model import load
+    from manyeyes.model.tokenizer import BYTE_OF_CHAR, bytes_label, token_label, visible_spaces
+
+    char_of = {b: ch for ch, b in BYTE_OF_CHAR.items()}
+    tiny = load("tiny-gpt", device="cpu")
+    tokens = [t._asdict() for t in tiny.attend("naïve 👩\u200d💻 נ\u202e x").tokens]
+    odd = [bytes([0xC0, 0xAF]), bytes([0xED, 0xA0, 0x80]), bytes([0xF8, 0x41]), bytes([0xE6, 0x88]), bytes([0xE6, 0x88, 0x91])]
+    guesses = [{"token": raw.decode("utf-8", "replace"), "piece": "".join(char_of[b] for b in raw)} for raw in odd]
+    open_page(page, server)
+    got = page.evaluate("""async ([tokens, guesses]) => {
+      const t = await import('/static/js/tokens.js');
+      return [tokens.map(t.pieceLabel), guesses.map(t.guessLabel)];
+    }""", [tokens, guesses])
+    assert got[0] == [token_label(SimpleNamespace(**t)) for t in tokens]
+    assert got[1] == [bytes_label(raw, visible_spaces) for raw in odd]
+    assert got[1][:3] == ["‹C0›‹AF›", "‹ED›‹A0›‹80›", "‹F8›A"]
 
 
 def test_isolate_keeps_a_label_and_its_bidi_controls_to_itself(server, page):

@@ -262,3 +262,21 @@ def test_a_failure_that_is_not_a_load_error_names_the_model_it_came_from(monkeyp
     assert not registry.ready.is_set()
     assert registry.failure == "model tiny (tiny-gpt): IndexError: index out of range in self"
     assert registry.progress["tiny"] == {"state": "failed"}
+
+
+def test_a_failure_after_every_model_loaded_is_not_charged_to_the_last_one(monkeypatch):
+    """What runs once the models are in (before_ready) failing was counted as a load failure of the
+    last model loaded, which had loaded fine, and named it in /readyz's reason."""
+    from manyeyes.app.config import Settings
+    from manyeyes.app.services import registry as registry_module
+    from manyeyes.app.services.metrics import Metrics
+
+    def failing():
+        raise OSError("the shared store could not be opened")
+
+    metrics = Metrics()
+    registry = registry_module.Registry(Settings(models={"tiny": "tiny-gpt", "other": "tiny-gpt"}, default_model="tiny",
+                                                 device="cpu", warmup=False), metrics)
+    registry.load_all(before_ready=failing)
+    assert registry.failure == "OSError: the shared store could not be opened"
+    assert metrics.model_load_failures.labels("other")._value.get() == 0

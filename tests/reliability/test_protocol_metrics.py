@@ -180,3 +180,30 @@ def test_every_line_the_server_writes_is_stamped_and_a_drain_says_so_with_its_gr
                   "up to 1 s", '"status":400', '"code":"bad_request"'):
         assert words in said, (words, out)
     assert "Invalid HTTP request received" not in said, out
+
+
+def test_a_refusal_line_is_bounded_keeps_no_query_and_an_idle_connection_is_no_request(caplog):
+    """Review of the diff: a Transfer-Encoding of 60 KB went whole into the 400's message and its log
+    line (64 KB of log a request); the line's path held the query (/export?text=... is a user's text);
+    and a connection opened and never used (a browser's preconnect) was counted and logged as a 408."""
+    caplog.set_level(logging.INFO, logger="manyeyes.access")
+    junk = b"x" * 60_000
+    with live_server(request_read_timeout_s=READ_TIMEOUT_S, max_header_bytes=128 * 1024) as server:
+        sent = (b"POST /api/v1/attention?text=secret HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: " + junk
+                + b", chunked\r\n\r\n0\r\n\r\n")
+        with socket.create_connection((HOST, server.port), timeout=10) as sock:
+            sock.sendall(sent)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 ") and len(answer) < 4096, len(answer)
+        with socket.create_connection((HOST, server.port), timeout=10) as idle:
+            idle.settimeout(READ_TIMEOUT_S * 5)
+            assert idle.recv(4096).startswith(b"HTTP/1.1 408 ")  # still told, and closed
+        wait_until(lambda: len(refusal_lines(caplog)) >= 1, 10, "the 400's line")
+        time.sleep(0.5)
+        assert server.metric("manyeyes_requests_total", route="other", method="GET", status="408") == 0
+    lines = refusal_lines(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0]["path"] == "/api/v1/attention" and len(json.dumps(lines[0])) < 2048, lines[0]
+    assert not any("secret" in r.getMessage() for r in caplog.records)
