@@ -80,7 +80,7 @@ def cmd_attend(args) -> int:
     from manyeyes.model import load
     from manyeyes.model.attention import Capture
     from manyeyes.model.kept import DenseAttention, topk_rows
-    from manyeyes.model.tokenizer import token_label
+    from manyeyes.labels import token_label
 
     if _bad_text(args):
         return 2
@@ -166,7 +166,7 @@ def _guess_shown(guess) -> str:
     """A guess's text, quoted; where that is not whole characters ("\ufffd", the same for every
     byte-level piece of part of a character) its piece as the page labels one: whole characters,
     and each byte of a split character as ‹E5›; a piece in no byte alphabet as it is ("<0xE5>")."""
-    from manyeyes.model.tokenizer import bytes_label, piece_bytes
+    from manyeyes.labels import bytes_label, piece_bytes
 
     if "\ufffd" not in guess.token or not guess.piece:
         return repr(guess.token)

@@ -19,7 +19,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from manyeyes.indices import whole_number
-from manyeyes.model.tokenizer import token_label
+from manyeyes.labels import token_label
 
 COLORSCALE = "Blues"
 

@@ -86,7 +86,7 @@ def test_the_tokenizer_gives_an_id_the_piece_encode_gives_its_tokens(llama):
 def test_every_byte_level_pieces_bytes_are_what_its_text_was_read_from(llama):
     """The CLI's labels read a piece's bytes (`piece_bytes`): for every id but <|endoftext|>, they
     decode to the id's text, "\ufffd" for each byte of part of a character."""
-    from manyeyes.model.tokenizer import piece_bytes as ours
+    from manyeyes.labels import piece_bytes as ours
 
     tok = llama.tokenizer
     assert all(ours(chr(c)) == piece_bytes(chr(c)) for c in range(0x400)) and ours("") is None

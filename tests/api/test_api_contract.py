@@ -101,13 +101,16 @@ def test_texts_that_join_alike_are_different_runs(api):
     # client may send: these pairs shared one run, and the second was answered with the first's tokens.
     for first, second in (
         ({"text": "x\x1fy", "text_pair": "z"}, {"text": "x", "text_pair": "y\x1fz"}),
-        ({"text": "hi"}, {"text": "hi", "text_pair": "\x00"}),
+        ({"text": "hi"}, {"text": "hi", "text_pair": "\x00a"}),
     ):
         answers = [api.post("/api/v1/attention", json={**body, "format": "u8", "layers": [0], "heads": [0]}).json()
                    for body in (first, second)]
         assert answers[0]["run_id"] != answers[1]["run_id"]
         pieces = [[(t["text"], t["segment"]) for t in a["tokens"]] for a in answers]
         assert pieces[0] != pieces[1], pieces  # each answer is its own input's tokens
+    # A pair of "\x00" alone, MiniLM keeps nothing of: refused, never the run of "hi" alone.
+    alone = api.post("/api/v1/attention", json={"text": "hi", "text_pair": "\x00", "format": "u8"})
+    assert alone.status_code == 422 and alone.json()["error"]["message"].startswith("text_pair gives no tokens")
 
 
 def test_runs_serves_any_slice_of_a_recent_run(api, minilm):

@@ -64,7 +64,7 @@ def gpt():
 
 
 def test_labels_write_invisible_characters_as_the_exported_figures_do(server, page):
-    from manyeyes.model.tokenizer import visible_spaces
+    from manyeyes.labels import visible_spaces
 
     samples = ["a\u200db", "\u200b", "\u200e\u200f", "x\u202ey\u202c", "\u2066\u2069", "\ufeff", "soft\u00adhyphen",
                "\u061c", "\u00a0\u3000\u2028", "\x85\x1b\x7f", "\ue000", "👩\u200d💻", "e\u0301", "שלום", "नमस्ते",
@@ -84,7 +84,7 @@ def test_piece_labels_are_the_figures_and_the_clis(server, page):
     bytes_label: the figures and `manyeyes attend`) label a piece alike, bytes that are no UTF-8
     (an overlong form, a surrogate's, 0xF8) included: the page had decoded those leniently."""
     from manyeyes.model import load
-    from manyeyes.model.tokenizer import BYTE_OF_CHAR, bytes_label, token_label, visible_spaces
+    from manyeyes.labels import BYTE_OF_CHAR, bytes_label, token_label, visible_spaces
 
     char_of = {b: ch for ch, b in BYTE_OF_CHAR.items()}
     tiny = load("tiny-gpt", device="cpu")
