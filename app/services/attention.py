@@ -291,6 +291,23 @@ def parse_index(part: str, what: str) -> int:
     return int(part)
 
 
+def check_some_tokens(model_id: str, encoded: Encoded, has_pair: bool, label: str = "") -> None:
+    """A text that is not blank can still give no token: MiniLM drops a lone combining mark, a
+    zero-width space, a control character. Its run (only [CLS] and [SEP]) was answered as if it
+    were the text's, with nothing to say that none of the text was read (the experiments too)."""
+    if encoded.truncated:
+        return  # cut to fit: a long text can leave its pair no room (a tiktoken model cuts at the end)
+    tokens = encoded.tokens
+    for segment, name, order in ((0, "text", tokens), (1, "text_pair", reversed(tokens))):
+        if segment == 1 and not has_pair:
+            continue
+        if not any(not t.special and t.segment == segment for t in order):
+            raise InvalidInput(
+                f"{label}{name} gives no tokens on {model_id}: its tokenizer drops every character of it "
+                "(combining marks on their own, zero-width and control characters); give it a word or a sign it reads"
+            )
+
+
 class AttentionService:
     def __init__(self, settings: Settings, registry: Registry, cache: RunCache, metrics: Metrics,
                  run_directory=None) -> None:
@@ -734,25 +751,8 @@ class AttentionService:
                 item.encoded = served.model.encode(item.text, item.text_pair, truncate)
             except TooLongError as exc:
                 raise TooLong.tokens(exc, item.label) from None
-            self._check_some_tokens(served, item)
+            check_some_tokens(served.id, item.encoded, item.text_pair is not None, item.label)
             item.timing["tokenize"] = time.perf_counter() - started
-
-    @staticmethod
-    def _check_some_tokens(served: Served, item: Item) -> None:
-        """A text that is not blank can still give no token: MiniLM drops a lone combining mark, a
-        zero-width space, a control character. Its run (only [CLS] and [SEP]) was answered as if it
-        were the text's, with nothing to say that none of the text was read."""
-        if item.encoded.truncated:
-            return  # cut to fit: a long text can leave its pair no room (a tiktoken model cuts at the end)
-        tokens = item.encoded.tokens
-        for segment, name, order in ((0, "text", tokens), (1, "text_pair", reversed(tokens))):
-            if segment == 1 and item.text_pair is None:
-                continue
-            if not any(not t.special and t.segment == segment for t in order):
-                raise InvalidInput(
-                    f"{item.label}{name} gives no tokens on {served.id}: its tokenizer drops every character of it "
-                    "(combining marks on their own, zero-width and control characters); give it a word or a sign it reads"
-                )
 
     async def _reply(self, served: Served, items: list[Item], view: View, batch: bool, wire: Wire,
                      top_k: int | None = None, client: str = "") -> Reply:

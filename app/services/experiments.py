@@ -26,6 +26,7 @@ from manyeyes.app.services.attention import (
     INLINE_CHARS,
     AttentionService,
     cells_bytes,
+    check_some_tokens,
     off_loop_unless_small,
     tokens_bytes,
 )
@@ -243,6 +244,7 @@ class ExperimentService:
             encoded = served.model.encode(text, pair, truncate)
         except TooLongError as exc:
             raise TooLong.tokens(exc, label) from None
+        check_some_tokens(served.id, encoded, pair is not None, label)
         # Experiments compare whole weights of two forwards; long inputs keep queries and keys instead.
         limit = self.settings.dense_max_tokens
         if len(encoded) > limit:

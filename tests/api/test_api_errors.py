@@ -319,6 +319,8 @@ def test_a_query_of_utf8_escapes_still_exports(api):
     ("/api/v1/attention", {"text": "\u0301\u0301"}, "text"),
     ("/api/v1/attention", {"text": "Fine.", "text_pair": "\u200b\u200d"}, "text_pair"),
     ("/api/v1/attention/batch", {"texts": ["Fine.", "\x07"]}, "texts[1]: text"),
+    ("/api/v1/experiments/ablate", {"text": "\u200b", "ablate": [{"layer": 0, "head": 0}]}, "text"),
+    ("/api/v1/experiments/compare", {"text_a": "Fine.", "text_b": "\u200b"}, "text_b: text"),
 ])
 def test_a_text_that_gives_no_tokens_is_422_naming_it(api, path, body, who):
     """Not blank, yet MiniLM drops every character of it: its run of [CLS] and [SEP] alone was
@@ -335,14 +337,10 @@ def test_a_text_with_one_token_among_dropped_characters_still_runs(api):
 def test_a_pair_that_truncation_left_no_room_is_not_said_to_give_no_tokens():
     """A tiktoken model cuts a long text at its end, pair and all: "text_pair gives no tokens" blamed
     the tokenizer for what `truncate` did, where the run had been answered, truncated."""
-    from types import SimpleNamespace
-
-    from manyeyes.app.services.attention import AttentionService
+    from manyeyes.app.services.attention import check_some_tokens
     from manyeyes.model.tokenizer import Encoded, Token
 
     kept = [Token("long", 7, 0, 4, False, 0, "long")]
-    item = SimpleNamespace(encoded=Encoded(kept, [0], truncated=True), text_pair="the pair", label="")
-    AttentionService._check_some_tokens(SimpleNamespace(id="gpt2"), item)  # no error: it was cut to fit
-    item.encoded = Encoded(kept, [0], truncated=False)
+    check_some_tokens("gpt2", Encoded(kept, [0], truncated=True), has_pair=True)  # no error: it was cut to fit
     with pytest.raises(Exception, match="text_pair gives no tokens on gpt2"):
-        AttentionService._check_some_tokens(SimpleNamespace(id="gpt2"), item)
+        check_some_tokens("gpt2", Encoded(kept, [0], truncated=False), has_pair=True)
