@@ -268,8 +268,22 @@ MATCHED_PATH_CHARS = 2048
 SNIFFED_ERROR_BYTES = 16384
 
 
-def clipped(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+def logged_request(method: str | None, path: str | None) -> dict:
+    """A request's method and path as a log line holds them (None: not read), each cut to its
+    bound, a cut path's full length beside it. AccessLog's lines and the server's refusals'."""
+    fields = {"method": brief(method, LOGGED_METHOD_CHARS) if method is not None else None,
+              "path": brief(path, LOGGED_PATH_CHARS) if path is not None else None}
+    if path is not None and len(path) > LOGGED_PATH_CHARS:
+        fields["path_length"] = len(path)
+    return fields
+
+
+def counted_method(method: str | None, served: frozenset[str] | None = None) -> str:
+    """The method as the metrics count it: one of the standard seven, where the route serves it
+    (`served`: its methods; None where unknown), else "other"."""
+    if method not in STANDARD_METHODS or (served is not None and method not in served):
+        return "other"
+    return method
 
 
 def request_id_of(headers) -> str:
@@ -291,7 +305,7 @@ def error_code_in(body: bytes) -> str | None:
         code = orjson.loads(body)["error"]["code"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-    return clipped(code, 64) if isinstance(code, str) else None
+    return brief(code, 64) if isinstance(code, str) else None
 
 
 def route_templates(routes) -> list[Route]:
@@ -351,14 +365,6 @@ class AccessLog:
             if "GET" in methods:
                 methods.add("HEAD")  # HeadAsGet
         self.served = {path: frozenset(methods) for path, methods in served.items()}
-
-    def method_label(self, method: str, route: str) -> str:
-        """The method as the metrics count it: one the route does not serve (a 405, or a 401 before
-        routing) is "other" with the rest, as is any outside the standard seven."""
-        if method not in STANDARD_METHODS:
-            return "other"
-        served = self.served.get(route)
-        return method if served is None or method in served else "other"
 
     def addressed(self, scope) -> str | None:
         """The template of the route a request refused before routing was addressed to: the first
@@ -429,9 +435,7 @@ class AccessLog:
                 route = self.addressed(scope)
             path = scope["path"]
             line = {
-                "method": clipped(scope["method"], LOGGED_METHOD_CHARS),
-                "path": clipped(path, LOGGED_PATH_CHARS),
-                **({"path_length": len(path)} if len(path) > LOGGED_PATH_CHARS else {}),
+                **logged_request(scope["method"], path),
                 "route": route or "other",  # docs, static files, 404s: not worth a label each
                 "status": status or 500,  # none sent: the server answers 500
                 "ms": round(elapsed * 1000, 2),
@@ -452,7 +456,8 @@ class AccessLog:
     def record(self, line: dict, elapsed: float, complete: bool, client_gone: bool) -> None:
         line["complete"] = complete
         route = line["route"]
-        method = self.method_label(line["method"], route)
+        # One the route does not serve (a 405, or a 401 before routing) is "other" with the rest.
+        method = counted_method(line["method"], self.served.get(route))
         status = "499" if client_gone else str(line["status"])
         self.metrics.requests.labels(route, method, status).inc()
         self.metrics.latency.labels(route, method, status).observe(elapsed)

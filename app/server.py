@@ -73,7 +73,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from manyeyes.app.clients import canonical_address
 from manyeyes.app.config import Settings
-from manyeyes.app.middleware import DELIVERY, LOGGED_METHOD_CHARS, LOGGED_PATH_CHARS, SECURITY_HEADERS, STANDARD_METHODS, clipped
+from manyeyes.app.middleware import DELIVERY, SECURITY_HEADERS, counted_method, logged_request
 from manyeyes.app.services.errors import brief, error_body
 from manyeyes.app.services.metrics import Metrics
 
@@ -82,7 +82,7 @@ access_log = logging.getLogger("manyeyes.access")
 log = logging.getLogger("manyeyes.server")
 
 
-def error_answer_of(status: int, reason: str, body: bytes) -> bytes:
+def error_answer(status: int, reason: str, body: bytes) -> bytes:
     """A whole HTTP/1.1 answer that closes the connection, with `body` (the JSON error every
     refusal gives) and the headers every other answer carries (they had only type, length, close)."""
     head = (f"HTTP/1.1 {status} {reason}\r\ndate: {formatdate(usegmt=True)}\r\ncontent-type: application/json\r\n"
@@ -97,15 +97,13 @@ def record_refusal(metrics: Metrics | None, *, client, method: str | None, path:
     reason. `client`: the peer (host, port), a proxy's where there is one (the request's
     X-Forwarded-For is not read from bytes that did not parse). `answered`: False where the
     connection was closed without an answer (behind pipelined requests still being answered)."""
-    label = method if method in STANDARD_METHODS else "other"
+    label = counted_method(method)
     if metrics is not None:
         metrics.requests.labels("other", label, str(status)).inc()
         metrics.latency.labels("other", label, str(status)).observe(elapsed_s)
     if access_log.isEnabledFor(logging.INFO):
         line = {
-            "method": clipped(method, LOGGED_METHOD_CHARS) if method is not None else None,
-            "path": clipped(path, LOGGED_PATH_CHARS) if path is not None else None,
-            **({"path_length": len(path)} if path is not None and len(path) > LOGGED_PATH_CHARS else {}),
+            **logged_request(method, path),
             "route": "other",
             "status": status,
             "ms": round(elapsed_s * 1000, 2),
@@ -395,7 +393,7 @@ class GuardedProtocol(HttpToolsProtocol):
         else:
             if not (self._head_done and cycle.response_started):
                 body = orjson.dumps(error_body(code, message))
-                self.transport.write(error_answer_of(status, reason, body))
+                self.transport.write(error_answer(status, reason, body))
             self.transport.close()
         if self._refused:  # a second deadline or limit, before the connection closed: one refusal
             return
