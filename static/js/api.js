@@ -180,6 +180,32 @@ function isTooLong(err) {
   return err.status === 422 && /long|length|max_tokens|positions/i.test(`${err.code} ${err.message}`);
 }
 
+// The server runs a few experiments, generations and flow graphs at a time: a busy answer (429 with
+// Retry-After) is asked again after that wait and up to a second more, so that a class's pages
+// spread out, this many times, onWait(seconds) saying so meanwhile; an abort of `signal` ends the
+// wait (AbortError). Without onWait a busy answer is the caller's to report. Students clicked again
+// and again, each click a lottery (a review by use, a classroom).
+const BUSY_RETRIES = 3;
+
+export async function whenNotBusy(request, signal, onWait) {
+  for (let tries = 0; ; tries++) {
+    try {
+      return await request();
+    } catch (err) {
+      if (err?.status !== 429 || !onWait || tries >= BUSY_RETRIES || signal?.aborted) throw err;
+      const seconds = (err.retryAfter ?? 1) + Math.random();
+      onWait(Math.ceil(seconds));
+      await new Promise((resolve, reject) => {
+        const timer = setTimeout(resolve, seconds * 1000);
+        signal?.addEventListener("abort", () => {
+          clearTimeout(timer);
+          reject(new DOMException("The wait was cancelled", "AbortError"));
+        }, { once: true });
+      });
+    }
+  }
+}
+
 // `tooLong`: what an input over the model's positions is called and what to do about it (the
 // run form's text, by default; Generate's prompt, which cannot be cut). The server's message ends
 // in its own advice ("; shorten it"): the page gives advice once, in its words.

@@ -1,6 +1,6 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
-import { requestJson } from "./api.js";
+import { requestJson, whenNotBusy } from "./api.js";
 import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { OFFLINE_CONFIG, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
@@ -8,32 +8,7 @@ import { onThemeChange, palette } from "./theme.js";
 import { levelFor } from "./tiles.js";
 import { pieceLabel } from "./tokens.js";
 
-// The experiments and generations run a few at a time on the whole server: a busy answer (429
-// with Retry-After) is asked again after that wait and up to a second more, so that a class's
-// pages spread out, this many times, onWait(seconds) saying so meanwhile. Students clicked again
-// and again, each click a lottery (a review by use, a classroom).
-const BUSY_RETRIES = 3;
-
-export async function whenNotBusy(request, signal, onWait) {
-  for (let tries = 0; ; tries++) {
-    try {
-      return await request();
-    } catch (err) {
-      if (err?.status !== 429 || !onWait || tries >= BUSY_RETRIES || signal?.aborted) throw err;
-      const seconds = (err.retryAfter ?? 1) + Math.random();
-      onWait(Math.ceil(seconds));
-      await new Promise((resolve, reject) => {
-        const timer = setTimeout(resolve, seconds * 1000);
-        signal?.addEventListener("abort", () => {
-          clearTimeout(timer);
-          reject(new DOMException("The wait was cancelled", "AbortError"));
-        }, { once: true });
-      });
-    }
-  }
-}
-
-// onWait: see whenNotBusy; without it a busy answer is the caller's to report.
+// onWait: see whenNotBusy (api.js).
 export function postJson(url, body, signal, onWait) {
   const init = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal };
   return whenNotBusy(() => requestJson(url, init), signal, onWait);

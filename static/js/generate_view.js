@@ -2,9 +2,9 @@
 // and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
 // stream, and the server stops within one step of the hang-up.
 
-import { describeError, listModels, requestResponse } from "./api.js";
+import { describeError, listModels, requestResponse, whenNotBusy } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
-import { busyWait, clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status, whenNotBusy } from "./experiment_parts.js";
+import { busyWait, clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
 import { guessLabel, pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;

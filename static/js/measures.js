@@ -2,7 +2,7 @@
 // weighted norms, head contributions), a word view, the model's predictions under it, and the
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
-import { ApiError, describeError, postAttentionJson, requestJson } from "./api.js";
+import { ApiError, describeError, postAttentionJson, requestJson, whenNotBusy } from "./api.js";
 import { AttributionPanel } from "./attribution.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
@@ -21,9 +21,6 @@ import { visibleSpaces } from "./tokens.js";
 const FLOW_AUTO_TOKENS = 128;
 // Shown where the graph will be while its routes are fetched (a few forward passes): it was blank.
 const FLOW_COMPUTING = "Computing the routes through the layers…";
-// The server makes one flow graph at a time: a busy answer is asked again after the wait it names
-// (and up to a second more, so that a class's pages do not all ask at once), this many times.
-const FLOW_RETRIES = 3;
 const SEEN_MARGIN_PX = 200;
 const TICK_FONT = 10; // px, the largest
 const COLORBAR_PX = 85; // what Plotly's colour bar, its labels and its title take right of the cells
@@ -303,6 +300,7 @@ class Measures {
   }
 
   forgetFlow(note) {
+    this.flowWait?.abort(); // the last run's graph is asked for no more
     this.flowGraph.clear(note);
     delete $("flow").dataset.threshold;
     this.status("flow-status");
@@ -401,11 +399,20 @@ class Measures {
     }
   }
 
-  async loadFlow(token = this.token, tries = 0) {
+  async loadFlow(token = this.token) {
     if (!this.run) return;
     const threshold = Number($("flow-threshold").value);
+    this.flowWait?.abort(); // a wait to ask again for another threshold's graph
+    const wait = (this.flowWait = new AbortController());
+    // The server makes one flow graph at a time, and a short run's graph is drawn by itself, with no
+    // button: a busy answer left "Try again in 2 s" with nothing to press (a class on one laptop had
+    // 10% of them turned away). It is asked again (whenNotBusy), and the button shows meanwhile.
+    const busy = (seconds) => {
+      $("flow-draw").hidden = false;
+      $("flow-status").textContent = `The server is busy with another flow graph: asking again in ${seconds} s…`;
+    };
     try {
-      const flow = await this.get(`flow?threshold=${threshold}`);
+      const flow = await whenNotBusy(() => this.get(`flow?threshold=${threshold}`), wait.signal, busy);
       if (token !== this.token) return;
       this.flow = flow;
       this.flowGraph.render(flow, this.labels, { layer: this.layer, head: this.head });
@@ -413,16 +420,10 @@ class Measures {
       this.status("flow-status");
       $("flow-draw").hidden = this.run.tokens.length <= FLOW_AUTO_TOKENS;
     } catch (err) {
-      if (token !== this.token) return;
+      if (token !== this.token || err?.name === "AbortError") return;
       if (!this.flow) this.flowGraph.clear(""); // not "Computing…" for ever: the status says why
       this.status("flow-status", err);
-      // A short run's graph is drawn by itself, and had no button: a refused one stayed refused
-      // (a class on one laptop had 10% of them turned away, "Try again in 2 s" with nothing to press).
-      $("flow-draw").hidden = false;
-      if (err?.status === 429 && tries < FLOW_RETRIES) {
-        await new Promise((resolve) => setTimeout(resolve, 1000 * ((err.retryAfter ?? 1) + Math.random())));
-        if (token === this.token && !this.flow && Number($("flow-threshold").value) === threshold) this.loadFlow(token, tries + 1);
-      }
+      $("flow-draw").hidden = false; // to ask again by hand
     }
   }
 

@@ -30,7 +30,7 @@ export const hex = (b) => `‹${b.toString(16).toUpperCase().padStart(2, "0")}�
 // Every character that draws as nothing or moves its neighbours (a control, a zero-width joiner,
 // a soft hyphen, a bidi override, a space other than U+0020) is written as ‹200D›: the categories
 // Other and Separator, which are what Python's str.isprintable() refuses, so that a label here
-// reads as the same token's label in an exported figure (manyeyes/figures.py visible_spaces).
+// reads as the same token's label in an exported figure (manyeyes/labels.py visible_spaces).
 export function visibleSpaces(s) {
   return s.replace(/[\p{C}\p{Z}]/gu, (ch) => VISIBLE[ch] ?? hex(ch.codePointAt(0)));
 }
@@ -67,15 +67,23 @@ export function isolateQuoted(s) {
   return `${s.slice(0, open + 1)}${isolate(s.slice(open + 1, -1))}”`;
 }
 
-// The piece's bytes when it is written in the byte-level alphabet and those bytes really come from
-// its own text (so a WordPiece "##bel" or "naive" for "naïve" is never mistaken for bytes).
-function byteLevelBytes(token) {
+// The bytes a piece written in the byte-level alphabet stands for ("Ġthe", "å" for 0xE5); null for
+// a piece with a character outside it (as manyeyes/labels.py piece_bytes).
+function pieceBytes(piece) {
   const bytes = [];
-  for (const ch of token.piece) {
+  for (const ch of piece) {
     const b = BYTE_OF_CHAR.get(ch);
     if (b === undefined) return null;
     bytes.push(b);
   }
+  return bytes;
+}
+
+// The piece's bytes when it is written in the byte-level alphabet and those bytes really come from
+// its own text (so a WordPiece "##bel" or "naive" for "naïve" is never mistaken for bytes).
+function byteLevelBytes(token) {
+  const bytes = pieceBytes(token.piece);
+  if (!bytes) return null;
   const source = encoder.encode(token.text);
   outer: for (let i = 0; i + bytes.length <= source.length; i++) {
     for (let k = 0; k < bytes.length; k++) if (source[i + k] !== bytes[k]) continue outer;
@@ -84,9 +92,7 @@ function byteLevelBytes(token) {
   return null;
 }
 
-// Whole UTF-8 characters as text, spaces made visible; a byte that is part of a character split
-// across tokens is shown as ‹E2›.
-// Strict, as Python's bytes.decode is (model/tokenizer.py bytes_label, the figures' and the CLI's
+// Strict, as Python's bytes.decode is (manyeyes/labels.py bytes_label, the figures' and the CLI's
 // labels): an overlong form or a surrogate's bytes are bytes, not a replacement character.
 const strictUtf8 = new TextDecoder("utf-8", { fatal: true });
 
@@ -98,6 +104,8 @@ function wholeCharacter(bytes) {
   }
 }
 
+// Whole UTF-8 characters as text, spaces made visible; a byte that is part of a character split
+// across tokens is shown as ‹E2›.
 function bytesLabel(bytes) {
   let out = "";
   for (let i = 0; i < bytes.length;) {
@@ -131,13 +139,9 @@ export function guessLabel(guess) {
   const text = guess.token ?? guess.text ?? "";
   const piece = guess.piece;
   if (!piece || !text.includes("\ufffd")) return visibleSpaces(text);
-  const bytes = [];
-  for (const ch of piece) {
-    const b = BYTE_OF_CHAR.get(ch);
-    if (b === undefined) return visibleSpaces(piece);
-    bytes.push(b);
-  }
-  return new TextDecoder().decode(new Uint8Array(bytes)) === text ? bytesLabel(bytes) : visibleSpaces(piece);
+  const bytes = pieceBytes(piece);
+  // Decoded leniently, as the server decodes an id on its own into its text.
+  return bytes && new TextDecoder().decode(new Uint8Array(bytes)) === text ? bytesLabel(bytes) : visibleSpaces(piece);
 }
 
 // Labels for every token of a run, in the chosen mode ("pieces" or "text").
