@@ -54,6 +54,22 @@ def causal_model_spec(tmp_path_factory) -> str:
     return f"{folder / 'model.pth'}?tokenizer={builtin_path('minilm') / 'tokenizer.json'}"
 
 
+def wait_until_up(proc: subprocess.Popen, url: str, seconds: float, what: str) -> None:
+    """Polls `url` until it answers 200; fails the test if `proc` exits first or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} was not ready within {seconds:g} s")
+        time.sleep(0.25)
+
+
 @contextlib.contextmanager
 def serving(models: dict[str, str], env: dict[str, str] | None = None):
     """`create_app` under uvicorn in a subprocess, as `manyeyes serve` runs it; yields its base URL.
@@ -63,19 +79,8 @@ def serving(models: dict[str, str], env: dict[str, str] | None = None):
     proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root,
                             env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with status {proc.returncode} before it was ready")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server was not ready within 120 s")
-            time.sleep(0.25)
+        wait_until_up(proc, f"{base}/readyz", 120, "the server")
         yield base
     finally:
         proc.terminate()

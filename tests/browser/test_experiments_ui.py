@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import SERVER_SCRIPT, free_port, serving
+from tests.browser.conftest import serving
 
 pytestmark = pytest.mark.browser
 
@@ -654,26 +650,8 @@ def test_generate_is_off_with_the_reason_while_the_model_reads_both_ways(server,
 @pytest.fixture(scope="module")
 def slow_server(causal_model_spec):
     """A server whose generation waits 0.2 s after each step, so that Stop lands mid-stream."""
-    port = free_port()
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MANYEYES_DEBUG_FORWARD_DELAY_S": "0.2", "MANYEYES_WARMUP": "false"}
-    models = {"tiny-causal": causal_model_spec}
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port), json.dumps(models)], cwd=root, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the slow server did not start"
-            time.sleep(0.25)
+    with serving({"tiny-causal": causal_model_spec}, env={"MANYEYES_DEBUG_FORWARD_DELAY_S": "0.2", "MANYEYES_WARMUP": "false"}) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def metric(base, name, **labels):

@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import free_port
+from tests.browser.conftest import free_port, wait_until_up
 from tests.browser.test_page import run, wait_saved
 
 pytestmark = pytest.mark.browser
@@ -68,17 +67,8 @@ def proxying(upstream: str):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", PROXY_SCRIPT, upstream, PREFIX, str(port)])
     base = f"http://127.0.0.1:{port}{PREFIX}"
-    deadline = time.monotonic() + 30
     try:
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the proxy did not start")
-            time.sleep(0.1)
+        wait_until_up(proc, f"{base}/healthz", 30, "the proxy")
         yield base
     finally:
         proc.terminate()
