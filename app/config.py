@@ -235,10 +235,10 @@ class Settings(BaseSettings):
     max_topk: int = Field(64, ge=1, le=64)
     gzip_level: int = Field(5, ge=1, le=6)  # small JSON (models, errors, docs) through GZipMiddleware
     gzip_min_bytes: int = Field(1024, ge=0)
-    # Attention answers are compressed by the service, off the event loop (see services/wire.py):
-    # when the client accepts zstd: `json` text of gzip_min_bytes or more, compact answers (u8,
-    # f16, frames) of zstd_min_bytes or more (0: never for compact ones); else `json` text with
-    # ISA-L gzip at this level (0-3) when the client accepts gzip.
+    # Attention answers are compressed by the service, off the event loop (see services/wire.py),
+    # with zstd at zstd_level or ISA-L gzip at attention_gzip_level (0-3), whichever the client
+    # ranks higher: `json` text of gzip_min_bytes or more, compact answers (u8, f16, frames) of
+    # zstd_min_bytes or more (0: never for compact ones).
     attention_gzip_level: int = Field(1, ge=0, le=3)
     zstd_level: int = Field(1, ge=1, le=22)
     zstd_min_bytes: int = Field(64 * 1024, ge=0)

@@ -1,16 +1,16 @@
-"""Where compressing an answer makes it faster end to end: u8 frames with and without zstd, side by
-side, on loopback and through links of a given bandwidth.
+"""Where compressing an answer makes it faster end to end: u8 frames as they are, with zstd and with
+gzip, side by side, on loopback and through links of a given bandwidth.
 
 A link is a pacing proxy in a process of its own (`--proxy`): it forwards each direction no faster
 than the rate, as a link of that bandwidth would deliver the bytes (no added latency, no loss). The
 server compresses for loopback clients here (`MANYEYES_COMPRESS_LOOPBACK=true`), since the proxy
 reaches it from loopback; by default it does not (README, "Compression"), and the loopback rows
 show why. For each link and T, every request gets a new sentence (the run cache never answers),
-identity and zstd alternate request by request (which goes first alternates by round), and the
-ratio printed is identity's p50 over zstd's: above 1, zstd is faster. The spread is p25-p75 of
-the per-round ratios.
+the codings alternate request by request (which goes first turns by round), and the ratio printed
+is identity's p50 over the coding's: above 1, the coding is faster. The spread is p25-p75 of the
+per-round ratios. gzip is what a browser gets over plain http (it offers zstd only over https).
 
-    python bench/link_bench.py [--rates-mbit 1000,100] [--lengths 64,128,512] [--rounds 9]
+    python bench/link_bench.py [--rates-mbit 1000,100] [--lengths 64,128,512] [--rounds 9] [--codings zstd,gzip]
 """
 
 from __future__ import annotations
@@ -95,36 +95,39 @@ def timed(conn: Connection, text: str, encoding: str) -> tuple[float, int, str |
     return ms, answer.wire_bytes, answer.headers.get("content-encoding")
 
 
-def measure(url: str, lengths: list[int], rounds: int, encode, seed: int) -> dict:
+def measure(url: str, lengths: list[int], rounds: int, codings: list[str], encode, seed: int) -> dict:
     out = {}
+    order = ["identity", *codings]
     with Connection(url, timeout=600) as conn:
         for n in lengths:
-            rows = {"identity": [], "zstd": []}
-            encodings = []
+            rows = {e: [] for e in order}
+            sent_as = {e: [] for e in codings}
             for i in range(rounds + 1):  # the first round warms up and is not counted
-                texts = {e: sentence(n, seed + 1000 * n + 10 * i + k, encode) for k, e in enumerate(rows)}
-                for e in (("identity", "zstd") if i % 2 else ("zstd", "identity")):
+                texts = {e: sentence(n, seed + 1000 * n + 10 * i + k, encode) for k, e in enumerate(order)}
+                turn = i % len(order)
+                for e in order[turn:] + order[:turn]:
                     ms, nbytes, got = timed(conn, texts[e], e)
                     settle()
                     if i:
                         rows[e].append((ms, nbytes))
-                        if e == "zstd":
-                            encodings.append(got)
-            out[n] = (rows, encodings)
+                        if e in sent_as:
+                            sent_as[e].append(got)
+            out[n] = (rows, sent_as)
     return out
 
 
 def report(name: str, table: dict) -> None:
-    for n, (rows, encodings) in table.items():
+    for n, (rows, sent_as) in table.items():
         ident = [ms for ms, _ in rows["identity"]]
-        zstd = [ms for ms, _ in rows["zstd"]]
-        paired = sorted(a / b for a, b in zip(ident, zstd))
-        q = lambda f: paired[round(f * (len(paired) - 1))]  # noqa: E731
-        sizes = (statistics.median(b for _, b in rows["identity"]), statistics.median(b for _, b in rows["zstd"]))
-        sent_as = "zstd" if all(e == "zstd" for e in encodings) else f"NOT zstd ({set(encodings)})"
-        print(f"| {name} | {n} | {statistics.median(ident):.1f} ms | {statistics.median(zstd):.1f} ms ({sent_as}) | "
-              f"{sizes[0] / 1e6:.2f} / {sizes[1] / 1e6:.2f} MB | {statistics.median(ident) / statistics.median(zstd):.2f}x "
-              f"({q(0.25):.2f}-{q(0.75):.2f}) |")
+        for coding, encodings in sent_as.items():
+            coded = [ms for ms, _ in rows[coding]]
+            paired = sorted(a / b for a, b in zip(ident, coded))
+            q = lambda f: paired[round(f * (len(paired) - 1))]  # noqa: E731
+            sizes = (statistics.median(b for _, b in rows["identity"]), statistics.median(b for _, b in rows[coding]))
+            as_asked = coding if all(e == coding for e in encodings) else f"NOT {coding} ({set(encodings)})"
+            print(f"| {name} | {n} | {coding} | {statistics.median(ident):.1f} ms | {statistics.median(coded):.1f} ms ({as_asked}) | "
+                  f"{sizes[0] / 1e6:.2f} / {sizes[1] / 1e6:.2f} MB | {statistics.median(ident) / statistics.median(coded):.2f}x "
+                  f"({q(0.25):.2f}-{q(0.75):.2f}) |")
 
 
 def main() -> None:
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--rates-mbit", default="1000,100", help="link rates in Mbit/s, comma-separated")
     parser.add_argument("--lengths", default="64,128,512")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--codings", default="zstd,gzip", help="content codings to compare with identity, comma-separated")
     parser.add_argument("--proxy", nargs=3, metavar=("LISTEN", "UPSTREAM", "MBIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.proxy:
@@ -158,10 +162,11 @@ def main() -> None:
             links.append((f"{mbit:g} Mbit/s", f"http://127.0.0.1:{proxy_port}"))
         time.sleep(1.0)  # the proxies bind within a fraction of that
         print(f"MiniLM u8 frames, all 6 layers x 12 heads, p50 of {args.rounds} new sentences per link, T and encoding\n")
-        print("| link | T | identity | zstd | bytes on the wire (identity / zstd) | identity / zstd (p25-p75) |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| link | T | coding | identity | coded | bytes on the wire (identity / coded) | identity / coded (p25-p75) |")
+        print("|---|---:|---|---:|---:|---:|---:|")
+        codings = [c for c in args.codings.split(",") if c]
         for k, (name, url) in enumerate(links):
-            report(name, measure(url, lengths, args.rounds, encode, 7_000 * (k + 1)))
+            report(name, measure(url, lengths, args.rounds, codings, encode, 7_000 * (k + 1)))
     finally:
         for proc in procs:
             proc.terminate()

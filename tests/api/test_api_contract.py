@@ -201,7 +201,7 @@ def test_ranges_on_files_are_honoured_ignored_when_malformed_and_refused_in_json
         assert r.json()["error"]["message"] == "no byte of the file lies in the Range asked for"
 
 
-def test_large_json_is_gzipped_at_level_6_or_less_but_compact_formats_are_not(api):
+def test_large_json_is_gzipped_at_level_6_or_less_and_compact_formats_from_their_threshold(api):
     from starlette.middleware.gzip import GZipMiddleware
 
     headers = {"Accept-Encoding": "gzip"}
@@ -214,9 +214,11 @@ def test_large_json_is_gzipped_at_level_6_or_less_but_compact_formats_are_not(ap
     assert np.asarray(orjson.loads(gzip.decompress(raw))["attention"]["data"]).shape == (6, 12, 102, 102)
     levels = [m.kwargs["compresslevel"] for m in api.app.user_middleware if issubclass(m.cls, GZipMiddleware)]
     assert levels and all(1 <= level <= 6 for level in levels)
+    # Compact answers too, from the compact threshold (64 KiB) on; under it, as they are.
     r = api.post("/api/v1/attention", json={**request, "format": "u8"}, headers=headers)
-    assert "content-encoding" not in r.headers
-    assert r.headers["content-type"] == "application/vnd.manyeyes+json"
+    assert r.headers["content-encoding"] == "gzip" and r.headers["content-type"] == "application/vnd.manyeyes+json"
+    small = api.post("/api/v1/attention", json={**request, "format": "u8", "layers": [0], "heads": [0]}, headers=headers)
+    assert "content-encoding" not in small.headers and small.json()["attention"]["shape"] == [1, 1, 102, 102]
 
 
 def test_openapi_documents_the_contract_with_examples(api):

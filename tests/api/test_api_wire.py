@@ -105,7 +105,7 @@ class Sent:
             self.status_code, self.headers, self.content = r.status_code, r.headers, b"".join(r.iter_raw())
 
 
-def test_zstd_only_when_asked_and_only_for_big_answers(api):
+def test_compact_answers_compressed_only_when_asked_and_only_when_big(api):
     body = {"text": TEXT * 4, "format": "u8"}
     plain = orjson.loads(raw_post(api, body, PLAIN).content)
     for accept in ("zstd", "gzip, deflate, br, zstd"):
@@ -118,11 +118,20 @@ def test_zstd_only_when_asked_and_only_for_big_answers(api):
     assert framed.headers["content-encoding"] == "zstd"
     _, (values,) = frame_arrays(unzstd(framed.content))
     np.testing.assert_array_equal(values, decode(plain["attention"]))
-    # q=0 refuses it; a gzip-only client gets no compression of a compact answer.
-    for refused in ("zstd;q=0", "gzip", "identity"):
+    # q=0 refuses it; identity is no compression.
+    for refused in ("zstd;q=0", "identity"):
         r = Sent(api, body, {"Accept-Encoding": refused})
         assert "content-encoding" not in r.headers, refused
         assert orjson.loads(r.content)["attention"] == plain["attention"]
+    # A browser over plain http offers gzip, never zstd: its compact answers and frames are gzipped.
+    for accept, wire in (("gzip, deflate", {}), ("gzip, deflate", {"Accept": FRAME_MEDIA_TYPE})):
+        r = Sent(api, body, {"Accept-Encoding": accept, **wire})
+        assert r.headers["content-encoding"] == "gzip"
+        assert int(r.headers["content-length"]) == len(r.content) < len(orjson.dumps(plain)) / 2
+        if wire:
+            np.testing.assert_array_equal(frame_arrays(gzip.decompress(r.content))[1][0], values)
+        else:
+            assert orjson.loads(gzip.decompress(r.content))["attention"] == plain["attention"]
     # The size is in the zstd frame's header: a client's one-call decompress needs it.
     assert zstandard.ZstdDecompressor().decompress(framed.content) == unzstd(framed.content)
     # Small answers are not worth it, whatever the client accepts.
@@ -170,8 +179,9 @@ def test_a_header_lists_a_token_with_a_q_above_0(header, token, expected):
         ("gzip, deflate, br, zstd", 2000, True, "zstd"),  # a tie goes to zstd
         ("gzip;q=1, zstd;q=0.5", 2000, True, "gzip"),  # the client's ranking wins
         ("gzip;q=0.5, zstd;q=1", 2000, True, "zstd"),
-        ("gzip;q=1, zstd;q=0.5", 100_000, False, "zstd"),  # compact bodies are never gzipped
-        ("gzip", 100_000, False, None),
+        ("gzip;q=1, zstd;q=0.5", 100_000, False, "gzip"),
+        # A browser over plain http offers no zstd: its 19 MB answers went uncompressed.
+        ("gzip, deflate", 100_000, False, "gzip"),
         ("zstd", 1000, False, None),  # compact, under zstd_min_bytes
         ("zstd, gzip", 500, True, None),  # text under gzip_min_bytes
         ("zstd;q=0, gzip;q=0.1", 2000, True, "gzip"),
@@ -189,12 +199,14 @@ def test_compression_follows_the_clients_ranking(accept_encoding, nbytes, text, 
     assert Compression(1, 65536, 1, 1024).choose(accept_encoding, nbytes, text) == expected
 
 
-def test_zstd_min_bytes_0_turns_zstd_off_for_compact_bodies_only():
+def test_zstd_min_bytes_0_turns_compression_off_for_compact_bodies_only():
     from manyeyes.app.services.wire import Compression
 
     off = Compression(1, 0, 1, 1024)
     assert off.choose("zstd", 10**6, False) is None
+    assert off.choose("gzip", 10**6, False) is None
     assert off.choose("zstd", 10**6, True) == "zstd"
+    assert off.choose("gzip", 10**6, True) == "gzip"
 
 
 @pytest.mark.parametrize(
