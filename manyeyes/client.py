@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -35,6 +36,10 @@ COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
 
 
 # ---- errors -------------------------------------------------------------------------------------
+
+
+# How the server names one text of a batch in an error ("texts[3]: input is 702 tokens long...").
+CHUNK_INDEX = re.compile(r"\btexts\[(\d+)\]")
 
 
 class ManyeyesError(Exception):
@@ -853,6 +858,12 @@ class Client:
             # away every chunk already computed: they go with the error, and the run resumes at
             # texts[len(exc.partial):].
             exc.partial = results
+            if results:
+                # The server names a text by its place in the chunk it was sent: texts[1] of the
+                # second chunk of 4 was texts[5] of the caller's list, and the message sent them
+                # to a sentence that was fine.
+                exc.message = CHUNK_INDEX.sub(lambda m: f"texts[{int(m[1]) + len(results)}]", exc.message)
+                exc.args = (f"{exc.status} {exc.code}: {exc.message}",)
             raise
         return results
 

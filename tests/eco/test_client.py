@@ -840,11 +840,13 @@ def test_a_failed_batch_keeps_the_results_of_the_chunks_before_it(client, tiny_g
     with pytest.raises(InvalidRequest) as err:
         client.attention_batch(texts, batch_size=2, layers=[0], format="json")
     assert err.value.code == "too_long"
+    # Named by its place in the list passed, not in the chunk of two it went in.
+    assert err.value.message.startswith("texts[3]: ") and str(err.value).startswith("422 too_long: texts[3]: ")
     assert ["".join(t.text for t in r.tokens) for r in err.value.partial] == texts[:2]
     np.testing.assert_allclose(err.value.partial[1].head(0, 3), tiny_gpt.attend(texts[1]).attention[0, 3].numpy(), atol=1e-5)
     with pytest.raises(InvalidRequest) as err:
         client.attention_batch(texts[3:], batch_size=2)
-    assert err.value.partial == []
+    assert err.value.partial == [] and err.value.message.startswith("texts[0]: ")
 
 
 def test_a_closed_client_says_it_is_closed():
