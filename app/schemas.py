@@ -548,7 +548,7 @@ class LogitAttributionResponse(BaseModel):
     target_text: str = Field(description="The target as its own text (a byte of part of a character reads \"\\ufffd\")")
     target_piece: str = Field("", description="The target's vocabulary piece, as a token of that id carries: tells bytes apart")
     logit: float = Field(description="The model's own logit")
-    total: float = Field(description="Heads + attention biases + MLPs + embeddings + rest: equals logit within 1e-4")
+    total: float = Field(description="Every head + attention biases + MLPs + embeddings + rest: equals logit within 1e-4 in float32")
     heads: list[HeadAttribution] = Field(description="Direct contributions, largest first, the top `top`")
     attention_bias: list[float]
     mlps: list[float]

@@ -314,8 +314,9 @@ class RemoteNeuron:
 @dataclass(frozen=True)
 class RemoteLogitAttribution:
     """Direct logit attribution at one position (GET /runs/{id}/logit-attribution), as the local
-    `manyeyes.model.measures.LogitAttribution` reads: heads + attention_bias + mlps + embeddings
-    + rest add up to `logit`."""
+    `manyeyes.model.measures.LogitAttribution` reads: every head + attention_bias + mlps +
+    embeddings + rest add up to `total` (the logit, within 1e-4 in float32). `heads` holds only
+    the `top` of largest effect (10 by default): ask for n_layers * n_heads to sum them all."""
 
     run_id: str
     position: int
