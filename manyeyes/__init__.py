@@ -20,7 +20,8 @@ _LAZY = {
                     "manyeyes.model"),
     # The client's errors beside it: `except manyeyes.Overloaded` as a notebook would write it.
     **dict.fromkeys(("Client", "ManyeyesError", "InvalidRequest", "Unauthorized", "NotFound", "TooLarge", "Overloaded",
-                     "NotReady", "ServerTimeout", "ConnectionFailed", "GenerationFailed"), "manyeyes.client"),
+                     "NotReady", "ServerTimeout", "ConnectionFailed", "GenerationFailed", "save_results", "load_results"),
+                    "manyeyes.client"),
 }
 __all__ = sorted(_LAZY)
 # Submodules, reachable as attributes after a bare `import manyeyes` (`manyeyes.figures.heatmap`):

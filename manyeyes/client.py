@@ -531,6 +531,47 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
     )
 
 
+RESULTS_FORMAT = "manyeyes-results/1"
+
+
+def save_results(path: str | os.PathLike, results: RemoteResult | list[RemoteResult]) -> None:
+    """Results to one .npz file that `load_results` reads back with no server: each weights array
+    as it came (float32, bit for bit), the rest (tokens, layers, heads, predictions, the request
+    that made it) as JSON beside them. Not a pickle: a colleague's file is safe to open, and it
+    does not depend on this module's classes staying as they are."""
+    results = [results] if isinstance(results, RemoteResult) else list(results)
+    if not all(isinstance(r, RemoteResult) for r in results):
+        raise TypeError("save_results takes RemoteResult objects (what Client.attention and attention_batch return)")
+    meta = [{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "attention"} for r in results]
+    header = json.dumps({"format": RESULTS_FORMAT, "results": meta},
+                        default=lambda v: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else _plain(v))
+    arrays = {f"attention_{i}": r.attention for i, r in enumerate(results) if r.attention is not None}
+    with open(path, "wb") as f:  # np.savez_compressed would add ".npz" to a name without it
+        np.savez_compressed(f, results=np.frombuffer(header.encode(), dtype=np.uint8), **arrays)
+
+
+def load_results(path: str | os.PathLike) -> list[RemoteResult]:
+    """The results `save_results` wrote, in order, as RemoteResult objects (figures take them)."""
+    with np.load(path, allow_pickle=False) as stored:
+        if "results" not in stored.files:
+            raise ValueError(f"{os.fspath(path)} is not a file of manyeyes results (save_results writes them)")
+        header = json.loads(stored["results"].tobytes())
+        if header.get("format") != RESULTS_FORMAT:
+            raise ValueError(f"{os.fspath(path)} holds {header.get('format')!r}; this manyeyes reads {RESULTS_FORMAT}")
+        results = []
+        for i, meta in enumerate(header["results"]):
+            array = stored[f"attention_{i}"] if f"attention_{i}" in stored.files else None
+            predictions = meta.get("predictions")
+            results.append(RemoteResult(**{
+                **_known(RemoteResult, meta),
+                "tokens": [RemoteToken(**_known(RemoteToken, t)) for t in meta["tokens"]],
+                "attention": array,
+                "predictions": None if predictions is None
+                else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in predictions.items()},
+            }))
+    return results
+
+
 @dataclass(frozen=True)
 class RemoteTile:
     """values[i, j] covers query rows [row_edges[i], row_edges[i+1]) and keys [col_edges[j], col_edges[j+1])."""

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
+import os
+import pickle
 import re
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -649,10 +653,6 @@ def test_a_503_with_retry_after_is_retried_and_one_without_is_not(monkeypatch):
 def test_a_server_that_dies_mid_request_is_not_reported_unreachable(tmp_path):
     """The server was killed during the forward (an OOM kill, a crash): the client said it "could
     not be reached", which sends a user checking the URL of a server that answered a moment ago."""
-    import os
-    import subprocess
-    import sys
-
     from tests.eco.conftest import ROOT, wait_ready
 
     port = free_port()
@@ -811,10 +811,6 @@ def test_a_refused_connection_is_tried_again_and_a_restarted_servers_loading_is_
 def test_a_call_waits_for_a_server_that_starts_meanwhile():
     """The real thing: a refused connection (nothing listens yet), then the starting server's
     503 while it loads tiny-gpt, then the answer."""
-    import os
-    import subprocess
-    import sys
-
     from tests.eco.conftest import ROOT
 
     port = free_port()
@@ -887,3 +883,47 @@ def test_the_package_has_a_version_and_its_submodules_after_a_bare_import(tmp_pa
              "{'figures', 'export', '__version__'} <= set(dir(manyeyes)))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == [version("manyeyes"), "False", "manyeyes.export", "True", "True"], out.stdout + out.stderr
+
+
+def test_saved_results_load_in_a_new_process_bit_for_bit_with_no_server(client, tmp_path):
+    """A paper's results had no documented way to disk: pickle (unsafe to share) or hand-made JSON."""
+    from manyeyes.client import load_results, save_results
+
+    texts = ["And God said, Let there be light.", "Ünïcödé ✓ and a tab\there.", "x"]
+    results = client.attention_batch(texts, format="f16", predictions=3)
+    kept_qk = dataclasses.replace(results[2], attention=None, kept="qk")
+    path = tmp_path / "study"  # no suffix: written where asked, not at study.npz
+    save_results(path, [*results, kept_qk])
+    assert path.exists() and not (tmp_path / "study.npz").exists()
+    script = (
+        "import sys, pickle; from manyeyes.client import load_results; from manyeyes import figures\n"
+        "rs = load_results(sys.argv[1]); figures.heatmap(rs[0], 1, 3)\n"
+        "sys.stdout.buffer.write(pickle.dumps([(r.attention, {k: v for k, v in vars(r).items() if k != 'attention'}) for r in rs]))"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, check=True)
+    loaded = pickle.loads(out.stdout)
+    assert len(loaded) == 4
+    for original, (attention, fields) in zip([*results, kept_qk], loaded):
+        if original.attention is None:
+            assert attention is None
+        else:
+            assert attention.dtype == np.float32 and attention.tobytes() == original.attention.tobytes()
+        assert fields == {k: v for k, v in vars(original).items() if k != "attention"}
+    assert loaded[0][1]["predictions"][0][0].piece == results[0].predictions[0][0].piece
+    # In this process too, and one result alone.
+    save_results(tmp_path / "one.npz", results[1])
+    (again,) = load_results(tmp_path / "one.npz")
+    assert again.tokens == results[1].tokens and np.array_equal(again.head(1, 3), results[1].head(1, 3))
+
+
+def test_load_results_refuses_other_files_without_unpickling_them(tmp_path):
+    from manyeyes.client import load_results, save_results
+
+    np.savez(tmp_path / "other.npz", weights=np.zeros(3))
+    with pytest.raises(ValueError, match="not a file of manyeyes results"):
+        load_results(tmp_path / "other.npz")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError):
+        load_results(tmp_path / "objects.npy")
+    with pytest.raises(TypeError, match="RemoteResult"):
+        save_results(tmp_path / "x.npz", [np.zeros(3)])
