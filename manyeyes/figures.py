@@ -217,12 +217,16 @@ def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
 
 
 def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_special: bool = False,
-            hide_first: bool = False, max_side: int = MAX_SIDE) -> go.Figure:
+            hide_first: bool = False, max_side: int = MAX_SIDE, zmax: float | None = None) -> go.Figure:
     """One head: queries on rows, keys on columns, token labels, hover
     `query 3 “e” → key 1 “h”: weight` (positions in the run, then the tokens).
     hide_special / hide_first: as the page's options (rows renormalised over the keys left).
-    Over max_side tokens the cells are max-pooled, k x k tokens each (the title says k)."""
+    Over max_side tokens the cells are max-pooled, k x k tokens each (the title says k).
+    Colours run from 0 to this head's largest weight, as the page's do, so a diffuse head's
+    pattern shows; zmax fixes the top (1.0: heads side by side on one scale, as grid's)."""
     layer, head = whole_number(layer, "layer"), whole_number(head, "head")
+    if zmax is not None and not (isinstance(zmax, (int, float, np.number)) and 0 < zmax < math.inf):
+        raise ValueError(f"zmax must be a number above 0 (1.0: the whole range of a weight), or None; got {zmax!r}")
     w = weights_of(result).without(hide_special, hide_first)
     matrix = w.head(layer, head)
     n = len(w.tokens)
@@ -245,7 +249,8 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
     pooled = _pool(matrix, step)
     fig = go.Figure(
         go.Heatmap(
-            z=pooled, customdata=custom, colorscale=COLORSCALE, zmin=0, zmax=float(max(pooled.max(), 1e-9)),
+            z=pooled, customdata=custom, colorscale=COLORSCALE, zmin=0,
+            zmax=float(zmax) if zmax is not None else float(max(pooled.max(), 1e-9)),
             colorbar={"title": {"text": "weight" if step == 1 else "max weight"}}, hovertemplate=hover,
         )
     )
@@ -416,12 +421,17 @@ def measures(result, measure: str = "previous_token") -> go.Figure:
     if measure not in each[0]:
         raise ValueError(f"measure must be one of {sorted(each[0])}, got {measure!r}")
     values = np.mean([found[measure] for found in each], axis=0)
+    # Weights' means run from 0 to 1, and so does their colour: Plotly's own range (the map's
+    # minimum to its maximum) made the lowest head's 0.03 read as none. Entropy has no such top.
+    bounds = {} if measure == "entropy" else {"zmin": 0, "zmax": 1}
+    unit = "entropy (nats)" if measure == "entropy" else f"mean weight on {measure.replace('_', ' ')}"
     fig = go.Figure(go.Heatmap(
-        z=values, x=[f"H{h}" for h in w.heads], y=[f"L{l}" for l in w.layers], colorscale="Viridis",
-        text=np.round(values, 2), texttemplate="%{text}",
-        hovertemplate=f"%{{y}} %{{x}}: {measure} %{{z:.3f}}<extra></extra>",
+        z=values, x=[f"H{h}" for h in w.heads], y=[f"L{l}" for l in w.layers], colorscale="Viridis", **bounds,
+        text=np.round(values, 2), texttemplate="%{text}", colorbar={"title": {"text": unit.split(" on ")[0]}},
+        hovertemplate=f"%{{y}} %{{x}}: {unit} %{{z:.3f}}<extra></extra>",
     ))
     over = f", mean over {len(results)} texts" if len(results) > 1 else ""
-    fig.update_layout(title=f"{measure.replace('_', ' ')} per head{over}", yaxis={"autorange": "reversed"},
-                      width=140 + 60 * len(w.heads), height=140 + 50 * len(w.layers))
+    fig.update_layout(title=f"{measure.replace('_', ' ')} per head{over}",
+                      xaxis={"title": "head"}, yaxis={"title": "layer", "autorange": "reversed"},
+                      width=160 + 60 * len(w.heads), height=160 + 50 * len(w.layers))
     return fig

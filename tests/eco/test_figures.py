@@ -414,3 +414,24 @@ def test_to_html_into_a_missing_folder_names_that_path(local, tmp_path):
         figures.to_html(figures.heatmap(local, 0, 3), str(path))
     assert caught.value.filename == str(path) and ".tmp" not in str(caught.value), caught.value
     assert str(path) in str(caught.value) and caught.value.__cause__ is None
+
+
+def test_heatmap_colours_reach_the_heads_max_unless_zmax_fixes_them(local):
+    """Side by side in a paper, two heads each scaled to its own max looked equally strong."""
+    own = figures.heatmap(local, 1, 0).data[0]
+    assert own.zmin == 0 and own.zmax == pytest.approx(float(local.attention[1, 0].max()))
+    fixed = figures.heatmap(local, 1, 0, zmax=1).data[0]
+    assert fixed.zmax == 1.0 and np.array_equal(np.asarray(fixed.z), np.asarray(own.z))
+    for bad in (0, -1, float("nan"), float("inf"), "1"):
+        with pytest.raises(ValueError, match="zmax"):
+            figures.heatmap(local, 1, 0, zmax=bad)
+
+
+def test_measures_say_their_unit_and_weights_keep_0_to_1(local):
+    fig = figures.measures(local, "first_token")
+    trace = fig.data[0]
+    assert (trace.zmin, trace.zmax) == (0, 1)  # Plotly's own range drew the lowest head as none
+    assert trace.colorbar.title.text == "mean weight"
+    assert (fig.layout.xaxis.title.text, fig.layout.yaxis.title.text) == ("head", "layer")
+    entropy = figures.measures(local, "entropy").data[0]
+    assert entropy.zmin is None and entropy.zmax is None and entropy.colorbar.title.text == "entropy (nats)"
