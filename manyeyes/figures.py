@@ -376,6 +376,10 @@ def head_view(result, layer: int, heads: list[int] | None = None, *, hide_specia
         title=f"Head view, layer {layer}" + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
         width=520 + (80 if windowed else 0), height=120 + 18 * n,
         xaxis={"visible": False, "range": [-0.6, 1.6]}, yaxis={"visible": False, "autorange": "reversed"},
+        # Which side is which: the page's head view says so in its caption, a figure had nothing.
+        annotations=[{"x": x, "y": 1, "xref": "x", "yref": "paper", "yanchor": "bottom", "xanchor": anchor,
+                      "text": text, "showarrow": False, "font": {"size": 12}}
+                     for x, anchor, text in ((0.0, "right", "query (attending)"), (1.0, "left", "key (attended to)"))],
     )
     return fig
 

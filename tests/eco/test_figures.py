@@ -435,3 +435,9 @@ def test_measures_say_their_unit_and_weights_keep_0_to_1(local):
     assert (fig.layout.xaxis.title.text, fig.layout.yaxis.title.text) == ("head", "layer")
     entropy = figures.measures(local, "entropy").data[0]
     assert entropy.zmin is None and entropy.zmax is None and entropy.colorbar.title.text == "entropy (nats)"
+
+
+def test_head_view_names_its_query_and_key_sides(local):
+    fig = figures.head_view(local, 1, [0])
+    sides = {a.text: a.x for a in fig.layout.annotations}
+    assert sides == {"query (attending)": 0.0, "key (attended to)": 1.0}
