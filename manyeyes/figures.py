@@ -419,6 +419,11 @@ def measures(result, measure: str = "previous_token") -> go.Figure:
         raise ValueError("result is an empty list: pass at least one result")
     views = [weights_of(r) for r in results]
     w = views[0]
+    # A client's results name their model (a local result does not): two models of the same shape
+    # averaged without a word.
+    models = sorted({r.model for r in results if isinstance(getattr(r, "model", None), str)})
+    if len(models) > 1:
+        raise ValueError(f"every result must come from one model to be averaged; these come from {', '.join(models)}")
     if any((v.layers, v.heads) != (w.layers, w.heads) for v in views[1:]):
         raise ValueError("every result must hold the same layers and heads to be averaged")
     each = [head_measures(r) for r in results]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import resource
@@ -87,6 +88,9 @@ def test_measures_average_over_many_texts(tiny_gpt, local, remote):
         figures.measures([])
     with pytest.raises(ValueError, match="same layers and heads"):
         figures.measures([local, _result(np.full((1, 1, 2, 2), 0.5, np.float32), ["a", "b"], [False, False])])
+    other_model = dataclasses.replace(remote, model="gpt-twin")  # the same shape, another model
+    with pytest.raises(ValueError, match="one model.*gpt-twin, tiny-gpt"):
+        figures.measures([remote, other_model])
 
 
 def test_html_is_offline(local, tmp_path):
