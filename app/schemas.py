@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 Format = Literal["json", "f16", "u8"]
 PRECISION_DOC = (
@@ -104,6 +104,10 @@ class BatchRequest(Options):
         ..., min_length=1, description="Texts to run; at most the server's max_batch_texts"
     )
 
+    text_pairs: list[Annotated[str, Field(min_length=1)] | None] | None = Field(
+        None, description="Second segments, for sentence-pair models: one per text, in order (null: that text has none)"
+    )
+
     @field_validator("texts")
     @classmethod
     def _texts(cls, values: list[str]) -> list[str]:
@@ -112,9 +116,29 @@ class BatchRequest(Options):
                 raise ValueError(f"texts[{i}] must contain something other than whitespace")
         return values
 
+    @field_validator("text_pairs")
+    @classmethod
+    def _pairs(cls, values: list[str | None] | None) -> list[str | None] | None:
+        for i, value in enumerate(values or []):
+            if value is not None and not value.strip():
+                raise ValueError(f"text_pairs[{i}] must contain something other than whitespace (null: no pair)")
+        return values
+
+    @model_validator(mode="after")
+    def _one_pair_a_text(self) -> "BatchRequest":
+        if self.text_pairs is not None and len(self.text_pairs) != len(self.texts):
+            raise ValueError(f"text_pairs holds {len(self.text_pairs)} entries for {len(self.texts)} texts: one per text, null where none")
+        return self
+
+    def inputs(self) -> list[tuple[str, str | None]]:
+        return list(zip(self.texts, self.text_pairs or [None] * len(self.texts)))
+
     model_config = ConfigDict(
         extra="forbid",
-        json_schema_extra={"examples": [{"texts": ["The bank of the river.", "I paid at the bank."], "format": "u8"}]},
+        json_schema_extra={"examples": [
+            {"texts": ["The bank of the river.", "I paid at the bank."], "format": "u8"},
+            {"texts": ["Where is it?", "Who said it?"], "text_pairs": ["On the bank.", None], "model": "minilm", "format": "f16"},
+        ]},
     )
 
 

@@ -39,7 +39,7 @@ COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
 
 
 # How the server names one text of a batch in an error ("texts[3]: input is 702 tokens long...").
-CHUNK_INDEX = re.compile(r"\btexts\[(\d+)\]")
+CHUNK_INDEX = re.compile(r"\b(texts|text_pairs)\[(\d+)\]")
 
 
 class ManyeyesError(Exception):
@@ -858,6 +858,7 @@ class Client:
         self,
         texts: list[str],
         *,
+        text_pairs: list[str | None] | None = None,
         model: str | None = None,
         layers: list[int] | None = None,
         heads: list[int] | None = None,
@@ -866,7 +867,8 @@ class Client:
         predictions: int | None = None,
         batch_size: int = 32,
     ) -> list[RemoteResult]:
-        """One result per text, in order. The texts go `batch_size` at a time, each request one
+        """One result per text, in order; text_pairs: each text's second segment (None: none), as
+        attention()'s text_pair. The texts go `batch_size` at a time, each request one
         padded forward, so any number of texts can be passed; a server configured for fewer a batch
         (its max_batch_texts, 32 by default) says its limit, and the rest go that many at a time. Each text must fit the server's
         dense bound (else TooLarge needs_tiles: post it alone with attention()). An error raised
@@ -877,6 +879,11 @@ class Client:
         texts = list(texts)
         if not texts:
             raise ValueError("texts is empty: pass at least one text")
+        if isinstance(text_pairs, (str, bytes)):
+            raise TypeError("text_pairs must be a list, one second segment (or None) per text")
+        pairs = None if text_pairs is None else list(text_pairs)
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError(f"text_pairs holds {len(pairs)} entries for {len(texts)} texts: one per text, None where none")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a whole number, at least 1; got {batch_size!r}")
         options = {"model": model, "layers": layers, "heads": heads, "format": format or self.format, "truncate": truncate,
@@ -886,15 +893,21 @@ class Client:
         try:
             while len(results) < len(texts):
                 chunk = texts[len(results) : len(results) + batch_size]
+                chunk_pairs = None if pairs is None else pairs[len(results) : len(results) + batch_size]
+                sent = {"texts": chunk, **options} if chunk_pairs is None else {"texts": chunk, "text_pairs": chunk_pairs, **options}
                 try:
-                    pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json={"texts": chunk, **options}))
+                    pieces = decode_body(self._send("POST", "/api/v1/attention/batch", json=sent))
                 except InvalidRequest as exc:
                     limit = ((exc.body or {}).get("error") or {}).get("max_batch_texts")
                     if isinstance(limit, int) and 1 <= limit < len(chunk):
                         batch_size = limit  # the same chunk again, cut to the server's size
                         continue
                     raise
-                results += [to_result(fields, array, {"text": text, **options}) for text, (fields, array) in zip(chunk, pieces)]
+                for k, (text, (fields, array)) in enumerate(zip(chunk, pieces)):
+                    pair = None if chunk_pairs is None else chunk_pairs[k]
+                    # What made it, as attention() would post it: an evicted run is recomputed from this.
+                    made_by = {"text": text, **options} if pair is None else {"text": text, "text_pair": pair, **options}
+                    results.append(to_result(fields, array, made_by))
         except ManyeyesError as exc:
             # A failure late in a long run (a restart past the retries, one text too long) threw
             # away every chunk already computed: they go with the error, and the run resumes at
@@ -904,7 +917,7 @@ class Client:
                 # The server names a text by its place in the chunk it was sent: texts[1] of the
                 # second chunk of 4 was texts[5] of the caller's list, and the message sent them
                 # to a sentence that was fine.
-                exc.message = CHUNK_INDEX.sub(lambda m: f"texts[{int(m[1]) + len(results)}]", exc.message)
+                exc.message = CHUNK_INDEX.sub(lambda m: f"{m[1]}[{int(m[2]) + len(results)}]", exc.message)
                 exc.args = (f"{exc.status} {exc.code}: {exc.message}",)
             raise
         return results

@@ -57,7 +57,7 @@ async def attention_batch(body: BatchRequest, service: ServiceDep, request: Requ
     if len(body.texts) > limit:
         # The limit as a number too: a client splits its texts by it instead of parsing the words.
         raise InvalidInput(f"a batch holds at most {limit} texts, got {len(body.texts)}", fields={"max_batch_texts": limit})
-    work = service.attend([(t, None) for t in body.texts], body, True, started, wire_of(request), client_of(request),
+    work = service.attend(body.inputs(), body, True, started, wire_of(request), client_of(request),
                           tenant=tenant_of(request))
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log

@@ -139,6 +139,24 @@ def test_batch_returns_one_result_per_text(api, minilm):
         assert np.abs(decode(result["attention"]) - expected).max() <= 0.5 / 255 + 1e-6
 
 
+def test_a_batch_takes_a_pair_per_text(api, minilm):
+    """A study of sentence pairs (premise, hypothesis) had to post them one at a time."""
+    texts, pairs = ["Where is it?", "Who said it?", TEXT], ["On the bank.", None, "Yes, it is."]
+    r = api.post("/api/v1/attention/batch", json={"texts": texts, "text_pairs": pairs, "format": "json", "heads": [2]})
+    assert r.status_code == 200
+    for text, pair, result in zip(texts, pairs, r.json()["results"]):
+        expected = minilm.attend(text, pair).attention.numpy()[:, [2]]
+        np.testing.assert_allclose(np.asarray(result["attention"]["data"]), expected, atol=1e-5)
+        assert {t["segment"] for t in result["tokens"]} == ({0, 1} if pair else {0})
+        alone = api.post("/api/v1/attention", json={"text": text, **({"text_pair": pair} if pair else {})}).json()
+        assert alone["run_id"] == result["run_id"]  # one run, however it was asked for
+    for bad, words in (({"text_pairs": ["x"]}, "text_pairs holds 1 entries for 2 texts"),
+                       ({"text_pairs": ["x", " "]}, "text_pairs[1] must contain something"),
+                       ({"text_pairs": "x"}, "text_pairs")):
+        r = api.post("/api/v1/attention/batch", json={"texts": ["a", "b"], **bad})
+        assert r.status_code == 422 and words in r.json()["error"]["message"], r.json()
+
+
 def test_health_ready_and_metrics(api):
     assert api.get("/healthz").json() == {"status": "ok"}
     assert api.get("/readyz").json() == {"status": "ready", "models": ["minilm"]}

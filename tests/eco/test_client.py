@@ -927,3 +927,17 @@ def test_load_results_refuses_other_files_without_unpickling_them(tmp_path):
         load_results(tmp_path / "objects.npy")
     with pytest.raises(TypeError, match="RemoteResult"):
         save_results(tmp_path / "x.npz", [np.zeros(3)])
+
+
+def test_attention_batch_sends_a_pair_per_text_across_chunks(client):
+    texts, pairs = ["And God said.", "Let there be light.", "And there was light.", "And God saw."], ["Yes.", None, "No.", "So."]
+    results = client.attention_batch(texts, text_pairs=pairs, batch_size=3, layers=[0], format="json")
+    for text, pair, result in zip(texts, pairs, results):
+        alone = client.attention(text, text_pair=pair, layers=[0], format="json")
+        assert result.run_id == alone.run_id and np.array_equal(result.attention, alone.attention)
+        assert result.request.get("text_pair") == pair  # an evicted run is posted again with its pair
+    with pytest.raises(InvalidRequest) as err:  # the blank pair is the fourth, second of its chunk
+        client.attention_batch(texts, text_pairs=["Yes.", None, "No.", " "], batch_size=2, layers=[0])
+    assert "text_pairs[3] must contain" in err.value.message and len(err.value.partial) == 2
+    with pytest.raises(ValueError, match="3 entries for 4 texts"):
+        client.attention_batch(texts, text_pairs=pairs[:3])
