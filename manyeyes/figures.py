@@ -1,5 +1,6 @@
 """Plotly figures for notebooks, from a local `AttentionResult` (manyeyes.load(...).attend) or a
-`RemoteResult` (manyeyes.Client): heatmap, grid, head view and per-head measures.
+`RemoteResult` (manyeyes.Client): heatmap, grid, head view, per-head measures and a comparison
+of two runs.
 
 Offline: call `offline()` once; plotly.js then travels inside the notebook from the installed
 plotly package (no CDN), and `to_html` writes standalone files the same way.
@@ -19,7 +20,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from manyeyes.indices import whole_number
-from manyeyes.labels import token_label
+from manyeyes.labels import align, token_label
 
 COLORSCALE = "Blues"
 
@@ -216,6 +217,11 @@ def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
     return padded.reshape(matrix.shape[:-2] + (rows, step, cols, step)).max(axis=(-3, -1))
 
 
+def _check_zmax(zmax) -> None:
+    if zmax is not None and not (isinstance(zmax, (int, float, np.number)) and 0 < zmax < math.inf):
+        raise ValueError(f"zmax must be a number above 0 (1.0: the whole range of a weight), or None; got {zmax!r}")
+
+
 def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_special: bool = False,
             hide_first: bool = False, max_side: int = MAX_SIDE, zmax: float | None = None) -> go.Figure:
     """One head: queries on rows, keys on columns, token labels, hover
@@ -225,8 +231,7 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
     Colours run from 0 to this head's largest weight, as the page's do, so a diffuse head's
     pattern shows; zmax fixes the top (1.0: heads side by side on one scale, as grid's)."""
     layer, head = whole_number(layer, "layer"), whole_number(head, "head")
-    if zmax is not None and not (isinstance(zmax, (int, float, np.number)) and 0 < zmax < math.inf):
-        raise ValueError(f"zmax must be a number above 0 (1.0: the whole range of a weight), or None; got {zmax!r}")
+    _check_zmax(zmax)
     w = weights_of(result).without(hide_special, hide_first)
     matrix = w.head(layer, head)
     n = len(w.tokens)
@@ -264,6 +269,64 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
                "constrain": "domain"},
         yaxis={**_ticks(w.tokens, w.positions, size - 180, step), "title": "query (attending)", "autorange": "reversed",
                "scaleanchor": "x", "constrain": "domain"},
+    )
+    return fig
+
+
+def compare(a, b, layer: int, head: int, *, hide_special: bool = False, hide_first: bool = False,
+            zmax: float | None = None, names: tuple[str, str] = ("A", "B")) -> go.Figure:
+    """One head in two runs (two texts, or one text on two models of one shape) side by side, on
+    one colour scale, and A − B on the tokens they share: difflib lines their tokens up on their
+    pieces, as the compare experiment (POST /api/v1/experiments/compare) does, and the difference
+    panel's rows and columns are those pairs, labelled by A's tokens. Red: A attends more.
+    Each run must be at most MAX_SIDE tokens (every cell is drawn)."""
+    layer, head = whole_number(layer, "layer"), whole_number(head, "head")
+    _check_zmax(zmax)
+    runs = [weights_of(r).without(hide_special, hide_first) for r in (a, b)]
+    for name, w in zip(names, runs):
+        if len(w.tokens) > MAX_SIDE:
+            raise ValueError(f"{name} has {len(w.tokens):,} tokens; compare draws every cell, up to {MAX_SIDE}: "
+                             "draw each with heatmap (which pools), or compare shorter texts")
+    matrices = [w.head(layer, head) for w in runs]
+    # Lined up on the tokens left on screen, by their pieces in the runs.
+    pairs = align([a.tokens[p] for p in runs[0].positions], [b.tokens[p] for p in runs[1].positions])
+    if not pairs:
+        raise ValueError(f"{names[0]} and {names[1]} share no token: there is no difference to draw")
+    rows_a, rows_b = [i for i, _ in pairs], [j for _, j in pairs]
+    diff = matrices[0][np.ix_(rows_a, rows_a)] - matrices[1][np.ix_(rows_b, rows_b)]
+    top = float(zmax) if zmax is not None else float(max(max(m.max() for m in matrices), 1e-9))
+    span = float(max(np.abs(diff).max(), 1e-9))
+    shared = [runs[0].tokens[i] for i in rows_a]
+    sizes = [len(w.tokens) for w in runs] + [len(pairs)]
+    side = min(600, max(300, 14 * max(sizes)))
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
+                        subplot_titles=[names[0], names[1], f"{names[0]} − {names[1]} on the {len(pairs)} tokens both have"])
+    for k, (w, matrix) in enumerate(zip(runs, matrices)):
+        fig.add_trace(go.Heatmap(
+            z=matrix, coloraxis="coloraxis",
+            hovertemplate=f"{names[k]}: query %{{y}} → key %{{x}}: %{{z:.4f}}<extra></extra>",
+            x=list(range(len(w.tokens))), y=list(range(len(w.tokens))),
+        ), row=1, col=k + 1)
+    fig.add_trace(go.Heatmap(
+        z=diff, colorscale="RdBu", reversescale=True, zmin=-span, zmax=span, zmid=0,
+        x=list(range(len(pairs))), y=list(range(len(pairs))),
+        colorbar={"title": {"text": f"{names[0]} − {names[1]}"}, "x": 1.08},
+        hovertemplate=f"query %{{y}} → key %{{x}}: {names[0]} − {names[1]} %{{z:.4f}}<extra></extra>",
+    ), row=1, col=3)
+    # Each panel its own labels: a figure's one xaxis/yaxis setting reached the first panel only,
+    # and the others drew numbers, bottom-up.
+    for k, (tokens, positions) in enumerate(((runs[0].tokens, runs[0].positions), (runs[1].tokens, runs[1].positions),
+                                             (shared, [runs[0].positions[i] for i in rows_a]))):
+        ticks = _ticks(tokens, positions, side - 120)
+        fig.update_xaxes(**ticks, tickangle=-60, constrain="domain", row=1, col=k + 1)
+        fig.update_yaxes(**ticks, autorange="reversed", scaleanchor=f"x{k + 1 if k else ''}", constrain="domain", row=1, col=k + 1)
+    fig.update_xaxes(title="key (attended to)", row=1, col=2)
+    fig.update_yaxes(title="query (attending)", row=1, col=1)
+    notes = [runs[0].hidden] if runs[0].hidden else []
+    fig.update_layout(
+        title=f"Layer {layer}, head {head}" + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
+        coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": top, "colorbar": {"title": {"text": "weight"}, "x": 1.0}},
+        width=3 * side + 260, height=side + 160,
     )
     return fig
 

@@ -1,8 +1,11 @@
 """How a token is labelled for people: the page's labels (static/js/tokens.js) written in Python,
-for the notebook figures and `manyeyes attend`. Apart from the model code, so that the figures
-import no torch (`import manyeyes; manyeyes.figures` is torch-free)."""
+for the notebook figures and `manyeyes attend`, and how two runs' tokens line up (the compare
+experiment and its figure). Apart from the model code, so that the figures import no torch
+(`import manyeyes; manyeyes.figures` is torch-free)."""
 
 from __future__ import annotations
+
+import difflib
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -62,3 +65,10 @@ def token_label(token) -> str:
     if raw is not None and raw in token.text.encode("utf-8", "replace"):
         return bytes_label(raw, visible_spaces)
     return visible_spaces(piece or token.text)
+
+
+def align(a, b) -> list[tuple[int, int]]:
+    """Index pairs of two token lists' tokens that difflib matches on their model pieces (then
+    ids): what a comparison of two texts sets side by side. Tokens: anything with .piece and .id."""
+    matcher = difflib.SequenceMatcher(a=[(t.piece, t.id) for t in a], b=[(t.piece, t.id) for t in b], autojunk=False)
+    return [(block.a + k, block.b + k) for block in matcher.get_matching_blocks() for k in range(block.size)]

@@ -11,7 +11,6 @@ the query rows the two runs share, and reports how the model's predictions moved
 
 from __future__ import annotations
 
-import difflib
 import math
 import threading
 from collections.abc import Iterable
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from manyeyes.indices import whole_number
+from manyeyes.labels import align
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
 
@@ -292,12 +292,6 @@ def target_logprobs(logits: torch.Tensor, targets: list[tuple[int, int]]) -> tor
 
 
 # ---------------------------------------------------------------------------- token changes and comparison
-def align(a: list[Token], b: list[Token]) -> list[tuple[int, int]]:
-    """Index pairs of tokens that difflib matches on their model pieces (then ids)."""
-    matcher = difflib.SequenceMatcher(a=[(t.piece, t.id) for t in a], b=[(t.piece, t.id) for t in b], autojunk=False)
-    return [(block.a + k, block.b + k) for block in matcher.get_matching_blocks() for k in range(block.size)]
-
-
 @dataclass
 class Comparison:
     """Two runs side by side (`compare`, `change_token`). `pairs` are the indices of the tokens

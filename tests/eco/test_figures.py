@@ -445,3 +445,38 @@ def test_head_view_names_its_query_and_key_sides(local):
     fig = figures.head_view(local, 1, [0])
     sides = {a.text: a.x for a in fig.layout.annotations}
     assert sides == {"query (attending)": 0.0, "key (attended to)": 1.0}
+
+
+def test_compare_draws_both_runs_on_one_scale_and_their_difference_on_shared_tokens(tiny_gpt, local, remote):
+    """Two heatmaps put into one subplot figure by hand lost their token labels and turned upside down."""
+    from manyeyes.model.experiments import compare as compare_runs
+
+    other = tiny_gpt.attend("Four score and nine years ago our mothers brought forth.")
+    fig = figures.compare(local, other, 1, 0, names=("seven", "nine"))
+    a, b, diff = fig.data
+    np.testing.assert_allclose(np.asarray(a.z), local.attention[1, 0].numpy())
+    np.testing.assert_allclose(np.asarray(b.z), other.attention[1, 0].numpy())
+    assert fig.layout.coloraxis.cmax == pytest.approx(max(float(local.attention[1, 0].max()), float(other.attention[1, 0].max())))
+    # The difference on the pairs the compare experiment aligns, A − B, labelled by A's tokens.
+    pairs = compare_runs(tiny_gpt, TEXT, "Four score and nine years ago our mothers brought forth.").pairs
+    rows_a, rows_b = [i for i, _ in pairs], [j for _, j in pairs]
+    want = local.attention[1, 0].numpy()[np.ix_(rows_a, rows_a)] - other.attention[1, 0].numpy()[np.ix_(rows_b, rows_b)]
+    np.testing.assert_allclose(np.asarray(diff.z), want, atol=1e-6)
+    assert diff.zmid == 0 and diff.zmax == pytest.approx(float(np.abs(want).max()))
+    for axis in ("yaxis", "yaxis2", "yaxis3"):
+        assert fig.layout[axis].autorange == "reversed" and fig.layout[axis].ticktext, axis
+    shown = [t.text.replace(" ", "␣") for t in local.tokens]
+    for value, label in zip(fig.layout.xaxis3.tickvals, fig.layout.xaxis3.ticktext):  # thinned: "position token"
+        assert label in (shown[rows_a[value]], f"{rows_a[value]} {shown[rows_a[value]]}"), (value, label)
+    assert "nine" in fig.layout.annotations[1].text and f"on the {len(pairs)} tokens" in fig.layout.annotations[2].text
+    # A client's result compares with a local one.
+    np.testing.assert_allclose(np.asarray(figures.compare(remote, other, 1, 0).data[0].z), np.asarray(a.z), atol=1e-5)
+
+
+def test_compare_refuses_what_it_cannot_draw(tiny_gpt, local):
+    with pytest.raises(ValueError, match="share no token"):
+        figures.compare(local, tiny_gpt.attend("%%%%"), 0, 0)
+    with pytest.raises(ValueError, match="B has 601 tokens"):
+        figures.compare(local, _result(np.full((2, 8, 601, 601), 1 / 601, np.float32), ["a"] * 601), 0, 0)
+    with pytest.raises(ValueError, match="zmax"):
+        figures.compare(local, local, 0, 0, zmax=0)
