@@ -864,6 +864,20 @@ class TileResponse(BaseModel):
     }]})
 
 
+class CellResponse(BaseModel):
+    run_id: str
+    query: int
+    key: int
+    shape: list[int] = Field(description="[n_layers, n_heads]")
+    attention: ArrayData = Field(description="(n_layers, n_heads) float32: the weight from `query` to `key` in every "
+                                             "layer and head, as exact as the run holds it")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "run_id": "5be8d1f0c0a94e3b9d1f4a3c2b1e0d9f", "query": 5, "key": 0, "shape": [2, 3],
+        "attention": {"format": "json", "dtype": "float32", "shape": [2, 3], "data": [[0.91, 0.02, 0.33], [0.5, 0.0, 0.96]]},
+    }]})
+
+
 class TopKResponse(BaseModel):
     run_id: str
     layer: int

@@ -1140,6 +1140,12 @@ class Client:
         fields, arrays = decode_arrays(self._run_response(run, "tile", {k: v for k, v in params.items() if v is not None}))
         return RemoteTile(**_known(RemoteTile, fields), values=arrays["attention"])
 
+    def cell(self, run: RemoteResult | str, query: int, key: int, *, format: str = "json") -> np.ndarray:
+        """(n_layers, n_heads) float32: the weight from `query` to `key` in every layer and head
+        ("which heads link these two tokens?"), as exact as the run holds it, from any run."""
+        _, arrays = decode_arrays(self._run_response(run, "cell", {"query": query, "key": key, "format": format}))
+        return arrays["attention"]
+
     def topk(
         self, run: RemoteResult | str, layer: int, head: int, k: int = 8, q0: int | None = None, q1: int | None = None,
         *, format: str | None = None,

@@ -99,6 +99,14 @@ export async function fetchSlice(runId, layers, heads, format) {
   return answer(layers, heads, format);
 }
 
+// GET /cell's values, from the file's weights: the best it holds.
+export async function fetchCell(runId, query, key) {
+  await later();
+  const out = new Float32Array(nLayers * nHeads);
+  for (let i = 0; i < out.length; i++) out[i] = weightsOf(i * cells + query * T + key, 1)[0];
+  return out;
+}
+
 // GET /mean's answer: one (1, 1, T, T) matrix, the mean over every head of `layers`, made from the
 // file's weights (the page asks for it on "Mean of all heads"; api.js would start a fetch worker,
 // which a file:// page cannot).

@@ -12,7 +12,7 @@ from manyeyes.app.deps import ServiceDep, TilesDep
 from manyeyes.app.disconnect import unless_disconnected
 from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import PiecesResponse, answer_content, errors
-from manyeyes.app.schemas import DIGITS, AttentionResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
+from manyeyes.app.schemas import DIGITS, AttentionResponse, CellResponse, Format, OverviewResponse, RunInfo, TileResponse, TopKResponse
 from manyeyes.app.services.attention import Reply, parse_index_list
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
@@ -96,6 +96,21 @@ async def run_tile(
     return await answered_while_connected(
         request, tiles.tile(run_id, layer, head, q0, q1, k0, k1, rows, cols, pool, format, wire_of(request), client_of(request))
     )
+
+
+@router.get("/runs/{run_id}/cell", response_model=CellResponse, responses={200: arrays_content(CellResponse), **errors(404, 429, 504)})
+async def run_cell(
+    run_id: str,
+    tiles: TilesDep,
+    request: Request,
+    query: Annotated[int, Query(ge=0, description="The attending token's position"), DIGITS],
+    key: Annotated[int, Query(ge=0, description="The attended token's position"), DIGITS],
+    format: Annotated[Format, Query()] = "json",
+) -> Response:
+    """One cell in every head: the weight from `query` to `key` in each layer and head, the
+    question "which heads link these two tokens?" asks, from any run (long ones computed from
+    their queries and keys)."""
+    return await answered_while_connected(request, tiles.cell(run_id, query, key, format, wire_of(request), client_of(request)))
 
 
 @router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: arrays_content(TopKResponse), **errors(404, 413, 429, 504)})

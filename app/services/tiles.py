@@ -240,6 +240,28 @@ class TileService:
         return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "tile": [n_rows, n_cols]}, client,
                                   n_rows * n_cols)
 
+    # -- GET /runs/{run_id}/cell
+    async def cell(self, run_id: str, query: int, key: int, fmt: str, wire: Wire, client: str = "") -> Reply:
+        """One (query, key) weight in every layer and head, as exact as the run holds it: the page's
+        "which head links these two tokens?" ranked heads by 8-bit values (two heads 0.001 apart
+        swapped, one left out) and had no cheaper way to the exact ones than whole layers."""
+        run, info = self._run(run_id, fmt)
+        for name, position in (("query", query), ("key", key)):
+            if position >= run.n_tokens:
+                raise InvalidInput(f"{name}={position} is past the run's end: run {run.run_id} has {run.n_tokens:,} "
+                                   f"tokens, so {name} lies in 0..{run.n_tokens - 1}")
+        n_layers, n_heads = info.n_layers, info.n_heads
+
+        def work(run: Run):
+            heads = list(range(n_heads))
+            # (n_heads, 1, 1) a layer -> (n_layers, n_heads)
+            values = torch.stack([run.kept.block(layer, heads, query, query + 1, key, key + 1)[:, 0, 0]
+                                  for layer in range(n_layers)])
+            fields = {"run_id": run.run_id, "query": query, "key": key, "shape": [n_layers, n_heads]}
+            return fields, {"attention": values.float().cpu()}
+
+        return await self._answer(run_id, work, wire, fmt, {"run_id": run_id, "cell": [query, key]}, client, n_layers * n_heads)
+
     # -- GET /runs/{run_id}/topk
     def _topk_plan(self, run_id: str, layer: int, head: int, k: int, q0, q1, fmt: str):
         """(layer, head, k, q0, q1) checked against the run, which it does not return (see _tile_plan)."""

@@ -1,5 +1,7 @@
 // The v1 attention API (issue 3): every failure becomes an ApiError that reads well to a person.
 
+import { decodeAttention } from "./payload.js";
+
 export class ApiError extends Error {
   constructor(status, code, message, retryAfter = null) {
     super(message);
@@ -171,6 +173,14 @@ export function fetchSlice(runId, layers, heads, format, signal) {
 export function fetchMean(runId, layers, signal, format = "f16") {
   const query = new URLSearchParams({ format, layers: layers.join(",") });
   return authorised((withAuth) => viaWorker(`api/v1/runs/${encodeURIComponent(runId)}/mean?${query}`, withAuth, signal), {});
+}
+
+// One cell in every head, (layers × heads) float32 from the server's float16: the exact values of
+// a picked cell's ranking (cell_heads.js), which 8-bit ones had put in the wrong order.
+export async function fetchCell(runId, query, key, signal) {
+  const params = new URLSearchParams({ query, key, format: "f16" });
+  const body = await requestJson(`api/v1/runs/${encodeURIComponent(runId)}/cell?${params}`, { signal });
+  return decodeAttention(body.attention).values;
 }
 
 // Any head of a run comes as float32 too (format json): the page's readings are read from it.

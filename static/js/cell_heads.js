@@ -2,17 +2,22 @@
 // cell cursor, ranks the heads by that weight, each a button that focuses it. "Which head links
 // "it" to "animal"?" could be answered only by stepping through all 72 heads.
 
-import { el } from "./dom.js";
+import { $, el } from "./dom.js";
 import { F16_ZERO, weightText } from "./focus.js";
 import { LRI, isolate } from "./tokens.js";
 
 const SHOWN = 10;
 
 export class CellHeads {
-  constructor(box, onFocus) {
+  // exactCell(run, query, key): a promise of the cell in every head, (layers × heads) from the
+  // server's float16 (null when it could not come): 8-bit values 1/255 apart ranked two heads
+  // 0.001 apart the wrong way round, and left out the tenth.
+  constructor(box, onFocus, exactCell) {
     this.box = box;
     this.onFocus = onFocus; // (layer, head): focus that head
-    this.picked = null; // { run, query, key, name }
+    this.exactCell = exactCell;
+    this.picked = null; // { run, query, key, name, exact }
+    this.focused = { layer: 0, head: 0 };
   }
 
   clear() {
@@ -21,16 +26,37 @@ export class CellHeads {
     this.box.hidden = true;
   }
 
-  // The model's weights as the run holds them: 8-bit for a layer whose exact values have not come
-  // (the button's title says so), before any hiding or renormalising of the view. Written as the
-  // heatmap's reading writes them (weightText): two decimals read 0.0029 as "0.00".
+  // The model's weights, before any hiding or renormalising of the view: the cell's exact values
+  // once they come, meanwhile the run's, 8-bit for a layer whose exact values have not come (the
+  // hint and each such button's title say so). Written as the heatmap's reading writes them
+  // (weightText): two decimals read 0.0029 as "0.00".
   show(run, query, key, name, layer, head) {
-    this.picked = { run, query, key, name };
+    const picked = { run, query, key, name, exact: null };
+    this.picked = picked;
+    this.render(layer, head);
+    if (this.allPrecise(run)) return;
+    this.exactCell(run, query, key).then((exact) => {
+      if (!exact || this.picked !== picked) return;
+      picked.exact = exact;
+      this.render(this.focused.layer, this.focused.head);
+    });
+  }
+
+  allPrecise(run) {
+    for (let l = 0; l < run.nLayers; l++) {
+      for (let h = 0; h < run.nHeads; h++) if (!run.isPrecise(l, h)) return false;
+    }
+    return true;
+  }
+
+  render(layer, head) {
+    this.focused = { layer, head };
+    const { run, query, key, name, exact } = this.picked;
     const found = [];
     for (let l = 0; l < run.nLayers; l++) {
       for (let h = 0; h < run.nHeads; h++) {
-        const weight = run.weightAt(l, h, query, key);
-        if (weight !== null) found.push({ layer: l, head: h, weight, precise: run.isPrecise(l, h) });
+        const weight = exact ? exact[l * run.nHeads + h] : run.weightAt(l, h, query, key);
+        if (weight !== null) found.push({ layer: l, head: h, weight, precise: Boolean(exact) || run.isPrecise(l, h) });
       }
     }
     found.sort((a, b) => b.weight - a.weight || a.layer - b.layer || a.head - b.head);
@@ -46,22 +72,27 @@ export class CellHeads {
         { "data-layer": l, "data-head": h, "aria-pressed": String(l === layer && h === head),
           ...(precise ? {} : { title: `8-bit value (±${coarse.toPrecision(2)}) until layer ${l}'s exact values come` }) },
         () => this.onFocus(l, h))])));
-    const waiting = missing ? ` (${missing} heads still loading)` : "";
+    const notes = [missing && `${missing} heads still loading`, found.some((f) => !f.precise) && "8-bit values until the exact ones come"];
+    const waiting = notes.some(Boolean) ? ` (${notes.filter(Boolean).join("; ")})` : "";
     // A name ("#2 ל") is position then label, left to right: in a LEFT-TO-RIGHT ISOLATE an RTL
     // label no longer pulls the arrow and the other name around it (tokens.js isolate).
     const named = (i) => isolate(name(i), LRI);
+    // Drawn again when the exact values come: the button that had the keyboard keeps it.
+    const had = this.box.contains(document.activeElement) ? document.activeElement : null;
     this.box.replaceChildren(
       el("p", { className: "hint", text: `${named(query)} → ${named(key)}, the heads by its weight${waiting}; click one to focus it:` }),
       list,
       button("Close", { "aria-label": "Close the heads ranked by one cell", id: "cell-heads-close" }, () => this.clear()),
     );
     this.box.hidden = false;
+    if (had?.id === "cell-heads-close") $("cell-heads-close").focus({ preventScroll: true });
+    else if (had?.dataset.layer) {
+      this.box.querySelector(`button[data-layer="${had.dataset.layer}"][data-head="${had.dataset.head}"]`)?.focus({ preventScroll: true });
+    }
   }
 
   // Another head focused: its button is marked; layers that came since are ranked too.
   refresh(layer, head) {
-    if (!this.picked) return;
-    const { run, query, key, name } = this.picked;
-    this.show(run, query, key, name, layer, head);
+    if (this.picked) this.render(layer, head);
   }
 }

@@ -2,7 +2,7 @@
 // Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { ApiError, FLOAT32_READINGS, describeError, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
+import { ApiError, FLOAT32_READINGS, describeError, fetchCell, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
 import { $, asTyped, el, fillSelect, nextFrame } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO } from "./focus.js";
@@ -58,7 +58,7 @@ const focus = new TiledFocusView($("focus-plot"), $("tooltip"), $("cell-reading"
 const cellHeads = new CellHeads($("cell-heads"), (layer, head) => {
   state.aggregate = "head";
   setFocus(layer, head, "cell");
-});
+}, exactCell);
 const grid = new GridView($("grid"), {
   onSelect: (l, h) => {
     state.aggregate = "head";
@@ -267,6 +267,19 @@ async function loadExact(layer) {
   if (!slice || state.run !== run) return;
   run.ingest(slice);
   if (state.aggregate !== "all" && state.layer === layer) renderViews();
+}
+
+// One cell in every head, for the ranking of a picked cell (cell_heads.js). A GPU server keeps a
+// u8 answer's run as its bytes: the text is then posted again in float16 first, as for loadExact.
+async function exactCell(run, query, key) {
+  const signal = state.controller.signal;
+  const values = async (id) => ({ values: await fetchCell(id, query, key, signal) });
+  const post = async () => {
+    const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "f16" }, signal);
+    return { precision: again.precision, ...(await values(again.run_id)) };
+  };
+  const reply = await fromRun(run, `cell:${query}:${key}`, values, { format: "f16", post });
+  return state.run === run ? reply?.values ?? null : null;
 }
 
 async function loadMean(key, layers) {

@@ -145,6 +145,31 @@ def test_full_resolution_tiles_equal_the_dense_weights(tiles_api, model_id):
 
 
 @pytest.mark.parametrize("model_id", MODELS)
+@pytest.mark.parametrize("text", [LONG, SHORT])
+def test_a_cell_in_every_head_equals_the_dense_weights(tiles_api, model_id, text):
+    """The page ranked heads by one cell's 8-bit values: two heads 0.001 apart came out swapped."""
+    weights = dense(tiles_api, model_id, text)
+    run_id = post_qk(tiles_api, model_id, text, format="u8", layers=[0], heads=[0])["run_id"]
+    n = weights.shape[2]
+    for query, key in ((n - 1, 0), (n - 1, n - 1), (n // 2, 3), (3, n - 1)):  # the last: masked on a causal model
+        body = get(tiles_api, run_id, "cell", query=query, key=key).json()
+        assert (body["query"], body["key"], body["shape"]) == (query, key, list(weights.shape[:2]))
+        np.testing.assert_allclose(array(body["attention"]), weights[:, :, query, key], atol=1e-6, rtol=0)
+    framed = tiles_api.get(f"/api/v1/runs/{run_id}/cell", params={"query": n - 1, "key": 0, "format": "f16"},
+                           headers={"Accept": FRAME_MEDIA_TYPE})
+    header, data = read_frame(framed.content)
+    meta = header["attention"]
+    values = np.frombuffer(data, "<f2", meta["nbytes"] // 2, meta["offset"]).reshape(meta["shape"])
+    np.testing.assert_allclose(values, weights[:, :, n - 1, 0], atol=1e-3, rtol=0)
+    for params, words in (({"query": n, "key": 0}, f"query={n} is past the run's end"),
+                          ({"query": 0, "key": n + 5}, f"key={n + 5} is past the run's end"),
+                          ({"query": 0}, "key"), ({"query": -1, "key": 0}, "whole number")):
+        r = get(tiles_api, run_id, "cell", **params)
+        assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
+    assert get(tiles_api, "0" * 32, "cell", query=0, key=0).status_code == 404
+
+
+@pytest.mark.parametrize("model_id", MODELS)
 @pytest.mark.parametrize("how", ["max", "mean"])
 def test_pooled_tiles_equal_numpy_pooling_of_the_dense_weights(tiles_api, model_id, how):
     weights = dense(tiles_api, model_id, LONG)
@@ -299,6 +324,7 @@ def test_the_python_client_reads_tiles_topk_and_overview(tiles_api):
             assert top.indices.dtype == np.int32 and top.rest.shape == (n,)
             overview = c.overview(run, format="f16")
             assert overview.values.shape[:2] == weights.shape[:2] and overview.row_edges[-1] == n
+            np.testing.assert_allclose(c.cell(run, n - 2, 5), weights[:, :, n - 2, 5], atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------------------- the short path is unchanged
