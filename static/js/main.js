@@ -3,7 +3,7 @@
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
 import { ApiError, FLOAT32_READINGS, describeError, fetchCell, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
-import { $, asTyped, el, fillSelect, nextFrame } from "./dom.js";
+import { $, asTyped, el, fillSelect, nextFrame, oneStopModebars } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO } from "./focus.js";
 import { GridView } from "./grid.js";
@@ -54,6 +54,7 @@ const state = {
   runAgain: false, // ...and Run was asked for again meanwhile
 };
 
+oneStopModebars();
 const focus = new TiledFocusView($("focus-plot"), $("tooltip"), $("cell-reading"));
 const cellHeads = new CellHeads($("cell-heads"), (layer, head) => {
   state.aggregate = "head";

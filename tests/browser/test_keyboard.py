@@ -365,3 +365,33 @@ def test_a_click_on_the_heatmap_gives_it_the_arrows(server, page):
     assert active_id(page) == "focus-plot"
     page.keyboard.press("ArrowRight")
     wait_focus(page, layer=0, head=1)
+
+
+def test_each_modebar_is_one_tab_stop_and_the_arrows_move_along_it(server, page):
+    """Plotly put all seven buttons of each plot's modebar in the Tab order: 35 of 109 stops."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    page.wait_for_selector("#measure-plot .modebar-btn", state="attached", timeout=30_000)
+    stops = page.evaluate("""() => [...document.querySelectorAll('.modebar')].map((bar) =>
+        [...bar.querySelectorAll('.modebar-btn')].map((b) => b.tabIndex))""")
+    assert len(stops) >= 2 and all(tabs.count(0) == 1 and len(tabs) > 2 for tabs in stops), stops
+    # Tab from the heatmap lands on its modebar's one stop; → walks it, End and Home jump; the next
+    # Tab leaves the modebar.
+    page.focus("#focus-plot")
+    page.keyboard.press("Tab")
+    titles = page.evaluate("() => [...document.querySelectorAll('#focus-plot .modebar-btn')].map((b) => b.dataset.title)")
+    title = lambda: page.evaluate("() => document.activeElement.dataset.title")  # noqa: E731
+    assert title() == titles[0]
+    page.keyboard.press("ArrowRight")
+    assert title() == titles[1]
+    page.keyboard.press("End")
+    assert title() == titles[-1]
+    page.keyboard.press("ArrowRight")
+    assert title() == titles[0]
+    page.keyboard.press("ArrowLeft")
+    assert title() == titles[-1]  # and it is the modebar's stop now
+    page.keyboard.press("Tab")
+    assert not page.evaluate("() => document.activeElement.closest('#focus-plot .modebar') !== null")
+    page.keyboard.press("Shift+Tab")
+    assert title() == titles[-1]
