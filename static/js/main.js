@@ -5,7 +5,7 @@
 import { ApiError, FLOAT32_READINGS, describeError, fetchCell, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
 import { $, asTyped, el, fillSelect, nextFrame, oneStopModebars } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
-import { ARROW_STEPS, F16_ZERO } from "./focus.js";
+import { ARROW_STEPS, F16_ZERO, weightText } from "./focus.js";
 import { GridView } from "./grid.js";
 import { HeadView } from "./headview.js";
 import { TiledFocusView } from "./long_focus.js";
@@ -529,6 +529,8 @@ async function focusShown(token, withHeadView) {
   }
 }
 
+const FAINT = 0.1; // a per-head view whose largest weight is under this says so in its caption
+
 function caption(run, view) {
   const shown = Math.max(view.rows.length, view.cols.length);
   const count = shown === run.T ? tokenCount(run.T) : `${view.rows.length} × ${view.cols.length} of ${tokenCount(run.T)} shown`;
@@ -541,6 +543,10 @@ function caption(run, view) {
   if (state.threshold > 0) parts.push(`weights under ${state.threshold.toFixed(2)} shown as 0`);
   if (state.scale === "fixed") parts.push("colour: fixed 0–1");
   if (state.scale === "log") parts.push("colour: log scale");
+  // Per head, the darkest colour is the view's largest weight, however small: a pair's A→B block
+  // of 0.0002 at most was drawn as dark as a sharp head, and only the colorbar's top said otherwise.
+  const peak = view.values.reduce((top, v) => (v > top ? v : top), 0);
+  if (state.scale === "head" && peak > 0 && peak < FAINT) parts.push(`faint: the darkest cell is ${weightText(peak)} (Fixed 0–1 puts it on one scale)`);
   return parts.join(" · ");
 }
 

@@ -266,3 +266,21 @@ def test_head_view_hover_draws_only_that_tokens_lines_to_the_keys_it_attends(ser
             assert drawn, (key, head[query, key])
         elif head[query, key] < 0.015:
             assert not drawn, (key, head[query, key])
+
+
+def test_a_faint_view_under_per_head_colour_says_how_faint(server, api, page):
+    """A pair's A → B block of at most 0.003 was drawn as dark as a sharp head: only the
+    colorbar's top said otherwise (a review by use)."""
+    tokens, weights = api_json(api, SENTENCE, PAIR, layers=[0], heads=[2])
+    segment = np.array([t["segment"] for t in tokens])
+    peak = float(weights[0, 0][segment == 0][:, segment == 1].max())
+    assert peak < 0.01
+    open_view(page, server, text=SENTENCE, pair=PAIR, model="minilm", layer=0, head=2)
+    wait_focus(page, 0, 2)
+    assert "faint" not in page.text_content("#focus-caption")  # all tokens: its largest weight is large
+    page.select_option("#segments", "AB")
+    page.wait_for_function("() => document.querySelector('#focus-caption').textContent.includes('faint')")
+    said = re.search(r"faint: the darkest cell is ([0-9.e-]+) \(Fixed 0–1 puts it on one scale\)", page.text_content("#focus-caption"))
+    assert said and abs(float(said[1]) - peak) <= 0.01 * peak + 1e-4, (said, peak)
+    page.select_option("#scale", "fixed")
+    page.wait_for_function("() => !document.querySelector('#focus-caption').textContent.includes('faint')")
