@@ -94,8 +94,14 @@ def is_ipv4(text: str) -> bool:
     return True
 
 
+# A CORS origin as a browser's Origin header carries it: a scheme, a host, maybe a port, no path.
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", re.IGNORECASE)
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MANYEYES_", extra="ignore")
+    # allow_inf_nan=False: "inf" was a float like any other, and MANYEYES_SHUTDOWN_GRACE_S=inf
+    # drained for ever behind one client that never finished its request.
+    model_config = SettingsConfigDict(env_prefix="MANYEYES_", extra="ignore", allow_inf_nan=False)
 
     # Models: id -> load() spec. MANYEYES_MODELS (a JSON object) replaces the built-ins;
     # MANYEYES_EXTRA_MODELS="mine=/path/to/folder,other=x.pth" adds to them, as `--model` does.
@@ -158,7 +164,7 @@ class Settings(BaseSettings):
 
     # Exposure (see SECURITY.md). CORS is off unless origins are listed, e.g.
     # MANYEYES_CORS_ORIGINS='["https://viz.example.org"]'.
-    cors_origins: list[str] = Field(default_factory=list)
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # API keys (see SECURITY.md): with any configured, every /api route needs
     # `Authorization: Bearer <key>`. MANYEYES_API_KEYS="k1,k2", or a file of SHA-256 hex digests.
     # None: not set. Set but holding no key ("", ",", "[]"; a blank file name) is refused at start-up
@@ -185,11 +191,12 @@ class Settings(BaseSettings):
     # Without it, attention tensors of mixed sizes fragment the heap and RSS climbs far past the
     # run cache's bound (see SECURITY.md, "Memory"). 1 MiB keeps a forward's activations up to
     # T=128 on the heap, where they are reused without page faults. 0 leaves the allocator as it is.
-    malloc_mmap_threshold: int = Field(1024 * 1024, ge=0)
+    # At most glibc's own ceiling (32 MiB on 64-bit): mallopt takes an int, and 4 GiB wrapped to 0.
+    malloc_mmap_threshold: int = Field(1024 * 1024, ge=0, le=32 * 1024 * 1024)
     # glibc malloc: a heap's free top is given back to the OS only past this size, so that the
     # blocks under the mmap threshold a forward frees and takes again layer after layer keep their
     # pages (see app/memory.py). Counted once per malloc arena at most, and taken during warm-up.
-    malloc_trim_threshold: int = Field(64 * 1024 * 1024, ge=0)
+    malloc_trim_threshold: int = Field(64 * 1024 * 1024, ge=0, le=2**31 - 1)  # mallopt takes an int
     # Buffers from the mmap threshold up (a forward's weights, an answer's bytes) are written into
     # the mappings of finished ones, up to this many bytes of them kept: a fresh mapping's pages
     # cost 1 to 8 ms per 4.5 MiB on a virtual machine (model/buffers.py). 0: a fresh one each time.
@@ -260,7 +267,7 @@ class Settings(BaseSettings):
     debug_forward_delay_s: float = Field(0.0, ge=0)
     debug_load_delay_s: float = Field(0.0, ge=0)
 
-    @field_validator("api_keys", "trusted_proxies", "allowed_hosts", mode="before")
+    @field_validator("api_keys", "trusted_proxies", "allowed_hosts", "cors_origins", mode="before")
     @classmethod
     def _split_list(cls, value):
         if not isinstance(value, str):
@@ -290,6 +297,17 @@ class Settings(BaseSettings):
                                  "name proxies by address") from None
         return value
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        # "viz.example.org" or "https://viz.example.org/" matches no Origin a browser sends: accepted,
+        # every preflight from the real origin got 400 and no word said why.
+        for entry in value:
+            if entry != "*" and ORIGIN.fullmatch(entry) is None:
+                raise ValueError(f"{entry!r} is no origin: write it as a browser sends it, scheme and host (and a "
+                                 "port if not the scheme's), no path or trailing slash: https://viz.example.org")
+        return value
+
     @field_validator("allowed_hosts")
     @classmethod
     def _some_host(cls, value: list[str] | None) -> list[str] | None:
@@ -316,6 +334,10 @@ class Settings(BaseSettings):
     @field_validator("extra_models", mode="before")
     @classmethod
     def _split_extra(cls, value):
+        if isinstance(value, str) and value.strip().startswith("{"):
+            # MANYEYES_MODELS's JSON here was split on its commas into specs such as '{"mine": "x"'.
+            raise ValueError("takes ID=PATH_OR_SPEC pairs separated by commas (mine=/models/mine,gpt2=gpt2), "
+                             "not JSON; MANYEYES_MODELS is the JSON object, and replaces the built-in models")
         return parse_model_specs(value) if isinstance(value, (str, list)) else value
 
     @model_validator(mode="after")

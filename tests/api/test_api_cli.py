@@ -383,6 +383,41 @@ def test_an_allowed_host_that_no_host_header_can_match_is_one_line_naming_it(mon
         "'*.example.org' for its subdomains, or '*' for any; no scheme, path or spaces\n")
 
 
+@pytest.mark.parametrize("name, value, words", [
+    # A browser's Origin is scheme://host[:port]: a bare name or a trailing slash matched no preflight (h49f).
+    ("MANYEYES_CORS_ORIGINS", '["viz.example.org"]', "'viz.example.org' is no origin: write it as a browser sends it"),
+    ("MANYEYES_CORS_ORIGINS", "https://a.example.org, https://b.example.org/", "'https://b.example.org/' is no origin"),
+    # "inf" drained for ever behind a client that never finished its request.
+    ("MANYEYES_SHUTDOWN_GRACE_S", "inf", "MANYEYES_SHUTDOWN_GRACE_S='inf': Input should be a finite number"),
+    ("MANYEYES_REQUEST_TIMEOUT_S", "Infinity", "Input should be a finite number"),
+    ("MANYEYES_SWITCH_INTERVAL_MS", "inf", "Input should be a finite number"),
+    # mallopt takes a C int: 4 GiB wrapped to 0.
+    ("MANYEYES_MALLOC_MMAP_THRESHOLD", "4294967296", "less than or equal to 33554432"),
+    ("MANYEYES_MALLOC_TRIM_THRESHOLD", "99999999999", "less than or equal to 2147483647"),
+    # MANYEYES_MODELS's JSON here was split on its commas into broken specs, found after "serving".
+    ("MANYEYES_EXTRA_MODELS", '{"mine": "tiny-gpt"}', "takes ID=PATH_OR_SPEC pairs separated by commas"),
+])
+def test_settings_that_cannot_work_are_one_line_before_serving(monkeypatch, capsys, name, value, words):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: pytest.fail("it served"))
+    monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: a MANYEYES_* setting in the environment is malformed: {name}=") and words in err, err
+    assert err.count("\n") == 1
+
+
+def test_cors_origins_are_read_as_a_list_separated_by_commas_too(monkeypatch):
+    from manyeyes.app.config import Settings
+
+    monkeypatch.setenv("MANYEYES_CORS_ORIGINS", "https://a.example.org, http://b.example.org:8080")
+    assert Settings().cors_origins == ["https://a.example.org", "http://b.example.org:8080"]
+    monkeypatch.setenv("MANYEYES_CORS_ORIGINS", '["https://a.example.org"]')
+    assert Settings().cors_origins == ["https://a.example.org"]
+    assert Settings(cors_origins=["*"]).cors_origins == ["*"]
+
+
 def test_every_form_of_host_the_comparison_reads_is_taken():
     from manyeyes.app.config import Settings
 
