@@ -374,6 +374,14 @@ def _port(value: str) -> int:
     return _whole(value, 1, 65535, "a port is a number from 1 to 65535")
 
 
+def _host(value: str) -> str:
+    # "http://0.0.0.0" first printed "WARNING: serving on http://0.0.0.0", then failed to resolve it.
+    if "://" in value or "/" in value or not value.strip():
+        raise argparse.ArgumentTypeError(f"{value!r}: give an address or a host name to listen on (127.0.0.1, 0.0.0.0, "
+                                         "::, myhost), not a URL")
+    return value
+
+
 def _positive(value: str) -> int:
     return _whole(value, 1, sys.maxsize, "a whole number of 1 or more")
 
@@ -604,14 +612,20 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt up to --steps (or finish a run stopped after its last step)")
     trainer.set_defaults(func=cmd_train)
 
-    serve = sub.add_parser("serve", help="run the attention API and the browser visualizer")
-    serve.add_argument("--host", default="127.0.0.1",
+    serve = sub.add_parser(
+        "serve", help="run the attention API and the browser visualizer",
+        description="Run the attention API and the browser visualizer. Everything beyond these flags (API keys, "
+                    "limits, the run cache, CORS, trusted proxies, the models served) is a MANYEYES_* environment "
+                    "variable: README.md, \"Settings\"; exposure and keys: SECURITY.md.",
+    )
+    serve.add_argument("--host", type=_host, default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     serve.add_argument(
         "--model", action="append", type=_model_flag, default=[], metavar="ID=PATH_OR_SPEC",
         help="serve another model (repeatable): a Hugging Face id (gpt2, org/name@revision), a folder or a "
-        ".pth, optionally named ID=SPEC; the built-in minilm stays the default",
+        ".pth, optionally named ID=SPEC; added to MANYEYES_MODELS (by default the built-in ones), whose default "
+        "stays the default (MANYEYES_DEFAULT_MODEL, else its first model: minilm)",
     )
     serve.add_argument("--device", default=None,
                        help="cpu, cuda, cuda:N, mps or auto (default: MANYEYES_DEVICE if set, else best available)")

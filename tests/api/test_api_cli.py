@@ -408,6 +408,23 @@ def test_settings_that_cannot_work_are_one_line_before_serving(monkeypatch, caps
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("host", ["http://0.0.0.0", "0.0.0.0/24", " "])
+def test_a_host_that_is_a_url_is_refused_by_the_flag(capsys, host):
+    """'http://0.0.0.0' printed "WARNING: serving on http://0.0.0.0", then failed to resolve it (h49f)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--host", host])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --host: {host!r}: give an address or a host name to listen on" in err and "WARNING" not in err
+
+
+def test_serve_help_says_where_the_settings_are(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "MANYEYES_* environment variable" in out and 'README.md, "Settings"' in out and "SECURITY.md" in out
+
+
 def test_cors_origins_are_read_as_a_list_separated_by_commas_too(monkeypatch):
     from manyeyes.app.config import Settings
 
