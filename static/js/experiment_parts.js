@@ -1,8 +1,8 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
 import { requestJson, whenNotBusy } from "./api.js";
-import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
-import { OFFLINE_CONFIG, weightText } from "./focus.js";
+import { $, MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
+import { ARROW_STEPS, OFFLINE_CONFIG, stepCursor, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 import { levelFor } from "./tiles.js";
@@ -204,6 +204,9 @@ export function clearPlot(div) {
   drawn.delete(div);
   window.Plotly.purge(div);
   div.replaceChildren();
+  keyboards.get(div)?.drop();
+  div.removeAttribute("tabindex"); // no Tab stop on an empty box
+  div.removeAttribute("aria-label");
 }
 
 // Bins of w consecutive positions over n: [start, end) each, the last one possibly narrower.
@@ -333,7 +336,57 @@ export function heatmap(div, z, options = {}) {
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: palette().masked,
     font: { color: palette().text }, // Plotly's default dark grey is unreadable on the dark theme
   };
+  readByKeyboard(div, trace, title);
   return window.Plotly.react(div, [trace], layout, OFFLINE_CONFIG);
+}
+
+// Arrow keys read an experiment's heatmap cell by cell, as the focused heatmap's and the measures'
+// do: the cell outlined (stepCursor) and its hover text said through a polite live region;
+// Escape drops the cursor. Only a mouse could read these (a review by keyboard).
+const keyboards = new WeakMap(); // div -> { trace, cursor, outline, reader }
+
+function readByKeyboard(div, trace, title) {
+  div.tabIndex = 0;
+  div.setAttribute("aria-label", `${title || "Heatmap"}: arrow keys read its cells`);
+  let keys = keyboards.get(div);
+  if (!keys) {
+    const outline = el("div", { className: "cell-cursor", attrs: { "aria-hidden": "true" } });
+    const reader = el("p", { className: "visually-hidden", attrs: { "aria-live": "polite" } });
+    keys = { trace, cursor: null, outline, reader };
+    keyboards.set(div, keys);
+    const drop = () => {
+      keys.cursor = null;
+      keys.outline.hidden = true;
+      keys.reader.textContent = "";
+    };
+    keys.drop = drop;
+    div.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && event.target === div) return drop();
+      const step = ARROW_STEPS[event.key];
+      // On a modebar button inside the plot the arrows are the button's.
+      if (!step || event.target !== div || event.altKey || event.ctrlKey || event.metaKey) return;
+      event.preventDefault();
+      if (!keys.outline.isConnected) div.append(keys.outline);
+      if (!keys.reader.isConnected) div.after(keys.reader);
+      const { z } = keys.trace;
+      const moved = stepCursor(div, keys.cursor, ...step, z.length, z[0]?.length ?? 0, keys.outline);
+      if (!moved) return;
+      keys.cursor = moved.cell;
+      keys.reader.textContent = cellText(keys.trace, moved.cell.row, moved.cell.col);
+    });
+    div.addEventListener("blur", drop);
+    focusOnPress(div);
+  }
+  keys.trace = trace;
+  keys.drop?.(); // its cell may not exist in the new matrix
+}
+
+// What a cell's hover says, as plain text (the labels are escaped for Plotly's little HTML).
+function cellText(trace, row, col) {
+  const plain = (s) => String(s).replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
+  const v = trace.z[row][col];
+  if (trace.text) return plain(trace.text[row][col] || `${trace.y[row]} → ${trace.x[col]}: masked`);
+  return plain(`${trace.y[row]} → ${trace.x[col]}: ${v == null || Number.isNaN(v) ? "masked" : v.toFixed(4)}`);
 }
 
 export function status(node, text, kind = "") {

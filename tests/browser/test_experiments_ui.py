@@ -1128,3 +1128,27 @@ def test_a_refused_change_turns_its_option_off(gpt_server, page):
     assert page.text_content("#token-status") == "Cannot run this input: tiny-gpt has no unk token."
     assert page.input_value("#token-change") == "delete"
     assert ("unk", "unknown token (tiny-gpt has none)", True) in token_menu(page)
+
+
+def test_an_experiments_heatmap_is_read_cell_by_cell_with_the_arrows(server, api, page):
+    """Only a mouse could read the ablation, compare and generation heatmaps (a review by keyboard)."""
+    a, b = "The bank of the river.", "The bank of the old river."
+    compare(page, server, a, b)
+    reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm", "truncate": False,
+                                                         "difference": {"format": "json"}}).json()
+    top = reply["ranking"][0]
+    diff = f32(reply["difference"]["data"][top["layer"]][top["head"]])
+    plot = page.locator("#compare-plot-diff")
+    assert plot.get_attribute("tabindex") == "0" and "arrow keys read its cells" in plot.get_attribute("aria-label")
+    plot.focus()
+    said = lambda: page.evaluate("() => document.getElementById('compare-plot-diff').nextElementSibling.textContent")  # noqa: E731
+    page.keyboard.press("ArrowRight")  # from nowhere: the top-left cell
+    assert said() == f"0: [CLS] → 0: [CLS]: {diff[0, 0]:.4f}", said()
+    for key in ("ArrowRight", "ArrowDown", "ArrowDown"):
+        page.keyboard.press(key)
+    rows = page.evaluate("() => document.getElementById('compare-plot-diff').data[0].y")
+    cols = page.evaluate("() => document.getElementById('compare-plot-diff').data[0].x")
+    assert said() == f"{rows[2]} → {cols[1]}: {diff[2, 1]:.4f}", said()
+    assert page.locator("#compare-plot-diff .cell-cursor").is_visible()
+    page.keyboard.press("Escape")
+    assert said() == "" and not page.locator("#compare-plot-diff .cell-cursor").is_visible()
