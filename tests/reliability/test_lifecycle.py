@@ -280,3 +280,39 @@ def test_a_failure_after_every_model_loaded_is_not_charged_to_the_last_one(monke
     registry.load_all(before_ready=failing)
     assert registry.failure == "OSError: the shared store could not be opened"
     assert metrics.model_load_failures.labels("other")._value.get() == 0
+
+
+def test_ctrl_c_while_a_model_loads_inside_torch_ends_cleanly():
+    """Ctrl-C while the loader thread was inside torch: Python's finalisation aborted the process
+    ("terminate called without an active exception", status 134, a core file; an operator review)."""
+    port = free_port()
+    # The load is kept inside torch's kernels (its intra-op threads busy) for as long as it takes.
+    script = (
+        "import sys, torch\n"
+        "from manyeyes.app.services import registry\n"
+        "def busy(*args, **kwargs):\n"
+        "    a = torch.randn(600, 600)\n"
+        "    while True:\n"
+        "        a = torch.tanh(a @ a)\n"
+        "registry.load_configured = busy\n"
+        "from manyeyes.app.cli import main\n"
+        f"sys.exit(main(['serve', '--port', '{port}']))\n"
+    )
+    env = {**os.environ, "MANYEYES_MODELS": '{"minilm": "minilm"}'}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://{HOST}:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        time.sleep(1.0)  # the loader is in its matmuls
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "terminate called" not in out and "Traceback" not in out, (proc.returncode, out[-2000:])
+        assert "Finished server process" in out
+    finally:
+        proc.kill()
+        proc.wait()
