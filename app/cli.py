@@ -386,9 +386,13 @@ def _port(value: str) -> int:
 
 def _host(value: str) -> str:
     # "http://0.0.0.0" first printed "WARNING: serving on http://0.0.0.0", then failed to resolve it.
-    if "://" in value or "/" in value or not value.strip():
-        raise argparse.ArgumentTypeError(f"{value!r}: give an address or a host name to listen on (127.0.0.1, 0.0.0.0, "
-                                         "::, myhost), not a URL")
+    said = f"{value!r}: give an address or a host name to listen on (127.0.0.1, 0.0.0.0, ::1, ::, myhost)"
+    if "://" in value or "/" in value or not value.strip() or value != value.strip():
+        raise argparse.ArgumentTypeError(f"{said}, not a URL")
+    if value.startswith("["):
+        raise argparse.ArgumentTypeError(f"{said}: an IPv6 address without its brackets ({value.strip('[]')})")
+    if value.count(":") == 1:
+        raise argparse.ArgumentTypeError(f"{said}, and the port with --port")
     return value
 
 

@@ -94,8 +94,13 @@ def is_ipv4(text: str) -> bool:
     return True
 
 
-# A CORS origin as a browser's Origin header carries it: a scheme, a host, maybe a port, no path.
-ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", re.IGNORECASE)
+# A CORS origin as a browser's Origin header carries it, which the middleware compares as text: a
+# scheme and a host in lower case (an IPv6 one in brackets), maybe a port, no user, path or "*".
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9._~-]+)(:(\d{1,5}))?")
+
+
+# The longest wait any setting takes: 1e308 s passed as a number and meant for ever, as inf did.
+DAY_S = 86_400.0
 
 
 class Settings(BaseSettings):
@@ -140,14 +145,14 @@ class Settings(BaseSettings):
     # A request waits its turn for them (round-robin across clients, half the budget a client at
     # most, one larger than all of it alone); 0: no budget. SECURITY.md, "Memory".
     answer_bytes: int = Field(256 * 2**20, ge=0)
-    max_wait_ms: float = Field(5.0, ge=0)
+    max_wait_ms: float = Field(5.0, ge=0, le=60_000)
     # `serve --workers N` only: one more process runs every worker's batches of inputs up to
     # shared_forward_max_tokens as shared forwards (services/shared_forward.py; README, "GPU").
     shared_forward: bool = False
     shared_forward_max_tokens: int = Field(128, ge=1)
     # Capacity: inputs admitted at once (tokenizing, waiting or in the running forward); beyond it, 429.
     max_queue: int = Field(256, ge=1)
-    request_timeout_s: float = Field(30.0, gt=0)  # per-request budget: queue + forward, else 504
+    request_timeout_s: float = Field(30.0, gt=0, le=DAY_S)  # per-request budget: queue + forward, else 504
     # Admission by work: a request is queued only if the work ahead of it and its own, at the
     # model's recent forward rate, fit in this fraction of its remaining budget; else 429 with
     # Retry-After at once instead of a 504 when the budget runs out. The rest of the budget is
@@ -204,7 +209,7 @@ class Settings(BaseSettings):
     # Fresh buffers from 4 MiB advised for transparent huge pages: faster where the host keeps the
     # memory backed, up to 5x slower where it takes freed memory back (model/buffers.py).
     huge_pages: bool = False
-    switch_interval_ms: float = Field(0.5, ge=0)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
+    switch_interval_ms: float = Field(0.5, ge=0, le=1000)  # the GIL's; 0 leaves Python's 5 ms (see main.py)
     # Once the models have loaded, what is alive (models, libraries, the app) leaves the garbage
     # collector's reach (app/memory.py, freeze_long_lived): full collections under load then
     # take 11-16 ms instead of 200-260. The test suite turns it off (tests/conftest.py): its apps come
@@ -217,10 +222,10 @@ class Settings(BaseSettings):
     opentelemetry: bool = False
 
     # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit.
-    shutdown_grace_s: float = Field(30.0, ge=0)
+    shutdown_grace_s: float = Field(30.0, ge=0, le=DAY_S)
     # A connection must deliver each whole request (head and body) within this many seconds of its
     # first byte; slower ones are cut off (app/protocol.py). Idling between requests is uvicorn's keep-alive.
-    request_read_timeout_s: float = Field(30.0, gt=0)
+    request_read_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
     # The request line and headers of one request, at most (431 beyond; app/server.py).
     max_header_bytes: int = Field(64 * 1024, ge=1024)
 
@@ -264,8 +269,8 @@ class Settings(BaseSettings):
     max_experiments: int = Field(2, ge=1)
 
     # Test hooks: make a forward or the model loading slow, to exercise timeouts, 429 and /readyz.
-    debug_forward_delay_s: float = Field(0.0, ge=0)
-    debug_load_delay_s: float = Field(0.0, ge=0)
+    debug_forward_delay_s: float = Field(0.0, ge=0, le=DAY_S)
+    debug_load_delay_s: float = Field(0.0, ge=0, le=DAY_S)
 
     @field_validator("api_keys", "trusted_proxies", "allowed_hosts", "cors_origins", mode="before")
     @classmethod
@@ -303,9 +308,11 @@ class Settings(BaseSettings):
         # "viz.example.org" or "https://viz.example.org/" matches no Origin a browser sends: accepted,
         # every preflight from the real origin got 400 and no word said why.
         for entry in value:
-            if entry != "*" and ORIGIN.fullmatch(entry) is None:
-                raise ValueError(f"{entry!r} is no origin: write it as a browser sends it, scheme and host (and a "
-                                 "port if not the scheme's), no path or trailing slash: https://viz.example.org")
+            origin = ORIGIN.fullmatch(entry)
+            if entry != "*" and (origin is None or (origin[3] and not 0 < int(origin[3]) <= 65535)):
+                raise ValueError(f"{entry!r} is no origin: write it as a browser sends it, scheme and host in lower "
+                                 "case (and a port if not the scheme's), no path, trailing slash, user or '*': "
+                                 "https://viz.example.org")
         return value
 
     @field_validator("allowed_hosts")

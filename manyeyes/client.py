@@ -38,8 +38,9 @@ COMPACT_MEDIA_TYPE = "application/vnd.manyeyes+json"
 # ---- errors -------------------------------------------------------------------------------------
 
 
-# How the server names one text of a batch in an error ("texts[3]: input is 702 tokens long...").
-CHUNK_INDEX = re.compile(r"\b(texts|text_pairs)\[(\d+)\]")
+# How the server names one text of a batch in an error: "texts[3]: input is 702 tokens long...",
+# or a field's place in the body, "texts.3: String should have at least 1 character".
+CHUNK_INDEX = re.compile(r"\b(texts|text_pairs)(\[|\.)(\d+)")
 
 
 class ManyeyesError(Exception):
@@ -551,24 +552,38 @@ def save_results(path: str | os.PathLike, results: RemoteResult | list[RemoteRes
 
 
 def load_results(path: str | os.PathLike) -> list[RemoteResult]:
-    """The results `save_results` wrote, in order, as RemoteResult objects (figures take them)."""
-    with np.load(path, allow_pickle=False) as stored:
-        if "results" not in stored.files:
-            raise ValueError(f"{os.fspath(path)} is not a file of manyeyes results (save_results writes them)")
-        header = json.loads(stored["results"].tobytes())
-        if header.get("format") != RESULTS_FORMAT:
-            raise ValueError(f"{os.fspath(path)} holds {header.get('format')!r}; this manyeyes reads {RESULTS_FORMAT}")
+    """The results `save_results` wrote, in order, as RemoteResult objects (figures take them).
+    Any other file is a ValueError that says so."""
+    not_ours = ValueError(f"{os.fspath(path)} is not a file of manyeyes results (save_results writes them)")
+    try:
+        stored = np.load(path, allow_pickle=False)
+    except ValueError as exc:  # a pickled .npy, or no numpy file at all
+        raise not_ours from exc
+    if not isinstance(stored, np.lib.npyio.NpzFile):  # a plain .npy: one array
+        raise not_ours
+    with stored:
+        try:
+            header = json.loads(stored["results"].tobytes()) if "results" in stored.files else None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise not_ours from exc
+        if not isinstance(header, dict) or "format" not in header:
+            raise not_ours
+        if header["format"] != RESULTS_FORMAT:
+            raise ValueError(f"{os.fspath(path)} holds {header['format']!r}; this manyeyes reads {RESULTS_FORMAT}")
         results = []
-        for i, meta in enumerate(header["results"]):
+        for i, meta in enumerate(header.get("results") or []):
             array = stored[f"attention_{i}"] if f"attention_{i}" in stored.files else None
             predictions = meta.get("predictions")
-            results.append(RemoteResult(**{
-                **_known(RemoteResult, meta),
-                "tokens": [RemoteToken(**_known(RemoteToken, t)) for t in meta["tokens"]],
-                "attention": array,
-                "predictions": None if predictions is None
-                else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in predictions.items()},
-            }))
+            try:
+                results.append(RemoteResult(**{
+                    **_known(RemoteResult, meta),
+                    "tokens": [RemoteToken(**_known(RemoteToken, t)) for t in meta["tokens"]],
+                    "attention": array,
+                    "predictions": None if predictions is None
+                    else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in predictions.items()},
+                }))
+            except (KeyError, TypeError) as exc:
+                raise ValueError(f"{os.fspath(path)}: result {i} lacks a field a result needs ({exc})") from None
     return results
 
 
@@ -917,7 +932,7 @@ class Client:
                 # The server names a text by its place in the chunk it was sent: texts[1] of the
                 # second chunk of 4 was texts[5] of the caller's list, and the message sent them
                 # to a sentence that was fine.
-                exc.message = CHUNK_INDEX.sub(lambda m: f"{m[1]}[{int(m[2]) + len(results)}]", exc.message)
+                exc.message = CHUNK_INDEX.sub(lambda m: f"{m[1]}{m[2]}{int(m[3]) + len(results)}", exc.message)
                 exc.args = (f"{exc.status} {exc.code}: {exc.message}",)
             raise
         return results
@@ -1140,10 +1155,12 @@ class Client:
         fields, arrays = decode_arrays(self._run_response(run, "tile", {k: v for k, v in params.items() if v is not None}))
         return RemoteTile(**_known(RemoteTile, fields), values=arrays["attention"])
 
-    def cell(self, run: RemoteResult | str, query: int, key: int, *, format: str = "json") -> np.ndarray:
+    def cell(self, run: RemoteResult | str, query: int, key: int, *, format: str | None = None) -> np.ndarray:
         """(n_layers, n_heads) float32: the weight from `query` to `key` in every layer and head
-        ("which heads link these two tokens?"), as exact as the run holds it, from any run."""
-        _, arrays = decode_arrays(self._run_response(run, "cell", {"query": query, "key": key, "format": format}))
+        ("which heads link these two tokens?"), as exact as the run holds it (format: as tile's,
+        the client's by default; a GPU server keeps an f16 run as float16 and refuses json)."""
+        params = {"query": query, "key": key, "format": format or self.format}
+        _, arrays = decode_arrays(self._run_response(run, "cell", params))
         return arrays["attention"]
 
     def topk(

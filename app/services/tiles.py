@@ -241,16 +241,21 @@ class TileService:
                                   n_rows * n_cols)
 
     # -- GET /runs/{run_id}/cell
-    async def cell(self, run_id: str, query: int, key: int, fmt: str, wire: Wire, client: str = "") -> Reply:
-        """One (query, key) weight in every layer and head, as exact as the run holds it: the page's
-        "which head links these two tokens?" ranked heads by 8-bit values (two heads 0.001 apart
-        swapped, one left out) and had no cheaper way to the exact ones than whole layers."""
+    def _cell_plan(self, run_id: str, query: int, key: int, fmt: str) -> tuple[int, int]:
+        """(n_layers, n_heads) once (query, key) is checked against the run, which it does not
+        return (see _tile_plan)."""
         run, info = self._run(run_id, fmt)
         for name, position in (("query", query), ("key", key)):
             if position >= run.n_tokens:
                 raise InvalidInput(f"{name}={position} is past the run's end: run {run.run_id} has {run.n_tokens:,} "
                                    f"tokens, so {name} lies in 0..{run.n_tokens - 1}")
-        n_layers, n_heads = info.n_layers, info.n_heads
+        return info.n_layers, info.n_heads
+
+    async def cell(self, run_id: str, query: int, key: int, fmt: str, wire: Wire, client: str = "") -> Reply:
+        """One (query, key) weight in every layer and head, as exact as the run holds it: the page's
+        "which head links these two tokens?" ranked heads by 8-bit values (two heads 0.001 apart
+        swapped, one left out) and had no cheaper way to the exact ones than whole layers."""
+        n_layers, n_heads = self._cell_plan(run_id, query, key, fmt)
 
         def work(run: Run):
             heads = list(range(n_heads))

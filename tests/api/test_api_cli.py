@@ -391,6 +391,11 @@ def test_an_allowed_host_that_no_host_header_can_match_is_one_line_naming_it(mon
     ("MANYEYES_SHUTDOWN_GRACE_S", "inf", "MANYEYES_SHUTDOWN_GRACE_S='inf': Input should be a finite number"),
     ("MANYEYES_REQUEST_TIMEOUT_S", "Infinity", "Input should be a finite number"),
     ("MANYEYES_SWITCH_INTERVAL_MS", "inf", "Input should be a finite number"),
+    ("MANYEYES_REQUEST_READ_TIMEOUT_S", "1e308", "less than or equal to 86400"),  # for ever, as inf
+    ("MANYEYES_CORS_ORIGINS", "HTTPS://A.EXAMPLE.ORG", "is no origin"),  # a browser sends it in lower case
+    ("MANYEYES_CORS_ORIGINS", "https://user@a.example.org", "is no origin"),
+    ("MANYEYES_CORS_ORIGINS", "https://*.example.org", "is no origin"),
+    ("MANYEYES_CORS_ORIGINS", "https://a.example.org:99999", "is no origin"),
     # mallopt takes a C int: 4 GiB wrapped to 0.
     ("MANYEYES_MALLOC_MMAP_THRESHOLD", "4294967296", "less than or equal to 33554432"),
     ("MANYEYES_MALLOC_TRIM_THRESHOLD", "99999999999", "less than or equal to 2147483647"),
@@ -408,7 +413,7 @@ def test_settings_that_cannot_work_are_one_line_before_serving(monkeypatch, caps
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("host", ["http://0.0.0.0", "0.0.0.0/24", " "])
+@pytest.mark.parametrize("host", ["http://0.0.0.0", "0.0.0.0/24", " ", " 127.0.0.1", "127.0.0.1:8762", "[::1]"])
 def test_a_host_that_is_a_url_is_refused_by_the_flag(capsys, host):
     """'http://0.0.0.0' printed "WARNING: serving on http://0.0.0.0", then failed to resolve it (h49f)."""
     with pytest.raises(SystemExit) as exit_:
@@ -433,6 +438,7 @@ def test_cors_origins_are_read_as_a_list_separated_by_commas_too(monkeypatch):
     monkeypatch.setenv("MANYEYES_CORS_ORIGINS", '["https://a.example.org"]')
     assert Settings().cors_origins == ["https://a.example.org"]
     assert Settings(cors_origins=["*"]).cors_origins == ["*"]
+    assert Settings(cors_origins=["http://[::1]:8000", "http://127.0.0.1:8000"]).cors_origins[0] == "http://[::1]:8000"
 
 
 def test_every_form_of_host_the_comparison_reads_is_taken():

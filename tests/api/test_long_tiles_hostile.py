@@ -53,6 +53,10 @@ def get_tile(url: str, run_id: str) -> httpx.Response:
     return httpx.get(f"{url}/api/v1/runs/{run_id}/tile", params={"layer": 0, "head": 0, "rows": 4, "cols": 4}, timeout=60)
 
 
+def get_cell(url: str, run_id: str) -> httpx.Response:
+    return httpx.get(f"{url}/api/v1/runs/{run_id}/cell", params={"query": 5, "key": 2}, timeout=60)
+
+
 def open_tile(port: int, run_id: str) -> socket.socket:
     """A tile request sent on a raw socket and left waiting, so the test can hang up at will."""
     sock = socket.create_connection((HOST, port), timeout=30)
@@ -68,10 +72,12 @@ def hang_up(sock: socket.socket) -> None:
 SERVER = dict(models={"tiny-gpt": "tiny-gpt"}, dense_max_tokens=8, max_concurrent_renders=1)
 
 
-def test_a_tile_request_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(gate):
+@pytest.mark.parametrize("waiting_route", [get_tile, get_cell])
+def test_a_tile_request_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(gate, waiting_route):
     """Each waiting request held its run: 150 tile requests queued on 150 runs, each evicted as the
     next was posted, took a server with a 40 MB cache from 449 MB to 1 GB resident. A waiting
-    request now holds the run id; a run evicted meanwhile is freed, and its request answers 404."""
+    request now holds the run id; a run evicted meanwhile is freed, and its request answers 404.
+    So does a waiting /cell (which the page asks at each click on a cell)."""
     opened, entered = gate
     with live_server(**SERVER, cache_bytes=1_000_000) as server, ThreadPoolExecutor(2) as pool:
         tiles, cache = server.app.state.tiles, server.app.state.service.cache
@@ -79,7 +85,7 @@ def test_a_tile_request_waiting_for_its_turn_does_not_keep_an_evicted_run_alive(
         running = pool.submit(get_tile, server.url, holder)
         wait_until(lambda: len(entered) == 1, 30, "the first tile to take the render slot")
         victim = post(server.url, text_of(1))
-        waiting = pool.submit(get_tile, server.url, victim)
+        waiting = pool.submit(waiting_route, server.url, victim)
         wait_until(lambda: tiles.attention.queued.waiting == 2, 30, "the second tile to wait for the slot")
         kept = weakref.ref(cache.get(victim).kept)
         nbytes = httpx.get(f"{server.url}/api/v1/runs/{victim}").json()["nbytes"]

@@ -508,6 +508,8 @@ def test_an_evicted_run_is_posted_again_at_the_precision_its_tile_needs(local):
             client.slice(result.run_id, layers=[0])
         tile = client.tile(result, 1, 2)
         np.testing.assert_allclose(tile.values, local[1, 2], atol=1e-3, rtol=0)
+        # In the client's format, as tile's: json was refused (kept_quantised) by such a server.
+        np.testing.assert_allclose(client.cell(result, 3, 1), local[:, :, 3, 1], atol=1e-3, rtol=0)
         assert client.topk(result, 1, 2, k=3).values.shape[-1] == 3
         assert client.overview(result).values.shape[:2] == local.shape[:2]
 
@@ -920,11 +922,18 @@ def test_load_results_refuses_other_files_without_unpickling_them(tmp_path):
     from manyeyes.client import load_results, save_results
 
     np.savez(tmp_path / "other.npz", weights=np.zeros(3))
-    with pytest.raises(ValueError, match="not a file of manyeyes results"):
-        load_results(tmp_path / "other.npz")
+    np.savez(tmp_path / "garbage.npz", results=np.frombuffer(b"\xff\xfe not json", dtype=np.uint8))
+    np.savez(tmp_path / "list.npz", results=np.frombuffer(b"[1, 2]", dtype=np.uint8))
+    np.save(tmp_path / "plain.npy", np.zeros(3))
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(ValueError):
-        load_results(tmp_path / "objects.npy")
+    (tmp_path / "text.npz").write_text("not numpy at all")
+    for name in ("other.npz", "garbage.npz", "list.npz", "plain.npy", "objects.npy", "text.npz"):
+        with pytest.raises(ValueError, match="not a file of manyeyes results"):
+            load_results(tmp_path / name)
+    header = b'{"format": "manyeyes-results/1", "results": [{"run_id": "x"}]}'
+    np.savez(tmp_path / "partial.npz", results=np.frombuffer(header, dtype=np.uint8))
+    with pytest.raises(ValueError, match="result 0 lacks a field"):
+        load_results(tmp_path / "partial.npz")
     with pytest.raises(TypeError, match="RemoteResult"):
         save_results(tmp_path / "x.npz", [np.zeros(3)])
 
@@ -939,5 +948,9 @@ def test_attention_batch_sends_a_pair_per_text_across_chunks(client):
     with pytest.raises(InvalidRequest) as err:  # the blank pair is the fourth, second of its chunk
         client.attention_batch(texts, text_pairs=["Yes.", None, "No.", " "], batch_size=2, layers=[0])
     assert "text_pairs[3] must contain" in err.value.message and len(err.value.partial) == 2
+    # The body's own field names count too: "texts.0" was the third text of the list.
+    with pytest.raises(InvalidRequest) as err:
+        client.attention_batch(["And God said.", "Let there be light.", ""], batch_size=2, layers=[0])
+    assert err.value.message.startswith("texts.2") and len(err.value.partial) == 2, err.value.message
     with pytest.raises(ValueError, match="3 entries for 4 texts"):
         client.attention_batch(texts, text_pairs=pairs[:3])
