@@ -18,10 +18,15 @@ export class CellHeads {
     this.exactCell = exactCell;
     this.picked = null; // { run, query, key, name, exact }
     this.focused = { layer: 0, head: 0 };
+    // "run query key" -> the promise of that cell's exact values: a cell picked again while its
+    // values were on their way was asked nothing (the request was pending), and the first answer
+    // was for a pick that no longer stood, so the ranking stayed 8-bit.
+    this.asked = new Map();
   }
 
   clear() {
     this.picked = null;
+    this.asked.clear();
     this.box.replaceChildren();
     this.box.hidden = true;
   }
@@ -35,7 +40,13 @@ export class CellHeads {
     this.picked = picked;
     this.render(layer, head);
     if (this.allPrecise(run)) return;
-    this.exactCell(run, query, key).then((exact) => {
+    const cell = `${run.runId} ${query} ${key}`;
+    if (!this.asked.has(cell)) {
+      const asking = this.exactCell(run, query, key);
+      this.asked.set(cell, asking);
+      asking.then((exact) => exact || this.asked.delete(cell)); // a failure may be asked again
+    }
+    this.asked.get(cell).then((exact) => {
       if (!exact || this.picked !== picked) return;
       picked.exact = exact;
       this.render(this.focused.layer, this.focused.head);

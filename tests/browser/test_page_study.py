@@ -273,6 +273,35 @@ def test_the_heads_ranked_by_a_cell_come_in_the_order_of_their_exact_weights(ser
     assert "8-bit" not in page.text_content("#cell-heads .hint")
 
 
+def test_a_cell_picked_twice_while_its_exact_values_come_is_ranked_by_them(server, api, page):
+    """Picked again while its values were on their way, the cell asked nothing more and dropped
+    the first answer: the ranking stayed 8-bit for good (a review of the diff)."""
+    from tests.browser.test_page import api_attention, hover_cell
+
+    page.add_init_script("""(() => {
+      const real = window.fetch;
+      window.fetch = async (url, init) => {
+        if (String(url).includes('/cell?')) await new Promise((done) => setTimeout(done, 600));
+        return real(url, init);
+      };
+    })()""")
+    tokens, _ = api_attention(api, SENTENCE, model="minilm")
+    open_page(page, server)
+    run(page, SENTENCE, model="minilm")
+    wait_grid(page)
+    wait_focus(page, layer=0, head=0)
+    hover_cell(page, len(tokens) - 2, 1)
+    for _ in range(2):
+        page.mouse.down()
+        page.mouse.up()
+        page.wait_for_timeout(150)
+    page.wait_for_function("""() => {
+      const bs = [...document.querySelectorAll('#cell-heads .cell-heads-list button')];
+      return bs.length === 10 && bs.every((b) => b.title === '');
+    }""", timeout=30_000)
+    assert "8-bit" not in page.text_content("#cell-heads .hint")
+
+
 # ---- 10. compare's rounding noise reads 0 -----------------------------------------------------------
 
 
