@@ -217,8 +217,15 @@ def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
     return padded.reshape(matrix.shape[:-2] + (rows, step, cols, step)).max(axis=(-3, -1))
 
 
+def _cell_names(tokens: list[str], positions: list) -> np.ndarray:
+    """(n, n, 4) per cell: the query's and the key's tokens, then their positions in the run."""
+    tokens, positions = np.array(tokens, dtype=object), np.array(positions, dtype=object)
+    return np.stack(np.broadcast_arrays(tokens[:, None], tokens[None, :], positions[:, None], positions[None, :]), axis=-1)
+
+
 def _check_zmax(zmax) -> None:
-    if zmax is not None and not (isinstance(zmax, (int, float, np.number)) and 0 < zmax < math.inf):
+    number = isinstance(zmax, (int, float, np.number)) and not isinstance(zmax, (bool, np.bool_))
+    if zmax is not None and not (number and 0 < zmax < math.inf):
         raise ValueError(f"zmax must be a number above 0 (1.0: the whole range of a weight), or None; got {zmax!r}")
 
 
@@ -242,9 +249,7 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
         # Each cell: the query's and the key's tokens, then their positions in the run. %{y} and
         # %{x} read the tick labels, the tokens themselves: a byte-level model repeats each letter,
         # so "query e" could have been any of eight rows.
-        tokens, positions = np.array(w.tokens, dtype=object), np.array(w.positions, dtype=object)
-        custom = np.stack(np.broadcast_arrays(tokens[:, None], tokens[None, :], positions[:, None], positions[None, :]),
-                          axis=-1)
+        custom = _cell_names(w.tokens, w.positions)
         hover = ("query %{customdata[2]} “%{customdata[0]}” → key %{customdata[3]} “%{customdata[1]}”: %{z:.4f}"
                  "<extra></extra>")
     else:
@@ -282,6 +287,8 @@ def compare(a, b, layer: int, head: int, *, hide_special: bool = False, hide_fir
     Each run must be at most MAX_SIDE tokens (every cell is drawn)."""
     layer, head = whole_number(layer, "layer"), whole_number(head, "head")
     _check_zmax(zmax)
+    if isinstance(names, str) or len(names) != 2 or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names must be two texts, A's and B's, such as ('river', 'city'); got {names!r}")
     runs = [weights_of(r).without(hide_special, hide_first) for r in (a, b)]
     for name, w in zip(names, runs):
         if len(w.tokens) > MAX_SIDE:
@@ -300,18 +307,25 @@ def compare(a, b, layer: int, head: int, *, hide_special: bool = False, hide_fir
     sizes = [len(w.tokens) for w in runs] + [len(pairs)]
     side = min(600, max(300, 14 * max(sizes)))
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
-                        subplot_titles=[names[0], names[1], f"{names[0]} − {names[1]} on the {len(pairs)} tokens both have"])
+                        subplot_titles=[plotly_text(names[0]), plotly_text(names[1]),
+                                        plotly_text(f"{names[0]} − {names[1]}") + f" on the {len(pairs)} tokens both have"])
+    # Hovers name the tokens and their positions in the runs (the cells' indices are not, once
+    # tokens are hidden), as heatmap's do; the difference names both runs' positions.
     for k, (w, matrix) in enumerate(zip(runs, matrices)):
         fig.add_trace(go.Heatmap(
-            z=matrix, coloraxis="coloraxis",
-            hovertemplate=f"{names[k]}: query %{{y}} → key %{{x}}: %{{z:.4f}}<extra></extra>",
+            z=matrix, coloraxis="coloraxis", customdata=_cell_names(w.tokens, w.positions),
+            hovertemplate=f"{plotly_text(names[k])}: query %{{customdata[2]}} “%{{customdata[0]}}” → "
+                          f"key %{{customdata[3]}} “%{{customdata[1]}}”: %{{z:.4f}}<extra></extra>",
             x=list(range(len(w.tokens))), y=list(range(len(w.tokens))),
         ), row=1, col=k + 1)
+    both = [f"{runs[0].positions[i]}|{runs[1].positions[j]}" for i, j in pairs]
     fig.add_trace(go.Heatmap(
         z=diff, colorscale="RdBu", reversescale=True, zmin=-span, zmax=span, zmid=0,
-        x=list(range(len(pairs))), y=list(range(len(pairs))),
-        colorbar={"title": {"text": f"{names[0]} − {names[1]}"}, "x": 1.08},
-        hovertemplate=f"query %{{y}} → key %{{x}}: {names[0]} − {names[1]} %{{z:.4f}}<extra></extra>",
+        x=list(range(len(pairs))), y=list(range(len(pairs))), customdata=_cell_names(shared, both),
+        colorbar={"title": {"text": plotly_text(f"{names[0]} − {names[1]}")}, "x": 1.08},
+        hovertemplate=f"query %{{customdata[2]}} “%{{customdata[0]}}” → key %{{customdata[3]}} “%{{customdata[1]}}”: "
+                      f"{plotly_text(names[0])} − {plotly_text(names[1])} %{{z:.4f}}<extra>positions in {plotly_text(names[0])}|"
+                      f"{plotly_text(names[1])}</extra>",
     ), row=1, col=3)
     # Each panel its own labels: a figure's one xaxis/yaxis setting reached the first panel only,
     # and the others drew numbers, bottom-up.

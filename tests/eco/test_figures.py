@@ -478,5 +478,19 @@ def test_compare_refuses_what_it_cannot_draw(tiny_gpt, local):
         figures.compare(local, tiny_gpt.attend("%%%%"), 0, 0)
     with pytest.raises(ValueError, match="B has 601 tokens"):
         figures.compare(local, _result(np.full((2, 8, 601, 601), 1 / 601, np.float32), ["a"] * 601), 0, 0)
-    with pytest.raises(ValueError, match="zmax"):
-        figures.compare(local, local, 0, 0, zmax=0)
+    for zmax in (0, True):
+        with pytest.raises(ValueError, match="zmax"):
+            figures.compare(local, local, 0, 0, zmax=zmax)
+    for names in (("A",), "AB", ("A", 2)):
+        with pytest.raises(ValueError, match="names must be two texts"):
+            figures.compare(local, local, 0, 0, names=names)
+
+
+def test_compare_hovers_name_tokens_by_their_positions_in_the_runs(tiny_gpt, local):
+    """With the first token hidden the hover said the cell's index, one less than the token's position."""
+    other = tiny_gpt.attend("Four score and nine years ago.")
+    fig = figures.compare(local, other, 1, 0, hide_first=True, names=("<seven>", "nine"))
+    a, b, diff = fig.data
+    assert tuple(a.customdata[0][1]) == ("o", "u", 1, 2)  # query "o" at 1 → key "u" at 2: position 0 is hidden
+    assert tuple(diff.customdata[0][0][2:]) == ("1|1", "1|1")
+    assert "&lt;seven&gt;" in a.hovertemplate and "<seven>" not in fig.layout.annotations[0].text
