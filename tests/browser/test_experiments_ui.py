@@ -187,7 +187,7 @@ def test_ablating_a_head_of_the_last_layer_shows_its_prediction_change(server, a
     assert page.evaluate("() => ({ ...document.getElementById('ablate-plot').dataset })") == {"depth": "0"}
 
 
-def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
+def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page, artifacts):
     open_page(page, server)
     run(page, SENTENCE, "minilm")
     page.click("#token-load")
@@ -197,6 +197,13 @@ def test_clicking_a_token_masks_it_and_ranks_the_heads(server, api, page):
     reply = api.post("/api/v1/experiments/change-token", json={
         "text": SENTENCE, "model": "minilm", "truncate": False, "index": 2, "change": "mask"}).json()
     assert ranking_rows(page, "token-result") == api_ranking(reply["ranking"])
+    # Its own width, not the column's: stretched, each number stood 400 px from its head.
+    table, column = page.evaluate("""() => {
+      const t = document.querySelector('#token-result table.ranking');
+      return [t.getBoundingClientRect().width, t.parentElement.getBoundingClientRect().width / 2];
+    }""")
+    assert table < 0.8 * column, (table, column)
+    page.locator("#token-box").screenshot(path=str(artifacts / "experiments-change-token.png"))
     # Said in words as well as by the red border (a hidden "(unaligned)" for screen readers).
     assert page.locator("#token-result .aligned-line").nth(1).locator(".chip.unaligned").text_content() == "[MASK] (unaligned)"
 
