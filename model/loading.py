@@ -186,7 +186,9 @@ def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> tu
         # repr where the name has whitespace around it or control characters, so the line shows them.
         plain = spec == spec.strip() and spec.isprintable()
         padded = "" if spec == spec.strip() else " (note its leading or trailing whitespace)"
-        raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}{_builtin_hint(spec, '.')}")
+        # A relative path says where it was looked for: under systemd the working folder is anyone's guess.
+        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}{where}{_builtin_hint(spec, '.')}")
     try:
         folder = resolve(hub_id, progress, show_progress)
     except ModelLoadError as exc:

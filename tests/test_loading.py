@@ -128,8 +128,17 @@ def test_hf_missing_files(hf_copy):
     (hf_copy / "config.json").unlink()
     with pytest.raises(ModelLoadError, match=r"missing file: .*config.json"):
         load(hf_copy)
-    with pytest.raises(ModelLoadError, match="no such model file or folder"):
+    with pytest.raises(ModelLoadError, match="no such model file or folder") as err:
         load(hf_copy / "absent")
+    assert "looked for" not in str(err.value)  # an absolute path says where already
+
+
+def test_a_relative_model_path_that_is_not_there_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """"no such model file or folder: model" left an operator (systemd, docker) guessing the folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError) as err:
+        load("./weights/mine.pth")
+    assert f"no such model file or folder: weights/mine.pth (looked for {tmp_path}/weights/mine.pth)" in str(err.value)
 
 
 def test_a_file_of_a_hugging_face_folder_is_told_to_pass_the_folder(hf_copy):
