@@ -291,6 +291,13 @@ def cmd_serve(args) -> int:
     warning = exposure_warning(args.host, bool(keys), proxied=bool(settings.trusted_proxies))
     if warning:
         print(warning, file=sys.stderr)
+    # Settings that are each fine but together do nothing, said once (an operator review).
+    if settings.close_metrics and not keys:
+        print("manyeyes: MANYEYES_CLOSE_METRICS without API keys: no key can open /metrics, so every scrape gets 401",
+              file=sys.stderr)
+    if settings.max_client_queue is not None and settings.max_client_queue >= settings.max_queue:
+        print(f"manyeyes: MANYEYES_MAX_CLIENT_QUEUE={settings.max_client_queue} is not below MANYEYES_MAX_QUEUE="
+              f"{settings.max_queue}: one client can still fill the whole queue", file=sys.stderr)
     if settings.shared_forward and args.workers < 2:
         print("manyeyes: --shared-forward (MANYEYES_SHARED_FORWARD) shares forwards between --workers on one machine; "
               "without them each process runs its own", file=sys.stderr)

@@ -181,6 +181,21 @@ def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(m
             in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("env, said", [
+    ({"MANYEYES_CLOSE_METRICS": "true"}, "MANYEYES_CLOSE_METRICS without API keys: no key can open /metrics"),
+    ({"MANYEYES_MAX_CLIENT_QUEUE": "1000", "MANYEYES_MAX_QUEUE": "10"},
+     "MANYEYES_MAX_CLIENT_QUEUE=1000 is not below MANYEYES_MAX_QUEUE=10: one client can still fill the whole queue"),
+])
+def test_settings_that_together_do_nothing_are_said_at_start_up(monkeypatch, capsys, env, said):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", str(free_port())]) == 0
+    assert said in capsys.readouterr().err
+
+
 def test_a_trusted_proxy_that_is_no_address_is_one_line_before_serving(monkeypatch, capsys):
     """"proxy.local" was a 23-line traceback from building the app, after "serving on" was printed."""
     monkeypatch.setenv("MANYEYES_TRUSTED_PROXIES", "10.0.0.0/8,proxy.local")
