@@ -26,7 +26,8 @@ ARG TORCH_VARIANT=cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HOME=/home/manyeyes
+    HOME=/home/manyeyes \
+    PORT=8000
 # torch first, from the chosen index, so pyproject's torch range is met and nothing else pulls a build.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 COPY --from=build /wheels /wheels
@@ -40,8 +41,11 @@ USER 10001:10001
 WORKDIR /home/manyeyes
 
 EXPOSE 8000
-# Ready, not merely alive: /readyz answers 200 only once every model is loaded and warmed up.
+# Ready, not merely alive: /readyz answers 200 only once every model is loaded and warmed up. On
+# the port the server listens on (`docker run -e PORT=9000`): a port written twice, in the CMD and
+# here, failed the health check of any image run with the CMD's port changed.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ[\"PORT\"]}/readyz', timeout=4)"]
 # Inside a container the server must listen beyond loopback; publish the port deliberately.
-CMD ["manyeyes", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# exec: the server is PID 1 and gets docker stop's SIGTERM, which drains it.
+CMD ["sh", "-c", "exec manyeyes serve --host 0.0.0.0 --port \"$PORT\""]

@@ -33,6 +33,11 @@ def test_torch_is_pinned_to_the_readmes_version():
 
 def test_healthcheck_user_and_ignore_file():
     assert re.search(r"HEALTHCHECK .*\n.*/readyz", DOCKERFILE)
+    # One port, PORT, for the server and its health check: each wrote 8000, and a CMD changed
+    # to another port failed every check.
+    assert re.search(r"^ENV (.*\\\n)*\s+PORT=8000$", DOCKERFILE, re.M)
+    assert "{os.environ[\\\"PORT\\\"]}/readyz" in DOCKERFILE and '--port \\"$PORT\\"' in DOCKERFILE
+    assert '"exec manyeyes serve' in DOCKERFILE  # PID 1, so docker stop's SIGTERM drains it
     user = re.findall(r"^USER (\S+)$", DOCKERFILE, re.M)
     assert user and all(part.isdigit() and int(part) > 0 for part in user[-1].split(":"))
     ignored = (ROOT / ".dockerignore").read_text().split()
