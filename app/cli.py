@@ -346,15 +346,17 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         # uvicorn shuts down on Ctrl-C, then raises it again for whoever called it (uvicorn.run
         # catches it; we call Server.run): every stop printed a traceback after "Finished".
-        if any(thread.name == "manyeyes-load" and thread.is_alive() for thread in threading.enumerate()):
-            # Ctrl-C while the models load: Python's finalisation met the loader inside torch on
-            # its daemon thread and aborted ("terminate called without an active exception",
-            # status 134 and a core file). Nothing is left to run: the process leaves at once, as
-            # SIGTERM's ends it by the signal's own action.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        pass
+    # Stopped while the models load (Ctrl-C; or SIGINT to a server started in the background,
+    # where it is ignored and uvicorn returns): Python's finalisation met the loader inside torch
+    # on its daemon thread and aborted ("terminate called without an active exception", status
+    # 134 and a core file). Nothing is left to run: the process leaves at once, as SIGTERM's ends
+    # it by the signal's own action.
+    if any(thread.name == "manyeyes-load" and thread.is_alive() for thread in threading.enumerate()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
