@@ -187,7 +187,8 @@ def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> tu
         plain = spec == spec.strip() and spec.isprintable()
         padded = "" if spec == spec.strip() else " (note its leading or trailing whitespace)"
         # A relative path says where it was looked for: under systemd the working folder is anyone's guess.
-        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        # (A name with a newline or padding is shown by its repr, and no path in the line spells it.)
+        where = "" if path.is_absolute() or not plain else f" (looked for {path.absolute()})"
         raise ModelLoadError(f"no such model file or folder: {path if plain else repr(spec)}{padded}{where}{_builtin_hint(spec, '.')}")
     try:
         folder = resolve(hub_id, progress, show_progress)
