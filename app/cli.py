@@ -396,7 +396,7 @@ def _port(value: str) -> int:
 def _host(value: str) -> str:
     # "http://0.0.0.0" first printed "WARNING: serving on http://0.0.0.0", then failed to resolve it.
     said = f"{value!r}: give an address or a host name to listen on (127.0.0.1, 0.0.0.0, ::1, ::, myhost)"
-    if "://" in value or "/" in value or not value.strip() or value != value.strip():
+    if "/" in value or not value.strip() or value != value.strip():  # a URL, a network, blanks
         raise argparse.ArgumentTypeError(f"{said}, not a URL")
     if value.startswith("["):
         raise argparse.ArgumentTypeError(f"{said}: an IPv6 address without its brackets ({value.strip('[]')})")

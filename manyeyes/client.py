@@ -515,7 +515,7 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         causal=fields["causal"],
         n_layers=fields["n_layers"],
         n_heads=fields["n_heads"],
-        tokens=[RemoteToken(**_known(RemoteToken, t)) for t in fields["tokens"]],
+        tokens=_tokens(fields["tokens"]),
         truncated=fields["truncated"],
         layers=fields["layers"],
         heads=fields["heads"],
@@ -526,10 +526,19 @@ def to_result(fields: dict, array: np.ndarray, request: dict | None) -> RemoteRe
         device=fields["device"],
         timing_ms=fields["timing_ms"],
         request=request,
-        predictions=None
-        if fields.get("predictions") is None
-        else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in fields["predictions"].items()},
+        predictions=_predictions(fields.get("predictions")),
     )
+
+
+def _tokens(listed: list[dict]) -> list[RemoteToken]:
+    return [RemoteToken(**_known(RemoteToken, t)) for t in listed]
+
+
+def _predictions(by_position: dict | None) -> dict[int, list[Prediction]] | None:
+    """position -> the top guesses, from JSON (whose keys are strings)."""
+    if by_position is None:
+        return None
+    return {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in by_position.items()}
 
 
 RESULTS_FORMAT = "manyeyes-results/1"
@@ -573,14 +582,12 @@ def load_results(path: str | os.PathLike) -> list[RemoteResult]:
         results = []
         for i, meta in enumerate(header.get("results") or []):
             array = stored[f"attention_{i}"] if f"attention_{i}" in stored.files else None
-            predictions = meta.get("predictions")
             try:
                 results.append(RemoteResult(**{
                     **_known(RemoteResult, meta),
-                    "tokens": [RemoteToken(**_known(RemoteToken, t)) for t in meta["tokens"]],
+                    "tokens": _tokens(meta["tokens"]),
                     "attention": array,
-                    "predictions": None if predictions is None
-                    else {int(k): [Prediction(**_known(Prediction, p)) for p in v] for k, v in predictions.items()},
+                    "predictions": _predictions(meta.get("predictions")),
                 }))
             except (KeyError, TypeError) as exc:
                 raise ValueError(f"{os.fspath(path)}: result {i} lacks a field a result needs ({exc})") from None
@@ -1016,7 +1023,7 @@ class Client:
                         raise ManyeyesError(response.status_code, "unreadable",
                                             f"the generation stream holds a line that is not one of its events: {line[:80]!r}") from None
                     if kind == "start":
-                        stream.prompt = [RemoteToken(**_known(RemoteToken, t)) for t in event["prompt"]]
+                        stream.prompt = _tokens(event["prompt"])
                     if kind == "end":
                         if event.get("reason") not in ("length", "eos"):
                             # "error" (a step failed) or "shutdown" (the server is stopping): fewer tokens than asked.

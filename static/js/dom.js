@@ -51,7 +51,8 @@ export function oneStopModebars(root = document.body) {
   new MutationObserver((records) => {
     for (const record of records) {
       for (const node of record.addedNodes) {
-        if (!(node instanceof Element)) continue;
+        // Plotly's modebar comes in divs; the labels, canvases and SVG a heatmap step adds are skipped at once.
+        if (!(node instanceof HTMLDivElement)) continue;
         const bar = node.closest(".modebar");
         if (bar) tame(bar);
         else node.querySelectorAll(".modebar").forEach(tame);

@@ -1,8 +1,8 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
 import { requestJson, whenNotBusy } from "./api.js";
-import { $, MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
-import { ARROW_STEPS, OFFLINE_CONFIG, stepCursor, weightText } from "./focus.js";
+import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
+import { OFFLINE_CONFIG, cursorKeys, stepCursor, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
 import { onThemeChange, palette } from "./theme.js";
 import { levelFor } from "./tiles.js";
@@ -354,31 +354,23 @@ function readByKeyboard(div, trace, title) {
     const reader = el("p", { className: "visually-hidden", attrs: { "aria-live": "polite" } });
     keys = { trace, cursor: null, outline, reader };
     keyboards.set(div, keys);
-    const drop = () => {
+    keys.drop = () => {
       keys.cursor = null;
       keys.outline.hidden = true;
       keys.reader.textContent = "";
     };
-    keys.drop = drop;
-    div.addEventListener("keydown", (event) => {
-      if (event.key === "Escape" && event.target === div) return drop();
-      const step = ARROW_STEPS[event.key];
-      // On a modebar button inside the plot the arrows are the button's.
-      if (!step || event.target !== div || event.altKey || event.ctrlKey || event.metaKey) return;
-      event.preventDefault();
+    cursorKeys(div, (dRow, dCol) => {
       if (!keys.outline.isConnected) div.append(keys.outline);
       if (!keys.reader.isConnected) div.after(keys.reader);
       const { z } = keys.trace;
-      const moved = stepCursor(div, keys.cursor, ...step, z.length, z[0]?.length ?? 0, keys.outline);
+      const moved = stepCursor(div, keys.cursor, dRow, dCol, z.length, z[0]?.length ?? 0, keys.outline);
       if (!moved) return;
       keys.cursor = moved.cell;
       keys.reader.textContent = cellText(keys.trace, moved.cell.row, moved.cell.col);
-    });
-    div.addEventListener("blur", drop);
-    focusOnPress(div);
+    }, keys.drop);
   }
   keys.trace = trace;
-  keys.drop?.(); // its cell may not exist in the new matrix
+  keys.drop(); // its cell may not exist in the new matrix
 }
 
 // What a cell's hover says, as plain text (the labels are escaped for Plotly's little HTML).

@@ -213,6 +213,25 @@ export function stepCursor(plot, cursor, dRow, dCol, nRows, nCols, outline) {
   return { cell: { row, col }, clientX: box.left + xa._offset + xa.l2p(col), clientY: box.top + ya._offset + ya.l2p(row) };
 }
 
+// The keys of a plot's cell cursor (the measures' and the experiments'): the arrows move it
+// (onStep(dRow, dCol)), Escape and leaving the plot drop it; not on a modebar button inside the
+// plot, whose arrows are its own, nor with a modifier. A press on the plot gives it the keyboard.
+export function cursorKeys(plot, onStep, onDrop) {
+  plot.addEventListener("keydown", (event) => {
+    if (event.target !== plot) return;
+    if (event.key === "Escape") {
+      onDrop();
+      return;
+    }
+    const step = ARROW_STEPS[event.key];
+    if (!step || event.altKey || event.ctrlKey || event.metaKey) return;
+    event.preventDefault(); // the arrows read cells here, they do not scroll the page
+    onStep(...step);
+  });
+  plot.addEventListener("blur", onDrop);
+  focusOnPress(plot);
+}
+
 const LOG_TICKS = { tickvals: [0, 0.25, 0.5, 0.75, 1], ticktext: ["0.0001", "0.001", "0.01", "0.1", "1"] };
 
 export class FocusView {

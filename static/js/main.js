@@ -452,7 +452,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   if (token !== state.renderToken) return;
   measures.setFocusShown(true);
   labelPlot(focused.precision);
-  $("focus-caption").textContent = caption(run, view);
+  $("focus-caption").textContent = caption(run, view, focus.current?.peak ?? 0);
   await focusShown(token, withHeadView);
 }
 
@@ -531,7 +531,8 @@ async function focusShown(token, withHeadView) {
 
 const FAINT = 0.1; // a per-head view whose largest weight is under this says so in its caption
 
-function caption(run, view) {
+// peak: the view's largest weight, as focus.render found it.
+function caption(run, view, peak) {
   const shown = Math.max(view.rows.length, view.cols.length);
   const count = shown === run.T ? tokenCount(run.T) : `${view.rows.length} × ${view.cols.length} of ${tokenCount(run.T)} shown`;
   const parts = [`${count}${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
@@ -545,7 +546,6 @@ function caption(run, view) {
   if (state.scale === "log") parts.push("colour: log scale");
   // Per head, the darkest colour is the view's largest weight, however small: a pair's A→B block
   // of 0.0002 at most was drawn as dark as a sharp head, and only the colorbar's top said otherwise.
-  const peak = view.values.reduce((top, v) => (v > top ? v : top), 0);
   if (state.scale === "head" && peak > 0 && peak < FAINT) parts.push(`faint: the darkest cell is ${weightText(peak)} (Fixed 0–1 puts it on one scale)`);
   return parts.join(" · ");
 }

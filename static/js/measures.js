@@ -6,9 +6,9 @@ import { ApiError, describeError, postAttentionJson, requestJson, whenNotBusy } 
 import { AttributionPanel } from "./attribution.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
-import { $, MODEBAR_PX, NARROW_PX, el, focusOnPress, plotlyText } from "./dom.js";
+import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { FlowGraph } from "./flow.js";
-import { ARROW_STEPS, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks, weightText } from "./focus.js";
+import { cursorKeys, fontFor, labelsFit, localConfig, placementOf, shortLabel, stepCursor, ticks, weightText } from "./focus.js";
 import { HeadFinder } from "./finder.js";
 import { cellColours, peakOf, sequentialStops, signedStops } from "./measures_colours.js";
 import { NeuronPanel } from "./neuron.js";
@@ -688,19 +688,8 @@ class Measures {
       if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) this.readCell(event);
       down = null;
     });
-    plot.addEventListener("keydown", (event) => {
-      if (event.key === "Escape" && event.target === plot) {
-        this.dropCursor(); // the reading covered the cells around it until focus left
-        return;
-      }
-      const step = ARROW_STEPS[event.key];
-      // On a modebar button inside the plot the arrows are the button's, not the cursor's.
-      if (!step || event.target !== plot || event.altKey || event.ctrlKey || event.metaKey) return;
-      event.preventDefault(); // the arrows read cells here, they do not scroll the page
-      this.moveCursor(...step);
-    });
-    plot.addEventListener("blur", () => this.dropCursor());
-    focusOnPress(plot);
+    // Escape drops the cursor too: its reading covered the cells around it until focus left.
+    cursorKeys(plot, (dRow, dCol) => this.moveCursor(dRow, dCol), () => this.dropCursor());
     plot.on("plotly_relayout", (update) => {
       // Plotly's own resize (responsive config) relays out the width alone, after the window's.
       if (update?.autosize) this.refit(plot);

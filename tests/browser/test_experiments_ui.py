@@ -351,11 +351,15 @@ def test_experiment_plots_offer_nothing_that_leaves_this_machine(server, page, w
     assert watched.off_loopback() == []
 
 
-def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
-    a, b = "The bank of the river.", "The bank of the old river."
+def compared(page, server, api, a: str, b: str) -> dict:
+    """Compares a with b on the page (minilm) and returns the API's answer, with every difference."""
     compare(page, server, a, b)
-    reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm", "truncate": False,
-                                                         "difference": {"format": "json"}}).json()
+    return api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm", "truncate": False,
+                                                        "difference": {"format": "json"}}).json()
+
+
+def test_compare_two_sentences_shows_the_api_difference(server, api, page, artifacts):
+    reply = compared(page, server, api, "The bank of the river.", "The bank of the old river.")
     assert ranking_rows(page, "compare-ranking") == api_ranking(reply["ranking"])
     top = reply["ranking"][0]
     assert same(shown(page, "compare-plot-diff"), f32(reply["difference"]["data"][top["layer"]][top["head"]]))
@@ -1139,10 +1143,7 @@ def test_a_refused_change_turns_its_option_off(gpt_server, page):
 
 def test_an_experiments_heatmap_is_read_cell_by_cell_with_the_arrows(server, api, page):
     """Only a mouse could read the ablation, compare and generation heatmaps (a review by keyboard)."""
-    a, b = "The bank of the river.", "The bank of the old river."
-    compare(page, server, a, b)
-    reply = api.post("/api/v1/experiments/compare", json={"text_a": a, "text_b": b, "model": "minilm", "truncate": False,
-                                                         "difference": {"format": "json"}}).json()
+    reply = compared(page, server, api, "The bank of the river.", "The bank of the old river.")
     top = reply["ranking"][0]
     diff = f32(reply["difference"]["data"][top["layer"]][top["head"]])
     plot = page.locator("#compare-plot-diff")

@@ -237,6 +237,14 @@ def test_the_heads_ranked_by_a_cell_read_small_weights_with_two_digits(server, a
         assert title == ""  # exact values: no 8-bit note
 
 
+def wait_exact_ranking(page) -> None:
+    """Until the picked cell's ten heads are listed with exact values (no 8-bit note on any)."""
+    page.wait_for_function("""() => {
+      const bs = [...document.querySelectorAll('#cell-heads .cell-heads-list button')];
+      return bs.length === 10 && bs.every((b) => b.title === '');
+    }""", timeout=30_000)
+
+
 def test_the_heads_ranked_by_a_cell_come_in_the_order_of_their_exact_weights(server, api, page):
     """8-bit values (1/255 apart) ranked two heads 0.001 apart the wrong way round and left out
     the tenth, and never became exact for the layers not focused (a review by use)."""
@@ -263,10 +271,7 @@ def test_the_heads_ranked_by_a_cell_come_in_the_order_of_their_exact_weights(ser
     hover_cell(page, q, k)
     page.mouse.down()
     page.mouse.up()
-    page.wait_for_function("""() => {
-      const bs = [...document.querySelectorAll('#cell-heads .cell-heads-list button')];
-      return bs.length === 10 && bs.every((b) => b.title === '');
-    }""", timeout=30_000)
+    wait_exact_ranking(page)
     shown = page.locator("#cell-heads .cell-heads-list button").evaluate_all(
         "bs => bs.map((b) => [+b.dataset.layer, +b.dataset.head])")
     assert [tuple(x) for x in shown] == [x[1:] for x in ranked(exact, q, k)]
@@ -295,10 +300,7 @@ def test_a_cell_picked_twice_while_its_exact_values_come_is_ranked_by_them(serve
         page.mouse.down()
         page.mouse.up()
         page.wait_for_timeout(150)
-    page.wait_for_function("""() => {
-      const bs = [...document.querySelectorAll('#cell-heads .cell-heads-list button')];
-      return bs.length === 10 && bs.every((b) => b.title === '');
-    }""", timeout=30_000)
+    wait_exact_ranking(page)
     assert "8-bit" not in page.text_content("#cell-heads .hint")
 
 

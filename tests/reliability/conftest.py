@@ -35,14 +35,15 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def wait_ready(url: str, timeout_s: float = 120) -> None:
+def wait_ready(url: str, timeout_s: float = 120, route: str = "/readyz") -> None:
+    """Until `route` answers 200 (/healthz: the server is up, its models maybe still loading)."""
     def ready():
         try:
-            return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+            return httpx.get(f"{url}{route}", timeout=5).status_code == 200
         except httpx.TransportError:
             return False
 
-    wait_until(ready, timeout_s, f"{url}/readyz to say 200", interval_s=0.1)
+    wait_until(ready, timeout_s, f"{url}{route} to say 200", interval_s=0.1)
 
 
 class LiveServer:
