@@ -378,7 +378,9 @@ function cellText(trace, row, col) {
   const plain = (s) => String(s).replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
   const v = trace.z[row][col];
   if (trace.text) return plain(trace.text[row][col] || `${trace.y[row]} → ${trace.x[col]}: masked`);
-  return plain(`${trace.y[row]} → ${trace.x[col]}: ${v == null || Number.isNaN(v) ? "masked" : v.toFixed(4)}`);
+  // + 0 reads float rounding below the fourth decimal's half as "0.0000", not "-0.0000".
+  const value = v == null || Number.isNaN(v) ? "masked" : (Math.abs(v) < 5e-5 ? 0 : v).toFixed(4);
+  return plain(`${trace.y[row]} → ${trace.x[col]}: ${value}`);
 }
 
 export function status(node, text, kind = "") {

@@ -1151,12 +1151,20 @@ def test_an_experiments_heatmap_is_read_cell_by_cell_with_the_arrows(server, api
     plot.focus()
     said = lambda: page.evaluate("() => document.getElementById('compare-plot-diff').nextElementSibling.textContent")  # noqa: E731
     page.keyboard.press("ArrowRight")  # from nowhere: the top-left cell
-    assert said() == f"0: [CLS] → 0: [CLS]: {diff[0, 0]:.4f}", said()
+    shown = lambda v: f"{0.0 if abs(v) < 5e-5 else v:.4f}"  # noqa: E731  (never "-0.0000")
+    assert said() == f"0: [CLS] → 0: [CLS]: {shown(diff[0, 0])}", said()
     for key in ("ArrowRight", "ArrowDown", "ArrowDown"):
         page.keyboard.press(key)
     rows = page.evaluate("() => document.getElementById('compare-plot-diff').data[0].y")
     cols = page.evaluate("() => document.getElementById('compare-plot-diff').data[0].x")
-    assert said() == f"{rows[2]} → {cols[1]}: {diff[2, 1]:.4f}", said()
-    assert page.locator("#compare-plot-diff .cell-cursor").is_visible()
+    assert said() == f"{rows[2]} → {cols[1]}: {shown(diff[2, 1])}", said()
+    # Outlined over the cell it reads, within the plot: placed from the page's origin it stood
+    # 1,000 px above the page, "visible" all the same.
+    outline, at = page.evaluate("""() => {
+      const d = document.getElementById('compare-plot-diff'), o = d.querySelector('.cell-cursor');
+      const xa = d._fullLayout.xaxis, ya = d._fullLayout.yaxis, box = d.getBoundingClientRect(), r = o.getBoundingClientRect();
+      return [[r.left + r.width / 2, r.top + r.height / 2], [box.left + xa._offset + xa.l2p(1), box.top + ya._offset + ya.l2p(2)]];
+    }""")
+    assert abs(outline[0] - at[0]) < 1 and abs(outline[1] - at[1]) < 1, (outline, at)
     page.keyboard.press("Escape")
     assert said() == "" and not page.locator("#compare-plot-diff .cell-cursor").is_visible()
