@@ -10,8 +10,9 @@ import { hexToRgb, palette } from "./theme.js";
 import { guessLabel } from "./tokens.js";
 
 // "+0.31", "−0.33"; a value that rounds to zero has no sign ("−0.00" read as a push down).
+// A cell's push under 0.005 gets a third decimal: "0.00" read as no push at all for +0.0032.
 function signed(v, digits = 2) {
-  const text = Math.abs(v).toFixed(digits);
+  const text = Math.abs(v).toFixed(Math.abs(v) < 0.005 ? Math.max(digits, 3) : digits);
   return Number(text) === 0 ? text : `${v > 0 ? "+" : "−"}${text}`;
 }
 

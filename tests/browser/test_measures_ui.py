@@ -282,6 +282,14 @@ def test_why_this_guess_draws_the_apis_logit_attribution_and_a_click_focuses(ran
     strongest = max(want["heads"], key=lambda h: abs(h["contribution"]))
     cell = page.locator(f"#attribution button[data-layer='{strongest['layer']}'][data-head='{strongest['head']}']")
     assert cell.text_content() == f"{'+' if strongest['contribution'] > 0 else '−'}{abs(strongest['contribution']):.2f}"
+    # A push under 0.005 has a third decimal: "0.00" read as no push for -0.0016.
+    shown = page.evaluate("""() => [...document.querySelectorAll('#attribution button[data-head]')]
+        .map((b) => [Number(b.dataset.value), b.textContent])""")
+    assert any(abs(value) < 0.005 for value, _ in shown)
+    for value, text in shown:
+        digits = 3 if abs(value) < 0.005 else 2
+        assert text == (f"{abs(value):.{digits}f}" if round(abs(value), digits) == 0
+                        else f"{'+' if value > 0 else '−'}{abs(value):.{digits}f}"), (value, text)
     # One Tab stop for the grid, as the finder's.
     assert page.locator("#attribution button[tabindex='0']").count() == 1
 
