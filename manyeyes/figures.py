@@ -461,7 +461,7 @@ def head_view(result, layer: int, heads: list[int] | None = None, *, hide_specia
     return fig
 
 
-def head_measures(result) -> dict[str, np.ndarray]:
+def head_measures(result, *, hide_special: bool = False, hide_first: bool = False) -> dict[str, np.ndarray]:
     """Per-head summaries of the weights, each (len(layers), len(heads)), plain means over query
     rows: previous_token (mean weight on the token just before, rows 1..T-1), first_token (on token
     0, an attention sink), diagonal (on itself) and entropy (in nats, not normalised; low is sharp),
@@ -472,8 +472,16 @@ def head_measures(result) -> dict[str, np.ndarray]:
     it sees (0 sharp ... 1 uniform), and `entropy`, `self` and `first` leave out the rows that see a
     single key (a causal model's row 0), `first` also row 0 itself and any row whose sliding window
     no longer reaches token 0. previous_token equals the table's `previous`; diagonal equals `self`
-    only where no row sees a single key (a bidirectional model, MiniLM)."""
-    a = weights_of(result).attention.astype(np.float64)
+    only where no row sees a single key (a bidirectional model, MiniLM).
+
+    hide_special / hide_first: as the page's options, the measures of the weights left (rows
+    renormalised): MiniLM's [CLS] and [SEP] take most of many heads' weight, which hides what
+    those heads do among the words; "previous" is then the previous token shown."""
+    return _measures_of(weights_of(result).without(hide_special, hide_first))
+
+
+def _measures_of(w: Weights) -> dict[str, np.ndarray]:
+    a = w.attention.astype(np.float64)
     n = a.shape[-1]
     rows = np.arange(1, n)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -486,15 +494,17 @@ def head_measures(result) -> dict[str, np.ndarray]:
     }
 
 
-def measures(result, measure: str = "previous_token") -> go.Figure:
+def measures(result, measure: str = "previous_token", *, hide_special: bool = False,
+             hide_first: bool = False) -> go.Figure:
     """A layer × head map of one of `head_measures`: which heads do what, at a glance. `result`
     may be a list of results (of the same model, layers and heads): the map is then the measure's
     mean over them, the question a study of many sentences asks ("which head is previous-token on
-    average?"), which had to be stacked by hand and could not be drawn."""
+    average?"), which had to be stacked by hand and could not be drawn. hide_special / hide_first:
+    as head_measures'."""
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     if not results:
         raise ValueError("result is an empty list: pass at least one result")
-    views = [weights_of(r) for r in results]
+    views = [weights_of(r).without(hide_special, hide_first) for r in results]
     w = views[0]
     # A client's results name their model (a local result does not): two models of the same shape
     # averaged without a word.
@@ -503,7 +513,7 @@ def measures(result, measure: str = "previous_token") -> go.Figure:
         raise ValueError(f"every result must come from one model to be averaged; these come from {', '.join(models)}")
     if any((v.layers, v.heads) != (w.layers, w.heads) for v in views[1:]):
         raise ValueError("every result must hold the same layers and heads to be averaged")
-    each = [head_measures(r) for r in results]
+    each = [_measures_of(v) for v in views]
     if measure not in each[0]:
         raise ValueError(f"measure must be one of {sorted(each[0])}, got {measure!r}")
     values = np.mean([found[measure] for found in each], axis=0)
@@ -517,7 +527,7 @@ def measures(result, measure: str = "previous_token") -> go.Figure:
         hovertemplate=f"%{{y}} %{{x}}: {unit} %{{z:.3f}}<extra></extra>",
     ))
     over = f", mean over {len(results)} texts" if len(results) > 1 else ""
-    fig.update_layout(title=f"{measure.replace('_', ' ')} per head{over}",
+    fig.update_layout(title=f"{measure.replace('_', ' ')} per head{over}{f' ({w.hidden})' if w.hidden else ''}",
                       xaxis={"title": "head"}, yaxis={"title": "layer", "autorange": "reversed"},
                       width=160 + 60 * len(w.heads), height=160 + 50 * len(w.layers))
     return fig

@@ -93,6 +93,30 @@ def test_measures_average_over_many_texts(tiny_gpt, local, remote):
         figures.measures([remote, other_model])
 
 
+def test_measures_hide_special_tokens_as_the_page_does():
+    """figures.measures had no hide_special: MiniLM's [CLS] and [SEP] take most of many heads'
+    weight, and the map could not say what those heads do among the words."""
+    rng = np.random.default_rng(0)
+    a = rng.random((1, 2, 5, 5)).astype(np.float32)
+    a /= a.sum(-1, keepdims=True)
+    r = _result(a, ["[CLS]", "a", "b", "c", "[SEP]"], [True, False, False, False, True])
+    words = a[..., 1:4, 1:4].astype(np.float64)
+    words /= words.sum(-1, keepdims=True)
+    got = figures.head_measures(r, hide_special=True)
+    np.testing.assert_allclose(got["previous_token"], (words[..., 1, 0] + words[..., 2, 1]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(got["first_token"], words[..., :, 0].mean(-1), rtol=1e-6)
+    np.testing.assert_allclose(got["diagonal"], np.diagonal(words, axis1=-2, axis2=-1).mean(-1), rtol=1e-6)
+    fig = figures.measures([r, r], "first_token", hide_special=True)
+    np.testing.assert_allclose(np.asarray(fig.data[0].z), got["first_token"], rtol=1e-6)
+    assert "special tokens hidden" in fig.layout.title.text
+    no_first = a[..., 1:, 1:].astype(np.float64)
+    no_first /= no_first.sum(-1, keepdims=True)
+    np.testing.assert_allclose(figures.head_measures(r, hide_first=True)["first_token"], no_first[..., :, 0].mean(-1), rtol=1e-6)
+    assert "hidden" not in figures.measures(r).layout.title.text
+    with pytest.raises(ValueError, match="leaves no token"):
+        figures.measures(_result(a[..., :2, :2], ["[CLS]", "[SEP]"], [True, True]), hide_special=True)
+
+
 def test_html_is_offline(local, tmp_path):
     html = figures.to_html(figures.heatmap(local, 0, 3), str(tmp_path / "h.html"))
     # plotly.js itself (inlined) mentions its CDN for geo maps; what matters is that no script loads from anywhere.
