@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from manyeyes.app.cli import main
+from tests.servers import free_port
 
 TEXT = "The bank of the river."
 
@@ -74,12 +75,6 @@ def test_serve_threads_sets_torchs_threads_in_one_process(monkeypatch):
     assert main(["serve", "--port", str(free_port()), "--threads", "3"]) == 0
     assert main(["serve", "--port", str(free_port())]) == 0
     assert asked == [3]  # and without the flag, torch keeps its own choice
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits_1():

@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import free_port, playwright, profile, profile_folder  # noqa: F401 (fixtures)
+from tests.browser.conftest import playwright, profile, profile_folder  # noqa: F401 (fixtures)
+from tests.servers import free_port
 
 pytestmark = pytest.mark.browser
 KEY = "page-key-0123456789"

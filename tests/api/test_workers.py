@@ -20,7 +20,8 @@ import pytest
 
 from manyeyes.app.cli import main as cli_main
 from manyeyes.app.shared_runs import SharedFiles
-from tests.eco.conftest import ROOT, free_port, wait_ready
+from tests.eco.conftest import ROOT
+from tests.servers import free_port, wait_ready
 
 TEXT = "The heron waited by the old stone mill."
 # A line as app/logs.py writes it: its time in UTC, marked so, the level, the process and the logger.

@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+
+from tests.servers import free_port, wait_ready
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -32,12 +32,6 @@ uvicorn.run(create_app(Settings(models=json.loads(sys.argv[2]))), host="127.0.0.
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def causal_model_spec(tmp_path_factory) -> str:
     """A small random book GPTModel checkpoint (causal) that reuses MiniLM's tokenizer.json: no download."""
@@ -54,22 +48,6 @@ def causal_model_spec(tmp_path_factory) -> str:
     return f"{folder / 'model.pth'}?tokenizer={builtin_path('minilm') / 'tokenizer.json'}"
 
 
-def wait_until_up(proc: subprocess.Popen, url: str, seconds: float, what: str) -> None:
-    """Polls `url` until it answers 200; fails the test if `proc` exits first or `seconds` pass."""
-    deadline = time.monotonic() + seconds
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"{what} exited with status {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} was not ready within {seconds:g} s")
-        time.sleep(0.25)
-
-
 @contextlib.contextmanager
 def serving(models: dict[str, str], env: dict[str, str] | None = None):
     """`create_app` under uvicorn in a subprocess, as `manyeyes serve` runs it; yields its base URL.
@@ -80,7 +58,7 @@ def serving(models: dict[str, str], env: dict[str, str] | None = None):
                             env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until_up(proc, f"{base}/readyz", 120, "the server")
+        wait_ready(base, proc, timeout_s=120)
         yield base
     finally:
         proc.terminate()

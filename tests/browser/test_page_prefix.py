@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.browser.conftest import free_port, wait_until_up
+from tests.servers import free_port, wait_ready
 from tests.browser.test_page import run, wait_saved
 
 pytestmark = pytest.mark.browser
@@ -68,7 +68,7 @@ def proxying(upstream: str):
     proc = subprocess.Popen([sys.executable, "-c", PROXY_SCRIPT, upstream, PREFIX, str(port)])
     base = f"http://127.0.0.1:{port}{PREFIX}"
     try:
-        wait_until_up(proc, f"{base}/healthz", 30, "the proxy")
+        wait_ready(base, proc, timeout_s=30, route="/healthz", what="the proxy")
         yield base
     finally:
         proc.terminate()

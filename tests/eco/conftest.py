@@ -5,39 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.browser.conftest import browser, playwright  # noqa: F401  chromium for the export's and the figures' files
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the server exited with status {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{base} was not ready within {timeout_s:g} s")
-        time.sleep(0.2)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.eco.conftest import free_port, wait_ready
+from tests.servers import free_port, wait_ready
 
 pytestmark = pytest.mark.slow
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):

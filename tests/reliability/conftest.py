@@ -15,14 +15,8 @@ from manyeyes.app.config import Settings
 from manyeyes.app.main import create_app
 from manyeyes.app.server import server_config
 from tests.api.conftest import decode  # noqa: F401  (one decoder for every suite)
+from tests.servers import HOST, free_port, wait_ready  # noqa: F401  (the suites import them from here)
 
-HOST = "127.0.0.1"  # the only address these tests ever send traffic to
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
@@ -33,17 +27,6 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def wait_ready(url: str, timeout_s: float = 120, route: str = "/readyz") -> None:
-    """Until `route` answers 200 (/healthz: the server is up, its models maybe still loading)."""
-    def ready():
-        try:
-            return httpx.get(f"{url}{route}", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, timeout_s, f"{url}{route} to say 200", interval_s=0.1)
 
 
 class LiveServer:

@@ -305,7 +305,7 @@ def test_ctrl_c_while_a_model_loads_inside_torch_ends_cleanly(sigint):
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     try:
-        wait_ready(f"http://{HOST}:{port}", 60, route="/healthz")  # up, the model loading
+        wait_ready(f"http://{HOST}:{port}", timeout_s=60, route="/healthz")  # up, the model loading
         time.sleep(1.0)  # the loader is in its matmuls
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
