@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,14 +28,41 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
+STALE = "manyeyes/static/js/deleted_since.js"  # a file of an older build, its source since deleted
+# Not copied: what .gitignore keeps out of a checkout, whose build/ this test plants itself.
+NOT_SOURCE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", "venv", "*.egg-info", "build", "dist",
+                                    ".pytest_cache", "test-artifacts", "node_modules", ".whl")
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
+    """The sdist, and the wheel built from it (`python -m build`'s default), from a copy of this
+    checkout whose build/lib holds a file of an older build: a wheel built straight from a
+    checkout (`--wheel`) reuses its build/lib, and shipped files deleted from the sources."""
     out = tmp_path_factory.mktemp("dist")
+    source = tmp_path_factory.mktemp("checkout") / "manyeyes"
+    shutil.copytree(ROOT, source, ignore=lambda folder, names: [
+        *NOT_SOURCE(folder, names), *(["out"] if Path(folder) == ROOT / "bench" else [])])
+    (source / "build" / "lib" / STALE).parent.mkdir(parents=True)
+    (source / "build" / "lib" / STALE).write_text("export const gone = true;\n")
     # No build isolation: the build backend (setuptools) is already here and no index is needed.
-    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)],
+    done = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)],
                           check=True, capture_output=True, text=True, env=clean_env())
     (out / "build.log").write_text(done.stdout + done.stderr)
     return out
+
+
+def test_the_wheel_holds_only_what_the_sdist_holds(dist):
+    """README's build command made the wheel from the checkout, where an old build/lib shipped
+    files since deleted; built from the sdist, every file of the wheel is a source file."""
+    [wheel] = dist.glob("*.whl")
+    names = [n for n in zipfile.ZipFile(wheel).namelist() if not n.split("/")[0].endswith(".dist-info")]
+    assert STALE not in names
+    [sdist] = dist.glob("*.tar.gz")
+    members = {m.split("/", 1)[1] for m in tarfile.open(sdist).getnames() if "/" in m}
+    folders = {"app", "model", "static", "templates"}  # pyproject's package-dir: manyeyes/<folder> is <folder>/
+    sources = [n.split("/", 1)[1] if n.split("/")[1] in folders else n for n in names]
+    assert not set(sources) - members, sorted(set(sources) - members)[:20]
 
 
 def test_the_build_lists_every_package_it_ships(dist):
