@@ -23,6 +23,7 @@ from manyeyes.indices import whole_number
 from manyeyes.labels import align, token_label
 
 COLORSCALE = "Blues"
+MASKED = "#c8c8c8"  # a causal model's later keys: no colour of the scale, whose 0 is white
 
 
 def _hsl(h: float, s: float, l: float) -> str:
@@ -107,6 +108,7 @@ class Weights:
     positions: list[int] | None = None
     special: list[bool] | None = None
     hidden: str = ""  # what a view left out, for titles: "" when nothing
+    causal: bool = False  # each query sees no later key: those cells are masked, not weights of 0
 
     def __post_init__(self):
         n = self.attention.shape[-1]
@@ -134,7 +136,7 @@ class Weights:
         with np.errstate(divide="ignore", invalid="ignore"):
             a = np.where(total > 0, a / total, 0.0).astype(np.float32)
         return Weights(a, self.layers, self.heads, [self.tokens[i] for i in keep], [self.positions[i] for i in keep],
-                       [self.special[i] for i in keep], " and ".join(what) + " hidden, rows renormalised")
+                       [self.special[i] for i in keep], " and ".join(what) + " hidden, rows renormalised", self.causal)
 
 
 def weights_of(result) -> Weights:
@@ -155,8 +157,14 @@ def weights_of(result) -> Weights:
         raise ValueError("this result has no tokens (its text was empty): there is nothing to draw")
     layers = list(getattr(result, "layers", None) or range(attention.shape[0]))
     heads = list(getattr(result, "heads", None) or range(attention.shape[1]))
+    # A client's result says whether its model is causal; a local one does not, and its mask
+    # shows: no weight above the diagonal in any head (a softmax over visible keys gives none 0).
+    causal = getattr(result, "causal", None)
+    if not isinstance(causal, bool):
+        above = np.triu_indices(attention.shape[-1], 1)
+        causal = attention.shape[-1] > 1 and not attention[..., above[0], above[1]].any()
     return Weights(attention, layers, heads, [plotly_text(token_label(t)) for t in result.tokens],
-                   special=[bool(getattr(t, "special", False)) for t in result.tokens])
+                   special=[bool(getattr(t, "special", False)) for t in result.tokens], causal=causal)
 
 
 def plotly_text(text: str) -> str:
@@ -257,17 +265,25 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
         custom = np.stack(np.broadcast_arrays(spans[:, None], spans[None, :]), axis=-1)
         hover = f"queries %{{customdata[0]}} → keys %{{customdata[1]}}: max %{{z:.4f}}<extra>{step}×{step} tokens a cell</extra>"
     pooled = _pool(matrix, step)
+    if w.causal:
+        # Later keys are masked, not weights of 0: drawn as gaps on grey, no hover, as the page
+        # greys them ("0.0000" on a hover read as a weight the head chose). Whole blocks only:
+        # both axes pool from 0 by the same step, so a block right of the diagonal is all masked.
+        pooled = pooled.astype(np.float32, copy=True)
+        pooled[np.triu_indices(len(pooled), 1)] = np.nan
     fig = go.Figure(
         go.Heatmap(
             z=pooled, customdata=custom, colorscale=COLORSCALE, zmin=0,
-            zmax=float(zmax) if zmax is not None else float(max(pooled.max(), 1e-9)),
-            colorbar={"title": {"text": "weight" if step == 1 else "max weight"}}, hovertemplate=hover,
+            zmax=float(zmax) if zmax is not None else float(max(np.nanmax(pooled), 1e-9)),
+            colorbar={"title": {"text": "weight" if step == 1 else "max weight"}}, hovertemplate=hover, hoverongaps=False,
         )
     )
-    notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell") if note]
+    notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell",
+                               w.causal and "grey: later keys, which a causal model cannot see") if note]
     heading = title or f"Layer {layer}, head {head}"
     fig.update_layout(
         title=heading + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""), width=size + 80, height=size,
+        plot_bgcolor=MASKED if w.causal else None,
         # constrain="domain": a square plot shrinks its box, rather than padding the axis range
         # (grey bands beside the matrix that read as cells).
         xaxis={**_ticks(w.tokens, w.positions, size - 180, step), "title": "key (attended to)", "tickangle": -60,

@@ -35,7 +35,9 @@ def test_heatmap_shows_the_heads_weights_with_token_labels(request, local, kind)
     result = request.getfixturevalue(kind)
     fig = figures.heatmap(result, layer=1, head=0)
     trace = fig.data[0]
-    np.testing.assert_allclose(np.asarray(trace.z), local.attention[1, 0].numpy(), atol=1e-5)
+    want = local.attention[1, 0].numpy().copy()
+    want[np.triu_indices(len(want), 1)] = np.nan  # tiny-gpt is causal: later keys are masked
+    np.testing.assert_allclose(np.asarray(trace.z, dtype=float), want, atol=1e-5)
     texts = [t.text.replace(" ", "␣") for t in local.tokens]  # spaces shown, as the page shows them
     assert list(fig.layout.xaxis.ticktext) == [texts[i] for i in fig.layout.xaxis.tickvals]
     assert list(fig.layout.xaxis.tickvals) == list(range(len(texts)))  # 57 tokens in 720 px: room for each label
@@ -91,6 +93,29 @@ def test_measures_average_over_many_texts(tiny_gpt, local, remote):
     other_model = dataclasses.replace(remote, model="gpt-twin")  # the same shape, another model
     with pytest.raises(ValueError, match="one model.*gpt-twin, tiny-gpt"):
         figures.measures([remote, other_model])
+
+
+@pytest.mark.parametrize("kind", ["local", "remote"])
+def test_a_causal_models_later_keys_are_drawn_masked_not_as_weights_of_0(request, kind, minilm):
+    """The page greys a causal model's later keys; a figure drew them as weights of 0, and their
+    hover read "0.0000", a weight the head chose."""
+    fig = figures.heatmap(request.getfixturevalue(kind), 1, 0)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert np.isnan(z[np.triu_indices(len(z), 1)]).all() and not np.isnan(z[np.tril_indices(len(z))]).any()
+    assert fig.data[0].hoverongaps is False and fig.layout.plot_bgcolor == figures.MASKED
+    assert "grey: later keys" in fig.layout.title.text
+    bidirectional = figures.heatmap(minilm.attend("The bank of the river."), 0, 0)
+    assert not np.isnan(np.asarray(bidirectional.data[0].z, dtype=float)).any()
+    assert "later keys" not in bidirectional.layout.title.text and bidirectional.layout.plot_bgcolor is None
+
+
+def test_pooled_blocks_right_of_the_diagonal_are_masked_and_the_diagonals_are_not():
+    n = 1201
+    a = np.tril(np.ones((1, 1, n, n), dtype=np.float32))
+    a /= a.sum(-1, keepdims=True)
+    z = np.asarray(figures.heatmap(_result(a, ["a"] * n, causal=None), 0, 0).data[0].z, dtype=float)  # 3 x 3 tokens a cell
+    assert z.shape == (401, 401)
+    assert np.isnan(z[np.triu_indices(401, 1)]).all() and np.allclose(np.diag(z), 1 / np.arange(1, n + 1, 3))
 
 
 def test_measures_hide_special_tokens_as_the_page_does():
@@ -183,12 +208,14 @@ def test_a_local_kept_result_is_pointed_at_its_own_kept_views(tiny_gpt):
         figures.grid(kept)
 
 
-def _result(attention: np.ndarray, texts: list[str], special: list[bool] | None = None):
+def _result(attention: np.ndarray, texts: list[str], special: list[bool] | None = None, causal: bool | None = False):
+    """causal=None: not said, as a local result does not say it."""
     from types import SimpleNamespace
 
     special = special or [False] * len(texts)
+    said = {} if causal is None else {"causal": causal}
     return SimpleNamespace(attention=attention, layers=list(range(attention.shape[0])), heads=list(range(attention.shape[1])),
-                           tokens=[SimpleNamespace(text=t, special=s) for t, s in zip(texts, special)])
+                           tokens=[SimpleNamespace(text=t, special=s) for t, s in zip(texts, special)], **said)
 
 
 def test_head_view_labels_sit_outside_the_lines_they_name(local):
@@ -372,8 +399,9 @@ def test_layer_head_and_max_side_must_be_whole_numbers(local):
     ZeroDivisionError; numpy's integers (np.argmax's) are whole numbers and are taken."""
     best = np.unravel_index(np.argmax(local.attention.numpy().mean((-1, -2))), local.attention.shape[:2])
     fig = figures.heatmap(local, best[0], best[1])
-    np.testing.assert_allclose(np.asarray(fig.data[0].z), local.attention[best].numpy(), atol=1e-6)
-    assert fig.layout.title.text == f"Layer {best[0]}, head {best[1]}"
+    shown = np.asarray(fig.data[0].z)
+    np.testing.assert_allclose(np.tril(shown), local.attention[best].numpy(), atol=1e-6)  # later keys: NaN, masked
+    assert fig.layout.title.text.startswith(f"Layer {best[0]}, head {best[1]}<br>")
     assert {t.name for t in figures.head_view(local, np.int64(1), heads=[np.int32(2)]).data if t.name} == {"head 2"}
     for call, says in ((lambda: figures.heatmap(local, "0", 0), "layer must be a whole number (an int), got '0'"),
                        (lambda: figures.heatmap(local, 0, 2.7), "head must be a whole number (an int), got 2.7"),
@@ -449,7 +477,7 @@ def test_heatmap_colours_reach_the_heads_max_unless_zmax_fixes_them(local):
     own = figures.heatmap(local, 1, 0).data[0]
     assert own.zmin == 0 and own.zmax == pytest.approx(float(local.attention[1, 0].max()))
     fixed = figures.heatmap(local, 1, 0, zmax=1).data[0]
-    assert fixed.zmax == 1.0 and np.array_equal(np.asarray(fixed.z), np.asarray(own.z))
+    assert fixed.zmax == 1.0 and np.array_equal(np.asarray(fixed.z), np.asarray(own.z), equal_nan=True)
     for bad in (0, -1, float("nan"), float("inf"), "1"):
         with pytest.raises(ValueError, match="zmax"):
             figures.heatmap(local, 1, 0, zmax=bad)
