@@ -545,5 +545,6 @@ def measures(result, measure: str = "previous_token", *, hide_special: bool = Fa
     over = f", mean over {len(results)} texts" if len(results) > 1 else ""
     fig.update_layout(title=f"{measure.replace('_', ' ')} per head{over}{f' ({w.hidden})' if w.hidden else ''}",
                       xaxis={"title": "head"}, yaxis={"title": "layer", "autorange": "reversed"},
-                      width=160 + 60 * len(w.heads), height=160 + 50 * len(w.layers))
+                      # 160 px of rows at least: a 2-layer map's colour bar was 40 px, its ticks on each other
+                      width=160 + 60 * len(w.heads), height=160 + max(50 * len(w.layers), 160))
     return fig

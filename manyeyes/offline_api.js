@@ -36,7 +36,7 @@ function weightsOf(from, count) {
 export const FLOAT32_READINGS = false;
 
 function offline(message) {
-  return new ApiError(0, "offline", `${message} This page is an export of one run; \`manyeyes serve\` analyses new text.`);
+  return new ApiError(0, "offline", `${message} This page is an export of one run; “manyeyes serve” analyses new text.`);
 }
 
 // The body the API would send for this run's (layers, heads, format), already decoded as the

@@ -114,6 +114,13 @@ def test_hostile_text_stays_text_in_the_file(browser, tiny_gpt, tmp_path):
         assert page.locator("#text").input_value() == text
         check_view(page, tiny_gpt, text, 0, 0)
         assert not problems and not refused, (problems, refused)
+        # New text needs a server, and the page says which, in words (it showed `manyeyes serve`
+        # with its Markdown backticks).
+        page.fill("#text", "And God said")
+        page.press("#text", "Enter")
+        page.wait_for_selector("#error:visible", timeout=10_000)
+        assert "“manyeyes serve” analyses new text" in page.text_content("#error")
+        assert "`" not in page.text_content("#error")
     finally:
         context.close()
 

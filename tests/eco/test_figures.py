@@ -71,6 +71,7 @@ def test_measures_find_the_previous_token_head(local, remote):
     np.testing.assert_allclose(figures.head_measures(remote)["entropy"], scores["entropy"], atol=1e-3)
     fig = figures.measures(local, "first_token")
     np.testing.assert_allclose(np.asarray(fig.data[0].z), scores["first_token"])
+    assert fig.layout.height >= 320  # two layers: a 40-pixel colour bar had its ticks on each other
     with pytest.raises(ValueError, match="one of"):
         figures.measures(local, "nope")
 
