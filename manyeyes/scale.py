@@ -46,6 +46,7 @@ VIEWS = "manyeyes-views"
 SHELF_TIMEOUT_S = 10.0
 DIRECTORY_BYTES = 64 * 2**20  # of request texts: ~650,000 short sentences
 LOAD_TIMEOUT_S = 600.0
+APP = "manyeyes"  # the application's name on Serve: what stopping takes off it
 log = logging.getLogger("manyeyes.scale")
 
 
@@ -163,22 +164,32 @@ class RayDirectory:
         return await self.actor.recall.remote(run_id)
 
 
-class BytesBodies:
-    """ASGI bodies as bytes, as the ASGI spec says: Ray Serve pickles every message between the
-    replica and its proxy, and the app sends large answers as memoryview pieces (no copy under
-    uvicorn), which do not pickle: every answer over 256 KiB was a plain-text 500."""
+class ForRayProxy:
+    """What Ray Serve's HTTP proxy, between the client and every replica, asks of the app's answers.
+
+    - Bodies as bytes, as the ASGI spec says: Ray pickles every message between the replica and its
+      proxy, and the app sends large answers as memoryview pieces (no copy under uvicorn), which do
+      not pickle: every answer over 256 KiB was a plain-text 500.
+    - No X-Request-ID of the app's: the proxy puts one on every answer itself (the request's own, or
+      one it makes and hands the app as the request's), so each answer carried two (review h50b).
+      The app logs that same id; only one it would not use (over 64 characters, odd ones: see
+      app/middleware.py) is answered as sent while the log line gets one of the app's making.
+    """
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        async def send_bytes(message) -> None:
+        async def send_to_proxy(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [(name, value) for name, value in message.get("headers", [])
+                                                   if name.lower() != b"x-request-id"]}
             body = message.get("body")
             if body is not None and not isinstance(body, bytes):
                 message = {**message, "body": bytes(body)}
             await send(message)
 
-        await self.app(scope, receive, send_bytes if scope["type"] == "http" else send)
+        await self.app(scope, receive, send_to_proxy if scope["type"] == "http" else send)
 
 
 def build_app(settings: Settings, threads: int):
@@ -193,7 +204,7 @@ def build_app(settings: Settings, threads: int):
     app = create_app(settings, run_directory=directory)
     serve_once_loaded(app, LOAD_TIMEOUT_S, on_failure=record_failure)
     app.state.views = ViewStore(shared=view_shelf())
-    app.add_middleware(BytesBodies)
+    app.add_middleware(ForRayProxy)
     return app
 
 
@@ -259,22 +270,58 @@ def forget_failure() -> None:
         _internal_kv_del(FAILURE_KEY, namespace=NAMESPACE)
 
 
+def running_serve() -> tuple[str, int] | None:
+    """Where the Serve already running on the cluster takes HTTP (host, port); None where none runs."""
+    # Ray has no public call for it: serve.status() names no address, and serve.start() on a running
+    # Serve keeps its address and drops the one asked for with a log line. Both read it so.
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else (client.http_config.host, client.http_config.port)
+
+
+def stop(started_serve: bool) -> None:
+    """Take manyeyes' application off Serve; and Serve itself, if this process started it and no
+    other application runs on it now."""
+    # Serve belongs to the cluster, not to this process: serve.shutdown() here took every other
+    # application on a shared cluster down with it (review h50b). A Serve this process started goes
+    # too, once nothing else runs on it: on a cluster joined through RAY_ADDRESS its actors outlive
+    # this process and would hold the port asked for with nothing behind it.
+    serve.delete(APP)
+    if started_serve and not serve.status().applications:
+        serve.shutdown()
+
+
 def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
     """`manyeyes serve --replicas N`: start (or join, with RAY_ADDRESS) Ray, deploy, block. A
     deployment that fails is one line and status 2, as every other start-up failure of the CLI."""
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
+    running = running_serve()
+    # A running Serve cannot move: serving on it anyway answered on its port while the banner named
+    # the one asked for, where nothing listened (review h50b).
+    if running is not None and running != (host, port):
+        on, at = running
+        print(f"error: Ray Serve already runs on this Ray cluster and takes HTTP on {on}:{at}, not {host}:{port}: "
+              f"run with --host {on} --port {at} to serve there", file=sys.stderr)
+        return 2
+    # Deploying under a name taken replaced that application, and stopping then removed it.
+    if running is not None and APP in serve.status().applications:
+        print(f"error: an application named {APP} already runs on this Ray Serve: stop it first (Ctrl-C the "
+              f"manyeyes serve that started it; one left behind goes with ray.serve.delete({APP!r}))", file=sys.stderr)
+        return 2
+    started_serve = running is None
     forget_failure()
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment(settings, replicas=replicas, threads=threads), name="manyeyes", route_prefix="/")
+        serve.run(deployment(settings, replicas=replicas, threads=threads), name=APP, route_prefix="/")
     except KeyboardInterrupt:  # while the replicas start: a traceback of Ray's wait loop said nothing
-        serve.shutdown()
+        stop(started_serve)
         return 130
     except Exception as exc:  # noqa: BLE001 (Ray raises RuntimeError, or its own errors)
         reason = recorded_failure() or f"{str(exc).strip().splitlines()[0]} (the replicas' logs say why)"
         print(f"error: the replicas did not start: {reason}", file=sys.stderr)
-        serve.shutdown()
+        stop(started_serve)
         return 2
     each = "1 thread" if threads == 1 else f"{threads} threads"
     print(f"manyeyes: {replicas} replicas on Ray Serve at http://{host}:{port} ({each} each)")
@@ -282,10 +329,27 @@ def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, t
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
+        stop(started_serve)
     return 0
 
 
+# What `serve run manyeyes.scale:app_builder key=value ...` takes; every other setting is MANYEYES_*'s.
+BUILDER_ARGS = ("replicas", "threads")
+
+
 def app_builder(args: dict[str, str]):
-    """`serve run manyeyes.scale:app_builder replicas=2 threads=1`; other settings from MANYEYES_*."""
-    return deployment(replicas=int(args.get("replicas", 1)), threads=int(args.get("threads", 1)))
+    """`serve run manyeyes.scale:app_builder replicas=2 threads=1`; other settings from MANYEYES_*.
+    Serve's address is not one of them: Serve's own (`serve start --http-port`, a config file's
+    http_options)."""
+    # An argument not read was dropped without a word: `port=8869` served on Serve's port instead.
+    unknown = sorted(set(args) - set(BUILDER_ARGS))
+    if unknown:
+        raise ValueError(f"app_builder takes {' and '.join(BUILDER_ARGS)}, not {', '.join(unknown)} (other settings are "
+                         "MANYEYES_* variables; Serve's port is `serve start --http-port` or a config file's http_options)")
+    counts = {}
+    for name in BUILDER_ARGS:
+        value = str(args.get(name, 1))
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"app_builder's {name} is a whole number of at least 1, not {value!r}")
+        counts[name] = int(value)
+    return deployment(**counts)

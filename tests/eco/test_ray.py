@@ -159,6 +159,7 @@ def test_replicas_that_cannot_load_say_why_in_one_line_and_exit_2(monkeypatch, c
         raise RuntimeError("Deploying application manyeyes failed: Failed to update the deployments ['manyeyes'].")
 
     from ray.experimental import internal_kv
+    from ray.serve.schema import ServeStatus
 
     monkeypatch.setattr(internal_kv, "_internal_kv_put", put)
     monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key, *, namespace=None: stored.get((namespace, key)))
@@ -167,13 +168,17 @@ def test_replicas_that_cannot_load_say_why_in_one_line_and_exit_2(monkeypatch, c
     monkeypatch.setattr(scale.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(scale.serve, "start", lambda **kwargs: calls.append("start"))
     monkeypatch.setattr(scale.serve, "run", failed_run)
+    # No Serve ran before: the one this start made goes again, once manyeyes' app is off it.
+    monkeypatch.setattr(scale, "running_serve", lambda: None)
+    monkeypatch.setattr(scale.serve, "delete", lambda name: calls.append(f"delete {name}"))
+    monkeypatch.setattr(scale.serve, "status", ServeStatus)  # no application runs
     monkeypatch.setattr(scale.serve, "shutdown", lambda: calls.append("shutdown"))
     stored[(scale.NAMESPACE, scale.FAILURE_KEY)] = b"an earlier deployment's reason"
     settings = Settings(models={"bad": "./nonexistent-dir"})
     assert scale.serve_replicas(settings, host="127.0.0.1", port=9, replicas=1, threads=1) == 2
     assert capsys.readouterr().err == (
         "error: the replicas did not start: model loading failed: ModelLoadError: no such model file or folder: nonexistent-dir\n")
-    assert calls == ["start", "run", "shutdown"]
+    assert calls == ["start", "run", "delete manyeyes", "shutdown"]
 
     # Nothing left by a replica: Ray's line, and where to look.
     monkeypatch.setattr(scale.serve, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Deploying failed.\nmore")))
@@ -184,3 +189,27 @@ def test_replicas_that_cannot_load_say_why_in_one_line_and_exit_2(monkeypatch, c
     monkeypatch.setattr(scale.serve, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     assert scale.serve_replicas(settings, host="127.0.0.1", port=9, replicas=1, threads=1) == 130
     assert calls[-1] == "shutdown" and capsys.readouterr().err == ""
+
+
+def test_every_answer_carries_one_request_id(cluster):
+    """Ray's proxy puts X-Request-ID on every answer, and the app its own: each answer had two
+    (review h50b), which clients that join headers read as "id, id"."""
+    made = httpx.get(f"{cluster}/readyz")
+    assert made.status_code == 200 and len(made.headers.get_list("x-request-id")) == 1
+    sent = httpx.post(f"{cluster}/api/v1/attention", json={"text": "A short verse.", "layers": [0], "heads": [0]},
+                      headers={"x-request-id": "trace-42"}, timeout=60)
+    assert sent.status_code == 200 and sent.headers.get_list("x-request-id") == ["trace-42"]
+
+
+def test_app_builder_refuses_an_argument_it_does_not_read():
+    """`serve run manyeyes.scale:app_builder replicas=2 port=8869` served on Serve's port, port=8869
+    dropped without a word (review h50b)."""
+    from manyeyes.scale import app_builder
+
+    with pytest.raises(ValueError, match=r"^app_builder takes replicas and threads, not host, port \(.*serve start --http-port"):
+        app_builder({"replicas": "2", "port": "8869", "host": "0.0.0.0"})
+    with pytest.raises(ValueError, match=r"^app_builder's threads is a whole number of at least 1, not '0'$"):
+        app_builder({"threads": "0"})
+    from ray import serve
+
+    assert isinstance(app_builder({"replicas": 2, "threads": "1"}), serve.Application)  # a config file's numbers, the CLI's text
