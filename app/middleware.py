@@ -169,7 +169,12 @@ class AllowedHosts:
         if scope["type"] != "http" or scope["path"] in self.OPEN:
             await self.app(scope, receive, send)
             return
-        host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), None)
+        hosts = [value.decode("latin-1") for name, value in scope["headers"] if name == b"host"]
+        if len(hosts) > 1:
+            # Only the first was checked, and a proxy or the app may read another (RFC 9112: a 400).
+            await send_error(send, 400, "bad_host", f"this request has {len(hosts)} Host headers: send one")
+            return
+        host = hosts[0] if hosts else None
         if host is not None and self.allowed(host):
             await self.app(scope, receive, send)
             return
