@@ -44,6 +44,12 @@ async def export_page(
 
     state = None
     if view is not None:
+        # A view names its whole run: text=, model= or head= beside it were dropped without a word,
+        # and the file held the view's run, not the one asked for.
+        beside = [name for name in ("text", "pair", "model", "layer", "head", "truncate") if name in request.query_params]
+        if beside:
+            raise InvalidInput(f"?view= names the whole run to export; leave out {', '.join(beside)}, or drop view "
+                               "and name the run with text, pair, model, layer and head")
         state = views.get(view)
         if state is None:
             raise UnknownView(f"view {view} is unknown or has expired; the server keeps views for 30 days")

@@ -164,6 +164,10 @@ def test_export_route_errors_are_json(server):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
         message = r.json()["error"]["message"]
         assert message.startswith(f"{field}: ") and "whitespace" in message and "pydantic.dev" not in message, message
+    # A view names its whole run: a text or head beside it was dropped without a word, and the
+    # file held the view's run, not the one asked for.
+    r = httpx.get(f"{server}/export", params={"view": "0" * 18, "text": "another text", "head": 3})
+    assert r.status_code == 422 and "leave out text, head" in r.json()["error"]["message"], r.text
 
 
 def test_cli_export_refuses_a_text_over_the_dense_bound_as_the_server_does(tiny_gpt, tmp_path, capsys, monkeypatch):
