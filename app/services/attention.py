@@ -486,7 +486,9 @@ class AttentionService:
     def _refuse_qk(self, run: Run, needs_weights: str) -> None:
         """A run that kept queries and keys, read by a route that needs whole weights: 422."""
         raise KeptQK(
-            f"run {run.run_id} is {run.n_tokens:,} tokens long and kept its queries and keys, not whole weights, "
+            # Not "is N tokens long and kept": that read as if its length were why, where keep="qk"
+            # or a run cache too small for its weights may be.
+            f"run {run.run_id} ({run.n_tokens:,} tokens) kept its queries and keys, not whole weights, "
             f"so {needs_weights} cannot serve it; GET /api/v1/runs/{run.run_id}/tile, /topk and /overview do "
             f"(any head, window, pooling), or POST it again with \"keep\": \"weights\" if it is at most "
             f"{self.settings.dense_max_tokens:,} tokens"

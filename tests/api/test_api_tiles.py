@@ -436,6 +436,8 @@ def test_routes_that_need_whole_weights_say_which_serve_a_long_run(tiles_api):
         r = tiles_api.get(f"/api/v1/runs/{run_id}/{path}")
         assert_error(r, 422, "/tile")
         assert r.json()["error"]["code"] == "kept_qk"
+        # Its length is said, not given as the reason ("is N tokens long and kept" read so).
+        assert " tokens) kept its queries and keys" in r.json()["error"]["message"], r.json()
     r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "keep": "weights"})
     assert_error(r, 413, "keep", "/tile")
     r = tiles_api.post("/api/v1/attention", json={"text": LONG, "model": "tiny-gpt", "measures": ["rollout"]})
