@@ -23,6 +23,7 @@ const SETTLE_MS = 250; // after the last resize event, the viewport a phone's ro
 const PHONE = window.matchMedia("(max-width: 700px)"); // main.js's NARROW: the page scrolls to the views after each run
 const SCROLL_MARGIN = 6; // px: app.css's scroll-margin-top of .views
 const WINDOW_GAP = 24; // px left under the plot, at the window's foot
+const MIN_HEIGHT = 340; // px, app.css's floor of the plot's height, where the window holds it
 // A token given 12 px has its label at 10 px (fontFor) and a cell a pointer hits at a glance: a
 // sentence (up to 18 tokens at 1366 x 768, 30 at 1440 x 900) then stays under the form, whose text
 // box stays in view for the next try. The plot's title and key labels take about 140 px besides.
@@ -317,19 +318,24 @@ export class FocusView {
     const readable = (below - LABEL_ROOM) / Math.max(1, this.fitTokens) >= READABLE_PX;
     const stay = !ONE_COLUMN.matches && (!this.revealed || readable || below >= 0.9 * best);
     const room = stay ? Math.min(best, below) : best;
-    this.height = Math.round(Math.max(340, room));
+    // 340 px at least, but never taller than the window: at 568 × 320 (a small phone held sideways)
+    // the floor ran the key axis past its foot. app.css's floor is for the plot before this fits it.
+    const floor = Math.min(MIN_HEIGHT, window.innerHeight - WINDOW_GAP);
+    this.height = Math.round(Math.max(floor, room));
+    this.plot.style.minHeight = `${floor}px`;
     if (this.plot.style.height !== `${this.height}px`) this.plot.style.height = `${this.height}px`;
   }
 
   // After a run of `tokens` tokens: the whole plot on screen, with its panel's title when the window
   // holds both. The page scrolls only when the plot is not whole where it is (the run form is then
-  // above the window, a scroll away); the height it is fitted to is the window's (fitHeight).
-  reveal(tokens) {
+  // above the window, a scroll away), or always (a phone's, whose form folds away above the views);
+  // the height it is fitted to is the window's (fitHeight).
+  reveal(tokens, always = false) {
     this.revealed = true;
     this.fitTokens = tokens;
     this.fitHeight();
     const box = this.plot.getBoundingClientRect();
-    if (box.top >= 0 && box.bottom <= window.innerHeight) return;
+    if (!always && box.top >= 0 && box.bottom <= window.innerHeight) return;
     const views = this.plot.closest(".views");
     const head = views ? box.top - views.getBoundingClientRect().top + SCROLL_MARGIN : 0;
     const target = views && head + box.height <= window.innerHeight ? views : this.plot;

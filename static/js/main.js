@@ -886,12 +886,11 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   updatePermalink(push);
   grid.build(run);
   grid.select(state.layer, state.head, state.aggregate);
-  if (NARROW.matches) {
-    $("controls").open = false;
-    $("views").scrollIntoView({ block: "start" });
-  } else {
-    focus.reveal(run.T); // the whole heatmap on screen, fitted to the window (focus.js)
-  }
+  // The whole heatmap on screen, fitted to the window (focus.js). A phone's page went to the views'
+  // top after each run, whose title, caption and hint pushed a plot as tall as the window (held
+  // sideways, or a page at 200 %) past its foot: reveal takes the plot to the top instead then.
+  if (NARROW.matches) $("controls").open = false;
+  focus.reveal(run.T, NARROW.matches);
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   // Its tokens (with their character offsets) say what part of the text a run cut to fit covers.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal, tokens: run.tokens, truncated: run.truncated } }));

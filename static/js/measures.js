@@ -22,6 +22,7 @@ const FLOW_AUTO_TOKENS = 128;
 // Shown where the graph will be while its routes are fetched (a few forward passes): it was blank.
 const FLOW_COMPUTING = "Computing the routes through the layers…";
 const SEEN_MARGIN_PX = 200;
+const LOADING_MS = 250; // before a measure on its way fades the last one (drawMeasure)
 const TICK_FONT = 10; // px, the largest
 const COLORBAR_PX = 85; // what Plotly's colour bar, its labels and its title take right of the cells
 
@@ -450,6 +451,10 @@ class Measures {
     for (const node of [$("word-view"), $("word-view").nextElementSibling]) node.title = kind === "contributions" ? WORDS_OFF : "";
     const { layer, head } = this;
     const token = (this.drawToken = {});
+    // On a slow link the last measure stayed drawn, its caption over it, under the new one's name in
+    // the menu, and read as the new one: faded, the caption says what is coming. Not at once, or
+    // every head's quick answer would flash.
+    const waiting = setTimeout(() => this.fade(token, `Loading ${$("measure").selectedOptions[0].text.toLowerCase()}…`), LOADING_MS);
     try {
       let matrix;
       let rows = this.labels;
@@ -478,7 +483,19 @@ class Measures {
       this.status("measure-status");
     } catch (err) {
       this.status("measure-status", err);
+      this.fade(token); // the last measure under its own caption, the error said under it
+    } finally {
+      clearTimeout(waiting);
     }
+  }
+
+  // The plot on screen faded while it is not the measure the menu names: `loading` says what is
+  // coming in the caption; without it the caption is the plot's own again.
+  fade(token, loading) {
+    if (token !== this.drawToken) return;
+    $("measure-plot").setAttribute("data-stale", "");
+    if (loading) $("measure-caption").textContent = loading;
+    else if (this.shown) this.caption();
   }
 
   // The cells are painted by the page into one image laid on Plotly's axes; Plotly draws only a
@@ -552,6 +569,7 @@ class Measures {
   // whether the view options left tokens out.
   drawn(kind, { layer, head }, wordView, hidden) {
     Object.assign($("measure-plot").dataset, { measure: kind, layer, head, words: String(wordView) });
+    $("measure-plot").removeAttribute("data-stale");
     this.shown = { kind, hidden };
     this.caption();
   }
@@ -710,7 +728,12 @@ class Measures {
     fit.width = plot.clientWidth;
     const { height, colorbarX } = squareFit(fit.width, fit.margin, fit.tallest);
     if (colorbarX === null) return;
-    await window.Plotly.update(plot, { "colorbar.x": [colorbarX] }, { height });
+    // Not Plotly.update: a relayout of the height alone sets the width too (Plotly sizes both
+    // dimensions or neither), and its responsive resize skips a plot with both set. The plot kept
+    // the width of its first resize for good: a phone turned and turned back held a 617 px plot
+    // in a 325 px panel, and the page zoomed out to 58 % around it.
+    const [trace] = plot.data;
+    await window.Plotly.react(plot, [{ ...trace, colorbar: { ...trace.colorbar, x: colorbarX } }], { ...plot.layout, height }, this.config());
     if (fit !== this.fit) return; // drawn anew, or forgotten, meanwhile
     this.placeLabels(); // plotly_update, not plotly_relayout: the labels and cursor follow here
     if (this.cursor) this.moveCursor(0, 0);
