@@ -209,13 +209,16 @@ class ExperimentService:
         all by the request's deadline."""
         grant = await self.attention.reserve(nbytes, deadline, client)
         try:
-            return await self._in_slot(fn, args, deadline), grant
+            return await self._in_slot(fn, args, deadline, client), grant
         except BaseException:
             grant.release()
             raise
 
-    async def _in_slot(self, fn, args, deadline: float) -> bytes:
-        if not self._slots.acquire():
+    async def _in_slot(self, fn, args, deadline: float, client: str) -> bytes:
+        if not self._slots.acquire(client):
+            if self._slots.holds_share(client):
+                raise QueueFull(f"this client has {self._slots.client_share} experiments running, its share of this "
+                                f"server's {self.settings.max_experiments}; try again when one ends", retry_after_s=1)
             raise QueueFull(f"{self.settings.max_experiments} experiments are running; try again shortly", retry_after_s=1)
 
         started = threading.Event()
@@ -226,7 +229,7 @@ class ExperimentService:
                 time.sleep(self.settings.debug_forward_delay_s)  # the test hook, as for a batch's forward
                 return fn(*args)
             finally:
-                self._slots.release()  # only once the forwards have really ended
+                self._slots.release(client)  # only once the forwards have really ended
 
         try:
             return await asyncio.wait_for(run_in_threadpool(work), deadline - time.monotonic())
@@ -237,7 +240,7 @@ class ExperimentService:
             # and would never release its slot: two such and every experiment was a 429 until a
             # restart. Once a thread has it, anyio waits for it, so work() has run by now.
             if not started.is_set():
-                self._slots.release()
+                self._slots.release(client)
 
     def _encode(self, served: Served, text: str, pair: str | None, truncate: bool, label: str = "") -> Encoded:
         try:

@@ -66,13 +66,11 @@ class GenerationService:
         # uvicorn cancels what still runs once the drain is over; a stream stops a second before
         # that, its last step included.
         self.stream_grace_s = max(settings.drain_s() - 1.0, 0.0)
-        # Each running generation holds a worker thread for its steps: bounded, beyond it 429.
+        # Each running generation holds a worker thread for its steps: bounded, beyond it 429; and a
+        # client holds at most half of them: four streams one client opened and never read held
+        # every slot until the write deadline dropped them, and again on reconnecting.
         self._slots = CountedSlots(settings.max_generations, metrics.work_running.labels("generation"))
-        # ...and a client holds at most half of them: four streams one client opened and never
-        # read held every slot until the write deadline dropped them, and again on reconnecting.
-        self.client_share = max(1, settings.max_generations // 2)
-        self._held: dict[str, int] = {}
-        self._held_lock = threading.Lock()
+        self.client_share = self._slots.client_share
 
     async def start(self, body, client: str = "") -> Generation:
         """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
@@ -128,21 +126,16 @@ class GenerationService:
         return default
 
     def _take(self, client: str) -> None:
-        with self._held_lock:
-            if self._held.get(client, 0) >= self.client_share:
-                raise QueueFull(f"this client has {self.client_share} generations running, its share of this server's "
-                                f"{self.settings.max_generations}; start another when one ends", retry_after_s=RETRY_AFTER_S)
-            if not self._slots.acquire():
-                raise QueueFull(f"{self.settings.max_generations} generations are running; try again in a few seconds",
-                                retry_after_s=RETRY_AFTER_S)
-            self._held[client] = self._held.get(client, 0) + 1
+        if self._slots.acquire(client):
+            return
+        if self._slots.holds_share(client):
+            raise QueueFull(f"this client has {self.client_share} generations running, its share of this server's "
+                            f"{self.settings.max_generations}; start another when one ends", retry_after_s=RETRY_AFTER_S)
+        raise QueueFull(f"{self.settings.max_generations} generations are running; try again in a few seconds",
+                        retry_after_s=RETRY_AFTER_S)
 
     def _give_back(self, client: str) -> None:
-        with self._held_lock:
-            self._held[client] -= 1
-            if not self._held[client]:
-                del self._held[client]
-            self._slots.release()
+        self._slots.release(client)
 
     async def _stream(self, generation: Generation, model_id: str, start: dict, steps) -> AsyncIterator[bytes]:
         generation.started = True

@@ -208,11 +208,17 @@ class FairBytes:
 class CountedSlots:
     """At most `capacity` of one kind of long work at once (generations, experiments, captured
     forwards), never waited for (the caller answers 429), and counted on /metrics as
-    manyeyes_work_running{kind}: an operator could not tell whether any was still running, or stuck."""
+    manyeyes_work_running{kind}: an operator could not tell whether any was still running, or stuck.
+
+    A caller that names its client holds at most `client_share` of them (half, at least one), so
+    that another client finds one free: one client looping 512-token compares on two connections
+    kept both experiment slots, and another's tiny compare got 429 59 times in 59 (review h50a)."""
 
     def __init__(self, capacity: int, gauge) -> None:
         self.capacity = capacity
+        self.client_share = max(1, capacity // 2)
         self.running = 0
+        self.held_by: dict[str, int] = {}
         self._lock = threading.Lock()
         self._gauge = gauge
 
@@ -220,17 +226,27 @@ class CountedSlots:
     def free(self) -> int:
         return self.capacity - self.running
 
-    def acquire(self) -> bool:
+    def holds_share(self, client: str) -> bool:
+        """Whether `client` holds its share: why its acquire() said False, unless all are taken."""
+        return self.held_by.get(client, 0) >= self.client_share
+
+    def acquire(self, client: str | None = None) -> bool:
         with self._lock:
-            if self.running >= self.capacity:
+            if self.running >= self.capacity or (client is not None and self.holds_share(client)):
                 return False
             self.running += 1
+            if client is not None:
+                self.held_by[client] = self.held_by.get(client, 0) + 1
         self._gauge.inc()
         return True
 
-    def release(self) -> None:
+    def release(self, client: str | None = None) -> None:
         with self._lock:
-            if self.running <= 0:
+            if self.running <= 0 or (client is not None and not self.held_by.get(client)):
                 raise ValueError("a slot released more often than taken")
             self.running -= 1
+            if client is not None:
+                self.held_by[client] -= 1
+                if not self.held_by[client]:
+                    del self.held_by[client]
         self._gauge.dec()

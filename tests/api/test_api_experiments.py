@@ -193,6 +193,28 @@ def test_experiments_beyond_the_limit_get_429(client):
     assert client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"}).status_code == 200
 
 
+def test_one_client_holds_at_most_half_the_experiments(client):
+    """One client looping 512-token compares on two connections kept both slots, and another
+    client's tiny compare got 429 59 times in 59 (review h50a)."""
+    assert client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"}).status_code == 200
+    service = client.app.state.experiments  # made by the first experiment
+    here = "addr:testclient"  # the address TestClient's requests come from
+    share = service._slots.client_share
+    assert share == client.app.state.settings.max_experiments // 2 >= 1
+    taken = [service._slots.acquire(here) for _ in range(share)]
+    try:
+        assert all(taken) and not service._slots.acquire(here)  # its share is all it gets
+        r = client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"})
+        assert_error(r, 429, "queue_full", "its share")
+        assert service._slots.acquire("addr:10.0.0.7")  # another client still finds a slot free
+        service._slots.release("addr:10.0.0.7")
+    finally:
+        for _ in taken:
+            service._slots.release(here)
+    assert service._slots.held_by == {} and service._slots.running == 0
+    assert client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"}).status_code == 200
+
+
 def test_openapi_documents_the_experiments_with_examples(client):
     spec = client.get("/openapi.json").json()
     for path in ("ablate", "change-token", "compare"):

@@ -170,7 +170,7 @@ def test_one_client_holds_at_most_half_the_generations(server):
     with httpx.stream("POST", f"{server.url}/api/v1/generate", json={"text": PROMPT, "model": "tiny-gpt", "max_new_tokens": 2},
                       timeout=60) as r:
         assert r.status_code == 200 and [json.loads(x)["type"] for x in r.iter_lines() if x][-1] == "end"
-    assert service._held == {} and service._slots.free == server.app.state.settings.max_generations
+    assert service._slots.held_by == {} and service._slots.free == server.app.state.settings.max_generations
 
 
 def test_an_encoders_long_prompt_is_told_it_cannot_generate_not_to_shorten_it(server):
