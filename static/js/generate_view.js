@@ -34,12 +34,18 @@ function runPrompt(input, run, n, info) {
   return { text: Array.from(input.text).slice(0, end).join(""), cut: true };
 }
 
+// A body whose connection drops (the server stopped, a proxy cut it) ends here as a stream with
+// no end line, which the caller says was cut off: its read rejects with a TypeError "network
+// error", which read as a fault of the page's. Stop's abort stays an abort.
 async function* ndjson(response) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    const { value, done } = await reader.read().catch((err) => {
+      if (err.name === "AbortError") throw err;
+      return { done: true };
+    });
     buffer += decoder.decode(value || new Uint8Array(), { stream: !done });
     let newline;
     while ((newline = buffer.indexOf("\n")) >= 0) {

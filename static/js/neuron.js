@@ -22,6 +22,10 @@ function strip(vector, label) {
 
 const norm = (v) => Math.sqrt(v.reduce((s, x) => s + x * x, 0));
 
+// A token named with its position: in a repeated text (an induction test's R+R) two key rows read
+// "y", and which "y" a weight went to is the question.
+const placed = (i, label) => `${i}: ${label}`;
+
 export class NeuronPanel {
   constructor(root, { onQuery }) {
     this.root = root;
@@ -47,7 +51,7 @@ export class NeuronPanel {
   }
 
   setTokens(labels, chosen) {
-    this.query.replaceChildren(...labels.map((label, i) => el("option", { text: `${i}: ${label}`, attrs: { value: i } })));
+    this.query.replaceChildren(...labels.map((label, i) => el("option", { text: placed(i, label), attrs: { value: i } })));
     this.query.value = String(chosen);
   }
 
@@ -79,7 +83,7 @@ export class NeuronPanel {
     const rows = view.keys.map((key, j) => {
       const masked = view.scores[j] === null;
       return el("tr", { className: masked ? "masked" : "", attrs: { "data-key": j } }, [
-        el("th", { text: labels[j], attrs: { scope: "row" } }),
+        el("th", { text: placed(j, labels[j]), attrs: { scope: "row" } }),
         el("td", {}, [strip(key, `key ${j}, norm ${norm(key).toFixed(3)}`)]),
         el("td", {}, [strip(view.products[j], `q ⊙ k, sum ${view.products[j].reduce((s, x) => s + x, 0).toFixed(4)}`)]),
         el("td", { className: "num score", text: masked ? "masked" : view.scores[j].toFixed(4) }),
