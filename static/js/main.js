@@ -153,6 +153,7 @@ function setBusy(busy) {
   $("run-form").setAttribute("aria-busy", String(busy));
   if (!busy && state.runAgain) {
     state.runAgain = false;
+    $("run-form").removeAttribute("data-queued");
     setTimeout(() => submit(), 0);
   }
 }
@@ -1139,6 +1140,7 @@ async function init() {
     event.preventDefault();
     if (state.busy) {
       state.runAgain = true;
+      $("run-form").setAttribute("data-queued", ""); // stale_note.js: the run on its way is not the form's yet
       $("run-status").textContent = "Running… the text as it is now runs next.";
       return;
     }

@@ -19,7 +19,11 @@ export function mountStaleNote() {
     ].filter(Boolean);
     note.hidden = changed.length === 0;
     const named = changed.length > 1 ? `${changed.slice(0, -1).join(", ")} and ${changed.at(-1)}` : changed[0];
-    note.textContent = changed.length ? `Below is the last run, not the ${named} above: press Run to see ${changed.length > 1 ? "them" : "it"}.` : "";
+    // Asked for while a run was going, the form's run goes next: "press Run" told the reader to ask
+    // again for what was already on its way.
+    const next = $("run-form").hasAttribute("data-queued") ? `${changed.length > 1 ? "they run" : "it runs"} next`
+      : `press Run to see ${changed.length > 1 ? "them" : "it"}`;
+    note.textContent = changed.length ? `Below is the last run, not the ${named} above: ${next}.` : "";
   }
 
   onRun((input) => {

@@ -667,9 +667,14 @@ def test_a_text_run_while_another_runs_goes_next_and_is_what_is_shown(make_page)
         page.wait_for_selector("#busy:not([hidden])")
         submit(page, "The dog ran.")
         assert "runs next" in page.locator("#run-status").text_content()
+        # The first text's result lands under the second: the note said "press Run to see it" of a
+        # run already on its way.
+        page.wait_for_selector("#stale-note:not([hidden])", timeout=60_000)
+        assert page.text_content("#stale-note") == "Below is the last run, not the sentence above: it runs next."
         page.wait_for_function("() => document.getElementById('run-status').textContent.startsWith('Done: 6 tokens')",
                                timeout=60_000)
         page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 6", timeout=30_000)
+        assert page.locator("#stale-note").is_hidden()
 
 
 
