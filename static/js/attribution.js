@@ -110,6 +110,12 @@ export class AttributionPanel {
     if (this.predictions) this.wanted = null; // a link's guess is chosen once, when the guesses come
   }
 
+  // Whether the panel shows what it shows unasked: the last token's top guess, no link's guess to
+  // choose yet. A link saves that as no choice, so the link is the same before and after it comes.
+  isDefault() {
+    return Number(this.position.value) === this.labels.length - 1 && this.target.selectedIndex <= 0 && this.wanted === null;
+  }
+
   // What to ask for: { position, target } (target null: the top guess).
   choice() {
     return { position: Number(this.position.value), target: this.target.value === "" ? null : Number(this.target.value) };

@@ -698,7 +698,7 @@ function viewState() {
     truncate: state.request.truncate, layer: state.layer, head: state.head, aggregate: state.aggregate,
     heads: [...state.extraHeads].sort((a, b) => a - b), hide_special: state.hideSpecial, hide_first: state.hideFirst,
     threshold: state.threshold, segments: state.segments, scale: state.scale, labels: state.labels,
-    measure: $("measure").value, word_view: $("word-view").checked, ...measures.guessChoice(),
+    measure: $("measure").value, word_view: $("word-view").checked, ...measures.guessChoice(state.run),
   };
 }
 

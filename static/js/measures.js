@@ -754,9 +754,16 @@ class Measures {
     }
   }
 
-  // The position and guess of "Why this guess?" as a saved view holds them (null: the defaults).
-  guessChoice() {
-    if (!this.run || !this.run.causal) return { guess_position: null, guess_target: null };
+  // The position and guess of "Why this guess?" as a saved view of `run` holds them (null: the
+  // defaults). A run not yet handed to this panel (main.js saves its link first) holds a link's
+  // guess, or none: the last run's position went into the new run's link, and the same view came
+  // back under another id once the panel clamped it.
+  guessChoice(run) {
+    if (run !== this.run) {
+      const wanted = run?.causal && !run.long ? this.restoredGuess : null;
+      return { guess_position: wanted?.position ?? null, guess_target: wanted?.target ?? null };
+    }
+    if (!this.run || !this.run.causal || this.attribution.isDefault()) return { guess_position: null, guess_target: null };
     const { position, target } = this.attribution.choice();
     // Before the run's guesses come, a link's guess is still only wanted: saved as it was.
     return { guess_position: position, guess_target: target ?? this.attribution.wantedTarget() };

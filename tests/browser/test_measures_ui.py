@@ -340,6 +340,25 @@ def test_a_link_keeps_the_guess_explained(ran, tiny_api):
     assert page.evaluate("() => document.body.dataset.view") == view
 
 
+def test_a_new_runs_link_holds_no_guess_of_the_run_before(ran, tiny_api):
+    """The link saved with a run held the last run's position (30 in a 9-token run), and the same
+    view came back under another id once the panel had clamped it (review h50d)."""
+    page, _ = ran
+    page.wait_for_selector("#attribution[data-position]", timeout=30_000)
+    page.select_option("#attribution-position", "30")
+    page.wait_for_selector("#attribution[data-position='30']", timeout=30_000)
+    wait_saved(page)
+    run(page, "Hi there.", model="tiny-gpt")
+    wait_saved(page)
+    view = page.evaluate("() => document.body.dataset.view")
+    saved = tiny_api.get(f"/api/v1/views/{view}").json()
+    assert saved["text"] == "Hi there." and saved["guess_position"] in (None, 8), saved
+    page.reload()
+    page.wait_for_selector("#finder tbody tr", timeout=30_000)
+    wait_saved(page)
+    assert page.evaluate("() => document.body.dataset.view") == view  # one view, one link
+
+
 def test_why_this_guess_says_a_bidirectional_model_has_no_next_token_to_explain(page, server):
     open_page(page, server)
     run(page, "The bank of the river.")
