@@ -1146,6 +1146,7 @@ async function init() {
     }
     submit();
   });
+  $("run").disabled = false; // index.html: until the line above, Run reloaded the page
   $("layer").addEventListener("change", () => setFocus(Number($("layer").value), state.head));
   $("head").addEventListener("change", () => setFocus(state.layer, Number($("head").value)));
   $("aggregate").addEventListener("change", () => {

@@ -657,6 +657,21 @@ def test_number_and_search_boxes_look_like_the_text_boxes(server, make_page, sch
         assert contrast(ink, ground) >= 4.5, (box, ink, ground)
 
 
+def test_run_waits_for_the_pages_scripts(server, page):
+    """Before the scripts came (plotly.js is 1.5 MB gzipped) the page looked ready, and Run sent
+    the form as a plain GET: the page loaded again from the start (review h50d)."""
+    page.route("**/static/js/main.js", lambda route: route.abort())  # scripts that never come
+    page.goto(f"{server}/", wait_until="domcontentloaded")
+    assert page.locator("#run").is_disabled()
+    page.fill("#text", "The bank of the river.")
+    page.locator("#run").click(force=True)
+    page.wait_for_timeout(300)
+    assert page.url == f"{server}/"  # no plain GET of the form
+    page.unroute("**/static/js/main.js")
+    open_page(page, server)
+    assert page.locator("#run").is_enabled()
+
+
 def test_a_text_run_while_another_runs_goes_next_and_is_what_is_shown(make_page):
     """Run was disabled while a run was under way, which also blocked Enter in the text box: the
     second text was dropped without a word, and the first text's result came up under it."""
