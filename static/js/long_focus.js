@@ -4,6 +4,7 @@
 // the screen's resolution (full resolution once the window is small), and asks again after each
 // zoom or pan, like a map; tiles nobody needs any more are aborted (tiles.js).
 
+import { describeError } from "./api.js";
 import { CanvasHeatmap } from "./canvas_heatmap.js";
 import { F16_ZERO, FocusView, MAX_FONT, shortLabel, weightText } from "./focus.js";
 import { layerMask } from "./run.js";
@@ -96,6 +97,7 @@ export class TiledFocusView extends FocusView {
       onError: (err) => this.onTileError?.(err),
     });
     this.exact = new Map(); // "run|layer:head|q|k" -> the cell's float32 weight (as f16), from hovering
+    this.unread = new Map(); // the same keys -> why the cell's own weight could not be read
     this.hoverTimer = 0;
     this.hoverController = null;
     this.refineStart = null;
@@ -117,6 +119,7 @@ export class TiledFocusView extends FocusView {
     this.heatmap.long = false;
     this.loader.clear();
     this.exact.clear();
+    this.unread.clear();
     delete this.plot.dataset.long;
     delete this.plot.dataset.level; // a long run's pooling: a short run after it is not pooled
   }
@@ -132,6 +135,7 @@ export class TiledFocusView extends FocusView {
     if (this.long?.runId !== run.runId) {
       this.loader.clear(); // another run's tiles: never drawn again
       this.exact.clear();
+      this.unread.clear();
     }
     if (!this.identity || this.identity.length !== T) this.identity = Int32Array.from({ length: T }, (_, i) => i);
     const view = { rows: this.identity, cols: this.identity, values: null, masked: mask.none ? () => false : mask.cell };
@@ -364,9 +368,13 @@ export class TiledFocusView extends FocusView {
       const value = valueIn(tile, q, k);
       // float16 holds weights under 2^-25 as 0: such a cell reads "< 3.0e-8", not "0.000".
       if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value, F16_ZERO);
+      const pooled = `${boundText(value)} (max of ${tile.rowStep} × ${tile.colStep} cells`;
+      // A read that failed said "reading this one…" for as long as the pointer stayed (the server gone).
+      if (this.unread.has(key)) return `${pooled}; this one could not be read: ${this.unread.get(key)})`;
       this.askExact(q, k, key, clientX, clientY);
-      return `${boundText(value)} (max of ${tile.rowStep} × ${tile.colStep} cells; reading this one…)`;
+      return `${pooled}; reading this one…)`;
     }
+    if (this.unread.has(key)) return `could not be read: ${this.unread.get(key)}`;
     this.askExact(q, k, key, clientX, clientY);
     return "reading…";
   }
@@ -378,13 +386,19 @@ export class TiledFocusView extends FocusView {
     this.hoverTimer = setTimeout(() => {
       const controller = (this.hoverController = new AbortController());
       const block = { runId: L.runId, layer: L.layer, head: L.head, q0: q, q1: q + 1, k0: k, k1: k + 1 };
-      fetchTile(L.runId, block, controller.signal, "json").then((tile) => { // one cell: float32 costs nothing
-        if (this.exact.size >= EXACT_KEPT) this.exact.delete(this.exact.keys().next().value);
-        this.exact.set(key, tile.values[0]);
+      // The weight, or why it could not be read, kept (the oldest dropped) and shown if still hovered.
+      const keep = (map, value) => {
+        if (map.size >= EXACT_KEPT) map.delete(map.keys().next().value);
+        map.set(key, value);
         const still = !this.tooltip.hidden && this.tooltip.dataset.query === String(q) && this.tooltip.dataset.key === String(k);
         if (still && this.long === L) this.showReading(clientX, clientY);
+      };
+      fetchTile(L.runId, block, controller.signal, "json").then((tile) => { // one cell: float32 costs nothing
+        keep(this.exact, tile.values[0]);
       }).catch((err) => {
-        if (err.name !== "AbortError") this.onTileError?.(err);
+        if (err.name === "AbortError") return;
+        this.onTileError?.(err);
+        keep(this.unread, describeError(err));
       });
     }, HOVER_PAUSE_MS);
   }

@@ -36,6 +36,10 @@ export class LongHeadView {
       rows = await Promise.all(heads.map(({ head }) => fetchTopk(run.runId, { layer, head, k: Math.min(K, run.T), q0, q1 }, controller.signal)));
     } catch (err) {
       if (err.name === "AbortError") return false;
+      // The last rows' lines and caption stayed, describing rows the heatmap no longer showed (the
+      // server gone): say these could not be read. The page's banner says why.
+      this.key = null;
+      this.container.replaceChildren(el("p", { className: "empty", text: `The strongest keys of queries ${q0}–${q1 - 1} could not be read.` }));
       throw err;
     }
     if (controller !== this.controller) return false;

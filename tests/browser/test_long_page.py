@@ -366,6 +366,32 @@ def test_a_long_runs_reading_isolates_a_right_to_left_label(server, page, mock):
     assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[1020, 1000]), abs=6e-4)
 
 
+def test_a_pooled_cells_reading_says_when_its_own_value_cannot_be_read(server, page, mock):
+    """With the server gone, a pooled cell's reading said "reading this one…" for as long as the
+    pointer stayed on it (review h50d)."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    page.route("**/api/v1/runs/long-mock/tile?*format=json*", lambda route: route.abort("connectionrefused"))
+    point = page.evaluate("""() => {
+        const gd = document.getElementById('focus-plot');
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        return [box.left + gd._fullLayout.xaxis.l2p(700), box.top + gd._fullLayout.yaxis.l2p(1500)];
+    }""")
+    page.mouse.move(point[0] - 20, point[1] - 20)
+    page.mouse.move(*point, steps=3)
+    page.wait_for_function("() => document.getElementById('tooltip').textContent.includes('could not be read')", timeout=15_000)
+    text = page.locator("#tooltip").text_content()
+    assert "max of" in text and "reading this one" not in text, text
+    # The head view's rows go with the zoom: failing, it said it showed rows it did not.
+    page.route("**/api/v1/runs/long-mock/topk?*", lambda route: route.abort("connectionrefused"))
+    page.mouse.move(point[0] - 200, point[1] - 200)
+    zoom(page, 1200, 1300, 600, 700)
+    page.wait_for_function("() => document.getElementById('headview').textContent.includes('could not be read')", timeout=15_000)
+    assert "Queries 0–63" not in page.text_content("#headview")
+
+
 def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
     mock.serve(page)
     open_page(page, server)
