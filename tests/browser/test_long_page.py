@@ -366,6 +366,18 @@ def test_a_long_runs_reading_isolates_a_right_to_left_label(server, page, mock):
     assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[1020, 1000]), abs=6e-4)
 
 
+def point_at_unzoomed(page, q, k) -> list[float]:
+    """The pointer over cell (q, k) of the unzoomed heatmap, where a pixel covers several cells."""
+    point = page.evaluate("""([q, k]) => {
+        const gd = document.getElementById('focus-plot');
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+        return [box.left + gd._fullLayout.xaxis.l2p(k), box.top + gd._fullLayout.yaxis.l2p(q)];
+    }""", [q, k])
+    page.mouse.move(point[0] - 20, point[1] - 20)
+    page.mouse.move(*point, steps=3)
+    return point
+
+
 def test_a_pooled_cells_reading_says_when_its_own_value_cannot_be_read(server, page, mock):
     """With the server gone, a pooled cell's reading said "reading this one…" for as long as the
     pointer stayed on it (review h50d)."""
@@ -374,13 +386,7 @@ def test_a_pooled_cells_reading_says_when_its_own_value_cannot_be_read(server, p
     submit(page, mock.prompt)
     wait_settled(page)
     page.route("**/api/v1/runs/long-mock/tile?*format=json*", lambda route: route.abort("connectionrefused"))
-    point = page.evaluate("""() => {
-        const gd = document.getElementById('focus-plot');
-        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
-        return [box.left + gd._fullLayout.xaxis.l2p(700), box.top + gd._fullLayout.yaxis.l2p(1500)];
-    }""")
-    page.mouse.move(point[0] - 20, point[1] - 20)
-    page.mouse.move(*point, steps=3)
+    point = point_at_unzoomed(page, 1500, 700)
     page.wait_for_function("() => document.getElementById('tooltip').textContent.includes('could not be read')", timeout=15_000)
     text = page.locator("#tooltip").text_content()
     assert "max of" in text and "reading this one" not in text, text
@@ -398,13 +404,7 @@ def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(serv
     submit(page, mock.prompt)
     wait_settled(page)
     # Unzoomed, a pixel covers several cells: hovering asks for the cell's own weight.
-    point = page.evaluate("""() => {
-        const gd = document.getElementById('focus-plot');
-        const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
-        return [box.left + gd._fullLayout.xaxis.l2p(700), box.top + gd._fullLayout.yaxis.l2p(1500)];
-    }""")
-    page.mouse.move(point[0] - 20, point[1] - 20)
-    page.mouse.move(*point, steps=3)
+    point = point_at_unzoomed(page, 1500, 700)
     page.wait_for_function("() => { const t = document.getElementById('tooltip');"
                            " return !t.hidden && t.dataset.query && !t.textContent.includes('reading'); }")
     q, k = (int(page.locator("#tooltip").get_attribute(f"data-{a}")) for a in ("query", "key"))
