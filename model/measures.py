@@ -260,6 +260,9 @@ TAG_THRESHOLDS = {
     "sink": ("first", 0.5),  # half its mass parked on the first token ([CLS], <s> or BOS)
     "broad": ("entropy", 0.8),  # close to uniform over what it may see
     "induction": ("induction", 0.3),  # on the probe: mass on the token after the earlier copy
+    # Half its mass on earlier copies of its own token, over the rows that have one (TransformerLens'
+    # duplicate_token_head): the statistic was there and no tag named such a head.
+    "duplicate-token": ("duplicate", 0.5),
 }
 POSITIONAL_SHARE = 0.6  # "positional": the same fixed offset (not 0 or 1) is the argmax of ≥ 60% of rows
 

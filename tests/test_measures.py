@@ -274,6 +274,10 @@ def test_fixed_offset_share_counts_argmax_offsets():
     assert mode[0].tolist() == [2, 0, -9] and share[0].tolist() == pytest.approx([0.8, 1.0, 0.1])
     tags = tag_heads({"previous": torch.zeros(1, 3)}, att.argmax(-1))
     assert tags == [[["positional"], [], []]]
+    # A head with half its mass on earlier copies of its own token is named for it (the statistic
+    # was there, no tag).
+    tags = tag_heads({"duplicate": torch.tensor([[0.5, 0.49, 0.9]])}, att.argmax(-1))
+    assert tags == [[["duplicate-token", "positional"], [], ["duplicate-token"]]]
 
 
 @pytest.mark.parametrize("name", ["minilm", "tiny"])

@@ -3,7 +3,7 @@
 
 import { el } from "./dom.js";
 
-const TAG_LETTER = { "previous-token": "P", induction: "I", sink: "S", broad: "B", self: "=", positional: "→" };
+const TAG_LETTER = { "previous-token": "P", induction: "I", "duplicate-token": "D", sink: "S", broad: "B", self: "=", positional: "→" };
 const STAT_LABEL = {
   entropy: "entropy", distance: "distance", self: "self", previous: "prev", first: "first",
   delimiter: "delim", duplicate: "dup", induction: "induct",
