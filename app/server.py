@@ -123,17 +123,22 @@ class Delivery:
     uvicorn writes nothing of an answer while paused, so the first drain after an answer's last
     byte was handed over sees that answer out."""
 
-    __slots__ = ("held", "drains", "lost", "waiting")
+    __slots__ = ("held", "drains", "lost", "ended", "waiting")
 
     def __init__(self) -> None:
         self.held = False  # the transport holds bytes the socket has not taken
         self.drains = 0
         self.lost = False
+        # The client sent its FIN (a half-close, as `nc -N` does): asyncio closes the transport then
+        # and drops every later write without a word, before it reports the connection lost.
+        self.ended = False
         self.waiting: list = []
 
     def ticket(self) -> int:
-        """Taken just after an answer's last byte was handed over: the drain that sees it out."""
-        return self.drains + 1 if self.held or self.lost else self.drains
+        """Taken just after an answer's last byte was handed over: the drain that sees it out. An
+        answer handed over after the client's FIN was dropped: no drain sees it out, the loss
+        settles it (it was logged complete and counted 200, never having left)."""
+        return self.drains + 1 if self.held or self.lost or self.ended else self.drains
 
     def settle(self, ticket: int, then) -> None:
         """then(True) once that answer is out whole, then(False) if the connection is lost first
@@ -203,6 +208,12 @@ class GuardedProtocol(HttpToolsProtocol):
         # Delivery reads. An answer the socket takes at once (any small one) never pauses.
         transport.set_write_buffer_limits(high=0)
         self._arm()
+
+    def eof_received(self) -> bool | None:
+        # asyncio's own answer (close the transport) stands: a FIN is how a browser leaves too, and
+        # the work of a client gone is cancelled. Only what is answered after it counts as lost.
+        self.delivery.ended = True
+        return super().eof_received()
 
     def data_received(self, data: bytes) -> None:
         if self._read_no_more:
