@@ -14,13 +14,26 @@ from fastapi import APIRouter, Query, Request, Response
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
-from manyeyes.app.routes.responses import PiecesResponse, compact_content, errors
+from manyeyes.app.routes.responses import compact_content, errors
+from manyeyes.app.routes.runs import answered_while_connected
 from manyeyes.app.schemas import AttentionResponse, Format
-from manyeyes.app.services.attention import answer_bytes, finished_off_loop, parse_index_list, resolve_indices
+from manyeyes.app.services.attention import AttentionService, Reply, answer_bytes, parse_index_list, resolve_indices
 from manyeyes.app.services.cache import Run
+from manyeyes.app.services.measures import float_weights, replied
 from manyeyes.app.services.payload import View, render_result
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
+MEAN_ROUTE = "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)"
+
+
+def planned(service: AttentionService, run_id: str, layers: list[str] | None, fmt: str) -> tuple[list[int], int]:
+    """(the layers averaged, the answer's bytes) of a request checked against its run, which it does
+    not return: the awaiting route never holds the run (MeasuresService.in_turn)."""
+    run = service.cached(run_id, MEAN_ROUTE)
+    info = service.registry.get(run.model).model.info
+    chosen = resolve_indices(parse_index_list(layers, "layer"), info.n_layers, "layer", info.id)
+    # The answer's bytes: json at T=1,024 is 15 MB, held until its reader takes it.
+    return chosen, answer_bytes(run.n_tokens**2, fmt, False, run.tokens)
 
 
 @router.get("/runs/{run_id}/mean", response_model=AttentionResponse,
@@ -35,15 +48,15 @@ async def run_mean(
 ) -> Response:
     """Shape [1, 1, T, T]: the mean over every head of the chosen layers (the reply's
     n_layers, n_heads, layers and heads describe that one matrix; `mean_of` names the model's
-    layers and heads it averages). A 404 means the run was evicted: POST the text again."""
-    run = service.cached(run_id, "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)")
-    served = service.registry.get(run.model)
-    info = served.model.info
-    chosen = resolve_indices(parse_index_list(layers, "layer"), info.n_layers, "layer", info.id)
+    layers and heads it averages). A 404 means the run was evicted: POST the text again. It waits
+    for a render slot as a tile does: 429 beyond the same bounds, and a run evicted while it
+    waited answers 404."""
+    chosen, nbytes = planned(service, run_id, layers, format)
     started = time.perf_counter()
 
-    def render() -> list[bytes]:
-        weights = measures.weights(run, served)[chosen]  # (len(chosen), n_heads, T, T) float32
+    def render(run: Run, served, captured) -> list[bytes]:
+        info = served.model.info
+        weights = float_weights(run, captured)[chosen]  # (len(chosen), n_heads, T, T) float32
         mean = weights.mean(dim=(0, 1), keepdim=True)  # (1, 1, T, T)
         averaged = Run(run.run_id, run.model, run.tokens, run.truncated, mean)
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
@@ -51,9 +64,10 @@ async def run_mean(
         return render_result(averaged, info, View([0], [0], format), timing,
                              mean_of={"layers": chosen, "heads": list(range(info.n_heads))})
 
-    # The answer's bytes (json at T=1,024: 15 MB, held until its reader takes it), then a render
-    # slot for the T×T float32 mean, like an answer's encoding.
-    async with service.bytes_then_slot(answer_bytes(run.n_tokens**2, format, False, run.tokens), client_of(request)) as grant:
-        pieces = await finished_off_loop(render)
-    request.state.log = {"run_id": run_id, "mean_of_layers": len(chosen)}
-    return PiecesResponse(pieces, "application/json" if format == "json" else "application/vnd.manyeyes+json", grant=grant)
+    async def averaged() -> Reply:
+        # A render slot for the T×T float32 mean, like an answer's encoding.
+        pieces, grant = await measures.in_turn(run_id, nbytes, client_of(request), False, render, needs_weights=MEAN_ROUTE)
+        return replied(pieces, {"run_id": run_id, "mean_of_layers": len(chosen)}, grant,
+                       "application/json" if format == "json" else "application/vnd.manyeyes+json")
+
+    return await answered_while_connected(request, averaged())

@@ -37,9 +37,14 @@ async def attention(body: AttentionRequest, service: ServiceDep, measures: Measu
     reply = await unless_disconnected(request, work)
     request.state.log = reply.log
     if body.measures:
-        try:
+
+        async def measured():
             joined = await measures.attach(reply.body, reply.runs[0], body.measures, body, client)
-            reply.body, encoding = await service.compress_text(joined, wire.accept_encoding, client)
+            return await service.compress_text(joined, wire.accept_encoding, client)
+
+        try:
+            # Seconds of work in a render slot: dropped, as the forward is, when the client hangs up.
+            reply.body, encoding = await unless_disconnected(request, measured())
         except BaseException:
             reply.release()
             raise

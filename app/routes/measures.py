@@ -3,21 +3,22 @@ also on POST /api/v1/attention as `measures`), /flow, /neuron and /logit-attribu
 
 from typing import Annotated
 
-import orjson
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import WithJsonSchema
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep
-from manyeyes.app.routes.responses import PiecesResponse, errors
+from manyeyes.app.routes.responses import errors
+from manyeyes.app.routes.runs import answered_while_connected
 from manyeyes.app.schemas import DIGITS, FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
 from manyeyes.app.services.errors import InvalidInput, brief
 from manyeyes.app.services.measures import MATRIX_MEASURES
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["measures"])
-ERRORS = errors(404, 413, 429, 503)
-MEASURES_ERRORS = errors(404, 413, 429, 503, 504)  # 504: the answers' bytes were not free in time
+# Each waits for its answer's bytes and a render slot, as a tile does: 504 when the bytes were not
+# free in time, 429 beyond the render queue's bounds.
+ERRORS = errors(404, 413, 429, 503, 504)
 
 
 Index = Annotated[int, Query(ge=0, le=1_000_000), DIGITS]
@@ -25,11 +26,7 @@ _ONE = "(" + "|".join(MATRIX_MEASURES) + ")"
 NAMES = f"^{_ONE}(,{_ONE})*$"  # in the schema too, so clients (and fuzzers) know the names
 
 
-def json_response(body: dict) -> Response:
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
-
-
-@router.get("/measures", response_model=MeasuresResponse, responses=MEASURES_ERRORS)
+@router.get("/measures", response_model=MeasuresResponse, responses=ERRORS)
 async def run_measures(
     run_id: str,
     service: MeasuresDep,
@@ -50,45 +47,39 @@ async def run_measures(
     if unknown is not None:
         raise InvalidInput(f"names: {brief(unknown)!r} is not a measure; the measures are {', '.join(MATRIX_MEASURES)}")
     layer_list, head_list = parse_index_list(layers, "layer"), parse_index_list(heads, "head")
-    run, served = service.run(run_id)
-    measures, grant = await service.matrices(run, served, asked, layer_list, head_list, format, client_of(request))
-    info = served.model.info
-    head = orjson.dumps({
-        "run_id": run_id, "model": run.model,
-        "layers": layer_list if layer_list is not None else list(range(info.n_layers)),
-        "heads": head_list if head_list is not None else list(range(info.n_heads)),
-    })
-    # The measures as they were encoded (tens of MB at T=512), a piece of their own: no joined copy.
-    return PiecesResponse([head[:-1], b',"measures":', measures, b"}"], "application/json", grant=grant)
+    return await answered_while_connected(
+        request, service.measures(run_id, asked, layer_list, head_list, format, client_of(request)))
 
 
 @router.get("/flow", response_model=FlowResponse, responses=ERRORS)
 async def run_flow(
     run_id: str,
     service: MeasuresDep,
+    request: Request,
     threshold: Annotated[float, Query(ge=0.01, le=1.0, allow_inf_nan=False, description="Edges below this share are pruned; ≥ 0.01 bounds a target's edges per layer to 100")] = 0.05,
 ) -> Response:
     """Information-flow routes (Ferrando & Voita, 2024): token → token edges through the layers,
     weighted by how much of the target's stream each source makes, pruned at `threshold`."""
-    return Response(await service.flow(run_id, threshold), media_type="application/json")
+    return await answered_while_connected(request, service.flow(run_id, threshold, client_of(request)))
 
 
 @router.get("/neuron", response_model=NeuronResponse, responses=ERRORS)
-async def run_neuron(run_id: str, service: MeasuresDep, layer: Index, head: Index, query: Index) -> Response:
+async def run_neuron(run_id: str, service: MeasuresDep, request: Request, layer: Index, head: Index, query: Index) -> Response:
     """The neuron view of one head and one query token: the query, every key, q ⊙ k, the scaled
     scores, the softmax and the values. Under grouped-query attention, `kv_head` says which
     key/value head this query head reads."""
-    return json_response(await service.neuron(run_id, layer, head, query))
+    return await answered_while_connected(request, service.neuron(run_id, layer, head, query, client_of(request)))
 
 
 @router.get("/logit-attribution", response_model=LogitAttributionResponse, responses=ERRORS)
 async def run_logit_attribution(
     run_id: str,
     service: MeasuresDep,
+    request: Request,
     position: Index,
     target: Annotated[int | None, Query(ge=0, le=10_000_000, description="Token id; default the top prediction at `position`"), DIGITS] = None,
     top: Annotated[int, Query(ge=1, le=4096, description="Heads returned, the largest effect first, up or down (by absolute contribution)"), DIGITS] = 10,
 ) -> Response:
     """Direct logit attribution (causal LMs): each head's direct contribution to the logit of
     `target` at `position`, through the final norm frozen at this run's scale, ranked."""
-    return json_response(await service.logits(run_id, position, target, top))
+    return await answered_while_connected(request, service.logits(run_id, position, target, top, client_of(request)))

@@ -444,12 +444,15 @@ class AttentionService:
             raise
 
     @asynccontextmanager
-    async def queued_with_bytes(self, nbytes: int, client: str):
-        """bytes_then_slot, admitted to the render queue first (else 429): tiles and large slices."""
+    async def queued_with_bytes(self, nbytes: int, client: str, turn: FairSlots | None = None):
+        """bytes_then_slot, admitted to the render queue first (else 429): tiles and large slices.
+        `turn`: slots of one kind of work to hold first, taken in turns across clients (the flow
+        graphs', one at a time), waited for in the queue, counted and bounded as it is."""
         self.queued.admit(client)
         try:
-            async with self.bytes_then_slot(nbytes, client) as grant:
-                yield grant
+            async with turn.hold(client) if turn is not None else nullcontext():
+                async with self.bytes_then_slot(nbytes, client) as grant:
+                    yield grant
         finally:
             self.queued.release(client)
 
@@ -466,12 +469,13 @@ class AttentionService:
             self._refuse_qk(run, needs_weights)
         return run
 
-    def still_cached(self, run_id: str, fmt: str, needs_weights: str | None = None) -> Run:
+    def still_cached(self, run_id: str, fmt: str | None, needs_weights: str | None = None) -> Run:
         """The run again, once a render slot is held. A request waiting for a slot holds only the
         run's id: holding the run itself kept every evicted run with a request queued on it alive,
         outside the cache's byte bound (150 queued tiles on 150 evicted 2,048-token tiny-llama runs:
         1 GB of resident memory under a 40 MB cache). The same id is the same model, text and
-        truncation, so a run recomputed meanwhile has the tokens the request was checked against."""
+        truncation, so a run recomputed meanwhile has the tokens the request was checked against.
+        fmt None: the caller reads float32 weights whatever precision the run kept (the measures)."""
         run = self.cache.get(run_id)
         if run is None:
             raise UnknownRun(
@@ -480,7 +484,8 @@ class AttentionService:
             )
         if needs_weights and run.kind == "qk":  # evicted, then recomputed by a request that kept queries and keys
             self._refuse_qk(run, needs_weights)
-        check_precision(run, fmt)  # a run that replaced it may have been kept quantised (a GPU server's)
+        if fmt is not None:
+            check_precision(run, fmt)  # a run that replaced it may have been kept quantised (a GPU server's)
         return run
 
     def _refuse_qk(self, run: Run, needs_weights: str) -> None:
@@ -717,6 +722,12 @@ class AttentionService:
             # unretrieved, and the collector logged "exception was never retrieved" for each.
             # One future is awaited as it is: gather's own future cost a loop turn more.
             done: list[Done] = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
+        except BaseException:
+            # One input's failure fails the request, and gather leaves the others' futures pending:
+            # their inputs would stay queued, in their client's share, to be run for nobody.
+            for future in futures:
+                future.cancel()
+            raise
         finally:
             expiry.cancel()
         for item, result in zip(missing, done):

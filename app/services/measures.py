@@ -12,17 +12,17 @@ and a capture with the stream costs more than a plain forward.
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import orjson
 import torch
-from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.services.attention import (
     AttentionService,
+    Reply,
     cells_bytes,
     finished_off_loop,
     resolve_indices,
@@ -32,7 +32,7 @@ from manyeyes.app.services.cache import Run, RunCache
 from manyeyes.app.services.errors import InvalidInput, QueueFull, TooManyCells
 from manyeyes.app.services.payload import as_bytes, to_f16
 from manyeyes.app.services.registry import Served
-from manyeyes.app.services.slots import CountedSlots, Grant
+from manyeyes.app.services.slots import CountedSlots, FairSlots, Grant
 from manyeyes.model import measures as m
 from manyeyes.model.analysis import value_weighted_norms
 from manyeyes.model.runtime import AttentionResult
@@ -42,13 +42,17 @@ MATRIX_MEASURES = ("rollout", "value_norms", "contributions", "words", "heads")
 NEEDS_CAPTURE = {"value_norms", "contributions"}
 CAPTURE_SHARE = 4  # captures get 1/4 of MANYEYES_CACHE_BYTES in their own LRU, the runs the rest
 CAPTURE_SLOTS = 2  # captured forwards at once; beyond, 429
-# Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, beyond 429.
+# Flow routes cost O(L · T² · d_model), several forward passes at T=512: one at a time, the turns
+# round-robin across clients, waiting in the render queue (its bounds, its 429s).
 FLOW_SLOTS = 1
 # Graphs kept as their JSON, the most recent within this many bytes: MiniLM's at T=512 takes 0.6 s
 # of compute (seconds under load), and the page asks for the same one each time its flow view
 # opens. One is 0.7 MB at T=507 and threshold 0.01 (10,885 edges), at most 20 MB (100 edges a
 # target and layer); a run the cache evicted is a 404 first, graph or no graph.
 FLOW_CACHE_BYTES = 32 << 20
+# An edge's JSON at its longest: {"layer":47,"source":99999,"target":99999,"weight":0.999999,"head":127},
+FLOW_EDGE_BYTES = 80
+ROUTES = "the measures routes (measures, flow, neuron, logit-attribution)"
 
 
 @dataclass(frozen=True)
@@ -121,9 +125,26 @@ def full_precision(run: Run) -> bool:
     return run.attention.dtype == torch.float32
 
 
+def float_weights(run: Run, captured: Captured | None) -> torch.Tensor:
+    """The run's (L, H, T, T) weights as the model made them, float32: its own, or for a run
+    quantised on the device (u8/f16, as a GPU server keeps them) its capture's, which
+    MeasuresService.in_turn makes for it. Measures and means of u8 bytes lose every weight under
+    1/510 (most of a long row)."""
+    return run.attention if captured is None else captured.with_weights(run).attention
+
+
 def pick(tensor: torch.Tensor, layers: list[int], heads: list[int]) -> torch.Tensor:
     """(L, H, ...) -> (L', H', ...)."""
     return tensor.index_select(0, torch.tensor(layers)).index_select(1, torch.tensor(heads))
+
+
+def replied(pieces: list[bytes], log: dict, grant: Grant | None, media_type: str = "application/json") -> Reply:
+    """An answer that holds its bytes in the answers' budget until it is sent (a flow graph
+    served from FLOW_CACHE_BYTES holds none)."""
+    reply = Reply(pieces, media_type, log)
+    if grant is not None:
+        reply.own(grant)
+    return reply
 
 
 class MeasuresService:
@@ -132,57 +153,83 @@ class MeasuresService:
         self.settings = attention.settings
         self.captures = RunCache(attention.settings.cache_bytes // CAPTURE_SHARE)
         self._slots = CountedSlots(CAPTURE_SLOTS, attention.metrics.work_running.labels("capture"))
-        self._flow_slots = CountedSlots(FLOW_SLOTS, attention.metrics.work_running.labels("flow"))
-        self._capturing: dict[str, list] = {}
-        self._guard = threading.Lock()
+        # A flow graph at a time, in turns across clients: a 429 for any second one let a client
+        # that asked again at once keep the route for good (another's got 36 429s in 36, review h50a).
+        self._flow_turns = FairSlots(FLOW_SLOTS)
+        self._flow_running = attention.metrics.work_running.labels("flow")
+        # Run id -> the capture being made of it, which other requests for that run await.
+        self._capturing: dict[str, asyncio.Future] = {}
         self._flows: OrderedDict[tuple[str, float], bytes] = OrderedDict()
 
     # ------------------------------------------------------------------ lookups
     def run(self, run_id: str) -> tuple[Run, Served]:
-        run = self.attention.cached(run_id, "the measures routes (measures, flow, neuron, logit-attribution)")
+        run = self.attention.cached(run_id, ROUTES)
         return run, self.attention.registry.get(run.model)
 
-    def _capture(self, run: Run, served: Served) -> Captured:
-        """The run's captured forward, from the LRU or made now (on a worker thread). Requests
-        for one run wait for one forward and hold no slot while they wait: the page asks for a
-        run's flow, neuron view and value norms at once."""
-        found = self._usable(self.captures.get(run.run_id), run)
-        if found is not None:
-            return found
-        with self._guard:
-            entry = self._capturing.setdefault(run.run_id, [threading.Lock(), 0])  # [lock, waiters]
-            entry[1] += 1
-        try:
-            with entry[0]:
-                found = self._usable(self.captures.get(run.run_id), run)
-                if found is not None:
-                    return found
-                if not self._slots.acquire():
-                    raise QueueFull(f"{CAPTURE_SLOTS} captured runs are already being computed; retry shortly", 1)
-                try:
-                    model = served.model
-                    type_emb = getattr(model.net, "type_emb", None)
-                    n_types = type_emb.num_embeddings if type_emb is not None else 1
-                    encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
-                    stream = m.capture_stream(model, encoded)
-                    own = None if full_precision(run) else stream.result.attention
-                    captured = Captured(run.run_id, replace(stream.result, logits=None, attention=None),
-                                        stream.inputs, stream.final, stream.mixed, stream.outputs, own)
-                    self.captures.put(captured)
-                    return captured
-                finally:
-                    self._slots.release()
-        finally:
-            with self._guard:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    self._capturing.pop(run.run_id, None)
+    async def in_turn(self, run_id: str, nbytes: int, client: str, capture: bool, work, *args,
+                      needs_weights: str = ROUTES, turn: FairSlots | None = None) -> tuple[object, Grant]:
+        """(work(run, served, captured, *args) run on a worker thread, the grant of its answer's
+        `nbytes`), waited for as a tile waits (TileService._answer): admitted to the render queue
+        (429 beyond its bounds), then the bytes, then a render slot, all round-robin across
+        clients. Until the slot is held the request holds the run's id, not the run: 30 /mean
+        requests waiting on runs the cache then evicted held 500 MB beyond a 72 MiB cache. The run
+        is read again in the slot (404 if it went meanwhile: still_cached, with no format, as
+        measures read float32 weights whatever the run kept). `captured` is the run's captured
+        forward where `capture` asks for it or the run is quantised (float_weights), else None.
+        `turn`: a kind of work's own slots, held first (queued_with_bytes)."""
+        async with self.attention.queued_with_bytes(nbytes, client, turn) as grant:
+            run = self.attention.still_cached(run_id, None, needs_weights)
+            served = self.attention.registry.get(run.model)
+            captured = await self._captured_for(run, served, capture)
+            return await finished_off_loop(work, run, served, captured, *args), grant
 
-    def weights(self, run: Run, served: Served) -> torch.Tensor:
-        """The run's (L, H, T, T) weights as the model made them, float32: its own, or for a run
-        quantised on the device (u8/f16, as a GPU server keeps them) its capture's, made once.
-        Measures and means of u8 bytes lose every weight under 1/510 (most of a long row)."""
-        return run.attention if full_precision(run) else self._capture(run, served).attention
+    async def _captured_for(self, run: Run, served: Served, capture: bool) -> Captured | None:
+        return await self._captured(run, served) if capture or not full_precision(run) else None
+
+    async def _captured(self, run: Run, served: Served) -> Captured:
+        """The run's captured forward, from the LRU or made now on a worker thread; called in a
+        render slot. Requests for one run wait for one forward, on the event loop: the page asks
+        for a run's flow, neuron view and value norms at once, and each waiter blocked a thread of
+        the pool everything else renders on (80 /neuron requests for one run held another
+        client's POST up from 0.3 s to 7.6 s)."""
+        while True:
+            found = self._usable(self.captures.get(run.run_id), run)
+            if found is not None:
+                return found
+            making = self._capturing.get(run.run_id)
+            if making is None:
+                break
+            await asyncio.wait([making])  # not `await making`: a waiter that hangs up must not cancel it
+            # Failed or abandoned (its capture, if made, is in the LRU), or made for a float32 run
+            # this one cannot use: look again, and make it if nobody is.
+            found = None if making.cancelled() else self._usable(making.result(), run)
+            if found is not None:
+                return found
+        if not self._slots.acquire():
+            raise QueueFull(f"{CAPTURE_SLOTS} captured runs are already being computed; retry shortly", 1)
+        making = self._capturing[run.run_id] = asyncio.get_running_loop().create_future()
+        try:
+            captured = await finished_off_loop(self._capture, run, served)
+        except BaseException:
+            making.cancel()
+            raise
+        finally:
+            del self._capturing[run.run_id]
+            self._slots.release()
+        making.set_result(captured)
+        return captured
+
+    def _capture(self, run: Run, served: Served) -> Captured:
+        model = served.model
+        type_emb = getattr(model.net, "type_emb", None)
+        n_types = type_emb.num_embeddings if type_emb is not None else 1
+        encoded = Encoded(run.tokens, [min(t.segment, n_types - 1) for t in run.tokens], run.truncated)
+        stream = m.capture_stream(model, encoded)
+        own = None if full_precision(run) else stream.result.attention
+        captured = Captured(run.run_id, replace(stream.result, logits=None, attention=None),
+                            stream.inputs, stream.final, stream.mixed, stream.outputs, own)
+        self.captures.put(captured)
+        return captured
 
     @staticmethod
     def _usable(found: Captured | None, run: Run) -> Captured | None:
@@ -218,35 +265,33 @@ class MeasuresService:
         served = self.attention.registry.get(model)
         return lambda tokens: self._planned(served, names, layers, heads, fmt, tokens)[3]
 
-    async def matrices(self, run: Run, served: Served, names: list[str], layers, heads, fmt: str,
-                       client: str = "", reserve: bool = True) -> tuple[bytes, Grant | None]:
-        """The `measures` object of a response (each asked name, one of MATRIX_MEASURES as the
-        schemas check, -> its result) as JSON, and its bytes in the answers' budget, which the
-        caller hands to the response that sends it (none when `reserve` is false: the caller's
-        grant has them already). Of the run itself, not looked up again by id: the cache may have
-        dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it."""
-        names, layers, heads, nbytes = self._planned(served, names, layers, heads, fmt, run.tokens)
-        # The answer's bytes first (as for POST /attention), then a render slot: each of these
-        # builds tensors the size of the run's weights (value norms: 75 MB at T=512), and 16 at
-        # once tripled the memory bound. Encoded in the slot: the matrices and their text are
-        # twice the answer, and only the text leaves it, held by the grant until it is sent.
-        work = (self._encoded, run, served, names, layers, heads, fmt)
-        if not reserve:
-            async with self.attention.renders.hold(client):
-                return await finished_off_loop(*work), None
-        async with self.attention.bytes_then_slot(nbytes, client) as grant:
-            return await finished_off_loop(*work), grant
+    def _matrices_plan(self, run_id: str, names: list[str], layers, heads, fmt: str) -> tuple[str, list, list, list, int]:
+        """(model, then _planned's plan) of a request checked against its run, which it does not
+        return: the awaiting caller never holds the run (in_turn)."""
+        run, served = self.run(run_id)
+        return run.model, *self._planned(served, names, layers, heads, fmt, run.tokens)
 
-    def _encoded(self, run: Run, served: Served, names, layers, heads, fmt) -> bytes:
-        return orjson.dumps(self._matrices(run, served, names, layers, heads, fmt), option=orjson.OPT_SERIALIZE_NUMPY)
+    async def measures(self, run_id: str, names: list[str], layers, heads, fmt: str, client: str = "") -> Reply:
+        """GET /runs/{run_id}/measures: the `measures` object (each asked name, one of
+        MATRIX_MEASURES as the schemas check, -> its result) and what it is of. Each measure
+        builds tensors the size of the run's weights (value norms: 75 MB at T=512), and 16 at once
+        tripled the memory bound: they are made in a render slot (in_turn), and encoded there, as
+        the matrices and their text are twice the answer and only the text leaves it."""
+        model, names, layers, heads, nbytes = self._matrices_plan(run_id, names, layers, heads, fmt)
+        measures, grant = await self.in_turn(run_id, nbytes, client, bool(NEEDS_CAPTURE & set(names)), self._encoded,
+                                             names, layers, heads, fmt)
+        head = orjson.dumps({"run_id": run_id, "model": model, "layers": layers, "heads": heads})
+        # The measures as they were encoded (tens of MB at T=512), a piece of their own: no joined copy.
+        return replied([head[:-1], b',"measures":', measures, b"}"], {"run_id": run_id}, grant)
 
-    def _matrices(self, run: Run, served: Served, names, layers, heads, fmt) -> dict:
+    def _encoded(self, run: Run, served: Served, captured: Captured | None, names, layers, heads, fmt) -> bytes:
+        return orjson.dumps(self._matrices(run, served, captured, names, layers, heads, fmt),
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+
+    def _matrices(self, run: Run, served: Served, raw: Captured | None, names, layers, heads, fmt) -> dict:
         model = served.model
-        raw = self._capture(run, served) if NEEDS_CAPTURE & set(names) else None
         captured = raw.with_weights(run) if raw is not None else None
-        # The capture's float32 weights when it was made anyway: a capture that did not fit its LRU
-        # would otherwise be made a second time by weights().
-        weights = captured.attention if captured is not None else self.weights(run, served)
+        weights = float_weights(run, raw)
         out = {}
         for name in names:
             if name == "rollout":
@@ -287,32 +332,48 @@ class MeasuresService:
 
     async def attach(self, pieces: list[bytes], run: Run, names: list[str], options, client: str = "") -> list[bytes]:
         """POST /attention's pieces with a `measures` member added before the closing brace (sent
-        as its own piece: no joined copy). Their bytes were reckoned with the answer's (reckoner)."""
+        as its own piece: no joined copy). Of the run itself, not looked up again by id: the cache
+        may have dropped it meanwhile, or (MANYEYES_CACHE_BYTES=0) never kept it; the answer's
+        grant holds its bytes, and those of the measures (reckoner). Made and encoded in a render
+        slot, as GET /measures makes them."""
         served = self.attention.registry.get(run.model)
-        measures, _ = await self.matrices(run, served, names, options.layers, options.heads, options.format, client,
-                                          reserve=False)
+        names, layers, heads, _ = self._planned(served, names, options.layers, options.heads, options.format, run.tokens)
+        async with self.attention.renders.hold(client):
+            captured = await self._captured_for(run, served, bool(NEEDS_CAPTURE & set(names)))
+            measures = await finished_off_loop(self._encoded, run, served, captured, names, layers, heads, options.format)
         return [*pieces[:-1], pieces[-1][:-1], b',"measures":', measures, b"}"]
 
     # ------------------------------------------------------------------ the parameterised ones
-    async def flow(self, run_id: str, threshold: float) -> bytes:
-        """The graph as JSON: serialised on the worker thread (20 MB at most), and kept so."""
+    # Each is checked against its run, then waits its turn holding the run's id (in_turn), as
+    # /measures does: they had gone straight to the thread pool, with no slot, share or 429.
+    def _checked(self, run_id: str) -> tuple[Served, int]:
+        """(served, the run's tokens) for a request's checks; the run itself is not returned (in_turn)."""
         run, served = self.run(run_id)
-        return await run_in_threadpool(self._flow, run, served, threshold)
+        return served, run.n_tokens
 
-    def _flow(self, run: Run, served: Served, threshold: float) -> bytes:
-        key = (run.run_id, threshold)
-        with self._guard:
-            if key in self._flows:
-                self._flows.move_to_end(key)
-                return self._flows[key]
-        captured = self._capture(run, served)
-        if not self._flow_slots.acquire():
-            raise QueueFull("an information-flow graph is already being computed; retry shortly", 2)
+    async def flow(self, run_id: str, threshold: float, client: str = "") -> Reply:
+        """The graph as JSON: serialised on the worker thread, and kept so."""
+        served, n_tokens = self._checked(run_id)  # a run the cache evicted is a 404, graph or no graph
+        key = (run_id, threshold)
+        if key in self._flows:
+            self._flows.move_to_end(key)
+            return replied([self._flows[key]], {"run_id": run_id}, None)
+        # A target's edges a layer: its sources and the residual, those of share ≥ threshold at most.
+        edges = served.model.info.n_layers * n_tokens * min(n_tokens + 1, int(1 / threshold) + 1)
+        graph, grant = await self.in_turn(run_id, edges * FLOW_EDGE_BYTES + ANSWER_FRAME_BYTES, client, True,
+                                          self._flow, threshold, turn=self._flow_turns)
+        self._flows[key] = graph
+        while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
+            self._flows.popitem(last=False)
+        return replied([graph], {"run_id": run_id}, grant)
+
+    def _flow(self, run: Run, served: Served, captured: Captured, threshold: float) -> bytes:
+        self._flow_running.inc()
         try:
             edges = m.flow_edges(served.model, captured.with_weights(run), captured.inputs, threshold)
         finally:
-            self._flow_slots.release()
-        graph = orjson.dumps({
+            self._flow_running.dec()
+        return orjson.dumps({
             "run_id": run.run_id,
             "threshold": threshold,
             "n_layers": run.attention.shape[0],
@@ -320,28 +381,27 @@ class MeasuresService:
             "edges": [{"layer": e.layer, "source": e.source, "target": e.target, "weight": round(e.weight, 6),
                        "head": e.head} for e in edges],
         })
-        with self._guard:
-            self._flows[key] = graph
-            while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
-                self._flows.popitem(last=False)
-        return graph
 
-    async def neuron(self, run_id: str, layer: int, head: int, query: int) -> dict:
-        run, served = self.run(run_id)
+    async def neuron(self, run_id: str, layer: int, head: int, query: int, client: str = "") -> Reply:
+        served, n_tokens = self._checked(run_id)
         info = served.model.info
         resolve_indices([layer], info.n_layers, "layer", info.id)
         resolve_indices([head], info.n_heads, "head", info.id)
-        resolve_indices([query], len(run.tokens), "query position", info.id, f"this run of {len(run.tokens):,} tokens")
-        return await run_in_threadpool(self._neuron, run, served, layer, head, query)
+        resolve_indices([query], n_tokens, "query position", info.id, f"this run of {n_tokens:,} tokens")
+        # The query, then each key's k, q ⊙ k and v, score and weight.
+        numbers = info.head_dim + n_tokens * (3 * info.head_dim + 2)
+        pieces, grant = await self.in_turn(run_id, cells_bytes(numbers, "json") + ANSWER_FRAME_BYTES, client, True,
+                                           self._neuron, layer, head, query)
+        return replied(pieces, {"run_id": run_id}, grant)
 
-    def _neuron(self, run: Run, served: Served, layer: int, head: int, query: int) -> dict:
-        view = m.neuron_view(served.model, self._capture(run, served).with_weights(run), layer, head, query)
+    def _neuron(self, run: Run, served: Served, captured: Captured, layer: int, head: int, query: int) -> list[bytes]:
+        view = m.neuron_view(served.model, captured.with_weights(run), layer, head, query)
         info = served.model.info
 
         def rows(t: torch.Tensor):
             return [[round(float(x), 6) for x in row] for row in t.tolist()] if t.dim() == 2 else [round(float(x), 6) for x in t.tolist()]
 
-        return {
+        return [orjson.dumps({
             "run_id": run.run_id, "layer": layer, "head": head, "kv_head": view.kv_head,
             "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads, "query_index": query,
             "query": rows(view.query), "keys": rows(view.keys), "products": rows(view.products),
@@ -350,30 +410,34 @@ class MeasuresService:
             # Six significant digits, not decimals: a weight of 4.6e-7 read 0 (and the page's
             # softmax column 0.0000) where its score said otherwise.
             "weights": [float(f"{w:.6g}") for w in view.weights.tolist()], "values": rows(view.values),
-        }
+        }, option=orjson.OPT_SERIALIZE_NUMPY)]
 
-    async def logits(self, run_id: str, position: int, target: int | None, top: int) -> dict:
-        run, served = self.run(run_id)
+    async def logits(self, run_id: str, position: int, target: int | None, top: int, client: str = "") -> Reply:
+        served, n_tokens = self._checked(run_id)
         try:
             m.check_attributable(served.model)
         except ValueError as exc:
             raise InvalidInput(f"model {served.id}: {exc}") from None
-        resolve_indices([position], len(run.tokens), "position", served.id, f"this run of {len(run.tokens):,} tokens")
+        resolve_indices([position], n_tokens, "position", served.id, f"this run of {n_tokens:,} tokens")
         vocab = served.model.net.out_head.weight.shape[0]
         if target is not None and not 0 <= target < vocab:
             raise InvalidInput(f"target must be a token id in 0..{vocab - 1}")
-        return await run_in_threadpool(self._logits, run, served, position, target, top)
+        info = served.model.info
+        # The ranked heads as head-table rows are reckoned, and a few numbers a layer.
+        nbytes = HEAD_ROW_BYTES * min(top, info.n_layers * info.n_heads) + cells_bytes(2 * info.n_layers, "json")
+        pieces, grant = await self.in_turn(run_id, nbytes + ANSWER_FRAME_BYTES, client, True,
+                                           self._logits, position, target, top)
+        return replied(pieces, {"run_id": run_id}, grant)
 
-    def _logits(self, run: Run, served: Served, position: int, target: int | None, top: int) -> dict:
-        captured = self._capture(run, served)
+    def _logits(self, run: Run, served: Served, captured: Captured, position: int, target: int | None, top: int) -> list[bytes]:
         found = m.attribute_logit(served.model, captured.with_weights(run), captured.inputs, captured.final, position, target)
         ranked = found.ranked_heads()
         token = served.model.tokenizer.token_text(found.target)
-        return {
+        return [orjson.dumps({
             "run_id": run.run_id, "position": found.position, "target": found.target,
             "target_text": token, "target_piece": served.model.tokenizer.token_piece(found.target),
             "logit": found.logit, "total": found.total,
             "heads": [{"layer": layer, "head": head, "contribution": value} for layer, head, value in ranked[:top]],
             "attention_bias": found.attention_bias.tolist(), "mlps": found.mlps.tolist(),
             "embeddings": found.embeddings, "rest": found.rest,
-        }
+        }, option=orjson.OPT_SERIALIZE_NUMPY)]

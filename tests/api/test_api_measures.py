@@ -292,16 +292,43 @@ def test_grouped_query_attention_is_shown_honestly(tmp_path, bytelevel_tokenizer
         gqa.__exit__(None, None, None)
 
 
-def test_a_second_flow_while_one_runs_is_a_429_not_a_pile_up(client):
-    run_id = post(client, text=TEXT, format="u8")["run_id"]
-    slots = client.app.state.measures._flow_slots
-    assert slots.acquire()  # as if another flow graph were being computed
+def test_flow_graphs_are_made_one_at_a_time_in_turns_across_clients(client):
+    """A second flow while one was being made was a 429: one client asking again at once kept the
+    route for good, and another's got 429 36 times in 36 (review h50a). They wait their turn, one
+    graph at a time, round-robin across clients; a client past its share of waiting is a 429."""
+    import asyncio
+
+    service = client.app.state.measures
+    runs = [post(client, text=f"{TEXT} {i}", format="u8")["run_id"] for i in range(4)]
+    made, real = [], service._flow
+
+    def flow(run, served, captured, threshold):
+        made.append(run.run_id)
+        return real(run, served, captured, threshold)
+
+    service._flow = flow
+    share, service.attention.queued.max_client_queue = service.attention.queued.max_client_queue, 3
+
+    async def main():
+        # A's three graphs asked first, then B's: B's is made after one more of A's, not after all.
+        asked = [asyncio.create_task(service.flow(run_id, 0.02, "a")) for run_id in runs[:3]]
+        await asyncio.sleep(0)
+        asked.append(asyncio.create_task(service.flow(runs[3], 0.02, "b")))
+        await asyncio.sleep(0)
+        try:
+            await service.flow(runs[3], 0.03, "a")  # a fourth of A's: past its share
+        except Exception as exc:  # noqa: BLE001
+            refused = exc
+        return refused, await asyncio.gather(*asked)
+
     try:
-        busy = client.get(f"/api/v1/runs/{run_id}/flow")
-        assert busy.status_code == 429 and busy.headers["retry-after"] == "2"
+        refused, replies = client.portal.call(main)
     finally:
-        slots.release()
-    assert client.get(f"/api/v1/runs/{run_id}/flow").status_code == 200
+        service._flow = real
+        service.attention.queued.max_client_queue = share
+    assert made == [runs[0], runs[1], runs[3], runs[2]], made
+    assert type(refused).__name__ == "QueueFull" and "its share" in str(refused)
+    assert all(reply.body for reply in replies) and service.attention.queued.waiting == 0
 
 
 def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch):
@@ -313,7 +340,6 @@ def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch
 
     run_id = post(client, text="Five requests, one capture, no 429.", format="u8")["run_id"]
     service = client.app.state.measures
-    run, served = service.run(run_id)
     calls = []
     real = service_module.m.capture_stream
 
@@ -322,10 +348,12 @@ def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch
         return real(model, encoded)
 
     monkeypatch.setattr(service_module.m, "capture_stream", counted)
+    asked = ["flow", "neuron?layer=0&head=0&query=1", "measures?names=value_norms", "neuron?layer=1&head=2&query=3",
+             "measures?names=contributions"]
     with ThreadPoolExecutor(5) as pool:
-        found = list(pool.map(lambda _: service._capture(run, served), range(5)))
-    assert len(calls) == 1 and all(f is found[0] for f in found)
-    assert service._capturing == {}
+        answers = list(pool.map(lambda path: client.get(f"/api/v1/runs/{run_id}/{path}"), asked))
+    assert [r.status_code for r in answers] == [200] * 5, [r.text[:200] for r in answers]
+    assert len(calls) == 1 and service._capturing == {}
 
 
 def test_measures_join_a_json_answer_compressed_as_json_text_is(client):

@@ -89,20 +89,20 @@ def test_a_measures_answer_holds_its_bytes_until_sent_and_the_next_waits_for_the
     limit = answers.limit
 
     async def main():
-        run, served = measures.run(run_id)
         answers.limit = 0  # no budget: what one answer reckons
-        encoded, grant = await measures.matrices(run, served, names, None, None, "f16", "reader")
-        one = grant.nbytes
+        reply = await measures.measures(run_id, names, None, None, "f16", "reader")
+        one, size = reply.hand_over().nbytes, sum(map(len, reply.body))
         answers.limit = 2 * one + 2  # a client holds at most half: one answer, not two
-        first, grant = await measures.matrices(run, served, names, None, None, "f16", "reader")
+        first = await measures.measures(run_id, names, None, None, "f16", "reader")
+        grant = first.hand_over()
         held = answers.held
-        second = asyncio.create_task(measures.matrices(run, served, names, None, None, "f16", "reader"))
+        second = asyncio.create_task(measures.measures(run_id, names, None, None, "f16", "reader"))
         await asyncio.sleep(0.5)
         waited = not second.done()
         grant.release()
-        again, last = await asyncio.wait_for(second, 60)
-        last.release()
-        return one, len(encoded), held, waited, again == first, answers.held
+        again = await asyncio.wait_for(second, 60)
+        again.hand_over().release()
+        return one, size, held, waited, again.body == first.body, answers.held
 
     try:
         one, size, held, waited, same, after = asyncio.run(main())
