@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from collections import OrderedDict
@@ -288,13 +289,41 @@ def stop(started_serve: bool) -> None:
     # too, once nothing else runs on it: on a cluster joined through RAY_ADDRESS its actors outlive
     # this process and would hold the port asked for with nothing behind it.
     serve.delete(APP)
+    drop_shared()
     if started_serve and not serve.status().applications:
         serve.shutdown()
+
+
+def drop_shared() -> None:
+    """The replicas' run directory and view shelf, detached so that every replica finds them: they
+    outlived the application, holding up to 64 MB of users' texts and 16 MiB of views on a shared
+    cluster until `ray stop` (review h50b)."""
+    for name in (DIRECTORY, VIEWS):
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:  # none made yet: no replica asked
+            pass
+
+
+def interrupt(signum, _frame) -> None:
+    """SIGTERM and SIGHUP end `serve --replicas` as Ctrl-C does: Ray's driver printed a crash dump
+    for a supervisor's SIGTERM and took every replica down at once, unsettled."""
+    raise KeyboardInterrupt
 
 
 def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
     """`manyeyes serve --replicas N`: start (or join, with RAY_ADDRESS) Ray, deploy, block. A
     deployment that fails is one line and status 2, as every other start-up failure of the CLI."""
+    stops = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, interrupt) for s in stops}
+    try:
+        return _serve_replicas(settings, host=host, port=port, replicas=replicas, threads=threads)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
     running = running_serve()

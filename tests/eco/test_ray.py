@@ -173,12 +173,13 @@ def test_replicas_that_cannot_load_say_why_in_one_line_and_exit_2(monkeypatch, c
     monkeypatch.setattr(scale.serve, "delete", lambda name: calls.append(f"delete {name}"))
     monkeypatch.setattr(scale.serve, "status", ServeStatus)  # no application runs
     monkeypatch.setattr(scale.serve, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(scale, "drop_shared", lambda: calls.append("drop shared"))
     stored[(scale.NAMESPACE, scale.FAILURE_KEY)] = b"an earlier deployment's reason"
     settings = Settings(models={"bad": "./nonexistent-dir"})
     assert scale.serve_replicas(settings, host="127.0.0.1", port=9, replicas=1, threads=1) == 2
     assert capsys.readouterr().err == (
         "error: the replicas did not start: model loading failed: ModelLoadError: no such model file or folder: nonexistent-dir\n")
-    assert calls == ["start", "run", "delete manyeyes", "shutdown"]
+    assert calls == ["start", "run", "delete manyeyes", "drop shared", "shutdown"]
 
     # Nothing left by a replica: Ray's line, and where to look.
     monkeypatch.setattr(scale.serve, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Deploying failed.\nmore")))

@@ -5,6 +5,7 @@ announced where nothing listens (review h50b). A local Ray of its own, as tests/
 from __future__ import annotations
 
 import os
+import signal
 
 import httpx
 import pytest
@@ -61,7 +62,9 @@ def answers(port: int, path: str = "/other") -> str:
 
 
 def test_stopping_manyeyes_leaves_another_application_and_its_serve_running(other_serve, monkeypatch, capsys):
-    """Ctrl-C called serve.shutdown(): the other application, Serve's proxy and controller went."""
+    """Ctrl-C called serve.shutdown(): the other application, Serve's proxy and controller went.
+    A supervisor's SIGTERM stops it as Ctrl-C does (Ray printed a crash dump for it), and the
+    replicas' shared directory and view shelf go with it (detached, they outlived it)."""
     from ray import serve
 
     from manyeyes import scale
@@ -70,18 +73,25 @@ def test_stopping_manyeyes_leaves_another_application_and_its_serve_running(othe
     seen = {}
     real_sleep = scale.time.sleep
 
-    def ctrl_c_once_served(seconds: float) -> None:
+    def sigterm_once_served(seconds: float) -> None:
         if seconds != 3600:  # Ray's own waits
             return real_sleep(seconds)
         seen["readyz"] = httpx.get(f"http://127.0.0.1:{other_serve}/readyz", timeout=30).status_code
-        raise KeyboardInterrupt
+        seen["shared"] = [bool(ray.get_actor(name, namespace=scale.NAMESPACE)) for name in (scale.DIRECTORY, scale.VIEWS)]
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_sleep(30)  # the handler raises in here
 
-    monkeypatch.setattr(scale.time, "sleep", ctrl_c_once_served)
+    monkeypatch.setattr(scale.time, "sleep", sigterm_once_served)
     settings = Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu")
+    before = signal.getsignal(signal.SIGTERM)
     assert scale.serve_replicas(settings, host="127.0.0.1", port=other_serve, replicas=1, threads=1) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+    for name in (scale.DIRECTORY, scale.VIEWS):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace=scale.NAMESPACE)
     banner = f"manyeyes: 1 replicas on Ray Serve at http://127.0.0.1:{other_serve} (1 thread each)"
     assert banner in capsys.readouterr().out.splitlines()  # among Ray's lines, which it prints on stdout too
-    assert seen == {"readyz": 200}  # served where the banner said
+    assert seen == {"readyz": 200, "shared": [True, True]}  # served where the banner said
     assert set(serve.status().applications) == {"other"}
     assert answers(other_serve) == "the other application answers"
 
