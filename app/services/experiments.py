@@ -21,6 +21,7 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.config import Settings
+from manyeyes.app.memory import release_free_heap
 from manyeyes.app.services.attention import (
     ANSWER_FIELDS_BYTES,
     INLINE_CHARS,
@@ -34,6 +35,7 @@ from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, Queue
 from manyeyes.app.services.payload import token_dicts
 from manyeyes.app.services.registry import Registry, Served
 from manyeyes.app.services.slots import CountedSlots, Grant
+from manyeyes.model.buffers import trim_kept_mappings_soon
 from manyeyes.model.errors import TooLongError
 from manyeyes.model.experiments import Ablation, Comparison, ablate, changed_tokens, compare_results, validate_ablations
 from manyeyes.model.tokenizer import Encoded
@@ -230,6 +232,8 @@ class ExperimentService:
                 return fn(*args)
             finally:
                 self._slots.release(client)  # only once the forwards have really ended
+                release_free_heap()  # its tensors' heap, freed in this thread's arena (app/memory.py)
+                trim_kept_mappings_soon()  # and its buffers' mappings, past what the buffer pool keeps
 
         try:
             return await asyncio.wait_for(run_in_threadpool(work), deadline - time.monotonic())
