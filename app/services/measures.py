@@ -160,6 +160,7 @@ class MeasuresService:
         # Run id -> the capture being made of it, which other requests for that run await.
         self._capturing: dict[str, asyncio.Future] = {}
         self._flows: OrderedDict[tuple[str, float], bytes] = OrderedDict()
+        self._flows_making: dict[tuple[str, float], asyncio.Future] = {}  # the graphs on their way
 
     # ------------------------------------------------------------------ lookups
     def run(self, run_id: str) -> tuple[Run, Served]:
@@ -177,6 +178,11 @@ class MeasuresService:
         measures read float32 weights whatever the run kept). `captured` is the run's captured
         forward where `capture` asks for it or the run is quantised (float_weights), else None.
         `turn`: a kind of work's own slots, held first (queued_with_bytes)."""
+        making = self._capturing.get(run_id)
+        if capture and making is not None:
+            # Another request is making this run's capture: waited for in a render slot, it held the
+            # slot idle for the capture's length (h50g). Waited for here, it is in the LRU by the turn.
+            await asyncio.wait([making])  # not `await making`: a waiter that hangs up must not cancel it
         async with self.attention.queued_with_bytes(nbytes, client, turn) as grant:
             run = self.attention.still_cached(run_id, None, needs_weights)
             served = self.attention.registry.get(run.model)
@@ -355,13 +361,26 @@ class MeasuresService:
         """The graph as JSON: serialised on the worker thread, and kept so."""
         served, n_tokens = self._checked(run_id)  # a run the cache evicted is a 404, graph or no graph
         key = (run_id, threshold)
+        # One graph made for every request of it at once: each waiting its turn made it again (a
+        # class opening one link, one graph made once a student, h50g).
+        while key not in self._flows and (making := self._flows_making.get(key)) is not None:
+            await asyncio.wait([making])  # made (then kept below), or failed: this one makes it
         if key in self._flows:
             self._flows.move_to_end(key)
             return replied([self._flows[key]], {"run_id": run_id}, None)
-        # A target's edges a layer: its sources and the residual, those of share ≥ threshold at most.
+        # A target's edges a layer: its sources and the residual, those of share ≥ threshold at most;
+        # at most half the answers' budget, the most a client holds (a 32-layer model's reckoning,
+        # 250 MiB for a graph of a few, went alone and held every other client's bytes up).
         edges = served.model.info.n_layers * n_tokens * min(n_tokens + 1, int(1 / threshold) + 1)
-        graph, grant = await self.in_turn(run_id, edges * FLOW_EDGE_BYTES + ANSWER_FRAME_BYTES, client, True,
-                                          self._flow, threshold, turn=self._flow_turns)
+        nbytes = edges * FLOW_EDGE_BYTES + ANSWER_FRAME_BYTES
+        if self.attention.answers.limit:
+            nbytes = min(nbytes, self.attention.answers.limit // 2)
+        making = self._flows_making[key] = asyncio.get_running_loop().create_future()
+        try:
+            graph, grant = await self.in_turn(run_id, nbytes, client, True, self._flow, threshold, turn=self._flow_turns)
+        finally:
+            del self._flows_making[key]
+            making.set_result(None)
         self._flows[key] = graph
         while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
             self._flows.popitem(last=False)

@@ -331,6 +331,50 @@ def test_flow_graphs_are_made_one_at_a_time_in_turns_across_clients(client):
     assert all(reply.body for reply in replies) and service.attention.queued.waiting == 0
 
 
+def test_one_graph_and_one_capture_serve_every_request_for_them_at_once(client):
+    """Each request waiting its turn made the same flow graph again (a class opening one link: one
+    graph a student), and a request waiting for another's capture of its run held a render slot
+    idle for the capture's length (h50g)."""
+    import asyncio
+    import threading
+
+    service = client.app.state.measures
+    run_id = post(client, text=f"{TEXT} once", format="u8")["run_id"]
+    made, real_flow, real_capture = [], service._flow, service._capture
+    gate = threading.Event()
+
+    def flow(run, served, captured, threshold):
+        made.append(threshold)
+        return real_flow(run, served, captured, threshold)
+
+    def capture(run, served):
+        gate.wait(30)
+        return real_capture(run, served)
+
+    service._flow, service._capture = flow, capture
+    renders = service.attention.renders
+
+    async def main():
+        first = asyncio.create_task(service.measures(run_id, ["value_norms"], None, None, "f16", "a"))
+        while run_id not in service._capturing:
+            await asyncio.sleep(0.01)
+        others = [asyncio.create_task(service.flow(run_id, 0.05, "b")) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        free = renders.free  # the capture's slot taken; no waiter in the other
+        gate.set()
+        replies = await asyncio.gather(first, *others)
+        return free, replies
+
+    total = renders.free
+    try:
+        free, replies = client.portal.call(main)
+    finally:
+        service._flow, service._capture = real_flow, real_capture
+        gate.set()
+    assert free == total - 1, (free, total)
+    assert made == [0.05] and len({bytes(b"".join(r.body)) for r in replies[1:]}) == 1
+
+
 def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch):
     """The page asks for a run's flow, neuron view and value norms at once: more requests than
     capture slots, all answered, by one forward."""

@@ -49,8 +49,13 @@ def post(url: str, text: str) -> str:
     return r.json()["run_id"]
 
 
-def route_path(run_id: str, route: str) -> str:
-    return f"/api/v1/runs/{run_id}/{ROUTES[route][0]}"
+def route_path(run_id: str, route: str, variant: int = 0) -> str:
+    """variant: another graph of the flow route (its threshold): requests for one graph at once
+    wait for the one making it, not in the queue."""
+    path = ROUTES[route][0]
+    if route == "flow" and variant:
+        path = f"flow?threshold={0.2 + variant / 100:.2f}"
+    return f"/api/v1/runs/{run_id}/{path}"
 
 
 def get(url: str, path: str) -> httpx.Response:
@@ -162,7 +167,7 @@ def test_requests_whose_clients_hung_up_leave_the_queue_and_are_not_computed(gat
         service = server.app.state.service
         running = hold_the_slot(server, pool, gate)
         run_id = post(server.url, text_of(1))
-        abandoned = [Raw(server.port, route_path(run_id, route)) for _ in range(5)]
+        abandoned = [Raw(server.port, route_path(run_id, route, i)) for i in range(5)]
         wait_until(lambda: service.queued.waiting == 6, 30, "five requests to wait for the slot")
         for request in abandoned:
             request.hang_up()
