@@ -190,7 +190,8 @@ function isTooLong(err) {
   return err.status === 422 && /long|length|max_tokens|positions/i.test(`${err.code} ${err.message}`);
 }
 
-// The server runs a few experiments, generations and flow graphs at a time: a busy answer (429 with
+// The server runs a few experiments and generations at a time, and queues the rest of its work
+// within bounds: a busy answer (429 with
 // Retry-After) is asked again after that wait and up to a second more, so that a class's pages
 // spread out, this many times, onWait(seconds) saying so meanwhile; an abort of `signal` ends the
 // wait (AbortError). Without onWait a busy answer is the caller's to report. Students clicked again

@@ -15,6 +15,7 @@ import { isolate, isolateQuoted } from "./tokens.js";
 const EXPORT_SIDE = 2048; // pixels a side of an exported window of a long run, at most
 const HOVER_PAUSE_MS = 60; // a resting pointer over a pooled cell asks for that cell's exact value
 const EXACT_KEPT = 512;
+const UNREAD_MS = 5000; // how long a failed read is said before the cell is asked for again
 
 // What draw() needs of a tile: its cell rectangle and the cells one pixel of its image covers.
 function placed(tile, w) {
@@ -97,7 +98,7 @@ export class TiledFocusView extends FocusView {
       onError: (err) => this.onTileError?.(err),
     });
     this.exact = new Map(); // "run|layer:head|q|k" -> the cell's float32 weight (as f16), from hovering
-    this.unread = new Map(); // the same keys -> why the cell's own weight could not be read
+    this.unread = new Map(); // the same keys -> why the cell's own weight could not be read, and until when
     this.hoverTimer = 0;
     this.hoverController = null;
     this.refineStart = null;
@@ -370,13 +371,22 @@ export class TiledFocusView extends FocusView {
       if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value, F16_ZERO);
       const pooled = `${boundText(value)} (max of ${tile.rowStep} × ${tile.colStep} cells`;
       // A read that failed said "reading this one…" for as long as the pointer stayed (the server gone).
-      if (this.unread.has(key)) return `${pooled}; this one could not be read: ${this.unread.get(key)})`;
+      const failed = this.unreadNow(key);
+      if (failed) return `${pooled}; this one could not be read: ${failed})`;
       this.askExact(q, k, key, clientX, clientY);
       return `${pooled}; reading this one…)`;
     }
-    if (this.unread.has(key)) return `could not be read: ${this.unread.get(key)}`;
+    const failed = this.unreadNow(key);
+    if (failed) return `could not be read: ${failed}`;
     this.askExact(q, k, key, clientX, clientY);
     return "reading…";
+  }
+
+  // Why the cell's weight could not be read, for a few seconds: then it is asked again (a 429 of a
+  // busy server, or one back up, was "could not be read" until the run changed).
+  unreadNow(key) {
+    const failed = this.unread.get(key);
+    return failed && performance.now() < failed.until ? failed.why : null;
   }
 
   askExact(q, k, key, clientX, clientY) {
@@ -398,7 +408,7 @@ export class TiledFocusView extends FocusView {
       }).catch((err) => {
         if (err.name === "AbortError") return;
         this.onTileError?.(err);
-        keep(this.unread, describeError(err));
+        keep(this.unread, { why: describeError(err), until: performance.now() + UNREAD_MS });
       });
     }, HOVER_PAUSE_MS);
   }

@@ -151,6 +151,7 @@ function setBusy(busy) {
   $("busy").hidden = !busy;
   if (busy) $("run-status").textContent = "Running…";
   $("run-form").setAttribute("aria-busy", String(busy));
+  if (!busy) delete $("run-form").dataset.running;
   if (!busy && state.runAgain) {
     state.runAgain = false;
     $("run-form").removeAttribute("data-queued");
@@ -849,6 +850,8 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   layer = clamp(layer, info.n_layers);
   const request = { text, model: info.id, format: "u8", truncate: $("truncate").checked };
   if (pair.trim()) request.text_pair = pair;
+  // stale_note.js: what is on its way, which the form may hold ("press Run" was said of it).
+  $("run-form").dataset.running = JSON.stringify({ text, text_pair: request.text_pair ?? null, model: info.id });
   const lazy = info.n_layers > 1 && info.n_layers * info.n_heads * guessTokens(text.length + pair.length) ** 2 > EAGER_BYTES;
   let response;
   try {

@@ -405,12 +405,13 @@ class Measures {
     const threshold = Number($("flow-threshold").value);
     this.flowWait?.abort(); // a wait to ask again for another threshold's graph
     const wait = (this.flowWait = new AbortController());
-    // The server makes one flow graph at a time, and a short run's graph is drawn by itself, with no
+    // The server makes one flow graph at a time (in turns across clients; a busy answer says its
+    // queue is full), and a short run's graph is drawn by itself, with no
     // button: a busy answer left "Try again in 2 s" with nothing to press (a class on one laptop had
     // 10% of them turned away). It is asked again (whenNotBusy), and the button shows meanwhile.
     const busy = (seconds) => {
       $("flow-draw").hidden = false;
-      $("flow-status").textContent = `The server is busy with another flow graph: asking again in ${seconds} s…`;
+      $("flow-status").textContent = `The server is busy: asking again in ${seconds} s…`;
     };
     try {
       const flow = await whenNotBusy(() => this.get(`flow?threshold=${threshold}`), wait.signal, busy);

@@ -10,19 +10,26 @@ export function mountStaleNote() {
   const [text, pair, model] = ["text", "pair", "model"].map($);
   let shown = null;
 
+  // What of the form differs from a run's input: [] when it holds that run's.
+  const differs = (input) => [
+    // a link's text may hold "\r\n", which its text area holds as "\n"
+    asTyped(text.value) !== asTyped(input.text) && "sentence",
+    (pair.value.trim() ? asTyped(pair.value) : "") !== asTyped(input.text_pair ?? "") && "second sentence",
+    model.value !== "" && model.value !== input.model && "model",
+  ].filter(Boolean);
+
   function update() {
-    const changed = !shown ? [] : [
-      // a link's text may hold "\r\n", which its text area holds as "\n"
-      asTyped(text.value) !== asTyped(shown.text) && "sentence",
-      (pair.value.trim() ? asTyped(pair.value) : "") !== asTyped(shown.text_pair ?? "") && "second sentence",
-      model.value !== "" && model.value !== shown.model && "model",
-    ].filter(Boolean);
+    const changed = !shown ? [] : differs(shown);
     note.hidden = changed.length === 0;
     const named = changed.length > 1 ? `${changed.slice(0, -1).join(", ")} and ${changed.at(-1)}` : changed[0];
     // Asked for while a run was going, the form's run goes next: "press Run" told the reader to ask
     // again for what was already on its way.
-    const next = $("run-form").hasAttribute("data-queued") ? `${changed.length > 1 ? "they run" : "it runs"} next`
-      : `press Run to see ${changed.length > 1 ? "them" : "it"}`;
+    const form = $("run-form");
+    const running = form.dataset.running ? JSON.parse(form.dataset.running) : null;
+    const them = changed.length > 1;
+    const next = form.hasAttribute("data-queued") ? `${them ? "they run" : "it runs"} next`
+      : running && differs(running).length === 0 ? `${them ? "they are" : "it is"} running`
+        : `press Run to see ${them ? "them" : "it"}`;
     note.textContent = changed.length ? `Below is the last run, not the ${named} above: ${next}.` : "";
   }
 
@@ -32,4 +39,6 @@ export function mountStaleNote() {
   });
   for (const field of [text, pair]) field.addEventListener("input", update);
   model.addEventListener("change", update);
+  // A Run asked for while one runs queues it (main.js): said at once, not when the run before lands.
+  new MutationObserver(update).observe($("run-form"), { attributes: true, attributeFilter: ["data-queued", "data-running"] });
 }

@@ -211,7 +211,7 @@ def test_a_busy_flow_graph_is_asked_again_after_its_wait_and_can_be_asked_by_han
     run(page, TEXT, model="tiny-gpt")
     page.locator("#measures").scroll_into_view_if_needed()
     page.wait_for_function("() => document.getElementById('flow-status').textContent.startsWith("
-                           "'The server is busy with another flow graph: asking again in ')")
+                           "'The server is busy: asking again in ')")
     assert page.locator("#flow-draw").is_visible()
     page.wait_for_selector("#flow[data-threshold]", timeout=30_000)  # asked again by itself, and drawn
     assert len(asked) == 2 and page.text_content("#flow-status") == ""

@@ -678,14 +678,19 @@ def test_a_text_run_while_another_runs_goes_next_and_is_what_is_shown(make_page)
     with serving({"minilm": "minilm"}, env={"MANYEYES_DEBUG_FORWARD_DELAY_S": "1.0"}) as base:
         page = make_page()
         open_page(page, base)
+        run(page, "A cat.")  # a run on screen: the note speaks of it while the next ones go
+        page.evaluate("""() => { window.shown = [];
+            document.addEventListener("manyeyes:run", (event) => window.shown.push(event.detail.request.text)); }""")
         submit(page, "The bank of the river was muddy after the heavy rain fell all night.")
         page.wait_for_selector("#busy:not([hidden])")
         submit(page, "The dog ran.")
         assert "runs next" in page.locator("#run-status").text_content()
-        # The first text's result lands under the second: the note said "press Run to see it" of a
-        # run already on its way.
-        page.wait_for_selector("#stale-note:not([hidden])", timeout=60_000)
+        # Said at once, while the run before it still goes ("press Run to see it" of a run already
+        # on its way, until that run landed), and still when it lands under the queued text.
         assert page.text_content("#stale-note") == "Below is the last run, not the sentence above: it runs next."
+        page.wait_for_function("() => window.shown.length === 1", timeout=60_000)  # the long sentence's run landed
+        # ... and the queued text's run, going now: "press Run to see it" of the run under way.
+        page.wait_for_function("() => document.getElementById('stale-note').textContent.endsWith('it is running.')")
         page.wait_for_function("() => document.getElementById('run-status').textContent.startsWith('Done: 6 tokens')",
                                timeout=60_000)
         page.wait_for_function("() => document.querySelectorAll('#headview .hv-left li').length === 6", timeout=30_000)
