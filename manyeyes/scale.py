@@ -289,9 +289,12 @@ def stop(started_serve: bool) -> None:
     # too, once nothing else runs on it: on a cluster joined through RAY_ADDRESS its actors outlive
     # this process and would hold the port asked for with nothing behind it.
     serve.delete(APP)
-    drop_shared()
-    if started_serve and not serve.status().applications:
-        serve.shutdown()
+    if not serve.status().applications:
+        # Only then: a `serve run` of app_builder beside it (another application name) shares the
+        # replicas' directory and shelf, and its saved views went with a failed start of this one.
+        drop_shared()
+        if started_serve:
+            serve.shutdown()
 
 
 def drop_shared() -> None:
@@ -305,17 +308,23 @@ def drop_shared() -> None:
             pass
 
 
+# SIGHUP where there is one (not on Windows), as server.py and workers.py take it.
+STOP_SIGNALS = (signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+
+
 def interrupt(signum, _frame) -> None:
     """SIGTERM and SIGHUP end `serve --replicas` as Ctrl-C does: Ray's driver printed a crash dump
-    for a supervisor's SIGTERM and took every replica down at once, unsettled."""
+    for a supervisor's SIGTERM and took every replica down at once, unsettled. A second one while
+    it stops is ignored (it raised in the middle of stopping: a traceback, half stopped)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
 def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
     """`manyeyes serve --replicas N`: start (or join, with RAY_ADDRESS) Ray, deploy, block. A
     deployment that fails is one line and status 2, as every other start-up failure of the CLI."""
-    stops = (signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, interrupt) for s in stops}
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
     try:
         return _serve_replicas(settings, host=host, port=port, replicas=replicas, threads=threads)
     finally:

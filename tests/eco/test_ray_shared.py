@@ -63,8 +63,9 @@ def answers(port: int, path: str = "/other") -> str:
 
 def test_stopping_manyeyes_leaves_another_application_and_its_serve_running(other_serve, monkeypatch, capsys):
     """Ctrl-C called serve.shutdown(): the other application, Serve's proxy and controller went.
-    A supervisor's SIGTERM stops it as Ctrl-C does (Ray printed a crash dump for it), and the
-    replicas' shared directory and view shelf go with it (detached, they outlived it)."""
+    A supervisor's SIGTERM stops it as Ctrl-C does (Ray printed a crash dump for it). The
+    replicas' shared directory and view shelf (detached, they outlived it) go once no other
+    application runs on Serve: one of them may be a `serve run` of app_builder, sharing them."""
     from ray import serve
 
     from manyeyes import scale
@@ -86,14 +87,19 @@ def test_stopping_manyeyes_leaves_another_application_and_its_serve_running(othe
     before = signal.getsignal(signal.SIGTERM)
     assert scale.serve_replicas(settings, host="127.0.0.1", port=other_serve, replicas=1, threads=1) == 0
     assert signal.getsignal(signal.SIGTERM) is before
-    for name in (scale.DIRECTORY, scale.VIEWS):
-        with pytest.raises(ValueError):
-            ray.get_actor(name, namespace=scale.NAMESPACE)
+    assert all(ray.get_actor(name, namespace=scale.NAMESPACE) for name in (scale.DIRECTORY, scale.VIEWS))
     banner = f"manyeyes: 1 replicas on Ray Serve at http://127.0.0.1:{other_serve} (1 thread each)"
     assert banner in capsys.readouterr().out.splitlines()  # among Ray's lines, which it prints on stdout too
     assert seen == {"readyz": 200, "shared": [True, True]}  # served where the banner said
     assert set(serve.status().applications) == {"other"}
     assert answers(other_serve) == "the other application answers"
+    serve.delete("other")
+    scale.stop(started_serve=False)  # nothing else on Serve now: the shared actors go, Serve stays
+    for name in (scale.DIRECTORY, scale.VIEWS):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace=scale.NAMESPACE)
+    assert scale.running_serve() == ("127.0.0.1", other_serve)
+    deploy_other()
 
     # A start that fails (a model that cannot load) stopped it all the same way.
     monkeypatch.setattr(scale.serve, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Deploying failed.")))
