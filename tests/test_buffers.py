@@ -285,6 +285,47 @@ def test_the_servers_trim_threshold_keeps_the_heap_a_forward_takes_again():
     assert faults("default") > 1_000  # 2 MiB: the 8 MiB top goes back and comes again, 2,048 pages
 
 
+# A worker thread takes 200 MiB in blocks under the mmap threshold, in its own malloc arena, and
+# frees all but every sixteenth: the holes stay resident until the heap is trimmed. Prints the
+# resident MiB the freeing left, then what release_free_heap left.
+HOLED_ARENA_PROBE = r"""
+import ctypes, sys, threading
+from manyeyes.app.memory import LIBC, release_free_heap, tune_malloc
+assert tune_malloc(int(sys.argv[1]), int(sys.argv[2]))
+LIBC.malloc.restype, LIBC.malloc.argtypes, LIBC.free.argtypes = ctypes.c_void_p, (ctypes.c_size_t,), (ctypes.c_void_p,)
+def resident_mib():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+def churn():
+    blocks = [LIBC.malloc(64 << 10) for _ in range(3200)]
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)
+    for i, block in enumerate(blocks):
+        if i % 16:
+            LIBC.free(block)
+before = resident_mib()
+worker = threading.Thread(target=churn)
+worker.start()
+worker.join()
+freed = resident_mib() - before
+release_free_heap()
+print(freed, resident_mib() - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_release_free_heap_gives_back_the_holes_a_worker_threads_arena_keeps():
+    """What the experiments call after each one (app/services/experiments.py): with the server's
+    settings a freed heap stays resident in the thread's arena; malloc_trim returns it."""
+    from manyeyes.app.config import Settings
+
+    settings = Settings()
+    probe = [sys.executable, "-c", HOLED_ARENA_PROBE, str(settings.malloc_mmap_threshold), str(settings.malloc_trim_threshold)]
+    freed, trimmed = map(float, subprocess.run(probe, capture_output=True, text=True, check=True).stdout.split())
+    assert freed > 150  # 188 MiB of holes: freeing alone gave nothing back
+    assert trimmed < 40  # the 12.5 MiB still taken, and the arena's own pages
+
+
 def test_the_forward_writes_every_weight_of_such_a_buffer(huge_pages):
     """The server's forward fills the buffer whole: no cell keeps what the fresh mapping held."""
     from manyeyes.model import load
