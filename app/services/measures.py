@@ -138,6 +138,12 @@ def pick(tensor: torch.Tensor, layers: list[int], heads: list[int]) -> torch.Ten
     return tensor.index_select(0, torch.tensor(layers)).index_select(1, torch.tensor(heads))
 
 
+async def outlived(making: asyncio.Future) -> None:
+    """Waits for what another request is making. Not `await making`: a waiter that hangs up would
+    cancel it for every other waiter, and for its maker."""
+    await asyncio.wait([making])
+
+
 def replied(pieces: list[bytes], log: dict, grant: Grant | None, media_type: str = "application/json") -> Reply:
     """An answer that holds its bytes in the answers' budget until it is sent (a flow graph
     served from FLOW_CACHE_BYTES holds none)."""
@@ -182,7 +188,7 @@ class MeasuresService:
         if capture and making is not None:
             # Another request is making this run's capture: waited for in a render slot, it held the
             # slot idle for the capture's length (h50g). Waited for here, it is in the LRU by the turn.
-            await asyncio.wait([making])  # not `await making`: a waiter that hangs up must not cancel it
+            await outlived(making)
         async with self.attention.queued_with_bytes(nbytes, client, turn) as grant:
             run = self.attention.still_cached(run_id, None, needs_weights)
             served = self.attention.registry.get(run.model)
@@ -205,7 +211,7 @@ class MeasuresService:
             making = self._capturing.get(run.run_id)
             if making is None:
                 break
-            await asyncio.wait([making])  # not `await making`: a waiter that hangs up must not cancel it
+            await outlived(making)
             # Failed or abandoned (its capture, if made, is in the LRU), or made for a float32 run
             # this one cannot use: look again, and make it if nobody is.
             found = None if making.cancelled() else self._usable(making.result(), run)
@@ -363,11 +369,16 @@ class MeasuresService:
         key = (run_id, threshold)
         # One graph made for every request of it at once: each waiting its turn made it again (a
         # class opening one link, one graph made once a student, h50g).
-        while key not in self._flows and (making := self._flows_making.get(key)) is not None:
-            await asyncio.wait([making])  # made (then kept below), or failed: this one makes it
-        if key in self._flows:
-            self._flows.move_to_end(key)
-            return replied([self._flows[key]], {"run_id": run_id}, None)
+        # The maker hands its graph to those waiting: one larger than FLOW_CACHE_BYTES is not kept,
+        # and each waiter made it again in turn.
+        graph = self._flows.get(key)
+        while graph is None and (making := self._flows_making.get(key)) is not None:
+            await outlived(making)
+            graph = making.result()  # None: it failed, and this one makes it
+        if graph is not None:
+            if key in self._flows:
+                self._flows.move_to_end(key)
+            return replied([graph], {"run_id": run_id}, None)
         # A target's edges a layer: its sources and the residual, those of share ≥ threshold at most;
         # at most half the answers' budget, the most a client holds (a 32-layer model's reckoning,
         # 250 MiB for a graph of a few, went alone and held every other client's bytes up).
@@ -380,7 +391,7 @@ class MeasuresService:
             graph, grant = await self.in_turn(run_id, nbytes, client, True, self._flow, threshold, turn=self._flow_turns)
         finally:
             del self._flows_making[key]
-            making.set_result(None)
+            making.set_result(graph)
         self._flows[key] = graph
         while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
             self._flows.popitem(last=False)

@@ -201,6 +201,32 @@ def test_a_post_whose_client_hangs_up_while_its_measures_wait_for_a_slot_is_not_
         idle(server)
 
 
+def test_a_flow_graph_too_large_to_keep_is_made_once_for_the_requests_waiting_on_it(gate, monkeypatch):
+    """A graph larger than FLOW_CACHE_BYTES is not kept: each request that waited for its making
+    made it again, one after another."""
+    opened, entered = gate
+    monkeypatch.setattr(measures_module, "FLOW_CACHE_BYTES", 0)
+    waiting, outlived = [], measures_module.outlived
+
+    async def counted(making):
+        waiting.append(making)
+        await outlived(making)
+
+    monkeypatch.setattr(measures_module, "outlived", counted)
+    with live_server(**SERVER) as server, ThreadPoolExecutor(4) as pool:
+        path = route_path(post(server.url, text_of(1)), "flow")
+        first = pool.submit(get, server.url, path)
+        wait_until(lambda: entered == ["flow"], 30, "the first request to make the graph")
+        others = [pool.submit(get, server.url, path) for _ in range(3)]
+        wait_until(lambda: len(waiting) == 3, 30, "three more requests to wait for it")
+        opened.set()
+        answers = [request.result() for request in [first, *others]]
+        assert [r.status_code for r in answers] == [200] * 4 and len({r.content for r in answers}) == 1
+        assert entered == ["flow"], "a waiter made the graph again"
+        assert get(server.url, path).status_code == 200 and entered == ["flow", "flow"]  # and it was not kept
+        idle(server)
+
+
 def test_a_clients_requests_beyond_its_share_of_the_queue_get_429_and_another_client_still_waits(gate):
     opened, entered = gate
     with live_server(**SERVER, max_queue=8, max_client_queue=2) as server, ThreadPoolExecutor(2) as pool:
