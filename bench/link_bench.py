@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lean_http import Connection  # noqa: E402
-from serve_bench import FRAME, free_port, sentence, settle, start, wait_up  # noqa: E402
+from live_server import free_port, ready_or_exit  # noqa: E402
+from serve_bench import FRAME, sentence, settle, start  # noqa: E402
 
 from manyeyes.app.services.wire import read_frame  # noqa: E402
 
@@ -153,7 +154,7 @@ def main() -> None:
     procs = [start([sys.executable, "-c", "from manyeyes.app.cli import main; main()", "serve", "--port", str(port)],
                    env, logs / "server.log")]
     try:
-        wait_up(procs[0], f"http://127.0.0.1:{port}/readyz", logs / "server.log")
+        ready_or_exit(f"http://127.0.0.1:{port}", procs[0], (logs / "server.log").read_text)
         links = [("loopback", f"http://127.0.0.1:{port}")]
         for mbit in rates:
             proxy_port = free_port()

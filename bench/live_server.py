@@ -7,11 +7,9 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,13 +17,16 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"  # loopback only: these scripts never send traffic anywhere else
+sys.path.insert(1, str(ROOT))  # the bench scripts run with only bench/ on the path
+from tests.servers import HOST, free_port, wait_ready  # noqa: E402  loopback only, as in the tests
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+def ready_or_exit(base: str, proc: subprocess.Popen, log_tail, timeout_s: float = 300, route: str = "/readyz") -> None:
+    """wait_ready, a bench's way: it ends the script with the server's log_tail() when it fails."""
+    try:
+        wait_ready(base, proc, timeout_s=timeout_s, route=route)
+    except AssertionError as failed:
+        raise SystemExit(f"{failed}:\n{log_tail()[-3000:]}") from None
 
 
 @contextmanager
@@ -46,19 +47,7 @@ def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeou
         if on_spawn is not None:  # e.g. start polling its memory from the first moment
             on_spawn(proc.pid)
         try:
-            deadline = time.monotonic() + ready_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise SystemExit(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the server was not ready within {ready_timeout_s:g} s")
-                time.sleep(0.2)
+            ready_or_exit(url, proc, lambda: log.seek(0) or log.read(), ready_timeout_s)
             yield url, proc.pid
         finally:
             proc.send_signal(signal.SIGTERM)

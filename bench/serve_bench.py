@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lean_http import Answer, AsyncConnection, Connection, split_url  # noqa: E402
-from live_server import access_ms  # noqa: E402
+from live_server import access_ms, free_port, ready_or_exit  # noqa: E402
 
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E402
 
@@ -106,30 +105,10 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
     # A file, not a pipe: an unread pipe fills up and blocks the server's logging mid-run.
     with log.open("wb") as sink:
         return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT)
-
-
-def wait_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} never became ready")
 
 
 def sentence(n_tokens: int, seed: int, encode) -> str:
@@ -341,8 +320,8 @@ def main() -> None:
     ]
     ours, ref = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{ref_port}"
     try:
-        wait_up(servers[0], f"{ours}/readyz", logs / "ours.log")
-        wait_up(servers[1], f"{ref}/docs", logs / "reference.log")
+        ready_or_exit(ours, servers[0], (logs / "ours.log").read_text)
+        ready_or_exit(ref, servers[1], (logs / "reference.log").read_text, route="/docs")
         with httpx.Client(timeout=300) as client:
             table = latency_table(client, ours, ref, encode, lengths, rounds, forms)
         print(f"  load test: {args.clients} clients x {seconds:g} s per server, then 1 client on ours", file=sys.stderr)
