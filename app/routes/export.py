@@ -8,6 +8,7 @@ from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -50,7 +51,7 @@ async def export_page(
         if beside:
             raise InvalidInput(f"?view= names the whole run to export; leave out {', '.join(beside)}, or drop view "
                                "and name the run with text, pair, model, layer and head")
-        state = views.get(view)
+        state = await run_in_threadpool(views.get, view)  # with workers or Ray, a read of the shared store
         if state is None:
             raise UnknownView(f"view {view} is unknown or has expired; the server keeps views for 30 days")
         text, pair, model = state["text"], state["text_pair"], state["model"]
@@ -77,7 +78,7 @@ async def export_page(
             f"an exported page holds every weight of its run, up to {service.settings.dense_max_tokens:,} tokens on this "
             "server, and this text is longer: export a shorter one (the page reads longer runs from the server)"
         ) from None
-    n_tokens = orjson.loads(b"".join(reply.body))["attention"]["shape"][-1]
+    n_tokens = reply.runs[0].n_tokens
     # The probe's bytes (its run's among them: 75 MB at T=512) go back before the full answer asks
     # for its own: held, they and the full answer passed a client's half of the answers' budget
     # from about 420 MiniLM tokens, and the export waited for its own bytes until its 504.

@@ -4,6 +4,7 @@ import re
 
 import orjson
 from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from manyeyes.app.deps import MetricsDep, ReadyMarksDep, RegistryDep
@@ -55,4 +56,5 @@ async def readyz(request: Request, registry: RegistryDep, marks: ReadyMarksDep) 
 
 @router.get("/metrics", response_class=Response)
 async def metrics(m: MetricsDep) -> Response:
-    return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)
+    # With workers, every worker's metric files are read: off the loop.
+    return Response(await run_in_threadpool(m.exposition), media_type=CONTENT_TYPE_LATEST)

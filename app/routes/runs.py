@@ -65,10 +65,10 @@ async def run_slice(
 
 
 @router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(404))
-async def run_info(run_id: str, tiles: TilesDep) -> dict:
+async def run_info(run_id: str, tiles: TilesDep) -> Response:
     """What a cached run is: its tokens, what it keeps (weights, or queries and keys), the bytes
-    it holds, and the URL templates of the routes that serve it. (response_model validates it once.)"""
-    return tiles.info(run_id)
+    it holds, and the URL templates of the routes that serve it."""
+    return Response(await tiles.info_json(run_id), media_type="application/json")
 
 
 @router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: arrays_content(TileResponse), **errors(404, 413, 429, 504)})

@@ -308,6 +308,13 @@ def check_some_tokens(model_id: str, encoded: Encoded, has_pair: bool, label: st
             )
 
 
+def items_for(model: str, texts: list[tuple[str, str | None]], batch: bool, truncate: bool, tenant: str) -> list[Item]:
+    return [
+        Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(model, text, pair, truncate, tenant), tenant=tenant)
+        for i, (text, pair) in enumerate(texts)
+    ]
+
+
 class AttentionService:
     def __init__(self, settings: Settings, registry: Registry, cache: RunCache, metrics: Metrics,
                  run_directory=None) -> None:
@@ -346,10 +353,9 @@ class AttentionService:
         top_k = self._top_k(served, options.predictions)
         self.check_chars(texts, batch)
         deadline = started + self.settings.request_timeout_s
-        items = [
-            Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(served.id, text, pair, options.truncate, tenant), tenant=tenant)
-            for i, (text, pair) in enumerate(texts)
-        ]
+        # Hashing a text for its run id costs about 13 ms a million characters.
+        chars = sum(len(text) + len(pair or "") for text, pair in texts)
+        items = await off_loop_unless_small(chars <= INLINE_CHARS, items_for, served.id, texts, batch, options.truncate, tenant)
         # A batch answers with weights only; one text may keep queries and keys (see kind_for).
         keep = getattr(options, "keep", "weights")
         measures = getattr(options, "measures", None)
@@ -738,8 +744,8 @@ class AttentionService:
                 # The batch kept a batch-mate's precision (json: float32); where that outgrows the
                 # cache, this run keeps its own request's, the precision _fit_cache reckoned with.
                 whole = run_bytes(served.model.info, len(done_result.tokens), "weights", weights.element_size(), served.qk_bytes)
-                if whole > self.cache.max_bytes > 0:
-                    weights = quantise(weights.float(), view.format)
+                if whole > self.cache.max_bytes > 0:  # hundreds of MB by then: off the loop
+                    weights = await run_in_threadpool(lambda w=weights: quantise(w.float(), view.format))
             kept = done_result.kept if item.kind == "qk" else DenseAttention(weights, dequantised(weights.dtype))
             item.run = Run(item.run_id, served.id, done_result.tokens, done_result.truncated,
                            weights, done_result.top_ids, done_result.top_probs, kept)

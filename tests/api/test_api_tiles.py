@@ -732,3 +732,28 @@ def test_with_the_cache_off_a_run_kept_as_queries_and_keys_is_refused_before_its
         assert body["kept"] == "weights" and body["attention"] is not None
     finally:
         api.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("inline_tokens", [8, 10_000])
+def test_a_runs_info_is_what_its_schema_says_serialised_on_the_loop_or_off_it(tiles_api, monkeypatch, inline_tokens):
+    """GET /runs/{id} no longer goes through its response model (334 ms on the event loop at 32,768
+    tokens): what it sends must still be exactly RunInfo, from either branch."""
+    from manyeyes.app.schemas import RunInfo
+    from manyeyes.app.services import tiles as tiles_module
+
+    branches, real = [], tiles_module.off_loop_unless_small
+
+    async def recorded(small, fn, *args):
+        branches.append("loop" if small else "thread")
+        return await real(small, fn, *args)
+
+    monkeypatch.setattr(tiles_module, "INLINE_INFO_TOKENS", inline_tokens)
+    monkeypatch.setattr(tiles_module, "off_loop_unless_small", recorded)
+    posted = post_qk(tiles_api, "llama", LONG)
+    r = tiles_api.get(f"/api/v1/runs/{posted['run_id']}")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    info = r.json()
+    assert branches == ["thread" if inline_tokens == 8 else "loop"]
+    assert RunInfo.model_validate(info).model_dump(mode="json") == info  # every field it names, and no other
+    assert info["tokens"] == posted["tokens"] and info["n_tokens"] == len(posted["tokens"]) > 8
+    assert info["kept"] == "qk" and info["links"]["run"] == f"/api/v1/runs/{posted['run_id']}"

@@ -237,8 +237,11 @@ def test_the_gpu_bench_runs_end_to_end_on_the_cpu():
         if n in bare_after_first:
             assert before == bare_after_first[n], done.stdout
         bare_after_first[n] = after
-        # CPU a request is the cores over the rate (rounding of both allowed for)
-        assert float(cpu_ms) == pytest.approx(1000 * float(cores) / int(served), rel=0.05, abs=0.02), done.stdout
+        # CPU a request is the cores over the rate, within the rounding of all three printed figures
+        # (a fixed 5% failed on a loaded machine: 0.05 cores printed stand for 0.045 to 0.055)
+        fewest = 1000 * (float(cores) - 0.005) / (int(served) + 0.5) - 0.005
+        most = 1000 * (float(cores) + 0.005) / (int(served) - 0.5) + 0.005
+        assert fewest <= float(cpu_ms) <= most, done.stdout
     # Where the server's CPU went, by thread: the forward threads carry their own name.
     threads = re.findall(r"^T=16, the server's threads by name: (.*)$", done.stdout, re.M)
     assert len(threads) == 2 and re.search(r"me-forward-cpu x1: \d+\.\d\d cores", threads[0]), done.stdout
