@@ -14,30 +14,39 @@ from fastapi import APIRouter, Query, Request, Response
 
 from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep, ServiceDep
-from manyeyes.app.routes.responses import compact_content, errors
+from manyeyes.app.routes.attention import wire_of
+from manyeyes.app.routes.responses import answer_content, errors
 from manyeyes.app.routes.runs import answered_while_connected
 from manyeyes.app.schemas import AttentionResponse, Format
-from manyeyes.app.services.attention import AttentionService, Reply, answer_bytes, parse_index_list, resolve_indices
+from manyeyes.app.services.attention import (
+    COMPACT_MEDIA_TYPE,
+    AttentionService,
+    Reply,
+    answer_bytes,
+    parse_index_list,
+    resolve_indices,
+)
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.measures import float_weights, replied
-from manyeyes.app.services.payload import View, render_result
+from manyeyes.app.services.payload import View, render_frame, render_result
+from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 MEAN_ROUTE = "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)"
 
 
-def planned(service: AttentionService, run_id: str, layers: list[str] | None, fmt: str) -> tuple[list[int], int]:
+def planned(service: AttentionService, run_id: str, layers: list[str] | None, fmt: str, frame: bool) -> tuple[list[int], int]:
     """(the layers averaged, the answer's bytes) of a request checked against its run, which it does
     not return: the awaiting route never holds the run (MeasuresService.in_turn)."""
     run = service.cached(run_id, MEAN_ROUTE)
     info = service.registry.get(run.model).model.info
     chosen = resolve_indices(parse_index_list(layers, "layer"), info.n_layers, "layer", info.id)
     # The answer's bytes: json at T=1,024 is 15 MB, held until its reader takes it.
-    return chosen, answer_bytes(run.n_tokens**2, fmt, False, run.tokens)
+    return chosen, answer_bytes(run.n_tokens**2, fmt, frame, run.tokens)
 
 
 @router.get("/runs/{run_id}/mean", response_model=AttentionResponse,
-            responses={200: {"content": compact_content(AttentionResponse)}, **errors(404, 429, 503, 504)})
+            responses={200: answer_content(AttentionResponse), **errors(404, 429, 503, 504)})
 async def run_mean(
     run_id: str,
     service: ServiceDep,
@@ -51,23 +60,33 @@ async def run_mean(
     layers and heads it averages). A 404 means the run was evicted: POST the text again. It waits
     for a render slot as a tile does: 429 beyond the same bounds, and a run evicted while it
     waited answers 404."""
-    chosen, nbytes = planned(service, run_id, layers, format)
+    wire = wire_of(request)
+    chosen, nbytes = planned(service, run_id, layers, format, wire.frame)
     started = time.perf_counter()
 
-    def render(run: Run, served, captured) -> list[bytes]:
+    def render(run: Run, served, captured) -> tuple[list[bytes], str | None]:
         info = served.model.info
         weights = float_weights(run, captured)[chosen]  # (len(chosen), n_heads, T, T) float32
         mean = weights.mean(dim=(0, 1), keepdim=True)  # (1, 1, T, T)
         averaged = Run(run.run_id, run.model, run.tokens, run.truncated, mean)
         timing = {"tokenize": 0.0, "queue": 0.0, "forward": time.perf_counter() - started}
         # Its layers and heads say [0], the one matrix's indices: mean_of says what it averages.
-        return render_result(averaged, info, View([0], [0], format), timing,
-                             mean_of={"layers": chosen, "heads": list(range(info.n_heads))})
+        view, mean_of = View([0], [0], format), {"layers": chosen, "heads": list(range(info.n_heads))}
+        if wire.frame:
+            return service.compression.encode(wire.accept_encoding, render_frame([(averaged, timing, None)], info, view, False,
+                                                                                  mean_of), False)
+        return service.compression.encode(wire.accept_encoding, render_result(averaged, info, view, timing, mean_of=mean_of),
+                                          format == "json")
 
     async def averaged() -> Reply:
         # A render slot for the T×T float32 mean, like an answer's encoding.
-        pieces, grant = await measures.in_turn(run_id, nbytes, client_of(request), False, render, needs_weights=MEAN_ROUTE)
-        return replied(pieces, {"run_id": run_id, "mean_of_layers": len(chosen)}, grant,
-                       "application/json" if format == "json" else "application/vnd.manyeyes+json")
+        (pieces, encoding), grant = await measures.in_turn(run_id, nbytes, client_of(request), False, render,
+                                                           needs_weights=MEAN_ROUTE)
+        media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if format == "json" else COMPACT_MEDIA_TYPE
+        reply = replied(pieces, {"run_id": run_id, "mean_of_layers": len(chosen)}, grant, media_type)
+        reply.headers["Vary"] = "Accept, Accept-Encoding"  # the same URL answers differently to these
+        if encoding:
+            reply.headers["Content-Encoding"] = encoding
+        return reply
 
     return await answered_while_connected(request, averaged())

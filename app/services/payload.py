@@ -199,15 +199,18 @@ def join_results(results: list[list[bytes]], batch: bool) -> list[bytes]:
     return pieces
 
 
-def render_frame(runs: list[tuple[Run, dict, dict | None]], info, view: View, batch: bool) -> list[bytes]:
+def render_frame(runs: list[tuple[Run, dict, dict | None]], info, view: View, batch: bool,
+                 mean_of: dict | None = None) -> list[bytes]:
     """The same answer as a binary frame (see services/wire.py): one JSON header, raw data after.
-    `runs` holds (run, timing seconds, predictions or None) per result."""
+    `runs` holds (run, timing seconds, predictions or None) per result; `mean_of` as render_result's."""
     results, data, offset = [], [], 0
     for run, timing_s, predictions in runs:
         started = time.perf_counter()
         attention = select(run.attention, view.layers, view.heads)
         raw = raw_data(attention, view.format)
         before, after = result_fields(run, info, view, predictions)
+        if mean_of is not None:
+            after = {"mean_of": mean_of, **after}
         after["timing_ms"] = timing_ms({**timing_s, "encode": time.perf_counter() - started})
         meta = {**attention_meta(attention, view.format), "offset": offset, "nbytes": len(raw)}
         results.append({**before, "attention": meta, **after})

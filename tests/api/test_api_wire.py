@@ -100,8 +100,8 @@ def unzstd(raw: bytes) -> bytes:
 class Sent:
     """An answer's headers and its body exactly as it went on the wire (not decoded)."""
 
-    def __init__(self, api, body: dict, headers: dict, path: str = "/api/v1/attention") -> None:
-        with api.stream("POST", path, json=body, headers=headers) as r:
+    def __init__(self, api, body: dict | None, headers: dict, path: str = "/api/v1/attention") -> None:
+        with api.stream("POST" if body is not None else "GET", path, json=body, headers=headers) as r:
             self.status_code, self.headers, self.content = r.status_code, r.headers, b"".join(r.iter_raw())
 
 
@@ -332,3 +332,29 @@ def test_a_raw_frame_renders_on_the_event_loop_and_slower_forms_on_a_worker_thre
     assert thread_for(30, "u8", PLAIN) == "worker"  # base64 in JSON
     assert thread_for(80, "u8", FRAME) == "worker"  # T=162: 1.9M cells
     assert thread_for(4, "u8", PLAIN) == "loop"  # T=10: small in any form
+
+
+@pytest.mark.parametrize("fmt", ["u8", "f16", "json"])
+def test_a_mean_comes_as_a_frame_and_compressed_as_a_slice_does(api, fmt):
+    """GET /mean answered JSON whatever Accept said, and its compact answers were never compressed,
+    unlike the slices beside it."""
+    run_id = raw_post(api, {"text": TEXT * 20, "format": "u8", "layers": [0], "heads": [0]}, PLAIN).json()["run_id"]
+    path = f"/api/v1/runs/{run_id}/mean?layers=1,2&format={fmt}"
+    as_json = api.get(path, headers=PLAIN).json()
+    framed = api.get(path, headers=FRAME)
+    assert framed.status_code == 200 and framed.headers["content-type"] == FRAME_MEDIA_TYPE
+    assert framed.headers["vary"] == "Accept, Accept-Encoding"
+    header, (values,) = frame_arrays(framed.content)
+    np.testing.assert_array_equal(values, decode(as_json["attention"]))
+    for key in ("run_id", "tokens", "layers", "heads", "n_layers", "n_heads", "mean_of"):
+        assert header[key] == as_json[key], key
+    assert header["mean_of"]["layers"] == [1, 2] and values.shape == (1, 1, len(header["tokens"]), len(header["tokens"]))
+    for wire in ({}, {"Accept": FRAME_MEDIA_TYPE}):
+        r = Sent(api, None, {"Accept-Encoding": "zstd", **wire}, path)
+        assert r.status_code == 200 and r.headers["content-encoding"] == "zstd", (wire, r.headers)
+        body = unzstd(r.content)
+        assert len(r.content) < len(body)
+        if wire:
+            np.testing.assert_array_equal(frame_arrays(body)[1][0], values)
+        else:
+            assert orjson.loads(body)["attention"] == as_json["attention"]

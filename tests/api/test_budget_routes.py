@@ -64,6 +64,7 @@ def test_the_bytes_reckoned_cover_the_measures_answer(api, run_id, reserved, fmt
 @pytest.mark.parametrize("path, params, accept", [
     ("mean", {"format": "json"}, None),
     ("mean", {"format": "f16", "layers": "0,3"}, None),
+    ("mean", {"format": "u8"}, "application/vnd.manyeyes.frame"),
     ("tile", {"layer": 2, "head": 3, "format": "json"}, None),
     ("tile", {"layer": 2, "head": "mean", "rows": 5, "cols": 7, "pool": "max", "format": "u8"}, None),
     ("tile", {"layer": 0, "head": 1, "format": "f16"}, "application/vnd.manyeyes.frame"),
