@@ -27,6 +27,7 @@ from manyeyes.app.services.tiles import TileService
 from manyeyes.app.services.cache import RunCache
 from manyeyes.app.services.measures import CAPTURE_SHARE, MeasuresService
 from manyeyes.app.services.errors import ApiError, brief
+from manyeyes.app.services.experiments import ExperimentService
 from manyeyes.app.services.generation import GenerationService, ShutdownClock
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.registry import Registry
@@ -177,6 +178,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
         app.state.tiles = TileService(app.state.service)
         app.state.generation = GenerationService(settings, registry, metrics, shutdown)
         app.state.measures = MeasuresService(app.state.service)
+        app.state.experiments = ExperimentService(settings, registry, app.state.service)
         # Loading runs beside the server so /healthz answers and /readyz says 503 meanwhile.
         loader = threading.Thread(target=registry.load_all, args=(freeze_long_lived if settings.gc_freeze else None,),
                                   name="manyeyes-load", daemon=True)

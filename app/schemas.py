@@ -34,6 +34,12 @@ def _not_blank(value: str) -> str:
     return value
 
 
+def _optional_not_blank(value: str | None) -> str | None:
+    """text_pair's check, on every request that takes one: a blank second text ran as a pair with
+    an empty segment ([CLS] text [SEP] [SEP]) and answered 200, a run of an input nobody meant."""
+    return None if value is None else _not_blank(value)
+
+
 class PredictionsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -77,10 +83,7 @@ class AttentionRequest(Options):
 
     _text = field_validator("text")(_not_blank)
 
-    @field_validator("text_pair")
-    @classmethod
-    def _pair(cls, value: str | None) -> str | None:
-        return None if value is None else _not_blank(value)
+    _pair = field_validator("text_pair")(_optional_not_blank)
 
     model_config = ConfigDict(
         extra="forbid",
@@ -411,10 +414,7 @@ class ViewState(BaseModel):
 
     _text = field_validator("text")(_not_blank)
 
-    @field_validator("text_pair")
-    @classmethod
-    def _pair(cls, value: str | None) -> str | None:
-        return None if value is None else _not_blank(value)
+    _pair = field_validator("text_pair")(_optional_not_blank)
 
     model_config = ConfigDict(
         extra="forbid",
@@ -625,6 +625,7 @@ class AblateRequest(ExperimentOptions):
     attention: TensorRequest | None = Field(None, description="Also return the ablated run's attention")
 
     _text = field_validator("text")(_not_blank)
+    _pair = field_validator("text_pair")(_optional_not_blank)
 
     model_config = ConfigDict(
         extra="forbid",
@@ -651,6 +652,7 @@ class ChangeTokenRequest(ExperimentOptions):
     difference: TensorRequest | None = Field(None, description="Also return A − B on aligned cells")
 
     _text = field_validator("text")(_not_blank)
+    _pair = field_validator("text_pair")(_optional_not_blank)
 
     model_config = ConfigDict(
         extra="forbid",

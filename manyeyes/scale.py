@@ -172,7 +172,7 @@ class ForRayProxy:
       proxy, and the app sends large answers as memoryview pieces (no copy under uvicorn), which do
       not pickle: every answer over 256 KiB was a plain-text 500.
     - No X-Request-ID of the app's: the proxy puts one on every answer itself (the request's own, or
-      one it makes and hands the app as the request's), so each answer carried two (review h50b).
+      one it makes and hands the app as the request's), so each answer carried two.
       The app logs that same id; only one it would not use (over 64 characters, odd ones: see
       app/middleware.py) is answered as sent while the log line gets one of the app's making.
     """
@@ -285,7 +285,7 @@ def stop(started_serve: bool) -> None:
     """Take manyeyes' application off Serve; and Serve itself, if this process started it and no
     other application runs on it now."""
     # Serve belongs to the cluster, not to this process: serve.shutdown() here took every other
-    # application on a shared cluster down with it (review h50b). A Serve this process started goes
+    # application on a shared cluster down with it. A Serve this process started goes
     # too, once nothing else runs on it: on a cluster joined through RAY_ADDRESS its actors outlive
     # this process and would hold the port asked for with nothing behind it.
     serve.delete(APP)
@@ -300,7 +300,7 @@ def stop(started_serve: bool) -> None:
 def drop_shared() -> None:
     """The replicas' run directory and view shelf, detached so that every replica finds them: they
     outlived the application, holding up to 64 MB of users' texts and 16 MiB of views on a shared
-    cluster until `ray stop` (review h50b)."""
+    cluster until `ray stop`."""
     for name in (DIRECTORY, VIEWS):
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
@@ -337,7 +337,7 @@ def _serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, 
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
     running = running_serve()
     # A running Serve cannot move: serving on it anyway answered on its port while the banner named
-    # the one asked for, where nothing listened (review h50b).
+    # the one asked for, where nothing listened.
     if running is not None and running != (host, port):
         on, at = running
         print(f"error: Ray Serve already runs on this Ray cluster and takes HTTP on {on}:{at}, not {host}:{port}: "

@@ -48,7 +48,7 @@ def js_divergence(p: torch.Tensor, q: torch.Tensor, normalise: bool = False) -> 
             b /= b.sum(-1, keepdim=True).clamp_min(1e-30)
         m = (a + b).mul_(0.5).clamp_min_(1e-300)  # > 0 wherever a or b is: the clamp only stops 0/0
         out[start : start + step] = (_kl_bits(a, m) + _kl_bits(b, m)).mul_(0.5).clamp_min_(0)
-    return out.reshape(p.shape[:-1])
+    return out.reshape(p.shape[:-1])  # (rows,) -> p.shape[:-1], e.g. (n_layers, n_heads, R)
 
 
 def _kl_bits(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

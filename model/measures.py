@@ -50,7 +50,7 @@ def rollout(attention: torch.Tensor) -> torch.Tensor:
         mixed = 0.5 * layer_mean + 0.5 * eye
         mixed = mixed / mixed.sum(-1, keepdim=True)
         # later layers on the left: token i at layer l reads rows of l-1; the first needs no product
-        result = mixed if result is None else mixed @ result
+        result = mixed if result is None else mixed @ result  # (T, T) @ (T, T) -> (T, T)
     return eye if result is None else result
 
 

@@ -1,6 +1,5 @@
 """Numerical parity with Hugging Face transformers (eager attention), the oracle for our weights."""
 
-import json
 import shutil
 
 import pytest

@@ -9,7 +9,6 @@ occurrence.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

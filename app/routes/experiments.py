@@ -18,11 +18,7 @@ ERRORS = errors(404, 413, 415, 429, 503, 504)
 
 
 async def get_experiments(request: Request) -> ExperimentService:  # async: no thread-pool hop (app/deps.py)
-    """Built on first use from the lifespan's registry, so the app factory needs no change for it."""
-    state = request.app.state
-    if getattr(state, "experiments", None) is None:
-        state.experiments = ExperimentService(state.settings, state.registry, state.service)
-    return state.experiments
+    return request.app.state.experiments  # built by the lifespan, with the other services (app/main.py)
 
 
 ExperimentsDep = Annotated[ExperimentService, Depends(get_experiments)]

@@ -50,6 +50,8 @@ class ViewTooLarge(ApiError):
 
 
 class BodyTooLarge(ApiError):
+    """A request body over max_body_bytes: app/middleware.py's BodyLimit answers with its status and code."""
+
     status = 413
     code = "body_too_large"
 

@@ -29,6 +29,7 @@ from manyeyes.app.services.attention import (
     cells_bytes,
     check_some_tokens,
     off_loop_unless_small,
+    resolve_indices,
     tokens_bytes,
 )
 from manyeyes.app.services.errors import InvalidInput, KeptQK, OverBudget, QueueFull, TooLong, TooManyCells
@@ -50,18 +51,6 @@ def ranking_dicts(ranking) -> list[dict]:
 
 def guesses(rows) -> list[list[dict]]:
     return [[{"token": g.token, "id": g.id, "prob": g.prob, "piece": g.piece} for g in row] for row in rows]
-
-
-def pick(indices: list[int] | None, count: int, what: str) -> list[int]:
-    """Chosen layers or heads, each once and in range; all of them when none are named."""
-    if indices is None:
-        return list(range(count))
-    bad = [i for i in indices if not 0 <= i < count]
-    if bad:
-        raise InvalidInput(f"{what} {str(bad[0])[:24]} does not exist: the model has {what}s 0..{count - 1}")
-    if len(set(indices)) != len(indices):
-        raise InvalidInput(f"each {what} may be asked for once")
-    return list(indices)
 
 
 def tensor_out(values: torch.Tensor, layers: list[int], heads: list[int], fmt: str, signed: bool) -> dict:
@@ -122,8 +111,7 @@ class ExperimentService:
     async def ablate(self, body, client: str = "") -> tuple[bytes, Grant]:
         served = self.registry.get(body.model)
         info = served.model.info
-        self._check_pair(body.text_pair)
-        self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
+        self.attention.check_chars([(body.text, body.text_pair)])
         try:  # the Python API's own checks, before anything is tokenized
             validate_ablations(served.model, [Ablation(a.layer, a.head, a.mode) for a in body.ablate])
         except ValueError as exc:
@@ -138,8 +126,7 @@ class ExperimentService:
 
     async def change_token(self, body, client: str = "") -> tuple[bytes, Grant]:
         served = self.registry.get(body.model)
-        self._check_pair(body.text_pair)
-        self._check_chars(len(body.text) + len(body.text_pair or ""), pair=bool(body.text_pair))
+        self.attention.check_chars([(body.text, body.text_pair)])
         view = self._view(served, body.difference)
         deadline = time.monotonic() + self.settings.request_timeout_s
         encoded = await self._tokenized(deadline, served, body.text, body.text_pair, body.truncate)
@@ -150,8 +137,8 @@ class ExperimentService:
 
     async def compare(self, body, client: str = "") -> tuple[bytes, Grant]:
         served = self.registry.get(body.model)
-        self._check_chars(len(body.text_a), "text_a: ")
-        self._check_chars(len(body.text_b), "text_b: ")
+        self._check_chars(body.text_a, "text_a: ")
+        self._check_chars(body.text_b, "text_b: ")
         view = self._view(served, body.difference)
         deadline = time.monotonic() + self.settings.request_timeout_s
         a = await self._tokenized(deadline, served, body.text_a, None, body.truncate, "text_a: ")
@@ -162,24 +149,20 @@ class ExperimentService:
         return await self._run(nbytes, client, deadline, self._compare, served, body, view, a, b)
 
     # ------------------------------------------------------------------ bounds
-    @staticmethod
-    def _check_pair(pair: str | None) -> None:
-        # As POST /attention refuses it: a blank second text ran as a pair with an empty segment
-        # ([CLS] text [SEP] [SEP]) and answered 200, an experiment on an input nobody meant.
-        if pair is not None and not pair.strip():
-            raise InvalidInput("text_pair: text must contain something other than whitespace")
-
-    def _check_chars(self, size: int, label: str = "", pair: bool = False) -> None:
-        limit = self.settings.max_text_chars
-        if size > limit:
-            raise TooLong.chars(size, limit, label, pair)
+    def _check_chars(self, text: str, label: str) -> None:
+        """The attention service's character limit, its message naming which of compare's texts."""
+        try:
+            self.attention.check_chars([(text, None)])
+        except TooLong as exc:
+            raise TooLong(label + exc.message) from None
 
     @staticmethod
     def _view(served: Served, asked) -> tuple[list[int], list[int], str] | None:
         if asked is None:
             return None
         info = served.model.info
-        return pick(asked.layers, info.n_layers, "layer"), pick(asked.heads, info.n_heads, "head"), asked.format
+        return (resolve_indices(asked.layers, info.n_layers, "layer", info.id),
+                resolve_indices(asked.heads, info.n_heads, "head", info.id), asked.format)
 
     def _check_cells(self, view, rows: int) -> None:
         if view is None or view[2] != "json":

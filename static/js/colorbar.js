@@ -7,7 +7,7 @@ import { el } from "./dom.js";
 const LOG_TICKS = [[0, "0.0001"], [0.25, "0.001"], [0.5, "0.01"], [0.75, "0.1"], [1, "1"]];
 
 // About five round steps (1, 2, 2.5 or 5 × 10^k) from 0 to top, as Plotly's own axes would pick.
-export function niceTicks(top) {
+function niceTicks(top) {
   if (!(top > 0)) return [[0, "0"]];
   const rough = top / 5;
   const power = 10 ** Math.floor(Math.log10(rough));

@@ -144,7 +144,7 @@ export function alignedDifference(div, reply, difference, layer, head, causal, [
 // ~1e-7 of each weight, worth ~1e-16 to 1e-14 bits, and "1.2e-16" read as a tiny real effect.
 // Under 1e-12 bits a change is smaller than any reading shows: in one row of a hundred, a weight
 // moved by less than ~5e-6.
-export const NOISE_BITS = 1e-12;
+const NOISE_BITS = 1e-12;
 
 // The ranking as a table; clicking a row calls onPick(layer, head), and so does its head's button,
 // which is the keyboard's way in (one Tab stop a row, Enter or Space). `shows` says where the

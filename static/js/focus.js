@@ -50,7 +50,7 @@ const FONT_FAMILY = "system-ui, -apple-system, Segoe UI, sans-serif"; // the fig
 const CAPTION_FONT = `13px ${FONT_FAMILY}`;
 let measurer = null;
 
-export function fitCaption(caption, px) {
+function fitCaption(caption, px) {
   measurer ??= document.createElement("canvas").getContext("2d");
   measurer.font = CAPTION_FONT;
   if (measurer.measureText(caption).width <= px) return caption;
@@ -90,7 +90,7 @@ function rangeLength(range, n) {
 // The pixels of an axis of axisPx that its n cells cover: past the last token (a pan beyond the
 // cells) there is nothing to label, and labels sized for the whole axis were crammed 4 px apart
 // into the strip the tokens kept.
-export function occupiedPx(range, n, axisPx) {
+function occupiedPx(range, n, axisPx) {
   if (!range) return axisPx;
   const [a, b] = range[0] <= range[1] ? range : [range[1], range[0]];
   return (axisPx * Math.max(0, Math.min(b, n - 0.5) - Math.max(a, -0.5))) / rangeLength(range, n);
@@ -106,7 +106,7 @@ function slidOver(range, n) {
   return shift ? range.map((v) => v + shift) : null;
 }
 
-export const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
+const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
 const SAMPLED_LABEL_PX = 12; // px a thinned axis gives each label: a 10 px font (fontFor)
 
 // The smallest of 1, 2, 5, 10, 20, 50... at least `step`: positions that read as round numbers.

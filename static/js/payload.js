@@ -5,7 +5,7 @@
 export const FRAME_MEDIA_TYPE = "application/vnd.manyeyes.frame";
 const MAGIC = "MEF1";
 
-export function base64ToBytes(b64) {
+function base64ToBytes(b64) {
   if (Uint8Array.fromBase64) return Uint8Array.fromBase64(b64);
   const binary = atob(b64);
   const bytes = new Uint8Array(binary.length);

@@ -97,10 +97,6 @@ export class AttentionRun {
     return this.layerBytes[layer] !== null;
   }
 
-  missingLayers() {
-    return [...Array(this.nLayers).keys()].filter((l) => !this.hasLayer(l));
-  }
-
   isPrecise(layer, head) {
     return this.precise.has(`${layer}:${head}`);
   }

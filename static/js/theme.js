@@ -88,7 +88,7 @@ export function onThemeChange(callback) {
 
 // Colour scales: "head" stretches each head's own peak to full colour (today's default),
 // "fixed" maps 0..1, so a weak head looks weak; "log" shows 1e-4..1 in decades.
-export const LOG_FLOOR = -4;
+const LOG_FLOOR = -4;
 
 export function scaled(value, mode, peak) {
   if (mode === "log") return (Math.log10(Math.max(value, 1e-4)) - LOG_FLOOR) / -LOG_FLOOR;

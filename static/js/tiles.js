@@ -28,7 +28,7 @@ function payloadOf(body) {
 }
 
 // Any of the API's encodings (json lists, f16 base64, u8 base64 with scale and offset) as float32.
-export function floatsOf(payload) {
+function floatsOf(payload) {
   if (Array.isArray(payload)) return Float32Array.from(payload.flat(3));
   const decoded = decodeAttention(payload);
   if (decoded.values) return decoded.values;

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from manyeyes.app.config import Settings
-from tests.api.conftest import metric, serve
+from tests.api.conftest import metric
 
 
 def error_of(r, status: int) -> dict:

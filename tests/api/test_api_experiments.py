@@ -198,7 +198,7 @@ def test_one_client_holds_at_most_half_the_experiments(client):
     """One client looping 512-token compares on two connections kept both slots, and another
     client's tiny compare got 429 59 times in 59 (review h50a)."""
     assert client.post("/api/v1/experiments/compare", json={"text_a": "a b", "text_b": "a c"}).status_code == 200
-    service = client.app.state.experiments  # made by the first experiment
+    service = client.app.state.experiments
     here = "addr:testclient"  # the address TestClient's requests come from
     share = service._slots.client_share
     assert share == client.app.state.settings.max_experiments // 2 >= 1

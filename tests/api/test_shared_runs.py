@@ -5,7 +5,6 @@ Two copies in one process sharing a folder, as `manyeyes serve --workers 2` runs
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.browser.test_page import SENTENCE, focus_title, open_page, run, submit, wait_focus, wait_grid, wait_saved
+from tests.browser.test_page import SENTENCE, focus_title, open_page, run, wait_focus, wait_grid, wait_saved
 
 pytestmark = pytest.mark.browser
 
@@ -206,8 +206,6 @@ def test_alt_click_on_a_thumbnail_ablates_without_moving_the_focus(server, page)
 
 
 def test_the_heads_ranked_by_a_cell_read_small_weights_with_two_digits(server, api, page):
-    import numpy as np
-
     from tests.browser.test_page import api_attention, hover_cell
     from tests.browser.test_page_ux import text_of_tokens
 

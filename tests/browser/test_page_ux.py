@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import base64
 import re
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 
-from tests.browser.conftest import CHROMIUM_ARGS, LOOPBACK, serving
+from tests.browser.conftest import LOOPBACK, serving
 from tests.browser.test_page import (
     PAIR, SENTENCE, focus_title, hover_cell, open_page, plotted, plotted_zmax, run, submit, wait_focus, wait_grid, wait_plotted_shape,
     wait_saved,
