@@ -40,6 +40,7 @@ from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, read_frame  # noqa: E40
 from manyeyes.model.attention import Capture  # noqa: E402
 
 FRAME = {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "identity"}
+READY_S = 150  # seconds; a server not up by then on a borrowed GPU is not worth its minutes
 WORDS = "river bank heron mill stone boat path tree summer light water field".split()
 
 
@@ -198,10 +199,11 @@ def measure(args, lengths: list[int], workers: int, threads: int | None, shared:
                 "max_queue": 4 * args.clients, "max_client_queue": 4 * args.clients, "cache_bytes": 0,
                 "cuda_wait": args.cuda_wait}
     serve_args = ("--workers", str(workers), *(("--threads", str(threads)) if threads else ()), *(("--shared-forward",) if shared else ()))
-    with serve(log_level="info", log_path=log, args=serve_args, **settings) as (url, pid):
+    # Minutes count on a borrowed GPU: a server that is not up in READY_S will not be.
+    with serve(log_level="info", log_path=log, ready_timeout_s=READY_S, args=serve_args, **settings) as (url, pid):
         # /readyz waits for the workers, not for the shared process (they run their own forwards
         # meanwhile): measure once it serves.
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + READY_S
         while shared and "shared forward process:" not in log.read_text():
             if time.monotonic() > deadline:
                 raise SystemExit(f"the shared forward process never started; the server's log: {log}")
@@ -269,6 +271,7 @@ def main() -> int:
                         help="the bare forward's timing per length (after as long again / 2 of warm-up), before and after each configuration")
     parser.add_argument("--load-procs", type=int, default=1, help="processes the load generator's clients are spread over")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # through `tee` on a borrowed machine: each line as it comes
     lengths = [int(n) for n in args.lengths.split(",")]
     configs = args.configs or [(args.workers, args.threads, False)]
 
@@ -282,12 +285,19 @@ def main() -> int:
     # The model stays loaded here (its context idle) so that the bare forward is measured again
     # between configurations, beside each one, rather than once at the start.
     bares = [{n: bare_rate(model, n, args.batch, args.bare_seconds) for n in lengths}]
-    measured = []
-    for workers, threads, shared in configs:
-        measured.append(measure(args, lengths, workers, threads, shared))
+    met = []
+    # Each configuration's figures are printed as soon as they are measured, and one that fails
+    # leaves the others': a borrowed GPU's call that ran out of time kept none of them.
+    for i, (workers, threads, shared) in enumerate(configs):
+        try:
+            figures = measure(args, lengths, workers, threads, shared)
+        except (Exception, SystemExit) as failed:
+            print(f"\n{workers} server worker(s), threads {threads or 'default'}, shared {shared}: FAILED: {failed}", flush=True)
+            figures = None
         bares.append({n: bare_rate(model, n, args.batch, args.bare_seconds) for n in lengths})
-    met = [report(args, lengths, {n: (bares[i][n], bares[i + 1][n]) for n in lengths}, *config, *figures)
-           for i, (config, figures) in enumerate(zip(configs, measured))]
+        if figures is not None:
+            met.append(report(args, lengths, {n: (bares[i][n], bares[i + 1][n]) for n in lengths}, workers, threads, shared,
+                              *figures))
     return 0 if any(met) else 1
 
 
