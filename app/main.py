@@ -122,10 +122,7 @@ def add_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 400 and exc.__cause__ is not None:
             # FastAPI's "There was an error parsing the body" says nothing of why (a 5,000-digit
             # number, JSON nested past Python's recursion limit); the exception it wraps does.
-            cause = exc.__cause__
-            # Python's advice to whoever runs it ("use sys.set_int_max_str_digits()") is not the client's.
-            reason = str(cause).removesuffix("; use sys.set_int_max_str_digits() to increase the limit")
-            message = f"{message}: {brief(reason or type(cause).__name__, 200)}"
+            message = f"{message}: {brief(parse_failure(exc.__cause__), 200)}"
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405 and headers:
             # HeadAsGet answers HEAD wherever GET is answered: the router's Allow named GET alone.
@@ -149,6 +146,16 @@ class RevalidatedFiles(StaticFiles):
         response = super().file_response(*args, **kwargs)
         response.headers["Cache-Control"] = "no-cache"
         return response
+
+
+def parse_failure(cause: BaseException) -> str:
+    """Why a body did not parse, in the client's terms rather than the parser's."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset {cause.start}): send JSON encoded as UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the JSON is nested too deeply to read"
+    # Python's advice to whoever runs it ("use sys.set_int_max_str_digits()") is not the client's.
+    return str(cause).removesuffix("; use sys.set_int_max_str_digits() to increase the limit") or type(cause).__name__
 
 
 def create_app(settings: Settings | None = None, run_directory=None, forward_link=None,

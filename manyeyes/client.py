@@ -375,6 +375,21 @@ class RemoteResult:
     # GPU server keeps a u8 answer's run as its bytes; a more precise view means posting again.
     precision: str = "json"
 
+    def __repr__(self) -> str:
+        # One line, as a local AttentionResult's: the generated repr printed every token and the
+        # arrays (39,005 characters over 520 lines at 120 tokens).
+        n = len(self.tokens)
+        shown = self.tokens if n <= 6 else [*self.tokens[:3], None, *self.tokens[-2:]]
+        texts = ", ".join("…" if t is None else repr(t.text if len(t.text) <= 12 else t.text[:11] + "…") for t in shown)
+        if self.attention is not None:
+            attention = f"attention {tuple(self.attention.shape)} of layers {_indices(self.layers)}, heads {_indices(self.heads)}"
+        else:
+            attention = f"kept={self.kept!r}, no weights in the answer"
+        at = len(self.predictions or ())
+        predictions = f", predictions at {at} position{'' if at == 1 else 's'}" if at else ""
+        return (f"RemoteResult(run {self.run_id!r} of {self.model!r}, {n} token{'' if n == 1 else 's'} [{texts}], "
+                f"{attention}{predictions}, truncated={self.truncated})")
+
     def head(self, layer: int, head: int) -> np.ndarray:
         """(T, T) for a model-wide layer and head index; KeyError if this slice lacks it, ValueError
         for a long run that kept queries and keys (read it with Client.tile / topk / overview)."""
@@ -392,6 +407,13 @@ class RemoteResult:
             return self.attention[self.layers.index(layer), self.heads.index(head)]
         except ValueError:
             raise KeyError(f"layer {layer}, head {head} is not in this slice (layers {self.layers}, heads {self.heads})") from None
+
+
+def _indices(indices: list[int]) -> str:
+    """[0, 1, 2, 3] as 0..3; any other list as it is, cut after eight."""
+    if len(indices) > 2 and indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}..{indices[-1]}"
+    return str(indices) if len(indices) <= 8 else f"[{', '.join(map(str, indices[:8]))}, …] ({len(indices)})"
 
 
 def decode_attention(attention: dict) -> np.ndarray:

@@ -56,6 +56,19 @@ def test_attention_decodes_to_the_models_weights(client, local, fmt, tol):
     assert r.layers == [0, 1] and r.heads == list(range(8)) and r.causal
 
 
+def test_a_results_repr_is_one_short_line(client):
+    """A notebook shows a result by its repr: it printed every token and the whole array."""
+    long = client.attention("word " * 40, format="u8")
+    said = repr(long)
+    assert "\n" not in said and len(said) < 300, said
+    assert said == (f"RemoteResult(run {long.run_id!r} of 'tiny-gpt', 200 tokens ['w', 'o', 'r', …, 'd', ' '], "
+                    "attention (2, 8, 200, 200) of layers [0, 1], heads 0..7, truncated=False)")
+    picked = client.slice(long, layers=[1], heads=[0, 5, 6], format="u8")
+    assert "attention (1, 3, 200, 200) of layers [1], heads [0, 5, 6]" in repr(picked)
+    one = client.attention("a", format="u8", predictions=2)
+    assert "1 token ['a']" in repr(one) and "predictions at 1 position," in repr(one)
+
+
 def test_slice_and_head_use_model_wide_indices(client, local):
     full = client.attention(TEXT)
     part = client.slice(full, layers=[1], heads=[0, 5], format="json")

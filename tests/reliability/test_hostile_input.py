@@ -197,7 +197,8 @@ def test_hostile_body_is_a_4xx_json_error(client, body, headers, status):
 
 @pytest.mark.parametrize("name, why", [
     ("integer too long to parse", "Exceeds the limit (4300 digits) for integer string conversion"),
-    ("deeply nested", "maximum recursion depth exceeded"),
+    ("deeply nested", ": the JSON is nested too deeply to read"),  # not Python's "maximum recursion depth exceeded"
+    ("invalid utf-8", ": the body is not UTF-8 (byte 0xc3 at offset 13): send JSON encoded as UTF-8"),  # not the codec's words
 ])
 def test_a_body_that_cannot_be_parsed_says_why(client, name, why):
     # FastAPI's own words were "There was an error parsing the body", and no more.
