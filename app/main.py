@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -196,8 +197,10 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
             # uvicorn has already let requests finish for up to shutdown_grace_s; whatever still
             # runs (a load, an abandoned forward) is on daemon threads: waiting would only
             # stretch the exit past the grace period.
+            # One budget for both waits, out of the second the grace keeps for the exit.
+            deadline = time.monotonic() + 0.25
             loader.join(timeout=0.25)
-            registry.close(timeout_s=0.25)
+            registry.close(timeout_s=max(deadline - time.monotonic(), 0.0))
 
     app = FastAPI(
         title="manyeyes",

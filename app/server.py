@@ -436,6 +436,11 @@ def guarded_protocol(read_timeout_s: float, max_head_bytes: int, metrics: Metric
                 {"read_timeout_s": read_timeout_s, "max_head_bytes": max_head_bytes, "metrics": metrics})
 
 
+# uvicorn's Server.shutdown sleeps this long after asking connections to close, before the
+# graceful-shutdown timer starts.
+UVICORN_PAUSE_S = 0.1
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, which also tells the app (`on_exit`) when a shutdown begins: requests it
     waits for end on their own, but a generation stream runs to its last token, and the app must
@@ -445,11 +450,13 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.on_exit = on_exit
         self.exit_signal: int | None = None  # the first signal that asked for the exit
+        self.exit_asked: float | None = None  # when it came (time.monotonic())
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         if self.exit_signal is None:
             self.exit_signal = sig  # logged by shutdown(), on the loop: not from a signal handler
+            self.exit_asked = time.monotonic()
         if self.on_exit is not None:
             self.on_exit()  # it only notes the time: safe in a signal handler
 
@@ -459,6 +466,12 @@ class Server(uvicorn.Server):
         log.info("%sdraining: no new connections; requests in flight get up to %g s to finish "
                  "(MANYEYES_SHUTDOWN_GRACE_S less a second for the exit), then those still running are cancelled "
                  "(answered 503 where no answer has begun)", said, self.config.timeout_graceful_shutdown or 0)
+        drain = self.config.timeout_graceful_shutdown
+        if drain is not None and self.exit_asked is not None:
+            # The drain counts from the signal, as the grace does: uvicorn noticed it at its next
+            # tick (up to 0.1 s, more on a loaded machine) and sleeps 0.1 s more before its timer
+            # starts; both came out of the second kept for the exit (a 2 s grace left 0.3 s of it).
+            self.config.timeout_graceful_shutdown = max(drain - (time.monotonic() - self.exit_asked) - UVICORN_PAUSE_S, 0.0)
         await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager

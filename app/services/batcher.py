@@ -443,7 +443,13 @@ class Batcher:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+            busy = self._running_batch is not None
+        # A forward under way cannot be stopped and the thread is a daemon: at a shutdown the
+        # process exits without it, and waiting for it only took its timeout out of the second
+        # the grace keeps for the exit. An idle thread ends at once, settling what was queued.
+        # With a shared forward link the bounded wait stays: the link is closed just below, and
+        # a forward that ends within the timeout should not meet it closed.
+        self._thread.join(0 if busy and self.shared is None else timeout_s)
         if self.shared is not None:
             self.shared.close()
 
