@@ -26,6 +26,7 @@ from itertools import islice
 from pathlib import Path
 
 import orjson
+from starlette.concurrency import run_in_threadpool
 
 from manyeyes.app.middleware import send_error
 from manyeyes.app.services.errors import ApiError
@@ -171,10 +172,10 @@ class FileDirectory:
             except OSError as exc:  # a full folder: other workers recompute nothing, they answer 404
                 log.warning("could not record runs for the other workers: %s", exc)
 
-        await asyncio.get_running_loop().run_in_executor(None, write)
+        await run_in_threadpool(write)
 
     async def recall(self, run_id: str) -> tuple | None:
-        found = await asyncio.get_running_loop().run_in_executor(None, self.files.read, f"run-{run_id}")
+        found = await run_in_threadpool(self.files.read, f"run-{run_id}")
         return tuple(orjson.loads(zlib.decompress(found[0]))) if found is not None else None
 
 
@@ -300,7 +301,7 @@ class ReadyMarks:
 
         async def mark_when_loaded(registry) -> None:
             await loaded_or_failed(registry)
-            await asyncio.get_running_loop().run_in_executor(None, self.mark, registry.failure)
+            await run_in_threadpool(self.mark, registry.failure)
 
         @asynccontextmanager
         async def marking_lifespan(a):
