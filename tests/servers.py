@@ -35,3 +35,15 @@ def wait_ready(base: str, proc: subprocess.Popen | None = None, *, timeout_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} at {base}{route} did not say 200 within {timeout_s:g} s")
         time.sleep(0.1)
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
+    """predicate()'s first true value, polled; an AssertionError naming `what` after timeout_s.
+    A test waits for the state it needs, not for a time that a loaded machine outlasts."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

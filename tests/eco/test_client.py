@@ -20,6 +20,7 @@ import pytest
 from manyeyes import Client
 from manyeyes.client import ConnectionFailed, GenerationFailed, InvalidRequest, ManyeyesError, NotFound, Overloaded, RemoteModel, RemoteToken
 from tests.eco.conftest import free_port, live_server
+from tests.servers import wait_until
 
 TEXT = "In the beginning was the Word."
 
@@ -218,7 +219,9 @@ def test_429_is_retried_after_retry_after_then_raised():
         patient, impatient = Client(base), Client(base, max_retries=0)
         first = threading.Thread(target=call, args=(patient, "Blessed are the meek."))
         first.start()
-        time.sleep(0.7)  # the first input is in its 1.5 s forward
+        # Until the first input holds the queue's one place (a 0.7 s sleep raced it on a loaded machine).
+        wait_until(lambda: re.search(r"manyeyes_queue_admitted\{[^}]*\} 1\.0", httpx.get(f"{base}/metrics", timeout=10).text),
+                   30, "the first input to be admitted")
         with pytest.raises(Overloaded) as err:
             impatient.attention("And the earth was without form.")
         assert err.value.code == "queue_full" and err.value.retry_after_s >= 1

@@ -15,18 +15,7 @@ from manyeyes.app.config import Settings
 from manyeyes.app.main import create_app
 from manyeyes.app.server import server_config
 from tests.api.conftest import decode  # noqa: F401  (one decoder for every suite)
-from tests.servers import HOST, free_port, wait_ready  # noqa: F401  (the suites import them from here)
-
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+from tests.servers import HOST, free_port, wait_ready, wait_until  # noqa: F401  (the suites import them from here)
 
 
 class LiveServer:

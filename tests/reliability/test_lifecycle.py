@@ -129,7 +129,9 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
         # The metrics above say nothing of the experiment: on a busy machine its thread had not
         # even connected when the signal went (a refused connection, not the 503 under test).
         assert ablate_sent.wait(30), "the experiment was never sent"
-        time.sleep(0.5)  # for the server to take it off the socket
+        # Until the server runs it (a 0.5 s sleep for it to be read raced a loaded machine).
+        wait_until(lambda: 'manyeyes_work_running{kind="experiment"} 1.0' in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text,
+                   30, "the experiment to run")
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         proc.wait(grace + 30)
