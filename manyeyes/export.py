@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import re
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def json_script(value) -> str:
     return orjson.dumps(value).decode().replace("<", "\\u003c")
 
 
+def json_script_bytes(value) -> bytes:
+    """json_script's text as UTF-8, made without a str of it (bytes.replace copies only where a `<` is)."""
+    return orjson.dumps(value).replace(b"<", b"\\u003c")
+
+
 def data_url(source: str) -> str:
     return "data:text/javascript;base64," + base64.b64encode(source.encode("utf-8")).decode("ascii")
 
@@ -106,27 +112,49 @@ def import_map(entry: str) -> dict[str, str]:
 
 def build_html(page_html: str, embedded: dict) -> str:
     """The rendered index.html turned into the one-file export holding `embedded`."""
+    return b"".join(build_pieces(page_html, embedded)).decode("utf-8")
+
+
+def build_pieces(page_html: str, embedded: dict) -> list[bytes]:
+    """build_html's file as UTF-8 pieces. The run's JSON, most of a file (25 MB of base64 weights
+    at T=512 in MiniLM), is one piece made once: spliced into the page, substituted in and encoded
+    whole, it went through about eight copies of itself, and a server's export at T=512 peaked
+    256 MB above its rest for a 30 MB file."""
     html = STYLESHEET.sub(lambda m: "<style>\n" + inline_script((STATIC_DIR / m[1]).read_text(encoding="utf-8")) + "\n</style>", page_html)
-    html, n = PLOTLY_TAG.subn(lambda m: f"<script>{inline_script(PLOTLY_JS.read_text(encoding='utf-8'))}</script>", html)
+    plotly_js = inline_script(PLOTLY_JS.read_text(encoding="utf-8"))
+    html, n = PLOTLY_TAG.subn(lambda m: f"<script>{plotly_js}</script>", html)
+    html, panels = SERVER_PANELS.subn(lambda m: OFFLINE_NOTE + m[0], html, count=1)
     main = MAIN_MODULE.search(html)
     if not n or not main:
         raise RuntimeError("templates/index.html no longer loads plotly.js and a main module the way the export expects")
-    boot = (
-        '<script type="application/json" id="manyeyes-export">' + json_script(embedded) + "</script>\n"
-        # The page restores a view from the address bar: the file's own, which offline_api.js answers.
-        "<script>(() => { const id = " + json_script(EXPORT_VIEW_ID) + ";"
-        " if (new URLSearchParams(location.search).get('view') !== id)"
-        " history.replaceState(null, '', location.pathname + '?view=' + id); })();</script>\n"
-        '<script type="importmap">' + json_script({"imports": import_map(main[1])}) + "</script>\n"
-        f'<script type="module">import "manyeyes/{main[1]}";</script>'
-    )
-    html = html[: main.start()] + boot + html[main.end():]
-    html, n = SERVER_PANELS.subn(lambda m: OFFLINE_NOTE + m[0], html, count=1)
-    if not n:
+    if not panels:
         raise RuntimeError("templates/index.html no longer has the measures panel the export hides")
     # Controls that need a server have nothing to do in a file: a copied link would name the
     # file's own view id, and the API docs are the server's.
-    return re.sub(r'(<(?:button|a)\b[^>]*\bid="(?:export-page|copy-link|docs-link)")', r"\1 hidden", html)
+    before, after = (re.sub(r'(<(?:button|a)\b[^>]*\bid="(?:export-page|copy-link|docs-link)")', r"\1 hidden", part)
+                     for part in (html[: main.start()], html[main.end():]))
+    # The page restores a view from the address bar: the file's own, which offline_api.js answers.
+    restore = ("(() => { const id = " + json_script(EXPORT_VIEW_ID) + ";"
+               " if (new URLSearchParams(location.search).get('view') !== id)"
+               " history.replaceState(null, '', location.pathname + '?view=' + id); })();")
+    imports = json_script({"imports": import_map(main[1])})
+    start = f'import "manyeyes/{main[1]}";'
+    boot_end = (f"</script>\n<script>{restore}</script>\n<script type=\"importmap\">{imports}</script>\n"
+                f'<script type="module">{start}</script>')
+    before = before.replace("<head>", "<head>\n  " + csp_meta([plotly_js, restore, imports, start]), 1)
+    return [(before + '<script type="application/json" id="manyeyes-export">').encode("utf-8"), json_script_bytes(embedded),
+            (boot_end + after).encode("utf-8")]
+
+
+def csp_meta(scripts: list[str]) -> str:
+    """The file's own Content-Security-Policy: opened from disk it has no server to send one. Only
+    its own inline scripts run (by their hashes) and the modules the import map names (data:
+    URLs); nothing is fetched from anywhere. The escaping keeps a text from closing its element;
+    this keeps anything that got through anyway from running or sending what it read."""
+    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode('utf-8')).digest()).decode()}'" for s in scripts)
+    policy = (f"default-src 'none'; script-src {hashes} data:; style-src 'unsafe-inline'; img-src data: blob:; "
+              "font-src data:; worker-src blob:; object-src 'none'; base-uri 'none'; form-action 'none'")
+    return f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
 
 
 @functools.cache

@@ -41,7 +41,7 @@ async def export_page(
     """The viewer with this run's attention inside, as a download that opens from disk with no
     server and no network. The query is the page's permalink: a saved `view` id, or `text`, `pair`,
     `model`, `layer`, `head`."""
-    from manyeyes.export import build_html, embed, model_entry, page_bytes, pick_format, render_page
+    from manyeyes.export import build_pieces, embed, model_entry, page_bytes, pick_format, render_page
 
     state = None
     if view is not None:
@@ -99,15 +99,18 @@ async def export_page(
     reply = await service.attend([(full.text, full.text_pair)], full, batch=False, started=time.monotonic(), client=client,
                                  extra_bytes=page_around, tenant=tenant)
 
-    def build() -> bytes:
-        body = orjson.loads(b"".join(reply.body))
+    def build() -> list[bytes]:
+        answer = b"".join(reply.body)
+        reply.body = []  # its pieces go as soon as they are one: each copy of the run's weights is MBs
+        body = orjson.loads(answer)
+        del answer
         entry = model_entry(info, default=served.default)
         # A saved view keeps its options (extra heads, segments, threshold, scale...) in the file.
-        return build_html(render_page(), embed(body, entry, text, full.text_pair, layer, head, full.truncate, view=state)).encode("utf-8")
+        return build_pieces(render_page(), embed(body, entry, text, full.text_pair, layer, head, full.truncate, view=state))
 
-    # In a render slot, as an answer's encoding: the page is built through several copies of itself.
+    # In a render slot, as an answer's encoding.
     async with service.renders.hold(client):
         html = await finished_off_loop(build)
     name = re.sub(r"[^\w.-]", "_", served.id)
-    return PiecesResponse([html], "text/html; charset=utf-8",
+    return PiecesResponse(html, "text/html; charset=utf-8",
                           {"Content-Disposition": f'attachment; filename="manyeyes-{name}.html"'}, reply.hand_over())

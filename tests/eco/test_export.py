@@ -105,6 +105,21 @@ def test_export_html_refuses_a_layer_or_head_the_model_lacks(tiny_gpt):
     assert "<html" in export_html(tiny_gpt, "The bank.", layer=1, head=7).lower()
 
 
+def test_the_runs_json_goes_into_the_file_as_one_piece_made_once():
+    """The server's /export sends build_pieces' pieces: the run's JSON (tens of MB of weights) made
+    once, not spliced and substituted through the whole file's text (256 MB above rest for a 30 MB
+    file at T=512). Its `<` are escaped there, as in the rest of the file."""
+    import orjson
+
+    from manyeyes.export import build_html, build_pieces, render_page
+
+    embedded = {"text": "a </script><b>", "run": {"attention": {"data": "QUJD" * 1000}}}
+    before, run, after = build_pieces(render_page(), embedded)
+    assert run == orjson.dumps(embedded).replace(b"<", b"\\u003c") and b"<" not in run
+    assert before.endswith(b'<script type="application/json" id="manyeyes-export">') and after.startswith(b"</script>")
+    assert build_html(render_page(), embedded) == (before + run + after).decode()
+
+
 def test_hostile_text_stays_text_in_the_file(browser, tiny_gpt, tmp_path):
     text = "</script><script>alert(1)</script><!-- <img src=x onerror=alert(2)>"
     out = tmp_path / "hostile.html"
@@ -121,6 +136,25 @@ def test_hostile_text_stays_text_in_the_file(browser, tiny_gpt, tmp_path):
         page.wait_for_selector("#error:visible", timeout=10_000)
         assert "“manyeyes serve” analyses new text" in page.text_content("#error")
         assert "`" not in page.text_content("#error")
+    finally:
+        context.close()
+
+
+def test_a_script_that_got_into_the_file_anyway_does_not_run(browser, tiny_gpt, tmp_path):
+    """Opened from disk, a file has no server to send it a CSP: the escaping alone kept a text from
+    running (review h51k). Its own policy lets only its own scripts run, so markup that got past the
+    escaping (simulated here) stays inert, and the viewer still works."""
+    from manyeyes.export import export_html
+
+    html = export_html(tiny_gpt, TEXT)
+    injected = '<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2">'
+    out = tmp_path / "injected.html"
+    out.write_text(html.replace("<body", injected + "<body", 1) if "<body" in html else injected + html, encoding="utf-8")
+    context, page, seen, refused, problems = open_offline(browser, out)
+    try:
+        check_view(page, tiny_gpt, TEXT, 0, 0)
+        assert page.evaluate("window.__pwned") is None, "the injected script ran"
+        assert problems and all("Content Security Policy" in p for p in problems), problems
     finally:
         context.close()
 
