@@ -127,15 +127,19 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+# host [":" port] (RFC 9110, 7.2): a name or IPv4 address, or an IPv6 address in brackets.
+HOST_AND_PORT = re.compile(r"(\[[0-9a-f:.]+\]|[^\[\]@:/\\?#\s]*)(?::[0-9]*)?")
+
+
 def host_name(value: str) -> str:
     """A Host header's (or an allowed host's) name, as compared: lower case, without its port or a
-    trailing dot, an IPv6 address in brackets."""
+    trailing dot, an IPv6 address in brackets; "" for a value that is no host and port (such as
+    `[::1]evil.example` or `localhost:80@evil.example`, which read as loopback names)."""
     value = value.strip().lower()
-    if value.startswith("["):
-        return value[: value.find("]") + 1] or value
-    if value.count(":") > 1:  # an IPv6 address, as MANYEYES_ALLOWED_HOSTS may give it
+    if value.count(":") > 1 and not value.startswith("["):  # an IPv6 address, as MANYEYES_ALLOWED_HOSTS may give it
         return f"[{value}]"
-    return value.partition(":")[0].rstrip(".")
+    parsed = HOST_AND_PORT.fullmatch(value)
+    return parsed[1].rstrip(".") if parsed else ""
 
 
 # This machine's own names, as a local client (a health check, a Prometheus scrape) addresses it.

@@ -287,6 +287,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._bad_request = (f"this server decodes no transfer coding but chunked (this request's body is "
                                  f"{brief(', '.join(codings), 64)}): send the body as it is, with Content-Length or chunked")
             raise ValueError(self._bad_request)
+        self._host_from_absolute_target()
         super().on_headers_complete()  # raises on a URL httptools cannot split: a 400, as no cycle has the request
         self._head_done = True  # and self.cycle is this request's
         if upgrade:
@@ -299,6 +300,21 @@ class GuardedProtocol(HttpToolsProtocol):
             # uvicorn's keep-alive timer: a byte every 4 s held a connection for minutes.
             self.cycle.keep_alive = False
             self._body_pending = self.cycle
+
+    def _host_from_absolute_target(self) -> None:
+        """A request target in absolute form (`GET http://name/path`) names the host, and Host is
+        ignored (RFC 9112, 3.2.2): AllowedHosts checked a Host of `localhost` and answered a
+        request for another name. The target's host takes the Host headers' place."""
+        if not self.url[:8].lower().startswith((b"http://", b"https://")):
+            return
+        try:
+            target = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            return  # super() refuses it (400)
+        host = target.host or b""
+        host = b"[" + host + b"]" if b":" in host else host
+        self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
+        self.headers.append((b"host", host + (b":%d" % target.port if target.port else b"")))
 
     def on_message_complete(self) -> None:
         cycle = self.cycle

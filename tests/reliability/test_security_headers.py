@@ -110,7 +110,10 @@ def test_a_request_addressed_to_another_name_is_refused_where_only_local_names_a
             for host in (None, f"localhost:{server.port}", "[::1]:8000", "LocalHost.", "127.0.0.1"):
                 r = client.get("/api/v1/models", headers={"host": host} if host else None)
                 assert r.status_code == 200, (host, r.text[:200])
-            for host in ("rebound.example", f"rebound.example:{server.port}", "127.0.0.1.rebound.example", "localhost.example"):
+            # The last four read as loopback names to a parser that took what came first (review h51k).
+            for host in ("rebound.example", f"rebound.example:{server.port}", "127.0.0.1.rebound.example", "localhost.example",
+                         "[::1]rebound.example", "[::1].rebound.example", f"localhost:{server.port}@rebound.example",
+                         "localhost/rebound.example"):
                 for method, path in (("GET", "/api/v1/models"), ("POST", "/api/v1/attention"), ("GET", "/"),
                                      ("GET", "/readyz")):
                     r = client.request(method, path, headers={"host": host}, json={"text": "Hi."} if method == "POST" else None)
@@ -135,6 +138,13 @@ def test_a_request_addressed_to_another_name_is_refused_where_only_local_names_a
         # Two Host headers, an allowed name first: only the first was checked (RFC 9112: a 400).
         head, body = raw(b"GET /api/v1/models HTTP/1.1\r\nHost: localhost\r\nHost: rebound.example\r\nConnection: close\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400 ") and body["error"]["code"] == "bad_host", (head, body)
+        # A target in absolute form names the host, and Host is ignored (RFC 9112, 3.2.2): it was the
+        # other way round, and a request for another name went through on `Host: localhost`.
+        head, body = raw(b"GET http://rebound.example/api/v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 421 ") and "'rebound.example'" in body["error"]["message"], (head, body)
+        for target in (f"http://localhost:{server.port}", "HTTP://[::1]", "http://127.0.0.1:1"):
+            head, body = raw(f"GET {target}/api/v1/models HTTP/1.1\r\nHost: rebound.example\r\nConnection: close\r\n\r\n".encode())
+            assert head.startswith(b"HTTP/1.1 200 ") and body["models"], (target, head, body)
     # Any name where the setting says "*", or is not set (create_app without `manyeyes serve`).
     for hosts in (["*"], None):
         with live_server(allowed_hosts=hosts) as server:
