@@ -538,11 +538,9 @@ class AttentionService:
             return
         cells = sum(view.cells(n) for n in lengths)
         if cells > self.settings.max_json_cells:
-            raise TooManyCells(
-                f"format=json would return {cells:,} attention weights, over this server's limit of "
-                f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads "
-                "(GET /api/v1/runs/{run_id}/attention serves slices of a run)"
-            )
+            raise TooManyCells.json(cells, self.settings.max_json_cells, "attention weights",
+                                    "ask for format=u8 or f16, or fewer layers/heads (GET /api/v1/runs/{run_id}/attention "
+                                    "serves slices of a run)")
 
     def _check_held(self, served: Served, lengths: list[int]) -> None:
         """A batch's runs are all held at once, as float32 weights and again as its answer: at

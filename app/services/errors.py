@@ -60,6 +60,12 @@ class TooManyCells(ApiError):
     status = 413
     code = "too_many_cells"
 
+    @classmethod
+    def json(cls, cells: int, limit: int, what: str = "values",
+             advice: str = "ask for format=u8 or f16, or fewer layers/heads") -> "TooManyCells":
+        """An answer in format=json over MANYEYES_MAX_JSON_CELLS, said the same way by every route."""
+        return cls(f"format=json would return {cells:,} {what}, over this server's limit of {limit:,}; {advice}")
+
 
 class NeedsTiles(ApiError):
     """Whole weights asked for an input over dense_max_tokens: its run keeps queries and keys."""

@@ -169,10 +169,7 @@ class ExperimentService:
             return
         cells = len(view[0]) * len(view[1]) * rows * rows
         if cells > self.settings.max_json_cells:
-            raise TooManyCells(
-                f"format=json would return {cells:,} values, over this server's limit of "
-                f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads"
-            )
+            raise TooManyCells.json(cells, self.settings.max_json_cells)
 
     def _over_budget(self) -> OverBudget:
         return OverBudget(f"the experiment did not finish within its {self.settings.request_timeout_s:g} s budget")

@@ -251,10 +251,7 @@ class MeasuresService:
 
     def _cells_check(self, cells: int, fmt: str) -> None:
         if fmt == "json" and cells > self.settings.max_json_cells:
-            raise TooManyCells(
-                f"format=json would return {cells:,} values, over this server's limit of "
-                f"{self.settings.max_json_cells:,}; ask for format=u8 or f16, or fewer layers/heads"
-            )
+            raise TooManyCells.json(cells, self.settings.max_json_cells)
 
     # ------------------------------------------------------------------ the matrix measures
     def _planned(self, served: Served, names: list[str], layers, heads, fmt: str, tokens) -> tuple[list, list, list, int]:

@@ -160,8 +160,7 @@ class TileService:
 
     def _check_json(self, cells: int, fmt: str, what: str) -> None:
         if fmt == "json" and cells > self.settings.max_json_cells:
-            raise TooManyCells(f"format=json would return {cells:,} numbers for {what}, over this server's limit of "
-                               f"{self.settings.max_json_cells:,}; ask for format=f16 or u8")
+            raise TooManyCells.json(cells, self.settings.max_json_cells, f"numbers for {what}", "ask for format=f16 or u8")
 
     async def _answer(self, run_id: str, work, wire: Wire, fmt: str, log: dict, client: str, cells: int) -> Reply:
         """Runs `work(run)` (-> (fields, arrays)) on a worker thread, bounded like the renders are and
