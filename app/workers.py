@@ -49,6 +49,12 @@ RUN_DIRECTORY_BYTES = 64 * 2**20
 RESTART_PAUSE_S = 1.0
 MAX_RESTART_PAUSE_S = 60.0
 LIVED_LONG_S = 60.0
+
+
+def restart_pause(last: float, replacement: bool, lived_s: float) -> float:
+    """The pause before a dead process's slot is started again: it doubles (up to a minute) while
+    replacements die young, a crash loop; a first death, or one after a long life, waits a second."""
+    return min(2 * last, MAX_RESTART_PAUSE_S) if replacement and lived_s <= LIVED_LONG_S else RESTART_PAUSE_S
 # The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
 FOLDER_PREFIX = "manyeyes-shared-"
 
@@ -253,6 +259,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
     slots = workers + (1 if link else 0)
     processes = [start(slot) for slot in range(slots)]
     started = [time.monotonic()] * slots
+    replaced = [False] * slots  # only a replacement that dies young doubles the pause (README, Workers)
     pauses = [RESTART_PAUSE_S] * slots
     due: dict[int, float] = {}  # slot -> when its replacement starts
     try:
@@ -260,7 +267,7 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
             now = time.monotonic()
             for i, process in enumerate(processes):
                 if process.exitcode is not None and i not in due:
-                    pauses[i] = RESTART_PAUSE_S if now - started[i] > LIVED_LONG_S else min(2 * pauses[i], MAX_RESTART_PAUSE_S)
+                    pauses[i] = restart_pause(pauses[i], replaced[i], now - started[i])
                     what = "the shared forward process" if i == workers else "worker"
                     log.warning("%s %d exited with %s; another starts in %.0f s", what, process.pid, process.exitcode, pauses[i])
                     if i < workers:
@@ -269,17 +276,21 @@ def serve_workers(settings: Settings, sock, *, workers: int, threads: int, log_l
             for i, when in list(due.items()):
                 if now >= when:
                     del due[i]
-                    processes[i], started[i] = start(i, replacement=True), now
+                    processes[i], started[i], replaced[i] = start(i, replacement=True), now, True
             time.sleep(0.2)
         # Logged here, not in the signal handler; each worker logs its own drain as it begins.
         log.info("%s: stopping %d workers, each draining for up to %g s (MANYEYES_SHUTDOWN_GRACE_S)",
                  signal.Signals(stopping[0]).name, workers, settings.drain_s())
         # The workers first: while they drain, their last batches may still go to the shared forwards.
+        # One deadline for both, the grace from the signal (noticed within a tick of the loop): each
+        # had the grace and 5 s more of its own, so that with a shared forward process an exit took
+        # up to twice that (6.2 s for a grace of 3 under load, review h51i). Its work is the
+        # workers': once they are gone, it has nothing left to finish.
+        deadline = time.monotonic() + settings.shutdown_grace_s
         for group in (processes[:workers], processes[workers:]):
             for process in group:
                 if process.exitcode is None:
                     os.kill(process.pid, signal.SIGTERM)  # each worker drains as a single server does
-            deadline = time.monotonic() + settings.shutdown_grace_s + 5
             for process in group:
                 process.join(max(deadline - time.monotonic(), 0.1))
                 if process.exitcode is None:

@@ -521,3 +521,14 @@ def test_a_worker_whose_models_fail_to_load_says_why_to_the_others(tmp_path):
     assert "missing.pth" in (tmp_path / "ready" / "1.failed").read_text()
     marks = ReadyMarks(tmp_path / "ready", slot=0, workers=2)
     assert marks.waiting() == [0, 1] and marks.failed(marks.waiting()).keys() == {1}
+
+
+def test_the_restart_pause_doubles_only_while_replacements_die_young():
+    """An original worker dead at 14 s doubled the pause as a crash loop does (review h51i); the
+    README says only replacements that die young count."""
+    from manyeyes.app.workers import restart_pause
+
+    assert restart_pause(1.0, replacement=False, lived_s=14) == 1.0  # a first death, however young
+    assert restart_pause(1.0, replacement=True, lived_s=14) == 2.0
+    assert restart_pause(32.0, replacement=True, lived_s=1) == 60.0  # at most a minute
+    assert restart_pause(32.0, replacement=True, lived_s=61) == 1.0  # a long life starts over
