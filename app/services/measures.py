@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -372,10 +373,13 @@ class MeasuresService:
         while graph is None and (making := self._flows_making.get(key)) is not None:
             await outlived(making)
             graph = making.result()  # None: it failed, and this one makes it
+        if graph is not None and key in self._flows:
+            self._flows.move_to_end(key)
+            return replied([graph], {"run_id": run_id}, None)  # kept: counted once, in FLOW_CACHE_BYTES
         if graph is not None:
-            if key in self._flows:
-                self._flows.move_to_end(key)
-            return replied([graph], {"run_id": run_id}, None)
+            # Handed over and not kept: held in the answers' budget until sent, as its maker's is.
+            deadline = time.monotonic() + self.settings.request_timeout_s
+            return replied([graph], {"run_id": run_id}, await self.attention.reserve(len(graph), deadline, client))
         # A target's edges a layer: its sources and the residual, those of share ≥ threshold at most;
         # at most half the answers' budget, the most a client holds (a 32-layer model's reckoning,
         # 250 MiB for a graph of a few, went alone and held every other client's bytes up).

@@ -214,6 +214,14 @@ def test_a_flow_graph_too_large_to_keep_is_made_once_for_the_requests_waiting_on
 
     monkeypatch.setattr(measures_module, "outlived", counted)
     with live_server(**SERVER) as server, ThreadPoolExecutor(4) as pool:
+        service, reserved = server.app.state.service, []
+        reserve = service.reserve
+
+        async def recorded(nbytes, *args, **kwargs):
+            reserved.append(nbytes)
+            return await reserve(nbytes, *args, **kwargs)
+
+        monkeypatch.setattr(service, "reserve", recorded)
         path = route_path(post(server.url, text_of(1)), "flow")
         first = pool.submit(get, server.url, path)
         wait_until(lambda: entered == ["flow"], 30, "the first request to make the graph")
@@ -223,6 +231,8 @@ def test_a_flow_graph_too_large_to_keep_is_made_once_for_the_requests_waiting_on
         answers = [request.result() for request in [first, *others]]
         assert [r.status_code for r in answers] == [200] * 4 and len({r.content for r in answers}) == 1
         assert entered == ["flow"], "a waiter made the graph again"
+        # Each answer held its bytes in the answers' budget until sent, the handed-over ones too.
+        assert reserved.count(len(answers[0].content)) == 3, reserved
         assert get(server.url, path).status_code == 200 and entered == ["flow", "flow"]  # and it was not kept
         idle(server)
 
