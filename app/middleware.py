@@ -16,7 +16,7 @@ from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 from starlette.responses import Response
 from starlette.routing import Route
 
-from manyeyes.app.services.errors import BodyTooLarge, ClientClosed, NotReady, brief, error_body
+from manyeyes.app.services.errors import SHUTDOWN_RETRY_AFTER_S, BodyTooLarge, ClientClosed, NotReady, brief, error_body
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.wire import coding_q, header_list
 
@@ -186,10 +186,6 @@ class AllowedHosts:
         await send_error(send, 421, "host_not_allowed",
                          f"this server answers requests addressed to {self.listed} (MANYEYES_ALLOWED_HOSTS), and this "
                          f"one came {said}: add the name you reach it by to MANYEYES_ALLOWED_HOSTS")
-
-
-# A request cut off by shutdown is best retried against the restarted server or another replica.
-SHUTDOWN_RETRY_AFTER_S = 5
 
 
 class ShutdownAnswer:

@@ -242,7 +242,7 @@ class Batcher:
             )
         with self._cond:
             if self._closed:
-                raise NotReady("the server is shutting down")
+                raise NotReady.shutting_down()
             waiting = self._admitted + self._n_pending + self._running
             if waiting + n > self.max_queue:
                 self.metrics.dropped.labels("queue_full").inc(n)
@@ -318,7 +318,7 @@ class Batcher:
         jobs = [Job(model, e, deadline, client, fmt, k, answer=loop.create_future()) for e, k in zip(encoded, keep)]
         with self._cond:
             if self._closed:
-                raise NotReady("the server is shutting down")
+                raise NotReady.shutting_down()
             if held is None or held.since is None:
                 self._check_work(jobs, deadline, self._calibration)
             else:
@@ -563,7 +563,7 @@ class Batcher:
         for job in leftovers:
             if job.wanted:
                 self.metrics.dropped.labels("shutdown").inc()
-                _deliver(job.answer, error=NotReady("the server is shutting down"))
+                _deliver(job.answer, error=NotReady.shutting_down())
 
     def _settle(self, job: Job, result: Done | None = None, error: BaseException | None = None) -> None:
         """Free the job's place before its request can see the answer, so a client that sends its

@@ -118,9 +118,19 @@ class OverBudget(ApiError):
     code = "timeout"
 
 
+# A request cut off by shutdown is best retried against the restarted server or another replica.
+SHUTDOWN_RETRY_AFTER_S = 5
+
+
 class NotReady(ApiError):
     status = 503
     code = "not_ready"
+
+    @classmethod
+    def shutting_down(cls) -> "NotReady":
+        """As the answers that uvicorn's end of the drain cuts off say it (middleware.ShutdownAnswer):
+        with Retry-After, which the work refused at the shutdown's start had none of."""
+        return cls("the server is shutting down", {"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
 
 
 def error_body(code: str, message: str, fields: dict | None = None) -> dict:

@@ -75,7 +75,7 @@ class GenerationService:
     async def start(self, body, client: str = "") -> Generation:
         """Validate everything a client can get wrong (4xx before any byte), then stream NDJSON."""
         if self.shutdown.began is not None:  # asked on a kept-alive connection while the server drains
-            raise NotReady("the server is shutting down")
+            raise NotReady.shutting_down()
         served = self.registry.get(body.model) if body.model is not None else self._default_generator()
         model = served.model
         if body.max_new_tokens > self.settings.max_new_tokens:

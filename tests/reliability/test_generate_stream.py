@@ -231,3 +231,17 @@ def test_a_generation_that_names_no_model_uses_a_causal_one():
     with live_server() as encoders_only:  # nothing can generate: the default's refusal
         err = assert_json_error(httpx.post(f"{encoders_only.url}/api/v1/generate", json=body, timeout=30), 422)
         assert err["message"] == "minilm is not a causal language model: it cannot generate"
+
+
+def test_work_refused_once_a_shutdown_began_says_when_to_retry():
+    """A generation, and an input for the batcher, asked for after the signal got 503 with no
+    Retry-After, where the requests the drain's end cuts off have one (README's error table)."""
+    with live_server(models={"tiny-gpt": "tiny-gpt"}, warmup=False) as server:
+        server.app.state.shutdown.begin()  # what the server's signal handler calls
+        generation = httpx.post(f"{server.url}/api/v1/generate", json={"text": "In the", "max_new_tokens": 2}, timeout=30)
+        server.batcher.close()  # as the lifespan's end closes it
+        attention = httpx.post(f"{server.url}/api/v1/attention", json={"text": "A closed batcher.", "model": "tiny-gpt"},
+                               timeout=30)
+        for r in (generation, attention):
+            err = assert_json_error(r, 503)
+            assert err["code"] == "not_ready" and "shutting down" in err["message"] and r.headers["retry-after"] == "5"
