@@ -302,11 +302,12 @@ class GuardedProtocol(HttpToolsProtocol):
             self._body_pending = self.cycle
 
     def _host_from_absolute_target(self) -> None:
-        """A request target in absolute form (`GET http://name/path`) names the host, and Host is
-        ignored (RFC 9112, 3.2.2): AllowedHosts checked a Host of `localhost` and answered a
-        request for another name. The target's host takes the Host headers' place."""
-        if not self.url[:8].lower().startswith((b"http://", b"https://")):
-            return
+        """A request target in absolute form (`GET http://name/path`, any scheme) names the host,
+        and Host is ignored (RFC 9112, 3.2.2): AllowedHosts checked a Host of `localhost` and
+        answered a request for another name. The target's host takes the Host header's place; a
+        request with no Host stays without one (AllowedHosts refuses it)."""
+        if self.url[:1] in (b"/", b"*", b"") or not any(name == b"host" for name, _ in self.headers):
+            return  # origin form (or asterisk form), or no Host to stand in for
         try:
             target = httptools.parse_url(self.url)
         except httptools.HttpParserInvalidURLError:

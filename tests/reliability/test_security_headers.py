@@ -140,8 +140,13 @@ def test_a_request_addressed_to_another_name_is_refused_where_only_local_names_a
         assert head.startswith(b"HTTP/1.1 400 ") and body["error"]["code"] == "bad_host", (head, body)
         # A target in absolute form names the host, and Host is ignored (RFC 9112, 3.2.2): it was the
         # other way round, and a request for another name went through on `Host: localhost`.
-        head, body = raw(b"GET http://rebound.example/api/v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 421 ") and "'rebound.example'" in body["error"]["message"], (head, body)
+        for scheme in ("http", "ftp"):  # any scheme's absolute form
+            head, body = raw(f"GET {scheme}://rebound.example/api/v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                             "Connection: close\r\n\r\n".encode())
+            assert head.startswith(b"HTTP/1.1 421 ") and "'rebound.example'" in body["error"]["message"], (head, body)
+        # With no Host, the target's name does not stand in for one: still no name this server answers to.
+        head, body = raw(f"GET http://localhost:{server.port}/api/v1/models HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+        assert head.startswith(b"HTTP/1.1 421 ") and body["error"]["code"] == "host_not_allowed", (head, body)
         for target in (f"http://localhost:{server.port}", "HTTP://[::1]", "http://127.0.0.1:1"):
             head, body = raw(f"GET {target}/api/v1/models HTTP/1.1\r\nHost: rebound.example\r\nConnection: close\r\n\r\n".encode())
             assert head.startswith(b"HTTP/1.1 200 ") and body["models"], (target, head, body)
