@@ -44,19 +44,20 @@ log = logging.getLogger("manyeyes.workers")
 
 # Each worker's share of the shared folder: request texts for run ids, and saved views.
 RUN_DIRECTORY_BYTES = 64 * 2**20
-# A worker that dies soon after its start is started again after a pause that doubles each time
-# (a model that cannot load must not become a process a second); one that lived long, after one.
+# A replacement that dies soon after its start is started again after a pause that doubles each
+# time (a model that cannot load must not become a process a second); a first death, or one after
+# a long life, after one second.
 RESTART_PAUSE_S = 1.0
 MAX_RESTART_PAUSE_S = 60.0
 LIVED_LONG_S = 60.0
+# The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
+FOLDER_PREFIX = "manyeyes-shared-"
 
 
 def restart_pause(last: float, replacement: bool, lived_s: float) -> float:
     """The pause before a dead process's slot is started again: it doubles (up to a minute) while
     replacements die young, a crash loop; a first death, or one after a long life, waits a second."""
     return min(2 * last, MAX_RESTART_PAUSE_S) if replacement and lived_s <= LIVED_LONG_S else RESTART_PAUSE_S
-# The parent's pid follows: a folder left by a parent that was killed outright says whose it was.
-FOLDER_PREFIX = "manyeyes-shared-"
 
 
 def spread_by_kernel() -> bool:
