@@ -141,6 +141,8 @@ def build_pieces(page_html: str, embedded: dict) -> list[bytes]:
     start = f'import "manyeyes/{main[1]}";'
     boot_end = (f"</script>\n<script>{restore}</script>\n<script type=\"importmap\">{imports}</script>\n"
                 f'<script type="module">{start}</script>')
+    if "<head>" not in before:
+        raise RuntimeError("templates/index.html no longer has the <head> the export puts its policy in")
     before = before.replace("<head>", "<head>\n  " + csp_meta([plotly_js, restore, imports, start]), 1)
     return [(before + '<script type="application/json" id="manyeyes-export">').encode("utf-8"), json_script_bytes(embedded),
             (boot_end + after).encode("utf-8")]
