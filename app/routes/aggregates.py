@@ -18,18 +18,10 @@ from manyeyes.app.routes.attention import wire_of
 from manyeyes.app.routes.responses import answer_content, errors
 from manyeyes.app.routes.runs import answered_while_connected
 from manyeyes.app.schemas import AttentionResponse, Format
-from manyeyes.app.services.attention import (
-    COMPACT_MEDIA_TYPE,
-    AttentionService,
-    Reply,
-    answer_bytes,
-    parse_index_list,
-    resolve_indices,
-)
+from manyeyes.app.services.attention import AttentionService, Reply, answer_bytes, negotiated, parse_index_list, resolve_indices
 from manyeyes.app.services.cache import Run
 from manyeyes.app.services.measures import float_weights, replied
 from manyeyes.app.services.payload import View, render_frame, render_result
-from manyeyes.app.services.wire import FRAME_MEDIA_TYPE
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 MEAN_ROUTE = "GET /api/v1/runs/{run_id}/mean (tile?head=mean serves any run)"
@@ -73,20 +65,18 @@ async def run_mean(
         # Its layers and heads say [0], the one matrix's indices: mean_of says what it averages.
         view, mean_of = View([0], [0], format), {"layers": chosen, "heads": list(range(info.n_heads))}
         if wire.frame:
-            return service.compression.encode(wire.accept_encoding, render_frame([(averaged, timing, None)], info, view, False,
-                                                                                  mean_of), False)
-        return service.compression.encode(wire.accept_encoding, render_result(averaged, info, view, timing, mean_of=mean_of),
-                                          format == "json")
+            pieces = render_frame([(averaged, timing, None)], info, view, False, mean_of)
+        else:
+            pieces = render_result(averaged, info, view, timing, mean_of=mean_of)
+        return service.compression.encode(wire.accept_encoding, pieces, not wire.frame and format == "json")
 
     async def averaged() -> Reply:
         # A render slot for the T×T float32 mean, like an answer's encoding.
         (pieces, encoding), grant = await measures.in_turn(run_id, nbytes, client_of(request), False, render,
                                                            needs_weights=MEAN_ROUTE)
-        media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if format == "json" else COMPACT_MEDIA_TYPE
+        media_type, headers = negotiated(wire, format, encoding)
         reply = replied(pieces, {"run_id": run_id, "mean_of_layers": len(chosen)}, grant, media_type)
-        reply.headers["Vary"] = "Accept, Accept-Encoding"  # the same URL answers differently to these
-        if encoding:
-            reply.headers["Content-Encoding"] = encoding
+        reply.headers.update(headers)
         return reply
 
     return await answered_while_connected(request, averaged())

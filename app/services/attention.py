@@ -308,6 +308,16 @@ def check_some_tokens(model_id: str, encoded: Encoded, has_pair: bool, label: st
             )
 
 
+def negotiated(wire: Wire, fmt: str, encoding: str | None) -> tuple[str, dict]:
+    """(media type, headers) of an answer that Accept and Accept-Encoding chose: the same URL
+    answers differently to other values of them (Vary)."""
+    media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if fmt == "json" else COMPACT_MEDIA_TYPE
+    headers = {"Vary": "Accept, Accept-Encoding"}
+    if encoding:
+        headers["Content-Encoding"] = encoding
+    return media_type, headers
+
+
 def items_for(model: str, texts: list[tuple[str, str | None]], batch: bool, truncate: bool, tenant: str) -> list[Item]:
     return [
         Item(text, pair, f"texts[{i}]: " if batch else "", run_id_for(model, text, pair, truncate, tenant), tenant=tenant)
@@ -785,14 +795,9 @@ class AttentionService:
         return self._replied(items, view, wire, body, encoding)
 
     def _replied(self, items: list[Item], view: View, wire: Wire, body: list[bytes], encoding: str | None) -> Reply:
+        media_type, headers = negotiated(wire, view.format, encoding)
         if any(item.kind == "qk" for item in items):  # metadata and links only: JSON, whatever Accept asks
             media_type = "application/json"
-        else:
-            media_type = FRAME_MEDIA_TYPE if wire.frame else "application/json" if view.format == "json" else COMPACT_MEDIA_TYPE
-        # The same URL answers differently to other Accept/Accept-Encoding headers.
-        headers = {"Vary": "Accept, Accept-Encoding"}
-        if encoding:
-            headers["Content-Encoding"] = encoding
         return Reply(body, media_type, self._log(items), headers)
 
     def _renders_inline(self, cells: int, view: View, wire: Wire) -> bool:

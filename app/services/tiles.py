@@ -25,6 +25,7 @@ from manyeyes.app.services.attention import (
     answer_bytes,
     check_precision,
     finished_off_loop,
+    negotiated,
     off_loop_unless_small,
     parse_index,
     resolve_indices,
@@ -182,9 +183,7 @@ class TileService:
         started = time.perf_counter()
         async with self.attention.queued_with_bytes(answer_bytes(cells, fmt, wire.frame) + EDGES_BYTES, client) as grant:
             body, media, encoding = await finished_off_loop(build, self.attention.still_cached(run_id, fmt))
-        headers = {"Vary": "Accept, Accept-Encoding"}
-        if encoding:
-            headers["Content-Encoding"] = encoding
+        _, headers = negotiated(wire, fmt, encoding)  # the media type is render()'s
         log["timing_ms"] = round((time.perf_counter() - started) * 1000, 2)
         reply = Reply(body, media, log, headers)
         reply.own(grant)
