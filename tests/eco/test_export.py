@@ -111,13 +111,13 @@ def test_the_runs_json_goes_into_the_file_as_one_piece_made_once():
     file at T=512). Its `<` are escaped there, as in the rest of the file."""
     import orjson
 
-    from manyeyes.export import build_html, build_pieces, render_page
+    from manyeyes.export import build_pieces, render_page
 
     embedded = {"text": "a </script><b>", "run": {"attention": {"data": "QUJD" * 1000}}}
     before, run, after = build_pieces(render_page(), embedded)
     assert run == orjson.dumps(embedded).replace(b"<", b"\\u003c") and b"<" not in run
     assert before.endswith(b'<script type="application/json" id="manyeyes-export">') and after.startswith(b"</script>")
-    assert build_html(render_page(), embedded) == (before + run + after).decode()
+    assert orjson.loads(run) == embedded  # the escapes read back as the text they stand for
 
 
 def test_hostile_text_stays_text_in_the_file(browser, tiny_gpt, tmp_path):
