@@ -60,6 +60,37 @@ def test_each_client_leads_a_batch_in_turn_not_the_oldest_job(batcher):
     assert order == [["L0"], ["q0", "o0", "q1"], ["L1"], ["L2"], ["L3"]], order
 
 
+def test_a_flood_of_long_inputs_does_not_pad_another_clients_short_batch(batcher):
+    """A client's first input rode the next batch whatever its length, so a quiet client's short
+    lead was padded to the flood's 400 tokens (1.7 s against 42 ms unloaded, two workers)."""
+    queue(batcher, [job("quiet", 8, "q0"), job("other", 12, "o0")])
+    queue(batcher, [job("flood", 400, f"L{i}") for i in range(3)])
+    order = [[j.tag for j in batcher._next_batch()] for _ in range(2)]
+    assert order == [["q0", "o0"], ["L0", "L1", "L2"]], order
+
+
+def test_a_short_input_still_rides_a_long_lead(batcher):
+    """The fair-share bound: a first input no wider than the batch is served by the next forward."""
+    queue(batcher, [job("flood", 400, f"L{i}") for i in range(3)])
+    queue(batcher, [job("quiet", 8, "q0")])
+    chosen, _ = batcher._select(MODEL)
+    assert [j.tag for j in chosen] == ["L0", "q0", "L1"]
+
+
+def test_a_client_whose_queue_emptied_goes_before_those_served_since(batcher):
+    """A client that sends one request at a time empties its queue each time: it went behind the
+    flood just served, and each of its requests rode one more of the flood's padded batches."""
+    queue(batcher, [job("flood", 400, f"L{i}") for i in range(6)])
+    queue(batcher, [job("quiet", 8, "q0")])
+    assert [j.tag for j in batcher._next_batch()] == ["L0", "q0", "L1"]
+    queue(batcher, [job("quiet", 8, "q1")])  # its next request, while that batch runs
+    assert [j.tag for j in batcher._next_batch()] == ["q1"]
+    queue(batcher, [job("quiet", 8, "q2")])  # flood's turn now: quiet rides it
+    assert [j.tag for j in batcher._next_batch()] == ["L2", "q2", "L3"]
+    queue(batcher, [job("new", 8, "n0")])  # never served: before the flood
+    assert [j.tag for j in batcher._next_batch()] == ["n0"]
+
+
 def test_the_cell_budget_limits_long_rows_but_one_always_fits(batcher):
     queue(batcher, [job("a", 512, f"a{i}") for i in range(4)])
     chosen, left_out = batcher._select(MODEL)
@@ -121,3 +152,20 @@ def test_answers_are_resolved_on_their_own_loop_and_a_request_that_left_is_left_
     closed.close()
     _deliver(orphan, "after shutdown")  # nobody waits: no error either
     assert not orphan.done()
+
+
+def test_the_fair_bench_runs():
+    """bench/fair_bench.py, small, so that it keeps up with the Batcher it drives. Its verdict is
+    a timing (sleeps standing in for forwards) and is the bench's to print, not this test's."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "fair_bench.py"
+    done = subprocess.run([sys.executable, str(bench), "--seconds", "2", "--flood", "4"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answered = [int(n) for n in re.findall(r"n=(\d+)\)", done.stdout)]
+    assert len(answered) == 2 and min(answered) > 0, done.stdout
+    assert re.search(r"flood answered: [1-9][\d.]* a second", done.stdout) and "bound " in done.stdout, done.stdout

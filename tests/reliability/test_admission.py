@@ -167,12 +167,16 @@ def test_a_clients_burst_that_waits_for_answer_bytes_is_refused_at_once_not_afte
     assert max(refused) < delay <= min(served) and max(served) < budget, replies
 
 
-def test_a_clients_later_jobs_do_not_pad_a_batch_to_waste_but_its_first_always_rides(batcher):
+def test_no_job_pads_a_batch_to_waste_but_a_first_one_that_does_leads_the_next(batcher):
     backlog(batcher, [job("flood", 20), job("flood", 512), job("flood", 30), job("flood", 400), job("quiet", 500)])
     chosen, left_out = batcher._select(MODEL)
-    # flood's first (20) and quiet's first (500: its only one, whatever the padding) ride; flood's
-    # 512 and 400 would pad the short ones up, its 30 would be padded to 500.
-    assert [len(j.encoded) for j in chosen] == [20, 500] and left_out
+    # flood's 512 and 400 would pad the short ones up, and so would quiet's 500, its first: that
+    # one leads the next batch instead (it rode this one, which took twice as long for it).
+    assert [len(j.encoded) for j in chosen] == [20, 30] and left_out
+    for j in chosen:
+        batcher._take(j)
+    batcher._pending.move_to_end("flood")
+    assert [len(j.encoded) for j in batcher._select(MODEL)[0]] == [500, 512, 400]
     batcher._pending.clear()
     backlog(batcher, [job("flood", n) for n in (300, 400, 20, 350)])
     assert [len(j.encoded) for j in batcher._select(MODEL)[0]] == [300, 400, 350]
