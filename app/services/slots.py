@@ -81,13 +81,20 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+# An answer of at most 1/SMALL_SHARE of the budget is small: it may pass a head the budget holds
+# back, while the small answers that passed one hold at most 1/PASSING_SHARE of it together.
+SMALL_SHARE = 32
+PASSING_SHARE = 8
+
+
 class Grant:
-    """Bytes taken from a FairBytes, given back once by `release()` (any later call does nothing)."""
+    """Bytes taken from a FairBytes, given back once by `release()` (any later call does nothing).
+    `passing`: granted past a head the budget held back (FairBytes._may_pass)."""
 
-    __slots__ = ("budget", "nbytes", "client")
+    __slots__ = ("budget", "nbytes", "client", "passing")
 
-    def __init__(self, budget: FairBytes | None, nbytes: int, client: str) -> None:
-        self.budget, self.nbytes, self.client = budget, nbytes, client
+    def __init__(self, budget: FairBytes | None, nbytes: int, client: str, passing: bool = False) -> None:
+        self.budget, self.nbytes, self.client, self.passing = budget, nbytes, client, passing
 
     def release(self) -> None:
         budget, self.budget = self.budget, None
@@ -107,13 +114,18 @@ class FairBytes:
     their bytes until sent, and one client must not hold them all. A head held back only by its own
     client's half (the budget has room) waits for that client's answers to go out and holds nobody
     else back: a flood of large answers from one client kept another client's small one waiting
-    for the flood's answer in flight. limit 0: no budget."""
+    for the flood's answer in flight. And a small answer (SMALL_SHARE) that fits passes a head the
+    budget holds back, within PASSING_SHARE of it for all those that passed and never so far that
+    the head could not fit once the others are given back: three clients that never read a large
+    answer each held the budget until their write deadline (30 s), and every other client's 4 KB
+    answer waited behind the next large one all that time (review h52c). limit 0: no budget."""
 
     def __init__(self, limit: int, gauge=None) -> None:
         self.limit = limit
         self.gauge = gauge  # told the bytes held at each change (a Prometheus Gauge), if given
         self.held = 0
         self.held_by: dict[str, int] = {}
+        self.held_passing = 0  # of `held`, by grants that passed a head (Grant.passing)
         self._waiting: OrderedDict[str, deque[tuple[int, asyncio.Future]]] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop its grants are taken on
 
@@ -127,22 +139,39 @@ class FairBytes:
         answers going out free its room. One holding nothing needs the budget empty instead."""
         return self.held_by.get(client, 0) > 0 and self.held + nbytes <= self.limit
 
-    def _hold(self, nbytes: int, client: str) -> Grant:
+    def _may_pass(self, nbytes: int, head_nbytes: int) -> bool:
+        """Whether an answer that fits may pass a head of `head_nbytes` that does not: a small one,
+        within the passers' share, leaving the head room once all but the passers are given back
+        (so a head that needs the budget empty, one larger than it, is never passed)."""
+        passing = self.held_passing + nbytes
+        return (nbytes <= self.limit // SMALL_SHARE and passing <= self.limit // PASSING_SHARE
+                and head_nbytes + passing <= self.limit)
+
+    def _blocked_head(self) -> int | None:
+        """The bytes of the first waiter in the rotation that the budget holds back (not its
+        client's half alone); None when there is none."""
+        return next((queue[0][0] for client, queue in self._waiting.items()
+                     if not self._waits_on_itself(queue[0][0], client)), None)
+
+    def _hold(self, nbytes: int, client: str, passing: bool = False) -> Grant:
         self.held += nbytes
         self.held_by[client] = self.held_by.get(client, 0) + nbytes
+        self.held_passing += nbytes if passing else 0
         if self.gauge is not None:
             self.gauge.set(self.held)
-        return Grant(self, nbytes, client)
+        return Grant(self, nbytes, client, passing)
 
     def try_take(self, nbytes: int, client: str = "") -> Grant | None:
         """The bytes at once, or None where `take` would wait."""
         if self.limit == 0:
             return Grant(None, nbytes, client)
-        if client not in self._waiting and self._fits(nbytes, client) and all(
-                self._waits_on_itself(queue[0][0], other) for other, queue in self._waiting.items()):
-            self._loop = running_loop() or self._loop  # the latest: an app started again runs a new loop
-            return self._hold(nbytes, client)
-        return None
+        if client in self._waiting or not self._fits(nbytes, client):
+            return None
+        head = self._blocked_head()
+        if head is not None and not self._may_pass(nbytes, head):
+            return None
+        self._loop = running_loop() or self._loop  # the latest: an app started again runs a new loop
+        return self._hold(nbytes, client, passing=head is not None)
 
     async def take(self, nbytes: int, client: str = "") -> Grant:
         grant = self.try_take(nbytes, client)
@@ -177,6 +206,7 @@ class FairBytes:
 
     def _give_back(self, grant: Grant) -> None:
         self.held -= grant.nbytes
+        self.held_passing -= grant.nbytes if grant.passing else 0
         left = self.held_by[grant.client] - grant.nbytes
         if left:
             self.held_by[grant.client] = left
@@ -195,14 +225,29 @@ class FairBytes:
                 if self._waits_on_itself(nbytes, client):
                     passed += 1  # it keeps its place at the front for when its own bytes come back
                     continue
+                self._let_small_ones_pass(nbytes, passed + 1)
                 return
-            queue.popleft()
-            if queue:
-                self._waiting.move_to_end(client)
-            else:
-                del self._waiting[client]
-            if not future.done():
-                future.set_result(self._hold(nbytes, client))
+            self._grant_first(client, nbytes)
+
+    def _let_small_ones_pass(self, head_nbytes: int, start: int) -> None:
+        """Each client's first waiter behind a held-back head, in the rotation's order, that fits
+        and may pass it."""
+        for client in list(islice(self._waiting, start, None)):
+            nbytes, future = self._waiting[client][0]
+            if future.done() or (self._fits(nbytes, client) and self._may_pass(nbytes, head_nbytes)):
+                self._grant_first(client, nbytes, passing=True)
+
+    def _grant_first(self, client: str, nbytes: int, passing: bool = False) -> None:
+        """The client's first waiter gets its bytes (unless it was cancelled meanwhile), and the
+        client goes to the back of the rotation."""
+        queue = self._waiting[client]
+        _, future = queue.popleft()
+        if queue:
+            self._waiting.move_to_end(client)
+        else:
+            del self._waiting[client]
+        if not future.done():
+            future.set_result(self._hold(nbytes, client, passing))
 
 
 class CountedSlots:

@@ -146,6 +146,32 @@ def test_a_waiter_that_needs_more_than_the_room_left_holds_the_others_back_until
     assert asyncio.run(main()) == (0, {})
 
 
+def test_small_answers_of_other_clients_pass_a_head_the_budget_holds_back_within_their_share():
+    """Three clients that never read a large answer each held the budget until their write deadline,
+    and another client's 4 KB answer waited behind the next large one: 27 s (review h52c)."""
+    async def main():
+        budget = FairBytes(320)  # small: at most 10; those that pass hold at most 40 together
+        a, b = await budget.take(110, "a"), await budget.take(110, "b")
+        head = asyncio.create_task(budget.take(110, "c"))  # 330 > 320: held back
+        await settle()
+        probe = budget.try_take(4, "d")  # small, fits: passes at once
+        assert probe is not None and probe.passing and not head.done()
+        smalls = [asyncio.create_task(budget.take(10, f"e{i}")) for i in range(4)]
+        large = asyncio.create_task(budget.take(50, "f"))  # fits, but no small answer: behind the head
+        await settle()
+        assert [t.done() for t in smalls] == [True, True, True, False] and not large.done()
+        assert budget.held_passing == 34 and budget.held == 254
+        a.release()  # the head fits now, then the large one, then the last small one, in turn
+        await settle()
+        assert head.done() and large.done() and smalls[3].done() and budget.held == 314, budget.held
+        assert not smalls[3].result().passing and budget.held_passing == 34
+        for grant in [b, probe, head.result(), large.result()] + [t.result() for t in smalls]:
+            grant.release()
+        return budget.held, budget.held_passing, budget.held_by, budget._waiting
+
+    assert asyncio.run(main()) == (0, 0, {}, {})
+
+
 def test_an_answer_larger_than_the_budget_goes_alone_and_a_grant_goes_back_once():
     async def main():
         budget = FairBytes(100)
@@ -153,6 +179,9 @@ def test_an_answer_larger_than_the_budget_goes_alone_and_a_grant_goes_back_once(
         big = asyncio.create_task(budget.take(500, "b"))
         await settle()
         assert not big.done()  # only once nothing else is held
+        # Nor does a small answer pass it (3 of 100 would pass a head that could ever fit): one
+        # passing now would keep it waiting for ever.
+        assert budget.try_take(3, "c") is None
         small.release()
         small.release()  # twice: given back once
         await settle()
