@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 from manyeyes.app.clients import ClientIdentity, KeyRing, TrustedProxies, configured_keys
 from manyeyes.app.config import Settings
 from manyeyes.app.deps import known_query, utf8_json, utf8_url
-from manyeyes.app.memory import freeze_long_lived, prepare_serving_process
+from manyeyes.app.memory import QuietTrim, freeze_long_lived, prepare_serving_process
 from manyeyes.app.middleware import (
     AccessLog, AllowedHosts, BodyLimit, Gzip, HeadAsGet, JsonCors, Ranges, SecurityHeaders, ShutdownAnswer, error_response,
 )
@@ -172,6 +173,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     # Started by the server when a shutdown begins (server.Server), so that a generation stream
     # ends itself within the grace period rather than being cut off at its end.
     shutdown = ShutdownClock()
+    quiet_trim = QuietTrim()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,9 +193,12 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
         loader = threading.Thread(target=registry.load_all, args=(freeze_long_lived if settings.gc_freeze else None,),
                                   name="manyeyes-load", daemon=True)
         loader.start()
+        app.state.quiet_trim = quiet_trim
+        trimming = asyncio.create_task(quiet_trim.run(), name="manyeyes-quiet-trim")
         try:
             yield
         finally:
+            trimming.cancel()
             # uvicorn has already let requests finish for up to shutdown_grace_s; whatever still
             # runs (a load, an abandoned forward) is on daemon threads: waiting would only
             # stretch the exit past the grace period.
@@ -266,7 +271,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     app.add_middleware(Ranges)
     # Inside AccessLog, so the 503s it writes at shutdown are logged and counted.
     app.add_middleware(ShutdownAnswer)
-    app.add_middleware(AccessLog, metrics=metrics, identify=proxies.address_id)
+    app.add_middleware(AccessLog, metrics=metrics, identify=proxies.address_id, quiet=quiet_trim)
     # Outermost, so every answer carries the headers, the 413s BodyLimit writes included.
     app.add_middleware(SecurityHeaders)
     return app

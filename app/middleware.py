@@ -8,14 +8,16 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterable
 
 import orjson
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware, IdentityResponder
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, compile_path
 
+from manyeyes.app.memory import QuietTrim
 from manyeyes.app.services.errors import SHUTDOWN_RETRY_AFTER_S, BodyTooLarge, ClientClosed, NotReady, brief, error_body
 from manyeyes.app.services.metrics import Metrics
 from manyeyes.app.services.wire import coding_q, header_list
@@ -351,10 +353,11 @@ class AccessLog:
     id, else the address. `identify` names the client of a request refused before ClientIdentity
     saw it."""
 
-    def __init__(self, app, metrics: Metrics, identify=lambda scope: "") -> None:
+    def __init__(self, app, metrics: Metrics, identify=lambda scope: "", quiet: QuietTrim | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.identify = identify
+        self.quiet = quiet or QuietTrim()  # told of each request's start and end (app/memory.py)
         self.templates: list[Route] | None = None  # the app's routes, gathered at the first request
         self.served: dict[str, frozenset[str]] = {}  # template -> the methods its routes serve
 
@@ -429,9 +432,11 @@ class AccessLog:
                 if delivery is not None:
                     ticket = delivery.ticket()
 
+        self.quiet.began()
         try:
             await self.app(scope, receive, watch)
         finally:
+            self.quiet.ended()
             # What the client waited for ends at the answer's last byte; the tasks and middleware
             # that wind down after it (0.2 ms at T=16) are not part of it.
             elapsed = (last_byte_out or time.perf_counter()) - started

@@ -338,3 +338,49 @@ def test_the_forward_writes_every_weight_of_such_a_buffer(huge_pages):
     assert "hg" in mapping_of(result.attention.data_ptr())["VmFlags"]
     sums = result.attention.sum(-1)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
+
+
+def test_the_arenas_are_trimmed_once_a_burst_when_requests_stop_ending():
+    """The server gives the arenas' free memory back once requests have stopped ending for a
+    while (app/memory.py QuietTrim): only experiments did, and an idle server rested over
+    SECURITY.md's bound after a burst of measures (review h52c)."""
+    import asyncio
+
+    from manyeyes.app.memory import QuietTrim
+
+    now = [0.0]
+    quiet = QuietTrim(quiet_s=1.0, trim=lambda: None, clock=lambda: now[0])
+    assert not quiet.due()  # nothing has ended: nothing to give back
+    for t in (0.0, 0.4, 0.8, 1.2):  # a burst: requests keep ending
+        now[0] = t
+        quiet.began()
+        quiet.ended()
+        assert not quiet.due()
+    now[0] = 2.2
+    assert quiet.due()
+    quiet.began()  # never beside a request: in a test's process one held up a burst for 1.2 s
+    now[0] = 5.0
+    assert not quiet.due()
+    quiet.ended()
+    assert not quiet.due()
+    now[0] = 6.0
+    assert quiet.due()
+
+    calls = []
+
+    async def main():
+        trimming = QuietTrim(quiet_s=0.05, trim=lambda: calls.append(1))
+        task = asyncio.create_task(trimming.run())
+        await asyncio.sleep(0.2)
+        assert calls == []
+        trimming.began()
+        trimming.ended()
+        for _ in range(100):
+            if calls:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        return calls, trimming.last_end
+
+    assert asyncio.run(main()) == ([1], None)  # once for the burst, not again without a request

@@ -309,3 +309,19 @@ def test_counted_slots_show_the_work_running_and_refuse_beyond_their_bound():
     with pytest.raises(ValueError):  # released more often than taken: a bug, said at once
         slots.release()
     assert gauge._value.get() == 0 and slots.free == 2
+
+
+def test_the_server_trims_the_arenas_once_its_requests_stop_ending(api):
+    """Each request's end is told to QuietTrim (app/memory.py), which gives the arenas' free memory
+    back a second after the last: only experiments did, and an idle server rested over SECURITY.md's
+    bound after a burst of measures (review h52c)."""
+    import time
+
+    quiet = api.app.state.quiet_trim
+    assert api.post("/api/v1/attention", json={"text": "The arenas are trimmed once it is quiet."}).status_code == 200
+    assert quiet.last_end is not None and time.monotonic() - quiet.last_end < 5
+    trims = quiet.trims
+    deadline = time.monotonic() + 30
+    while quiet.trims == trims and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert quiet.trims > trims and quiet.last_end is None
