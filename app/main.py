@@ -243,7 +243,10 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     # Added innermost first: AccessLog sees everything, BodyLimit refuses before parsing.
     app.add_middleware(
         Gzip,
-        encodes_itself=frozenset(route.path for route in attention.router.routes),
+        # The routes that choose zstd or gzip themselves (README "Compression"): the attention
+        # routes, and a run's slices, mean and long-run routes; its info is gzipped as other JSON is.
+        encodes_itself=[route.path for module in (attention, runs, aggregates) for route in module.router.routes
+                        if route.endpoint is not runs.run_info],
         minimum_size=settings.gzip_min_bytes,
         compresslevel=settings.gzip_level,
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, COMPACT_MEDIA_TYPE, FRAME_MEDIA_TYPE),

@@ -315,6 +315,13 @@ def error_code_in(body: bytes) -> str | None:
     return brief(code, 64) if isinstance(code, str) else None
 
 
+def routed_path(scope) -> str:
+    """The path the routes match: without the root_path the app is served under."""
+    path = scope["path"]
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 def route_templates(routes) -> list[Route]:
     """The app's routes (FastAPI's included routers opened up), whose templates label the metrics.
     Mounts (the static files) are left out: they are "other"."""
@@ -377,10 +384,7 @@ class AccessLog:
     def addressed(self, scope) -> str | None:
         """The template of the route a request refused before routing was addressed to: the first
         whose pattern and method match, else the first whose pattern does (a 405 had it been routed)."""
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root + "/"):
-            path = path[len(root):]
+        path = routed_path(scope)
         if len(path) > MATCHED_PATH_CHARS:
             return None
         method = scope["method"]
@@ -588,16 +592,25 @@ class JsonCors(CORSMiddleware):
 class Gzip(GZipMiddleware):
     """Starlette's gzip for the answers the service does not compress itself, except that
     `gzip;q=0` means no: Starlette looks only for the substring "gzip" in Accept-Encoding.
-    Paths in `encodes_itself` (the attention routes, which choose zstd or gzip per answer) pass
-    straight through: the responder that waits to see each answer's type and size before
-    sending it was ~0.1 ms of a T=16 answer for nothing."""
+    Requests to the route templates in `encodes_itself` (the routes that choose zstd or gzip per
+    answer) pass straight through: the responder that waits to see each answer's type and size
+    before sending it was ~0.1 ms of a T=16 answer for nothing, and the Accept-Encoding it is
+    handed below is not the client's, which those routes must read."""
 
-    def __init__(self, app, encodes_itself: frozenset[str] = frozenset(), **options) -> None:
+    def __init__(self, app, encodes_itself: Iterable[str] = (), **options) -> None:
         super().__init__(app, **options)
-        self.encodes_itself = encodes_itself
+        # Compared with the concrete path: a template with a parameter ({run_id}) never equals
+        # one, so those are matched by their pattern, the others (POST /attention's) by a lookup.
+        templates = list(encodes_itself)
+        self.exact = frozenset(t for t in templates if "{" not in t)
+        self.patterns = tuple(compile_path(t)[0] for t in templates if "{" in t)
+
+    def encodes_itself(self, scope) -> bool:
+        path = routed_path(scope)
+        return path in self.exact or any(pattern.match(path) for pattern in self.patterns)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.encodes_itself:
+        if scope["type"] != "http" or self.encodes_itself(scope):
             await self.app(scope, receive, send)
             return
 

@@ -11,8 +11,9 @@ import orjson
 import pytest
 import zstandard
 
+from manyeyes.app.config import Settings
 from manyeyes.app.services.wire import FRAME_MEDIA_TYPE, MAGIC, listed, prefers_frame, read_frame
-from tests.api.conftest import decode
+from tests.api.conftest import decode, serve
 
 FRAME = {"Accept": FRAME_MEDIA_TYPE, "Accept-Encoding": "identity"}
 PLAIN = {"Accept-Encoding": "identity"}
@@ -273,7 +274,7 @@ def test_gzip_middleware_passes_the_answers_of_routes_that_encode_themselves_as_
     start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
 
     async def app(scope, receive, send):
-        await send(dict(start))
+        await send({**start, "headers": list(start["headers"])})  # Starlette's gzip adds to the list it is sent
         await send({"type": "http.response.body", "body": body})
 
     def answer(path: str) -> list[dict]:
@@ -283,13 +284,45 @@ def test_gzip_middleware_passes_the_answers_of_routes_that_encode_themselves_as_
             sent.append(message)
 
         scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"accept-encoding", b"gzip")]}
-        asyncio.run(Gzip(app, encodes_itself=frozenset({"/own"}), minimum_size=1024)(scope, None, send))
+        asyncio.run(Gzip(app, encodes_itself=["/own", "/runs/{run_id}/own"], minimum_size=1024)(scope, None, send))
         return sent
 
-    assert answer("/own") == [start, {"type": "http.response.body", "body": body}]
-    other = answer("/other")
-    assert (b"content-encoding", b"gzip") in other[0]["headers"]
-    assert gzip.decompress(b"".join(m.get("body", b"") for m in other[1:])) == body
+    for own in ("/own", "/runs/0123/own"):  # a template is matched as the router matches it
+        assert answer(own) == [start, {"type": "http.response.body", "body": body}], own
+    for other in ("/other", "/runs/0123/other", "/runs/0123/own/more", "/runs//own"):
+        sent = answer(other)
+        assert (b"content-encoding", b"gzip") in sent[0]["headers"], other
+        assert gzip.decompress(b"".join(m.get("body", b"") for m in sent[1:])) == body
+
+
+@pytest.fixture(scope="module")
+def gzips_from_256():
+    """A server that compresses JSON text from 256 bytes: a MiniLM cell's answer is 935."""
+    client = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, gzip_min_bytes=256))
+    yield client
+    client.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("accept_encoding, chosen", [("*", "zstd"), ("zstd;q=1, *;q=0.5", "zstd"),
+                                                     ("ZSTD;q=0.2, GZIP;q=0.1", "zstd"), ("gzip;q=1, zstd;q=0.5", "gzip")])
+def test_every_get_of_a_run_that_encodes_itself_chooses_as_post_attention_does(gzips_from_256, accept_encoding, chosen):
+    """The gzip middleware knew these routes by their templates but compared them with the request's
+    path, so it stood in front of them and replaced an Accept-Encoding without the word "gzip" by a
+    bare "gzip" before they read it: `*` got zstd from POST /attention and gzip here (review h52c)."""
+    api = gzips_from_256
+    assert Sent(api, {"text": TEXT}, {"Accept-Encoding": accept_encoding}).headers.get("content-encoding") == chosen
+    base = f"/api/v1/runs/{raw_post(api, {'text': TEXT, 'format': 'u8'}, PLAIN).json()['run_id']}"
+    for path in (f"{base}/attention?format=json", f"{base}/tile?layer=0&head=0&format=json",
+                 f"{base}/topk?layer=0&head=0&format=json", f"{base}/overview?format=json",
+                 f"{base}/cell?query=1&key=0&format=json", f"{base}/mean?format=json"):
+        r = Sent(api, None, {"Accept-Encoding": accept_encoding}, path)
+        assert r.status_code == 200 and r.headers.get("content-encoding") == chosen, (path, r.headers)
+    # The run's other JSON (its info, its measures) is still the middleware's: gzip or nothing.
+    for path in (base, f"{base}/measures?names=rollout"):
+        r = Sent(api, None, {"Accept-Encoding": accept_encoding}, path)
+        assert r.status_code == 200 and r.headers.get("content-encoding") == "gzip", (path, r.headers)
+    r = Sent(api, None, {"Accept-Encoding": accept_encoding}, f"{base}/nothing")
+    assert r.status_code == 404 and r.headers["content-type"] == "application/json"
 
 
 def test_unique_vary_keeps_order_and_other_headers():
