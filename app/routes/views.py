@@ -12,9 +12,10 @@ from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
 from manyeyes.app.services.attention import resolve_indices
 from manyeyes.app.services.cache import run_id_for
-from manyeyes.app.services.errors import ApiError, TooLong
+from manyeyes.app.services.errors import ApiError, InvalidInput, TooLong
 from manyeyes.app.services.views import SaveSlots, ViewStore
 from manyeyes.model.errors import TooLongError
+from manyeyes.model.measures import check_attributable
 
 router = APIRouter(prefix="/api/v1", tags=["views"])
 
@@ -40,7 +41,36 @@ ViewsDep = Annotated[ViewStore, Depends(get_views)]
 def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
     """A view can only focus heads its model has: a link to layer 99 would open on nothing."""
     resolve_indices([layer], info.n_layers, "layer", info.id)
-    resolve_indices(sorted({head, *heads}), info.n_heads, "head", info.id)
+    resolve_indices([head], info.n_heads, "head", info.id)
+    resolve_indices(heads, info.n_heads, "head", info.id)  # each once, as every route that takes heads asks
+
+
+# The states below are refused when saved, not by ViewState: GET /views/{id} builds a ViewState
+# of each view it opens, and one saved before these checks would then fail there, a 500.
+def check_view(body: ViewState, model) -> None:
+    """What a view's page could never show, known without its text's tokens."""
+    info = model.info
+    check_focus(info, body.layer, body.head, body.heads)
+    if body.segments != "all" and body.text_pair is None:
+        raise InvalidInput(f"segments {body.segments!r} picks rows and columns by text (A) and text_pair (B), and this "
+                           "view has no text_pair: leave segments at 'all', or give the text_pair")
+    if body.guess_position is None and body.guess_target is None:
+        return
+    # The page's "Why this guess?" asks GET .../logit-attribution for them, which checks the same.
+    try:
+        check_attributable(model)
+    except ValueError as exc:
+        raise InvalidInput(f"guess_position and guess_target are for \"Why this guess?\", which model {info.id} has not: "
+                           f"{exc}; leave them out") from None
+    vocab = model.net.out_head.weight.shape[0]
+    if body.guess_target is not None and body.guess_target >= vocab:
+        raise InvalidInput(f"guess_target {body.guess_target:,} is no token id of model {info.id}: its ids are 0..{vocab - 1:,}")
+
+
+def check_guess_position(body: ViewState, n_tokens: int) -> None:
+    if body.guess_position is not None and body.guess_position >= n_tokens:
+        raise InvalidInput(f"guess_position {body.guess_position:,} is past the text, which runs as {n_tokens:,} tokens "
+                           f"(positions 0..{n_tokens - 1:,})")
 
 
 @router.post("/views", response_model=ViewSaved, responses=errors(404, 413, 415, 429))
@@ -49,18 +79,22 @@ def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depe
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
     served = registry.get(body.model)  # 404: a model it does not serve
     model = served.model
-    check_focus(model.info, body.layer, body.head, body.heads)
+    check_view(body, model)
     # A link to a text this server would refuse could never open.
     service.check_chars([(body.text, body.text_pair)])
     client, tenant = client_of(request), tenant_of(request)
     # The page saves a view of each run it shows, whose run is cached: that text is known to run.
     # Any other is tokenized to check it, a few saves at a time (SaveSlots).
-    if service.cache.get(run_id_for(served.id, body.text, body.text_pair, body.truncate, tenant)) is None:
+    run = service.cache.get(run_id_for(served.id, body.text, body.text_pair, body.truncate, tenant))
+    if run is not None:
+        n_tokens = run.n_tokens
+    else:
         with saves.hold(client):
             try:
-                model.encode(body.text, body.text_pair, body.truncate)
+                n_tokens = len(model.encode(body.text, body.text_pair, body.truncate))
             except TooLongError as exc:
                 raise TooLong.tokens(exc) from None
+    check_guess_position(body, n_tokens)
     return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant))
 
 

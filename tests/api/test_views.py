@@ -46,6 +46,14 @@ def test_bad_views_are_4xx_never_500(api):
         assert r.status_code == 422 and needle in r.json()["error"]["message"], r.text
     r = api.get("/export", params={"text": "Hi.", "layer": 99})
     assert r.status_code == 422 and "layer 99 does not exist" in r.json()["error"]["message"], r.text
+    # More tokens than MiniLM's 512 positions: refused in the API's words, as every other entry point
+    # refuses it unless asked to cut; the route alone cut it by default, into a 29 MiB file that did not say so.
+    r = api.get("/export", params={"text": "a " * 2000})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/json"), r.text[:300]
+    assert r.json() == api.post("/api/v1/attention", json={"text": "a " * 2000}).json(), r.text
+    assert r.json()["error"]["code"] == "too_long" and "ask for truncation" in r.json()["error"]["message"], r.text
+    r = api.get("/export", params={"text": "a " * 2000, "truncate": "true"})
+    assert r.status_code == 200 and '"truncated":true' in r.text, r.text[:300]
 
 
 def test_the_store_forgets_by_count_and_by_age():
@@ -209,6 +217,52 @@ def test_a_view_of_a_text_just_run_is_saved_without_tokenizing_it_again(api):
         assert refused.json()["error"]["code"] == "queue_full"
     finally:
         api.app.state.view_saves = kept
+
+
+def refused(r, words: str) -> None:
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+    assert words in r.json()["error"]["message"], r.text
+
+
+def test_a_view_its_page_could_not_show_is_refused(api):
+    """Each of these was stored, and its link opened on a state no page draws (review h52c)."""
+    attention = api.post("/api/v1/attention", json={"text": VIEW["text"], "heads": [1, 1]}).json()["error"]["message"]
+    refused(api.post("/api/v1/views", json={**VIEW, "heads": [1, 1, 4]}), attention.replace("[1, 1]", "[1, 1, 4]"))
+    for segments in ("AA", "AB", "BA", "BB"):
+        refused(api.post("/api/v1/views", json={**VIEW, "segments": segments}), "this view has no text_pair")
+        assert api.post("/api/v1/views", json={**VIEW, "segments": segments, "text_pair": "On the bank."}).status_code == 200
+    # MiniLM has no next-token guess to explain.
+    refused(api.post("/api/v1/views", json={**VIEW, "guess_position": 0}), 'which model minilm has not')
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    from manyeyes.app.config import Settings
+    from tests.api.conftest import serve
+
+    client = serve(Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu", warmup=False))
+    yield client
+    client.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("run_first", [True, False], ids=["run-cached", "never-run"])
+def test_a_guess_is_a_position_of_the_text_and_a_token_of_the_vocabulary(tiny_gpt, run_first):
+    """The page's "Why this guess?" asks logit-attribution for a view's guess: one past the text
+    or the vocabulary was stored, and the page's request for it refused (review h52c)."""
+    text = f"hello there, {'run' if run_first else 'never run'}"
+    model = tiny_gpt.app.state.registry.get("tiny-gpt").model
+    n_tokens, vocab = len(model.encode(text)), model.net.out_head.weight.shape[0]
+    if run_first:  # its token count then comes from the cached run, else from tokenizing it
+        assert len(tiny_gpt.post("/api/v1/attention", json={"text": text, "model": "tiny-gpt"}).json()["tokens"]) == n_tokens
+    view = {"text": text, "model": "tiny-gpt"}
+    ok = tiny_gpt.post("/api/v1/views", json={**view, "guess_position": n_tokens - 1, "guess_target": vocab - 1})
+    assert ok.status_code == 200, ok.text
+    for position in (n_tokens, 1_000_000):
+        refused(tiny_gpt.post("/api/v1/views", json={**view, "guess_position": position}),
+                f"is past the text, which runs as {n_tokens} tokens (positions 0..{n_tokens - 1})")
+    for target in (vocab, 10_000_000):
+        refused(tiny_gpt.post("/api/v1/views", json={**view, "guess_target": target}),
+                f"is no token id of model tiny-gpt: its ids are 0..{vocab - 1}")
 
 
 def test_concurrent_first_requests_are_handed_one_store(monkeypatch):
