@@ -360,8 +360,11 @@ def changed_tokens(model: AttentionModel, encoded: Encoded, index: int, change: 
         raise ValueError("special tokens ([CLS], [SEP], BOS) stay: change a word piece")
     tokens, types = list(encoded.tokens), list(encoded.type_ids)
     if change == "delete":
-        if len(tokens) < 2:
-            raise ValueError("deleting the only token leaves nothing to run")
+        # Special tokens are not the text: [CLS] [SEP] alone, or a pair's second segment emptied,
+        # is a run the API refuses where it is asked for directly (a text that gives no tokens).
+        segment = tokens[index].segment
+        if not any(not t.special and t.segment == segment for i, t in enumerate(tokens) if i != index):
+            raise ValueError(f"deleting the only token of {'text_pair' if segment else 'text'} leaves nothing of it to run")
         del tokens[index], types[index]
     else:
         replacement = model.tokenizer.special_token(change) if hasattr(model.tokenizer, "special_token") else None
@@ -380,7 +383,8 @@ def change_token(model: AttentionModel, encoded: str | Encoded, index: int, chan
     encoded: a text (str, encoded with `model.encode`) or an `Encoded`; `index` counts its tokens,
     special ones included. Returns a Comparison, `a` the input as it is and `b` the changed one.
     ValueError for an unknown change, an index outside the tokens, a special token ([CLS], BOS),
-    deleting the only token, or a mask or unknown token the vocabulary lacks (GPT-2, tiny-gpt)."""
+    deleting the only token of the text or of its pair (special ones aside), or a mask or unknown
+    token the vocabulary lacks (GPT-2, tiny-gpt)."""
     encoded = _encoded(model, encoded)
     changed = changed_tokens(model, encoded, index, change)
     before, after = model.run([encoded, changed])
