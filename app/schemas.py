@@ -281,8 +281,19 @@ class ModelOut(BaseModel):
     default: bool
 
 
+class ServerLimits(BaseModel):
+    """What this server was started with, where a client must size its requests to it: the page
+    asked for float32 JSON it could have known would be refused (413), and capped its tokens box
+    at the default 256 whatever the server allowed."""
+
+    max_json_cells: int = Field(description="Weights a format=json answer may hold (MANYEYES_MAX_JSON_CELLS); "
+                                "beyond, 413 too_many_cells: ask for f16 or u8")
+    max_new_tokens: int = Field(description="The most tokens one POST /generate may ask for (MANYEYES_MAX_NEW_TOKENS)")
+
+
 class ModelsResponse(BaseModel):
     models: list[ModelOut]
+    limits: ServerLimits
 
 
 class ErrorDetail(BaseModel):

@@ -83,6 +83,11 @@ export async function listModels() {
   return [embedded.model];
 }
 
+// No server, so no limits to size requests to (the page asks none of these of the file).
+export async function serverLimits() {
+  return null;
+}
+
 // A file of "a\r\nb" (or a lone "\r") is asked for "a\nb", as its text box gives it back: it was
 // refused as another text. No pair and an empty one are the same (the page leaves a blank out).
 const lines = (text) => asTyped(text ?? "");

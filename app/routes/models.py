@@ -4,7 +4,7 @@ from fastapi import APIRouter
 
 from manyeyes.app.deps import RegistryDep
 from manyeyes.app.routes.responses import errors
-from manyeyes.app.schemas import ModelOut, ModelsResponse
+from manyeyes.app.schemas import ModelOut, ModelsResponse, ServerLimits
 from manyeyes.model.experiments import token_changes
 
 router = APIRouter(prefix="/api/v1", tags=["models"])
@@ -13,7 +13,9 @@ router = APIRouter(prefix="/api/v1", tags=["models"])
 @router.get("/models", response_model=ModelsResponse, responses=errors(503))
 async def list_models(registry: RegistryDep) -> ModelsResponse:
     registry.get(None)  # 503 while loading rather than an empty list
+    settings = registry.settings
     return ModelsResponse(
+        limits=ServerLimits(max_json_cells=settings.max_json_cells, max_new_tokens=settings.max_new_tokens),
         models=[
             ModelOut(
                 id=s.id,

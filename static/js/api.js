@@ -99,17 +99,26 @@ export async function requestFile(url) {
   return { blob: await response.blob(), filename: named ? named[1] : "manyeyes.html" };
 }
 
-// One list for the page's views (the form, Generate, predictions asked for it each); a failure
+// One answer for the page's views (the form, Generate, predictions asked for it each); a failure
 // is not kept, so that a later call asks again.
 let models = null;
-export function listModels() {
+function modelsAnswer() {
   models ??= authorised((init) => request("api/v1/models", init), {})
-    .then((body) => body.models)
     .catch((err) => {
       models = null;
       throw err;
     });
   return models;
+}
+
+export function listModels() {
+  return modelsAnswer().then((body) => body.models);
+}
+
+// What the server was started with, where the page sizes its requests to it:
+// { max_json_cells, max_new_tokens }.
+export function serverLimits() {
+  return modelsAnswer().then((body) => body.limits);
 }
 
 // Where the server's models stand (/readyz, open without a key): { status: "ready" } or

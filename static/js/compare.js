@@ -18,6 +18,14 @@ function comparisonError(err) {
   return describeError(named, { ...COMPARED, subject: `Sentence ${field[1].toUpperCase()}` });
 }
 
+// The fewest tokens the shorter sentence can have, one a word (WordPiece and byte-level BPE both
+// split words apart): the server reckons a json difference on the shorter sentence's tokens, and
+// refuses it whenever even this many are over its budget.
+function shorterAtLeast({ text_a: a, text_b: b }) {
+  const words = (text) => text.split(/\s+/).filter(Boolean).length;
+  return Math.min(words(a), words(b));
+}
+
 export function mountCompare(box) {
   // An empty A is the run's text: the placeholder says so (an example sentence there misled).
   const a = el("input", { attrs: { id: "compare-a", type: "text", "aria-label": "Sentence A", placeholder: "Sentence A (or run one: its text)" } });
@@ -66,7 +74,7 @@ export function mountCompare(box) {
     forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, `Comparing on ${model ?? "the server's default model"}…`, "busy");
     try {
-      const reply = await postWithDifference("api/v1/experiments/compare", input, busyWait(note, "experiments"));
+      const reply = await postWithDifference("api/v1/experiments/compare", input, shorterAtLeast(input), busyWait(note, "experiments"));
       if (token !== state.token) return; // another run came on screen meanwhile
       Object.assign(state, { reply, input, difference: decodeTensor(reply.difference) });
       ranking.replaceChildren(rankingTable(reply.ranking, { caption: "Heads whose aligned rows differ most (click to show)", onPick: show, shows: "the difference heatmap" }));

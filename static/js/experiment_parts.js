@@ -1,6 +1,6 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
-import { requestJson, whenNotBusy } from "./api.js";
+import { listModels, requestJson, serverLimits, whenNotBusy } from "./api.js";
 import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { OFFLINE_CONFIG, cursorKeys, stepCursor, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
@@ -114,15 +114,35 @@ export function maskLater(rows, causal) {
   return causal ? rows.map((row, r) => row.map((v, c) => (c > r ? null : v))) : rows;
 }
 
-// A comparison (or a changed token) with every head's A − B: float32 JSON, or float16 where that is
-// over the server's JSON budget (413), which is plenty for a picture.
-export async function postWithDifference(path, body, onWait) {
+// Posts withFormat("json") (the body with its weights as float32 JSON), or withFormat("f16") where
+// `cells`, the weights the answer holds at least, is over the server's format=json budget (GET
+// /models' limits) or the server says it is: plenty for a picture. The refused json request of
+// every ablation and comparison of a few hundred tokens was an error in the console each time;
+// one the page cannot reckon in full (Compare's sentence B) may still be refused, and is asked for
+// again in float16.
+export async function postPrecise(path, withFormat, cells, onWait, signal) {
+  const limits = await serverLimits().catch(() => null);
+  const format = limits && cells > limits.max_json_cells ? "f16" : "json";
   try {
-    return await postJson(path, { ...body, difference: { format: "json" } }, undefined, onWait);
+    return await postJson(path, withFormat(format), signal, onWait);
   } catch (err) {
-    if (err.status !== 413) throw err;
-    return postJson(path, { ...body, difference: { format: "f16" } }, undefined, onWait);
+    if (format === "f16" || err.status !== 413 || err.code !== "too_many_cells") throw err;
+    return postJson(path, withFormat("f16"), signal, onWait);
   }
+}
+
+// The weights of every layer and head of `model` (undefined: the server's default) over `rows`
+// tokens; 0 while the model is not known (then json is asked for, and the server decides).
+export async function cellsOf(model, rows) {
+  const info = (await listModels().catch(() => [])).find((m) => (model ? m.id === model : m.default));
+  return info ? info.n_layers * info.n_heads * Math.min(rows, info.max_tokens) ** 2 : 0;
+}
+
+// A comparison (or a changed token) with every head's A − B; `rows`: the fewest tokens the server
+// reckons its size on.
+export async function postWithDifference(path, body, rows, onWait) {
+  const cells = await cellsOf(body.model, rows);
+  return postPrecise(path, (format) => ({ ...body, difference: { format } }), cells, onWait);
 }
 
 // One head's A − B on the aligned cells of a comparison (or a changed token): labelled by both

@@ -4,7 +4,7 @@
 import { describeError, listModels } from "./api.js";
 import { $, el } from "./dom.js";
 import { mountCompare } from "./compare.js";
-import { alignedDifference, busyWait, clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, postWithDifference, rankingTable, status } from "./experiment_parts.js";
+import { alignedDifference, busyWait, cellsOf, clearPlot, currentInput, decodeTensor, headRows, heatmap, maskLater, onRun, postJson, postPrecise, postWithDifference, rankingTable, status } from "./experiment_parts.js";
 import { mountGeneration } from "./generate_view.js";
 import { guessLabel, pieceLabel } from "./tokens.js";
 
@@ -69,13 +69,8 @@ async function ablateHead(layer, head) {
   try {
     if (!ablation.clean) {
       // Exact float32 while the server's json budget allows it (short sentences), else float16.
-      let clean;
-      try {
-        clean = await postJson("api/v1/attention", { ...input, format: "json" });
-      } catch (err) {
-        if (err.status !== 413) throw err;
-        clean = await postJson("api/v1/attention", { ...input, format: "f16" });
-      }
+      const cells = await cellsOf(input.model, runRows);
+      const clean = await postPrecise("api/v1/attention", (format) => ({ ...input, format }), cells);
       if (!stillShown(input)) return;
       ablation.tokens = clean.tokens;
       ablation.causal = clean.causal;
@@ -257,7 +252,7 @@ async function changeToken(input, index) {
   const mine = ++lastChange;
   status($("token-status"), `Running with token ${index} ${change === "delete" ? "deleted" : `as ${change}`}…`, "busy");
   try {
-    const reply = await postWithDifference("api/v1/experiments/change-token", { ...input, index, change }, busyWait($("token-status"), "experiments"));
+    const reply = await postWithDifference("api/v1/experiments/change-token", { ...input, index, change }, runRows, busyWait($("token-status"), "experiments"));
     if (!stillShown(input) || mine !== lastChange) return;
     const difference = decodeTensor(reply.difference);
     const inA = new Set(reply.pairs.map((p) => p[0]));
@@ -385,10 +380,12 @@ function buildTokenChange() {
 }
 
 let runCausal = false; // whether the run on screen's model reads only backwards
+let runRows = 0; // ...and its tokens, the rows of its weights (an answer's size, for its format)
 
 // Another run on screen: what the panels showed belonged to the last one.
-function forgetLastRun(input, { causal, long }) {
+function forgetLastRun(input, { causal, long, tokens }) {
   runCausal = causal;
+  runRows = tokens.length;
   fitChanges(input.model, causal);
   askChanges(input.model).then(() => stillShown(input) && fitChanges(input.model, causal), () => {});
   Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null, busy: null, queue: [], off: long });

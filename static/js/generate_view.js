@@ -2,9 +2,9 @@
 // and forward; the current token's row in every head, and one head's rows growing. Stop aborts the
 // stream, and the server stops within one step of the hang-up.
 
-import { describeError, listModels, requestResponse, whenNotBusy } from "./api.js";
+import { describeError, listModels, requestResponse, serverLimits, whenNotBusy } from "./api.js";
 import { $, el, fillSelect } from "./dom.js";
-import { busyWait, clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postJson, runTextPlaceholder, status } from "./experiment_parts.js";
+import { busyWait, clearPlot, currentInput, currentModel, decodeTensor, headRows, heatmap, mountModelLine, onRun, postPrecise, runTextPlaceholder, status } from "./experiment_parts.js";
 import { guessLabel, pieceLabel, tokenCount } from "./tokens.js";
 
 const PLAY_MS = 350;
@@ -81,6 +81,11 @@ export function mountGeneration(box) {
   const note = el("p", { className: "exp-status", attrs: { id: "gen-status", role: "status", "aria-live": "polite" } });
   const why = el("p", { className: "hint", attrs: { id: "gen-why" } }); // why Generate is off, when it is
   why.hidden = true;
+  // What is wrong with the tokens box, under it as it is typed in: 1500 went to the server, whose
+  // refusal ("the number of tokens is at most 256") read as if the prompt were too long.
+  const countNote = el("p", { className: "exp-field-error", attrs: { id: "gen-n-note" } });
+  countNote.hidden = true;
+  count.setAttribute("aria-describedby", "gen-n-note");
   start.setAttribute("aria-describedby", "gen-why");
   const tokens = el("div", { className: "gen-tokens", attrs: { id: "gen-tokens" } });
   const rowPlot = el("div", { className: "exp-plot", attrs: { id: "gen-row-plot" } });
@@ -92,6 +97,7 @@ export function mountGeneration(box) {
     el("p", { className: "hint", text: "Causal models only. Greedy at temperature 0; a seed makes a sample repeat." }),
     modelLine,
     el("div", { className: "exp-row" }, [prompt, field("tokens", count), field("temperature", temperature), field("seed", seed), eosField, start, stop]),
+    countNote,
     why,
     el("div", { className: "exp-row" }, [back, play, forward, where, field("layer", layer), field("head", head)]),
     note, tokens,
@@ -197,9 +203,10 @@ export function mountGeneration(box) {
   // `mine`: the generation asking. A reply that comes after the next generation began is not its
   // prompt's: it drew the last prompt's rows over the new tokens (same token count, another text).
   async function loadPrompt(body, mine, signal) {
-    const ask = (format) => postJson("api/v1/attention", { text: body.text, model: body.model, format }, signal);
+    const { n_layers: layers, n_heads: heads, prompt } = state.start;
     try {
-      const reply = await ask("json").catch((err) => (err.status === 413 ? ask("f16") : Promise.reject(err)));
+      const reply = await postPrecise("api/v1/attention", (format) => ({ text: body.text, model: body.model, format }),
+        layers * heads * prompt.length ** 2, undefined, signal);
       if (mine !== state.epoch) return;
       if (reply.tokens.length !== state.start?.prompt.length) return; // not the same tokens: leave the prompt out
       if (!reply.attention) return render();
@@ -209,6 +216,20 @@ export function mountGeneration(box) {
       if (err.name !== "AbortError" && mine === state.epoch) status(note, `The prompt's rows could not be loaded: ${describeError(err)}`, "error");
     }
   }
+
+  // The tokens box against its bounds (its max: the server's max_new_tokens, once GET /models has
+  // said it), said under it; returns what is wrong, or "" (an empty box is the default, 20).
+  function checkCount() {
+    const n = Number(count.value);
+    const problem = count.value.trim() === "" ? ""
+      : count.validity.badInput || !Number.isInteger(n) || n < 1 ? "Tokens: a whole number, 1 or more."
+        : n > Number(count.max) ? `Tokens: at most ${count.max} new tokens; ${n} asked for.` : "";
+    countNote.textContent = problem;
+    countNote.hidden = !problem;
+    count.setAttribute("aria-invalid", String(Boolean(problem)));
+    return problem;
+  }
+  count.addEventListener("input", checkCount);
 
   async function generate() {
     // Enter in the prompt while a stream runs: a second stream would interleave its steps with the first's.
@@ -225,8 +246,8 @@ export function mountGeneration(box) {
     // fields ("max_new_tokens: Input should be greater than or equal to 1").
     const n = count.value.trim() === "" ? 20 : Number(count.value);
     const heat = temperature.value.trim() === "" ? 0 : Number(temperature.value);
-    const refusal = count.validity.badInput || !Number.isInteger(n) || n < 1 ? "Tokens: a whole number, 1 or more."
-      : temperature.validity.badInput || !(heat >= 0 && heat <= 10) ? "Temperature: a number from 0 (greedy) to 10." : "";
+    const refusal = checkCount()
+      || (temperature.validity.badInput || !(heat >= 0 && heat <= 10) ? "Temperature: a number from 0 (greedy) to 10." : "");
     const model = currentModel().model;
     const info = modelList.find((m) => m.id === model);
     const { text, cut, error } = prompt.value.trim() ? { text: prompt.value } : runPrompt(input, shownRun, n, info);
@@ -298,7 +319,7 @@ export function mountGeneration(box) {
       } else if (mine === state.epoch) {
         state.outcome = "failed";
         const said = err instanceof RangeError ? err.message : describeError(err, PROMPT);
-        status(note, said.replace(/\bmax_new_tokens\b/g, "the number of tokens"), "error");
+        status(note, said.replace(/\bmax_new_tokens\b/g, "the number of new tokens"), "error");
       }
     } finally {
       const following = mine === state.epoch && state.follow && !state.timer && state.steps.length > 0;
@@ -325,6 +346,11 @@ export function mountGeneration(box) {
   const models = listModels().catch(() => []);
   let modelList = []; // the same, once it has come: generate() reads it without waiting
   models.then((list) => { modelList = list; });
+  serverLimits().then((limits) => {
+    if (!limits) return; // a one-file export: no server to generate with
+    count.max = limits.max_new_tokens;
+    if (count.value.trim()) checkCount();
+  }, () => {});
   let shownRun = null; // the run on screen's tokens, and whether it was cut to fit
   async function checkModel(causal = null) {
     const list = await models;

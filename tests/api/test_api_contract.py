@@ -27,7 +27,8 @@ def test_models_lists_the_default_minilm(api):
                 "predictions": False, "sliding_windows": [None] * 6, "token_changes": ["mask", "unk", "delete"],
                 "eos_ids": [], "default": True,
             }
-        ]
+        ],
+        "limits": {"max_json_cells": 2_000_000, "max_new_tokens": 256},
     }
 
 
