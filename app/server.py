@@ -458,6 +458,20 @@ def guarded_protocol(read_timeout_s: float, max_head_bytes: int, metrics: Metric
 UVICORN_PAUSE_S = 0.1
 
 
+class DrainRanOut(logging.Filter):
+    """uvicorn logs a drain that ran out of its grace at ERROR ("Cancel N running task(s), timeout
+    graceful shutdown exceeded"); it is the outcome shutdown() announced, each of those requests
+    answered 503 where no answer had begun, and an ERROR line paged operators for nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+DRAIN_RAN_OUT = DrainRanOut()  # one instance: addFilter keeps a filter once however many servers start
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, which also tells the app (`on_exit`) when a shutdown begins: requests it
     waits for end on their own, but a generation stream runs to its last token, and the app must
@@ -465,6 +479,7 @@ class Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
         super().__init__(config)
+        logging.getLogger("uvicorn.error").addFilter(DRAIN_RAN_OUT)
         self.on_exit = on_exit
         self.exit_signal: int | None = None  # the first signal that asked for the exit
         self.exit_asked: float | None = None  # when it came (time.monotonic())

@@ -176,7 +176,7 @@ def test_every_line_the_server_writes_is_stamped_and_a_drain_says_so_with_its_gr
     assert lines and all(STAMPED.fullmatch(line) for line in lines), out
     said = "\n".join(lines)
     for words in ("uvicorn.error Started server process", "uvicorn.error Shutting down",
-                  "ERROR uvicorn.error Cancel 1 running task(s)", f"manyeyes.server {sig.name}: draining",
+                  "WARNING uvicorn.error Cancel 1 running task(s)", f"manyeyes.server {sig.name}: draining",
                   "up to 1 s", '"status":400', '"code":"bad_request"'):
         assert words in said, (words, out)
     assert "Invalid HTTP request received" not in said, out
