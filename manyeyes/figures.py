@@ -24,6 +24,7 @@ from manyeyes.labels import align, token_label
 
 COLORSCALE = "Blues"
 MASKED = "#c8c8c8"  # a causal model's later keys: no colour of the scale, whose 0 is white
+MASKED_NOTE = "grey: later keys, which a causal model cannot see"
 
 
 def _hsl(h: float, s: float, l: float) -> str:
@@ -224,6 +225,18 @@ def _pool(matrix: np.ndarray, step: int) -> np.ndarray:
     return padded.reshape(matrix.shape[:-2] + (rows, step, cols, step)).max(axis=(-3, -1))
 
 
+def _masked(matrix: np.ndarray, causal: bool) -> np.ndarray:
+    """matrix (..., n, n) with a causal model's later keys NaN: they are masked, not weights of 0.
+    Drawn as gaps on grey (MASKED), with hoverongaps=False, as the page greys them ("0.0000" on a
+    hover read as a weight the head chose). Pooled too: both axes pool from 0 by the same step, so
+    a block right of the diagonal is all masked."""
+    if not causal:
+        return matrix
+    matrix = matrix.astype(np.float32, copy=True)
+    matrix[(..., *np.triu_indices(matrix.shape[-1], 1))] = np.nan
+    return matrix
+
+
 def _cell_names(tokens: list[str], positions: list) -> np.ndarray:
     """(n, n, 4) per cell: the query's and the key's tokens, then their positions in the run."""
     tokens, positions = np.array(tokens, dtype=object), np.array(positions, dtype=object)
@@ -263,13 +276,7 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
         spans = np.array([f"{w.positions[i]}–{w.positions[min(i + step, n) - 1]}" for i in range(0, n, step)], dtype=object)
         custom = np.stack(np.broadcast_arrays(spans[:, None], spans[None, :]), axis=-1)
         hover = f"queries %{{customdata[0]}} → keys %{{customdata[1]}}: max %{{z:.4f}}<extra>{step}×{step} tokens a cell</extra>"
-    pooled = _pool(matrix, step)
-    if w.causal:
-        # Later keys are masked, not weights of 0: drawn as gaps on grey, no hover, as the page
-        # greys them ("0.0000" on a hover read as a weight the head chose). Whole blocks only:
-        # both axes pool from 0 by the same step, so a block right of the diagonal is all masked.
-        pooled = pooled.astype(np.float32, copy=True)
-        pooled[np.triu_indices(len(pooled), 1)] = np.nan
+    pooled = _masked(_pool(matrix, step), w.causal)
     fig = go.Figure(
         go.Heatmap(
             z=pooled, customdata=custom, colorscale=COLORSCALE, zmin=0,
@@ -278,7 +285,7 @@ def heatmap(result, layer: int, head: int, *, title: str | None = None, hide_spe
         )
     )
     notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell",
-                               w.causal and "grey: later keys, which a causal model cannot see") if note]
+                               w.causal and MASKED_NOTE) if note]
     heading = title or f"Layer {layer}, head {head}"
     fig.update_layout(
         title=heading + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""), width=size + 80, height=size,
@@ -309,15 +316,16 @@ def compare(a, b, layer: int, head: int, *, hide_special: bool = False, hide_fir
         if len(w.tokens) > MAX_SIDE:
             raise ValueError(f"{name} has {len(w.tokens):,} tokens; compare draws every cell, up to {MAX_SIDE}: "
                              "draw each with heatmap (which pools), or compare shorter texts")
-    matrices = [w.head(layer, head) for w in runs]
+    # Masked before the difference: a later key of either run is no cell of A − B either.
+    matrices = [_masked(w.head(layer, head), w.causal) for w in runs]
     # Lined up on the tokens left on screen, by their pieces in the runs.
     pairs = align([a.tokens[p] for p in runs[0].positions], [b.tokens[p] for p in runs[1].positions])
     if not pairs:
         raise ValueError(f"{names[0]} and {names[1]} share no token: there is no difference to draw")
     rows_a, rows_b = [i for i, _ in pairs], [j for _, j in pairs]
     diff = matrices[0][np.ix_(rows_a, rows_a)] - matrices[1][np.ix_(rows_b, rows_b)]
-    top = float(zmax) if zmax is not None else float(max(max(m.max() for m in matrices), 1e-9))
-    span = float(max(np.abs(diff).max(), 1e-9))
+    top = float(zmax) if zmax is not None else float(max(max(np.nanmax(m) for m in matrices), 1e-9))
+    span = float(max(np.nanmax(np.abs(diff)), 1e-9))
     shared = [runs[0].tokens[i] for i in rows_a]
     sizes = [len(w.tokens) for w in runs] + [len(pairs)]
     side = min(600, max(300, 14 * max(sizes)))
@@ -331,13 +339,13 @@ def compare(a, b, layer: int, head: int, *, hide_special: bool = False, hide_fir
             z=matrix, coloraxis="coloraxis", customdata=_cell_names(w.tokens, w.positions),
             hovertemplate=f"{plotly_text(names[k])}: query %{{customdata[2]}} “%{{customdata[0]}}” → "
                           f"key %{{customdata[3]}} “%{{customdata[1]}}”: %{{z:.4f}}<extra></extra>",
-            x=list(range(len(w.tokens))), y=list(range(len(w.tokens))),
+            x=list(range(len(w.tokens))), y=list(range(len(w.tokens))), hoverongaps=False,
         ), row=1, col=k + 1)
     both = [f"{runs[0].positions[i]}|{runs[1].positions[j]}" for i, j in pairs]
     fig.add_trace(go.Heatmap(
         z=diff, colorscale="RdBu", reversescale=True, zmin=-span, zmax=span, zmid=0,
         x=list(range(len(pairs))), y=list(range(len(pairs))), customdata=_cell_names(shared, both),
-        colorbar={"title": {"text": plotly_text(f"{names[0]} − {names[1]}")}, "x": 1.08},
+        colorbar={"title": {"text": plotly_text(f"{names[0]} − {names[1]}")}, "x": 1.08}, hoverongaps=False,
         hovertemplate=f"query %{{customdata[2]}} “%{{customdata[0]}}” → key %{{customdata[3]}} “%{{customdata[1]}}”: "
                       f"{plotly_text(names[0])} − {plotly_text(names[1])} %{{z:.4f}}<extra>positions in {plotly_text(names[0])}|"
                       f"{plotly_text(names[1])}</extra>",
@@ -351,9 +359,11 @@ def compare(a, b, layer: int, head: int, *, hide_special: bool = False, hide_fir
         fig.update_yaxes(**ticks, autorange="reversed", scaleanchor=f"x{k + 1 if k else ''}", constrain="domain", row=1, col=k + 1)
     fig.update_xaxes(title="key (attended to)", row=1, col=2)
     fig.update_yaxes(title="query (attending)", row=1, col=1)
-    notes = [runs[0].hidden] if runs[0].hidden else []
+    causal = any(w.causal for w in runs)
+    notes = [note for note in (runs[0].hidden, causal and MASKED_NOTE) if note]
     fig.update_layout(
         title=f"Layer {layer}, head {head}" + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
+        plot_bgcolor=MASKED if causal else None,
         coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": top, "colorbar": {"title": {"text": "weight"}, "x": 1.0}},
         width=3 * side + 260, height=side + 160,
     )
@@ -369,7 +379,7 @@ def grid(result, *, cell_px: int = 90, hide_special: bool = False, hide_first: b
     n = len(w.tokens)
     step = max(1, math.ceil(n / _cells(max_side)))
     starts = [w.positions[i] for i in range(0, n, step)]
-    pooled = _pool(w.attention, step)
+    pooled = _masked(_pool(w.attention, step), w.causal)
     fig = make_subplots(rows=rows, cols=cols, horizontal_spacing=0.01, vertical_spacing=0.01,
                         row_titles=[f"L{l}" for l in w.layers], column_titles=[f"H{h}" for h in w.heads])
     for i, layer in enumerate(w.layers):
@@ -377,14 +387,15 @@ def grid(result, *, cell_px: int = 90, hide_special: bool = False, hide_first: b
             hover = (f"layer {layer}, head {head}<br>query %{{y}} → key %{{x}}: %{{z:.3f}}<extra></extra>" if step == 1 else
                      f"layer {layer}, head {head}<br>queries from %{{y}} → keys from %{{x}}: max %{{z:.3f}}"
                      f"<extra>{step}×{step} tokens a cell</extra>")
-            fig.add_trace(go.Heatmap(z=pooled[i, j], x=starts, y=starts, coloraxis="coloraxis", hovertemplate=hover),
-                          row=i + 1, col=j + 1)
+            fig.add_trace(go.Heatmap(z=pooled[i, j], x=starts, y=starts, coloraxis="coloraxis", hovertemplate=hover,
+                                     hoverongaps=False), row=i + 1, col=j + 1)
     # Categories, one cell each: on a number axis a hidden token's gap (a pair's middle [SEP])
     # made its neighbours' cells half as wide again.
     fig.update_xaxes(showticklabels=False, type="category")
     fig.update_yaxes(showticklabels=False, autorange="reversed", type="category")
-    notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell") if note]
-    fig.update_layout(coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1},
+    notes = [note for note in (w.hidden, step > 1 and f"{n:,} tokens, max over {step}×{step} a cell", w.causal and MASKED_NOTE)
+             if note]
+    fig.update_layout(coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1}, plot_bgcolor=MASKED if w.causal else None,
                       title="All heads" + (f" <sup>({'; '.join(notes)})</sup>" if notes else ""),
                       width=80 + cell_px * cols, height=80 + cell_px * rows, margin={"l": 40, "r": 40, "t": 60, "b": 20})
     return fig

@@ -50,7 +50,8 @@ def test_grid_has_one_panel_per_head_and_follows_a_slice(local, server):
         part = c.slice(c.attention(TEXT), layers=[1], heads=[2, 6])
     fig = figures.grid(part)
     assert len(fig.data) == 2
-    np.testing.assert_allclose(np.asarray(fig.data[1].z), local.attention[1, 6].numpy(), atol=1e-3)
+    np.testing.assert_allclose(np.asarray(fig.data[1].z, dtype=float), _later_keys_masked(local.attention[1, 6].numpy()),
+                               atol=1e-3)
     with pytest.raises(KeyError, match="layer 0"):
         figures.heatmap(part, layer=0, head=2)
 
@@ -97,17 +98,24 @@ def test_measures_average_over_many_texts(tiny_gpt, local, remote):
 
 
 @pytest.mark.parametrize("kind", ["local", "remote"])
-def test_a_causal_models_later_keys_are_drawn_masked_not_as_weights_of_0(request, kind, minilm):
+def test_a_causal_models_later_keys_are_drawn_masked_not_as_weights_of_0(request, kind, tiny_gpt, minilm):
     """The page greys a causal model's later keys; a figure drew them as weights of 0, and their
-    hover read "0.0000", a weight the head chose."""
-    fig = figures.heatmap(request.getfixturevalue(kind), 1, 0)
-    z = np.asarray(fig.data[0].z, dtype=float)
-    assert np.isnan(z[np.triu_indices(len(z), 1)]).all() and not np.isnan(z[np.tril_indices(len(z))]).any()
-    assert fig.data[0].hoverongaps is False and fig.layout.plot_bgcolor == figures.MASKED
-    assert "grey: later keys" in fig.layout.title.text
-    bidirectional = figures.heatmap(minilm.attend("The bank of the river."), 0, 0)
-    assert not np.isnan(np.asarray(bidirectional.data[0].z, dtype=float)).any()
-    assert "later keys" not in bidirectional.layout.title.text and bidirectional.layout.plot_bgcolor is None
+    hover read "0.0000", a weight the head chose. compare (A, B and A − B, where they read as "no
+    difference") and grid did so after heatmap had stopped."""
+    result = request.getfixturevalue(kind)
+    other = tiny_gpt.attend("Four score and nine years ago.")
+    for fig in (figures.heatmap(result, 1, 0), figures.compare(result, other, 1, 0), figures.grid(result)):
+        for trace in fig.data:  # every panel: compare's three, grid's 2 x 8
+            z = np.asarray(trace.z, dtype=float)
+            assert np.isnan(z[np.triu_indices(len(z), 1)]).all() and not np.isnan(z[np.tril_indices(len(z))]).any()
+            assert trace.hoverongaps is False
+        assert fig.layout.plot_bgcolor == figures.MASKED and "grey: later keys" in fig.layout.title.text
+    assert len(fig.data) == 2 * 8
+    river = minilm.attend("The bank of the river.")
+    for fig in (figures.heatmap(river, 0, 0), figures.compare(river, minilm.attend("The bank of the stream."), 0, 0),
+                figures.grid(river)):
+        assert not any(np.isnan(np.asarray(trace.z, dtype=float)).any() for trace in fig.data)
+        assert "later keys" not in fig.layout.title.text and fig.layout.plot_bgcolor is None
 
 
 def test_pooled_blocks_right_of_the_diagonal_are_masked_and_the_diagonals_are_not():
@@ -117,6 +125,9 @@ def test_pooled_blocks_right_of_the_diagonal_are_masked_and_the_diagonals_are_no
     z = np.asarray(figures.heatmap(_result(a, ["a"] * n, causal=None), 0, 0).data[0].z, dtype=float)  # 3 x 3 tokens a cell
     assert z.shape == (401, 401)
     assert np.isnan(z[np.triu_indices(401, 1)]).all() and np.allclose(np.diag(z), 1 / np.arange(1, n + 1, 3))
+    z = np.asarray(figures.grid(_result(a, ["a"] * n, causal=None)).data[0].z, dtype=float)  # 11 x 11 tokens a cell
+    assert z.shape == (110, 110)
+    assert np.isnan(z[np.triu_indices(110, 1)]).all() and np.allclose(np.diag(z), 1 / np.arange(1, n + 1, 11))
 
 
 def test_measures_hide_special_tokens_as_the_page_does():
@@ -209,6 +220,13 @@ def test_a_local_kept_result_is_pointed_at_its_own_kept_views(tiny_gpt):
         figures.grid(kept)
 
 
+def _later_keys_masked(matrix: np.ndarray) -> np.ndarray:
+    """A causal head as the figures draw it: the keys after each query NaN (gaps), not 0."""
+    matrix = matrix.astype(float)
+    matrix[np.triu_indices(len(matrix), 1)] = np.nan
+    return matrix
+
+
 def _result(attention: np.ndarray, texts: list[str], special: list[bool] | None = None, causal: bool | None = False):
     """causal=None: not said, as a local result does not say it."""
     from types import SimpleNamespace
@@ -299,9 +317,16 @@ def test_the_readme_figures_example_runs_as_written(tmp_path, monkeypatch):
     readme = (ROOT / "README.md").read_text()
     [block] = re.findall(r"### Notebook figures\n\n```python\n(.*?)```", readme, re.S)
     monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md (Notebook figures)", "exec"), {})
+    ran = {}
+    exec(compile(block, "README.md (Notebook figures)", "exec"), ran)
     page = (tmp_path / "fig.html").read_text()
     assert "Plotly.newPlot" in page and 'src="http' not in page  # standalone, as the comment says
+    # Its example hover, as the figure draws that cell: it named "e" and "h", tokens 5 and 4 of the byte-level run.
+    [(query, query_token, key, key_token, weight)] = re.findall(r'hover "query (\d+) “(.*?)” → key (\d+) “(.*?)”: (.*?)"', block)
+    trace = ran["fig"].data[0]
+    cell = trace.customdata[int(query)][int(key)]
+    assert (cell[2], cell[0], cell[3], cell[1]) == (int(query), query_token, int(key), key_token)
+    assert weight == "weight" or f"{trace.z[int(query)][int(key)]:.4f}" == weight
 
 
 @pytest.mark.browser
@@ -507,15 +532,16 @@ def test_compare_draws_both_runs_on_one_scale_and_their_difference_on_shared_tok
     other = tiny_gpt.attend("Four score and nine years ago our mothers brought forth.")
     fig = figures.compare(local, other, 1, 0, names=("seven", "nine"))
     a, b, diff = fig.data
-    np.testing.assert_allclose(np.asarray(a.z), local.attention[1, 0].numpy())
-    np.testing.assert_allclose(np.asarray(b.z), other.attention[1, 0].numpy())
+    np.testing.assert_allclose(np.asarray(a.z, dtype=float), _later_keys_masked(local.attention[1, 0].numpy()))
+    np.testing.assert_allclose(np.asarray(b.z, dtype=float), _later_keys_masked(other.attention[1, 0].numpy()))
     assert fig.layout.coloraxis.cmax == pytest.approx(max(float(local.attention[1, 0].max()), float(other.attention[1, 0].max())))
     # The difference on the pairs the compare experiment aligns, A − B, labelled by A's tokens.
     pairs = compare_runs(tiny_gpt, TEXT, "Four score and nine years ago our mothers brought forth.").pairs
     rows_a, rows_b = [i for i, _ in pairs], [j for _, j in pairs]
     want = local.attention[1, 0].numpy()[np.ix_(rows_a, rows_a)] - other.attention[1, 0].numpy()[np.ix_(rows_b, rows_b)]
-    np.testing.assert_allclose(np.asarray(diff.z), want, atol=1e-6)
-    assert diff.zmid == 0 and diff.zmax == pytest.approx(float(np.abs(want).max()))
+    want = _later_keys_masked(want)  # a key later than its query in either run is no difference
+    np.testing.assert_allclose(np.asarray(diff.z, dtype=float), want, atol=1e-6)
+    assert diff.zmid == 0 and diff.zmax == pytest.approx(float(np.nanmax(np.abs(want))))
     for axis in ("yaxis", "yaxis2", "yaxis3"):
         assert fig.layout[axis].autorange == "reversed" and fig.layout[axis].ticktext, axis
     shown = [t.text.replace(" ", "␣") for t in local.tokens]
@@ -523,7 +549,8 @@ def test_compare_draws_both_runs_on_one_scale_and_their_difference_on_shared_tok
         assert label in (shown[rows_a[value]], f"{rows_a[value]} {shown[rows_a[value]]}"), (value, label)
     assert "nine" in fig.layout.annotations[1].text and f"on the {len(pairs)} tokens" in fig.layout.annotations[2].text
     # A client's result compares with a local one.
-    np.testing.assert_allclose(np.asarray(figures.compare(remote, other, 1, 0).data[0].z), np.asarray(a.z), atol=1e-5)
+    from_remote = figures.compare(remote, other, 1, 0).data[0]
+    np.testing.assert_allclose(np.asarray(from_remote.z, dtype=float), np.asarray(a.z, dtype=float), atol=1e-5)
 
 
 def test_compare_refuses_what_it_cannot_draw(tiny_gpt, local):
