@@ -27,7 +27,7 @@ import plotly
 
 from manyeyes.app.routes.page import TEMPLATES_DIR
 from manyeyes.app.services.payload import View, render_result
-from manyeyes.figures import whole_number
+from manyeyes.indices import count_at_least, whole_number
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 STATIC_DIR = TEMPLATES_DIR.parent / "static"
@@ -218,7 +218,8 @@ def export_html(
         # The page would open on a head that is not there (it fell back to a clamped one unasked).
         raise ValueError(f"model {info.id} has layers 0..{info.n_layers - 1} and heads 0..{info.n_heads - 1}; "
                          f"got layer {layer}, head {head}")
-    if isinstance(dense_max_tokens, bool) or not isinstance(dense_max_tokens, int) or dense_max_tokens < 1:
+    limit = count_at_least(dense_max_tokens, 1)  # numpy's integers too, as layer's and head's
+    if limit is None:
         raise ValueError(f"dense_max_tokens must be a whole number of tokens, at least 1; got {dense_max_tokens!r}")
     if format not in (None, "f16", "u8"):  # "bogus" was a KeyError; "json" a file the viewer was never tested on
         raise ValueError(f"format must be 'f16', 'u8' or None (the smaller that keeps the picture); got {format!r}")
@@ -228,7 +229,6 @@ def export_html(
         if (name == "text" or value is not None) and not (isinstance(value, str) and value.strip()):
             raise ValueError(f"{name} must contain something other than whitespace; got {value!r}")
     encoded = model.encode(text, text_pair, truncate=truncate)
-    limit = dense_max_tokens
     if len(encoded) > limit:
         # Said before the forward pass; the size is what the file would have been (base64 weights).
         n = len(encoded)

@@ -13,3 +13,14 @@ def whole_number(value, name: str) -> int:
         except TypeError:
             pass
     raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
+
+
+def count_at_least(value, least: int) -> int | None:
+    """A count as an int when it is a whole number of at least `least`, numpy's integers too
+    (README: counts may be numpy integers, as len(texts) // 4 computed with numpy is); None
+    otherwise, for the caller to refuse in its own words."""
+    try:
+        count = whole_number(value, "count")
+    except ValueError:
+        return None
+    return count if count >= least else None

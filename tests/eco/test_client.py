@@ -70,6 +70,32 @@ def test_a_results_repr_is_one_short_line(client):
     assert "1 token ['a']" in repr(one) and "predictions at 1 position," in repr(one)
 
 
+def test_every_result_types_repr_is_one_short_line_that_says_what_it_holds(client):
+    """Only RemoteResult's repr was short: a notebook cell ending in c.overview(r), c.neuron(...),
+    c.measures(...), c.topk(...) or a generation's step printed every array (MiniLM at 502
+    tokens: 27,766 characters over 521 lines for the overview)."""
+    r = client.attention("word " * 50, format="u8")  # 250 tokens, near tiny-gpt's 256
+    run = repr(r.run_id)
+    step = next(iter(client.generate("word " * 40, 1)))
+    said = {
+        "GenerationStep": (step, f"GenerationStep(0 at position 200: {step.token!r}, 5 alternatives, attention (2, 8, 201))"),
+        "RemoteNeuron": (client.neuron(r, 1, 2, 249), f"RemoteNeuron(run {run}, layer 1, head 2 (key/value head 2 of 8), "
+                                                       "query 249 over 250 keys, head_dim 16, largest weight"),
+        "RemoteMeasures": (client.measures(r, ["rollout", "heads", "contributions"]),
+                           f"RemoteMeasures(run {run}, layers [0, 1], heads 0..7: rollout (250, 250), contributions ("),
+        "RemoteTile": (client.tile(r, 0, 3, rows=64, cols=64),
+                       f"RemoteTile(run {run}, layer 0, head 3, queries [0, 250) × keys [0, 250), values (63, 63), max-pooled)"),
+        "RemoteTopK": (client.topk(r, 1, 5, k=4), f"RemoteTopK(run {run}, layer 1, head 5, top 4 keys of queries [0, 250), "
+                                                   "values (250, 4))"),
+        "RemoteOverview": (client.overview(r), f"RemoteOverview(run {run}, values (2, 8, "),
+    }
+    for name, (result, start) in said.items():
+        text = repr(result)
+        assert type(result).__name__ == name and text.startswith(start), text
+        assert "\n" not in text and len(text) < 250, (name, len(text), text[:300])
+    assert "head_table of 16 heads" in repr(said["RemoteMeasures"][0])
+
+
 def test_slice_and_head_use_model_wide_indices(client, local):
     full = client.attention(TEXT)
     part = client.slice(full, layers=[1], heads=[0, 5], format="json")
@@ -760,6 +786,26 @@ def test_a_client_made_with_settings_it_cannot_use_says_so_at_once(kwargs, words
     """max_retries=-1 made every call end in AssertionError; a bad format was a 422 at every call."""
     with pytest.raises(ValueError, match=words):
         Client("http://127.0.0.1:9", **kwargs)
+
+
+def test_counts_may_be_numpy_integers_and_bad_ones_keep_their_words(server, tiny_gpt):
+    """README: counts may be numpy integers. max_retries=np.int64(2) and batch_size=np.int64(2)
+    (len(texts) // 4 computed with numpy) were refused as "must be a whole number"."""
+    texts = ["And God said.", "Let there be light.", "And there was light."]
+    with Client(server, max_retries=np.int64(2)) as c:
+        assert c.max_retries == 2 and type(c.max_retries) is int
+        sent = []
+        c.http.event_hooks = {"request": [lambda request: sent.append(len(json.loads(request.content)["texts"]))]}
+        results = c.attention_batch(texts, batch_size=np.int64(2), layers=[0], format="json")
+    assert sent == [2, 1] and ["".join(t.text for t in r.tokens) for r in results] == texts
+    np.testing.assert_allclose(results[2].head(0, 3), tiny_gpt.attend(texts[2]).attention[0, 3].numpy(), atol=1e-5)
+    for bad in (np.int64(-1), np.float64(2.0), "2", True):
+        with pytest.raises(ValueError, match=re.escape(f"max_retries must be a whole number >= 0; got {bad!r}")):
+            Client(server, max_retries=bad)
+    with Client(server) as c:
+        for bad in (np.int64(0), np.float64(2.0), 2.5, False):
+            with pytest.raises(ValueError, match=re.escape(f"batch_size must be a whole number, at least 1; got {bad!r}")):
+                c.attention_batch(texts, batch_size=bad)
 
 
 def test_a_client_pickles_as_a_new_client_of_the_same_server(client, local):

@@ -293,8 +293,13 @@ def test_export_html_takes_its_bound_as_an_argument_and_never_reads_the_environm
     with pytest.raises(TooLongToExport, match=r"this text is 16 tokens.*up to 15 tokens \(dense_max_tokens"):
         export_html(tiny_gpt, text, dense_max_tokens=15)
     assert "<html" in export_html(tiny_gpt, text, dense_max_tokens=16).lower()
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="dense_max_tokens must be a whole number"):
+    # A numpy integer is a count too (README), as layer and head are; it was refused as no whole number.
+    assert "<html" in export_html(tiny_gpt, text, dense_max_tokens=np.int64(16)).lower()
+    with pytest.raises(TooLongToExport, match=r"up to 15 tokens \(dense_max_tokens"):
+        export_html(tiny_gpt, text, dense_max_tokens=np.int32(15))
+    for bad in (0, -1, 2.5, True, np.int64(0), np.float64(16.0)):
+        says = f"dense_max_tokens must be a whole number of tokens, at least 1; got {bad!r}"
+        with pytest.raises(ValueError, match=re.escape(says)):
             export_html(tiny_gpt, text, dense_max_tokens=bad)
     for bad in ("bogus", "json", "F16"):  # "bogus" was a bare KeyError: 'bogus'
         with pytest.raises(ValueError, match=f"format must be 'f16', 'u8' or None .*got {bad!r}"):
