@@ -36,7 +36,8 @@ async def export_page(
     model: Annotated[str | None, Query()] = None,
     layer: Annotated[int, Query(ge=0, description="Layer focused when the file opens"), DIGITS] = 0,
     head: Annotated[int, Query(ge=0, description="Head focused when the file opens"), DIGITS] = 0,
-    truncate: Annotated[bool, Query(description="Cut input longer than the model's positions (as the page's option)")] = True,
+    truncate: Annotated[bool, Query(description="Cut input longer than the model's positions (as the page's option); "
+                                                "off, as there and on the API, a too-long text is a 422 too_long")] = False,
 ) -> Response:
     """The viewer with this run's attention inside, as a download that opens from disk with no
     server and no network. The query is the page's permalink: a saved `view` id, or `text`, `pair`,
