@@ -76,6 +76,11 @@ function pool(values, unit, layout) {
   return pooled;
 }
 
+// "Layer 4", "Layers 4 and 5", "Layers 1, 2 and 5".
+function layerList(layers) {
+  return layers.length === 1 ? `Layer ${layers[0]}` : `Layers ${layers.slice(0, -1).join(", ")} and ${layers.at(-1)}`;
+}
+
 let pixelBuffer = null;
 
 // Colours pooled weights on the page's scale. A threshold acts here, on the maxima: a block's max
@@ -117,7 +122,17 @@ export class GridView {
     this.layouts = new Map();
     this.note = el("p", { className: "empty", text: "No token is left to show: the thumbnails are blank until one is." });
     this.note.hidden = true;
-    container.after(this.note);
+    // Layers whose slices failed (the server stopped, say) are said here, under the grid: the only
+    // word of it was the banner above the views, scrolled out of sight by then, over a grid that
+    // looked finished but for rows of blank boxes.
+    this.failed = new Set();
+    this.reason = "";
+    this.failedText = el("span");
+    const retry = el("button", { text: "Try again", attrs: { type: "button" } });
+    retry.addEventListener("click", () => this.retryFailed());
+    this.failedNote = el("p", { className: "grid-failed", attrs: { id: "grid-failed" } }, [this.failedText, " ", retry]);
+    this.failedNote.hidden = true;
+    container.after(this.note, this.failedNote);
   }
 
   build(run) {
@@ -125,6 +140,8 @@ export class GridView {
     this.painted = new Set();
     this.thumbs = Array.from({ length: run.nLayers }, () => Array.from({ length: run.nHeads }, () => new Map()));
     this.layouts = new Map();
+    this.failed = new Set();
+    this.failedNote.hidden = true;
     this.observer?.disconnect();
     const { nLayers, nHeads } = run;
     this.container.style.setProperty("--heads", nHeads);
@@ -178,6 +195,43 @@ export class GridView {
     if (!this.run.hasLayer(layer)) return;
     for (let h = 0; h < this.run.nHeads; h++) this.paintHead(layer, h, options);
     this.painted.add(layer);
+    if (this.failed.delete(layer)) this.sayFailed();
+  }
+
+  // The boxes of layers that could not be loaded say so (title and a dashed box, not a pulse that
+  // never ends), and the line under the grid says why. `reason`: the error as the page words it.
+  failLayers(layers, reason) {
+    for (const l of layers) {
+      if (this.run.hasLayer(l)) continue;
+      this.failed.add(l);
+      this.cells[l].forEach((cell, h) => {
+        cell.classList.replace("loading", "failed");
+        cell.title = `Layer ${l}, head ${h}: not loaded`;
+      });
+    }
+    this.reason = reason;
+    this.sayFailed();
+  }
+
+  sayFailed() {
+    const layers = [...this.failed].sort((a, b) => a - b);
+    if (!layers.length) {
+      // Its button under the keyboard would drop focus to the page: the grid's Tab stop takes it.
+      if (this.failedNote.contains(document.activeElement)) this.container.querySelector('.thumb[tabindex="0"]')?.focus();
+      this.failedNote.hidden = true;
+      return;
+    }
+    this.failedNote.hidden = false;
+    this.failedText.textContent = `${layerList(layers)} not loaded: ${this.reason}`;
+  }
+
+  // The failed layers pulse again while they are asked for (a row scrolled back into view, or a
+  // layer focused, asks again too).
+  retryFailed() {
+    const layers = [...this.failed].sort((a, b) => a - b);
+    for (const l of layers) this.cells[l].forEach((cell) => cell.classList.replace("failed", "loading"));
+    this.failedText.textContent = `Asking again for ${layerList(layers).toLowerCase()}…`;
+    this.onNeedLayers(layers);
   }
 
   // The thumbnail layout of a layer for these options (hidden tokens and pair block, and the
@@ -213,7 +267,8 @@ export class GridView {
     kept.set(key, pooled); // the most recent last
     colour(this.cells[layer][h].firstChild, pooled, layout, options.scale, options.threshold);
     this.note.hidden = layout.width > 0 && layout.height > 0;
-    this.cells[layer][h].classList.remove("loading");
+    this.cells[layer][h].classList.remove("loading", "failed");
+    this.cells[layer][h].title = `Layer ${layer}, head ${h}`;
   }
 
   paintAll(options) {

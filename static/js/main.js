@@ -201,7 +201,8 @@ function labels() {
 // bytes that crossed from the device (its answer's `precision` says so) and refuses more precise
 // slices of it (422 kept_quantised): then `reposted.post` asks for the same by posting the text in
 // the format it needs, `reposted.format`, and the run the server keeps from then on holds it.
-async function fromRun(run, key, fetcher, reposted = null) {
+// onFailed(said): a view of the request's own that says it failed where it would have shown.
+async function fromRun(run, key, fetcher, reposted = null, onFailed = null) {
   const pending = state.pending; // this run's own: a newer run gets a fresh set
   if (pending.has(key)) return null;
   pending.add(key);
@@ -232,6 +233,7 @@ async function fromRun(run, key, fetcher, reposted = null) {
   } catch (err) {
     if (err.name !== "AbortError" && state.run === run) {
       showError(describeError(err), "views");
+      onFailed?.(describeError(err));
       if ($("focus-plot").hasAttribute("data-stale")) {
         $("focus-caption").textContent = "This view's values could not be loaded (see above): the faded heatmap is the last view's.";
       }
@@ -247,7 +249,8 @@ async function loadU8(layers) {
   if (run.long) return; // a long run's grid paints its overview instead
   const wanted = layers.filter((l) => !run.hasLayer(l) && !state.pending.has(String(l)));
   if (!wanted.length) return;
-  const slice = await fromRun(run, wanted.join(","), (id) => fetchSlice(id, wanted, null, "u8", state.controller.signal));
+  const slice = await fromRun(run, wanted.join(","), (id) => fetchSlice(id, wanted, null, "u8", state.controller.signal),
+    null, (said) => grid.failLayers(wanted, said));
   if (!slice || state.run !== run) return;
   run.ingest(slice);
   const options = viewOptions();
@@ -706,7 +709,8 @@ function viewState() {
 let saveTimer = 0;
 
 // Saved a moment after the last change (an arrow key held down saves once); `push` makes a new
-// history entry, for a new text.
+// history entry, for a new text. An option change replaces the run's entry, so Back leaves the run:
+// an entry per change would walk Back through every head an arrow key passed, running the text each time.
 function updatePermalink(push = false) {
   if (!state.request || !state.run) return;
   clearTimeout(saveTimer);
