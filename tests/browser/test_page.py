@@ -35,6 +35,9 @@ def submit(page, text, pair=None, model=None):
 
 def run(page, text, pair=None, model=None):
     submit(page, text, pair, model)
+    # The last run's heatmap is f16 too: wait_focus alone could return before this run's answer
+    # came. Enter sets #run-form's aria-busy="true" at once (setBusy); it is "false" once the run is shown.
+    page.wait_for_selector("#run-form[aria-busy=false]", timeout=30_000)
     wait_focus(page)
 
 
