@@ -79,14 +79,20 @@ class QuietTrim:
     full, and malloc_trim gave 125 MB back (review h52c). Under load nothing is trimmed: the
     arenas' tops are what the next requests take, and a trim (10-25 ms here) never runs beside a
     request: in a test's process, whose heap is every test's, one held up a burst for 1.2 s.
+    A steady trickle (a request every half second) is no load, but never a second of quiet either,
+    and would keep a burst's arenas for as long as it lasts: so between requests they are also
+    given back once `every_s` has passed since the last trim (a request that comes during one may
+    wait those milliseconds for its arena).
 
     `began()` and `ended()` around each request (event loop only); `run()` is the lifespan's task."""
 
-    def __init__(self, quiet_s: float = 1.0, trim=None, clock=time.monotonic) -> None:
+    def __init__(self, quiet_s: float = 1.0, every_s: float = 30.0, trim=None, clock=time.monotonic) -> None:
         self.quiet_s = quiet_s
+        self.every_s = every_s
         self.trim = trim or release_free_heap
         self.clock = clock
         self.last_end: float | None = None  # None: nothing has ended since the last trim
+        self.last_trim = clock()
         self.in_flight = 0
         self.trims = 0
 
@@ -98,7 +104,10 @@ class QuietTrim:
         self.last_end = self.clock()
 
     def due(self) -> bool:
-        return not self.in_flight and self.last_end is not None and self.clock() - self.last_end >= self.quiet_s
+        if self.in_flight or self.last_end is None:
+            return False
+        now = self.clock()
+        return now - self.last_end >= self.quiet_s or now - self.last_trim >= self.every_s
 
     async def run(self) -> None:
         while True:
@@ -107,6 +116,7 @@ class QuietTrim:
                 self.last_end = None
                 started = time.perf_counter()
                 await asyncio.to_thread(self.trim)
+                self.last_trim = self.clock()
                 self.trims += 1
                 log.debug("gave the arenas' free memory back in %.1f ms", (time.perf_counter() - started) * 1000)
 

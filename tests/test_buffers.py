@@ -370,6 +370,7 @@ def test_the_arenas_are_trimmed_once_a_burst_when_requests_stop_ending():
 
     async def main():
         trimming = QuietTrim(quiet_s=0.05, trim=lambda: calls.append(1))
+        made = trimming.last_trim
         task = asyncio.create_task(trimming.run())
         await asyncio.sleep(0.2)
         assert calls == []
@@ -381,6 +382,33 @@ def test_the_arenas_are_trimmed_once_a_burst_when_requests_stop_ending():
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
         task.cancel()
-        return calls, trimming.last_end
+        return calls, trimming.last_end, trimming.last_trim > made  # the trim's time, for every_s
 
-    assert asyncio.run(main()) == ([1], None)  # once for the burst, not again without a request
+    assert asyncio.run(main()) == ([1], None, True)  # once for the burst, not again without a request
+
+
+def test_a_steady_trickle_of_requests_still_has_the_arenas_trimmed_every_so_often():
+    """A request every half second never leaves a second of quiet, and kept whatever a burst
+    before it left in the arenas: between its requests they are given back every `every_s`."""
+    from manyeyes.app.memory import QuietTrim
+
+    now = [0.0]
+    quiet = QuietTrim(quiet_s=1.0, every_s=30.0, trim=lambda: None, clock=lambda: now[0])
+    due_at = []
+    for step in range(1, 140):  # 69.5 s of requests, each 10 ms, every 0.5 s
+        now[0] = step * 0.5
+        quiet.began()
+        assert not quiet.due()  # never beside a request, however long since the last trim
+        now[0] += 0.01
+        quiet.ended()
+        now[0] += 0.2
+        if quiet.due():  # as run() does (its time noted: the test above)
+            due_at.append(round(now[0]))
+            quiet.last_end, quiet.last_trim = None, now[0]
+    assert due_at == [30, 60], due_at
+    # A busy server (a request always in flight) is never trimmed, however long it has been.
+    quiet.began()
+    quiet.began()
+    quiet.ended()
+    now[0] += 100
+    assert not quiet.due()
