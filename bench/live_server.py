@@ -31,13 +31,17 @@ def ready_or_exit(base: str, proc: subprocess.Popen, log_tail, timeout_s: float 
 
 @contextmanager
 def serve(log_level: str = "warning", log_path: Path | None = None, ready_timeout_s: float = 300, on_spawn=None,
-          args: tuple[str, ...] = (), **settings):
+          args: tuple[str, ...] = (), preamble: str = "", **settings):
     """`manyeyes serve` with MANYEYES_* settings and more command-line `args`; yields (base URL,
     pid) once /readyz says 200. log_level="info" writes the access log (one JSON line per request,
-    with the server's own ms) to log_path."""
+    with the server's own ms) to log_path. `preamble`: Python run in the server's process before
+    the CLI, for a bench's A/B against a variant of the code."""
     port = free_port()
     script = Path(sys.executable).with_name("manyeyes")
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "manyeyes.app.cli"]
+    if preamble:
+        argv = [sys.executable, "-c", f"{preamble}\nfrom manyeyes.app.cli import main\nmain()"]
+    else:
+        argv = [str(script)] if script.exists() else [sys.executable, "-m", "manyeyes.app.cli"]
     argv += ["serve", "--host", HOST, "--port", str(port), "--log-level", log_level, *args]
     env = {**os.environ, "MANYEYES_MODELS": json.dumps({"minilm": "minilm"}), "MANYEYES_DEVICE": "cpu"}
     env.update({f"MANYEYES_{k.upper()}": str(v) for k, v in settings.items()})

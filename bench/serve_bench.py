@@ -287,7 +287,7 @@ def report(table: dict, served_ms: dict, forms, rounds) -> list[dict]:
             forward = [s["forward"] for s in samples[form]]
             beyond = [served_ms[s["run_id"]] - s["forward"] for s in samples[form] if s["run_id"] in served_ms]
             overhead[(n, form)] = (p50(server), p50(forward), p50(beyond))
-            low, _, high = statistics.quantiles(beyond, n=4) if len(beyond) > 1 else (beyond * 3)[:3]
+            low, _, high = statistics.quantiles(beyond, n=4) if len(beyond) > 1 else (beyond[0],) * 3
             print(f"| {n} | {form} | {p50(server):.1f} | {p50(forward):.1f} | {p50(beyond):.1f} ms "
                   f"({100 * p50(beyond) / p50(forward):.1f}%) | {low:.1f}-{high:.1f} ms |")
     return overhead

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,23 +24,18 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_server import ROOT, free_port, ready_or_exit  # noqa: E402
+from live_server import rss_mb, serve  # noqa: E402
 
 WORDS = "the river bank was full of fish while a heron waited by the old stone mill".split()
 # The variant before the trickle case: every_s (QuietTrim's second default) past any run's length.
 QUIET_ONLY = ("import manyeyes.app.memory as m; d = list(m.QuietTrim.__init__.__defaults__); d[1] = float('inf'); "
-              "m.QuietTrim.__init__.__defaults__ = tuple(d); ")
+              "m.QuietTrim.__init__.__defaults__ = tuple(d)")
 CACHE_BYTES = 512 * 2**20
 
 
 def text(n: int, seed: int) -> str:
     pick = random.Random(seed)
     return f"t{seed} " + " ".join(pick.choice(WORDS) for _ in range(n))
-
-
-def rss_mb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
 
 
 async def drive(url: str, pid: int, burst_s: float, trickle_s: float) -> dict:
@@ -78,21 +71,8 @@ async def drive(url: str, pid: int, burst_s: float, trickle_s: float) -> dict:
 
 
 def run(variant: str, burst_s: float, trickle_s: float) -> dict:
-    port = free_port()
-    preamble = QUIET_ONLY if variant == "quiet only" else ""
-    env = {"MANYEYES_MODELS": '{"minilm": "minilm"}', "MANYEYES_DEVICE": "cpu", "MANYEYES_CACHE_BYTES": str(CACHE_BYTES)}
-    log = Path(f"/tmp/trickle-bench-{port}.log")
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", preamble + "from manyeyes.app.cli import main; main()", "serve",
-                                 "--port", str(port)], cwd=ROOT, env={**os.environ, **env},
-                                stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        ready_or_exit(url, proc, log.read_text)
-        return asyncio.run(drive(url, proc.pid, burst_s, trickle_s))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with serve(preamble=QUIET_ONLY if variant == "quiet only" else "", cache_bytes=CACHE_BYTES) as (url, pid):
+        return asyncio.run(drive(url, pid, burst_s, trickle_s))
 
 
 def main() -> None:
@@ -108,7 +88,7 @@ def main() -> None:
         end = args.trickle_s - 10
         last = max(m for t, m in got["trickle"] if t >= end)
         bound = got["warm"] + CACHE_BYTES * 1.1 / 2**20 + 100
-        print(f"| {variant} | {got['warm']:,} | {got['burst']:,} | {first:,} | {last:,} | {bound:,.0f}: "
+        print(f"| {variant} | {got['warm']:,.0f} | {got['burst']:,.0f} | {first:,.0f} | {last:,.0f} | {bound:,.0f}: "
               f"{'within' if last <= bound else 'OVER'} |", flush=True)
 
 
