@@ -188,7 +188,12 @@ def test_back_leaves_a_run_and_its_option_changes_together(server, page):
     entries = page.evaluate("() => history.length")
     page.select_option("#head", "3")
     wait_focus(page, head=3)
+    wait_saved(page)
+    head_saved = page.evaluate("() => document.body.dataset.view")
     page.select_option("#scale", "fixed")
+    # An option's save starts once its views are redrawn: wait_saved alone could return on the
+    # head's save, before it began (then the next run cancelled it, and Back showed scale "head").
+    page.wait_for_function("(id) => document.body.dataset.view !== id", arg=head_saved)
     wait_saved(page)
     assert page.evaluate("() => history.length") == entries
     seen = page.url
