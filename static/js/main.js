@@ -707,29 +707,63 @@ function viewState() {
 }
 
 let saveTimer = 0;
+let scheduled = null; // the view the timer will save, as it was when the change was made
+let saving = 0; // saves whose address-bar write has not happened yet
+let writes = Promise.resolve(); // those writes, in the order their saves began
+
+// The address bar's writes go in the order the saves began, not as their POSTs come back: a
+// change's save still on its way when the next text's entry was pushed wrote its id over that
+// entry, and Back returned to the run without the change.
+function saveAndWrite(view, push) {
+  saving += 1;
+  document.body.dataset.viewPending = "true"; // tests wait for the address bar to catch up
+  const saved = saveView(view);
+  const written = writes.then(() => saved).then((id) => {
+    writePermalink(id, push);
+    document.body.dataset.view = id;
+    // A link that could not be saved before can be now: the failure no longer holds.
+    if ($("link-status").textContent.startsWith(LINK_NOT_SAVED)) $("link-status").textContent = "";
+    return id;
+  }).finally(() => {
+    saving -= 1;
+    if (!saving && !saveTimer) delete document.body.dataset.viewPending;
+  });
+  writes = written.catch(() => {});
+  return written;
+}
+
+// The save that was to come a moment later, now (if one was to come).
+function flushScheduledSave() {
+  if (!saveTimer) return;
+  clearTimeout(saveTimer);
+  saveTimer = 0;
+  saveAndWrite(scheduled, false).catch(() => {
+    // The link is a convenience: the view itself goes on working.
+  });
+}
+
+function dropScheduledSave() {
+  clearTimeout(saveTimer);
+  saveTimer = 0;
+  if (!saving) delete document.body.dataset.viewPending;
+}
 
 // Saved a moment after the last change (an arrow key held down saves once); `push` makes a new
 // history entry, for a new text. An option change replaces the run's entry, so Back leaves the run:
 // an entry per change would walk Back through every head an arrow key passed, running the text each time.
+// The view a change leaves is taken at once: a new text's run could come within the moment, and
+// its entry is pushed only after the last run's entry holds that change.
 function updatePermalink(push = false) {
   if (!state.request || !state.run) return;
+  if (push) {
+    flushScheduledSave();
+    saveAndWrite(viewState(), true).catch(() => {});
+    return;
+  }
   clearTimeout(saveTimer);
-  document.body.dataset.viewPending = "true"; // tests wait for the address bar to catch up
-  const save = () => {
-    saveView(viewState()).then((id) => {
-      writePermalink(id, push);
-      document.body.dataset.view = id;
-      // A link that could not be saved before can be now: the failure no longer holds.
-      if ($("link-status").textContent.startsWith(LINK_NOT_SAVED)) $("link-status").textContent = "";
-    }).catch(() => {
-      // The link is a convenience: the view itself goes on working.
-    }).finally(() => {
-      if (saveTimer === timer) delete document.body.dataset.viewPending;
-    });
-  };
-  let timer = 0;
-  timer = saveTimer = push ? 0 : setTimeout(save, 250);
-  if (push) save();
+  scheduled = viewState();
+  document.body.dataset.viewPending = "true";
+  saveTimer = setTimeout(flushScheduledSave, 250);
 }
 
 function applyViewState(v) {
@@ -1049,11 +1083,9 @@ async function download(kind) {
 const LINK_NOT_SAVED = "The link could not be saved";
 
 // The view saved at once, not a moment later as updatePermalink does; resolves to its id.
-async function saveNow() {
-  clearTimeout(saveTimer);
-  const id = await saveView(viewState());
-  writePermalink(id);
-  return id;
+function saveNow() {
+  dropScheduledSave();
+  return saveAndWrite(viewState(), false);
 }
 
 async function copyLink() {
@@ -1174,6 +1206,9 @@ async function init() {
   $("export-page").addEventListener("click", exportPage);
   document.addEventListener("keydown", onKey);
   window.addEventListener("popstate", () => {
+    // A change's save still to come belongs to the entry just left: written now it would replace
+    // the entry Back went to. That entry's view is restored (and saved) below.
+    dropScheduledSave();
     // Back to the bare page: the start state is a fresh visit's, every panel as before any run (the
     // experiments' too, which keep what they did with the last one): a reload is exactly that.
     const link = readPermalink();

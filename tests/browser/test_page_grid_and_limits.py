@@ -208,6 +208,89 @@ def test_back_leaves_a_run_and_its_option_changes_together(server, page):
     assert page.locator("#scale").input_value() == "fixed"
 
 
+SECOND = "A second sentence about the sea."
+
+
+def back_after_a_change_and_a_run(page, server, between, arm=lambda page: None) -> tuple[str, str]:
+    """Runs SENTENCE at head 3, calls `arm(page)`, sets the scale to "fixed" and calls `between(page, entries)`, which
+    submits SECOND at a moment of its choosing and returns once its entry is pushed; then goes Back
+    and returns the scale and text restored there. The change belongs to the first run's entry."""
+    open_page(page, server)
+    run(page, SENTENCE, model="minilm")
+    page.select_option("#head", "3")
+    wait_focus(page, head=3)
+    wait_saved(page)
+    entries = page.evaluate("() => history.length")
+    arm(page)
+    page.select_option("#scale", "fixed")
+    between(page, entries)
+    wait_saved(page)
+    second = page.url
+    page.go_back()
+    page.wait_for_function("(url) => location.href !== url", arg=second)
+    page.wait_for_function("(text) => document.querySelector('#text').value === text", arg=SENTENCE)
+    page.wait_for_selector("#run-form[aria-busy=false]", timeout=30_000)
+    wait_focus(page, head=3)
+    return page.locator("#scale").input_value(), page.locator("#text").input_value()
+
+
+def test_a_change_just_before_a_new_run_stays_with_the_run_it_was_made_on(server, page):
+    """An option changed and, before its save a moment later, a new text run: the new run's entry
+    cancelled the save, so Back returned to the first run without the change. The page's clock
+    stands still from the change until the new run's entry is pushed (moved on only in steps of
+    16 ms until the save is scheduled, 250 ms ahead), so the save is always still to come."""
+    page.clock.install()
+
+    def until(check, step):
+        for _ in range(500):
+            if page.evaluate(check):
+                return
+            step()
+        raise AssertionError(f"never: {check}")
+
+    def arm(page):
+        page.clock.pause_at(page.evaluate("() => Date.now()") + 1)
+
+    def run_while_the_save_waits(page, entries):
+        # wait_for_function polls on the page's own clock, which is held: polled from here instead.
+        until("() => document.body.dataset.viewPending === 'true'", lambda: page.clock.run_for(16))
+        submit(page, SECOND)
+        until(f"() => history.length === {entries + 1}", lambda: page.wait_for_timeout(20))
+        page.clock.resume()
+
+    assert back_after_a_change_and_a_run(page, server, run_while_the_save_waits, arm) == ("fixed", SENTENCE)
+
+
+def test_a_changes_save_answered_after_the_next_runs_stays_on_its_own_entry(server, page):
+    """The change's save still on its way when the next run's entry is pushed (its POST held here
+    until the next run's own save has gone out): written when it came back, it replaced the new
+    entry with the first run's view, and Back returned to the first run without the change."""
+    held = []
+
+    def hold_the_first_save(route):
+        if route.request.method == "POST" and not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    def run_while_the_save_is_held(page, entries):
+        for _ in range(500):  # the scheduled save starts a moment (250 ms) after the change
+            if held:
+                break
+            page.wait_for_timeout(10)
+        assert len(held) == 1
+        with page.expect_response(lambda r: r.url.endswith("/api/v1/views") and r.request.method == "POST"):
+            submit(page, SECOND)
+        held[0].continue_()
+        page.wait_for_function("(n) => history.length === n", arg=entries + 1, timeout=30_000)
+        page.unroute("**/api/v1/views")
+
+    def arm(page):
+        page.route("**/api/v1/views", hold_the_first_save)
+
+    assert back_after_a_change_and_a_run(page, server, run_while_the_save_is_held, arm) == ("fixed", SENTENCE)
+
+
 def test_the_tokens_box_follows_the_servers_limit(server, page):
     """GET /models says what the server was started with: a page that assumed the default capped a
     server allowing 1,000 new tokens at 256."""
