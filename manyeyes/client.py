@@ -25,7 +25,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -488,6 +488,9 @@ def selection(layers: list[int] | None, heads: list[int] | None) -> dict[str, st
     params = {}
     for name, chosen in (("layers", layers), ("heads", heads)):
         if chosen is not None:
+            # A string is iterable too: layers="10" went out as layers 1 and 0, and answered them.
+            if isinstance(chosen, (str, bytes)) or not isinstance(chosen, Iterable):
+                raise TypeError(f"{name} takes a list of numbers, such as [1] or range(3); got {type(chosen).__name__} {chosen!r}")
             # An array's truth is ambiguous ("if not chosen" raised on np.array([0, 1])): its list.
             chosen = list(chosen.tolist() if isinstance(chosen, np.ndarray) else chosen)
             if not chosen:  # the server reads an empty list as "all": say so instead
@@ -824,16 +827,17 @@ class Client:
     def __setstate__(self, arguments: dict) -> None:
         self.__init__(**arguments)
 
-    def _send(self, method: str, path: str, stream: bool = False, retry_refused: bool = True, **kwargs) -> httpx.Response:
+    def _send(self, method: str, path: str, stream: bool = False, retry: bool = True, **kwargs) -> httpx.Response:
         """The response, after retrying a 429, or a 503 that says when to come back (Retry-After:
         a server shutting down, a proxy in front of a restarting one), after its Retry-After
         (capped) up to max_retries times; errors raised typed. A 503 without Retry-After (models
         still loading) is NotReady at once: wait_ready waits for that. A refused connection is
         tried again within the same max_retries, after 0.25 s, 0.5 s, 1 s... (capped at
         max_retry_wait_s), and once one was, so is that 503 on the same waits: a restarted server
-        loading its models. retry_refused=False (ready, wait_ready: they poll on their own) does
-        neither. stream=True leaves the body unread (the caller closes it). A JSON body may hold
-        numpy integers and arrays."""
+        loading its models. retry=False (ready, wait_ready: they poll on their own) retries
+        nothing: a proxy's 503 with Retry-After: 30 had held ready() for minutes. stream=True
+        leaves the body unread (the caller closes it). A JSON body may hold numpy integers and
+        arrays."""
         if "json" in kwargs:  # numpy scalars (np.argmax's) and arrays, which json.dumps refuses
             kwargs["content"] = json.dumps(kwargs.pop("json"), default=_plain).encode("utf-8")
             kwargs["headers"] = {"Content-Type": "application/json", **(kwargs.get("headers") or {})}
@@ -854,7 +858,7 @@ class Client:
                 # Nothing took the connection (a server restarting, not started yet), so the request
                 # never reached one and cannot have done anything: safe to send again. A restart
                 # ended a long attention_batch at once, with every finished chunk lost.
-                if retry_refused and attempt < self.max_retries:
+                if retry and attempt < self.max_retries:
                     self.retries += 1
                     pause = min(0.25 * 2**refused, self.max_retry_wait_s)
                     time.sleep(pause)
@@ -876,7 +880,7 @@ class Client:
             # Refused, then 503 without Retry-After: the server restarted and is loading its models.
             restarting = response.status_code == 503 and wait is None and refused > 0
             retryable = response.status_code == 429 or (response.status_code == 503 and wait is not None) or restarting
-            if retryable and attempt < self.max_retries:
+            if retry and retryable and attempt < self.max_retries:
                 self.retries += 1
                 response.close()
                 if restarting:  # on the same doubling waits: the budget reads the same however a restart goes
@@ -898,8 +902,8 @@ class Client:
         api_key: /readyz is open to all, so a server that needs a key reads True without one or
         with a wrong one; models() is the cheap call that does (Unauthorized)."""
         try:
-            self._send("GET", "/readyz", retry_refused=False)
-        except (NotReady, ConnectionFailed):
+            self._send("GET", "/readyz", retry=False)
+        except (NotReady, Overloaded, ConnectionFailed):  # Overloaded: a proxy's 429
             return False
         return True
 
@@ -907,20 +911,22 @@ class Client:
         """Until the server is ready: NotReady at once if its models failed to load (the server's
         reason, which waiting would not change), NotReady if it still answered 503 after
         timeout_s, ConnectionFailed if it could not be reached (a wrong URL, no server started).
-        Like ready(), about the server's models only: the api_key is first checked by a real call."""
+        Like ready(), about the server's models only: the api_key is first checked by a real call.
+        A Retry-After (a proxy's) spaces the polls out, up to the time left."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._send("GET", "/readyz", retry_refused=False)
+                self._send("GET", "/readyz", retry=False)
                 return
-            except (NotReady, ConnectionFailed) as exc:
+            except (NotReady, Overloaded, ConnectionFailed) as exc:
                 last = exc
             if isinstance(last, NotReady) and (last.body or {}).get("status") == "failed":
                 raise NotReady(503, last.code, f"the server could not load its models: {last.message}", body=last.body)
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise type(last)(last.status, last.code, f"not ready after {timeout_s:g} s: {last.message}",
                                  body=last.body) from None
-            time.sleep(poll_s)
+            time.sleep(max(poll_s, min(last.retry_after_s or 0.0, left)))
 
     def models(self) -> list[RemoteModel]:
         return [RemoteModel(**_known(RemoteModel, m)) for m in json_body(self._send("GET", "/api/v1/models"))["models"]]

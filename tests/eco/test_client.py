@@ -209,6 +209,33 @@ def test_wait_ready_stops_at_once_with_the_servers_reason_when_its_models_failed
     assert err.value.message == "not ready after 0.05 s: models are still loading: tiny-gpt"
 
 
+def test_ready_and_wait_ready_poll_once_each_time_even_when_told_to_come_back_later(monkeypatch):
+    """README: ready() and wait_ready() poll on their own and try once each time. A proxy's 503 with
+    Retry-After (or a 429) was retried up to max_retries times inside each poll: ready() took 10 s
+    to say False, and with Retry-After: 30 it would have blocked for minutes."""
+    from manyeyes.client import NotReady
+
+    slept, polls = [], []
+    monkeypatch.setattr("manyeyes.client.time.sleep", slept.append)
+    def later(status):
+        return httpx.MockTransport(lambda request: (polls.append(1), httpx.Response(
+            status, headers={"Retry-After": "30"}, json={"error": {"code": "busy", "message": "come back later"}}))[1])
+
+    for status in (503, 429):
+        polls.clear()
+        with Client("http://manyeyes.test", transport=later(status)) as c:
+            assert c.ready() is False
+            assert (len(polls), slept, c.retries) == (1, [], 0)
+    # wait_ready spaces its polls by the Retry-After, never past its own timeout.
+    clock = [0.0]
+    monkeypatch.setattr("manyeyes.client.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("manyeyes.client.time.sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+    polls.clear()
+    with Client("http://manyeyes.test", transport=later(503)) as c, pytest.raises(NotReady):
+        c.wait_ready(timeout_s=45, poll_s=0.2)
+    assert len(polls) == 3 and slept == [30.0, 15.0], (polls, slept)
+
+
 def test_a_generation_slower_than_timeout_s_is_a_timeout_not_a_broken_stream():
     class Stalls(httpx.SyncByteStream):
         def __iter__(self):
@@ -505,6 +532,18 @@ def test_a_run_id_stays_one_path_segment_and_an_empty_selection_is_refused():
         assert asked[0].startswith("/api/v1/runs/..%2F..%2Fetc/attention"), asked
         with pytest.raises(ValueError, match="layers is empty"):
             mocked.slice("abc", layers=[])
+
+
+def test_a_string_or_a_bare_number_of_layers_or_heads_is_refused_not_read_digit_by_digit():
+    """slice(r, layers="10") asked for layers 1 and 0 and answered them, without a word."""
+    asked = []
+    with Client("http://manyeyes.test", transport=httpx.MockTransport(lambda request: asked.append(request))) as mocked:
+        for chosen in ({"layers": "10"}, {"heads": "11"}, {"layers": 1}, {"heads": b"1"}):
+            with pytest.raises(TypeError, match=r"takes a list of numbers, such as \[1\] or range\(3\)"):
+                mocked.slice("abc", **chosen)
+            with pytest.raises(TypeError, match="takes a list of numbers"):
+                mocked.measures("abc", "rollout", **chosen)
+    assert asked == []
 
 
 class Recording(httpx.HTTPTransport):
