@@ -10,7 +10,7 @@ from manyeyes.app.clients import client_of, tenant_of
 from manyeyes.app.deps import RegistryDep, ServiceDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.schemas import ViewSaved, ViewState
-from manyeyes.app.services.attention import resolve_indices
+from manyeyes.app.services.attention import check_some_tokens, resolve_indices
 from manyeyes.app.services.cache import run_id_for
 from manyeyes.app.services.errors import ApiError, InvalidInput, TooLong
 from manyeyes.app.services.views import SaveSlots, ViewStore
@@ -91,9 +91,12 @@ def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depe
     else:
         with saves.hold(client):
             try:
-                n_tokens = len(model.encode(body.text, body.text_pair, body.truncate))
+                encoded = model.encode(body.text, body.text_pair, body.truncate)
             except TooLongError as exc:
                 raise TooLong.tokens(exc) from None
+            # A text of zero-width or combining characters alone is not blank, yet never runs.
+            check_some_tokens(served.id, encoded, body.text_pair is not None)
+            n_tokens = len(encoded)
     check_guess_position(body, n_tokens)
     return ViewSaved(id=views.put(body.model_dump(), owner=client, tenant=tenant))
 

@@ -98,6 +98,10 @@ def test_a_view_that_could_never_open_is_refused(api):
     assert r.status_code == 422 and r.json()["error"]["code"] == "too_long", r.text
     assert r.json()["error"]["message"].startswith("input is 2,002 tokens long but the model takes at most 512"), r.text
     assert api.post("/api/v1/views", json={**VIEW, "text": "a " * 2000, "truncate": True}).status_code == 200
+    # Not blank, yet MiniLM's tokenizer drops every character of it: /export and the page refuse it.
+    for field in ("text", "text_pair"):
+        r = api.post("/api/v1/views", json={**VIEW, field: "\u200b"})
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"{field} gives no tokens on minilm"), r.text
 
 
 def test_one_clients_saves_push_out_only_its_own_views(tmp_path):
