@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from manyeyes.app.schemas import MAX_BATCH_TEXTS
+
 
 def builtin_models() -> dict[str, str]:
     """The models that ship with manyeyes: the MiniLM encoder, the causal tiny-gpt and the long-context tiny-llama."""
@@ -162,7 +164,7 @@ class Settings(BaseSettings):
     # Limits on what one request may ask for.
     max_body_bytes: int = Field(1_000_000, ge=1)  # 413 before any JSON is parsed
     max_json_cells: int = Field(2_000_000, ge=1)  # format=json only: ~30 MB of text; u8 has no such cost
-    max_batch_texts: int = Field(32, ge=1)
+    max_batch_texts: int = Field(32, ge=1, le=MAX_BATCH_TEXTS)
     # Checked before tokenizing: a 512-token model needs ~3,000 characters, so this leaves room for
     # truncate=true on long pastes while keeping the tokenizer's work per request small.
     max_text_chars: int = Field(100_000, ge=1)
