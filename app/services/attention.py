@@ -286,7 +286,7 @@ def parse_index(part: str, what: str) -> int:
     other scripts' digits, and refuses over 4,300 digits with a ValueError (a 500)."""
     if not (part.isascii() and part.isdigit()):
         raise InvalidInput(f"{what}s must be integers (0, 1, 2, ...), got {brief(part)!r}")
-    if len(part) > MAX_INDEX_DIGITS:
+    if len(part.lstrip("0")) > MAX_INDEX_DIGITS:  # leading zeros add nothing ("00000000001" is 1)
         raise InvalidInput(f"{what} {brief(part)} does not exist: no model has that many")
     return int(part)
 

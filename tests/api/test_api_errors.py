@@ -171,6 +171,9 @@ def test_bad_slice_parameters_are_422(api):
     for path in ("attention?layers=", "mean?layers=", "measures?names=rollout&heads=", "attention?heads=0,"):
         err = error_of(api.get(f"/api/v1/runs/{run_id}/{path}{'9' * 5000}"), 422)
         assert "does not exist" in err["message"] and len(err["message"]) < 200, (path, err)
+    # Counted without leading zeros: 29 digits of layer 1 were "does not exist".
+    r = api.get(f"/api/v1/runs/{run_id}/attention?format=json&layers={'0' * 28}1&heads=0000")
+    assert r.status_code == 200 and (r.json()["layers"], r.json()["heads"]) == ([1], [0]), r.text
 
 
 def test_batch_item_count_is_bounded(api):
