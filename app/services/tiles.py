@@ -222,7 +222,7 @@ class TileService:
         if n_rows > cap or n_cols > cap:
             over = " and ".join(name for name, size in (("rows", n_rows), ("cols", n_cols)) if size > cap)
             raise TooManyCells(
-                f"at full resolution this window is {n_rows:,} x {n_cols:,} weights, and a tile has at most {cap:,} "
+                f"this window is {window.n_rows:,} x {window.n_cols:,} weights, and a tile has at most {cap:,} "
                 f"a side: ask for {over} (at most {cap:,}) to get it pooled (pool=max or mean), or a smaller window"
             )
         self._check_json(n_rows * n_cols, fmt, "this tile")

@@ -387,6 +387,8 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
     assert_error(tile(rows=SIDE + 1), 422, "rows", str(SIDE))
     assert_error(tile(cols=0), 422, "cols")
     assert_error(tile(rows=None, cols=None), 413, "rows", "cols")  # the whole run at full resolution
+    # The window's own size, not the pooled rows asked for beside the full columns ("8 x 1,900").
+    assert_error(tile(rows=8, cols=None), 413, f"this window is {n:,} x {n:,} weights", "ask for cols (at most")
     assert_error(tile(q0=0, q1=SIDE + 1, k0=0, k1=4, rows=None, cols=None), 413, "rows")
     assert_error(tile(layer=2), 422, "layer 2")
     assert_error(tile(head=6), 422, "head 6")
