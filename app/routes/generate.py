@@ -62,7 +62,7 @@ def inline_schema(model) -> dict:
                 }
             },
         },
-        **errors(404, 415, 429, 503),
+        **errors(404, 413, 415, 429, 503),
     },
 )
 async def generate(body: GenerateRequest, service: GenerationDep, request: Request) -> ClosingStream:
