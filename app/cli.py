@@ -38,14 +38,17 @@ def _clipped(label: str, width: int) -> str:
     return label + "…"
 
 
-def _format_head(tokens: list[str], weights, width: int = 12) -> str:
-    """A readable matrix: rows are queries, columns keys, values to 2 decimals plus a shade."""
+def _format_head(tokens: list[str], weights, blocked=None, width: int = 12) -> str:
+    """A readable matrix: rows are queries, columns keys, values to 2 decimals plus a shade. Keys a
+    query cannot see (`blocked`: a causal model's later ones, those behind a sliding window) are
+    "·": printed 0.00 they read as weights the head gave nothing, as the figures and page grey them."""
     labels = [_clipped(t, width) for t in tokens]
     pad = max(_columns(lab) for lab in labels)
     index = len(str(len(tokens) - 1))  # row numbers as wide as the largest: row 10 had pushed its cells right
     lines = [" " * (pad + index + 2) + " ".join(f"{i:>5}" for i in range(len(tokens)))]
+    hidden = blocked.tolist() if blocked is not None else [[False] * len(tokens)] * len(tokens)
     for i, (lab, row) in enumerate(zip(labels, weights.tolist())):
-        cells = " ".join(f"{v:5.2f}" for v in row)
+        cells = " ".join("    ·" if off else f"{v:5.2f}" for v, off in zip(row, hidden[i]))
         # a NaN weight (a float16 run that overflowed) is a "?", not a crash of int()
         shade = "".join(SHADES[min(int(v * len(SHADES)), len(SHADES) - 1)] if v == v else "?" for v in row)
         lines.append(f"{' ' * (pad - _columns(lab))}{lab} {i:>{index}} {cells}  |{shade}|")
@@ -80,7 +83,7 @@ def _outside(info, layer: int, head: int) -> bool:
 
 def cmd_attend(args) -> int:
     from manyeyes.model import load
-    from manyeyes.model.attention import Capture
+    from manyeyes.model.attention import Capture, blocked_rows
     from manyeyes.model.kept import DenseAttention, topk_rows
     from manyeyes.labels import token_label
 
@@ -130,7 +133,10 @@ def cmd_attend(args) -> int:
     print("  " + " ".join(f"[{i}]{t}" for i, t in enumerate(texts)))
     if args.matrix or len(texts) <= TABLE_MAX_KEYS:
         print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
-        print(_format_head(texts, heads.block(args.layer, [args.head], 0, len(texts), 0, len(texts))[0]))
+        n = len(texts)
+        blocked = blocked_rows(0, n, 0, n, offset=0, causal=info.causal, sliding_window=model.sliding_windows[args.layer],
+                               device="cpu")
+        print(_format_head(texts, heads.block(args.layer, [args.head], 0, n, 0, n)[0], blocked))
     else:
         top = topk_rows(heads, args.layer, args.head, ROW_TOP_KEYS, 0, len(texts))
         print(f"\nlayer {args.layer}, head {args.head}: each query's {ROW_TOP_KEYS} strongest keys, and the weight "
@@ -694,7 +700,12 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             return args.func(args)
-        except (ModelLoadError, TooLongError) as exc:
+        except TooLongError as exc:
+            # Its own words name the API's option; here it is a flag.
+            print(f"error: input is {exc.n_tokens:,} tokens long but the model takes at most {exc.max_tokens:,}; "
+                  "shorten it or pass --truncate", file=sys.stderr)
+            return 2
+        except ModelLoadError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     except KeyboardInterrupt:  # Ctrl-C: stop as `train` does, with the shell's status and no traceback

@@ -32,6 +32,21 @@ def test_every_row_of_a_long_head_lines_up_under_the_key_numbers():
     assert rows[9].split()[1] == "9" and rows[11].split()[1] == "11"
 
 
+def test_keys_a_query_cannot_see_are_dots_not_zero_weights(capsys):
+    """A causal model's later keys printed 0.00, like a weight the head gave nothing; the figures
+    and the page grey them out."""
+    from manyeyes.model import load
+
+    assert main(["attend", "The cat", "--model", "tiny-gpt", "--layer", "1", "--head", "2"]) == 0
+    rows = [line.split("|")[0].split()[2:] for line in capsys.readouterr().out.splitlines()
+            if re.match(r"^\s*\S+ +\d+ ", line) and "|" in line]
+    expected = load("tiny-gpt", device="cpu").attend("The cat").attention[1, 2]
+    assert len(rows) == 7 and all(len(row) == 7 for row in rows)
+    for q, row in enumerate(rows):
+        assert row[q + 1:] == ["·"] * (6 - q)
+        assert [float(v) for v in row[: q + 1]] == [round(v, 2) for v in expected[q, : q + 1].tolist()]
+
+
 def test_a_nan_weight_prints_as_a_question_mark_not_a_traceback():
     """int(nan) raised ValueError: a run that overflowed in float16 crashed the terminal view."""
     import torch

@@ -39,6 +39,13 @@ def test_attend_json_bad_layer_is_an_error_in_words(capsys):
     assert "layer 7 does not exist" in capsys.readouterr().err
 
 
+def test_attend_too_long_names_the_flag_that_cuts_it(capsys):
+    # The model's words ("ask for truncation") name the API's option; a terminal user has a flag.
+    assert main(["attend", "word " * 600]) == 2
+    assert capsys.readouterr().err == ("error: input is 602 tokens long but the model takes at most 512; "
+                                       "shorten it or pass --truncate\n")
+
+
 def test_serve_adds_model_flags_to_the_builtin_default(monkeypatch):
     import uvicorn
 
