@@ -44,11 +44,19 @@ class Pooled(NamedTuple):
     row_edges: torch.Tensor  # (r + 1,) int64: bin i covers queries [row_edges[i], row_edges[i + 1])
     col_edges: torch.Tensor  # (c + 1,) int64, keys likewise
 
+    # One line, not every value: a notebook showed some 60 lines of tensor.
+    def __repr__(self) -> str:
+        return (f"Pooled(values {tuple(self.values.shape)} of queries 0..{int(self.row_edges[-1])} "
+                f"and keys 0..{int(self.col_edges[-1])})")
+
 
 class TopK(NamedTuple):
     values: torch.Tensor  # (n, k) float32, each row's largest weights, largest first
     indices: torch.Tensor  # (n, k) int64, their keys
     rest: torch.Tensor  # (n,) float32, the row's weight outside those k (never negative)
+
+    def __repr__(self) -> str:
+        return f"TopK(values and indices {tuple(self.values.shape)}, rest {tuple(self.rest.shape)})"
 
 
 @dataclass
@@ -69,6 +77,14 @@ class KeptAttention:
     # The forward's autocast dtype (None: none): its scores came out of a half-precision matmul,
     # and its row max and sum with them, so a rebuild runs the same matmul or rows miss 1 by 10%.
     autocast: torch.dtype | None = None
+
+    def __repr__(self) -> str:
+        # One line: the dataclass's own printed every tensor, 75,000 characters for 362 tokens.
+        kv = self.keys.shape[1]
+        return (f"KeptAttention({self.n_layers} layers x {self.n_heads} heads"
+                f"{f' ({kv} key heads)' if kv != self.n_heads else ''}, {self.n_tokens} tokens, "
+                f"head_dim {self.queries.shape[-1]}, {'causal' if self.causal else 'bidirectional'}, "
+                f"{self.nbytes / 2**20:.1f} MiB on {self.queries.device})")
 
     @property
     def n_layers(self) -> int:

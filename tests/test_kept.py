@@ -171,6 +171,7 @@ def test_overview_with_uneven_bins(gqa_window_llama):
     expected = [[numpy_pool(dense[l, h].numpy(), 64, 64, "max")[0] for h in range(dense.shape[1])] for l in range(dense.shape[0])]
     assert T % 64 and np.abs(kept.overview.numpy() - np.array(expected)).max() <= 1e-5
     assert kept.overview[0, 0, -1, 0] == 0  # the last queries cannot see the first keys (window 9)
+    assert f"x {kept.n_heads} heads ({kept.keys.shape[1]} key heads), {T} tokens" in repr(kept) and kept.keys.shape[1] < kept.n_heads
 
 
 def test_topk_rows(model):

@@ -63,3 +63,15 @@ def test_experiment_results_are_one_line(tiny):
     assert repr(last).startswith("AblationResult(14 tokens; no head ranked; Δ log p mean ")
     for r in (c, a, last):
         assert len(repr(r)) < 200 and "\n" not in repr(r)
+
+
+def test_a_kept_run_and_its_pictures_are_one_line(tiny):
+    """A kept run printed every tensor (75,000 characters for 362 tokens), its pooled overview and
+    top-k some 60 lines each."""
+    from manyeyes.model.kept import topk_rows
+
+    kept = tiny.run([tiny.encode("In the beginning")], Capture(keep=True))[0].kept
+    assert repr(kept) == (f"KeptAttention(2 layers x 8 heads, 16 tokens, head_dim {kept.queries.shape[-1]}, causal, "
+                          f"{kept.nbytes / 2**20:.1f} MiB on cpu)")
+    assert repr(kept.overview_pooled()) == "Pooled(values (2, 8, 16, 16) of queries 0..16 and keys 0..16)"
+    assert repr(topk_rows(kept, 0, 0, 3, 0, 16)) == "TopK(values and indices (16, 3), rest (16,))"
