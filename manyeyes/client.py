@@ -610,9 +610,13 @@ def save_results(path: str | os.PathLike, results: RemoteResult | list[RemoteRes
     as it came (float32, bit for bit), the rest (tokens, layers, heads, predictions, the request
     that made it) as JSON beside them. Not a pickle: a colleague's file is safe to open, and it
     does not depend on this module's classes staying as they are."""
-    results = [results] if isinstance(results, RemoteResult) else list(results)
-    if not all(isinstance(r, RemoteResult) for r in results):
-        raise TypeError("save_results takes RemoteResult objects (what Client.attention and attention_batch return)")
+    # One that is no list (a local run's AttentionResult, say) is checked as one: "object is not
+    # iterable" said nothing of what to pass.
+    results = list(results) if isinstance(results, Iterable) and not isinstance(results, (str, bytes)) else [results]
+    wrong = next((r for r in results if not isinstance(r, RemoteResult)), None)
+    if wrong is not None:
+        raise TypeError("save_results takes RemoteResult objects (what Client.attention and attention_batch return), "
+                        f"one or a list of them; got {type(wrong).__name__}")
     meta = [{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "attention"} for r in results]
     header = json.dumps({"format": RESULTS_FORMAT, "results": meta},
                         default=lambda v: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else _plain(v))

@@ -1035,8 +1035,14 @@ def test_load_results_refuses_other_files_without_unpickling_them(tmp_path):
     np.savez(tmp_path / "partial.npz", results=np.frombuffer(header, dtype=np.uint8))
     with pytest.raises(ValueError, match="result 0 lacks a field"):
         load_results(tmp_path / "partial.npz")
-    with pytest.raises(TypeError, match="RemoteResult"):
+    with pytest.raises(TypeError, match="RemoteResult objects .* one or a list of them; got ndarray"):
         save_results(tmp_path / "x.npz", [np.zeros(3)])
+    # One that is no list, as a local run's result: it was "'AttentionResult' object is not iterable".
+    class AttentionResult:
+        pass
+
+    with pytest.raises(TypeError, match="one or a list of them; got AttentionResult"):
+        save_results(tmp_path / "x.npz", AttentionResult())
 
 
 def test_attention_batch_sends_a_pair_per_text_across_chunks(client):
