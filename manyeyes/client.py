@@ -537,11 +537,33 @@ def _hang_up(response: httpx.Response) -> None:
         response.close()
 
 
+class Answer(dict):
+    """A JSON answer's top level. A field it lacks is a ManyeyesError that says whose answer it may
+    be: a proxy's login page or another service answering 200 with JSON of its own was a bare
+    KeyError: 'models'."""
+
+    def __init__(self, fields: dict, response: httpx.Response):
+        super().__init__(fields)
+        self.status = response.status_code
+        try:
+            self.url = str(response.request.url)
+        except RuntimeError:  # a response made by hand, with no request
+            self.url = "the server"
+
+    def __missing__(self, key: str):
+        raise ManyeyesError(self.status, "unreadable", f"the answer from {self.url} has no {key!r}: it is not a manyeyes "
+                            f"answer (is base_url a manyeyes server, and not a proxy's page or another service?)")
+
+
 def json_body(response: httpx.Response) -> dict:
     try:
-        return response.json()
+        body = response.json()
     except ValueError as exc:
         raise ManyeyesError(response.status_code, "unreadable", f"the response is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ManyeyesError(response.status_code, "unreadable", f"the answer is JSON but not an object ({type(body).__name__}): "
+                            "it is not a manyeyes answer (is base_url a manyeyes server?)")
+    return Answer(body, response)
 
 
 def decode_frame(body: bytes) -> list[tuple[dict, np.ndarray]]:

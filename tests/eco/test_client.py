@@ -189,6 +189,23 @@ def test_an_api_key_is_sent_as_utf8_and_without_the_newline_a_key_file_ends_in()
             Client("http://proxy", api_key=bad, transport=httpx.MockTransport(answer))
 
 
+def test_json_that_is_not_a_manyeyes_answer_is_a_typed_error_saying_so():
+    """A proxy's login page or another service answering 200 with JSON of its own was a bare
+    KeyError: 'models' (or 'attention')."""
+    from manyeyes.client import ManyeyesError
+
+    for foreign, said in (({"hello": 1}, "has no 'models'"), ([1, 2], "JSON but not an object (list)")):
+        with Client("http://manyeyes.test", transport=httpx.MockTransport(lambda request: httpx.Response(200, json=foreign))) as c:
+            with pytest.raises(ManyeyesError, match=re.escape(said)) as err:
+                c.models()
+            assert err.value.code == "unreadable" and "is base_url a manyeyes server" in err.value.message
+            with pytest.raises(ManyeyesError, match="is base_url a manyeyes server"):
+                c.attention("The bank.", format="json")
+    with Client("http://manyeyes.test", transport=httpx.MockTransport(lambda request: httpx.Response(200, json={"a": 1}))) as c:
+        with pytest.raises(ManyeyesError, match=r"^200 unreadable: the answer from http://manyeyes.test/api/v1/attention has no 'attention'"):
+            c.attention("The bank.", format="json")
+
+
 def test_wait_ready_stops_at_once_with_the_servers_reason_when_its_models_failed_to_load(monkeypatch):
     """It polled a server whose model could never load for the whole timeout (120 s by default),
     then said only "not ready after 120 s"; /readyz had said why from the start."""
