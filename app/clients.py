@@ -42,6 +42,16 @@ def canonical_address(address: str) -> str:
     return str(ip)
 
 
+def without_port(hop: str) -> str:
+    """An X-Forwarded-For hop's address without the port some proxies add (`203.0.113.7:50312`,
+    `[2001:db8::1]:50312`): with it, each of a client's connections counted as a client of its
+    own, with a fresh share. A bare IPv6 address (colons, no brackets) is kept whole."""
+    if hop.startswith("["):
+        return hop[1:].partition("]")[0]
+    host, colon, port = hop.rpartition(":")
+    return host if colon and port.isdigit() and host.count(".") == 3 and ":" not in host else hop
+
+
 class KeyRing:
     """The accepted keys, held only as SHA-256 digests. A file holds one hex digest per line
     (`printf %s "$KEY" | sha256sum`); blank lines and `#` comments are skipped."""
@@ -141,7 +151,7 @@ class TrustedProxies:
         hops = []
         for name, value in headers:
             if name == b"x-forwarded-for":
-                hops += [h.strip() for h in value.decode("latin-1").split(",") if h.strip()]
+                hops += [without_port(h.strip()) for h in value.decode("latin-1").split(",") if h.strip()]
         for hop in reversed(hops):
             if hop not in self:
                 return hop

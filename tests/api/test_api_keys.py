@@ -196,6 +196,17 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies():
     assert TrustedProxies([]).client_address("127.0.0.1", headers) == "127.0.0.1"
 
 
+def test_a_forwarded_hop_with_a_port_counts_as_its_address():
+    """Some proxies write "address:port": each of a client's connections was a client of its own,
+    with a fresh share (review h54c)."""
+    proxies = TrustedProxies(["127.0.0.1", "10.0.0.0/8"])
+    for hop, address in ((b"203.0.113.7:50312", "203.0.113.7"), (b"[2001:db8::1]:50312", "2001:db8::1"),
+                         (b"[2001:db8::1]", "2001:db8::1"), (b"2001:db8::1", "2001:db8::1"), (b"unknown", "unknown")):
+        assert proxies.client_address("127.0.0.1", [(b"x-forwarded-for", hop)]) == address, hop
+    # A trusted proxy's own hop with a port is still a proxy: the client is the one before it.
+    assert proxies.client_address("127.0.0.1", [(b"x-forwarded-for", b"203.0.113.7:1, 10.1.2.3:8080")]) == "203.0.113.7"
+
+
 def test_an_ipv4_proxy_is_trusted_on_a_server_listening_on_ipv6_too():
     """Served on "::", an IPv4 proxy's address is IPv4-mapped (::ffff:127.0.0.1), and matched no
     IPv4 entry: every proxied user counted as the proxy, one share for all."""
