@@ -12,7 +12,7 @@ import { TiledFocusView } from "./long_focus.js";
 import { LongHeadView, QUERIES } from "./long_headview.js";
 import { LongRun, longCaption, longControls, openLongRun, paintOverview } from "./long_run.js";
 import { mountMeasures } from "./measures.js";
-import { loadView, readPermalink, saveView, writePermalink } from "./permalink.js";
+import { loadView, readPermalink, rememberedView, saveView, writePermalink } from "./permalink.js";
 import { mountStaleNote } from "./stale_note.js";
 import { CellHeads } from "./cell_heads.js";
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
@@ -719,7 +719,7 @@ function saveAndWrite(view, push) {
   document.body.dataset.viewPending = "true"; // tests wait for the address bar to catch up
   const saved = saveView(view);
   const written = writes.then(() => saved).then((id) => {
-    writePermalink(id, push);
+    writePermalink(id, push, view);
     document.body.dataset.view = id;
     // A link that could not be saved before can be now: the failure no longer holds.
     if ($("link-status").textContent.startsWith(LINK_NOT_SAVED)) $("link-status").textContent = "";
@@ -811,7 +811,7 @@ async function restoreFromUrl(push) {
   }
   if (link.view) {
     try {
-      saved = await loadView(link.view);
+      saved = rememberedView(link.view) ?? await loadView(link.view);
     } catch (err) {
       showError(err.status === 404
         ? "This link has expired: the server no longer holds its view, nor the text it showed (a view is kept up to 30 days, "

@@ -43,9 +43,19 @@ export async function saveView(state) {
   return id;
 }
 
-export function writePermalink(id, push = false) {
+// The entry keeps the view itself too (`view`, what was saved under `id`): Back and Forward, and a
+// reload, open it from there, so a server that forgot it (a restart) does not leave the address
+// naming one run while another stays on screen under "This link has expired".
+export function writePermalink(id, push = false, view = null) {
   const url = `${window.location.pathname}?view=${id}`;
-  if (url === window.location.pathname + window.location.search) return;
-  if (push) window.history.pushState(null, "", url);
-  else window.history.replaceState(null, "", url);
+  const entry = view ? { view, id } : null;
+  if (url === window.location.pathname + window.location.search) window.history.replaceState(entry, "", url);
+  else if (push) window.history.pushState(entry, "", url);
+  else window.history.replaceState(entry, "", url);
+}
+
+// The view this history entry keeps, if it is the one its address names.
+export function rememberedView(id) {
+  const entry = window.history.state;
+  return entry && entry.id === id && entry.view ? entry.view : null;
 }

@@ -291,6 +291,36 @@ def test_a_changes_save_answered_after_the_next_runs_stays_on_its_own_entry(serv
     assert back_after_a_change_and_a_run(page, server, run_while_the_save_is_held, arm) == ("fixed", SENTENCE)
 
 
+def test_back_reopens_a_run_the_server_has_forgotten(server, page):
+    """After a server restart (its views forgotten), Back changed the address to the first run's
+    view while the second run stayed on screen under "This link has expired" (review h54d). Each
+    history entry keeps its view, so Back runs the first text again; the server here answers every
+    view 404, as a restarted one does."""
+    open_page(page, server)
+    run(page, SENTENCE, model="minilm")
+    page.select_option("#head", "3")
+    wait_focus(page, head=3)
+    wait_saved(page)
+    run(page, SECOND)
+    wait_saved(page)
+    second = page.url
+    page.route("**/api/v1/views/*", lambda route: route.fulfill(
+        status=404, content_type="application/json",
+        body='{"error": {"code": "unknown_view", "message": "view is unknown or has expired"}}'))
+    page.evaluate("""() => {
+      window.announced = [];
+      document.addEventListener("manyeyes:run", (event) => window.announced.push(event.detail.request.text));
+    }""")
+    page.go_back()
+    page.wait_for_function("(url) => location.href !== url", arg=second)
+    page.wait_for_function("(text) => window.announced.at(-1) === text", arg=SENTENCE, timeout=30_000)
+    wait_focus(page, head=3)
+    assert page.locator("#text").input_value() == SENTENCE and page.locator("#error").text_content() == ""
+    page.go_forward()  # and Forward, the same
+    page.wait_for_function("(text) => window.announced.at(-1) === text", arg=SECOND, timeout=30_000)
+    assert page.url == second and page.locator("#error").text_content() == ""
+
+
 def test_the_tokens_box_follows_the_servers_limit(server, page):
     """GET /models says what the server was started with: a page that assumed the default capped a
     server allowing 1,000 new tokens at 256."""
