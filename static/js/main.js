@@ -868,7 +868,7 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   const text = asLinked($("text").value, state.linked?.text);
   const pair = asLinked($("pair").value, state.linked?.pair);
   if (!text.trim()) {
-    showError(`Type a sentence first.${state.run ? LAST_RUN_SHOWN : ""}`, "form");
+    showError(`${TYPE_FIRST}${state.run ? LAST_RUN_SHOWN : ""}`, "form");
     $("text").setAttribute("aria-invalid", "true");
     $("text").focus();
     return;
@@ -1081,6 +1081,7 @@ async function download(kind) {
 }
 
 const LINK_NOT_SAVED = "The link could not be saved";
+const TYPE_FIRST = "Type a sentence first.";
 
 // The view saved at once, not a moment later as updatePermalink does; resolves to its id.
 function saveNow() {
@@ -1174,6 +1175,13 @@ async function init() {
     });
     $(id).addEventListener("input", () => fitTextBox(id));
   }
+  // "Type a sentence first" is over once there is one: it stayed up beside the typed text until
+  // the next run (its "last run" note went as the text changed).
+  $("text").addEventListener("input", () => {
+    if (!$("text").value.trim() || !$("error").textContent.startsWith(TYPE_FIRST)) return;
+    showError("");
+    $("text").removeAttribute("aria-invalid");
+  });
   window.addEventListener("resize", () => TEXT_BOXES.forEach(fitTextBox));
   $("run-form").addEventListener("submit", (event) => {
     event.preventDefault();

@@ -213,6 +213,12 @@ def test_an_empty_text_is_a_mistake_in_the_form_not_a_failed_run(server, page):
     page.press("#text", "Enter")
     page.wait_for_function("() => document.getElementById('error').textContent.startsWith('Type a sentence first.')")
     assert page.locator("#error").text_content() == "Type a sentence first. The results below are still those of the last run."
+    # Over once there is a sentence: it stayed up beside the typed text until the next run.
+    page.fill("#text", "  ")
+    assert page.locator("#error").is_visible()
+    page.fill("#text", "The cat sat.")
+    page.locator("#error").wait_for(state="hidden")
+    assert page.locator("#text").get_attribute("aria-invalid") is None
 
 
 def test_hiding_special_tokens_of_a_run_that_has_none_says_so(page):
