@@ -91,7 +91,9 @@ export class CellHeads {
     // Drawn again when the exact values come: the button that had the keyboard keeps it.
     const had = this.box.contains(document.activeElement) ? document.activeElement : null;
     this.box.replaceChildren(
-      el("p", { className: "hint", text: `${named(query)} → ${named(key)}, the heads by its weight${waiting}; click one to focus it:` }),
+      // app.css shows one of the two words: a mouse's or a touch screen's.
+      el("p", { className: "hint" }, [`${named(query)} → ${named(key)}, the heads by its weight${waiting}; `,
+        el("span", { className: "for-keys", text: "click" }), el("span", { className: "for-touch", text: "tap" }), " one to focus it:"]),
       list,
       button("Close", { "aria-label": "Close the heads ranked by one cell", id: "cell-heads-close" }, () => this.clear()),
     );

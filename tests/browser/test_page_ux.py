@@ -444,6 +444,11 @@ def test_phone_tap_shows_the_value_and_controls_fold_away(server, browser, artif
         page.screenshot(path=str(artifacts / "phone-tap.png"))
         # The hint says what a tap does, not which arrow keys to press or where to drag.
         assert page.locator("#keys-hint .for-touch").is_visible() and page.locator("#keys-hint .for-keys").is_hidden()
+        # And every view's hint (the grid's, the head view's and the tapped cell's ranking said click or hover).
+        page.locator("#cell-heads .hint").wait_for(state="visible", timeout=30_000)
+        hints = [page.locator(s).inner_text() for s in (".grid-panel .caption", ".head-panel .caption", "#cell-heads .hint")]
+        assert "Tap one to focus it." in hints[0] and "Tap a token to isolate it." in hints[1] and "; tap one to focus it:" in hints[2], hints
+        assert not any(word in hint.lower() for hint in hints for word in ("click", "hover")), hints
         # No pointer moves away on a phone: the tapped reading stayed over the next text's heatmap.
         submit(page, "A dog ran.")  # (wait_focus could match the last text's heatmap, still on screen)
         page.locator("#tooltip").wait_for(state="hidden", timeout=30_000)
