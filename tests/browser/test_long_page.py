@@ -462,6 +462,9 @@ def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
     assert "need every weight" in page.locator("#measures-long-note").text_content()
     assert page.locator("#measures-long-note").is_visible()
     assert not page.locator("#finder").is_visible()
+    # Its hint offered a head ranking by a clicked cell, which a long run has not: the click did nothing.
+    hint = page.locator("#keys-hint").inner_text()
+    assert "Drag to zoom" in hint and "rank every head" not in hint, hint
     # Alt-click on the grid reached the ablation, off as its panel is: it posted the whole text for
     # weights the run does not keep, then failed in the page.
     posts = mock.posts
@@ -478,6 +481,7 @@ def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
     assert page.locator("#export-page").get_attribute("title") == "One HTML file with this run that opens without a server"
     assert page.locator("#download-csv").get_attribute("title") is None
     assert page.locator("#aggregate option[value=all]").is_enabled()
+    assert "Click a cell (or Enter) to rank every head by it." in page.locator("#keys-hint").inner_text()
     assert not page.locator("#long-note").is_visible() and not page.locator("#measures-long-note").is_visible()
     page.wait_for_function("() => document.getElementById('finder').dataset.runId")
     assert page.locator("#finder").is_visible()
