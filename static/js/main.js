@@ -926,7 +926,7 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   $("controls").hidden = false;
   $("keys-hint").hidden = false;
   // A long run ranks no heads by a cell (README, long runs): its hint offered it, and a click did nothing.
-  $("keys-hint").toggleAttribute("data-long", run.long);
+  $("keys-hint").toggleAttribute("data-long", Boolean(run.long));
   updatePermalink(push);
   grid.build(run);
   grid.select(state.layer, state.head, state.aggregate);

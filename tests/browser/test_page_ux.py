@@ -496,6 +496,8 @@ def test_arrow_keys_work_right_after_enter_and_say_so(server, page):
     open_page(page, server)
     run(page, SENTENCE)
     assert "step through heads" in page.locator("#keys-hint .for-keys").text_content()
+    # A run that is not long offers the head ranking (a toggle once hid it on the first run).
+    assert "Click a cell (or Enter) to rank every head by it." in page.locator("#keys-hint .for-keys").inner_text()
     assert page.locator("#keys-hint .for-keys").is_visible() and page.locator("#keys-hint .for-touch").is_hidden()
     assert page.locator("#keys-hint").is_visible()
     page.keyboard.press("ArrowRight")
