@@ -97,7 +97,8 @@ def test_layer1_head0_is_an_induction_head(tiny):
     assert induction[0].max() < 0.1, induction  # one layer cannot copy: induction needs a previous-token head below it
 
 
-def test_cli_attend_prints_zeros_above_the_diagonal(capsys):
+def test_cli_attend_prints_dots_above_the_diagonal(capsys):
+    # Keys a causal query cannot see are "·", not "0.00" (a weight the head gave nothing).
     assert main(["attend", "In the beginning was the Word.", "--model", "tiny-gpt", "--layer", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "causal" in out
@@ -105,5 +106,5 @@ def test_cli_attend_prints_zeros_above_the_diagonal(capsys):
     assert len(matrix) > 3
     for i, line in enumerate(matrix):
         cells = line.split("|")[0].split()[-len(matrix):]
-        assert all(cell == "0.00" for cell in cells[i + 1 :]), line
+        assert all(cell == "·" for cell in cells[i + 1 :]), line
         assert sum(float(c) for c in cells[: i + 1]) == pytest.approx(1.0, abs=0.005 * (i + 1))
