@@ -710,6 +710,7 @@ let saveTimer = 0;
 let scheduled = null; // the view the timer will save, as it was when the change was made
 let saving = 0; // saves whose address-bar write has not happened yet
 let writes = Promise.resolve(); // those writes, in the order their saves began
+let entry = 0; // counts Back and Forward: a save begun for the entry left writes nothing
 
 // The address bar's writes go in the order the saves began, not as their POSTs come back: a
 // change's save still on its way when the next text's entry was pushed wrote its id over that
@@ -718,7 +719,11 @@ function saveAndWrite(view, push) {
   saving += 1;
   document.body.dataset.viewPending = "true"; // tests wait for the address bar to catch up
   const saved = saveView(view);
+  const forEntry = entry;
   const written = writes.then(() => saved).then((id) => {
+    // Written after Back or Forward it would name the entry left on the one gone to, while the
+    // run restored there is on screen (until that run's own save replaced it).
+    if (forEntry !== entry) return id;
     writePermalink(id, push, view);
     document.body.dataset.view = id;
     // A link that could not be saved before can be now: the failure no longer holds.
@@ -1219,6 +1224,7 @@ async function init() {
     // A change's save still to come belongs to the entry just left: written now it would replace
     // the entry Back went to. That entry's view is restored (and saved) below.
     dropScheduledSave();
+    entry += 1;
     // Back to the bare page: the start state is a fresh visit's, every panel as before any run (the
     // experiments' too, which keep what they did with the last one): a reload is exactly that.
     const link = readPermalink();
