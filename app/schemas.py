@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from manyeyes.app.services.errors import brief
+
 Format = Literal["json", "f16", "u8"]
 PRECISION_DOC = (
     "The most precise format the run's later views can take. json unless a GPU server kept the run as "
@@ -63,14 +65,10 @@ class RequestBody(BaseModel):
         if isinstance(data, dict) and len(data) > UNKNOWN_NAMED:
             unknown = [key for key in data if key not in cls.model_fields]
             if len(unknown) > UNKNOWN_NAMED:
-                named = ", ".join(repr(brief_key(key)) for key in unknown[:UNKNOWN_NAMED])
+                named = ", ".join(repr(brief(key, 40)) for key in unknown[:UNKNOWN_NAMED])
                 raise ValueError(f"{len(unknown):,} fields this object does not take ({named}, ...); "
                                  f"it takes {', '.join(cls.model_fields)}")
         return data
-
-
-def brief_key(key: str) -> str:
-    return key if len(key) <= 40 else key[:39] + "…"
 
 
 class PredictionsRequest(RequestBody):
