@@ -49,8 +49,9 @@ export async function saveView(state) {
 export function writePermalink(id, push = false, view = null) {
   const url = `${window.location.pathname}?view=${id}`;
   const entry = view ? { view, id } : null;
-  if (url === window.location.pathname + window.location.search) window.history.replaceState(entry, "", url);
-  else if (push) window.history.pushState(entry, "", url);
+  // The same address again is the same entry, its view kept now (an entry opened from a link had none).
+  const same = url === window.location.pathname + window.location.search;
+  if (push && !same) window.history.pushState(entry, "", url);
   else window.history.replaceState(entry, "", url);
 }
 
