@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -28,6 +29,20 @@ def _ascii_digits(value):
 # Marks an integer query parameter: Annotated[int, Query(ge=0), DIGITS] (after its bounds, which
 # then still show in the schema as its minimum).
 DIGITS = BeforeValidator(_ascii_digits)
+
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def _ascii_decimal(value):
+    """A query string's number as a decimal, as JSON or a browser's form writes it: pydantic alone
+    read "0.1_0" (Python's digit grouping), "+0.1" and " 0.1 " as 0.1."""
+    if isinstance(value, str) and not _DECIMAL.fullmatch(value):
+        raise ValueError("must be a number written as a decimal (0.05, .5, 1e-2)")
+    return value
+
+
+# Marks a float query parameter, as DIGITS an integer one.
+DECIMAL = BeforeValidator(_ascii_decimal)
 
 
 def _not_blank(value: str) -> str:

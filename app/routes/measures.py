@@ -10,7 +10,7 @@ from manyeyes.app.clients import client_of
 from manyeyes.app.deps import MeasuresDep
 from manyeyes.app.routes.responses import errors
 from manyeyes.app.routes.runs import answered_while_connected
-from manyeyes.app.schemas import DIGITS, FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
+from manyeyes.app.schemas import DECIMAL, DIGITS, FlowResponse, Format, LogitAttributionResponse, MeasuresResponse, NeuronResponse
 from manyeyes.app.services.attention import parse_index_list
 from manyeyes.app.services.errors import InvalidInput, brief
 from manyeyes.app.services.measures import MATRIX_MEASURES
@@ -56,7 +56,7 @@ async def run_flow(
     run_id: str,
     service: MeasuresDep,
     request: Request,
-    threshold: Annotated[float, Query(ge=0.01, le=1.0, allow_inf_nan=False, description="Edges below this share are pruned; ≥ 0.01 bounds a target's edges per layer to 100")] = 0.05,
+    threshold: Annotated[float, Query(ge=0.01, le=1.0, allow_inf_nan=False, description="Edges below this share are pruned; ≥ 0.01 bounds a target's edges per layer to 100"), DECIMAL] = 0.05,
 ) -> Response:
     """Information-flow routes (Ferrando & Voita, 2024): token → token edges through the layers,
     weighted by how much of the target's stream each source makes, pruned at `threshold`."""

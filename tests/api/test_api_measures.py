@@ -127,6 +127,17 @@ def test_flow_edges_equal_information_flow(client, tiny):
     assert got["n_layers"] == 2 and all(e["weight"] >= 0.1 for e in got["edges"])
 
 
+def test_flow_threshold_is_a_decimal_number(client):
+    """pydantic alone read "0.1_0" (Python's digit grouping), "+0.1" and " 0.1 " as 0.1 (a review by use)."""
+    run_id = post(client, text=TEXT, format="u8")["run_id"]
+    for bad in ("0.1_0", "+0.1", " 0.1 ", "0x1p-3", "\u0660.1", "1e"):
+        r = client.get(f"/api/v1/runs/{run_id}/flow", params={"threshold": bad})
+        assert r.status_code == 422 and "threshold" in r.text and "decimal" in r.text, (bad, r.text)
+    for good, value in (("0.1", 0.1), (".25", 0.25), ("1e-1", 0.1), ("1", 1.0), ("0.50", 0.5)):
+        r = client.get(f"/api/v1/runs/{run_id}/flow", params={"threshold": good})
+        assert r.status_code == 200 and r.json()["threshold"] == value, (good, r.text)
+
+
 def test_a_runs_flow_graph_is_made_once_per_threshold(client, monkeypatch):
     """The page asks for the same graph each time its flow view opens: 4-14 s at T=507 each time."""
     made = []
