@@ -269,14 +269,27 @@ function u8Pending() {
 async function loadExact(layer) {
   const run = state.run;
   const slice = await fromRun(run, `f16:${layer}`, (id) => fetchSlice(id, [layer], null, "f16", state.controller.signal),
-    { format: "f16", post: () => postAttention({ ...state.request, layers: [layer], format: "f16" }, state.controller.signal) });
+    { format: "f16", post: () => postAttention({ ...state.request, layers: [layer], format: "f16" }, state.controller.signal) },
+    () => exactFailed(run, layer));
   if (!slice || state.run !== run) return;
+  run.exactFailed.delete(layer);
   run.ingest(slice);
   if (state.aggregate !== "all" && state.layer === layer) renderViews();
 }
 
 // One cell in every head, for the ranking of a picked cell (cell_heads.js). A GPU server keeps a
 // u8 answer's run as its bytes: the text is then posted again in float16 first, as for loadExact.
+// With the server gone, the heatmap stayed on the 8-bit values it had, and only the banner at the
+// top said anything: the caption says which values these are.
+function exactFailed(run, layer) {
+  run.exactFailed.add(layer);
+  const plot = $("focus-plot");
+  if (plot.dataset.precision === "u8" && plot.dataset.aggregate === "head" && Number(plot.dataset.layer) === layer
+      && !plot.hasAttribute("data-stale") && !$("focus-caption").textContent.includes(EXACT_FAILED)) {
+    $("focus-caption").textContent += ` · ${EXACT_FAILED}`;
+  }
+}
+
 async function exactCell(run, query, key) {
   const signal = state.controller.signal;
   const values = async (id) => ({ values: await fetchCell(id, query, key, signal) });
@@ -457,7 +470,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   if (token !== state.renderToken) return;
   measures.setFocusShown(true);
   labelPlot(focused.precision);
-  $("focus-caption").textContent = caption(run, view, focus.current?.peak ?? 0);
+  $("focus-caption").textContent = caption(run, view, focus.current?.peak ?? 0, focused.precision);
   await focusShown(token, withHeadView);
 }
 
@@ -535,9 +548,10 @@ async function focusShown(token, withHeadView) {
 }
 
 const FAINT = 0.1; // a per-head view whose largest weight is under this says so in its caption
+const EXACT_FAILED = "8-bit values (±0.002): the exact ones could not be loaded";
 
 // peak: the view's largest weight, as focus.render found it.
-function caption(run, view, peak) {
+function caption(run, view, peak, precision) {
   const shown = Math.max(view.rows.length, view.cols.length);
   const count = shown === run.T ? tokenCount(run.T) : `${view.rows.length} × ${view.cols.length} of ${tokenCount(run.T)} shown`;
   const parts = [`${count}${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
@@ -552,6 +566,7 @@ function caption(run, view, peak) {
   // Per head, the darkest colour is the view's largest weight, however small: a pair's A→B block
   // of 0.0002 at most was drawn as dark as a sharp head, and only the colorbar's top said otherwise.
   if (state.scale === "head" && peak > 0 && peak < FAINT) parts.push(`faint: the darkest cell is ${weightText(peak)} (Fixed 0–1 puts it on one scale)`);
+  if (precision === "u8" && run.exactFailed.has(state.layer)) parts.push(EXACT_FAILED);
   return parts.join(" · ");
 }
 

@@ -69,6 +69,7 @@ export class AttentionRun {
     // "layer:head" or "mean:all", "mean:layer:N" -> { values: float32 weights, precision: "f32" (an
     // exported file's: its own "f16" or "u8") }, for renormalised views and readings
     this.float32 = new Map();
+    this.exactFailed = new Set(); // layers whose float16 values could not be fetched, until one fetch succeeds
     this.ingest(response);
   }
 

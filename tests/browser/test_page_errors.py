@@ -197,6 +197,35 @@ def test_a_view_whose_values_cannot_load_fades_the_last_one_and_says_so(server, 
     assert re.match(r"\d+ tokens · model minilm", page.locator("#focus-caption").text_content())
 
 
+def test_a_layer_whose_exact_values_cannot_load_says_it_shows_8_bit_values(server, page, watched):
+    """With the server gone, the next layer's heatmap stayed on its 8-bit values, and only the
+    banner at the top said anything (a review by use): the caption says which values these are."""
+    open_page(page, server)
+    run(page, SENTENCE)
+    wait_grid(page)
+    watched.settle(page)
+    exact = re.compile(r".*/api/v1/runs/.*format=f16&layers=1(&|$).*")
+    page.route(exact, lambda route: route.abort("connectionrefused"))
+    page.click("#focus-plot")
+    page.keyboard.press("ArrowDown")
+    page.locator("#error").wait_for(state="visible")
+    page.wait_for_function("() => document.getElementById('focus-caption').textContent.includes('the exact ones could not')")
+    plot = page.locator("#focus-plot")
+    assert (plot.get_attribute("data-layer"), plot.get_attribute("data-precision")) == ("1", "u8")
+    assert plot.get_attribute("data-stale") is None
+    caption = page.locator("#focus-caption").text_content()
+    assert caption.count("8-bit values") == 1 and caption.startswith(f"{caption.split(' · ')[0]} · model minilm")
+    # Back on a layer whose values came, the caption has nothing to say of them.
+    page.keyboard.press("ArrowUp")
+    wait_focus(page, layer=0)
+    assert "8-bit" not in page.locator("#focus-caption").text_content()
+    # And once they can come, they come, and the note goes.
+    page.unroute(exact)
+    page.keyboard.press("ArrowDown")
+    page.wait_for_selector("#focus-plot[data-layer='1'][data-precision='f16']")
+    page.wait_for_function("() => !document.getElementById('focus-caption').textContent.includes('8-bit')")
+
+
 def test_an_empty_text_is_a_mistake_in_the_form_not_a_failed_run(server, page):
     """It said "The example is hidden: the run above failed" where nothing had run."""
     open_page(page, server)
