@@ -16,6 +16,7 @@ const EXPORT_SIDE = 2048; // pixels a side of an exported window of a long run, 
 const HOVER_PAUSE_MS = 60; // a resting pointer over a pooled cell asks for that cell's exact value
 const EXACT_KEPT = 512;
 const UNREAD_MS = 5000; // how long a failed read is said before the cell is asked for again
+const F16_NORMAL = 2 ** -14; // float16's smallest normal number: below it, steps of 2^-24
 
 // What draw() needs of a tile: its cell rectangle and the cells one pixel of its image covers.
 function placed(tile, w) {
@@ -25,7 +26,7 @@ function placed(tile, w) {
   });
 }
 
-// The value of cell (q, k) in a tile: exact at full resolution, a bin's max when pooled.
+// The value of cell (q, k) in a tile: its own (float16) at full resolution, a bin's max when pooled.
 function valueIn(tile, q, k) {
   const i = Math.min(tile.nr - 1, Math.floor((q - tile.q0) / tile.rowStep));
   const j = Math.min(tile.nc - 1, Math.floor((k - tile.k0) / tile.colStep));
@@ -324,8 +325,8 @@ export class TiledFocusView extends FocusView {
     return { rows: nRows, cols: nCols, zmax, scale, peak, long: true, level: this.long.level, window: this.window(), tiles, pending: this.loader.pending };
   }
 
-  // The reading under the pointer: exact where a full-resolution tile covers the cell, else the
-  // bin's max while the cell's own value is fetched. Over the axes' labels: that token, since
+  // The reading under the pointer: a full-resolution tile's float16 where it holds the weight, else
+  // what the tile says while the cell's own float32 value is fetched. Over the axes' labels: that token, since
   // beyond 64 tokens in view only every k-th is labelled.
   showReading(clientX, clientY) {
     if (!this.long) {
@@ -367,14 +368,17 @@ export class TiledFocusView extends FocusView {
       const tile = tiles[i];
       if (!covers(tile, q, k)) continue;
       const value = valueIn(tile, q, k);
-      // float16 holds weights under 2^-25 as 0: such a cell reads "< 3.0e-8", not "0.000".
-      if (tile.rowStep === 1 && tile.colStep === 1) return weightText(value, F16_ZERO);
-      const pooled = `${boundText(value)} (max of ${tile.rowStep} × ${tile.colStep} cells`;
+      // A float16 tile's cell is its weight from float16's smallest normal number on. Below it
+      // float16 keeps steps of 2^-24 (a weight of 3.4e-8 read "6.0e-8", and under 2^-25 is 0): the
+      // cell's own float32 value is asked for, as a pooled cell's is.
+      const full = tile.rowStep === 1 && tile.colStep === 1;
+      if (full && value >= F16_NORMAL) return weightText(value);
+      const shown = full ? `${weightText(value, F16_ZERO)} (float16` : `${boundText(value)} (max of ${tile.rowStep} × ${tile.colStep} cells`;
       // A read that failed said "reading this one…" for as long as the pointer stayed (the server gone).
       const failed = this.unreadNow(key);
-      if (failed) return `${pooled}; this one could not be read: ${failed})`;
+      if (failed) return `${shown}; this one could not be read: ${failed})`;
       this.askExact(q, k, key, clientX, clientY);
-      return `${pooled}; reading this one…)`;
+      return `${shown}; reading this one…)`;
     }
     const failed = this.unreadNow(key);
     if (failed) return `could not be read: ${failed}`;

@@ -97,6 +97,8 @@ class KeptMock:
         if rows >= q1 - q0 and cols >= k1 - k0:
             assert (q1 - q0) * (k1 - k0) <= MAX_SIDE * MAX_SIDE, query
         values, re_, ce = self.pooled(window, min(rows, q1 - q0), min(cols, k1 - k0))
+        if query.get("format") == "f16":  # rounded as the server's float16 tiles are
+            values = values.astype(np.float16).astype(np.float32)
         full = len(re_) - 1 == q1 - q0 and len(ce) - 1 == k1 - k0
         return {"run_id": "long-mock", "layer": layer, "head": head, "window": {"q0": q0, "q1": q1, "k0": k0, "k1": k1},
                 "shape": list(values.shape), "pool": "none" if full else "max",
@@ -265,7 +267,7 @@ def test_long_run_paints_overview_then_tiles_and_refines_on_zoom(server, page, m
     assert len(visible_labels(page, "x")) == 48
     weights = mock.head(0, 0)
     for q, k in [(1020, 1000), (1039, 1027), (1005, 1004), (1030, 985)]:
-        text = hover_cell(page, q, k)
+        text = read_cell(page, q, k)
         assert text.startswith(f"#{q} {mock.tokens[q]['piece']} → #{k} {mock.tokens[k]['piece']}: ")
         assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=6e-4)
     assert hover_cell(page, 1001, 1020).endswith(": masked")
@@ -348,12 +350,43 @@ def test_a_long_run_after_a_failed_first_run_takes_the_failures_note_away(server
     assert page.locator("#focus-plot .plot-empty").is_hidden()
 
 
+def settled_reading(page) -> str:
+    page.wait_for_function("() => !document.getElementById('tooltip').textContent.includes('reading')")
+    return page.locator("#tooltip").text_content().split("\n")[0]
+
+
+def read_cell(page, q, k) -> str:
+    """A cell's reading once it is final: a weight under float16's normal range is fetched as float32."""
+    hover_cell(page, q, k)
+    return settled_reading(page)
+
+
 def test_a_full_resolution_cell_float16_holds_as_0_reads_under_its_floor(server, page, mock):
-    """Weights under 2^-25 are 0 in a float16 tile: the reading said "0.000", as for none at all."""
+    """Weights under 2^-25 are 0 in a float16 tile: the reading said "0.000", as for none at all.
+    It says float16's floor while the cell's float32 value comes (0 in float32 too, here)."""
     mock.k[0, 0, 990] = -40 * mock.q[0, 0, 1020]  # (1020, 990): a weight of about e^-300, 0 in float16
     assert mock.head(0, 0)[1020, 990] < 2**-25
     zoomed_in(page, server, mock, 1000, 1040, 980, 1028)
-    assert hover_cell(page, 1020, 990).endswith(": < 3.0e-8")
+    assert hover_cell(page, 1020, 990).endswith(": < 3.0e-8 (float16; reading this one…)")
+    assert settled_reading(page).endswith(": 0.000")
+
+
+def test_a_full_resolution_cell_under_float16s_normal_range_reads_its_float32_value(server, page, mock):
+    """Under 2^-14 float16 keeps steps of 2^-24: a weight of 3.4e-8 read "6.0e-8" at full
+    resolution, and one first read zoomed out "3.4e-8" (review h55c)."""
+    weights = mock.head(0, 0)
+    weights[1020, 990] = 3.4e-8
+    assert float(np.float16(weights[1020, 990])) == pytest.approx(5.96e-8, rel=1e-2)
+    q = 1021  # its row's strongest key in view: float16 holds it to 3 significant digits
+    strong = (q, 980 + int(weights[q, 980:min(q + 1, 1028)].argmax()))
+    assert weights[strong] >= 2**-14
+    zoomed_in(page, server, mock, 1000, 1040, 980, 1028)
+    hover_cell(page, 1020, 990)
+    assert settled_reading(page).endswith(": 3.4e-8")
+    assert (1020, 1021, 990, 991, None) in tile_windows(mock.requests)
+    reading = hover_cell(page, *strong)
+    assert float(reading.rsplit(": ", 1)[1]) == pytest.approx(float(np.float16(weights[strong])), abs=5e-4)
+    assert (q, q + 1, strong[1], strong[1] + 1, None) not in tile_windows(mock.requests)
 
 
 def test_a_long_runs_reading_isolates_a_right_to_left_label(server, page, mock):
@@ -361,7 +394,7 @@ def test_a_long_runs_reading_isolates_a_right_to_left_label(server, page, mock):
     as the short run's once did (test_page_bidi.py)."""
     mock.tokens[1020].update(text="שלום", piece="שלום")
     zoomed_in(page, server, mock, 1000, 1040, 980, 1028)
-    text = hover_cell(page, 1020, 1000)
+    text = read_cell(page, 1020, 1000)
     assert text.startswith(f"#1020 \u2068שלום\u2069 → #1000 {mock.tokens[1000]['piece']}: ")
     assert float(text.rsplit(": ", 1)[1]) == pytest.approx(float(mock.head(0, 0)[1020, 1000]), abs=6e-4)
 
@@ -623,7 +656,7 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
     weights = dense[0, 0]
     peak = float(weights.max())
     for q, k in [(q0 + 20, k0 + 5), (q0 + 39, k0 + 47), (q0 + 3, k0 + 33), (q0 + 31, k0 + 30)]:
-        text_shown = hover_cell(page, q, k)
+        text_shown = read_cell(page, q, k)
         assert float(text_shown.rsplit(": ", 1)[1]) == pytest.approx(float(weights[q, k]), abs=1e-3)
         got, table = page.evaluate(PIXEL, [q, k])
         index = round(255 * min(1.0, float(weights[q, k]) / peak))
@@ -636,7 +669,7 @@ def test_real_long_run_tiles_hold_the_models_weights(long_server, llama_spec, pa
     page.keyboard.press("ArrowRight")
     page.wait_for_selector("#focus-plot[data-head='1']")
     wait_settled(page)
-    reading = float(hover_cell(page, q0 + 20, k0 + 5).rsplit(": ", 1)[1])
+    reading = float(read_cell(page, q0 + 20, k0 + 5).rsplit(": ", 1)[1])
     assert reading == pytest.approx(float(dense[0, 1, q0 + 20, k0 + 5]), abs=1e-3)
     page.wait_for_function("() => Number(document.querySelector('#headview canvas')?.dataset.lines) > 0")
     assert any("/topk?" in url for url in watched.requests)
