@@ -325,6 +325,17 @@ export class TiledFocusView extends FocusView {
     return { rows: nRows, cols: nCols, zmax, scale, peak, long: true, level: this.long.level, window: this.window(), tiles, pending: this.loader.pending };
   }
 
+  // A long run's cells are its own positions, none hidden: a picked one ranks every head by it
+  // (the server reads the cell from the queries and keys it keeps).
+  pick(cell) {
+    if (!this.long) {
+      super.pick(cell);
+      return;
+    }
+    if (!cell || !this.onPick || this.long.mask.cell(cell.row, cell.col)) return;
+    this.onPick(cell.row, cell.col);
+  }
+
   // The reading under the pointer: a full-resolution tile's float16 where it holds the weight, else
   // what the tile says while the cell's own float32 value is fetched. Over the axes' labels: that token, since
   // beyond 64 tokens in view only every k-th is labelled.

@@ -24,6 +24,11 @@ export class LongRun {
     return false;
   }
 
+  // A cell of a head: none is held (a picked cell's ranking waits for the server's /cell).
+  weightAt() {
+    return null;
+  }
+
   // One head's overview as a tile over the whole run, and its peak (max pooling keeps the head's max).
   async base(layer, head) {
     const o = await this.overview;

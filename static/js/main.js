@@ -462,7 +462,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   const names = labels();
   focus.spans = (i) => `“${run.tokens[i].text}”`;
   focus.exactReading = exactReadings(run, focused.precision);
-  focus.onPick = (query, key) => cellHeads.show(run, query, key, (i) => `#${i} ${names.labels[i]}`, state.layer, state.head);
+  focus.onPick = rankByCell(run, names);
   await focus.render({
     view, labels: names.labels, title: focusTitle(), filename: fileStem(), exportCaption: exportCaption(),
     scale: state.scale, revision: `${run.runId}:${view.rows.length}x${view.cols.length}`, floor: zeroFloor(focused.precision),
@@ -472,6 +472,11 @@ async function renderViews({ headView: withHeadView = true } = {}) {
   labelPlot(focused.precision);
   $("focus-caption").textContent = caption(run, view, focus.current?.peak ?? 0, focused.precision);
   await focusShown(token, withHeadView);
+}
+
+// A picked cell (a click, a tap, Enter on the cell cursor) ranks every head by its weight.
+function rankByCell(run, names) {
+  return (query, key) => cellHeads.show(run, query, key, (i) => `#${i} ${names.labels[i]}`, state.layer, state.head);
 }
 
 // The largest weight the focused view shows as 0: one under the threshold, or under what the
@@ -519,9 +524,10 @@ async function renderLongViews(token, withHeadView) {
   if (token !== state.renderToken) return;
   focus.spans = (i) => `“${run.tokens[i].text}”`;
   focus.exactReading = null; // a long run's readings come from its tiles (long_focus.js)
-  focus.onPick = null; // no run-wide weights to rank the heads by: queries and keys are kept
+  const names = labels();
+  focus.onPick = rankByCell(run, names);
   await focus.renderLong({
-    run, layer: state.layer, head, base: base?.tile, peak: base?.peak ?? 0, labels: labels().labels, title: focusTitle(),
+    run, layer: state.layer, head, base: base?.tile, peak: base?.peak ?? 0, labels: names.labels, title: focusTitle(),
     filename: fileStem(), exportCaption: exportCaption(), scale: state.scale, revision: `${run.runId}:long`,
   });
   if (token !== state.renderToken) return;
@@ -945,8 +951,6 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   setupControls(run);
   $("controls").hidden = false;
   $("keys-hint").hidden = false;
-  // A long run ranks no heads by a cell (README, long runs): its hint offered it, and a click did nothing.
-  $("keys-hint").toggleAttribute("data-long", Boolean(run.long));
   updatePermalink(push);
   grid.build(run);
   grid.select(state.layer, state.head, state.aggregate);

@@ -119,6 +119,12 @@ class KeptMock:
         return {"run_id": "long-mock", "layer": layer, "head": head, "k": k, "q0": q0, "q1": q1, "values": array(values),
                 "indices": array(order.astype(np.int32)), "rest": array(np.maximum(0, 1 - values.sum(1)))}
 
+    def cell(self, query: dict) -> dict:
+        q, k = int(query["query"]), int(query["key"])
+        values = np.array([[self.head(l, h)[q, k] for h in range(self.n_heads)] for l in range(self.n_layers)])
+        return {"run_id": "long-mock", "query": q, "key": k, "shape": list(values.shape),
+                "attention": array(values.astype(np.float16).astype(np.float32))}
+
     def serve(self, page):
         """Answers the page's long-run requests from this run; the rest go to the real server."""
 
@@ -148,7 +154,7 @@ class KeptMock:
                 message = "run long-mock is unknown or was evicted from the cache; POST /api/v1/attention again to recompute it"
                 reply(route, {"error": {"code": "unknown_run", "message": message}}, 404)
                 return
-            handlers = {"tile": self.tile, "overview": lambda _q: self.overview(), "topk": self.topk}
+            handlers = {"tile": self.tile, "overview": lambda _q: self.overview(), "topk": self.topk, "cell": self.cell}
             if what not in handlers:
                 reply(route, {"error": {"code": "dense_only", "message": f"{what} needs the dense weights"}}, 422)
                 return
@@ -350,6 +356,33 @@ def test_a_long_run_after_a_failed_first_run_takes_the_failures_note_away(server
     assert page.locator("#focus-plot .plot-empty").is_hidden()
 
 
+def test_a_long_runs_picked_cell_ranks_every_head_by_its_weight(server, page, mock):
+    """The long run's click did nothing, where /cell reads any cell of a long run from its queries
+    and keys (review h55c: the README said both)."""
+    zoomed_in(page, server, mock, 1000, 1040, 980, 1028)
+    q, k = 1030, 1000
+    page.mouse.click(*point_at_unzoomed(page, q, k))
+    box = page.locator("#cell-heads")
+    box.wait_for(state="visible")
+    page.wait_for_function("() => !document.getElementById('cell-heads').textContent.includes('loading')")
+    values = {(l, h): float(np.float16(mock.head(l, h)[q, k])) for l in range(mock.n_layers) for h in range(mock.n_heads)}
+    ranked = sorted(values, key=lambda lh: (-values[lh], lh))
+    buttons = box.locator("li button")
+    shown = [(int(b.get_attribute("data-layer")), int(b.get_attribute("data-head"))) for b in buttons.all()]
+    assert shown == ranked[:10]
+    assert box.locator(".hint").text_content().startswith(f"#{q} {mock.tokens[q]['piece']} → #{k} {mock.tokens[k]['piece']}, the heads by its weight")
+    assert any(urlsplit(u).path.endswith("/cell") and f"query={q}" in u and f"key={k}" in u for u in mock.requests)
+    # A ranked head's button focuses it, on the run's tiles.
+    layer, head = ranked[1]
+    buttons.nth(1).click()
+    page.wait_for_selector(f"#focus-plot[data-layer='{layer}'][data-head='{head}']")
+    assert box.locator(f"button[data-layer='{layer}'][data-head='{head}']").get_attribute("aria-pressed") == "true"
+    # A masked cell (a later key) ranks nothing: 0 in every head.
+    page.click("#cell-heads-close")
+    page.mouse.click(*point_at_unzoomed(page, 1001, 1020))  # picking is synchronous: nothing to wait for
+    assert box.is_hidden()
+
+
 def settled_reading(page) -> str:
     page.wait_for_function("() => !document.getElementById('tooltip').textContent.includes('reading')")
     return page.locator("#tooltip").text_content().split("\n")[0]
@@ -400,7 +433,7 @@ def test_a_long_runs_reading_isolates_a_right_to_left_label(server, page, mock):
 
 
 def point_at_unzoomed(page, q, k) -> list[float]:
-    """The pointer over cell (q, k) of the unzoomed heatmap, where a pixel covers several cells."""
+    """The pointer over cell (q, k) of the heatmap (unzoomed, a pixel covers several cells)."""
     point = page.evaluate("""([q, k]) => {
         const gd = document.getElementById('focus-plot');
         const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
@@ -495,9 +528,8 @@ def test_dense_controls_say_why_they_are_off_for_a_long_run(server, page, mock):
     assert "need every weight" in page.locator("#measures-long-note").text_content()
     assert page.locator("#measures-long-note").is_visible()
     assert not page.locator("#finder").is_visible()
-    # Its hint offered a head ranking by a clicked cell, which a long run has not: the click did nothing.
     hint = page.locator("#keys-hint").inner_text()
-    assert "Drag to zoom" in hint and "rank every head" not in hint, hint
+    assert "Drag to zoom" in hint and "Click a cell (or Enter) to rank every head by it." in hint, hint
     # Alt-click on the grid reached the ablation, off as its panel is: it posted the whole text for
     # weights the run does not keep, then failed in the page.
     posts = mock.posts
