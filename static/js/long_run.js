@@ -140,8 +140,13 @@ export function longControls(run, aggregate) {
   return long && aggregate === "all" ? "layer" : aggregate;
 }
 
-export function longCaption(run, layer, scale) {
+// `win`, the window in view ({ q0, q1, k0, k1 }): zoomed in, the axes show tokens and no
+// position, and after a pan nothing on screen said where in the run the view was.
+export function longCaption(run, layer, scale, win = null) {
   const parts = [`${run.T} tokens${run.truncated ? " (cut to fit)" : ""}`, `model ${run.model}`];
+  if (win && (win.q1 - win.q0 < run.T || win.k1 - win.k0 < run.T)) {
+    parts.push(`in view: queries ${win.q0}–${win.q1 - 1} × keys ${win.k0}–${win.k1 - 1}`);
+  }
   parts.push(maskWords(run, layerMask(run, layer)));
   parts.push("long run: the server computes the cells in view; zoomed out, a pixel shows the largest weight of the cells it covers");
   if (scale === "fixed") parts.push("colour: fixed 0–1");

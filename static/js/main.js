@@ -74,8 +74,9 @@ const headView = new HeadView($("headview"));
 const longHeadView = new LongHeadView($("headview"));
 focus.onTileError = (err) => state.run?.long && longRunError(state.run, err);
 // The head view of a long run follows the rows in view on the heatmap.
-focus.onWindow = () => {
+focus.onWindow = (win) => {
   if (!state.run?.long) return;
+  if ($("focus-plot").dataset.precision === "tiles") $("focus-caption").textContent = longCaption(state.run, state.layer, state.scale, win);
   clearTimeout(state.headViewTimer);
   state.headViewTimer = setTimeout(renderHeadView, HEAD_VIEW_PAUSE_MS);
 };
@@ -532,7 +533,7 @@ async function renderLongViews(token, withHeadView) {
   });
   if (token !== state.renderToken) return;
   labelPlot("tiles");
-  $("focus-caption").textContent = longCaption(run, state.layer, state.scale);
+  $("focus-caption").textContent = longCaption(run, state.layer, state.scale, focus.window());
   await focusShown(token, withHeadView);
 }
 

@@ -383,6 +383,28 @@ def test_a_long_runs_picked_cell_ranks_every_head_by_its_weight(server, page, mo
     assert box.is_hidden()
 
 
+def test_a_zoomed_long_runs_caption_says_where_in_the_run_the_view_is(server, page, mock):
+    """Zoomed to 64 tokens or fewer the axes show tokens and no position: after a pan nothing on
+    screen said where in the run the view was (review h55c)."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    caption = page.locator("#focus-caption")
+    assert caption.text_content().startswith(f"{mock.T} tokens · model ") and "in view:" not in caption.text_content()
+    zoom(page, 1000, 1040, 980, 1028)
+    page.wait_for_function("() => document.getElementById('focus-caption').textContent.includes('in view: queries 1000–1039 × keys 980–1027')")
+    zoom(page, 1500, 1540, 1480, 1528)
+    page.wait_for_function("() => document.getElementById('focus-caption').textContent.includes('in view: queries 1500–1539 × keys 1480–1527')")
+    # Another head keeps the window, and says so.
+    page.focus("#focus-plot")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#focus-plot[data-head='1'][data-precision='tiles']")
+    assert "in view: queries 1500–1539 × keys 1480–1527" in caption.text_content()
+    page.dblclick("#focus-plot .nsewdrag")  # back to the whole run
+    page.wait_for_function("() => !document.getElementById('focus-caption').textContent.includes('in view:')")
+
+
 def settled_reading(page) -> str:
     page.wait_for_function("() => !document.getElementById('tooltip').textContent.includes('reading')")
     return page.locator("#tooltip").text_content().split("\n")[0]
