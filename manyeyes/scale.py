@@ -324,6 +324,10 @@ def interrupt(signum, _frame) -> None:
 def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
     """`manyeyes serve --replicas N`: start (or join, with RAY_ADDRESS) Ray, deploy, block. A
     deployment that fails is one line and status 2, as every other start-up failure of the CLI."""
+    if not ray.is_initialized():
+        # ray.init sets the driver's SIGTERM handler (sys.exit): set before it, ours was replaced,
+        # and a supervisor's SIGTERM aborted the driver with a crash dump, the replicas left running.
+        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
     previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
     try:
         return _serve_replicas(settings, host=host, port=port, replicas=replicas, threads=threads)
@@ -333,8 +337,6 @@ def serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, t
 
 
 def _serve_replicas(settings: Settings, *, host: str, port: int, replicas: int, threads: int) -> int:
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, include_dashboard=False)
     running = running_serve()
     # A running Serve cannot move: serving on it anyway answered on its port while the banner named
     # the one asked for, where nothing listened.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import httpx
 import pytest
@@ -83,10 +84,21 @@ def test_stopping_manyeyes_leaves_another_application_and_its_serve_running(othe
         real_sleep(30)  # the handler raises in here
 
     monkeypatch.setattr(scale.time, "sleep", sigterm_once_served)
+
+    def init_as_ray_does(*args, **kwargs):
+        """ray.init (the cluster is this module's, up already) sets the driver's SIGTERM handler,
+        sys.exit: set after the stop handlers, it replaced them, and SIGTERM aborted the driver."""
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+    asked = []
+    real_is_initialized = scale.ray.is_initialized
+    # Not yet, to serve_replicas' first question; Ray's own calls get the truth.
+    monkeypatch.setattr(scale.ray, "is_initialized", lambda: bool(asked.append(1) or len(asked) > 1) and real_is_initialized())
+    monkeypatch.setattr(scale.ray, "init", init_as_ray_does)
     settings = Settings(models={"tiny-gpt": "tiny-gpt"}, device="cpu")
     before = signal.getsignal(signal.SIGTERM)
     assert scale.serve_replicas(settings, host="127.0.0.1", port=other_serve, replicas=1, threads=1) == 0
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGTERM) is not before  # Ray's own, as ray.init leaves it
     assert all(ray.get_actor(name, namespace=scale.NAMESPACE) for name in (scale.DIRECTORY, scale.VIEWS))
     banner = f"manyeyes: 1 replicas on Ray Serve at http://127.0.0.1:{other_serve} (1 thread each)"
     assert banner in capsys.readouterr().out.splitlines()  # among Ray's lines, which it prints on stdout too
