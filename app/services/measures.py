@@ -388,14 +388,24 @@ class MeasuresService:
         if self.attention.answers.limit:
             nbytes = min(nbytes, self.attention.answers.limit // 2)
         making = self._flows_making[key] = asyncio.get_running_loop().create_future()
+        # A graph its client hung up on is made all the same (the worker thread cannot be stopped,
+        # and the cancel waits for it: finished_off_loop): it was thrown away, and those waiting
+        # for it made it again, seconds each.
+        made: list[bytes] = []
+
+        def make(*args) -> bytes:
+            made.append(self._flow(*args))
+            return made[0]
+
         try:
-            graph, grant = await self.in_turn(run_id, nbytes, client, True, self._flow, threshold, turn=self._flow_turns)
+            graph, grant = await self.in_turn(run_id, nbytes, client, True, make, threshold, turn=self._flow_turns)
         finally:
             del self._flows_making[key]
-            making.set_result(graph)
-        self._flows[key] = graph
-        while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
-            self._flows.popitem(last=False)
+            if made:
+                self._flows[key] = made[0]
+                while sum(map(len, self._flows.values())) > FLOW_CACHE_BYTES:
+                    self._flows.popitem(last=False)
+            making.set_result(made[0] if made else None)
         return replied([graph], {"run_id": run_id}, grant)
 
     def _flow(self, run: Run, served: Served, captured: Captured, threshold: float) -> bytes:

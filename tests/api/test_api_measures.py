@@ -386,6 +386,55 @@ def test_one_graph_and_one_capture_serve_every_request_for_them_at_once(client):
     assert made == [0.05] and len({bytes(b"".join(r.body)) for r in replies[1:]}) == 1
 
 
+def test_a_flow_graph_whose_client_hung_up_is_kept_for_those_waiting_and_later(client):
+    """The graph of a request cancelled while it was being made (its client hung up) was made all
+    the same, then thrown away: a request waiting for it made it again, and so did the next one
+    (4-10 s each at T=507; review h55b)."""
+    import asyncio
+    import threading
+
+    service = client.app.state.measures
+    run_id = post(client, text=f"{TEXT} hung up", format="u8")["run_id"]
+    made, real_flow = [], service._flow
+    started, gate = threading.Event(), threading.Event()
+
+    def flow(run, served, captured, threshold):
+        made.append(threshold)
+        started.set()
+        gate.wait(30)
+        return real_flow(run, served, captured, threshold)
+
+    service._flow = flow
+
+    async def main():
+        hung_up = asyncio.create_task(service.flow(run_id, 0.05, "a"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(service.flow(run_id, 0.05, "b"))
+        await asyncio.sleep(0.05)
+        hung_up.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        try:
+            await hung_up
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the hung-up request was answered")
+        first = await waiting
+        later = await service.flow(run_id, 0.05, "c")
+        return first, later
+
+    try:
+        first, later = client.portal.call(main)
+    finally:
+        service._flow = real_flow
+        gate.set()
+    assert made == [0.05]
+    assert b"".join(first.body) == b"".join(later.body) and b'"edges":[' in b"".join(later.body)
+    assert service._flows_making == {} and (run_id, 0.05) in service._flows
+
+
 def test_simultaneous_requests_for_one_run_share_one_capture(client, monkeypatch):
     """The page asks for a run's flow, neuron view and value norms at once: more requests than
     capture slots, all answered, by one forward."""
