@@ -241,7 +241,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     add_error_handlers(app)
     # The hot route first: routing tries the routers in this order.
     for module in (attention, models, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):
-        # /export is left out: it reads the page's permalink, whose other parameters are the page's.
+        # Routes outside /api check their own (/export its query, as the API does: routes/export.py).
         api = module.router.prefix.startswith("/api/")
         app.include_router(module.router, dependencies=[Depends(utf8_url), Depends(known_query), Depends(utf8_json)] if api else None)
     if STATIC_DIR.is_dir() and not any(getattr(r, "path", None) == "/static" for r in app.routes):

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from manyeyes.app.clients import client_of, tenant_of
-from manyeyes.app.deps import RegistryDep, ServiceDep, utf8_url
+from manyeyes.app.deps import RegistryDep, ServiceDep, known_query, utf8_url
 from manyeyes.app.routes.responses import PiecesResponse, errors
 from manyeyes.app.schemas import DIGITS, AttentionRequest
 from manyeyes.app.routes.views import UnknownView, ViewsDep, check_focus
@@ -23,7 +23,9 @@ from manyeyes.app.services.errors import InvalidInput, NeedsTiles
 router = APIRouter(tags=["page"])
 
 
-@router.get("/export", response_class=Response, dependencies=[Depends(utf8_url)],
+# Its parameters checked as the API's are: `text_pair` (the API's name; here `pair`) or `layers=3`
+# was dropped without a word, and the file held a run of the text alone, or layer 0.
+@router.get("/export", response_class=Response, dependencies=[Depends(utf8_url), Depends(known_query)],
             responses={200: {"content": {"text/html": {}}}, **errors(404, 413, 429, 503, 504)})
 async def export_page(
     request: Request,

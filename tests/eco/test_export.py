@@ -202,6 +202,14 @@ def test_export_route_errors_are_json(server):
     # file held the view's run, not the one asked for.
     r = httpx.get(f"{server}/export", params={"view": "0" * 18, "text": "another text", "head": 3})
     assert r.status_code == 422 and "leave out text, head" in r.json()["error"]["message"], r.text
+    # The API's name for the second text, or a parameter of no route, was dropped without a word:
+    # the file held the text alone (review h55d). A field given twice, the last one only.
+    for params in ({"text": "Where is it", "text_pair": "On the bank"}, {"text": "hi", "layers": "1"}, {"text": "hi", "foo": "1"}):
+        r = httpx.get(f"{server}/export", params=params)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 422 and "unknown query parameter" in message and "it takes: head, layer, model, pair, text" in message, r.text
+    r = httpx.get(f"{server}/export?text=hi&layer=0&layer=1")
+    assert r.status_code == 422 and "'layer' given more than once" in r.json()["error"]["message"], r.text
 
 
 def test_cli_export_refuses_a_text_over_the_dense_bound_as_the_server_does(tiny_gpt, tmp_path, capsys, monkeypatch):
