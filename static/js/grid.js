@@ -269,6 +269,7 @@ export class GridView {
     this.note.hidden = layout.width > 0 && layout.height > 0;
     this.cells[layer][h].classList.remove("loading", "failed");
     this.cells[layer][h].title = `Layer ${layer}, head ${h}`;
+    this.cells[layer][h].dataset.values = exact ? "f16" : "u8"; // what it was drawn from
   }
 
   paintAll(options) {

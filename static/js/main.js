@@ -27,6 +27,9 @@ const EAGER_BYTES = 4e6;
 const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
 const NARROW = window.matchMedia("(max-width: 700px)");
 const HEAD_VIEW_PAUSE_MS = 120;
+// float16 values of every layer the grid asks for under a hiding option, at most (MiniLM's 72
+// heads up to 682 tokens): beyond, its renormalised thumbnails stay on the 8-bit bytes.
+const GRID_EXACT_BYTES = 64 * 2 ** 20;
 const REVIVE_GAP_MS = 5000; // a run lost again this soon after it was posted again is shown as an error
 
 const state = {
@@ -257,6 +260,7 @@ async function loadU8(layers) {
   const options = viewOptions();
   wanted.forEach((l) => grid.paintLayer(l, options));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
+  exactForGrid(run);
   if (state.aggregate === "head" && wanted.includes(state.layer)) renderViews();
   else if (state.aggregate === "head" && !u8Pending() && !run.isPrecise(state.layer, state.head)) loadExact(state.layer);
 }
@@ -275,6 +279,7 @@ async function loadExact(layer) {
   if (!slice || state.run !== run) return;
   run.exactFailed.delete(layer);
   run.ingest(slice);
+  if (!isIdentity(viewOptions(), run.hasPair)) grid.paintLayer(layer, viewOptions());
   if (state.aggregate !== "all" && state.layer === layer) renderViews();
 }
 
@@ -289,6 +294,16 @@ function exactFailed(run, layer) {
       && !plot.hasAttribute("data-stale") && !$("focus-caption").textContent.includes(EXACT_FAILED)) {
     $("focus-caption").textContent += ` · ${EXACT_FAILED}`;
   }
+}
+
+// Renormalised from 8-bit bytes a row that gave the hidden tokens nearly all its weight is lost (a
+// visible share of 1e-4 is bytes of 0): a thumbnail was blank or not by whether its layer's exact
+// values had come for the focus, so a saved view reopened drew other thumbnails than its page had.
+// Under a hiding option the grid asks for every layer's, as the focus does for its own.
+function exactForGrid(run) {
+  if (run.long || state.run !== run || !renormalises(viewOptions())) return;
+  if (run.nLayers * run.nHeads * run.T ** 2 * 2 > GRID_EXACT_BYTES) return;
+  for (let l = 0; l < run.nLayers; l++) if (run.hasLayer(l) && !run.isPrecise(l, 0)) loadExact(l);
 }
 
 async function exactCell(run, query, key) {
@@ -980,6 +995,7 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   if (typedIn || dropped) $("focus-plot").focus({ preventScroll: true });
   const options = viewOptions();
   run.layerBytes.forEach((bytes, l) => bytes && grid.paintLayer(l, options));
+  exactForGrid(run);
   if (run.long) await paintOverview(grid, run, state.scale).catch((err) => state.run === run && showError(describeError(err), "views"));
   if (grid.complete) nextFrame().then(() => mark("grid-painted"));
 }
@@ -1033,6 +1049,7 @@ async function redrawOptions() {
     await renderViews();
     if (!state.run.long) measures.setView(labels().labels, viewOptions());
     grid.paintAllSoon(viewOptions());
+    exactForGrid(state.run);
     if (state.run.long) paintOverview(grid, state.run, state.scale).catch(() => {});
     updatePermalink();
   } finally {

@@ -150,6 +150,37 @@ def test_permalink_restores_the_linked_head_as_the_api_computes_it(server, api, 
     assert second.locator("#pair").input_value() == PAIR
 
 
+def test_a_saved_views_thumbnails_under_hiding_options_are_those_its_page_drew(server, make_page, watched):
+    """Renormalised from 8-bit bytes, a row that gave the hidden tokens nearly all its weight was
+    lost: a thumbnail was drawn from its layer's exact values only if the focus had fetched them,
+    so the page that saved a view (its focus had been on layer 0) and the same view reopened drew
+    L0 H2 as one dark cell and as a blank (review h55d). Under hiding options the grid fetches
+    every layer's exact values."""
+    first = make_page()
+    open_view(first, server)
+    submit(first, "The bank of the river was muddy.", "I sat on it.")
+    wait_focus(first, 0, 0)
+    first.click(".thumb[data-layer='2'][data-head='5']")
+    wait_focus(first, 2, 5)
+    first.check("#hide-special")
+    first.select_option("#scale", "fixed")
+    first.select_option("#segments", "AB")
+    watched.settle(first)
+    first.wait_for_function("() => !document.body.dataset.viewPending && document.body.dataset.view"
+                            " && new URLSearchParams(location.search).get('view') === document.body.dataset.view")
+    second = make_page()
+    second.goto(first.url)
+    second.wait_for_selector("#focus-plot[data-layer='2'][data-head='5']:not([data-stale])", timeout=30_000)
+    watched.settle(second)
+    drawn, reopened = read_thumbnails(first), read_thumbnails(second)
+    differ = sorted(k for k in drawn if not np.array_equal(drawn[k], reopened[k]))
+    assert differ == [], f"thumbnails the reopened view draws otherwise: {differ}"
+    for page in (first, second):
+        values = page.locator(".thumb").evaluate_all("cells => cells.map((c) => c.dataset.values)")
+        assert set(values) == {"f16"}, values
+        assert page.locator("#hide-special").is_checked()
+
+
 # ---------------------------------------------------------------------------- pair blocks
 def test_pair_block_a_to_b_shows_each_rows_share_of_all_its_words(server, api, page):
     open_view(page, server, text=SENTENCE, pair=PAIR, model="minilm", layer=2, head=3)
