@@ -20,6 +20,7 @@ import base64
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 import socket
@@ -128,6 +129,15 @@ def retry_after(response: httpx.Response) -> float | None:
         return None  # absent, or an HTTP date, which our server never sends
     # "nan" (from a proxy, not from us) parses, and time.sleep(nan) raises: treat it as absent.
     return max(seconds, 0.0) if not math.isnan(seconds) else None
+
+
+def seconds(value, name: str, above_zero: bool = False) -> float:
+    """A number of seconds a Client is given, as a float; ValueError in the caller's terms."""
+    least = "above 0" if above_zero else "0 or more"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or (value <= 0 if above_zero else value < 0):
+        raise ValueError(f"{name} must be a number of seconds, {least}; got {value!r}")
+    return float(value)
 
 
 def bearer(api_key: str) -> bytes:
@@ -796,6 +806,12 @@ class Client:
         max_retries = retries
         if format not in FRAME_DTYPES:
             raise ValueError(f"format must be one of {', '.join(FRAME_DTYPES)}; got {format!r}")
+        # Checked here, not at the first call: timeout_s=0 failed every request as a server that
+        # "could not be reached (tried 6 times)", and -1 or a negative wait as httpx's or sleep's error.
+        timeout_s = seconds(timeout_s, "timeout_s", above_zero=True)
+        max_retry_wait_s = seconds(max_retry_wait_s, "max_retry_wait_s")
+        if api_key is not None and not isinstance(api_key, str):
+            raise ValueError(f"api_key must be the key as a str (or None); got {type(api_key).__name__}")
         if api_key:
             headers["Authorization"] = bearer(api_key)
         # What __init__ was given, so that a pickled Client (multiprocessing, joblib, Ray tasks)
