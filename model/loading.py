@@ -356,6 +356,11 @@ COUNTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers
 INDICES = ("pad_token_id",)
 POSITIVE = ("layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rotary_emb_base")
 FRACTIONS = ("rotary_pct", "partial_rotary_factor")
+# Read as true or false: "false" (a string) was true to bool(), and tied the head to the embeddings
+# over the checkpoint's own lm_head.weight, where transformers refuses such a config.
+FLAGS = ("tie_word_embeddings", "is_decoder", "add_cross_attention", "scale_attn_by_inverse_layer_idx",
+         "reorder_and_upcast_attn", "scale_attn_weights", "sinusoidal_pos_embds", "attention_bias", "mlp_bias",
+         "use_sliding_window", "use_parallel_residual")
 
 
 def check_numbers(config: dict, path: Path) -> None:
@@ -383,6 +388,9 @@ def check_numbers(config: dict, path: Path) -> None:
     for key in FRACTIONS:
         if key in config and not (number(config[key]) and 0 < config[key] <= 1):
             bad(key, "a number in (0, 1]")
+    for key in FLAGS:
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            bad(key, "true or false")
 
 
 def _need(path: Path) -> Path:

@@ -236,15 +236,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
 
 
+def rope_settings(config: dict) -> dict:
+    """A copy of the config's own rope dict. Both present (a transformers-5 config given a
+    `rope_scaling` by hand): transformers reads rope_scaling and drops rope_parameters
+    (`rope_scaling or rope_parameters`), and so do we."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            # dict("linear") said "dictionary update sequence element #0 has length 1".
+            raise ValueError(f"{key} must be an object of rope settings (or null), got {config[key]!r}")
+    return dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+
+
 def rope_parameters(config: dict, theta_key: str = "rope_theta") -> dict:
     """The RoPE settings of a Hugging Face config.json, whichever transformers version wrote it.
 
     transformers 5 writes one `rope_parameters` dict (with rope_theta inside); 4.x wrote a
     top-level `rope_theta` and a `rope_scaling` dict (or null) whose kind was `type` or `rope_type`.
     """
-    # Both present (a transformers-5 config given a `rope_scaling` by hand): transformers reads
-    # rope_scaling and drops rope_parameters (`rope_scaling or rope_parameters`), and so do we.
-    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    params = rope_settings(config)
     params.setdefault("rope_theta", config.get(theta_key, 10000.0))
     if "partial_rotary_factor" in config:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
@@ -263,14 +272,29 @@ KNOWN_KEYS = {
 }
 
 
+# What transformers' rope validation requires of each type (original_max_position_embeddings may
+# also stand at the config's top level: rope_parameters() brings it in).
+REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
+}
+
+
 def rope_config(params: dict, head_dim: int, max_positions: int) -> RopeConfig:
     """A RopeConfig from `rope_parameters(...)`; ValueError names anything it cannot honour."""
     unknown = sorted(set(params) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"unsupported rope parameter(s): {', '.join(unknown)}")
+    missing = [key for key in REQUIRED.get(params.get("rope_type"), ()) if params.get(key) is None]
+    if missing:
+        # As transformers refuses them, rather than guessing at defaults that change every position.
+        raise ValueError(f"rope type {params['rope_type']!r} needs {', '.join(missing)} in rope_scaling / rope_parameters")
     factor = params.get("partial_rotary_factor", 1.0)
     rotary_dim = int(head_dim * factor)
-    if factor != 1.0 and (rotary_dim % 2 or rotary_dim <= 0):
+    if rotary_dim % 2 or rotary_dim <= 0:
         # Said in the config's terms: "rotary_dim 5" named no key a user could find.
         raise ValueError(
             f"head_dim {head_dim} x partial_rotary_factor {factor} (rotary_pct in GPT-NeoX configs) leaves "

@@ -324,7 +324,15 @@ BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_hea
 @pytest.mark.parametrize("change,message", [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(rope_scaling={"rope_type": "su-rope", "factor": 2.0}), "unsupported rope type 'su-rope'"),
-    (dict(rope_scaling={"rope_type": "linear"}), "needs a 'factor'"),
+    (dict(rope_scaling={"rope_type": "linear"}), "rope type 'linear' needs factor"),
+    # transformers refuses these (missing required keys); we had guessed defaults (review h55a).
+    (dict(rope_scaling={"rope_type": "yarn"}), "rope type 'yarn' needs factor"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+     "rope type 'llama3' needs original_max_position_embeddings, low_freq_factor, high_freq_factor"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+          original_max_position_embeddings=16), None),
+    (dict(rope_parameters="linear"), "rope_parameters must be an object of rope settings \\(or null\\), got 'linear'"),
+    (dict(head_dim=7), "head_dim 7 x partial_rotary_factor 1.0 .* leaves 7 dims to rotate"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "warp": 1}), "unsupported rope parameter.*warp"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor is unsupported"),
     (dict(num_key_value_heads=3, num_attention_heads=4), "not divisible by num_key_value_heads"),
@@ -336,8 +344,38 @@ BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_hea
     (dict(model_type="mistral", sliding_window=0), "sliding_window must be a whole number >= 1 or null, got 0"),
 ])
 def test_llama_family_refuses_what_it_cannot_honour(change, message):
+    if message is None:  # the same settings, complete: built
+        assert llama.build(BASE | change, "config.json").cfg.rope.rope_type == change["rope_parameters"]["rope_type"]
+        return
     with pytest.raises(ModelLoadError, match=message):
         llama.build(BASE | change, "config.json")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(use_sliding_window=1), "use_sliding_window must be true or false, got 1"),
+    (dict(model_type=["llama"]), "unsupported model_type \\['llama'\\]; supported: bert"),
+])
+def test_config_values_of_the_wrong_kind_are_refused_by_name(tmp_path, change, message):
+    """A string "false" was true to bool(): the head was tied to the embeddings over the saved
+    lm_head.weight (transformers refuses the config); a list model_type was "unhashable type" (review h55a)."""
+    from manyeyes.model.families import family_for
+    from manyeyes.model.loading import check_numbers
+
+    config = BASE | change
+    with pytest.raises(ModelLoadError, match=message):
+        family_for(config["model_type"], tmp_path / "config.json")
+        check_numbers(config, tmp_path / "config.json")
+    check_numbers(BASE | dict(tie_word_embeddings=False, use_sliding_window=None), tmp_path / "config.json")
+
+
+def test_a_gpt2_config_whose_width_does_not_split_into_heads_is_refused_in_its_own_terms():
+    """GPTConfig's words were "emb_dim (35) is not divisible by n_heads (4)": no key of config.json."""
+    from manyeyes.model.families import gpt2
+
+    config = dict(model_type="gpt2", vocab_size=50, n_embd=35, n_head=4, n_layer=1, n_positions=16)
+    with pytest.raises(ModelLoadError, match="config.json: n_embd 35 is not divisible by n_head 4$"):
+        gpt2.build(config, "config.json")
 
 
 @pytest.mark.parametrize("change,windows", [

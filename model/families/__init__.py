@@ -29,7 +29,7 @@ def family_for(model_type, path: Path) -> ModuleType:
             f"{path} has no model_type, so its family is unknown; add the one it was saved as "
             f"(\"model_type\": ...), one of {', '.join(sorted(FAMILIES))}"
         )
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ModelLoadError(
             f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
         )

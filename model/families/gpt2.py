@@ -52,6 +52,9 @@ def build(config: dict, path: Path) -> GPTModel:
     emb = need(config, "n_embd", path)
     if config.get("n_inner") not in (None, 4 * emb):
         raise ModelLoadError(f"{path}: n_inner={config['n_inner']} is unsupported; GPTModel uses 4 * n_embd")
+    heads = need(config, "n_head", path)
+    if emb % heads:  # said in the config's terms: GPTConfig's "emb_dim" and "n_heads" are ours
+        raise ModelLoadError(f"{path}: n_embd {emb} is not divisible by n_head {heads}")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if config.get(flag):
             raise ModelLoadError(f"{path}: {flag}=true is unsupported")
@@ -66,7 +69,7 @@ def build(config: dict, path: Path) -> GPTModel:
                 vocab_size=need(config, "vocab_size", path),
                 context_length=need(config, "n_positions", path),
                 emb_dim=emb,
-                n_heads=need(config, "n_head", path),
+                n_heads=heads,
                 n_layers=need(config, "n_layer", path),
                 drop_rate=0.0,
                 qkv_bias=True,

@@ -27,7 +27,7 @@ from manyeyes.model.keymap import (
     saved_name,
     strip_prefix,
 )
-from manyeyes.model.rotary import rope_config, rope_parameters
+from manyeyes.model.rotary import rope_config, rope_parameters, rope_settings
 
 MODEL_TYPES = ("gpt_neox",)
 
@@ -70,7 +70,7 @@ def _rope_parameters(config: dict) -> dict:
     As transformers' GPTNeoXConfig does, those two (or their defaults) fill the RoPE dict, and a
     top-level rope_theta or partial_rotary_factor beside them is ignored: we took those first, and
     attention differed by up to 0.95 where a config held both."""
-    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    params = rope_settings(config)
     params.setdefault("rope_theta", config.get("rotary_emb_base", 10000.0))
     params.setdefault("partial_rotary_factor", config.get("rotary_pct", 0.25))
     aliased = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_theta", "partial_rotary_factor")}

@@ -110,12 +110,12 @@ def build(config: dict, path: Path) -> RotaryDecoder:
         raise ModelLoadError(f"{path}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
     if config.get("hidden_act", "silu") not in SILU:
         raise ModelLoadError(f"{path}: unsupported hidden_act {config.get('hidden_act')!r}; {model_type} uses silu")
-    params = rope_parameters(config)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        # transformers' llama rotates whole heads in its default RoPE but honours the factor in the
-        # scaled ones; we refuse the ambiguity rather than guess.
-        raise ModelLoadError(f"{path}: partial_rotary_factor is unsupported for {model_type}")
     try:
+        params = rope_parameters(config)
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            # transformers' llama rotates whole heads in its default RoPE but honours the factor in the
+            # scaled ones; we refuse the ambiguity rather than guess.
+            raise ModelLoadError(f"{path}: partial_rotary_factor is unsupported for {model_type}")
         rope = rope_config(params, head_dim, max_positions)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
