@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -29,7 +30,9 @@ def parse_model_specs(specs: list[str] | str) -> dict[str, str]:
         if not item:
             continue
         model_id, sep, spec = item.partition("=")
-        if "?" in model_id:  # a bare book spec, `model.pth?config=...`: its "=" comes after the "?"
+        # A bare book spec, `model.pth?config=...` (its "=" comes after the "?"), or a path that
+        # exists as written: `runs/lr=0.001/model` served "runs/lr" from a Hub id "0.001/model".
+        if "?" in model_id or (sep and os.path.exists(os.path.expanduser(item))):
             model_id, sep, spec = item, "", ""
         if sep and (not model_id.strip() or not spec.strip()):
             raise ValueError(f"model {raw!r} must look like ID=PATH_OR_SPEC")

@@ -169,6 +169,18 @@ def test_a_bare_book_spec_keeps_its_query_whole():
     assert parse_model_specs(f"a=tiny-gpt,{spec}") == {"a": "tiny-gpt", spec: spec}
 
 
+def test_a_folder_whose_path_holds_an_equals_sign_is_taken_whole(tmp_path):
+    """`--model runs/lr=0.001/model` served "runs/lr" from the Hub id "0.001/model", whose error
+    named neither the folder nor the split (review h55a). ID=SPEC still splits where no such path is."""
+    from manyeyes.app.config import parse_model_specs
+
+    folder = tmp_path / "lr=0.001" / "model"
+    folder.mkdir(parents=True)
+    assert parse_model_specs([str(folder)]) == {str(folder): str(folder)}
+    assert parse_model_specs([f"mine={folder}"]) == {"mine": str(folder)}
+    assert parse_model_specs([f"{tmp_path}/none=tiny-gpt"]) == {f"{tmp_path}/none": "tiny-gpt"}
+
+
 def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(monkeypatch, capsys):
     import uvicorn
 
