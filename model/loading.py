@@ -180,6 +180,15 @@ def _local_path(spec: str, progress: Progress | None, show_progress: bool) -> tu
         return builtin_path(spec), None
     path = Path(spec).expanduser()
     if path.exists():
+        if (path.is_dir() and not path.is_absolute() and not spec.startswith((".", "~")) and parse_hub_id(spec)
+                and not (path / "config.json").exists() and not (path / "model.pth").exists()):
+            # A stray folder named as the id, in the folder the process runs in: "missing file:
+            # org/tiny/config.json" for an id that loads from anywhere else.
+            raise ModelLoadError(
+                f"{spec!r} is read as the folder {path.absolute()}, which exists here and holds no config.json "
+                f"(nor a book model.pth): a local path comes before a Hugging Face id. To load the Hub's {spec}, "
+                "run from another folder or rename this one; to load the folder, give it its model's files"
+            )
         return path, None
     hub_id = parse_hub_id(spec)
     if hub_id is None:

@@ -141,6 +141,20 @@ def test_a_relative_model_path_that_is_not_there_says_where_it_was_looked_for(tm
     assert f"no such model file or folder: weights/mine.pth (looked for {tmp_path}/weights/mine.pth)" in str(err.value)
 
 
+def test_a_stray_folder_named_as_a_hub_id_says_it_was_read_as_that_folder(tmp_path, monkeypatch):
+    """An empty org/tiny/ where the process runs hid the Hub id: "missing file: org/tiny/config.json"
+    for an id that loaded from any other folder (review h55a)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    with pytest.raises(ModelLoadError) as err:
+        load("org/tiny")
+    message = str(err.value)
+    assert message.startswith(f"'org/tiny' is read as the folder {tmp_path}/org/tiny, which exists here") and "Hugging Face id" in message
+    # Written as a path, it is one: the folder's own error.
+    with pytest.raises(ModelLoadError, match=r"missing file: org/tiny/config.json"):
+        load("./org/tiny")
+
+
 def test_a_file_of_a_hugging_face_folder_is_told_to_pass_the_folder(hf_copy):
     """load(".../model.safetensors") was read as a book checkpoint, and the error listed the
     folder's config keys (architectures, attention_bias, ...) as unknown book settings."""
