@@ -29,6 +29,7 @@ HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?)(?:@(
 # fewer than a full SHA's 40. huggingface_hub resolves only full SHAs (and refs) in the cache.
 SHORT_COMMIT = re.compile(r"[0-9a-fA-F]{7,39}")
 FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
+TOO_SHORT = re.compile(r"[0-9a-fA-F]{4,6}")  # git's own minimum is 4: said so when one such names a snapshot
 
 NEEDED = ("config.json", "tokenizer.json")
 # Fetched where the repo has it, never required: its eos_token_id may name more ends of text
@@ -154,6 +155,14 @@ def _cache_entry_problem(cache: Path, hub_id: HubId) -> str:
     return ""
 
 
+def _snapshots_starting(cache: Path, hub_id: HubId) -> list[str]:
+    try:
+        return [p.name for p in (repo_folder(cache, hub_id.repo) / "snapshots").iterdir()
+                if FULL_COMMIT.fullmatch(p.name) and p.name.startswith(hub_id.revision.lower())]
+    except OSError:
+        return []
+
+
 def short_commit(revision: str | None) -> bool:
     return revision is not None and SHORT_COMMIT.fullmatch(revision) is not None
 
@@ -164,9 +173,13 @@ def expand_short_commit(cache: Path, hub_id: HubId) -> HubId | None:
     returned as it is; None for a short SHA that no cached snapshot matches (the not-cached error,
     or a download, follows); several matches are an error that lists them."""
     revision = hub_id.revision
+    root = repo_folder(cache, hub_id.repo)
+    if revision is not None and FULL_COMMIT.fullmatch(revision.lower()) and revision != revision.lower():
+        # A full SHA in capitals (as some tools print them) was "not in the cache", where 7 to 39
+        # of its digits in capitals were found: the cache names snapshots in lower case.
+        return hub_id if (root / "refs" / revision).is_file() else HubId(hub_id.repo, revision.lower())
     if not short_commit(revision):
         return hub_id
-    root = repo_folder(cache, hub_id.repo)
     if (root / "refs" / revision).is_file():
         return hub_id
     try:
@@ -263,6 +276,8 @@ def resolve(hub_id: HubId, progress: Progress | None = None, show_progress: bool
         problem = _cache_entry_problem(cache, hub_id) if folder is None else ""
         if folder is None and unmatched:
             problem += f"; no cached snapshot's commit starts with {hub_id.revision}"
+        elif folder is None and hub_id.revision and TOO_SHORT.fullmatch(hub_id.revision) and _snapshots_starting(cache, hub_id):
+            problem += f"; a cached snapshot's commit starts with {hub_id.revision}, but a short commit takes 7 hex digits or more"
         raise ModelLoadError(
             f"model {hub_id} {held} the Hugging Face cache ({where}, revision {hub_id.revision or 'main'}{problem}) and "
             f"HF_HUB_OFFLINE is set, so nothing is downloaded. Fetch it on a connected machine with "

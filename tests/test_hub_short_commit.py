@@ -42,13 +42,18 @@ def test_a_short_commit_loads_the_one_snapshot_it_starts(fake_hub, folders):
     add_to_cache(fake_hub, "org/x", folders[1], refs=("main",), commit=SECOND)
     first, second = (attention(f) for f in folders)
     assert not torch.equal(first, second)
-    for spec in ("org/x@dfc58f4", "org/x@dfc58f4a1a1", "org/x@DFC58F4", f"org/x@{FIRST[:39]}"):
+    # The full SHA in capitals too: 39 of its digits were found, all 40 "not in the cache" (review h55a).
+    for spec in ("org/x@dfc58f4", "org/x@dfc58f4a1a1", "org/x@DFC58F4", f"org/x@{FIRST[:39]}", f"org/x@{FIRST.upper()}"):
         assert torch.equal(attention(spec), first), spec
     assert torch.equal(attention("org/x@0123abc"), second)
     model = load("org/x@dfc58f4", device="cpu")
     assert model.info.id == "org/x@dfc58f4"  # the id as it was asked for
-    # Six digits are too few to be read as a commit (git's shortest is seven): still not cached.
-    assert "org/x@dfc58f is not in the Hugging Face cache" in message_of("org/x@dfc58f")
+    # Six digits are too few to be read as a commit (git's shortest is seven): still not cached,
+    # and the error says why a snapshot that starts with them was not taken.
+    message = message_of("org/x@dfc58f")
+    assert "org/x@dfc58f is not in the Hugging Face cache" in message
+    assert "a cached snapshot's commit starts with dfc58f, but a short commit takes 7 hex digits or more" in message
+    assert "7 hex digits" not in message_of("org/x@abcdef")  # none starts with it: nothing to explain
 
 
 def test_a_short_commit_that_starts_several_snapshots_lists_them(fake_hub, folders):
