@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from manyeyes.indices import index_list
 from manyeyes.model.measures import out_proj_gram
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 
@@ -20,8 +21,9 @@ def value_weighted_norms(
     if result.values is None:
         raise ValueError("value-weighted norms need the values: run with Capture(qkv=True)")
     info = model.info
-    layers = list(range(info.n_layers)) if layers is None else layers
-    heads = list(range(info.n_heads)) if heads is None else heads
+    # Checked, as ablations are: numpy's arrays were "truth value ... ambiguous", layer 5 a bare IndexError.
+    layers = list(range(info.n_layers)) if layers is None else index_list(layers, info.n_layers, "layers")
+    heads = list(range(info.n_heads)) if heads is None else index_list(heads, info.n_heads, "heads")
     blocks = model.net.trf_blocks
     # All asked layers in one batch of products: per-layer loops spent more in dispatch than in
     # arithmetic at T=128. Under grouped-query attention query head h reads kv head h // group.

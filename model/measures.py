@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from manyeyes.indices import index_below, whole_number
 from manyeyes.model.attention import Capture, blocked_rows
 from manyeyes.model.row_sums import row_sums
 from manyeyes.model.runtime import AttentionModel, AttentionResult
@@ -479,10 +480,12 @@ def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head
 
     `result` must come from a run with Capture(qkv=True) (else ValueError) that kept its weights
     (not Capture(keep=True)). query_index counts as Python does (-1: the last token); outside the
-    run it is an IndexError. Under grouped-query attention `kv_head` names the key/value head read."""
+    run it is an IndexError. A layer or head the model lacks (or no whole number) is a ValueError. Under grouped-query attention `kv_head` names the key/value head read."""
     if result.queries is None or result.keys is None or result.values is None:
         raise ValueError("the neuron view needs queries, keys and values: run with Capture(qkv=True)")
     info = model.info
+    layer, head = index_below(layer, info.n_layers, "layer"), index_below(head, info.n_heads, "head")
+    query_index = whole_number(query_index, "query_index")
     n_tokens = result.keys[layer].shape[1]
     if not -n_tokens <= query_index < n_tokens:
         raise IndexError(f"query_index {query_index} is outside this run's {n_tokens} tokens")
