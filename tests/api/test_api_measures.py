@@ -215,7 +215,7 @@ def test_bad_input_is_a_clear_4xx(client):
         (client.get(f"{base}/measures", params={"names": "value_norms", "layers": "7"}), 422, "layer 7"),
         (client.get("/api/v1/runs/0123/measures", params={"names": "rollout"}), 404, "unknown or was evicted"),
         (client.get(f"{base}/flow", params={"threshold": 0}), 422, None),
-        (client.get(f"{base}/flow", params={"threshold": "nan"}), 422, "finite number"),  # not "less than or equal to 1"
+        (client.get(f"{base}/flow", params={"threshold": "nan"}), 422, "written as a decimal"),  # not "less than or equal to 1"
         (client.get(f"{base}/neuron", params={"layer": 0, "head": 8, "query": 0}), 422, "head 8"),
         (client.get(f"{base}/neuron", params={"layer": 0, "head": 0, "query": 999}), 422, "query position 999"),
         (client.get(f"{base}/neuron", params={"layer": -1, "head": 0, "query": 0}), 422, None),
