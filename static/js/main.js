@@ -27,9 +27,10 @@ const EAGER_BYTES = 4e6;
 const guessTokens = (chars) => Math.ceil(chars / 4) + 3;
 const NARROW = window.matchMedia("(max-width: 700px)");
 const HEAD_VIEW_PAUSE_MS = 120;
-// float16 values of every layer the grid asks for under a hiding option, at most (MiniLM's 72
-// heads up to 682 tokens): beyond, its renormalised thumbnails stay on the 8-bit bytes.
-const GRID_EXACT_BYTES = 64 * 2 ** 20;
+// Exact values (float32 once decoded) of every layer the grid asks for when a view is not the
+// plain one, at most: MiniLM's 72 heads at 512 tokens, its longest, are 75 MB; beyond, its
+// thumbnails stay on the 8-bit bytes.
+const GRID_EXACT_BYTES = 96 * 2 ** 20;
 const REVIVE_GAP_MS = 5000; // a run lost again this soon after it was posted again is shown as an error
 
 const state = {
@@ -279,12 +280,11 @@ async function loadExact(layer) {
   if (!slice || state.run !== run) return;
   run.exactFailed.delete(layer);
   run.ingest(slice);
-  if (!isIdentity(viewOptions(), run.hasPair)) grid.paintLayer(layer, viewOptions());
+  // In slices, as an option change repaints: a layer of MiniLM at 512 tokens pools 3 M cells.
+  if (!isIdentity(viewOptions(), run.hasPair)) grid.paintAllSoon(viewOptions());
   if (state.aggregate !== "all" && state.layer === layer) renderViews();
 }
 
-// One cell in every head, for the ranking of a picked cell (cell_heads.js). A GPU server keeps a
-// u8 answer's run as its bytes: the text is then posted again in float16 first, as for loadExact.
 // With the server gone, the heatmap stayed on the 8-bit values it had, and only the banner at the
 // top said anything: the caption says which values these are.
 function exactFailed(run, layer) {
@@ -299,13 +299,30 @@ function exactFailed(run, layer) {
 // Renormalised from 8-bit bytes a row that gave the hidden tokens nearly all its weight is lost (a
 // visible share of 1e-4 is bytes of 0): a thumbnail was blank or not by whether its layer's exact
 // values had come for the focus, so a saved view reopened drew other thumbnails than its page had.
-// Under a hiding option the grid asks for every layer's, as the focus does for its own.
-function exactForGrid(run) {
-  if (run.long || state.run !== run || !renormalises(viewOptions())) return;
-  if (run.nLayers * run.nHeads * run.T ** 2 * 2 > GRID_EXACT_BYTES) return;
-  for (let l = 0; l < run.nLayers; l++) if (run.hasLayer(l) && !run.isPrecise(l, 0)) loadExact(l);
+// The grid draws a view that is not the plain one (hidden tokens, a threshold, a pair block) from
+// exact values, and so asks for every layer's, as the focus does for its own. Not those that
+// failed (each failure is said; the focus asks again for its own layer).
+async function exactForGrid(run) {
+  if (run.long || state.run !== run || isIdentity(viewOptions(), run.hasPair)) return;
+  if (run.nLayers * run.nHeads * run.T ** 2 * 4 > GRID_EXACT_BYTES) return; // decoded: float32
+  const wanted = [...Array(run.nLayers).keys()].filter((l) => run.hasLayer(l) && !run.isPrecise(l, 0) && !run.exactFailed.has(l));
+  if (!wanted.length) return;
+  // One request for them all: a run a GPU server kept as its 8-bit bytes is posted again in
+  // float16 once (a request a layer had posted the text again as many times, all at once).
+  const signal = state.controller.signal;
+  const slice = await fromRun(run, "f16:grid", (id) => fetchSlice(id, wanted, null, "f16", signal),
+    { format: "f16", post: () => postAttention({ ...state.request, layers: wanted, format: "f16" }, signal) },
+    () => wanted.forEach((l) => exactFailed(run, l)));
+  if (!slice || state.run !== run) return;
+  wanted.forEach((l) => run.exactFailed.delete(l));
+  run.ingest(slice);
+  grid.paintAllSoon(viewOptions());
+  if (state.aggregate !== "all" && wanted.includes(state.layer)) renderViews();
+  exactForGrid(run); // layers whose 8-bit bytes came meanwhile (a long text's grid loads as it scrolls)
 }
 
+// One cell in every head, for the ranking of a picked cell (cell_heads.js). A GPU server keeps a
+// u8 answer's run as its bytes: the text is then posted again in float16 first, as for loadExact.
 async function exactCell(run, query, key) {
   const signal = state.controller.signal;
   const values = async (id) => ({ values: await fetchCell(id, query, key, signal) });

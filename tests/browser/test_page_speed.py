@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.browser.test_page import PAIR, SENTENCE, open_page, run, wait_focus, wait_grid
-from tests.browser.test_page_truth import api_u8, read_thumbnails
+from tests.browser.test_page_truth import read_thumbnails
 from tests.browser.test_page_ux import f16_attention, text_of_tokens
 
 pytestmark = pytest.mark.browser
@@ -76,13 +76,12 @@ def test_steps_and_layer_means_at_512_ask_only_for_what_the_heatmap_shows(server
 
 def test_thumbnails_after_hide_special_threshold_and_fixed_scale_are_the_apis(server, api, page):
     """Threshold and scale now recolour pooled maxima instead of pooling again: the pixels must still
-    be each head's renormalised, thresholded weights (exact f16 for the focused layer, whose heads
-    have arrived, the 8-bit bytes elsewhere), and the same after toggling hide-special off and on."""
+    be each head's renormalised, thresholded weights (exact f16 in every layer: hiding tokens has the
+    grid fetch them), and the same after toggling hide-special off and on."""
     open_page(page, server)
     run(page, SENTENCE, PAIR)
     wait_grid(page)
     tokens, exact = f16_attention(api, SENTENCE, list(range(6)), pair=PAIR)
-    u8 = api_u8(api, SENTENCE, PAIR).astype(np.float64) / 255
     keep = ~np.array([t["special"] for t in tokens])
     threshold = 0.1
     page.select_option("#scale", "fixed")
@@ -94,7 +93,7 @@ def test_thumbnails_after_hide_special_threshold_and_fixed_scale_are_the_apis(se
     def wrong_pixels():
         wrong = []
         for (layer, head), possible in read_thumbnails(page).items():
-            weights = (exact if layer == 0 else u8)[layer, head][keep][:, keep]
+            weights = exact[layer, head][keep][:, keep]
             view = weights / weights.sum(axis=1, keepdims=True)
             want = np.rint(np.where(view < threshold, 0, np.minimum(view, 1)) * 255).astype(int)
             if possible.shape[:2] != want.shape:

@@ -181,6 +181,37 @@ def test_a_saved_views_thumbnails_under_hiding_options_are_those_its_page_drew(s
         assert page.locator("#hide-special").is_checked()
 
 
+def test_a_run_kept_as_8_bit_bytes_is_posted_again_once_for_the_grids_exact_values(server, page, watched):
+    """A GPU server keeps a u8 answer's run as its bytes (precision "u8"): asking every layer's
+    float16 for the grid posted the whole text again once per layer, all at once (review h55e)."""
+    import json
+
+    posts = []
+
+    def as_gpu_server(route):
+        body = route.request.post_data_json or {}
+        posts.append(body.get("format"))
+        answer = route.fetch(headers={**route.request.headers, "accept": "application/json"})  # not a frame: JSON to edit
+        data = answer.json()
+        if body.get("format") == "u8":
+            data["precision"] = "u8"  # as a GPU server answers: its run holds the u8 bytes
+        route.fulfill(response=answer, body=json.dumps(data))
+
+    open_view(page, server)
+    submit(page, "A first text.")
+    page.wait_for_selector("#run-form[aria-busy=false]", timeout=30_000)
+    page.check("#hide-special")
+    watched.settle(page)
+    page.route("**/api/v1/attention", as_gpu_server)
+    submit(page, SENTENCE, PAIR)  # its run under hidden tokens from the start
+    page.wait_for_function("() => [...document.querySelectorAll('.thumb')].every((c) => c.dataset.values === 'f16')",
+                           timeout=30_000)
+    watched.settle(page)
+    assert posts[0] == "u8" and 1 <= posts.count("f16") <= 2, posts  # the grid's, and the focus's own
+    n_layers = len({c for c in page.locator(".thumb").evaluate_all("cells => cells.map((c) => c.dataset.layer)")})
+    assert n_layers == 6 and posts.count("f16") < n_layers
+
+
 # ---------------------------------------------------------------------------- pair blocks
 def test_pair_block_a_to_b_shows_each_rows_share_of_all_its_words(server, api, page):
     open_view(page, server, text=SENTENCE, pair=PAIR, model="minilm", layer=2, head=3)
