@@ -47,8 +47,10 @@ export class CellHeads {
       asking.then((exact) => exact || this.asked.delete(cell)); // a failure may be asked again
     }
     this.asked.get(cell).then((exact) => {
-      if (!exact || this.picked !== picked) return;
-      picked.exact = exact;
+      if (this.picked !== picked) return;
+      // Failed: a long run, which holds no weight of its own, had said "still loading" for good.
+      if (!exact) picked.failed = true;
+      else picked.exact = exact;
       this.render(this.focused.layer, this.focused.head);
     });
   }
@@ -83,7 +85,9 @@ export class CellHeads {
         { "data-layer": l, "data-head": h, "aria-pressed": String(l === layer && h === head),
           ...(precise ? {} : { title: `8-bit value (±${coarse.toPrecision(2)}) until layer ${l}'s exact values come` }) },
         () => this.onFocus(l, h))])));
-    const notes = [missing && `${missing} heads still loading`, found.some((f) => !f.precise) && "8-bit values until the exact ones come"];
+    const { failed } = this.picked;
+    const notes = [missing && (failed ? `${missing} heads could not be read (see above); pick it again to retry` : `${missing} heads still loading`),
+      found.some((f) => !f.precise) && (failed ? "8-bit values: the exact ones could not be read" : "8-bit values until the exact ones come")];
     const waiting = notes.some(Boolean) ? ` (${notes.filter(Boolean).join("; ")})` : "";
     // A name ("#2 ל") is position then label, left to right: in a LEFT-TO-RIGHT ISOLATE an RTL
     // label no longer pulls the arrow and the other name around it (tokens.js isolate).

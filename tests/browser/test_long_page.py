@@ -377,6 +377,17 @@ def test_a_long_runs_picked_cell_ranks_every_head_by_its_weight(server, page, mo
     buttons.nth(1).click()
     page.wait_for_selector(f"#focus-plot[data-layer='{layer}'][data-head='{head}']")
     assert box.locator(f"button[data-layer='{layer}'][data-head='{head}']").get_attribute("aria-pressed") == "true"
+    # A cell whose values cannot be read says so, and is asked again when picked again.
+    page.route("**/api/v1/runs/long-mock/cell?*", lambda route: route.abort("connectionrefused"))
+    page.mouse.click(*point_at_unzoomed(page, 1035, 1001))
+    page.wait_for_function("() => document.getElementById('cell-heads').textContent.includes('could not be read')")
+    assert "still loading" not in box.text_content()
+    page.unroute("**/api/v1/runs/long-mock/cell?*")
+    page.wait_for_timeout(600)  # two clicks at one point within Plotly's double-click time reset the zoom
+    page.mouse.click(*point_at_unzoomed(page, 1035, 1001))
+    page.wait_for_function("n => document.getElementById('cell-heads').querySelectorAll('li button').length === n",
+                           arg=mock.n_layers * mock.n_heads)
+    assert box.locator(".hint").text_content().startswith(f"#1035 {mock.tokens[1035]['piece']} → #1001 ")
     # A masked cell (a later key) ranks nothing: 0 in every head.
     page.click("#cell-heads-close")
     page.mouse.click(*point_at_unzoomed(page, 1001, 1020))  # picking is synchronous: nothing to wait for
