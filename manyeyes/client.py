@@ -808,7 +808,9 @@ class Client:
             raise ValueError(f"format must be one of {', '.join(FRAME_DTYPES)}; got {format!r}")
         # Checked here, not at the first call: timeout_s=0 failed every request as a server that
         # "could not be reached (tried 6 times)", and -1 or a negative wait as httpx's or sleep's error.
-        timeout_s = seconds(timeout_s, "timeout_s", above_zero=True)
+        # None (no limit) and an httpx.Timeout go to httpx as they are, as they always did.
+        if timeout_s is not None and not isinstance(timeout_s, httpx.Timeout):
+            timeout_s = seconds(timeout_s, "timeout_s", above_zero=True)
         max_retry_wait_s = seconds(max_retry_wait_s, "max_retry_wait_s")
         if api_key is not None and not isinstance(api_key, str):
             raise ValueError(f"api_key must be the key as a str (or None); got {type(api_key).__name__}")

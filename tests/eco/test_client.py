@@ -868,7 +868,7 @@ def test_a_client_refuses_bad_seconds_and_keys_when_made():
     """Checked only at the first call: timeout_s=0 failed every request as a server that "could not
     be reached (tried 6 times over 7.8 s)", timeout_s=-1 and max_retry_wait_s=-1 as httpx's and
     sleep's errors, api_key=123 as an AttributeError (review h55d). No server is needed to make one."""
-    for bad in (0, -1, float("nan"), float("inf"), "30", True, None):
+    for bad in (0, -1, float("nan"), float("inf"), "30", True):
         with pytest.raises(ValueError, match=re.escape(f"timeout_s must be a number of seconds, above 0; got {bad!r}")):
             Client("http://127.0.0.1:9", timeout_s=bad)
     for bad in (-1, -0.5, float("nan"), "1"):
@@ -879,6 +879,11 @@ def test_a_client_refuses_bad_seconds_and_keys_when_made():
             Client("http://127.0.0.1:9", api_key=bad)
     with Client("http://127.0.0.1:9", timeout_s=np.float32(2.5), max_retry_wait_s=0, api_key=None) as c:
         assert c.http.timeout.read == 2.5 and c.max_retry_wait_s == 0.0
+    # No limit, or httpx's own: passed on as before.
+    with Client("http://127.0.0.1:9", timeout_s=None) as c:
+        assert c.http.timeout.read is None
+    with Client("http://127.0.0.1:9", timeout_s=httpx.Timeout(10, read=600)) as c:
+        assert (c.http.timeout.connect, c.http.timeout.read) == (10, 600)
 
 
 def test_a_client_pickles_as_a_new_client_of_the_same_server(client, local):
