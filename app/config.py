@@ -32,7 +32,7 @@ def parse_model_specs(specs: list[str] | str) -> dict[str, str]:
         model_id, sep, spec = item.partition("=")
         # A bare book spec, `model.pth?config=...` (its "=" comes after the "?"), or a path that
         # exists as written: `runs/lr=0.001/model` served "runs/lr" from a Hub id "0.001/model".
-        if "?" in model_id or (sep and os.path.exists(os.path.expanduser(item))):
+        if "?" in model_id or (sep and os.path.exists(os.path.expanduser(item.partition("?")[0]))):
             model_id, sep, spec = item, "", ""
         if sep and (not model_id.strip() or not spec.strip()):
             raise ValueError(f"model {raw!r} must look like ID=PATH_OR_SPEC")

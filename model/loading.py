@@ -398,7 +398,7 @@ def check_numbers(config: dict, path: Path) -> None:
         if key in config and not (number(config[key]) and 0 < config[key] <= 1):
             bad(key, "a number in (0, 1]")
     for key in FLAGS:
-        if config.get(key) is not None and not isinstance(config[key], bool):
+        if config.get(key) is not None and config[key] not in (True, False):  # 0 and 1 too, as Python reads them
             bad(key, "true or false")
 
 

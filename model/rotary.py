@@ -288,7 +288,10 @@ def rope_config(params: dict, head_dim: int, max_positions: int) -> RopeConfig:
     unknown = sorted(set(params) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"unsupported rope parameter(s): {', '.join(unknown)}")
-    missing = [key for key in REQUIRED.get(params.get("rope_type"), ()) if params.get(key) is None]
+    rope_type = params.get("rope_type")
+    if not isinstance(rope_type, str):  # ["yarn"] was "unhashable type: 'list'"
+        raise ValueError(f"rope_type must be a name such as 'linear' or 'yarn', got {rope_type!r}")
+    missing = [key for key in REQUIRED.get(rope_type, ()) if params.get(key) is None]
     if missing:
         # As transformers refuses them, rather than guessing at defaults that change every position.
         raise ValueError(f"rope type {params['rope_type']!r} needs {', '.join(missing)} in rope_scaling / rope_parameters")

@@ -333,6 +333,7 @@ BASE = dict(model_type="llama", vocab_size=50, hidden_size=16, num_attention_hea
           original_max_position_embeddings=16), None),
     (dict(rope_parameters="linear"), "rope_parameters must be an object of rope settings \\(or null\\), got 'linear'"),
     (dict(head_dim=7), "head_dim 7 x partial_rotary_factor 1.0 .* leaves 7 dims to rotate"),
+    (dict(rope_scaling={"rope_type": ["yarn"], "factor": 2.0}), "rope_type must be a name such as 'linear' or 'yarn', got \\['yarn'\\]"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "warp": 1}), "unsupported rope parameter.*warp"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor is unsupported"),
     (dict(num_key_value_heads=3, num_attention_heads=4), "not divisible by num_key_value_heads"),
@@ -353,7 +354,8 @@ def test_llama_family_refuses_what_it_cannot_honour(change, message):
 
 @pytest.mark.parametrize("change,message", [
     (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
-    (dict(use_sliding_window=1), "use_sliding_window must be true or false, got 1"),
+    (dict(use_sliding_window="true"), "use_sliding_window must be true or false, got 'true'"),
+    (dict(mlp_bias=[]), "mlp_bias must be true or false, got \\[\\]"),
     (dict(model_type=["llama"]), "unsupported model_type \\['llama'\\]; supported: bert"),
 ])
 def test_config_values_of_the_wrong_kind_are_refused_by_name(tmp_path, change, message):
@@ -366,7 +368,7 @@ def test_config_values_of_the_wrong_kind_are_refused_by_name(tmp_path, change, m
     with pytest.raises(ModelLoadError, match=message):
         family_for(config["model_type"], tmp_path / "config.json")
         check_numbers(config, tmp_path / "config.json")
-    check_numbers(BASE | dict(tie_word_embeddings=False, use_sliding_window=None), tmp_path / "config.json")
+    check_numbers(BASE | dict(tie_word_embeddings=False, use_sliding_window=None, mlp_bias=0), tmp_path / "config.json")
 
 
 def test_a_gpt2_config_whose_width_does_not_split_into_heads_is_refused_in_its_own_terms():

@@ -179,6 +179,9 @@ def test_a_folder_whose_path_holds_an_equals_sign_is_taken_whole(tmp_path):
     assert parse_model_specs([str(folder)]) == {str(folder): str(folder)}
     assert parse_model_specs([f"mine={folder}"]) == {"mine": str(folder)}
     assert parse_model_specs([f"{tmp_path}/none=tiny-gpt"]) == {f"{tmp_path}/none": "tiny-gpt"}
+    (folder / "model.pth").touch()
+    book = f"{folder}/model.pth?config=gpt2-small"  # a book spec in such a folder: its path before the "?"
+    assert parse_model_specs([book]) == {book: book}
 
 
 def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(monkeypatch, capsys):
