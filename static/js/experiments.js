@@ -18,6 +18,7 @@ const ablation = {
   shown: null, // { layer, head } drawn in the heatmap
   busy: null, // the input whose ablation is under way: a new run's clicks do not wait for the last run's
   queue: [], // heads Alt-clicked meanwhile, ablated next, in order
+  running: null, // { layer, head } of the ablation under way, until its answer; null once undone
   off: false, // a long run: the server keeps no dense weights to ablate
 };
 
@@ -52,6 +53,7 @@ async function ablateHead(layer, head) {
   if (ablation.off) return status($("ablate-status"), "Ablation is off for long runs (see above).", "error");
   if (ablation.busy === input) {
     ablation.queue.push({ layer, head }); // a click while one runs was dropped without a word
+    updateButtons();
     return status($("ablate-status"), `Ablating… then L${layer} H${head} (${ablation.queue.length} waiting).`, "busy");
   }
   ablation.input = input; // each new run cleared the stack (forgetLastRun)
@@ -65,6 +67,10 @@ async function ablateHead(layer, head) {
     return next && ablateHead(next.layer, next.head);
   }
   ablation.busy = input;
+  // Undo or Restore all pressed meanwhile drop it: its answer, built on the list before the press,
+  // had put the heads just restored back (and a second undo step with them).
+  const running = (ablation.running = { layer, head });
+  updateButtons();
   status($("ablate-status"), `Ablating L${layer} H${head} (${mode})…`, "busy");
   try {
     if (!ablation.clean) {
@@ -81,25 +87,39 @@ async function ablateHead(layer, head) {
       ...input, ablate: list, top_k: 5, attention: { format: ablation.format },
     }, undefined, busyWait($("ablate-status"), "experiments"));
     if (!stillShown(input)) return;
-    const entry = { ablate: list, reply, attention: decodeTensor(reply.attention) };
-    ablation.shown = headFor(entry, !previous.length);
-    ablation.stack.push(entry);
-    // Said, not only drawn: a cleared line told a screen reader nothing of the result.
-    const heads = list.length === 1 ? "1 head" : `${list.length} heads`;
-    status($("ablate-status"), `Done on ${input.model}: L${layer} H${head} ablated (${mode}); ${heads} ablated in all.`, "");
+    if (ablation.running === running) { // else undone meanwhile, and said so then: the heads waiting go on
+      const entry = { ablate: list, reply, attention: decodeTensor(reply.attention) };
+      ablation.shown = headFor(entry, !previous.length);
+      ablation.stack.push(entry);
+      // Said, not only drawn: a cleared line told a screen reader nothing of the result.
+      const heads = list.length === 1 ? "1 head" : `${list.length} heads`;
+      status($("ablate-status"), `Done on ${input.model}: L${layer} H${head} ablated (${mode}); ${heads} ablated in all.`, "");
+    }
   } catch (err) {
     if (!stillShown(input)) return;
     status($("ablate-status"), describeError(err), "error");
     ablation.queue = []; // what was clicked meanwhile would fail the same way
   } finally {
     if (ablation.busy === input) ablation.busy = null;
+    if (ablation.running === running) ablation.running = null;
   }
   renderAblation();
   const next = ablation.queue.shift();
   if (next) ablateHead(next.layer, next.head);
 }
 
+// The last thing asked goes first: a head waiting its turn, then the ablation under way, then the
+// last one done.
 function undo() {
+  const waiting = ablation.queue.pop();
+  const running = !waiting && ablation.running;
+  if (waiting || running) {
+    const { layer, head } = waiting || running;
+    if (running) ablation.running = null;
+    updateButtons();
+    afterRestore(`Undone: L${layer} H${head} ${waiting ? "will not be ablated" : "is not ablated (its answer is dropped)"}.`);
+    return;
+  }
   if (!ablation.stack.length) return;
   ablation.stack.pop();
   // The clean picture may show any head; an ablation kept on the stack shows one it changes.
@@ -111,6 +131,8 @@ function undo() {
 
 function restoreAll() {
   ablation.stack = [];
+  ablation.queue = [];
+  ablation.running = null;
   renderAblation();
   afterRestore("Restored: no head ablated.");
 }
@@ -134,10 +156,16 @@ function markAblatedInGrid(ablate) {
   }
 }
 
+// Undo and Restore all while there is something to undo: done, under way or waiting.
+function updateButtons() {
+  const nothing = !ablation.stack.length && !ablation.running && !ablation.queue.length;
+  $("ablate-undo").disabled = nothing;
+  $("ablate-clear").disabled = nothing;
+}
+
 function renderAblation() {
   const current = ablation.stack.at(-1);
-  $("ablate-undo").disabled = !current;
-  $("ablate-clear").disabled = !current;
+  updateButtons();
   const chips = (current?.ablate || []).map((a) => el("li", { className: "chip", text: `L${a.layer} H${a.head} · ${a.mode}` }));
   $("ablate-list").replaceChildren(...chips);
   markAblatedInGrid(current?.ablate || []);
@@ -388,7 +416,7 @@ function forgetLastRun(input, { causal, long, tokens }) {
   runRows = tokens.length;
   fitChanges(input.model, causal);
   askChanges(input.model).then(() => stillShown(input) && fitChanges(input.model, causal), () => {});
-  Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null, busy: null, queue: [], off: long });
+  Object.assign(ablation, { input: null, clean: null, tokens: [], stack: [], shown: null, busy: null, queue: [], running: null, off: long });
   lastChange += 1;
   status($("ablate-status"), "");
   renderAblation();

@@ -155,6 +155,44 @@ def test_the_grid_marks_the_heads_ablated_until_undone_or_a_new_run(server, page
     assert marked() == []
 
 
+def test_undo_and_restore_all_while_an_ablation_runs_drop_it(server, page):
+    """The answer of an ablation under way, built on the list before Undo or Restore all was
+    pressed, put the heads just restored back when it came (review h55g)."""
+    def marked():
+        return page.evaluate("() => [...document.querySelectorAll('#grid .thumb.ablated')].map((t) => [t.dataset.layer, t.dataset.head])")
+
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    # The page's ablate requests wait, while window.hold is set, until the test releases them.
+    page.evaluate("""() => {
+        const real = window.fetch;
+        window.held = [];
+        window.fetch = (url, options) => String(url).includes('experiments/ablate') && window.hold
+            ? new Promise((resolve) => window.held.push(() => resolve(real(url, options))))
+            : real(url, options);
+    }""")
+    for press, left in (("#ablate-undo", [["0", "2"], ["0", "3"]]), ("#ablate-clear", [["0", "3"]])):
+        if page.is_enabled("#ablate-clear"):
+            page.click("#ablate-clear")
+        alt_click(page, 0, 2)
+        page.wait_for_selector("#ablate-plot[data-depth='1'][data-state='ablated']", timeout=30_000)
+        page.evaluate("() => { window.hold = true; }")
+        alt_click(page, 1, 3)
+        page.wait_for_function("() => window.held.length === 1", timeout=30_000)
+        assert page.is_enabled("#ablate-undo") and page.is_enabled("#ablate-clear")
+        page.click(press)
+        said = page.locator("#ablate-status").text_content()
+        assert said == ("Undone: L1 H3 is not ablated (its answer is dropped)." if press == "#ablate-undo"
+                        else "Restored: no head ablated."), said
+        alt_click(page, 0, 3)  # waits its turn behind the dropped one, then goes on the list as it is now
+        page.evaluate("() => { window.hold = false; window.held.shift()(); }")
+        page.wait_for_function("(n) => document.getElementById('ablate-plot').dataset.depth === String(n)", arg=len(left),
+                               timeout=30_000)
+        page.wait_for_function("() => document.getElementById('ablate-status').textContent.startsWith('Done on')")
+        assert marked() == left, (press, marked())
+        assert page.locator("#ablate-list li").all_text_contents() == [f"L{l} H{h} · zero" for l, h in left]
+
+
 def test_ablating_a_causal_model_shows_the_prediction_change(server, api, page):
     open_page(page, server)
     run(page, PROMPT, "tiny-causal")
