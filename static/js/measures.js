@@ -92,6 +92,12 @@ function hidingWords(hiding, shown) {
     : `No token is left to show: untick ${by.join(" or ")} to see them.`;
 }
 
+// The focused heatmap's ways of looking that no measure follows, as the page's controls name them.
+const lookingOf = ({ threshold = 0, segments = "all" }) => [threshold > 0 && "“Threshold”", segments !== "all" && "“Pairs”"].filter(Boolean);
+
+// What the word view did to the pieces (the API's rule, README "word view").
+const WORDS_MERGED = "Words: each word's key pieces are summed and its query pieces averaged";
+
 // Why "Words, not pieces" is off under the head contributions (said in the caption and the box's title).
 const WORDS_OFF = "“Words, not pieces” is off here: it merges token × token maps, and these rows are heads";
 
@@ -149,7 +155,8 @@ class Measures {
     this.layer = 0;
     this.head = 0;
     this.aggregate = "head"; // what the focused heatmap shows (main.js): one head, or a mean
-    this.shown = null; // { kind, hidden } of the measure drawn, for its caption
+    this.shown = null; // { kind, hidden, wordView } of the measure drawn, for its caption
+    this.looking = []; // the focused heatmap's own view options set (threshold, pair block), named in the caption
     this.queryIndex = 0;
     this.flow = null;
     this.words = null;
@@ -225,6 +232,7 @@ class Measures {
     this.request = requestBody;
     this.labels = labels;
     this.hiding = hidingOf(options);
+    this.looking = lookingOf(options);
     this.flow = this.words = this.predictions = null;
     this.predictionsSettled = false;
     this.queryIndex = run.tokens.length - 1;
@@ -260,6 +268,11 @@ class Measures {
 
   // The view options changed: the same tokens, named and hidden as the focused heatmap names and hides them.
   setView(labels, options) {
+    const looking = lookingOf(options);
+    if (looking.join() !== this.looking.join()) {
+      this.looking = looking;
+      if (this.shown) this.caption();
+    }
     const hiding = hidingOf(options);
     if (!this.run || (labels === this.labels && hiding.hideSpecial === this.hiding.hideSpecial && hiding.hideFirst === this.hiding.hideFirst)) return;
     this.hiding = hiding;
@@ -571,12 +584,12 @@ class Measures {
   drawn(kind, { layer, head }, wordView, hidden) {
     Object.assign($("measure-plot").dataset, { measure: kind, layer, head, words: String(wordView) });
     $("measure-plot").removeAttribute("data-stale");
-    this.shown = { kind, hidden };
+    this.shown = { kind, hidden, wordView };
     this.caption();
   }
 
   caption() {
-    const { kind, hidden } = this.shown;
+    const { kind, hidden, wordView } = this.shown;
     // Hiding renormalises one head's softmax rows: the other measures show every token, and say so
     // (they ignored the ticked boxes without a word).
     const by = hidingOptions(this.hiding);
@@ -585,8 +598,11 @@ class Measures {
     // The rollout takes every layer's mean, the contributions every head of the layer: no one head.
     const single = kind === "raw" || kind === "value_norms" ? this.oneHead() : "";
     // Off under the contributions, the word view says why there, and in its box's title.
-    const words = kind === "contributions" ? ` ${WORDS_OFF}.` : "";
-    $("measure-caption").textContent = (hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind] + ignored) + single + words;
+    const words = kind === "contributions" ? ` ${WORDS_OFF}.` : wordView ? ` ${WORDS_MERGED}${kind === "raw" ? ", so rows still sum to 1." : "."}` : "";
+    // The threshold and the pair block were applied to the focused heatmap and not here, unsaid.
+    const looks = this.looking.length
+      ? ` ${this.looking.join(" and ")} ${this.looking.length > 1 ? "apply" : "applies"} to the focused heatmap only: every weight and pair block is shown here.` : "";
+    $("measure-caption").textContent = (hidden ? `${CAPTIONS[kind]} ${hidingWords(this.hiding, this.cells.matrix.length)}` : CAPTIONS[kind] + ignored) + single + words + looks;
   }
 
   // "query → key: value" for a cell, and the model's next-token guess after the query where there

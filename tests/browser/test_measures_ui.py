@@ -845,6 +845,34 @@ def test_raw_weights_hide_special_tokens_as_the_focused_heatmap_does(page, serve
     assert np.abs(np.asarray(page.evaluate(measured)) - attention[0, 0]).max() < 1e-6
 
 
+def test_the_caption_names_the_focused_heatmaps_own_options_and_the_word_views_merge(page, server):
+    """With a pair, "Pairs" and "Threshold" changed the focused heatmap but not the raw weights
+    below, whose caption said they were shown "as in the focused heatmap"; and the word view said
+    nothing of how it merged pieces (review h55f)."""
+    open_page(page, server)
+    run(page, "The bank raised rates.", "She sat on the river bank.", model="minilm")
+    page.locator("#measures").scroll_into_view_if_needed()
+    page.wait_for_selector("#measure-plot[data-measure='raw']", timeout=30_000)
+    caption = page.locator("#measure-caption")
+    assert "focused heatmap only" not in caption.text_content()
+    page.select_option("#segments", "AB")
+    page.wait_for_function("() => document.getElementById('measure-caption').textContent.endsWith("
+                           "' “Pairs” applies to the focused heatmap only: every weight and pair block is shown here.')")
+    page.locator("#threshold").fill("0.3")
+    page.wait_for_function("() => document.getElementById('measure-caption').textContent.endsWith("
+                           "' “Threshold” and “Pairs” apply to the focused heatmap only: every weight and pair block is shown here.')")
+    page.select_option("#segments", "all")
+    page.locator("#threshold").fill("0")
+    page.wait_for_function("() => !document.getElementById('measure-caption').textContent.includes('focused heatmap only')")
+    page.check("#word-view")
+    page.wait_for_selector("#measure-plot[data-words='true']")
+    assert caption.text_content().endswith(
+        " Words: each word's key pieces are summed and its query pieces averaged, so rows still sum to 1.")
+    page.select_option("#measure", "value_norms")
+    page.wait_for_selector("#measure-plot[data-measure='value_norms'][data-words='true']")
+    assert "Words: each word's key pieces are summed and its query pieces averaged." in caption.text_content()
+
+
 def test_raw_weights_say_so_when_every_token_is_hidden(page, tiny_server):
     """tiny-gpt's `a` is one token: under "Hide first token" the raw weights have no cell left."""
     open_page(page, tiny_server)
