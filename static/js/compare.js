@@ -68,10 +68,10 @@ export function mountCompare(box) {
     const { model, truncate } = currentModel();
     const token = ++state.token;
     const input = { text_a: a.value || currentInput()?.text || "", text_b: b.value, model, truncate };
+    forgetComparison(); // a failed comparison, or one refused here, left the last one's heatmaps and ranking under its error
     if (!input.text_a.trim() || !input.text_b.trim()) {
       return status(note, input.text_a.trim() ? "Write sentence B to compare with A." : "Write two sentences to compare.", "error");
     }
-    forgetComparison(); // a failed comparison left the last one's heatmaps and ranking under its error
     status(note, `Comparing on ${model ?? "the server's default model"}…`, "busy");
     try {
       const reply = await postWithDifference("api/v1/experiments/compare", input, shorterAtLeast(input), busyWait(note, "experiments"));

@@ -418,6 +418,12 @@ def test_compare_two_sentences_shows_the_api_difference(server, api, page, artif
     page.keyboard.press(" ")
     page.wait_for_selector(f"#compare-plot-diff[data-layer='{second['layer']}'][data-head='{second['head']}']")
     page.locator("#compare-box").screenshot(path=str(artifacts / "experiments-compare.png"))
+    # B emptied: the refusal no longer stands over the last comparison's heatmaps and ranking (review h55g).
+    page.fill("#compare-b", "")
+    page.click("#compare-run")
+    page.wait_for_function("() => document.getElementById('compare-status').textContent === 'Write sentence B to compare with A.'")
+    assert page.locator("#compare-ranking tbody tr").count() == 0
+    assert page.get_attribute("#compare-plot-diff", "data-ready") == "false"
 
 
 def compare_on_the_page(page, server, a: str, b: str, model: str = "tiny-causal") -> None:
