@@ -156,9 +156,10 @@ def _cache_entry_problem(cache: Path, hub_id: HubId) -> str:
 
 
 def _snapshots_starting(cache: Path, hub_id: HubId) -> list[str]:
+    """The cached snapshots whose commit starts with the id's revision (in either case), sorted."""
     try:
-        return [p.name for p in (repo_folder(cache, hub_id.repo) / "snapshots").iterdir()
-                if FULL_COMMIT.fullmatch(p.name) and p.name.startswith(hub_id.revision.lower())]
+        return sorted(p.name for p in (repo_folder(cache, hub_id.repo) / "snapshots").iterdir()
+                      if FULL_COMMIT.fullmatch(p.name) and p.name.startswith(hub_id.revision.lower()) and p.is_dir())
     except OSError:
         return []
 
@@ -182,11 +183,7 @@ def expand_short_commit(cache: Path, hub_id: HubId) -> HubId | None:
         return hub_id
     if (root / "refs" / revision).is_file():
         return hub_id
-    try:
-        matches = sorted(p.name for p in (root / "snapshots").iterdir()
-                         if FULL_COMMIT.fullmatch(p.name) and p.name.startswith(revision.lower()) and p.is_dir())
-    except OSError:
-        matches = []
+    matches = _snapshots_starting(cache, hub_id)
     if len(matches) > 1:
         raise ModelLoadError(
             f"model {hub_id}: the short commit {revision} matches {len(matches)} snapshots in the Hugging Face cache "

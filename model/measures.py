@@ -480,7 +480,8 @@ def neuron_view(model: AttentionModel, result: AttentionResult, layer: int, head
 
     `result` must come from a run with Capture(qkv=True) (else ValueError) that kept its weights
     (not Capture(keep=True)). query_index counts as Python does (-1: the last token); outside the
-    run it is an IndexError. A layer or head the model lacks (or no whole number) is a ValueError. Under grouped-query attention `kv_head` names the key/value head read."""
+    run it is an IndexError. A layer or head the model lacks (or no whole number) is a ValueError.
+    Under grouped-query attention `kv_head` names the key/value head read."""
     if result.queries is None or result.keys is None or result.values is None:
         raise ValueError("the neuron view needs queries, keys and values: run with Capture(qkv=True)")
     info = model.info

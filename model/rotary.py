@@ -294,7 +294,7 @@ def rope_config(params: dict, head_dim: int, max_positions: int) -> RopeConfig:
     missing = [key for key in REQUIRED.get(rope_type, ()) if params.get(key) is None]
     if missing:
         # As transformers refuses them, rather than guessing at defaults that change every position.
-        raise ValueError(f"rope type {params['rope_type']!r} needs {', '.join(missing)} in rope_scaling / rope_parameters")
+        raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)} in rope_scaling / rope_parameters")
     factor = params.get("partial_rotary_factor", 1.0)
     rotary_dim = int(head_dim * factor)
     if rotary_dim % 2 or rotary_dim <= 0:
