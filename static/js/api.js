@@ -47,7 +47,14 @@ let asking = null;
 
 function withKey(init = {}) {
   const key = sessionStorage.getItem(KEY_ITEM);
-  return key ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${key}` } } : init;
+  return key ? { ...init, headers: { ...(init.headers || {}), Authorization: `Bearer ${utf8Bytes(key)}` } } : init;
+}
+
+// The key's UTF-8 bytes, a character each: fetch sends a header's characters as single bytes and
+// throws on any above U+00FF, where the server reads the header as UTF-8 (as curl and the Python
+// client send it). A key "ключ" read as "the server could not be reached"; "café" was refused.
+function utf8Bytes(text) {
+  return String.fromCharCode(...new TextEncoder().encode(text));
 }
 
 function askForKey(refused) {

@@ -19,6 +19,7 @@ from tests.servers import free_port
 
 pytestmark = pytest.mark.browser
 KEY = "page-key-0123456789"
+KEY_NOT_LATIN1 = "ключ-café"  # fetch takes header values as bytes (Latin-1); the server reads UTF-8
 SERVER = """
 import json, sys, uvicorn
 from manyeyes.app.config import Settings
@@ -48,7 +49,7 @@ def spawn(settings: dict):
 def served(request):
     settings = {"models": {"minilm": "minilm"}, "device": "cpu", "warmup": False}
     if request.param == "keys":
-        settings["api_keys"] = [KEY]
+        settings["api_keys"] = [KEY, KEY_NOT_LATIN1]
     proc, url = spawn(settings)
     yield request.param, url
     proc.terminate()
@@ -143,6 +144,23 @@ def test_every_read_of_a_run_carries_the_tabs_key(profile, served):
     page.goto(url + "/")
     slice_shape, mean_shape = page.evaluate(READ_RUN, ["The heron waited by the mill."])
     assert slice_shape[:2] == [1, 2] and mean_shape[:2] == [1, 1] and mean_shape[2:] == slice_shape[2:], (slice_shape, mean_shape)
+    page.close()
+
+
+@pytest.mark.parametrize("served", ["keys"], indirect=True)
+def test_a_key_beyond_latin1_is_sent_as_its_utf8_bytes(profile, served):
+    """The page put the key into the header as it was typed: fetch threw on "ключ" (read as "the
+    server could not be reached", for good in that tab) and sent "é" as one Latin-1 byte, which
+    the server, reading UTF-8 as curl sends it, refused."""
+    _, url = served
+    page = profile.new_page()
+    prompts = []
+    page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept(KEY_NOT_LATIN1)))
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-ready=true]", timeout=30_000)
+    slice_shape, mean_shape = page.evaluate(READ_RUN, ["The heron waited by the mill."])
+    assert slice_shape[:2] == [1, 2] and mean_shape[:2] == [1, 1], (slice_shape, mean_shape)
+    assert len(prompts) == 1 and page.locator("#error").text_content().strip() == "", prompts
     page.close()
 
 
