@@ -990,11 +990,13 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   // The whole heatmap on screen, fitted to the window (focus.js). A phone's page went to the views'
   // top after each run, whose title, caption and hint pushed a plot as tall as the window (held
   // sideways, or a page at 200 %) past its foot: reveal takes the plot to the top instead then.
-  if (NARROW.matches) $("controls").open = false;
-  focus.reveal(run.T, NARROW.matches);
   // The experiment panels act on the run on screen, and drop what they showed of the last one.
   // Its tokens (with their character offsets) say what part of the text a run cut to fit covers.
+  // Announced before reveal measures the room under the form: the "last run" note there goes with
+  // it, and a page that measured it scrolled, then fitted the plot to the room without it.
   document.dispatchEvent(new CustomEvent("manyeyes:run", { detail: { request, long: run.long, causal: run.causal, tokens: run.tokens, truncated: run.truncated } }));
+  if (NARROW.matches) $("controls").open = false;
+  focus.reveal(run.T, NARROW.matches);
   cellHeads.clear(); // the last run's cell
   if (!run.long) headView.reserve(run.tokens, viewOptions());
   // The head chips above the head view as well: drawn with the lines after a pause, they pushed

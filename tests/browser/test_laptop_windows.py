@@ -99,6 +99,30 @@ def test_a_short_sentence_stays_under_its_text_box(server, make_page, artifacts)
     assert min(seen["fonts"]) >= 11, seen
 
 
+def test_a_run_after_an_edit_is_laid_out_as_on_a_fresh_page(server, make_page):
+    """The "last run" note under the form was still shown when the page chose whether to scroll
+    (it went with the run's announcement, after that choice): at 1366 × 768 a 19-token run after an
+    edit scrolled the form away and then, the note gone, fitted the plot to the room under the form,
+    13 px rows in the window's top half. It is laid out now as the same run on a fresh page."""
+    text = "a b c d e f g h i j k l m n o p q"  # 19 tokens with [CLS] and [SEP]
+    settled = "() => !document.querySelector('.thumb.loading') && document.querySelectorAll('.thumb').length === 72"
+    seen = []
+    for edited in (False, True):
+        page = make_page(viewport=(1366, 768))
+        open_page(page, server)
+        if edited:
+            run(page, SENTENCE)
+            page.fill("#text", text)
+            assert page.locator("#stale-note").is_visible()
+        run(page, text)
+        page.wait_for_function(settled)
+        page.wait_for_timeout(400)  # the plot's refit once the layout settles
+        seen.append(page.evaluate(LAYOUT))
+        page.close()
+    fresh, edited = seen
+    assert edited["scrollY"] == fresh["scrollY"] and abs(edited["plot"]["height"] - fresh["plot"]["height"]) <= 1, (fresh, edited)
+    assert whole_on_screen(edited, 768), edited
+
 
 @pytest.mark.parametrize("size", [(1100, 800), (844, 390)])
 def test_in_one_column_the_page_brings_the_heatmap_whole_into_view(server, make_page, artifacts, size):
