@@ -106,6 +106,8 @@ function slidOver(range, n) {
   return shift ? range.map((v) => v + shift) : null;
 }
 
+// Plotly's doubleClickDelay (its default, which the page keeps): a second press within it is a double click.
+const DOUBLE_CLICK_MS = 300;
 const MIN_FONT = 7; // px: below it a label cannot be read, so fewer labels are shown instead
 const SAMPLED_LABEL_PX = 12; // px a thinned axis gives each label: a 10 px font (fontFor)
 
@@ -255,6 +257,9 @@ export class FocusView {
     this.ranges = { x: null, y: null };
     this.revision = null;
     this.revealed = false; // whether a run has been brought into view (reveal) yet
+    this.pickTimer = null; // a click's pick, waiting to see whether a double click follows (pickUnlessDouble)
+    this.presses = 0; // pointer presses on the plot, counted so that one press picks once
+    this.handledPress = 0;
     this.fitTokens = 0; // the tokens of that run (fitHeight)
     this.heatmap = new CanvasHeatmap(plot);
     this.titleNode = el("div", { className: "gtitle" });
@@ -707,10 +712,37 @@ export class FocusView {
   // A cell picked by a click or tap, or by Enter on the cursor: its query and key, if it is drawn
   // and not masked (masked, it is 0 in every head: nothing to rank).
   pick(cell) {
-    if (!cell || !this.current || !this.onPick) return;
+    const picked = this.picked(cell);
+    if (picked) this.onPick(...picked);
+  }
+
+  // [query, key] of a cell that can be picked, else null.
+  picked(cell) {
+    if (!cell || !this.current || !this.onPick) return null;
     const { view } = this.current;
-    if (view.masked(cell.row, cell.col)) return;
-    this.onPick(view.rows[cell.row], view.cols[cell.col]);
+    return view.masked(cell.row, cell.col) ? null : [view.rows[cell.row], view.cols[cell.col]];
+  }
+
+  // A click or tap picks its cell once Plotly's double-click window has passed without a second
+  // press: a double click resets the zoom, and its first click, picked at once, ranked the cell
+  // that was under the pointer in the zoomed view (another cell once reset). A press is handled
+  // once, told by its pointerup (a tap) or its click or both. The cell is the one under the
+  // press, and the pick is dropped if another run's ranking (onPick) has come meanwhile.
+  pickUnlessDouble(clientX, clientY) {
+    const press = this.presses;
+    if (press === this.handledPress) return;
+    this.handledPress = press;
+    if (this.pickTimer) {
+      clearTimeout(this.pickTimer);
+      this.pickTimer = null;
+      return;
+    }
+    const picked = this.picked(this.current && this.heatmap.cellAt(clientX, clientY));
+    const onPick = this.onPick;
+    this.pickTimer = setTimeout(() => {
+      this.pickTimer = null;
+      if (picked && this.onPick === onPick) onPick(...picked);
+    }, DOUBLE_CLICK_MS);
   }
 
   // The float32 values came: the reading on screen, if any, reads them.
@@ -803,14 +835,15 @@ export class FocusView {
     let down = null;
     plot.addEventListener("pointerdown", (event) => {
       down = { x: event.clientX, y: event.clientY };
+      this.presses += 1;
     });
     // A mouse's press ends on Plotly's drag cover, not here: the click it sends after a press
     // that did not drag picks the cell.
-    plot.addEventListener("click", (event) => this.pick(this.current && this.heatmap.cellAt(event.clientX, event.clientY)));
+    plot.addEventListener("click", (event) => this.pickUnlessDouble(event.clientX, event.clientY));
     plot.addEventListener("pointerup", (event) => {
       if (down && Math.hypot(event.clientX - down.x, event.clientY - down.y) < 8) {
         this.showReading(event.clientX, event.clientY);
-        this.pick(this.current && this.heatmap.cellAt(event.clientX, event.clientY));
+        this.pickUnlessDouble(event.clientX, event.clientY);
       }
       down = null;
     });

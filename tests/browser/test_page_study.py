@@ -202,6 +202,31 @@ def test_alt_click_on_a_thumbnail_ablates_without_moving_the_focus(server, page)
     assert page.locator("#layer").input_value() == "0" and page.locator("#head").input_value() == "3"
 
 
+def test_a_double_click_resets_the_zoom_and_ranks_no_cell(server, page):
+    """Its first click picked the cell under the pointer in the zoomed view, which the reset then
+    moved away: the ranking named a cell the heatmap no longer showed there. A single click ranks."""
+    from tests.browser.test_long_rendering import drag
+    from tests.browser.test_page import hover_cell
+
+    open_page(page, server)
+    run(page, SENTENCE)
+    cells = []
+    page.on("request", lambda r: cells.append(r.url) if "/cell?" in r.url else None)
+    drag(page, 3, 8, 3, 8)
+    zoomed = page.evaluate("() => document.getElementById('focus-plot')._fullLayout.xaxis.range")
+    assert zoomed[1] - zoomed[0] < 8, zoomed
+    box = page.locator("#focus-plot .nsewdrag").bounding_box()
+    page.mouse.dblclick(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_timeout(800)
+    reset = page.evaluate("() => document.getElementById('focus-plot')._fullLayout.xaxis.range")
+    assert reset[1] - reset[0] > 10, reset
+    assert page.locator("#cell-heads").is_hidden() and cells == [], cells
+    hover_cell(page, 5, 2)
+    page.mouse.down()
+    page.mouse.up()
+    page.wait_for_selector("#cell-heads:not([hidden]) .cell-heads-list button")
+
+
 # ---- 9. the cell's ranking of heads writes weights as the heatmap reads them ---------------------------
 
 
@@ -297,7 +322,7 @@ def test_a_cell_picked_twice_while_its_exact_values_come_is_ranked_by_them(serve
     for _ in range(2):
         page.mouse.down()
         page.mouse.up()
-        page.wait_for_timeout(150)
+        page.wait_for_timeout(400)  # past the double-click window (a double click resets the zoom), not the fetch's 600 ms
     wait_exact_ranking(page)
     assert "8-bit" not in page.text_content("#cell-heads .hint")
 
