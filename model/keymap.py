@@ -179,6 +179,14 @@ def load_strict(net: torch.nn.Module, mapped: dict[str, torch.Tensor], path: Pat
                 f"{path}: shape mismatch for '{key}'{theirs}: checkpoint has {tuple(mapped[key].shape)}, "
                 f"model expects {tuple(own[key].shape)}"
             )
+        # A saved derived buffer (the book's causal mask) is the one the config makes, or the file is
+        # damaged: a zeroed mask let a query see later tokens in the dense path alone (the long-input
+        # path masks by position), and a mask of ones made every first row NaN.
+        if key.rsplit(".", 1)[-1] in derived and mapped[key] is not own[key] and not torch.equal(mapped[key] != 0, own[key] != 0):
+            raise ModelLoadError(
+                f"{path}: '{key}'{theirs} is not the mask this model derives from its config (1 above the diagonal, "
+                "0 elsewhere); is the checkpoint damaged?"
+            )
     for key in mapped:
         if key not in own:
             raise ModelLoadError(f"{path}: unexpected key '{key}'")

@@ -640,3 +640,71 @@ def test_a_tied_head_is_named_by_the_embeddings_key_it_is_tied_to(tmp_path, fami
     mapped = family.convert(state, net, tmp_path)
     assert mapped[ours] is mapped["tok_emb.weight"]
     assert mapped.theirs(ours) == f" (tied to the word embeddings: the checkpoint's '{embeddings}')"
+
+
+def test_a_checkpoint_with_damaged_bytes_is_refused_by_its_checksums(book_folder):
+    """torch.load reads a torch.save zip without checking its CRC-32s: bytes flipped inside a
+    weight (still finite values) loaded as that damaged model, with no word."""
+    import zipfile
+
+    folder, _, _ = book_folder
+    path = folder / "model.pth"
+    with zipfile.ZipFile(path) as archive:
+        entry = max(archive.infolist(), key=lambda info: info.file_size)
+    raw = bytearray(path.read_bytes())
+    name_length, extra_length = (int.from_bytes(raw[entry.header_offset + at: entry.header_offset + at + 2], "little") for at in (26, 28))
+    start = entry.header_offset + 30 + name_length + extra_length
+    for i in range(0, min(entry.file_size, 4000), 4):
+        raw[start + i] ^= 1  # the lowest mantissa bit of a float32: a finite value either way
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match=re.escape(f"corrupt checkpoint {path}: its entry {entry.filename} does not match its checksum")):
+        load(folder, device="cpu")
+
+
+def test_a_folder_whose_book_checkpoint_is_not_model_pth_is_told_to_pass_the_file(book_folder):
+    """It was read as a Hugging Face folder: "config.json has no model_type ... add the one it was
+    saved as", which a book config cannot take."""
+    folder, book, _ = book_folder
+    (folder / "model.pth").rename(folder / "gpt.pth")
+    with pytest.raises(ModelLoadError) as raised:
+        load(folder, device="cpu")
+    assert str(raised.value) == (f"{folder} holds a book checkpoint (gpt.pth) but no model.pth, and its config.json has no "
+                                 f"model_type, as a Hugging Face folder's has: load the file itself ({folder / 'gpt.pth'}), "
+                                 "or name it model.pth")
+    assert load(folder / "gpt.pth", device="cpu").info.n_heads == 5  # as told: its config.json beside it
+
+
+@pytest.mark.parametrize("fill", [0.0, 1.0])
+def test_a_saved_mask_that_is_not_the_causal_one_is_refused(book_folder, fill):
+    """The file's mask was trusted: zeros let query 0 see later tokens in the dense path (the
+    long-input path masks by position: the two disagreed by 0.92), ones made attention NaN."""
+    folder, book, _ = book_folder
+    state = book.state_dict()
+    state["trf_blocks.1.att.mask"] = torch.full_like(state["trf_blocks.1.att.mask"], fill)
+    torch.save(state, folder / "model.pth")
+    with pytest.raises(ModelLoadError, match=re.escape(f"{folder / 'model.pth'}: 'trf_blocks.1.att.mask' is not the mask "
+                                                       "this model derives from its config")):
+        load(folder, device="cpu")
+
+
+@pytest.mark.parametrize("spec", [None, 3, ["minilm"]])
+def test_a_spec_that_is_no_name_or_path_is_a_type_error(spec):
+    """load(None) looked up "None" in the Hugging Face cache, and fetched it from the Hub when online."""
+    with pytest.raises(TypeError, match=re.escape(f"spec must be a model name, a path or a Hugging Face id (a str or a Path), got {spec!r}")):
+        load(spec)
+
+
+def test_a_folder_named_as_a_built_in_model_is_said_not_to_be_loaded(tmp_path, monkeypatch, caplog):
+    """The training recipe writes --out tiny-gpt; `--model tiny-gpt` beside it then showed the
+    shipped model's heads as if they were the new one's, with no word."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-gpt").mkdir()
+    with caplog.at_level("WARNING", logger="manyeyes.model.loading"):
+        model = load("tiny-gpt", device="cpu")
+    assert model.info.id == "tiny-gpt"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"'tiny-gpt' is the built-in model; the folder {tmp_path / 'tiny-gpt'} here is not loaded: name it ./tiny-gpt to load it"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="manyeyes.model.loading"):
+        load("minilm", device="cpu")
+    assert caplog.records == []
