@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from manyeyes.indices import whole_number
+from manyeyes.indices import count_at_least, whole_number
 from manyeyes.labels import align
 from manyeyes.model.runtime import AttentionModel, AttentionResult
 from manyeyes.model.tokenizer import Encoded, Token
@@ -161,7 +161,7 @@ def _head_means(model: AttentionModel, result: AttentionResult, ablations: list[
     return means
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: == compared them and raised
 class AblationResult:
     """What `ablate` found. `before` and `after` are the whole runs (attention (n_layers, n_heads,
     T, T)); `ranking` holds only the heads after the first ablated layer, since none before it can
@@ -252,6 +252,10 @@ def ablate(model: AttentionModel, encoded: str | Encoded, ablations: Iterable[Ab
     from manyeyes.model.attention import Capture
 
     encoded = _encoded(model, encoded)
+    if len(encoded) == 0:  # a causal model's empty text: torch's reshape error, deep in the means
+        raise ValueError("the text gives no tokens, so there is no attention to ablate")
+    if count_at_least(top, 1) is None:
+        raise ValueError(f"top must be a whole number of at least 1 (guesses kept per position), got {top!r}")
     ablations = validate_ablations(model, ablations)
     before = model.run([encoded], Capture(qkv=True))[0]
     means = _head_means(model, before, ablations)
@@ -292,7 +296,7 @@ def target_logprobs(logits: torch.Tensor, targets: list[tuple[int, int]]) -> tor
 
 
 # ---------------------------------------------------------------------------- token changes and comparison
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: == compared them and raised
 class Comparison:
     """Two runs side by side (`compare`, `change_token`). `pairs` are the indices of the tokens
     difflib aligns; `ranking` every head, largest mean Jensen-Shannon divergence (bits) first, over

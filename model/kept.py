@@ -32,8 +32,8 @@ def check_window(att, layer: int, heads: list[int], q0: int, q1: int, k0: int, k
     n = att.n_tokens
     if not 0 <= layer < att.n_layers:
         raise ValueError(f"layer must be in 0..{att.n_layers - 1}, got {layer}")
-    if not heads or any(not 0 <= h < att.n_heads for h in heads):
-        raise ValueError(f"heads must be a non-empty list of indices in 0..{att.n_heads - 1}, got {list(heads)}")
+    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__") or not heads or any(not 0 <= h < att.n_heads for h in heads):
+        raise ValueError(f"heads must be a non-empty list of indices in 0..{att.n_heads - 1}, got {heads!r}")
     if not (0 <= q0 < q1 <= n and 0 <= k0 < k1 <= n):
         raise ValueError(f"the window must satisfy 0 <= q0 < q1 <= {n} and 0 <= k0 < k1 <= {n}, "
                          f"got queries [{q0}, {q1}) and keys [{k0}, {k1})")
@@ -59,7 +59,7 @@ class TopK(NamedTuple):
         return f"TopK(values and indices {tuple(self.values.shape)}, rest {tuple(self.rest.shape)})"
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: == compared them and raised
 class KeptAttention:
     """One input's attention, kept as what regenerates it. Tensors stay on the run's device."""
 

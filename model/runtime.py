@@ -13,6 +13,7 @@ from manyeyes.model.attention import Capture, layer_windows
 from manyeyes.model.buffers import empty_written_whole, own_copy
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
+from manyeyes.indices import whole_number
 from manyeyes.model.tokenizer import Encoded, Token
 
 
@@ -59,7 +60,7 @@ class Prediction:
         return f"Prediction(token={self.token!r}, id={self.id!r}, prob={self.prob!r}{piece})"
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: == compared them and raised
 class AttentionResult:
     """One input's run (`AttentionModel.attend`, `attend_batch`, `run`): its tokens and what the
     forward captured. T is the number of tokens; `truncated` says the input was cut to fit.
@@ -108,7 +109,7 @@ def _short_text(token) -> str:
     return repr(text if len(text) <= 12 else text[:11] + "…")
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: == compared them and raised
 class BatchOutput:
     """One padded batch's outputs, on the CPU: row i's are [i, ..., :n_i] (its own tokens)."""
 
@@ -229,6 +230,11 @@ class AttentionModel:
     def predict(self, text: str, top_k: int = 5, text_pair: str | None = None, truncate: bool = False):
         """{position: [Prediction, ...]} best first: the next token after every position for a
         causal LM, the masked token at each [MASK] / <mask> for a masked LM."""
+        # Read before the forward: predict("a", "b") (attend's text_pair in second place) failed
+        # after it with "'<=' not supported between 'int' and 'str'".
+        whole_number(top_k, "top_k (predict's second argument; text_pair is a keyword)")
+        if not self.info.predictions:
+            raise ValueError(f"model {self.info.id} has no language-model head, so it makes no predictions")
         return self.predictions(self.attend(text, text_pair, truncate), top_k)
 
     def predictions(self, result: AttentionResult, top_k: int = 5) -> dict[int, list[Prediction]]:
@@ -241,8 +247,12 @@ class AttentionModel:
 
     def predictions_from(self, tokens: list[Token], top_ids, top_probs, top_k: int) -> dict[int, list[Prediction]]:
         """The same from a run's kept top-k tensors (the service caches those, not the logits)."""
-        if not self.info.predictions or top_ids is None:
+        top_k = whole_number(top_k, "top_k")
+        if not self.info.predictions:
             raise ValueError(f"model {self.info.id} has no language-model head, so it makes no predictions")
+        if top_ids is None:
+            raise ValueError("this result holds no predictions (top_ids is None): it was run by a model without a "
+                             f"language-model head, or kept without them; run the text with {self.info.id}'s attend")
         if not 1 <= top_k <= top_ids.shape[1]:
             raise ValueError(f"top_k must be in 1..{top_ids.shape[1]}, got {top_k}")
         if self.info.causal:
@@ -269,6 +279,11 @@ class AttentionModel:
         to_host: how the (n_layers, b, n_heads, width, width) weights leave the device (default
         `.cpu()`); the server passes one that quantises on the device and copies through pinned
         memory, so the attention may then come back as uint8 or float16."""
+        if not isinstance(capture, Capture):
+            raise TypeError(f"capture must be a Capture (manyeyes.model.Capture(qkv=True), ...), got {capture!r}")
+        if isinstance(batch, (str, Encoded)) or not all(isinstance(e, Encoded) for e in batch):
+            raise TypeError("run takes a list of what encode returns: run([model.encode(text)]); for texts, use "
+                            "attend or attend_batch")
         if not batch:
             return []
         if capture.keep:
