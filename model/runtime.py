@@ -14,7 +14,7 @@ from manyeyes.model.buffers import empty_written_whole, own_copy
 from manyeyes.model.errors import ModelLoadError
 from manyeyes.model.kept import KeptAttention, kept_from_layers
 from manyeyes.indices import whole_number
-from manyeyes.model.tokenizer import Encoded, Token
+from manyeyes.model.tokenizer import Encoded, Token, brief_tokens
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,6 @@ class AttentionResult:
 
     def __repr__(self) -> str:
         # One line: the generated repr printed every Token and whole tensors (16 KB for 16 tokens).
-        n = len(self.tokens)
-        texts = [_short_text(t) for t in (self.tokens if n <= 6 else [*self.tokens[:3], *self.tokens[-2:]])]
-        if n > 6:
-            texts.insert(3, "…")
         if self.attention is not None:
             attention = f"attention {tuple(self.attention.shape)} {str(self.attention.dtype).removeprefix('torch.')}"
         else:
@@ -99,14 +95,8 @@ class AttentionResult:
         parts = [name for name, value in (("hidden", self.hidden), ("logits", self.logits), ("top-k", self.top_ids),
                                           ("queries/keys/values", self.queries)) if value is not None]
         with_parts = f", with {', '.join(parts)}" if parts else ""
-        return (f"AttentionResult({n} token{'' if n == 1 else 's'} [{', '.join(texts)}], {attention}, "
+        return (f"AttentionResult({brief_tokens(self.tokens)}, {attention}, "
                 f"truncated={self.truncated}{with_parts})")
-
-
-def _short_text(token) -> str:
-    """A token's text for a repr, quoted, at most 12 characters of it."""
-    text = getattr(token, "text", token)
-    return repr(text if len(text) <= 12 else text[:11] + "…")
 
 
 @dataclass(eq=False)  # tensors have no truth value: == compared them and raised

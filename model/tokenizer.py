@@ -79,6 +79,25 @@ class Encoded:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def __repr__(self) -> str:
+        # One line, as AttentionResult's: the generated repr printed every Token (170 KB for 2,000).
+        return f"Encoded({brief_tokens(self.tokens)}, truncated={self.truncated})"
+
+
+def brief_tokens(tokens) -> str:
+    """A repr's view of a token list, one line at any length: "8 tokens ['[CLS]', 'the', 'bank', …, '[SEP]']"."""
+    n = len(tokens)
+    texts = [_short_text(t) for t in (tokens if n <= 6 else [*tokens[:3], *tokens[-2:]])]
+    if n > 6:
+        texts.insert(3, "…")
+    return f"{n} token{'' if n == 1 else 's'} [{', '.join(texts)}]"
+
+
+def _short_text(token) -> str:
+    """A token's text for a repr, quoted, at most 12 characters of it."""
+    text = getattr(token, "text", token)
+    return repr(text if len(text) <= 12 else text[:11] + "…")
+
 
 MASK_PIECES = ("[MASK]", "<mask>")
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's document separator, and what `manyeyes train` puts between files

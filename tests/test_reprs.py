@@ -35,6 +35,14 @@ def test_a_result_is_one_line_whatever_its_length(minilm, tiny):
     assert "['a\\nb', 'xxxxxxxxxxx…']" in repr(odd) and "\n" not in repr(odd)
 
 
+def test_an_encoded_input_is_one_line_whatever_its_length(minilm):
+    """encode's answer printed every Token: 170 KB for 2,000 tokens."""
+    assert repr(minilm.encode("The bank of the river.")) == (
+        "Encoded(8 tokens ['[CLS]', 'The', 'bank', …, '.', '[SEP]'], truncated=False)")
+    long = minilm.encode("word " * 600, truncate=True)
+    assert repr(long) == "Encoded(512 tokens ['[CLS]', 'word', 'word', …, 'word', '[SEP]'], truncated=True)"
+
+
 def test_a_result_is_still_a_dataclass(tiny):
     r = tiny.attend("hi")
     assert r == r and dataclasses.replace(r, truncated=True) != r
