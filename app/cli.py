@@ -301,6 +301,10 @@ def cmd_serve(args) -> int:
     if settings.close_metrics and not keys:
         print("manyeyes: MANYEYES_CLOSE_METRICS without API keys: no key can open /metrics, so every scrape gets 401",
               file=sys.stderr)
+    if "*" in settings.cors_origins and not keys:
+        print("manyeyes: MANYEYES_CORS_ORIGINS='*' without API keys: any web page open in a browser that reaches this "
+              "server can call its API and read the answers (this machine's own browser, for a server on loopback); "
+              "list the origins that may, or set MANYEYES_API_KEYS", file=sys.stderr)
     if settings.max_client_queue is not None and settings.max_client_queue >= settings.max_queue:
         print(f"manyeyes: MANYEYES_MAX_CLIENT_QUEUE={settings.max_client_queue} is not below MANYEYES_MAX_QUEUE="
               f"{settings.max_queue}: one client can still fill the whole queue", file=sys.stderr)

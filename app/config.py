@@ -102,6 +102,7 @@ def is_ipv4(text: str) -> bool:
 # A CORS origin as a browser's Origin header carries it, which the middleware compares as text: a
 # scheme and a host in lower case (an IPv6 one in brackets), maybe a port, no user, path or "*".
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9._~-]+)(:(\d{1,5}))?")
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 # The longest wait any setting takes: 1e308 s passed as a number and meant for ever, as inf did.
@@ -316,8 +317,12 @@ class Settings(BaseSettings):
             origin = ORIGIN.fullmatch(entry)
             if entry != "*" and (origin is None or (origin[3] and not 0 < int(origin[3]) <= 65535)):
                 raise ValueError(f"{entry!r} is no origin: write it as a browser sends it, scheme and host in lower "
-                                 "case (and a port if not the scheme's), no path, trailing slash, user or '*': "
-                                 "https://viz.example.org")
+                                 "case (and a port if not the scheme's), no path, trailing slash, user or '*' in it: "
+                                 "https://viz.example.org, or '*' alone for any origin")
+            # A browser leaves its scheme's own port out of the Origin it sends: ":443" matched none.
+            if origin is not None and origin[3] and DEFAULT_PORTS.get(entry.split("://")[0]) == int(origin[3]):
+                raise ValueError(f"{entry!r} names its scheme's own port, which a browser leaves out of the Origin it "
+                                 f"sends: write {entry.rsplit(':', 1)[0]}")
         return value
 
     @field_validator("allowed_hosts")

@@ -202,6 +202,9 @@ def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(m
     ({"MANYEYES_CLOSE_METRICS": "true"}, "MANYEYES_CLOSE_METRICS without API keys: no key can open /metrics"),
     ({"MANYEYES_MAX_CLIENT_QUEUE": "1000", "MANYEYES_MAX_QUEUE": "10"},
      "MANYEYES_MAX_CLIENT_QUEUE=1000 is not below MANYEYES_MAX_QUEUE=10: one client can still fill the whole queue"),
+    # Any web page could read a keyless server's API, a loopback one's too (SECURITY.md's threat model; h56a).
+    ({"MANYEYES_CORS_ORIGINS": "*"}, "MANYEYES_CORS_ORIGINS='*' without API keys: any web page open in a browser that "
+     "reaches this server can call its API"),
 ])
 def test_settings_that_together_do_nothing_are_said_at_start_up(monkeypatch, capsys, env, said):
     import uvicorn
@@ -428,6 +431,10 @@ def test_an_allowed_host_that_no_host_header_can_match_is_one_line_naming_it(mon
     ("MANYEYES_CORS_ORIGINS", "https://user@a.example.org", "is no origin"),
     ("MANYEYES_CORS_ORIGINS", "https://*.example.org", "is no origin"),
     ("MANYEYES_CORS_ORIGINS", "https://a.example.org:99999", "is no origin"),
+    # A browser's Origin leaves the scheme's own port out: ":443" matched no preflight (h56a).
+    ("MANYEYES_CORS_ORIGINS", "https://viz.example.org:443", "'https://viz.example.org:443' names its scheme's own port, "
+     "which a browser leaves out of the Origin it sends: write https://viz.example.org"),
+    ("MANYEYES_CORS_ORIGINS", "http://a.example.org:80", "write http://a.example.org"),
     # mallopt takes a C int: 4 GiB wrapped to 0.
     ("MANYEYES_MALLOC_MMAP_THRESHOLD", "4294967296", "less than or equal to 33554432"),
     ("MANYEYES_MALLOC_TRIM_THRESHOLD", "99999999999", "less than or equal to 2147483647"),
@@ -470,6 +477,7 @@ def test_cors_origins_are_read_as_a_list_separated_by_commas_too(monkeypatch):
     monkeypatch.setenv("MANYEYES_CORS_ORIGINS", '["https://a.example.org"]')
     assert Settings().cors_origins == ["https://a.example.org"]
     assert Settings(cors_origins=["*"]).cors_origins == ["*"]
+    assert Settings(cors_origins=["https://a.example.org:8443", "http://b.example.org:443"]).cors_origins[1] == "http://b.example.org:443"
     assert Settings(cors_origins=["http://[::1]:8000", "http://127.0.0.1:8000"]).cors_origins[0] == "http://[::1]:8000"
 
 
