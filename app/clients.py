@@ -210,6 +210,9 @@ class ClientIdentity:
             if digest is None:
                 if not self.keys:
                     message = "/metrics is closed (MANYEYES_CLOSE_METRICS) and this server has no API keys to open it"
+                elif token is None and any(name == b"authorization" for name, _ in scope["headers"]):
+                    # "Bearer\tkey" or "Basic ..." was told that no key had been sent.
+                    message = "the Authorization header is not a Bearer key: send Authorization: Bearer <key>, one space between"
                 elif token is None:
                     message = "this server needs an API key: send Authorization: Bearer <key>"
                 else:

@@ -180,14 +180,18 @@ class AllowedHosts:
             # Only the first was checked, and a proxy or the app may read another (RFC 9112: a 400).
             await send_error(send, 400, "bad_host", f"this request has {len(hosts)} Host headers: send one")
             return
-        host = hosts[0] if hosts else None
-        if host is not None and self.allowed(host):
+        if not hosts:
+            # The client's fault, which no setting mends (RFC 9112, 3.2: a 400): it was told to add
+            # "the name you reach it by" to MANYEYES_ALLOWED_HOSTS.
+            await send_error(send, 400, "bad_host", "this request has no Host header: send one naming this server as you "
+                                                    f"reach it (one of {self.listed}, any port)")
+            return
+        if self.allowed(hosts[0]):
             await self.app(scope, receive, send)
             return
-        said = f"to {brief(host, 100)!r}" if host is not None else "with no Host header"
         await send_error(send, 421, "host_not_allowed",
                          f"this server answers requests addressed to {self.listed} (MANYEYES_ALLOWED_HOSTS), and this "
-                         f"one came {said}: add the name you reach it by to MANYEYES_ALLOWED_HOSTS")
+                         f"one came to {brief(hosts[0], 100)!r}: add the name you reach it by to MANYEYES_ALLOWED_HOSTS")
 
 
 class ShutdownAnswer:

@@ -54,6 +54,20 @@ def test_api_routes_refuse_missing_or_wrong_keys_with_401_json(locked, method, p
             assert r.json()["error"]["code"] == "unknown_run"
 
 
+def test_a_401_says_whether_a_key_was_sent_and_in_what_form(locked):
+    """"Bearer<TAB>key" and "Basic ..." were told that no key had been sent (h56a)."""
+    said = {}
+    for name, headers in (("none", {}), ("tab", {"Authorization": f"Bearer\t{KEYS[0]}"}),
+                          ("basic", {"Authorization": f"Basic {KEYS[0]}"}), ("wrong", auth("wrong"))):
+        said[name] = locked.get("/api/v1/models", headers=headers).json()["error"]["message"]
+    assert said == {
+        "none": "this server needs an API key: send Authorization: Bearer <key>",
+        "tab": "the Authorization header is not a Bearer key: send Authorization: Bearer <key>, one space between",
+        "basic": "the Authorization header is not a Bearer key: send Authorization: Bearer <key>, one space between",
+        "wrong": "the API key is not valid",
+    }, said
+
+
 def test_health_and_page_stay_open_and_metrics_can_be_closed(locked):
     assert locked.get("/healthz").status_code == 200
     assert locked.get("/readyz").status_code == 200
