@@ -72,19 +72,41 @@ def compressed(request: Request) -> Response | None:
     )
 
 
-def keyed_openapi(build):
-    """The schema of a server with API keys says so: a bearer scheme on every route that needs a key,
-    so that /docs asks for one ("Authorize") and a client generated from the schema sends it."""
+def documented_openapi(build, keyed: bool, metrics_closed: bool):
+    """The schema FastAPI builds, with what it does not say:
+    - the examples as written: it drops every null from them, and FlowResponse's residual edge
+      ("head": null) then failed its own schema;
+    - on a server with API keys, a bearer scheme on every route that needs a key, so that /docs
+      asks for one ("Authorize") and a client generated from the schema sends it;
+    - /metrics's 401 where MANYEYES_CLOSE_METRICS closes it (its key too, on a server with keys)."""
+    from pydantic import BaseModel
+
+    from manyeyes.app import schemas
+
+    done = []
 
     def schema() -> dict:
         document = build()  # built once: FastAPI keeps it, and the changes below with it
-        schemes = document.setdefault("components", {}).setdefault("securitySchemes", {})
-        if "bearer" not in schemes:
-            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "One of MANYEYES_API_KEYS"}
+        if done:
+            return document
+        done.append(True)
+        components = document.setdefault("components", {})
+        for name, model in vars(schemas).items():
+            extra = model.model_config.get("json_schema_extra") if isinstance(model, type) and issubclass(model, BaseModel) else None
+            if isinstance(extra, dict) and "examples" in extra and name in components.get("schemas", {}):
+                components["schemas"][name]["examples"] = extra["examples"]
+        metrics = document["paths"]["/metrics"]["get"]
+        if metrics_closed:
+            metrics["responses"]["401"] = {"description": "MANYEYES_CLOSE_METRICS is set and the request has no valid API key"}
+        if keyed:
+            components.setdefault("securitySchemes", {})["bearer"] = {
+                "type": "http", "scheme": "bearer", "description": "One of MANYEYES_API_KEYS"}
             for path, operations in document["paths"].items():
                 if path.startswith("/api/") or path == "/export":
                     for operation in operations.values():
                         operation["security"] = [{"bearer": []}]
+            if metrics_closed:
+                metrics["security"] = [{"bearer": []}]
         return document
 
     return schema
@@ -236,8 +258,7 @@ def create_app(settings: Settings | None = None, run_directory=None, forward_lin
     # Not in the lifespan, which would replace the shared store workers.py and scale.py put here.
     app.state.views = ViewStore()
     app.state.view_saves = SaveSlots()
-    if keys:
-        app.openapi = keyed_openapi(app.openapi)
+    app.openapi = documented_openapi(app.openapi, bool(keys), settings.close_metrics)
     add_error_handlers(app)
     # The hot route first: routing tries the routers in this order.
     for module in (attention, models, generate, runs, aggregates, views, ops, page, docs, export, measures, experiments):

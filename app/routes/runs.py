@@ -64,14 +64,14 @@ async def run_slice(
     return await answered_while_connected(request, reply)  # waits for a render slot, as a tile does
 
 
-@router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(404))
+@router.get("/runs/{run_id}", response_model=RunInfo, responses=errors(404, 429, 503, 504))
 async def run_info(run_id: str, tiles: TilesDep) -> Response:
     """What a cached run is: its tokens, what it keeps (weights, or queries and keys), the bytes
     it holds, and the URL templates of the routes that serve it."""
     return Response(await tiles.info_json(run_id), media_type="application/json")
 
 
-@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: arrays_content(TileResponse), **errors(404, 413, 429, 504)})
+@router.get("/runs/{run_id}/tile", response_model=TileResponse, responses={200: arrays_content(TileResponse), **errors(404, 413, 429, 503, 504)})
 async def run_tile(
     run_id: str,
     tiles: TilesDep,
@@ -98,7 +98,7 @@ async def run_tile(
     )
 
 
-@router.get("/runs/{run_id}/cell", response_model=CellResponse, responses={200: arrays_content(CellResponse), **errors(404, 429, 504)})
+@router.get("/runs/{run_id}/cell", response_model=CellResponse, responses={200: arrays_content(CellResponse), **errors(404, 429, 503, 504)})
 async def run_cell(
     run_id: str,
     tiles: TilesDep,
@@ -113,7 +113,7 @@ async def run_cell(
     return await answered_while_connected(request, tiles.cell(run_id, query, key, format, wire_of(request), client_of(request)))
 
 
-@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: arrays_content(TopKResponse), **errors(404, 413, 429, 504)})
+@router.get("/runs/{run_id}/topk", response_model=TopKResponse, responses={200: arrays_content(TopKResponse), **errors(404, 413, 429, 503, 504)})
 async def run_topk(
     run_id: str,
     tiles: TilesDep,
@@ -130,7 +130,7 @@ async def run_topk(
     return await answered_while_connected(request, tiles.topk(run_id, layer, head, k, q0, q1, format, wire_of(request), client_of(request)))
 
 
-@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: arrays_content(OverviewResponse), **errors(404, 413, 429, 504)})
+@router.get("/runs/{run_id}/overview", response_model=OverviewResponse, responses={200: arrays_content(OverviewResponse), **errors(404, 413, 429, 503, 504)})
 async def run_overview(
     run_id: str,
     tiles: TilesDep,

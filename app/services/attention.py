@@ -549,8 +549,8 @@ class AttentionService:
         cells = sum(view.cells(n) for n in lengths)
         if cells > self.settings.max_json_cells:
             raise TooManyCells.json(cells, self.settings.max_json_cells, "attention weights",
-                                    "ask for format=u8 or f16, or fewer layers/heads (GET /api/v1/runs/{run_id}/attention "
-                                    "serves slices of a run)")
+                                    "ask for format=u8 or f16, or fewer layers/heads (that answer's run_id then serves "
+                                    "slices of the run from GET /api/v1/runs/{run_id}/attention)")
 
     def _check_held(self, served: Served, lengths: list[int]) -> None:
         """A batch's runs are all held at once, as float32 weights and again as its answer: at

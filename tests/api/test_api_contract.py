@@ -314,6 +314,36 @@ def test_openapi_declares_the_compact_media_type_and_the_key_scheme_of_a_keyed_s
         keyed.__exit__(None, None, None)
 
 
+def test_openapi_examples_keep_their_nulls_and_every_status_a_route_answers_is_listed(api):
+    """FastAPI drops nulls from examples: FlowResponse's residual edge lost its "head": null and
+    failed its own schema. GET /runs/{id} answered 429 (a run recomputed under --workers) with
+    only 404 listed, and a closed /metrics 401 with only 200 (h56d)."""
+    from pydantic import BaseModel
+
+    from manyeyes.app import schemas
+
+    spec = api.get("/openapi.json").json()
+    checked = 0
+    for name, shown in spec["components"]["schemas"].items():
+        model = getattr(schemas, name, None)
+        if isinstance(model, type) and issubclass(model, BaseModel) and "examples" in shown:
+            for example in shown["examples"]:
+                model.model_validate(example)
+                checked += 1
+    assert checked >= 5 and spec["components"]["schemas"]["FlowResponse"]["examples"][0]["edges"][1]["head"] is None
+    for path in ("/api/v1/runs/{run_id}", "/api/v1/runs/{run_id}/tile", "/api/v1/runs/{run_id}/cell",
+                 "/api/v1/runs/{run_id}/topk", "/api/v1/runs/{run_id}/overview", "/api/v1/runs/{run_id}/attention"):
+        assert {"404", "429", "503", "504"} <= set(spec["paths"][path]["get"]["responses"]), path
+    assert set(spec["paths"]["/metrics"]["get"]["responses"]) == {"200"}  # open here: it answers
+    closed = serve(Settings(models={"minilm": "minilm"}, device="cpu", warmup=False, api_keys=["k"], close_metrics=True))
+    try:
+        metrics = closed.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()["paths"]["/metrics"]["get"]
+        assert "401" in metrics["responses"] and metrics["security"] == [{"bearer": []}], metrics
+        assert closed.get("/metrics").status_code == 401
+    finally:
+        closed.__exit__(None, None, None)
+
+
 def test_a_single_value_query_parameter_given_twice_is_refused_and_lists_still_repeat(api):
     """`?layer=0&layer=3` answered layer 3 alone (the framework keeps the last), and `format=u8&format=json`
     JSON: a client's bug, or a proxy that appended its own, answered as if nothing were wrong."""
