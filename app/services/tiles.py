@@ -71,7 +71,7 @@ def span(run: Run, lo: int | None, hi: int | None, lo_name: str, hi_name: str) -
     hi = n if hi is None else hi
     if hi > n:
         raise InvalidInput(f"{hi_name}={hi} is past the run's end: run {run.run_id} has {n:,} tokens, "
-                           f"so {lo_name} and {hi_name} lie in 0..{n}")
+                           f"so {hi_name} is at most {n:,}")
     if lo >= hi:
         raise InvalidInput(f"{lo_name}={lo} must be below {hi_name}={hi}: the window [{lo_name}, {hi_name}) would be empty")
     return lo, hi

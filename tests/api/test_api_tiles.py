@@ -414,6 +414,9 @@ def test_bad_windows_sizes_and_indices_get_4xx_naming_the_field(tiles_api):
         assert_error(r, 422, f"q0={n + 5} is past the run's end", f"{n:,} tokens")
         assert "q1" not in r.json()["error"]["message"]
     assert_error(get(tiles_api, run_id, "tile", layer=0, head=0, rows=8, cols=8, k0=n), 422, f"k0={n} is past")
+    # Past the end with q1 sent: "so q0 and q1 lie in 0..n", where q0 lies in 0..n-1 (h56d).
+    r = get(tiles_api, run_id, "tile", layer=0, head=0, rows=8, cols=8, q1=n + 1)
+    assert r.json()["error"]["message"] == f"q1={n + 1} is past the run's end: run {run_id} has {n:,} tokens, so q1 is at most {n:,}"
     unknown = "0" * 32
     for route, params in (("tile", {"layer": 0, "head": 0}), ("topk", {"layer": 0, "head": 0}), ("overview", {})):
         assert_error(get(tiles_api, unknown, route, **params), 404, unknown)
