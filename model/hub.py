@@ -10,6 +10,7 @@ sharded or not; `.bin` only when a repo has no safetensors). Every failure is a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -320,24 +321,41 @@ def _tqdm_class(tally: _Tally, show: bool):
     return Counting
 
 
+# The listing's wait: huggingface_hub's client waits for ever by default, and a Hub that took the
+# request and never answered left `serve` "loading" and the CLI silent for good.
+INFO_TIMEOUT_S = 30.0
+
+
 def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progress: bool, held: str = "is not in") -> Path:
     """Fetch `hub_id` into `cache`; `held` says what the cache holds of it now, for the messages
-    of a download that fails ("is not in", "is incomplete (lacks tokenizer.json) in")."""
+    of a download that fails ("is not in", "is incomplete (lacks tokenizer.json) in").
+
+    Every file is fetched at the commit the listing names (a branch moved meanwhile cannot mix
+    two commits), so huggingface_hub writes no ref: the revision's ref is written here once all
+    are in, or the cache held a snapshot that neither HF_HUB_OFFLINE nor a Hub down could find."""
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        info = HfApi().model_info(hub_id.repo, revision=hub_id.revision, files_metadata=True)
+        info = HfApi().model_info(hub_id.repo, revision=hub_id.revision, files_metadata=True, timeout=INFO_TIMEOUT_S)
         sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+        digests = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if getattr(s, "lfs", None) and s.lfs.sha256}
         first, index = choose_files(list(sizes))
+        folder = repo_folder(cache, hub_id.repo) / "snapshots" / info.sha
 
         def fetch(names: list[str], tally: _Tally) -> None:
             for name in names:
+                if (folder / name).exists():  # kept from an earlier try: counted, so that progress ends at its total
+                    tally.add(sizes.get(name, 0))
+                    continue
+                before = tally.done
                 hf_hub_download(hub_id.repo, name, revision=info.sha, cache_dir=cache,
                                 tqdm_class=_tqdm_class(tally, show_progress))
+                # A blob kept from an earlier try is linked, not fetched: no bar counts it.
+                tally.add(max(0, sizes.get(name, 0) - (tally.done - before)))
+                _check_digest(folder / name, digests.get(name))
 
         # The shards' sizes are known from the listing, so the total is right from the start.
-        folder = cache / f"models--{hub_id.repo.replace('/', '--')}" / "snapshots" / info.sha
         index_size = sizes.get(index, 0) if index else 0
         tally = _Tally(sum(sizes[n] for n in first), progress)
         if index:
@@ -363,17 +381,85 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
             ) from exc
         raise ModelLoadError(f"model {hub_id.repo} has no revision {hub_id.revision!r}") from exc
     except (HfHubHTTPError, OSError) as exc:
+        answer = _http_answer(exc)
+        if answer is not None:  # the Hub answered, and refused: not the network's fault
+            raise ModelLoadError(
+                f"model {hub_id} {held} the Hugging Face cache at {cache} and the Hub refused a file of it: {answer}. "
+                "A token that may read it (`hf auth login`, HF_TOKEN), or fetch it with "
+                f"`{fetch_command(hub_id)}` and set HF_HUB_OFFLINE=1."
+            ) from exc
         raise ModelLoadError(
-            f"model {hub_id} {held} the Hugging Face cache at {cache} and downloading it failed: {exc}. "
+            f"model {hub_id} {held} the Hugging Face cache at {cache} and downloading it failed: {_one_line(exc)}. "
             f"Check the network, or fetch it with `{fetch_command(hub_id)}` and set HF_HUB_OFFLINE=1."
         ) from exc
     except Exception as exc:  # httpx connection errors and the like: still one clear line
         raise ModelLoadError(
-            f"model {hub_id} {held} the Hugging Face cache at {cache} and the Hub could not be reached "
-            f"({type(exc).__name__}: {exc}). Fetch it on a connected machine with `{fetch_command(hub_id)}`, "
+            f"model {hub_id} {held} the Hugging Face cache at {cache} and the Hub could not be reached, or broke off "
+            f"({type(exc).__name__}: {_one_line(exc)}). Fetch it on a connected machine with `{fetch_command(hub_id)}`, "
             "or set HF_HUB_OFFLINE=1 to use only the cache."
         ) from exc
     lacking = missing_files(folder)
     if lacking:
         raise ModelLoadError(f"model {hub_id}: downloaded to {folder} but it lacks {', '.join(lacking)}")
+    _write_ref(cache, hub_id, info.sha)
     return folder
+
+
+def _write_ref(cache: Path, hub_id: HubId, sha: str) -> None:
+    """refs/<revision> (main for none) naming the commit fetched, as huggingface_hub writes it
+    (no newline; atomically, for a reader beside us), unless the revision is that commit."""
+    revision = hub_id.revision or "main"
+    if revision == sha:
+        return
+    refs = repo_folder(cache, hub_id.repo) / "refs"
+    ref = refs / revision
+    if refs.resolve() not in ref.resolve().parents:  # parse_hub_id refuses "..": never outside refs/
+        return
+    if ref.exists() and ref.read_text() == sha:
+        return
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    partial = ref.with_name(f"{ref.name}.{threading.get_ident()}.tmp")
+    partial.write_text(sha)
+    partial.replace(ref)
+
+
+def _check_digest(path: Path, expected: str | None) -> None:
+    """A weight file the Hub keeps in LFS is named by its SHA-256 in the listing: a download
+    damaged on its way (same length, other bytes) loaded as wrong weights with no word. The bad
+    copy is removed, so that the next try fetches it again."""
+    if expected is None:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    if digest.hexdigest() == expected:
+        return
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
+    raise CorruptFileError(
+        f"the downloaded {path.name} does not match the SHA-256 the Hub lists for it (a download "
+        "damaged on its way); the copy is removed: load it again to fetch it anew"
+    )
+
+
+def _http_answer(exc: BaseException) -> str | None:
+    """"403 Forbidden for tokenizer.json": the Hub's refusal in a few words, where it answered
+    one. huggingface_hub wraps a refused lookup in "make sure your Internet connection is on",
+    and writes its own over three lines."""
+    seen = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        status = getattr(response, "status_code", None)
+        if isinstance(status, int) and 400 <= status < 500:
+            url = str(getattr(getattr(response, "request", None), "url", "") or "")
+            name = url.rsplit("/", 1)[-1] if "/resolve/" in url else "its listing"
+            reason = getattr(response, "reason_phrase", "") or ""
+            return f"{status} {reason} for {name}".replace("  ", " ")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()).rstrip(".")

@@ -206,8 +206,8 @@ def test_online_download_fetches_only_needed_files_and_reports_bytes(fake_hub, m
         siblings = [Sibling(n) for n in sizes]
 
     class FakeApi:
-        def model_info(self, repo, revision=None, files_metadata=False):
-            assert (repo, revision, files_metadata) == ("org/remote", None, True)
+        def model_info(self, repo, revision=None, files_metadata=False, timeout=None):
+            assert (repo, revision, files_metadata, timeout) == ("org/remote", None, True, 30.0)
             return type("I", (Info,), {"sha": sha})()
 
     fetched = []
@@ -226,7 +226,7 @@ def test_online_download_fetches_only_needed_files_and_reports_bytes(fake_hub, m
         single = tmp_path / f"single-{filename}"
         single.mkdir()
         shutil.copy(one, single / filename)
-        add_to_cache(Path(cache_dir), repo, single, commit=sha)
+        add_to_cache(Path(cache_dir), repo, single, refs=(), commit=sha)  # as hf_hub_download at a commit: no ref
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
@@ -239,6 +239,7 @@ def test_online_download_fetches_only_needed_files_and_reports_bytes(fake_hub, m
     assert reports[-1] == (total, total) and all(t == total for _, t in reports)
     assert [d for d, _ in reports] == sorted(d for d, _ in reports) and len(reports) > len(fetched)
     assert torch.equal(m.attend(TEXT).attention, attention(remote))
+    assert (fake_hub / "models--org--remote" / "refs" / "main").read_text() == sha  # written once all came
     # Cached now: a second load asks the (fake) Hub for nothing.
     fetched.clear()
     load("org/remote", device="cpu")

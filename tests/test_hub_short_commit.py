@@ -114,7 +114,7 @@ def online(monkeypatch):
     asked = []
 
     class FakeApi:
-        def model_info(self, repo, revision=None, files_metadata=False):
+        def model_info(self, repo, revision=None, files_metadata=False, timeout=None):
             asked.append((repo, revision))
             raise _revision_not_found(revision)
 
