@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -98,6 +99,12 @@ def cmd_attend(args) -> int:
     if args.matrix and args.json:
         print("error: --matrix chooses the table's form; --json prints every head of the API's answer", file=sys.stderr)
         return 2
+    table_only = [name for name, value in (("--layer", args.layer), ("--head", args.head)) if value is not None]
+    if table_only and args.json:  # --json printed every head, as if they had not been given
+        print(f"error: {' and '.join(table_only)} choose{'s' if len(table_only) == 1 else ''} the table's head; with --json "
+              "choose heads with --layers and --heads", file=sys.stderr)
+        return 2
+    args.layer, args.head = args.layer or 0, args.head or 0
     from manyeyes.app.config import AttendSettings
 
     settings = _settings(AttendSettings)  # MANYEYES_DENSE_MAX_TOKENS alone: the server's others are not read
@@ -150,13 +157,13 @@ def cmd_attend(args) -> int:
 def _format_top_keys(tokens: list[str], top, width: int = 12) -> str:
     """One line per query: `row token -> [key]token weight ...  rest w`. Keys a row cannot see
     (a causal row's future) have weight 0 and are left out rather than listed as ties."""
-    labels = [t if len(t) <= width else t[: width - 1] + "…" for t in tokens]
-    pad = max(len(lab) for lab in labels)
+    labels = [_clipped(t, width) for t in tokens]  # by columns: 東京 by len() stood a column off
+    pad = max(_columns(lab) for lab in labels)
     index = len(str(len(tokens) - 1))
     lines = []
     for i, (weights, keys, rest) in enumerate(zip(top.values.tolist(), top.indices.tolist(), top.rest.tolist())):
         strongest = "  ".join(f"[{k}]{labels[k]} {w:.2f}" for w, k in zip(weights, keys) if w > 0)
-        lines.append(f"{i:>{index}} {labels[i]:>{pad}} -> {strongest}  (rest {rest:.2f})")
+        lines.append(f"{i:>{index}} {' ' * (pad - _columns(labels[i]))}{labels[i]} -> {strongest}  (rest {rest:.2f})")
     return "\n".join(lines)
 
 
@@ -223,7 +230,7 @@ def _print_json(model, args, view, result, timing: dict, dense_max_tokens: int) 
         body = render_kept(run, info, view, timing, predictions)
     else:
         body = render_result(run, info, view, timing, predictions)
-    sys.stdout.buffer.write(b"".join(body) + b"\n")
+    _write_all(b"".join(body) + b"\n")
     sys.stdout.flush()
     return 0
 
@@ -424,7 +431,9 @@ def _host(value: str) -> str:
 
 
 def _positive(value: str) -> int:
-    return _whole(value, 1, sys.maxsize, "a whole number of 1 or more")
+    # torch and the process table take C ints: 4294967296 threads was an overflow traceback, and
+    # under --workers each worker's, restarted for ever.
+    return _whole(value, 1, 4096, "a whole number from 1 to 4096")
 
 
 def _model_flag(value: str) -> dict[str, str]:
@@ -500,6 +509,13 @@ def cmd_train(args) -> int:
     except TrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+            raise
+        # --emb-dim 1000000000000 was the allocator's traceback ("you tried to allocate 1.2e15 bytes").
+        print("error: the model or a batch does not fit this machine's memory: lower --emb-dim, --layers, "
+              "--batch-size or --context", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0
@@ -571,6 +587,9 @@ def cmd_export(args) -> int:
 
     if _bad_text(args):
         return 2
+    if not args.output.strip():  # "" is the folder the command runs in: "cannot write : Is a directory"
+        print("error: -o names no file: give the file to write, or - for standard output", file=sys.stderr)
+        return 2
     settings = _settings()  # before the model loads: the bound of the server's /export, here too
     if settings is None:
         return 2
@@ -585,6 +604,9 @@ def cmd_export(args) -> int:
     except TooLongToExport as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.output == "-":  # as most tools read it (it wrote a file named "-")
+        _write_all(html.encode("utf-8"))
+        return 0
     try:
         write_whole(args.output, html)  # a full disk leaves the file that was there, not half a new one
     except OSError as exc:
@@ -599,13 +621,13 @@ def add_export_command(sub) -> None:
     export.add_argument("text", help="the sentence to run (quote it); up to MANYEYES_DENSE_MAX_TOKENS tokens (default 1024)")
     export.add_argument("--pair", default=None, help="optional second sentence (pair models)")
     export.add_argument("--model", default="minilm", help="built-in name, Hugging Face id, HF folder or book .pth (default: minilm)")
-    export.add_argument("-o", "--output", default="manyeyes-view.html", help="file to write (default: manyeyes-view.html)")
+    export.add_argument("-o", "--output", default="manyeyes-view.html", help="file to write, - for standard output (default: manyeyes-view.html)")
     export.add_argument("--layer", type=int, default=0, help="layer focused when the file opens (default 0)")
     export.add_argument("--head", type=int, default=0, help="head focused when the file opens (default 0)")
     export.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
     export.add_argument("--format", choices=("f16", "u8"), default=None,
                         help="stored precision (default: f16 up to 16 MiB of weights, else u8)")
-    export.add_argument("--device", default=None, help="cpu, cuda, mps (default: MANYEYES_DEVICE if set, else best available)")
+    export.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps or auto (default: MANYEYES_DEVICE if set, else auto)")
     export.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                         help=DTYPE_HELP.replace("default auto", "default: MANYEYES_DTYPE if set, else auto"))
     export.set_defaults(func=cmd_export)
@@ -626,10 +648,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="minilm",
         help="built-in name, Hugging Face id (gpt2, org/name@revision), local folder or book .pth (default: minilm)",
     )
-    attend.add_argument("--layer", type=int, default=0, help="layer of the head shown (default 0)")
-    attend.add_argument("--head", type=int, default=0, help="head shown (default 0)")
+    # None when not given: --json refuses them rather than print every head regardless.
+    attend.add_argument("--layer", type=int, default=None, help="layer of the head shown (default 0)")
+    attend.add_argument("--head", type=int, default=None, help="head shown (default 0)")
     attend.add_argument("--truncate", action="store_true", help="cut input longer than the model's positions")
-    attend.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    attend.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps or auto (default: auto, the best available)")
     attend.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     attend.add_argument("--top-k", type=int, default=0, choices=range(1, 21), metavar="K",
                         help="also print the model's own top-K predictions (models with an LM head; 1..20)")
@@ -637,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"print the head's whole matrix even past {TABLE_MAX_KEYS} tokens, where the table lists "
                              f"each query's {ROW_TOP_KEYS} strongest keys instead")
     attend.add_argument("--json", action="store_true", help="print the API's JSON response instead of a table")
-    attend.add_argument("--format", choices=("json", "f16", "u8"), default="json", help="attention encoding for --json")
+    attend.add_argument("--format", choices=("json", "f16", "u8"), default="json", help="attention encoding for --json (default json)")
     attend.add_argument("--layers", default=None, help="comma-separated layers for --json (default: all)")
     attend.add_argument("--heads", default=None, help="comma-separated heads for --json (default: all)")
     attend.set_defaults(func=cmd_attend)
@@ -690,6 +713,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _write_all(data: bytes) -> None:
+    """All of `data` to stdout: a buffered write may take less than it is given (65,536 bytes of a
+    --json answer to a slow pipe) and the rest was dropped, with status 0. A closed stdout is an
+    OSError, said in one line by main."""
+    if sys.stdout is None:
+        raise OSError(errno.EBADF, "standard output is closed")
+    view = memoryview(data)
+    while view:
+        written = sys.stdout.buffer.write(view)
+        if not written:
+            raise OSError(errno.EIO, "the output took none of the answer")
+        view = view[written:]
+    sys.stdout.buffer.flush()
+
+
+# The output's own failures (a full disk, a closed or broken descriptor), said in one line.
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EBADF, errno.EIO, errno.EDQUOT, errno.EFBIG})
+
+
 def main(argv: list[str] | None = None) -> int:
     # A terminal that cannot show a token's character (an ASCII locale, a Windows code page) gets
     # its escape, not a UnicodeEncodeError traceback half-way through the table.
@@ -719,6 +761,12 @@ def main(argv: list[str] | None = None) -> int:
         # traceback, and without another at exit, when Python flushes stdout into the closed pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except OSError as exc:
+        if exc.filename is not None or exc.errno not in OUTPUT_ERRNOS:  # not the output's: as it came
+            raise
+        # The output itself could not be written (`> /dev/full`: no space left): one line, not a traceback.
+        print(f"error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

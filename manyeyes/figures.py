@@ -72,7 +72,8 @@ def to_html(fig: go.Figure, path: str | None = None) -> str:
 def write_whole(path, text: str) -> None:
     """Writes `text` to `path` whole or not at all: written in place, a full disk (or Ctrl-C) left
     half a page where the good one had been. The text goes to a temporary file beside the target (a
-    symlink's target), which then takes its name; on any failure it is removed."""
+    symlink's target), which then takes its name, and the mode of a file it replaces; on any failure
+    it is removed. (A hard link to the old file keeps the old text: the page is a new file.)"""
     target = os.path.realpath(path)
     if os.path.exists(target) and not os.path.isfile(target):
         # /dev/null or a FIFO has no contents to keep, and renaming over it would replace it; a
@@ -91,6 +92,8 @@ def write_whole(path, text: str) -> None:
     try:
         with f:
             f.write(text)
+        if os.path.exists(target):  # a file written over keeps its mode: a 600 one held the user's text
+            os.chmod(temporary, os.stat(target).st_mode & 0o7777)
         os.replace(temporary, target)
     except BaseException:
         os.remove(temporary)

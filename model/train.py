@@ -64,6 +64,7 @@ EVAL_SEED = 1234  # eval windows are fixed, so losses at different steps compare
 
 # What a resumed run may change; anything else would make it a different run.
 RESUMABLE_OVERRIDES = ("steps", "device")
+MAX_LR = 1e6
 
 
 class TrainError(ValueError):
@@ -119,8 +120,9 @@ class TrainConfig:
             raise TrainError(f"--emb-dim ({self.emb_dim}) must be divisible by --heads ({self.heads})")
         if self.vocab_size < MIN_VOCAB:
             raise TrainError(f"--vocab-size must be at least {MIN_VOCAB} (256 bytes + {END_OF_TEXT}), not {self.vocab_size}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise TrainError(f"--lr must be a positive number, not {self.lr}")
+        # Past ~3e37 AdamW's lr / (1 - beta1) overflows float32: a traceback, where 100 diverges as said.
+        if not (0 < self.lr <= MAX_LR):
+            raise TrainError(f"--lr must be a positive number of at most {MAX_LR:g}, not {self.lr}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise TrainError(f"--warmup must be in 0..{self.steps}, not {self.warmup}")
         if self.eval_every is not None and self.eval_every < 1:
@@ -201,22 +203,31 @@ def make_config(options: dict, resume: bool = False) -> TrainConfig:
         raise TrainError(f"unknown training option(s): {', '.join(unknown)}")
     if not resume:
         if "init_from" in given:
+            if not given["init_from"].is_dir():  # "holds no card.json" for a path that is not there
+                raise TrainError(f"--init-from {given['init_from']} is no folder: name a folder `manyeyes train` wrote")
             inherited = _init_shape(given["init_from"])
             # Another --arch than the folder's: nothing to take; _init_tokenizer names the mismatch.
             if given.get("arch", inherited.get("arch")) == inherited.get("arch"):
                 _check_init_shape(given, inherited)
                 given = {**inherited, **given}
-        return TrainConfig(**given)
+        cfg = TrainConfig(**given)
+        if cfg.arch == "gpt" and "rope_theta" in given:  # its default could not tell it was given: kept, unused
+            raise TrainError("--rope-theta applies to --arch llama only")
+        return cfg
     saved = _read_checkpoint(given["out"])["train_config"]
     for name, value in given.items():
         if name in ("text", "out") or name in RESUMABLE_OVERRIDES:
             continue
         if value != getattr(saved, name):
+            theirs = "none (it was not given)" if getattr(saved, name) is None else getattr(saved, name)
             raise TrainError(
-                f"--{_flag(name)} {value} differs from the checkpoint's {getattr(saved, name)}; "
+                f"--{_flag(name)} {value} differs from the checkpoint's {theirs}; "
                 f"a resumed run may change only {', '.join('--' + n for n in RESUMABLE_OVERRIDES)}"
             )
     overrides = {k: given[k] for k in ("text", "out", *RESUMABLE_OVERRIDES) if k in given}
+    # Another --steps stretches the cosine schedule; the warm-up and the evaluations' interval were
+    # counted from the first --steps, and recounted they warmed the learning rate up again mid-run.
+    overrides |= {"warmup": min(saved.warmup_steps, overrides.get("steps", saved.steps)), "eval_every": saved.eval_interval}
     return replace(saved, **overrides)
 
 
@@ -606,11 +617,14 @@ class StopAfterStep:
         self.progress = progress
         self.asked = False
         self._installed = False
-        self._previous = None
+        self._previous = self._previous_term = None
 
     def __enter__(self) -> "StopAfterStep":
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._ask)
+            # SIGTERM (`timeout`, a process manager, a cluster's preemption) stops the same way: it
+            # ended the run unsaved and unsaid, losing every step since the last evaluation.
+            self._previous_term = signal.signal(signal.SIGTERM, self._ask)
             self._installed = True
         return self
 
@@ -623,6 +637,7 @@ class StopAfterStep:
     def __exit__(self, *exc) -> None:
         if self._installed:  # None: a handler set outside Python, which Python cannot put back
             signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            signal.signal(signal.SIGTERM, self._previous_term if self._previous_term is not None else signal.SIG_DFL)
 
 
 def _duration(seconds: float) -> str:
@@ -643,6 +658,11 @@ def train(cfg: TrainConfig, resume: bool = False, command: str = "", stream: Tex
         # finished: evaluated and carded, with no step more.
         if ckpt["step"] >= cfg.steps and _carded(out, ckpt["step"]):
             raise TrainError(f"nothing to do: {out} is already trained for {ckpt['step']} steps; pass a larger --steps")
+        if ckpt["step"] > cfg.steps:  # a typo (50 for 50000) had ended the run and rewritten its plan
+            raise TrainError(
+                f"--steps {cfg.steps} is below the {ckpt['step']} steps {out} has trained (its plan was "
+                f"{ckpt['train_config'].steps}): pass more, or leave --steps out to keep the plan"
+            )
         tokenizer = _read_tokenizer(out / "tokenizer.json", "cannot resume")
     else:
         held = _model_file(out)
@@ -903,13 +923,15 @@ def _device(name: str) -> torch.device:
         return pick_device(None)
     try:
         device = torch.device(name)
-    except RuntimeError as exc:
-        raise TrainError(f"--device {name!r} is not a device torch knows: {exc}") from exc
+    except RuntimeError:  # torch's message lists its every device type (meta, xla, hpu, ...)
+        raise TrainError(f"--device {name!r} is no device: use auto, cpu, cuda, cuda:N or mps") from None
     available = {
         "cpu": True,
         "cuda": torch.cuda.is_available(),
         "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
     }
-    if not available.get(device.type, False):
+    if device.type not in available:
+        raise TrainError(f"--device {name} cannot train: use auto, cpu, cuda, cuda:N or mps")
+    if not available[device.type]:
         raise TrainError(f"--device {name} is not available on this machine")
     return device

@@ -174,6 +174,50 @@ def test_control_characters_in_tokens_are_shown_escaped(capsys):
     assert len(widths) == 1, table  # every row on one line, under the header's columns
 
 
+def test_layer_and_head_with_json_are_refused_not_ignored(capsys):
+    """--json printed all 72 heads with --layer 2 --head 3 given, as if they had not been (h56g)."""
+    for extra, named in ((["--layer", "2"], "--layer chooses"), (["--head", "0"], "--head chooses"),
+                         (["--layer", "2", "--head", "3"], "--layer and --head choose")):
+        assert main(["attend", "The bank.", "--json", *extra]) == 2
+        assert capsys.readouterr().err == f"error: {named} the table's head; with --json choose heads with --layers and --heads\n"
+
+
+def test_output_that_cannot_be_written_is_one_line_and_a_long_json_answer_is_written_whole(tmp_path):
+    """`> /dev/full` and a closed stdout were tracebacks; a --json answer to a slow pipe was cut
+    at 65,536 bytes with status 0 (h56g)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        for extra in ([], ["--json"]):
+            done = subprocess.run([sys.executable, "-m", "manyeyes", "attend", "The bank.", *extra], stdout=full,
+                                  stderr=subprocess.PIPE, text=True, timeout=120)
+            assert (done.returncode, done.stderr) == (1, "error: cannot write the output: No space left on device\n"), done.stderr
+    closed = subprocess.run(f"{sys.executable} -m manyeyes attend 'The bank.' --json >&-", shell=True,
+                            stderr=subprocess.PIPE, text=True, timeout=120)  # Python starts with no stdout
+    assert closed.returncode == 1 and closed.stderr.endswith("error: cannot write the output: standard output is closed\n"), closed.stderr
+    slow = subprocess.Popen(f"{sys.executable} -m manyeyes attend '{'ab ' * 80}' --model tiny-gpt --json | (sleep 2; cat) > {tmp_path / 'out.json'}",
+                            shell=True)
+    assert slow.wait(120) == 0
+    import json
+    answer = json.loads((tmp_path / "out.json").read_text())
+    assert answer["attention"]["shape"][2] == 240, answer["attention"]["shape"]
+
+
+def test_the_long_table_keeps_wide_characters_in_their_columns():
+    """The strongest-keys table padded labels by len(): rows of 東, 京 and 大 stood a column off (h56g)."""
+    import torch
+
+    from manyeyes.app.cli import _columns, _format_top_keys
+    from manyeyes.model.kept import TopK
+
+    tokens = ["[CLS]", "東", "京", "is", "big"]
+    n = len(tokens)
+    top = TopK(torch.full((n, 2), 0.25), torch.tensor([[0, 1]] * n), torch.full((n,), 0.5))
+    arrows = {_columns(line[: line.index(" -> ")]) for line in _format_top_keys(tokens, top).splitlines()}
+    assert len(arrows) == 1, _format_top_keys(tokens, top)
+
+
 def test_the_table_labels_tokens_as_the_page_does_and_wide_characters_keep_their_columns(capsys):
     """Each of tiny-gpt's three byte tokens of 東 was labelled 東, a space token was blank, and a
     row labelled by a wide character stood a column right of the others (a review by use)."""
@@ -282,7 +326,7 @@ def test_export_help_says_the_settings_its_device_and_dtype_default_to(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     options = " ".join(capsys.readouterr().out.split())
-    assert "--device DEVICE cpu, cuda, mps (default: MANYEYES_DEVICE if set, else best available)" in options
+    assert "--device DEVICE cpu, cuda, cuda:N, mps or auto (default: MANYEYES_DEVICE if set, else auto)" in options
     assert "(default: MANYEYES_DTYPE if set, else auto: as stored on CUDA, float32 elsewhere)" in options
 
 

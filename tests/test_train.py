@@ -184,10 +184,12 @@ def test_ctrl_c_in_the_final_evaluation_keeps_every_step(corpus, tmp_path, monke
     assert all(torch.equal(a[k], b[k]) for k in a)  # not a step more
 
 
-def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path):
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path, signum):
     """SIGINT lands where the process happens to be, nearly always inside a step (the backward, the
     optimizer), where nothing consistent can be saved: the run lost every step since its last
-    evaluation, and before the first one said it held step 0 of a checkpoint that did not exist."""
+    evaluation, and before the first one said it held step 0 of a checkpoint that did not exist.
+    SIGTERM (`timeout`, a process manager) ended the run unsaved and unsaid (h56g)."""
     import signal
     import subprocess
     import sys
@@ -201,7 +203,7 @@ def test_a_real_ctrl_c_lets_the_step_finish_and_saves_it(corpus, tmp_path):
     try:
         assert proc.stderr.readline().startswith("training gpt"), "the run did not start"
         time.sleep(2.0)  # some hundreds of steps
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signum))
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -465,6 +467,9 @@ def test_init_from_refuses_a_folder_of_another_shape_or_arch(corpus, tmp_path, c
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "gpt")]) == 2
     assert "holds no model.safetensors, the weights of an --arch llama run: it is an --arch gpt run" in capsys.readouterr().err
     assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "nowhere")]) == 2
+    assert f"--init-from {tmp_path / 'nowhere'} is no folder" in capsys.readouterr().err  # "holds no card.json" (h56g)
+    (tmp_path / "empty").mkdir()
+    assert main(base + ["--emb-dim", "32", "--init-from", str(tmp_path / "empty")]) == 2
     assert "holds no card.json" in capsys.readouterr().err
     # A run stopped with Ctrl-C holds its checkpoint and no card yet: it is told how to finish it.
     (tmp_path / "llama" / "card.json").unlink()
@@ -749,3 +754,28 @@ def test_resume_refuses_a_checkpoint_whose_weights_do_not_fit(corpus, tmp_path, 
     assert err.startswith(f"error: cannot resume: {out / 'checkpoint.pt'} does not fit the model of its own train_config: "
                           "Error(s) in loading state_dict for GPTModel: Missing key(s)"), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lr": 4e37}, "--lr must be a positive number of at most 1e+06, not 4e+37"),  # AdamW's overflow traceback
+    ({"rope_theta": float("nan")}, "--rope-theta applies to --arch llama only"),  # kept, unused, in the card's command
+    ({"init_from": "no-such-folder"}, "--init-from no-such-folder is no folder: name a folder `manyeyes train` wrote"),
+    ({"device": "meta"}, "--device meta cannot train: use auto, cpu, cuda, cuda:N or mps"),
+])
+def test_options_that_cannot_train_are_refused_in_words(corpus, tmp_path, monkeypatch, options, message):
+    """Each was a traceback, ignored, or a message that named the wrong thing (h56g)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TrainError, match=re.escape(message)):
+        run(corpus, tmp_path / "m", steps=2, **options)
+
+
+def test_a_resumed_run_keeps_its_warm_up_and_refuses_fewer_steps_than_it_has(corpus, tmp_path):
+    """--steps 50 for 50000 on a stopped run ended it and rewrote its plan, and another --steps
+    recounted the warm-up from it: the learning rate warmed up again mid-run (h56g)."""
+    out = tmp_path / "m"
+    run(corpus, out, steps=20, eval_every=10)
+    (out / "card.json").unlink()  # as a run stopped after its last step, before its card
+    with pytest.raises(TrainError, match=re.escape(f"--steps 12 is below the 20 steps {out} has trained (its plan was 20)")):
+        run(corpus, out, resume=True, steps=12)
+    cfg = make_config({"text": [corpus], "out": out, "steps": 400}, resume=True)
+    assert (cfg.steps, cfg.warmup_steps, cfg.eval_interval) == (400, 2, 10)  # the first plan's: 20 // 10 and 10

@@ -246,8 +246,8 @@ def test_keys_and_proxies_are_read_as_a_json_list_too_and_a_broken_one_is_one_li
 
 @pytest.mark.parametrize("args, says", [
     (["--device", "tpu"], "error: unknown device 'tpu': use cpu, cuda, cuda:N, mps or auto\n"),
-    (["--replicas", "-3"], "a whole number of 1 or more"),
-    (["--replicas", "0"], "a whole number of 1 or more"),
+    (["--replicas", "-3"], "a whole number from 1 to 4096"),
+    (["--replicas", "0"], "a whole number from 1 to 4096"),
 ])
 def test_serve_refuses_a_device_or_replica_count_it_cannot_use_in_one_line(args, says, capsys, monkeypatch):
     """--device tpu started a server that answered 503 for good; --replicas -3 was a pydantic

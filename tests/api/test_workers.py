@@ -373,11 +373,14 @@ def test_workers_and_replicas_together_are_refused(capsys):
     assert "choose one" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_a_worker_count_below_one_is_refused(capsys, value):
+@pytest.mark.parametrize("flag, value", [("--workers", "0"), ("--workers", "-1"), ("--workers", "two"),
+                                         ("--threads", "4294967296"), ("--workers", "5000")])
+def test_a_worker_count_below_one_is_refused(capsys, flag, value):
+    """--threads 4294967296 was torch's overflow traceback, and under --workers each worker's,
+    restarted for ever (h56g)."""
     with pytest.raises(SystemExit):
-        cli_main(["serve", "--workers", value])
-    assert "a whole number of 1 or more" in capsys.readouterr().err
+        cli_main(["serve", flag, value])
+    assert "a whole number from 1 to 4096" in capsys.readouterr().err
 
 
 def test_shared_files_stay_within_their_share_under_concurrent_writers(tmp_path):

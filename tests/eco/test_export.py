@@ -424,3 +424,22 @@ def test_an_export_that_cannot_be_written_whole_leaves_the_file_that_was_there(t
         assert cli(["export", "And God said", "--model", "tiny-gpt", "-o", str(out), "--device", "cpu"]) == 2
     assert capsys.readouterr().err == f"error: cannot write {out}: File too large\n"
     assert out.read_bytes() == good and list(tmp_path.iterdir()) == [out]  # and no temporary file beside it
+
+
+def test_cli_export_to_standard_output_and_over_a_file_keeps_its_mode(tiny_gpt, tmp_path, capsys, monkeypatch):
+    """-o - wrote a file named "-", -o "" said "cannot write : Is a directory", and a file written
+    over took the umask's mode: a 600 page of the user's text became world-readable (h56g)."""
+    import os
+    import stat
+
+    monkeypatch.chdir(tmp_path)
+    assert cli(["export", "The cat sat.", "--model", "tiny-gpt", "-o", "-", "--device", "cpu"]) == 0
+    page = capsys.readouterr().out
+    assert page.startswith("<!doctype html>") and "The cat sat." in page and not (tmp_path / "-").exists()
+    assert cli(["export", "The cat sat.", "--model", "tiny-gpt", "-o", "", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == "error: -o names no file: give the file to write, or - for standard output\n"
+    private = tmp_path / "private.html"
+    private.write_text("old")
+    private.chmod(0o600)
+    assert cli(["export", "The cat sat.", "--model", "tiny-gpt", "-o", str(private), "--device", "cpu"]) == 0
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o600 and private.read_text().startswith("<!doctype html>")
