@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import unicodedata
+from contextlib import contextmanager
 
 SHADES = " .:-=+*#%@"  # ten steps, light to dark
 TABLE_MAX_KEYS = 64  # a head's matrix is 6 characters a key wide: past this, no terminal shows a row on one line
@@ -130,27 +131,30 @@ def cmd_attend(args) -> int:
     timing = {"tokenize": tokenized - started, "queue": 0.0, "forward": time.perf_counter() - tokenized, "wait": 0.0}
     if args.json:
         return _print_json(model, args, view, result, timing, settings.dense_max_tokens)
-    heads = result.kept if long else DenseAttention(result.attention)
-    # Labelled as the page's default labels and the figures label them: a byte-level model's bytes
-    # of a split character as ‹E6› (each had read as the whole character), a space as ␣ (blank).
-    texts = [token_label(t) for t in result.tokens]
-    print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
-          f"{info.n_layers} layers x {info.n_heads} heads) on {info.device}")
-    print(f"{len(texts)} tokens{' (truncated)' if result.truncated else ''}:")
-    print("  " + " ".join(f"[{i}]{t}" for i, t in enumerate(texts)))
-    if args.matrix or len(texts) <= TABLE_MAX_KEYS:
-        print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
-        n = len(texts)
-        blocked = blocked_rows(0, n, 0, n, offset=0, causal=info.causal, sliding_window=model.sliding_windows[args.layer],
-                               device="cpu")
-        print(_format_head(texts, heads.block(args.layer, [args.head], 0, n, 0, n)[0], blocked))
-    else:
-        top = topk_rows(heads, args.layer, args.head, ROW_TOP_KEYS, 0, len(texts))
-        print(f"\nlayer {args.layer}, head {args.head}: each query's {ROW_TOP_KEYS} strongest keys, and the weight "
-              f"left to the rest ({len(texts):,} keys are too many columns for a terminal; --matrix prints them all)")
-        print(_format_top_keys(texts, top))
-    if args.top_k:
-        _print_predictions(model, result, texts, args.top_k)
+    # The answer's own writing: a full disk or a closed stdout is one line (main), not a traceback
+    # or a silent exit 0.
+    with _output():
+        heads = result.kept if long else DenseAttention(result.attention)
+        # Labelled as the page's default labels and the figures label them: a byte-level model's bytes
+        # of a split character as ‹E6› (each had read as the whole character), a space as ␣ (blank).
+        texts = [token_label(t) for t in result.tokens]
+        print(f"model {info.id} ({info.family}, {'causal' if info.causal else 'bidirectional'}, "
+              f"{info.n_layers} layers x {info.n_heads} heads) on {info.device}")
+        print(f"{len(texts)} tokens{' (truncated)' if result.truncated else ''}:")
+        print("  " + " ".join(f"[{i}]{t}" for i, t in enumerate(texts)))
+        if args.matrix or len(texts) <= TABLE_MAX_KEYS:
+            print(f"\nlayer {args.layer}, head {args.head} (rows: queries, columns: keys)")
+            n = len(texts)
+            blocked = blocked_rows(0, n, 0, n, offset=0, causal=info.causal, sliding_window=model.sliding_windows[args.layer],
+                                   device="cpu")
+            print(_format_head(texts, heads.block(args.layer, [args.head], 0, n, 0, n)[0], blocked))
+        else:
+            top = topk_rows(heads, args.layer, args.head, ROW_TOP_KEYS, 0, len(texts))
+            print(f"\nlayer {args.layer}, head {args.head}: each query's {ROW_TOP_KEYS} strongest keys, and the weight "
+                  f"left to the rest ({len(texts):,} keys are too many columns for a terminal; --matrix prints them all)")
+            print(_format_top_keys(texts, top))
+        if args.top_k:
+            _print_predictions(model, result, texts, args.top_k)
     return 0
 
 
@@ -713,23 +717,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class OutputError(OSError):
+    """The answer could not be written to stdout (a full disk, a closed stdout): main says so in
+    one line. Its own class, so that another I/O error (a checkpoint's write) is not blamed on it."""
+
+
+@contextmanager
+def _output():
+    if sys.stdout is None:  # started with stdout closed (`>&-`): print() wrote nothing, with status 0
+        raise OutputError(errno.EBADF, "standard output is closed")
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader gone: main stops quietly, as Unix tools do
+        raise
+    except OutputError:
+        raise
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OutputError(exc.errno, exc.strerror or str(exc)) from exc
+
+
 def _write_all(data: bytes) -> None:
-    """All of `data` to stdout: a buffered write may take less than it is given (65,536 bytes of a
-    --json answer to a slow pipe) and the rest was dropped, with status 0. A closed stdout is an
-    OSError, said in one line by main."""
-    if sys.stdout is None:
-        raise OSError(errno.EBADF, "standard output is closed")
-    view = memoryview(data)
-    while view:
-        written = sys.stdout.buffer.write(view)
-        if not written:
-            raise OSError(errno.EIO, "the output took none of the answer")
-        view = view[written:]
-    sys.stdout.buffer.flush()
+    """All of `data` to stdout. A stdout left non-blocking (by whoever started us) takes part of
+    it and refuses the rest (BlockingIOError, or a short count): the rest was dropped with status
+    0. Here each refusal waits until the descriptor takes more (a minute at most)."""
+    with _output():
+        out = sys.stdout.buffer
+        view = memoryview(data)
+        while view:
+            try:
+                written = out.write(view)
+            except BlockingIOError as exc:
+                written = exc.characters_written
+            if not written:
+                _wait_writable(out)
+            view = view[written or 0:]
+        while True:
+            try:
+                out.flush()
+                return
+            except BlockingIOError:
+                _wait_writable(out)
 
 
-# The output's own failures (a full disk, a closed or broken descriptor), said in one line.
-OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EBADF, errno.EIO, errno.EDQUOT, errno.EFBIG})
+def _wait_writable(out) -> None:
+    import select
+
+    if not select.select([], [out.fileno()], [], 60)[1]:
+        raise OutputError(errno.EIO, "the output took nothing for a minute")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -761,10 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         # traceback, and without another at exit, when Python flushes stdout into the closed pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except OSError as exc:
-        if exc.filename is not None or exc.errno not in OUTPUT_ERRNOS:  # not the output's: as it came
-            raise
-        # The output itself could not be written (`> /dev/full`: no space left): one line, not a traceback.
+    except OutputError as exc:
         print(f"error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
         return 1
 

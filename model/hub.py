@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from manyeyes.model.errors import CorruptFileError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # (bytes_done, bytes_total) while files download; the CLI draws a bar, the service fills /readyz.
 Progress = Callable[[int, int], None]
@@ -366,7 +370,7 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
         else:
             fetch(first, tally)
     except ModelLoadError as exc:
-        raise ModelLoadError(f"model {hub_id}: {exc}") from exc
+        raise type(exc)(f"model {hub_id}: {exc}") from exc  # CorruptFileError stays one
     except GatedRepoError as exc:
         raise ModelLoadError(f"model {hub_id} is gated: accept its terms on huggingface.co and log in with `hf auth login`") from exc
     except RepositoryNotFoundError as exc:
@@ -383,10 +387,12 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
     except (HfHubHTTPError, OSError) as exc:
         answer = _http_answer(exc)
         if answer is not None:  # the Hub answered, and refused: not the network's fault
+            status = int(answer.split()[0])
+            advice = "log in with a token that may read it (`hf auth login`, HF_TOKEN), or fetch it" if status in (401, 403) \
+                else "try again later, or fetch it"
             raise ModelLoadError(
                 f"model {hub_id} {held} the Hugging Face cache at {cache} and the Hub refused a file of it: {answer}. "
-                "A token that may read it (`hf auth login`, HF_TOKEN), or fetch it with "
-                f"`{fetch_command(hub_id)}` and set HF_HUB_OFFLINE=1."
+                f"{advice[0].upper()}{advice[1:]} with `{fetch_command(hub_id)}` and set HF_HUB_OFFLINE=1."
             ) from exc
         raise ModelLoadError(
             f"model {hub_id} {held} the Hugging Face cache at {cache} and downloading it failed: {_one_line(exc)}. "
@@ -401,7 +407,11 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
     lacking = missing_files(folder)
     if lacking:
         raise ModelLoadError(f"model {hub_id}: downloaded to {folder} but it lacks {', '.join(lacking)}")
-    _write_ref(cache, hub_id, info.sha)
+    try:
+        _write_ref(cache, hub_id, info.sha)
+    except OSError as exc:  # a read-only cache, a full disk: the files are in, only offline use lacks the ref
+        log.warning("model %s: could not write %s's ref in the Hugging Face cache (%s): offline, load it as %s@%s",
+                    hub_id, hub_id.revision or "main", exc.strerror or exc, hub_id.repo, info.sha)
     return folder
 
 
@@ -418,7 +428,7 @@ def _write_ref(cache: Path, hub_id: HubId, sha: str) -> None:
     if ref.exists() and ref.read_text() == sha:
         return
     ref.parent.mkdir(parents=True, exist_ok=True)
-    partial = ref.with_name(f"{ref.name}.{threading.get_ident()}.tmp")
+    partial = ref.with_name(f"{ref.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     partial.write_text(sha)
     partial.replace(ref)
 

@@ -90,7 +90,9 @@ def test_a_weight_file_damaged_on_its_way_is_refused_and_fetched_anew(hub, remot
     file's SHA-256."""
     server, cache = hub
     server.add("org/damaged", remote, damaged={"model.safetensors"})
-    with pytest.raises(ModelLoadError, match="the downloaded model.safetensors does not match the SHA-256 the Hub lists"):
+    from manyeyes.model import CorruptFileError
+
+    with pytest.raises(CorruptFileError, match="the downloaded model.safetensors does not match the SHA-256 the Hub lists"):
         load("org/damaged")
     assert not list((cache / "models--org--damaged" / "blobs").glob("*")) or all(
         p.stat().st_size != (remote / "model.safetensors").stat().st_size for p in (cache / "models--org--damaged" / "blobs").iterdir())
@@ -114,3 +116,21 @@ def test_progress_ends_at_its_total_when_some_files_were_kept(hub, bytelevel_tok
     load("org/sharded", progress=lambda done, total: reports.append((done, total)))
     assert reports and reports[-1][0] == reports[-1][1] > 0, reports
     assert (snapshot / shards[0].name).exists()
+
+
+def test_a_cache_that_takes_no_ref_still_loads_and_says_why_offline_will_not(hub, remote, monkeypatch, caplog):
+    """A cache filled before refs were written, then read-only: the ref's write escaped as a
+    PermissionError traceback, where the files were all in (review h56h)."""
+    server, cache = hub
+    server.add("org/kept", remote)
+    load("org/kept")
+    (cache / "models--org--kept" / "refs" / "main").unlink()
+
+    def refused(*args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(hub_module, "_write_ref", refused)
+    with caplog.at_level("WARNING", logger="manyeyes.model.hub"):
+        assert torch.equal(attention("org/kept"), attention(remote))
+    assert any("could not write main's ref" in r.getMessage() and "Read-only file system" in r.getMessage()
+               for r in caplog.records), caplog.records

@@ -661,6 +661,18 @@ def test_a_checkpoint_with_damaged_bytes_is_refused_by_its_checksums(book_folder
         load(folder, device="cpu")
 
 
+def test_a_checkpoint_saved_without_checksums_still_loads(book_folder):
+    """torch.serialization.set_crc32_options(False) writes 0 for every entry's CRC, and torch
+    loads such a file: the checksum pass refused it as damaged (review h56h)."""
+    folder, book, _ = book_folder
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(book.state_dict(), folder / "model.pth")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert load(folder, device="cpu").info.n_heads == 5
+
+
 def test_a_folder_whose_book_checkpoint_is_not_model_pth_is_told_to_pass_the_file(book_folder):
     """It was read as a Hugging Face folder: "config.json has no model_type ... add the one it was
     saved as", which a book config cannot take."""

@@ -773,9 +773,9 @@ def test_a_resumed_run_keeps_its_warm_up_and_refuses_fewer_steps_than_it_has(cor
     """--steps 50 for 50000 on a stopped run ended it and rewrote its plan, and another --steps
     recounted the warm-up from it: the learning rate warmed up again mid-run (h56g)."""
     out = tmp_path / "m"
-    run(corpus, out, steps=20, eval_every=10)
+    run(corpus, out, steps=20)
     (out / "card.json").unlink()  # as a run stopped after its last step, before its card
     with pytest.raises(TrainError, match=re.escape(f"--steps 12 is below the 20 steps {out} has trained (its plan was 20)")):
         run(corpus, out, resume=True, steps=12)
     cfg = make_config({"text": [corpus], "out": out, "steps": 400}, resume=True)
-    assert (cfg.steps, cfg.warmup_steps, cfg.eval_interval) == (400, 2, 10)  # the first plan's: 20 // 10 and 10
+    assert (cfg.steps, cfg.warmup_steps, cfg.eval_interval) == (400, 2, 2)  # the first plan's: 20 // 10 each

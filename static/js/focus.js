@@ -260,6 +260,7 @@ export class FocusView {
     this.pickTimer = null; // a click's pick, waiting to see whether a double click follows (pickUnlessDouble)
     this.presses = 0; // pointer presses on the plot, counted so that one press picks once
     this.handledPress = 0;
+    this.pressedAt = 0; // when the last press went down (performance.now())
     this.fitTokens = 0; // the tokens of that run (fitHeight)
     this.heatmap = new CanvasHeatmap(plot);
     this.titleNode = el("div", { className: "gtitle" });
@@ -739,10 +740,13 @@ export class FocusView {
     }
     const picked = this.picked(this.current && this.heatmap.cellAt(clientX, clientY));
     const onPick = this.onPick;
+    // Plotly's window runs from the first press down, not from its release: a second click ending
+    // after it is two clicks to Plotly (the zoom stays), so the first pick must have come by then.
+    const left = Math.max(0, DOUBLE_CLICK_MS - (performance.now() - this.pressedAt));
     this.pickTimer = setTimeout(() => {
       this.pickTimer = null;
       if (picked && this.onPick === onPick) onPick(...picked);
-    }, DOUBLE_CLICK_MS);
+    }, left);
   }
 
   // The float32 values came: the reading on screen, if any, reads them.
@@ -836,6 +840,7 @@ export class FocusView {
     plot.addEventListener("pointerdown", (event) => {
       down = { x: event.clientX, y: event.clientY };
       this.presses += 1;
+      this.pressedAt = performance.now();
     });
     // A mouse's press ends on Plotly's drag cover, not here: the click it sends after a press
     // that did not drag picks the cell.
