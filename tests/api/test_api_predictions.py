@@ -109,7 +109,7 @@ def test_readyz_reports_download_bytes(fake_hub, monkeypatch, tmp_path):
     sha = "a" * 40
 
     class FakeApi:
-        def model_info(self, repo, revision=None, files_metadata=False):
+        def model_info(self, repo, revision=None, files_metadata=False, timeout=None):
             siblings = [type("S", (), {"rfilename": n, "size": b})() for n, b in sizes.items()]
             return type("I", (), {"sha": sha, "siblings": siblings})()
 
