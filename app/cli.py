@@ -40,6 +40,11 @@ def _clipped(label: str, width: int) -> str:
     return label + "…"
 
 
+def _right_aligned(label: str, width: int) -> str:
+    """`label` padded on the left to `width` terminal columns (_columns)."""
+    return " " * (width - _columns(label)) + label
+
+
 def _format_head(tokens: list[str], weights, blocked=None, width: int = 12) -> str:
     """A readable matrix: rows are queries, columns keys, values to 2 decimals plus a shade. Keys a
     query cannot see (`blocked`: a causal model's later ones, those behind a sliding window) are
@@ -53,7 +58,7 @@ def _format_head(tokens: list[str], weights, blocked=None, width: int = 12) -> s
         cells = " ".join("    ·" if off else f"{v:5.2f}" for v, off in zip(row, hidden[i]))
         # a NaN weight (a float16 run that overflowed) is a "?", not a crash of int()
         shade = "".join(SHADES[min(int(v * len(SHADES)), len(SHADES) - 1)] if v == v else "?" for v in row)
-        lines.append(f"{' ' * (pad - _columns(lab))}{lab} {i:>{index}} {cells}  |{shade}|")
+        lines.append(f"{_right_aligned(lab, pad)} {i:>{index}} {cells}  |{shade}|")
     return "\n".join(lines)
 
 
@@ -167,7 +172,7 @@ def _format_top_keys(tokens: list[str], top, width: int = 12) -> str:
     lines = []
     for i, (weights, keys, rest) in enumerate(zip(top.values.tolist(), top.indices.tolist(), top.rest.tolist())):
         strongest = "  ".join(f"[{k}]{labels[k]} {w:.2f}" for w, k in zip(weights, keys) if w > 0)
-        lines.append(f"{i:>{index}} {' ' * (pad - _columns(labels[i]))}{labels[i]} -> {strongest}  (rest {rest:.2f})")
+        lines.append(f"{i:>{index}} {_right_aligned(labels[i], pad)} -> {strongest}  (rest {rest:.2f})")
     return "\n".join(lines)
 
 

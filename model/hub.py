@@ -385,9 +385,9 @@ def download(hub_id: HubId, cache: Path, progress: Progress | None, show_progres
             ) from exc
         raise ModelLoadError(f"model {hub_id.repo} has no revision {hub_id.revision!r}") from exc
     except (HfHubHTTPError, OSError) as exc:
-        answer = _http_answer(exc)
-        if answer is not None:  # the Hub answered, and refused: not the network's fault
-            status = int(answer.split()[0])
+        refused = _http_refusal(exc)
+        if refused is not None:  # the Hub answered, and refused: not the network's fault
+            status, answer = refused
             advice = "log in with a token that may read it (`hf auth login`, HF_TOKEN), or fetch it" if status in (401, 403) \
                 else "try again later, or fetch it"
             raise ModelLoadError(
@@ -454,9 +454,9 @@ def _check_digest(path: Path, expected: str | None) -> None:
     )
 
 
-def _http_answer(exc: BaseException) -> str | None:
-    """"403 Forbidden for tokenizer.json": the Hub's refusal in a few words, where it answered
-    one. huggingface_hub wraps a refused lookup in "make sure your Internet connection is on",
+def _http_refusal(exc: BaseException) -> tuple[int, str] | None:
+    """(403, "403 Forbidden for tokenizer.json"): the Hub's refusal, its status and a few words,
+    where it answered one. huggingface_hub wraps a refused lookup in "make sure your Internet connection is on",
     and writes its own over three lines."""
     seen = exc
     while seen is not None:
@@ -466,7 +466,7 @@ def _http_answer(exc: BaseException) -> str | None:
             url = str(getattr(getattr(response, "request", None), "url", "") or "")
             name = url.rsplit("/", 1)[-1] if "/resolve/" in url else "its listing"
             reason = getattr(response, "reason_phrase", "") or ""
-            return f"{status} {reason} for {name}".replace("  ", " ")
+            return status, f"{status} {reason} for {name}".replace("  ", " ")
         seen = seen.__cause__ or seen.__context__
     return None
 

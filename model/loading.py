@@ -357,8 +357,9 @@ def _load_hf(folder: Path):
     config_path = folder / "config.json"
     config = read_json(config_path)
     model_type = config.get("model_type")
-    book = sorted(p.name for p in folder.glob("*.pth"))
-    if model_type is None and book:
+    # Listed only where the family is unknown: every Hugging Face folder's load had globbed it.
+    book = sorted(p.name for p in folder.glob("*.pth")) if model_type is None else []
+    if book:
         # Advised to add a model_type, which a book config cannot take.
         raise ModelLoadError(
             f"{folder} holds a book checkpoint ({', '.join(book[:3])}) but no model.pth, and its config.json has no "
