@@ -15,14 +15,9 @@ def causal():
     return load("tiny-gpt", device="cpu")
 
 
-@pytest.fixture(scope="module")
-def encoder():
-    return load("minilm", device="cpu")
-
-
-def test_results_compare_as_objects_instead_of_raising(encoder, causal):
+def test_results_compare_as_objects_instead_of_raising(minilm, causal):
     """The generated __eq__ compared tensors: "Boolean value of Tensor with more than one value is ambiguous"."""
-    r = encoder.attend("The cat.")
+    r = minilm.attend("The cat.")
     assert r == r and r != pickle.loads(pickle.dumps(r))
     done = ablate(causal, "The cat", [(0, 1)])
     assert done == done and done != ablate(causal, "The cat", [(0, 1)])
@@ -50,16 +45,16 @@ def test_wrong_values_are_value_errors_that_name_them(causal, call, message):
     (lambda m: m.run(["hello"]), "run takes a list of what encode returns: run([model.encode(text)]); for texts, use attend or attend_batch"),
     (lambda m: m.run(m.encode("hello")), "run takes a list of what encode returns"),
 ])
-def test_wrong_types_are_type_errors_that_name_them(encoder, call, message):
+def test_wrong_types_are_type_errors_that_name_them(minilm, call, message):
     with pytest.raises(TypeError, match=re.escape(message)):
-        call(encoder)
+        call(minilm)
 
 
-def test_predictions_of_another_models_result_say_the_result_has_none(encoder, causal):
+def test_predictions_of_another_models_result_say_the_result_has_none(minilm, causal):
     """It said "model tiny-gpt has no language-model head", which tiny-gpt has."""
     with pytest.raises(ValueError, match=re.escape("this result holds no predictions (top_ids is None): it was run by a "
                                                    "model without a language-model head")):
-        causal.predictions(encoder.attend("The cat."))
+        causal.predictions(minilm.attend("The cat."))
     with pytest.raises(ValueError, match=re.escape("model minilm has no language-model head")):
-        encoder.predict("The [MASK] sat.")  # before its forward pass, now
+        minilm.predict("The [MASK] sat.")  # before its forward pass, now
     assert len(causal.predict("ab", 3)[0]) == 3
