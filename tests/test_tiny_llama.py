@@ -65,6 +65,8 @@ def test_it_is_a_small_llama_folder_with_2048_positions(tiny):
     assert not (folder / "checkpoint.pt").exists()  # optimizer state is for resuming, not for shipping
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and config["max_position_embeddings"] >= 2048
+    # transformers' generate reads the end of text from config.json alone (ours also reads the tokenizer)
+    assert config["eos_token_id"] == 0 and tiny.tokenizer.token_text(0) == "<|endoftext|>"
     info = tiny.info
     assert info.causal and info.family == "llama" and info.n_layers >= 2 and info.max_tokens >= 2048
     assert info.n_kv_heads < info.n_heads  # grouped-query attention
