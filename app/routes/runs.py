@@ -84,7 +84,7 @@ async def run_tile(
     k0: Start = None,
     k1: End = None,
     rows: Annotated[int | None, Query(ge=1, description="Answer rows; default the window's (full resolution, "
-                                                        "at most 1024 a side: 413 beyond)"), DIGITS] = None,
+                                                        "at most MANYEYES_MAX_TILE_SIDE a side, 1024 by default: 413 beyond)"), DIGITS] = None,
     cols: Annotated[int | None, Query(ge=1, description="Answer columns; default the window's"), DIGITS] = None,
     pool: Annotated[Literal["max", "mean"], Query(description="How a cell sums up the weights it covers")] = "max",
     format: Annotated[Format, Query()] = "json",
@@ -120,7 +120,7 @@ async def run_topk(
     request: Request,
     layer: Annotated[int, Query(ge=0), DIGITS],
     head: Annotated[int, Query(ge=0), DIGITS],
-    k: Annotated[int, Query(ge=1, description="Weights per query row, at most 64 (the run's length, if shorter)"), DIGITS] = 8,
+    k: Annotated[int, Query(ge=1, description="Weights per query row, at most MANYEYES_MAX_TOPK (64 by default; the run's length, if shorter)"), DIGITS] = 8,
     q0: Start = None,
     q1: End = None,
     format: Annotated[Format, Query(description="Of values and rest; indices are json lists or int32")] = "json",
