@@ -227,5 +227,5 @@ GELU_FORMS = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "g
 def gelu_form(config: dict, key: str, path: Path, default: str = "gelu") -> str:
     act = config.get(key, default)
     if act not in GELU_FORMS:
-        raise ModelLoadError(f"{path}: unsupported activation {key}={act!r}")
+        raise ModelLoadError(f"{path}: unsupported activation {key}={act!r}; this family runs {', '.join(GELU_FORMS)}")
     return GELU_FORMS[act]

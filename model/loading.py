@@ -366,6 +366,7 @@ def _load_hf(folder: Path):
             f"model_type, as a Hugging Face folder's has: load the file itself ({folder / book[0]}), or name it model.pth"
         )
     family = family_for(model_type, config_path)
+    _refuse_quantised(config, config_path)
     check_numbers(config, config_path)
     net = family.build(config, config_path)
     weights, weights_path = _read_weights(folder)
@@ -374,6 +375,19 @@ def _load_hf(folder: Path):
     tok = TextTokenizer.from_file(_need(folder / "tokenizer.json"), max_tokens=net.max_positions)
     _check_vocab(tok, net, folder / "tokenizer.json")
     return net, tok, model_type, stored, _named_eos(folder, config)
+
+
+def _refuse_quantised(config: dict, config_path: Path) -> None:
+    """GPTQ, AWQ and FP8 checkpoints keep packed integers and scales under their own key names
+    (q_proj.qweight, weight_scale_inv): refused by their config, else the key table blamed a
+    missing or unexpected key and asked whether it was a llama checkpoint at all."""
+    quantised = config.get("quantization_config")
+    if quantised:
+        method = quantised.get("quant_method", "unnamed method") if isinstance(quantised, dict) else "unnamed method"
+        raise ModelLoadError(
+            f"{config_path}: a quantised checkpoint (quantization_config: {method}) is not supported: manyeyes "
+            f"reads float32, bfloat16 or float16 weights; load the model's unquantised checkpoint"
+        )
 
 
 def _named_eos(folder: Path, config: dict) -> list:
@@ -457,7 +471,8 @@ def _need(path: Path) -> Path:
 def _check_vocab(tok, net, path):
     model_vocab = net.cfg.vocab_size
     if tok.vocab_size > model_vocab:
-        raise ModelLoadError(f"{path}: tokenizer has {tok.vocab_size} ids but the model embeds only {model_vocab}")
+        raise ModelLoadError(f"{path}: tokenizer has ids up to {tok.vocab_size - 1} but the model embeds only "
+                             f"{model_vocab} (ids 0-{model_vocab - 1}): is it this model's own tokenizer?")
 
 
 # ---------------------------------------------------------------------------- book checkpoints

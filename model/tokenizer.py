@@ -124,7 +124,10 @@ class TextTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._full.get_vocab_size(with_added_tokens=True)
+        """The rows an embedding needs for every id this tokenizer can give: its largest id + 1. Not
+        get_vocab_size, a count: a vocabulary with a gap in its ids counted fewer, passed the load's
+        check, and its top ids were an IndexError at the embedding (a 500 from the server)."""
+        return max(self._full.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @property
     def mask_id(self) -> int | None:
@@ -182,10 +185,24 @@ class TextTokenizer:
         ):
             segment = seq if seq is not None else type_id
             span = sources[segment][start:end] if not special else piece
+            if _prepended_space_marker(piece, span):
+                span = ""
             # A token with no span of its own (a lone byte-level space) shows its decoded form.
             tokens.append(Token(span or self._full.decode([tid], skip_special_tokens=False) or piece,
                                 tid, start, end, bool(special), segment, piece))
         return Encoded(tokens, list(enc.type_ids), truncated)
+
+
+SPACE_MARKER = "\u2581"  # SentencePiece's "▁", LOWER ONE EIGHTH BLOCK: a space in its pieces
+
+
+def _prepended_space_marker(piece: str, span: str) -> bool:
+    """A SentencePiece-style tokenizer (Llama 2, Mistral) puts "▁" before the text; where the first
+    character is a digit, a newline or a byte-fallback one, the marker is a token of its own, and
+    the tokenizers library gives it the first character's offsets. That span is not what it
+    stands for ("3 apples" labelled "3 3 ␣ a…"): "▁" replaces spaces only, so a marker covering
+    neither a space nor the literal character is the prepended one and shows its own form."""
+    return bool(piece) and piece.strip(SPACE_MARKER) == "" and " " not in span and SPACE_MARKER not in span
 
 
 GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"

@@ -196,7 +196,7 @@ def test_hf_unknown_model_type_and_bad_json(hf_copy):
     with pytest.raises(ModelLoadError, match="cannot read JSON .*config.json"):
         load(hf_copy)
     (hf_copy / "config.json").write_text(json.dumps(cfg | {"hidden_act": "swish"}))
-    with pytest.raises(ModelLoadError, match="unsupported activation hidden_act='swish'"):
+    with pytest.raises(ModelLoadError, match="unsupported activation hidden_act='swish'; this family runs gelu, gelu_new, gelu_pytorch_tanh, gelu_fast"):
         load(hf_copy)
 
 
@@ -244,7 +244,7 @@ def test_tokenizer_larger_than_model_vocab(hf_copy):
     state["embeddings.word_embeddings.weight"] = state["embeddings.word_embeddings.weight"][:1000]
     save_file(state, str(hf_copy / "model.safetensors"))
     (hf_copy / "config.json").write_text(json.dumps(cfg | {"vocab_size": 1000}))
-    with pytest.raises(ModelLoadError, match="tokenizer has 30522 ids but the model embeds only 1000"):
+    with pytest.raises(ModelLoadError, match="tokenizer has ids up to 30521 but the model embeds only 1000"):
         load(hf_copy)
 
 
@@ -720,3 +720,25 @@ def test_a_folder_named_as_a_built_in_model_is_said_not_to_be_loaded(tmp_path, m
     with caplog.at_level("WARNING", logger="manyeyes.model.loading"):
         load("minilm", device="cpu")
     assert caplog.records == []
+
+
+def test_tokenizer_with_a_gap_in_its_ids_past_the_model_vocab(hf_copy):
+    """The same count of ids, one moved past the embedding's rows: the count passed, and "the" was
+    an IndexError at the first forward pass that said it (a 500 from the server)."""
+    path = hf_copy / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    spec["model"]["vocab"]["the"] = 30600
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ModelLoadError, match=r"tokenizer has ids up to 30600 but the model embeds only 30522 \(ids 0-30521\)"):
+        load(hf_copy)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_a_quantised_checkpoint_is_refused_as_quantised_by_its_config(hf_copy, method):
+    """Its weights sit under names of their own (q_proj.qweight, weight_scale_inv): the key table
+    said a key was missing, or asked whether the folder held that family's checkpoint at all."""
+    path = hf_copy / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"quantization_config": {"quant_method": method, "bits": 4}}))
+    with pytest.raises(ModelLoadError, match=rf"config.json: a quantised checkpoint \(quantization_config: {method}\) "
+                                             r"is not supported.*load the model's unquantised checkpoint"):
+        load(hf_copy)

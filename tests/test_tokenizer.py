@@ -136,3 +136,31 @@ def test_tiktoken_reads_an_id_past_its_vocabulary_as_nothing(monkeypatch):
     tokenizer = TiktokenTokenizer(max_tokens=64)
     assert tokenizer.token_text(ord("a")) == "a"
     assert tokenizer.token_text(300) == ""
+
+
+def _sentencepiece_like(path):
+    """A Llama 2 style tokenizer: "▁" prepended and for spaces, BPE with byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog.", "apples and pears"] * 10,
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path))
+    return TextTokenizer.from_file(path, max_tokens=64)
+
+
+@pytest.mark.parametrize("text, first", [("3 apples", "3"), ("\nthe fox", "\n"), ("é the", "é")])
+def test_a_prepended_space_marker_is_not_labelled_as_the_first_character(tmp_path, text, first):
+    """The tokenizers library gives a lone prepended "▁" the first character's offsets: "3 apples"
+    read "3 3 ␣ a…" on the page, and the hover said the marker came from "3"."""
+    tokens = _sentencepiece_like(tmp_path / "tokenizer.json").encode(text).tokens
+    marker, covering = tokens[1], tokens[2]  # after <s>
+    assert marker.piece == "▁" and marker.text == "▁"
+    assert covering.text == first and covering.piece != "▁"
+    spaces = [t for t in tokens[2:] if "▁" in t.piece]
+    assert spaces and all(" " in t.text for t in spaces)  # a marker for a real space reads as one
