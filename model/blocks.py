@@ -109,6 +109,17 @@ class RotaryDecoder(ShapeInfo, nn.Module):
         self.out_head = None
 
     @property
+    def max_positions(self) -> int:
+        """The longest input. Dynamic NTK exists to run past max_position_embeddings (its base grows
+        with the input's length there), so it takes the factor's stretch of it: capped at
+        max_position_embeddings, its scaling could never be reached. transformers sets no bound at
+        all; a server needs one, and the factor is the stretch the config was written for."""
+        rope = self.cfg.rope
+        if rope.rope_type == "dynamic":
+            return int(self.cfg.max_positions * max(rope.factor, 1.0))
+        return self.cfg.max_positions
+
+    @property
     def n_kv_heads(self) -> int:
         return self.cfg.n_kv_heads
 

@@ -59,13 +59,17 @@ def test_greedy_equals_transformers_generate(tmp_path, bytelevel_tokenizer, fami
     check_rows_equal_full_recompute(ours, "The quick brown fox", steps)
 
 
-def test_longrope_generation_past_its_original_context_equals_the_recompute(tmp_path, bytelevel_tokenizer):
+@pytest.mark.parametrize("variant", ["longrope", "dynamic"])
+def test_length_following_rope_generation_past_its_threshold_equals_the_recompute(tmp_path, bytelevel_tokenizer, variant):
     """The cached keys were turned by the short factors; once the sequence outgrows the original
-    context every position turns by the long ones. A cached step had gone on with the short."""
+    context every position turns by the long ones. A cached step had gone on with the short.
+    Dynamic NTK's base changes at every length past max_position_embeddings (16 here), which
+    generation could not reach while the context stopped there."""
     from tests.test_parity_decoders import LONGROPE_16
 
-    save_random(tmp_path, bytelevel_tokenizer, "llama", 22, num_key_value_heads=2, max_position_embeddings=64,
-                rope_scaling=LONGROPE_16)
+    scaling, positions = {"longrope": (LONGROPE_16, 64), "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 16)}[variant]
+    save_random(tmp_path, bytelevel_tokenizer, "llama", 22, num_key_value_heads=2, max_position_embeddings=positions,
+                rope_scaling=scaling)
     ours = load(tmp_path, device="cpu")
     prompt = "The quick brown fox jumps"
     assert len(ours.encode(prompt).ids) < 16

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from manyeyes.model import load
-from manyeyes.model.errors import ModelLoadError
+from manyeyes.model.errors import ModelLoadError, TooLongError
 from manyeyes.model.families import family_for, gpt2, gpt_neox, llama
 from manyeyes.model.rotary import RotaryEmbedding, rope_config, rope_parameters
 
@@ -156,7 +156,7 @@ def test_mistral_window_is_shorter_than_the_context(tmp_path, bytelevel_tokenize
 
 
 def test_dynamic_ntk_beyond_the_trained_context(tmp_path, bytelevel_tokenizer):
-    """Dynamic NTK only differs past max_position_embeddings, which the tokenizer never exceeds: go to the network."""
+    """Dynamic NTK only differs past max_position_embeddings: random ids, straight to the network."""
     ref_model = save_random(
         tmp_path, bytelevel_tokenizer, "llama", 12, num_key_value_heads=2, max_position_embeddings=24,
         rope_scaling={"rope_type": "dynamic", "factor": 3.0},
@@ -170,6 +170,26 @@ def test_dynamic_ntk_beyond_the_trained_context(tmp_path, bytelevel_tokenizer):
     assert (attention - torch.stack([a.weights[0] for a in trace.layers])).abs().max().item() <= 1e-5
     assert (hidden - trace.hidden[0]).abs().max().item() <= 1e-4
     assert (logits - trace.logits[0]).abs().max().item() <= 1e-4
+
+
+def test_dynamic_ntk_runs_past_the_trained_context_as_transformers_does(tmp_path, bytelevel_tokenizer):
+    """The tokenizer cut every input at max_position_embeddings, where dynamic NTK's scaling only
+    begins: a model loaded by Hub id could never use it. Its inputs now go to the factor's stretch."""
+    ref_model = save_random(
+        tmp_path, bytelevel_tokenizer, "llama", 16, num_key_value_heads=2, max_position_embeddings=24,
+        rope_scaling={"rope_type": "dynamic", "factor": 3.0},
+    )
+    ours = load(tmp_path, device="cpu")
+    assert ours.info.max_tokens == 72
+    text = " ".join(["the river bank"] * 6)
+    r = ours.attend(text)
+    assert 24 < len(r.tokens) <= 72
+    ids = torch.tensor([[t.id for t in r.tokens]])
+    attention, _, logits = reference(ref_model, ids)  # a fresh model: transformers' cache is empty
+    assert (attention - r.attention).abs().max().item() <= 1e-5
+    assert (logits - r.logits).abs().max().item() <= 1e-4
+    with pytest.raises(TooLongError, match="at most 72"):
+        ours.attend(" ".join(["the river bank"] * 40))
 
 
 LONGROPE_16 = {"rope_type": "longrope", "original_max_position_embeddings": 16,
