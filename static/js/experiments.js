@@ -195,7 +195,11 @@ function renderAblation() {
   // A head in or before the first ablated layer keeps its weights (an ablation silences what a head
   // writes): "after ablating L1 H0" over the clean pattern read as if it had changed.
   const unchanged = current && layer <= Math.min(...current.ablate.map((a) => a.layer));
-  const what = current ? `after ablating ${current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ")}${unchanged ? ": weights unchanged" : ""}` : "clean (nothing ablated)";
+  // Past two heads the list outgrew the plot's width and both ends of the title were cut, the
+  // shown head's name with them; the chips above list every ablated head.
+  const listed = current && (current.ablate.length <= 2
+    ? current.ablate.map((a) => `L${a.layer} H${a.head} (${a.mode})`).join(", ") : `${current.ablate.length} heads`);
+  const what = current ? `after ablating ${listed}${unchanged ? ": weights unchanged" : ""}` : "clean (nothing ablated)";
   const rows = maskLater(headRows(tensor, layer, head), ablation.causal);
   heatmap(plot, rows, { x: labels, y: labels, title: `L${layer} H${head}, ${what}` });
   Object.assign(plot.dataset, { layer, head, state: current ? "ablated" : "clean" });

@@ -31,8 +31,17 @@ function runPrompt(input, run, n, info) {
   // them kept the character's other bytes too (a prompt 1-3 tokens over the room).
   const kept = Math.min(room, words.length);
   const end = Math.min(words[kept - 1].end, words[kept]?.start ?? Infinity);
+  if (end <= words[0].start) {
+    // The room ends inside the first character (an emoji's 4 byte tokens): an empty prompt, which
+    // the server refused with words about the text's length.
+    const first = words.findIndex((t) => t.start > words[0].start);
+    const needed = first < 0 ? words.length : first;
+    return { error: `${n} new tokens leave no room for the prompt's first character (${tokenCount(needed)}) in ${info.id}'s ${info.max_tokens} positions: ask for at most ${info.max_tokens - specials - needed}.` };
+  }
   return { text: Array.from(input.text).slice(0, end).join(""), cut: true };
 }
+
+const newTokens = (n) => `${n} new token${n === 1 ? "" : "s"}`;
 
 // A body whose connection drops (the server stopped, a proxy cut it) ends here as a stream with
 // no end line, which the caller says was cut off: its read rejects with a TypeError "network
@@ -307,9 +316,9 @@ export function mountGeneration(box) {
         // Why it ended, where it was not the length asked for: a text the model ended itself.
         const ended = state.reason === "eos" ? ` Stopped: the model ended the text (end-of-text token) after ${state.steps.length} of the ${tokenCount(n)} asked for.` : "";
         if (cut && state.start) {
-          status(note, `Finished: ${state.steps.length} new tokens from ${from}, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
+          status(note, `Finished: ${newTokens(state.steps.length)} from ${from}, after the start of the run's text (${tokenCount(state.start.prompt.length)}): `
             + `the whole run and the new tokens would not fit in ${info.id}'s ${info.max_tokens} positions.${ended}`);
-        } else status(note, `Finished: ${state.steps.length} new tokens from ${from}.${ended}`);
+        } else status(note, `Finished: ${newTokens(state.steps.length)} from ${from}.${ended}`);
       }
     } catch (err) {
       // A stream stopped because another run came on screen says nothing: its panel is cleared.

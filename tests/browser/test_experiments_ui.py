@@ -208,6 +208,19 @@ def test_ablating_a_causal_model_shows_the_prediction_change(server, api, page):
     assert ranking_rows(page, "ablate-ranking") == api_ranking(reply["ranking"])
 
 
+def test_the_ablated_plots_title_names_three_heads_by_their_count(server, page):
+    """Every ablated head in the title: at four or more it was wider than the plot, and cut at both
+    ends, the shown head's name with them."""
+    open_page(page, server)
+    run(page, PROMPT, "tiny-causal")
+    for depth, head in enumerate((0, 1, 3), start=1):
+        page.click(f"#grid .thumb[data-layer='0'][data-head='{head}']", modifiers=["Alt"])
+        page.wait_for_selector(f"#ablate-plot[data-depth='{depth}'][data-state='ablated']", timeout=30_000)
+    (layer, head), title = ablate_shown(page)
+    assert title == f"L{layer} H{head}, after ablating 3 heads"
+    assert page.locator("#ablate-list").inner_text().count("L0 H") == 3
+
+
 def test_ablating_a_head_of_the_last_layer_shows_its_prediction_change(server, api, page):
     """No later head to rank: the page drew nothing at all, though the answer held 53 changes."""
     open_page(page, server)
@@ -531,6 +544,11 @@ def generate_on(page, base: str, model: str, n: int) -> None:
     page.fill("#gen-n", str(n))
     page.click("#gen-start")
     page.wait_for_selector("#generate-box[data-outcome='finished']", timeout=30_000)
+
+
+def test_one_new_token_is_said_in_the_singular(server, page):
+    generate_on(page, server, "tiny-causal", 1)
+    assert page.locator("#gen-status").text_content() == "Finished: 1 new token from tiny-causal."
 
 
 def test_a_refused_generation_takes_the_last_ones_picture_and_0_tokens_is_not_20(server, page):
@@ -1057,6 +1075,17 @@ def test_generate_after_a_cut_run_of_many_byte_characters_fits_its_room(two_caus
         assert page.get_attribute("#generate-box", "data-outcome") == "finished", page.text_content("#gen-status")
         prompt = page.evaluate("() => window.manyeyesGeneration.start.prompt.length")
         assert prompt == 2 * ((256 - n) // 2), prompt  # whole characters only, as many as fit
+
+    # Room for one token, and the first character is two: the page posted an empty prompt, and the
+    # server's "text: String should have at least 1 character" answered it.
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/api/v1/generate") else None)
+    page.fill("#gen-n", "255")
+    page.click("#gen-start")
+    page.wait_for_function("() => document.getElementById('gen-status').textContent.startsWith('255 new tokens')")
+    assert page.text_content("#gen-status") == ("255 new tokens leave no room for the prompt's first character "
+                                                "(2 tokens) in tiny-gpt's 256 positions: ask for at most 254.")
+    assert sent == []
 
 
 def ablate_focused(page, layer, head, depth):
