@@ -386,10 +386,13 @@ class AttentionService:
         limit = self.settings.dense_max_tokens
         if keep == "weights" and n_tokens > limit:
             cut = " (cut to fit)" if truncated else ""
+            # Without a run cache "keep": "qk" is refused too (run_too_large): advised here, it was a dead end.
+            remedy = ("this server keeps no runs (MANYEYES_CACHE_BYTES=0), so it cannot serve a longer one: send at "
+                      f"most {limit:,} tokens, or turn the run cache on" if self.cache.max_bytes == 0 else
+                      'POST /api/v1/attention with "keep": "qk" (or "auto") and read the run through '
+                      "GET /api/v1/runs/{run_id}/tile, /topk and /overview")
             raise NeedsTiles(
-                f"{label}input is {n_tokens:,} tokens long{cut}; this server sends whole weights up to {limit:,} tokens. "
-                'POST /api/v1/attention with "keep": "qk" (or "auto") and read the run through '
-                "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
+                f"{label}input is {n_tokens:,} tokens long{cut}; this server sends whole weights up to {limit:,} tokens. {remedy}"
             )
         kind = "qk" if keep == "qk" or (keep == "auto" and n_tokens > limit) else "weights"
         if kind == "qk" and measures and keep == "qk":

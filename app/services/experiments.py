@@ -236,10 +236,12 @@ class ExperimentService:
         # Experiments compare whole weights of two forwards; long inputs keep queries and keys instead.
         limit = self.settings.dense_max_tokens
         if len(encoded) > limit:
+            # `truncate` cuts to the model's positions only: the advice says what does fit.
             raise KeptQK(
                 f"{label}input is {len(encoded):,} tokens long; experiments compare whole weights, which this server "
-                f"computes up to {limit:,} tokens (dense_max_tokens). Longer runs are served by "
-                "GET /api/v1/runs/{run_id}/tile, /topk and /overview"
+                f"computes up to {limit:,} tokens (MANYEYES_DENSE_MAX_TOKENS): send at most {limit:,} tokens, or start "
+                "the server with a higher MANYEYES_DENSE_MAX_TOKENS. A long run's weights can still be read, without "
+                "experiments, through GET /api/v1/runs/{run_id}/tile, /topk and /overview"
             )
         return encoded
 

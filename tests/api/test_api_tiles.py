@@ -732,6 +732,10 @@ def test_with_the_cache_off_a_run_kept_as_queries_and_keys_is_refused_before_its
             err = r.json()["error"]
             assert r.status_code == 413 and err["code"] == "run_too_large", r.text
             assert "MANYEYES_CACHE_BYTES=0" in err["message"] and "send at most 64 tokens" in err["message"]
+        # Asked for its weights, a long input was told to ask for "keep": "qk", which this server refuses.
+        err = post(100, "weights").json()["error"]
+        assert err["code"] == "needs_tiles" and "MANYEYES_CACHE_BYTES=0" in err["message"], err
+        assert "send at most 64 tokens" in err["message"] and '"keep": "qk"' not in err["message"], err
         assert metric(api, "manyeyes_forward_seconds_count", model="minilm") == forwards
         body = post(60, "auto").json()  # within the dense limit: answered with its weights, as ever
         assert body["kept"] == "weights" and body["attention"] is not None

@@ -102,7 +102,8 @@ def test_too_long_and_truncated_inputs(client, model):
     refused(post_raw(client, f"{E}/compare", {"model": model, "text_a": "x", "text_b": long}), 422, "text_b")
     r = post_raw(client, f"{E}/ablate", {"model": model, "text": long, "ablate": one(), "truncate": True})
     if info.max_tokens > client.app.state.settings.dense_max_tokens:  # tiny-llama: 2,048 positions
-        refused(r, 422, "dense_max_tokens")
+        error = refused(r, 422, "MANYEYES_DENSE_MAX_TOKENS")
+        assert f"send at most {client.app.state.settings.dense_max_tokens:,} tokens" in error["message"], error
     else:
         assert r.status_code == 200, r.text
         assert len(r.json()["tokens"]) == info.max_tokens and r.json()["truncated"] is True
