@@ -340,7 +340,11 @@ def compare(model: AttentionModel, text_a: str, text_b: str) -> Comparison:
     Each text is encoded with `model.encode` (TooLongError past the model's positions). Returns a
     Comparison, difference (n_layers, n_heads, P, P) for P aligned tokens; ValueError when the two
     share no token to align."""
-    a, b = model.run([model.encode(text_a), model.encode(text_b)])
+    encoded = [model.encode(text_a), model.encode(text_b)]
+    for name, one in zip(("text_a", "text_b"), encoded):
+        if len(one) == 0:  # said as "the two inputs share no token to align"
+            raise ValueError(f"{name} gives no tokens, so there is nothing of it to compare")
+    a, b = model.run(encoded)
     return compare_results(a, b)
 
 
@@ -358,6 +362,9 @@ def changed_tokens(model: AttentionModel, encoded: Encoded, index: int, change: 
     """The same input with token `index` replaced by the model's mask or unknown token, or deleted."""
     if change not in CHANGES:
         raise ValueError(f"unknown change {change!r}; expected one of {', '.join(CHANGES)}")
+    index = whole_number(index, "index")  # 1.0 was a TypeError from list indexing, True token 1
+    if len(encoded) == 0:
+        raise ValueError("the text gives no tokens, so there is no token to change")
     if not 0 <= index < len(encoded):
         raise ValueError(f"token index must be in 0..{len(encoded) - 1}")
     if encoded.tokens[index].special:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from manyeyes.indices import count_at_least
 from manyeyes.model.attention import Capture
 from manyeyes.model.runtime import AttentionModel
 from manyeyes.model.tokenizer import Encoded
@@ -130,6 +131,12 @@ def generate(
     stop_at_eos: end after the first step whose token is one of `model.info.eos_ids` (that step
     is yielded, with the row the model read when it ended the text), so fewer than
     max_new_tokens may come; False runs to max_new_tokens whatever the tokens are."""
+    # Checked as counts here: None or "3" was a TypeError from a comparison, -1 alternatives
+    # torch's "selected index k out of range", and True ran as 1.
+    if count_at_least(max_new_tokens, 1) is None:
+        raise ValueError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
+    if count_at_least(alternatives, 0) is None:
+        raise ValueError(f"alternatives must be a whole number of at least 0 (0: none), got {alternatives!r}")
     encoded = prompt if isinstance(prompt, Encoded) else model.encode(prompt)
     check_generation(model, len(encoded), max_new_tokens)
     ends = model.info.eos_ids if stop_at_eos else frozenset()

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from manyeyes.model import Capture, load
-from manyeyes.model.experiments import ablate
+from manyeyes.model.experiments import ablate, change_token, compare
+from manyeyes.model.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,17 @@ def test_results_compare_as_objects_instead_of_raising(minilm, causal):
     (lambda m: ablate(m, "ab", [(0, 1)], top=-1), "top must be a whole number of at least 1 (guesses kept per position), got -1"),
     (lambda m: ablate(m, "ab", [(0, 1)], top=0), "got 0"),
     (lambda m: m.attend("ab", capture=Capture(keep=True)).kept.block(0, 0, 0, 1, 0, 1), "heads must be a non-empty list of indices in 0..7, got 0"),
+    # Generation and the experiments besides ablate had torch's or Python's words for these.
+    (lambda m: next(generate(m, "hi", 2, alternatives=-1)), "alternatives must be a whole number of at least 0 (0: none), got -1"),
+    (lambda m: next(generate(m, "hi", None)), "max_new_tokens must be a whole number of at least 1, got None"),
+    (lambda m: next(generate(m, "hi", "3")), "got '3'"),
+    (lambda m: next(generate(m, "hi", 2.0)), "got 2.0"),
+    (lambda m: next(generate(m, "hi", True)), "got True"),
+    (lambda m: change_token(m, "The bank", 1.0, "delete"), "index must be a whole number (an int), got 1.0"),
+    (lambda m: change_token(m, "The bank", True, "delete"), "got True"),
+    (lambda m: change_token(m, "", 0, "delete"), "the text gives no tokens, so there is no token to change"),
+    (lambda m: compare(m, "", "In the beginning"), "text_a gives no tokens, so there is nothing of it to compare"),
+    (lambda m: compare(m, "In", ""), "text_b gives no tokens"),
 ])
 def test_wrong_values_are_value_errors_that_name_them(causal, call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
