@@ -397,6 +397,11 @@ export class TiledFocusView extends FocusView {
     return "reading…";
   }
 
+  // The run was posted again after the server let it go: the failures its loss caused are over.
+  runRevived() {
+    this.unread.clear();
+  }
+
   // Why the cell's weight could not be read, for a few seconds: then it is asked again (a 429 of a
   // busy server, or one back up, was "could not be read" until the run changed).
   unreadNow(key) {
@@ -423,7 +428,11 @@ export class TiledFocusView extends FocusView {
       }).catch((err) => {
         if (err.name === "AbortError") return;
         this.onTileError?.(err);
-        keep(this.unread, { why: describeError(err), until: performance.now() + UNREAD_MS });
+        // An evicted run is posted again by the page (onTileError): the API's "POST again" is not
+        // for a person, and once the run is back (runRevived) the cell is asked for again at once.
+        const lost = err.status === 404 && err.code === "unknown_run";
+        const why = lost ? "the server had let this run go; the page is running it again" : describeError(err);
+        keep(this.unread, { why, until: performance.now() + UNREAD_MS });
       });
     }, HOVER_PAUSE_MS);
   }

@@ -683,6 +683,7 @@ function longRunError(run, err) {
     .then(() => {
       run.revivedAt = performance.now();
       if (state.run !== run) return;
+      focus.runRevived();
       openLongRun(run, state.controller.signal);
       paintOverview(grid, run, state.scale).catch(() => {});
       renderViews();

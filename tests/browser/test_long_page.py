@@ -497,6 +497,32 @@ def test_a_pooled_cells_reading_says_when_its_own_value_cannot_be_read(server, p
     assert "Queries 0–63" not in page.text_content("#headview")
 
 
+def test_a_cell_read_while_the_run_was_evicted_is_read_again_once_it_is_back(server, page, mock):
+    """The exact read of an evicted run's cell 404'd: the page posted the run again, but for 5 s
+    the cell still said "POST /api/v1/attention again to recompute it", words for the API."""
+    mock.serve(page)
+    open_page(page, server)
+    submit(page, mock.prompt)
+    wait_settled(page)
+    mock.lost = True
+    point = point_at_unzoomed(page, 1500, 700)
+    page.wait_for_function("() => document.getElementById('tooltip').textContent.includes('could not be read')", timeout=15_000)
+    text = page.locator("#tooltip").text_content()
+    assert "the page is running it again" in text and "POST" not in text, text
+    for _ in range(100):  # the page posts the run again (the mock's count is on this side)
+        if mock.posts == 2:
+            break
+        page.wait_for_timeout(100)
+    assert mock.posts == 2 and not mock.lost
+    wait_settled(page)
+    page.mouse.move(point[0] - 200, point[1] - 200)
+    page.mouse.move(*point, steps=3)  # back on the same cell at once, well within the 5 s a failure is kept
+    page.wait_for_function("() => { const t = document.getElementById('tooltip').textContent;"
+                           " return !t.includes('reading') && !t.includes('could not be read'); }", timeout=5_000)
+    reading = page.locator("#tooltip").text_content().split("\n")[0]
+    assert re.fullmatch(r"#1\d{3} .+ → #\d+ .+: [0-9.e+-]+", reading), reading  # the cell's own weight
+
+
 def test_a_pooled_cell_reads_its_own_value_and_arrow_steps_drop_stale_tiles(server, page, mock, watched):
     mock.serve(page)
     open_page(page, server)
