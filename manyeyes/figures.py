@@ -57,8 +57,24 @@ def offline() -> None:
                                full_html=False, default_width="100%", default_height=525, validate=False)
             return {"text/html": html}
 
-    pio.renderers["manyeyes"] = OfflineNotebook(connected=False)
-    pio.renderers.default = "manyeyes"  # activating it inlines plotly.js into the notebook once
+        def activate(self):
+            """Done by offline() itself. Left to plotly, plotly.js went into the output of the first
+            figure shown: running that cell again (or clearing it) dropped it from the notebook,
+            and a saved notebook drew every figure blank ("Plotly is not defined")."""
+
+    renderer = OfflineNotebook(connected=False)
+    pio.renderers["manyeyes"] = renderer
+    pio.renderers.default = "manyeyes"
+    if _in_ipython():  # a plain script has no notebook to put it in (IPython would print it)
+        NotebookRenderer.activate(renderer)  # plotly.js, once, into this cell's output
+
+
+def _in_ipython() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
 
 
 def to_html(fig: go.Figure, path: str | None = None) -> str:

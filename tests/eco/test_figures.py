@@ -174,12 +174,18 @@ def test_example_notebook_runs_headless(server):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     figures_drawn = [o for o in outputs if "Plotly.newPlot" in str(o.get("data", {}).get("text/html", ""))]
-    assert len(figures_drawn) == 7
+    assert len(figures_drawn) == 8  # every figure of manyeyes.figures, compare included
     text = "".join(o.get("text", "") for o in outputs)
     assert "previous-token score of layer 0, head 3: 0.9" in text
     # Offline: plotly.js went into the notebook itself; nothing points at a CDN.
     html = "".join(str(o.get("data", {}).get("text/html", "")) for o in outputs)
     assert "window.Plotly = Plotly" in html and not re.search(r"""src=["']https?://""", html)
+    # In offline()'s own cell, once: in the first figure's, running that cell again dropped it from
+    # the notebook, and every figure of the saved notebook was blank.
+    holding = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+               and "window.Plotly = Plotly" in "".join(str(o.get("data", {}).get("text/html", "")) for o in cell.outputs)]
+    assert len(holding) == 1 and "figures.offline()" in nb.cells[holding[0]].source
+    assert html.count("window.Plotly = Plotly") == 1
     assert not re.search(r"require\.config\([^)]*https?://", html)
 
 
