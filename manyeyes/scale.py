@@ -288,6 +288,13 @@ def stop(started_serve: bool) -> None:
     # application on a shared cluster down with it. A Serve this process started goes
     # too, once nothing else runs on it: on a cluster joined through RAY_ADDRESS its actors outlive
     # this process and would hold the port asked for with nothing behind it.
+    if local_cluster_gone():
+        # A SIGTERM to the whole process group (`timeout`, `kill -- -PGID`) or cgroup (systemd) took
+        # the local Ray's own processes with this one: serve.delete waited 60 s on the dead GCS, then
+        # Ray ended the process with status 1. The replicas went with them; nothing is left to stop.
+        print("manyeyes: Ray's own processes were stopped by the same signal; the replicas went with them",
+              file=sys.stderr)
+        return
     serve.delete(APP)
     if not serve.status().applications:
         # Only then: a `serve run` of app_builder beside it (another application name) shares the
@@ -295,6 +302,31 @@ def stop(started_serve: bool) -> None:
         drop_shared()
         if started_serve:
             serve.shutdown()
+
+
+# Ray's processes without which nothing can be asked of the cluster.
+CLUSTER_CORE = ("gcs_server", "raylet")
+
+
+def local_cluster_gone(wait_s: float = 1.0) -> bool:
+    """Whether the Ray this process started (not one joined through RAY_ADDRESS) lost its GCS or
+    raylet. Waited for up to wait_s: they get a group's signal at the same moment as this process,
+    and take a few milliseconds to go. Ray names no public call for it; where its node is not
+    where it was (another Ray version), the answer is no, and stopping goes on as it did."""
+    try:
+        processes = ray._private.worker._global_node.all_processes or {}
+    except AttributeError:  # no node of this process's (None), or not where it was
+        return False
+    core = [info.process for kind in CLUSTER_CORE for info in processes.get(kind, [])]
+    if not core:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        if any(process.poll() is not None for process in core):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def drop_shared() -> None:

@@ -214,3 +214,28 @@ def test_app_builder_refuses_an_argument_it_does_not_read():
     from ray import serve
 
     assert isinstance(app_builder({"replicas": 2, "threads": "1"}), serve.Application)  # a config file's numbers, the CLI's text
+
+
+def test_a_stop_after_the_local_rays_own_processes_died_does_not_wait_on_them(monkeypatch, capsys):
+    """A SIGTERM to the whole process group (`timeout`, systemd's cgroup) stopped the local GCS with
+    the driver: serve.delete waited 60 s on it, then Ray ended the process with status 1."""
+    from types import SimpleNamespace
+
+    from manyeyes import scale
+
+    def process(returncode):
+        return SimpleNamespace(process=SimpleNamespace(poll=lambda: returncode))
+
+    deleted = []
+    monkeypatch.setattr(scale.serve, "delete", lambda name: deleted.append(name))
+    monkeypatch.setattr(scale.serve, "status", lambda: SimpleNamespace(applications={"other": None}))
+    node = SimpleNamespace(all_processes={"gcs_server": [process(-15)], "raylet": [process(None)]})
+    monkeypatch.setattr(ray._private.worker, "_global_node", node)
+    scale.stop(started_serve=True)
+    assert deleted == [] and "Ray's own processes were stopped by the same signal" in capsys.readouterr().err
+    # Alive, the application is taken off Serve as before (after the short wait for a group's signal).
+    node.all_processes["gcs_server"] = [process(None)]
+    scale.stop(started_serve=True)
+    assert deleted == ["manyeyes"]
+    monkeypatch.setattr(ray._private.worker, "_global_node", None)  # a cluster joined, or none
+    assert not scale.local_cluster_gone(wait_s=0)
