@@ -863,6 +863,11 @@ class Client:
             self._http.close()
         self._closed = True
 
+    def _closed_during(self, method: str, path: str) -> ManyeyesError:
+        """A call in flight when close() came from another thread: it had read as the server crashing."""
+        return ManyeyesError(0, "closed", f"this Client was closed (close() from another thread) while {method} {path} "
+                                          "was on its way: make a new Client")
+
     def __getstate__(self) -> dict:
         if self._arguments["transport"] is not None:
             raise TypeError("a Client made with a transport= cannot be pickled; make one in each process instead")
@@ -889,6 +894,8 @@ class Client:
         refused, waited = 0, 0.0
         for attempt in range(self.max_retries + 1):
             try:
+                if self._closed:  # by another thread, during a retry's pause: httpx's RuntimeError
+                    raise self._closed_during(method, path)
                 response = http.send(http.build_request(method, path, **kwargs), stream=stream)
                 if response.is_error and stream:
                     response.read()
@@ -913,6 +920,8 @@ class Client:
             except (httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol) as exc:
                 raise ConnectionFailed(0, "network", f"{http.base_url} could not be reached: {exc}") from None
             except httpx.TransportError as exc:
+                if self._closed:  # close() from another thread cut it ("Bad file descriptor")
+                    raise self._closed_during(method, path) from None
                 # Connected, then the connection ended before a whole answer: the server went away
                 # (stopped, restarted, killed for memory) or a proxy cut it. Not retried: the same
                 # request may be what brought it down.
@@ -1170,6 +1179,8 @@ class Client:
             except ConnectionFailed:
                 if stream.closed:  # our own hang-up (close() from another thread): the loop just ends
                     return
+                if self._closed:  # the Client's close(), not the Generation's: as for any other call
+                    raise self._closed_during("POST", "/api/v1/generate") from None
                 raise
             if not stream.closed:
                 # The body ended without the server's end line: it was cut off (a proxy's timeout, a

@@ -987,6 +987,19 @@ def test_a_failed_batch_keeps_the_results_of_the_chunks_before_it(client, tiny_g
     assert err.value.partial == [] and err.value.message.startswith("texts[0]: ")
 
 
+def test_a_client_closed_from_another_thread_mid_call_says_it_was_closed():
+    """The call in flight raised ConnectionFailed: "closed the connection before it had answered ...
+    (the server stopped, restarted or crashed mid-request ...): [Errno 9] Bad file descriptor"."""
+    with live_server(debug_forward_delay_s=0.5) as base:
+        for call in (lambda c: c.attention(TEXT, model="tiny-gpt"),
+                     lambda c: list(c.generate(TEXT, 50, model="tiny-gpt"))):
+            c = Client(base)
+            threading.Timer(0.2, c.close).start()
+            with pytest.raises(ManyeyesError, match="this Client was closed \\(close\\(\\) from another thread\\) while POST") as err:
+                call(c)
+            assert (err.value.status, err.value.code, type(err.value)) == (0, "closed", ManyeyesError)
+
+
 def test_a_closed_client_says_it_is_closed():
     """A call after close() raised httpx's RuntimeError ("Cannot send a request, as the client has
     been closed"), which `except ManyeyesError` does not catch."""
