@@ -1,8 +1,11 @@
-# manyeyes: the attention API and browser UI on the built-in MiniLM and tiny-gpt.
+# manyeyes: the attention API and browser UI on the built-in MiniLM, tiny-gpt and tiny-llama.
 #
 #   CPU (default):  docker build -t manyeyes .
+#                   docker run --stop-timeout 35 -p 8000:8000 manyeyes
 #   CUDA:           docker build --build-arg TORCH_VARIANT=cu126 -t manyeyes:cuda .
-#                   docker run --gpus all -p 8000:8000 manyeyes:cuda
+#                   docker run --stop-timeout 35 --gpus all -p 8000:8000 manyeyes:cuda
+#
+# --stop-timeout 35: docker stop's default 10 s cut the server's 30 s drain short (README, Container).
 #
 # torch is pinned to the README's version; TORCH_VARIANT picks its build from PyTorch's index
 # (cpu, cu126, ...). CUDA wheels carry their own CUDA runtime, so both targets share one slim
