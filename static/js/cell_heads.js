@@ -9,9 +9,9 @@ import { LRI, isolate } from "./tokens.js";
 const SHOWN = 10;
 
 export class CellHeads {
-  // exactCell(run, query, key): a promise of the cell in every head, (layers × heads) from the
-  // server's float16 (null when it could not come): 8-bit values 1/255 apart ranked two heads
-  // 0.001 apart the wrong way round, and left out the tenth.
+  // exactCell(run, query, key): a promise of the cell in every head, (layers × heads) float32 from
+  // the server (null when it could not come): 8-bit values 1/255 apart ranked two heads 0.001
+  // apart the wrong way round, and left out the tenth.
   constructor(box, onFocus, exactCell) {
     this.box = box;
     this.onFocus = onFocus; // (layer, head): focus that head
@@ -39,7 +39,8 @@ export class CellHeads {
     const picked = { run, query, key, name, exact: null };
     this.picked = picked;
     this.render(layer, head);
-    if (this.allPrecise(run)) return;
+    // Asked even where every head's float16 values are here: the heatmap's reading of a cell is
+    // float32, and a ranking from float16 disagreed with it (2.4e-7 for 2.1e-7, 0.157 for 0.156).
     const cell = `${run.runId} ${query} ${key}`;
     if (!this.asked.has(cell)) {
       const asking = this.exactCell(run, query, key);
@@ -53,13 +54,6 @@ export class CellHeads {
       else picked.exact = exact;
       this.render(this.focused.layer, this.focused.head);
     });
-  }
-
-  allPrecise(run) {
-    for (let l = 0; l < run.nLayers; l++) {
-      for (let h = 0; h < run.nHeads; h++) if (!run.isPrecise(l, h)) return false;
-    }
-    return true;
   }
 
   render(layer, head) {
@@ -80,9 +74,11 @@ export class CellHeads {
       return node;
     };
     const coarse = (run.scale ?? 0) / 2; // what an 8-bit byte rounds either way
+    // The server's float32 is the weight itself; the run's own float16 rounds to 0 under 3e-8.
+    const floor = exact ? 0 : F16_ZERO;
     const list = el("ol", { className: "cell-heads-list" }, found.slice(0, SHOWN).map(({ layer: l, head: h, weight, precise }) =>
-      el("li", {}, [button(`L${l} H${h} · ${weightText(weight, precise ? F16_ZERO : coarse)}`,
-        { "data-layer": l, "data-head": h, "aria-pressed": String(l === layer && h === head),
+      el("li", {}, [button(`L${l} H${h} · ${weightText(weight, precise ? floor : coarse)}`,
+        { "data-layer": l, "data-head": h, "data-exact": String(Boolean(exact)), "aria-pressed": String(l === layer && h === head),
           ...(precise ? {} : { title: `8-bit value (±${coarse.toPrecision(2)}) until layer ${l}'s exact values come` }) },
         () => this.onFocus(l, h))])));
     const { failed } = this.picked;

@@ -17,7 +17,7 @@ import { mountStaleNote } from "./stale_note.js";
 import { CellHeads } from "./cell_heads.js";
 import { AttentionRun, holdsFor, layerMask, maskWords } from "./run.js";
 import { onThemeChange, palette, setTheme, themeChoice } from "./theme.js";
-import { describeToken, tokenCount, tokenLabels } from "./tokens.js";
+import { describeToken, quotedSpan, tokenCount, tokenLabels } from "./tokens.js";
 import { hidingOptions, isIdentity, renormalises, viewOf } from "./transform.js";
 import "./experiments.js";
 
@@ -322,15 +322,15 @@ async function exactForGrid(run) {
 }
 
 // One cell in every head, for the ranking of a picked cell (cell_heads.js). A GPU server keeps a
-// u8 answer's run as its bytes: the text is then posted again in float16 first, as for loadExact.
+// u8 answer's run as its bytes: the text is then posted again in float32 first, as for loadFloat32.
 async function exactCell(run, query, key) {
   const signal = state.controller.signal;
   const values = async (id) => ({ values: await fetchCell(id, query, key, signal) });
   const post = async () => {
-    const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "f16" }, signal);
+    const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "json" }, signal);
     return { precision: again.precision, ...(await values(again.run_id)) };
   };
-  const reply = await fromRun(run, `cell:${query}:${key}`, values, { format: "f16", post });
+  const reply = await fromRun(run, `cell:${query}:${key}`, values, { format: "json", post });
   return state.run === run ? reply?.values ?? null : null;
 }
 
@@ -493,7 +493,7 @@ async function renderViews({ headView: withHeadView = true } = {}) {
     return;
   }
   const names = labels();
-  focus.spans = (i) => `“${run.tokens[i].text}”`;
+  focus.spans = (i) => quotedSpan(run.tokens[i].text);
   focus.exactReading = exactReadings(run, focused.precision);
   focus.onPick = rankByCell(run, names);
   await focus.render({
@@ -555,7 +555,7 @@ async function renderLongViews(token, withHeadView) {
     }
   }
   if (token !== state.renderToken) return;
-  focus.spans = (i) => `“${run.tokens[i].text}”`;
+  focus.spans = (i) => quotedSpan(run.tokens[i].text);
   focus.exactReading = null; // a long run's readings come from its tiles (long_focus.js)
   const names = labels();
   focus.onPick = rankByCell(run, names);
@@ -917,8 +917,11 @@ function asLinked(typed, linked) {
 // A user's Run keeps the head being studied (the same head on a variant of the sentence is the
 // commonest step of a study; it went back to L0 H0, the ticked heads with it), clamped to the new
 // model's size. A link's restore names its own layer, head and ticked heads (applyViewState).
-async function submit({ layer = state.layer, head = state.head, push = true, fromLink = false } = {}) {
-  const studied = { layer, head };
+// A layer or head picked while the run is on its way is the one studied: the focus is read when
+// the run lands (read when it was sent, the pick was undone by the run it was made under).
+async function submit({ layer: askedLayer, head: askedHead, push = true, fromLink = false } = {}) {
+  const focusNow = () => ({ layer: askedLayer ?? state.layer, head: askedHead ?? state.head });
+  let studied = focusNow();
   if (!state.models.length) {
     // The model list never came (a refused key, a server gone): a run here crashed on no model
     // and left the page busy for good.
@@ -945,7 +948,7 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   setBusy(true);
 
   const info = modelInfo($("model").value);
-  layer = clamp(layer, info.n_layers);
+  const sentLayer = clamp(studied.layer, info.n_layers);
   const request = { text, model: info.id, format: "u8", truncate: $("truncate").checked };
   if (pair.trim()) request.text_pair = pair;
   // stale_note.js: what is on its way, which the form may hold ("press Run" was said of it).
@@ -953,7 +956,7 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   const lazy = info.n_layers > 1 && info.n_layers * info.n_heads * guessTokens(text.length + pair.length) ** 2 > EAGER_BYTES;
   let response;
   try {
-    response = await postAttention(lazy ? { ...request, layers: [layer] } : request, state.controller.signal);
+    response = await postAttention(lazy ? { ...request, layers: [sentLayer] } : request, state.controller.signal);
   } catch (err) {
     if (err.name !== "AbortError") {
       // The last text's results stay on screen under the new text: they say so, faded, until a
@@ -977,8 +980,9 @@ async function submit({ layer = state.layer, head = state.head, push = true, fro
   state.run = run;
   state.request = request;
   state.pending = new Set();
-  state.layer = layer;
-  state.head = clamp(head, run.nHeads);
+  studied = focusNow();
+  state.layer = clamp(studied.layer, run.nLayers);
+  state.head = clamp(studied.head, run.nHeads);
   sayMovedHead(fromLink ? null : studied, run);
   state.extraHeads = new Set([...state.extraHeads].filter((h) => h < run.nHeads && h !== state.head));
   if (!run.hasPair) state.segments = "all";

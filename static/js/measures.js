@@ -428,14 +428,16 @@ class Measures {
     };
     try {
       const flow = await whenNotBusy(() => this.get(`flow?threshold=${threshold}`), wait.signal, busy);
-      if (token !== this.token) return;
+      // A later threshold's ask supersedes this one: its answer, come last, drew the older graph
+      // under the newer slider value (only the wait to ask again was aborted, not the request).
+      if (token !== this.token || wait !== this.flowWait) return;
       this.flow = flow;
       this.flowGraph.render(flow, this.labels, { layer: this.layer, head: this.head });
       $("flow").dataset.threshold = String(threshold);
       this.status("flow-status");
       $("flow-draw").hidden = this.run.tokens.length <= FLOW_AUTO_TOKENS;
     } catch (err) {
-      if (token !== this.token || err?.name === "AbortError") return;
+      if (token !== this.token || wait !== this.flowWait || err?.name === "AbortError") return;
       if (!this.flow) this.flowGraph.clear(""); // not "Computing…" for ever: the status says why
       this.status("flow-status", err);
       $("flow-draw").hidden = false; // to ask again by hand

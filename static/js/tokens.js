@@ -35,6 +35,13 @@ export function visibleSpaces(s) {
   return s.replace(/[\p{C}\p{Z}]/gu, (ch) => VISIBLE[ch] ?? hex(ch.codePointAt(0)));
 }
 
+// A token's original characters between quotes (a hover's second line): as visibleSpaces, but a
+// plain space stays one, the quotes showing where it is. A raw "\n" broke the line in the tooltip
+// (“ on one line, ” → “ on the next).
+export function quotedSpan(s) {
+  return `“${s.replace(/[\p{C}\p{Z}]/gu, (ch) => (ch === " " ? ch : visibleSpaces(ch)))}”`;
+}
+
 // Bidi controls (embeddings, overrides, isolates, marks), and the letters and digits that run
 // right to left: Hebrew, Arabic, Syriac, Thaana, N'Ko… and their presentation forms and
 // supplementary blocks, the ranges where Unicode's R, AL and AN characters lie.
@@ -153,5 +160,5 @@ export function tokenLabels(tokens, mode) {
 export function describeToken(token) {
   const piece = pieceLabel(token);
   if (token.special) return `${piece} (special token)`;
-  return `${piece} from “${token.text}” (characters ${token.start}–${token.end})`;
+  return `${piece} from ${quotedSpan(token.text)} (characters ${token.start}–${token.end})`;
 }

@@ -184,6 +184,43 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     page.locator("#flow").screenshot(path=str(artifacts / "measures-flow.png"))
 
 
+def test_an_older_thresholds_flow_graph_come_last_is_not_drawn(ran, tiny_api):
+    """Only the wait to ask again was aborted, not the request: 0.05's graph, come after 0.3's,
+    was drawn under a slider that read 0.3 (612 elements for 282)."""
+    page, run_id = ran
+    page.wait_for_selector("#flow[data-threshold]", state="attached")
+    held = []
+    page.route(re.compile(r".*/flow\?threshold=0\.05$"), lambda route: held.append(route))
+    page.fill("#flow-threshold", "0.05")
+    for _ in range(100):
+        if held:
+            break
+        page.wait_for_timeout(50)
+    assert held
+    page.fill("#flow-threshold", "0.3")
+    page.wait_for_selector("#flow[data-threshold='0.3']", state="attached")
+    held[0].continue_()
+    page.wait_for_timeout(1_000)  # time for the older answer to be drawn, as it was
+    assert page.get_attribute("#flow", "data-threshold") == "0.3"
+    assert page.locator("#flow line.flow-edge").count() == len(flow_edges(tiny_api, run_id, 0.3))
+    page.unroute(re.compile(r".*/flow\?threshold=0\.05$"))
+
+
+def test_a_newline_tokens_original_characters_read_as_a_mark_on_one_line(page, tiny_server, tiny_api):
+    """The hover's second line quoted the raw "\n": the tooltip (pre-wrap) broke it over three
+    lines, “ on one, ” → “ on the next."""
+    text = "line one\nline two"
+    open_page(page, tiny_server)
+    run(page, text, model="tiny-gpt")
+    tokens, _ = api_attention(tiny_api, text, model="tiny-gpt", layers=[0], heads=[0])
+    newline = next(i for i, t in enumerate(tokens) if t["text"] == "\n")
+    hover_cell(page, newline, newline)
+    assert page.locator("#tooltip").text_content().split("\n")[1] == "“↵” → “↵”"  # then the predictions
+    before = next(i for i, t in enumerate(tokens) if t["text"].startswith(" "))
+    hover_cell(page, before, before)  # a plain space stays a space inside the quotes
+    assert page.locator("#tooltip").text_content().split("\n")[1] == f"“{tokens[before]['text']}” → “{tokens[before]['text']}”"
+
+
 def flow_fit(page) -> dict:
     return page.evaluate("""() => {
         const panel = document.getElementById('flow');
