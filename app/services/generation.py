@@ -52,8 +52,9 @@ class ShutdownClock:
         if self.began is None:
             self.began = time.monotonic()
 
-    def past(self, seconds: float) -> bool:
-        return self.began is not None and time.monotonic() - self.began >= seconds
+    def past(self, seconds: float, ahead: float = 0.0) -> bool:
+        """Whether a shutdown began and `seconds` after it will have gone by in `ahead` seconds."""
+        return self.began is not None and time.monotonic() - self.began + ahead >= seconds
 
 
 class GenerationService:
@@ -144,19 +145,22 @@ class GenerationService:
         count = 0
         ended = False  # the last step's token ended the text (Step.ends_text)
         delay = self.settings.debug_forward_delay_s
+        longest = 0.0  # the longest step yet, its line's send and any debug delay included
         try:
             yield orjson.dumps(start) + b"\n"
             while True:
-                if self.shutdown.past(self.stream_grace_s):
+                if self.shutdown.past(self.stream_grace_s, ahead=longest):
                     # A stream that would run past the shutdown grace was cut off at its end by
                     # uvicorn (no end line, a traceback per stream in the log). It goes on while
-                    # the grace allows, then ends saying why.
+                    # the grace allows, then ends saying why; a step is not begun that would end
+                    # past it (checked before each step only, a 4 s step ran into the cut-off).
                     outcome = "shutdown"
                     yield orjson.dumps({"type": "end", "reason": "shutdown", "tokens": count,
                                         "error": "the server is shutting down; generate again shortly"}) + b"\n"
                     return
                 # One step per worker-thread hop: the loop stays free, and a client that hangs up
                 # cancels this coroutine between two steps, so at most one more step runs.
+                began = time.monotonic()
                 try:
                     step = await anyio.to_thread.run_sync(lambda: next(steps, _DONE))
                 except Exception as exc:
@@ -175,6 +179,7 @@ class GenerationService:
                 yield _step_line(step)
                 if delay:
                     await anyio.sleep(delay)
+                longest = max(longest, time.monotonic() - began)
             outcome = "finished"
             # "eos" also where the last token asked for ends the text: the model ended it there.
             reason = "eos" if ended else "length"

@@ -197,6 +197,39 @@ def test_sigterm_or_sighup_ends_a_generation_stream_with_a_shutdown_line_within_
         proc.wait()
 
 
+def test_a_slow_generation_step_that_would_end_past_the_grace_is_not_begun():
+    """The grace was checked before each step only: a step begun just inside it (2.5 s here, a big
+    model on a CPU) ran into uvicorn's cut-off, and the stream ended with no end line and a
+    CancelledError traceback in the log."""
+    grace = 6.0  # streams stop by 4 s after the signal, uvicorn cancels at 5 s
+    port = free_port()
+    proc = subprocess.Popen(
+        serve_command(port),
+        env={**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_DEBUG_FORWARD_DELAY_S": "2.5",
+             "MANYEYES_SHUTDOWN_GRACE_S": str(grace), "MANYEYES_WARMUP": "false"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"http://{HOST}:{port}/api/v1/generate",
+                               json={"text": "In the beginning", "max_new_tokens": 20}) as response:
+                lines = response.iter_lines()
+                assert json.loads(next(lines))["type"] == "start" and json.loads(next(lines))["type"] == "step"
+                proc.send_signal(signal.SIGTERM)  # its 2.5 s pause after the step has just begun
+                signalled = time.monotonic()
+                rest = [json.loads(line) for line in lines if line]
+        ended = time.monotonic() - signalled
+        assert rest and rest[-1]["type"] == "end" and rest[-1]["reason"] == "shutdown", rest[-3:]
+        assert ended < grace - 2, f"the stream took {ended:.1f} s to end"
+        proc.wait(grace + 10)
+        output = proc.stdout.read()
+        assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def not_ready_for_good(server, needle: str) -> None:
     """/readyz reports the failure naming the file, and nothing is ever served."""
     with httpx.Client(base_url=server.url, timeout=30) as client:
