@@ -92,6 +92,11 @@ export async function serverLimits() {
 // refused as another text. No pair and an empty one are the same (the page leaves a blank out).
 const lines = (text) => asTyped(text ?? "");
 
+// The file holds every weight and answers any format: no server budget to keep under.
+export async function preciseFormat() {
+  return "json";
+}
+
 export async function postAttention(body) {
   const same = lines(body.text) === lines(embedded.text) && lines(body.text_pair) === lines(embedded.text_pair);
   if (!same || (body.model && body.model !== embedded.model.id)) throw offline("Only the exported text can be shown.");

@@ -128,6 +128,14 @@ export function serverLimits() {
   return modelsAnswer().then((body) => body.limits);
 }
 
+// "json" (float32), or "f16" where `cells` is over the server's format=json budget (GET /models'
+// limits, MANYEYES_MAX_JSON_CELLS): an operator's lower budget refused the page's float32 reads
+// with 413, and the view said it could not be loaded.
+export async function preciseFormat(cells) {
+  const limits = await serverLimits().catch(() => null);
+  return limits && cells > limits.max_json_cells ? "f16" : "json";
+}
+
 // Where the server's models stand (/readyz, open without a key): { status: "ready" } or
 // { status: "loading" | "failed", models: { id: { state, bytes_done?, bytes_total? } }, message }.
 export async function readiness() {
@@ -195,8 +203,8 @@ export function fetchMean(runId, layers, signal, format = "f16") {
 // (cell_heads.js), which 8-bit ones had put in the wrong order. As float32 (json, a few hundred
 // numbers): float16 rounded weights under 6e-5 to steps of 6e-8, and the ranking disagreed with
 // the hover on the same cell (2.4e-7 for 2.1e-7).
-export async function fetchCell(runId, query, key, signal) {
-  const params = new URLSearchParams({ query, key, format: "json" });
+export async function fetchCell(runId, query, key, signal, format = "json") {
+  const params = new URLSearchParams({ query, key, format });
   const body = await requestJson(`api/v1/runs/${encodeURIComponent(runId)}/cell?${params}`, { signal });
   return decodeAttention(body.attention).values;
 }

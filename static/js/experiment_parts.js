@@ -1,6 +1,6 @@
 // Pieces the experiment panels share: JSON posts, tensor decoding, ranking tables, heatmaps.
 
-import { listModels, requestJson, serverLimits, whenNotBusy } from "./api.js";
+import { listModels, preciseFormat, requestJson, whenNotBusy } from "./api.js";
 import { $, MODEBAR_PX, NARROW_PX, el, plotlyText } from "./dom.js";
 import { OFFLINE_CONFIG, cursorKeys, stepCursor, weightText } from "./focus.js";
 import { peakOf, signedStops } from "./measures_colours.js";
@@ -121,8 +121,7 @@ export function maskLater(rows, causal) {
 // one the page cannot reckon in full (Compare's sentence B) may still be refused, and is asked for
 // again in float16.
 export async function postPrecise(path, withFormat, cells, onWait, signal) {
-  const limits = await serverLimits().catch(() => null);
-  const format = limits && cells > limits.max_json_cells ? "f16" : "json";
+  const format = await preciseFormat(cells);
   try {
     return await postJson(path, withFormat(format), signal, onWait);
   } catch (err) {

@@ -2,7 +2,7 @@
 // Performance marks (manyeyes:submit, :response, :first-heatmap, :grid-painted) and measures
 // (manyeyes:interaction:<name>, input → the changed heatmap on screen) feed bench/ui_bench.py.
 
-import { ApiError, FLOAT32_READINGS, describeError, fetchCell, fetchMean, fetchSlice, listModels, postAttention, readiness, requestFile } from "./api.js";
+import { ApiError, FLOAT32_READINGS, describeError, fetchCell, fetchMean, fetchSlice, listModels, postAttention, preciseFormat, readiness, requestFile } from "./api.js";
 import { $, asTyped, el, fillSelect, nextFrame, oneStopModebars } from "./dom.js";
 import { downloadCsv, downloadJson, saveFile } from "./download.js";
 import { ARROW_STEPS, F16_ZERO, weightText } from "./focus.js";
@@ -325,12 +325,13 @@ async function exactForGrid(run) {
 // u8 answer's run as its bytes: the text is then posted again in float32 first, as for loadFloat32.
 async function exactCell(run, query, key) {
   const signal = state.controller.signal;
-  const values = async (id) => ({ values: await fetchCell(id, query, key, signal) });
+  const format = await preciseFormat(run.nLayers * run.nHeads);
+  const values = async (id) => ({ values: await fetchCell(id, query, key, signal, format) });
   const post = async () => {
-    const again = await postAttention({ ...state.request, layers: [0], heads: [0], format: "json" }, signal);
+    const again = await postAttention({ ...state.request, layers: [0], heads: [0], format }, signal);
     return { precision: again.precision, ...(await values(again.run_id)) };
   };
-  const reply = await fromRun(run, `cell:${query}:${key}`, values, { format: "json", post });
+  const reply = await fromRun(run, `cell:${query}:${key}`, values, { format, post });
   return state.run === run ? reply?.values ?? null : null;
 }
 
@@ -352,10 +353,11 @@ async function loadFloat32() {
   const { layer, head } = state;
   const signal = state.controller.signal;
   const mean = meanKey();
+  const format = await preciseFormat(run.T * run.T); // float16 where the server's json budget is lower
   const reply = mean
-    ? await fromRun(run, `f32:${key}`, (id) => fetchMean(id, mean === "all" ? [...Array(run.nLayers).keys()] : [layer], signal, "json"))
-    : await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], "json", signal),
-      { format: "json", post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format: "json" }, signal) });
+    ? await fromRun(run, `f32:${key}`, (id) => fetchMean(id, mean === "all" ? [...Array(run.nLayers).keys()] : [layer], signal, format))
+    : await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], format, signal),
+      { format, post: () => postAttention({ ...state.request, layers: [layer], heads: [head], format }, signal) });
   if (!reply || state.run !== run) return;
   // An exported file answers with its own float16 or 8-bit weights, and says so in the dtype.
   const precision = { float16: "f16", uint8: "u8" }[reply.attention.dtype] ?? "f32";

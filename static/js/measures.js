@@ -2,7 +2,8 @@
 // weighted norms, head contributions), a word view, the model's predictions under it, and the
 // head finder, information-flow graph and neuron view. main.js tells it about runs and focus.
 
-import { ApiError, describeError, postAttentionJson, requestJson, whenNotBusy } from "./api.js";
+import { ApiError, describeError, postAttentionJson, preciseFormat, requestJson, whenNotBusy } from "./api.js";
+import { decodeAttention } from "./payload.js";
 import { AttributionPanel } from "./attribution.js";
 import { AxisLabels } from "./axis_labels.js";
 import { cellUnder } from "./canvas_heatmap.js";
@@ -110,6 +111,14 @@ const CAPTIONS = {
   contributions: "Each head's share of what the layer's attention writes at each position (rows: heads; columns: query tokens); negative shares cancel other heads.",
 };
 
+// One head's weights as rows, from json lists or float16 base64.
+function rowsOf(attention) {
+  if (attention.format === "json") return matrixOf(attention);
+  const { shape, values } = decodeAttention(attention);
+  const n = shape.at(-1);
+  return Array.from({ length: shape.at(-2) }, (_, r) => Array.from(values.subarray(r * n, (r + 1) * n)));
+}
+
 function matrixOf(measure) {
   // json measures: nested lists; flatten to rows of the last two axes.
   let data = measure.data;
@@ -192,16 +201,18 @@ class Measures {
   // `precision` says so) and will not slice float32 from them (422 kept_quantised): posting the
   // text again at float32 recomputes it, and the server keeps that run from then on.
   async rawWeights(layer, head) {
-    if (holdsFor(this.run.precision, "json")) {
+    const T = this.run.tokens.length;
+    const format = await preciseFormat(T * T); // float16 where the server's json budget is lower
+    if (holdsFor(this.run.precision, format)) {
       try {
-        return matrixOf((await this.get(`attention?layers=${layer}&heads=${head}&format=json`)).attention);
+        return rowsOf((await this.get(`attention?layers=${layer}&heads=${head}&format=${format}`)).attention);
       } catch (err) {
         if (!(err instanceof ApiError && err.code === "kept_quantised")) throw err;
       }
     }
-    const answer = await this.post({ layers: [layer], heads: [head], format: "json" });
+    const answer = await this.post({ layers: [layer], heads: [head], format });
     this.run.precision = answer.precision;
-    return matrixOf(answer.attention);
+    return rowsOf(answer.attention);
   }
 
   async get(path) {

@@ -221,6 +221,29 @@ def test_a_newline_tokens_original_characters_read_as_a_mark_on_one_line(page, t
     assert page.locator("#tooltip").text_content().split("\n")[1] == f"“{tokens[before]['text']}” → “{tokens[before]['text']}”"
 
 
+def test_a_server_with_a_lower_json_budget_is_read_in_float16_not_refused(page):
+    """MANYEYES_MAX_JSON_CELLS under a run's T x T: the page asked float32 anyway, got 413 and said
+    the view "could not be loaded (see above)" over an error that was gone (review h57g)."""
+    refused = []
+    page.on("response", lambda r: refused.append(r.url) if r.status == 413 else None)
+    with serving({"tiny-gpt": "tiny-gpt"}, {"MANYEYES_MAX_JSON_CELLS": "100"}) as base:
+        open_page(page, base)
+        run(page, TEXT, model="tiny-gpt")  # 38 tokens: 1,444 weights a head
+        page.check("#hide-first")  # renormalised: read from the server's exact values
+        page.wait_for_function("() => document.getElementById('focus-caption').textContent.includes('hidden')"
+                               " || !document.getElementById('focus-plot').hasAttribute('data-stale')", timeout=30_000)
+        hover_cell(page, 5, 3, 6, 4)
+        page.mouse.down()  # the cell's ranking: 16 heads, within the budget
+        page.mouse.up()
+        page.wait_for_selector("#cell-heads:not([hidden]) .cell-heads-list button")
+        page.locator("#measures").scroll_into_view_if_needed()
+        page.select_option("#measure", "raw")
+        page.wait_for_selector("#measure-plot[data-measure='raw']", timeout=30_000)
+        page.wait_for_timeout(500)
+        assert refused == [] and page.locator("#error").is_hidden()
+        assert "could not be loaded" not in page.text_content("#focus-caption")
+
+
 def flow_fit(page) -> dict:
     return page.evaluate("""() => {
         const panel = document.getElementById('flow');
