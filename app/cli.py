@@ -309,6 +309,18 @@ def cmd_serve(args) -> int:
     if settings.allowed_hosts is None:  # only serve knows the address it is bound to
         allowed = default_allowed_hosts(args.host, settings.trusted_proxies)
         settings = settings.model_copy(update={"allowed_hosts": allowed})
+    if args.replicas and args.workers > 1:
+        print("error: --workers and --replicas are two ways to run copies of the app: choose one", file=sys.stderr)
+        return 2
+    # Bound before anything is said or loaded: a port in use was announced as served, then the
+    # interpreter aborted (exit 134) with the model loader's thread still inside torch; and an
+    # address that cannot be bound was first warned of as "serving on" it. (Ray binds replicas.)
+    if not args.replicas:
+        try:
+            sock = _listening_socket(args.host, args.port)
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     # serve: a server others can reach that asks nobody for a key says so, loudly, at start-up.
     warning = exposure_warning(args.host, bool(keys), proxied=bool(settings.trusted_proxies))
     if warning:
@@ -327,9 +339,6 @@ def cmd_serve(args) -> int:
     if settings.shared_forward and args.workers < 2:
         print("manyeyes: --shared-forward (MANYEYES_SHARED_FORWARD) shares forwards between --workers on one machine; "
               "without them each process runs its own", file=sys.stderr)
-    if args.replicas and args.workers > 1:
-        print("error: --workers and --replicas are two ways to run copies of the app: choose one", file=sys.stderr)
-        return 2
     if args.replicas:  # scale-out (issue 15): the same app as a Ray Serve deployment
         try:
             from manyeyes.scale import serve_replicas
@@ -338,13 +347,6 @@ def cmd_serve(args) -> int:
             return 2
 
         return serve_replicas(settings, host=args.host, port=args.port, replicas=args.replicas, threads=args.threads or 1)
-    # Bound before anything is said or loaded: a port in use was announced as served, then the
-    # interpreter aborted (exit 134) with the model loader's thread still inside torch.
-    try:
-        sock = _listening_socket(args.host, args.port)
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
     if args.workers > 1:
         from manyeyes.app.workers import default_threads, serve_workers
 

@@ -76,7 +76,9 @@ class KeyRing:
                 except ValueError:
                     digest = b""
                 if len(digest) != 32:
-                    raise ValueError(f"{key_file}:{number}: expected a 64-digit SHA-256 hex digest")
+                    # A raw key is the likeliest slip: the file holds digests, never keys.
+                    raise ValueError(f"MANYEYES_API_KEYS_FILE {key_file}:{number}: expected a 64-digit SHA-256 hex "
+                                     "digest of a key, not the key itself (printf %s \"$KEY\" | sha256sum)")
                 # What follows a digest is a label (sha256sum writes "-"): a second digest there
                 # was silently dropped, and that key refused.
                 if any(len(word) == 64 and all(c in "0123456789abcdefABCDEF" for c in word) for word in words[1:]):

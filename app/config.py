@@ -348,6 +348,21 @@ class Settings(BaseSettings):
                              "SHA-256 digests")
         return value
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_named(cls, value):
+        # null served the built-in models without a word; {"": ...} served a model no request
+        # could name, and {"a": ""} started and then failed to load, as --model refuses them both.
+        if value is None:
+            raise ValueError("is null: give a JSON object of ID: PATH_OR_SPEC, or unset it for the built-in models")
+        if isinstance(value, dict):
+            for model_id, spec in value.items():
+                if isinstance(model_id, str) and not model_id.strip():
+                    raise ValueError(f"has an empty model id (for {spec!r}): each model needs an id to be asked for by")
+                if isinstance(spec, str) and not spec.strip():
+                    raise ValueError(f"gives model {model_id!r} an empty spec: a built-in name, a folder, a file or a Hub id")
+        return value
+
     @field_validator("extra_models", mode="before")
     @classmethod
     def _split_extra(cls, value):

@@ -455,7 +455,9 @@ class ViewState(RequestBody):
     )
     hide_special: bool = False
     hide_first: bool = False
-    threshold: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    # The page's slider's range: a view saved at 0.9 opened with the slider at its 0.5 end while
+    # the label and caption said 0.90.
+    threshold: float = Field(0.0, ge=0.0, le=0.5, allow_inf_nan=False, description="Weights under it drawn as 0 (the page's slider: 0 to 0.5)")
     segments: Literal["all", "AA", "AB", "BA", "BB"] = "all"
     scale: Literal["head", "fixed", "log"] = "head"
     labels: Literal["pieces", "text"] = "pieces"

@@ -98,6 +98,16 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits_1():
     assert done.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", done.stderr
 
 
+def test_serve_on_an_address_it_cannot_bind_says_only_that(monkeypatch, capsys):
+    """It first warned "serving on 10.255.255.1 without API keys: anyone who can reach this
+    address can use the API", then said it could not listen there."""
+    monkeypatch.setenv("MANYEYES_MODELS", '{"tiny-gpt": "tiny-gpt"}')
+    monkeypatch.delenv("MANYEYES_API_KEYS", raising=False)
+    assert main(["serve", "--host", "10.255.255.1", "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot listen on 10.255.255.1:") and "\n" not in err, err
+
+
 @pytest.mark.slow
 def test_manyeyes_serve_answers_the_contract():
     port = free_port()
@@ -182,6 +192,21 @@ def test_a_folder_whose_path_holds_an_equals_sign_is_taken_whole(tmp_path):
     (folder / "model.pth").touch()
     book = f"{folder}/model.pth?config=gpt2-small"  # a book spec in such a folder: its path before the "?"
     assert parse_model_specs([book]) == {book: book}
+
+
+@pytest.mark.parametrize("models, words", [
+    ('{"": "tiny-gpt"}', "has an empty model id (for 'tiny-gpt'): each model needs an id to be asked for by"),
+    ('{"a": " "}', "gives model 'a' an empty spec: a built-in name, a folder, a file or a Hub id"),
+])
+def test_models_with_an_empty_id_or_spec_stop_start_up_as_model_flags_do(monkeypatch, capsys, models, words):
+    """{"": ...} served a model listed as "" that no request could name; {"a": ""} started, then
+    /readyz said it failed: `--model =x` and `--model a=` are refused before anything starts."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: [sock.close() for sock in sockets])
+    monkeypatch.setenv("MANYEYES_MODELS", models)
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err.strip().endswith(words)
 
 
 def test_a_malformed_json_setting_is_one_line_and_a_mistyped_name_is_warned_of(monkeypatch, capsys):

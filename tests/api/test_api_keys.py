@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 
 import pytest
@@ -121,6 +122,14 @@ def test_a_key_file_with_a_byte_order_mark_reads_and_two_digests_on_a_line_are_r
     doubled.write_text(f"{digest} {hashlib.sha256(b'j').hexdigest()}\n")
     with pytest.raises(ValueError, match="one digest a line"):
         KeyRing(key_file=doubled)
+
+
+def test_a_key_file_holding_a_raw_key_says_it_wants_the_keys_digest(tmp_path):
+    raw = tmp_path / "keys.txt"
+    raw.write_text("secret\n")
+    with pytest.raises(ValueError, match=re.escape(f"MANYEYES_API_KEYS_FILE {raw}:1: expected a 64-digit SHA-256 hex digest "
+                                                   'of a key, not the key itself (printf %s "$KEY" | sha256sum)')):
+        KeyRing(key_file=raw)
 
 
 @pytest.mark.parametrize("name", ["missing.txt", "."])  # no such file; a directory

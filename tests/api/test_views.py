@@ -34,6 +34,10 @@ def test_bad_views_are_4xx_never_500(api):
     for heads in ([2**70], [-1], [5000]):
         r = api.post("/api/v1/views", json={**VIEW, "heads": heads})
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+    # Past the page's slider (0 to 0.5): the view opened with the slider and its label disagreeing.
+    r = api.post("/api/v1/views", json={**VIEW, "threshold": 0.9})
+    assert r.status_code == 422 and "threshold" in r.json()["error"]["message"], r.text
+    assert api.post("/api/v1/views", json={**VIEW, "threshold": 0.5}).status_code == 200
     assert api.get("/api/v1/views/0123456789abcdef01").status_code == 404
     assert api.get("/api/v1/views/not-an-id").status_code == 422
     # A link that could never open: a model this server lacks, a layer or head MiniLM (6 x 12) lacks.
