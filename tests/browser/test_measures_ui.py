@@ -184,6 +184,14 @@ def test_flow_graph_draws_the_api_edges_and_an_edge_click_focuses_its_head(ran, 
     page.locator("#flow").screenshot(path=str(artifacts / "measures-flow.png"))
 
 
+def wait_held(page, held: list) -> None:
+    """Until a route that holds its requests (appends them to `held`) has one (up to 5 s)."""
+    for _ in range(100):
+        if held:
+            return
+        page.wait_for_timeout(50)
+
+
 def test_an_older_thresholds_flow_graph_come_last_is_not_drawn(ran, tiny_api):
     """Only the wait to ask again was aborted, not the request: 0.05's graph, come after 0.3's,
     was drawn under a slider that read 0.3 (612 elements for 282)."""
@@ -192,10 +200,7 @@ def test_an_older_thresholds_flow_graph_come_last_is_not_drawn(ran, tiny_api):
     held = []
     page.route(re.compile(r".*/flow\?threshold=0\.05$"), lambda route: held.append(route))
     page.fill("#flow-threshold", "0.05")
-    for _ in range(100):
-        if held:
-            break
-        page.wait_for_timeout(50)
+    wait_held(page, held)
     assert held
     page.fill("#flow-threshold", "0.3")
     page.wait_for_selector("#flow[data-threshold='0.3']", state="attached")
@@ -585,10 +590,7 @@ def test_a_measure_answered_after_the_focus_moved_is_labelled_with_its_own_layer
     held = []
     page.route(re.compile(r".*/measures\?names=value_norms.*"), lambda route: held.append(route))
     page.select_option("#measure", "value_norms")
-    for _ in range(100):
-        if held:
-            break
-        page.wait_for_timeout(50)
+    wait_held(page, held)
     assert held and "layers=0" in held[0].request.url
     page.evaluate("() => window.scrollTo(0, 0)")
     page.select_option("#layer", "1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -157,6 +158,34 @@ def test_sigterm_exits_within_the_grace_period_even_when_work_would_outlast_it()
         proc.wait()
 
 
+@contextlib.contextmanager
+def generation_signalled(sig, grace: float, step_delay: float, max_new_tokens: int, args=()):
+    """A server streaming a generation, sent `sig` once the first step has come: yields (the
+    process, the lines after that step, the seconds from the signal to the stream's end)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*serve_command(port), *args],
+        env={**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_DEBUG_FORWARD_DELAY_S": str(step_delay),
+             "MANYEYES_SHUTDOWN_GRACE_S": str(grace), "MANYEYES_WARMUP": "false"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"http://{HOST}:{port}/api/v1/generate",
+                               json={"text": "In the beginning", "max_new_tokens": max_new_tokens}) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert json.loads(next(lines))["type"] == "start" and json.loads(next(lines))["type"] == "step"
+                proc.send_signal(sig)
+                signalled = time.monotonic()
+                rest = [json.loads(line) for line in lines if line]
+        yield proc, rest, time.monotonic() - signalled
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
 @pytest.mark.parametrize("args", [(), ("--workers", "2")], ids=["one-process", "workers"])
 def test_sigterm_or_sighup_ends_a_generation_stream_with_a_shutdown_line_within_the_grace(args, sig):
@@ -165,26 +194,9 @@ def test_sigterm_or_sighup_ends_a_generation_stream_with_a_shutdown_line_within_
     while the grace allows (a shorter one finishes: test_workers), then ends with a shutdown line.
     SIGHUP (a closed terminal, an operator's "reload") is a SIGTERM: it killed the server at once."""
     grace = 8.0
-    port = free_port()
-    proc = subprocess.Popen(
-        [*serve_command(port), *args],
-        env={**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_DEBUG_FORWARD_DELAY_S": "0.2",
-             "MANYEYES_SHUTDOWN_GRACE_S": str(grace), "MANYEYES_WARMUP": "false"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        wait_ready(f"http://{HOST}:{port}")
-        with httpx.Client(timeout=60) as client:
-            # 200 steps at 0.2 s each: 40 s, far past the grace
-            with client.stream("POST", f"http://{HOST}:{port}/api/v1/generate",
-                               json={"text": "In the beginning", "max_new_tokens": 200}) as response:
-                assert response.status_code == 200
-                lines = response.iter_lines()
-                assert json.loads(next(lines))["type"] == "start" and json.loads(next(lines))["type"] == "step"
-                proc.send_signal(sig)
-                signalled = time.monotonic()
-                rest = [json.loads(line) for line in lines if line]
-        ended = time.monotonic() - signalled
+    # 200 steps at 0.2 s each: 40 s, far past the grace
+    with generation_signalled(sig, grace, 0.2, 200, args) as (proc, rest, ended):
+        signalled = time.monotonic() - ended
         assert rest and rest[-1]["type"] == "end" and rest[-1]["reason"] == "shutdown", rest[-3:]
         assert "shutting down" in rest[-1]["error"] and rest[-1]["tokens"] == 1 + len(rest) - 1
         assert grace - 3 < ended < grace - 1, f"the stream took {ended:.1f} s to end"
@@ -192,9 +204,6 @@ def test_sigterm_or_sighup_ends_a_generation_stream_with_a_shutdown_line_within_
         output = proc.stdout.read()
         assert time.monotonic() - signalled < grace, output[-2000:]
         assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_slow_generation_step_that_would_end_past_the_grace_is_not_begun():
@@ -202,32 +211,13 @@ def test_a_slow_generation_step_that_would_end_past_the_grace_is_not_begun():
     model on a CPU) ran into uvicorn's cut-off, and the stream ended with no end line and a
     CancelledError traceback in the log."""
     grace = 6.0  # streams stop by 4 s after the signal, uvicorn cancels at 5 s
-    port = free_port()
-    proc = subprocess.Popen(
-        serve_command(port),
-        env={**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_DEBUG_FORWARD_DELAY_S": "2.5",
-             "MANYEYES_SHUTDOWN_GRACE_S": str(grace), "MANYEYES_WARMUP": "false"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        wait_ready(f"http://{HOST}:{port}")
-        with httpx.Client(timeout=60) as client:
-            with client.stream("POST", f"http://{HOST}:{port}/api/v1/generate",
-                               json={"text": "In the beginning", "max_new_tokens": 20}) as response:
-                lines = response.iter_lines()
-                assert json.loads(next(lines))["type"] == "start" and json.loads(next(lines))["type"] == "step"
-                proc.send_signal(signal.SIGTERM)  # its 2.5 s pause after the step has just begun
-                signalled = time.monotonic()
-                rest = [json.loads(line) for line in lines if line]
-        ended = time.monotonic() - signalled
+    # The signal comes as the 2.5 s pause after the first step begins.
+    with generation_signalled(signal.SIGTERM, grace, 2.5, 20) as (proc, rest, ended):
         assert rest and rest[-1]["type"] == "end" and rest[-1]["reason"] == "shutdown", rest[-3:]
         assert ended < grace - 2, f"the stream took {ended:.1f} s to end"
         proc.wait(grace + 10)
         output = proc.stdout.read()
         assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def not_ready_for_good(server, needle: str) -> None:
