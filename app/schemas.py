@@ -445,7 +445,9 @@ class ViewState(RequestBody):
 
     text: str = Field(..., min_length=1, max_length=200_000)
     text_pair: str | None = Field(None, min_length=1, max_length=200_000)
-    model: str = Field(..., max_length=200)  # "" is a 404 unknown_model, as on every route
+    # Saved under the id it resolves to. Required, a "" was told to "omit it for the default", which
+    # was then a 422; "" is a 404 unknown_model, as on every route.
+    model: str | None = Field(None, max_length=200, description="The served model's id; omitted: the server's default")
     truncate: bool = False
     layer: int = Field(0, ge=0, le=MAX_INDEX)
     head: int = Field(0, ge=0, le=MAX_INDEX)

@@ -78,6 +78,7 @@ def save_view(body: ViewState, views: ViewsDep, saves: Annotated[SaveSlots, Depe
               service: ServiceDep, request: Request) -> ViewSaved:
     """Stores a view of the page; `/?view=<id>` opens it again while the server remembers it."""
     served = registry.get(body.model)  # 404: a model it does not serve
+    body = body.model_copy(update={"model": served.id})  # the default by name: the link opens the same model
     model = served.model
     check_view(body, model)
     # A link to a text this server would refuse could never open.

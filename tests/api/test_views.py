@@ -19,6 +19,15 @@ def test_a_view_round_trips_under_a_content_id(api):
     assert back["measure"] == "raw" and back["word_view"] is False
 
 
+def test_a_view_without_a_model_is_saved_under_the_default_models_id(api):
+    """ "" was told to "omit it for the default", and omitted it was a 422 "model: Field required"."""
+    default = next(m["id"] for m in api.get("/api/v1/models").json()["models"] if m["default"])
+    plain = {k: v for k, v in VIEW.items() if k != "model"}
+    view_id = api.post("/api/v1/views", json=plain).json()["id"]
+    assert api.get(f"/api/v1/views/{view_id}").json()["model"] == default == "minilm"
+    assert view_id == api.post("/api/v1/views", json=VIEW).json()["id"]  # the same view, named or not
+
+
 def test_a_view_keeps_the_measure_it_showed(api):
     chosen = {**VIEW, "measure": "value_norms", "word_view": True}
     view_id = api.post("/api/v1/views", json=chosen).json()["id"]
