@@ -194,6 +194,28 @@ class AllowedHosts:
                          f"one came to {brief(hosts[0], 100)!r}: add the name you reach it by to MANYEYES_ALLOWED_HOSTS")
 
 
+class CutOff:
+    """Answers ShutdownAnswer closed unfinished, each said in its own warning: uvicorn's ERROR line
+    that follows each ("ASGI callable returned without completing response") is then dropped
+    (server.DrainRanOut), one per answer said. Event loop only."""
+
+    def __init__(self) -> None:
+        self.unsaid = 0
+
+    def said(self) -> None:
+        self.unsaid += 1
+
+    def take(self) -> bool:
+        """Whether an answer's cut-off was said already (and so uvicorn's line for it goes)."""
+        if self.unsaid == 0:
+            return False
+        self.unsaid -= 1
+        return True
+
+
+CUT_OFF = CutOff()
+
+
 class ShutdownAnswer:
     """Past the shutdown grace period uvicorn cancels the requests still running, and would answer
     those that had not begun their response with a plain-text 500 (logging a traceback). The only
@@ -223,8 +245,15 @@ class ShutdownAnswer:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             task.cancel()  # it unwinds when its thread returns; nothing waits for that
-            if started:  # half an answer cannot be replaced: uvicorn closes the connection
-                raise
+            if started:
+                # Half an answer cannot be replaced (a stream its client read slower than it was
+                # made, its end line still in the socket's buffers): uvicorn closes the
+                # connection. Said in one line, where re-raising logged a traceback per request.
+                logging.getLogger("manyeyes.server").warning(
+                    "the shutdown grace ran out while %s %s was still sending its answer (its client reads slower "
+                    "than it was made): the connection is closed unfinished", scope.get("method"), scope.get("path"))
+                CUT_OFF.said()
+                return
             # The task ends here, answered; uvicorn has stopped waiting for it and exits.
             await send_error(
                 send, 503, NotReady.code, "the server shut down before this request finished; retry shortly",

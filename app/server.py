@@ -73,7 +73,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from manyeyes.app.clients import canonical_address
 from manyeyes.app.config import Settings
-from manyeyes.app.middleware import DELIVERY, SECURITY_HEADERS, counted_method, logged_request
+from manyeyes.app.middleware import CUT_OFF, DELIVERY, SECURITY_HEADERS, counted_method, logged_request
 from manyeyes.app.services.errors import brief, error_body
 from manyeyes.app.services.metrics import Metrics
 
@@ -466,6 +466,9 @@ class DrainRanOut(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
+        # An answer still being sent when the drain ran out: middleware.ShutdownAnswer said so.
+        if record.msg == "ASGI callable returned without completing response." and CUT_OFF.take():
+            return False
         return True
 
 

@@ -220,6 +220,38 @@ def test_a_slow_generation_step_that_would_end_past_the_grace_is_not_begun():
         assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
 
 
+def test_a_stream_read_too_slowly_to_end_within_the_grace_is_one_warning_not_a_traceback():
+    """Its end line waits in the socket's buffers behind the steps its client has not read: the
+    drain runs out and uvicorn closes the connection. That logged a CancelledError traceback and
+    uvicorn's ERROR line; it is one warning saying why."""
+    port = free_port()
+    proc = subprocess.Popen(
+        serve_command(port),
+        env={**os.environ, "MANYEYES_MODELS": '{"tiny-gpt": "tiny-gpt"}', "MANYEYES_SHUTDOWN_GRACE_S": "4",
+             "MANYEYES_WARMUP": "false"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_ready(f"http://{HOST}:{port}")
+        with httpx.Client(timeout=60) as client, pytest.raises(httpx.RemoteProtocolError):
+            with client.stream("POST", f"http://{HOST}:{port}/api/v1/generate",
+                               json={"text": "In the beginning", "max_new_tokens": 200}) as response:
+                began = time.monotonic()
+                signalled = False
+                for _ in response.iter_lines():
+                    if not signalled and time.monotonic() - began > 2:
+                        proc.send_signal(signal.SIGTERM)
+                        signalled = True
+                    time.sleep(0.1)  # 10 lines a second: far slower than tiny-gpt makes them
+        proc.wait(20)
+        output = proc.stdout.read()
+        assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
+        assert "WARNING manyeyes.server the shutdown grace ran out while POST /api/v1/generate was still sending" in output
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def not_ready_for_good(server, needle: str) -> None:
     """/readyz reports the failure naming the file, and nothing is ever served."""
     with httpx.Client(base_url=server.url, timeout=30) as client:
