@@ -138,18 +138,13 @@ class KeptAttention:
             if c0 >= c1:
                 continue  # no query of this block sees any key of the window
             lo, hi = max(q0, first), min(q1, first + self.block_rows)  # the window's rows in this forward block
-            # Scored over the forward block's rows, not just the window's: a matmul's rounding depends
-            # on its row count too (a one-row window of a one-key row read 1.0000019).
-            b1 = min(n, first + self.block_rows)
             step = rows_per_block(len(heads), f1 - f0, block_cells)
-            need = len(heads) * min(step, b1 - first) * (f1 - f0)
+            need = len(heads) * min(step, hi - lo) * (f1 - f0)
             if scratch is None or scratch.numel() < need:
                 scratch = scores = weights = None  # the smaller one goes before the bigger one is made
                 scratch = torch.empty(need, device=queries.device)
-            for r0 in range(first, b1, step):
-                r1 = min(b1, r0 + step)
-                if r1 <= lo or r0 >= hi:
-                    continue  # none of the window's rows
+            for r0 in range(lo, hi, step):
+                r1 = min(hi, r0 + step)
                 scores = scratch[: len(heads) * (r1 - r0) * (f1 - f0)].view(len(heads), r1 - r0, f1 - f0)
                 for i, h in enumerate(heads):
                     # (1, r1 - r0, head_dim) @ (1, head_dim, f1 - f0), one head at a time, so its keys are
@@ -172,8 +167,7 @@ class KeptAttention:
                     weights.tril_(r0 - f0)
                 if window is not None and f0 <= r1 - 1 - window:
                     weights.triu_(r0 - f0 - window + 1)
-                w0, w1 = max(r0, lo), min(r1, hi)
-                out[:, w0 - q0 : w1 - q0, c0 - k0 : c1 - k0] = weights[:, w0 - r0 : w1 - r0, c0 - f0 : c1 - f0]
+                out[:, r0 - q0 : r1 - q0, c0 - k0 : c1 - k0] = weights[:, :, c0 - f0 : c1 - f0]
         return out
 
 
