@@ -108,6 +108,17 @@ def test_rebuilt_weights_equal_the_forward(model, monkeypatch):
         assert (result.top_probs - dense.top_probs).abs().max() <= 1e-5
 
 
+def test_a_small_window_is_within_a_few_millionths_of_the_whole_views_cells(model):
+    """README's bound: a window of a few rows is scored by a smaller matmul than the forward's row
+    block, whose rounding differs (a one-key row read 1.0000019), never by more than a few 1e-6."""
+    result = model.run([model.encode(TEXT, truncate=True)], Capture(keep=True))[0]  # the server's block budget
+    kept, T = result.kept, len(result.tokens)
+    whole = kept.block(1, list(range(kept.n_heads)), 0, T, 0, T)
+    for q0, q1, k0, k1 in ((0, 1, 0, 1), (T - 1, T, 0, T), (7, 9, 3, 5), (T // 2, T // 2 + 3, 0, T)):
+        window = kept.block(1, [0, kept.n_heads - 1], q0, q1, k0, k1)
+        assert (window - whole[[0, kept.n_heads - 1], q0:q1, k0:k1]).abs().max() <= 5e-6, (q0, q1, k0, k1)
+
+
 def test_windows_and_head_subsets_are_cut_from_the_same_weights(model):
     dense, result = both(model)
     kept, T = result.kept, len(result.tokens)
