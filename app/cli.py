@@ -709,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="the server's logging level (default info)")
     serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
-                       help="run N replicas on Ray Serve (pip install 'manyeyes[scale]'; joins RAY_ADDRESS if set)")
+                       help="run N replicas on Ray Serve (needs ray[serve]: pip install '.[scale]' in a checkout; joins RAY_ADDRESS if set)")
     serve.add_argument("--workers", type=_positive, default=1, metavar="N",
                        help="serve from N processes on this machine, each with its own copy of the models (default 1)")
     serve.add_argument("--threads", type=_positive, default=None,

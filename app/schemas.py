@@ -457,9 +457,9 @@ class ViewState(RequestBody):
     )
     hide_special: bool = False
     hide_first: bool = False
-    # The page's slider's range: a view saved at 0.9 opened with the slider at its 0.5 end while
-    # the label and caption said 0.90.
-    threshold: float = Field(0.0, ge=0.0, le=0.5, allow_inf_nan=False, description="Weights under it drawn as 0 (the page's slider: 0 to 0.5)")
+    # Saved at most at the page slider's 0.5 (check_view): not bounded here, where a view stored
+    # before that check would fail to load.
+    threshold: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="Weights under it drawn as 0 (saved: 0 to 0.5, the page's slider)")
     segments: Literal["all", "AA", "AB", "BA", "BB"] = "all"
     scale: Literal["head", "fixed", "log"] = "head"
     labels: Literal["pieces", "text"] = "pieces"

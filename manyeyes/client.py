@@ -859,9 +859,9 @@ class Client:
 
     def close(self) -> None:
         """Close this process's connections; any later call raises ManyeyesError (code closed)."""
-        if not self._closed and self._pid == os.getpid():  # a forked child never closed what it inherited
+        was_closed, self._closed = self._closed, True  # first: a call it cuts off reads it as closed
+        if not was_closed and self._pid == os.getpid():  # a forked child never closed what it inherited
             self._http.close()
-        self._closed = True
 
     def _closed_during(self, method: str, path: str) -> ManyeyesError:
         """A call in flight when close() came from another thread: it had read as the server crashing."""

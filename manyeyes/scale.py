@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: the same FastAPI app (`create_app`) as a deployment of N replicas.
 
-    pip install 'manyeyes[scale]'
+    pip install '.[scale]'                   # in a checkout: ray[serve]
     manyeyes serve --replicas 2 [--threads 1]          # local Ray, or the cluster in RAY_ADDRESS
     serve run manyeyes.scale:app_builder replicas=2    # Ray's own CLI; MANYEYES_* settings apply
 
@@ -36,7 +36,8 @@ try:
     import ray
     from ray import serve
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("Ray Serve is not installed: pip install 'manyeyes[scale]'") from exc
+    raise ImportError("Ray Serve is not installed: pip install 'ray[serve]>=2.40' (the scale extra: "
+                      "pip install '.[scale]' in a checkout)") from exc
 
 from manyeyes.app.config import Settings
 from manyeyes.app.shared_runs import OWNER_SHARE, SharedUnreachable, hold_to_share, serve_once_loaded

@@ -45,12 +45,16 @@ def check_focus(info, layer: int, head: int, heads: list[int] = ()) -> None:
     resolve_indices(heads, info.n_heads, "head", info.id)  # each once, as every route that takes heads asks
 
 
+MAX_THRESHOLD = 0.5  # the page's threshold slider's end (templates/index.html)
+
 # The states below are refused when saved, not by ViewState: GET /views/{id} builds a ViewState
 # of each view it opens, and one saved before these checks would then fail there, a 500.
 def check_view(body: ViewState, model) -> None:
     """What a view's page could never show, known without its text's tokens."""
     info = model.info
     check_focus(info, body.layer, body.head, body.heads)
+    if body.threshold > MAX_THRESHOLD:  # a view at 0.9 opened with the slider at 0.5 and its label at 0.90
+        raise InvalidInput(f"threshold {body.threshold} is past the page's slider, 0 to {MAX_THRESHOLD}")
     if body.segments != "all" and body.text_pair is None:
         raise InvalidInput(f"segments {body.segments!r} picks rows and columns by text (A) and text_pair (B), and this "
                            "view has no text_pair: leave segments at 'all', or give the text_pair")

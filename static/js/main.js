@@ -325,7 +325,9 @@ async function exactForGrid(run) {
 // u8 answer's run as its bytes: the text is then posted again in float32 first, as for loadFloat32.
 async function exactCell(run, query, key) {
   const signal = state.controller.signal;
-  const format = await preciseFormat(run.nLayers * run.nHeads);
+  // float32 from a run that holds it; a run kept quantised (a GPU server's u8) is posted again in
+  // float16, one head of T x T weights, rather than in float32 JSON: 15 MB at T = 1,024 for a click.
+  const format = holdsFor(run.precision, "json") ? await preciseFormat(run.nLayers * run.nHeads) : "f16";
   const values = async (id) => ({ values: await fetchCell(id, query, key, signal, format) });
   const post = async () => {
     const again = await postAttention({ ...state.request, layers: [0], heads: [0], format }, signal);
@@ -353,7 +355,8 @@ async function loadFloat32() {
   const { layer, head } = state;
   const signal = state.controller.signal;
   const mean = meanKey();
-  const format = await preciseFormat(run.T * run.T); // float16 where the server's json budget is lower
+  // float16 where a head's T x T passes the server's json budget, which GET /mean does not keep to
+  const format = mean ? "json" : await preciseFormat(run.T * run.T);
   const reply = mean
     ? await fromRun(run, `f32:${key}`, (id) => fetchMean(id, mean === "all" ? [...Array(run.nLayers).keys()] : [layer], signal, format))
     : await fromRun(run, `f32:${key}`, (id) => fetchSlice(id, [layer], [head], format, signal),

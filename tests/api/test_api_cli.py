@@ -142,7 +142,11 @@ def test_serve_replicas_without_the_scale_extra_is_one_line(monkeypatch, capsys)
     monkeypatch.delitem(sys.modules, "manyeyes.scale", raising=False)
     assert main(["serve", "--replicas", "2", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
-    assert err == "error: Ray Serve is not installed: pip install 'manyeyes[scale]'\n", err
+    assert err == ("error: Ray Serve is not installed: pip install 'ray[serve]>=2.40' (the scale extra: "
+                   "pip install '.[scale]' in a checkout)\n"), err
+    from pathlib import Path
+
+    assert 'scale = ["ray[serve]>=2.40"]' in (Path(__file__).parents[2] / "pyproject.toml").read_text()  # the pin said
 
 
 def test_version_names_the_installed_package(capsys):

@@ -204,8 +204,9 @@ def test_an_older_thresholds_flow_graph_come_last_is_not_drawn(ran, tiny_api):
     assert held
     page.fill("#flow-threshold", "0.3")
     page.wait_for_selector("#flow[data-threshold='0.3']", state="attached")
-    held[0].continue_()
-    page.wait_for_timeout(1_000)  # time for the older answer to be drawn, as it was
+    with page.expect_response(lambda r: "threshold=0.05" in r.url):
+        held[0].continue_()
+    page.wait_for_timeout(500)  # the older answer is here: time for it to be drawn, as it was
     assert page.get_attribute("#flow", "data-threshold") == "0.3"
     assert page.locator("#flow line.flow-edge").count() == len(flow_edges(tiny_api, run_id, 0.3))
     page.unroute(re.compile(r".*/flow\?threshold=0\.05$"))
@@ -226,12 +227,15 @@ def test_a_newline_tokens_original_characters_read_as_a_mark_on_one_line(page, t
     assert page.locator("#tooltip").text_content().split("\n")[1] == f"“{tokens[before]['text']}” → “{tokens[before]['text']}”"
 
 
-def test_a_server_with_a_lower_json_budget_is_read_in_float16_not_refused(page):
+@pytest.mark.parametrize("quantised", [False, True], ids=["float32-runs", "runs-kept-quantised"])
+def test_a_server_with_a_lower_json_budget_is_read_in_float16_not_refused(page, quantised):
     """MANYEYES_MAX_JSON_CELLS under a run's T x T: the page asked float32 anyway, got 413 and said
-    the view "could not be loaded (see above)" over an error that was gone (review h57g)."""
+    the view "could not be loaded (see above)" over an error that was gone (review h57g). A run kept
+    quantised (a GPU server's) is posted again for a cell's ranking: in float16 (review h57h)."""
     refused = []
     page.on("response", lambda r: refused.append(r.url) if r.status == 413 else None)
-    with serving({"tiny-gpt": "tiny-gpt"}, {"MANYEYES_MAX_JSON_CELLS": "100"}) as base:
+    env = {"MANYEYES_MAX_JSON_CELLS": "100", **({"MANYEYES_DEVICE_QUANTISE": "true"} if quantised else {})}
+    with serving({"tiny-gpt": "tiny-gpt"}, env) as base:
         open_page(page, base)
         run(page, TEXT, model="tiny-gpt")  # 38 tokens: 1,444 weights a head
         page.check("#hide-first")  # renormalised: read from the server's exact values
