@@ -894,11 +894,15 @@ class Client:
         refused, waited = 0, 0.0
         for attempt in range(self.max_retries + 1):
             try:
-                if self._closed:  # by another thread, during a retry's pause: httpx's RuntimeError
-                    raise self._closed_during(method, path)
                 response = http.send(http.build_request(method, path, **kwargs), stream=stream)
                 if response.is_error and stream:
                     response.read()
+            except RuntimeError:
+                # httpx's "Cannot send a request, as the client has been closed": close() from
+                # another thread came first (during a retry's pause, or just before the send).
+                if self._closed:
+                    raise self._closed_during(method, path) from None
+                raise
             except (httpx.ReadTimeout, httpx.WriteTimeout):
                 # Reached, but slower than the client allows: not a server to go looking for.
                 raise ConnectionFailed(
