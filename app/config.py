@@ -351,10 +351,8 @@ class Settings(BaseSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _models_named(cls, value):
-        # null served the built-in models without a word; {"": ...} served a model no request
-        # could name, and {"a": ""} started and then failed to load, as --model refuses them both.
-        if value is None:
-            raise ValueError("is null: give a JSON object of ID: PATH_OR_SPEC, or unset it for the built-in models")
+        # {"": ...} served a model no request could name, and {"a": ""} started and then failed to
+        # load, where --model refuses them both.
         if isinstance(value, dict):
             for model_id, spec in value.items():
                 if isinstance(model_id, str) and not model_id.strip():

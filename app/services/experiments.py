@@ -199,7 +199,7 @@ class ExperimentService:
     async def _in_slot(self, fn, args, deadline: float, client: str) -> bytes:
         if not self._slots.acquire(client):
             if self._slots.holds_share(client):
-                raise QueueFull(f"this client has {self._slots.client_share} experiment{'s' * (self._slots.client_share != 1)} running, its share of this "
+                raise QueueFull(f"this client has {self._slots.client_share} experiment{'s' if self._slots.client_share != 1 else ''} running, its share of this "
                                 f"server's {self.settings.max_experiments}; try again when one ends", retry_after_s=1)
             raise QueueFull(f"{self.settings.max_experiments} experiment{'s are' if self.settings.max_experiments != 1 else ' is'} "
                             f"running; try again shortly", retry_after_s=1)

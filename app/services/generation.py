@@ -130,7 +130,7 @@ class GenerationService:
         if self._slots.acquire(client):
             return
         if self._slots.holds_share(client):
-            raise QueueFull(f"this client has {self.client_share} generation{'s' * (self.client_share != 1)} running, its share of this server's "
+            raise QueueFull(f"this client has {self.client_share} generation{'s' if self.client_share != 1 else ''} running, its share of this server's "
                             f"{self.settings.max_generations}; start another when one ends", retry_after_s=RETRY_AFTER_S)
         raise QueueFull(f"{self.settings.max_generations} generation{'s are' if self.settings.max_generations != 1 else ' is'} "
                         f"running; try again in a few seconds",

@@ -322,7 +322,7 @@ async function exactForGrid(run) {
 }
 
 // One cell in every head, for the ranking of a picked cell (cell_heads.js). A GPU server keeps a
-// u8 answer's run as its bytes: the text is then posted again in float32 first, as for loadFloat32.
+// u8 answer's run as its bytes: the text is then posted again in float16 first, as for loadExact.
 async function exactCell(run, query, key) {
   const signal = state.controller.signal;
   // float32 from a run that holds it; a run kept quantised (a GPU server's u8) is posted again in

@@ -47,6 +47,12 @@ def test_bad_views_are_4xx_never_500(api):
     r = api.post("/api/v1/views", json={**VIEW, "threshold": 0.9})
     assert r.status_code == 422 and "threshold 0.9 is past the page's slider, 0 to 0.5" in r.json()["error"]["message"], r.text
     assert api.post("/api/v1/views", json={**VIEW, "threshold": 0.5}).status_code == 200
+    from pathlib import Path
+
+    from manyeyes.app.routes.views import MAX_THRESHOLD
+
+    slider = (Path(__file__).parents[2] / "templates" / "index.html").read_text()
+    assert f'id="threshold" type="range" min="0" max="{MAX_THRESHOLD}"' in slider  # the bound is the page's
     # One stored before that check (a shared store outlives a restart) still opens: bounded in
     # ViewState, it was a 500 on GET.
     stored = api.post("/api/v1/views", json={**VIEW, "threshold": 0.5}).json()["id"]

@@ -232,8 +232,9 @@ def test_a_server_with_a_lower_json_budget_is_read_in_float16_not_refused(page, 
     """MANYEYES_MAX_JSON_CELLS under a run's T x T: the page asked float32 anyway, got 413 and said
     the view "could not be loaded (see above)" over an error that was gone (review h57g). A run kept
     quantised (a GPU server's) is posted again for a cell's ranking: in float16 (review h57h)."""
-    refused = []
+    refused, cells = [], []
     page.on("response", lambda r: refused.append(r.url) if r.status == 413 else None)
+    page.on("response", lambda r: cells.append(r.url) if "/cell?" in r.url else None)
     env = {"MANYEYES_MAX_JSON_CELLS": "100", **({"MANYEYES_DEVICE_QUANTISE": "true"} if quantised else {})}
     with serving({"tiny-gpt": "tiny-gpt"}, env) as base:
         open_page(page, base)
@@ -245,10 +246,14 @@ def test_a_server_with_a_lower_json_budget_is_read_in_float16_not_refused(page, 
         page.mouse.down()  # the cell's ranking: 16 heads, within the budget
         page.mouse.up()
         page.wait_for_selector("#cell-heads:not([hidden]) .cell-heads-list button")
+        # The ranking's own values came (16 heads: float32 from a float32 run, float16 from one kept
+        # quantised), not a 413 that left it on the run's 8-bit values.
+        page.wait_for_function("() => [...document.querySelectorAll('#cell-heads .cell-heads-list button')]"
+                               ".every((b) => b.dataset.exact === 'true')", timeout=30_000)
+        assert len(cells) == 1 and f"format={'f16' if quantised else 'json'}" in cells[0], cells
         page.locator("#measures").scroll_into_view_if_needed()
         page.select_option("#measure", "raw")
         page.wait_for_selector("#measure-plot[data-measure='raw']", timeout=30_000)
-        page.wait_for_timeout(500)
         assert refused == [] and page.locator("#error").is_hidden()
         assert "could not be loaded" not in page.text_content("#focus-caption")
 
